@@ -1,0 +1,36 @@
+# Two entry points for a fresh machine: `make demo` and `make test`. Both install what they need
+# into .venv (torch pinned to the 2.13.0 CPU wheel for development; users need torch>=2.4).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+DEMO_DIR ?= build/demo
+TP ?= 2
+
+.PHONY: install demo test bench clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+install: $(BIN)/.installed
+
+# The main job on the embedded default: a Qwen3-MoE W4A16 demo checkpoint written by
+# compressed-tensors, inspected, repacked for TP=$(TP), and verified.
+demo: $(BIN)/.installed
+	$(BIN)/wna16ctl demo $(DEMO_DIR)/ckpt --force
+	@# exit 1 = "does not load at some TP size" (expected for TP 4 here); 2 would be bad input
+	$(BIN)/wna16ctl inspect $(DEMO_DIR)/ckpt --tp 1,2,4; test $$? -le 1
+	$(BIN)/wna16ctl repack $(DEMO_DIR)/ckpt --tp $(TP) -o $(DEMO_DIR)/tp$(TP) --force
+	$(BIN)/wna16ctl verify $(DEMO_DIR)/ckpt $(DEMO_DIR)/tp$(TP)
+
+test: $(BIN)/.installed
+	$(BIN)/python -m pytest -q -rs
+
+bench: $(BIN)/.installed
+	$(BIN)/python bench/run_all.py
+
+clean:
+	rm -rf build .pytest_cache

@@ -1,0 +1,301 @@
+"""`wna16ctl inspect` end to end on checkpoints written by compressed-tensors (and hand-built ones
+for shapes the library refuses): the spec's acceptance tables through the JSON output."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from tests.rawckpt import write_raw_checkpoint
+from tests.test_plan import PAD_TABLE, W2_TABLE
+from wna16ctl.cli import cli
+
+SMALL = dict(num_layers=1, num_experts=2, top_k=1, vocab_size=64)
+
+
+def inspect_json(path: Path, *args: str) -> tuple[int, dict]:
+    res = CliRunner().invoke(cli, ["inspect", str(path), "--json", *args])
+    assert res.exit_code in (0, 1), res.output
+    return res.exit_code, json.loads(res.stdout)
+
+
+def plan_at(doc: dict, tp: int, layer: int = 0) -> dict:
+    return next(p for p in doc["layers"][layer]["plans"] if p["tp"] == tp)
+
+
+@pytest.mark.parametrize("actorder,gs,i_p,i,expected", [r for r in W2_TABLE if r[1] != -1])
+def test_w2_table_through_inspect(make_ckpt, actorder, gs, i_p, i, expected):
+    ck = make_ckpt(hidden_size=256, intermediate_size=i, group_size=gs, actorder=actorder, **SMALL)
+    _, doc = inspect_json(ck, "--tp", str(i // i_p))
+    w2 = plan_at(doc, i // i_p)["w2_scale_sharding"]
+    assert (w2["load_full_w2"], w2["w2_scales_size"], w2["is_k_full"]) == expected
+    assert doc["layers"][0]["scheme"]["actorder"] == actorder
+
+
+def test_w2_table_channel_with_group_actorder(make_ckpt, tmp_path):
+    # Row 3 (actorder group, channel-wise): compressed-tensors cannot write it; edit a channel config.
+    src = make_ckpt(hidden_size=256, intermediate_size=128, group_size=-1, **SMALL)
+    ck = tmp_path / "ck"
+    shutil.copytree(src, ck)
+    cfg = json.loads((ck / "config.json").read_text())
+    for group in cfg["quantization_config"]["config_groups"].values():
+        group["weights"]["actorder"] = "group"
+    (ck / "config.json").write_text(json.dumps(cfg))
+    _, doc = inspect_json(ck, "--tp", "2")
+    w2 = plan_at(doc, 2)["w2_scale_sharding"]
+    assert (w2["load_full_w2"], w2["w2_scales_size"], w2["is_k_full"]) == (False, 64, False)
+
+
+PAD_CASES = [(i, gs) for i, row in PAD_TABLE.items() for gs, v in row.items() if v is not None]
+
+
+@pytest.mark.parametrize("i,gs", PAD_CASES)
+def test_padded_intermediate_through_inspect(make_ckpt, i, gs):
+    ck = make_ckpt(hidden_size=128, intermediate_size=i, group_size=gs, **SMALL)
+    _, doc = inspect_json(ck, "--tp", "1")
+    p = plan_at(doc, 1)
+    assert p["backend"] == "marlin"
+    assert p["padded_intermediate"] == PAD_TABLE[i][gs]
+    if PAD_TABLE[i][gs] != i:
+        assert any("tile padding" in h for h in p["hazards"])
+
+
+@pytest.mark.parametrize("i,gs", [(96, 64), (100, 32), (176, 128), (64, 128)])
+def test_padded_intermediate_skip_cells_are_rejected(tmp_path, i, gs):
+    # "skip" cells: the group size does not divide I; the library cannot write them.
+    ck = write_raw_checkpoint(tmp_path / "ck", hidden=256, intermediate=i, group_size=gs)
+    code, doc = inspect_json(ck, "--tp", "1")
+    p = plan_at(doc, 1)
+    assert code == 1 and not doc["loadable"]
+    assert "marlin" in p["rejected"] and p["padded_intermediate"] is None
+    assert any("divisible by group_size" in e for e in p["errors"])
+
+
+# spec §9.6 gate cases: (H, I, gs, allow_tile_padding) -> Marlin supported.  allow_tile_padding is
+# `not act-order`, so pad=False cases are act-order checkpoints.
+@pytest.mark.parametrize("h,i,gs,pad,ok", [
+    (2560, 640, 128, False, True), (2560, 640, 128, True, True),
+    (2560, 32, 32, True, True), (2560, 32, 32, False, False),
+    (2560, 640, -1, True, True),
+])
+def test_marlin_gate_through_inspect(make_ckpt, h, i, gs, pad, ok):
+    ck = make_ckpt(hidden_size=h, intermediate_size=i, group_size=gs,
+                   actorder=None if pad else "group", **SMALL)
+    _, doc = inspect_json(ck, "--tp", "1")
+    p = plan_at(doc, 1)
+    assert (p["backend"] == "marlin") == ok, p
+    if not ok:
+        assert p["rejected"]["marlin"].startswith("Marlin not supported for this layer")
+
+
+@pytest.mark.parametrize("h,i,gs,pad", [(2560, 640, 96, False), (2570, 640, 128, True), (2560, 640, -1, False),
+                                        (2560, 320, 128, False), (2560, 320, 128, True)])
+def test_marlin_gate_hand_built(tmp_path, h, i, gs, pad):
+    ck = write_raw_checkpoint(tmp_path / "ck", hidden=h, intermediate=i, group_size=gs,
+                              actorder=None if pad else "group")
+    _, doc = inspect_json(ck, "--tp", "1")
+    p = plan_at(doc, 1)
+    expected_ok = (h, i, gs) == (2560, 640, -1)
+    assert (p["backend"] == "marlin") == expected_ok, p
+
+
+def test_demo_json_schema_and_exit_codes(make_ckpt):
+    ck = make_ckpt()
+    code, doc = inspect_json(ck, "--tp", "1,2,4")
+    assert code == 1  # I=256, g128: TP 4 gives I_p 64, which splits groups
+    assert doc["loadable"] is False
+    layer = doc["layers"][0]
+    assert layer["name"].endswith("mlp.experts") and layer["num_experts"] == 8
+    assert layer["scheme"] == {"num_bits": 4, "group_size": 128, "symmetric": True, "strategy": "group",
+                               "actorder": None, "format": "pack-quantized"}
+    keys = {"tp", "ep", "intermediate_size_per_partition", "padded_intermediate", "backend", "rejected",
+            "w2_scale_sharding", "errors", "hazards", "loadable"}
+    for p in layer["plans"]:
+        assert keys <= set(p)
+    assert [p["loadable"] for p in layer["plans"]] == [True, True, False]
+    tp4 = plan_at(doc, 4)
+    assert any("Scale groups would otherwise cross TP shard boundaries" in e for e in tp4["errors"])
+    code, doc = inspect_json(ck, "--tp", "1,2")
+    assert code == 0 and doc["loadable"]
+
+
+def test_expert_parallel_keeps_full_intermediate(make_ckpt):
+    _, doc = inspect_json(make_ckpt(), "--tp", "4", "--ep")
+    p = plan_at(doc, 4)
+    assert p["ep"] and p["intermediate_size_per_partition"] == 256 and p["loadable"]
+    assert p["local_experts"] == [2, 2, 2, 2]
+
+
+def test_hazards(make_ckpt, tmp_path):
+    # grouped int8 (PR #52002) and static actorder before PR #41161
+    _, doc = inspect_json(make_ckpt(num_bits=8, group_size=64, actorder="static", **SMALL), "--tp", "2")
+    hz = " ".join(plan_at(doc, 2)["hazards"])
+    assert "52002" in hz and "41161" in hz
+    # w13 scale permutation quirk when I_p == group_size (PR #50196)
+    _, doc = inspect_json(make_ckpt(hidden_size=256, intermediate_size=256, group_size=128, **SMALL), "--tp", "2")
+    assert any("50196" in h for h in plan_at(doc, 2)["hazards"])
+    # channel-wise with group_size null (PR #53163)
+    _, doc = inspect_json(make_ckpt(group_size=-1, channel_group_size_null=True, **SMALL), "--tp", "1")
+    assert any("53163" in h for h in plan_at(doc, 1)["hazards"])
+
+
+def test_mixed_precision(make_ckpt):
+    code, doc = inspect_json(make_ckpt(mixed="expert", num_layers=1), "--tp", "1")
+    p = plan_at(doc, 1)
+    assert code == 1 and any("per-expert mixed precision" in e for e in p["errors"])
+    assert any("expert 0" in h for h in p["hazards"])
+    code, doc = inspect_json(make_ckpt(mixed="layer", num_layers=2), "--tp", "1")
+    assert code == 0
+    assert [lay["scheme"]["num_bits"] for lay in doc["layers"]] == [4, 8]
+
+
+def test_asymmetric_int8_has_no_backend(make_ckpt):
+    code, doc = inspect_json(make_ckpt(num_bits=8, group_size=-1, symmetric=False, **SMALL), "--tp", "1")
+    p = plan_at(doc, 1)
+    assert code == 1 and p["backend"] is None
+    assert "asymmetric int8" in p["rejected"]["marlin"] and "int8" in p["rejected"]["triton"]
+
+
+def test_human_table(make_ckpt):
+    res = CliRunner().invoke(cli, ["inspect", str(make_ckpt()), "--tp", "1,2,4"])
+    assert res.exit_code == 1
+    assert "marlin" in res.stdout and "layers 0-1" in res.stdout and "does not load" in res.stdout
+
+
+# ---- bad input: one line on stderr, exit 2, no traceback -------------------------------------
+
+
+def _run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "wna16ctl", *args], capture_output=True, text=True, timeout=120)
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _shards(ck: Path) -> list[Path]:
+    return sorted(ck.glob("*.safetensors"))
+
+
+def _expect_bad(res: subprocess.CompletedProcess, *needles: str) -> None:
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    assert "Traceback" not in res.stderr
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert lines and lines[0].startswith("error:"), res.stderr
+    for n in needles:
+        assert n in res.stderr, res.stderr
+
+
+def test_bad_missing_shard(make_ckpt, tmp_path):
+    ck = _copy(make_ckpt(), tmp_path / "ck")
+    victim = _shards(ck)[-1]
+    victim.unlink()
+    _expect_bad(_run_cli("inspect", str(ck)), victim.name, "missing")
+
+
+def test_bad_truncated_header(make_ckpt, tmp_path):
+    ck = _copy(make_ckpt(), tmp_path / "ck")
+    victim = _shards(ck)[0]
+    data = victim.read_bytes()
+    victim.write_bytes(data[:100])
+    _expect_bad(_run_cli("inspect", str(ck)), victim.name, "truncated")
+
+
+def test_bad_corrupt_header_json(make_ckpt, tmp_path):
+    ck = _copy(make_ckpt(), tmp_path / "ck")
+    victim = _shards(ck)[0]
+    data = bytearray(victim.read_bytes())
+    (n,) = struct.unpack("<Q", data[:8])
+    data[8 + n // 2] = ord("{")
+    victim.write_bytes(bytes(data))
+    _expect_bad(_run_cli("inspect", str(ck)), victim.name)
+
+
+def test_bad_truncated_data(make_ckpt, tmp_path):
+    ck = _copy(make_ckpt(), tmp_path / "ck")
+    victim = _shards(ck)[0]
+    data = victim.read_bytes()
+    victim.write_bytes(data[: len(data) - 1000])
+    _expect_bad(_run_cli("inspect", str(ck)), victim.name, "truncated")
+
+
+def test_bad_index_outside_checkpoint(make_ckpt, tmp_path):
+    ck = _copy(make_ckpt(), tmp_path / "ck")
+    idx = ck / "model.safetensors.index.json"
+    doc = json.loads(idx.read_text())
+    name = next(iter(doc["weight_map"]))
+    doc["weight_map"][name] = "../elsewhere.safetensors"
+    idx.write_text(json.dumps(doc))
+    _expect_bad(_run_cli("inspect", str(ck)), "outside the checkpoint directory")
+
+
+def test_bad_missing_tensor(make_ckpt, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    ck = _copy(make_ckpt(), tmp_path / "ck")
+    idx = json.loads((ck / "model.safetensors.index.json").read_text())
+    name = next(n for n in idx["weight_map"] if n.endswith("experts.3.down_proj.weight_scale"))
+    shard = ck / idx["weight_map"][name]
+    tensors = load_file(str(shard))
+    del tensors[name]
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    del idx["weight_map"][name]
+    (ck / "model.safetensors.index.json").write_text(json.dumps(idx))
+    _expect_bad(_run_cli("inspect", str(ck)), name)
+
+
+def test_bad_shape_contradicts_config(make_ckpt, tmp_path):
+    ck = _copy(make_ckpt(), tmp_path / "ck")
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["moe_intermediate_size"] = 512
+    (ck / "config.json").write_text(json.dumps(cfg))
+    _expect_bad(_run_cli("inspect", str(ck)), "config.json", "512")
+
+
+def test_bad_group_size_contradicts_tensors(make_ckpt, tmp_path):
+    ck = _copy(make_ckpt(), tmp_path / "ck")
+    cfg = json.loads((ck / "config.json").read_text())
+    for g in cfg["quantization_config"]["config_groups"].values():
+        g["weights"]["group_size"] = 64
+    (ck / "config.json").write_text(json.dumps(cfg))
+    _expect_bad(_run_cli("inspect", str(ck)), "weight_scale", "contradict")
+
+
+def test_bad_unknown_format(make_ckpt, tmp_path):
+    ck = _copy(make_ckpt(), tmp_path / "ck")
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["quantization_config"]["format"] = "frobnicated"
+    for g in cfg["quantization_config"]["config_groups"].values():
+        g["format"] = "frobnicated"
+    (ck / "config.json").write_text(json.dumps(cfg))
+    _expect_bad(_run_cli("inspect", str(ck)), "frobnicated")
+
+
+def test_bad_not_compressed_tensors(make_ckpt, tmp_path):
+    ck = _copy(make_ckpt(), tmp_path / "ck")
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (ck / "config.json").write_text(json.dumps(cfg))
+    _expect_bad(_run_cli("inspect", str(ck)), "gptq")
+
+
+def test_bad_not_a_checkpoint(tmp_path):
+    _expect_bad(_run_cli("inspect", str(tmp_path / "nope")), "nope")
+
+
+def test_usage_error_exit_2(make_ckpt):
+    res = _run_cli("inspect", str(make_ckpt()), "--tp", "two")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+
+
+def test_debug_shows_traceback(tmp_path):
+    res = _run_cli("--debug", "inspect", str(tmp_path / "nope"))
+    assert res.returncode != 0 and "Traceback" in res.stderr

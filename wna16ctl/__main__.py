@@ -1,0 +1,3 @@
+from wna16ctl.cli import main
+
+main()

@@ -1,0 +1,332 @@
+"""Tolerant parsing of `config.json` and its compressed-tensors `quantization_config`.
+
+compressed-tensors itself costs ~5 s to import and (from 0.19 on) rejects `actorder: "group"`
+checkpoints that exist in the wild, so `inspect` parses the config here: every real-world form
+(terse 0.20 fields, verbose <= 0.18 fields, `group_size: null` for channel, actorder
+null/false/true/"weight"/"static"/"group"/"dynamic", preset-name groups) is accepted.
+Scheme resolution follows the library's rules (`compressed_tensors.utils.match`): targets are
+ordered exact name < regex (`re:` prefix, `re.match`) < class name, a module's scheme is that of
+its first matching target, `ignore` removes a module.  tests/checkpoint/test_config.py checks
+these rules against the library wherever the library can parse.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from wna16ctl.errors import BadInput
+
+PACK_QUANTIZED = "pack-quantized"
+# Class names a header-only reader can attribute to an expert projection (it is an nn.Linear;
+# vLLM's LinearBase also answers to "Linear").
+_LINEAR_CLASSES = ("Linear", "LinearBase")
+
+# Preset schemes that a config group may name instead of spelling out its args
+# (compressed_tensors.quantization.quant_scheme.PRESET_SCHEMES, weight part only).
+_PRESETS: dict[str, dict[str, Any]] = {
+    "W4A16": dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=128),
+    "W4A16_ASYM": dict(num_bits=4, type="int", symmetric=False, strategy="group", group_size=128),
+    "W8A16": dict(num_bits=8, type="int", symmetric=True, strategy="channel", group_size=None),
+}
+
+
+@dataclass(frozen=True)
+class WeightScheme:
+    """The weight quantization of one module, normalised for planning.
+
+    `group_size` is -1 for channel-wise (whether the file said -1 or null); `actorder` keeps the
+    file's string ("static" stays "static") so hazards can quote it; `act_order` is the one
+    predicate for "g_idx-permuted groups".
+    """
+
+    num_bits: int
+    group_size: int
+    symmetric: bool
+    strategy: str
+    actorder: str | None
+    format: str
+    type: str = "int"
+    group_size_null: bool = False  # channel strategy written with group_size null (PR #53163 hazard)
+
+    @property
+    def act_order(self) -> bool:
+        return self.strategy == "group" and self.actorder in ("group", "dynamic")
+
+    @property
+    def pack_factor(self) -> int:
+        return 32 // self.num_bits
+
+    @property
+    def is_wna16(self) -> bool:
+        return self.type == "int" and self.strategy in ("group", "channel")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "num_bits": self.num_bits,
+            "group_size": self.group_size,
+            "symmetric": self.symmetric,
+            "strategy": self.strategy,
+            "actorder": self.actorder,
+            "format": self.format,
+        }
+
+    def describe(self) -> str:
+        gs = "channel" if self.group_size == -1 else f"g{self.group_size}"
+        sym = "sym" if self.symmetric else "asym"
+        ao = f" actorder={self.actorder}" if self.actorder else ""
+        return f"int{self.num_bits} {gs} {sym}{ao}"
+
+
+@dataclass(frozen=True)
+class _Group:
+    targets: tuple[str, ...]
+    scheme: WeightScheme | None  # None: weights not quantized by this group
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """The parts of `quantization_config` that decide tensor layouts."""
+
+    quant_method: str
+    format: str
+    version: str | None
+    groups: tuple[_Group, ...]
+    ignore: tuple[str, ...]
+    _matcher: "_Matcher" = field(repr=False, compare=False)
+
+    def scheme_for(self, module_name: str) -> WeightScheme | None:
+        """The weight scheme of a Linear named `module_name`, or None if it is not quantized."""
+        return _resolve(self, module_name)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """`config.json` facts the planner and verifier need."""
+
+    path: Path
+    raw: dict[str, Any]
+    model_type: str
+    architectures: tuple[str, ...]
+    hidden_size: int
+    moe_intermediate_size: int | None
+    num_experts: int | None
+    num_experts_per_tok: int | None
+    num_hidden_layers: int | None
+    torch_dtype: str
+    quant: QuantConfig | None
+
+
+def _expect(cond: bool, path: Path, what: str) -> None:
+    if not cond:
+        raise BadInput(f"{path}: {what}")
+
+
+def _parse_actorder(value: Any, where: str, path: Path) -> str | None:
+    if value is None or value is False:
+        return None
+    if value is True:  # historic JSON form of "group"
+        return "group"
+    if isinstance(value, str) and value.lower() in ("group", "dynamic", "weight", "static"):
+        return value.lower()
+    raise BadInput(f"{path}: {where}.actorder = {value!r} is not one of null, weight, static, group, dynamic")
+
+
+def _parse_weights(args: Any, fmt: str, where: str, path: Path) -> WeightScheme | None:
+    if args is None:
+        return None
+    _expect(isinstance(args, dict), path, f"{where} must be an object")
+    try:
+        num_bits = int(args.get("num_bits", 8))
+    except (TypeError, ValueError):
+        raise BadInput(f"{path}: {where}.num_bits = {args.get('num_bits')!r} is not an integer") from None
+    qtype = str(args.get("type", "int")).lower()
+    symmetric = bool(args.get("symmetric", True))
+    raw_gs = args.get("group_size")
+    strategy = args.get("strategy")
+    if strategy is None:  # the library infers it the same way
+        strategy = "tensor" if raw_gs is None else ("channel" if raw_gs == -1 else "group")
+    strategy = str(strategy).lower()
+    if strategy == "group":
+        _expect(isinstance(raw_gs, int) and raw_gs > 0, path, f"{where}: strategy 'group' needs a positive group_size, got {raw_gs!r}")
+        group_size = int(raw_gs)
+    else:
+        group_size = -1
+    return WeightScheme(
+        num_bits=num_bits,
+        group_size=group_size,
+        symmetric=symmetric,
+        strategy=strategy,
+        actorder=_parse_actorder(args.get("actorder"), where, path),
+        format=fmt,
+        type=qtype,
+        group_size_null=(strategy == "channel" and raw_gs is None),
+    )
+
+
+def parse_quantization_config(qc: Any, path: Path) -> QuantConfig:
+    """Parse a `quantization_config` object (raises BadInput naming `path` on nonsense)."""
+    _expect(isinstance(qc, dict), path, "quantization_config must be an object")
+    method = str(qc.get("quant_method", ""))
+    if method != "compressed-tensors":
+        raise BadInput(
+            f"{path}: quantization_config.quant_method is {method or 'missing'!r}; wna16ctl reads "
+            "compressed-tensors checkpoints (convert GPTQ/AWQ with llm-compressor first)"
+        )
+    top_format = str(qc.get("format") or "dense")
+    groups_raw = qc.get("config_groups") or {}
+    _expect(isinstance(groups_raw, dict), path, "quantization_config.config_groups must be an object")
+    groups: list[_Group] = []
+    for name, body in groups_raw.items():
+        where = f"config_groups.{name}"
+        if isinstance(body, list):  # "W4A16": ["Linear"] preset form
+            preset = _PRESETS.get(str(name).upper())
+            if preset is None:
+                raise BadInput(f"{path}: {where} names an unknown preset scheme; spell out its weights")
+            scheme = _parse_weights(preset, top_format, where, path)
+            groups.append(_Group(tuple(str(t) for t in body), scheme))
+            continue
+        _expect(isinstance(body, dict), path, f"{where} must be an object")
+        targets = body.get("targets") or []
+        _expect(isinstance(targets, list), path, f"{where}.targets must be a list")
+        fmt = body.get("format") or top_format
+        if fmt == "mixed-precision":  # only meaningful at the top; a group needs a real one
+            fmt = top_format
+        scheme = _parse_weights(body.get("weights"), str(fmt), where, path)
+        groups.append(_Group(tuple(str(t) for t in targets), scheme))
+    ignore = qc.get("ignore") or []
+    _expect(isinstance(ignore, list), path, "quantization_config.ignore must be a list")
+    # Later groups win for a repeated target (the library builds an OrderedDict).
+    by_target: dict[str, WeightScheme | None] = {}
+    for g in groups:
+        for t in g.targets:
+            by_target[t] = g.scheme
+    ordered = tuple(sorted(by_target.items(), key=lambda kv: ("re:" in kv[0], kv[0])))
+    for t, _ in ordered:
+        if t.startswith("re:"):
+            _compile(t[3:], path)
+    for t in ignore:
+        if str(t).startswith("re:"):
+            _compile(str(t)[3:], path)
+    return QuantConfig(
+        quant_method=method,
+        format=top_format,
+        version=(str(qc["version"]) if qc.get("version") is not None else None),
+        groups=tuple(groups),
+        ignore=tuple(str(t) for t in ignore),
+        _matcher=_build_matcher(ordered, tuple(str(t) for t in ignore)),
+    )
+
+
+@lru_cache(maxsize=4096)
+def _regex(pattern: str) -> re.Pattern[str]:
+    return re.compile(pattern)
+
+
+def _compile(pattern: str, path: Path) -> None:
+    try:
+        _regex(pattern)
+    except re.error as e:
+        raise BadInput(f"{path}: quantization_config has an invalid regex 're:{pattern}': {e}") from None
+
+
+def _resolve(qc: QuantConfig, name: str) -> WeightScheme | None:
+    m = qc._matcher
+    if name in m.ignore_exact or m.ignore_class or any(r.match(name) for r in m.ignore_regex):
+        return None
+    # names (exact, then regex in sorted order) before classes, exactly like match_targets()
+    if name in m.exact:
+        return m.exact[name]
+    for r, scheme in m.regex:
+        if r.match(name):
+            return scheme
+    return m.class_scheme
+
+
+@dataclass(frozen=True)
+class _Matcher:
+    """Targets and ignores split by kind, so resolving 100k expert names stays cheap."""
+
+    exact: dict[str, WeightScheme | None]
+    regex: tuple[tuple[re.Pattern[str], WeightScheme | None], ...]
+    class_scheme: WeightScheme | None
+    ignore_exact: frozenset[str]
+    ignore_regex: tuple[re.Pattern[str], ...]
+    ignore_class: bool
+
+
+def _build_matcher(ordered: tuple[tuple[str, WeightScheme | None], ...], ignore: tuple[str, ...]) -> _Matcher:
+    exact: dict[str, WeightScheme | None] = {}
+    regex: list[tuple[re.Pattern[str], WeightScheme | None]] = []
+    class_scheme: WeightScheme | None = None
+    seen_class = False
+    for target, scheme in ordered:
+        if target.startswith("re:"):
+            regex.append((_regex(target[3:]), scheme))
+        elif target in _LINEAR_CLASSES:
+            if not seen_class:
+                class_scheme, seen_class = scheme, True
+        else:
+            exact.setdefault(target, scheme)
+    return _Matcher(
+        exact=exact,
+        regex=tuple(regex),
+        class_scheme=class_scheme,
+        ignore_exact=frozenset(t for t in ignore if not t.startswith("re:")),
+        ignore_regex=tuple(_regex(t[3:]) for t in ignore if t.startswith("re:")),
+        ignore_class=any(t in _LINEAR_CLASSES for t in ignore),
+    )
+
+
+def _first_int(raw: dict[str, Any], *keys: str) -> int | None:
+    for k in keys:
+        v = raw.get(k)
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
+    return None
+
+
+def read_model_config(ckpt: Path) -> ModelConfig:
+    """Read and check `CKPT/config.json` (raises BadInput with the file named)."""
+    path = ckpt / "config.json"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise BadInput(f"{path}: not found; point wna16ctl at a Hugging Face checkpoint directory") from None
+    except OSError as e:
+        raise BadInput(f"{path}: cannot read ({e.strerror})") from None
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadInput(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+    _expect(isinstance(raw, dict), path, "must hold a JSON object")
+    # Multimodal wrappers keep the language model's fields in a sub-config.
+    for sub in ("text_config", "language_config"):
+        if isinstance(raw.get(sub), dict) and "hidden_size" not in raw:
+            merged = dict(raw[sub])
+            merged.setdefault("quantization_config", raw.get("quantization_config"))
+            raw = {**raw, **merged}
+    hidden = _first_int(raw, "hidden_size", "d_model")
+    _expect(hidden is not None and hidden > 0, path, "hidden_size is missing")
+    qc_raw = raw.get("quantization_config")
+    quant = parse_quantization_config(qc_raw, path) if qc_raw is not None else None
+    archs = raw.get("architectures") or []
+    return ModelConfig(
+        path=path,
+        raw=raw,
+        model_type=str(raw.get("model_type", "")),
+        architectures=tuple(str(a) for a in archs) if isinstance(archs, list) else (),
+        hidden_size=int(hidden),  # type: ignore[arg-type]
+        # Mixtral calls its expert width `intermediate_size`; the MoE families with shared or
+        # dense MLPs keep that name for the dense MLP and use `moe_intermediate_size`.
+        moe_intermediate_size=_first_int(raw, "moe_intermediate_size", "expert_intermediate_size", "intermediate_size"),
+        num_experts=_first_int(raw, "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"),
+        num_experts_per_tok=_first_int(raw, "num_experts_per_tok", "moe_topk", "top_k"),
+        num_hidden_layers=_first_int(raw, "num_hidden_layers", "n_layers"),
+        torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
+        quant=quant,
+    )

@@ -1,0 +1,208 @@
+"""Safetensors headers and the shard index, read without touching tensor data.
+
+A safetensors file is `u64 little-endian header length | JSON header | data`.  Only the first
+8 + N bytes of each shard are read, so `inspect` costs the same on a 600 GB checkpoint as on a
+demo.  Every path named by the index must stay inside the checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from wna16ctl.errors import BadInput
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+_MAX_HEADER = 512 * 1024 * 1024  # safetensors' own limit is 100 MB; be lenient, not unbounded
+
+DTYPE_SIZES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4,
+    "I64": 8, "U64": 8, "F64": 8,
+}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str  # safetensors dtype string: "I32", "BF16", ...
+    shape: tuple[int, ...]
+    file: Path
+    start: int  # absolute byte offset of the data in `file`
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class ShardHeader:
+    path: Path
+    size: int  # file size in bytes
+    data_start: int  # 8 + header length
+    entries: dict[str, dict]  # the raw header entries (without "__metadata__")
+    metadata: dict[str, str]
+
+
+class CheckpointFiles:
+    """The tensors of a checkpoint directory, by name, from headers only."""
+
+    def __init__(self, root: Path, shards: list[ShardHeader], index_path: Path | None):
+        self.root = root
+        self.shards = shards
+        self.index_path = index_path
+        self._where: dict[str, ShardHeader] = {}
+        for sh in shards:
+            for name in sh.entries:
+                if name in self._where:
+                    raise BadInput(
+                        f"{sh.path}: tensor {name} is also in {self._where[name].path.name}; "
+                        "a checkpoint must store each tensor once"
+                    )
+                self._where[name] = sh
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def names(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def info(self, name: str) -> TensorInfo:
+        sh = self._where.get(name)
+        if sh is None:
+            raise BadInput(f"{self.root}: tensor {name} is missing from every shard")
+        e = sh.entries[name]
+        start, end = e["data_offsets"]
+        return TensorInfo(name, e["dtype"], tuple(e["shape"]), sh.path, sh.data_start + start, sh.data_start + end)
+
+    def raw(self, name: str) -> dict | None:
+        """The raw header entry (`dtype`, `shape`, `data_offsets`) or None; cheap, for hot loops."""
+        sh = self._where.get(name)
+        return None if sh is None else sh.entries[name]
+
+    def shard_of(self, name: str) -> ShardHeader:
+        return self._where[name]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(sh.size for sh in self.shards)
+
+
+def _safe_child(root: Path, rel: str, index_path: Path) -> Path:
+    """Resolve an index-named file and refuse anything outside `root` (absolute, `..`, links out)."""
+    if not rel or os.path.isabs(rel) or "\\" in rel or any(part == ".." for part in Path(rel).parts):
+        raise BadInput(f"{index_path}: weight_map names {rel!r}, which is outside the checkpoint directory")
+    p = root / rel
+    try:
+        resolved = p.resolve()
+    except OSError as e:
+        raise BadInput(f"{index_path}: cannot resolve {rel!r} ({e})") from None
+    if not resolved.is_relative_to(root.resolve()):
+        raise BadInput(f"{index_path}: weight_map names {rel!r}, which leads outside the checkpoint directory")
+    return p
+
+
+def read_shard_header(path: Path) -> ShardHeader:
+    """Read one safetensors header; raise BadInput naming the file when it is not a valid one."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            if len(head) < 8:
+                raise BadInput(f"{path}: truncated safetensors file ({size} bytes, no header length); re-download it")
+            (n,) = struct.unpack("<Q", head)
+            if n == 0 or n > _MAX_HEADER or 8 + n > size:
+                raise BadInput(
+                    f"{path}: header length {n} does not fit the file size {size}; the file is truncated or not safetensors"
+                )
+            blob = f.read(n)
+    except FileNotFoundError:
+        raise BadInput(f"{path}: shard not found; the index names it but the file is missing") from None
+    except IsADirectoryError:
+        raise BadInput(f"{path}: is a directory, expected a safetensors shard") from None
+    except PermissionError:
+        raise BadInput(f"{path}: permission denied") from None
+    try:
+        header = json.loads(blob)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadInput(f"{path}: header is not valid JSON ({e}); the file is corrupt") from None
+    if not isinstance(header, dict):
+        raise BadInput(f"{path}: header is not a JSON object; the file is corrupt")
+    meta = header.pop("__metadata__", None) or {}
+    data_start = 8 + n
+    data_len = size - data_start
+    max_end = 0
+    for name, e in header.items():
+        try:
+            dtype = e["dtype"]
+            start, end = e["data_offsets"]
+            shape = e["shape"]
+        except (KeyError, TypeError, ValueError):
+            raise BadInput(f"{path}: header entry for {name} lacks dtype/shape/data_offsets; the file is corrupt") from None
+        if dtype not in DTYPE_SIZES or not (0 <= start <= end):
+            raise BadInput(f"{path}: tensor {name} has dtype {dtype!r} / offsets {start}..{end}, which is invalid")
+        if end > max_end:
+            max_end = end
+    if max_end > data_len:
+        raise BadInput(
+            f"{path}: tensor data ends at byte {data_start + max_end} but the file has {size}; "
+            "the shard is truncated (re-download it)"
+        )
+    return ShardHeader(path=path, size=size, data_start=data_start, entries=header, metadata=meta)
+
+
+def check_tensor_extent(info: dict, name: str, path: Path) -> None:
+    """Check that a header entry's byte range matches its dtype and shape."""
+    numel = 1
+    for d in info["shape"]:
+        numel *= d
+    start, end = info["data_offsets"]
+    if end - start != numel * DTYPE_SIZES[info["dtype"]]:
+        raise BadInput(
+            f"{path}: tensor {name} spans {end - start} bytes but {info['dtype']}{list(info['shape'])} needs "
+            f"{numel * DTYPE_SIZES[info['dtype']]}; the file is corrupt"
+        )
+
+
+def read_checkpoint_files(root: Path) -> CheckpointFiles:
+    """Read the index (if any) and every shard header of the checkpoint at `root`."""
+    if not root.is_dir():
+        raise BadInput(f"{root}: not a directory; point wna16ctl at a checkpoint directory")
+    index_path = root / INDEX_NAME
+    if index_path.exists():
+        try:
+            index = json.loads(index_path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise BadInput(f"{index_path}: not a readable JSON index ({e})") from None
+        wm = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(wm, dict) or not wm:
+            raise BadInput(f"{index_path}: has no weight_map")
+        files: dict[str, Path] = {}
+        for rel in dict.fromkeys(wm.values()):
+            if not isinstance(rel, str):
+                raise BadInput(f"{index_path}: weight_map value {rel!r} is not a file name")
+            files[rel] = _safe_child(root, rel, index_path)
+        shards = [read_shard_header(p) for p in files.values()]
+        ckpt = CheckpointFiles(root, shards, index_path)
+        by_file = {rel: sh for rel, sh in zip(files, shards)}
+        for name, rel in wm.items():
+            if name not in by_file[rel].entries:
+                raise BadInput(f"{index_path}: names tensor {name} in {rel}, but {rel} does not hold it")
+        return ckpt
+    single = root / SINGLE_NAME
+    if single.exists():
+        return CheckpointFiles(root, [read_shard_header(single)], None)
+    found = sorted(root.glob("*.safetensors"))
+    if not found:
+        raise BadInput(f"{root}: no {INDEX_NAME} and no *.safetensors files; not a safetensors checkpoint")
+    return CheckpointFiles(root, [read_shard_header(p) for p in found], None)

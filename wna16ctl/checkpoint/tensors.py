@@ -1,0 +1,128 @@
+"""Reading tensor data: positioned reads into fresh buffers, one expert at a time.
+
+`pread` instead of mmap keeps the resident set bounded by what the caller holds (mapped file pages
+count towards RSS once touched), and a shard truncated after planning fails with a clear error
+instead of a SIGBUS.  Legacy forms are normalised here, once, so the layout code sees a single
+format: zero points as packed int32 [ceil(N/pf), G] codes, g_idx as int32 [K].
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from wna16ctl.checkpoint.headers import CheckpointFiles, TensorInfo
+from wna16ctl.checkpoint.moe import ROLE_ORDER, MoELayer
+from wna16ctl.errors import BadInput
+
+_TORCH_DTYPES = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
+    "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
+    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+SAFETENSORS_DTYPES = {v: k for k, v in _TORCH_DTYPES.items()}
+
+
+def torch_dtype(st_dtype: str) -> torch.dtype:
+    return _TORCH_DTYPES[st_dtype]
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """`config.json`'s torch_dtype string ("bfloat16", "float16", ...) as a torch dtype."""
+    d = getattr(torch, str(name).replace("torch.", ""), None)
+    if not isinstance(d, torch.dtype):
+        raise BadInput(f"config.json: torch_dtype {name!r} is not a torch dtype")
+    return d
+
+
+class TensorReader:
+    """Reads tensors by name from a checkpoint's shards (one open descriptor per shard)."""
+
+    def __init__(self, files: CheckpointFiles):
+        self.files = files
+        self._fds: dict[Path, int] = {}
+
+    def __enter__(self) -> "TensorReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def _fd(self, path: Path) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError as e:
+                raise BadInput(f"{path}: cannot open ({e.strerror})") from None
+            self._fds[path] = fd
+        return fd
+
+    def read_bytes(self, info: TensorInfo) -> bytearray:
+        buf = bytearray(info.nbytes)
+        view = memoryview(buf)
+        fd = self._fd(info.file)
+        done = 0
+        while done < info.nbytes:
+            try:
+                n = os.preadv(fd, [view[done:]], info.start + done)
+            except OSError as e:
+                raise BadInput(f"{info.file}: reading tensor {info.name} failed ({e.strerror})") from None
+            if n == 0:
+                raise BadInput(
+                    f"{info.file}: ends before tensor {info.name} does (the shard was truncated or replaced "
+                    "after planning); restore the file and run again"
+                )
+            done += n
+        return buf
+
+    def read(self, name: str) -> torch.Tensor:
+        info = self.files.info(name)
+        buf = self.read_bytes(info)
+        dtype = torch_dtype(info.dtype)
+        if not buf:
+            return torch.empty(info.shape, dtype=dtype)
+        return torch.frombuffer(buf, dtype=dtype).reshape(info.shape)
+
+    def read_projection(self, layer: MoELayer, expert: int, role: str) -> dict[str, torch.Tensor]:
+        """One expert projection in the normalised checkpoint form the layout package expects."""
+        s = layer.scheme
+        assert s is not None
+        name = lambda suffix: layer.tensor_name(expert, role, suffix)  # noqa: E731
+        out = {"weight_packed": self.read(name("weight_packed")), "weight_scale": self.read(name("weight_scale"))}
+        n_rows = out["weight_packed"].shape[0]
+        groups = out["weight_scale"].shape[1]
+        k = layer.hidden_size if role in ("gate", "up") else layer.intermediate_size
+        if not s.symmetric:
+            out["weight_zero_point"] = self._zero_point(name("weight_zero_point"), n_rows, groups, s.num_bits)
+        if s.act_order:
+            gname = name("weight_g_idx")
+            if gname in self.files:
+                out["weight_g_idx"] = self.read(gname).to(torch.int32)
+            else:  # old writers skipped a g_idx that was never set: groups in column order
+                out["weight_g_idx"] = (torch.arange(k, dtype=torch.int32) // s.group_size).to(torch.int32)
+        return out
+
+    def read_expert(self, layer: MoELayer, expert: int) -> dict[str, dict[str, torch.Tensor]]:
+        return {role: self.read_projection(layer, expert, role) for role in ROLE_ORDER}
+
+    def _zero_point(self, name: str, n_rows: int, groups: int, num_bits: int) -> torch.Tensor:
+        from wna16ctl.layout.packing import pack_codes
+
+        offset = 1 << (num_bits - 1)
+        if name not in self.files:  # old writers skipped all-zero zero points
+            codes = torch.full((n_rows, groups), offset, dtype=torch.int32)
+            return pack_codes(codes, num_bits, dim=0)
+        zp = self.read(name)
+        if zp.dtype == torch.int32 and zp.shape[0] != n_rows:
+            return zp
+        # Legacy (compressed-tensors <= 0.9.3): unpacked signed zero points [N, G].
+        return pack_codes(zp.to(torch.int32) + offset, num_bits, dim=0)
