@@ -170,16 +170,47 @@ def demo(ctx: click.Context, out: str, arch: str, bits: str, group_size: str, as
             arch=arch, num_layers=layers, num_experts=experts, hidden_size=hidden, intermediate_size=intermediate,
             num_bits=int(bits), group_size=int(group_size), symmetric=not asym,
             actorder=None if actorder == "none" else actorder, mixed=None if mixed == "none" else mixed,
-            tokenizer=tokenizer,
+            top_k=min(2, experts), tokenizer=tokenizer,
         )
         target = Path(out)
         if target.exists() and (not target.is_dir() or any(target.iterdir())):
             if not force:
                 raise UsageError(f"{target}: exists and is not empty; pass --force to replace it")
             shutil.rmtree(target) if target.is_dir() else target.unlink()
-        path = write_demo_checkpoint(target, spec)
+        try:
+            path = write_demo_checkpoint(target, spec)
+        except ValueError as e:  # an impossible combination of options
+            raise UsageError(str(e).removeprefix("DemoSpec: ")) from None
+        except FileNotFoundError as e:
+            raise UsageError(f"{e}", hint="pass --no-tokenizer when the GSM8K files are not beside the project") from None
         sink.result({"checkpoint": str(path), "spec": spec.__dict__}, lambda console: console.print(f"wrote {path}"))
         return EXIT_OK
+
+    _run(ctx, sink, body)
+
+
+@cli.command()
+@click.argument("ckpt", type=click.Path(file_okay=False, path_type=str))
+@click.argument("out", type=click.Path(file_okay=False, path_type=str))
+@click.option("--samples", default=None, help="JSON-lines file with a 'question' field (default: GSM8K test.jsonl "
+              "beside the project), or a Hugging Face dataset id when `datasets` is installed and online.")
+@click.option("--num-samples", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="Where the repacked layers run: the CUDA GEMM kernel or its CPU twin.")
+@click.option("--json", "json_mode", is_flag=True, help="Print the report as one JSON object.")
+@click.pass_context
+def verify(ctx: click.Context, ckpt: str, out: str, samples: str | None, num_samples: int, device: str, json_mode: bool) -> None:
+    """Prove OUT (a repack output) equals CKPT: manifest, bit-exact round trip, numerics."""
+    sink = Sink(json_mode=json_mode)
+
+    def body() -> int:
+        from wna16ctl.activations import default_samples
+        from wna16ctl.render import render_verify
+        from wna16ctl.verify import verify_output
+
+        report = verify_output(ckpt, out, samples=samples or default_samples(), num_samples=num_samples, device=device)
+        sink.result(report.to_json(), lambda console: render_verify(console, report))
+        return EXIT_OK if report.passed else EXIT_FAILED
 
     _run(ctx, sink, body)
 

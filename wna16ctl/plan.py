@@ -274,6 +274,15 @@ def plan_layer(layer: MoELayer, tp: int, ep: bool = False) -> LayerPlan:
                 "otherwise cross TP shard boundaries; use a compatible TP size or enable expert parallelism."
             )
 
+    if s.act_order and not s.symmetric and moe_tp > 1:
+        # g_idx of a rank's K slice names groups of the whole row, but zero points (unlike w2
+        # scales) are never loaded in full: the rank would dequantize with other groups' zeros.
+        plan.errors.append(
+            "act-order (actorder=group) with asymmetric zero points under tensor parallelism: vLLM loads only "
+            "each rank's slice of the w2 zero points while g_idx references every group, so outputs would be "
+            "wrong; use expert parallelism (--ep) or TP 1"
+        )
+
     # -- backend oracle ------------------------------------------------------------------------
     checks.append(Check("hidden_size % 128 == 0 (Marlin)", H % 128 == 0, f"{H} % 128"))
     checks.append(Check("group_size in {-1, 32, 64, 128} (Marlin)", gs in MARLIN_GROUP_SIZES, str(gs)))

@@ -117,3 +117,30 @@ def render_repack_result(console: Console, plan, result) -> None:  # noqa: ANN00
         + f", {human_bytes(sum(plan.rank_bytes()))} in {plan.settings.tp} rank director{'ies' if plan.settings.tp > 1 else 'y'}"
     )
     console.print(f"manifest: {escape(str(result.out / 'wna16ctl.json'))}")
+
+
+def render_verify(console: Console, report) -> None:  # noqa: ANN001 - VerifyReport, imported lazily
+    console.print(f"[bold]{escape(report.output)}[/] against [bold]{escape(report.checkpoint)}[/] "
+                  f"({report.samples} samples, tokens via {report.tokenizer or '—'}, device {report.device})")
+    checks = [
+        ("manifest", f"fingerprint, {report.files_checked} file hashes, settings and plan"),
+        ("round_trip", f"{report.experts_checked} experts × ranks, bit-exact"),
+    ]
+    for key, what in checks:
+        bad = report.by_check(key)
+        status = "[green]pass[/]" if not bad else f"[bold red]FAIL[/] ({len(bad)})"
+        console.print(f"  {key.replace('_', ' '):<11} {status}  {what}")
+        for f in bad[:10]:
+            console.print(f"      [red]✗[/] {escape(f.message)}")
+        if len(bad) > 10:
+            console.print(f"      … {len(bad) - 10} more (see --json)")
+    if report.numerics:
+        table = simple_table("numerics per MoE layer (candidate vs fp32 dequantized reference)",
+                             ["layer", "tokens", "experts", "max |err|", "rel L2", "cosine", "err/bound", "result"])
+        for n in report.numerics:
+            table.add_row(escape(n.layer), f"{n.tokens} (+{n.forced_tokens} forced)" if n.forced_tokens else str(n.tokens),
+                          f"{n.experts_exercised}/{n.num_experts}", f"{n.max_abs_error:.3g}", f"{n.rel_l2_error:.3g}",
+                          f"{n.cosine:.6f}", f"{n.max_error_over_bound:.3f}",
+                          "[green]pass[/]" if n.passed else f"[bold red]FAIL[/] ({n.violations} over bound)")
+        console.print(table)
+    console.print("verdict: " + ("[bold green]verified[/]" if report.passed else "[bold red]NOT verified[/]"))

@@ -1,0 +1,384 @@
+"""`repack`: plan -> stream experts -> per-rank layout -> staged files -> manifest -> commit.
+
+A validation pass (the planner over every layer, every expert tensor's header) runs before the
+first byte is written.  Work then proceeds layer by layer and, within a layer, in chunks of
+experts: each chunk is read once and turned into every rank's tensors, which are written at their
+final offsets.  Memory is bounded by the chunk size, not by the model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from wna16ctl import __version__
+from wna16ctl.checkpoint import Checkpoint, MoELayer, open_checkpoint
+from wna16ctl.checkpoint.headers import INDEX_NAME
+from wna16ctl.checkpoint.moe import ROLE_ORDER
+from wna16ctl.checkpoint.tensors import TensorReader, dtype_from_name
+from wna16ctl.errors import NotLoadable, UsageError
+from wna16ctl.layout.rank import RankLayout, build_rank_tensors, expected_rank_shapes
+from wna16ctl.plan import Backend, LayerPlan, plan_layer
+from wna16ctl.writer import MANIFEST_NAME, PlannedFile, PlannedTensor, StagedOutput, split_into_files, st_dtype
+
+FORMAT_NAME = "wna16ctl-repack"
+FORMAT_VERSION = 1
+LAYOUTS = ("auto", "marlin", "transposed")
+_SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape")
+# Files copied beside the rank directories (tokenizer, generation and chat-template files).
+_SIDE_FILES = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+    "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+    "added_tokens.json", "preprocessor_config.json",
+)
+_CHUNK_BYTES = 64 << 20  # packed input per expert chunk: bounds memory, amortises per-call overhead
+
+
+@dataclass(frozen=True)
+class RepackSettings:
+    tp: int
+    ep: bool = False
+    layout: str = "auto"
+    max_shard_bytes: int = 4 << 30
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class LayerJob:
+    layer: MoELayer
+    plan: LayerPlan
+    layout: str
+    specs: list[RankLayout]  # one per rank
+    expert_ranges: list[range]  # experts held by each rank
+    tensor_names: list[str]  # output parameter names (without the module prefix), in file order
+
+    def to_json(self) -> dict[str, Any]:
+        spec = self.specs[0]
+        return {
+            "name": self.layer.prefix,
+            "layout": self.layout,
+            "num_experts": self.layer.num_experts,
+            "hidden_size": self.layer.hidden_size,
+            "intermediate_size": self.layer.intermediate_size,
+            "scheme": self.layer.scheme.to_json() if self.layer.scheme else None,
+            "quant_type": self.plan.quant_type,
+            "is_k_full": self.plan.w2.is_k_full,
+            "load_full_w2": self.plan.w2.load_full_w2,
+            "intermediate_size_per_partition": self.plan.intermediate_size_per_partition,
+            "padded_intermediate": spec.padded_intermediate,
+            "expert_ranges": [[r.start, r.stop] for r in self.expert_ranges],
+            "tensors": self.tensor_names,
+            "plan": self.plan.to_json(),
+        }
+
+
+@dataclass
+class RepackPlan:
+    checkpoint: Checkpoint
+    settings: RepackSettings
+    jobs: list[LayerJob]
+    copied: list[str]  # tensors copied unchanged into every rank
+    files: list[list[PlannedFile]]  # per rank
+    fingerprint: str
+    scale_dtype: torch.dtype
+    units: dict[str, list[tuple]] = field(default_factory=dict)  # relpath -> work units writing into it
+
+    @property
+    def identity(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "tool_version": __version__,
+            "source_fingerprint": self.fingerprint, "settings": self.settings.to_json(),
+        }
+
+    def input_bytes(self) -> int:
+        """Bytes the run reads: packed experts once, copied tensors once per rank."""
+        copied = sum(self.checkpoint.files.info(n).nbytes for n in self.copied)
+        return sum(j.layer.packed_bytes for j in self.jobs) + copied * len(self.files)
+
+    def rank_bytes(self) -> list[int]:
+        return [sum(f.size for f in files) for files in self.files]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "checkpoint": str(self.checkpoint.root),
+            "fingerprint": self.fingerprint,
+            "settings": self.settings.to_json(),
+            "layers": [j.to_json() for j in self.jobs],
+            "ranks": [
+                {"rank": r, "bytes": b, "files": [f.relpath for f in self.files[r]]}
+                for r, b in enumerate(self.rank_bytes())
+            ],
+        }
+
+
+def source_fingerprint(ck: Checkpoint) -> str:
+    """sha256 over config.json, the index and every shard's name, size and header bytes.
+
+    Headers pin every tensor's name, dtype, shape and offsets; the data itself is not hashed
+    (that would cost a full read of the checkpoint) — verify checks the data bit for bit.
+    """
+    h = hashlib.sha256()
+    h.update(b"config.json\0" + (ck.root / "config.json").read_bytes())
+    if ck.files.index_path is not None:
+        h.update(INDEX_NAME.encode() + b"\0" + ck.files.index_path.read_bytes())
+    for sh in sorted(ck.files.shards, key=lambda s: s.path.name):
+        with open(sh.path, "rb") as f:
+            header = f.read(sh.data_start)
+        h.update(f"{sh.path.name}\0{sh.size}\0".encode() + header)
+    return h.hexdigest()
+
+
+def _choose_layout(layer: MoELayer, plan: LayerPlan, requested: str) -> str:
+    if plan.errors or plan.backend is None:
+        raise NotLoadable(f"{layer.prefix} at TP {plan.tp}{' EP' if plan.ep else ''}: " + "; ".join(plan.errors or ["no backend"]))
+    if requested == "auto":
+        return plan.layout  # type: ignore[return-value]
+    backend = Backend.MARLIN if requested == "marlin" else Backend.TRITON
+    reason = plan.rejected.get(backend.value)
+    if reason and not reason.startswith("lower priority"):
+        raise NotLoadable(f"{layer.prefix}: cannot write the {requested} layout: {reason}")
+    return requested
+
+
+def plan_repack(ckpt_path: str | os.PathLike[str], settings: RepackSettings) -> RepackPlan:
+    """Validate everything and lay out every output file; writes nothing."""
+    if settings.layout not in LAYOUTS:
+        raise UsageError(f"--layout {settings.layout!r} is not one of {', '.join(LAYOUTS)}")
+    if settings.tp < 1:
+        raise UsageError("--tp must be >= 1")
+    ck = open_checkpoint(ckpt_path)
+    layers = ck.quantized_layers
+    if not layers:
+        raise NotLoadable(f"{ck.root}: no quantized MoE layers to repack")
+    scale_dtype = dtype_from_name(ck.config.torch_dtype)
+    n_ranks = settings.tp
+    jobs: list[LayerJob] = []
+    for layer in layers:
+        plan = plan_layer(layer, settings.tp, settings.ep)
+        layout = _choose_layout(layer, plan, settings.layout)
+        pad = plan.padded_intermediate if layout == "marlin" else plan.intermediate_size_per_partition
+        assert layer.scheme is not None
+        if settings.ep:
+            counts = plan.local_experts
+            starts = [sum(counts[:r]) for r in range(n_ranks)]
+            ranges = [range(starts[r], starts[r] + counts[r]) for r in range(n_ranks)]
+        else:
+            ranges = [range(layer.num_experts)] * n_ranks
+        specs = [
+            RankLayout(
+                layout=layout, num_bits=layer.scheme.num_bits, group_size=layer.scheme.group_size,
+                symmetric=layer.scheme.symmetric, act_order=layer.scheme.act_order,
+                hidden_size=layer.hidden_size, intermediate_size=layer.intermediate_size,
+                tp=plan.moe_tp, rank=0 if settings.ep else r, load_full_w2=plan.w2.load_full_w2,
+                padded_intermediate=pad or plan.intermediate_size_per_partition,
+            )
+            for r in range(n_ranks)
+        ]
+        names = list(expected_rank_shapes(specs[0], 1, scale_dtype))
+        jobs.append(LayerJob(layer, plan, layout, specs, ranges, names))
+
+    repacked = {
+        layer.tensor_name(e, role, suffix)
+        for job in jobs for layer in [job.layer] for e in range(layer.num_experts) for role in ROLE_ORDER
+        for suffix in _SUFFIXES
+    }
+    copied = [n for n in ck.files.names() if n not in repacked]
+
+    files: list[list[PlannedFile]] = []
+    units: dict[str, list[tuple]] = {}
+    for r in range(n_ranks):
+        groups: list[list[PlannedTensor]] = []
+        group_units: list[tuple] = []
+        cur: list[PlannedTensor] = []
+        size = 0
+        for name in copied:  # non-expert tensors in groups of at most ~1/4 shard
+            info = ck.files.info(name)
+            cur.append(PlannedTensor(name, info.dtype, info.shape))
+            size += info.nbytes
+            if size >= settings.max_shard_bytes // 4:
+                groups.append(cur)
+                group_units.append(("copy", tuple(t.name for t in cur)))
+                cur, size = [], 0
+        if cur:
+            groups.append(cur)
+            group_units.append(("copy", tuple(t.name for t in cur)))
+        for j, job in enumerate(jobs):
+            n_local = len(job.expert_ranges[r])
+            if n_local == 0:
+                continue
+            shapes = expected_rank_shapes(job.specs[r], n_local, scale_dtype)
+            groups.append([PlannedTensor(f"{job.layer.prefix}.{k}", st_dtype(dt), tuple(shape)) for k, (shape, dt) in shapes.items()])
+            group_units.append(("layer", j))
+        rank_files = split_into_files(groups, f"rank-{r}/", settings.max_shard_bytes)
+        # map each group to the file that holds it
+        gi = 0
+        for f in rank_files:
+            names_in_file = {t.name for t in f.tensors}
+            units[f.relpath] = []
+            while gi < len(groups) and groups[gi][0].name in names_in_file:
+                units[f.relpath].append(group_units[gi])
+                gi += 1
+        files.append(rank_files)
+    return RepackPlan(ck, settings, jobs, copied, files, source_fingerprint(ck), scale_dtype, units)
+
+
+@dataclass
+class RepackResult:
+    out: Path
+    files_written: int
+    files_reused: int
+    bytes_written: int
+    manifest: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "output": str(self.out),
+            "files_written": self.files_written,
+            "files_reused": self.files_reused,
+            "bytes_written": self.bytes_written,
+            "manifest": self.manifest,
+        }
+
+
+def _expert_chunks(job: LayerJob) -> list[range]:
+    """Expert ranges read at once: bounded bytes, never straddling a rank boundary under EP."""
+    layer = job.layer
+    per_expert = max(1, layer.packed_bytes // max(layer.num_experts, 1))
+    step = max(1, _CHUNK_BYTES // per_expert)
+    bounds = sorted({0, layer.num_experts, *(r.start for r in job.expert_ranges), *(r.stop for r in job.expert_ranges)})
+    out: list[range] = []
+    for a, b in zip(bounds, bounds[1:]):
+        out.extend(range(s, min(s + step, b)) for s in range(a, b, step))
+    return out
+
+
+def run_repack(
+    plan: RepackPlan,
+    out: str | os.PathLike[str],
+    *,
+    force: bool = False,
+    resume: bool = False,
+    progress: Callable[[int], None] | None = None,
+    device: str = "cpu",
+) -> RepackResult:
+    """Execute `plan` into `out` (staged, then renamed); see module doc."""
+    ck = plan.checkpoint
+    out_path = Path(out)
+    if out_path.resolve() == ck.root.resolve() or ck.root.resolve() in out_path.resolve().parents:
+        raise UsageError(f"{out_path}: the output must not be inside the checkpoint directory")
+    staged = StagedOutput(out_path, force=force, resume=resume, identity=plan.identity)
+    advance = progress or (lambda n: None)
+    try:
+        result = _execute(plan, staged, advance)
+    except KeyboardInterrupt:
+        staged.abort(keep_for_resume=True)
+        raise
+    except BaseException:
+        staged.abort(keep_for_resume=False)
+        raise
+    return result
+
+
+def _execute(plan: RepackPlan, staged: StagedOutput, advance: Callable[[int], None]) -> RepackResult:
+    ck = plan.checkpoint
+    by_rel = {f.relpath: f for files in plan.files for f in files}
+    pending = {rel: f for rel, f in by_rel.items() if not staged.is_reusable(f)}
+    reused = len(by_rel) - len(pending)
+    remaining = {rel: len(plan.units[rel]) for rel in pending}
+    unit_file: dict[tuple, list[PlannedFile]] = {}
+    for rel, f in pending.items():
+        staged.open(f)
+        for u in plan.units[rel]:
+            unit_file.setdefault(u, []).append(f)
+
+    def unit_done(u: tuple) -> None:
+        for f in unit_file.get(u, []):
+            remaining[f.relpath] -= 1
+            if remaining[f.relpath] == 0:
+                staged.finish(f)
+        staged.checkpoint_journal()
+
+    written = 0
+    with TensorReader(ck.files) as reader:
+        # 1. non-expert tensors, copied byte for byte into every rank that still needs them
+        copy_units = [u for rel in sorted(pending) for u in plan.units[rel] if u[0] == "copy"]
+        for u in dict.fromkeys(copy_units):
+            for f in unit_file[u]:
+                for name in u[1]:
+                    info = ck.files.info(name)
+                    staged.copy_range(f, f.offsets[name], reader._fd(info.file), info.start, info.nbytes)
+                    written += info.nbytes
+                    advance(info.nbytes)
+            unit_done(u)
+        # 2. expert layers
+        for j, job in enumerate(plan.jobs):
+            u = ("layer", j)
+            rank_files = {r: fs for r in range(len(plan.files)) for fs in [
+                [f for f in unit_file.get(u, []) if f.relpath.startswith(f"rank-{r}/")]] if fs}
+            if not rank_files:
+                continue
+            layer = job.layer
+            for chunk in _expert_chunks(job):
+                experts = [reader.read_expert(layer, e) for e in chunk]
+                nbytes = layer.packed_bytes * len(chunk) // layer.num_experts
+                for r, fs in rank_files.items():
+                    rng = job.expert_ranges[r]
+                    if chunk.start not in rng:
+                        continue
+                    f = fs[0]
+                    tensors = build_rank_tensors(experts, job.specs[r])
+                    local = chunk.start - rng.start
+                    for name, t in tensors.items():
+                        full = f"{layer.prefix}.{name}"
+                        per = t[0].numel() * t.element_size() if t.shape[0] else 0
+                        staged.pwrite(f, f.offsets[full] + local * per, t)
+                        written += t.numel() * t.element_size()
+                advance(nbytes)
+            unit_done(u)
+        # 3. per-rank indexes, side files, manifest
+        for r, files in enumerate(plan.files):
+            wm = {t.name: Path(f.relpath).name for f in files for t in f.tensors}
+            total = sum(t.nbytes for f in files for t in f.tensors)
+            staged.write_small(f"rank-{r}/{INDEX_NAME}", (json.dumps({"metadata": {"total_size": total}, "weight_map": wm}, indent=2) + "\n").encode())
+        for name in _SIDE_FILES:
+            src = ck.root / name
+            if src.is_file():
+                staged.copy_file(src, name)
+        staged.collect_hashes()
+        manifest = build_manifest(plan, staged.done, staged.stage)
+        staged.commit(manifest)
+    return RepackResult(staged.out, len(pending), reused, written, manifest)
+
+
+def build_manifest(plan: RepackPlan, hashes: dict[str, str], root: Path) -> dict[str, Any]:
+    out_files = {rel: {"sha256": digest, "bytes": (root / rel).stat().st_size} for rel, digest in sorted(hashes.items())}
+    return {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "tool_version": __version__,
+        "identity": plan.identity,
+        "source": {
+            "path": str(plan.checkpoint.root),
+            "fingerprint": plan.fingerprint,
+            "architecture": (plan.checkpoint.config.architectures or ("",))[0],
+        },
+        "tp": plan.settings.tp,
+        "ep": plan.settings.ep,
+        "layout": plan.settings.layout,
+        "scale_dtype": str(plan.scale_dtype).replace("torch.", ""),
+        "ranks": [
+            {"rank": r, "dir": f"rank-{r}", "files": [f.relpath for f in files], "bytes": sum(f.size for f in files)}
+            for r, files in enumerate(plan.files)
+        ],
+        "layers": [j.to_json() for j in plan.jobs],
+        "copied_tensors": len(plan.copied),
+        "files": out_files,
+    }

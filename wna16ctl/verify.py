@@ -1,0 +1,431 @@
+"""`verify`: prove a repack output equals its source.
+
+Three independent checks, all run (a failure in one does not hide the others):
+
+1. manifest — the output was made from this checkpoint (fingerprint), every file is the one the
+   manifest hashed, and the settings and per-layer plan are what the planner gives today;
+2. round trip — every rank's expert tensors, undone by the layout's inverse, equal the rank's
+   slice of the checkpoint's codes, scales, zero points and g_idx bit for bit, and the ranks
+   re-assemble into the checkpoint;
+3. numerics — per MoE layer, GSM8K-derived activations through the repacked per-rank weights
+   (model dtype, fp32 accumulation, partial sums added across ranks like the all-reduce)
+   against the dequantized checkpoint in fp32, within an element-wise bound derived from the
+   dtype's rounding (docs/verify.md).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from wna16ctl.activations import embed, load_questions, route, tokenize
+from wna16ctl.checkpoint import Checkpoint, open_checkpoint
+from wna16ctl.checkpoint.headers import CheckpointFiles, read_checkpoint_files
+from wna16ctl.checkpoint.tensors import TensorReader, dtype_from_name, torch_dtype
+from wna16ctl.errors import BadInput, LayoutMismatch, NotLoadable
+from wna16ctl.layout.packing import unpack_codes
+from wna16ctl.layout.rank import RankLayout, unbuild_expert_tensors
+from wna16ctl.layout.shard import shard_expert, unshard_expert
+from wna16ctl.layout._mismatch import first_difference
+from wna16ctl.repack import FORMAT_NAME, LayerJob, RepackSettings, plan_repack, source_fingerprint
+from wna16ctl.writer import JOURNAL_NAME, MANIFEST_NAME, sha256_file
+
+SILU_LIPSCHITZ = 1.1  # max |d/dx x·sigmoid(x)| = 1.0998...
+# Roundings to the model dtype on the candidate's path: x, W13, the w13 output, h, W2, the w2
+# output, the rank partial, the all-reduced sum.  Each contributes a relative error of RMS at most
+# u/sqrt(3) (round-to-nearest), so an unbiased output's relative L2 error stays below
+# sqrt(ROUNDINGS)·u; a systematic fault (wrong scale, swapped halves) exceeds it.
+ROUNDINGS = 8
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
+
+
+@dataclass
+class Finding:
+    check: str  # "manifest" | "round_trip" | "numerics"
+    message: str
+    layer: str | None = None
+    rank: int | None = None
+    expert: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"check": self.check, "message": self.message, "layer": self.layer, "rank": self.rank, "expert": self.expert}
+
+
+@dataclass
+class LayerNumerics:
+    layer: str
+    tokens: int
+    forced_tokens: int
+    experts_exercised: int
+    num_experts: int
+    max_abs_error: float
+    rel_l2_error: float
+    cosine: float
+    max_error_over_bound: float
+    violations: int
+    rel_l2_limit: float
+
+    @property
+    def passed(self) -> bool:
+        return (self.violations == 0 and self.experts_exercised == self.num_experts
+                and self.rel_l2_error <= self.rel_l2_limit)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.__dict__, "passed": self.passed}
+
+
+@dataclass
+class VerifyReport:
+    checkpoint: str
+    output: str
+    device: str
+    tokenizer: str
+    samples: int
+    layers_checked: int = 0
+    experts_checked: int = 0
+    files_checked: int = 0
+    findings: list[Finding] = field(default_factory=list)
+    numerics: list[LayerNumerics] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.findings and all(n.passed for n in self.numerics)
+
+    def by_check(self, check: str) -> list[Finding]:
+        return [f for f in self.findings if f.check == check]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "checkpoint": self.checkpoint, "output": self.output, "device": self.device, "tokenizer": self.tokenizer,
+            "samples": self.samples, "passed": self.passed,
+            "manifest_ok": not self.by_check("manifest"), "round_trip_ok": not self.by_check("round_trip"),
+            "numerics_ok": all(n.passed for n in self.numerics),
+            "layers_checked": self.layers_checked, "experts_checked": self.experts_checked,
+            "files_checked": self.files_checked,
+            "findings": [f.to_json() for f in self.findings],
+            "numerics": [n.to_json() for n in self.numerics],
+        }
+
+
+# ---- 1. manifest -------------------------------------------------------------------------------
+
+
+def _read_manifest(out: Path) -> dict[str, Any]:
+    import json
+
+    path = out / MANIFEST_NAME
+    if not out.is_dir():
+        raise BadInput(f"{out}: not a directory; pass the output of `wna16ctl repack`")
+    if not path.is_file():
+        hint = " (an interrupted run: rerun repack with --resume)" if (out / JOURNAL_NAME).exists() else ""
+        raise BadInput(f"{path}: missing; {out} is not a complete wna16ctl repack output{hint}")
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise BadInput(f"{path}: unreadable ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+        raise BadInput(f"{path}: not a wna16ctl repack manifest")
+    return manifest
+
+
+def _check_manifest(ck: Checkpoint, out: Path, manifest: dict[str, Any], report: VerifyReport) -> list[LayerJob]:
+    add = lambda msg, **kw: report.findings.append(Finding("manifest", msg, **kw))  # noqa: E731
+    fp = source_fingerprint(ck)
+    if manifest.get("source", {}).get("fingerprint") != fp:
+        add(f"fingerprint mismatch: {out} was made from another checkpoint, or {ck.root} changed since "
+            f"(manifest {str(manifest.get('source', {}).get('fingerprint'))[:16]}…, checkpoint {fp[:16]}…)")
+    files = manifest.get("files", {})
+    for rel, meta in sorted(files.items()):
+        path = out / rel
+        report.files_checked += 1
+        if not path.is_file():
+            add(f"{rel}: listed in the manifest but missing")
+        elif path.stat().st_size != meta.get("bytes"):
+            add(f"{rel}: {path.stat().st_size} bytes, the manifest says {meta.get('bytes')} (modified after repack)")
+        elif sha256_file(path) != meta.get("sha256"):
+            add(f"{rel}: sha256 differs from the manifest (modified after repack)")
+    for path in sorted(out.rglob("*")):
+        rel = path.relative_to(out).as_posix()
+        if path.is_file() and rel != MANIFEST_NAME and rel not in files:
+            add(f"{rel}: not listed in the manifest (added after repack)")
+    settings = manifest.get("identity", {}).get("settings", {})
+    try:
+        rs = RepackSettings(**settings)
+        plan = plan_repack(ck.root, rs)
+    except (TypeError, ValueError):
+        raise BadInput(f"{out / MANIFEST_NAME}: settings {settings!r} are not valid repack settings") from None
+    except NotLoadable as e:
+        add(f"the planner today refuses these settings: {e.message}")
+        return []
+    today = {j.layer.prefix: j.to_json() for j in plan.jobs}
+    recorded = {lay.get("name"): lay for lay in manifest.get("layers", [])}
+    for name in sorted(set(today) | set(recorded)):
+        if name not in recorded:
+            add(f"{name}: the planner expects this layer but the output has none", layer=name)
+        elif name not in today:
+            add(f"{name}: in the output but not a quantized MoE layer of the checkpoint", layer=name)
+        elif recorded[name] != today[name]:
+            keys = sorted(k for k in today[name] if recorded[name].get(k) != today[name][k])
+            add(f"{name}: the output's plan differs from today's planner in {', '.join(keys)}", layer=name)
+    for r, rank in enumerate(manifest.get("ranks", [])):
+        expected = [f.relpath for f in plan.files[r]] if r < len(plan.files) else None
+        if rank.get("files") != expected:
+            add(f"rank {r}: files {rank.get('files')} differ from the planned {expected}", rank=r)
+    if len(manifest.get("ranks", [])) != rs.tp:
+        add(f"the manifest lists {len(manifest.get('ranks', []))} ranks for tp {rs.tp}")
+    return plan.jobs
+
+
+# ---- 2 + 3. round trip and numerics --------------------------------------------------------------
+
+
+class _RankFiles:
+    """One rank directory's tensors; reads one expert's slice of a stacked tensor at a time."""
+
+    def __init__(self, root: Path):
+        self.files: CheckpointFiles = read_checkpoint_files(root)
+        self.reader = TensorReader(self.files)
+
+    def expert_slice(self, name: str, local: int) -> torch.Tensor:
+        info = self.files.info(name)
+        if not info.shape or local >= info.shape[0]:
+            raise LayoutMismatch(f"{name}: has shape {list(info.shape)}, no expert slot {local}")
+        per = info.nbytes // info.shape[0]
+        sub = type(info)(info.name, info.dtype, info.shape[1:], info.file, info.start + local * per, info.start + (local + 1) * per)
+        buf = self.reader.read_bytes(sub)
+        return torch.frombuffer(buf, dtype=torch_dtype(info.dtype)).reshape(sub.shape) if buf else torch.empty(sub.shape)
+
+
+def _projection_of(key: str, col: int | None, i_p: int) -> str:
+    if key.startswith("w2_"):
+        return "down_proj"
+    if key.endswith("g_idx"):
+        return "gate_proj/up_proj"
+    return "gate_proj" if col is None or col < i_p else "up_proj"
+
+
+def _cast_scales(kf: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return {k: (v.to(dtype) if k.endswith("_scale") else v) for k, v in kf.items()}
+
+
+def _compare(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor], spec: RankLayout) -> str | None:
+    """First difference between the rank's expected and recovered K-first tensors, described."""
+    for key in sorted(set(expected) | set(got)):
+        if key not in got or key not in expected:
+            return f"{key} is {'missing' if key not in got else 'unexpected'}"
+        a, b = expected[key], got[key]
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return f"{key}: {b.dtype} {list(b.shape)}, expected {a.dtype} {list(a.shape)}"
+        where = first_difference(a, b)
+        if where is not None:
+            pf = 32 // spec.num_bits
+            col = where[-1] if len(where) == 2 else None
+            if key.endswith("zero_point") and col is not None:
+                col *= pf  # packed along N
+            proj = _projection_of(key, col, spec.intermediate_per_partition)
+            return f"{key} ({proj}) differs at rank-local [{', '.join(map(str, where))}]: {b[where].item()!r} != {a[where].item()!r}"
+    return None
+
+
+@dataclass
+class _Bound:
+    """Element-wise error bounds of one expert's candidate output, derived in docs/verify.md."""
+
+    u: float
+
+    def gemm(self, a_abs: torch.Tensor, w_abs_t: torch.Tensor, k: int, a_err: torch.Tensor | None = None) -> torch.Tensor:
+        """|a'·W' − a·W| for a' with error a_err (or rounded once: u|a|), W' = rnd(W), fp32 accumulation."""
+        u = self.u
+        gamma = k * 2.0**-24 / (1 - k * 2.0**-24)
+        A = a_abs @ w_abs_t
+        if a_err is None:
+            return ((1 + u) ** 2 * (1 + gamma) - 1) * A
+        B = a_err @ w_abs_t
+        return (1 + u) * B + u * A + gamma * (1 + u) * (A + B)
+
+
+def _dequantize_kfirst(kf: dict[str, torch.Tensor], spec: RankLayout, which: str, dtype: torch.dtype) -> torch.Tensor:
+    """K-first weight [K, N] of `which` ∈ {w13, w2} in `dtype`: (code − zero)·scale, one rounding."""
+    nb = spec.num_bits
+    codes = unpack_codes(kf[f"{which}_weight_packed"], nb, dim=0).long()  # [K, N]
+    K, N = codes.shape
+    scale = kf[f"{which}_weight_scale"]
+    if spec.group_size > 0 and spec.act_order:
+        groups = kf[f"{which}_weight_g_idx"].long()
+        if which == "w2" and not spec.load_full_w2:
+            groups = groups - spec.rank * (spec.intermediate_per_partition // spec.group_size)
+    elif spec.group_size > 0:
+        groups = torch.arange(K) // spec.group_size
+    else:
+        groups = torch.zeros(K, dtype=torch.long)
+    s = scale.to(dtype)[groups]  # [K, N]
+    if f"{which}_weight_zero_point" in kf:
+        zp = unpack_codes(kf[f"{which}_weight_zero_point"], nb, dim=1).long()[:, :N]
+        zg = groups if spec.group_size > 0 else torch.zeros(K, dtype=torch.long)
+        if spec.group_size > 0 and spec.act_order and which == "w2" and spec.load_full_w2:
+            zg = groups - spec.rank * (spec.intermediate_per_partition // spec.group_size)
+        z = zp[zg]
+    else:
+        z = 1 << (nb - 1)
+    return (codes - z).to(dtype) * s  # integer difference is exact in bf16/fp16; one rounding
+
+
+def verify_output(
+    ckpt: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    samples: str | os.PathLike[str],
+    num_samples: int = 64,
+    device: str = "cpu",
+) -> VerifyReport:
+    ck = open_checkpoint(ckpt)
+    out_path = Path(out)
+    manifest = _read_manifest(out_path)
+    questions = load_questions(samples, num_samples)
+    report = VerifyReport(str(ck.root), str(out_path), device, tokenizer="", samples=len(questions))
+    jobs = _check_manifest(ck, out_path, manifest, report)
+    if not jobs:
+        return report
+    dtype = dtype_from_name(manifest.get("scale_dtype") or ck.config.torch_dtype)
+    with TensorReader(ck.files) as reader:
+        vocab = int(ck.config.raw.get("vocab_size") or 1 << 30)
+        token_ids, report.tokenizer = tokenize(ck, questions, vocab)
+        hidden = embed(ck, reader, token_ids)
+        ranks: list[_RankFiles] = []
+        for r in range(len(jobs[0].specs)):
+            try:
+                ranks.append(_RankFiles(out_path / f"rank-{r}"))
+            except BadInput as e:
+                report.findings.append(Finding("round_trip", f"rank {r}: {e.message}", rank=r))
+                return report
+        try:
+            for job in jobs:
+                _verify_layer(ck, reader, job, ranks, hidden, dtype, report)
+        finally:
+            for rf in ranks:
+                rf.reader.close()
+    return report
+
+
+def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: list[_RankFiles],
+                  hidden: torch.Tensor, dtype: torch.dtype, report: VerifyReport) -> None:
+    layer = job.layer
+    routing = route(ck, reader, layer, hidden)
+    x = routing.x
+    T, H = x.shape
+    u = UNIT_ROUNDOFF[dtype]
+    bound = _Bound(u)
+    x_c = x.to(dtype).float()  # the candidate's activations, rounded to the model dtype
+    y_ref = torch.zeros(T, H)
+    n_ranks = len(job.specs)
+    partial = torch.zeros(n_ranks, T, H)  # candidate partial sums per rank (fp32 sum of rounded outputs)
+    partial_ref = torch.zeros(n_ranks, T, H)
+    partial_err = torch.zeros(n_ranks, T, H)
+    exercised = 0
+    layer_ok = True
+    for e in range(layer.num_experts):
+        tok, slot = (routing.topk_ids == e).nonzero(as_tuple=True)
+        w = routing.topk_weights[tok, slot].unsqueeze(1)
+        if tok.numel():
+            exercised += 1
+        ck_expert = reader.read_expert(layer, e)
+        per_rank: list[dict[str, torch.Tensor]] = []
+        for r, spec in enumerate(job.specs):
+            rng = job.expert_ranges[r]
+            if e not in rng:
+                continue
+            local = e - rng.start
+            try:
+                tensors = {n: ranks[r].expert_slice(f"{layer.prefix}.{n}", local) for n in job.tensor_names}
+                got = unbuild_expert_tensors(tensors, spec, expert_id=e)
+            except (LayoutMismatch, BadInput) as err:
+                report.findings.append(Finding("round_trip", f"{layer.prefix} expert {e} rank {r}: {err.message}",
+                                               layer=layer.prefix, rank=r, expert=e))
+                layer_ok = False
+                continue
+            expected = _cast_scales(shard_expert(ck_expert, tp=spec.tp, rank=spec.rank, load_full_w2=spec.load_full_w2,
+                                                 expert_id=e), dtype)
+            diff = _compare(expected, got, spec)
+            if diff is not None:
+                report.findings.append(Finding("round_trip", f"{layer.prefix} expert {e} rank {r}: {diff}",
+                                               layer=layer.prefix, rank=r, expert=e))
+                layer_ok = False
+            per_rank.append(got)
+            if tok.numel():
+                _expert_numerics(x[tok], x_c[tok], w, tok, expected, got, spec, dtype, bound,
+                                 partial[r], partial_ref[r], partial_err[r])
+        report.experts_checked += 1
+        if len(per_rank) == n_ranks and not job.plan.ep:
+            spec0 = job.specs[0]
+            try:
+                back = unshard_expert(per_rank, tp=spec0.tp, load_full_w2=spec0.load_full_w2,
+                                      group_size=spec0.group_size, expert_id=e)
+            except LayoutMismatch as err:
+                report.findings.append(Finding("round_trip", f"{layer.prefix} expert {e}: {err.message}", layer=layer.prefix, expert=e))
+                continue
+            for role in ("gate", "up", "down"):
+                want = {k: (v.to(dtype) if k == "weight_scale" else v) for k, v in ck_expert[role].items()}
+                bad = next((k for k, v in want.items() if k not in back[role] or back[role][k].shape != v.shape
+                            or first_difference(back[role][k], v) is not None), None)
+                if bad is not None and layer_ok:
+                    report.findings.append(Finding(
+                        "round_trip", f"{layer.prefix} expert {e}: re-assembled {role} {bad} differs from the checkpoint",
+                        layer=layer.prefix, expert=e))
+    report.layers_checked += 1
+    # all-reduce: each rank's partial is rounded to the model dtype, the sum too
+    part_c = partial.to(dtype).float()
+    part_err = partial_err + u * (partial_ref.abs() + partial_err)
+    y_c = part_c.sum(0).to(dtype).float()
+    y_ref = partial_ref.sum(0)
+    sum_err = part_err.sum(0)
+    total_err = sum_err + u * (y_ref.abs() + sum_err) + n_ranks * 2.0**-24 * part_c.abs().sum(0)
+    err = (y_c - y_ref).abs()
+    ratio = err / total_err.clamp_min(1e-30)
+    rel = float((y_c - y_ref).norm() / y_ref.norm().clamp_min(1e-30))
+    cos = float(F.cosine_similarity(y_c.reshape(1, -1), y_ref.reshape(1, -1)).item())
+    report.numerics.append(LayerNumerics(
+        layer=layer.prefix, tokens=T, forced_tokens=routing.forced, experts_exercised=exercised,
+        num_experts=layer.num_experts, max_abs_error=float(err.max()), rel_l2_error=rel, cosine=cos,
+        max_error_over_bound=float(ratio.max()), violations=int((err > total_err).sum()),
+        rel_l2_limit=ROUNDINGS**0.5 * u,
+    ))
+
+
+def _expert_numerics(x: torch.Tensor, x_c: torch.Tensor, w: torch.Tensor, tok: torch.Tensor,
+                     expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor], spec: RankLayout,
+                     dtype: torch.dtype, bound: _Bound, partial: torch.Tensor, partial_ref: torch.Tensor,
+                     partial_err: torch.Tensor) -> None:
+    """One expert's contribution on one rank: candidate from the repacked tensors, reference and bound
+    from the checkpoint's slice in fp32."""
+    u = bound.u
+    i_p = spec.intermediate_per_partition
+    H = spec.hidden_size
+    # reference (fp32, exact dequantization of the checkpoint slice)
+    w13_ref = _dequantize_kfirst(expected, spec, "w13", torch.float32)  # [H, 2I_p]
+    w2_ref = _dequantize_kfirst(expected, spec, "w2", torch.float32)  # [I_p, H]
+    g13 = x @ w13_ref
+    gate, up = g13[:, :i_p], g13[:, i_p:]
+    h = F.silu(gate) * up
+    y = (h @ w2_ref) * w
+    # candidate: the repacked tensors in the model dtype, fp32 accumulation, rounding at each output
+    w13_c = _dequantize_kfirst(got, spec, "w13", dtype).float()
+    w2_c = _dequantize_kfirst(got, spec, "w2", dtype).float()
+    g13_c = (x_c @ w13_c).to(dtype).float()
+    h_c = (F.silu(g13_c[:, :i_p]) * g13_c[:, i_p:]).to(dtype).float()
+    y_c = ((h_c @ w2_c) * w).to(dtype).float()
+    # bound
+    e13 = bound.gemm(x.abs(), w13_ref.abs(), H)
+    e13 = e13 + u * (g13.abs() + e13)
+    eg, eu = e13[:, :i_p], e13[:, i_p:]
+    eh = SILU_LIPSCHITZ * eg * (up.abs() + eu) + F.silu(gate).abs() * eu
+    eh = eh + u * (h.abs() + eh) + 2.0**-22 * h.abs()
+    ey = bound.gemm(h.abs(), w2_ref.abs(), i_p, a_err=eh) * w
+    ey = ey + u * (y.abs() + ey)
+    partial.index_add_(0, tok, y_c)
+    partial_ref.index_add_(0, tok, y)
+    partial_err.index_add_(0, tok, ey + 2.0**-24 * y_c.abs())
