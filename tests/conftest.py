@@ -1,0 +1,46 @@
+"""Shared fixtures: demo checkpoints written by compressed-tensors, and the shared data files."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from wna16ctl.demo import DemoSpec, write_demo_checkpoint
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _shared_dir() -> Path:
+    # the repository is checked out beside shared/; $WNA16CTL_SHARED covers other layouts
+    beside_repo = REPO_ROOT.parent / "shared"
+    if beside_repo.is_dir() or "WNA16CTL_SHARED" not in os.environ:
+        return beside_repo
+    return Path(os.environ["WNA16CTL_SHARED"])
+
+
+SHARED_DIR = _shared_dir()
+GSM8K_TEST = SHARED_DIR / "data" / "gsm8k" / "test.jsonl"
+GSM8K_TRAIN = SHARED_DIR / "data" / "gsm8k" / "train.jsonl"
+
+MakeCheckpoint = Callable[..., Path]
+
+
+@pytest.fixture(scope="session")
+def make_ckpt(tmp_path_factory: pytest.TempPathFactory) -> MakeCheckpoint:
+    """`make_ckpt(**DemoSpec fields) -> Path`: a demo checkpoint, written once per spec per session.
+
+    Checkpoints are shared between tests: treat them as read-only, copy one
+    (shutil.copytree) before changing it.
+    """
+    written: dict[DemoSpec, Path] = {}
+
+    def make(**spec_fields: object) -> Path:
+        spec = DemoSpec(**spec_fields)  # type: ignore[arg-type]
+        if spec not in written:
+            written[spec] = write_demo_checkpoint(tmp_path_factory.mktemp("ckpt"), spec)
+        return written[spec]
+
+    return make

@@ -1,0 +1,367 @@
+"""The demo checkpoints are what compressed-tensors writes, for every option the tests rely on."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from tests.conftest import GSM8K_TEST, MakeCheckpoint
+from wna16ctl.demo import (
+    ARCHITECTURES,
+    DemoSpec,
+    demo_source_weights,
+    expert_projection_names,
+    library_dequantize,
+    moe_layer_indices,
+    write_demo_checkpoint,
+)
+
+SMALL = dict(hidden_size=128, intermediate_size=128, num_experts=4, vocab_size=320)
+
+
+def read_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(ckpt.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            tensors |= {name: handle.get_tensor(name) for name in handle.keys()}
+    return tensors
+
+
+def quantization_config(ckpt: Path) -> dict:
+    return json.loads((ckpt / "config.json").read_text())["quantization_config"]
+
+
+def expert_modules(spec: DemoSpec) -> list[str]:
+    block = "block_sparse_moe" if spec.arch == "mixtral" else "mlp"
+    return [
+        f"model.layers.{layer}.{block}.experts.{expert}.{projection}"
+        for layer in moe_layer_indices(spec)
+        for expert in range(spec.num_experts)
+        for projection in expert_projection_names(spec.arch)
+    ]
+
+
+def per_column_scale(tensors: dict[str, torch.Tensor], module: str, cols: int) -> torch.Tensor:
+    """[N, K] scale of every weight element (through g_idx when there is one)."""
+    scale = tensors[f"{module}.weight_scale"].float()
+    if f"{module}.weight_g_idx" in tensors:
+        group_of_column = tensors[f"{module}.weight_g_idx"].long()
+    else:
+        group_of_column = torch.arange(cols) // (cols // scale.shape[1])
+    return scale[:, group_of_column]
+
+
+# ---------------------------------------------------------------------------------------------
+# files, names, config
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_shards_and_index_cover_every_tensor(make_ckpt: MakeCheckpoint, arch: str) -> None:
+    ckpt = make_ckpt(arch=arch)
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    shard_names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert sorted(p.name for p in ckpt.glob("*.safetensors")) == shard_names
+    stored: dict[str, str] = {}
+    total = 0
+    for shard in shard_names:
+        with safe_open(str(ckpt / shard), framework="pt") as handle:
+            assert handle.metadata() == {"format": "pt"}
+            assert len(list(handle.keys())) > 0
+            for name in handle.keys():
+                stored[name] = shard
+                tensor = handle.get_tensor(name)
+                total += tensor.numel() * tensor.element_size()
+    assert index["weight_map"] == stored
+    assert index["metadata"]["total_size"] == total
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_tensor_names_and_dtypes_follow_the_architecture(make_ckpt: MakeCheckpoint, arch: str) -> None:
+    spec = DemoSpec(arch=arch)
+    tensors = read_tensors(make_ckpt(arch=arch))
+    block = "block_sparse_moe" if arch == "mixtral" else "mlp"
+    expected = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    for layer in range(spec.num_layers):
+        prefix = f"model.layers.{layer}."
+        expected |= {prefix + "input_layernorm.weight", prefix + "post_attention_layernorm.weight"}
+        if arch == "deepseek_v3":
+            attention = ["q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"]
+        else:
+            attention = ["q_proj", "k_proj", "v_proj", "o_proj"] + (["q_norm", "k_norm"] if arch == "qwen3_moe" else [])
+        expected |= {f"{prefix}self_attn.{name}.weight" for name in attention}
+        if arch == "qwen2_moe":
+            expected |= {f"{prefix}self_attn.{p}.bias" for p in ("q_proj", "k_proj", "v_proj")}
+        if layer not in moe_layer_indices(spec):
+            expected |= {f"{prefix}mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
+            continue
+        expected.add(f"{prefix}{block}.gate.weight")
+        if arch == "qwen2_moe":
+            expected |= {f"{prefix}mlp.shared_expert.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
+            expected.add(f"{prefix}mlp.shared_expert_gate.weight")
+        if arch == "deepseek_v3":
+            expected |= {f"{prefix}mlp.shared_experts.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
+            expected.add(f"{prefix}mlp.gate.e_score_correction_bias")
+    for module in expert_modules(spec):
+        expected |= {f"{module}.{suffix}" for suffix in ("weight_packed", "weight_scale", "weight_shape")}
+    assert set(tensors) == expected
+
+    for name, tensor in tensors.items():
+        if name.endswith("e_score_correction_bias"):
+            assert tensor.dtype == torch.float32 and tensor.shape == (spec.num_experts,)
+        elif not name.endswith(("weight_packed", "weight_shape")):
+            assert tensor.dtype == torch.bfloat16, name
+    assert tensors[f"model.layers.{moe_layer_indices(spec)[0]}.{block}.gate.weight"].shape == (spec.num_experts, spec.hidden_size)
+    norm = tensors["model.norm.weight"].float()
+    assert (norm - 1).abs().max() < 0.5
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_config_is_the_real_architecture_plus_the_library_quantization_config(make_ckpt: MakeCheckpoint, arch: str) -> None:
+    from compressed_tensors.quantization import QuantizationConfig
+
+    spec = DemoSpec(arch=arch)
+    ckpt = make_ckpt(arch=arch)
+    config = json.loads((ckpt / "config.json").read_text())
+    assert config["model_type"] == arch
+    assert config["num_hidden_layers"] == spec.num_layers and config["hidden_size"] == spec.hidden_size
+    assert config["torch_dtype"] == "bfloat16" and config["tie_word_embeddings"] is False
+    assert config["num_experts_per_tok"] == spec.top_k
+    expert_count_key = {"qwen3_moe": "num_experts", "qwen2_moe": "num_experts", "mixtral": "num_local_experts",
+                        "deepseek_v3": "n_routed_experts"}[arch]
+    assert config[expert_count_key] == spec.num_experts
+    expert_size_key = "intermediate_size" if arch == "mixtral" else "moe_intermediate_size"
+    assert config[expert_size_key] == spec.intermediate_size
+    if arch == "qwen3_moe":
+        assert config["mlp_only_layers"] == [] and config["decoder_sparse_step"] == 1 and "head_dim" in config
+    if arch == "qwen2_moe":
+        assert config["shared_expert_intermediate_size"] > 0
+    if arch == "deepseek_v3":
+        assert config["first_k_dense_replace"] == 1 and config["scoring_func"] == "sigmoid"
+        assert config["num_experts_per_tok"] <= config["topk_group"] * config["n_routed_experts"] // config["n_group"]
+
+    parsed = QuantizationConfig.model_validate(config["quantization_config"])
+    assert parsed.format == "pack-quantized" and parsed.quantization_status == "compressed"
+    raw = config["quantization_config"]
+    assert raw["quant_method"] == "compressed-tensors" and raw["version"]
+    # the library lists every other Linear (attention, routers, shared experts, dense MLP, lm_head)
+    tensors = read_tensors(ckpt)
+    linears = {n.removesuffix(".weight") for n, t in tensors.items() if n.endswith(".weight") and t.ndim == 2}
+    assert set(raw["ignore"]) == linears - {"model.embed_tokens"}
+
+
+# ---------------------------------------------------------------------------------------------
+# expert tensors and decompression
+
+VARIANTS = {
+    "int4-g128-sym": dict(),
+    "int4-g64-asym": dict(group_size=64, symmetric=False),
+    "int8-channel-sym": dict(num_bits=8, group_size=-1),
+    "int4-channel-asym-null": dict(group_size=-1, symmetric=False, channel_group_size_null=True),
+    "int8-g32-asym": dict(num_bits=8, group_size=32, symmetric=False),
+    "int4-g32-actorder-group-asym": dict(group_size=32, symmetric=False, actorder="group"),
+    "int4-g128-actorder-static": dict(actorder="static"),
+    "mixtral-int4-g64-asym-fp16": dict(arch="mixtral", group_size=64, symmetric=False, dtype="float16"),
+    "deepseek-int4-channel-fp32": dict(arch="deepseek_v3", group_size=-1, dtype="float32"),
+}
+
+
+@pytest.mark.parametrize("fields", VARIANTS.values(), ids=VARIANTS.keys())
+def test_expert_tensor_layout(make_ckpt: MakeCheckpoint, fields: dict) -> None:
+    spec = DemoSpec(**SMALL, **fields)
+    tensors = read_tensors(make_ckpt(**SMALL, **fields))
+    scale_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[spec.dtype]
+    for module in expert_modules(spec):
+        rows, cols = (spec.hidden_size, spec.intermediate_size) if module.endswith(("down_proj", "w2")) else (
+            spec.intermediate_size, spec.hidden_size)
+        groups = 1 if spec.group_size == -1 else cols // spec.group_size
+        packed = tensors[f"{module}.weight_packed"]
+        assert packed.dtype == torch.int32 and packed.shape == (rows, cols * spec.num_bits // 32)
+        scale = tensors[f"{module}.weight_scale"]
+        assert scale.dtype == scale_dtype and scale.shape == (rows, groups)
+        assert tensors[f"{module}.weight_shape"].tolist() == [rows, cols]
+        assert f"{module}.weight" not in tensors
+        zero_point = tensors.get(f"{module}.weight_zero_point")
+        if spec.symmetric:
+            assert zero_point is None
+        else:
+            assert zero_point.dtype == torch.int32 and zero_point.shape == (math.ceil(rows * spec.num_bits / 32), groups)
+        g_idx = tensors.get(f"{module}.weight_g_idx")
+        if spec.actorder == "group":
+            assert g_idx.dtype == torch.int32 and g_idx.shape == (cols,)
+            assert Counter(g_idx.tolist()) == {g: spec.group_size for g in range(groups)}
+            assert not torch.equal(g_idx, torch.arange(cols, dtype=torch.int32) // spec.group_size)
+        else:
+            assert g_idx is None
+
+
+@pytest.mark.parametrize("fields", VARIANTS.values(), ids=VARIANTS.keys())
+def test_library_decompression_is_within_quantization_error(make_ckpt: MakeCheckpoint, fields: dict) -> None:
+    spec = DemoSpec(**SMALL, **fields)
+    ckpt = make_ckpt(**SMALL, **fields)
+    tensors = read_tensors(ckpt)
+    source = demo_source_weights(spec)
+    dequantized = library_dequantize(ckpt)
+    assert set(dequantized) == {f"{m}.weight" for m in expert_modules(spec)}
+    # the library quantizes in the weight dtype: w/s, +z and (q-z)*s each round to it
+    eps = torch.finfo(source["lm_head.weight"].dtype).eps
+    for module in expert_modules(spec):
+        weight = source[f"{module}.weight"].float()
+        approx = dequantized[f"{module}.weight"]
+        assert approx.dtype == torch.float32 and approx.shape == weight.shape
+        scale = per_column_scale(tensors, module, weight.shape[1])
+        error = (weight - approx).abs()
+        bound = scale / 2 + eps * (weight.abs() + approx.abs() + 2 ** (spec.num_bits - 1) * scale) + 1e-7 * scale
+        assert (error <= bound).all(), f"{module}: worst excess {(error - bound).max():.3g}"
+        assert (error / scale).mean() < 0.3  # rounding error is spread over [0, s/2]
+
+
+def test_fp32_checkpoint_is_within_half_a_step(make_ckpt: MakeCheckpoint) -> None:
+    fields = dict(SMALL, group_size=32, symmetric=False, dtype="float32")
+    ckpt = make_ckpt(**fields)
+    tensors, source = read_tensors(ckpt), demo_source_weights(DemoSpec(**fields))
+    for name, approx in library_dequantize(ckpt).items():
+        scale = per_column_scale(tensors, name.removesuffix(".weight"), approx.shape[1])
+        assert ((source[name].float() - approx).abs() <= scale * (0.5 + 1e-5)).all()
+
+
+def test_group_actorder_config_is_the_verbose_018_form(make_ckpt: MakeCheckpoint) -> None:
+    from compressed_tensors.quantization import QuantizationConfig
+
+    ckpt = make_ckpt(**SMALL, group_size=32, actorder="group")
+    raw = quantization_config(ckpt)
+    assert raw["version"] == "0.18.0" and "moe_sparsity_config" not in raw
+    weights = raw["config_groups"]["group_0"]["weights"]
+    assert weights["actorder"] == "group" and weights["strategy"] == "group" and weights["group_size"] == 32
+    assert {"block_structure", "observer", "observer_kwargs", "scale_dtype", "zp_dtype"} <= set(weights)
+    with pytest.raises(ValueError, match="actorder"):  # 0.19+ refuses such checkpoints
+        QuantizationConfig.model_validate(raw)
+
+
+def test_actorder_weight_is_stored_like_no_actorder(make_ckpt: MakeCheckpoint) -> None:
+    plain = read_tensors(make_ckpt(**SMALL))
+    ordered_ckpt = make_ckpt(**SMALL, actorder="weight")
+    assert quantization_config(ordered_ckpt)["config_groups"]["group_0"]["weights"]["actorder"] == "weight"
+    ordered = read_tensors(ordered_ckpt)
+    assert plain.keys() == ordered.keys()
+    assert all(torch.equal(plain[name], ordered[name]) for name in plain)
+
+
+@pytest.mark.parametrize("null", [False, True])
+def test_channel_group_size_is_written_as_asked(make_ckpt: MakeCheckpoint, null: bool) -> None:
+    raw = quantization_config(make_ckpt(**SMALL, group_size=-1, channel_group_size_null=null))
+    weights = raw["config_groups"]["group_0"]["weights"]
+    assert weights["strategy"] == "channel" and weights["group_size"] == (None if null else -1)
+
+
+# ---------------------------------------------------------------------------------------------
+# mixed precision
+
+
+@pytest.mark.parametrize("mode", ["layer", "expert"])
+def test_mixed_precision_puts_int8_where_asked(make_ckpt: MakeCheckpoint, mode: str) -> None:
+    from compressed_tensors.quantization import QuantizationConfig
+
+    fields = dict(SMALL, mixed=mode, num_layers=3)
+    spec = DemoSpec(**fields)
+    ckpt = make_ckpt(**fields)
+    raw = quantization_config(ckpt)
+    QuantizationConfig.model_validate(raw)
+    assert sorted(g["weights"]["num_bits"] for g in raw["config_groups"].values()) == [4, 8]
+    tensors = read_tensors(ckpt)
+    for module in expert_modules(spec):
+        layer, expert = int(module.split(".")[2]), int(module.split(".")[5])
+        odd = (layer if mode == "layer" else expert) % 2 == 1
+        bits = 8 if odd else 4
+        packed, shape = tensors[f"{module}.weight_packed"], tensors[f"{module}.weight_shape"].tolist()
+        assert packed.shape[1] == shape[1] * bits // 32, module
+    # each group is decompressed with its own bit width: int8 experts come back closer
+    source = demo_source_weights(spec)
+    errors: dict[int, float] = {4: 0.0, 8: 0.0}
+    for name, weight in library_dequantize(ckpt).items():
+        bits = 8 if int(name.split(".")[2 if mode == "layer" else 5]) % 2 else 4
+        errors[bits] = max(errors[bits], (source[name].float() - weight).abs().max().item())
+    assert 0 < errors[8] < errors[4] / 4
+
+
+# ---------------------------------------------------------------------------------------------
+# determinism, options, errors
+
+
+def test_same_spec_gives_identical_bytes(tmp_path: Path) -> None:
+    for fields in (dict(SMALL, tokenizer=True), dict(SMALL, arch="deepseek_v3", actorder="group", group_size=32, symmetric=False)):
+        first = write_demo_checkpoint(tmp_path / "a", DemoSpec(**fields))
+        second = write_demo_checkpoint(tmp_path / "b", DemoSpec(**fields))
+        names = sorted(p.name for p in first.iterdir())
+        assert names == sorted(p.name for p in second.iterdir())
+        for name in names:
+            assert (first / name).read_bytes() == (second / name).read_bytes(), name
+        other = write_demo_checkpoint(tmp_path / "c", DemoSpec(**fields, seed=1))
+        assert (other / "model-00002-of-00002.safetensors").read_bytes() != (first / "model-00002-of-00002.safetensors").read_bytes()
+        for folder in (first, second, other):
+            for file in folder.iterdir():
+                file.unlink()
+            folder.rmdir()
+
+
+def test_source_weights_do_not_depend_on_quantization_options() -> None:
+    plain = demo_source_weights(DemoSpec(**SMALL))
+    other = demo_source_weights(DemoSpec(**SMALL, num_bits=8, group_size=-1, symmetric=False, num_shards=3))
+    assert all(torch.equal(plain[name], other[name]) for name in plain)
+
+
+def test_single_shard_is_one_model_safetensors(make_ckpt: MakeCheckpoint) -> None:
+    ckpt = make_ckpt(**SMALL, num_shards=1)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_more_shards(make_ckpt: MakeCheckpoint) -> None:
+    ckpt = make_ckpt(**SMALL, num_shards=5)
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == [f"model-0000{i}-of-00005.safetensors" for i in range(1, 6)]
+
+
+def test_tokenizer(make_ckpt: MakeCheckpoint) -> None:
+    from tokenizers import Tokenizer
+
+    ckpt = make_ckpt(**SMALL, tokenizer=True)
+    tokenizer = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    config = json.loads((ckpt / "config.json").read_text())
+    assert 256 < tokenizer.get_vocab_size() <= config["vocab_size"]
+    assert tokenizer.token_to_id("<|begin_of_text|>") == config["bos_token_id"]
+    assert tokenizer.token_to_id("<|end_of_text|>") == config["eos_token_id"]
+    question = json.loads(GSM8K_TEST.read_text(encoding="utf-8").splitlines()[0])["question"]
+    ids = tokenizer.encode(question).ids
+    assert len(ids) < len(question.encode()) and all(i < config["vocab_size"] for i in ids)
+    assert tokenizer.decode(ids) == question
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(arch="llama"), "arch"),
+        (dict(group_size=96), "multiple of group_size"),
+        (dict(actorder="group", group_size=-1), "actorder"),
+        (dict(num_bits=8, mixed="expert"), "mixed"),
+        (dict(arch="deepseek_v3", mixed="layer", num_layers=2), "mixed"),
+        (dict(arch="deepseek_v3", num_layers=1), "num_layers"),
+        (dict(channel_group_size_null=True), "channel_group_size_null"),
+        (dict(top_k=9), "top_k"),
+        (dict(num_bits=3), "num_bits"),
+    ],
+)
+def test_bad_specs_are_refused(tmp_path: Path, fields: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        write_demo_checkpoint(tmp_path / "out", DemoSpec(**fields))
+    assert not (tmp_path / "out").exists()
+
+
+def test_refuses_a_folder_with_files(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(FileExistsError):
+        write_demo_checkpoint(tmp_path, DemoSpec(**SMALL))

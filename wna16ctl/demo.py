@@ -1,0 +1,761 @@
+"""Small but authentic compressed-tensors WNA16 MoE checkpoints, written by the library itself.
+
+`write_demo_checkpoint` builds a random bf16 model with the tensor names of a real
+architecture (Qwen3-MoE, Mixtral, Qwen2-MoE or DeepSeek-V3), quantizes the routed experts
+with compressed-tensors (`apply_quantization_config`, `calculate_qparams`, `ModelCompressor`)
+and saves it the way `save_pretrained` does: sharded safetensors, an index, and a
+`config.json` whose `quantization_config` is the library's own output.  It is the `demo`
+checkpoint of the CLI and the fixture factory of the tests.
+
+`actorder: "group"` checkpoints (with `weight_g_idx`) can no longer be written by
+compressed-tensors >= 0.19, so for those the expert tensors are quantized and packed with the
+library's helpers here and the config is written in the verbose form of 0.18, the last
+release that wrote them.
+
+`library_dequantize` is the reference the rest of the test suite compares against: it
+decompresses a checkpoint's quantized modules with the library's own compressors.
+
+compressed-tensors is imported inside the functions that need it: it takes ~5 s to import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+if TYPE_CHECKING:
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+ARCHITECTURES = ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3")
+ACTORDERS = (None, "weight", "static", "group")
+MIXED_MODES = (None, "layer", "expert")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+# the version whose verbose config form `actorder: "group"` checkpoints are written in
+GROUP_ACTORDER_WRITER_VERSION = "0.18.0"
+
+WEIGHT_STD = 0.02
+SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>")  # ids 0 and 1 = bos/eos in config.json
+TOKENIZER_TRAINING_LINES = 400
+SHARED_DIR_ENV = "WNA16CTL_SHARED"
+
+# per architecture: (MoE block name, expert projection names in module registration order)
+_MOE_BLOCK = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe", "qwen2_moe": "mlp", "deepseek_v3": "mlp"}
+_EXPERT_PROJECTIONS = {
+    "qwen3_moe": ("gate_proj", "up_proj", "down_proj"),
+    "mixtral": ("w1", "w2", "w3"),
+    "qwen2_moe": ("gate_proj", "up_proj", "down_proj"),
+    "deepseek_v3": ("gate_proj", "up_proj", "down_proj"),
+}
+_ARCHITECTURE_CLASS = {
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+}
+# DeepSeek-V3 MLA dimensions (small, fixed; the real model uses 512/1536/64/128/128)
+_MLA_QK_ROPE_HEAD_DIM = 16
+_MLA_QK_NOPE_HEAD_DIM = 32
+_MLA_V_HEAD_DIM = 32
+
+
+@dataclass(frozen=True)
+class DemoSpec:
+    """What demo checkpoint to write.  Every field combination is deterministic in `seed`."""
+
+    arch: str = "qwen3_moe"  # "qwen3_moe" | "mixtral" | "qwen2_moe" | "deepseek_v3"
+    num_layers: int = 2
+    hidden_size: int = 256
+    intermediate_size: int = 256  # the routed expert's intermediate size
+    num_experts: int = 8
+    top_k: int = 2
+    vocab_size: int = 512
+    num_bits: int = 4
+    group_size: int = 128  # -1 = channel-wise
+    symmetric: bool = True
+    actorder: str | None = None  # None | "weight" | "static" | "group"
+    mixed: str | None = None  # None | "layer" (odd layers int8) | "expert" (odd experts int8 in every layer)
+    channel_group_size_null: bool = False  # channel strategy written with group_size null instead of -1
+    dtype: str = "bfloat16"
+    num_shards: int = 2  # 1 = a single model.safetensors without index, like save_pretrained
+    seed: int = 0
+    tokenizer: bool = False  # also write tokenizer.json (byte-level BPE trained on GSM8K train lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# spec checks and derived sizes
+
+
+def moe_layer_indices(spec: DemoSpec) -> list[int]:
+    """Layers that have routed experts (DeepSeek-V3's first layer is dense)."""
+    first = 1 if spec.arch == "deepseek_v3" else 0
+    return list(range(first, spec.num_layers))
+
+
+def expert_projection_names(arch: str) -> tuple[str, ...]:
+    """Expert projection module names of `arch`, in module registration order (Mixtral: w1, w2, w3)."""
+    return _EXPERT_PROJECTIONS[arch]
+
+
+def _check_spec(spec: DemoSpec) -> None:
+    def bad(message: str) -> ValueError:
+        return ValueError(f"DemoSpec: {message}")
+
+    if spec.arch not in ARCHITECTURES:
+        raise bad(f"arch {spec.arch!r} is not one of {ARCHITECTURES}")
+    if spec.num_bits not in (4, 8):
+        raise bad(f"num_bits must be 4 or 8, got {spec.num_bits}")
+    if spec.group_size != -1 and spec.group_size <= 0:
+        raise bad(f"group_size must be -1 (channel) or positive, got {spec.group_size}")
+    if spec.group_size > 0:
+        for what, size in (("hidden_size", spec.hidden_size), ("intermediate_size", spec.intermediate_size)):
+            if size % spec.group_size:
+                raise bad(f"{what} {size} is not a multiple of group_size {spec.group_size}")
+    if spec.actorder not in ACTORDERS:
+        raise bad(f"actorder {spec.actorder!r} is not one of {ACTORDERS}")
+    if spec.actorder == "group" and spec.group_size <= 0:
+        raise bad("actorder 'group' needs a positive group_size")
+    if spec.channel_group_size_null and spec.group_size != -1:
+        raise bad("channel_group_size_null needs group_size -1")
+    if spec.mixed not in MIXED_MODES:
+        raise bad(f"mixed {spec.mixed!r} is not one of {MIXED_MODES}")
+    if spec.mixed is not None and spec.num_bits != 4:
+        raise bad("mixed precision puts int8 next to int4: num_bits must be 4")
+    if spec.mixed == "layer" and not (
+        any(i % 2 == 0 for i in moe_layer_indices(spec)) and any(i % 2 == 1 for i in moe_layer_indices(spec))
+    ):
+        raise bad("mixed 'layer' needs an even and an odd MoE layer (more layers)")
+    if spec.mixed == "expert" and spec.num_experts < 2:
+        raise bad("mixed 'expert' needs at least 2 experts")
+    if spec.dtype not in DTYPES:
+        raise bad(f"dtype {spec.dtype!r} is not one of {tuple(DTYPES)}")
+    if spec.num_layers < 1 or (spec.arch == "deepseek_v3" and spec.num_layers < 2):
+        raise bad("num_layers too small to have an MoE layer (deepseek_v3 layer 0 is dense)")
+    if spec.num_experts < 1 or not 1 <= spec.top_k <= spec.num_experts:
+        raise bad(f"need 1 <= top_k <= num_experts, got top_k {spec.top_k}, num_experts {spec.num_experts}")
+    if spec.hidden_size < 16 or spec.intermediate_size < 1:
+        raise bad("hidden_size must be >= 16 and intermediate_size >= 1")
+    if spec.num_shards < 1:
+        raise bad("num_shards must be >= 1")
+    if spec.tokenizer and spec.vocab_size < 256 + len(SPECIAL_TOKENS) + 1:
+        raise bad("a byte-level tokenizer needs vocab_size >= 259")
+    if spec.vocab_size < len(SPECIAL_TOKENS):
+        raise bad("vocab_size too small")
+
+
+def _attention_heads(hidden_size: int) -> tuple[int, int, int]:
+    """(num_attention_heads, num_key_value_heads, head_dim) for a small model of this width."""
+    heads = max(1, hidden_size // 64)
+    while hidden_size % heads:
+        heads -= 1
+    kv_heads = heads // 2 if heads % 2 == 0 else heads
+    return heads, kv_heads, hidden_size // heads
+
+
+def _deepseek_groups(num_experts: int, top_k: int) -> tuple[int, int]:
+    """(n_group, topk_group) that keep DeepSeek-V3's group-limited routing well defined."""
+    n_group = 2 if num_experts % 2 == 0 and num_experts >= 4 else 1
+    per_group = num_experts // n_group
+    return n_group, min(n_group, max(1, math.ceil(top_k / per_group)))
+
+
+def _mla_dims(hidden_size: int) -> dict[str, int]:
+    return {
+        "q_lora_rank": max(16, hidden_size // 2),
+        "kv_lora_rank": max(16, hidden_size // 4),
+        "qk_rope_head_dim": _MLA_QK_ROPE_HEAD_DIM,
+        "qk_nope_head_dim": _MLA_QK_NOPE_HEAD_DIM,
+        "v_head_dim": _MLA_V_HEAD_DIM,
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# config.json (before quantization_config)
+
+
+def model_config(spec: DemoSpec) -> dict[str, Any]:
+    """The architecture part of config.json, with the fields the real model family uses."""
+    _check_spec(spec)
+    heads, kv_heads, head_dim = _attention_heads(spec.hidden_size)
+    common: dict[str, Any] = {
+        "architectures": [_ARCHITECTURE_CLASS[spec.arch]],
+        "model_type": spec.arch,
+        "hidden_size": spec.hidden_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "vocab_size": spec.vocab_size,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "rope_scaling": None,
+        "attention_dropout": 0.0,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "tie_word_embeddings": False,
+        "torch_dtype": spec.dtype,
+        "use_cache": True,
+        "num_experts_per_tok": spec.top_k,
+        "output_router_logits": False,
+    }
+    if spec.arch == "qwen3_moe":
+        return common | {
+            "head_dim": head_dim,
+            "attention_bias": False,
+            "num_experts": spec.num_experts,
+            "moe_intermediate_size": spec.intermediate_size,
+            "intermediate_size": 2 * spec.intermediate_size,  # dense MLP size (mlp_only_layers), unused here
+            "norm_topk_prob": True,
+            "mlp_only_layers": [],
+            "decoder_sparse_step": 1,
+            "router_aux_loss_coef": 0.001,
+            "sliding_window": None,
+            "use_sliding_window": False,
+            "max_window_layers": spec.num_layers,
+        }
+    if spec.arch == "mixtral":
+        return common | {
+            "num_local_experts": spec.num_experts,
+            "intermediate_size": spec.intermediate_size,
+            "rms_norm_eps": 1e-5,
+            "router_aux_loss_coef": 0.02,
+            "sliding_window": None,
+        }
+    if spec.arch == "qwen2_moe":
+        return common | {
+            "num_experts": spec.num_experts,
+            "moe_intermediate_size": spec.intermediate_size,
+            "shared_expert_intermediate_size": _shared_expert_size(spec),
+            "intermediate_size": _shared_expert_size(spec),
+            "norm_topk_prob": False,
+            "mlp_only_layers": [],
+            "decoder_sparse_step": 1,
+            "router_aux_loss_coef": 0.001,
+            "sliding_window": None,
+            "use_sliding_window": False,
+            "max_window_layers": spec.num_layers,
+        }
+    n_group, topk_group = _deepseek_groups(spec.num_experts, spec.top_k)
+    mla = _mla_dims(spec.hidden_size)
+    return common | mla | {
+        "num_key_value_heads": heads,  # MLA: every head has its own k/v
+        "head_dim": mla["qk_rope_head_dim"],
+        "attention_bias": False,
+        "n_routed_experts": spec.num_experts,
+        "n_shared_experts": 1,
+        "moe_intermediate_size": spec.intermediate_size,
+        "intermediate_size": _dense_mlp_size(spec),
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "n_group": n_group,
+        "topk_group": topk_group,
+        "topk_method": "noaux_tc",
+        "routed_scaling_factor": 2.5,
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "ep_size": 1,
+        "num_nextn_predict_layers": 0,  # no MTP layer is written
+        "rope_theta": 10000.0,
+    }
+
+
+def _shared_expert_size(spec: DemoSpec) -> int:
+    return 2 * spec.intermediate_size
+
+
+def _dense_mlp_size(spec: DemoSpec) -> int:
+    return 2 * spec.intermediate_size
+
+
+# ----------------------------------------------------------------------------------------------
+# the dense (pre-quantization) tensors
+
+
+class _TensorMaker:
+    """Draws every tensor from one seeded generator, in state-dict order, so output is reproducible."""
+
+    def __init__(self, seed: int, dtype: torch.dtype):
+        self.generator = torch.Generator().manual_seed(seed)
+        self.dtype = dtype
+
+    def normal(self, *shape: int, std: float = WEIGHT_STD, dtype: torch.dtype | None = None) -> torch.Tensor:
+        values = torch.randn(shape, generator=self.generator, dtype=torch.float32) * std
+        return values.to(dtype or self.dtype)
+
+    def norm(self, size: int) -> torch.Tensor:
+        # RMSNorm weights of a trained model sit near 1
+        return (1.0 + torch.randn((size,), generator=self.generator, dtype=torch.float32) * 0.05).to(self.dtype)
+
+
+def demo_source_weights(spec: DemoSpec = DemoSpec()) -> dict[str, torch.Tensor]:
+    """The unquantized state dict the checkpoint of `spec` is made from, in `spec.dtype`.
+
+    Expert weights are the values before quantization (the `...experts.{e}.<proj>.weight`
+    that the checkpoint stores as `weight_packed` + `weight_scale`).  Only the shape, arch,
+    dtype and seed fields matter: checkpoints that differ in quantization options share them.
+    """
+    _check_spec(spec)
+    make = _TensorMaker(spec.seed, DTYPES[spec.dtype])
+    hidden = spec.hidden_size
+    tensors: dict[str, torch.Tensor] = {"model.embed_tokens.weight": make.normal(spec.vocab_size, hidden)}
+    for layer in range(spec.num_layers):
+        prefix = f"model.layers.{layer}."
+        # HF module registration order: self_attn, mlp, input_layernorm, post_attention_layernorm
+        tensors |= {prefix + name: t for name, t in _attention_tensors(spec, make).items()}
+        tensors |= {prefix + name: t for name, t in _mlp_tensors(spec, make, layer).items()}
+        tensors[prefix + "input_layernorm.weight"] = make.norm(hidden)
+        tensors[prefix + "post_attention_layernorm.weight"] = make.norm(hidden)
+    tensors["model.norm.weight"] = make.norm(hidden)
+    tensors["lm_head.weight"] = make.normal(spec.vocab_size, hidden)
+    return tensors
+
+
+def _attention_tensors(spec: DemoSpec, make: _TensorMaker) -> dict[str, torch.Tensor]:
+    hidden = spec.hidden_size
+    heads, kv_heads, head_dim = _attention_heads(hidden)
+    if spec.arch == "deepseek_v3":
+        mla = _mla_dims(hidden)
+        qk_head_dim = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
+        return {
+            "self_attn.q_a_proj.weight": make.normal(mla["q_lora_rank"], hidden),
+            "self_attn.q_a_layernorm.weight": make.norm(mla["q_lora_rank"]),
+            "self_attn.q_b_proj.weight": make.normal(heads * qk_head_dim, mla["q_lora_rank"]),
+            "self_attn.kv_a_proj_with_mqa.weight": make.normal(mla["kv_lora_rank"] + mla["qk_rope_head_dim"], hidden),
+            "self_attn.kv_a_layernorm.weight": make.norm(mla["kv_lora_rank"]),
+            "self_attn.kv_b_proj.weight": make.normal(
+                heads * (mla["qk_nope_head_dim"] + mla["v_head_dim"]), mla["kv_lora_rank"]
+            ),
+            "self_attn.o_proj.weight": make.normal(hidden, heads * mla["v_head_dim"]),
+        }
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    tensors = {"self_attn.q_proj.weight": make.normal(q_size, hidden)}
+    if spec.arch == "qwen2_moe":  # Qwen2 attention has q/k/v biases
+        tensors["self_attn.q_proj.bias"] = make.normal(q_size)
+    tensors["self_attn.k_proj.weight"] = make.normal(kv_size, hidden)
+    if spec.arch == "qwen2_moe":
+        tensors["self_attn.k_proj.bias"] = make.normal(kv_size)
+    tensors["self_attn.v_proj.weight"] = make.normal(kv_size, hidden)
+    if spec.arch == "qwen2_moe":
+        tensors["self_attn.v_proj.bias"] = make.normal(kv_size)
+    tensors["self_attn.o_proj.weight"] = make.normal(hidden, q_size)
+    if spec.arch == "qwen3_moe":
+        tensors["self_attn.q_norm.weight"] = make.norm(head_dim)
+        tensors["self_attn.k_norm.weight"] = make.norm(head_dim)
+    return tensors
+
+
+def _swiglu_tensors(prefix: str, names: tuple[str, str, str], hidden: int, inner: int, make: _TensorMaker) -> dict[str, torch.Tensor]:
+    """gate/up [inner, hidden] and down [hidden, inner]; `names` are (gate, up, down)."""
+    gate, up, down = names
+    shapes = {gate: (inner, hidden), up: (inner, hidden), down: (hidden, inner)}
+    # modules are registered (and drawn) in the model's order: Mixtral's is w1, w2, w3
+    order = (gate, down, up) if gate == "w1" else names
+    return {f"{prefix}{name}.weight": make.normal(*shapes[name]) for name in order}
+
+
+def _mlp_tensors(spec: DemoSpec, make: _TensorMaker, layer: int) -> dict[str, torch.Tensor]:
+    hidden, inner = spec.hidden_size, spec.intermediate_size
+    block = _MOE_BLOCK[spec.arch]
+    gate_up_down = ("w1", "w3", "w2") if spec.arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    if layer not in moe_layer_indices(spec):  # DeepSeek-V3 dense layer
+        return _swiglu_tensors("mlp.", gate_up_down, hidden, _dense_mlp_size(spec), make)
+
+    router = {f"{block}.gate.weight": make.normal(spec.num_experts, hidden)}
+    experts: dict[str, torch.Tensor] = {}
+    for expert in range(spec.num_experts):
+        experts |= _swiglu_tensors(f"{block}.experts.{expert}.", gate_up_down, hidden, inner, make)
+    if spec.arch == "deepseek_v3":
+        # DeepseekV3MoE registers experts, gate (weight + fp32 correction bias), shared_experts
+        router[f"{block}.gate.e_score_correction_bias"] = make.normal(spec.num_experts, std=0.01, dtype=torch.float32)
+        shared = _swiglu_tensors("mlp.shared_experts.", gate_up_down, hidden, inner, make)
+        return experts | router | shared
+    tensors = router | experts
+    if spec.arch == "qwen2_moe":
+        tensors |= _swiglu_tensors("mlp.shared_expert.", gate_up_down, hidden, _shared_expert_size(spec), make)
+        tensors["mlp.shared_expert_gate.weight"] = make.normal(1, hidden)
+    return tensors
+
+
+# ----------------------------------------------------------------------------------------------
+# quantization scheme
+
+
+def _expert_target(spec: DemoSpec, layer_pattern: str = r"\d+", expert_pattern: str = r"\d+") -> str:
+    projections = "|".join(expert_projection_names(spec.arch))
+    block = _MOE_BLOCK[spec.arch]
+    return rf"re:model\.layers\.{layer_pattern}\.{block}\.experts\.{expert_pattern}\.({projections})$"
+
+
+def _weight_args(spec: DemoSpec, num_bits: int, actorder: str | None) -> "QuantizationArgs":
+    from compressed_tensors.quantization import QuantizationArgs
+
+    fields: dict[str, Any] = {"num_bits": num_bits, "type": "int", "symmetric": spec.symmetric, "dynamic": False}
+    if spec.group_size > 0:
+        fields |= {"strategy": "group", "group_size": spec.group_size}
+    elif spec.channel_group_size_null:
+        fields |= {"strategy": "channel"}
+    else:
+        fields |= {"strategy": "channel", "group_size": -1}
+    if actorder is not None:
+        fields["actorder"] = actorder
+    return QuantizationArgs(**fields)
+
+
+def _expert_schemes(spec: DemoSpec) -> dict[str, "QuantizationScheme"]:
+    """Config groups for the routed experts; everything else stays untargeted (bf16)."""
+    from compressed_tensors.quantization import QuantizationScheme
+
+    # 0.20 refuses actorder "group": the library scheme carries none, the g_idx is added here
+    actorder = None if spec.actorder == "group" else spec.actorder
+    base = _weight_args(spec, spec.num_bits, actorder)
+    if spec.mixed is None:
+        return {"group_0": QuantizationScheme(targets=[_expert_target(spec)], weights=base)}
+    wide = _weight_args(spec, 8, actorder)
+    even, odd = r"\d*[02468]", r"\d*[13579]"
+    if spec.mixed == "layer":
+        int4_target, int8_target = _expert_target(spec, layer_pattern=even), _expert_target(spec, layer_pattern=odd)
+    else:
+        int4_target, int8_target = _expert_target(spec, expert_pattern=even), _expert_target(spec, expert_pattern=odd)
+    return {
+        "group_0": QuantizationScheme(targets=[int4_target], weights=base),
+        "group_1": QuantizationScheme(targets=[int8_target], weights=wide),
+    }
+
+
+def _module_tree(tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A plain module tree whose dotted names are the checkpoint's names.
+
+    Leaves with a 2-D `weight` become nn.Linear (nn.Embedding for embed_tokens), the module
+    types the library quantizes and lists in `ignore`; norms are bare modules.
+    """
+    root = torch.nn.Module()
+    leaves: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        module_name, _, param_name = name.rpartition(".")
+        leaves.setdefault(module_name, {})[param_name] = tensor
+    for module_name, params in leaves.items():
+        weight = params["weight"]
+        if module_name.endswith("embed_tokens"):
+            leaf: torch.nn.Module = torch.nn.Embedding(weight.shape[0], weight.shape[1], device="meta")
+        elif weight.ndim == 2:
+            leaf = torch.nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in params, device="meta")
+        else:
+            leaf = torch.nn.Module()
+        for param_name, tensor in params.items():
+            setattr(leaf, param_name, torch.nn.Parameter(tensor, requires_grad=False))
+        parent = root
+        *path, last = module_name.split(".")
+        for part in path:
+            if not hasattr(parent, part):
+                parent.add_module(part, torch.nn.Module())
+            parent = getattr(parent, part)
+        parent.add_module(last, leaf)
+    return root
+
+
+def _observe_qparams(weight: torch.Tensor, args: "QuantizationArgs") -> tuple[torch.Tensor, torch.Tensor]:
+    """Min-max scale and zero point of `weight` [N, K] per row group, as the library's observers compute them."""
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    rows, cols = weight.shape
+    group = args.group_size if args.strategy == "group" else cols
+    grouped = weight.reshape(rows, cols // group, group)
+    return calculate_qparams(grouped.amin(dim=-1), grouped.amax(dim=-1), args)
+
+
+def _group_permutation(generator: torch.Generator, cols: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(perm, g_idx) as GPTQ act-order writes them: g_idx[perm[i]] = i // group_size."""
+    perm = torch.randperm(cols, generator=generator)
+    g_idx = torch.empty(cols, dtype=torch.int32)
+    g_idx[perm] = (torch.arange(cols) // group_size).to(torch.int32)
+    return perm, g_idx
+
+
+def _compress_with_g_idx(module: torch.nn.Module, perm: torch.Tensor, g_idx: torch.Tensor) -> None:
+    """Quantize and pack `module` like compressed-tensors <= 0.18 does for actorder "group".
+
+    Group g holds the columns k with g_idx[k] == g (= perm[g*gs:(g+1)*gs]); the codes stay in
+    the original column order, so w[:, k] = (q[:, k] - z[:, g_idx[k]]) * s[:, g_idx[k]].
+    """
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    from compressed_tensors.quantization import QuantizationStatus
+    from compressed_tensors.quantization.lifecycle.forward import quantize
+    from compressed_tensors.utils import replace_direct_state_dict
+
+    args = module.quantization_scheme.weights
+    weight = module.weight.data
+    scale, zero_point = _observe_qparams(weight[:, perm], args)
+    codes_in_group_order = quantize(weight[:, perm], scale, zero_point, args, dtype=torch.int8)
+    codes = torch.empty_like(codes_in_group_order)
+    codes[:, perm] = codes_in_group_order
+    compressed = {
+        "weight_packed": pack_to_int32(codes, args.num_bits),
+        "weight_scale": scale,
+        "weight_shape": torch.tensor(weight.shape),
+        "weight_g_idx": g_idx,
+    }
+    if not args.symmetric:
+        compressed["weight_zero_point"] = pack_to_int32(zero_point, args.num_bits, packed_dim=0)
+    replace_direct_state_dict(module, compressed)
+    module.quantization_status = QuantizationStatus.COMPRESSED
+
+
+def _verbose_group_actorder_config(quantization_config: dict[str, Any]) -> dict[str, Any]:
+    """Rewrite the library's terse 0.20 dump in the verbose form 0.18 wrote for actorder "group"."""
+    config = dict(quantization_config)
+    config["version"] = GROUP_ACTORDER_WRITER_VERSION
+    config.pop("moe_sparsity_config", None)  # added in 0.19
+    for scheme in config["config_groups"].values():
+        weights = scheme["weights"]
+        weights["actorder"] = "group"
+        weights.setdefault("block_structure", None)
+        weights.setdefault("scale_dtype", None)
+        weights["observer"] = "memoryless_minmax"  # 0.18's default weight observer
+        weights.setdefault("observer_kwargs", {})
+        weights["zp_dtype"] = None if weights["symmetric"] else "torch.int8"
+    return config
+
+
+# ----------------------------------------------------------------------------------------------
+# writing
+
+
+def _shard_assignment(sizes: list[int], num_shards: int) -> list[int]:
+    """Shard index of each tensor: consecutive runs of about equal bytes, none empty."""
+    if num_shards > len(sizes):
+        raise ValueError(f"DemoSpec: {num_shards} shards for only {len(sizes)} tensors")
+    total = sum(sizes)
+    assignment, before = [], 0
+    for size in sizes:
+        assignment.append(min(num_shards - 1, before * num_shards // total))
+        before += size
+    if len(set(assignment)) == num_shards:
+        return assignment
+    # a few huge tensors left a shard empty: split by count instead
+    return [i * num_shards // len(sizes) for i in range(len(sizes))]
+
+
+def _write_safetensors(out_dir: Path, tensors: dict[str, torch.Tensor], num_shards: int) -> None:
+    metadata = {"format": "pt"}
+    if num_shards == 1:
+        save_file(tensors, str(out_dir / "model.safetensors"), metadata=metadata)
+        return
+    names = list(tensors)
+    sizes = [tensors[n].numel() * tensors[n].element_size() for n in names]
+    assignment = _shard_assignment(sizes, num_shards)
+    weight_map: dict[str, str] = {}
+    for shard in range(num_shards):
+        file_name = f"model-{shard + 1:05d}-of-{num_shards:05d}.safetensors"
+        shard_tensors = {n: tensors[n] for n, a in zip(names, assignment) if a == shard}
+        save_file(shard_tensors, str(out_dir / file_name), metadata=metadata)
+        weight_map |= {n: file_name for n in shard_tensors}
+    index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    # the layout ModelCompressor.update_config uses
+    path.write_text(json.dumps(data, indent=2, sort_keys=True))
+
+
+def write_demo_checkpoint(out_dir: str | os.PathLike[str], spec: DemoSpec = DemoSpec()) -> Path:
+    """Write the checkpoint of `spec` into `out_dir` and return its path.
+
+    `out_dir` must not exist or be empty (stale shards of another spec would be read as part
+    of this checkpoint).  Files: config.json (+ quantization_config),
+    model-0000i-of-0000n.safetensors + model.safetensors.index.json (or one model.safetensors),
+    and with `spec.tokenizer` tokenizer.json + tokenizer_config.json.
+    Same spec -> byte-identical files.
+    """
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, apply_quantization_config
+
+    _check_spec(spec)
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out}: the demo checkpoint needs a new or empty folder")
+    # read before anything is written: a missing data file must not leave half a checkpoint
+    training_text = list(_gsm8k_training_text()) if spec.tokenizer else None
+    out.mkdir(parents=True, exist_ok=True)
+
+    model = _module_tree(demo_source_weights(spec))
+    apply_quantization_config(model, QuantizationConfig(config_groups=_expert_schemes(spec)), show_progress=False)
+    experts = [module for module in model.modules() if hasattr(module, "quantization_scheme")]
+    compressor = ModelCompressor.from_pretrained_model(model)
+    group_actorder_config: dict[str, Any] | None = None
+    if spec.actorder == "group":
+        # a separate random stream, so the weights do not depend on whether g_idx is drawn
+        permutations = torch.Generator().manual_seed(spec.seed + 1)
+        for module in experts:
+            _compress_with_g_idx(module, *_group_permutation(permutations, module.weight.shape[1], spec.group_size))
+        compressor.quantization_config.quantization_status = QuantizationStatus.COMPRESSED
+        library_dump = compressor.quantization_config.model_dump(exclude=["quant_method"])
+        # wrapped in the keys update_config adds around the dump
+        group_actorder_config = _verbose_group_actorder_config(
+            {"quant_method": "compressed-tensors", "sparsity_config": {}, "transform_config": {}, **library_dump}
+        )
+    else:
+        for module in experts:
+            scale, zero_point = _observe_qparams(module.weight.data, module.quantization_scheme.weights)
+            module.weight_scale.data.copy_(scale)
+            module.weight_zero_point.data.copy_(zero_point)
+        # compress_model shows a progress bar that cannot be turned off
+        with contextlib.redirect_stderr(io.StringIO()):
+            compressor.compress_model(model)
+
+    tensors = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
+    _write_safetensors(out, tensors, spec.num_shards)
+    if group_actorder_config is None:
+        _write_json(out / "config.json", model_config(spec))
+        compressor.update_config(str(out))  # adds the library's quantization_config
+    else:
+        _write_json(out / "config.json", model_config(spec) | {"quantization_config": group_actorder_config})
+    if training_text is not None:
+        _write_tokenizer(out, spec.vocab_size, training_text)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# tokenizer
+
+
+def shared_data_dir() -> Path:
+    """The shared/ folder beside the repository (or $WNA16CTL_SHARED)."""
+    beside_repo = Path(__file__).resolve().parents[2] / "shared"
+    if beside_repo.is_dir() or SHARED_DIR_ENV not in os.environ:
+        return beside_repo
+    return Path(os.environ[SHARED_DIR_ENV])
+
+
+def _gsm8k_training_text(limit: int = TOKENIZER_TRAINING_LINES) -> Iterator[str]:
+    path = shared_data_dir() / "data" / "gsm8k" / "train.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: GSM8K training text for the demo tokenizer not found (set {SHARED_DIR_ENV})")
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines):
+            if number >= limit:
+                break
+            record = json.loads(line)
+            yield record["question"] + "\n" + record["answer"]
+
+
+def _write_tokenizer(out_dir: Path, vocab_size: int, training_text: list[str]) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(training_text, trainer)
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    bos, eos = SPECIAL_TOKENS
+    _write_json(
+        out_dir / "tokenizer_config.json",
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos, "model_max_length": 4096},
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# reference decompression
+
+
+def _read_checkpoint_tensors(ckpt_dir: Path) -> dict[str, torch.Tensor]:
+    files = sorted(ckpt_dir.glob("*.safetensors"))
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            tensors |= {name: handle.get_tensor(name) for name in handle.keys()}
+    return tensors
+
+
+def _is_group_actorder(weights: dict[str, Any] | None) -> bool:
+    actorder = (weights or {}).get("actorder")
+    return actorder is True or actorder in ("group", "dynamic")
+
+
+def library_dequantize(ckpt_dir: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """fp32 weights of every quantized module, by `<module>.weight`, decompressed by compressed-tensors.
+
+    Each config group's compressor (its declared `format`, else the top-level one) decompresses
+    the modules its targets select (the library's matching, `ignore` honoured).  compressed-tensors
+    0.19+ cannot parse `actorder: "group"`; such checkpoints are unpacked with the library's
+    `unpack_from_int32` and dequantized with its arithmetic through the g_idx:
+    w[:, k] = (q[:, k] - z[:, g_idx[k]]) * s[:, g_idx[k]].
+    """
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from compressed_tensors.utils.match import match_quantizable_tensors
+
+    path = Path(ckpt_dir)
+    raw_config = json.loads((path / "config.json").read_text())["quantization_config"]
+    remaining = _read_checkpoint_tensors(path)
+    if any(_is_group_actorder(group.get("weights")) for group in raw_config["config_groups"].values()):
+        return _dequantize_with_g_idx(raw_config, remaining)
+
+    config = QuantizationConfig.model_validate(raw_config)
+    weights: dict[str, torch.Tensor] = {}
+    for scheme in config.config_groups.values():
+        compressor = BaseCompressor.get_value_from_registry(scheme.format or config.format)
+        param_names = compressor.compression_param_names(scheme)
+        matches = list(
+            match_quantizable_tensors(remaining, config.ignore or [], scheme.targets, param_targets=[param_names[0]])
+        )
+        for module_name, _ in matches:
+            local = {p: remaining.pop(f"{module_name}.{p}") for p in param_names if f"{module_name}.{p}" in remaining}
+            weights[f"{module_name}.weight"] = compressor.decompress(local, scheme)["weight"].float()
+    return weights
+
+
+def _dequantize_with_g_idx(raw_config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from compressed_tensors.utils.match import match_name
+
+    ignore = raw_config.get("ignore") or []
+    weights: dict[str, torch.Tensor] = {}
+    modules = [name.removesuffix(".weight_packed") for name in tensors if name.endswith(".weight_packed")]
+    for module_name in modules:
+        if any(match_name(module_name, pattern) for pattern in ignore):
+            continue
+        group = next(
+            (g for g in raw_config["config_groups"].values() if any(match_name(module_name, t) for t in g["targets"])),
+            None,
+        )
+        if group is None:
+            continue
+        args = group["weights"]
+        shape = tuple(int(v) for v in tensors[f"{module_name}.weight_shape"])
+        scale = tensors[f"{module_name}.weight_scale"]
+        codes = unpack_from_int32(tensors[f"{module_name}.weight_packed"], args["num_bits"], torch.Size(shape))
+        zero_point = torch.zeros(scale.shape, dtype=torch.int8)
+        if f"{module_name}.weight_zero_point" in tensors:
+            zero_point = unpack_from_int32(
+                tensors[f"{module_name}.weight_zero_point"], args["num_bits"], torch.Size((shape[0], scale.shape[1])), packed_dim=0
+            )
+        cols = shape[1]
+        if f"{module_name}.weight_g_idx" in tensors:
+            g_idx = tensors[f"{module_name}.weight_g_idx"].long()
+        else:
+            group_size = args.get("group_size") or -1
+            g_idx = torch.arange(cols) // group_size if group_size > 0 else torch.zeros(cols, dtype=torch.long)
+        # the library's _dequantize arithmetic: (q - z) and the product in the scale's dtype
+        offset = codes.to(scale.dtype) - zero_point[:, g_idx].to(scale.dtype)
+        weights[f"{module_name}.weight"] = (offset * scale[:, g_idx]).float()
+    return weights
