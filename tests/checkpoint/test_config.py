@@ -150,3 +150,20 @@ def test_nonsense_is_bad_input(mutate, needle):
     mutate(qc)
     with pytest.raises(BadInput, match=needle):
         parse_quantization_config(qc, P)
+
+
+@pytest.mark.parametrize("which", sorted(CONFIGS))
+def test_bulk_resolution_equals_single(which):
+    qc = parse_quantization_config(copy.deepcopy(CONFIGS[which]), P)
+    names = [f"model.layers.{L}.mlp.experts.{e}.{p}" for L in (0, 3, 11) for e in range(40)
+             for p in ("gate_proj", "up_proj", "down_proj")] + NAMES * 10
+    assert qc.schemes_for(names) == [qc.scheme_for(n) for n in names]
+
+
+def test_bulk_resolution_pattern_that_admits_newlines():
+    qc = copy.deepcopy(TERSE)
+    qc["config_groups"]["group_0"]["targets"] = [r"re:model[^x]*experts\.1\d*\.gate_proj$"]
+    q = parse_quantization_config(qc, P)
+    names = [f"model.layers.0.mlp.experts.{e}.gate_proj" for e in range(100)]
+    assert q.schemes_for(names) == [q.scheme_for(n) for n in names]
+    assert sum(s is not None for s in q.schemes_for(names)) == 11

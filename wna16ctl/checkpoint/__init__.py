@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,12 +31,26 @@ class Checkpoint:
         return [lay for lay in self.layers if lay.quantized]
 
 
+@contextmanager
+def _no_cyclic_gc():
+    """Pause the cyclic garbage collector: parsing ~10^5 header entries allocates millions of
+    containers, which triggers collections that find nothing (they halve header parsing time)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Config, headers and MoE layers of the checkpoint at `path` (BadInput when unusable)."""
     root = Path(path)
-    config = read_model_config(root)
-    files = read_checkpoint_files(root)
-    layers = find_moe_layers(files, config)
+    with _no_cyclic_gc():
+        config = read_model_config(root)
+        files = read_checkpoint_files(root)
+        layers = find_moe_layers(files, config)
     warnings = [w for lay in layers for w in lay.warnings]
     if config.quant is None:
         warnings.append(f"{root / 'config.json'}: no quantization_config; the experts are not quantized")

@@ -23,6 +23,7 @@ _FAMILY_NAMES = {
     "w1_w3_w2": {"gate": "w1", "up": "w3", "down": "w2"},
 }
 _EXPERT_RE = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.(?P<suffix>[A-Za-z_]+)$")
+_ANCHORS = ("gate_proj.weight_packed", "gate_proj.weight", ".w1.weight_packed", ".w1.weight")
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _FLOAT_DTYPES = ("BF16", "F16", "F32")
 # Formats compressed-tensors writes; anything else is not a compressed-tensors checkpoint we know.
@@ -31,15 +32,6 @@ KNOWN_FORMATS = frozenset({
     "nvfp4-pack-quantized", "mxfp4-pack-quantized", "mxfp8-quantized", "marlin-24", "sparse-24-bitmask",
     "sparse-bitmask", "sparse-24", "mxfp4-quantized", "mxfp6-quantized",
 })
-
-
-@dataclass(frozen=True)
-class ProjectionFacts:
-    """What the headers say about one expert projection (one scheme check per projection)."""
-
-    scheme: WeightScheme | None
-    zero_point: str  # "packed" | "unpacked" | "missing" | "none" (symmetric)
-    g_idx: str  # "present" | "missing" | "none"
 
 
 @dataclass
@@ -91,7 +83,8 @@ def find_moe_layers(ckpt: CheckpointFiles, config: ModelConfig) -> list[MoELayer
     """Discover every MoE layer's routed experts and check their headers against the config."""
     found: dict[str, tuple[str, set[int]]] = {}
     for name in ckpt.names():
-        if ".experts." not in name:
+        # cheap filter first: one tensor per expert identifies it (its gate projection's weight)
+        if not name.endswith(_ANCHORS) or ".experts." not in name:
             continue
         m = _EXPERT_RE.match(name)
         if m is None:
@@ -130,7 +123,7 @@ def _describe_layer(ckpt: CheckpointFiles, config: ModelConfig, prefix: str, fam
     # The intermediate size: config if it says, else the shapes; the two must agree.
     g0 = ckpt.raw(f"{prefix}.0.{names['gate']}.weight_packed") or ckpt.raw(f"{prefix}.0.{names['gate']}.weight")
     if g0 is None:
-        raise BadInput(f"{where}: tensor {prefix}.0.{names['gate']}.weight_packed is missing")
+        raise ckpt.missing(f"{prefix}.0.{names['gate']}.weight_packed")
     I = int(g0["shape"][0])
     if config.moe_intermediate_size is not None and config.moe_intermediate_size != I:
         raise BadInput(
@@ -160,21 +153,34 @@ def _describe_layer(ckpt: CheckpointFiles, config: ModelConfig, prefix: str, fam
         if f"{stem}.post_attention_layernorm.weight" in ckpt:
             layer.norm = f"{stem}.post_attention_layernorm.weight"
 
-    # Check every projection of every expert; one expected-header table per distinct scheme.
-    cache: dict[tuple[str, WeightScheme | None], dict[str, tuple]] = {}
+    # Check every projection of every expert, in bulk per (role, scheme): this loop runs over
+    # every expert tensor of the model and dominates inspect's time on large checkpoints.
     zp_forms: set[str] = set()
     gidx_forms: set[str] = set()
     scale_dtypes: set[str] = set()
-    for e in range(num):
-        key = []
-        for role in ROLE_ORDER:
-            module = f"{prefix}.{e}.{names[role]}"
-            scheme = quant.scheme_for(module) if quant is not None else None
-            facts = _check_projection(ckpt, module, role, scheme, H, I, cache, scale_dtypes)
-            zp_forms.add(facts.zero_point)
-            gidx_forms.add(facts.g_idx)
-            key.append(scheme)
-        layer.scheme_sets.setdefault(tuple(key), []).append(e)
+    per_role: dict[str, list[WeightScheme | None]] = {}
+    for role in ROLE_ORDER:
+        modules = [f"{prefix}.{e}.{names[role]}" for e in range(num)]
+        schemes = quant.schemes_for(modules) if quant is not None else [None] * num
+        per_role[role] = schemes
+        by_scheme: dict[WeightScheme | None, list[str]] = {}
+        for m, sch in zip(modules, schemes):
+            by_scheme.setdefault(sch, []).append(m)
+        for sch, mods in by_scheme.items():
+            facts = _check_projections(ckpt, mods, role, sch, H, I, scale_dtypes)
+            zp_forms |= facts[0]
+            gidx_forms |= facts[1]
+    # group experts by their (gate, up, down) schemes; keyed by identity (schemes come from the
+    # config's matcher, so equal schemes are the same objects) to avoid rehashing dataclasses
+    groups: dict[tuple[int, ...], tuple[tuple, list[int]]] = {}
+    for e, key in enumerate(zip(*(per_role[r] for r in ROLE_ORDER))):
+        ident = tuple(map(id, key))
+        g = groups.get(ident)
+        if g is None:
+            groups[ident] = g = (key, [])
+        g[1].append(e)
+    for key, experts in groups.values():
+        layer.scheme_sets.setdefault(key, []).extend(experts)
     first = next(iter(layer.scheme_sets))
     layer.scheme = first[0]
     layer.scale_dtype = min(scale_dtypes) if len(scale_dtypes) == 1 else (",".join(sorted(scale_dtypes)) or None)
@@ -218,58 +224,82 @@ def _expected(scheme: WeightScheme, role: str, H: int, I: int) -> dict[str, tupl
     }
 
 
-def _check_projection(
+def _check_projections(
     ckpt: CheckpointFiles,
-    module: str,
+    modules: list[str],
     role: str,
     scheme: WeightScheme | None,
     H: int,
     I: int,
-    cache: dict,
     scale_dtypes: set[str],
-) -> ProjectionFacts:
+) -> tuple[set[str], set[str]]:
+    """Check the headers of `modules` (one role, one scheme); return their zero-point/g_idx forms."""
     raw = ckpt.raw
     if scheme is None:
-        w = raw(f"{module}.weight")
-        if w is None:
-            packed = raw(f"{module}.weight_packed")
-            if packed is not None:
-                raise BadInput(
-                    f"{ckpt.root}: {module}.weight_packed exists but quantization_config does not quantize {module}; "
-                    "the config's targets/ignore do not match the tensors"
-                )
-            raise BadInput(f"{ckpt.root}: tensor {module}.weight is missing")
-        return ProjectionFacts(None, "none", "none")
+        for module in modules:
+            if raw(f"{module}.weight") is None:
+                if raw(f"{module}.weight_packed") is not None:
+                    raise BadInput(
+                        f"{ckpt.root}: {module}.weight_packed exists but quantization_config does not quantize {module}; "
+                        "the config's targets/ignore do not match the tensors"
+                    )
+                raise ckpt.missing(f"{module}.weight_packed")
+        return {"none"}, {"none"}
     if scheme.format not in KNOWN_FORMATS:
         raise BadInput(
-            f"{ckpt.root / 'config.json'}: {module} uses quantization format "
+            f"{ckpt.root / 'config.json'}: {modules[0]} uses quantization format "
             f"{scheme.format!r}, which is not a compressed-tensors format wna16ctl knows"
         )
-    if scheme.format != PACK_QUANTIZED or not scheme.is_wna16 or scheme.num_bits not in (2, 3, 4, 5, 6, 7, 8):
+    if scheme.format != PACK_QUANTIZED or not scheme.is_wna16 or not 1 <= scheme.num_bits <= 8:
         # Not a WNA16 packed layout: the planner reports why it cannot load; nothing to check here.
-        return ProjectionFacts(scheme, "none", "none")
-    key = (role, scheme)
-    exp = cache.get(key)
-    if exp is None:
-        exp = cache[key] = _expected(scheme, role, H, I)
-    _check(ckpt, module, "weight_packed", exp, required=True)
-    sd = _check(ckpt, module, "weight_scale", exp, required=True)
-    scale_dtypes.add(sd)
-    _check(ckpt, module, "weight_shape", exp, required=False)
-    zp = "none"
+        return {"none"}, {"none"}
+    exp = _expected(scheme, role, H, I)
+    _bulk_check(ckpt, modules, "weight_packed", exp, required=True)
+    scale_dtypes |= _bulk_check(ckpt, modules, "weight_scale", exp, required=True)
+    zp: set[str] = {"none"}
     if not scheme.symmetric:
-        z = raw(f"{module}.weight_zero_point")
-        if z is None:
-            zp = "missing"
-        elif z["dtype"] == "I32" and z["shape"] == exp["weight_zero_point"][1]:
-            zp = "packed"
-        else:
-            _check(ckpt, module, "weight_zero_point@unpacked", exp, required=True, stored="weight_zero_point")
-            zp = "unpacked"
-    gi = "none"
+        zp = set()
+        packed_shape = exp["weight_zero_point"][1]
+        for module in modules:
+            z = raw(f"{module}.weight_zero_point")
+            if z is None:
+                zp.add("missing")
+            elif z["dtype"] == "I32" and z["shape"] == packed_shape:
+                _check(ckpt, module, "weight_zero_point", exp, required=True)
+                zp.add("packed")
+            else:
+                _check(ckpt, module, "weight_zero_point@unpacked", exp, required=True, stored="weight_zero_point")
+                zp.add("unpacked")
+    gi: set[str] = {"none"}
     if scheme.act_order:
-        gi = "present" if _check(ckpt, module, "weight_g_idx", exp, required=False) else "missing"
-    return ProjectionFacts(scheme, zp, gi)
+        found = _bulk_check(ckpt, modules, "weight_g_idx", exp, required=False)
+        gi = {"present"} if found else set()
+        if any(raw(f"{m}.weight_g_idx") is None for m in modules):
+            gi.add("missing")
+    return zp, gi
+
+
+def _bulk_check(ckpt: CheckpointFiles, modules: list[str], suffix: str, exp: dict, *, required: bool) -> set[str]:
+    """Fast path over many modules; on the first bad one, `_check` produces the precise error."""
+    dtypes, shape = exp[suffix]
+    numel = 1
+    for d in shape:
+        numel *= d
+    sizes = {dt: numel * DTYPE_SIZES[dt] for dt in dtypes}
+    get = ckpt.raw
+    seen: set[str] = set()
+    for module in modules:
+        e = get(f"{module}.{suffix}")
+        if e is None:
+            if required:
+                _check(ckpt, module, suffix, exp, required=True)
+            continue
+        dt = e["dtype"]
+        off = e["data_offsets"]
+        if dt not in sizes or e["shape"] != shape or off[1] - off[0] != sizes[dt]:
+            _check(ckpt, module, suffix, exp, required=required)
+        seen.add(dt)
+    return seen
 
 
 def _check(ckpt: CheckpointFiles, module: str, suffix: str, exp: dict, *, required: bool, stored: str | None = None) -> str | None:
@@ -277,7 +307,7 @@ def _check(ckpt: CheckpointFiles, module: str, suffix: str, exp: dict, *, requir
     e = ckpt.raw(name)
     if e is None:
         if required:
-            raise BadInput(f"{ckpt.root}: tensor {name} is missing from every shard; the checkpoint is incomplete")
+            raise ckpt.missing(name)
         return None
     dtypes, shape = exp[suffix]
     if e["dtype"] not in dtypes or e["shape"] != shape:
