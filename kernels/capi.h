@@ -1,0 +1,137 @@
+/* C ABI of the wna16ctl kernel libraries, bound from Python with ctypes (wna16ctl/kernels.py).
+ *
+ * Two shared libraries are built from kernels/:
+ *   libwna16_host  (g++:  host.cpp, host_gemm.cpp, error.cpp) -- CPU Marlin repack, index
+ *                  queries, CPU replay of the CUDA GEMM
+ *   libwna16_cuda  (nvcc: repack.cu, moe_gemm.cu, error.cpp)  -- CUDA kernels
+ *
+ * Conventions: raw pointers to contiguous row-major buffers, sizes as int64_t, streams as void*
+ * (a cudaStream_t; NULL = legacy default stream). Every function returns WNA16_OK or an error code
+ * and leaves a one-line message for wna16_last_error() (per thread, per library). No function
+ * allocates device memory or synchronises the stream, so launchers are safe inside CUDA graphs.
+ *
+ * Tensor shapes (E = experts, K = size_k, N = size_n, pf = 32 / num_bits, G = scale groups):
+ *   packed   int32 [E, K/pf, N]         K-first ("GPTQ") packed codes, LSB-first along K
+ *   perm     int32 [E, K] or NULL       act-order sort indices: Marlin row k is source row perm[k]
+ *   marlin   int32 [E, K/16, N*16/pf]   Marlin tile layout (spec §6.4)
+ *   scales   2- or 4-byte [E, G, N]     grouped (64-chunk) or channel (32-chunk) perm (§6.5)
+ *   zp       int32 [E, G, N/pf]         zero-point codes, Marlin order (§6.6)
+ */
+#ifndef WNA16_CAPI_H
+#define WNA16_CAPI_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#define WNA16_API __declspec(dllexport)
+#else
+#define WNA16_API __attribute__((visibility("default")))
+#endif
+
+#define WNA16_ABI_VERSION 1
+
+#define WNA16_OK 0
+#define WNA16_EINVAL 1  /* bad shape / argument; nothing was launched or written */
+#define WNA16_ECUDA 2   /* CUDA runtime error (launch, driver too old, no device) */
+#define WNA16_ENOTSUP 3 /* valid request this build does not implement */
+
+#define WNA16_DTYPE_F16 0
+#define WNA16_DTYPE_BF16 1
+
+#define WNA16_GEMM_AUTO 0 /* mma.sync on sm80+, else FMA */
+#define WNA16_GEMM_FMA 1
+#define WNA16_GEMM_MMA 2
+
+WNA16_API int wna16_abi_version(void);
+WNA16_API const char* wna16_last_error(void);
+
+/* ---------------------------------------------------------------- host library (CPU) ------ */
+
+/* packed -> marlin for E experts, `num_threads` <= 0 means hardware concurrency. */
+WNA16_API int wna16_marlin_repack_host(const int32_t* packed, const int32_t* perm, int32_t* out,
+                                       int64_t num_experts, int64_t size_k, int64_t size_n,
+                                       int num_bits, int num_threads);
+/* marlin -> packed; with perm, source row perm[k] receives Marlin row k (undoes the gather). */
+WNA16_API int wna16_marlin_unrepack_host(const int32_t* marlin, const int32_t* perm, int32_t* out,
+                                         int64_t num_experts, int64_t size_k, int64_t size_n,
+                                         int num_bits, int num_threads);
+/* [rows, N] scales, elem_bytes 2 or 4; inverse != 0 restores the logical order. */
+WNA16_API int wna16_permute_scales_host(const void* in, void* out, int64_t rows, int64_t size_n,
+                                        int elem_bytes, int grouped, int inverse);
+/* [rows, N/pf] packed zero points: plain packed codes -> Marlin order (inverse: back). */
+WNA16_API int wna16_zero_points_host(const int32_t* in, int32_t* out, int64_t rows,
+                                     int64_t size_n, int num_bits, int inverse);
+
+/* Index queries (tests compare them with the Python layout code).
+ * For every Marlin output (kt, col, slot), in that row-major order, the source (k, n). */
+WNA16_API int wna16_marlin_src_table(int num_bits, int64_t size_k, int64_t size_n,
+                                     int64_t* src_k, int64_t* src_n);
+/* For every logical (k, n), row-major: the Marlin (kt, col, slot) it lands in. */
+WNA16_API int wna16_marlin_dst_table(int num_bits, int64_t size_k, int64_t size_n, int64_t* kt,
+                                     int64_t* col, int32_t* slot);
+/* Chunk permutations: scales (64 or 32 entries), zero points (64 entries). */
+WNA16_API int wna16_scale_perm_table(int grouped, int32_t* out);
+WNA16_API int wna16_zp_perm_table(int num_bits, int32_t* out);
+
+/* CPU replay of the CUDA repack kernel's block phases (repack.cuh), for tests. */
+WNA16_API int wna16_marlin_repack_replay(const int32_t* packed, const int32_t* perm, int32_t* out,
+                                         int64_t num_experts, int64_t size_k, int64_t size_n,
+                                         int num_bits);
+/* CPU replay of the CUDA GEMM (same tile phases, software mma.sync), for tests on machines
+ * without a GPU. Contract of wna16_cuda_moe_gemm on host memory; variant FMA or MMA (AUTO = MMA);
+ * tile_rows 0 (the launcher's choice), 16 or 64. Slow by design. */
+WNA16_API int wna16_moe_gemm_replay(const void* a, const int32_t* b, const void* scales,
+                                    const int32_t* zp, const int32_t* g_idx, const int32_t* perm,
+                                    const int32_t* sorted_ids, const int32_t* offsets,
+                                    const float* topk_weights, void* c, int32_t* workspace,
+                                    int64_t num_slots, int64_t num_sorted, int64_t num_experts,
+                                    int64_t size_n, int64_t size_k, int64_t num_groups, int top_k,
+                                    int num_bits, int dtype, int is_k_full, int variant,
+                                    int tile_rows);
+/* The replay's float <-> fp16/bf16 conversions (round to nearest even), checked against torch. */
+WNA16_API int wna16_round_16bit(const float* in, uint16_t* out, int64_t n, int dtype);
+WNA16_API int wna16_widen_16bit(const uint16_t* in, float* out, int64_t n, int dtype);
+
+/* ---------------------------------------------------------------- CUDA library ------------ */
+
+WNA16_API int wna16_cuda_device_info(int device, int32_t* info /* [8] */);
+/* info: cc_major, cc_minor, sm_count, mem_clock_khz, bus_width_bits, l2_bytes,
+ *       runtime_version, driver_version */
+
+WNA16_API int wna16_cuda_marlin_repack(const int32_t* packed, const int32_t* perm, int32_t* out,
+                                       int64_t num_experts, int64_t size_k, int64_t size_n,
+                                       int num_bits, void* stream);
+WNA16_API int wna16_cuda_permute_scales(const void* in, void* out, int64_t rows, int64_t size_n,
+                                        int elem_bytes, int grouped, void* stream);
+WNA16_API int wna16_cuda_zero_points(const int32_t* in, int32_t* out, int64_t rows,
+                                     int64_t size_n, int num_bits, void* stream);
+
+/* MoE GEMM over Marlin weights:
+ *   for every expert e and every slot s in sorted_ids[offsets[e] : offsets[e+1]] with s < num_slots:
+ *     c[s, :] = (a[s / top_k, :] (columns gathered by perm[e] if perm) @ dequant(b[e]))
+ *               * (topk_weights ? topk_weights[s] : 1)
+ *   a [num_slots / top_k, K] (fp16/bf16, `dtype`), c [num_slots, N] same dtype; rows of c that no
+ *   slot reaches are not written. fp32 accumulation; dequantisation in the activation dtype:
+ *   w = dtype(code - zero) * scale, zero = zp ? zp code : 2^(num_bits-1).
+ *   Scale group of Marlin row k: perm && !is_k_full -> g_idx[e][k] (global group id);
+ *   otherwise k / (K / G) (G == 1: channel-wise). scales/c dtype == a dtype.
+ *   workspace: int32[num_experts + 1], scratch owned by the caller.
+ */
+WNA16_API int wna16_cuda_moe_gemm(const void* a, const int32_t* b, const void* scales,
+                                  const int32_t* zp, const int32_t* g_idx, const int32_t* perm,
+                                  const int32_t* sorted_ids, const int32_t* offsets,
+                                  const float* topk_weights, void* c, int32_t* workspace,
+                                  int64_t num_slots, int64_t num_sorted, int64_t num_experts,
+                                  int64_t size_n, int64_t size_k, int64_t num_groups, int top_k,
+                                  int num_bits, int dtype, int is_k_full, int variant,
+                                  void* stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* WNA16_CAPI_H */

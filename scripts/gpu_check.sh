@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One unattended GPU check of the wna16ctl kernels: build, correctness against the CPU path,
+# benchmarks. Needs one NVIDIA GPU, nvcc, and a python whose torch is a CUDA build; nothing else
+# (no network, no install: the package runs from this checkout). Writes $OUT/gpu_check.json (or
+# ./gpu_check.json) and prints a short summary. Exit: 0 passed, 1 a check failed, 2 could not run.
+#
+#   scripts/gpu_check.sh [--budget SECONDS] [--gemm-cases N] [--no-pytest]
+set -u
+cd "$(dirname "$0")/.." || exit 2
+REPO=$PWD
+OUT_DIR=${OUT:-$REPO}
+JSON="$OUT_DIR/gpu_check.json"
+mkdir -p "$OUT_DIR"
+rm -f "$JSON"  # never mistake an old report for this run's
+
+# nvcc: PATH, then the usual install locations
+if ! command -v nvcc >/dev/null 2>&1; then
+  for d in "${CUDA_HOME:-}" /usr/local/cuda /usr/local/cuda-*; do
+    if [ -n "$d" ] && [ -x "$d/bin/nvcc" ]; then export PATH="$d/bin:$PATH"; break; fi
+  done
+fi
+
+# python: $PYTHON, the checkout's venv, python3 -- the first one whose torch imports
+PY=""
+for cand in "${PYTHON:-}" "$REPO/.venv/bin/python" python3 python; do
+  [ -n "$cand" ] || continue
+  if command -v "$cand" >/dev/null 2>&1 && "$cand" -c 'import torch' >/dev/null 2>&1; then PY=$cand; break; fi
+done
+
+not_run() {  # write a minimal report without torch (plain printf: no python may be usable)
+  reason=$1
+  nvcc_v=$(nvcc --version 2>/dev/null | tail -n 1 | tr -d '"\\')
+  smi=$(nvidia-smi --query-gpu=name,driver_version,compute_cap --format=csv,noheader 2>/dev/null | head -n 1 | tr -d '"\\')
+  printf '{\n  "status": "not-run",\n  "reason": "%s",\n  "env": {"nvcc_version": "%s", "nvidia_smi": "%s"}\n}\n' \
+    "$reason" "$nvcc_v" "$smi" > "$JSON"
+  echo "wna16ctl GPU check: not-run ($reason)"
+  echo "  report: $JSON"
+  exit 2
+}
+
+[ -n "$PY" ] || not_run "no python with an importable torch (tried \$PYTHON, .venv/bin/python, python3, python)"
+command -v nvcc >/dev/null 2>&1 || echo "note: nvcc not found; the check will report it" >&2
+
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+# hard stop a little above the python budget, so a hung kernel still leaves a report behind
+timeout --signal=TERM --kill-after=10 300 "$PY" -m wna16ctl.gpucheck --out "$JSON" "$@"
+rc=$?
+if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+  [ -s "$JSON" ] || not_run "timed out after 300 s before writing a report"
+  echo "wna16ctl GPU check: timed out after 300 s (partial report kept)" >&2
+  exit 1
+fi
+exit $rc

@@ -1,0 +1,814 @@
+"""Native kernels: build and load the libraries in `kernels/`, and the `wna16ctl::*` torch ops.
+
+Two shared libraries are compiled on first use into a per-user cache
+(`$XDG_CACHE_HOME/wna16ctl` or `~/.cache/wna16ctl`), keyed by a hash of the sources, the compiler
+and the target, built in a temporary directory and renamed into place (concurrent first uses are
+safe), and loaded with ctypes:
+
+* the host library (g++): the fast multi-threaded CPU Marlin repack, index queries, and a CPU
+  replay of the CUDA GEMM used by the tests;
+* the CUDA library (nvcc): repack, scale / zero-point permutation and the MoE GEMM.
+
+Nothing here is required: without g++ / nvcc / a GPU, or with `WNA16CTL_NO_NATIVE=1`, every
+entry point falls back to the torch code of `wna16ctl.layout` after one logged notice. The CPU
+implementations of the torch ops *are* that torch code, so CPU results define correctness and
+the native paths are checked against them bit for bit (repack) or against an fp32 reference
+(GEMM).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+ABI_VERSION = 1  # must equal WNA16_ABI_VERSION in kernels/capi.h
+
+HOST_SOURCES = ("host.cpp", "host_gemm.cpp", "error.cpp")
+CUDA_SOURCES = ("repack.cu", "moe_gemm.cu", "error.cpp")
+_HOST_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-pthread", "-fvisibility=hidden")
+# The GEMM replay is a test vehicle with many template instances: -O1 builds it 3x faster.
+_HOST_FILE_FLAGS = {"host_gemm.cpp": ("-O1",)}
+_CUDA_FLAGS = ("-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden")
+_FALLBACK_ARCHS = ("80", "90")
+
+DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
+GEMM_VARIANTS = {"auto": 0, "fma": 1, "mma": 2}
+
+WNA16_OK = 0
+
+
+class KernelBuildError(RuntimeError):
+    """A native library could not be built or loaded; the message carries the compiler output."""
+
+
+class KernelError(RuntimeError):
+    """A native call returned an error code (the message is the library's last error)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# locations, switches, notices
+
+
+def kernels_dir() -> Path:
+    """The `kernels/` source directory ($WNA16CTL_KERNELS_DIR overrides the checkout's)."""
+    override = os.environ.get("WNA16CTL_KERNELS_DIR")
+    if override:
+        return Path(override)
+    return Path(__file__).resolve().parent.parent / "kernels"
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "wna16ctl"
+
+
+def native_disabled() -> bool:
+    return os.environ.get("WNA16CTL_NO_NATIVE", "").strip() not in ("", "0")
+
+
+_notice_lock = threading.Lock()
+_notice_given = False
+
+
+def _notice(message: str) -> None:
+    """The one user-visible fallback notice per process; later ones go to the debug log."""
+    global _notice_given
+    with _notice_lock:
+        first = not _notice_given
+        _notice_given = True
+    if first:
+        log.warning("%s; using the torch CPU path (set WNA16CTL_NO_NATIVE=1 to silence)", message)
+    else:
+        log.debug("%s", message)
+
+
+# ----------------------------------------------------------------------------------------------
+# building
+
+
+def _source_files() -> list[Path]:
+    d = kernels_dir()
+    if not (d / "capi.h").is_file():
+        raise KernelBuildError(f"kernel sources not found in {d} (set WNA16CTL_KERNELS_DIR)")
+    return sorted(p for p in d.iterdir() if p.suffix in (".h", ".cuh", ".cpp", ".cu"))
+
+
+def _digest(parts: Sequence[bytes | str]) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part.encode() if isinstance(part, str) else part)
+        h.update(b"\0")
+    return h.hexdigest()[:20]
+
+
+def _tool_version(exe: str) -> str:
+    try:
+        out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise KernelBuildError(f"{exe} --version failed: {exc}") from exc
+    return out.stdout.strip()
+
+
+def find_cxx() -> Optional[str]:
+    return os.environ.get("CXX") if os.environ.get("CXX") else shutil.which("g++")
+
+
+def find_nvcc() -> Optional[str]:
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root and (Path(root) / "bin" / "nvcc").is_file():
+            return str(Path(root) / "bin" / "nvcc")
+    return None
+
+
+def _run(cmd: list[str], what: str) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr).strip()[-4000:]
+        raise KernelBuildError(f"{what} failed (exit {proc.returncode}): {' '.join(cmd)}\n{tail}")
+
+
+def _compile_and_link(
+    target: Path, compile_cmds: list[list[str]], link_cmd: list[str], workdir: Path
+) -> Path:
+    """Compile objects in parallel, link into `workdir`, then atomically rename onto `target`."""
+    with ThreadPoolExecutor(max_workers=max(1, min(len(compile_cmds), os.cpu_count() or 1))) as pool:
+        for fut in [pool.submit(_run, cmd, "compile") for cmd in compile_cmds]:
+            fut.result()
+    _run(link_cmd, "link")
+    built = Path(link_cmd[link_cmd.index("-o") + 1])
+    os.replace(built, target)  # atomic: readers see the old file or the complete new one
+    return target
+
+
+def _build_dir() -> Path:
+    d = cache_dir()
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=d, delete=True)
+        probe.close()
+        return d
+    except OSError:
+        fallback = Path(tempfile.gettempdir()) / f"wna16ctl-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
+        fallback.mkdir(parents=True, exist_ok=True)
+        return fallback
+
+
+def build_host(extra_flags: Sequence[str] = (), out_dir: Optional[Path] = None) -> Path:
+    """Build (or find in the cache) the host library; returns its path. Raises KernelBuildError."""
+    cxx = find_cxx()
+    if not cxx:
+        raise KernelBuildError("no C++ compiler (g++) on PATH")
+    src = kernels_dir()
+    flags = [*_HOST_FLAGS, *extra_flags]
+    files = _source_files()
+    key = _digest([*(p.name.encode() + p.read_bytes() for p in files), _tool_version(cxx), *flags])
+    out_dir = out_dir or _build_dir()
+    target = out_dir / f"libwna16_host-{key}.so"
+    if target.exists():
+        return target
+    with tempfile.TemporaryDirectory(dir=out_dir, prefix=".build-") as tmp:
+        objs = [Path(tmp) / f"{Path(s).stem}.o" for s in HOST_SOURCES]
+        cmds = [[cxx, *flags, *_HOST_FILE_FLAGS.get(s, ()), "-I", str(src), "-c", str(src / s), "-o", str(o)]
+                for s, o in zip(HOST_SOURCES, objs)]
+        link = [cxx, *flags, "-shared", *map(str, objs), "-o", str(Path(tmp) / "lib.so")]
+        return _compile_and_link(target, cmds, link, Path(tmp))
+
+
+def _normalise_arch(arch: str | int) -> str:
+    a = str(arch).lower().replace("sm_", "").replace("compute_", "").replace(".", "")
+    if not a.isdigit():
+        raise ValueError(f"unrecognised CUDA arch {arch!r} (expected e.g. 'sm_90', '90' or '9.0')")
+    return a
+
+
+def detect_archs() -> list[str]:
+    """Compute capability of the local GPU(s): torch first, then nvidia-smi, else sm_80 + sm_90."""
+    archs: set[str] = set()
+    try:
+        if torch.cuda.is_available():
+            for i in range(torch.cuda.device_count()):
+                major, minor = torch.cuda.get_device_capability(i)
+                archs.add(f"{major}{minor}")
+    except Exception as exc:  # a broken driver must not stop the build
+        log.debug("torch.cuda capability query failed: %s", exc)
+    if not archs and shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=30,
+            )
+            archs.update(_normalise_arch(x.strip()) for x in out.stdout.split() if x.strip())
+        except (OSError, subprocess.SubprocessError, ValueError) as exc:
+            log.debug("nvidia-smi query failed: %s", exc)
+    return sorted(archs) if archs else list(_FALLBACK_ARCHS)
+
+
+def _nvcc_archs(nvcc: str) -> list[int]:
+    try:
+        out = subprocess.run([nvcc, "--list-gpu-arch"], capture_output=True, text=True, timeout=30)
+        return sorted({int(x.split("_")[1]) for x in out.stdout.split() if x.startswith("compute_")})
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return []
+
+
+def _gencode(archs: Sequence[str], supported: Sequence[int]) -> list[str]:
+    flags: list[str] = []
+    chosen: list[int] = []
+    for a in archs:
+        n = int(a)
+        if supported and n not in supported:
+            older = [s for s in supported if s <= n]
+            if not older:
+                raise KernelBuildError(f"nvcc cannot target sm_{a} (supports {supported})")
+            n = older[-1]  # the driver JIT-compiles the PTX embedded below for the newer GPU
+        if n not in chosen:
+            chosen.append(n)
+    for n in chosen:
+        flags += ["-gencode", f"arch=compute_{n},code=sm_{n}"]
+    top = max(chosen)
+    flags += ["-gencode", f"arch=compute_{top},code=compute_{top}"]  # PTX for newer GPUs
+    return flags
+
+
+def build_cuda(
+    arch: str | int | Sequence[str | int] | None = None,
+    extra_flags: Sequence[str] = (),
+    out_dir: Optional[Path] = None,
+) -> Path:
+    """Build (or find in the cache) the CUDA library for `arch` (default: the local GPU's, else
+    sm_80 + sm_90); returns its path. Raises KernelBuildError."""
+    nvcc = find_nvcc()
+    if not nvcc:
+        raise KernelBuildError("nvcc not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin)")
+    if arch is None:
+        archs = detect_archs()
+    elif isinstance(arch, (str, int)):
+        archs = [_normalise_arch(arch)]
+    else:
+        archs = [_normalise_arch(a) for a in arch]
+    src = kernels_dir()
+    flags = [*_CUDA_FLAGS, *_gencode(archs, _nvcc_archs(nvcc)), *extra_flags]
+    files = _source_files()
+    key = _digest([*(p.name.encode() + p.read_bytes() for p in files), _tool_version(nvcc), *flags])
+    out_dir = out_dir or _build_dir()
+    target = out_dir / f"libwna16_cuda-{'-'.join(archs)}-{key}.so"
+    if target.exists():
+        return target
+    with tempfile.TemporaryDirectory(dir=out_dir, prefix=".build-") as tmp:
+        objs = [Path(tmp) / f"{Path(s).stem}.o" for s in CUDA_SOURCES]
+        cmds = [[nvcc, *flags, "-I", str(src), "-c", str(src / s), "-o", str(o)] for s, o in zip(CUDA_SOURCES, objs)]
+        link = [nvcc, *flags, "-shared", *map(str, objs), "-o", str(Path(tmp) / "lib.so")]
+        return _compile_and_link(target, cmds, link, Path(tmp))
+
+
+# ----------------------------------------------------------------------------------------------
+# loading
+
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+_I32 = ctypes.c_int
+
+_HOST_PROTOS = {
+    "wna16_abi_version": (_I32, []),
+    "wna16_last_error": (ctypes.c_char_p, []),
+    "wna16_marlin_repack_host": (_I32, [_P, _P, _P, _I64, _I64, _I64, _I32, _I32]),
+    "wna16_marlin_unrepack_host": (_I32, [_P, _P, _P, _I64, _I64, _I64, _I32, _I32]),
+    "wna16_marlin_repack_replay": (_I32, [_P, _P, _P, _I64, _I64, _I64, _I32]),
+    "wna16_permute_scales_host": (_I32, [_P, _P, _I64, _I64, _I32, _I32, _I32]),
+    "wna16_zero_points_host": (_I32, [_P, _P, _I64, _I64, _I32, _I32]),
+    "wna16_marlin_src_table": (_I32, [_I32, _I64, _I64, _P, _P]),
+    "wna16_marlin_dst_table": (_I32, [_I32, _I64, _I64, _P, _P, _P]),
+    "wna16_scale_perm_table": (_I32, [_I32, _P]),
+    "wna16_zp_perm_table": (_I32, [_I32, _P]),
+    "wna16_moe_gemm_replay": (_I32, [_P] * 11 + [_I64] * 6 + [_I32] * 6),
+    "wna16_round_16bit": (_I32, [_P, _P, _I64, _I32]),
+    "wna16_widen_16bit": (_I32, [_P, _P, _I64, _I32]),
+}
+
+_CUDA_PROTOS = {
+    "wna16_abi_version": (_I32, []),
+    "wna16_last_error": (ctypes.c_char_p, []),
+    "wna16_cuda_device_info": (_I32, [_I32, _P]),
+    "wna16_cuda_marlin_repack": (_I32, [_P, _P, _P, _I64, _I64, _I64, _I32, _P]),
+    "wna16_cuda_permute_scales": (_I32, [_P, _P, _I64, _I64, _I32, _I32, _P]),
+    "wna16_cuda_zero_points": (_I32, [_P, _P, _I64, _I64, _I32, _P]),
+    "wna16_cuda_moe_gemm": (_I32, [_P] * 11 + [_I64] * 6 + [_I32] * 5 + [_P]),
+}
+
+
+class NativeLib:
+    """A loaded library: attribute access gives the C functions, `call` checks the return code."""
+
+    def __init__(self, path: Path, protos: dict[str, tuple[object, list[object]]]):
+        self.path = path
+        self._lib = ctypes.CDLL(str(path))
+        for name, (restype, argtypes) in protos.items():
+            fn = getattr(self._lib, name)
+            fn.restype = restype
+            fn.argtypes = argtypes
+        version = self._lib.wna16_abi_version()
+        if version != ABI_VERSION:
+            raise KernelBuildError(f"{path} has ABI version {version}, expected {ABI_VERSION}")
+
+    def __getattr__(self, name: str):
+        return getattr(self._lib, name)
+
+    def call(self, name: str, *args: object) -> None:
+        rc = getattr(self._lib, name)(*args)
+        if rc != WNA16_OK:
+            msg = self._lib.wna16_last_error() or b""
+            raise KernelError(f"{name}: {msg.decode(errors='replace')} (code {rc})")
+
+
+_load_lock = threading.Lock()
+_libs: dict[str, Optional[NativeLib]] = {}
+
+
+def _load(kind: str) -> Optional[NativeLib]:
+    """The library of `kind` ("host" / "cuda"), building it on first use; None (after one notice)
+    when it cannot be had."""
+    if native_disabled():
+        return None
+    with _load_lock:
+        if kind in _libs:
+            return _libs[kind]
+        lib: Optional[NativeLib] = None
+        try:
+            if kind == "host":
+                lib = NativeLib(build_host(), _HOST_PROTOS)
+            elif torch.cuda.is_available():
+                lib = NativeLib(build_cuda(), _CUDA_PROTOS)
+            else:  # nothing runs on a GPU here, so there is nothing to fall back from
+                log.debug("torch sees no CUDA device: CUDA kernels not built")
+        except (KernelBuildError, OSError, ValueError) as exc:
+            _notice(f"wna16ctl native {kind} kernels unavailable ({str(exc).splitlines()[0]})")
+            log.debug("native %s build/load failure:\n%s", kind, exc)
+        _libs[kind] = lib
+        return lib
+
+
+def host_lib() -> Optional[NativeLib]:
+    return _load("host")
+
+
+def cuda_lib() -> Optional[NativeLib]:
+    return _load("cuda")
+
+
+def native_host_available() -> bool:
+    """Whether the native CPU library is usable (builds it on first call)."""
+    return host_lib() is not None
+
+
+def cuda_available() -> bool:
+    """Whether a CUDA device is visible and the CUDA library is usable (builds it on first call)."""
+    return cuda_lib() is not None
+
+
+def _ptr(t: Optional[Tensor]) -> Optional[int]:
+    return None if t is None else t.data_ptr()
+
+
+def _stream(t: Tensor) -> int:
+    return torch.cuda.current_stream(t.device).cuda_stream
+
+
+# ----------------------------------------------------------------------------------------------
+# shape helpers
+
+
+def _repack_dims(packed: Tensor, num_bits: int) -> tuple[int, int, int]:
+    if num_bits not in (4, 8):
+        raise ValueError(f"num_bits must be 4 or 8, got {num_bits}")
+    if packed.dtype != torch.int32 or packed.ndim < 2:
+        raise ValueError(f"packed weights must be int32 [..., K/pf, N], got {packed.dtype} {tuple(packed.shape)}")
+    pf = 32 // num_bits
+    experts = 1
+    for d in packed.shape[:-2]:
+        experts *= d
+    return experts, packed.shape[-2] * pf, packed.shape[-1]
+
+
+def _marlin_shape(packed: Tensor, num_bits: int) -> tuple[int, ...]:
+    _, k, n = _repack_dims(packed, num_bits)
+    return (*packed.shape[:-2], k // 16, n * 16 // (32 // num_bits))
+
+
+def _perm_int32(perm: Optional[Tensor], packed: Tensor, size_k: int) -> Optional[Tensor]:
+    if perm is None:
+        return None
+    if perm.shape[:-1] != packed.shape[:-2] or perm.shape[-1] != size_k:
+        raise ValueError(f"perm shape {tuple(perm.shape)} does not match {tuple(packed.shape[:-2])} + ({size_k},)")
+    if perm.numel() and (int(perm.min()) < 0 or int(perm.max()) >= size_k):
+        raise ValueError(f"perm values must lie in [0, {size_k})")
+    # the same rule as the torch path: a gather by anything but a permutation loses rows
+    flat = perm.reshape(-1, size_k)
+    if flat.numel() and not torch.equal(torch.sort(flat, dim=-1).values,
+                                        torch.arange(size_k, device=perm.device, dtype=perm.dtype).expand_as(flat)):
+        raise ValueError("perm is not a permutation of range(size_k)")
+    return perm.to(device=packed.device, dtype=torch.int32).contiguous()
+
+
+# ----------------------------------------------------------------------------------------------
+# repack: fast helpers
+
+
+def marlin_repack_fast(
+    packed: Tensor, num_bits: int, perm: Optional[Tensor] = None, *, out: Optional[Tensor] = None
+) -> Tensor:
+    """K-first packed int32 [..., K/pf, N] (+ act-order perm [..., K]) -> Marlin int32
+    [..., K/16, N*16/pf], bit-identical to `wna16ctl.layout.marlin.marlin_repack`.
+
+    CPU tensors use the native host library when available (multi-threaded, memory-bound), CUDA
+    tensors the CUDA kernel; otherwise the torch code. `out` (contiguous int32 of the result's
+    shape) lets a caller reuse one buffer: fresh pages cost about as much as the repack itself."""
+    if packed.is_cuda:
+        result = torch.ops.wna16ctl.marlin_repack(packed, num_bits, perm)
+        return out.copy_(result) if out is not None else result
+    lib = host_lib()
+    if lib is None:
+        from wna16ctl.layout.marlin import marlin_repack
+
+        result = marlin_repack(packed, num_bits, perm)
+        return out.copy_(result) if out is not None else result
+    experts, size_k, size_n = _repack_dims(packed, num_bits)
+    if size_k % 16 or size_n % 64:
+        raise ValueError(f"size_k = {size_k} / size_n = {size_n} are not multiples of 16 / 64")
+    src = packed.contiguous()
+    p = _perm_int32(perm, src, size_k)
+    shape = _marlin_shape(src, num_bits)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.int32)
+    elif tuple(out.shape) != shape or out.dtype != torch.int32 or not out.is_contiguous() or out.is_cuda:
+        raise ValueError(f"out must be a contiguous CPU int32 tensor of shape {shape}")
+    lib.call("wna16_marlin_repack_host", _ptr(src), _ptr(p), _ptr(out), experts, size_k, size_n,
+             num_bits, torch.get_num_threads())
+    return out
+
+
+def marlin_unrepack_fast(
+    marlin: Tensor, num_bits: int, size_k: int, size_n: int, perm: Optional[Tensor] = None
+) -> Tensor:
+    """Inverse of `marlin_repack_fast` (same contract as `layout.marlin.marlin_unrepack`)."""
+    lib = None if marlin.is_cuda else host_lib()
+    if lib is None:
+        from wna16ctl.layout.marlin import marlin_unrepack
+
+        return marlin_unrepack(marlin, num_bits, size_k, size_n, perm)
+    pf = 32 // num_bits
+    if marlin.dtype != torch.int32 or tuple(marlin.shape[-2:]) != (size_k // 16, size_n * 16 // pf):
+        raise ValueError(f"marlin weight {marlin.dtype} {tuple(marlin.shape)} does not end in "
+                         f"({size_k // 16}, {size_n * 16 // pf})")
+    src = marlin.contiguous()
+    out = torch.empty((*src.shape[:-2], size_k // pf, size_n), dtype=torch.int32)
+    p = _perm_int32(perm, out, size_k)
+    lib.call("wna16_marlin_unrepack_host", _ptr(src), _ptr(p), _ptr(out), out.numel() // max(1, size_k // pf * size_n),
+             size_k, size_n, num_bits, torch.get_num_threads())
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# torch ops
+
+_REGISTERED = hasattr(torch.ops, "wna16ctl") and hasattr(torch.ops.wna16ctl, "moe_wna16_gemm")
+
+
+def _cpu_fallback(op_name: str, tensors: Sequence[Optional[Tensor]], fn, device: torch.device):
+    _notice(f"wna16ctl::{op_name}: CUDA kernels unavailable for {device}")
+    moved = [None if t is None else t.cpu() for t in tensors]
+    return fn(*moved).to(device)
+
+
+def _repack_cpu(packed: Tensor, num_bits: int, perm: Optional[Tensor]) -> Tensor:
+    from wna16ctl.layout.marlin import marlin_repack
+
+    return marlin_repack(packed, num_bits, perm)
+
+
+def _permute_scales_cpu(s: Tensor, size_k: int, size_n: int, group_size: int) -> Tensor:
+    from wna16ctl.layout.marlin import marlin_permute_scales
+
+    return marlin_permute_scales(s, size_k, size_n, group_size)
+
+
+def _zero_points_cpu(zp: Tensor, size_k: int, size_n: int, num_bits: int) -> Tensor:
+    from wna16ctl.layout.marlin import marlin_zero_points
+
+    return marlin_zero_points(zp, size_k, size_n, num_bits)
+
+
+def _gemm_dims(a: Tensor, b_q: Tensor, scales: Tensor, num_bits: int, top_k: int) -> tuple[int, int, int, int]:
+    if num_bits not in (4, 8):
+        raise ValueError(f"num_bits must be 4 or 8, got {num_bits}")
+    if a.dtype not in DTYPE_CODES:
+        raise ValueError(f"activations must be fp16 or bf16, got {a.dtype}")
+    if scales.dtype != a.dtype:
+        raise ValueError(f"scales dtype {scales.dtype} must equal the activation dtype {a.dtype}")
+    if b_q.ndim != 3 or scales.ndim != 3 or a.ndim != 2:
+        raise ValueError("expected a [M, K], b_q [E, K/16, N*16/pf], scales [E, G, N]")
+    experts, size_k, size_n = b_q.shape[0], b_q.shape[1] * 16, scales.shape[2]
+    if b_q.shape[2] != size_n * 16 // (32 // num_bits) or scales.shape[0] != experts:
+        raise ValueError(f"b_q {tuple(b_q.shape)} and scales {tuple(scales.shape)} disagree")
+    if a.shape[1] != size_k:
+        raise ValueError(f"a has {a.shape[1]} columns, the weights have size_k = {size_k}")
+    if top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    return experts, size_k, size_n, scales.shape[1]
+
+
+def _check_gemm_extras(
+    a: Tensor, b_q: Tensor, scales: Tensor, zero_points: Optional[Tensor], g_idx: Optional[Tensor],
+    perm: Optional[Tensor], sorted_token_ids: Tensor, expert_offsets: Tensor,
+    topk_weights: Optional[Tensor], top_k: int, num_bits: int,
+) -> None:
+    """Shapes of the optional and routing inputs: the CUDA kernel trusts them."""
+    experts, size_k, size_n, groups = _gemm_dims(a, b_q, scales, num_bits, top_k)
+    if zero_points is not None and tuple(zero_points.shape) != (experts, groups, size_n * num_bits // 32):
+        raise ValueError(f"zero_points {tuple(zero_points.shape)} != {(experts, groups, size_n * num_bits // 32)}")
+    for name, t in (("g_idx", g_idx), ("perm", perm)):
+        if t is not None and tuple(t.shape) != (experts, size_k):
+            raise ValueError(f"{name} {tuple(t.shape)} != {(experts, size_k)}")
+    if (perm is None) != (g_idx is None):
+        raise ValueError("act-order needs both g_idx and perm (or neither)")
+    if sorted_token_ids.ndim != 1 or expert_offsets.shape != (experts + 1,):
+        raise ValueError(f"sorted_token_ids must be 1-D and expert_offsets [{experts + 1}]")
+    if topk_weights is not None and topk_weights.numel() != a.shape[0] * top_k:
+        raise ValueError(f"topk_weights has {topk_weights.numel()} entries, expected {a.shape[0] * top_k}")
+
+
+def _gemm_cpu(
+    a: Tensor, b_q: Tensor, scales: Tensor, zero_points: Optional[Tensor], g_idx: Optional[Tensor],
+    perm: Optional[Tensor], sorted_token_ids: Tensor, expert_offsets: Tensor,
+    topk_weights: Optional[Tensor], top_k: int, num_bits: int, is_k_full: bool,
+) -> Tensor:
+    """Reference semantics of the MoE GEMM, in torch: Marlin layout -> codes (layout inverses),
+    dequantise in the activation dtype, fp32 matmul, optional router weight, one rounding."""
+    from wna16ctl.layout.marlin import marlin_unpermute_scales, marlin_unrepack, marlin_zero_points_inverse
+    from wna16ctl.layout.packing import unpack_codes
+
+    experts, size_k, size_n, groups = _gemm_dims(a, b_q, scales, num_bits, top_k)
+    _check_gemm_extras(a, b_q, scales, zero_points, g_idx, perm, sorted_token_ids, expert_offsets,
+                       topk_weights, top_k, num_bits)
+    gidx_mode = perm is not None and not is_k_full
+    if perm is not None and is_k_full and groups <= 1:
+        raise ValueError("For act_order, num_groups must be > 1")
+    if not gidx_mode and size_k % groups:
+        raise ValueError(f"size_k = {size_k}, is not divisible by b_scales.size(1) = {groups}")
+    dtype = a.dtype
+    num_slots = a.shape[0] * top_k
+    out = torch.zeros(num_slots, size_n, dtype=dtype)
+    ids = sorted_token_ids.to(torch.int64)
+    offs = expert_offsets.to(torch.int64).clamp(0, ids.numel())
+    # the producer's scale layout the kernel reads: grouped iff more than one scale row (§6.8)
+    scale_gs = 1 if groups > 1 else -1
+    logical_scales = marlin_unpermute_scales(scales, 2, size_n, scale_gs)
+    zeros = None
+    if zero_points is not None:
+        zeros = unpack_codes(marlin_zero_points_inverse(zero_points, groups, size_n, num_bits),
+                             num_bits, dim=-1, size=size_n)
+    for e in range(experts):
+        lo, hi = int(offs[e]), int(offs[e + 1])
+        if hi <= lo:
+            continue
+        slots = ids[lo:hi]
+        slots = slots[(slots >= 0) & (slots < num_slots)]
+        if slots.numel() == 0:
+            continue
+        # rows stay in the Marlin (act-order sorted) order: no perm passed to the inverse
+        codes = unpack_codes(marlin_unrepack(b_q[e], num_bits, size_k, size_n), num_bits, dim=0, size=size_k)
+        if gidx_mode:
+            grp = g_idx[e].to(torch.int64)
+        else:
+            grp = torch.arange(size_k) // (size_k // groups)
+        zero = zeros[e][grp] if zeros is not None else torch.full((), 1 << (num_bits - 1))
+        w = (codes - zero).to(dtype) * logical_scales[e][grp]
+        rows = a[slots // top_k]
+        if perm is not None:
+            rows = rows[:, perm[e].to(torch.int64)]
+        acc = rows.float() @ w.float()
+        if topk_weights is not None:
+            acc = acc * topk_weights.reshape(-1)[slots].float().unsqueeze(1)
+        out[slots] = acc.to(dtype)
+    return out
+
+
+def _repack_cuda(packed: Tensor, num_bits: int, perm: Optional[Tensor]) -> Tensor:
+    lib = cuda_lib()
+    if lib is None:
+        return _cpu_fallback("marlin_repack", [packed, perm], lambda p, q: _repack_cpu(p, num_bits, q), packed.device)
+    experts, size_k, size_n = _repack_dims(packed, num_bits)
+    if size_k % 16 or size_n % 64:
+        raise ValueError(f"size_k = {size_k} / size_n = {size_n} are not multiples of 16 / 64")
+    src = packed.contiguous()
+    p = _perm_int32(perm, src, size_k)
+    out = torch.empty(_marlin_shape(src, num_bits), dtype=torch.int32, device=src.device)
+    with torch.cuda.device(src.device):
+        lib.call("wna16_cuda_marlin_repack", _ptr(src), _ptr(p), _ptr(out), experts, size_k, size_n,
+                 num_bits, _stream(src))
+    return out
+
+
+def _permute_scales_cuda(s: Tensor, size_k: int, size_n: int, group_size: int) -> Tensor:
+    lib = cuda_lib()
+    if lib is None:
+        return _cpu_fallback("marlin_permute_scales", [s],
+                             lambda x: _permute_scales_cpu(x, size_k, size_n, group_size), s.device)
+    if s.shape[-1] != size_n or s.element_size() not in (2, 4):
+        raise ValueError(f"scales {s.dtype} {tuple(s.shape)} do not end in size_n = {size_n}")
+    src = s.contiguous()
+    out = torch.empty_like(src)
+    grouped = int(group_size != -1 and group_size < size_k)
+    with torch.cuda.device(src.device):
+        lib.call("wna16_cuda_permute_scales", _ptr(src), _ptr(out), src.numel() // max(size_n, 1), size_n,
+                 src.element_size(), grouped, _stream(src))
+    return out
+
+
+def _zero_points_cuda(zp: Tensor, size_k: int, size_n: int, num_bits: int) -> Tensor:
+    lib = cuda_lib()
+    if lib is None:
+        return _cpu_fallback("marlin_zero_points", [zp],
+                             lambda x: _zero_points_cpu(x, size_k, size_n, num_bits), zp.device)
+    pf = 32 // num_bits
+    if zp.dtype != torch.int32 or zp.shape[-1] * pf != size_n:
+        raise ValueError(f"zero points {zp.dtype} {tuple(zp.shape)} do not end in size_n / pf = {size_n // pf}")
+    src = zp.contiguous()
+    out = torch.empty_like(src)
+    with torch.cuda.device(src.device):
+        lib.call("wna16_cuda_zero_points", _ptr(src), _ptr(out), src.numel() // max(size_n // pf, 1), size_n,
+                 num_bits, _stream(src))
+    return out
+
+
+def gemm_variant() -> int:
+    """$WNA16CTL_GEMM_VARIANT: auto (mma on sm80+), mma or fma."""
+    name = os.environ.get("WNA16CTL_GEMM_VARIANT", "auto").strip().lower() or "auto"
+    if name not in GEMM_VARIANTS:
+        raise ValueError(f"WNA16CTL_GEMM_VARIANT={name!r}: expected one of {sorted(GEMM_VARIANTS)}")
+    return GEMM_VARIANTS[name]
+
+
+def _i32(t: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
+    return None if t is None else t.to(device=device, dtype=torch.int32).contiguous()
+
+
+def _gemm_cuda(
+    a: Tensor, b_q: Tensor, scales: Tensor, zero_points: Optional[Tensor], g_idx: Optional[Tensor],
+    perm: Optional[Tensor], sorted_token_ids: Tensor, expert_offsets: Tensor,
+    topk_weights: Optional[Tensor], top_k: int, num_bits: int, is_k_full: bool,
+) -> Tensor:
+    lib = cuda_lib()
+    args = [a, b_q, scales, zero_points, g_idx, perm, sorted_token_ids, expert_offsets, topk_weights]
+    if lib is None:
+        return _cpu_fallback(
+            "moe_wna16_gemm", args,
+            lambda *t: _gemm_cpu(*t, top_k=top_k, num_bits=num_bits, is_k_full=is_k_full), a.device)
+    experts, size_k, size_n, groups = _gemm_dims(a, b_q, scales, num_bits, top_k)
+    _check_gemm_extras(a, b_q, scales, zero_points, g_idx, perm, sorted_token_ids, expert_offsets,
+                       topk_weights, top_k, num_bits)
+    dev = a.device
+    num_slots = a.shape[0] * top_k
+    out = torch.zeros(num_slots, size_n, dtype=a.dtype, device=dev)
+    ws = torch.empty(experts + 1, dtype=torch.int32, device=dev)
+    ids = _i32(sorted_token_ids, dev)
+    tw = None if topk_weights is None else topk_weights.to(device=dev, dtype=torch.float32).contiguous()
+    a_c, b_c, s_c = a.contiguous(), b_q.contiguous(), scales.contiguous()
+    zp_c, gi, pm, offs = _i32(zero_points, dev), _i32(g_idx, dev), _i32(perm, dev), _i32(expert_offsets, dev)
+    with torch.cuda.device(dev):
+        lib.call("wna16_cuda_moe_gemm", _ptr(a_c), _ptr(b_c), _ptr(s_c), _ptr(zp_c), _ptr(gi), _ptr(pm),
+                 _ptr(ids), _ptr(offs), _ptr(tw), _ptr(out), _ptr(ws), num_slots, ids.numel(), experts,
+                 size_n, size_k, groups, top_k, num_bits, DTYPE_CODES[a.dtype], int(is_k_full),
+                 gemm_variant(), _stream(a_c))
+    return out
+
+
+def moe_wna16_gemm_replay(
+    a: Tensor, b_q: Tensor, scales: Tensor, zero_points: Optional[Tensor], g_idx: Optional[Tensor],
+    perm: Optional[Tensor], sorted_token_ids: Tensor, expert_offsets: Tensor,
+    topk_weights: Optional[Tensor], top_k: int, num_bits: int, is_k_full: bool,
+    variant: str = "mma", tile_rows: int = 0,
+) -> Tensor:
+    """The CUDA GEMM's tile algorithm replayed on the CPU by the host library (tests only)."""
+    lib = host_lib()
+    if lib is None:
+        raise KernelBuildError("the native host library is unavailable")
+    experts, size_k, size_n, groups = _gemm_dims(a, b_q, scales, num_bits, top_k)
+    _check_gemm_extras(a, b_q, scales, zero_points, g_idx, perm, sorted_token_ids, expert_offsets,
+                       topk_weights, top_k, num_bits)
+    cpu = torch.device("cpu")
+    num_slots = a.shape[0] * top_k
+    out = torch.zeros(num_slots, size_n, dtype=a.dtype)
+    ws = torch.empty(experts + 1, dtype=torch.int32)
+    ids = _i32(sorted_token_ids, cpu)
+    tw = None if topk_weights is None else topk_weights.to(torch.float32).contiguous()
+    a_c, b_c, s_c = a.contiguous(), b_q.contiguous(), scales.contiguous()
+    zp_c, gi, pm, offs = _i32(zero_points, cpu), _i32(g_idx, cpu), _i32(perm, cpu), _i32(expert_offsets, cpu)
+    lib.call("wna16_moe_gemm_replay", _ptr(a_c), _ptr(b_c), _ptr(s_c), _ptr(zp_c), _ptr(gi), _ptr(pm),
+             _ptr(ids), _ptr(offs), _ptr(tw), _ptr(out), _ptr(ws), num_slots, ids.numel(), experts,
+             size_n, size_k, groups, top_k, num_bits, DTYPE_CODES[a.dtype], int(is_k_full),
+             GEMM_VARIANTS[variant], tile_rows)
+    return out
+
+
+def _register_ops() -> None:
+    lib = "wna16ctl"
+
+    repack = torch.library.custom_op(
+        f"{lib}::marlin_repack", mutates_args=(),
+        schema="(Tensor packed, int num_bits, Tensor? perm=None) -> Tensor",
+    )(_repack_cpu)
+    repack.register_kernel("cuda")(_repack_cuda)
+
+    @repack.register_fake
+    def _(packed: Tensor, num_bits: int, perm: Optional[Tensor] = None) -> Tensor:
+        return packed.new_empty(_marlin_shape(packed, num_bits))
+
+    scales = torch.library.custom_op(
+        f"{lib}::marlin_permute_scales", mutates_args=(),
+        schema="(Tensor s, int size_k, int size_n, int group_size) -> Tensor",
+    )(_permute_scales_cpu)
+    scales.register_kernel("cuda")(_permute_scales_cuda)
+
+    @scales.register_fake
+    def _(s: Tensor, size_k: int, size_n: int, group_size: int) -> Tensor:
+        return torch.empty_like(s)
+
+    zps = torch.library.custom_op(
+        f"{lib}::marlin_zero_points", mutates_args=(),
+        schema="(Tensor zp, int size_k, int size_n, int num_bits) -> Tensor",
+    )(_zero_points_cpu)
+    zps.register_kernel("cuda")(_zero_points_cuda)
+
+    @zps.register_fake
+    def _(zp: Tensor, size_k: int, size_n: int, num_bits: int) -> Tensor:
+        return torch.empty_like(zp)
+
+    gemm = torch.library.custom_op(
+        f"{lib}::moe_wna16_gemm", mutates_args=(),
+        schema=(
+            "(Tensor a, Tensor b_q, Tensor scales, Tensor? zero_points, Tensor? g_idx, Tensor? perm, "
+            "Tensor sorted_token_ids, Tensor expert_offsets, Tensor? topk_weights, int top_k, "
+            "int num_bits, bool is_k_full) -> Tensor"
+        ),
+    )(_gemm_cpu)
+    gemm.register_kernel("cuda")(_gemm_cuda)
+
+    @gemm.register_fake
+    def _(a, b_q, scales, zero_points, g_idx, perm, sorted_token_ids, expert_offsets, topk_weights,
+          top_k, num_bits, is_k_full):
+        return a.new_empty(a.shape[0] * top_k, scales.shape[-1])
+
+
+if not _REGISTERED:
+    _register_ops()
+
+
+def moe_wna16_gemm(
+    a: Tensor, b_q: Tensor, scales: Tensor, sorted_token_ids: Tensor, expert_offsets: Tensor, *,
+    top_k: int, num_bits: int, zero_points: Optional[Tensor] = None, g_idx: Optional[Tensor] = None,
+    perm: Optional[Tensor] = None, topk_weights: Optional[Tensor] = None, is_k_full: bool = True,
+) -> Tensor:
+    """MoE GEMM over Marlin-layout weights (see `torch.ops.wna16ctl.moe_wna16_gemm`).
+
+    a [M, K] fp16/bf16; b_q [E, K/16, N*16/pf]; scales [E, G, N] (a's dtype, Marlin order);
+    zero_points int32 [E, G, N/pf] (Marlin order) for asymmetric weights; act-order: g_idx (sorted)
+    and perm (sort indices) [E, K], with is_k_full False meaning g_idx holds global group ids into
+    full scales. Slots s = token * top_k + j are grouped per expert: expert e owns
+    sorted_token_ids[expert_offsets[e] : expert_offsets[e+1]]; A row = s // top_k. Returns
+    [M * top_k, N] in a's dtype (rows no slot reaches are zero), each row scaled by
+    topk_weights[s] when given.
+    """
+    return torch.ops.wna16ctl.moe_wna16_gemm(
+        a, b_q, scales, zero_points, g_idx, perm, sorted_token_ids, expert_offsets, topk_weights,
+        top_k, num_bits, is_k_full,
+    )
+
+
+__all__ = [
+    "KernelBuildError",
+    "KernelError",
+    "build_cuda",
+    "build_host",
+    "cuda_available",
+    "marlin_repack_fast",
+    "marlin_unrepack_fast",
+    "moe_wna16_gemm",
+    "native_host_available",
+]
