@@ -1,0 +1,97 @@
+"""The Triton WNA16 MoE layout (N-first bytes) and its exact inverse.
+
+Inputs are the K-first tensors of the engine's loader (packed int32 [..., K/pf, N] packed along K,
+scales [..., G, N], zero points int32 [..., G, N/pf] packed along N). The kernel reads
+* weights as uint8 [..., N, K·nb/8]: int4 byte k//2 of row n holds k even in the low nibble;
+* scales as [..., N, G];
+* zero points as uint8 [..., N·nb/8, G]: int4 byte n//2 holds z[n] at nibble (n mod 2)·4,
+  int8 byte n holds z[n].
+Both packings are little-endian bit streams, so every conversion is a transpose plus a
+reinterpretation of the int32 words as bytes.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import Tensor
+
+from wna16ctl.layout.packing import pack_factor
+
+
+def to_transposed_weight(packed_kfirst: Tensor) -> Tensor:
+    """int32 [..., K/pf, N] -> uint8 [..., N, K·nb/8] (transpose, then the words' bytes)."""
+    _check_int32(packed_kfirst, "packed weight")
+    return _bytes_of(packed_kfirst.transpose(-1, -2).contiguous())
+
+
+def from_transposed_weight(weight: Tensor) -> Tensor:
+    """uint8 [..., N, K·nb/8] -> int32 [..., K/pf, N]."""
+    words = _words_of(weight, "transposed weight")
+    return words.transpose(-1, -2).contiguous()
+
+
+def to_transposed_scales(scales_kfirst: Tensor) -> Tensor:
+    """[..., G, N] -> [..., N, G]."""
+    return scales_kfirst.transpose(-1, -2).contiguous()
+
+
+def from_transposed_scales(scales: Tensor) -> Tensor:
+    """[..., N, G] -> [..., G, N]."""
+    return scales.transpose(-1, -2).contiguous()
+
+
+def to_transposed_zero_points(zp_kfirst: Tensor, num_bits: int) -> Tensor:
+    """int32 [..., G, N/pf] (packed along N) -> uint8 [..., N·nb/8, G].
+
+    The packed words already hold z[n] at bit nb·n of the row's bit stream, so their bytes are
+    the kernel's bytes; only the axes swap.
+    """
+    pack_factor(num_bits)
+    _check_int32(zp_kfirst, "zero points")
+    return _bytes_of(zp_kfirst.contiguous()).transpose(-1, -2).contiguous()
+
+
+def from_transposed_zero_points(zero_points: Tensor, num_bits: int) -> Tensor:
+    """uint8 [..., N·nb/8, G] -> int32 [..., G, N/pf]."""
+    pack_factor(num_bits)
+    return _words_of(zero_points.transpose(-1, -2).contiguous(), "transposed zero points")
+
+
+def _check_int32(t: Tensor, name: str) -> None:
+    if t.dtype != torch.int32 or t.ndim < 2:
+        raise ValueError(f"{name} must be an int32 tensor with at least 2 dims, got {t.dtype} {tuple(t.shape)}")
+
+
+def _require_little_endian() -> None:
+    # The kernel's byte order is the little-endian order of the packed bit stream.
+    if sys.byteorder != "little":
+        raise NotImplementedError("the transposed layout code assumes a little-endian host")
+
+
+def _bytes_of(words: Tensor) -> Tensor:
+    _require_little_endian()
+    return words.view(torch.uint8)
+
+
+def _words_of(data: Tensor, name: str) -> Tensor:
+    _require_little_endian()
+    if data.dtype != torch.uint8 or data.ndim < 2:
+        raise ValueError(f"{name} must be a uint8 tensor with at least 2 dims, got {data.dtype} {tuple(data.shape)}")
+    if data.shape[-1] % 4 != 0:
+        raise ValueError(f"{name} last dim {data.shape[-1]} is not a whole number of int32 words")
+    return _with_standard_strides(data).view(torch.int32)
+
+
+def _with_standard_strides(t: Tensor) -> Tensor:
+    # A contiguous tensor may still carry odd strides on size-1 dims, which view(dtype) rejects.
+    standard, step = [], 1
+    for size in reversed(t.shape):
+        standard.append(step)
+        step *= size
+    if t.stride() == tuple(reversed(standard)):
+        return t
+    dense = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    dense.copy_(t)
+    return dense
