@@ -89,9 +89,67 @@ void gather_ktile(const uint32_t* src, int64_t ld, const int32_t* perm, int64_t 
   }
 }
 
+// Copies the 16/pf K-first packed rows of k-tile kt from a strided source (element (kw, n) at
+// src[kw * s_kw + n * s_n]) into `tmp` (16/pf rows of size_n). Reading the checkpoint's N-first
+// words (s_n = K/pf, s_kw = 1) here saves a full transposed copy in the caller.
+void stage_ktile_strided(const uint32_t* src, int64_t s_kw, int64_t s_n, int64_t kt, int64_t size_n,
+                         int num_bits, uint32_t* tmp) {
+  const int rows = 16 / wna16_pack_factor(num_bits);
+  for (int64_t n = 0; n < size_n; ++n) {
+    const uint32_t* col = src + n * s_n + kt * rows * s_kw;
+    for (int r = 0; r < rows; ++r) tmp[r * size_n + n] = col[r * s_kw];
+  }
+}
+
+// Act-order on a strided source: rows perm[16kt .. 16kt+15] gathered into a packed block.
+void gather_ktile_strided(const uint32_t* src, int64_t s_kw, int64_t s_n, const int32_t* perm, int64_t kt,
+                          int64_t size_n, int num_bits, uint32_t* tmp) {
+  const int pf = wna16_pack_factor(num_bits);
+  const uint32_t mask = (1u << num_bits) - 1u;
+  memset(tmp, 0, sizeof(uint32_t) * (size_t)(16 / pf * size_n));
+  for (int k = 0; k < 16; ++k) {
+    const int64_t s = perm[16 * kt + k];
+    const uint32_t* row = src + (s / pf) * s_kw;
+    const int sh = num_bits * (int)(s % pf), dsh = num_bits * (k % pf);
+    uint32_t* out = tmp + (k / pf) * size_n;
+    for (int64_t n = 0; n < size_n; ++n) out[n] |= ((row[n * s_n] >> sh) & mask) << dsh;
+  }
+}
+
 }  // namespace
 
 extern "C" {
+
+WNA16_API int wna16_marlin_repack_host_strided(const int32_t* packed, const int32_t* perm, int32_t* out,
+                                               int64_t num_experts, int64_t size_k, int64_t size_n,
+                                               int num_bits, int64_t src_stride_e, int64_t src_stride_kw,
+                                               int64_t src_stride_n, int64_t out_stride_e,
+                                               int64_t out_stride_row, int num_threads) {
+  int rc = wna16_check_marlin_shape(num_experts, size_k, size_n, num_bits);
+  if (rc) return rc;
+  if ((rc = check_perm(perm, num_experts, size_k))) return rc;
+  const int pf = wna16_pack_factor(num_bits);
+  const int64_t ktiles = size_k / 16;
+  const bool dense = src_stride_n == 1 && src_stride_kw == size_n;
+  parallel_rows(num_experts * ktiles, num_threads, [&](int64_t b, int64_t e) {
+    std::vector<uint32_t> tmp(perm || !dense ? (size_t)(16 / pf * size_n) : 0);
+    for (int64_t row = b; row < e; ++row) {
+      const int64_t ex = row / ktiles, kt = row % ktiles;
+      const uint32_t* src = (const uint32_t*)packed + ex * src_stride_e;
+      uint32_t* dst = (uint32_t*)out + ex * out_stride_e + kt * out_stride_row;
+      const uint32_t* rows = src + kt * (16 / pf) * src_stride_kw;
+      if (perm) {
+        gather_ktile_strided(src, src_stride_kw, src_stride_n, perm + ex * size_k, kt, size_n, num_bits, tmp.data());
+        rows = tmp.data();
+      } else if (!dense) {
+        stage_ktile_strided(src, src_stride_kw, src_stride_n, kt, size_n, num_bits, tmp.data());
+        rows = tmp.data();
+      }
+      repack_ktile(rows, size_n, dst, size_n, num_bits);
+    }
+  });
+  return WNA16_OK;
+}
 
 WNA16_API int wna16_marlin_repack_host(const int32_t* packed, const int32_t* perm, int32_t* out,
                                        int64_t num_experts, int64_t size_k, int64_t size_n,

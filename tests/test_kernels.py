@@ -185,6 +185,23 @@ def test_native_repack_equals_torch(host: K.NativeLib, num_bits: int, size_n: in
 
 
 @pytest.mark.parametrize("num_bits", BITS)
+@pytest.mark.parametrize("act_order", [False, True])
+def test_native_repack_strided_in_and_out(host: K.NativeLib, num_bits: int, act_order: bool) -> None:
+    """The repack command's call: a transposed view of the checkpoint's N-first words in, a
+    column block of the wider w13 output out; equal to the torch repack of contiguous copies."""
+    size_k, size_n = 256, 192
+    q = _codes((size_n, size_k), num_bits, 7 + num_bits)
+    n_first = pack_codes(q, num_bits, dim=-1)  # the checkpoint's [N, K/pf]
+    kfirst_view = n_first.transpose(0, 1)  # [K/pf, N], not contiguous
+    perm = sort_g_idx(torch.randperm(size_k, generator=_gen(3)) // 64)[1] if act_order else None
+    want = marlin_repack(kfirst_view.contiguous(), num_bits, perm)
+    wide = torch.full((size_k // 16, 2 * want.shape[-1]), -1, dtype=torch.int32)
+    K.marlin_repack_fast(kfirst_view, num_bits, perm, out=wide[:, want.shape[-1]:])
+    assert torch.equal(wide[:, want.shape[-1]:], want)
+    assert bool((wide[:, : want.shape[-1]] == -1).all())  # the other half is untouched
+
+
+@pytest.mark.parametrize("num_bits", BITS)
 @pytest.mark.parametrize("size_n,size_k", [(448, 640), (832, 128), (3328, 64)])
 def test_cuda_repack_replay_equals_torch(host: K.NativeLib, num_bits: int, size_n: int, size_k: int) -> None:
     """The CUDA repack's block phases, run on the CPU, against the torch repack."""

@@ -289,6 +289,7 @@ _HOST_PROTOS = {
     "wna16_abi_version": (_I32, []),
     "wna16_last_error": (ctypes.c_char_p, []),
     "wna16_marlin_repack_host": (_I32, [_P, _P, _P, _I64, _I64, _I64, _I32, _I32]),
+    "wna16_marlin_repack_host_strided": (_I32, [_P, _P, _P, _I64, _I64, _I64, _I32] + [_I64] * 5 + [_I32]),
     "wna16_marlin_unrepack_host": (_I32, [_P, _P, _P, _I64, _I64, _I64, _I32, _I32]),
     "wna16_marlin_repack_replay": (_I32, [_P, _P, _P, _I64, _I64, _I64, _I32]),
     "wna16_permute_scales_host": (_I32, [_P, _P, _I64, _I64, _I32, _I32, _I32]),
@@ -451,15 +452,18 @@ def marlin_repack_fast(
     experts, size_k, size_n = _repack_dims(packed, num_bits)
     if size_k % 16 or size_n % 64:
         raise ValueError(f"size_k = {size_k} / size_n = {size_n} are not multiples of 16 / 64")
-    src = packed.contiguous()
-    p = _perm_int32(perm, src, size_k)
-    shape = _marlin_shape(src, num_bits)
+    shape = _marlin_shape(packed, num_bits)
+    # Strided source and output are read/written in place (a transposed view of the checkpoint's
+    # N-first words, a column block of a wider output): no copies on the hot path.
+    src = packed.reshape(-1, *packed.shape[-2:]) if packed.ndim > 2 else packed.unsqueeze(0)
+    p = _perm_int32(perm, packed, size_k)
     if out is None:
         out = torch.empty(shape, dtype=torch.int32)
-    elif tuple(out.shape) != shape or out.dtype != torch.int32 or not out.is_contiguous() or out.is_cuda:
-        raise ValueError(f"out must be a contiguous CPU int32 tensor of shape {shape}")
-    lib.call("wna16_marlin_repack_host", _ptr(src), _ptr(p), _ptr(out), experts, size_k, size_n,
-             num_bits, torch.get_num_threads())
+    if tuple(out.shape) != shape or out.dtype != torch.int32 or out.is_cuda or out.stride(-1) != 1:
+        raise ValueError(f"out must be a CPU int32 tensor of shape {shape} with unit stride in its last dim")
+    out3 = out.view(-1, *out.shape[-2:]) if out.ndim > 2 else out.unsqueeze(0)
+    lib.call("wna16_marlin_repack_host_strided", _ptr(src), _ptr(p), _ptr(out3), experts, size_k, size_n, num_bits,
+             src.stride(0), src.stride(1), src.stride(2), out3.stride(0), out3.stride(1), torch.get_num_threads())
     return out
 
 

@@ -13,7 +13,7 @@ caller can stream experts; the rank functions stack them on dim 0.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -171,6 +171,8 @@ def _layout_problems(spec: RankLayout) -> list[str]:
 
 
 ShapeAndDtype = tuple[tuple[int, ...], torch.dtype]
+# (packed K-first int32, num_bits, act-order perm or None, *, out=) -> out
+MarlinRepack = Callable[..., Tensor]
 
 
 def expected_rank_shapes(spec: RankLayout, num_local_experts: int, scale_dtype: torch.dtype) -> dict[str, ShapeAndDtype]:
@@ -220,12 +222,15 @@ def build_rank_tensors(
     *,
     expert_ids: Sequence[int] | None = None,
     scale_dtype: torch.dtype | None = None,
+    repack: MarlinRepack | None = None,
 ) -> dict[str, Tensor]:
     """The rank's tensors for `experts` (its local experts, in order), stacked on dim 0.
 
     Names carry no module prefix. `expert_ids` (global ids) only label error messages.
     Scales keep the checkpoint dtype unless `scale_dtype` is given; then they are cast the way
     the engine's loader casts them into its model-dtype parameters (bf16 -> fp16 rounds).
+    `repack` replaces the torch Marlin weight repack with a bit-identical implementation (the
+    native CPU or CUDA kernels of `wna16ctl.kernels`), called as `repack(packed, nb, perm, out=)`.
     """
     if not experts:
         raise ValueError("no experts to lay out")
@@ -234,7 +239,7 @@ def build_rank_tensors(
     device = experts[0]["gate"][PACKED].device
     out = {name: torch.empty(shape, dtype=dtype, device=device) for name, (shape, dtype) in shapes.items()}
     for e, (expert, expert_id) in enumerate(zip(experts, ids)):
-        _build_expert_into(expert, spec, {name: t[e] for name, t in out.items()}, expert_id)
+        _build_expert_into(expert, spec, {name: t[e] for name, t in out.items()}, expert_id, repack)
     return out
 
 
@@ -254,13 +259,14 @@ def build_expert_tensors(
 
 
 def _build_expert_into(
-    expert: ExpertTensors, spec: RankLayout, out: Mapping[str, Tensor], expert_id: int | None
+    expert: ExpertTensors, spec: RankLayout, out: Mapping[str, Tensor], expert_id: int | None,
+    repack: MarlinRepack | None = None,
 ) -> None:
     """Fill `out` (one expert's slices, shaped as `expected_expert_shapes`); copy_ casts scales
     to the dtype of their `out` tensor."""
     _check_expert_matches(expert, spec)
     if spec.layout == MARLIN:
-        _marlin_expert_into(expert, spec, out, expert_id)
+        _marlin_expert_into(expert, spec, out, expert_id, repack or marlin_repack)
         return
     kfirst = shard_expert(expert, tp=spec.tp, rank=spec.rank, load_full_w2=spec.load_full_w2, expert_id=expert_id)
     for name, tensor in _transposed_expert(kfirst, spec).items():
@@ -268,7 +274,8 @@ def _build_expert_into(
 
 
 def _marlin_expert_into(
-    expert: ExpertTensors, spec: RankLayout, out: Mapping[str, Tensor], expert_id: int | None
+    expert: ExpertTensors, spec: RankLayout, out: Mapping[str, Tensor], expert_id: int | None,
+    repack: MarlinRepack,
 ) -> None:
     h, i_p, p, pf, nb, gs = (
         spec.hidden_size,
@@ -291,17 +298,19 @@ def _marlin_expert_into(
         out["w13_g_idx_sort_indices"].copy_(w13_perm)
         out["w2_g_idx_sort_indices"].copy_(w2_perm)
 
-    # gate and up fill whole 64-wide n-tiles each (P % 64 == 0), so each half is repacked on
-    # its own straight into its columns: no concatenated K-first copy is needed. A contiguous
-    # K-first source repacks several times faster than a transposed view of the checkpoint.
+    # gate and up fill whole 64-wide n-tiles each (P % 64 == 0), so each half is repacked on its
+    # own into its columns of the output. Without padding the K-first sources are passed as
+    # transposed views of the checkpoint's N-first words (the native repack reads them in place);
+    # with padding a zero-padded contiguous copy is made.
     w13_out = out["w13_weight_packed"]
     half = w13_out.shape[-1] // 2
     for h_index, part in enumerate((gate, up)):
-        # Padding the K-first columns = padding the checkpoint's N-first rows.
-        source = pad_intermediate_rows(part[PACKED].transpose(0, 1), i_p, p).transpose(0, 1)
-        marlin_repack(source.contiguous(), nb, w13_perm, out=w13_out[:, h_index * half : (h_index + 1) * half])
-    w2 = pad_intermediate_rows(down[PACKED].contiguous(), i_p // pf, p // pf)
-    marlin_repack(w2, nb, w2_perm, out=out["w2_weight_packed"])
+        source = part[PACKED]
+        if p != i_p:  # padding the K-first columns = padding the checkpoint's N-first rows
+            source = pad_intermediate_rows(source.transpose(0, 1), i_p, p).transpose(0, 1).contiguous()
+        repack(source, nb, w13_perm, out=w13_out[:, h_index * half : (h_index + 1) * half])
+    w2 = down[PACKED] if p == i_p else pad_intermediate_rows(down[PACKED].contiguous(), i_p // pf, p // pf)
+    repack(w2, nb, w2_perm, out=out["w2_weight_packed"])
 
     w13_scale = pad_intermediate_halves(torch.cat([gate[SCALE], up[SCALE]], dim=-1), i_p, p)
     out["w13_weight_scale"].copy_(marlin_permute_scales(w13_scale, h, 2 * p, gs))

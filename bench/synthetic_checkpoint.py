@@ -1,0 +1,88 @@
+"""Write a large but valid `pack-quantized` MoE checkpoint with random codes, quickly.
+
+Quantizing gigabytes with compressed-tensors takes far longer than the repack being measured, so
+the benchmark checkpoint holds random codes and scales in the exact on-disk form (same names,
+dtypes, shapes, config) as a compressed-tensors W4A16 Qwen3-MoE checkpoint.
+
+    python bench/synthetic_checkpoint.py OUT [--layers 4] [--experts 128] [--hidden 2048] [--intermediate 768]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+
+def write(out: Path, *, layers: int = 4, experts: int = 128, hidden: int = 2048, intermediate: int = 768,
+          num_bits: int = 4, group_size: int = 128, vocab: int = 4096, seed: int = 0) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    pf = 32 // num_bits
+    g = torch.Generator().manual_seed(seed)
+    weight_map: dict[str, str] = {}
+    total = 0
+    shards = layers + 1
+    for s in range(shards):
+        tensors: dict[str, torch.Tensor] = {}
+        if s == 0:
+            tensors["model.embed_tokens.weight"] = (torch.randn(vocab, hidden, generator=g) * 0.02).to(torch.bfloat16)
+            tensors["model.norm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+            tensors["lm_head.weight"] = (torch.randn(vocab, hidden, generator=g) * 0.02).to(torch.bfloat16)
+        else:
+            L = s - 1
+            p = f"model.layers.{L}"
+            tensors[f"{p}.input_layernorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+            tensors[f"{p}.post_attention_layernorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+            tensors[f"{p}.mlp.gate.weight"] = (torch.randn(experts, hidden, generator=g) * 0.02).to(torch.bfloat16)
+            for e in range(experts):
+                for proj, (n, k) in (("gate_proj", (intermediate, hidden)), ("up_proj", (intermediate, hidden)),
+                                     ("down_proj", (hidden, intermediate))):
+                    m = f"{p}.mlp.experts.{e}.{proj}"
+                    tensors[f"{m}.weight_packed"] = torch.randint(-(2**31), 2**31 - 1, (n, k // pf), generator=g, dtype=torch.int32)
+                    tensors[f"{m}.weight_scale"] = (torch.rand(n, k // group_size, generator=g) * 1e-3 + 1e-4).to(torch.bfloat16)
+                    tensors[f"{m}.weight_shape"] = torch.tensor([n, k], dtype=torch.int64)
+        name = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        save_file(tensors, str(out / name), metadata={"format": "pt"})
+        for k, v in tensors.items():
+            weight_map[k] = name
+            total += v.numel() * v.element_size()
+        del tensors
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    config = {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": hidden,
+        "moe_intermediate_size": intermediate, "num_experts": experts, "num_experts_per_tok": 8,
+        "num_hidden_layers": layers, "vocab_size": vocab, "torch_dtype": "bfloat16", "rms_norm_eps": 1e-6,
+        "norm_topk_prob": True,
+        "quantization_config": {
+            "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+            "version": "0.20.1",
+            "config_groups": {"group_0": {
+                "targets": [r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"],
+                "weights": {"num_bits": num_bits, "type": "int", "symmetric": True, "strategy": "group",
+                            "group_size": group_size, "dynamic": False},
+                "format": "pack-quantized"}},
+            "ignore": ["lm_head"],
+        },
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--intermediate", type=int, default=768)
+    a = ap.parse_args()
+    p = write(a.out, layers=a.layers, experts=a.experts, hidden=a.hidden, intermediate=a.intermediate)
+    size = sum(f.stat().st_size for f in p.iterdir())
+    print(f"wrote {p}: {size / 2**30:.2f} GiB")
+
+
+if __name__ == "__main__":
+    main()
