@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,7 @@ MAX_TOKENS_PER_SAMPLE = 64
 
 
 SAMPLES_ENV = "WNA16CTL_SAMPLES"
+_DATASET_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 def default_samples() -> Path:
@@ -60,7 +62,9 @@ def load_questions(samples: str | os.PathLike[str], num_samples: int) -> list[st
         if not out:
             raise BadInput(f"{path}: no samples")
         return out
-    if "/" in str(samples) and not path.exists():
+    # Only an "owner/name" id goes to `datasets`; a missing local path (absolute, relative with
+    # directories, or a .json/.jsonl name) is a missing file, not a dataset to look up online.
+    if _DATASET_ID.fullmatch(str(samples)) and not str(samples).endswith((".json", ".jsonl")) and not path.exists():
         try:
             import datasets  # type: ignore[import-not-found]
         except ImportError:

@@ -138,7 +138,11 @@ def source_fingerprint(ck: Checkpoint) -> str:
 
 def _choose_layout(layer: MoELayer, plan: LayerPlan, requested: str) -> str:
     if plan.errors or plan.backend is None:
-        raise NotLoadable(f"{layer.prefix} at TP {plan.tp}{' EP' if plan.ep else ''}: " + "; ".join(plan.errors or ["no backend"]))
+        why = list(plan.errors or ["no backend"])
+        if plan.backend is None and plan.rejected:
+            # "No WNA16 MoE backend supports ..." alone does not say why: name each backend's reason.
+            why.append(", ".join(f"{b}: {r}" for b, r in plan.rejected.items()))
+        raise NotLoadable(f"{layer.prefix} at TP {plan.tp}{' EP' if plan.ep else ''}: " + "; ".join(why))
     if requested == "auto":
         return plan.layout  # type: ignore[return-value]
     backend = Backend.MARLIN if requested == "marlin" else Backend.TRITON
@@ -274,10 +278,13 @@ def run_repack(
     out_path = Path(out)
     if out_path.resolve() == ck.root.resolve() or ck.root.resolve() in out_path.resolve().parents:
         raise UsageError(f"{out_path}: the output must not be inside the checkpoint directory")
+    if out_path.resolve() in ck.root.resolve().parents:
+        # --force (or --resume) replaces OUT as a whole at the commit: the checkpoint would go with it.
+        raise UsageError(f"{out_path}: contains the checkpoint {ck.root}; choose an output directory outside it")
     staged = StagedOutput(out_path, force=force, resume=resume, identity=plan.identity)
     advance = progress or (lambda n: None)
     try:
-        result = _execute(plan, staged, advance)
+        result = _execute(plan, staged, advance, device)
     except KeyboardInterrupt:
         staged.abort(keep_for_resume=True)
         raise
@@ -287,7 +294,7 @@ def run_repack(
     return result
 
 
-def _execute(plan: RepackPlan, staged: StagedOutput, advance: Callable[[int], None]) -> RepackResult:
+def _execute(plan: RepackPlan, staged: StagedOutput, advance: Callable[[int], None], device: str) -> RepackResult:
     ck = plan.checkpoint
     by_rel = {f.relpath: f for files in plan.files for f in files}
     pending = {rel: f for rel, f in by_rel.items() if not staged.is_reusable(f)}
@@ -307,14 +314,16 @@ def _execute(plan: RepackPlan, staged: StagedOutput, advance: Callable[[int], No
         staged.checkpoint_journal()
 
     written = 0
-    with TensorReader(ck.files) as reader:
+    repack_weights = marlin_repacker(device)
+    writer = _BackgroundWrites(staged)
+    with TensorReader(ck.files) as reader, writer:
         # 1. non-expert tensors, copied byte for byte into every rank that still needs them
         copy_units = [u for rel in sorted(pending) for u in plan.units[rel] if u[0] == "copy"]
         for u in dict.fromkeys(copy_units):
             for f in unit_file[u]:
                 for name in u[1]:
                     info = ck.files.info(name)
-                    staged.copy_range(f, f.offsets[name], reader._fd(info.file), info.start, info.nbytes)
+                    staged.copy_range(f, f.offsets[name], reader._fd(info.file), info.start, info.nbytes, source=info.file)
                     written += info.nbytes
                     advance(info.nbytes)
             unit_done(u)
@@ -329,19 +338,24 @@ def _execute(plan: RepackPlan, staged: StagedOutput, advance: Callable[[int], No
             for chunk in _expert_chunks(job):
                 experts = [reader.read_expert(layer, e) for e in chunk]
                 nbytes = layer.packed_bytes * len(chunk) // layer.num_experts
+                writes: list[tuple[PlannedFile, int, torch.Tensor]] = []
                 for r, fs in rank_files.items():
                     rng = job.expert_ranges[r]
                     if chunk.start not in rng:
                         continue
                     f = fs[0]
-                    tensors = build_rank_tensors(experts, job.specs[r])
+                    tensors = build_rank_tensors(experts, job.specs[r], scale_dtype=plan.scale_dtype,
+                                                 expert_ids=list(chunk), repack=repack_weights)
                     local = chunk.start - rng.start
                     for name, t in tensors.items():
-                        full = f"{layer.prefix}.{name}"
                         per = t[0].numel() * t.element_size() if t.shape[0] else 0
-                        staged.pwrite(f, f.offsets[full] + local * per, t)
+                        writes.append((f, f.offsets[f"{layer.prefix}.{name}"] + local * per, t))
                         written += t.numel() * t.element_size()
+                # Writing chunk i overlaps building chunk i+1 (pwrite releases the GIL); at most
+                # two chunks of output are alive at a time.
+                writer.submit(writes)
                 advance(nbytes)
+            writer.drain()
             unit_done(u)
         # 3. per-rank indexes, side files, manifest
         for r, files in enumerate(plan.files):
@@ -356,6 +370,60 @@ def _execute(plan: RepackPlan, staged: StagedOutput, advance: Callable[[int], No
         manifest = build_manifest(plan, staged.done, staged.stage)
         staged.commit(manifest)
     return RepackResult(staged.out, len(pending), reused, written, manifest)
+
+
+class _BackgroundWrites:
+    """One writer thread, one chunk in flight: the next submit waits for the previous chunk."""
+
+    def __init__(self, staged: StagedOutput):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._staged = staged
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wna16ctl-write")
+        self._pending = None
+
+    def _write(self, writes: list[tuple[PlannedFile, int, torch.Tensor]]) -> None:
+        for f, offset, t in writes:
+            self._staged.pwrite(f, offset, t)
+
+    def submit(self, writes: list[tuple[PlannedFile, int, torch.Tensor]]) -> None:
+        self.drain()
+        self._pending = self._pool.submit(self._write, writes)
+
+    def drain(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()  # re-raises a write error (disk full, ...) in the main thread
+
+    def __enter__(self) -> "_BackgroundWrites":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if exc[0] is None:
+                self.drain()
+        finally:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def marlin_repacker(device: str) -> Callable[..., torch.Tensor]:
+    """The Marlin weight repack for `device`: the CUDA kernel, the native CPU library, or torch.
+
+    All three are bit-identical (tests/test_kernels.py); the choice only changes speed.
+    """
+    from wna16ctl import kernels
+
+    if device == "cuda" and not kernels.cuda_available():
+        raise UsageError("--device cuda: no usable CUDA GPU and kernel library here; use --device cpu")
+    use_cuda = device == "cuda" or (device == "auto" and kernels.cuda_available())
+
+    def repack(packed: torch.Tensor, num_bits: int, perm: torch.Tensor | None = None, *, out: torch.Tensor) -> torch.Tensor:
+        if use_cuda:
+            result = kernels.marlin_repack_fast(packed.cuda(), num_bits, None if perm is None else perm.cuda()).cpu()
+            return out.copy_(result)
+        return kernels.marlin_repack_fast(packed, num_bits, perm, out=out)
+
+    return repack
 
 
 def build_manifest(plan: RepackPlan, hashes: dict[str, str], root: Path) -> dict[str, Any]:

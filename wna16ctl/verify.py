@@ -6,7 +6,8 @@ Three independent checks, all run (a failure in one does not hide the others):
    manifest hashed, and the settings and per-layer plan are what the planner gives today;
 2. round trip — every rank's expert tensors, undone by the layout's inverse, equal the rank's
    slice of the checkpoint's codes, scales, zero points and g_idx bit for bit, and the ranks
-   re-assemble into the checkpoint;
+   re-assemble into the checkpoint; every rank holds exactly the planned tensors, the non-expert
+   ones byte-equal to the checkpoint's;
 3. numerics — per MoE layer, GSM8K-derived activations through the repacked per-rank weights
    (model dtype, fp32 accumulation, partial sums added across ranks like the all-reduce)
    against the dequantized checkpoint in fp32, within an element-wise bound derived from the
@@ -15,6 +16,7 @@ Three independent checks, all run (a failure in one does not hide the others):
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +34,7 @@ from wna16ctl.layout.packing import unpack_codes
 from wna16ctl.layout.rank import RankLayout, unbuild_expert_tensors
 from wna16ctl.layout.shard import shard_expert, unshard_expert
 from wna16ctl.layout._mismatch import first_difference
-from wna16ctl.repack import FORMAT_NAME, LayerJob, RepackSettings, plan_repack, source_fingerprint
+from wna16ctl.repack import FORMAT_NAME, LayerJob, RepackPlan, RepackSettings, plan_repack, source_fingerprint
 from wna16ctl.writer import JOURNAL_NAME, MANIFEST_NAME, sha256_file
 
 SILU_LIPSCHITZ = 1.1  # max |d/dx x·sigmoid(x)| = 1.0998...
@@ -133,7 +135,7 @@ def _read_manifest(out: Path) -> dict[str, Any]:
     return manifest
 
 
-def _check_manifest(ck: Checkpoint, out: Path, manifest: dict[str, Any], report: VerifyReport) -> list[LayerJob]:
+def _check_manifest(ck: Checkpoint, out: Path, manifest: dict[str, Any], report: VerifyReport) -> RepackPlan | None:
     add = lambda msg, **kw: report.findings.append(Finding("manifest", msg, **kw))  # noqa: E731
     fp = source_fingerprint(ck)
     if manifest.get("source", {}).get("fingerprint") != fp:
@@ -161,7 +163,7 @@ def _check_manifest(ck: Checkpoint, out: Path, manifest: dict[str, Any], report:
         raise BadInput(f"{out / MANIFEST_NAME}: settings {settings!r} are not valid repack settings") from None
     except NotLoadable as e:
         add(f"the planner today refuses these settings: {e.message}")
-        return []
+        return None
     today = {j.layer.prefix: j.to_json() for j in plan.jobs}
     recorded = {lay.get("name"): lay for lay in manifest.get("layers", [])}
     for name in sorted(set(today) | set(recorded)):
@@ -178,7 +180,7 @@ def _check_manifest(ck: Checkpoint, out: Path, manifest: dict[str, Any], report:
             add(f"rank {r}: files {rank.get('files')} differ from the planned {expected}", rank=r)
     if len(manifest.get("ranks", [])) != rs.tp:
         add(f"the manifest lists {len(manifest.get('ranks', []))} ranks for tp {rs.tp}")
-    return plan.jobs
+    return plan
 
 
 # ---- 2 + 3. round trip and numerics --------------------------------------------------------------
@@ -199,6 +201,46 @@ class _RankFiles:
         sub = type(info)(info.name, info.dtype, info.shape[1:], info.file, info.start + local * per, info.start + (local + 1) * per)
         buf = self.reader.read_bytes(sub)
         return torch.frombuffer(buf, dtype=torch_dtype(info.dtype)).reshape(sub.shape) if buf else torch.empty(sub.shape)
+
+
+def _tensor_digest(reader: TensorReader, info: Any, chunk: int = 64 << 20) -> str:
+    """sha256 of one tensor's bytes, read in bounded chunks."""
+    h = hashlib.sha256()
+    for start in range(info.start, info.end, chunk):
+        sub = type(info)(info.name, info.dtype, (), info.file, start, min(start + chunk, info.end))
+        h.update(reader.read_bytes(sub))
+    return h.hexdigest()
+
+
+def _verify_rank_contents(ck: Checkpoint, reader: TensorReader, plan: RepackPlan, ranks: list[_RankFiles],
+                          report: VerifyReport) -> None:
+    """Each rank holds exactly the planned tensors, and the non-expert ones byte for byte as in the
+    checkpoint (the round trip below only covers the expert tensors)."""
+    source_digest: dict[str, str] = {}
+    for r, rf in enumerate(ranks):
+        add = lambda msg, **kw: report.findings.append(Finding("round_trip", f"rank {r}: {msg}", rank=r, **kw))  # noqa: E731
+        planned = {t.name for f in plan.files[r] for t in f.tensors} if r < len(plan.files) else set()
+        have = set(rf.files.names())
+        for name in sorted(planned - have):
+            add(f"tensor {name} is missing")
+        for name in sorted(have - planned):
+            add(f"tensor {name} is not part of the planned output")
+        for name in plan.copied:
+            if name not in have:
+                continue
+            got, want = rf.files.info(name), ck.files.info(name)
+            if (got.dtype, got.shape) != (want.dtype, want.shape):
+                add(f"{name} is {got.dtype} {list(got.shape)}, the checkpoint's is {want.dtype} {list(want.shape)}")
+                continue
+            if name not in source_digest:
+                source_digest[name] = _tensor_digest(reader, want)
+            try:
+                same = _tensor_digest(rf.reader, got) == source_digest[name]
+            except BadInput as e:
+                add(e.message)
+                continue
+            if not same:
+                add(f"{name} differs from the checkpoint's (non-expert tensors must be copied unchanged)")
 
 
 def _projection_of(key: str, col: int | None, i_p: int) -> str:
@@ -288,9 +330,10 @@ def verify_output(
     manifest = _read_manifest(out_path)
     questions = load_questions(samples, num_samples)
     report = VerifyReport(str(ck.root), str(out_path), device, tokenizer="", samples=len(questions))
-    jobs = _check_manifest(ck, out_path, manifest, report)
-    if not jobs:
+    plan = _check_manifest(ck, out_path, manifest, report)
+    if plan is None or not plan.jobs:
         return report
+    jobs = plan.jobs
     dtype = dtype_from_name(manifest.get("scale_dtype") or ck.config.torch_dtype)
     with TensorReader(ck.files) as reader:
         vocab = int(ck.config.raw.get("vocab_size") or 1 << 30)
@@ -304,6 +347,7 @@ def verify_output(
                 report.findings.append(Finding("round_trip", f"rank {r}: {e.message}", rank=r))
                 return report
         try:
+            _verify_rank_contents(ck, reader, plan, ranks, report)
             for job in jobs:
                 _verify_layer(ck, reader, job, ranks, hidden, dtype, report)
         finally:

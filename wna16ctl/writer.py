@@ -23,7 +23,7 @@ import torch
 
 from wna16ctl.checkpoint.headers import DTYPE_SIZES
 from wna16ctl.checkpoint.tensors import SAFETENSORS_DTYPES
-from wna16ctl.errors import OutputError, UsageError
+from wna16ctl.errors import BadInput, OutputError, UsageError
 
 MANIFEST_NAME = "wna16ctl.json"
 JOURNAL_NAME = ".wna16ctl-journal.json"
@@ -220,7 +220,8 @@ class StagedOutput:
         except OSError as e:
             raise _os_error(e, self.stage / f.relpath) from None
 
-    def copy_range(self, f: PlannedFile, offset: int, src_fd: int, src_offset: int, nbytes: int) -> None:
+    def copy_range(self, f: PlannedFile, offset: int, src_fd: int, src_offset: int, nbytes: int,
+                   source: Path | None = None) -> None:
         """Copy bytes from a source file without passing them through Python (copy_file_range)."""
         fd = self._fds[f.relpath]
         done = 0
@@ -232,7 +233,11 @@ class StagedOutput:
                     chunk = os.pread(src_fd, min(nbytes - done, 16 << 20), src_offset + done)
                     n = os.pwrite(fd, chunk, offset + done)
                 if n == 0:
-                    raise OutputError(f"{self.stage / f.relpath}: source ended early while copying; nothing was left behind")
+                    # The input is at fault (truncated after planning): name it, not the staging file.
+                    raise BadInput(
+                        f"{source or 'the source'}: ends before the tensor data the plan expects (the shard was "
+                        "truncated or replaced after planning); restore the file and run again; nothing was left behind"
+                    )
                 done += n
         except OSError as e:
             raise _os_error(e, self.stage / f.relpath) from None
@@ -275,7 +280,9 @@ class StagedOutput:
     def checkpoint_journal(self) -> None:
         """Record finished files so that --resume after an interruption can skip them."""
         for rel, fut in list(self._hashing.items()):
-            if fut.done():
+            if fut.cancelled():  # abort() cancelled a queued hash: the file is simply not journaled
+                del self._hashing[rel]
+            elif fut.done():
                 self.done[rel] = fut.result()
                 del self._hashing[rel]
         data = json.dumps({"identity": self.identity, "files": self.done}, indent=1).encode()

@@ -1,0 +1,502 @@
+"""`verify` against outputs with one injected fault each.
+
+Every fault is injected two ways where that makes sense:
+(a) plain corruption of a finished output: the manifest's hashes catch it;
+(b) a buggy repack: the tensor is wrong AND the manifest's sha256/bytes are rewritten to match, so
+    only the deeper checks (bit-exact round trip, numerics) can catch it.
+Each finding must name what is wrong: layer, expert, rank, tensor."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import wna16ctl.verify as verify_mod
+from tests.conftest import GSM8K_TEST
+from tests.test_repack import BASE, ckpt, one_torch_thread, patch_tensor, read_dir  # noqa: F401  (fixtures)
+from wna16ctl.cli import cli
+from wna16ctl.errors import BadInput
+from wna16ctl.layout.marlin import marlin_permute_scales, marlin_unpermute_scales
+from wna16ctl.repack import RepackSettings, plan_repack, run_repack
+from wna16ctl.verify import VerifyReport, verify_output
+from wna16ctl.writer import MANIFEST_NAME, sha256_file
+
+PREFIX = "model.layers.0.mlp.experts"
+H, I = 256, 256
+
+
+# ---- outputs (repacked once per module; tests mutate copies) ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def outputs(ckpt, tmp_path_factory):
+    """name -> (checkpoint, pristine repack output)."""
+    made: dict[str, tuple[Path, Path]] = {}
+
+    def get(name: str) -> tuple[Path, Path]:
+        if name not in made:
+            spec, settings = {
+                "g128": (dict(**BASE), RepackSettings(tp=2)),  # I_p == group_size: the w13 scale quirk case
+                "actorder": (dict(group_size=32, actorder="group", **BASE), RepackSettings(tp=2)),
+                "static": (dict(group_size=32, actorder="static", **BASE), RepackSettings(tp=2)),
+            }[name]
+            ck = ckpt(**spec)
+            out = tmp_path_factory.mktemp(f"out-{name}") / "out"
+            run_repack(plan_repack(ck, settings), out)
+            made[name] = (ck, out)
+        return made[name]
+
+    return get
+
+
+@pytest.fixture
+def fresh(outputs, tmp_path):
+    """A private copy of one of the module's outputs: `fresh("g128") -> (ckpt, out)`."""
+
+    def get(name: str) -> tuple[Path, Path]:
+        ck, out = outputs(name)
+        dst = tmp_path / name
+        shutil.copytree(out, dst)
+        return ck, dst
+
+    return get
+
+
+# ---- helpers ----------------------------------------------------------------------------------------------
+
+
+def rank_file(out: Path, r: int) -> Path:
+    (f,) = sorted((out / f"rank-{r}").glob("*.safetensors"))
+    return f
+
+
+def read(out: Path, r: int, name: str) -> torch.Tensor:
+    with safe_open(rank_file(out, r), framework="pt") as so:
+        return so.get_tensor(name if name.startswith("model.") else f"{PREFIX}.{name}")
+
+
+def rewrite(out: Path, r: int, **tensors: torch.Tensor) -> None:
+    """Rewrite a rank file with some expert tensors replaced (any shape)."""
+    path = rank_file(out, r)
+    with safe_open(path, framework="pt") as so:
+        all_tensors = {k: so.get_tensor(k) for k in so.keys()}
+    for name, t in tensors.items():
+        all_tensors[f"{PREFIX}.{name}"] = t.contiguous()
+    save_file(all_tensors, path, metadata={"format": "pt"})
+
+
+def patch(out: Path, r: int, name: str, t: torch.Tensor) -> None:
+    patch_tensor(rank_file(out, r), name if name.startswith("model.") else f"{PREFIX}.{name}", t)
+
+
+def rehash(out: Path) -> None:
+    """What a buggy repack would write: a manifest whose hashes match the (wrong) files."""
+    path = out / MANIFEST_NAME
+    m = json.loads(path.read_text())
+    for rel in m["files"]:
+        m["files"][rel] = {"sha256": sha256_file(out / rel), "bytes": (out / rel).stat().st_size}
+    path.write_text(json.dumps(m, indent=2) + "\n")
+
+
+def verify(ck: Path, out: Path) -> VerifyReport:
+    return verify_output(ck, out, samples=GSM8K_TEST, num_samples=8)
+
+
+def findings(report: VerifyReport, check: str) -> list:
+    return report.by_check(check)
+
+
+def assert_manifest_only_names(report: VerifyReport, *words: str) -> None:
+    msgs = [f.message for f in findings(report, "manifest")]
+    assert msgs and all(any(w in m for m in msgs) for w in words), msgs
+
+
+def assert_round_trip(report: VerifyReport, *, expert: int | None, rank: int | None, words: tuple[str, ...]):
+    """Some round-trip finding names this expert, rank, the layer and every word."""
+    rt = findings(report, "round_trip")
+    hit = [f for f in rt if (expert is None or f.expert == expert) and (rank is None or f.rank == rank)
+           and all(w in f.message for w in words)]
+    assert hit, [f.to_json() for f in rt]
+    f = hit[0]
+    if expert is not None:
+        assert f.layer == PREFIX and PREFIX in f.message and f"expert {expert}" in f.message
+    if rank is not None:
+        assert f"rank {rank}" in f.message
+    return f
+
+
+def numerics_failed(report: VerifyReport) -> bool:
+    (n,) = report.numerics
+    assert n.layer == PREFIX
+    return not n.passed
+
+
+# ---- the baseline passes -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["g128", "actorder", "static"])
+def test_pristine_outputs_pass(outputs, name):
+    report = verify(*outputs(name))
+    assert report.passed, [f.to_json() for f in report.findings]
+    assert report.files_checked == 5  # per rank a safetensors file and its index, and config.json
+    assert report.layers_checked == 1 and report.experts_checked == 4
+
+
+# ---- weight faults ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["plain", "buggy_repack"])
+def test_flipped_nibble_in_w2(fresh, mode):
+    ck, out = fresh("g128")
+    w2 = read(out, 1, "w2_weight_packed")
+    w2.view(-1, w2.shape[-1])[2 * w2.shape[1] + 3, 17] ^= 0xF0  # expert 2, one nibble
+    patch(out, 1, "w2_weight_packed", w2)
+    if mode == "buggy_repack":
+        rehash(out)
+    report = verify(ck, out)
+    assert not report.passed
+    if mode == "plain":
+        assert_manifest_only_names(report, "rank-1/model-00001-of-00001.safetensors", "modified after repack")
+    else:
+        assert not findings(report, "manifest")
+    f = assert_round_trip(report, expert=2, rank=1, words=("w2_weight_packed", "down_proj"))
+    assert all(x.expert == 2 and x.rank in (1, None) for x in findings(report, "round_trip")), f
+
+
+@pytest.mark.parametrize("mode", ["plain", "buggy_repack"])
+def test_swapped_experts(fresh, mode):
+    ck, out = fresh("g128")
+    for name in ("w13_weight_packed", "w2_weight_packed", "w13_weight_scale", "w2_weight_scale"):
+        t = read(out, 0, name)
+        patch(out, 0, name, t[[0, 2, 1, 3]])
+    if mode == "buggy_repack":
+        rehash(out)
+    report = verify(ck, out)
+    assert not report.passed
+    assert bool(findings(report, "manifest")) == (mode == "plain")
+    for e in (1, 2):
+        assert_round_trip(report, expert=e, rank=0, words=("differs",))
+    assert {f.expert for f in findings(report, "round_trip")} == {1, 2}
+
+
+@pytest.mark.parametrize("mode", ["plain", "buggy_repack"])
+def test_swapped_gate_and_up(fresh, mode):
+    ck, out = fresh("g128")
+    for name in ("w13_weight_packed", "w13_weight_scale"):  # Marlin keeps the gate | up halves of N
+        t = read(out, 1, name)
+        half = t.shape[-1] // 2
+        t[0] = torch.cat([t[0, ..., half:], t[0, ..., :half]], dim=-1)
+        patch(out, 1, name, t)
+    if mode == "buggy_repack":
+        rehash(out)
+    report = verify(ck, out)
+    assert not report.passed
+    assert_round_trip(report, expert=0, rank=1, words=("w13_weight_packed", "gate_proj"))
+    assert numerics_failed(report)
+
+
+def _w2_scales(out: Path, r: int) -> torch.Tensor:
+    return read(out, r, "w2_weight_scale")
+
+
+@pytest.mark.parametrize("mode", ["plain", "buggy_repack"])
+def test_act_order_w2_scales_sharded_by_rank(fresh, mode):
+    # vllm #41161 class: act-order needs all I/gs w2 scale rows on every rank; write the rank's slice.
+    ck, out = fresh("actorder")
+    full = _w2_scales(out, 1)
+    assert full.shape == (4, I // 32, H)
+    rewrite(out, 1, w2_weight_scale=full[:, 4:8])  # the rows rank 1 would get if sharded
+    if mode == "buggy_repack":
+        rehash(out)
+    report = verify(ck, out)
+    assert not report.passed
+    assert bool(findings(report, "manifest")) == (mode == "plain")
+    for e in range(4):
+        assert_round_trip(report, expert=e, rank=1, words=("w2_weight_scale", "(4, 256)"))
+
+
+@pytest.mark.parametrize("mode", ["plain", "buggy_repack"])
+def test_static_actorder_w2_scales_loaded_full(fresh, mode):
+    # the converse: actorder static shards like no act-order; full rows are the pre-#41161 bug
+    ck, out = fresh("static")
+    parts = [_w2_scales(out, r) for r in range(2)]
+    assert parts[0].shape == (4, I // 2 // 32, H)
+    full = torch.cat(parts, dim=1)
+    for r in range(2):
+        rewrite(out, r, w2_weight_scale=full)
+    if mode == "buggy_repack":
+        rehash(out)
+    report = verify(ck, out)
+    assert not report.passed
+    for r in range(2):
+        assert_round_trip(report, expert=0, rank=r, words=("w2_weight_scale", "(8, 256)"))
+
+
+@pytest.mark.parametrize("mode", ["plain", "buggy_repack"])
+def test_w13_scales_with_engine_size_k_quirk(fresh, mode):
+    # size_k = I_p (128) == group_size: the single permutation instead of the grouped one
+    ck, out = fresh("g128")
+    p, gs = 128, 128
+    for r in range(2):
+        s = read(out, r, "w13_weight_scale")
+        quirk = torch.stack([marlin_permute_scales(marlin_unpermute_scales(s[e], H, 2 * p, gs), p, 2 * p, gs)
+                             for e in range(4)])
+        assert not quirk.equal(s)
+        patch(out, r, "w13_weight_scale", quirk)
+    if mode == "buggy_repack":
+        rehash(out)
+    report = verify(ck, out)
+    assert not report.passed
+    for r in range(2):
+        for e in range(4):
+            assert_round_trip(report, expert=e, rank=r, words=("w13_weight_scale",))
+    assert numerics_failed(report)
+
+
+@pytest.mark.parametrize("mode", ["plain", "buggy_repack"])
+def test_ranks_reordered(fresh, mode):
+    ck, out = fresh("g128")
+    (out / "rank-0").rename(out / "tmp")
+    (out / "rank-1").rename(out / "rank-0")
+    (out / "tmp").rename(out / "rank-1")
+    if mode == "buggy_repack":
+        rehash(out)
+    report = verify(ck, out)
+    assert not report.passed
+    if mode == "plain":
+        assert_manifest_only_names(report, "rank-0/model-00001-of-00001.safetensors",
+                                   "rank-1/model-00001-of-00001.safetensors")
+    for r in range(2):
+        assert_round_trip(report, expert=0, rank=r, words=("differs",))
+
+
+def test_wrong_scale_caught_by_round_trip_and_by_numerics(fresh):
+    ck, out = fresh("g128")
+    s = read(out, 0, "w2_weight_scale")
+    s[3] = (s[3].float() * 1.05).to(s.dtype)
+    patch(out, 0, "w2_weight_scale", s)
+    rehash(out)
+    report = verify(ck, out)
+    assert not findings(report, "manifest")
+    assert_round_trip(report, expert=3, rank=0, words=("w2_weight_scale", "down_proj"))
+    assert numerics_failed(report)
+
+
+def test_numerics_alone_catch_a_wrong_scale(fresh, monkeypatch):
+    # Silence both bit-exact comparisons: the per-rank one and the re-assembly one.
+    monkeypatch.setattr(verify_mod, "_compare", lambda expected, got, spec: None)
+    monkeypatch.setattr(verify_mod, "first_difference", lambda a, b: None)
+    ck, out = fresh("g128")
+    assert verify(ck, out).passed  # the silenced verify still passes a correct output
+    s = read(out, 0, "w2_weight_scale")
+    s[3] = (s[3].float() * 1.05).to(s.dtype)
+    patch(out, 0, "w2_weight_scale", s)
+    rehash(out)
+    report = verify(ck, out)
+    assert not report.findings
+    (n,) = report.numerics
+    assert not n.passed and n.layer == PREFIX
+    assert n.violations > 0 or n.rel_l2_error > n.rel_l2_limit
+
+
+# ---- file-level faults --------------------------------------------------------------------------------------
+
+
+def test_non_expert_tensor_modified(fresh):
+    ck, out = fresh("g128")
+    name = "model.embed_tokens.weight"
+    t = read(out, 0, name)
+    t.view(torch.int16)[5, 7] ^= 1  # one byte
+    patch(out, 0, name, t)
+    report = verify(ck, out)
+    assert_manifest_only_names(report, "rank-0/model-00001-of-00001.safetensors", "sha256 differs")
+    rehash(out)  # the buggy-repack variant: only the copied-tensor check can see it
+    report = verify(ck, out)
+    assert not report.passed and not findings(report, "manifest")
+    (f,) = findings(report, "round_trip")
+    assert f.rank == 0 and name in f.message and "rank 0" in f.message
+
+
+def test_side_file_modified(fresh):
+    ck, out = fresh("g128")
+    cfg = out / "config.json"
+    data = bytearray(cfg.read_bytes())
+    data[10] ^= 0x20
+    cfg.write_bytes(bytes(data))
+    report = verify(ck, out)
+    assert not report.passed
+    assert_manifest_only_names(report, "config.json", "sha256 differs")
+    assert not findings(report, "round_trip")
+
+
+def test_tensor_added_to_rank_file(fresh):
+    ck, out = fresh("g128")
+    rewrite(out, 1, extra=torch.zeros(4))
+    index_path = out / "rank-1" / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"][f"{PREFIX}.extra"] = rank_file(out, 1).name
+    index_path.write_text(json.dumps(index))
+    rehash(out)
+    report = verify(ck, out)
+    assert not report.passed
+    assert any(f.rank == 1 and f"{PREFIX}.extra" in f.message and "not part of the planned output" in f.message
+               for f in findings(report, "round_trip")), [f.to_json() for f in report.findings]
+
+
+def test_file_added(fresh):
+    ck, out = fresh("g128")
+    (out / "rank-0" / "extra.safetensors").write_bytes(b"x")
+    report = verify(ck, out)
+    assert not report.passed
+    assert_manifest_only_names(report, "rank-0/extra.safetensors", "not listed in the manifest")
+
+
+def test_file_missing(fresh):
+    ck, out = fresh("g128")
+    (out / "rank-1" / "model.safetensors.index.json").unlink()
+    report = verify(ck, out)
+    assert not report.passed
+    assert_manifest_only_names(report, "rank-1/model.safetensors.index.json", "missing")
+
+
+def test_checkpoint_changed_after_repack(outputs, tmp_path):
+    src, _ = outputs("g128")
+    ck = tmp_path / "ck"
+    shutil.copytree(src, ck)
+    out = tmp_path / "out"
+    run_repack(plan_repack(ck, RepackSettings(tp=2)), out)
+    assert verify(ck, out).passed
+    # header-level change: the fingerprint
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["note"] = "edited"
+    (ck / "config.json").write_text(json.dumps(cfg))
+    report = verify(ck, out)
+    assert not report.passed
+    assert_manifest_only_names(report, "fingerprint mismatch")
+    # data-level change (headers intact, so the fingerprint cannot see it): the round trip does
+    shutil.rmtree(ck)
+    shutil.copytree(src, ck)
+    name = f"{PREFIX}.1.down_proj.weight_packed"
+    shard = next(p for p in ck.glob("*.safetensors") if name in read_dir_names(p))
+    t = read_dir(ck)[name]
+    t[0, 0] ^= 0x0F  # down's K columns 0..7: rank 0
+    t[0, -1] ^= 0x0F  # and 248..255: rank 1
+    patch_tensor(shard, name, t)
+    report = verify(ck, out)
+    assert not findings(report, "manifest")
+    for r in range(2):
+        assert_round_trip(report, expert=1, rank=r, words=("w2_weight_packed", "down_proj"))
+
+
+def read_dir_names(path: Path) -> list[str]:
+    with safe_open(path, framework="pt") as so:
+        return list(so.keys())
+
+
+# ---- every demo variant verifies -----------------------------------------------------------------------------
+
+# The round-trip matrix of tests/test_repack.py verifies int4/int8, every group size, asym,
+# act-order, TP 1/2/4 and EP; these add the other architectures, mixed precision and dtypes.
+VARIANTS = [
+    (dict(arch="mixtral", **BASE), RepackSettings(tp=2)),
+    (dict(arch="deepseek_v3", num_layers=2, num_experts=4, vocab_size=64), RepackSettings(tp=2, ep=True)),
+    (dict(arch="qwen2_moe", group_size=64, **BASE), RepackSettings(tp=4)),
+    (dict(mixed="layer", num_layers=2, num_experts=4, vocab_size=64), RepackSettings(tp=2)),
+    (dict(actorder="weight", group_size=64, symmetric=False, **BASE), RepackSettings(tp=2)),
+    (dict(group_size=-1, channel_group_size_null=True, **BASE), RepackSettings(tp=2)),
+    (dict(dtype="float16", num_bits=8, group_size=32, **BASE), RepackSettings(tp=1)),
+    (dict(arch="mixtral", actorder="group", group_size=64, **BASE), RepackSettings(tp=2)),
+]
+
+
+@pytest.mark.parametrize("spec,settings", VARIANTS,
+                         ids=["mixtral", "deepseek_v3-ep", "qwen2_moe-tp4", "mixed-layer", "weight-asym",
+                              "channel-null", "fp16-int8", "mixtral-actorder"])
+def test_correct_repack_of_demo_variants_passes(ckpt, tmp_path, spec, settings):
+    ck = ckpt(**spec)
+    plan = plan_repack(ck, settings)
+    run_repack(plan, tmp_path / "out")
+    report = verify(ck, tmp_path / "out")
+    assert report.passed, [f.to_json() for f in report.findings] + [n.to_json() for n in report.numerics]
+    assert report.layers_checked == len(plan.jobs) >= 1
+    assert all(n.experts_exercised == n.num_experts for n in report.numerics)
+
+
+def test_cli_verify_json(outputs):
+    ck, out = outputs("actorder")
+    res = CliRunner().invoke(cli, ["verify", str(ck), str(out), "--samples", str(GSM8K_TEST),
+                                   "--num-samples", "8", "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["passed"] and doc["manifest_ok"] and doc["round_trip_ok"] and doc["numerics_ok"]
+    assert doc["findings"] == [] and doc["numerics"][0]["layer"] == PREFIX
+
+
+def test_cli_verify_failure_exit_1(fresh):
+    ck, out = fresh("g128")
+    w2 = read(out, 1, "w2_weight_packed")
+    w2[2, 0, 0] ^= 1
+    patch(out, 1, "w2_weight_packed", w2)
+    res = CliRunner().invoke(cli, ["verify", str(ck), str(out), "--samples", str(GSM8K_TEST),
+                                   "--num-samples", "8", "--json"])
+    assert res.exit_code == 1, res.output
+    doc = json.loads(res.stdout)
+    assert not doc["passed"] and not doc["manifest_ok"] and not doc["round_trip_ok"]
+    assert any(f["expert"] == 2 and f["rank"] == 1 for f in doc["findings"])
+
+
+# ---- bad input ------------------------------------------------------------------------------------------------
+
+
+def _one_line_error(res, code: int = 2) -> str:
+    assert res.exit_code == code, res.output
+    assert "Traceback" not in res.output
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert lines and lines[0].startswith("error:") and len(lines) <= 2, res.stderr
+    assert all(ln.startswith(("error:", "hint:")) for ln in lines), res.stderr
+    return lines[0]
+
+
+def test_output_without_manifest(outputs, tmp_path):
+    ck, _ = outputs("g128")
+    (tmp_path / "out").mkdir()
+    res = CliRunner().invoke(cli, ["verify", str(ck), str(tmp_path / "out"), "--samples", str(GSM8K_TEST)])
+    line = _one_line_error(res)
+    assert "wna16ctl.json" in line and "missing" in line
+
+
+def test_partial_output_points_at_resume(fresh):
+    ck, out = fresh("g128")
+    (out / MANIFEST_NAME).unlink()
+    (out / ".wna16ctl-journal.json").write_text("{}")
+    with pytest.raises(BadInput, match="--resume"):
+        verify(ck, out)
+
+
+def test_samples_file_missing(outputs, tmp_path):
+    ck, out = outputs("g128")
+    missing = tmp_path / "data" / "nope.jsonl"  # a path, never a dataset id to look up online
+    res = CliRunner().invoke(cli, ["verify", str(ck), str(out), "--samples", str(missing)])
+    line = _one_line_error(res)
+    assert str(missing) in line and "no such file" in line
+
+
+@pytest.mark.parametrize("content,words", [
+    ("", "no samples"),
+    ('{"question": "one?"}\nnot json\n', ":2: not a JSON line"),
+    ('{"answer": "4"}\n', ":1: has no string 'question' field"),
+])
+def test_samples_file_unusable(outputs, tmp_path, content, words):
+    ck, out = outputs("g128")
+    samples = tmp_path / "s.jsonl"
+    samples.write_text(content)
+    with pytest.raises(BadInput, match=re.escape(words)):
+        verify_output(ck, out, samples=samples, num_samples=8)
