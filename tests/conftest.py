@@ -44,3 +44,15 @@ def make_ckpt(tmp_path_factory: pytest.TempPathFactory) -> MakeCheckpoint:
         return written[spec]
 
     return make
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread():
+    """One intra-op thread: the test tensors are small, and on a busy 2-core machine thread
+    hand-offs cost more than they save (several-fold slower suites)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

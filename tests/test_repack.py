@@ -628,7 +628,8 @@ def test_interrupt_then_resume(two_layer_ckpt, tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         run_repack(plan_repack(ck, RESUME_SETTINGS), out)
     assert not out.exists()
-    assert leftovers(out) == [".out.wna16ctl-partial"]
+    # the staging dir (for --resume) and the empty lock file, whose flock died with the process
+    assert leftovers(out) in ([".out.wna16ctl-partial"], [".out.wna16ctl-lock", ".out.wna16ctl-partial"])
     assert not (tmp_path / ".out.wna16ctl-partial" / MANIFEST_NAME).exists()
     monkeypatch.undo()
     res = run_repack(plan_repack(ck, RESUME_SETTINGS), out, resume=True)
@@ -687,9 +688,40 @@ def test_sigkill_leaves_nothing_complete(two_layer_ckpt, tmp_path):
             proc.wait()
     assert not out.exists()
     assert not list(tmp_path.rglob(MANIFEST_NAME))
-    assert leftovers(out) == [".out.wna16ctl-partial"]
+    # the staging dir (for --resume) and the empty lock file, whose flock died with the process
+    assert leftovers(out) in ([".out.wna16ctl-partial"], [".out.wna16ctl-lock", ".out.wna16ctl-partial"])
     # the partial output is still a valid resume point
     run_repack(plan_repack(two_layer_ckpt, RESUME_SETTINGS), out, resume=True)
     fresh = tmp_path / "fresh"
     run_repack(plan_repack(two_layer_ckpt, RESUME_SETTINGS), fresh)
     assert file_digests(out) == file_digests(fresh)
+
+
+def test_act_order_with_differing_gate_up_g_idx_is_refused_before_writing(tmp_path):
+    from tests.rawckpt import write_raw_checkpoint
+    from wna16ctl.errors import NotLoadable
+
+    # hand-built: every projection draws its own act-order permutation
+    ck = write_raw_checkpoint(tmp_path / "ck", hidden=256, intermediate=128, group_size=64, actorder="group")
+    with pytest.raises(NotLoadable, match=r"gate_proj.weight_g_idx and .*up_proj.weight_g_idx differ"):
+        plan_repack(ck, RepackSettings(tp=1))
+    assert not (tmp_path / "out").exists()
+
+
+def test_concurrent_repack_into_the_same_output_is_refused(make_ckpt, tmp_path):
+    import fcntl
+
+    from wna16ctl.errors import UsageError
+
+    ck = make_ckpt(num_layers=1, num_experts=4)
+    out = tmp_path / "out"
+    lock = os.open(tmp_path / ".out.wna16ctl-lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # another process is writing OUT
+    try:
+        with pytest.raises(UsageError, match="another wna16ctl repack"):
+            run_repack(plan_repack(ck, RepackSettings(tp=1)), out)
+    finally:
+        os.close(lock)
+    run_repack(plan_repack(ck, RepackSettings(tp=1)), out)
+    assert (out / "wna16ctl.json").is_file()
+    assert not (tmp_path / ".out.wna16ctl-lock").exists()

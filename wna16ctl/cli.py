@@ -41,7 +41,7 @@ def _run(ctx: click.Context, sink: Sink, body: Callable[[], int]) -> NoReturn:
     except KeyboardInterrupt:
         if debug:
             raise
-        sink.error("interrupted; nothing was left behind")
+        sink.error("interrupted; no output was committed (repack keeps its staging directory for --resume)")
         code = 130
     except Exception as e:  # a bug: say so in one line, full traceback only with --debug
         if debug:

@@ -25,6 +25,7 @@ import io
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
@@ -598,8 +599,17 @@ def write_demo_checkpoint(out_dir: str | os.PathLike[str], spec: DemoSpec = Demo
     if spec.actorder == "group":
         # a separate random stream, so the weights do not depend on whether g_idx is drawn
         permutations = torch.Generator().manual_seed(spec.seed + 1)
-        for module in experts:
-            _compress_with_g_idx(module, *_group_permutation(permutations, module.weight.shape[1], spec.group_size))
+        shared: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for name, module in model.named_modules():
+            if not hasattr(module, "quantization_scheme"):
+                continue
+            # gate and up read the same input, so GPTQ derives one act-order from one Hessian
+            # and writes the same g_idx for both (vLLM keeps only one copy for w13)
+            key = re.sub(r"\.(up_proj|w3)$", ".gate_proj", re.sub(r"\.w1$", ".gate_proj", name))
+            if key not in shared:
+                shared[key] = _group_permutation(permutations, module.weight.shape[1], spec.group_size)
+            perm, g_idx = shared[key]
+            _compress_with_g_idx(module, perm, g_idx.clone())  # own storage: safetensors refuses shared tensors
         compressor.quantization_config.quantization_status = QuantizationStatus.COMPRESSED
         library_dump = compressor.quantization_config.model_dump(exclude=["quant_method"])
         # wrapped in the keys update_config adds around the dump

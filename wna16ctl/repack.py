@@ -152,6 +152,31 @@ def _choose_layout(layer: MoELayer, plan: LayerPlan, requested: str) -> str:
     return requested
 
 
+def _check_shared_g_idx(ck: Checkpoint, jobs: list[LayerJob]) -> None:
+    """Act-order: gate and up must carry the same g_idx (the engine keeps one copy for w13).
+
+    Part of the validation pass, so a bad checkpoint is refused before anything is written; it
+    reads only the small g_idx vectors.
+    """
+    act = [j for j in jobs if j.layer.scheme is not None and j.layer.scheme.act_order]
+    if not act:
+        return
+    with TensorReader(ck.files) as reader:
+        for job in act:
+            layer = job.layer
+            for e in range(layer.num_experts):
+                names = [layer.tensor_name(e, role, "weight_g_idx") for role in ("gate", "up")]
+                if not all(n in ck.files for n in names):
+                    continue  # old writers skipped unset g_idx: both become k // group_size
+                gate, up = (reader.read(n) for n in names)
+                if not torch.equal(gate.to(torch.int64), up.to(torch.int64)):
+                    k = int((gate.to(torch.int64) != up.to(torch.int64)).nonzero()[0])
+                    raise NotLoadable(
+                        f"{names[0]} and {names[1]} differ (first at column {k}); vLLM keeps one g_idx for "
+                        "w13 and would mis-scale gate_proj. Re-quantize with a shared act-order for gate and up"
+                    )
+
+
 def plan_repack(ckpt_path: str | os.PathLike[str], settings: RepackSettings) -> RepackPlan:
     """Validate everything and lay out every output file; writes nothing."""
     if settings.layout not in LAYOUTS:
@@ -189,6 +214,7 @@ def plan_repack(ckpt_path: str | os.PathLike[str], settings: RepackSettings) -> 
         names = list(expected_rank_shapes(specs[0], 1, scale_dtype))
         jobs.append(LayerJob(layer, plan, layout, specs, ranges, names))
 
+    _check_shared_g_idx(ck, jobs)
     repacked = {
         layer.tensor_name(e, role, suffix)
         for job in jobs for layer in [job.layer] for e in range(layer.num_experts) for role in ROLE_ORDER

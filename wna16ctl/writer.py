@@ -122,9 +122,35 @@ class StagedOutput:
         self._fds: dict[str, int] = {}
         self._hashing: dict[str, Future[str]] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wna16ctl-hash")
-        self._prepare(force, resume)
+        try:
+            self._prepare(force, resume)
+        except BaseException:
+            self._unlock()
+            raise
 
     # setup -------------------------------------------------------------------------------------
+    def _lock(self) -> None:
+        """One writer per OUT: a second repack into the same OUT would share the staging dir."""
+        import fcntl
+
+        self._lock_path = self.out.parent / f".{self.out.name}.wna16ctl-lock"
+        try:
+            self._lock_fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise _os_error(e, self._lock_path) from None
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+            raise UsageError(f"{self.out}: another wna16ctl repack is writing it; wait for it to finish") from None
+
+    def _unlock(self) -> None:
+        if getattr(self, "_lock_fd", -1) >= 0:
+            self._lock_path.unlink(missing_ok=True)
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
     def _prepare(self, force: bool, resume: bool) -> None:
         out = self.out
         if out.exists() and not out.is_dir():
@@ -136,6 +162,7 @@ class StagedOutput:
             out.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise _os_error(e, out.parent) from None
+        self._lock()
         reusable: dict[str, str] = {}
         if resume:
             reusable = self._adopt_previous(nonempty)
@@ -314,6 +341,7 @@ class StagedOutput:
             raise _os_error(e, self.out) from None
         finally:
             self._pool.shutdown(wait=True)
+            self._unlock()
 
     def abort(self, keep_for_resume: bool) -> None:
         """Close everything; remove the staging directory unless it should serve --resume."""
@@ -333,6 +361,7 @@ class StagedOutput:
                 pass
         else:
             shutil.rmtree(self.stage, ignore_errors=True)
+        self._unlock()
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
