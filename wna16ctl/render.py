@@ -119,6 +119,17 @@ def render_repack_result(console: Console, plan, result) -> None:  # noqa: ANN00
     console.print(f"manifest: {escape(str(result.out / 'wna16ctl.json'))}")
 
 
+def _numerics_failure(n) -> str:  # noqa: ANN001 - LayerNumerics
+    why = []
+    if n.violations:
+        why.append(f"{n.violations} elements over bound")
+    if n.rel_l2_error > n.rel_l2_limit:
+        why.append(f"rel L2 > {n.rel_l2_limit:.3g}")
+    if n.experts_exercised < n.num_experts:
+        why.append(f"{n.num_experts - n.experts_exercised} experts not exercised")
+    return ", ".join(why) or "see --json"
+
+
 def render_verify(console: Console, report) -> None:  # noqa: ANN001 - VerifyReport, imported lazily
     console.print(f"[bold]{escape(report.output)}[/] against [bold]{escape(report.checkpoint)}[/] "
                   f"({report.samples} samples, tokens via {report.tokenizer or '—'}, device {report.device})")
@@ -141,6 +152,6 @@ def render_verify(console: Console, report) -> None:  # noqa: ANN001 - VerifyRep
             table.add_row(escape(n.layer), f"{n.tokens} (+{n.forced_tokens} forced)" if n.forced_tokens else str(n.tokens),
                           f"{n.experts_exercised}/{n.num_experts}", f"{n.max_abs_error:.3g}", f"{n.rel_l2_error:.3g}",
                           f"{n.cosine:.6f}", f"{n.max_error_over_bound:.3f}",
-                          "[green]pass[/]" if n.passed else f"[bold red]FAIL[/] ({n.violations} over bound)")
+                          "[green]pass[/]" if n.passed else f"[bold red]FAIL[/] ({_numerics_failure(n)})")
         console.print(table)
     console.print("verdict: " + ("[bold green]verified[/]" if report.passed else "[bold red]NOT verified[/]"))

@@ -29,7 +29,7 @@ from wna16ctl.activations import embed, load_questions, route, tokenize
 from wna16ctl.checkpoint import Checkpoint, open_checkpoint
 from wna16ctl.checkpoint.headers import CheckpointFiles, read_checkpoint_files
 from wna16ctl.checkpoint.tensors import TensorReader, dtype_from_name, torch_dtype
-from wna16ctl.errors import BadInput, LayoutMismatch, NotLoadable
+from wna16ctl.errors import BadInput, LayoutMismatch, NotLoadable, UsageError
 from wna16ctl.layout.packing import unpack_codes
 from wna16ctl.layout.rank import RankLayout, unbuild_expert_tensors
 from wna16ctl.layout.shard import shard_expert, unshard_expert
@@ -317,6 +317,16 @@ def _dequantize_kfirst(kf: dict[str, torch.Tensor], spec: RankLayout, which: str
     return (codes - z).to(dtype) * s  # integer difference is exact in bf16/fp16; one rounding
 
 
+def _gemm_device(device: str) -> torch.device:
+    from wna16ctl import kernels
+
+    if device == "cuda" and not kernels.cuda_available():
+        raise UsageError("--device cuda: no usable CUDA GPU and kernel library here; use --device cpu")
+    if device == "cuda" or (device == "auto" and kernels.cuda_available()):
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
 def verify_output(
     ckpt: str | os.PathLike[str],
     out: str | os.PathLike[str],
@@ -328,6 +338,8 @@ def verify_output(
     ck = open_checkpoint(ckpt)
     out_path = Path(out)
     manifest = _read_manifest(out_path)
+    gemm_device = _gemm_device(device)
+    device = gemm_device.type
     questions = load_questions(samples, num_samples)
     report = VerifyReport(str(ck.root), str(out_path), device, tokenizer="", samples=len(questions))
     plan = _check_manifest(ck, out_path, manifest, report)
@@ -349,15 +361,49 @@ def verify_output(
         try:
             _verify_rank_contents(ck, reader, plan, ranks, report)
             for job in jobs:
-                _verify_layer(ck, reader, job, ranks, hidden, dtype, report)
+                _verify_layer(ck, reader, job, ranks, hidden, dtype, report, gemm_device)
         finally:
             for rf in ranks:
                 rf.reader.close()
     return report
 
 
+def _gemm_rank_candidate(job: LayerJob, r: int, rank: _RankFiles, a: torch.Tensor, routing, dtype: torch.dtype,
+                         device: torch.device) -> torch.Tensor:
+    """Rank r's layer output through the MoE GEMM: w13 GEMM, SiLU·mul, w2 GEMM with the router
+    weights; per-slot outputs in the model dtype, summed over the top-k slots in fp32."""
+    from wna16ctl.kernels import moe_wna16_gemm
+
+    spec = job.specs[r]
+    rng = job.expert_ranges[r]
+    T, k = routing.topk_ids.shape
+    t = {n: rank.reader.read(f"{job.layer.prefix}.{n}").to(device) for n in job.tensor_names}
+    ids = routing.topk_ids.reshape(-1)  # slot s = token * k + j
+    slots = ((ids >= rng.start) & (ids < rng.stop)).nonzero().squeeze(1)
+    local = ids[slots] - rng.start
+    order = torch.argsort(local, stable=True)
+    sorted_ids = slots[order].to(torch.int32).to(device)
+    counts = torch.bincount(local, minlength=len(rng))
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32).to(device)
+    act = spec.act_order
+    g13 = moe_wna16_gemm(
+        a.to(device), t["w13_weight_packed"], t["w13_weight_scale"], sorted_ids, offsets, top_k=k,
+        num_bits=spec.num_bits, zero_points=t.get("w13_weight_zero_point"),
+        g_idx=t["w13_weight_g_idx"] if act else None, perm=t["w13_g_idx_sort_indices"] if act else None,
+        is_k_full=True)
+    P = spec.padded_intermediate
+    h = (F.silu(g13[:, :P].float()) * g13[:, P:].float()).to(dtype)
+    y = moe_wna16_gemm(
+        h, t["w2_weight_packed"], t["w2_weight_scale"], sorted_ids, offsets, top_k=1,
+        num_bits=spec.num_bits, zero_points=t.get("w2_weight_zero_point"),
+        g_idx=t["w2_weight_g_idx"] if act else None, perm=t["w2_g_idx_sort_indices"] if act else None,
+        topk_weights=routing.topk_weights.reshape(-1).float().to(device), is_k_full=job.plan.w2.is_k_full)
+    return y.float().cpu().view(T, k, -1).sum(1)
+
+
 def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: list[_RankFiles],
-                  hidden: torch.Tensor, dtype: torch.dtype, report: VerifyReport) -> None:
+                  hidden: torch.Tensor, dtype: torch.dtype, report: VerifyReport,
+                  gemm_device: torch.device = torch.device("cpu")) -> None:
     layer = job.layer
     routing = route(ck, reader, layer, hidden)
     x = routing.x
@@ -401,8 +447,8 @@ def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: li
                 layer_ok = False
             per_rank.append(got)
             if tok.numel():
-                _expert_numerics(x[tok], x_c[tok], w, tok, expected, got, spec, dtype, bound,
-                                 partial[r], partial_ref[r], partial_err[r])
+                _expert_numerics(x[tok], x_c[tok], w, tok, expected, None if job.layout == "marlin" else got, spec,
+                                 dtype, bound, partial[r], partial_ref[r], partial_err[r])
         report.experts_checked += 1
         if len(per_rank) == n_ranks and not job.plan.ep:
             spec0 = job.specs[0]
@@ -421,6 +467,16 @@ def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: li
                         "round_trip", f"{layer.prefix} expert {e}: re-assembled {role} {bad} differs from the checkpoint",
                         layer=layer.prefix, expert=e))
     report.layers_checked += 1
+    if job.layout == "marlin":
+        # the candidate runs through the MoE GEMM over the Marlin tensors as written: the CUDA
+        # kernel on a GPU, its CPU twin elsewhere (torch.ops.wna16ctl.moe_wna16_gemm)
+        for r in range(n_ranks):
+            try:
+                partial[r] = _gemm_rank_candidate(job, r, ranks[r], x.to(dtype), routing, dtype, gemm_device)
+            except Exception as err:  # malformed tensors make the kernel fail: a finding, not a crash
+                msg = err.message if isinstance(err, (LayoutMismatch, BadInput)) else f"{type(err).__name__}: {err}"
+                report.findings.append(Finding("numerics", f"{layer.prefix} rank {r}: the GEMM cannot run on the "
+                                               f"repacked tensors: {msg}", layer=layer.prefix, rank=r))
     # all-reduce: each rank's partial is rounded to the model dtype, the sum too
     part_c = partial.to(dtype).float()
     part_err = partial_err + u * (partial_ref.abs() + partial_err)
@@ -441,11 +497,11 @@ def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: li
 
 
 def _expert_numerics(x: torch.Tensor, x_c: torch.Tensor, w: torch.Tensor, tok: torch.Tensor,
-                     expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor], spec: RankLayout,
+                     expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor] | None, spec: RankLayout,
                      dtype: torch.dtype, bound: _Bound, partial: torch.Tensor, partial_ref: torch.Tensor,
                      partial_err: torch.Tensor) -> None:
-    """One expert's contribution on one rank: candidate from the repacked tensors, reference and bound
-    from the checkpoint's slice in fp32."""
+    """One expert's contribution on one rank: reference and bound from the checkpoint's slice in
+    fp32; the candidate too when `got` is given (layouts the GEMM kernel does not read)."""
     u = bound.u
     i_p = spec.intermediate_per_partition
     H = spec.hidden_size
@@ -456,12 +512,14 @@ def _expert_numerics(x: torch.Tensor, x_c: torch.Tensor, w: torch.Tensor, tok: t
     gate, up = g13[:, :i_p], g13[:, i_p:]
     h = F.silu(gate) * up
     y = (h @ w2_ref) * w
-    # candidate: the repacked tensors in the model dtype, fp32 accumulation, rounding at each output
-    w13_c = _dequantize_kfirst(got, spec, "w13", dtype).float()
-    w2_c = _dequantize_kfirst(got, spec, "w2", dtype).float()
-    g13_c = (x_c @ w13_c).to(dtype).float()
-    h_c = (F.silu(g13_c[:, :i_p]) * g13_c[:, i_p:]).to(dtype).float()
-    y_c = ((h_c @ w2_c) * w).to(dtype).float()
+    if got is not None:
+        # candidate: the repacked tensors in the model dtype, fp32 accumulation, each output rounded
+        w13_c = _dequantize_kfirst(got, spec, "w13", dtype).float()
+        w2_c = _dequantize_kfirst(got, spec, "w2", dtype).float()
+        g13_c = (x_c @ w13_c).to(dtype).float()
+        h_c = (F.silu(g13_c[:, :i_p]) * g13_c[:, i_p:]).to(dtype).float()
+        y_c = ((h_c @ w2_c) * w).to(dtype).float()
+        partial.index_add_(0, tok, y_c)
     # bound
     e13 = bound.gemm(x.abs(), w13_ref.abs(), H)
     e13 = e13 + u * (g13.abs() + e13)
@@ -470,6 +528,5 @@ def _expert_numerics(x: torch.Tensor, x_c: torch.Tensor, w: torch.Tensor, tok: t
     eh = eh + u * (h.abs() + eh) + 2.0**-22 * h.abs()
     ey = bound.gemm(h.abs(), w2_ref.abs(), i_p, a_err=eh) * w
     ey = ey + u * (y.abs() + ey)
-    partial.index_add_(0, tok, y_c)
     partial_ref.index_add_(0, tok, y)
-    partial_err.index_add_(0, tok, ey + 2.0**-24 * y_c.abs())
+    partial_err.index_add_(0, tok, ey + 2.0**-24 * (y.abs() + ey))
