@@ -9,20 +9,32 @@ from __future__ import annotations
 import json
 import sys
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from rich.console import Console
-from rich.table import Table
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
 
 
 class Sink:
     def __init__(self, *, json_mode: bool = False, quiet: bool = False):
         self.json_mode = json_mode
         self.quiet = quiet
+
+    # rich is imported only when something is rendered for people (--json never needs it)
+    @cached_property
+    def out(self) -> "Console":
+        from rich.console import Console
+
         # Not a terminal (a pipe, a log): keep tables wide instead of rich's 80-column default.
-        self.out = Console(file=sys.stdout, highlight=False, soft_wrap=False,
-                           width=None if sys.stdout.isatty() else 160)
-        self.err = Console(file=sys.stderr, highlight=False, soft_wrap=True)
+        return Console(file=sys.stdout, highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 160)
+
+    @cached_property
+    def err(self) -> "Console":
+        from rich.console import Console
+
+        return Console(file=sys.stderr, highlight=False, soft_wrap=True)
 
     # results -------------------------------------------------------------------------------
     def result(self, data: dict[str, Any], render: Callable[[Console], None]) -> None:
@@ -47,7 +59,7 @@ class Sink:
             self.err.print(f"[dim]hint:[/] {_escape(hint)}")
 
     def progress_enabled(self) -> bool:
-        return not self.quiet and not self.json_mode and self.err.is_terminal
+        return not self.quiet and not self.json_mode and sys.stderr.isatty()
 
     @contextmanager
     def progress(self, description: str, total: int) -> Iterator[Callable[[int], None]]:
@@ -77,7 +89,9 @@ def human_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def simple_table(title: str, columns: list[str]) -> Table:
+def simple_table(title: str, columns: list[str]) -> "Table":
+    from rich.table import Table
+
     table = Table(title=title, title_justify="left", show_lines=False, header_style="bold")
     for c in columns:
         table.add_column(c)

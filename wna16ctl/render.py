@@ -48,7 +48,7 @@ def render_inspection(console: Console, insp: Inspection) -> None:
 
     table = simple_table(
         f"plan per TP size{' (expert parallel)' if insp.ep else ''}",
-        ["layers", "scheme", "TP", "I/rank", "backend", "w2 scales", "is_k_full", "per rank", "status"],
+        ["layers", "scheme", "TP", "I/rank", "backend", "w2 scales", "is_k_full", "bytes/rank", "status"],
     )
     notes: list[tuple[str, str, str]] = []
     for members in groups.values():
@@ -71,7 +71,7 @@ def render_inspection(console: Console, insp: Inspection) -> None:
                 p.backend.value if p.backend else "[red]none[/]",
                 w2,
                 "yes" if p.w2.is_k_full else "no",
-                human_bytes(max(p.rank_bytes)) if p.rank_bytes and max(p.rank_bytes) else "—",
+                human_bytes(max(p.rank_bytes) * len(members)) if p.rank_bytes and max(p.rank_bytes) else "—",
                 status,
             )
             for e in p.errors:

@@ -9,8 +9,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from wna16ctl.checkpoint.config import ModelConfig, QuantConfig, WeightScheme, read_model_config
-from wna16ctl.checkpoint.headers import CheckpointFiles, TensorInfo, read_checkpoint_files
+from wna16ctl.checkpoint._fork import split_map
+from wna16ctl.checkpoint.headers import (
+    INDEX_NAME, CheckpointFiles, ShardList, TensorInfo, assemble, locate_shards, read_shard_headers,
+)
 from wna16ctl.checkpoint.moe import MoELayer, find_moe_layers
+from wna16ctl.checkpoint.scan import scan_shard, shard_header
+from wna16ctl.errors import BadInput
 
 __all__ = [
     "Checkpoint", "CheckpointFiles", "ModelConfig", "MoELayer", "QuantConfig", "TensorInfo", "WeightScheme",
@@ -44,13 +49,55 @@ def _no_cyclic_gc():
             gc.enable()
 
 
+def _scan_checkpoint(root: Path, config: ModelConfig, intermediate: int) -> tuple[CheckpointFiles, list[MoELayer]]:
+    """Map: decode and check each shard's header; reduce: per MoE layer.
+
+    On large checkpoints half of the shards (and the index) are handled by a second process,
+    which sends back names and per-layer summaries only.  The split starts from the directory's
+    `*.safetensors` files so that it need not wait for the index; if the index turns out to name
+    other files, everything is redone from the index's list.
+    """
+    parent = os.getpid()
+
+    def scan(p: Path) -> dict:
+        return scan_shard(str(p), config, intermediate, keep_entries=os.getpid() == parent)
+
+    guess = sorted(root.glob("*.safetensors")) if (root / INDEX_NAME).is_file() else None
+    if guess:
+        try:
+            # the worker also reads the index: give it a little less than half of the shards
+            scans, located = split_map(scan, guess, use_marshal=True, extra=lambda: _located(root), child_share=0.45)
+            where = ShardList(root, [Path(p) for p in located[0]], located[1] and Path(located[1]), None, located[2])
+        except BadInput:
+            scans, where = None, locate_shards(root)  # maybe a stray file: redo from the index
+        if scans is not None and {p.resolve() for p in where.paths} != {p.resolve() for p in guess}:
+            scans = None
+    else:
+        scans, where = None, locate_shards(root)
+    if scans is None:
+        scans, _ = split_map(scan, where.paths, use_marshal=True)
+    files = assemble(where, [shard_header(s) for s in scans])
+    return files, find_moe_layers(files, config, scans, intermediate)
+
+
+def _located(root: Path) -> tuple[list[str], str | None, int | None]:
+    """`locate_shards` as plain data (it may travel back from the worker process)."""
+    w = locate_shards(root)
+    return [str(p) for p in w.paths], (str(w.index_path) if w.index_path else None), w.index_count
+
+
 def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Config, headers and MoE layers of the checkpoint at `path` (BadInput when unusable)."""
     root = Path(path)
     with _no_cyclic_gc():
         config = read_model_config(root)
-        files = read_checkpoint_files(root)
-        layers = find_moe_layers(files, config)
+        intermediate = config.moe_intermediate_size
+        if intermediate is None:  # shapes decide: read every header first
+            where = locate_shards(root)
+            files = assemble(where, read_shard_headers(where.paths))
+            layers = find_moe_layers(files, config)
+        else:
+            files, layers = _scan_checkpoint(root, config, intermediate)
     warnings = [w for lay in layers for w in lay.warnings]
     if config.quant is None:
         warnings.append(f"{root / 'config.json'}: no quantization_config; the experts are not quantized")
