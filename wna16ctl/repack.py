@@ -327,16 +327,22 @@ def _execute(plan: RepackPlan, staged: StagedOutput, advance: Callable[[int], No
     reused = len(by_rel) - len(pending)
     remaining = {rel: len(plan.units[rel]) for rel in pending}
     unit_file: dict[tuple, list[PlannedFile]] = {}
+    unit_end: dict[tuple[str, tuple], int] = {}
     for rel, f in pending.items():
         staged.open(f)
+        ends = {t.name: f.offsets[t.name] + t.nbytes for t in f.tensors}
         for u in plan.units[rel]:
             unit_file.setdefault(u, []).append(f)
+            names = u[1] if u[0] == "copy" else [n for n in ends if n.startswith(plan.jobs[u[1]].layer.prefix + ".")]
+            unit_end[(rel, u)] = max(ends[n] for n in names)
 
     def unit_done(u: tuple) -> None:
         for f in unit_file.get(u, []):
             remaining[f.relpath] -= 1
             if remaining[f.relpath] == 0:
                 staged.finish(f)
+            else:  # units fill a file front to back: everything before this unit's end is final
+                staged.written_upto(f, unit_end[(f.relpath, u)])
         staged.checkpoint_journal()
 
     written = 0

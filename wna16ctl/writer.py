@@ -121,7 +121,9 @@ class StagedOutput:
         self.done: dict[str, str] = {}  # relpath -> sha256 of finished files
         self._fds: dict[str, int] = {}
         self._hashing: dict[str, Future[str]] = {}
+        # one hashing thread: tasks run in submission order, so a file's ranges hash in order
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wna16ctl-hash")
+        self._hashers: dict[str, tuple[Any, list[int]]] = {}  # relpath -> (sha256, [bytes hashed])
         try:
             self._prepare(force, resume)
         except BaseException:
@@ -269,16 +271,33 @@ class StagedOutput:
         except OSError as e:
             raise _os_error(e, self.stage / f.relpath) from None
 
+    def written_upto(self, f: PlannedFile, offset: int) -> None:
+        """Bytes [0, offset) of `f` are final: hash them in the background while work goes on.
+
+        Files are filled front to back in units (non-expert groups, then layers in order), so
+        the hash of a file is nearly done when its last unit is written, instead of starting then.
+        """
+        hasher, pos = self._hashers.setdefault(f.relpath, (hashlib.sha256(), [0]))
+        fd = self._fds[f.relpath]
+        self._pool.submit(_hash_range, fd, hasher, pos, offset)
+
     def finish(self, f: PlannedFile) -> None:
-        """Close a completed file and hash it in the background."""
+        """Complete a file: hash what is left, fsync and close it, all in the background."""
         fd = self._fds.pop(f.relpath)
-        try:
-            os.fsync(fd)
-        except OSError as e:
-            os.close(fd)
-            raise _os_error(e, self.stage / f.relpath) from None
-        os.close(fd)
-        self._hashing[f.relpath] = self._pool.submit(sha256_file, self.stage / f.relpath)
+        hasher, pos = self._hashers.setdefault(f.relpath, (hashlib.sha256(), [0]))
+        path = self.stage / f.relpath
+
+        def complete() -> str:
+            try:
+                _hash_range(fd, hasher, pos, f.size)
+                os.fsync(fd)
+            except OSError as e:
+                raise _os_error(e, path) from None
+            finally:
+                os.close(fd)
+            return hasher.hexdigest()
+
+        self._hashing[f.relpath] = self._pool.submit(complete)
 
     def write_small(self, relpath: str, data: bytes) -> None:
         path = self.stage / relpath
@@ -362,6 +381,16 @@ class StagedOutput:
         else:
             shutil.rmtree(self.stage, ignore_errors=True)
         self._unlock()
+
+
+def _hash_range(fd: int, hasher: Any, pos: list[int], end: int, bufsize: int = 8 << 20) -> None:
+    """Feed bytes [pos[0], end) of `fd` to `hasher` (page-cache reads of what was just written)."""
+    while pos[0] < end:
+        chunk = os.pread(fd, min(bufsize, end - pos[0]), pos[0])
+        if not chunk:
+            raise OSError(5, "file shorter than planned")
+        hasher.update(chunk)
+        pos[0] += len(chunk)
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
