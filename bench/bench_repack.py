@@ -110,7 +110,7 @@ def per_tensor(repeats: int = 3) -> list[str]:
             f"{nbytes / ref / 2**20:.0f} MiB/s | {ref / ours:.1f}× |"]
 
 
-def _weight_perm_4bit() -> "torch.Tensor":
+def _weight_perm_4bit():  # -> torch.Tensor
     """Appendix A of the spec: 4-bit Marlin permutation of one 16x64 tile (1024 entries)."""
     import torch
 

@@ -25,7 +25,7 @@ from wna16ctl.checkpoint.tensors import TensorReader, dtype_from_name
 from wna16ctl.errors import NotLoadable, UsageError
 from wna16ctl.layout.rank import RankLayout, build_rank_tensors, expected_rank_shapes
 from wna16ctl.plan import Backend, LayerPlan, plan_layer
-from wna16ctl.writer import MANIFEST_NAME, PlannedFile, PlannedTensor, StagedOutput, split_into_files, st_dtype
+from wna16ctl.writer import PlannedFile, PlannedTensor, StagedOutput, split_into_files, st_dtype
 
 FORMAT_NAME = "wna16ctl-repack"
 FORMAT_VERSION = 1

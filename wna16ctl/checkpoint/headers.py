@@ -178,7 +178,8 @@ def read_shard_header(path: Path) -> ShardHeader:
         try:
             dtype = e["dtype"]
             start, end = e["data_offsets"]
-            shape = e["shape"]
+            if not isinstance(e["shape"], list):
+                raise TypeError
         except (KeyError, TypeError, ValueError):
             raise BadInput(f"{path}: header entry for {name} lacks dtype/shape/data_offsets; the file is corrupt") from None
         if dtype not in DTYPE_SIZES or not (0 <= start <= end):
