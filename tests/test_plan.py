@@ -61,3 +61,33 @@ def test_padded_intermediate_table(i, gs):
 @pytest.mark.parametrize("h,i,gs,pad,ok", GATE_CASES)
 def test_marlin_gate_cases(h, i, gs, pad, ok):
     assert (marlin_support_reason(h, i, gs, pad) is None) == ok
+
+
+@pytest.mark.parametrize("bits,gs,sym,actorder,tp,ep", [
+    (4, 128, True, None, 2, False), (8, -1, True, None, 1, False), (4, 32, False, None, 4, False),
+    (4, 64, True, "group", 2, False), (4, 32, True, None, 4, True), (4, -1, True, None, 1, False),
+])
+def test_rank_bytes_equal_the_layout_shapes(bits, gs, sym, actorder, tp, ep):
+    """plan.py sizes ranks without torch (inspect's path); they must equal the layout's shapes."""
+    import torch
+
+    from wna16ctl.checkpoint.config import WeightScheme
+    from wna16ctl.checkpoint.moe import MoELayer
+    from wna16ctl.layout.rank import RankLayout, expected_rank_shapes
+    from wna16ctl.plan import plan_layer
+
+    H, I, E = 256, 96 if gs == -1 else 256, 6
+    scheme = WeightScheme(num_bits=bits, group_size=gs, symmetric=sym, strategy="group" if gs > 0 else "channel",
+                          actorder=actorder, format="pack-quantized")
+    layer = MoELayer(prefix="m.layers.0.mlp.experts", layer_index=0, family="gate_up_down", num_experts=E,
+                     hidden_size=H, intermediate_size=I, scheme=scheme, scale_dtype="BF16",
+                     scheme_sets={(scheme, scheme, scheme): list(range(E))})
+    plan = plan_layer(layer, tp, ep)
+    assert plan.loadable, plan.errors
+    for r in range(tp):
+        spec = RankLayout(layout=plan.layout, num_bits=bits, group_size=gs, symmetric=sym, act_order=scheme.act_order,
+                          hidden_size=H, intermediate_size=I, tp=plan.moe_tp, rank=0 if ep else r,
+                          load_full_w2=plan.w2.load_full_w2, padded_intermediate=plan.padded_intermediate)
+        shapes = expected_rank_shapes(spec, plan.local_experts[r], torch.bfloat16)
+        nbytes = sum(torch.empty(0, dtype=dt).element_size() * torch.Size(shape).numel() for shape, dt in shapes.values())
+        assert plan.rank_bytes[r] == nbytes

@@ -14,7 +14,7 @@ from typing import Any
 
 from wna16ctl.checkpoint.config import ModelConfig, WeightScheme
 from wna16ctl.checkpoint.headers import CheckpointFiles
-from wna16ctl.checkpoint.scan import KNOWN_FORMATS, PROJECTION_ROLES, checks_packed, scan_shard  # noqa: F401
+from wna16ctl.checkpoint.scan import checks_packed, scan_shard
 from wna16ctl.errors import BadInput
 
 ROLE_ORDER = ("gate", "up", "down")
