@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from wna16ctl.activations import embed, load_questions, route, tokenize
 from wna16ctl.checkpoint import Checkpoint, open_checkpoint
 from wna16ctl.checkpoint.headers import CheckpointFiles, read_checkpoint_files
-from wna16ctl.checkpoint.tensors import TensorReader, dtype_from_name, torch_dtype
+from wna16ctl.checkpoint.tensors import TensorReader, as_tensor, dtype_from_name, writable_view
 from wna16ctl.errors import BadInput, LayoutMismatch, NotLoadable, UsageError
 from wna16ctl.layout.packing import unpack_codes
 from wna16ctl.layout.rank import RankLayout, unbuild_expert_tensors
@@ -199,8 +199,7 @@ class _RankFiles:
             raise LayoutMismatch(f"{name}: has shape {list(info.shape)}, no expert slot {local}")
         per = info.nbytes // info.shape[0]
         sub = type(info)(info.name, info.dtype, info.shape[1:], info.file, info.start + local * per, info.start + (local + 1) * per)
-        buf = self.reader.read_bytes(sub)
-        return torch.frombuffer(buf, dtype=torch_dtype(info.dtype)).reshape(sub.shape) if buf else torch.empty(sub.shape)
+        return as_tensor(self.reader.read_bytes(sub), info.dtype, sub.shape)
 
 
 def _tensor_digest(reader: TensorReader, info: Any, chunk: int = 64 << 20) -> str:
@@ -208,7 +207,7 @@ def _tensor_digest(reader: TensorReader, info: Any, chunk: int = 64 << 20) -> st
     h = hashlib.sha256()
     for start in range(info.start, info.end, chunk):
         sub = type(info)(info.name, info.dtype, (), info.file, start, min(start + chunk, info.end))
-        h.update(reader.read_bytes(sub))
+        h.update(writable_view(reader.read_bytes(sub)))
     return h.hexdigest()
 
 

@@ -22,7 +22,7 @@ from typing import Any, Iterable
 import torch
 
 from wna16ctl.checkpoint.headers import DTYPE_SIZES
-from wna16ctl.checkpoint.tensors import SAFETENSORS_DTYPES
+from wna16ctl.checkpoint.tensors import SAFETENSORS_DTYPES, writable_view
 from wna16ctl.errors import BadInput, OutputError, UsageError
 
 MANIFEST_NAME = "wna16ctl.json"
@@ -237,8 +237,8 @@ class StagedOutput:
     def pwrite(self, f: PlannedFile, offset: int, data: torch.Tensor | bytes | memoryview) -> None:
         fd = self._fds[f.relpath]
         if isinstance(data, torch.Tensor):
-            t = data.contiguous()
-            view = memoryview(t.view(torch.uint8).reshape(-1).numpy()) if t.numel() else memoryview(b"")
+            t = data.contiguous()  # held until the writes below are done: the view does not own it
+            view = writable_view(t)
         else:
             view = memoryview(data)
         done = 0
@@ -383,14 +383,19 @@ class StagedOutput:
         self._unlock()
 
 
-def _hash_range(fd: int, hasher: Any, pos: list[int], end: int, bufsize: int = 8 << 20) -> None:
-    """Feed bytes [pos[0], end) of `fd` to `hasher` (page-cache reads of what was just written)."""
+def _hash_range(fd: int, hasher: Any, pos: list[int], end: int, bufsize: int = 4 << 20) -> None:
+    """Feed bytes [pos[0], end) of `fd` to `hasher` (page-cache reads of what was just written).
+
+    One reused buffer: a fresh 4 MiB bytes object per read would cost a page fault per 4 KiB.
+    """
+    buf = bytearray(min(bufsize, max(end - pos[0], 1)))
+    view = memoryview(buf)
     while pos[0] < end:
-        chunk = os.pread(fd, min(bufsize, end - pos[0]), pos[0])
-        if not chunk:
+        n = os.preadv(fd, [view[: min(len(buf), end - pos[0])]], pos[0])
+        if n == 0:
             raise OSError(5, "file shorter than planned")
-        hasher.update(chunk)
-        pos[0] += len(chunk)
+        hasher.update(view[:n])
+        pos[0] += n
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

@@ -8,6 +8,7 @@ format: zero points as packed int32 [ceil(N/pf), G] codes, g_idx as int32 [K].
 
 from __future__ import annotations
 
+import ctypes
 import os
 from pathlib import Path
 
@@ -28,6 +29,29 @@ SAFETENSORS_DTYPES = {v: k for k, v in _TORCH_DTYPES.items()}
 
 def torch_dtype(st_dtype: str) -> torch.dtype:
     return _TORCH_DTYPES[st_dtype]
+
+
+def writable_view(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's storage (no numpy needed).
+
+    The view keeps the tensor alive (through the ctypes array it is taken from).
+    """
+    if not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError("writable_view needs a contiguous CPU tensor")
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return memoryview(bytearray())
+    array = (ctypes.c_char * nbytes).from_address(t.data_ptr())
+    array._owner = t  # type: ignore[attr-defined]  # the memoryview holds `array`, `array` holds `t`
+    return memoryview(array).cast("B")
+
+
+def as_tensor(raw: torch.Tensor, st_dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """Bytes (uint8) reinterpreted as a safetensors dtype and shape."""
+    dtype = torch_dtype(st_dtype)
+    if raw.numel() == 0:
+        return torch.empty(shape, dtype=dtype)
+    return raw.view(dtype).reshape(shape)
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -66,9 +90,11 @@ class TensorReader:
             self._fds[path] = fd
         return fd
 
-    def read_bytes(self, info: TensorInfo) -> bytearray:
-        buf = bytearray(info.nbytes)
-        view = memoryview(buf)
+    def read_bytes(self, info: TensorInfo) -> torch.Tensor:
+        """The tensor's bytes as a uint8 tensor (uninitialised storage filled by pread: a bytearray
+        would zero-fill first what pread then overwrites)."""
+        out = torch.empty(info.nbytes, dtype=torch.uint8)
+        view = writable_view(out)
         fd = self._fd(info.file)
         done = 0
         while done < info.nbytes:
@@ -82,15 +108,11 @@ class TensorReader:
                     "after planning); restore the file and run again"
                 )
             done += n
-        return buf
+        return out
 
     def read(self, name: str) -> torch.Tensor:
         info = self.files.info(name)
-        buf = self.read_bytes(info)
-        dtype = torch_dtype(info.dtype)
-        if not buf:
-            return torch.empty(info.shape, dtype=dtype)
-        return torch.frombuffer(buf, dtype=dtype).reshape(info.shape)
+        return as_tensor(self.read_bytes(info), info.dtype, info.shape)
 
     def read_projection(self, layer: MoELayer, expert: int, role: str) -> dict[str, torch.Tensor]:
         """One expert projection in the normalised checkpoint form the layout package expects."""
