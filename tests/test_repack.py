@@ -725,3 +725,17 @@ def test_concurrent_repack_into_the_same_output_is_refused(make_ckpt, tmp_path):
     run_repack(plan_repack(ck, RepackSettings(tp=1)), out)
     assert (out / "wna16ctl.json").is_file()
     assert not (tmp_path / ".out.wna16ctl-lock").exists()
+
+
+def test_output_dot_and_ep_rank_without_experts(make_ckpt, tmp_path, monkeypatch):
+    from tests.conftest import GSM8K_TEST
+    from wna16ctl.verify import verify_output
+
+    ck = make_ckpt(num_layers=1, num_experts=2, top_k=1)
+    out = tmp_path / "here"
+    out.mkdir()
+    monkeypatch.chdir(out)
+    run_repack(plan_repack(ck, RepackSettings(tp=3, ep=True)), ".")  # rank 2 holds no expert
+    assert (out / "wna16ctl.json").is_file() and (out / "rank-2").is_dir()
+    report = verify_output(ck, out, samples=GSM8K_TEST, num_samples=4)
+    assert report.passed, [f.message for f in report.findings]

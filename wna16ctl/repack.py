@@ -301,7 +301,7 @@ def run_repack(
 ) -> RepackResult:
     """Execute `plan` into `out` (staged, then renamed); see module doc."""
     ck = plan.checkpoint
-    out_path = Path(out)
+    out_path = Path(out).resolve()  # "-o ." has no name to stage beside and rename
     if out_path.resolve() == ck.root.resolve() or ck.root.resolve() in out_path.resolve().parents:
         raise UsageError(f"{out_path}: the output must not be inside the checkpoint directory")
     if out_path.resolve() in ck.root.resolve().parents:

@@ -470,6 +470,8 @@ def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: li
         # the candidate runs through the MoE GEMM over the Marlin tensors as written: the CUDA
         # kernel on a GPU, its CPU twin elsewhere (torch.ops.wna16ctl.moe_wna16_gemm)
         for r in range(n_ranks):
+            if not len(job.expert_ranges[r]):  # EP with more ranks than experts: nothing written
+                continue
             try:
                 partial[r] = _gemm_rank_candidate(job, r, ranks[r], x.to(dtype), routing, dtype, gemm_device)
             except Exception as err:  # malformed tensors make the kernel fail: a finding, not a crash

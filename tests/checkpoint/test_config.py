@@ -167,3 +167,11 @@ def test_bulk_resolution_pattern_that_admits_newlines():
     names = [f"model.layers.0.mlp.experts.{e}.gate_proj" for e in range(100)]
     assert q.schemes_for(names) == [q.scheme_for(n) for n in names]
     assert sum(s is not None for s in q.schemes_for(names)) == 11
+
+
+def test_bulk_resolution_with_whole_text_anchors():
+    qc = copy.deepcopy(TERSE)
+    qc["config_groups"]["group_0"]["targets"] = [r"re:.*gate_proj\Z"]
+    q = parse_quantization_config(qc, P)
+    names = [f"model.layers.0.mlp.experts.{e}.{p}" for e in range(40) for p in ("gate_proj", "up_proj", "down_proj")]
+    assert q.schemes_for(names) == [q.scheme_for(n) for n in names]

@@ -62,3 +62,39 @@ def test_stray_file_outside_the_index_is_ignored(many_shards, tmp_path):
     a, b = _inspect(ck, fork=True), _inspect(many_shards, fork=False)
     assert a.returncode == 0, a.stderr
     assert json.loads(a.stdout)["layers"] == json.loads(b.stdout)["layers"]
+
+
+def _rewrite_header(path: Path, mutate) -> None:  # noqa: ANN001
+    import struct
+
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    mutate(header)
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + data[8 + n:])
+
+
+def test_garbled_header_in_the_parents_half_does_not_hang(tmp_path):
+    # a worker payload larger than a pipe buffer, and a non-BadInput failure in the parent's half
+    ck = synthetic_headers.write(tmp_path / "ck", layers=9, experts=128, hidden=512, inter=256, shards=12, vocab=128)
+    victim = sorted(ck.glob("*.safetensors"))[1]
+
+    def garble(h):
+        name = next(k for k in h if k != "__metadata__")
+        h[name]["data_offsets"] = [0, str(h[name]["data_offsets"][1])]
+
+    _rewrite_header(victim, garble)
+    res = _inspect(ck, fork=True)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert victim.name in res.stderr and "corrupt" in res.stderr
+
+
+def test_entries_checked_by_the_worker_are_readable(many_shards):
+    code = ("from wna16ctl.checkpoint import open_checkpoint;"
+            f"ck = open_checkpoint({str(many_shards)!r});"
+            "print(ck.files.info('lm_head.weight').shape, ck.files.raw('model.norm.weight')['shape'])")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["(128,", "512)", "[512]"]

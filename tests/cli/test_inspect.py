@@ -299,3 +299,31 @@ def test_usage_error_exit_2(make_ckpt):
 def test_debug_shows_traceback(tmp_path):
     res = _run_cli("--debug", "inspect", str(tmp_path / "nope"))
     assert res.returncode != 0 and "Traceback" in res.stderr
+
+
+def test_hugging_face_cache_snapshot_with_symlinked_shards(make_ckpt, tmp_path):
+    # hub layout: snapshots/<rev>/<file> -> ../../blobs/<hash>
+    src = make_ckpt()
+    blobs, snap = tmp_path / "hub" / "blobs", tmp_path / "hub" / "snapshots" / "abc"
+    blobs.mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for i, f in enumerate(sorted(src.iterdir())):
+        shutil.copy(f, blobs / f"h{i}")
+        (snap / f.name).symlink_to(Path("../../blobs") / f"h{i}")
+    code, doc = inspect_json(snap, "--tp", "1")
+    assert code == 0 and doc["layers"][0]["num_experts"] == 8
+
+
+def test_non_expert_extent_contradicting_its_shape_is_bad_input(make_ckpt, tmp_path):
+    ck = _copy(make_ckpt(), tmp_path / "ck")
+    for shard in _shards(ck):
+        data = shard.read_bytes()
+        (n,) = struct.unpack("<Q", data[:8])
+        header = json.loads(data[8:8 + n])
+        name = "model.layers.0.input_layernorm.weight"
+        if name in header:
+            header[name]["shape"] = [header[name]["shape"][0] // 2]
+            blob = json.dumps(header, separators=(",", ":")).encode()
+            blob += b" " * (-len(blob) % 8)
+            shard.write_bytes(struct.pack("<Q", len(blob)) + blob + data[8 + n:])
+    _expect_bad(_run_cli("inspect", str(ck)), "input_layernorm", "corrupt")

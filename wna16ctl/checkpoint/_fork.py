@@ -11,6 +11,7 @@ from __future__ import annotations
 import marshal
 import os
 import pickle
+import signal
 import sys
 import threading
 from typing import Any, Callable, Sequence, TypeVar
@@ -64,16 +65,20 @@ def split_map(fn: Callable[[T], R], items: Sequence[T], *, min_items: int = 8, u
         finally:
             os._exit(0)
     os.close(wfd)
+    first_error: BadInput | None = None
     try:
-        first_error: BadInput | None = None
         try:
             first = [fn(x) for x in items[:half]]
         except BadInput as e:
             first, first_error = [], e
         with os.fdopen(rfd, "rb") as r:
             data = r.read()
-    finally:
+    except BaseException:
+        # anything else (a bug, Ctrl-C): the child may be blocked writing into the pipe
+        os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
+        raise
+    os.waitpid(pid, 0)
     if first_error is not None:
         raise first_error
     if not data:

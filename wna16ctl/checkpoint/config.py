@@ -264,6 +264,8 @@ def _regex_hits(pattern: re.Pattern[str], names: list[str], joined: str, starts:
     match would cross a line break (a pattern whose classes admit newlines), fall back to one
     match per name, which is the definition.
     """
+    if "\\Z" in pattern.pattern or "\\A" in pattern.pattern:  # anchors to the whole text, not a line
+        return {i for i, n in enumerate(names) if pattern.match(n)}
     try:
         multi = _multiline(pattern.pattern)
     except re.error:  # e.g. global inline flags, which must lead a pattern

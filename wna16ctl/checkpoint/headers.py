@@ -98,19 +98,28 @@ class CheckpointFiles:
                 )
         return BadInput(f"{self.root}: tensor {name} is missing from every shard; the checkpoint is incomplete")
 
-    def info(self, name: str) -> TensorInfo:
+    def _entry(self, name: str) -> dict | None:
         e = self._entries.get(name)
+        if e is None and name in self._entries:
+            # checked in a worker process, which sent back only the names: read that header here
+            sh = self.shard_of(name)
+            full = read_shard_header(sh.path)
+            sh.entries.update(full.entries)
+            self._entries.update(full.entries)
+            e = self._entries[name]
+        return e
+
+    def info(self, name: str) -> TensorInfo:
+        e = self._entry(name)
         if e is None:
-            if name in self._entries:
-                raise RuntimeError(f"{name}: its header entry was checked in a worker process and not kept")
             raise self.missing(name)
         sh = self.shard_of(name)
         start, end = e["data_offsets"]
         return TensorInfo(name, e["dtype"], tuple(e["shape"]), sh.path, sh.data_start + start, sh.data_start + end)
 
     def raw(self, name: str) -> dict | None:
-        """The raw header entry (`dtype`, `shape`, `data_offsets`) or None; cheap, for hot loops."""
-        return self._entries.get(name)
+        """The raw header entry (`dtype`, `shape`, `data_offsets`) or None."""
+        return self._entry(name)
 
     def shard_of(self, name: str) -> ShardHeader:
         if len(self.shards) == 1:
@@ -130,10 +139,12 @@ def _safe_child(root: Path, rel: str, index_path: Path) -> Path:
         raise BadInput(f"{index_path}: weight_map names {rel!r}, which is outside the checkpoint directory")
     p = root / rel
     try:
-        resolved = p.resolve()
+        # the directory must stay inside; the file itself may be a symlink (a Hugging Face cache
+        # snapshot links every file to ../../blobs/<hash>)
+        parent = p.parent.resolve()
     except OSError as e:
         raise BadInput(f"{index_path}: cannot resolve {rel!r} ({e})") from None
-    if not resolved.is_relative_to(root.resolve()):
+    if not parent.is_relative_to(root.resolve()):
         raise BadInput(f"{index_path}: weight_map names {rel!r}, which leads outside the checkpoint directory")
     return p
 
@@ -178,12 +189,15 @@ def read_shard_header(path: Path) -> ShardHeader:
         try:
             dtype = e["dtype"]
             start, end = e["data_offsets"]
-            if not isinstance(e["shape"], list):
-                raise TypeError
+            shape = e["shape"]
         except (KeyError, TypeError, ValueError):
             raise BadInput(f"{path}: header entry for {name} lacks dtype/shape/data_offsets; the file is corrupt") from None
-        if dtype not in DTYPE_SIZES or not (0 <= start <= end):
-            raise BadInput(f"{path}: tensor {name} has dtype {dtype!r} / offsets {start}..{end}, which is invalid")
+        # cheap type checks only: this loop runs over every tensor; the dims of a shape are
+        # checked where they are used (compared with an expected shape, or multiplied out)
+        if type(start) is not int or type(end) is not int or type(shape) is not list \
+                or dtype not in DTYPE_SIZES or not (0 <= start <= end):
+            raise BadInput(f"{path}: tensor {name} has dtype {dtype!r} / offsets {e['data_offsets']!r} / shape "
+                           f"{shape!r}, which is invalid; the file is corrupt")
         if end > max_end:
             max_end = end
     if max_end > data_len:
@@ -198,6 +212,8 @@ def check_tensor_extent(info: dict, name: str, path: Path) -> None:
     """Check that a header entry's byte range matches its dtype and shape."""
     numel = 1
     for d in info["shape"]:
+        if type(d) is not int or d < 0:
+            raise BadInput(f"{path}: tensor {name} has shape {info['shape']!r}, which is invalid; the file is corrupt")
         numel *= d
     start, end = info["data_offsets"]
     if end - start != numel * DTYPE_SIZES[info["dtype"]]:

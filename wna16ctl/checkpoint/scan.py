@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from wna16ctl.checkpoint.config import PACK_QUANTIZED, ModelConfig, WeightScheme
-from wna16ctl.checkpoint.headers import DTYPE_SIZES, ShardHeader, read_shard_header
+from wna16ctl.checkpoint.headers import DTYPE_SIZES, ShardHeader, check_tensor_extent, read_shard_header
 from wna16ctl.errors import BadInput
 
 PROJECTION_ROLES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
@@ -69,13 +69,14 @@ def scan_shard(path: str, config: ModelConfig, intermediate: int, *, keep_entrie
     tensors: list[tuple[str, str, str, dict]] = []  # (name, module, suffix, entry)
     for name, e in sh.entries.items():
         if ".experts." not in name:
+            check_tensor_extent(e, name, sh.path)
             continue
         parts = name.rsplit(".", 3)
-        if len(parts) != 4 or parts[2] not in PROJECTION_ROLES or parts[3] not in SUFFIXES or not parts[1].isdigit():
+        if (len(parts) != 4 or parts[2] not in PROJECTION_ROLES or parts[3] not in SUFFIXES or not parts[1].isdigit()
+                or not parts[0].endswith(".experts")):
+            check_tensor_extent(e, name, sh.path)
             continue
         prefix, expert, proj, suffix = parts
-        if not prefix.endswith(".experts"):
-            continue
         module = name[: -len(suffix) - 1]
         if module not in modules:
             modules[module] = (prefix, int(expert), proj)
@@ -126,15 +127,20 @@ def scan_shard(path: str, config: ModelConfig, intermediate: int, *, keep_entrie
                     "the config's targets/ignore do not match the tensors"
                 )
         if exp is None or suffix == "weight":
+            check_tensor_extent(e, name, sh.path)
             continue
         if suffix == "weight_zero_point":
             if scheme.symmetric:
+                check_tensor_extent(e, name, sh.path)
                 continue
             form = "packed" if e["dtype"] == "I32" and e["shape"] == exp["weight_zero_point"][1] else "unpacked"
             _check_entry(path, name, e, exp, "weight_zero_point" if form == "packed" else "weight_zero_point@unpacked")
             lay["zp"][form] = 1
             continue
+        if suffix == "weight_shape":
+            continue  # never read: vLLM and wna16ctl take shapes from the config
         if suffix == "weight_g_idx" and not scheme.act_order:
+            check_tensor_extent(e, name, sh.path)
             continue
         dtype = _check_entry(path, name, e, exp, suffix)
         if suffix == "weight_scale":
