@@ -71,6 +71,8 @@ def scan_shard(path: str, config: ModelConfig, intermediate: int, *, keep_entrie
         if ".experts." not in name:
             check_tensor_extent(e, name, sh.path)
             continue
+        if name.endswith(".weight_shape"):
+            continue  # a third of all expert tensors, never read (shapes come from the config)
         parts = name.rsplit(".", 3)
         if (len(parts) != 4 or parts[2] not in PROJECTION_ROLES or parts[3] not in SUFFIXES or not parts[1].isdigit()
                 or not parts[0].endswith(".experts")):
@@ -137,8 +139,6 @@ def scan_shard(path: str, config: ModelConfig, intermediate: int, *, keep_entrie
             _check_entry(path, name, e, exp, "weight_zero_point" if form == "packed" else "weight_zero_point@unpacked")
             lay["zp"][form] = 1
             continue
-        if suffix == "weight_shape":
-            continue  # never read: vLLM and wna16ctl take shapes from the config
         if suffix == "weight_g_idx" and not scheme.act_order:
             check_tensor_extent(e, name, sh.path)
             continue
