@@ -17,7 +17,6 @@ words with 2×2 bit-field transposes (see `_transpose_fields`).
 
 from __future__ import annotations
 
-import math
 import sys
 
 import torch
@@ -43,8 +42,9 @@ def marlin_moe_padded_intermediate(i_p: int, group_size: int) -> int:
             f"intermediate size per partition {i_p} is not divisible by group_size {group_size}; "
             "scale groups would straddle the padding"
         )
-    multiple = math.lcm(TILE_N, max(group_size, 1))
-    return -(-i_p // multiple) * multiple
+    from wna16ctl.plan import marlin_moe_padded_intermediate as padded  # the one rule (torch-free)
+
+    return padded(i_p, group_size)
 
 
 def pad_intermediate_halves(t: Tensor, size: int, padded_size: int) -> Tensor:
