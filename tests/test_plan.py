@@ -82,12 +82,12 @@ def test_rank_bytes_equal_the_layout_shapes(bits, gs, sym, actorder, tp, ep):
     layer = MoELayer(prefix="m.layers.0.mlp.experts", layer_index=0, family="gate_up_down", num_experts=E,
                      hidden_size=H, intermediate_size=I, scheme=scheme, scale_dtype="BF16",
                      scheme_sets={(scheme, scheme, scheme): list(range(E))})
-    plan = plan_layer(layer, tp, ep)
+    plan = plan_layer(layer, tp, ep, engine="0.29.0", gpu="sm80")  # a release that still has act-order
     assert plan.loadable, plan.errors
     for r in range(tp):
         spec = RankLayout(layout=plan.layout, num_bits=bits, group_size=gs, symmetric=sym, act_order=scheme.act_order,
                           hidden_size=H, intermediate_size=I, tp=plan.moe_tp, rank=0 if ep else r,
-                          load_full_w2=plan.w2.load_full_w2, padded_intermediate=plan.padded_intermediate)
+                          load_full_w2=plan.layout_w2.load_full_w2, padded_intermediate=plan.padded_intermediate)
         shapes = expected_rank_shapes(spec, plan.local_experts[r], torch.bfloat16)
         nbytes = sum(torch.empty(0, dtype=dt).element_size() * torch.Size(shape).numel() for shape, dt in shapes.values())
         assert plan.rank_bytes[r] == nbytes

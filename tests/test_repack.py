@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 
 import wna16ctl.repack as repack_mod
 import wna16ctl.writer as writer_mod
-from tests.conftest import GSM8K_TEST
+from tests.conftest import ACT_ORDER_RELEASE, GSM8K_TEST
 from tests.layout import reference
 from tests.layout.data import to_numpy
 from wna16ctl.cli import cli
@@ -256,7 +256,7 @@ class Case:
         return make(num_bits=self.bits, group_size=self.gs, symmetric=self.sym, actorder=self.actorder, **BASE)
 
     def settings(self, **kw) -> RepackSettings:
-        return RepackSettings(tp=self.tp, ep=self.ep, layout=self.layout, **kw)
+        return RepackSettings(vllm=ACT_ORDER_RELEASE, tp=self.tp, ep=self.ep, layout=self.layout, **kw)
 
 
 # Every value of every axis, most pairs of values (int4/int8 x each group size, actorder, TP/EP;
@@ -279,13 +279,13 @@ MATRIX = [
     Case(8, 128, True, "static", 1),
     Case(8, 32, True, None, 4, layout="transposed"),
     # refused
-    Case(8, 64, False, None, 2, refuse="no asymmetric int8 kernel"),
-    Case(8, -1, False, "static", 1, ep=True, refuse="symmetric int8 only"),
+    Case(8, 64, False, None, 2, refuse="No WNA16 MoE backend supports"),
+    Case(8, -1, False, "static", 1, ep=True, refuse="uint8 generic group with zero points"),
     Case(4, 128, True, None, 4, refuse="to be divisible by group_size (128)"),
-    Case(4, 128, True, "group", 4, refuse="act-order disables tile padding"),
+    Case(4, 128, True, "group", 4, refuse="assert actorder != 'group'"),
     Case(4, 32, False, "group", 2, refuse="asymmetric zero points under tensor parallelism"),
     Case(4, 64, True, "group", 2, layout="transposed", refuse="cannot write the transposed layout"),
-    Case(4, 128, True, None, 3, refuse="not divisible by the MoE tensor-parallel size (3)"),
+    Case(4, 128, True, None, 3, refuse="per tensor-parallel partition (85) to be divisible by group_size (128)"),
 ]
 
 
@@ -310,7 +310,7 @@ def test_round_trip_matrix(ckpt, tmp_path, case):
 def test_refused_mixed_experts(make_ckpt):
     ck = make_ckpt(mixed="expert", **BASE)
     with pytest.raises(NotLoadable, match="per-expert mixed precision"):
-        plan_repack(ck, RepackSettings(tp=1))
+        plan_repack(ck, RepackSettings(vllm=ACT_ORDER_RELEASE, tp=1))
 
 
 # ---- layouts against the spec's closed forms -----------------------------------------------------------
@@ -324,7 +324,7 @@ def _codes(packed: torch.Tensor, bits: int, size: int) -> np.ndarray:
 @pytest.mark.parametrize("rank,expert", [(0, 0), (1, 2)])
 def test_marlin_equals_closed_form(make_ckpt, tmp_path, rank, expert):
     ck = make_ckpt(**BASE)
-    plan = plan_repack(ck, RepackSettings(tp=2))
+    plan = plan_repack(ck, RepackSettings(vllm=ACT_ORDER_RELEASE, tp=2))
     run_repack(plan, tmp_path / "out")
     src = read_dir(ck)
     prefix = plan.jobs[0].layer.prefix
@@ -349,7 +349,7 @@ def test_marlin_equals_closed_form(make_ckpt, tmp_path, rank, expert):
 @pytest.mark.parametrize("bits,gs,sym,tp", [(4, 128, False, 2), (8, 32, True, 4)])
 def test_transposed_layout_is_spec_7_1(make_ckpt, tmp_path, bits, gs, sym, tp):
     ck = make_ckpt(num_bits=bits, group_size=gs, symmetric=sym, **BASE)
-    plan = plan_repack(ck, RepackSettings(tp=tp, layout="transposed"))
+    plan = plan_repack(ck, RepackSettings(vllm=ACT_ORDER_RELEASE, tp=tp, layout="transposed"))
     run_repack(plan, tmp_path / "out")
     src = read_dir(ck)
     prefix = plan.jobs[0].layer.prefix
@@ -374,7 +374,7 @@ def test_transposed_layout_is_spec_7_1(make_ckpt, tmp_path, bits, gs, sym, tp):
 @pytest.mark.parametrize("i,gs,padded", [(96, -1, 128), (32, 32, 64)])
 def test_marlin_tile_padding(make_ckpt, tmp_path, i, gs, padded):
     ck = make_ckpt(intermediate_size=i, group_size=gs, **BASE)
-    plan = plan_repack(ck, RepackSettings(tp=1))
+    plan = plan_repack(ck, RepackSettings(vllm=ACT_ORDER_RELEASE, tp=1))
     assert plan.jobs[0].specs[0].padded_intermediate == padded
     run_repack(plan, tmp_path / "out")
     manifest = json.loads((tmp_path / "out" / MANIFEST_NAME).read_text())
@@ -395,7 +395,7 @@ def test_marlin_tile_padding(make_ckpt, tmp_path, i, gs, padded):
 def test_w13_scales_use_hidden_size_when_partition_equals_group(make_ckpt, tmp_path):
     # H 256, I 256, g128, TP 2: I_p == group_size; vLLM's size_k = I_p picks the single permutation.
     ck = make_ckpt(**BASE)
-    plan = plan_repack(ck, RepackSettings(tp=2))
+    plan = plan_repack(ck, RepackSettings(vllm=ACT_ORDER_RELEASE, tp=2))
     run_repack(plan, tmp_path / "out")
     src = read_dir(ck)
     prefix = plan.jobs[0].layer.prefix
@@ -419,7 +419,7 @@ def test_w13_scales_use_hidden_size_when_partition_equals_group(make_ckpt, tmp_p
 def test_two_runs_are_byte_identical(ckpt, tmp_path):
     ck = ckpt(group_size=64, symmetric=False, actorder="group", **BASE)
     for name in ("a", "b"):
-        run_repack(plan_repack(ck, RepackSettings(tp=1, max_shard_bytes=200_000)), tmp_path / name)
+        run_repack(plan_repack(ck, RepackSettings(vllm=ACT_ORDER_RELEASE, tp=1, max_shard_bytes=200_000)), tmp_path / name)
     a, b = file_digests(tmp_path / "a"), file_digests(tmp_path / "b")
     assert len(a) > 4 and a == b
 
@@ -427,16 +427,18 @@ def test_two_runs_are_byte_identical(ckpt, tmp_path):
 def test_manifest_and_rank_files(make_ckpt, tmp_path):
     ck = make_ckpt(num_layers=2, num_experts=4, vocab_size=64)
     out = tmp_path / "out"
-    plan = plan_repack(ck, RepackSettings(tp=2, max_shard_bytes=300_000))
+    plan = plan_repack(ck, RepackSettings(vllm=ACT_ORDER_RELEASE, tp=2, max_shard_bytes=300_000))
     run_repack(plan, out)
     m = json.loads((out / MANIFEST_NAME).read_text())
     # the keys of docs/repack-format.md
-    assert set(m) == {"format", "format_version", "tool_version", "identity", "source", "tp", "ep", "layout",
+    assert set(m) == {"format", "format_version", "tool_version", "identity", "source", "engine", "tp", "ep", "layout",
                       "scale_dtype", "ranks", "layers", "copied_tensors", "files"}
     assert m["format"] == "wna16ctl-repack" and m["format_version"] == 1
     assert set(m["identity"]) == {"format", "format_version", "tool_version", "source_fingerprint", "settings"}
     assert set(m["source"]) == {"path", "fingerprint", "architecture"} and m["source"]["path"] == str(ck)
-    assert m["identity"]["settings"] == {"tp": 2, "ep": False, "layout": "auto", "max_shard_bytes": 300_000}
+    assert m["identity"]["settings"] == {"tp": 2, "ep": False, "layout": "auto", "max_shard_bytes": 300_000,
+                                         "vllm": ACT_ORDER_RELEASE, "gpu": "sm90"}
+    assert m["engine"] == {"name": "vllm", "version": ACT_ORDER_RELEASE, "gpu": "sm90"}
     assert m["source"]["fingerprint"] == m["identity"]["source_fingerprint"] == source_fingerprint(plan.checkpoint)
     assert m["source"]["architecture"] == "Qwen3MoeForCausalLM"
     assert (m["tp"], m["ep"], m["layout"], m["scale_dtype"]) == (2, False, "auto", "bfloat16")
@@ -490,7 +492,7 @@ def test_manifest_and_rank_files(make_ckpt, tmp_path):
 
 
 def _repack_cli(*args: str):
-    return CliRunner().invoke(cli, ["repack", *args])
+    return CliRunner().invoke(cli, ["repack", "--vllm", ACT_ORDER_RELEASE, *args])
 
 
 def test_existing_output_refused_then_forced(make_ckpt, tmp_path):
@@ -519,7 +521,7 @@ def test_output_around_the_checkpoint_refused(make_ckpt, tmp_path, where):
     out = ck / "tp2" if where == "inside" else tmp_path / "models"
     # --force replaces OUT whole at the commit: an OUT holding the checkpoint would take it along
     with pytest.raises(UsageError, match="inside the checkpoint" if where == "inside" else "contains the checkpoint"):
-        run_repack(plan_repack(ck, RepackSettings(tp=2)), out, force=True)
+        run_repack(plan_repack(ck, RepackSettings(vllm=ACT_ORDER_RELEASE, tp=2)), out, force=True)
     assert snapshot(ck) == before and sorted(p.name for p in (tmp_path / "models").iterdir()) == ["ck"]
 
 
@@ -550,7 +552,7 @@ def test_disk_full_mid_run_leaves_nothing(make_ckpt, tmp_path, monkeypatch):
 def test_source_truncated_after_planning(make_ckpt, tmp_path):
     ck = tmp_path / "ck"
     shutil.copytree(make_ckpt(**BASE), ck)
-    plan = plan_repack(ck, RepackSettings(tp=2))
+    plan = plan_repack(ck, RepackSettings(vllm=ACT_ORDER_RELEASE, tp=2))
     shard = max(ck.glob("*.safetensors"), key=lambda p: p.stat().st_size)
     with open(shard, "r+b") as f:
         f.truncate(shard.stat().st_size // 2)
@@ -601,7 +603,7 @@ def two_layer_ckpt(make_ckpt):
     return make_ckpt(num_layers=2, num_experts=4, vocab_size=64)
 
 
-RESUME_SETTINGS = RepackSettings(tp=2, max_shard_bytes=300_000)
+RESUME_SETTINGS = RepackSettings(vllm=ACT_ORDER_RELEASE, tp=2, max_shard_bytes=300_000)
 
 
 def test_interrupt_then_resume(two_layer_ckpt, tmp_path, monkeypatch):
@@ -644,7 +646,7 @@ def test_resume_refuses_other_settings(two_layer_ckpt, tmp_path):
     run_repack(plan_repack(two_layer_ckpt, RESUME_SETTINGS), out)
     before = file_digests(out)
     with pytest.raises(UsageError, match="another source or other settings"):
-        run_repack(plan_repack(two_layer_ckpt, RepackSettings(tp=1, max_shard_bytes=300_000)), out, resume=True)
+        run_repack(plan_repack(two_layer_ckpt, RepackSettings(vllm=ACT_ORDER_RELEASE, tp=1, max_shard_bytes=300_000)), out, resume=True)
     assert file_digests(out) == before and leftovers(out) == []
     # same settings: everything is reused and the output is unchanged
     res = run_repack(plan_repack(two_layer_ckpt, RESUME_SETTINGS), out, resume=True)
@@ -704,7 +706,7 @@ def test_act_order_with_differing_gate_up_g_idx_is_refused_before_writing(tmp_pa
     # hand-built: every projection draws its own act-order permutation
     ck = write_raw_checkpoint(tmp_path / "ck", hidden=256, intermediate=128, group_size=64, actorder="group")
     with pytest.raises(NotLoadable, match=r"gate_proj.weight_g_idx and .*up_proj.weight_g_idx differ"):
-        plan_repack(ck, RepackSettings(tp=1))
+        plan_repack(ck, RepackSettings(vllm=ACT_ORDER_RELEASE, tp=1))
     assert not (tmp_path / "out").exists()
 
 
@@ -719,10 +721,10 @@ def test_concurrent_repack_into_the_same_output_is_refused(make_ckpt, tmp_path):
     fcntl.flock(lock, fcntl.LOCK_EX)  # another process is writing OUT
     try:
         with pytest.raises(UsageError, match="another wna16ctl repack"):
-            run_repack(plan_repack(ck, RepackSettings(tp=1)), out)
+            run_repack(plan_repack(ck, RepackSettings(vllm=ACT_ORDER_RELEASE, tp=1)), out)
     finally:
         os.close(lock)
-    run_repack(plan_repack(ck, RepackSettings(tp=1)), out)
+    run_repack(plan_repack(ck, RepackSettings(vllm=ACT_ORDER_RELEASE, tp=1)), out)
     assert (out / "wna16ctl.json").is_file()
     assert not (tmp_path / ".out.wna16ctl-lock").exists()
 
@@ -735,7 +737,7 @@ def test_output_dot_and_ep_rank_without_experts(make_ckpt, tmp_path, monkeypatch
     out = tmp_path / "here"
     out.mkdir()
     monkeypatch.chdir(out)
-    run_repack(plan_repack(ck, RepackSettings(tp=3, ep=True)), ".")  # rank 2 holds no expert
+    run_repack(plan_repack(ck, RepackSettings(vllm=ACT_ORDER_RELEASE, tp=3, ep=True)), ".")  # rank 2 holds no expert
     assert (out / "wna16ctl.json").is_file() and (out / "rank-2").is_dir()
     report = verify_output(ck, out, samples=GSM8K_TEST, num_samples=4)
     assert report.passed, [f.message for f in report.findings]

@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import wna16ctl.verify as verify_mod
-from tests.conftest import GSM8K_TEST
+from tests.conftest import ACT_ORDER_RELEASE, GSM8K_TEST
 from tests.test_repack import BASE, ckpt, one_torch_thread, patch_tensor, read_dir  # noqa: F401  (fixtures)
 from wna16ctl.cli import cli
 from wna16ctl.errors import BadInput
@@ -44,9 +44,9 @@ def outputs(ckpt, tmp_path_factory):
     def get(name: str) -> tuple[Path, Path]:
         if name not in made:
             spec, settings = {
-                "g128": (dict(**BASE), RepackSettings(tp=2)),  # I_p == group_size: the w13 scale quirk case
-                "actorder": (dict(group_size=32, actorder="group", **BASE), RepackSettings(tp=2)),
-                "static": (dict(group_size=32, actorder="static", **BASE), RepackSettings(tp=2)),
+                "g128": (dict(**BASE), RepackSettings(vllm=ACT_ORDER_RELEASE, tp=2)),  # I_p == group_size: the w13 scale quirk case
+                "actorder": (dict(group_size=32, actorder="group", **BASE), RepackSettings(vllm=ACT_ORDER_RELEASE, tp=2)),
+                "static": (dict(group_size=32, actorder="static", **BASE), RepackSettings(vllm=ACT_ORDER_RELEASE, tp=2)),
             }[name]
             ck = ckpt(**spec)
             out = tmp_path_factory.mktemp(f"out-{name}") / "out"
@@ -372,7 +372,7 @@ def test_checkpoint_changed_after_repack(outputs, tmp_path):
     ck = tmp_path / "ck"
     shutil.copytree(src, ck)
     out = tmp_path / "out"
-    run_repack(plan_repack(ck, RepackSettings(tp=2)), out)
+    run_repack(plan_repack(ck, RepackSettings(vllm=ACT_ORDER_RELEASE, tp=2)), out)
     assert verify(ck, out).passed
     # header-level change: the fingerprint
     cfg = json.loads((ck / "config.json").read_text())
@@ -406,14 +406,14 @@ def read_dir_names(path: Path) -> list[str]:
 # The round-trip matrix of tests/test_repack.py verifies int4/int8, every group size, asym,
 # act-order, TP 1/2/4 and EP; these add the other architectures, mixed precision and dtypes.
 VARIANTS = [
-    (dict(arch="mixtral", **BASE), RepackSettings(tp=2)),
-    (dict(arch="deepseek_v3", num_layers=2, num_experts=4, vocab_size=64), RepackSettings(tp=2, ep=True)),
-    (dict(arch="qwen2_moe", group_size=64, **BASE), RepackSettings(tp=4)),
-    (dict(mixed="layer", num_layers=2, num_experts=4, vocab_size=64), RepackSettings(tp=2)),
-    (dict(actorder="weight", group_size=64, symmetric=False, **BASE), RepackSettings(tp=2)),
-    (dict(group_size=-1, channel_group_size_null=True, **BASE), RepackSettings(tp=2)),
-    (dict(dtype="float16", num_bits=8, group_size=32, **BASE), RepackSettings(tp=1)),
-    (dict(arch="mixtral", actorder="group", group_size=64, **BASE), RepackSettings(tp=2)),
+    (dict(arch="mixtral", **BASE), RepackSettings(vllm=ACT_ORDER_RELEASE, tp=2)),
+    (dict(arch="deepseek_v3", num_layers=2, num_experts=4, vocab_size=64), RepackSettings(vllm=ACT_ORDER_RELEASE, tp=2, ep=True)),
+    (dict(arch="qwen2_moe", group_size=64, **BASE), RepackSettings(vllm=ACT_ORDER_RELEASE, tp=4)),
+    (dict(mixed="layer", num_layers=2, num_experts=4, vocab_size=64), RepackSettings(vllm=ACT_ORDER_RELEASE, tp=2)),
+    (dict(actorder="weight", group_size=64, symmetric=False, **BASE), RepackSettings(vllm=ACT_ORDER_RELEASE, tp=2)),
+    (dict(group_size=-1, channel_group_size_null=True, **BASE), RepackSettings(vllm="0.30.0", tp=2)),  # fixed there
+    (dict(dtype="float16", num_bits=8, group_size=32, **BASE), RepackSettings(vllm=ACT_ORDER_RELEASE, tp=1)),
+    (dict(arch="mixtral", actorder="group", group_size=64, **BASE), RepackSettings(vllm=ACT_ORDER_RELEASE, tp=2)),
 ]
 
 

@@ -66,25 +66,44 @@ def cli(debug: bool) -> None:
     """Inspect, repack and verify int4/int8 weight-only (WNA16) compressed-tensors MoE checkpoints."""
 
 
+def _vllm_option(allow_all: bool) -> Callable:
+    return click.option(
+        "--vllm", "vllm", default="installed", show_default=True, metavar="VERSION|installed|latest" + ("|all" if allow_all else ""),
+        help="vLLM release whose rules apply: a version (0.27.0 to 0.33.0 are known), the installed vllm package "
+             "(else the newest known release), latest" + (", or all (a release x TP matrix)." if allow_all else "."))
+
+
+def _gpu_option() -> Callable:
+    from wna16ctl.rules import DEFAULT_GPU, GPUS
+
+    return click.option("--gpu", type=click.Choice(list(GPUS)), default=DEFAULT_GPU, show_default=True,
+                        help="GPU architecture the engine runs on (backend priority depends on it).")
+
+
 @cli.command()
 @click.argument("ckpt", type=click.Path(file_okay=False, path_type=str))
 @click.option("--tp", "tp", default="1,2,4,8", show_default=True, help="Tensor-parallel sizes to plan, comma-separated.")
 @click.option("--ep", is_flag=True, help="Expert parallelism: MoE TP is 1 and experts are split across the ranks.")
+@_vllm_option(allow_all=True)
+@_gpu_option()
 @click.option("--json", "json_mode", is_flag=True, help="Print one JSON object (schema: docs/inspect-json.md).")
 @click.pass_context
-def inspect(ctx: click.Context, ckpt: str, tp: str, ep: bool, json_mode: bool) -> None:
+def inspect(ctx: click.Context, ckpt: str, tp: str, ep: bool, vllm: str, gpu: str, json_mode: bool) -> None:
     """Decide per MoE layer and TP size whether and how CKPT loads (headers only, no GPU)."""
     sink = Sink(json_mode=json_mode)
     tps = _parse_tp(tp)
 
     def body() -> int:
         from wna16ctl.inspection import inspect_checkpoint
-        from wna16ctl.render import render_inspection
+        from wna16ctl.render import render_inspection, render_release_matrix
 
-        insp = inspect_checkpoint(ckpt, tps, ep)
+        insp = inspect_checkpoint(ckpt, tps, ep, vllm=vllm, gpu=gpu)
+        if insp.engine.note and insp.engine.source != "default":
+            sink.warn(insp.engine.note)
         for w in insp.checkpoint.warnings:
             sink.warn(w)
-        sink.result(insp.to_json(), lambda console: render_inspection(console, insp))
+        render = render_release_matrix if insp.versions else render_inspection
+        sink.result(insp.to_json(), lambda console: render(console, insp))
         return EXIT_OK if insp.loadable else EXIT_FAILED
 
     _run(ctx, sink, body, fast_exit=True)
@@ -118,11 +137,13 @@ def _parse_size(value: str) -> int:
 @click.option("--max-shard-size", default="4GiB", show_default=True, help="Largest output file (a layer never straddles files).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="Where the Marlin repack runs (cuda needs a GPU and nvcc; auto falls back to the CPU).")
+@_vllm_option(allow_all=False)
+@_gpu_option()
 @click.option("--json", "json_mode", is_flag=True, help="Print the result as one JSON object.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @click.pass_context
 def repack(ctx: click.Context, ckpt: str, tp: int, ep: bool, layout: str, out: str | None, dry_run: bool, resume: bool,
-           force: bool, max_shard_size: str, device: str, json_mode: bool, quiet: bool) -> None:
+           force: bool, max_shard_size: str, device: str, vllm: str, gpu: str, json_mode: bool, quiet: bool) -> None:
     """Write per-rank safetensors of CKPT's experts in the kernel layout, with a verifiable manifest."""
     sink = Sink(json_mode=json_mode, quiet=quiet)
     max_bytes = _parse_size(max_shard_size)
@@ -135,7 +156,13 @@ def repack(ctx: click.Context, ckpt: str, tp: int, ep: bool, layout: str, out: s
         from wna16ctl.render import render_repack_plan, render_repack_result
         from wna16ctl.repack import RepackSettings, plan_repack, run_repack
 
-        plan = plan_repack(ckpt, RepackSettings(tp=tp, ep=ep, layout=layout, max_shard_bytes=max_bytes))
+        from wna16ctl.inspection import resolve
+
+        engine = resolve(vllm, gpu)
+        if engine.note and engine.source != "default":
+            sink.warn(engine.note)
+        plan = plan_repack(ckpt, RepackSettings(tp=tp, ep=ep, layout=layout, max_shard_bytes=max_bytes,
+                                                vllm=engine.version, gpu=gpu))
         for w in plan.checkpoint.warnings:
             sink.warn(w)
         if dry_run:

@@ -1,11 +1,16 @@
-"""The planner: for one MoE layer at one parallel configuration, what vLLM would do.
+"""The planner: for one MoE layer at one parallel configuration, what a given vLLM release does.
 
-One decision function, `plan_layer`, reproduces the rules of vLLM's compressed-tensors WNA16 MoE
-path (current era: the merged method + `fused_moe/oracle/int_wna16.py`): method checks, backend
-selection with a reason string for each rejected backend, the w2 scale sharding, Marlin tile
-padding, the divisibility checks of `create_weights`, and known engine bugs ("hazards") this
-configuration would hit in some released versions.  Reads no files and imports no torch, so
-`inspect` stays fast; repack and verify call the same function.
+One decision function, `plan_layer`, follows the steps the engine takes for a compressed-tensors
+WNA16 MoE layer, in the engine's order, and stops where the engine stops:
+
+  config parse → method dispatch → method constructor (backend oracle) → create_weights → load
+
+Each step's rules come from the rulebook (`rules.py`) for the chosen release, so a rule that
+changed between releases is written once with the release that changed it.  The result holds the
+backend the release picks, a reason for every backend it passes over, the w2 scale sharding,
+Marlin tile padding, every divisibility check with the release's own error text, and the known
+engine bugs ("hazards") of that release.  Reads no files and imports no torch, so `inspect` stays
+fast; repack and verify call the same function.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from wna16ctl import rules
 from wna16ctl.checkpoint.config import PACK_QUANTIZED, WeightScheme
 from wna16ctl.checkpoint.moe import MoELayer
 
@@ -23,14 +29,33 @@ MARLIN_GROUP_SIZES = (-1, 32, 64, 128)
 
 
 class Backend(str, Enum):
-    """Backends whose weight layout wna16ctl writes, in vLLM's auto-selection priority order."""
+    """vLLM's WNA16 MoE backends (CUDA/ROCm list), by their lower-cased enum names."""
 
+    RDNA3 = "rdna3"  # ROCm gfx1100 HIP kernel
+    FLASHINFER_TRTLLM = "flashinfer_trtllm"  # TRT-LLM mxint4 MoE (Blackwell)
     MARLIN = "marlin"  # MarlinExperts: Marlin tile layout (repack layout "marlin")
+    BATCHED_MARLIN = "batched_marlin"  # Marlin for batched activations (DeepEP low-latency)
     TRITON = "triton"  # TritonWNA16Experts: N-first uint8 layout (repack layout "transposed")
+    HUMMING = "humming"  # Humming kernels (converted from the checkpoint at load)
+    EMULATION = "emulation"  # dequantise to 16 bits and run the unquantized Triton MoE
 
 
-BACKEND_PRIORITY = (Backend.MARLIN, Backend.TRITON)
+# The layouts wna16ctl writes, and the backend that consumes each.
 LAYOUT_OF_BACKEND = {Backend.MARLIN: "marlin", Backend.TRITON: "transposed"}
+BACKEND_OF_LAYOUT = {v: k for k, v in LAYOUT_OF_BACKEND.items()}
+STAGES = ("config", "method", "oracle", "create_weights", "load")
+
+
+def backend_priority(rel: rules.Release, gpu: str) -> list[Backend]:
+    """The release's auto-selection order on a CUDA GPU (`_get_priority_backends`)."""
+    order = [Backend.FLASHINFER_TRTLLM, Backend.MARLIN, Backend.BATCHED_MARLIN, Backend.TRITON,
+             Backend.HUMMING, Backend.EMULATION]
+    if rel.has("oracle.rdna3"):
+        order.insert(0, Backend.RDNA3)
+    if rel.has("oracle.humming_first_on_sm90") and rules.GPUS[gpu] == 90:
+        order.remove(Backend.HUMMING)
+        order.insert(order.index(Backend.MARLIN), Backend.HUMMING)
+    return order
 
 
 @dataclass(frozen=True)
@@ -44,11 +69,11 @@ class W2ScaleSharding:
 
 
 def w2_scale_sharding(actorder: str | None, group_size: int, i_p: int, i: int) -> W2ScaleSharding:
-    """vLLM's `_w2_scale_sharding` (PR #41161).
+    """vLLM's `_w2_scale_sharding` (PR #41161; releases before 0.30.0).
 
     Only act-order ("group"; "dynamic" is its alias) stores w2 scales by *global* group id, so
     only then must every rank hold all I/gs rows.  Static/weight act-order is format-identical
-    to no act-order and shards like it.
+    to no act-order and shards like it.  Releases without act-order always shard.
     """
     act = actorder in ("group", "dynamic")
     load_full = act and group_size != -1
@@ -90,85 +115,110 @@ def quant_type(scheme: WeightScheme) -> str:
     return f"uint{scheme.num_bits}"
 
 
+# -- weight keys (vLLM's QuantKey of the CT WNA16 MoE method) -----------------------------------
 @dataclass(frozen=True)
-class Check:
-    rule: str
-    ok: bool
-    detail: str = ""
+class WeightKey:
+    """What the backend classes match on: scalar type, scale group columns, symmetric.
 
-    def to_json(self) -> dict[str, Any]:
-        return {"rule": self.rule, "ok": self.ok, "detail": self.detail}
+    The compressed-tensors method builds one scale descriptor for every int4 group size but 32
+    (and one for int8), so two int4 layers with group 64 and 128 have the same key.
+    """
 
-
-@dataclass
-class LayerPlan:
-    """Everything decided for one MoE layer at one parallel configuration."""
-
-    tp: int  # ranks requested (--tp)
-    ep: bool  # expert parallelism: MoE TP is 1 and experts are split across ranks
-    moe_tp: int
-    intermediate_size_per_partition: int
-    padded_intermediate: int | None  # Marlin tile-padded intermediate (None unless backend is Marlin)
-    backend: Backend | None
-    rejected: dict[str, str]
-    w2: W2ScaleSharding
-    quant_type: str | None
-    local_experts: list[int]  # experts per rank
-    rank_bytes: list[int]  # bytes of each rank's expert tensors in the chosen layout
-    checks: list[Check] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
-    hazards: list[str] = field(default_factory=list)
+    dtype: str  # uint4b8 / uint4 / uint8b128 / uint8 / uint<n>b<bias> ...
+    # scale group shape (1, group_cols): 32 for int4 group-32; -1 for the generic int4/int8
+    # descriptors; other widths carry their own group size, or 0 for per-channel scales
+    group_cols: int
+    symmetric: bool
 
     @property
-    def loadable(self) -> bool:
-        return not self.errors and self.backend is not None
-
-    @property
-    def layout(self) -> str | None:
-        return LAYOUT_OF_BACKEND[self.backend] if self.backend is not None else None
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "tp": self.tp,
-            "ep": self.ep,
-            "moe_tp": self.moe_tp,
-            "intermediate_size_per_partition": self.intermediate_size_per_partition,
-            "padded_intermediate": self.padded_intermediate,
-            "backend": self.backend.value if self.backend is not None else None,
-            "layout": self.layout,
-            "rejected": dict(self.rejected),
-            "w2_scale_sharding": self.w2.to_json(),
-            "quant_type": self.quant_type,
-            "local_experts": list(self.local_experts),
-            "rank_bytes": list(self.rank_bytes),
-            "checks": [c.to_json() for c in self.checks],
-            "errors": list(self.errors),
-            "hazards": list(self.hazards),
-            "loadable": self.loadable,
-        }
+    def bits(self) -> int:
+        return int(self.dtype[4:].split("b")[0])
 
 
-def local_expert_counts(num_experts: int, ep_size: int) -> list[int]:
-    """vLLM's linear expert placement: E // ep each, the first E % ep ranks one more."""
-    base, rem = divmod(num_experts, ep_size)
-    return [base + (1 if r < rem else 0) for r in range(ep_size)]
+def weight_key(s: WeightScheme) -> WeightKey:
+    if s.num_bits == 4:
+        cols = 32 if s.group_size == 32 else -1
+    elif s.num_bits == 8:
+        cols = -1
+    else:
+        cols = s.group_size if s.group_size > 0 else 0
+    return WeightKey(quant_type(s), cols, s.symmetric)
 
 
-def _backend_reason(backend: Backend, s: WeightScheme, hidden: int, i_p: int) -> str | None:
-    if s.num_bits not in SUPPORTED_BITS:
-        return f"no {backend.value} kernel for {s.num_bits}-bit weights"
-    if backend is Backend.MARLIN:
-        if s.num_bits == 8 and not s.symmetric:
-            return "MarlinExperts has no asymmetric int8 kernel (uint8 with zero points is not built)"
-        reason = marlin_support_reason(hidden, i_p, s.group_size, allow_tile_padding=not s.act_order)
-        return None if reason is None else f"Marlin not supported for this layer: {reason}"
-    if backend is Backend.TRITON:
-        if s.act_order:
-            return "the Triton WNA16 kernel does not support compressed-tensors act-order (actorder=group)"
-        if s.num_bits == 8 and not s.symmetric:
-            return "TritonWNA16Experts accepts int4 (sym/asym) and symmetric int8 only"
+_INT4, _INT4_32 = WeightKey("uint4b8", -1, True), WeightKey("uint4b8", 32, True)
+_INT4_ASYM, _INT4_32_ASYM = WeightKey("uint4", -1, False), WeightKey("uint4", 32, False)
+_INT8 = WeightKey("uint8b128", -1, True)
+_MARLIN_KEYS = (_INT4, _INT8, _INT4_32, _INT4_ASYM, _INT4_32_ASYM)
+_EMULATION_KEYS = (_INT4, _INT4_32, _INT4_ASYM, _INT4_32_ASYM)
+
+
+def _triton_keys(rel: rules.Release) -> tuple[WeightKey, ...]:
+    keys = (_INT4, _INT8, _INT4_32)
+    return keys + ((_INT4_ASYM, _INT4_32_ASYM) if rel.has("oracle.triton_asymmetric") else ())
+
+
+def _humming_accepts(rel: rules.Release, key: WeightKey) -> bool:
+    if key in (_INT4, _INT8):
+        return True
+    # later releases: any unsigned integer type of 2-8 bits with per-channel or explicit column groups
+    # (the generic int4/int8 descriptors have no column group and are not in that class)
+    return rel.has("oracle.humming_group32_keys") and key.group_cols != -1 and 2 <= key.bits <= 8
+
+
+def _key_text(key: WeightKey) -> str:
+    g = {-1: "generic group", 0: "per-channel"}.get(key.group_cols, f"group-{key.group_cols}")
+    return f"{key.dtype} {g}{'' if key.symmetric else ' with zero points'}"
+
+
+# -- backend reasons ----------------------------------------------------------------------------
+def _backend_reason(b: Backend, rel: rules.Release, gpu: str, s: WeightScheme, hidden: int, i_p: int,
+                    allow_tile_padding: bool) -> str | None:
+    """Why `b` does not take this layer in `rel` on `gpu` (None: it does).
+
+    The oracle's own incompatibility reason first, then the experts class's support checks
+    (device, weight key, activation format), as the release evaluates them.
+    """
+    cc = rules.GPUS[gpu]
+    key = weight_key(s)
+    if b is Backend.RDNA3:
+        return "kernel does not support the current device (ROCm gfx1100 only)"
+    if b is Backend.FLASHINFER_TRTLLM:
+        if not s.symmetric:
+            return "zero points and bias are not supported"
+        if cc // 10 != 10:
+            return "kernel does not support the current device (TRT-LLM mxint4 MoE needs a Blackwell sm100 GPU)"
+        if key != _INT4_32:
+            return f"kernel does not support quantization scheme {_key_text(key)} (int4 symmetric group-32 only)"
         return None
-    raise AssertionError(backend)
+    if b in (Backend.MARLIN, Backend.BATCHED_MARLIN):
+        gate = marlin_support_reason(hidden, i_p, s.group_size, allow_tile_padding)
+        if gate is not None:
+            return f"Marlin not supported for this layer: {gate}"
+        if cc < 75:
+            return "kernel does not support the current device (compute capability >= 7.5)"
+        if key not in _MARLIN_KEYS:
+            return f"kernel does not support quantization scheme {_key_text(key)}"
+        if b is Backend.BATCHED_MARLIN:
+            return ("kernel does not support the standard activation format (batched Marlin serves the batched "
+                    "all-to-all formats only)")
+        return None
+    if b is Backend.TRITON:
+        if s.actorder == "group":  # the raw string: 'dynamic' passes this test
+            return "group activation ordering is not supported"
+        if key not in _triton_keys(rel):
+            return f"kernel does not support quantization scheme {_key_text(key)}"
+        return None
+    if b is Backend.HUMMING:
+        if cc < 75:
+            return "kernel does not support the current device (compute capability >= 7.5)"
+        if not _humming_accepts(rel, key):
+            return f"kernel does not support quantization scheme {_key_text(key)}"
+        return None
+    if b is Backend.EMULATION:
+        if key not in _EMULATION_KEYS:
+            return f"kernel does not support quantization scheme {_key_text(key)} (int4 emulation only)"
+        return None
+    raise AssertionError(b)
 
 
 def _rank_bytes(backend: Backend | None, s: WeightScheme, hidden: int, i_p: int, pad: int | None,
@@ -190,10 +240,103 @@ def _rank_bytes(backend: Backend | None, s: WeightScheme, hidden: int, i_p: int,
     return [per * e for e in experts_per_rank]
 
 
-def plan_layer(layer: MoELayer, tp: int, ep: bool = False) -> LayerPlan:
-    """The one decision function: vLLM's behaviour for `layer` on `tp` ranks (EP if `ep`)."""
+
+@dataclass(frozen=True)
+class Check:
+    rule: str
+    ok: bool
+    detail: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rule": self.rule, "ok": self.ok, "detail": self.detail}
+
+
+@dataclass
+class LayerPlan:
+    """Everything decided for one MoE layer at one parallel configuration in one release."""
+
+    tp: int  # ranks requested (--tp)
+    ep: bool  # expert parallelism: MoE TP is 1 and experts are split across ranks
+    moe_tp: int
+    intermediate_size_per_partition: int
+    padded_intermediate: int | None  # Marlin tile-padded intermediate (None unless the layout is Marlin)
+    backend: Backend | None  # what the release auto-selects (None: refused before or at selection)
+    rejected: dict[str, str]
+    w2: W2ScaleSharding  # as the release computes it
+    quant_type: str | None
+    local_experts: list[int]  # experts per rank
+    rank_bytes: list[int]  # bytes of each rank's expert tensors in the layout repack writes
+    vllm: str = rules.NEWEST
+    gpu: str = rules.DEFAULT_GPU
+    layout: str | None = None  # the layout repack writes: marlin, transposed, or None (none applies)
+    layout_w2: W2ScaleSharding | None = None  # the w2 scale sharding repack writes in that layout
+    checks: list[Check] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    failure_stage: str | None = None  # the step of the engine where the first error is raised
+    failure_rule: str | None = None  # a short name of that error's rule
+    hazards: list[str] = field(default_factory=list)
+
+    @property
+    def loadable(self) -> bool:
+        return not self.errors and self.backend is not None
+
+    def fail(self, stage: str, rule: str, text: str) -> None:
+        """Record an error raised at `stage`; `rule` is a short name for tables."""
+        if not self.errors:
+            self.failure_stage, self.failure_rule = stage, rule
+        self.errors.append(text)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "tp": self.tp,
+            "ep": self.ep,
+            "vllm": self.vllm,
+            "gpu": self.gpu,
+            "moe_tp": self.moe_tp,
+            "intermediate_size_per_partition": self.intermediate_size_per_partition,
+            "padded_intermediate": self.padded_intermediate,
+            "backend": self.backend.value if self.backend is not None else None,
+            "layout": self.layout,
+            "rejected": dict(self.rejected),
+            "w2_scale_sharding": self.w2.to_json(),
+            "quant_type": self.quant_type,
+            "local_experts": list(self.local_experts),
+            "rank_bytes": list(self.rank_bytes),
+            "checks": [c.to_json() for c in self.checks],
+            "errors": list(self.errors),
+            "failure_stage": self.failure_stage,
+            "failure_rule": self.failure_rule,
+            "hazards": list(self.hazards),
+            "loadable": self.loadable,
+        }
+
+
+def local_expert_counts(num_experts: int, ep_size: int) -> list[int]:
+    """vLLM's linear expert placement: E // ep each, the first E % ep ranks one more."""
+    base, rem = divmod(num_experts, ep_size)
+    return [base + (1 if r < rem else 0) for r in range(ep_size)]
+
+
+def _format_bits_error(rel: rules.Release, s: WeightScheme) -> str:
+    bits = "[2, 3, 4, 5, 6, 7, 8]"
+    if rel.has("method.format_error_is_tuple"):
+        # the release passes the pieces as separate exception arguments (and names the expected
+        # format as the one found): this is how the message prints
+        return str(("For Fused MoE layers, only format: ", f"{PACK_QUANTIZED} ", f" and bits: {bits} is supported ",
+                    f"but got format: {PACK_QUANTIZED}  and bits: {s.num_bits}"))
+    return (f"For Fused MoE layers, only format: {PACK_QUANTIZED} and bits: {bits} is supported but got format: "
+            f"{PACK_QUANTIZED} and bits: {s.num_bits}")
+
+
+def plan_layer(layer: MoELayer, tp: int, ep: bool = False, engine: str = rules.NEWEST,
+               gpu: str = rules.DEFAULT_GPU) -> LayerPlan:
+    """The one decision function: what vLLM `engine` does with `layer` on `tp` ranks (EP if `ep`)
+    of a CUDA GPU of architecture `gpu`, step by step, stopping where the engine stops."""
     if tp < 1:
         raise ValueError("tp must be >= 1")
+    rel = rules.release(engine)
+    if gpu not in rules.GPUS:
+        raise ValueError(f"unknown GPU architecture {gpu!r} (one of {', '.join(rules.GPUS)})")
     H, I, E = layer.hidden_size, layer.intermediate_size, layer.num_experts
     moe_tp = 1 if ep else tp
     experts_per_rank = local_expert_counts(E, tp) if ep else [E] * tp
@@ -201,156 +344,235 @@ def plan_layer(layer: MoELayer, tp: int, ep: bool = False) -> LayerPlan:
     s = layer.scheme
     plan = LayerPlan(
         tp=tp, ep=ep, moe_tp=moe_tp, intermediate_size_per_partition=i_p, padded_intermediate=None,
-        backend=None, rejected={}, w2=w2_scale_sharding(None, -1, i_p, I), quant_type=None,
-        local_experts=experts_per_rank, rank_bytes=[0] * tp,
+        backend=None, rejected={}, w2=W2ScaleSharding(False, i_p, True), quant_type=None,
+        local_experts=experts_per_rank, rank_bytes=[0] * tp, vllm=engine, gpu=gpu,
     )
     if s is None:
-        plan.errors.append("experts are not quantized (no compressed-tensors scheme targets them); nothing to plan")
+        plan.fail("method", "unquantized", "experts are not quantized (no compressed-tensors scheme targets them); nothing to plan")
+        return plan
+
+    # -- config parse (CompressedTensorsConfig): refuses the whole checkpoint -----------------
+    if rel.has("config.refuse_group_actorder") and s.actorder in ("group", "dynamic"):
+        plan.fail("config", "actorder refused", (
+            f"Compressed-tensors group/dynamic activation ordering (actorder={s.actorder!r}) is no longer supported. "
+            "Use a checkpoint with static/weight activation ordering or without activation ordering."))
         return plan
 
     # -- method dispatch (get_moe_method) ------------------------------------------------------
+    mixed_experts = None
     if len(layer.scheme_sets) > 1:
         first_key = next(iter(layer.scheme_sets))
-        if len(set(first_key)) > 1:
-            plan.errors.append("All MoE projections need to have same quantization scheme but found multiple")
         others = [(k, v) for k, v in layer.scheme_sets.items() if k != first_key]
-        desc = "; ".join(
+        mixed_experts = "; ".join(
             f"experts {_ranges(v)} use {'/'.join(x.describe() if x else 'unquantized' for x in dict.fromkeys(k))}"
             for k, v in others
-        )
-        plan.errors.append(
-            f"per-expert mixed precision: expert 0 uses {s.describe()} but {desc}; vLLM builds one fused "
-            "parameter per layer from expert 0's scheme, so the other experts cannot load"
         )
         plan.hazards.append(
             "per-expert mixed precision in one MoE layer: vLLM's get_moe_method looks only at expert 0's "
             "gate/up/down schemes; other experts' tensors are loaded with the wrong bit width or shapes "
             "(load failure or garbage). Quantize every expert of a layer with one scheme."
         )
-    elif len(set(next(iter(layer.scheme_sets)))) > 1:
-        plan.errors.append("All MoE projections need to have same quantization scheme but found multiple")
-    if not s.is_wna16:
-        plan.errors.append(
-            f"scheme {s.type} strategy={s.strategy} is not a weight-only integer group/channel scheme (WNA16); "
-            "not handled by the WNA16 MoE method"
-        )
+        if len(set(first_key)) > 1:
+            plan.fail("method", "mixed schemes", "All MoE projections need to have same quantization scheme but found multiple")
+            return plan
+    elif layer.scheme_sets and len(set(next(iter(layer.scheme_sets)))) > 1:
+        plan.fail("method", "mixed schemes", "All MoE projections need to have same quantization scheme but found multiple")
         return plan
-    if s.format != PACK_QUANTIZED or s.num_bits not in SUPPORTED_BITS:
-        plan.errors.append(
-            "For Fused MoE layers, only format 'pack-quantized' and bits [4, 8] are supported, but got "
-            f"format {s.format} and bits {s.num_bits}"
-        )
+    if not s.is_wna16:
+        plan.fail("method", "not WNA16", (
+            f"scheme {s.type} strategy={s.strategy} is not a weight-only integer group/channel scheme (WNA16); "
+            "not handled by the WNA16 MoE method"))
+        return plan
+    if s.format != PACK_QUANTIZED or not 2 <= s.num_bits <= 8:
+        plan.fail("method", "format/bits", _format_bits_error(rel, s))
         return plan
     gs = s.group_size
     plan.quant_type = quant_type(s)
-    plan.w2 = w2_scale_sharding(s.actorder, gs, i_p, I)
 
-    # -- divisibility (loader + create_weights) ----------------------------------------------
+    # -- method constructor: the backend oracle ------------------------------------------------
+    if s.num_bits not in SUPPORTED_BITS and not rel.has("oracle.humming_group32_keys"):
+        plan.fail("oracle", "bits", "CompressedTensorsWNA16MoEMethod only supports int4 and int8 now.")
+        return plan
+    if rel.has("ctor.int8_channel_only") and s.num_bits == 8 and (gs != -1 or s.group_size_null):
+        plan.fail("oracle", "int8 grouped", "AssertionError (assert group_size == -1: grouped int8 experts are refused; vllm PR #52002)")
+        return plan
+    allow_tile_padding = not (rel.has("ctor.actorder_strict_tiles") and s.act_order)
+    order = backend_priority(rel, gpu)
+    own: dict[Backend, str | None] = {}
+    for b in order:
+        if (b in (Backend.MARLIN, Backend.BATCHED_MARLIN) and s.group_size_null
+                and rel.has("ctor.group_size_none_crash")):
+            plan.fail("oracle", "group_size null", (
+                "TypeError: '<=' not supported between instances of 'NoneType' and 'int' (the Marlin gate receives "
+                "group_size None for a channel-wise scheme written with group_size null; vllm #52713, fixed by "
+                "PR #53163)" if allow_tile_padding else
+                "TypeError: '>' not supported between instances of 'NoneType' and 'int' (the Marlin gate receives "
+                "group_size None for a channel-wise scheme written with group_size null; vllm #52713, fixed by "
+                "PR #53163)"))
+            return plan
+        own[b] = _backend_reason(b, rel, gpu, s, H, i_p, allow_tile_padding)
+        if own[b] is None and plan.backend is None:
+            plan.backend = b
+        elif own[b] is not None:
+            plan.rejected[b.value] = own[b]  # type: ignore[assignment]
+        else:
+            plan.rejected[b.value] = f"lower priority than {plan.backend.value}"  # type: ignore[union-attr]
+    # the layouts wna16ctl writes are those of the Marlin and Triton backends
+    for b in (Backend.MARLIN, Backend.TRITON):
+        if b not in own:
+            own[b] = _backend_reason(b, rel, gpu, s, H, i_p, allow_tile_padding)
+    chosen = plan.backend
+    if chosen is None:
+        plan.fail("oracle", "no backend", "No WNA16 MoE backend supports the deployment configuration.")
+        return plan
+    if chosen not in (Backend.MARLIN, Backend.BATCHED_MARLIN):
+        if rel.has("ctor.nonmarlin_group_strategy_only") and s.strategy != "group":
+            plan.fail("oracle", "channel assert", (
+                f"AssertionError (assert strategy == 'group': the {chosen.value} backend does not take channel-wise "
+                "experts; only Marlin does)"))
+        elif rel.has("ctor.nonmarlin_rejects_group_actorder") and s.actorder == "group":
+            plan.fail("oracle", "actorder assert", f"AssertionError (assert actorder != 'group': the {chosen.value} backend has no act-order)")
+        elif rel.has("ctor.nonmarlin_symmetric_only") and not s.symmetric:
+            plan.fail("oracle", "asym assert", "Only symmetric quantization is supported for MoE")
+        if plan.errors:
+            return plan
+
+    # -- create_weights ------------------------------------------------------------------------
     checks = plan.checks
-    checks.append(Check("intermediate_size % moe_tp == 0", I % moe_tp == 0, f"{I} % {moe_tp}"))
-    if I % moe_tp:
-        plan.errors.append(f"intermediate_size ({I}) is not divisible by the MoE tensor-parallel size ({moe_tp})")
-    pf = s.pack_factor
-    ok = i_p % pf == 0
-    checks.append(Check("intermediate_size_per_partition % pack_factor == 0", ok, f"{i_p} % {pf}"))
-    if not ok:
-        plan.errors.append(
-            f"intermediate size per partition ({i_p}) is not a multiple of the pack factor ({pf}): each rank's "
-            "slice of the packed down_proj would start inside an int32 word"
-        )
-    if gs > 0:
+    if rel.has("weights.w2_scale_sharding"):
+        plan.w2 = vllm_w2_scale_sharding(s.actorder, gs, i_p, I)
+    if s.strategy != "channel":
         ok = H % gs == 0
         checks.append(Check("hidden_size % group_size == 0", ok, f"{H} % {gs}"))
         if not ok:
-            plan.errors.append(
-                f"CompressedTensors WNA16 Marlin MoE requires hidden_size ({H}) to be divisible by group_size ({gs})."
-            )
+            plan.fail("create_weights", "H % group", (
+                f"CompressedTensors WNA16 MoE requires hidden_size ({H}) to be divisible by group_size ({gs})."))
         ok = plan.w2.load_full_w2 or i_p % gs == 0
         checks.append(Check("load_full_w2 or intermediate_size_per_partition % group_size == 0", ok, f"{i_p} % {gs}"))
-        if not ok:
-            plan.errors.append(
-                "CompressedTensors WNA16 Marlin MoE with static group scales requires the MoE intermediate size "
-                f"per tensor-parallel partition ({i_p}) to be divisible by group_size ({gs}). Scale groups would "
-                "otherwise cross TP shard boundaries; use a compatible TP size or enable expert parallelism."
-            )
+        if not ok and not plan.errors:
+            plan.fail("create_weights", "I_p % group", (
+                "CompressedTensors WNA16 MoE with static group scales requires the MoE intermediate size per "
+                f"tensor-parallel partition ({i_p}) to be divisible by group_size ({gs}). Scale groups would "
+                "otherwise cross TP shard boundaries; use a compatible TP size or enable expert parallelism."))
+    if rel.has("weights.asym_pack_checks") and not s.symmetric:
+        pf = _pack_factor_text(s.num_bits)
+        ok = (2 * i_p * s.num_bits) % 32 == 0
+        checks.append(Check("2 * intermediate_size_per_partition % pack_factor == 0 (zero points)", ok, f"{2 * i_p} % {pf}"))
+        if not ok and not plan.errors:
+            plan.fail("create_weights", "2·I_p % pf", (
+                f"CompressedTensors WNA16 MoE: gate+up output channels per TP rank (2 * intermediate_size_per_partition "
+                f"= {2 * i_p}) must be divisible by packed_factor ({pf}). Use a TP size where 2 * intermediate_size is "
+                f"divisible by {pf}."))
+        ok = (H * s.num_bits) % 32 == 0
+        checks.append(Check("hidden_size % pack_factor == 0 (zero points)", ok, f"{H} % {pf}"))
+        if not ok and not plan.errors:
+            plan.fail("create_weights", "H % pf", (
+                f"CompressedTensors WNA16 MoE: hidden_size ({H}) must be divisible by packed_factor ({pf}) for correct "
+                "ZP unpacking."))
+    if plan.errors:
+        if plan.failure_rule == "I_p % group" and not ep and tp > 1 and plan_layer(layer, tp, True, engine, gpu).loadable:
+            plan.hazards.append(f"with expert parallelism (wna16ctl --ep, vLLM --enable-expert-parallel) this layer "
+                                f"loads at {tp} ranks: each expert stays whole on one rank")
+        return plan
 
+    # -- weight loading (wna16ctl's own checks: the engine floors and slices silently) ----------
+    if mixed_experts:
+        plan.fail("load", "mixed experts", (
+            f"per-expert mixed precision: expert 0 uses {s.describe()} but {mixed_experts}; vLLM builds one fused "
+            "parameter per layer from expert 0's scheme, so the other experts cannot load"))
+    ok = I % moe_tp == 0
+    checks.append(Check("intermediate_size % moe_tp == 0", ok, f"{I} % {moe_tp}"))
+    if not ok:
+        plan.fail("load", "I % TP", f"intermediate_size ({I}) is not divisible by the MoE tensor-parallel size ({moe_tp})")
+    ok = (i_p * s.num_bits) % 32 == 0
+    checks.append(Check("intermediate_size_per_partition % pack_factor == 0", ok, f"{i_p} % {_pack_factor_text(s.num_bits)}"))
+    if not ok:
+        plan.fail("load", "I_p % pf", (
+            f"intermediate size per partition ({i_p}) is not a multiple of the pack factor "
+            f"({_pack_factor_text(s.num_bits)}): each rank's slice of the packed down_proj would start inside an int32 word"))
     if s.act_order and not s.symmetric and moe_tp > 1:
         # g_idx of a rank's K slice names groups of the whole row, but zero points (unlike w2
         # scales) are never loaded in full: the rank would dequantize with other groups' zeros.
-        plan.errors.append(
+        plan.fail("load", "actorder+zp TP", (
             "act-order (actorder=group) with asymmetric zero points under tensor parallelism: vLLM loads only "
             "each rank's slice of the w2 zero points while g_idx references every group, so outputs would be "
-            "wrong; use expert parallelism (--ep) or TP 1"
-        )
+            "wrong; use expert parallelism (--ep) or TP 1"))
 
-    # -- backend oracle ------------------------------------------------------------------------
+    # -- the layout repack writes, and Marlin processing -----------------------------------------
+    if chosen in (Backend.MARLIN, Backend.TRITON):
+        plan.layout = LAYOUT_OF_BACKEND[chosen]
+    elif own[Backend.MARLIN] is None and s.num_bits in SUPPORTED_BITS:
+        plan.layout = "marlin"
+    elif own[Backend.TRITON] is None and s.num_bits in SUPPORTED_BITS:
+        plan.layout = "transposed"
+    if plan.layout is not None and chosen not in (Backend.MARLIN, Backend.TRITON):
+        plan.hazards.append(
+            f"vLLM {engine} on {gpu} runs this layer on the {chosen.value} backend, which converts the checkpoint's "
+            f"own tensors at load; the {plan.layout} layout that repack writes is what its "
+            f"{BACKEND_OF_LAYOUT[plan.layout].value} backend (--moe-backend {BACKEND_OF_LAYOUT[plan.layout].value}) "
+            "and wna16ctl's MoE GEMM consume"
+        )
     checks.append(Check("hidden_size % 128 == 0 (Marlin)", H % 128 == 0, f"{H} % 128"))
     checks.append(Check("group_size in {-1, 32, 64, 128} (Marlin)", gs in MARLIN_GROUP_SIZES, str(gs)))
-    if s.act_order:
+    if not allow_tile_padding:
         step = max(64, gs)
-        checks.append(Check(f"intermediate_size_per_partition % {step} == 0 (Marlin, act-order)", i_p % step == 0, f"{i_p} % {step}"))
-    for backend in BACKEND_PRIORITY:
-        reason = _backend_reason(backend, s, H, i_p)
-        if reason is None and plan.backend is None:
-            plan.backend = backend
-        elif reason is not None:
-            plan.rejected[backend.value] = reason
-        else:
-            plan.rejected[backend.value] = f"lower priority than {plan.backend.value}"
-    if plan.backend is None:
-        plan.errors.append("No WNA16 MoE backend supports the deployment configuration.")
-
-    if plan.backend is Backend.MARLIN:
+        checks.append(Check(f"intermediate_size_per_partition % {step} == 0 (Marlin, act-order)", i_p % step == 0,
+                            f"{i_p} % {step}"))
+    if plan.layout == "marlin":
         P = marlin_moe_padded_intermediate(i_p, gs)
         plan.padded_intermediate = P
-        checks.append(Check("Marlin repack: hidden_size % 16 == 0 and padded intermediate % 64 == 0", H % 16 == 0 and P % 64 == 0, f"{H}, {P}"))
+        checks.append(Check("Marlin repack: hidden_size % 16 == 0 and padded intermediate % 64 == 0",
+                            H % 16 == 0 and P % 64 == 0, f"{H}, {P}"))
         if P != i_p:
             plan.hazards.append(
                 f"needs Marlin tile padding of the intermediate size per partition from {i_p} to {P} "
-                "(marlin_moe_padded_intermediate); vLLM releases without MoE tile padding reject this layer"
+                "(marlin_moe_padded_intermediate): activations are padded and sliced on every forward, and vLLM warns "
+                "that performance may be degraded"
             )
-        if gs > 0 and H // gs > 1 and not gs < i_p:
+        if (chosen is Backend.MARLIN and rel.has("process.w13_scales_size_k_quirk") and gs > 0 and H // gs > 1
+                and not gs < i_p):
             plan.hazards.append(
                 f"vLLM permutes w13 scales with size_k = intermediate size per partition ({i_p}) instead of "
                 f"hidden_size ({H}); with {i_p} <= group_size {gs} the grouped scales get the channel-wise "
                 "permutation and outputs are wrong (vllm PR #50196, open). wna16ctl repack writes the corrected "
                 "layout; an engine that repacks itself needs that fix"
             )
-
-    # -- hazards by engine version --------------------------------------------------------------
-    if s.num_bits == 8 and gs != -1:
+    if s.actorder == "dynamic" and rel.has("weights.w2_scale_sharding") and moe_tp > 1 and gs > 0:
         plan.hazards.append(
-            f"grouped int8 experts (group_size {gs}): vLLM v0.27.0-v0.27.1 reject them with a bare AssertionError "
-            "(assert group_size == -1); fixed by vllm PR #52002 - use v0.25.1-v0.26.x or a release with that fix"
-        )
-    if s.actorder in ("weight", "static") and gs > 0 and i_p != I:
-        full = I // gs
-        implied = i_p // full if full else 0
-        plan.hazards.append(
-            f"actorder={s.actorder!r}: vLLM before PR #41161 treats it as act-order and loads all {full} w2 scale "
-            f"groups on every rank; the kernel then infers group_size {implied} over K={i_p} and fails with "
-            "'Invalid thread config' (vllm #41161); releases with `_w2_scale_sharding` shard it correctly"
-        )
-    if s.group_size_null:
-        plan.hazards.append(
-            "channel-wise scheme written with group_size null: vLLM v0.27.x (after the E3 merge, before PR #53163) "
-            "crashes in WNA16 backend selection comparing None with an int (vllm #52713); fixed by PR #53163"
-        )
-    if s.actorder == "dynamic":
-        plan.hazards.append(
-            "actorder 'dynamic' is the alias of 'group': vLLM's w2 scale sharding compares the string with 'group', "
-            "so a version that does not normalise the alias shards act-order w2 scales by rank (wrong); "
-            "planned here as 'group'"
+            "actorder 'dynamic' is the alias of 'group', but vLLM's w2 scale sharding compares the string with "
+            "'group': it shards the act-order w2 scales by rank and sets is_k_full, so the layer loads and computes "
+            "wrong outputs. Rewrite the config's actorder as 'group' (the tensors are the same)"
         )
     if layer.zero_point_form == "unpacked":
         plan.hazards.append(
             "zero points stored unpacked (compressed-tensors <= 0.9.3): vLLM's loader expects packed int32 "
             "[N/pack_factor, G] zero points and fails on these; wna16ctl repack converts them"
         )
-
-    plan.rank_bytes = _rank_bytes(plan.backend, s, H, i_p, plan.padded_intermediate, plan.w2,
-                                  experts_per_rank, _scale_bytes(layer.scale_dtype))
+    if plan.layout is not None:
+        plan.layout_w2 = layout_w2_sharding(s, i_p, I, rel)
+        plan.rank_bytes = _rank_bytes(BACKEND_OF_LAYOUT[plan.layout], s, H, i_p, plan.padded_intermediate,
+                                      plan.layout_w2, experts_per_rank, _scale_bytes(layer.scale_dtype))
     return plan
+
+
+def vllm_w2_scale_sharding(actorder: str | None, group_size: int, i_p: int, i: int) -> W2ScaleSharding:
+    """`_w2_scale_sharding` exactly as the releases that have it compute it: the actorder string is
+    compared with 'group' as written, so the alias 'dynamic' shards like no act-order."""
+    load_full = actorder == "group" and group_size != -1
+    return W2ScaleSharding(load_full, i if load_full else i_p, actorder != "group" or i_p == i)
+
+
+def layout_w2_sharding(s: WeightScheme, i_p: int, i: int, rel: rules.Release) -> W2ScaleSharding:
+    """The w2 scale sharding repack writes: act-order (either spelling) keeps every group on every rank."""
+    if not rel.has("weights.w2_scale_sharding"):
+        return W2ScaleSharding(False, i_p, True)
+    return w2_scale_sharding(s.actorder if s.act_order else None, s.group_size, i_p, i)
+
+
+def _pack_factor_text(num_bits: int) -> str:
+    from fractions import Fraction
+
+    return str(Fraction(32, num_bits))
 
 
 def _scale_bytes(dtype: str | None) -> int:
@@ -368,3 +590,26 @@ def _ranges(ids: list[int]) -> str:
         if x is not None:
             start = prev = x
     return ",".join(out)
+
+
+def _outcome(p: LayerPlan) -> str:
+    if p.loadable:
+        return f"loads on {p.backend.value}"  # type: ignore[union-attr]
+    where = {"config": "refused at config parse", "method": "refused by the MoE method",
+             "oracle": "refused at backend selection", "create_weights": "refused in create_weights",
+             "load": "fails at weight loading"}[p.failure_stage or "load"]
+    return f"{where}: {p.errors[0]}"
+
+
+def release_differences(layer: MoELayer, tp: int, ep: bool, engine: str, gpu: str) -> list[str]:
+    """What the other known releases do differently with this layer, computed from the rulebook:
+    one line per group of releases whose outcome differs from `engine`'s."""
+    mine = _outcome(plan_layer(layer, tp, ep, engine, gpu))
+    groups: dict[str, list[str]] = {}
+    for v in rules.RELEASES:
+        if v == engine:
+            continue
+        out = _outcome(plan_layer(layer, tp, ep, v, gpu))
+        if out != mine:
+            groups.setdefault(out, []).append(v)
+    return [f"vLLM {rules.span(vs)}: {out}" for out, vs in groups.items()]

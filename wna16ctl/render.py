@@ -26,6 +26,7 @@ def render_inspection(console: Console, insp: Inspection) -> None:
     total_packed = sum(lay.packed_bytes for lay in layers)
     schemes = sorted({lay.scheme.describe() for lay in layers if lay.scheme is not None})
     console.print(f"[bold]{escape(str(ck.root))}[/]")
+    console.print(f"  rules of vLLM {insp.engine.version} ({_engine_source(insp.engine)}) on a CUDA {insp.gpu} GPU")
     console.print(
         f"  {escape(arch)} · hidden {cfg.hidden_size} · {len(layers)} MoE layers"
         + (f" · {layers[0].num_experts} experts × intermediate {layers[0].intermediate_size}" if layers else "")
@@ -155,3 +156,53 @@ def render_verify(console: Console, report) -> None:  # noqa: ANN001 - VerifyRep
                           "[green]pass[/]" if n.passed else f"[bold red]FAIL[/] ({_numerics_failure(n)})")
         console.print(table)
     console.print("verdict: " + ("[bold green]verified[/]" if report.passed else "[bold red]NOT verified[/]"))
+
+
+def _engine_source(engine) -> str:  # noqa: ANN001 - rules.Engine
+    if engine.source == "installed":
+        return f"installed {engine.requested}" if engine.requested != engine.version else "installed"
+    if engine.source == "default":
+        return "no vllm installed: newest known"
+    return "--vllm " + engine.requested
+
+
+def _cell(p) -> str:  # noqa: ANN001 - LayerPlan
+    if p.loadable:
+        return f"[green]{p.backend.value}[/]"
+    return f"[red]✗ {escape(p.failure_rule or 'fails')}[/]"
+
+
+def render_release_matrix(console: Console, insp: Inspection) -> None:
+    """`--vllm all`: per group of identical layers, one row per release and one column per TP size;
+    each cell is the backend that loads the layer or the first rule that refuses it."""
+    from wna16ctl.rules import RELEASES
+
+    ck = insp.checkpoint
+    cfg = ck.config
+    arch = cfg.architectures[0] if cfg.architectures else cfg.model_type or "?"
+    console.print(f"[bold]{escape(str(ck.root))}[/]")
+    console.print(f"  {escape(arch)} · {len(ck.layers)} MoE layer{'s' if len(ck.layers) != 1 else ''} · "
+                  f"CUDA {insp.gpu}{' · expert parallel' if insp.ep else ''}")
+    groups: dict[str, list] = {}
+    for lay in ck.layers:
+        key = repr([[p.to_json() for p in insp.versions[v][lay.prefix]] for v in RELEASES])
+        groups.setdefault(key, []).append(lay)
+    legend: dict[str, str] = {}
+    for members in groups.values():
+        lay = members[0]
+        span = _layer_span([m.layer_index for m in members], [m.prefix for m in members])
+        scheme = lay.scheme.describe() if lay.scheme else "unquantized"
+        table = simple_table(f"{span} · {scheme}", ["vLLM"] + [f"TP {t}{' EP' if insp.ep else ''}" for t in insp.tps])
+        for v in RELEASES:
+            plans = insp.versions[v][lay.prefix]
+            table.add_row(v, *[_cell(p) for p in plans])
+            for p in plans:
+                if not p.loadable and p.failure_rule and p.failure_rule not in legend:
+                    legend[p.failure_rule] = p.errors[0]
+        console.print(table)
+    for rule, text in legend.items():
+        console.print(f"  [red]✗ {escape(rule)}[/]: {escape(text)}")
+    ok = [v for v in RELEASES if insp.loadable_in(v)]
+    from wna16ctl.rules import span as release_span
+
+    console.print(f"loads at every requested TP size on: {release_span(ok)}")

@@ -24,6 +24,7 @@ from wna16ctl.checkpoint.moe import ROLE_ORDER
 from wna16ctl.checkpoint.tensors import TensorReader, dtype_from_name
 from wna16ctl.errors import NotLoadable, UsageError
 from wna16ctl.layout.rank import RankLayout, build_rank_tensors, expected_rank_shapes
+from wna16ctl import rules
 from wna16ctl.plan import Backend, LayerPlan, plan_layer
 from wna16ctl.writer import PlannedFile, PlannedTensor, StagedOutput, split_into_files, st_dtype
 
@@ -46,6 +47,8 @@ class RepackSettings:
     ep: bool = False
     layout: str = "auto"
     max_shard_bytes: int = 4 << 30
+    vllm: str = rules.NEWEST  # the release planned for (a member of rules.RELEASES)
+    gpu: str = rules.DEFAULT_GPU
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -60,6 +63,10 @@ class LayerJob:
     expert_ranges: list[range]  # experts held by each rank
     tensor_names: list[str]  # output parameter names (without the module prefix), in file order
 
+    @property
+    def _w2(self):  # noqa: ANN202 - W2ScaleSharding of the written layout
+        return self.plan.layout_w2 or self.plan.w2
+
     def to_json(self) -> dict[str, Any]:
         spec = self.specs[0]
         return {
@@ -70,8 +77,8 @@ class LayerJob:
             "intermediate_size": self.layer.intermediate_size,
             "scheme": self.layer.scheme.to_json() if self.layer.scheme else None,
             "quant_type": self.plan.quant_type,
-            "is_k_full": self.plan.w2.is_k_full,
-            "load_full_w2": self.plan.w2.load_full_w2,
+            "is_k_full": self._w2.is_k_full,
+            "load_full_w2": self._w2.load_full_w2,
             "intermediate_size_per_partition": self.plan.intermediate_size_per_partition,
             "padded_intermediate": spec.padded_intermediate,
             "expert_ranges": [[r.start, r.stop] for r in self.expert_ranges],
@@ -137,14 +144,20 @@ def source_fingerprint(ck: Checkpoint) -> str:
 
 
 def _choose_layout(layer: MoELayer, plan: LayerPlan, requested: str) -> str:
+    where = f"{layer.prefix} at TP {plan.tp}{' EP' if plan.ep else ''}"
     if plan.errors or plan.backend is None:
-        why = list(plan.errors or ["no backend"])
+        why = list(plan.errors[:1] or ["no backend"])
         if plan.backend is None and plan.rejected:
             # "No WNA16 MoE backend supports ..." alone does not say why: name each backend's reason.
             why.append(", ".join(f"{b}: {r}" for b, r in plan.rejected.items()))
-        raise NotLoadable(f"{layer.prefix} at TP {plan.tp}{' EP' if plan.ep else ''}: " + "; ".join(why))
+        loads = [v for v in rules.RELEASES if plan_layer(layer, plan.tp, plan.ep, v, plan.gpu).loadable]
+        why.append(f"loads on vLLM {rules.span(loads)}" if loads else "no known vLLM release loads it")
+        raise NotLoadable(f"vLLM {plan.vllm} refuses {where}: " + "; ".join(why))
+    if plan.layout is None:
+        raise NotLoadable(f"{where}: vLLM {plan.vllm} runs it on {plan.backend.value}, and neither the Marlin nor "
+                          "the Triton layout applies to it, so there is nothing wna16ctl can write")
     if requested == "auto":
-        return plan.layout  # type: ignore[return-value]
+        return plan.layout
     backend = Backend.MARLIN if requested == "marlin" else Backend.TRITON
     reason = plan.rejected.get(backend.value)
     if reason and not reason.startswith("lower priority"):
@@ -183,6 +196,10 @@ def plan_repack(ckpt_path: str | os.PathLike[str], settings: RepackSettings) -> 
         raise UsageError(f"--layout {settings.layout!r} is not one of {', '.join(LAYOUTS)}")
     if settings.tp < 1:
         raise UsageError("--tp must be >= 1")
+    if settings.vllm not in rules.RELEASES:
+        raise UsageError(f"vLLM {settings.vllm} is not a release the rulebook knows ({', '.join(rules.RELEASES)})")
+    if settings.gpu not in rules.GPUS:
+        raise UsageError(f"--gpu {settings.gpu!r} is not one of {', '.join(rules.GPUS)}")
     ck = open_checkpoint(ckpt_path)
     layers = ck.quantized_layers
     if not layers:
@@ -191,7 +208,7 @@ def plan_repack(ckpt_path: str | os.PathLike[str], settings: RepackSettings) -> 
     n_ranks = settings.tp
     jobs: list[LayerJob] = []
     for layer in layers:
-        plan = plan_layer(layer, settings.tp, settings.ep)
+        plan = plan_layer(layer, settings.tp, settings.ep, settings.vllm, settings.gpu)
         layout = _choose_layout(layer, plan, settings.layout)
         pad = plan.padded_intermediate if layout == "marlin" else plan.intermediate_size_per_partition
         assert layer.scheme is not None
@@ -206,7 +223,8 @@ def plan_repack(ckpt_path: str | os.PathLike[str], settings: RepackSettings) -> 
                 layout=layout, num_bits=layer.scheme.num_bits, group_size=layer.scheme.group_size,
                 symmetric=layer.scheme.symmetric, act_order=layer.scheme.act_order,
                 hidden_size=layer.hidden_size, intermediate_size=layer.intermediate_size,
-                tp=plan.moe_tp, rank=0 if settings.ep else r, load_full_w2=plan.w2.load_full_w2,
+                tp=plan.moe_tp, rank=0 if settings.ep else r,
+                load_full_w2=(plan.layout_w2 or plan.w2).load_full_w2,
                 padded_intermediate=pad or plan.intermediate_size_per_partition,
             )
             for r in range(n_ranks)
@@ -470,6 +488,7 @@ def build_manifest(plan: RepackPlan, hashes: dict[str, str], root: Path) -> dict
             "fingerprint": plan.fingerprint,
             "architecture": (plan.checkpoint.config.architectures or ("",))[0],
         },
+        "engine": {"name": "vllm", "version": plan.settings.vllm, "gpu": plan.settings.gpu},
         "tp": plan.settings.tp,
         "ep": plan.settings.ep,
         "layout": plan.settings.layout,

@@ -18,6 +18,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
+from tests.conftest import ACT_ORDER_RELEASE
 from wna16ctl.cli import cli
 from wna16ctl.layout.packing import unpack_codes
 from wna16ctl.repack import RepackSettings, plan_repack, run_repack
@@ -43,7 +44,7 @@ def _rank_digests(out: Path) -> dict[str, str]:
 
 
 def _repack(ck: Path, out: Path) -> dict[str, str]:
-    run_repack(plan_repack(ck, RepackSettings(tp=2)), out)
+    run_repack(plan_repack(ck, RepackSettings(vllm=ACT_ORDER_RELEASE, tp=2)), out)
     return _rank_digests(out)
 
 
@@ -58,7 +59,7 @@ def test_unpacked_zero_points_read_as_packed(make_ckpt, tmp_path):
         return tensors
 
     legacy = _rewrite(src, tmp_path / "legacy", unpack_zp)
-    res = CliRunner().invoke(cli, ["inspect", str(legacy), "--tp", "2", "--json"])
+    res = CliRunner().invoke(cli, ["inspect", str(legacy), "--tp", "2", "--json", "--vllm", ACT_ORDER_RELEASE])
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     assert doc["layers"][0]["zero_point_form"] == "unpacked"
@@ -79,7 +80,7 @@ def test_missing_zero_points_are_zero(make_ckpt, tmp_path):
 
     dropped = _rewrite(src, tmp_path / "dropped", zero_then_drop)
     explicit = _rewrite(src, tmp_path / "explicit", zero_zp)
-    res = CliRunner().invoke(cli, ["inspect", str(dropped), "--tp", "1", "--json"])
+    res = CliRunner().invoke(cli, ["inspect", str(dropped), "--tp", "1", "--json", "--vllm", ACT_ORDER_RELEASE])
     assert res.exit_code == 0, res.output
     assert any("without weight_zero_point" in w for w in json.loads(res.stdout)["warnings"])
     assert _repack(dropped, tmp_path / "o1") == _repack(explicit, tmp_path / "o2")
@@ -98,7 +99,7 @@ def test_missing_g_idx_means_column_order(make_ckpt, tmp_path):
 
     explicit = _rewrite(src, tmp_path / "explicit", trivial)
     dropped = _rewrite(src, tmp_path / "dropped", drop)
-    res = CliRunner().invoke(cli, ["inspect", str(dropped), "--tp", "1", "--json"])
+    res = CliRunner().invoke(cli, ["inspect", str(dropped), "--tp", "1", "--json", "--vllm", ACT_ORDER_RELEASE])
     assert res.exit_code == 0, res.output
     assert any("without weight_g_idx" in w for w in json.loads(res.stdout)["warnings"])
     assert _repack(dropped, tmp_path / "o1") == _repack(explicit, tmp_path / "o2")

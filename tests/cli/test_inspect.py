@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from tests.conftest import ACT_ORDER_RELEASE
 from tests.rawckpt import write_raw_checkpoint
 from tests.test_plan import PAD_TABLE, W2_TABLE
 from wna16ctl.cli import cli
@@ -21,7 +22,8 @@ SMALL = dict(num_layers=1, num_experts=2, top_k=1, vocab_size=64)
 
 
 def inspect_json(path: Path, *args: str) -> tuple[int, dict]:
-    res = CliRunner().invoke(cli, ["inspect", str(path), "--json", *args])
+    release = [] if "--vllm" in args else ["--vllm", ACT_ORDER_RELEASE]  # the rules these tables were written for
+    res = CliRunner().invoke(cli, ["inspect", str(path), "--json", *release, *args])
     assert res.exit_code in (0, 1), res.output
     return res.exit_code, json.loads(res.stdout)
 
@@ -134,16 +136,23 @@ def test_expert_parallel_keeps_full_intermediate(make_ckpt):
 
 
 def test_hazards(make_ckpt, tmp_path):
-    # grouped int8 (PR #52002) and static actorder before PR #41161
-    _, doc = inspect_json(make_ckpt(num_bits=8, group_size=64, actorder="static", **SMALL), "--tp", "2")
-    hz = " ".join(plan_at(doc, 2)["hazards"])
-    assert "52002" in hz and "41161" in hz
-    # w13 scale permutation quirk when I_p == group_size (PR #50196)
+    # grouped int8 (PR #52002): refused by 0.27.0-0.28.0, which the hazards of a later release name
+    ck = make_ckpt(num_bits=8, group_size=64, actorder="static", **SMALL)
+    _, doc = inspect_json(ck, "--tp", "2")
+    assert plan_at(doc, 2)["loadable"]
+    assert any("0.27.0–0.28.0" in h and "52002" in h for h in plan_at(doc, 2)["hazards"])
+    code, doc = inspect_json(ck, "--tp", "2", "--vllm", "0.27.1")
+    assert code == 1 and plan_at(doc, 2)["failure_rule"] == "int8 grouped"
+    # w13 scale permutation quirk when I_p == group_size (PR #50196), where vLLM runs Marlin
     _, doc = inspect_json(make_ckpt(hidden_size=256, intermediate_size=256, group_size=128, **SMALL), "--tp", "2")
     assert any("50196" in h for h in plan_at(doc, 2)["hazards"])
-    # channel-wise with group_size null (PR #53163)
-    _, doc = inspect_json(make_ckpt(group_size=-1, channel_group_size_null=True, **SMALL), "--tp", "1")
-    assert any("53163" in h for h in plan_at(doc, 1)["hazards"])
+    # channel-wise with group_size null (PR #53163): a TypeError until 0.30.0
+    code, doc = inspect_json(make_ckpt(group_size=-1, channel_group_size_null=True, **SMALL), "--tp", "1")
+    p = plan_at(doc, 1)
+    assert code == 1 and p["failure_stage"] == "oracle" and "53163" in p["errors"][0]
+    code, doc = inspect_json(make_ckpt(group_size=-1, channel_group_size_null=True, **SMALL), "--tp", "1",
+                             "--vllm", "0.30.0")
+    assert code == 0 and plan_at(doc, 1)["backend"] == "marlin"
 
 
 def test_mixed_precision(make_ckpt):
@@ -160,7 +169,9 @@ def test_asymmetric_int8_has_no_backend(make_ckpt):
     code, doc = inspect_json(make_ckpt(num_bits=8, group_size=-1, symmetric=False, **SMALL), "--tp", "1")
     p = plan_at(doc, 1)
     assert code == 1 and p["backend"] is None
-    assert "asymmetric int8" in p["rejected"]["marlin"] and "int8" in p["rejected"]["triton"]
+    assert p["failure_rule"] == "no backend"
+    for backend in ("marlin", "triton", "humming"):
+        assert "uint8 generic group with zero points" in p["rejected"][backend]
 
 
 def test_human_table(make_ckpt):

