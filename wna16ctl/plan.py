@@ -43,6 +43,9 @@ class Backend(str, Enum):
 # The layouts wna16ctl writes, and the backend that consumes each.
 LAYOUT_OF_BACKEND = {Backend.MARLIN: "marlin", Backend.TRITON: "transposed"}
 BACKEND_OF_LAYOUT = {v: k for k, v in LAYOUT_OF_BACKEND.items()}
+# Where the engine raises: parsing quantization_config, the MoE method (dispatch and its
+# constructor's own asserts), the backend oracle inside the constructor, create_weights, or (our
+# own checks) when the weights are loaded.
 STAGES = ("config", "method", "oracle", "create_weights", "load")
 
 
@@ -391,10 +394,10 @@ def plan_layer(layer: MoELayer, tp: int, ep: bool = False, engine: str = rules.N
 
     # -- method constructor: the backend oracle ------------------------------------------------
     if s.num_bits not in SUPPORTED_BITS and not rel.has("oracle.humming_group32_keys"):
-        plan.fail("oracle", "bits", "CompressedTensorsWNA16MoEMethod only supports int4 and int8 now.")
+        plan.fail("method", "bits", "CompressedTensorsWNA16MoEMethod only supports int4 and int8 now.")
         return plan
     if rel.has("ctor.int8_channel_only") and s.num_bits == 8 and (gs != -1 or s.group_size_null):
-        plan.fail("oracle", "int8 grouped", "AssertionError (assert group_size == -1: grouped int8 experts are refused; vllm PR #52002)")
+        plan.fail("method", "int8 grouped", "AssertionError (assert group_size == -1: grouped int8 experts are refused; vllm PR #52002)")
         return plan
     allow_tile_padding = not (rel.has("ctor.actorder_strict_tiles") and s.act_order)
     order = backend_priority(rel, gpu)
@@ -427,13 +430,13 @@ def plan_layer(layer: MoELayer, tp: int, ep: bool = False, engine: str = rules.N
         return plan
     if chosen not in (Backend.MARLIN, Backend.BATCHED_MARLIN):
         if rel.has("ctor.nonmarlin_group_strategy_only") and s.strategy != "group":
-            plan.fail("oracle", "channel assert", (
+            plan.fail("method", "channel assert", (
                 f"AssertionError (assert strategy == 'group': the {chosen.value} backend does not take channel-wise "
                 "experts; only Marlin does)"))
         elif rel.has("ctor.nonmarlin_rejects_group_actorder") and s.actorder == "group":
-            plan.fail("oracle", "actorder assert", f"AssertionError (assert actorder != 'group': the {chosen.value} backend has no act-order)")
+            plan.fail("method", "actorder assert", f"AssertionError (assert actorder != 'group': the {chosen.value} backend has no act-order)")
         elif rel.has("ctor.nonmarlin_symmetric_only") and not s.symmetric:
-            plan.fail("oracle", "asym assert", "Only symmetric quantization is supported for MoE")
+            plan.fail("method", "asym assert", "Only symmetric quantization is supported for MoE")
         if plan.errors:
             return plan
 
