@@ -73,6 +73,11 @@ CHANGES: tuple[Change, ...] = (
            "the expert-0 scheme lookup uses the layer's checkpoint projection names (w1/w3/w2 for Mixtral) "
            "instead of always gate_proj/up_proj/down_proj",
            f"{_CT}/compressed_tensors_moe/compressed_tensors_moe.py: get_moe_method"),
+    Change("method.asymmetric_marlin_moe", "0.23.0", None,
+           "asymmetric (zero-point) compressed-tensors MoE layers are accepted by the Marlin MoE method; older "
+           "releases assert symmetric weights (in every release this rulebook plans)",
+           f"{_CT}/compressed_tensors_moe/compressed_tensors_moe_wna16_marlin.py (0.23.0-0.26.x), merged method after",
+           "vllm PR #44025"),
     # -- constructor ----------------------------------------------------------------------
     Change("ctor.int8_channel_only", "0.27.0", "0.29.0",
            "grouped int8 experts fail a bare `assert group_size == -1` in the method constructor",
