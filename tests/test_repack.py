@@ -285,7 +285,7 @@ MATRIX = [
     Case(4, 128, True, "group", 4, refuse="assert actorder != 'group'"),
     Case(4, 32, False, "group", 2, refuse="asymmetric zero points under tensor parallelism"),
     Case(4, 64, True, "group", 2, layout="transposed", refuse="cannot write the transposed layout"),
-    Case(4, 128, True, None, 3, refuse="per tensor-parallel partition (85) to be divisible by group_size (128)"),
+    Case(4, 128, True, None, 3, refuse="assert intermediate_size % tp_size == 0"),
 ]
 
 

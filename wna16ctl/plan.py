@@ -361,7 +361,14 @@ def plan_layer(layer: MoELayer, tp: int, ep: bool = False, engine: str = rules.N
             "Use a checkpoint with static/weight activation ordering or without activation ordering."))
         return plan
 
-    # -- method dispatch (get_moe_method) ------------------------------------------------------
+    # -- the MoE layer and its method (FusedMoEConfig, get_moe_method) ------------------------
+    ok = I % moe_tp == 0
+    plan.checks.append(Check("intermediate_size % moe_tp == 0", ok, f"{I} % {moe_tp}"))
+    if not ok:
+        plan.fail("method", "I % TP", (
+            f"AssertionError (assert intermediate_size % tp_size == 0: intermediate_size {I} is not divisible by the "
+            f"MoE tensor-parallel size {moe_tp}; FusedMoEConfig)"))
+        return plan
     mixed_experts = None
     if len(layer.scheme_sets) > 1:
         first_key = next(iter(layer.scheme_sets))
@@ -483,10 +490,6 @@ def plan_layer(layer: MoELayer, tp: int, ep: bool = False, engine: str = rules.N
         plan.fail("load", "mixed experts", (
             f"per-expert mixed precision: expert 0 uses {s.describe()} but {mixed_experts}; vLLM builds one fused "
             "parameter per layer from expert 0's scheme, so the other experts cannot load"))
-    ok = I % moe_tp == 0
-    checks.append(Check("intermediate_size % moe_tp == 0", ok, f"{I} % {moe_tp}"))
-    if not ok:
-        plan.fail("load", "I % TP", f"intermediate_size ({I}) is not divisible by the MoE tensor-parallel size ({moe_tp})")
     ok = (i_p * s.num_bits) % 32 == 0
     checks.append(Check("intermediate_size_per_partition % pack_factor == 0", ok, f"{i_p} % {_pack_factor_text(s.num_bits)}"))
     if not ok:

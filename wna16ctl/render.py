@@ -96,7 +96,7 @@ def render_inspection(console: Console, insp: Inspection) -> None:
 def render_repack_plan(console: Console, plan) -> None:  # noqa: ANN001 - RepackPlan, imported lazily
     s = plan.settings
     console.print(f"[bold]{escape(str(plan.checkpoint.root))}[/] → {s.tp} rank{'s' if s.tp > 1 else ''}"
-                  f"{' (expert parallel)' if s.ep else ''}, layout {s.layout}")
+                  f"{' (expert parallel)' if s.ep else ''}, layout {s.layout}, for vLLM {s.vllm} on {s.gpu}")
     table = simple_table("layers", ["layer", "layout", "quant type", "I/rank", "padded", "w2 scales", "is_k_full"])
     for j in plan.jobs:
         p = j.plan
