@@ -355,6 +355,12 @@ def plan_layer(layer: MoELayer, tp: int, ep: bool = False, engine: str = rules.N
         return plan
 
     # -- config parse (CompressedTensorsConfig): refuses the whole checkpoint -----------------
+    if s.strategy == "channel" and s.actorder in ("group", "dynamic"):
+        # compressed-tensors 0.17.0 (pinned by every known release) validates this while vLLM parses the config
+        plan.fail("config", "actorder on channel", (
+            "ValidationError (compressed-tensors QuantizationArgs): Must use group or tensor_group quantization "
+            "strategy in order to apply group activation ordering"))
+        return plan
     if rel.has("config.refuse_group_actorder") and s.actorder in ("group", "dynamic"):
         plan.fail("config", "actorder refused", (
             f"Compressed-tensors group/dynamic activation ordering (actorder={s.actorder!r}) is no longer supported. "
@@ -411,7 +417,9 @@ def plan_layer(layer: MoELayer, tp: int, ep: bool = False, engine: str = rules.N
     own: dict[Backend, str | None] = {}
     for b in order:
         if (b in (Backend.MARLIN, Backend.BATCHED_MARLIN) and s.group_size_null
-                and rel.has("ctor.group_size_none_crash")):
+                and rel.has("ctor.group_size_none_crash") and H % 128 == 0):
+            # the gate's `H % 128 == 0 and ...` short-circuits for other H: then None is only
+            # "not a Marlin group size" and the layer goes on to the next backend
             plan.fail("oracle", "group_size null", (
                 "TypeError: '<=' not supported between instances of 'NoneType' and 'int' (the Marlin gate receives "
                 "group_size None for a channel-wise scheme written with group_size null; vllm #52713, fixed by "
@@ -543,7 +551,13 @@ def plan_layer(layer: MoELayer, tp: int, ep: bool = False, engine: str = rules.N
                 "permutation and outputs are wrong (vllm PR #50196, open). wna16ctl repack writes the corrected "
                 "layout; an engine that repacks itself needs that fix"
             )
-    if s.actorder == "dynamic" and rel.has("weights.w2_scale_sharding") and moe_tp > 1 and gs > 0:
+    if s.actorder == "dynamic" and chosen not in (Backend.MARLIN, Backend.BATCHED_MARLIN):
+        plan.hazards.append(
+            f"actorder 'dynamic' is the alias of 'group', but the {chosen.value} backend's act-order refusal compares "
+            "the string with 'group': it loads the layer and ignores g_idx, so outputs are wrong. Rewrite the "
+            "config's actorder as 'group' (the tensors are the same)"
+        )
+    elif s.actorder == "dynamic" and rel.has("weights.w2_scale_sharding") and moe_tp > 1 and gs > 0:
         plan.hazards.append(
             "actorder 'dynamic' is the alias of 'group', but vLLM's w2 scale sharding compares the string with "
             "'group': it shards the act-order w2 scales by rank and sets is_k_full, so the layer loads and computes "

@@ -50,9 +50,11 @@ def test_w2_table_channel_with_group_actorder(make_ckpt, tmp_path):
     for group in cfg["quantization_config"]["config_groups"].values():
         group["weights"]["actorder"] = "group"
     (ck / "config.json").write_text(json.dumps(cfg))
-    _, doc = inspect_json(ck, "--tp", "2")
-    w2 = plan_at(doc, 2)["w2_scale_sharding"]
-    assert (w2["load_full_w2"], w2["w2_scales_size"], w2["is_k_full"]) == (False, 64, False)
+    # the function's table row holds (tests/test_plan.py), but no release gets that far: the
+    # compressed-tensors 0.17.0 they pin refuses act-order on a channel scheme while the config is parsed
+    code, doc = inspect_json(ck, "--tp", "2")
+    p = plan_at(doc, 2)
+    assert code == 1 and p["failure_stage"] == "config" and "group activation ordering" in p["errors"][0]
 
 
 PAD_CASES = [(i, gs) for i, row in PAD_TABLE.items() for gs, v in row.items() if v is not None]
@@ -104,6 +106,9 @@ def test_marlin_gate_hand_built(tmp_path, h, i, gs, pad):
                               actorder=None if pad else "group")
     _, doc = inspect_json(ck, "--tp", "1")
     p = plan_at(doc, 1)
+    if gs == -1 and not pad:  # act-order on a channel scheme: compressed-tensors refuses it at config parse
+        assert p["failure_stage"] == "config", p
+        return
     expected_ok = (h, i, gs) == (2560, 640, -1)
     assert (p["backend"] == "marlin") == expected_ok, p
 
