@@ -36,13 +36,19 @@ def default_samples() -> Path:
 
     path = shared_data_dir() / "data" / "gsm8k" / "test.jsonl"
     if not path.is_file():
-        raise BadInput(f"{path}: GSM8K samples not found; pass --samples FILE.jsonl (a 'question' per line)")
+        from wna16ctl.hub import gsm8k_test_file
+
+        return gsm8k_test_file()  # last: the Hub's openai/gsm8k test split (cached)
     return path
 
 
 def load_questions(samples: str | os.PathLike[str], num_samples: int) -> list[str]:
     """`question` fields of a JSON-lines file, or of a Hugging Face dataset id (needs `datasets`)."""
     path = Path(samples)
+    if path.is_file() and path.suffix == ".parquet":
+        from wna16ctl.hub import parquet_questions
+
+        return parquet_questions(path, num_samples)
     if path.is_file():
         out: list[str] = []
         with path.open(encoding="utf-8") as f:

@@ -29,6 +29,7 @@ class Inspection:
         return {
             "wna16ctl_version": __version__,
             "checkpoint": str(ck.root),
+            **({"source": dict(ck.source)} if ck.source is not None else {}),
             "architecture": cfg.architectures[0] if cfg.architectures else None,
             "model_type": cfg.model_type,
             "quantization": None if cfg.quant is None else {
@@ -56,7 +57,12 @@ class Inspection:
         }
 
 
-def inspect_checkpoint(path: str | os.PathLike[str], tps: tuple[int, ...] = (1,), ep: bool = False) -> Inspection:
-    ck = open_checkpoint(path)
+def inspect_checkpoint(path: str | os.PathLike[str], tps: tuple[int, ...] = (1,), ep: bool = False,
+                       revision: str | None = None) -> Inspection:
+    """`path`: a checkpoint directory, or a Hub model repo id ORG/NAME[@REVISION] (headers only)."""
+    from wna16ctl.hub import open_hub_checkpoint, parse_ref
+
+    ref = parse_ref(str(path), revision)
+    ck = open_checkpoint(path) if ref is None else open_hub_checkpoint(ref)
     plans = {lay.prefix: [plan_layer(lay, tp, ep) for tp in tps] for lay in ck.layers}
     return Inspection(checkpoint=ck, tps=tuple(tps), ep=ep, plans=plans)
