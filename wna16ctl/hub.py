@@ -143,7 +143,7 @@ def hub_error(e: BaseException, what: str, filename: str | None = None, *, model
         if _is_a(cause, "ConnectError", "NetworkError", "ProxyError"):
             return BadInput(f"{what}: cannot reach {hf.constants.ENDPOINT} ({cause}); check the connection or "
                             "HF_ENDPOINT, or set HF_HUB_OFFLINE=1 to use the local cache")
-    status = _status(e)
+    status = next((st for st in map(_status, _causes(e)) if st is not None), None)
     if status in (401, 403):
         return BadInput(f"{what}: access denied (HTTP {status}); {token_hint}")
     if status is not None:
