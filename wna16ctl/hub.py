@@ -364,12 +364,12 @@ def open_hub_checkpoint(ref: HubRef, stats: HeaderFetch | None = None) -> "Check
     commit = root.name
     indexed = _has_index(ref, commit)
 
-    def locate(r: Path) -> ShardList:
-        if indexed:
-            return locate_shards(r)
-        return ShardList(r, [r / SINGLE_NAME])  # a Hub safetensors repo without index has exactly this
+    # with an index, the shards are the ones it names; without, a Hub safetensors repo has exactly one
+    where = locate_shards(root) if indexed else ShardList(root, [root / SINGLE_NAME])
 
-    where = locate(root)
+    def locate(r: Path) -> ShardList:
+        return where if r == root else locate_shards(r)
+
     if all(p.is_file() for p in where.paths):  # the whole repository is in the cache: read it from disk
         ck = open_checkpoint(root)
         stats.from_disk = len(where.paths)
