@@ -33,7 +33,7 @@ _HASH_LIMIT = 64 << 20  # files above this get an ETag from their name, size and
 class Repo:
     root: Path
     commit: str
-    access: str = "public"  # "public" | "gated" (needs `token`) | "forbidden" (403 for everyone)
+    access: str = "public"  # "public" | "gated" / "private" (need `token`) | "forbidden" (403 for everyone)
     token: str | None = None
     slow_suffix: str | None = None  # delay GETs of files ending with this...
     delay: float = 0.0  # ...by this many seconds before answering
@@ -147,6 +147,9 @@ class FakeHub:
             return None
         if repo.access == "gated" and auth != f"Bearer {repo.token}":
             self._error(h, 403 if auth else 401, "GatedRepo", head)
+            return None
+        if repo.access == "private" and auth != f"Bearer {repo.token}":  # the Hub does not say it exists
+            self._error(h, 401, "RepoNotFound", head)
             return None
         if rev is not None and rev not in ("main", repo.commit):
             self._error(h, 404, "RevisionNotFound", head)

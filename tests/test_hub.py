@@ -112,6 +112,7 @@ def error_repos(hub, small):
     hub.add("acme/small", small)
     hub.add("acme/gated", small, access="gated", token="hf_allowed")
     hub.add("acme/forbidden", small, access="forbidden")
+    hub.add("acme/private", small, access="private", token="hf_allowed")
     hub.add("acme/slow", small, slow_suffix=".safetensors", delay=4.0)
     return hub
 
@@ -120,6 +121,7 @@ def error_repos(hub, small):
     ("acme/gated", {}, "set HF_TOKEN"),  # 401 GatedRepo
     ("acme/gated", {"HF_TOKEN": "hf_wrong"}, "set HF_TOKEN"),  # 403 GatedRepo
     ("acme/forbidden", {}, "HTTP 403"),
+    ("acme/private", {}, "set HF_TOKEN"),  # 401 RepoNotFound: not found, or private
     ("acme/no-such-model", {}, "no such repository"),
     ("acme/small@no-such-branch", {}, "no such revision"),
     ("acme/slow", {"HF_HUB_DOWNLOAD_TIMEOUT": "1"}, "did not answer in time"),
@@ -128,7 +130,7 @@ def error_repos(hub, small):
 def test_hub_errors_are_one_line_and_exit_2(error_repos, tmp_path, arg, env, expect):
     line = one_error_line(wna16ctl(error_repos, tmp_path / "hf", "inspect", arg, "--json", env=env))
     assert expect in line and arg.split("@")[0] in line
-    if "HTTP 403" in expect or "GatedRepo" in expect:
+    if "HTTP 403" in expect:
         assert "HF_TOKEN" in line
 
 

@@ -83,7 +83,7 @@ def parse_ref(arg: str, revision: str | None = None) -> HubRef | None:
 # -- errors --------------------------------------------------------------------------------------
 
 def _hf() -> Any:
-    """huggingface_hub, imported on first use (it costs ~0.2 s of `inspect`'s start-up)."""
+    """huggingface_hub, imported on first use (a few tenths of a second a local `inspect` need not pay)."""
     import huggingface_hub
 
     return huggingface_hub
@@ -160,8 +160,9 @@ def _hub_errors(what: str, filename: str | None = None, *, model_arg: bool = Fal
         raise
     except Exception as e:
         hf = _hf()
-        if isinstance(e, (hf.errors.HfHubHTTPError, hf.errors.LocalEntryNotFoundError, hf.errors.OfflineModeIsEnabled,
-                          OSError)) or type(e).__module__.split(".")[0] in ("httpx", "httpx2", "httpcore", "httpcore2"):
+        known = (hf.errors.HfHubHTTPError, hf.errors.LocalEntryNotFoundError, hf.errors.OfflineModeIsEnabled,
+                 getattr(hf.errors, "HFValidationError", ValueError), OSError)
+        if isinstance(e, known) or type(e).__module__.split(".")[0] in ("httpx", "httpx2", "httpcore", "httpcore2"):
             raise hub_error(e, what, filename, model_arg=model_arg) from None
         raise
 
