@@ -37,6 +37,7 @@ class Repo:
     token: str | None = None
     slow_suffix: str | None = None  # delay GETs of files ending with this...
     delay: float = 0.0  # ...by this many seconds before answering
+    ignore_range: bool = False  # answer every GET with the whole file (as some mirrors do)
     _etags: dict[str, str] = field(default_factory=dict)
 
     def files(self) -> list[str]:
@@ -75,7 +76,11 @@ class FakeHub:
             def do_GET(self) -> None:
                 hub._handle(self, head=False)
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(ThreadingHTTPServer):
+            def handle_error(self, request, client_address) -> None:  # noqa: ANN001 - a client that hung up
+                pass
+
+        self._server = Server(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -201,7 +206,7 @@ class FakeHub:
         headers = {"ETag": f'"{repo.etag(rel)}"', "X-Repo-Commit": repo.commit, "Accept-Ranges": "bytes",
                    "Content-Type": "application/octet-stream"}
         start, end, status = 0, size - 1, 200
-        if rng:
+        if rng and not repo.ignore_range:
             spec = rng.strip().removeprefix("bytes=")
             a, _, b = spec.partition("-")
             start = int(a) if a else max(0, size - int(b))
@@ -215,6 +220,15 @@ class FakeHub:
         if head:
             self._send(h, status, b"", True, headers)
             return
-        with open(p, "rb") as f:
-            body = os.pread(f.fileno(), end - start + 1, start)
-        self._send(h, status, body, False, headers)
+        h.send_response(status)
+        for k, v in headers.items():
+            h.send_header(k, str(v))
+        h.end_headers()
+        with open(p, "rb") as f:  # in chunks: a client that has enough closes the connection
+            pos = start
+            while pos <= end:
+                chunk = os.pread(f.fileno(), min(1 << 20, end + 1 - pos), pos)
+                h.wfile.write(chunk)
+                with self._lock:
+                    self.bytes_served += len(chunk)
+                pos += len(chunk)

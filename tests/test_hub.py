@@ -251,3 +251,16 @@ def test_entries_of_shards_scanned_by_the_worker_come_from_the_hub_headers(hub, 
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.split() == ["(128,", "512)", "[512]", "False"]
+
+
+def test_a_server_that_ignores_range_costs_a_header_not_the_shard(hub, small, tmp_path):
+    hub.add("acme/no-ranges", small, ignore_range=True)
+    apparent = sum(p.stat().st_size for p in small.glob("*.safetensors"))
+    hub.reset_counts()
+    res = wna16ctl(hub, tmp_path / "hf", "inspect", "acme/no-ranges", "--tp", "1", "--json")
+    local = wna16ctl(hub, tmp_path / "hf", "inspect", str(small), "--tp", "1", "--json")
+    assert res.returncode == local.returncode, res.stderr
+    doc, expected = json.loads(res.stdout), json.loads(local.stdout)
+    doc.pop("source"), doc.pop("checkpoint"), expected.pop("checkpoint")
+    assert doc == expected
+    assert hub.bytes_served < apparent / 20, (hub.bytes_served, apparent)

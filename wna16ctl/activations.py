@@ -29,7 +29,8 @@ _DATASET_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 def default_samples() -> Path:
-    """GSM8K's test split in the shared data folder beside the project (or $WNA16CTL_SAMPLES)."""
+    """GSM8K's test split: $WNA16CTL_SAMPLES, else the shared data folder beside the project, else
+    the `openai/gsm8k` dataset on the Hub (a cached parquet file; see `wna16ctl.hub`)."""
     if os.environ.get(SAMPLES_ENV):
         return Path(os.environ[SAMPLES_ENV])
     from wna16ctl.demo import shared_data_dir

@@ -146,7 +146,8 @@ def repack(ctx: click.Context, ckpt: str, tp: int, ep: bool, layout: str, out: s
         from wna16ctl.render import render_repack_plan, render_repack_result
         from wna16ctl.repack import RepackSettings, plan_repack, run_repack
 
-        plan = plan_repack(_local_checkpoint(sink, ckpt, revision), RepackSettings(tp=tp, ep=ep, layout=layout, max_shard_bytes=max_bytes))
+        source = _local_checkpoint(sink, ckpt, revision)
+        plan = plan_repack(source, RepackSettings(tp=tp, ep=ep, layout=layout, max_shard_bytes=max_bytes))
         for w in plan.checkpoint.warnings:
             sink.warn(w)
         if dry_run:
@@ -231,7 +232,8 @@ def verify(ctx: click.Context, ckpt: str, out: str, samples: str | None, num_sam
         from wna16ctl.render import render_verify
         from wna16ctl.verify import verify_output
 
-        report = verify_output(_local_checkpoint(sink, ckpt, revision), out, samples=samples or default_samples(), num_samples=num_samples, device=device)
+        source = _local_checkpoint(sink, ckpt, revision)
+        report = verify_output(source, out, samples=samples or default_samples(), num_samples=num_samples, device=device)
         sink.result(report.to_json(), lambda console: render_verify(console, report))
         return EXIT_OK if report.passed else EXIT_FAILED
 

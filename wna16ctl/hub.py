@@ -42,7 +42,7 @@ GSM8K_REPO = "openai/gsm8k"
 GSM8K_TEST_FILES = "main/test-*.parquet"
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 # The first request of a header asks for this much: one round trip covers most shards' headers
-# (huggingface_hub's own helper uses the same figure); the rest is fetched exactly.
+# (huggingface_hub's own header parser asks for the same); the rest is fetched exactly.
 _FIRST_RANGE = 100_000
 _HEADER_THREADS = 16
 _CACHE_MAGIC = b"wna16ctl-safetensors-header 1 "
@@ -297,27 +297,14 @@ def _header_from_raw(path: Path, what: str, size: int, raw: bytes) -> ShardHeade
     return shard_header_from_dict(path, size, len(raw), header)
 
 
-@dataclass
-class HeaderFetch:
-    """Counts of where the headers of one `inspect` came from (for the user's information)."""
-
-    from_disk: int = 0
-    from_cache: int = 0
-    fetched: int = 0
-    bytes_fetched: int = 0
-
-
-def _prefetch_headers(ref: HubRef, commit: str, root: Path, paths: list[Path], stats: HeaderFetch) -> dict[Path, tuple[int, bytes]]:
+def _prefetch_headers(ref: HubRef, commit: str, root: Path, paths: list[Path]) -> dict[Path, tuple[int, bytes]]:
     """(size, first 8 + N bytes) of every shard that is neither downloaded nor in the header
     cache, fetched in parallel and written to the cache; kept in memory too (the scan worker
     inherits it) in case the cache cannot be written."""
     todo: list[Path] = []
     for p in paths:
-        if p.is_file():  # downloaded before: the snapshot links it to its blob
-            stats.from_disk += 1
-        elif _read_cached(_cache_path(ref.repo_id, commit, p.relative_to(root).as_posix())) is not None:
-            stats.from_cache += 1
-        else:
+        # downloaded before (the snapshot links it to its blob), or fetched by an earlier run
+        if not p.is_file() and _read_cached(_cache_path(ref.repo_id, commit, p.relative_to(root).as_posix())) is None:
             todo.append(p)
     if not todo:
         return {}
@@ -332,13 +319,12 @@ def _prefetch_headers(ref: HubRef, commit: str, root: Path, paths: list[Path], s
         return size, raw
 
     with ThreadPoolExecutor(min(_HEADER_THREADS, len(todo))) as pool:
-        fetched = dict(zip(todo, pool.map(fetch, todo)))
-    stats.fetched += len(fetched)
-    stats.bytes_fetched += sum(len(raw) for _, raw in fetched.values())
-    return fetched
+        return dict(zip(todo, pool.map(fetch, todo)))
 
 
-def _hub_header_reader(ref: HubRef, commit: str, root: Path, fetched: dict[Path, tuple[int, bytes]]) -> Callable[[Path], ShardHeader]:
+def _hub_header_reader(ref: HubRef, commit: str, root: Path,
+                       fetched: dict[Path, tuple[int, bytes]]) -> Callable[[Path], ShardHeader]:
+    """The HeaderSource reader: downloaded shard, else the fetched or cached header bytes."""
     def read(p: Path) -> ShardHeader:
         if p.is_file():
             return read_shard_header(p)
@@ -351,7 +337,7 @@ def _hub_header_reader(ref: HubRef, commit: str, root: Path, fetched: dict[Path,
     return read
 
 
-def open_hub_checkpoint(ref: HubRef, stats: HeaderFetch | None = None) -> "Checkpoint":
+def open_hub_checkpoint(ref: HubRef) -> "Checkpoint":
     """The checkpoint of a Hub model repo from its config, index and shard headers only.
 
     Its root is the snapshot directory of the Hugging Face cache, so the result is the one
@@ -359,7 +345,6 @@ def open_hub_checkpoint(ref: HubRef, stats: HeaderFetch | None = None) -> "Check
     """
     from wna16ctl.checkpoint import HeaderSource, open_checkpoint
 
-    stats = stats if stats is not None else HeaderFetch()
     config = _download(ref, "config.json", ref.revision)
     root = config.parent  # <cache>/models--org--name/snapshots/<commit>
     commit = root.name
@@ -373,9 +358,8 @@ def open_hub_checkpoint(ref: HubRef, stats: HeaderFetch | None = None) -> "Check
 
     if all(p.is_file() for p in where.paths):  # the whole repository is in the cache: read it from disk
         ck = open_checkpoint(root)
-        stats.from_disk = len(where.paths)
     else:
-        fetched = _prefetch_headers(ref, commit, root, where.paths, stats)
+        fetched = _prefetch_headers(ref, commit, root, where.paths)
         ck = open_checkpoint(root, HeaderSource(locate=locate, read=_hub_header_reader(ref, commit, root, fetched)))
     ck.source = {"repo_id": ref.repo_id, "revision": ref.revision or "main", "commit": commit}
     return ck
