@@ -264,3 +264,25 @@ def test_a_server_that_ignores_range_costs_a_header_not_the_shard(hub, small, tm
     doc.pop("source"), doc.pop("checkpoint"), expected.pop("checkpoint")
     assert doc == expected
     assert hub.bytes_served < apparent / 20, (hub.bytes_served, apparent)
+
+
+def test_single_file_repo_without_index(hub, tmp_path):
+    from tests.rawckpt import write_raw_checkpoint
+
+    ck = write_raw_checkpoint(tmp_path / "ck", hidden=256, intermediate=128, group_size=64)
+    hub.add("acme/single", ck)
+    local = wna16ctl(hub, tmp_path / "hf", "inspect", str(ck), "--tp", "1,2", "--json")
+    assert local.returncode == 0, local.stderr
+    expected = json.loads(local.stdout)
+    expected.pop("checkpoint")
+    for env in ({}, {"HF_HUB_OFFLINE": "1"}):  # online; then offline from the cache (the index's absence too)
+        res = wna16ctl(hub, tmp_path / "hf", "inspect", "acme/single", "--tp", "1,2", "--json", env=env)
+        assert res.returncode == 0, res.stderr
+        doc = json.loads(res.stdout)
+        doc.pop("source"), doc.pop("checkpoint")
+        assert doc == expected
+    hub.add("acme/empty", tmp_path / "empty-repo")
+    (tmp_path / "empty-repo").mkdir()
+    (tmp_path / "empty-repo" / "config.json").write_text((ck / "config.json").read_text())
+    line = one_error_line(wna16ctl(hub, tmp_path / "hf", "inspect", "acme/empty", "--json"))
+    assert "acme/empty" in line and "neither model.safetensors.index.json nor model.safetensors" in line

@@ -359,7 +359,13 @@ def open_hub_checkpoint(ref: HubRef) -> "Checkpoint":
     if all(p.is_file() for p in where.paths):  # the whole repository is in the cache: read it from disk
         ck = open_checkpoint(root)
     else:
-        fetched = _prefetch_headers(ref, commit, root, where.paths)
+        try:
+            fetched = _prefetch_headers(ref, commit, root, where.paths)
+        except BadInput as e:
+            if not indexed and f"has no {SINGLE_NAME}" in e.message:
+                raise BadInput(f"{ref}: has neither {INDEX_NAME} nor {SINGLE_NAME}; not a safetensors checkpoint "
+                               "wna16ctl can read from the Hub (download it and inspect the directory)") from None
+            raise
         ck = open_checkpoint(root, HeaderSource(locate=locate, read=_hub_header_reader(ref, commit, root, fetched)))
     ck.source = {"repo_id": ref.repo_id, "revision": ref.revision or "main", "commit": commit}
     return ck
