@@ -253,12 +253,18 @@ def test_entries_of_shards_scanned_by_the_worker_come_from_the_hub_headers(hub, 
     assert res.stdout.split() == ["(128,", "512)", "[512]", "False"]
 
 
-def test_a_server_that_ignores_range_costs_a_header_not_the_shard(hub, small, tmp_path):
-    hub.add("acme/no-ranges", small, ignore_range=True)
-    apparent = sum(p.stat().st_size for p in small.glob("*.safetensors"))
+def test_a_server_that_ignores_range_costs_a_header_not_the_shard(hub, tmp_path):
+    # headers over the first request's 100 kB: the second request skips what the first one read
+    ck = synthetic_headers.write(tmp_path / "ck", layers=3, experts=128, hidden=2048, inter=512, shards=2, vocab=128)
+    for p in ck.glob("*.safetensors"):
+        with p.open("rb") as f:
+            assert int.from_bytes(f.read(8), "little") > 100_000
+    hub.add("acme/no-ranges", ck, ignore_range=True)
+    apparent = sum(p.stat().st_size for p in ck.glob("*.safetensors"))
     hub.reset_counts()
     res = wna16ctl(hub, tmp_path / "hf", "inspect", "acme/no-ranges", "--tp", "1", "--json")
-    local = wna16ctl(hub, tmp_path / "hf", "inspect", str(small), "--tp", "1", "--json")
+    assert len(hub.range_gets()) == 4
+    local = wna16ctl(hub, tmp_path / "hf", "inspect", str(ck), "--tp", "1", "--json")
     assert res.returncode == local.returncode, res.stderr
     doc, expected = json.loads(res.stdout), json.loads(local.stdout)
     doc.pop("source"), doc.pop("checkpoint"), expected.pop("checkpoint")
