@@ -29,20 +29,27 @@ _DATASET_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 def default_samples() -> Path:
-    """GSM8K's test split in the shared data folder beside the project (or $WNA16CTL_SAMPLES)."""
+    """GSM8K's test split: $WNA16CTL_SAMPLES, else the shared data folder beside the project, else
+    the `openai/gsm8k` dataset on the Hub (a cached parquet file; see `wna16ctl.hub`)."""
     if os.environ.get(SAMPLES_ENV):
         return Path(os.environ[SAMPLES_ENV])
     from wna16ctl.demo import shared_data_dir
 
     path = shared_data_dir() / "data" / "gsm8k" / "test.jsonl"
     if not path.is_file():
-        raise BadInput(f"{path}: GSM8K samples not found; pass --samples FILE.jsonl (a 'question' per line)")
+        from wna16ctl.hub import gsm8k_test_file
+
+        return gsm8k_test_file()  # last: the Hub's openai/gsm8k test split (cached)
     return path
 
 
 def load_questions(samples: str | os.PathLike[str], num_samples: int) -> list[str]:
     """`question` fields of a JSON-lines file, or of a Hugging Face dataset id (needs `datasets`)."""
     path = Path(samples)
+    if path.is_file() and path.suffix == ".parquet":
+        from wna16ctl.hub import parquet_questions
+
+        return parquet_questions(path, num_samples)
     if path.is_file():
         out: list[str] = []
         with path.open(encoding="utf-8") as f:

@@ -80,6 +80,10 @@ def _gpu_option() -> Callable:
                         help="GPU architecture the engine runs on (backend priority depends on it).")
 
 
+_REVISION = click.option("--revision", default=None, metavar="REV",
+                         help="Branch, tag or commit when CKPT is a Hub repo id (same as ORG/NAME@REV).")
+
+
 @cli.command()
 @click.argument("ckpt", type=click.Path(file_okay=False, path_type=str))
 @click.option("--tp", "tp", default="1,2,4,8", show_default=True, help="Tensor-parallel sizes to plan, comma-separated.")
@@ -87,9 +91,14 @@ def _gpu_option() -> Callable:
 @_vllm_option(allow_all=True)
 @_gpu_option()
 @click.option("--json", "json_mode", is_flag=True, help="Print one JSON object (schema: docs/inspect-json.md).")
+@_REVISION
 @click.pass_context
-def inspect(ctx: click.Context, ckpt: str, tp: str, ep: bool, vllm: str, gpu: str, json_mode: bool) -> None:
-    """Decide per MoE layer and TP size whether and how CKPT loads (headers only, no GPU)."""
+def inspect(ctx: click.Context, ckpt: str, tp: str, ep: bool, vllm: str, gpu: str, json_mode: bool,
+            revision: str | None) -> None:
+    """Decide per MoE layer and TP size whether and how CKPT loads (headers only, no GPU).
+
+    CKPT is a checkpoint directory or a Hugging Face Hub repo id ORG/NAME[@REVISION]; from the
+    Hub only config.json, the index and the shard headers are fetched (byte ranges, cached)."""
     sink = Sink(json_mode=json_mode)
     tps = _parse_tp(tp)
 
@@ -97,7 +106,7 @@ def inspect(ctx: click.Context, ckpt: str, tp: str, ep: bool, vllm: str, gpu: st
         from wna16ctl.inspection import inspect_checkpoint
         from wna16ctl.render import render_inspection, render_release_matrix
 
-        insp = inspect_checkpoint(ckpt, tps, ep, vllm=vllm, gpu=gpu)
+        insp = inspect_checkpoint(ckpt, tps, ep, vllm=vllm, gpu=gpu, revision=revision)
         if insp.engine.note and insp.engine.source != "default":
             sink.warn(insp.engine.note)
         for w in insp.checkpoint.warnings:
@@ -141,10 +150,14 @@ def _parse_size(value: str) -> int:
 @_gpu_option()
 @click.option("--json", "json_mode", is_flag=True, help="Print the result as one JSON object.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@_REVISION
 @click.pass_context
 def repack(ctx: click.Context, ckpt: str, tp: int, ep: bool, layout: str, out: str | None, dry_run: bool, resume: bool,
-           force: bool, max_shard_size: str, device: str, vllm: str, gpu: str, json_mode: bool, quiet: bool) -> None:
-    """Write per-rank safetensors of CKPT's experts in the kernel layout, with a verifiable manifest."""
+           force: bool, max_shard_size: str, device: str, vllm: str, gpu: str, json_mode: bool, quiet: bool,
+           revision: str | None) -> None:
+    """Write per-rank safetensors of CKPT's experts in the kernel layout, with a verifiable manifest.
+
+    CKPT may be a Hub repo id ORG/NAME[@REVISION]: it is downloaded into the Hugging Face cache first."""
     sink = Sink(json_mode=json_mode, quiet=quiet)
     max_bytes = _parse_size(max_shard_size)
     if out is None and not dry_run:
@@ -161,8 +174,9 @@ def repack(ctx: click.Context, ckpt: str, tp: int, ep: bool, layout: str, out: s
         engine = resolve(vllm, gpu)
         if engine.note and engine.source != "default":
             sink.warn(engine.note)
-        plan = plan_repack(ckpt, RepackSettings(tp=tp, ep=ep, layout=layout, max_shard_bytes=max_bytes,
-                                                vllm=engine.version, gpu=gpu))
+        source = _local_checkpoint(sink, ckpt, revision)
+        plan = plan_repack(source, RepackSettings(tp=tp, ep=ep, layout=layout, max_shard_bytes=max_bytes,
+                                                  vllm=engine.version, gpu=gpu))
         for w in plan.checkpoint.warnings:
             sink.warn(w)
         if dry_run:
@@ -226,15 +240,20 @@ def demo(ctx: click.Context, out: str, arch: str, bits: str, group_size: str, as
 @cli.command()
 @click.argument("ckpt", type=click.Path(file_okay=False, path_type=str))
 @click.argument("out", type=click.Path(file_okay=False, path_type=str))
-@click.option("--samples", default=None, help="JSON-lines file with a 'question' field (default: GSM8K test.jsonl "
-              "beside the project), or a Hugging Face dataset id when `datasets` is installed and online.")
+@click.option("--samples", default=None, help="JSON-lines (or parquet) file with a 'question' field (default: GSM8K "
+              "test.jsonl beside the project, else the openai/gsm8k test split from the Hub), or a Hugging Face "
+              "dataset id when `datasets` is installed and online.")
 @click.option("--num-samples", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="Where the repacked layers run: the CUDA GEMM kernel or its CPU twin.")
 @click.option("--json", "json_mode", is_flag=True, help="Print the report as one JSON object.")
+@_REVISION
 @click.pass_context
-def verify(ctx: click.Context, ckpt: str, out: str, samples: str | None, num_samples: int, device: str, json_mode: bool) -> None:
-    """Prove OUT (a repack output) equals CKPT: manifest, bit-exact round trip, numerics."""
+def verify(ctx: click.Context, ckpt: str, out: str, samples: str | None, num_samples: int, device: str, json_mode: bool,
+           revision: str | None) -> None:
+    """Prove OUT (a repack output) equals CKPT: manifest, bit-exact round trip, numerics.
+
+    CKPT may be a Hub repo id ORG/NAME[@REVISION] (downloaded into the Hugging Face cache)."""
     sink = Sink(json_mode=json_mode)
 
     def body() -> int:
@@ -242,11 +261,21 @@ def verify(ctx: click.Context, ckpt: str, out: str, samples: str | None, num_sam
         from wna16ctl.render import render_verify
         from wna16ctl.verify import verify_output
 
-        report = verify_output(ckpt, out, samples=samples or default_samples(), num_samples=num_samples, device=device)
+        source = _local_checkpoint(sink, ckpt, revision)
+        report = verify_output(source, out, samples=samples or default_samples(), num_samples=num_samples, device=device)
         sink.result(report.to_json(), lambda console: render_verify(console, report))
         return EXIT_OK if report.passed else EXIT_FAILED
 
     _run(ctx, sink, body)
+
+
+def _local_checkpoint(sink: Sink, ckpt: str, revision: str | None) -> str:
+    """CKPT as a directory: a Hub repo id is downloaded (huggingface_hub's progress on stderr)."""
+    from wna16ctl.hub import parse_ref, resolve_local
+
+    if parse_ref(ckpt, revision) is not None:
+        sink.info(f"{ckpt}: downloading from the Hugging Face Hub into its cache (or finding it there)")
+    return resolve_local(ckpt, revision, quiet=sink.quiet)[0]
 
 
 def main() -> None:

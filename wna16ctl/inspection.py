@@ -56,6 +56,7 @@ class Inspection:
             "engine": self.engine.to_json(),
             "gpu": self.gpu,
             "checkpoint": str(ck.root),
+            **({"source": dict(ck.source)} if ck.source is not None else {}),
             "architecture": cfg.architectures[0] if cfg.architectures else None,
             "model_type": cfg.model_type,
             "quantization": None if cfg.quant is None else {
@@ -115,15 +116,21 @@ def plan_all(layers: list[MoELayer], tps: tuple[int, ...], ep: bool, version: st
 
 
 def inspect_checkpoint(path: str | os.PathLike[str], tps: tuple[int, ...] = (1,), ep: bool = False,
-                       vllm: str | None = "installed", gpu: str = rules.DEFAULT_GPU) -> Inspection:
+                       vllm: str | None = "installed", gpu: str = rules.DEFAULT_GPU,
+                       revision: str | None = None) -> Inspection:
     """Plan every MoE layer of the checkpoint at `path` for each TP size in `tps`.
+
+    `path`: a checkpoint directory, or a Hub model repo id ORG/NAME[@REVISION] (headers only).
 
     `vllm`: a release (`0.33.0`), `latest`, `installed` (the vllm package here, else the newest
     known release) or `all` (every known release; `plans` are then the newest's).
     """
     every = vllm == "all"
     engine = resolve(vllm, gpu)
-    ck = open_checkpoint(path)
+    from wna16ctl.hub import open_hub_checkpoint, parse_ref
+
+    ref = parse_ref(str(path), revision)
+    ck = open_checkpoint(path) if ref is None else open_hub_checkpoint(ref)
     plans = plan_all(ck.layers, tps, ep, engine.version, gpu)
     versions = {v: (plans if v == engine.version else plan_all(ck.layers, tps, ep, v, gpu, with_differences=False))
                 for v in rules.RELEASES} if every else {}

@@ -25,7 +25,11 @@ def render_inspection(console: Console, insp: Inspection) -> None:
     layers = ck.layers
     total_packed = sum(lay.packed_bytes for lay in layers)
     schemes = sorted({lay.scheme.describe() for lay in layers if lay.scheme is not None})
-    console.print(f"[bold]{escape(str(ck.root))}[/]")
+    if ck.source is not None:  # a Hub repo: headers read by range request, root is the cache snapshot
+        src = ck.source
+        console.print(f"[bold]{escape(src['repo_id'])}[/] @ {escape(src['revision'])} (commit {src['commit'][:12]}, Hub)")
+    else:
+        console.print(f"[bold]{escape(str(ck.root))}[/]")
     console.print(f"  rules of vLLM {insp.engine.version} ({_engine_source(insp.engine)}) on a CUDA {insp.gpu} GPU")
     console.print(
         f"  {escape(arch)} · hidden {cfg.hidden_size} · {len(layers)} MoE layers"

@@ -7,20 +7,39 @@ import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from wna16ctl.checkpoint.config import ModelConfig, QuantConfig, WeightScheme, read_model_config
 from wna16ctl.checkpoint._fork import split_map
 from wna16ctl.checkpoint.headers import (
-    INDEX_NAME, CheckpointFiles, ShardList, TensorInfo, assemble, locate_shards, read_shard_headers,
+    INDEX_NAME, CheckpointFiles, ShardHeader, ShardList, TensorInfo, assemble, locate_shards, read_shard_header,
 )
 from wna16ctl.checkpoint.moe import MoELayer, find_moe_layers
 from wna16ctl.checkpoint.scan import scan_shard, shard_header
 from wna16ctl.errors import BadInput
 
 __all__ = [
-    "Checkpoint", "CheckpointFiles", "ModelConfig", "MoELayer", "QuantConfig", "TensorInfo", "WeightScheme",
-    "open_checkpoint",
+    "Checkpoint", "CheckpointFiles", "HeaderSource", "ModelConfig", "MoELayer", "QuantConfig", "TensorInfo",
+    "WeightScheme", "open_checkpoint",
 ]
+
+
+@dataclass(frozen=True)
+class HeaderSource:
+    """Where the shard headers of a checkpoint directory come from.
+
+    The directory always holds `config.json` (and the index, if any); the shards themselves may
+    live elsewhere.  `locate` lists the shards, `read` returns one shard's checked header (through
+    `headers.shard_header_from_dict`, so every source yields the same objects); it may run in the
+    forked scan worker.  The default reads the local files; `wna16ctl.hub` serves headers it
+    fetched by range request beforehand.
+    """
+
+    locate: Callable[[Path], ShardList] = locate_shards
+    read: Callable[[Path], ShardHeader] = read_shard_header
+
+
+LOCAL_FILES = HeaderSource()
 
 
 @dataclass
@@ -30,6 +49,7 @@ class Checkpoint:
     files: CheckpointFiles
     layers: list[MoELayer]
     warnings: list[str] = field(default_factory=list)
+    source: dict[str, str] | None = None  # a Hub checkpoint: repo_id, revision, commit
 
     @property
     def quantized_layers(self) -> list[MoELayer]:
@@ -49,7 +69,8 @@ def _no_cyclic_gc():
             gc.enable()
 
 
-def _scan_checkpoint(root: Path, config: ModelConfig, intermediate: int) -> tuple[CheckpointFiles, list[MoELayer]]:
+def _scan_checkpoint(root: Path, config: ModelConfig, intermediate: int,
+                     headers: HeaderSource) -> tuple[CheckpointFiles, list[MoELayer]]:
     """Map: decode and check each shard's header; reduce: per MoE layer.
 
     On large checkpoints half of the shards (and the index) are handled by a second process,
@@ -60,9 +81,10 @@ def _scan_checkpoint(root: Path, config: ModelConfig, intermediate: int) -> tupl
     parent = os.getpid()
 
     def scan(p: Path) -> dict:
-        return scan_shard(str(p), config, intermediate, keep_entries=os.getpid() == parent)
+        return scan_shard(str(p), config, intermediate, keep_entries=os.getpid() == parent, header=headers.read(p))
 
-    guess = sorted(root.glob("*.safetensors")) if (root / INDEX_NAME).is_file() else None
+    local = headers is LOCAL_FILES
+    guess = sorted(root.glob("*.safetensors")) if local and (root / INDEX_NAME).is_file() else None
     if guess:
         try:
             # the worker also reads the index: give it a little less than half of the shards
@@ -73,10 +95,11 @@ def _scan_checkpoint(root: Path, config: ModelConfig, intermediate: int) -> tupl
         if scans is not None and {p.resolve() for p in where.paths} != {p.resolve() for p in guess}:
             scans = None
     else:
-        scans, where = None, locate_shards(root)
+        scans, where = None, headers.locate(root)
     if scans is None:
         scans, _ = split_map(scan, where.paths, use_marshal=True)
     files = assemble(where, [shard_header(s) for s in scans])
+    files.reread = headers.read
     return files, find_moe_layers(files, config, scans, intermediate)
 
 
@@ -86,18 +109,18 @@ def _located(root: Path) -> tuple[list[str], str | None, int | None]:
     return [str(p) for p in w.paths], (str(w.index_path) if w.index_path else None), w.index_count
 
 
-def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+def open_checkpoint(path: str | os.PathLike[str], headers: HeaderSource = LOCAL_FILES) -> Checkpoint:
     """Config, headers and MoE layers of the checkpoint at `path` (BadInput when unusable)."""
     root = Path(path)
     with _no_cyclic_gc():
         config = read_model_config(root)
         intermediate = config.moe_intermediate_size
         if intermediate is None:  # shapes decide: read every header first
-            where = locate_shards(root)
-            files = assemble(where, read_shard_headers(where.paths))
+            where = headers.locate(root)
+            files = assemble(where, [headers.read(p) for p in where.paths])
             layers = find_moe_layers(files, config)
         else:
-            files, layers = _scan_checkpoint(root, config, intermediate)
+            files, layers = _scan_checkpoint(root, config, intermediate, headers)
     warnings = [w for lay in layers for w in lay.warnings]
     if config.quant is None:
         warnings.append(f"{root / 'config.json'}: no quantization_config; the experts are not quantized")

@@ -13,7 +13,7 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from wna16ctl.errors import BadInput
 
@@ -74,6 +74,7 @@ class CheckpointFiles:
                         )
                     seen[name] = sh
         self._shard_index: dict[str, ShardHeader] | None = None
+        self.reread: Callable[[Path], ShardHeader] = read_shard_header  # the header source's reader
 
     def __contains__(self, name: str) -> bool:
         return name in self._entries
@@ -103,7 +104,7 @@ class CheckpointFiles:
         if e is None and name in self._entries:
             # checked in a worker process, which sent back only the names: read that header here
             sh = self.shard_of(name)
-            full = read_shard_header(sh.path)
+            full = self.reread(sh.path)
             sh.entries.update(full.entries)
             self._entries.update(full.entries)
             e = self._entries[name]
@@ -181,8 +182,14 @@ def read_shard_header(path: Path) -> ShardHeader:
         raise BadInput(f"{path}: header is not valid JSON ({e}); the file is corrupt") from None
     if not isinstance(header, dict):
         raise BadInput(f"{path}: header is not a JSON object; the file is corrupt")
+    return shard_header_from_dict(path, size, 8 + n, header)
+
+
+def shard_header_from_dict(path: Path, size: int, data_start: int, header: dict) -> ShardHeader:
+    """Check a decoded safetensors header (`size`: the file's bytes, `data_start`: 8 + header
+    length) and make its ShardHeader.  Every header source goes through here: local files
+    (`read_shard_header`) and headers fetched by range request from the Hub (`wna16ctl.hub`)."""
     meta = header.pop("__metadata__", None) or {}
-    data_start = 8 + n
     data_len = size - data_start
     max_end = 0
     for name, e in header.items():

@@ -1,0 +1,294 @@
+"""Checkpoints and GSM8K samples from the Hugging Face Hub, against a local stand-in for the Hub
+(tests/hubserver.py) with the real huggingface_hub client.
+
+Every command runs in a subprocess: huggingface_hub reads HF_ENDPOINT, HF_HOME, HF_HUB_OFFLINE,
+HF_TOKEN and its timeouts when it is imported."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import GSM8K_TEST, REPO_ROOT
+from tests.hubserver import FakeHub
+from wna16ctl.errors import UsageError
+from wna16ctl.hub import HubRef, parse_ref
+
+sys.path.insert(0, str(REPO_ROOT / "bench"))
+import synthetic_headers  # noqa: E402
+
+_HF_VARS = ("HF_TOKEN", "HF_HUB_OFFLINE", "HF_HUB_CACHE", "HF_ENDPOINT", "HF_HOME", "HUGGINGFACE_HUB_CACHE",
+            "WNA16CTL_SAMPLES", "WNA16CTL_SHARED", "HF_HUB_DOWNLOAD_TIMEOUT", "HF_HUB_ETAG_TIMEOUT")
+
+
+@pytest.fixture(scope="module")
+def hub():
+    h = FakeHub()
+    yield h
+    h.close()
+
+
+def wna16ctl(hub: FakeHub, hf_home: Path, *args: str, env: dict | None = None, pythonpath: Path | None = None,
+             cwd: Path | None = None) -> subprocess.CompletedProcess:
+    e = {k: v for k, v in os.environ.items() if k not in _HF_VARS}
+    e.update(HF_ENDPOINT=hub.url, HF_HOME=str(hf_home), HF_HUB_DISABLE_TELEMETRY="1", **(env or {}))
+    if pythonpath is not None:
+        e["PYTHONPATH"] = str(pythonpath)
+        e["WNA16CTL_KERNELS_DIR"] = str(REPO_ROOT / "kernels")
+    return subprocess.run([sys.executable, "-m", "wna16ctl", *args], capture_output=True, text=True, env=e,
+                          timeout=300, cwd=cwd)
+
+
+def one_error_line(res: subprocess.CompletedProcess) -> str:
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    assert res.stdout == "" and "Traceback" not in res.stderr
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, res.stderr
+    return lines[0]
+
+
+# ---- a Kimi-K2-sized checkpoint: headers only ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def kimi(tmp_path_factory) -> Path:
+    """61 layers, 384 experts, H 7168, 60 shards: ~550 GiB apparent, ~45 MB on disk (sparse)."""
+    return synthetic_headers.write(tmp_path_factory.mktemp("kimi") / "Kimi-K2")
+
+
+def test_kimi_sized_inspect_fetches_headers_only_and_equals_local(hub, kimi, tmp_path):
+    repo = hub.add("moonshotai/Kimi-K2-W4A16", kimi)
+    apparent = sum(p.stat().st_size for p in kimi.iterdir())
+    assert apparent > 500 << 30
+    local = wna16ctl(hub, tmp_path / "unused", "inspect", str(kimi), "--tp", "1,8", "--json")
+    assert local.returncode == 0, local.stderr
+    hf_home = tmp_path / "hf"
+
+    hub.reset_counts()
+    res = wna16ctl(hub, hf_home, "inspect", "moonshotai/Kimi-K2-W4A16", "--tp", "1,8", "--json")
+    assert res.returncode == 0, res.stderr
+    remote, expected = json.loads(res.stdout), json.loads(local.stdout)
+    assert remote.pop("source") == {"repo_id": "moonshotai/Kimi-K2-W4A16", "revision": "main", "commit": repo.commit}
+    snapshot = hf_home / "hub" / "models--moonshotai--Kimi-K2-W4A16" / "snapshots" / repo.commit
+    assert remote.pop("checkpoint") == str(snapshot)
+    expected.pop("checkpoint")
+    assert remote == expected
+    assert len(remote["layers"]) == 60
+    # config, index and 60 headers (~46 MB): far under 0.1 % of the apparent size
+    assert 0 < hub.bytes_served < apparent / 1000, (hub.bytes_served, apparent)
+    shard_gets = hub.range_gets()
+    assert shard_gets and all(rng is not None for _, _, rng in shard_gets)
+    assert {p.rsplit("/", 1)[1] for _, p, _ in shard_gets} == {p.name for p in kimi.glob("*.safetensors")}
+    assert not any(p.suffix == ".safetensors" for p in snapshot.iterdir())  # no shard was downloaded
+
+    hub.reset_counts()  # a second run offline answers from the cache without a request
+    res = wna16ctl(hub, hf_home, "inspect", "moonshotai/Kimi-K2-W4A16", "--tp", "1,8", "--json",
+                   env={"HF_HUB_OFFLINE": "1"})
+    assert res.returncode == 0, res.stderr
+    again = json.loads(res.stdout)
+    assert again.pop("source")["commit"] == repo.commit
+    again.pop("checkpoint")
+    assert again == expected
+    assert hub.requests == [] and hub.bytes_served == 0
+
+
+# ---- errors -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory) -> Path:
+    return synthetic_headers.write(tmp_path_factory.mktemp("small") / "ck", layers=3, experts=4, hidden=256,
+                                   inter=128, shards=3, vocab=64)
+
+
+@pytest.fixture(scope="module")
+def error_repos(hub, small):
+    hub.add("acme/small", small)
+    hub.add("acme/gated", small, access="gated", token="hf_allowed")
+    hub.add("acme/forbidden", small, access="forbidden")
+    hub.add("acme/private", small, access="private", token="hf_allowed")
+    hub.add("acme/slow", small, slow_suffix=".safetensors", delay=4.0)
+    return hub
+
+
+@pytest.mark.parametrize("arg,env,expect", [
+    ("acme/gated", {}, "set HF_TOKEN"),  # 401 GatedRepo
+    ("acme/gated", {"HF_TOKEN": "hf_wrong"}, "set HF_TOKEN"),  # 403 GatedRepo
+    ("acme/forbidden", {}, "HTTP 403"),
+    ("acme/private", {}, "set HF_TOKEN"),  # 401 RepoNotFound: not found, or private
+    ("acme/no-such-model", {}, "no such repository"),
+    ("acme/small@no-such-branch", {}, "no such revision"),
+    ("acme/slow", {"HF_HUB_DOWNLOAD_TIMEOUT": "1"}, "did not answer in time"),
+    ("acme/small", {"HF_HUB_OFFLINE": "1"}, "HF_HUB_OFFLINE"),  # nothing cached yet
+])
+def test_hub_errors_are_one_line_and_exit_2(error_repos, tmp_path, arg, env, expect):
+    line = one_error_line(wna16ctl(error_repos, tmp_path / "hf", "inspect", arg, "--json", env=env))
+    assert expect in line and arg.split("@")[0] in line
+    if "HTTP 403" in expect:
+        assert "HF_TOKEN" in line
+
+
+def test_token_opens_a_gated_repo_and_revision_option(error_repos, tmp_path):
+    res = wna16ctl(error_repos, tmp_path / "hf", "inspect", "acme/gated", "--tp", "1", "--json",
+                   env={"HF_TOKEN": "hf_allowed"})
+    assert res.returncode == 0, res.stderr
+    commit = error_repos.repos[("model", "acme/gated")].commit
+    assert json.loads(res.stdout)["source"] == {"repo_id": "acme/gated", "revision": "main", "commit": commit}
+    res = wna16ctl(error_repos, tmp_path / "hf", "inspect", "acme/small", "--revision", "no-such-tag", "--json")
+    assert "no such revision" in one_error_line(res)
+    small_commit = error_repos.repos[("model", "acme/small")].commit
+    res = wna16ctl(error_repos, tmp_path / "hf", "inspect", f"acme/small@{small_commit}", "--tp", "1", "--json")
+    assert res.returncode == 0 and json.loads(res.stdout)["source"]["revision"] == small_commit
+
+
+def test_parse_ref(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert parse_ref("org/name") == HubRef("org/name")
+    assert parse_ref("org/name@v1.0") == HubRef("org/name", "v1.0")
+    assert parse_ref("org/name", "dev") == HubRef("org/name", "dev")
+    assert parse_ref("org/name@refs/pr/3") == HubRef("org/name", "refs/pr/3")
+    (tmp_path / "org" / "name").mkdir(parents=True)
+    assert parse_ref("org/name") is None  # an existing directory is a local checkpoint
+    assert parse_ref("/abs/missing") is None and parse_ref("a/b/c") is None and parse_ref("x--/y") is None
+    for arg, rev in (("org/other@a", "b"), ("org/name", "main"), ("org/other@", None), ("a/b/c", "main")):
+        with pytest.raises(UsageError):
+            parse_ref(arg, rev)
+
+
+# ---- repack / verify from the Hub, GSM8K from the Hub ------------------------------------------------------
+
+
+def _gsm8k_dataset(root: Path, n: int = 16) -> Path:
+    """The dataset repo's layout with a parquet made at test time from the shared GSM8K questions."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    if not GSM8K_TEST.is_file():
+        pytest.skip(f"{GSM8K_TEST} not found")
+    rows = [json.loads(line) for _, line in zip(range(n), GSM8K_TEST.open(encoding="utf-8"))]
+    (root / "main").mkdir(parents=True)
+    table = pa.table({"question": [r["question"] for r in rows], "answer": [r["answer"] for r in rows]})
+    pq.write_table(table, root / "main" / "test-00000-of-00001.parquet")
+    return root
+
+
+def test_repack_verify_and_inspect_a_hub_repo_with_gsm8k_from_the_hub(hub, make_ckpt, tmp_path):
+    ck = make_ckpt(num_layers=1, num_experts=4, vocab_size=64)
+    hub.add("acme/tiny-moe", ck)
+    hub.add("openai/gsm8k", _gsm8k_dataset(tmp_path / "gsm8k"), repo_type="dataset")
+    # an installed copy of the package: no shared/ folder beside it, so the Hub is the last source
+    site = tmp_path / "site"
+    shutil.copytree(REPO_ROOT / "wna16ctl", site / "wna16ctl", ignore=shutil.ignore_patterns("__pycache__"))
+    hf_home, out = tmp_path / "hf", tmp_path / "tp2"
+
+    def run(*args: str, **kw) -> subprocess.CompletedProcess:  # noqa: ANN003
+        return wna16ctl(hub, kw.pop("hf_home", hf_home), *args, pythonpath=site, cwd=tmp_path, **kw)
+
+    res = run("repack", "acme/tiny-moe", "--tp", "2", "-o", str(out), "--json")
+    assert res.returncode == 0, res.stderr
+    snapshot = hf_home / "hub" / "models--acme--tiny-moe" / "snapshots" / hub.repos[("model", "acme/tiny-moe")].commit
+    assert {p.name for p in ck.iterdir()} <= {p.name for p in snapshot.iterdir()}
+
+    hub.reset_counts()
+    res = run("verify", "acme/tiny-moe", str(out), "--num-samples", "4", "--device", "cpu", "--json")
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    assert report["passed"] and report["samples"] == 4
+    assert any(m == "GET" and p.endswith("/main/test-00000-of-00001.parquet") for m, p, _ in hub.requests)
+
+    gsm8k = hf_home / "hub" / "datasets--openai--gsm8k" / "snapshots" / hub.repos[("dataset", "openai/gsm8k")].commit
+    assert (gsm8k / "main" / "test-00000-of-00001.parquet").is_file()  # in the Hugging Face cache
+
+    hub.reset_counts()  # the repository is cached now: inspect reads its headers from disk
+    res = run("inspect", "acme/tiny-moe", "--tp", "2", "--json")
+    assert res.returncode == 0, res.stderr
+    assert hub.range_gets() == []
+    local = wna16ctl(hub, hf_home, "inspect", str(snapshot), "--tp", "2", "--json")
+    doc = json.loads(res.stdout)
+    assert doc.pop("source")["repo_id"] == "acme/tiny-moe"
+    assert doc == json.loads(local.stdout)
+
+
+
+def test_gsm8k_offline_and_not_cached_names_the_other_sources(hub, tmp_path):
+    # verify's last sample source, called as default_samples() calls it (without importing torch)
+    code = ("from wna16ctl.errors import BadInput\nfrom wna16ctl.hub import gsm8k_test_file\n"
+            "try:\n    gsm8k_test_file()\nexcept BadInput as e:\n    print(e.message)\n")
+    e = {k: v for k, v in os.environ.items() if k not in _HF_VARS}
+    e.update(HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=120)
+    assert res.returncode == 0 and len(res.stdout.splitlines()) == 1, (res.stdout, res.stderr)
+    for word in ("no GSM8K samples", "--samples", "WNA16CTL_SHARED", "HF_HUB_OFFLINE", "openai/gsm8k"):
+        assert word in res.stdout
+
+
+def test_parquet_samples_file(tmp_path):
+    root = _gsm8k_dataset(tmp_path / "d", n=5)
+    from wna16ctl.activations import load_questions
+
+    qs = load_questions(root / "main" / "test-00000-of-00001.parquet", 3)
+    first = [json.loads(line)["question"] for _, line in zip(range(3), GSM8K_TEST.open(encoding="utf-8"))]
+    assert qs == first
+
+
+def test_entries_of_shards_scanned_by_the_worker_come_from_the_hub_headers(hub, tmp_path):
+    # 12 shards: the scan is split over two processes; the parent re-reads a worker shard's
+    # entries on demand through the Hub header source (the shard itself is not on disk)
+    ck = synthetic_headers.write(tmp_path / "ck", layers=9, experts=16, hidden=512, inter=256, shards=12, vocab=128)
+    hub.add("acme/twelve", ck)
+    code = ("from wna16ctl.hub import HubRef, open_hub_checkpoint;"
+            "ck = open_hub_checkpoint(HubRef('acme/twelve'));"
+            "print(ck.files.info('lm_head.weight').shape, ck.files.raw('model.norm.weight')['shape'],"
+            " ck.files.shard_of('lm_head.weight').path.exists())")
+    e = {k: v for k, v in os.environ.items() if k not in _HF_VARS and k != "WNA16CTL_NO_FORK"}
+    e.update(HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path / "hf"))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["(128,", "512)", "[512]", "False"]
+
+
+def test_a_server_that_ignores_range_costs_a_header_not_the_shard(hub, tmp_path):
+    # headers over the first request's 100 kB: the second request skips what the first one read
+    ck = synthetic_headers.write(tmp_path / "ck", layers=3, experts=128, hidden=2048, inter=512, shards=2, vocab=128)
+    for p in ck.glob("*.safetensors"):
+        with p.open("rb") as f:
+            assert int.from_bytes(f.read(8), "little") > 100_000
+    hub.add("acme/no-ranges", ck, ignore_range=True)
+    apparent = sum(p.stat().st_size for p in ck.glob("*.safetensors"))
+    hub.reset_counts()
+    res = wna16ctl(hub, tmp_path / "hf", "inspect", "acme/no-ranges", "--tp", "1", "--json")
+    assert len(hub.range_gets()) == 4
+    local = wna16ctl(hub, tmp_path / "hf", "inspect", str(ck), "--tp", "1", "--json")
+    assert res.returncode == local.returncode, res.stderr
+    doc, expected = json.loads(res.stdout), json.loads(local.stdout)
+    doc.pop("source"), doc.pop("checkpoint"), expected.pop("checkpoint")
+    assert doc == expected
+    assert hub.bytes_served < apparent / 20, (hub.bytes_served, apparent)
+
+
+def test_single_file_repo_without_index(hub, tmp_path):
+    from tests.rawckpt import write_raw_checkpoint
+
+    ck = write_raw_checkpoint(tmp_path / "ck", hidden=256, intermediate=128, group_size=64)
+    hub.add("acme/single", ck)
+    local = wna16ctl(hub, tmp_path / "hf", "inspect", str(ck), "--tp", "1,2", "--json")
+    assert local.returncode == 0, local.stderr
+    expected = json.loads(local.stdout)
+    expected.pop("checkpoint")
+    for env in ({}, {"HF_HUB_OFFLINE": "1"}):  # online; then offline from the cache (the index's absence too)
+        res = wna16ctl(hub, tmp_path / "hf", "inspect", "acme/single", "--tp", "1,2", "--json", env=env)
+        assert res.returncode == 0, res.stderr
+        doc = json.loads(res.stdout)
+        doc.pop("source"), doc.pop("checkpoint")
+        assert doc == expected
+    hub.add("acme/empty", tmp_path / "empty-repo")
+    (tmp_path / "empty-repo").mkdir()
+    (tmp_path / "empty-repo" / "config.json").write_text((ck / "config.json").read_text())
+    line = one_error_line(wna16ctl(hub, tmp_path / "hf", "inspect", "acme/empty", "--json"))
+    assert "acme/empty" in line and "neither model.safetensors.index.json nor model.safetensors" in line
