@@ -8,7 +8,9 @@ from typing import Any
 
 from wna16ctl import __version__
 from wna16ctl.checkpoint import Checkpoint, open_checkpoint
+from wna16ctl.checkpoint.gidx import gate_up_g_idx_mismatch
 from wna16ctl.plan import LayerPlan, plan_layer
+from wna16ctl.tpsizes import check_tp_sizes
 
 
 @dataclass
@@ -58,5 +60,12 @@ class Inspection:
 
 def inspect_checkpoint(path: str | os.PathLike[str], tps: tuple[int, ...] = (1,), ep: bool = False) -> Inspection:
     ck = open_checkpoint(path)
+    check_tp_sizes(ck.quantized_layers, tps, ep)
     plans = {lay.prefix: [plan_layer(lay, tp, ep) for tp in tps] for lay in ck.layers}
+    for lay in ck.quantized_layers:
+        # data-level rule (reads the small g_idx vectors): the same check repack refuses with
+        problem = gate_up_g_idx_mismatch(ck.files, lay)
+        if problem is not None:
+            for p in plans[lay.prefix]:
+                p.errors.append(problem)
     return Inspection(checkpoint=ck, tps=tuple(tps), ep=ep, plans=plans)
