@@ -101,18 +101,12 @@ def inspect(ctx: click.Context, ckpt: str, tp: str, ep: bool, json_mode: bool, d
 
 
 def _parse_size(value: str) -> int:
-    units = {"": 1, "B": 1, "K": 1 << 10, "KB": 10**3, "KIB": 1 << 10, "M": 1 << 20, "MB": 10**6, "MIB": 1 << 20,
-             "G": 1 << 30, "GB": 10**9, "GIB": 1 << 30, "T": 1 << 40, "TB": 10**12, "TIB": 1 << 40}
-    text = value.strip().upper()
-    num = text.rstrip("KMGTIB")
-    unit = text[len(num):]
+    from wna16ctl.output import parse_size
+
     try:
-        n = float(num) * units[unit]
-    except (ValueError, KeyError):
-        raise click.BadParameter(f"{value!r} is not a size (e.g. 4GiB, 500MB)") from None
-    if n < 1:
-        raise click.BadParameter("size must be positive")
-    return int(n)
+        return parse_size(value)
+    except UsageError as e:
+        raise click.BadParameter(e.message) from None
 
 
 @cli.command(short_help="Write CKPT's experts per rank in the kernel layout, with a manifest.")

@@ -146,6 +146,26 @@ def human_bytes(n: int) -> str:
     return f"{n} B"
 
 
+def parse_size(value: str | int) -> int:
+    """'4GiB' / '500MB' / '4096' -> bytes (K/M/G/T alone are binary, like the rest of the output)."""
+    from wna16ctl.errors import UsageError
+
+    if isinstance(value, int) and not isinstance(value, bool):
+        n: float = value
+    else:
+        units = {"": 1, "B": 1, "K": 1 << 10, "KB": 10**3, "KIB": 1 << 10, "M": 1 << 20, "MB": 10**6, "MIB": 1 << 20,
+                 "G": 1 << 30, "GB": 10**9, "GIB": 1 << 30, "T": 1 << 40, "TB": 10**12, "TIB": 1 << 40}
+        text = str(value).strip().upper()
+        num = text.rstrip("KMGTIB")
+        try:
+            n = float(num) * units[text[len(num):]]
+        except (ValueError, KeyError):
+            raise UsageError(f"{value!r} is not a size (e.g. 4GiB, 500MB)") from None
+    if n < 1:
+        raise UsageError(f"{value!r}: size must be positive")
+    return int(n)
+
+
 def plural(n: int, word: str, plural_form: str | None = None) -> str:
     """'1 file', '2 files', '1 directory', '2 directories'."""
     return f"{n} {word if n == 1 else (plural_form or word + 's')}"

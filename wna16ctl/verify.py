@@ -594,12 +594,8 @@ def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: li
     total_err = sum_err + u * (y_ref.abs() + sum_err) + n_ranks * 2.0**-24 * part_c.abs().sum(0)
     err = (y_c - y_ref).abs()
     ratio = err / total_err.clamp_min(1e-30)
-    # norms and the cosine over millions of elements in float64: fp32 sums drift past 1.0
-    c64, r64 = y_c.double().reshape(-1), y_ref.double().reshape(-1)
-    rel = float((c64 - r64).norm() / r64.norm())
-    c_norm = float(c64.norm())
-    cos = float(c64 @ r64) / (c_norm * float(r64.norm())) if c_norm else 0.0
-    row.max_abs_error, row.rel_l2_error, row.cosine = float(err.max()), rel, min(1.0, max(-1.0, cos))
+    rel, cos = agreement(y_c, y_ref)
+    row.max_abs_error, row.rel_l2_error, row.cosine = float(err.max()), rel, cos
     row.max_error_over_bound, row.violations = float(ratio.max()), int((err > total_err).sum())
     row.rel_l2_limit = ROUNDINGS**0.5 * u
     why = []
@@ -614,6 +610,16 @@ def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: li
         row.reason = f"{missing} expert{'s' if missing != 1 else ''} not exercised by any token"
     else:
         row.status = PASS
+
+
+def agreement(candidate: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
+    """(relative L2 error, cosine similarity) of two outputs, summed in float64: over millions of
+    elements fp32 sums drift enough to print a cosine above 1.  The reference must not be zero."""
+    c64, r64 = candidate.double().reshape(-1), reference.double().reshape(-1)
+    r_norm, c_norm = float(r64.norm()), float(c64.norm())
+    rel = float((c64 - r64).norm()) / r_norm
+    cos = float(c64 @ r64) / (c_norm * r_norm) if c_norm else 0.0
+    return rel, min(1.0, max(-1.0, cos))
 
 
 def _expert_numerics(x: torch.Tensor, x_c: torch.Tensor, w: torch.Tensor, tok: torch.Tensor,
