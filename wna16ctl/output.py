@@ -178,7 +178,7 @@ def simple_table(title: str, columns: list[str], console: "Console | None" = Non
 
     plain = console is not None and not console.is_terminal
     table = Table(title=title, title_justify="left", show_lines=False, header_style="bold",
-                  box=None if plain else box.HEAVY_HEAD, show_edge=not plain, pad_edge=not plain)
+                  box=None if plain else box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
     for c in columns:
         table.add_column(c)
     return table

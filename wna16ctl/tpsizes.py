@@ -29,10 +29,7 @@ def parse_tp_list(value: str | int | Iterable[int], *, single: bool = False) -> 
         items = list(value)
     sizes: list[int] = []
     for x in items:
-        try:
-            n = int(x) if not isinstance(x, bool) and str(x).lstrip("+").isdigit() else None  # type: ignore[arg-type]
-        except (TypeError, ValueError):
-            n = None
+        n = int(str(x)) if not isinstance(x, bool) and str(x).isdigit() else None
         if n is None or n < 1:
             raise UsageError(f"--tp {x!s}: not a positive integer; TP sizes are whole numbers >= 1, e.g. 1,2,4,8")
         if n > MAX_TP:
