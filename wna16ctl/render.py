@@ -69,6 +69,7 @@ def render_inspection(console: Console, insp: Inspection) -> None:
         ["layers", "scheme", "TP", "I/rank", "backend", "w2 scales", "k full", "bytes/rank", "status"],
         console,
     )
+    table.columns[0].overflow = "fold"
     for col in table.columns[2:]:
         col.no_wrap = True
     # notes: (layer span, text) -> the TP sizes it applies to, in first-seen order
@@ -129,6 +130,7 @@ def render_repack_plan(console: Console, plan) -> None:  # noqa: ANN001 - Repack
         row = (j.layout, p.quant_type or "", str(p.intermediate_size_per_partition), str(j.specs[0].padded_intermediate),
                "full" if p.w2.load_full_w2 else "sharded", "yes" if p.w2.is_k_full else "no")
         rows.setdefault(row, []).append(j.layer)
+    table.columns[0].overflow = "fold"
     for row, members in rows.items():
         table.add_row(escape(_layer_span([m.layer_index for m in members], [m.prefix for m in members])), *row)
     console.print(table)
@@ -194,5 +196,8 @@ def render_verify(console: Console, report) -> None:  # noqa: ANN001 - VerifyRep
             table.add_row(escape(n.layer), f"{n.tokens} (+{n.forced_tokens} forced)" if n.forced_tokens else str(n.tokens),
                           f"{n.experts_exercised}/{n.num_experts}", _num(n.max_abs_error, ".3g"), _num(n.rel_l2_error, ".3g"),
                           _num(n.cosine, ".6f"), _num(n.max_error_over_bound, ".3f"), result)
+        table.columns[0].overflow = "fold"  # a layer name is the key of the row: wrap it, never cut it
+        for col in table.columns[1:7]:
+            col.no_wrap = True
         console.print(table)
     console.print("verdict: " + ("[bold green]verified[/]" if report.passed else "[bold red]NOT verified[/]"))

@@ -314,3 +314,25 @@ def test_inspect_reports_differing_gate_up_g_idx_like_repack(tmp_path):
     assert "gate_proj.weight_g_idx and" in err and "up_proj.weight_g_idx differ" in err
     repack_line = one_error_line(invoke("repack", ck, "--tp", "1", "--dry-run"), 1)
     assert err in repack_line  # the one check, the same words
+
+
+def test_progress_bars_draw_on_a_terminal(monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    from wna16ctl.output import Sink
+
+    sink = Sink()
+    buffer = io.StringIO()
+    monkeypatch.setattr(Sink, "progress_enabled", lambda self: True)
+    sink.__dict__["err"] = Console(file=buffer, force_terminal=True, width=100)
+    with sink.tasks() as start:
+        advance = start("hashing output files", 3 << 20, unit="bytes")
+        advance(3 << 20)
+        step = start("round trip and numerics", 4, unit="experts")
+        for _ in range(4):
+            step(1)
+    text = buffer.getvalue()
+    assert "hashing output files" in text and "MiB" in text and "experts" in text
+    assert " MB" not in text and "MB/s" not in text.replace("MiB/s", "")
