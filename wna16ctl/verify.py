@@ -1,6 +1,8 @@
 """`verify`: prove a repack output equals its source.
 
-Three independent checks, all run (a failure in one does not hide the others):
+Three independent checks (a failure in one does not hide the others).  Each is a `Check` that
+starts as `not run` and becomes `pass` or `FAIL` only once it ran to its end; a check whose input
+is missing stays `not run` with the reason, and the verdict needs every required check to pass:
 
 1. manifest — the output was made from this checkpoint (fingerprint), every file is the one the
    manifest hashed, and the settings and per-layer plan are what the planner gives today;
