@@ -157,7 +157,7 @@ def repack(ctx: click.Context, ckpt: str, tp: str, ep: bool, layout: str, out: s
             return EXIT_OK
         with sink.tasks() as progress:
             result = run_repack(plan, out, force=force, resume=resume, progress=progress, device=device,
-                                notice=sink.warn)
+                                notice=lambda message: sink.warn(message, always=True))
         sink.result(result.to_json(), lambda console: render_repack_result(console, plan, result))
         return EXIT_OK
 

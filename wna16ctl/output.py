@@ -45,8 +45,9 @@ class Sink:
             render(self.out)
 
     # diagnostics ---------------------------------------------------------------------------
-    def warn(self, message: str) -> None:
-        if not self.quiet:
+    def warn(self, message: str, *, always: bool = False) -> None:
+        """A warning on stderr; `--quiet` hides it unless `always` (something was deleted, ...)."""
+        if always or not self.quiet:
             self.err.print(f"[yellow]warning:[/] {_escape(message)}")
 
     def info(self, message: str) -> None:
@@ -178,7 +179,7 @@ def simple_table(title: str, columns: list[str], console: "Console | None" = Non
 
     plain = console is not None and not console.is_terminal
     table = Table(title=title, title_justify="left", show_lines=False, header_style="bold",
-                  box=None if plain else box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
+                  box=None if plain else box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=not plain)
     for c in columns:
         table.add_column(c)
     return table

@@ -256,7 +256,7 @@ def test_discarded_staging_directory_is_announced(make_ckpt, tmp_path, monkeypat
     stage = tmp_path / ".out.wna16ctl-partial"
     assert stage.is_dir()
     monkeypatch.setattr(repack_mod, "build_rank_tensors", real)
-    res = invoke("repack", ck, "--tp", "1", "-o", out)
+    res = invoke("repack", ck, "--tp", "1", "-o", out, "-q")  # announced even when quiet
     assert res.exit_code == 0, res.output
     assert "discarded" in res.stderr and str(stage) in res.stderr and "--resume" in res.stderr
     quiet = invoke("repack", ck, "--tp", "1", "-o", out, "--force")  # nothing to discard now
