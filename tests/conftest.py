@@ -14,11 +14,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def _shared_dir() -> Path:
-    # the repository is checked out beside shared/; $WNA16CTL_SHARED covers other layouts
-    beside_repo = REPO_ROOT.parent / "shared"
-    if beside_repo.is_dir() or "WNA16CTL_SHARED" not in os.environ:
-        return beside_repo
-    return Path(os.environ["WNA16CTL_SHARED"])
+    # $WNA16CTL_SHARED when set (an override, as in the package), else shared/ beside the repository
+    if "WNA16CTL_SHARED" in os.environ:
+        return Path(os.environ["WNA16CTL_SHARED"])
+    return REPO_ROOT.parent / "shared"
 
 
 SHARED_DIR = _shared_dir()

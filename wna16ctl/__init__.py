@@ -1,3 +1,145 @@
-"""wna16ctl: inspect, repack and verify WNA16 (int4/int8 weight-only) compressed-tensors MoE checkpoints."""
+"""wna16ctl: inspect, repack and verify WNA16 (int4/int8 weight-only) compressed-tensors MoE checkpoints.
+
+The Python API mirrors the commands, with the same defaults:
+
+    import wna16ctl
+
+    insp = wna16ctl.inspect("/models/ckpt", tp="1,2,4")     # -> Inspection (insp.to_json() = inspect --json)
+    result = wna16ctl.repack("/models/ckpt", "/fast/tp2", tp=2)   # -> RepackResult
+    report = wna16ctl.verify("/models/ckpt", "/fast/tp2")    # -> VerifyReport (report.passed)
+
+Errors are `wna16ctl.errors.WnaError` subclasses carrying the one-line message the CLI prints.
+Everything heavy (torch, compressed-tensors) is imported on the first call, so `import wna16ctl`
+stays cheap.  See docs/python-api.md.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from wna16ctl.inspection import Inspection
+    from wna16ctl.repack import RepackPlan, RepackResult
+    from wna16ctl.verify import VerifyReport
+
+__all__ = ["inspect", "repack", "verify", "__version__", "Inspection", "RepackPlan", "RepackResult", "VerifyReport"]
+
+PathLike = str | os.PathLike  # a checkpoint or output directory
+TpSizes = int | str | Iterable[int]
+
+
+def inspect(path: PathLike, tp: TpSizes = "1,2,4,8", ep: bool = False, *, vllm: str = "installed", gpu: str = "sm90",
+            revision: str | None = None) -> Inspection:
+    """Plan every MoE layer of the checkpoint at `path` for each TP size (headers only, no GPU).
+
+    `path`: a checkpoint directory or a Hub repo id `ORG/NAME[@REVISION]` (`revision` says the same).
+    `tp`: one size, a comma-separated string (`"1,2,4"`) or a sequence; duplicates are dropped.
+    `ep`: expert parallelism (MoE TP 1, experts split across the ranks).
+    `vllm`: the release whose rules apply (`"0.33.0"`, `"latest"`, `"installed"` = the vllm package
+    here, else the newest known; `"all"` plans every known release into `.versions`).
+    `gpu`: the GPU architecture (`"sm80"`, `"sm90"`, ...): backend priority depends on it.
+    Returns the `Inspection` whose `to_json()` is `wna16ctl inspect --json` (docs/inspect-json.md);
+    `.loadable` is the exit-0 condition.  Raises `BadInput`/`UsageError` on unusable input.
+    """
+    from wna16ctl.inspection import inspect_checkpoint
+    from wna16ctl.tpsizes import parse_tp_list
+
+    return inspect_checkpoint(path, parse_tp_list(tp), ep, vllm=vllm, gpu=gpu, revision=revision)
+
+
+def repack(path: PathLike, out: PathLike | None, tp: int | str, *, ep: bool = False, layout: str = "auto",
+           max_shard_size: int | str = "4GiB", dry_run: bool = False, resume: bool = False, force: bool = False,
+           device: str = "auto", vllm: str = "installed", gpu: str = "sm90",
+           progress: Callable[..., Callable[[int], None]] | None = None,
+           notice: Callable[[str], None] | None = None) -> RepackResult | RepackPlan:
+    """Write the checkpoint's experts per rank in the kernel layout into `out`, with a manifest.
+
+    Same options and defaults as `wna16ctl repack` (`layout` auto|marlin|transposed, `device`
+    auto|cpu|cuda, `max_shard_size` bytes or "4GiB").  With `dry_run` nothing is written and the
+    `RepackPlan` is returned (`to_json()` = `repack --dry-run --json`); otherwise the
+    `RepackResult` (`to_json()` = `repack --json`, docs/repack-json.md).  `vllm` and `gpu` as for
+    `inspect` (not `"all"`): the plan follows that release and the manifest records it.  `progress` and `notice`
+    receive what the CLI shows on stderr (see `wna16ctl.output.Sink.tasks`).  A layer that cannot
+    be produced raises `NotLoadable` before anything is written.
+    """
+    from wna16ctl.errors import UsageError
+    from wna16ctl.inspection import resolve
+    from wna16ctl.output import parse_size
+    from wna16ctl.repack import RepackSettings, plan_repack, run_repack
+    from wna16ctl.tpsizes import parse_tp_list
+
+    (n_ranks,) = parse_tp_list(tp, single=True)
+    if force and resume:
+        raise UsageError("force and resume exclude each other")
+    engine = resolve(vllm, gpu)
+    if vllm == "all":
+        raise UsageError("repack plans for one vLLM release: pass a version, 'installed' or 'latest'")
+    plan = plan_repack(path, RepackSettings(tp=n_ranks, ep=ep, layout=layout, max_shard_bytes=parse_size(max_shard_size),
+                                            vllm=engine.version, gpu=gpu))
+    if dry_run:
+        return plan
+    if out is None:
+        raise UsageError("an output directory is required (or pass dry_run=True)")
+    return run_repack(plan, out, force=force, resume=resume, progress=progress, device=device, notice=notice)
+
+
+def verify(path: PathLike, out: PathLike, *, samples: PathLike | None = None, num_samples: int = 64, device: str = "auto",
+           progress: Callable[..., Callable[[int], None]] | None = None) -> VerifyReport:
+    """Prove that `out` (a repack output) equals the checkpoint at `path`.
+
+    `samples`: a .jsonl or .parquet file with a 'question' field; by default GSM8K's test split
+    from `$WNA16CTL_SHARED` or the `shared/` folder beside the repository (docs/verify.md).
+    Returns the `VerifyReport` (`to_json()` = `verify --json`, docs/verify-json.md); `.passed`
+    is true only when every required check ran and passed.  Raises `BadInput` on unusable input.
+    """
+    from wna16ctl.verify import verify_output
+
+    return verify_output(path, out, samples=samples, num_samples=num_samples, device=device, progress=progress)
+
+
+# `wna16ctl.repack` and `wna16ctl.verify` are also the implementation modules' names.  Importing a
+# submodule sets it as an attribute of the package, which would hide the function; so such a
+# submodule becomes callable instead: `import wna16ctl.repack` still gives the module, and
+# `wna16ctl.repack(...)` is the function above either way.
+_API = {"repack": repack, "verify": verify}
+
+
+class _CallableModule(types.ModuleType):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _API[self.__name__.rpartition(".")[2]](*args, **kwargs)
+
+
+class _Package(types.ModuleType):
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _API and isinstance(value, types.ModuleType) and not isinstance(value, _CallableModule):
+            value.__class__ = _CallableModule
+            value.__signature__ = _signature(_API[name])  # type: ignore[attr-defined]
+        super().__setattr__(name, value)
+
+
+def _signature(fn: Callable[..., Any]) -> Any:
+    import inspect as pyinspect
+
+    return pyinspect.signature(fn)
+
+
+sys.modules[__name__].__class__ = _Package
+for _name in _API:  # submodules imported before this point (none in practice)
+    if f"{__name__}.{_name}" in sys.modules:
+        setattr(sys.modules[__name__], _name, sys.modules[f"{__name__}.{_name}"])
+
+_TYPES = {"Inspection": "wna16ctl.inspection", "RepackPlan": "wna16ctl.repack", "RepackResult": "wna16ctl.repack",
+          "VerifyReport": "wna16ctl.verify"}
+
+
+def __getattr__(name: str) -> Any:  # the result types, imported on first use
+    if name in _TYPES:
+        import importlib
+
+        return getattr(importlib.import_module(_TYPES[name]), name)
+    raise AttributeError(f"module 'wna16ctl' has no attribute {name!r}")

@@ -24,32 +24,73 @@ from wna16ctl.errors import BadInput
 MAX_TOKENS_PER_SAMPLE = 64
 
 
-SAMPLES_ENV = "WNA16CTL_SAMPLES"
+SHARED_ENV = "WNA16CTL_SHARED"
+GSM8K_TEST = Path("data") / "gsm8k" / "test.jsonl"  # inside a shared data folder
 _DATASET_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
-def default_samples() -> Path:
-    """GSM8K's test split: $WNA16CTL_SAMPLES, else the shared data folder beside the project, else
-    the `openai/gsm8k` dataset on the Hub (a cached parquet file; see `wna16ctl.hub`)."""
-    if os.environ.get(SAMPLES_ENV):
-        return Path(os.environ[SAMPLES_ENV])
-    from wna16ctl.demo import shared_data_dir
+def repository_shared_dir() -> Path | None:
+    """The `shared/` folder beside the repository this package runs from (a checkout, not a
+    wheel install: there the folder beside site-packages means nothing)."""
+    repo = Path(__file__).resolve().parents[1]
+    if not (repo / "pyproject.toml").is_file() or not (repo / "wna16ctl" / "__init__.py").is_file():
+        return None
+    shared = repo.parent / "shared"
+    return shared if shared.is_dir() else None
 
-    path = shared_data_dir() / "data" / "gsm8k" / "test.jsonl"
-    if not path.is_file():
-        from wna16ctl.hub import gsm8k_test_file
 
-        return gsm8k_test_file()  # last: the Hub's openai/gsm8k test split (cached)
-    return path
+def resolve_samples(samples: str | os.PathLike[str] | None) -> str | os.PathLike[str]:
+    """Where verify's questions come from, first match wins:
+
+    1. `samples` (`--samples FILE`: .jsonl or .parquet with a 'question' field);
+    2. `$WNA16CTL_SHARED/data/gsm8k/test.jsonl`: an override, so a path without it is an error;
+    3. `data/gsm8k/test.jsonl` in the `shared/` folder beside the repository;
+    4. the test split of the `openai/gsm8k` dataset on the Hub (a cached parquet file); offline and
+       not cached, one line naming the other ways.
+    """
+    if samples is not None:
+        return samples
+    env = os.environ.get(SHARED_ENV)
+    if env is not None:
+        root = Path(env)
+        if not root.is_dir():
+            raise BadInput(f"{SHARED_ENV}={env}: no such directory; point it at a folder holding {GSM8K_TEST}, "
+                           "unset it, or pass --samples FILE")
+        path = root / GSM8K_TEST
+        if not path.is_file():
+            raise BadInput(f"{path}: missing ({SHARED_ENV}={env}); pass --samples FILE or fix {SHARED_ENV}")
+        return path
+    shared = repository_shared_dir()
+    if shared is not None and (shared / GSM8K_TEST).is_file():
+        return shared / GSM8K_TEST
+    from wna16ctl.hub import gsm8k_test_file
+
+    return gsm8k_test_file()
+
+
+def _parquet_questions(path: Path, num_samples: int) -> list[str]:
+    try:
+        import pyarrow.parquet as pq  # type: ignore[import-not-found]
+    except ImportError:
+        raise BadInput(f"{path}: reading .parquet needs pyarrow (pip install 'wna16ctl[parquet]'), "
+                       "or pass a .jsonl file") from None
+    try:
+        table = pq.read_table(path, columns=["question"])
+    except Exception as e:  # not parquet, no such column, ...
+        raise BadInput(f"{path}: cannot read a 'question' column ({type(e).__name__}: {e})") from None
+    out = table.column("question").to_pylist()[:num_samples]
+    if not out:
+        raise BadInput(f"{path}: no samples")
+    if not all(isinstance(q, str) for q in out):
+        raise BadInput(f"{path}: the 'question' column is not text")
+    return out
 
 
 def load_questions(samples: str | os.PathLike[str], num_samples: int) -> list[str]:
-    """`question` fields of a JSON-lines file, or of a Hugging Face dataset id (needs `datasets`)."""
+    """`question` fields of a JSON-lines or parquet file, or of a Hugging Face dataset id (needs `datasets`)."""
     path = Path(samples)
     if path.is_file() and path.suffix == ".parquet":
-        from wna16ctl.hub import parquet_questions
-
-        return parquet_questions(path, num_samples)
+        return _parquet_questions(path, num_samples)
     if path.is_file():
         out: list[str] = []
         with path.open(encoding="utf-8") as f:
@@ -81,7 +122,7 @@ def load_questions(samples: str | os.PathLike[str], num_samples: int) -> list[st
         except Exception as e:  # offline, unknown id, ...
             raise BadInput(f"{samples}: cannot load as a dataset ({type(e).__name__}: {e})") from None
         return [r["question"] for r in ds.select(range(min(num_samples, len(ds))))]
-    raise BadInput(f"{samples}: no such file; pass a JSON-lines file with a 'question' field")
+    raise BadInput(f"{samples}: no such file; pass a .jsonl or .parquet file with a 'question' field")
 
 
 def tokenize(ck: Checkpoint, texts: list[str], vocab_size: int) -> tuple[list[list[int]], str]:

@@ -19,35 +19,26 @@ from wna16ctl.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, UsageError, Wn
 from wna16ctl.output import Sink
 
 
-def _parse_tp(value: str) -> tuple[int, ...]:
-    try:
-        tps = tuple(int(x) for x in value.split(",") if x.strip())
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is not a comma-separated list of integers (e.g. 1,2,4,8)") from None
-    if not tps or any(t < 1 for t in tps):
-        raise click.BadParameter("TP sizes must be positive integers")
-    return tps
+def _run(ctx: click.Context, sink: Sink, body: Callable[[], int], *, interrupted: str,
+         fast_exit: bool = False) -> NoReturn:
+    """Run a command body; map library errors to one stderr line and an exit code.
 
-
-def _run(ctx: click.Context, sink: Sink, body: Callable[[], int], *, fast_exit: bool = False) -> NoReturn:
-    """Run a command body; map library errors to one stderr line and an exit code."""
-    debug = ctx.find_root().params.get("debug", False)
+    `--debug` (before or after the sub-command) adds the traceback on stderr; the exit code is
+    the same with and without it.  `interrupted` is this command's Ctrl-C message."""
+    debug = bool(ctx.find_root().params.get("debug") or ctx.params.get("debug"))
     try:
         code = body()
     except WnaError as e:
-        if debug:
-            raise
+        _traceback(debug)
         sink.error(e.message, e.hint)
         code = e.exit_code
     except KeyboardInterrupt:
-        if debug:
-            raise
-        sink.error("interrupted; no output was committed (repack keeps its staging directory for --resume)")
+        _traceback(debug)
+        sink.error(f"interrupted; {interrupted}")
         code = 130
     except Exception as e:  # a bug: say so in one line, full traceback only with --debug
-        if debug:
-            raise
-        sink.error(f"internal error: {type(e).__name__}: {e}", "rerun with --debug for the traceback and report it")
+        _traceback(debug)
+        sink.error(f"internal error: {type(e).__name__}: {e}", None if debug else "rerun with --debug for the traceback and report it")
         code = EXIT_BAD_INPUT
     if fast_exit and ctx.find_root().info_name == "wna16ctl" and sys.argv[0].endswith(("wna16ctl", "__main__.py")):
         # A real process (not a test runner): skip freeing ~10^6 header objects at interpreter
@@ -59,9 +50,28 @@ def _run(ctx: click.Context, sink: Sink, body: Callable[[], int], *, fast_exit: 
     raise AssertionError("unreachable")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def _traceback(debug: bool) -> None:
+    if debug:
+        import traceback
+
+        traceback.print_exc(file=sys.stderr)
+        sys.stderr.flush()
+
+
+def _debug_option(f: Callable) -> Callable:
+    """`--debug` on every sub-command too, so it works wherever it is typed."""
+    return click.option("--debug", is_flag=True, help="Show the traceback of an error (the exit code stays the same).")(f)
+
+
+def _tps(value: str, *, single: bool = False) -> tuple[int, ...]:
+    from wna16ctl.tpsizes import parse_tp_list
+
+    return parse_tp_list(value, single=single)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="wna16ctl")
-@click.option("--debug", is_flag=True, help="Show tracebacks for errors.")
+@click.option("--debug", is_flag=True, help="Show the traceback of an error (the exit code stays the same).")
 def cli(debug: bool) -> None:
     """Inspect, repack and verify int4/int8 weight-only (WNA16) compressed-tensors MoE checkpoints."""
 
@@ -84,7 +94,7 @@ _REVISION = click.option("--revision", default=None, metavar="REV",
                          help="Branch, tag or commit when CKPT is a Hub repo id (same as ORG/NAME@REV).")
 
 
-@cli.command()
+@cli.command(short_help="Whether and how CKPT loads per MoE layer and TP size.")
 @click.argument("ckpt", type=click.Path(file_okay=False, path_type=str))
 @click.option("--tp", "tp", default="1,2,4,8", show_default=True, help="Tensor-parallel sizes to plan, comma-separated.")
 @click.option("--ep", is_flag=True, help="Expert parallelism: MoE TP is 1 and experts are split across the ranks.")
@@ -92,21 +102,21 @@ _REVISION = click.option("--revision", default=None, metavar="REV",
 @_gpu_option()
 @click.option("--json", "json_mode", is_flag=True, help="Print one JSON object (schema: docs/inspect-json.md).")
 @_REVISION
+@_debug_option
 @click.pass_context
 def inspect(ctx: click.Context, ckpt: str, tp: str, ep: bool, vllm: str, gpu: str, json_mode: bool,
-            revision: str | None) -> None:
+            revision: str | None, debug: bool) -> None:
     """Decide per MoE layer and TP size whether and how CKPT loads (headers only, no GPU).
 
     CKPT is a checkpoint directory or a Hugging Face Hub repo id ORG/NAME[@REVISION]; from the
     Hub only config.json, the index and the shard headers are fetched (byte ranges, cached)."""
     sink = Sink(json_mode=json_mode)
-    tps = _parse_tp(tp)
 
     def body() -> int:
         from wna16ctl.inspection import inspect_checkpoint
         from wna16ctl.render import render_inspection, render_release_matrix
 
-        insp = inspect_checkpoint(ckpt, tps, ep, vllm=vllm, gpu=gpu, revision=revision)
+        insp = inspect_checkpoint(ckpt, _tps(tp), ep, vllm=vllm, gpu=gpu, revision=revision)
         if insp.engine.note and insp.engine.source != "default":
             sink.warn(insp.engine.note)
         for w in insp.checkpoint.warnings:
@@ -115,27 +125,21 @@ def inspect(ctx: click.Context, ckpt: str, tp: str, ep: bool, vllm: str, gpu: st
         sink.result(insp.to_json(), lambda console: render(console, insp))
         return EXIT_OK if insp.loadable else EXIT_FAILED
 
-    _run(ctx, sink, body, fast_exit=True)
+    _run(ctx, sink, body, interrupted="nothing was written", fast_exit=True)
 
 
 def _parse_size(value: str) -> int:
-    units = {"": 1, "B": 1, "K": 1 << 10, "KB": 10**3, "KIB": 1 << 10, "M": 1 << 20, "MB": 10**6, "MIB": 1 << 20,
-             "G": 1 << 30, "GB": 10**9, "GIB": 1 << 30, "T": 1 << 40, "TB": 10**12, "TIB": 1 << 40}
-    text = value.strip().upper()
-    num = text.rstrip("KMGTIB")
-    unit = text[len(num):]
+    from wna16ctl.output import parse_size
+
     try:
-        n = float(num) * units[unit]
-    except (ValueError, KeyError):
-        raise click.BadParameter(f"{value!r} is not a size (e.g. 4GiB, 500MB)") from None
-    if n < 1:
-        raise click.BadParameter("size must be positive")
-    return int(n)
+        return parse_size(value)
+    except UsageError as e:
+        raise click.BadParameter(e.message) from None
 
 
-@cli.command()
+@cli.command(short_help="Write CKPT's experts per rank in the kernel layout, with a manifest.")
 @click.argument("ckpt", type=click.Path(file_okay=False, path_type=str))
-@click.option("--tp", "tp", type=click.IntRange(min=1), required=True, help="Number of ranks to write.")
+@click.option("--tp", "tp", required=True, help="Number of ranks to write (one TP size).")
 @click.option("--ep", is_flag=True, help="Expert parallelism: MoE TP 1, experts split across the ranks.")
 @click.option("--layout", type=click.Choice(["auto", "marlin", "transposed"]), default="auto", show_default=True,
               help="auto = the planner's backend per layer (Marlin, else the transposed Triton layout).")
@@ -151,10 +155,11 @@ def _parse_size(value: str) -> int:
 @click.option("--json", "json_mode", is_flag=True, help="Print the result as one JSON object.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @_REVISION
+@_debug_option
 @click.pass_context
-def repack(ctx: click.Context, ckpt: str, tp: int, ep: bool, layout: str, out: str | None, dry_run: bool, resume: bool,
+def repack(ctx: click.Context, ckpt: str, tp: str, ep: bool, layout: str, out: str | None, dry_run: bool, resume: bool,
            force: bool, max_shard_size: str, device: str, vllm: str, gpu: str, json_mode: bool, quiet: bool,
-           revision: str | None) -> None:
+           revision: str | None, debug: bool) -> None:
     """Write per-rank safetensors of CKPT's experts in the kernel layout, with a verifiable manifest.
 
     CKPT may be a Hub repo id ORG/NAME[@REVISION]: it is downloaded into the Hugging Face cache first."""
@@ -166,6 +171,7 @@ def repack(ctx: click.Context, ckpt: str, tp: int, ep: bool, layout: str, out: s
         raise click.UsageError("--force and --resume exclude each other")
 
     def body() -> int:
+        from wna16ctl.errors import NotLoadable
         from wna16ctl.render import render_repack_plan, render_repack_result
         from wna16ctl.repack import RepackSettings, plan_repack, run_repack
 
@@ -174,23 +180,32 @@ def repack(ctx: click.Context, ckpt: str, tp: int, ep: bool, layout: str, out: s
         engine = resolve(vllm, gpu)
         if engine.note and engine.source != "default":
             sink.warn(engine.note)
+        (n_ranks,) = _tps(tp, single=True)
+        settings = RepackSettings(tp=n_ranks, ep=ep, layout=layout, max_shard_bytes=max_bytes, vllm=engine.version,
+                                  gpu=gpu)
         source = _local_checkpoint(sink, ckpt, revision)
-        plan = plan_repack(source, RepackSettings(tp=tp, ep=ep, layout=layout, max_shard_bytes=max_bytes,
-                                                  vllm=engine.version, gpu=gpu))
+        try:
+            plan = plan_repack(source, settings)
+        except NotLoadable as e:
+            if dry_run and json_mode:  # the plan's answer is "no": still one JSON object on stdout
+                sink.result({"checkpoint": ckpt, "settings": settings.to_json(), "loadable": False,
+                             "error": e.message}, lambda console: None)
+            raise
         for w in plan.checkpoint.warnings:
             sink.warn(w)
         if dry_run:
-            sink.result(plan.to_json(), lambda console: render_repack_plan(console, plan))
+            sink.result({**plan.to_json(), "loadable": True}, lambda console: render_repack_plan(console, plan))
             return EXIT_OK
-        with sink.progress("repacking", total=plan.input_bytes()) as advance:
-            result = run_repack(plan, out, force=force, resume=resume, progress=advance, device=device)
+        with sink.tasks() as progress:
+            result = run_repack(plan, out, force=force, resume=resume, progress=progress, device=device,
+                                notice=lambda message: sink.warn(message, always=True))
         sink.result(result.to_json(), lambda console: render_repack_result(console, plan, result))
         return EXIT_OK
 
-    _run(ctx, sink, body)
+    _run(ctx, sink, body, interrupted="no output was committed; the staging directory is kept for --resume")
 
 
-@cli.command()
+@cli.command(short_help="Write a small demo checkpoint quantized by compressed-tensors.")
 @click.argument("out", type=click.Path(path_type=str))
 @click.option("--arch", type=click.Choice(["qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3"]), default="qwen3_moe", show_default=True)
 @click.option("--bits", type=click.Choice(["4", "8"]), default="4", show_default=True)
@@ -205,9 +220,10 @@ def repack(ctx: click.Context, ckpt: str, tp: int, ep: bool, layout: str, out: s
 @click.option("--intermediate", type=click.IntRange(min=8), default=256, show_default=True)
 @click.option("--tokenizer/--no-tokenizer", default=True, show_default=True, help="Also write a small tokenizer.json.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@_debug_option
 @click.pass_context
 def demo(ctx: click.Context, out: str, arch: str, bits: str, group_size: str, asym: bool, actorder: str, mixed: str,
-         layers: int, experts: int, hidden: int, intermediate: int, tokenizer: bool, force: bool) -> None:
+         layers: int, experts: int, hidden: int, intermediate: int, tokenizer: bool, force: bool, debug: bool) -> None:
     """Write a small demo checkpoint quantized by compressed-tensors itself to OUT."""
     sink = Sink()
 
@@ -226,47 +242,48 @@ def demo(ctx: click.Context, out: str, arch: str, bits: str, group_size: str, as
                 raise UsageError(f"{target}: exists and is not empty; pass --force to replace it")
             shutil.rmtree(target) if target.is_dir() else target.unlink()
         try:
-            path = write_demo_checkpoint(target, spec)
+            with sink.tasks() as progress:
+                path = write_demo_checkpoint(target, spec, progress=progress)
         except ValueError as e:  # an impossible combination of options
             raise UsageError(str(e).removeprefix("DemoSpec: ")) from None
-        except FileNotFoundError as e:
-            raise UsageError(f"{e}", hint="pass --no-tokenizer when the GSM8K files are not beside the project") from None
         sink.result({"checkpoint": str(path), "spec": spec.__dict__}, lambda console: console.print(f"wrote {path}"))
         return EXIT_OK
 
-    _run(ctx, sink, body)
+    _run(ctx, sink, body, interrupted=f"{out} is incomplete; run the command again with --force")
 
 
-@cli.command()
+@cli.command(short_help="Prove OUT (a repack output) equals CKPT.")
 @click.argument("ckpt", type=click.Path(file_okay=False, path_type=str))
 @click.argument("out", type=click.Path(file_okay=False, path_type=str))
-@click.option("--samples", default=None, help="JSON-lines (or parquet) file with a 'question' field (default: GSM8K "
-              "test.jsonl beside the project, else the openai/gsm8k test split from the Hub), or a Hugging Face "
-              "dataset id when `datasets` is installed and online.")
+@click.option("--samples", default=None, help="GSM8K-style questions: a .jsonl or .parquet file with a 'question' "
+              "field (default: $WNA16CTL_SHARED, else shared/ beside the repository, else the openai/gsm8k test "
+              "split from the Hub; see docs/verify.md).")
 @click.option("--num-samples", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="Where the repacked layers run: the CUDA GEMM kernel or its CPU twin.")
-@click.option("--json", "json_mode", is_flag=True, help="Print the report as one JSON object.")
+@click.option("--json", "json_mode", is_flag=True, help="Print the report as one JSON object (docs/verify-json.md).")
 @_REVISION
+@_debug_option
 @click.pass_context
 def verify(ctx: click.Context, ckpt: str, out: str, samples: str | None, num_samples: int, device: str, json_mode: bool,
-           revision: str | None) -> None:
+           revision: str | None, debug: bool) -> None:
     """Prove OUT (a repack output) equals CKPT: manifest, bit-exact round trip, numerics.
 
     CKPT may be a Hub repo id ORG/NAME[@REVISION] (downloaded into the Hugging Face cache)."""
     sink = Sink(json_mode=json_mode)
 
     def body() -> int:
-        from wna16ctl.activations import default_samples
         from wna16ctl.render import render_verify
         from wna16ctl.verify import verify_output
 
         source = _local_checkpoint(sink, ckpt, revision)
-        report = verify_output(source, out, samples=samples or default_samples(), num_samples=num_samples, device=device)
+        with sink.tasks() as progress:
+            report = verify_output(source, out, samples=samples, num_samples=num_samples, device=device,
+                                   progress=progress)
         sink.result(report.to_json(), lambda console: render_verify(console, report))
         return EXIT_OK if report.passed else EXIT_FAILED
 
-    _run(ctx, sink, body)
+    _run(ctx, sink, body, interrupted="nothing was verified")
 
 
 def _local_checkpoint(sink: Sink, ckpt: str, revision: str | None) -> str:

@@ -28,11 +28,13 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from wna16ctl.output import TaskStarter, no_progress
 
 if TYPE_CHECKING:
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
@@ -48,7 +50,6 @@ GROUP_ACTORDER_WRITER_VERSION = "0.18.0"
 WEIGHT_STD = 0.02
 SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>")  # ids 0 and 1 = bos/eos in config.json
 TOKENIZER_TRAINING_LINES = 400
-SHARED_DIR_ENV = "WNA16CTL_SHARED"
 
 # per architecture: (MoE block name, expert projection names in module registration order)
 _MOE_BLOCK = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe", "qwen2_moe": "mlp", "deepseek_v3": "mlp"}
@@ -90,7 +91,7 @@ class DemoSpec:
     dtype: str = "bfloat16"
     num_shards: int = 2  # 1 = a single model.safetensors without index, like save_pretrained
     seed: int = 0
-    tokenizer: bool = False  # also write tokenizer.json (byte-level BPE trained on GSM8K train lines)
+    tokenizer: bool = False  # also write tokenizer.json (byte-level BPE trained on generated word problems)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -571,7 +572,8 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True))
 
 
-def write_demo_checkpoint(out_dir: str | os.PathLike[str], spec: DemoSpec = DemoSpec()) -> Path:
+def write_demo_checkpoint(out_dir: str | os.PathLike[str], spec: DemoSpec = DemoSpec(),
+                          progress: TaskStarter | None = None) -> Path:
     """Write the checkpoint of `spec` into `out_dir` and return its path.
 
     `out_dir` must not exist or be empty (stale shards of another spec would be read as part
@@ -580,15 +582,15 @@ def write_demo_checkpoint(out_dir: str | os.PathLike[str], spec: DemoSpec = Demo
     and with `spec.tokenizer` tokenizer.json + tokenizer_config.json.
     Same spec -> byte-identical files.
     """
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, apply_quantization_config
-
     _check_spec(spec)
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out}: the demo checkpoint needs a new or empty folder")
-    # read before anything is written: a missing data file must not leave half a checkpoint
-    training_text = list(_gsm8k_training_text()) if spec.tokenizer else None
+    step = (progress or no_progress)("writing the demo checkpoint", 4, unit="steps")
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, apply_quantization_config
+
+    step(1)  # importing compressed-tensors takes seconds
     out.mkdir(parents=True, exist_ok=True)
 
     model = _module_tree(demo_source_weights(spec))
@@ -625,6 +627,7 @@ def write_demo_checkpoint(out_dir: str | os.PathLike[str], spec: DemoSpec = Demo
         with contextlib.redirect_stderr(io.StringIO()):
             compressor.compress_model(model)
 
+    step(1)
     tensors = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
     _write_safetensors(out, tensors, spec.num_shards)
     if group_actorder_config is None:
@@ -632,8 +635,10 @@ def write_demo_checkpoint(out_dir: str | os.PathLike[str], spec: DemoSpec = Demo
         compressor.update_config(str(out))  # adds the library's quantization_config
     else:
         _write_json(out / "config.json", model_config(spec) | {"quantization_config": group_actorder_config})
-    if training_text is not None:
-        _write_tokenizer(out, spec.vocab_size, training_text)
+    step(1)
+    if spec.tokenizer:
+        _write_tokenizer(out, spec.vocab_size, tokenizer_training_text())
+    step(1)
     return out
 
 
@@ -641,24 +646,75 @@ def write_demo_checkpoint(out_dir: str | os.PathLike[str], spec: DemoSpec = Demo
 # tokenizer
 
 
-def shared_data_dir() -> Path:
-    """The shared/ folder beside the repository (or $WNA16CTL_SHARED)."""
-    beside_repo = Path(__file__).resolve().parents[2] / "shared"
-    if beside_repo.is_dir() or SHARED_DIR_ENV not in os.environ:
-        return beside_repo
-    return Path(os.environ[SHARED_DIR_ENV])
+_NAMES = ("Natalia", "James", "Maria", "Tom", "Aisha", "Ken", "Lily", "Omar", "Sofia", "Ben", "Grace", "Carlos",
+          "Mei", "John", "Priya", "Sam", "Olivia", "Noah", "Emma", "Liam")
+_ITEMS = (("apple", "apples"), ("book", "books"), ("cookie", "cookies"), ("marble", "marbles"), ("ticket", "tickets"),
+          ("pencil", "pencils"), ("egg", "eggs"), ("flower", "flowers"), ("card", "cards"), ("toy car", "toy cars"),
+          ("cupcake", "cupcakes"), ("shirt", "shirts"), ("stamp", "stamps"), ("sticker", "stickers"), ("box", "boxes"))
+_PLACES = ("the store", "the market", "school", "the farm", "the bakery", "the library", "the park", "work")
+_UNITS = ("hours", "minutes", "days", "weeks", "miles", "dollars", "pounds", "meters")
+_NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven",
+                 "twelve", "fifteen", "twenty", "thirty", "forty", "fifty", "hundred", "thousand", "half", "twice",
+                 "third", "quarter", "percent", "dozen")
 
 
-def _gsm8k_training_text(limit: int = TOKENIZER_TRAINING_LINES) -> Iterator[str]:
-    path = shared_data_dir() / "data" / "gsm8k" / "train.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: GSM8K training text for the demo tokenizer not found (set {SHARED_DIR_ENV})")
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines):
-            if number >= limit:
-                break
-            record = json.loads(line)
-            yield record["question"] + "\n" + record["answer"]
+def tokenizer_training_text(lines: int = TOKENIZER_TRAINING_LINES, seed: int = 0) -> list[str]:
+    """Grade-school arithmetic word problems with worked answers, generated from templates.
+
+    The demo tokenizer is trained on these so that the package needs no data files: the text has
+    the vocabulary of GSM8K-style questions (names, objects, money, time, number words, the
+    `<<a*b=c>>` calculator notation and `#### answer` lines), so it tokenizes real questions into
+    word pieces rather than bytes.
+    """
+    import random
+
+    rng = random.Random(seed)
+    out: list[str] = []
+    for i in range(lines):
+        name, other = rng.sample(_NAMES, 2)
+        one, many = rng.choice(_ITEMS)
+        a, b, c = rng.randint(2, 60), rng.randint(2, 12), rng.randint(1, 9)
+        price = rng.choice((2, 3, 5, 8, 10, 12, 15, 20, 25))
+        unit, place, word = rng.choice(_UNITS), rng.choice(_PLACES), rng.choice(_NUMBER_WORDS)
+        kind = i % 6
+        if kind == 0:
+            q = (f"{name} had {a} {many}. {name} gave {c} {many} to {other} and then bought {b} more at {place}. "
+                 f"How many {many} does {name} have now?")
+            ans = f"After giving some away, {name} had {a}-{c} = <<{a}-{c}={a - c}>>{a - c} {many}.\n" \
+                  f"Then {name} had {a - c}+{b} = <<{a - c}+{b}={a - c + b}>>{a - c + b} {many}.\n#### {a - c + b}"
+        elif kind == 1:
+            q = (f"Each {one} costs ${price}. If {name} buys {b} {many} and pays with a ${price * b + 10} bill, "
+                 f"how much change does {name} get back?")
+            ans = f"The {many} cost {b}*{price} = $<<{b}*{price}={b * price}>>{b * price}.\n" \
+                  f"The change is {price * b + 10}-{b * price} = $<<{price * b + 10}-{b * price}=10>>10.\n#### 10"
+        elif kind == 2:
+            q = (f"{name} works {b} {unit} a day for {c} days a week. How many {unit} does {name} work in "
+                 f"{word} weeks if {word} means {a}?")
+            ans = f"In one week {name} works {b}*{c} = <<{b}*{c}={b * c}>>{b * c} {unit}.\n" \
+                  f"In {a} weeks that is {b * c}*{a} = <<{b * c}*{a}={b * c * a}>>{b * c * a} {unit}.\n#### {b * c * a}"
+        elif kind == 3:
+            q = (f"There are {a * b} {many} in {b} boxes with the same number in each box. "
+                 f"{other} takes half of one box. How many {many} are left in that box?")
+            ans = f"Each box has {a * b}/{b} = <<{a * b}/{b}={a}>>{a} {many}.\n" \
+                  f"Half of {a} is {a}/2 = <<{a}/2={a / 2:g}>>{a / 2:g}, so {a / 2:g} are left.\n#### {a / 2:g}"
+        elif kind == 4:
+            pct = rng.choice((10, 20, 25, 40, 50, 75))
+            total = a * 20
+            q = (f"A class at {place} has {total} students. {pct}% of them walk to school and the rest ride the bus. "
+                 f"How many students ride the bus?")
+            walk = total * pct / 100
+            ans = f"{pct}% of {total} is {total}*{pct}/100 = <<{total}*{pct}/100={walk:g}>>{walk:g} students.\n" \
+                  f"So {total}-{walk:g} = <<{total}-{walk:g}={total - walk:g}>>{total - walk:g} ride the bus.\n" \
+                  f"#### {total - walk:g}"
+        else:
+            q = (f"{name} is {a} years old. {other} is {c} years younger than twice {name}'s age. "
+                 f"What is the sum of their ages?")
+            age = 2 * a - c
+            ans = f"Twice {name}'s age is 2*{a} = <<2*{a}={2 * a}>>{2 * a}.\n{other} is {2 * a}-{c} = " \
+                  f"<<{2 * a}-{c}={age}>>{age} years old.\nTogether they are {a}+{age} = <<{a}+{age}={a + age}>>" \
+                  f"{a + age} years old.\n#### {a + age}"
+        out.append(q + "\n" + ans)
+    return out
 
 
 def _write_tokenizer(out_dir: Path, vocab_size: int, training_text: list[str]) -> None:

@@ -409,32 +409,6 @@ def gsm8k_test_file() -> Path:
         raise BadInput(f"{GSM8K_REPO} (dataset): has no {GSM8K_TEST_FILES}; {others}")
     return files[0]
 
-
-def parquet_questions(path: Path, num_samples: int) -> list[str]:
-    """The first `num_samples` `question` values of a parquet file (needs pyarrow)."""
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise BadInput(f"{path}: reading parquet needs pyarrow; pip install 'wna16ctl[parquet]', "
-                       "or pass --samples FILE.jsonl") from None
-    try:
-        pf = pq.ParquetFile(str(path))
-        if "question" not in pf.schema_arrow.names:
-            raise BadInput(f"{path}: has no 'question' column")
-        out: list[str] = []
-        for batch in pf.iter_batches(batch_size=max(num_samples, 1), columns=["question"]):
-            out.extend(q for q in batch.column(0).to_pylist() if isinstance(q, str))
-            if len(out) >= num_samples:
-                break
-    except BadInput:
-        raise
-    except Exception as e:  # pyarrow's errors for a corrupt or non-parquet file
-        raise BadInput(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from None
-    if not out:
-        raise BadInput(f"{path}: no samples")
-    return out[:num_samples]
-
-
 def resolve_local(arg: str, revision: str | None, *, quiet: bool = False) -> tuple[str, HubRef | None]:
     """`repack`/`verify`'s CKPT as a local directory: itself, or the downloaded Hub snapshot."""
     ref = parse_ref(arg, revision)

@@ -9,8 +9,10 @@ from typing import Any
 
 from wna16ctl import __version__, rules
 from wna16ctl.checkpoint import Checkpoint, MoELayer, open_checkpoint
+from wna16ctl.checkpoint.gidx import gate_up_g_idx_mismatch
 from wna16ctl.errors import UsageError
 from wna16ctl.plan import LayerPlan, plan_layer, release_differences
+from wna16ctl.tpsizes import check_tp_sizes
 
 
 @dataclass
@@ -99,17 +101,22 @@ def _layer_key(lay: MoELayer) -> tuple:
 
 
 def plan_all(layers: list[MoELayer], tps: tuple[int, ...], ep: bool, version: str, gpu: str,
-             with_differences: bool = True) -> dict[str, list[LayerPlan]]:
-    """Plans of every layer at every TP size for one release; hazards include what other releases do."""
+             problems: dict[str, str | None] | None = None, with_differences: bool = True) -> dict[str, list[LayerPlan]]:
+    """Plans of every layer at every TP size for one release; hazards include what other releases do.
+    `problems`: a data-level error per layer (found in the tensors, not the headers) that every plan carries."""
     memo: dict[tuple, list[LayerPlan]] = {}
     out: dict[str, list[LayerPlan]] = {}
     for lay in layers:
-        key = _layer_key(lay)
+        problem = (problems or {}).get(lay.prefix)
+        key = (_layer_key(lay), problem)
         if key not in memo:
             plans = [plan_layer(lay, tp, ep, version, gpu) for tp in tps]
             if with_differences:
                 for p in plans:
                     p.hazards[:0] = release_differences(lay, p.tp, ep, version, gpu)
+            if problem is not None:
+                for p in plans:
+                    p.fail("load", "g_idx differ", problem)
             memo[key] = plans
         out[lay.prefix] = memo[key]
     return out
@@ -131,7 +138,11 @@ def inspect_checkpoint(path: str | os.PathLike[str], tps: tuple[int, ...] = (1,)
 
     ref = parse_ref(str(path), revision)
     ck = open_checkpoint(path) if ref is None else open_hub_checkpoint(ref)
-    plans = plan_all(ck.layers, tps, ep, engine.version, gpu)
-    versions = {v: (plans if v == engine.version else plan_all(ck.layers, tps, ep, v, gpu, with_differences=False))
+    check_tp_sizes(ck.quantized_layers, tps, ep)
+    # a data-level rule (reads the small g_idx vectors): the same check repack refuses with
+    problems = {lay.prefix: gate_up_g_idx_mismatch(ck.files, lay) for lay in ck.quantized_layers}
+    plans = plan_all(ck.layers, tps, ep, engine.version, gpu, problems)
+    versions = {v: (plans if v == engine.version else plan_all(ck.layers, tps, ep, v, gpu, problems,
+                                                                       with_differences=False))
                 for v in rules.RELEASES} if every else {}
     return Inspection(checkpoint=ck, tps=tuple(tps), ep=ep, engine=engine, gpu=gpu, plans=plans, versions=versions)

@@ -64,10 +64,14 @@ class KernelError(RuntimeError):
 
 
 def kernels_dir() -> Path:
-    """The `kernels/` source directory ($WNA16CTL_KERNELS_DIR overrides the checkout's)."""
+    """The kernel sources: $WNA16CTL_KERNELS_DIR when set, else the copy a wheel ships inside the
+    package (`wna16ctl/kernel_sources/`, see setup.py), else `kernels/` of the checkout."""
     override = os.environ.get("WNA16CTL_KERNELS_DIR")
     if override:
         return Path(override)
+    packaged = Path(__file__).resolve().parent / "kernel_sources"
+    if (packaged / "capi.h").is_file():
+        return packaged
     return Path(__file__).resolve().parent.parent / "kernels"
 
 

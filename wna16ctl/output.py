@@ -7,6 +7,7 @@ the sink; nothing else in the package prints.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from contextlib import contextmanager
 from functools import cached_property
@@ -27,14 +28,13 @@ class Sink:
     def out(self) -> "Console":
         from rich.console import Console
 
-        # Not a terminal (a pipe, a log): keep tables wide instead of rich's 80-column default.
-        return Console(file=sys.stdout, highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 160)
+        return Console(file=sys.stdout, highlight=False, soft_wrap=False, width=output_width(sys.stdout))
 
     @cached_property
     def err(self) -> "Console":
         from rich.console import Console
 
-        return Console(file=sys.stderr, highlight=False, soft_wrap=True)
+        return Console(file=sys.stderr, highlight=False, soft_wrap=True, width=output_width(sys.stderr))
 
     # results -------------------------------------------------------------------------------
     def result(self, data: dict[str, Any], render: Callable[[Console], None]) -> None:
@@ -45,8 +45,9 @@ class Sink:
             render(self.out)
 
     # diagnostics ---------------------------------------------------------------------------
-    def warn(self, message: str) -> None:
-        if not self.quiet:
+    def warn(self, message: str, *, always: bool = False) -> None:
+        """A warning on stderr; `--quiet` hides it unless `always` (something was deleted, ...)."""
+        if always or not self.quiet:
             self.err.print(f"[yellow]warning:[/] {_escape(message)}")
 
     def info(self, message: str) -> None:
@@ -64,15 +65,72 @@ class Sink:
     @contextmanager
     def progress(self, description: str, total: int) -> Iterator[Callable[[int], None]]:
         """A bytes progress bar with throughput on a terminal; a no-op otherwise."""
-        if not self.progress_enabled():
-            yield lambda n: None
-            return
-        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+        with self.tasks() as start:
+            yield start(description, total, unit="bytes")
 
-        with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
-                      TransferSpeedColumn(), TimeRemainingColumn(), console=self.err, transient=True) as bar:
-            task = bar.add_task(description, total=total)
-            yield lambda n: bar.advance(task, n)
+    @contextmanager
+    def tasks(self) -> Iterator[TaskStarter]:
+        """Progress for a command with several steps: `start(description, total, unit=...)` shows a
+        bar for one step (the previous one is finished) and returns its `advance(n)`.  Bars go to
+        stderr, on a terminal only, and vanish when the command ends."""
+        if not self.progress_enabled():
+            yield no_progress
+            return
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+        with Progress(TextColumn("{task.description}"), BarColumn(), _AmountColumn(), TimeRemainingColumn(),
+                      console=self.err, transient=True) as bar:
+            current: list[Any] = []
+
+            def start(description: str, total: int, *, unit: str = "bytes") -> Callable[[int], None]:
+                for task in current:
+                    bar.update(task, completed=bar.tasks[task].total, visible=False)
+                task = bar.add_task(description, total=max(total, 1), unit=unit)
+                current[:] = [task]
+                return lambda n: bar.advance(task, n)
+
+            yield start
+
+
+TaskStarter = Callable[..., Callable[[int], None]]  # start(description, total, unit="bytes") -> advance(n)
+
+
+def no_progress(description: str, total: int, *, unit: str = "bytes") -> Callable[[int], None]:
+    """The progress of library calls made without a sink: nothing is shown."""
+    return lambda n: None
+
+
+class _AmountColumn:
+    """'12.0/40.0 MiB 8.1 MiB/s' for bytes, '3/16 experts' otherwise: binary units throughout."""
+
+    def __new__(cls):  # a rich ProgressColumn, built lazily so that importing output.py stays cheap
+        from rich.progress import ProgressColumn
+        from rich.text import Text
+
+        class AmountColumn(ProgressColumn):
+            def render(self, task):  # noqa: ANN001, ANN202
+                unit = task.fields.get("unit", "bytes")
+                if unit != "bytes":
+                    return Text(f"{task.completed:.0f}/{task.total:.0f} {unit}")
+                speed = task.finished_speed or task.speed
+                rate = f" {human_bytes(int(speed))}/s" if speed else ""
+                return Text(f"{human_bytes(int(task.completed))}/{human_bytes(int(task.total or 0))}{rate}")
+
+        return AmountColumn()
+
+
+def output_width(stream: Any) -> int | None:
+    """Columns for rich: $COLUMNS when set, else the terminal's (None: rich asks it), else 100."""
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit() and int(columns) > 0:
+        return int(columns)
+    try:
+        return None if stream.isatty() else PLAIN_WIDTH
+    except (AttributeError, ValueError):
+        return PLAIN_WIDTH
+
+
+PLAIN_WIDTH = 100  # pipes and logs without $COLUMNS
 
 
 def _escape(text: str) -> str:
@@ -89,10 +147,39 @@ def human_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def simple_table(title: str, columns: list[str]) -> "Table":
+def parse_size(value: str | int) -> int:
+    """'4GiB' / '500MB' / '4096' -> bytes (K/M/G/T alone are binary, like the rest of the output)."""
+    from wna16ctl.errors import UsageError
+
+    if isinstance(value, int) and not isinstance(value, bool):
+        n: float = value
+    else:
+        units = {"": 1, "B": 1, "K": 1 << 10, "KB": 10**3, "KIB": 1 << 10, "M": 1 << 20, "MB": 10**6, "MIB": 1 << 20,
+                 "G": 1 << 30, "GB": 10**9, "GIB": 1 << 30, "T": 1 << 40, "TB": 10**12, "TIB": 1 << 40}
+        text = str(value).strip().upper()
+        num = text.rstrip("KMGTIB")
+        try:
+            n = float(num) * units[text[len(num):]]
+        except (ValueError, KeyError):
+            raise UsageError(f"{value!r} is not a size (e.g. 4GiB, 500MB)") from None
+    if n < 1:
+        raise UsageError(f"{value!r}: size must be positive")
+    return int(n)
+
+
+def plural(n: int, word: str, plural_form: str | None = None) -> str:
+    """'1 file', '2 files', '1 directory', '2 directories'."""
+    return f"{n} {word if n == 1 else (plural_form or word + 's')}"
+
+
+def simple_table(title: str, columns: list[str], console: "Console | None" = None) -> "Table":
+    """A table with box drawing on a terminal, plain aligned columns in a pipe or a log."""
+    from rich import box
     from rich.table import Table
 
-    table = Table(title=title, title_justify="left", show_lines=False, header_style="bold")
+    plain = console is not None and not console.is_terminal
+    table = Table(title=title, title_justify="left", show_lines=False, header_style="bold",
+                  box=None if plain else box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=not plain)
     for c in columns:
         table.add_column(c)
     return table

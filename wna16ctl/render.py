@@ -6,7 +6,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from wna16ctl.inspection import Inspection
-from wna16ctl.output import human_bytes, simple_table
+from wna16ctl.output import human_bytes, plural, simple_table
 
 
 def _layer_span(indices: list[int | None], names: list[str]) -> str:
@@ -16,6 +16,24 @@ def _layer_span(indices: list[int | None], names: list[str]) -> str:
     from wna16ctl.plan import _ranges
 
     return f"layers {_ranges(sorted(nums))}"
+
+
+def _notes_grid(console: Console, notes: list[tuple[str, str]]) -> None:
+    """Notes as `label  text` with the text wrapped under itself (a hanging indent)."""
+    if not notes:
+        return
+    from rich.table import Table
+
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(no_wrap=True)
+    grid.add_column(overflow="fold")
+    for label, text in notes:
+        grid.add_row(f"  {escape(label)}", text)
+    console.print(grid)
+
+
+def _tp_list(tps: list[str]) -> str:
+    return "TP " + ", ".join(tps)
 
 
 def render_inspection(console: Console, insp: Inspection) -> None:
@@ -32,14 +50,14 @@ def render_inspection(console: Console, insp: Inspection) -> None:
         console.print(f"[bold]{escape(str(ck.root))}[/]")
     console.print(f"  rules of vLLM {insp.engine.version} ({_engine_source(insp.engine)}) on a CUDA {insp.gpu} GPU")
     console.print(
-        f"  {escape(arch)} · hidden {cfg.hidden_size} · {len(layers)} MoE layers"
-        + (f" · {layers[0].num_experts} experts × intermediate {layers[0].intermediate_size}" if layers else "")
+        f"  {escape(arch)} · hidden {cfg.hidden_size} · {plural(len(layers), 'MoE layer')}"
+        + (f" · {plural(layers[0].num_experts, 'expert')} × intermediate {layers[0].intermediate_size}" if layers else "")
     )
     qfmt = cfg.quant.format if cfg.quant else "none"
     qver = f" (compressed-tensors {cfg.quant.version})" if cfg.quant and cfg.quant.version else ""
     console.print(f"  format {escape(qfmt)}{escape(qver)} · schemes: {escape(', '.join(schemes) or 'none')}")
-    console.print(f"  {len(ck.files)} tensors in {len(ck.files.shards)} shards ({human_bytes(ck.files.total_bytes)}); "
-                  f"packed experts {human_bytes(total_packed)}")
+    console.print(f"  {plural(len(ck.files), 'tensor')} in {plural(len(ck.files.shards), 'shard')} "
+                  f"({human_bytes(ck.files.total_bytes)}); packed experts {human_bytes(total_packed)}")
     if not layers:
         console.print("[yellow]no routed-expert MoE layers found[/]")
         return
@@ -53,111 +71,141 @@ def render_inspection(console: Console, insp: Inspection) -> None:
 
     table = simple_table(
         f"plan per TP size{' (expert parallel)' if insp.ep else ''}",
-        ["layers", "scheme", "TP", "I/rank", "backend", "w2 scales", "is_k_full", "bytes/rank", "status"],
+        ["layers", "scheme", "TP", "I/rank", "backend", "w2 scales", "k full", "bytes/rank", "status"],
+        console,
     )
-    notes: list[tuple[str, str, str]] = []
+    table.columns[0].overflow = "fold"
+    for col in table.columns[2:]:
+        col.no_wrap = True
+    # notes: (layer span, text) -> the TP sizes it applies to, in first-seen order
+    notes: dict[tuple[str, str], list[str]] = {}
     for members in groups.values():
         lay = members[0]
         span = _layer_span([m.layer_index for m in members], [m.prefix for m in members])
         for i, p in enumerate(insp.plans[lay.prefix]):
+            tp = f"{p.tp}{' EP' if p.ep else ''}"
             ip = str(p.intermediate_size_per_partition)
-            if p.padded_intermediate and p.padded_intermediate != p.intermediate_size_per_partition:
+            if p.loadable and p.padded_intermediate and p.padded_intermediate != p.intermediate_size_per_partition:
                 ip += f"→{p.padded_intermediate}"
-            w2 = "—" if not p.quant_type else (
-                f"full ({p.w2.w2_scales_size})" if p.w2.load_full_w2 else f"sharded ({p.w2.w2_scales_size})")
-            status = "[green]ok[/]" if p.loadable else "[bold red]fails[/]"
+            if p.loadable:
+                # backend, w2 sharding and is_k_full are what the engine would use
+                backend = p.backend.value  # type: ignore[union-attr]
+                w2 = f"{'full' if p.w2.load_full_w2 else 'sharded'} {p.w2.w2_scales_size}"
+                k_full = "yes" if p.w2.is_k_full else "no"
+                status = "[green]ok[/]"
+            else:
+                # a failing row has no backend: showing the one the oracle would pick contradicts the error
+                backend, w2, k_full, status = "[red]none[/]", "—", "—", "[bold red]fails[/]"
             if p.hazards:
-                status += f" [yellow]{len(p.hazards)} hazard{'s' if len(p.hazards) > 1 else ''}[/]"
+                status += f" [yellow]{plural(len(p.hazards), 'hazard')}[/]"
             table.add_row(
                 escape(span) if i == 0 else "",
                 escape(lay.scheme.describe()) if (i == 0 and lay.scheme) else ("unquantized" if i == 0 else ""),
-                f"{p.tp}{' EP' if p.ep else ''}",
-                ip,
-                p.backend.value if p.backend else "[red]none[/]",
-                w2,
-                "yes" if p.w2.is_k_full else "no",
-                human_bytes(max(p.rank_bytes) * len(members)) if p.rank_bytes and max(p.rank_bytes) else "—",
+                tp, ip, backend, w2, k_full,
+                human_bytes(max(p.rank_bytes) * len(members)) if p.loadable and p.rank_bytes and max(p.rank_bytes) else "—",
                 status,
             )
-            for e in p.errors:
-                notes.append((span, f"TP {p.tp}", f"[red]error[/] {escape(e)}"))
-            for h in p.hazards:
-                notes.append((span, f"TP {p.tp}", f"[yellow]hazard[/] {escape(h)}"))
-            for name, reason in p.rejected.items():
-                if not p.loadable and not reason.startswith("lower priority"):
-                    notes.append((span, f"TP {p.tp}", f"[dim]{name} rejected:[/] {escape(reason)}"))
+            texts = [f"[red]error[/] {escape(e)}" for e in p.errors]
+            texts += [f"[yellow]hazard[/] {escape(h)}" for h in p.hazards]
+            if not p.loadable:
+                # backends that never serve this deployment (another device, batched formats) are in --json
+                texts += [f"[dim]{name} rejected:[/] {escape(reason)}" for name, reason in p.rejected.items()
+                          if not reason.startswith(("lower priority", "kernel does not support the current device",
+                                                    "kernel does not support the standard activation format"))]
+            for text in texts:
+                notes.setdefault((span, text), []).append(tp)
     console.print(table)
-    seen: set[tuple[str, str]] = set()
-    for span, tp, text in notes:
-        if (span, text) in seen:
-            continue
-        seen.add((span, text))
-        console.print(f"  {escape(span)} {tp}: {text}")
+    _notes_grid(console, [(f"{span}, {_tp_list(tps)}:", text) for (span, text), tps in notes.items()])
     verdict = "[bold green]loads[/] at every requested TP size" if insp.loadable else "[bold red]does not load[/] everywhere (see above)"
     console.print(f"verdict: {verdict}")
 
 
+def _span_of_ints(ids: list[int]) -> str:
+    from wna16ctl.plan import _ranges
+
+    return _ranges(ids)
+
+
 def render_repack_plan(console: Console, plan) -> None:  # noqa: ANN001 - RepackPlan, imported lazily
     s = plan.settings
-    console.print(f"[bold]{escape(str(plan.checkpoint.root))}[/] → {s.tp} rank{'s' if s.tp > 1 else ''}"
+    console.print(f"[bold]{escape(str(plan.checkpoint.root))}[/] → {plural(s.tp, 'rank')}"
                   f"{' (expert parallel)' if s.ep else ''}, layout {s.layout}, for vLLM {s.vllm} on {s.gpu}")
-    table = simple_table("layers", ["layer", "layout", "quant type", "I/rank", "padded", "w2 scales", "is_k_full"])
+    table = simple_table("layers", ["layers", "layout", "quant type", "I/rank", "padded", "w2 scales", "k full"], console)
+    rows: dict[tuple, list] = {}  # identical layers (Kimi-K2: 60 of them) share one row
     for j in plan.jobs:
         p = j.plan
-        table.add_row(escape(j.layer.prefix), j.layout, p.quant_type or "", str(p.intermediate_size_per_partition),
-                      str(j.specs[0].padded_intermediate), "full" if p.w2.load_full_w2 else "sharded",
-                      "yes" if p.w2.is_k_full else "no")
+        row = (j.layout, p.quant_type or "", str(p.intermediate_size_per_partition), str(j.specs[0].padded_intermediate),
+               "full" if p.w2.load_full_w2 else "sharded", "yes" if p.w2.is_k_full else "no")
+        rows.setdefault(row, []).append(j.layer)
+    table.columns[0].overflow = "fold"
+    for row, members in rows.items():
+        table.add_row(escape(_layer_span([m.layer_index for m in members], [m.prefix for m in members])), *row)
     console.print(table)
-    ranks = simple_table("output per rank", ["rank", "files", "bytes"])
-    for r, b in enumerate(plan.rank_bytes()):
-        ranks.add_row(str(r), str(len(plan.files[r])), human_bytes(b))
+    ranks = simple_table("output per rank", ["ranks", "files", "bytes"], console)
+    per_rank = [(len(plan.files[r]), b) for r, b in enumerate(plan.rank_bytes())]
+    by_value: dict[tuple[int, int], list[int]] = {}
+    for r, v in enumerate(per_rank):
+        by_value.setdefault(v, []).append(r)
+    for (n_files, b), members in by_value.items():
+        each = " each" if len(members) > 1 else ""
+        table_ranks = _span_of_ints(members)
+        ranks.add_row(table_ranks, f"{n_files}{each}", f"{human_bytes(b)}{each}")
+    ranks.add_row("total", str(sum(n for n, _ in per_rank)), human_bytes(sum(b for _, b in per_rank)))
     console.print(ranks)
-    console.print(f"{len(plan.copied)} non-expert tensors copied into every rank; fingerprint {plan.fingerprint[:16]}…")
+    console.print(f"{plural(len(plan.copied), 'non-expert tensor')} copied into every rank; "
+                  f"fingerprint {plan.fingerprint[:16]}…")
 
 
 def render_repack_result(console: Console, plan, result) -> None:  # noqa: ANN001
     console.print(
-        f"wrote [bold]{escape(str(result.out))}[/]: {result.files_written} files written"
+        f"wrote [bold]{escape(str(result.out))}[/]: {plural(result.files_written, 'file')} written"
         + (f", {result.files_reused} reused" if result.files_reused else "")
-        + f", {human_bytes(sum(plan.rank_bytes()))} in {plan.settings.tp} rank director{'ies' if plan.settings.tp > 1 else 'y'}"
+        + f", {human_bytes(sum(plan.rank_bytes()))} in {plural(plan.settings.tp, 'rank directory', 'rank directories')}"
     )
     console.print(f"manifest: {escape(str(result.out / 'wna16ctl.json'))}")
 
 
-def _numerics_failure(n) -> str:  # noqa: ANN001 - LayerNumerics
-    why = []
-    if n.violations:
-        why.append(f"{n.violations} elements over bound")
-    if n.rel_l2_error > n.rel_l2_limit:
-        why.append(f"rel L2 > {n.rel_l2_limit:.3g}")
-    if n.experts_exercised < n.num_experts:
-        why.append(f"{n.num_experts - n.experts_exercised} experts not exercised")
-    return ", ".join(why) or "see --json"
+_STATUS_MARKUP = {"pass": "[green]pass[/]", "FAIL": "[bold red]FAIL[/]", "not run": "[bold yellow]not run[/]"}
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "—" if value is None else format(value, fmt)
 
 
 def render_verify(console: Console, report) -> None:  # noqa: ANN001 - VerifyReport, imported lazily
     console.print(f"[bold]{escape(report.output)}[/] against [bold]{escape(report.checkpoint)}[/] "
-                  f"({report.samples} samples, tokens via {report.tokenizer or '—'}, device {report.device})")
-    checks = [
-        ("manifest", f"fingerprint, {report.files_checked} file hashes, settings and plan"),
-        ("round_trip", f"{report.experts_checked} experts × ranks, bit-exact"),
-    ]
-    for key, what in checks:
-        bad = report.by_check(key)
-        status = "[green]pass[/]" if not bad else f"[bold red]FAIL[/] ({len(bad)})"
-        console.print(f"  {key.replace('_', ' '):<11} {status}  {what}")
+                  f"({plural(report.samples, 'sample')}, tokens via {report.tokenizer or '—'}, device {report.device})")
+    from rich.table import Table
+
+    counts = {"manifest": plural(report.files_checked, "file") + " hashed",
+              "round_trip": plural(report.experts_checked, "expert") + " checked on every rank"}
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(no_wrap=True)  # check name, or the mark of a detail line
+    grid.add_column(no_wrap=True)  # status
+    grid.add_column(overflow="fold")  # what, wrapped under itself
+    for c in report.checks:
+        what = c.description + (f" ({counts[c.name]})" if c.name in counts and c.status != "not run" else "")
+        grid.add_row(f"  {c.name.replace('_', ' ')}", _STATUS_MARKUP.get(c.status, c.status), escape(what))
+        bad = report.by_check(c.name)
+        if c.status == "not run" or (c.status == "FAIL" and not bad):
+            grid.add_row("", "[yellow]→[/]", escape(c.reason))
         for f in bad[:10]:
-            console.print(f"      [red]✗[/] {escape(f.message)}")
+            grid.add_row("", "[red]✗[/]", escape(f.message))
         if len(bad) > 10:
-            console.print(f"      … {len(bad) - 10} more (see --json)")
+            grid.add_row("", "…", f"{len(bad) - 10} more (see --json)")
+    console.print(grid)
     if report.numerics:
         table = simple_table("numerics per MoE layer (candidate vs fp32 dequantized reference)",
-                             ["layer", "tokens", "experts", "max |err|", "rel L2", "cosine", "err/bound", "result"])
+                             ["layer", "tokens", "experts", "max |err|", "rel L2", "cosine", "err/bound", "result"],
+                             console)
         for n in report.numerics:
+            result = _STATUS_MARKUP.get(n.status, n.status) + (f" ({escape(n.reason)})" if n.reason else "")
             table.add_row(escape(n.layer), f"{n.tokens} (+{n.forced_tokens} forced)" if n.forced_tokens else str(n.tokens),
-                          f"{n.experts_exercised}/{n.num_experts}", f"{n.max_abs_error:.3g}", f"{n.rel_l2_error:.3g}",
-                          f"{n.cosine:.6f}", f"{n.max_error_over_bound:.3f}",
-                          "[green]pass[/]" if n.passed else f"[bold red]FAIL[/] ({_numerics_failure(n)})")
+                          f"{n.experts_exercised}/{n.num_experts}", _num(n.max_abs_error, ".3g"), _num(n.rel_l2_error, ".3g"),
+                          _num(n.cosine, ".6f"), _num(n.max_error_over_bound, ".3f"), result)
+        table.columns[0].overflow = "fold"  # a layer name is the key of the row: wrap it, never cut it
+        for col in table.columns[1:7]:
+            col.no_wrap = True
         console.print(table)
     console.print("verdict: " + ("[bold green]verified[/]" if report.passed else "[bold red]NOT verified[/]"))
 
@@ -196,7 +244,7 @@ def render_release_matrix(console: Console, insp: Inspection) -> None:
         lay = members[0]
         span = _layer_span([m.layer_index for m in members], [m.prefix for m in members])
         scheme = lay.scheme.describe() if lay.scheme else "unquantized"
-        table = simple_table(f"{span} · {scheme}", ["vLLM"] + [f"TP {t}{' EP' if insp.ep else ''}" for t in insp.tps])
+        table = simple_table(f"{span} · {scheme}", ["vLLM"] + [f"TP {t}{' EP' if insp.ep else ''}" for t in insp.tps], console)
         for v in RELEASES:
             plans = insp.versions[v][lay.prefix]
             table.add_row(v, *[_cell(p) for p in plans])

@@ -19,6 +19,7 @@ import torch
 
 from wna16ctl import __version__
 from wna16ctl.checkpoint import Checkpoint, MoELayer, open_checkpoint
+from wna16ctl.checkpoint.gidx import gate_up_g_idx_mismatch
 from wna16ctl.checkpoint.headers import INDEX_NAME
 from wna16ctl.checkpoint.moe import ROLE_ORDER
 from wna16ctl.checkpoint.tensors import TensorReader, dtype_from_name
@@ -26,7 +27,11 @@ from wna16ctl.errors import NotLoadable, UsageError
 from wna16ctl.layout.rank import RankLayout, build_rank_tensors, expected_rank_shapes
 from wna16ctl import rules
 from wna16ctl.plan import Backend, LayerPlan, plan_layer
-from wna16ctl.writer import PlannedFile, PlannedTensor, StagedOutput, split_into_files, st_dtype
+from wna16ctl.tpsizes import check_tp_sizes, parse_tp_list
+from wna16ctl.output import TaskStarter, no_progress
+from wna16ctl.writer import (
+    JOURNAL_NAME, MANIFEST_NAME, PlannedFile, PlannedTensor, StagedOutput, split_into_files, st_dtype, staging_path,
+)
 
 FORMAT_NAME = "wna16ctl-repack"
 FORMAT_VERSION = 1
@@ -166,36 +171,19 @@ def _choose_layout(layer: MoELayer, plan: LayerPlan, requested: str) -> str:
 
 
 def _check_shared_g_idx(ck: Checkpoint, jobs: list[LayerJob]) -> None:
-    """Act-order: gate and up must carry the same g_idx (the engine keeps one copy for w13).
-
-    Part of the validation pass, so a bad checkpoint is refused before anything is written; it
-    reads only the small g_idx vectors.
-    """
-    act = [j for j in jobs if j.layer.scheme is not None and j.layer.scheme.act_order]
-    if not act:
-        return
-    with TensorReader(ck.files) as reader:
-        for job in act:
-            layer = job.layer
-            for e in range(layer.num_experts):
-                names = [layer.tensor_name(e, role, "weight_g_idx") for role in ("gate", "up")]
-                if not all(n in ck.files for n in names):
-                    continue  # old writers skipped unset g_idx: both become k // group_size
-                gate, up = (reader.read(n) for n in names)
-                if not torch.equal(gate.to(torch.int64), up.to(torch.int64)):
-                    k = int((gate.to(torch.int64) != up.to(torch.int64)).nonzero()[0])
-                    raise NotLoadable(
-                        f"{names[0]} and {names[1]} differ (first at column {k}); vLLM keeps one g_idx for "
-                        "w13 and would mis-scale gate_proj. Re-quantize with a shared act-order for gate and up"
-                    )
+    """Act-order: gate and up must carry the same g_idx (checkpoint/gidx.py).  Part of the
+    validation pass, so a bad checkpoint is refused before anything is written."""
+    for job in jobs:
+        problem = gate_up_g_idx_mismatch(ck.files, job.layer)
+        if problem is not None:
+            raise NotLoadable(problem)
 
 
 def plan_repack(ckpt_path: str | os.PathLike[str], settings: RepackSettings) -> RepackPlan:
     """Validate everything and lay out every output file; writes nothing."""
     if settings.layout not in LAYOUTS:
         raise UsageError(f"--layout {settings.layout!r} is not one of {', '.join(LAYOUTS)}")
-    if settings.tp < 1:
-        raise UsageError("--tp must be >= 1")
+    parse_tp_list(settings.tp, single=True)
     if settings.vllm not in rules.RELEASES:
         raise UsageError(f"vLLM {settings.vllm} is not a release the rulebook knows ({', '.join(rules.RELEASES)})")
     if settings.gpu not in rules.GPUS:
@@ -204,6 +192,7 @@ def plan_repack(ckpt_path: str | os.PathLike[str], settings: RepackSettings) -> 
     layers = ck.quantized_layers
     if not layers:
         raise NotLoadable(f"{ck.root}: no quantized MoE layers to repack")
+    check_tp_sizes(layers, (settings.tp,), settings.ep)
     scale_dtype = dtype_from_name(ck.config.torch_dtype)
     n_ranks = settings.tp
     jobs: list[LayerJob] = []
@@ -308,16 +297,66 @@ def _expert_chunks(job: LayerJob) -> list[range]:
     return out
 
 
+def _identity_differences(recorded: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
+    """'tp: 2 in OUT, 1 now'-style descriptions of where two run identities differ."""
+    out: list[str] = []
+    rec_settings, want_settings = recorded.get("settings") or {}, wanted.get("settings") or {}
+    for key in want_settings:
+        if rec_settings.get(key) != want_settings[key]:
+            out.append(f"{key}: {rec_settings.get(key)!r} there, {want_settings[key]!r} now")
+    if recorded.get("source_fingerprint") != wanted.get("source_fingerprint"):
+        out.append("source: another checkpoint, or the checkpoint changed since")
+    for key in ("format", "format_version", "tool_version"):
+        if recorded.get(key) != wanted.get(key):
+            out.append(f"{key}: {recorded.get(key)!r} there, {wanted.get(key)!r} now")
+    return out or ["the recorded identity is unreadable"]
+
+
+def _check_previous_run(plan: RepackPlan, out_path: Path, *, resume: bool) -> str | None:
+    """Before the writer takes over: name the settings that differ when --resume cannot reuse
+    OUT; return the notice to give once a staging directory of an interrupted run is discarded."""
+    stage = staging_path(out_path)
+    journal = _read_json_file(stage / JOURNAL_NAME) if stage.is_dir() else None
+    journal_matches = journal is not None and journal.get("identity") == plan.identity
+    if resume and not journal_matches and out_path.is_dir() and any(out_path.iterdir()):
+        manifest = _read_json_file(out_path / MANIFEST_NAME)
+        if manifest is not None and manifest.get("identity") != plan.identity:
+            raise UsageError(
+                f"{out_path}: holds output for another source or other settings, so --resume cannot reuse it ("
+                + "; ".join(_identity_differences(manifest.get("identity") or {}, plan.identity))
+                + "); repeat the original settings, or use --force to replace it"
+            )
+    if stage.is_dir() and not (resume and journal_matches):
+        why = ("it was made with other settings ("
+               + "; ".join(_identity_differences((journal or {}).get("identity") or {}, plan.identity)) + ")"
+               if resume and journal is not None else "this run does not --resume it")
+        return f"discarded {stage}, the staging directory of an interrupted run: {why}"
+    return None
+
+
+def _read_json_file(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def run_repack(
     plan: RepackPlan,
     out: str | os.PathLike[str],
     *,
     force: bool = False,
     resume: bool = False,
-    progress: Callable[[int], None] | None = None,
-    device: str = "cpu",
+    progress: TaskStarter | None = None,
+    device: str = "auto",
+    notice: Callable[[str], None] | None = None,
 ) -> RepackResult:
-    """Execute `plan` into `out` (staged, then renamed); see module doc."""
+    """Execute `plan` into `out` (staged, then renamed); see module doc.
+
+    `progress(description, total, unit=...)` starts a progress step and returns its advance
+    function (`wna16ctl.output.Sink.tasks`); `notice(message)` receives what the user should know
+    on the way (a discarded staging directory)."""
     ck = plan.checkpoint
     out_path = Path(out).resolve()  # "-o ." has no name to stage beside and rename
     if out_path.resolve() == ck.root.resolve() or ck.root.resolve() in out_path.resolve().parents:
@@ -325,10 +364,13 @@ def run_repack(
     if out_path.resolve() in ck.root.resolve().parents:
         # --force (or --resume) replaces OUT as a whole at the commit: the checkpoint would go with it.
         raise UsageError(f"{out_path}: contains the checkpoint {ck.root}; choose an output directory outside it")
+    discarded = _check_previous_run(plan, out_path, resume=resume)
     staged = StagedOutput(out_path, force=force, resume=resume, identity=plan.identity)
-    advance = progress or (lambda n: None)
+    if discarded and notice is not None:
+        notice(discarded)
+    start = progress or no_progress
     try:
-        result = _execute(plan, staged, advance, device)
+        result = _execute(plan, staged, start, device)
     except KeyboardInterrupt:
         staged.abort(keep_for_resume=True)
         raise
@@ -338,11 +380,21 @@ def run_repack(
     return result
 
 
-def _execute(plan: RepackPlan, staged: StagedOutput, advance: Callable[[int], None], device: str) -> RepackResult:
+def _execute(plan: RepackPlan, staged: StagedOutput, start: TaskStarter, device: str) -> RepackResult:
     ck = plan.checkpoint
     by_rel = {f.relpath: f for files in plan.files for f in files}
-    pending = {rel: f for rel, f in by_rel.items() if not staged.is_reusable(f)}
+    if staged.reusable:  # --resume: hashing the earlier run's files can take a while
+        check = start("checking files of the earlier run", sum(f.size for f in by_rel.values() if f.relpath in staged.reusable))
+        pending = {}
+        for rel, f in by_rel.items():
+            if not staged.is_reusable(f):
+                pending[rel] = f
+            if rel in staged.reusable:
+                check(f.size)
+    else:
+        pending = dict(by_rel)
     reused = len(by_rel) - len(pending)
+    advance = start("repacking", plan.input_bytes(), unit="bytes")
     remaining = {rel: len(plan.units[rel]) for rel in pending}
     unit_file: dict[tuple, list[PlannedFile]] = {}
     unit_end: dict[tuple[str, tuple], int] = {}

@@ -1,6 +1,8 @@
 """`verify`: prove a repack output equals its source.
 
-Three independent checks, all run (a failure in one does not hide the others):
+Three independent checks (a failure in one does not hide the others).  Each is a `Check` that
+starts as `not run` and becomes `pass` or `FAIL` only once it ran to its end; a check whose input
+is missing stays `not run` with the reason, and the verdict needs every required check to pass:
 
 1. manifest — the output was made from this checkpoint (fingerprint), every file is the one the
    manifest hashed, and the settings and per-layer plan are what the planner gives today;
@@ -20,12 +22,12 @@ import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
-from wna16ctl.activations import embed, load_questions, route, tokenize
+from wna16ctl.activations import embed, load_questions, resolve_samples, route, tokenize
 from wna16ctl.checkpoint import Checkpoint, open_checkpoint
 from wna16ctl.checkpoint.headers import CheckpointFiles, read_checkpoint_files
 from wna16ctl.checkpoint.tensors import TensorReader, as_tensor, dtype_from_name, writable_view
@@ -35,6 +37,7 @@ from wna16ctl.layout.rank import RankLayout, unbuild_expert_tensors
 from wna16ctl.layout.shard import shard_expert, unshard_expert
 from wna16ctl.layout._mismatch import first_difference
 from wna16ctl.repack import FORMAT_NAME, LayerJob, RepackPlan, RepackSettings, plan_repack, source_fingerprint
+from wna16ctl.output import TaskStarter, no_progress
 from wna16ctl.writer import JOURNAL_NAME, MANIFEST_NAME, sha256_file
 
 SILU_LIPSCHITZ = 1.1  # max |d/dx x·sigmoid(x)| = 1.0998...
@@ -46,9 +49,12 @@ ROUNDINGS = 8
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
 
 
+PASS, FAIL, NOT_RUN = "pass", "FAIL", "not run"
+
+
 @dataclass
 class Finding:
-    check: str  # "manifest" | "round_trip" | "numerics"
+    check: str  # the name of the Check it belongs to: "manifest" | "round_trip" | "numerics" | ...
     message: str
     layer: str | None = None
     rank: int | None = None
@@ -59,26 +65,54 @@ class Finding:
 
 
 @dataclass
+class Check:
+    """One check of the report.  It starts `not run`; only code that ran it to the end may set
+    `pass` or `FAIL` (through `VerifyReport.conclude`), so a check that was skipped can never
+    read as a pass."""
+
+    name: str
+    description: str
+    required: bool = True
+    status: str = NOT_RUN
+    reason: str = "not reached"  # why it did not run, or what failed
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "description": self.description, "required": self.required,
+                "status": self.status, "reason": self.reason}
+
+
+@dataclass
 class LayerNumerics:
+    """One MoE layer's numerics.  The error figures are None when the comparison did not run."""
+
     layer: str
     tokens: int
     forced_tokens: int
     experts_exercised: int
     num_experts: int
-    max_abs_error: float
-    rel_l2_error: float
-    cosine: float
-    max_error_over_bound: float
-    violations: int
-    rel_l2_limit: float
+    status: str = NOT_RUN
+    reason: str = ""
+    max_abs_error: float | None = None
+    rel_l2_error: float | None = None
+    cosine: float | None = None
+    max_error_over_bound: float | None = None
+    violations: int | None = None
+    rel_l2_limit: float | None = None
 
     @property
     def passed(self) -> bool:
-        return (self.violations == 0 and self.experts_exercised == self.num_experts
-                and self.rel_l2_error <= self.rel_l2_limit)
+        return self.status == PASS
 
     def to_json(self) -> dict[str, Any]:
         return {**self.__dict__, "passed": self.passed}
+
+
+def _default_checks() -> list[Check]:
+    return [
+        Check("manifest", "fingerprint, file hashes, settings and plan"),
+        Check("round_trip", "every expert of every rank undone and compared bit for bit"),
+        Check("numerics", "GSM8K-derived activations through the repacked layers against the fp32 reference"),
+    ]
 
 
 @dataclass
@@ -91,22 +125,51 @@ class VerifyReport:
     layers_checked: int = 0
     experts_checked: int = 0
     files_checked: int = 0
+    checks: list[Check] = field(default_factory=_default_checks)
     findings: list[Finding] = field(default_factory=list)
     numerics: list[LayerNumerics] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
-        return not self.findings and all(n.passed for n in self.numerics)
+        """Every check that ran passed, and every required check ran."""
+        return (all(c.status != FAIL for c in self.checks)
+                and all(c.status == PASS for c in self.checks if c.required))
+
+    def check(self, name: str) -> Check:
+        return next(c for c in self.checks if c.name == name)
 
     def by_check(self, check: str) -> list[Finding]:
         return [f for f in self.findings if f.check == check]
+
+    def not_run(self, name: str, reason: str) -> None:
+        c = self.check(name)
+        c.status, c.reason = NOT_RUN, reason
+
+    def conclude(self, name: str, *, failed: str | None = None, incomplete: str | None = None) -> None:
+        """Mark check `name` as run: FAIL when it has findings or `failed` says why, else `not run`
+        when `incomplete` says what part could not run, else pass."""
+        c = self.check(name)
+        bad = self.by_check(name)
+        if bad or failed:
+            c.status = FAIL
+            c.reason = failed or f"{len(bad)} finding{'s' if len(bad) != 1 else ''}"
+        elif incomplete:
+            c.status, c.reason = NOT_RUN, incomplete
+        else:
+            c.status, c.reason = PASS, ""
+
+    def ok(self, name: str) -> bool | None:
+        """True = ran and passed, False = failed, None = did not run."""
+        status = self.check(name).status
+        return None if status == NOT_RUN else status == PASS
 
     def to_json(self) -> dict[str, Any]:
         return {
             "checkpoint": self.checkpoint, "output": self.output, "device": self.device, "tokenizer": self.tokenizer,
             "samples": self.samples, "passed": self.passed,
-            "manifest_ok": not self.by_check("manifest"), "round_trip_ok": not self.by_check("round_trip"),
-            "numerics_ok": all(n.passed for n in self.numerics),
+            "checks": [c.to_json() for c in self.checks],
+            "manifest_ok": self.ok("manifest"), "round_trip_ok": self.ok("round_trip"),
+            "numerics_ok": self.ok("numerics"),
             "layers_checked": self.layers_checked, "experts_checked": self.experts_checked,
             "files_checked": self.files_checked,
             "findings": [f.to_json() for f in self.findings],
@@ -135,21 +198,25 @@ def _read_manifest(out: Path) -> dict[str, Any]:
     return manifest
 
 
-def _check_manifest(ck: Checkpoint, out: Path, manifest: dict[str, Any], report: VerifyReport) -> RepackPlan | None:
+def _check_manifest(ck: Checkpoint, out: Path, manifest: dict[str, Any], report: VerifyReport,
+                    progress: TaskStarter = no_progress) -> RepackPlan | None:
     add = lambda msg, **kw: report.findings.append(Finding("manifest", msg, **kw))  # noqa: E731
     fp = source_fingerprint(ck)
     if manifest.get("source", {}).get("fingerprint") != fp:
         add(f"fingerprint mismatch: {out} was made from another checkpoint, or {ck.root} changed since "
             f"(manifest {str(manifest.get('source', {}).get('fingerprint'))[:16]}…, checkpoint {fp[:16]}…)")
     files = manifest.get("files", {})
+    present = {rel: out / rel for rel in files if (out / rel).is_file()}
+    advance = progress("hashing output files", sum(p.stat().st_size for p in present.values()), unit="bytes")
     for rel, meta in sorted(files.items()):
         path = out / rel
         report.files_checked += 1
-        if not path.is_file():
+        if rel not in present:
             add(f"{rel}: listed in the manifest but missing")
         elif path.stat().st_size != meta.get("bytes"):
             add(f"{rel}: {path.stat().st_size} bytes, the manifest says {meta.get('bytes')} (modified after repack)")
-        elif sha256_file(path) != meta.get("sha256"):
+            advance(path.stat().st_size)
+        elif sha256_file(path, progress=advance) != meta.get("sha256"):
             add(f"{rel}: sha256 differs from the manifest (modified after repack)")
     for path in sorted(out.rglob("*")):
         rel = path.relative_to(out).as_posix()
@@ -163,6 +230,8 @@ def _check_manifest(ck: Checkpoint, out: Path, manifest: dict[str, Any], report:
         raise BadInput(f"{out / MANIFEST_NAME}: settings {settings!r} are not valid repack settings") from None
     except NotLoadable as e:
         add(f"the planner today refuses these settings: {e.message}")
+        report.not_run("round_trip", "no plan to compare against: the planner refuses the recorded settings (see manifest)")
+        report.not_run("numerics", "no plan to run: the planner refuses the recorded settings")
         return None
     today = {j.layer.prefix: j.to_json() for j in plan.jobs}
     recorded = {lay.get("name"): lay for lay in manifest.get("layers", [])}
@@ -330,19 +399,25 @@ def verify_output(
     ckpt: str | os.PathLike[str],
     out: str | os.PathLike[str],
     *,
-    samples: str | os.PathLike[str],
+    samples: str | os.PathLike[str] | None = None,
     num_samples: int = 64,
-    device: str = "cpu",
+    device: str = "auto",
+    progress: TaskStarter | None = None,
 ) -> VerifyReport:
+    """Run every check of OUT against CKPT; see the module doc.  Bad input raises a WnaError;
+    a failing or skipped check is recorded in the returned report, never raised."""
+    progress = progress or no_progress
     ck = open_checkpoint(ckpt)
     out_path = Path(out)
     manifest = _read_manifest(out_path)
     gemm_device = _gemm_device(device)
     device = gemm_device.type
-    questions = load_questions(samples, num_samples)
+    # inputs in the order a user fixes them: checkpoint, output, device, samples
+    questions = load_questions(resolve_samples(samples), num_samples)
     report = VerifyReport(str(ck.root), str(out_path), device, tokenizer="", samples=len(questions))
-    plan = _check_manifest(ck, out_path, manifest, report)
-    if plan is None or not plan.jobs:
+    plan = _check_manifest(ck, out_path, manifest, report, progress)
+    report.conclude("manifest")
+    if plan is None:
         return report
     jobs = plan.jobs
     dtype = dtype_from_name(manifest.get("scale_dtype") or ck.config.torch_dtype)
@@ -351,19 +426,37 @@ def verify_output(
         token_ids, report.tokenizer = tokenize(ck, questions, vocab)
         hidden = embed(ck, reader, token_ids)
         ranks: list[_RankFiles] = []
+        unreadable: list[int] = []
         for r in range(len(jobs[0].specs)):
             try:
                 ranks.append(_RankFiles(out_path / f"rank-{r}"))
             except BadInput as e:
                 report.findings.append(Finding("round_trip", f"rank {r}: {e.message}", rank=r))
-                return report
+                unreadable.append(r)
+        if unreadable:
+            for rf in ranks:
+                rf.reader.close()
+            report.conclude("round_trip")
+            which = ", ".join(f"rank-{r}" for r in unreadable)
+            report.not_run("numerics", f"{which} cannot be read (see round trip)")
+            return report
         try:
             _verify_rank_contents(ck, reader, plan, ranks, report)
+            advance = progress("round trip and numerics", sum(j.layer.num_experts for j in jobs), unit="experts")
             for job in jobs:
-                _verify_layer(ck, reader, job, ranks, hidden, dtype, report, gemm_device)
+                _verify_layer(ck, reader, job, ranks, hidden, dtype, report, gemm_device, advance)
         finally:
             for rf in ranks:
                 rf.reader.close()
+    report.conclude("round_trip")
+    failed = [n for n in report.numerics if n.status == FAIL]
+    skipped = [n for n in report.numerics if n.status == NOT_RUN]
+    report.conclude(
+        "numerics",
+        failed=(f"{len(failed)} of {len(report.numerics)} layer{'s' if len(report.numerics) != 1 else ''} "
+                f"out of bound" if failed else None),
+        incomplete="; ".join(f"{n.layer}: {n.reason}" for n in skipped) or None,
+    )
     return report
 
 
@@ -402,7 +495,8 @@ def _gemm_rank_candidate(job: LayerJob, r: int, rank: _RankFiles, a: torch.Tenso
 
 def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: list[_RankFiles],
                   hidden: torch.Tensor, dtype: torch.dtype, report: VerifyReport,
-                  gemm_device: torch.device = torch.device("cpu")) -> None:
+                  gemm_device: torch.device = torch.device("cpu"),
+                  advance: Callable[[int], None] = lambda n: None) -> None:
     layer = job.layer
     routing = route(ck, reader, layer, hidden)
     x = routing.x
@@ -410,13 +504,15 @@ def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: li
     u = UNIT_ROUNDOFF[dtype]
     bound = _Bound(u)
     x_c = x.to(dtype).float()  # the candidate's activations, rounded to the model dtype
-    y_ref = torch.zeros(T, H)
     n_ranks = len(job.specs)
     partial = torch.zeros(n_ranks, T, H)  # candidate partial sums per rank (fp32 sum of rounded outputs)
     partial_ref = torch.zeros(n_ranks, T, H)
     partial_err = torch.zeros(n_ranks, T, H)
     exercised = 0
     layer_ok = True
+    # Why the candidate is incomplete: an expert whose tensors cannot be read back, a rank the
+    # GEMM cannot run on.  The reference never depends on the output, so it is always complete.
+    no_candidate: list[str] = []
     for e in range(layer.num_experts):
         tok, slot = (routing.topk_ids == e).nonzero(as_tuple=True)
         w = routing.topk_weights[tok, slot].unsqueeze(1)
@@ -429,6 +525,9 @@ def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: li
             if e not in rng:
                 continue
             local = e - rng.start
+            expected = _cast_scales(shard_expert(ck_expert, tp=spec.tp, rank=spec.rank, load_full_w2=spec.load_full_w2,
+                                                 expert_id=e), dtype)
+            got: dict[str, torch.Tensor] | None
             try:
                 tensors = {n: ranks[r].expert_slice(f"{layer.prefix}.{n}", local) for n in job.tensor_names}
                 got = unbuild_expert_tensors(tensors, spec, expert_id=e)
@@ -436,19 +535,21 @@ def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: li
                 report.findings.append(Finding("round_trip", f"{layer.prefix} expert {e} rank {r}: {err.message}",
                                                layer=layer.prefix, rank=r, expert=e))
                 layer_ok = False
-                continue
-            expected = _cast_scales(shard_expert(ck_expert, tp=spec.tp, rank=spec.rank, load_full_w2=spec.load_full_w2,
-                                                 expert_id=e), dtype)
-            diff = _compare(expected, got, spec)
-            if diff is not None:
-                report.findings.append(Finding("round_trip", f"{layer.prefix} expert {e} rank {r}: {diff}",
-                                               layer=layer.prefix, rank=r, expert=e))
-                layer_ok = False
-            per_rank.append(got)
+                got = None
+                if job.layout != "marlin":
+                    no_candidate.append(f"expert {e} rank {r} cannot be read back (see round trip)")
+            if got is not None:
+                diff = _compare(expected, got, spec)
+                if diff is not None:
+                    report.findings.append(Finding("round_trip", f"{layer.prefix} expert {e} rank {r}: {diff}",
+                                                   layer=layer.prefix, rank=r, expert=e))
+                    layer_ok = False
+                per_rank.append(got)
             if tok.numel():
                 _expert_numerics(x[tok], x_c[tok], w, tok, expected, None if job.layout == "marlin" else got, spec,
                                  dtype, bound, partial[r], partial_ref[r], partial_err[r])
         report.experts_checked += 1
+        advance(1)
         if len(per_rank) == n_ranks and not job.plan.ep:
             spec0 = job.specs[0]
             try:
@@ -474,27 +575,53 @@ def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: li
                 continue
             try:
                 partial[r] = _gemm_rank_candidate(job, r, ranks[r], x.to(dtype), routing, dtype, gemm_device)
-            except Exception as err:  # malformed tensors make the kernel fail: a finding, not a crash
+            except Exception as err:  # malformed tensors make the kernel fail: the comparison cannot run
                 msg = err.message if isinstance(err, (LayoutMismatch, BadInput)) else f"{type(err).__name__}: {err}"
-                report.findings.append(Finding("numerics", f"{layer.prefix} rank {r}: the GEMM cannot run on the "
-                                               f"repacked tensors: {msg}", layer=layer.prefix, rank=r))
+                no_candidate.append(f"the GEMM cannot run on rank {r}'s tensors ({msg})")
+    row = LayerNumerics(layer=layer.prefix, tokens=T, forced_tokens=routing.forced, experts_exercised=exercised,
+                        num_experts=layer.num_experts)
+    report.numerics.append(row)
+    if no_candidate:
+        row.reason = "; ".join(no_candidate[:3]) + (f"; … {len(no_candidate) - 3} more" if len(no_candidate) > 3 else "")
+        return
     # all-reduce: each rank's partial is rounded to the model dtype, the sum too
     part_c = partial.to(dtype).float()
     part_err = partial_err + u * (partial_ref.abs() + partial_err)
     y_c = part_c.sum(0).to(dtype).float()
     y_ref = partial_ref.sum(0)
+    if not bool(y_ref.any()):
+        row.reason = "the reference output is all zero (no token reached an expert): nothing to compare"
+        return
     sum_err = part_err.sum(0)
     total_err = sum_err + u * (y_ref.abs() + sum_err) + n_ranks * 2.0**-24 * part_c.abs().sum(0)
     err = (y_c - y_ref).abs()
     ratio = err / total_err.clamp_min(1e-30)
-    rel = float((y_c - y_ref).norm() / y_ref.norm().clamp_min(1e-30))
-    cos = float(F.cosine_similarity(y_c.reshape(1, -1), y_ref.reshape(1, -1)).item())
-    report.numerics.append(LayerNumerics(
-        layer=layer.prefix, tokens=T, forced_tokens=routing.forced, experts_exercised=exercised,
-        num_experts=layer.num_experts, max_abs_error=float(err.max()), rel_l2_error=rel, cosine=cos,
-        max_error_over_bound=float(ratio.max()), violations=int((err > total_err).sum()),
-        rel_l2_limit=ROUNDINGS**0.5 * u,
-    ))
+    rel, cos = agreement(y_c, y_ref)
+    row.max_abs_error, row.rel_l2_error, row.cosine = float(err.max()), rel, cos
+    row.max_error_over_bound, row.violations = float(ratio.max()), int((err > total_err).sum())
+    row.rel_l2_limit = ROUNDINGS**0.5 * u
+    why = []
+    if row.violations:
+        why.append(f"{row.violations} element{'s' if row.violations != 1 else ''} over bound")
+    if rel > row.rel_l2_limit:
+        why.append(f"rel L2 {rel:.3g} > {row.rel_l2_limit:.3g}")
+    if why:
+        row.status, row.reason = FAIL, ", ".join(why)
+    elif exercised < layer.num_experts:
+        missing = layer.num_experts - exercised
+        row.reason = f"{missing} expert{'s' if missing != 1 else ''} not exercised by any token"
+    else:
+        row.status = PASS
+
+
+def agreement(candidate: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
+    """(relative L2 error, cosine similarity) of two outputs, summed in float64: over millions of
+    elements fp32 sums drift enough to print a cosine above 1.  The reference must not be zero."""
+    c64, r64 = candidate.double().reshape(-1), reference.double().reshape(-1)
+    r_norm, c_norm = float(r64.norm()), float(c64.norm())
+    rel = float((c64 - r64).norm()) / r_norm
+    cos = float(c64 @ r64) / (c_norm * r_norm) if c_norm else 0.0
+    return rel, min(1.0, max(-1.0, cos))
 
 
 def _expert_numerics(x: torch.Tensor, x_c: torch.Tensor, w: torch.Tensor, tok: torch.Tensor,

@@ -17,7 +17,7 @@ import struct
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -88,7 +88,12 @@ def split_into_files(groups: Iterable[list[PlannedTensor]], prefix: str, max_byt
     return files
 
 
-def sha256_file(path: Path, bufsize: int = 16 << 20) -> str:
+def staging_path(out: Path) -> Path:
+    """The hidden sibling of OUT where a run builds its output (kept after an interrupt for --resume)."""
+    return out.parent / f".{out.name}.wna16ctl-partial"
+
+
+def sha256_file(path: Path, bufsize: int = 16 << 20, progress: Callable[[int], None] | None = None) -> str:
     h = hashlib.sha256()
     with open(path, "rb", buffering=0) as f:
         buf = bytearray(bufsize)
@@ -98,6 +103,8 @@ def sha256_file(path: Path, bufsize: int = 16 << 20) -> str:
             if not n:
                 break
             h.update(view[:n])
+            if progress is not None:
+                progress(n)
     return h.hexdigest()
 
 
@@ -117,7 +124,7 @@ class StagedOutput:
     def __init__(self, out: Path, *, force: bool, resume: bool, identity: dict[str, Any]):
         self.out = out
         self.identity = identity  # fingerprint + settings: what --resume must match
-        self.stage = out.parent / f".{out.name}.wna16ctl-partial"
+        self.stage = staging_path(out)
         self.done: dict[str, str] = {}  # relpath -> sha256 of finished files
         self._fds: dict[str, int] = {}
         self._hashing: dict[str, Future[str]] = {}

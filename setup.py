@@ -1,0 +1,32 @@
+"""Build hook: ship the kernel sources of `kernels/` inside the package.
+
+`kernels/` stays the one copy in the repository; a built wheel carries it as
+`wna16ctl/kernel_sources/`, where `wna16ctl.kernels.kernels_dir()` finds it, so the native host
+build and the CUDA build work after `pip install` as they do in a checkout.  (Editable installs
+read `kernels/` in the checkout directly.)  Everything else is in pyproject.toml.
+"""
+
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+KERNEL_SUFFIXES = (".h", ".cuh", ".cpp", ".cu")
+
+
+class BuildPyWithKernels(build_py):
+    def run(self) -> None:
+        super().run()
+        if getattr(self, "editable_mode", False):
+            return
+        source = Path(__file__).resolve().parent / "kernels"
+        target = Path(self.build_lib) / "wna16ctl" / "kernel_sources"
+        files = sorted(p for p in source.iterdir() if p.suffix in KERNEL_SUFFIXES)
+        if not files:
+            raise RuntimeError(f"{source}: no kernel sources to package")
+        self.mkpath(str(target))
+        for path in files:
+            self.copy_file(str(path), str(target / path.name))
+
+
+setup(cmdclass={"build_py": BuildPyWithKernels})

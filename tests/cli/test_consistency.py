@@ -1,0 +1,338 @@
+"""The commands behave alike: one --tp parser, --debug anywhere, per-command interrupt messages,
+output that follows the terminal width, plurals, and plan rows that do not contradict their errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import save_file
+
+from tests.conftest import GSM8K_TEST
+from tests.rawckpt import write_raw_checkpoint
+from wna16ctl.cli import cli
+
+SMALL = dict(num_layers=1, num_experts=2, top_k=1, vocab_size=64)
+BOX = set("┏┃━┡│└┘┌┐╇╋┳")
+
+
+def invoke(*args: str, env: dict[str, str] | None = None):
+    return CliRunner().invoke(cli, [str(a) for a in args], env=env)
+
+
+def one_error_line(res, code: int) -> str:
+    assert res.exit_code == code, (res.stdout, res.stderr)
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert lines and lines[0].startswith("error: ") and len(lines) <= 2, res.stderr
+    assert "Traceback" not in res.stderr
+    return lines[0]
+
+
+def python_cli(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "wna16ctl", *map(str, args)], capture_output=True, text=True,
+                          timeout=300, **kw)
+
+
+# ---- --tp: one parser ------------------------------------------------------------------------------
+
+
+def test_tp_duplicates_and_spaces_are_one_size(make_ckpt):
+    res = invoke("inspect", make_ckpt(**SMALL), "--tp", "2, 2,1", "--json")
+    doc = json.loads(res.stdout)
+    assert doc["tp"] == [2, 1] and [p["tp"] for p in doc["layers"][0]["plans"]] == [2, 1]
+
+
+@pytest.mark.parametrize("value,words", [("0", "not a positive integer"), ("two", "not a positive integer"),
+                                         ("1,,2", "empty entry"), ("99999", "more than 4096 ranks")])
+def test_tp_errors_are_the_same_for_inspect_and_repack(make_ckpt, tmp_path, value, words):
+    ck = make_ckpt(**SMALL)
+    a = one_error_line(invoke("inspect", ck, "--tp", value), 2)
+    b = one_error_line(invoke("repack", ck, "--tp", value, "-o", tmp_path / "o"), 2)
+    assert words in a and a == b
+
+
+def test_repack_takes_one_tp_size(make_ckpt, tmp_path):
+    line = one_error_line(invoke("repack", make_ckpt(**SMALL), "--tp", "1,2", "-o", tmp_path / "o"), 2)
+    assert "one TP size" in line and "not a valid integer" not in line
+
+
+def test_tp_beyond_the_intermediate_size_is_refused(make_ckpt, tmp_path):
+    ck = make_ckpt(**SMALL)  # intermediate 256
+    for args in (("inspect", ck, "--tp", "1024"), ("repack", ck, "--tp", "1024", "--dry-run")):
+        line = one_error_line(invoke(*args), 2)
+        assert "--tp 1024" in line and "intermediate size 256" in line
+
+
+# ---- --debug ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_debug_anywhere_keeps_the_exit_code(tmp_path, where):
+    missing = tmp_path / "nope"
+    args = ["--debug", "inspect", missing] if where == "before" else ["inspect", missing, "--debug"]
+    res = python_cli(*args)
+    assert res.returncode == 2, res.stderr  # as without --debug
+    assert "Traceback" in res.stderr and "error: " in res.stderr and str(missing) in res.stderr
+    plain = python_cli("inspect", missing)
+    assert plain.returncode == 2 and "Traceback" not in plain.stderr
+
+
+# ---- interrupts ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "repack", "demo"])
+def test_interrupt_message_belongs_to_the_command(make_ckpt, tmp_path, monkeypatch, command):
+    import wna16ctl.demo
+    import wna16ctl.inspection
+    import wna16ctl.repack
+    import wna16ctl.verify
+
+    def interrupt(*a, **kw):
+        raise KeyboardInterrupt
+
+    target = {"inspect": (wna16ctl.inspection, "inspect_checkpoint"), "verify": (wna16ctl.verify, "verify_output"),
+              "repack": (wna16ctl.repack, "run_repack"), "demo": (wna16ctl.demo, "write_demo_checkpoint")}[command]
+    monkeypatch.setattr(*target, interrupt)
+    ck = make_ckpt(**SMALL)
+    args = {"inspect": ["inspect", ck], "verify": ["verify", ck, tmp_path, "--samples", GSM8K_TEST],
+            "repack": ["repack", ck, "--tp", "1", "-o", tmp_path / "o"], "demo": ["demo", tmp_path / "d"]}[command]
+    res = invoke(*args)
+    assert res.exit_code == 130
+    line = one_error_line(res, 130)
+    assert line.startswith("error: interrupted")
+    assert ("--resume" in line) == (command == "repack")
+    assert {"verify": "nothing was verified", "inspect": "nothing was written", "repack": "staging",
+            "demo": "--force"}[command] in line
+
+
+# ---- output width and plain output -------------------------------------------------------------------
+
+
+def test_inspect_fits_columns_and_is_plain_when_piped(make_ckpt):
+    ck = make_ckpt(num_bits=8, group_size=64, actorder="static", **SMALL)  # rows with hazards and long notes
+    res = invoke("inspect", ck, "--tp", "1,2,4", "--gpu", "sm80", env={"COLUMNS": "100"})
+    lines = res.stdout.splitlines()
+    assert max(len(ln) for ln in lines) <= 100, res.stdout
+    assert not BOX & set(res.stdout), res.stdout  # no box drawing in a pipe
+    row = next(ln for ln in lines if ln.startswith("layers 0") or ln.startswith("layer 0") or " 0 " in ln[:12])
+    assert "int8" in row and "marlin" in row and "ok" in row, res.stdout  # one row per line: nothing wrapped
+    # notes wrap under their own text (a hanging indent), never back to column 0
+    notes = [ln for ln in lines if "hazard" in ln and ":" in ln]
+    assert notes, res.stdout
+    start = lines.index(notes[0])
+    indent = notes[0].index("hazard")
+    assert lines[start + 1].startswith(" " * indent) and lines[start + 1][indent:].strip()
+    wide = invoke("inspect", ck, "--tp", "1,2,4", "--gpu", "sm80", env={"COLUMNS": "200"})
+    assert max(len(ln) for ln in wide.stdout.splitlines()) > 100  # COLUMNS is followed, not a fixed width
+
+
+def test_verify_progress_steps_are_reported(make_ckpt, tmp_path):
+    from wna16ctl.repack import RepackSettings, plan_repack, run_repack
+    from wna16ctl.verify import verify_output
+
+    ck = make_ckpt(**SMALL)
+    out = tmp_path / "out"
+    starts: list[tuple[str, int, str]] = []
+    done: dict[str, int] = {}
+
+    def start(description: str, total: int, *, unit: str = "bytes"):
+        starts.append((description, total, unit))
+        done[description] = 0
+
+        def advance(n: int) -> None:
+            done[description] += n
+
+        return advance
+
+    run_repack(plan_repack(ck, RepackSettings(tp=1)), out, progress=start)
+    assert [s[0] for s in starts] == ["repacking"] and done["repacking"] == starts[0][1]
+    starts.clear()
+    verify_output(ck, out, samples=GSM8K_TEST, num_samples=4, progress=start)
+    names = [s[0] for s in starts]
+    assert names == ["hashing output files", "round trip and numerics"]
+    for description, total, _ in starts:
+        assert done[description] == total > 0  # every step runs to its end
+
+
+def test_demo_progress_is_reported(tmp_path):
+    from wna16ctl.demo import DemoSpec, write_demo_checkpoint
+
+    steps: list[tuple[str, int]] = []
+    advanced: list[int] = []
+
+    def start(description: str, total: int, *, unit: str = "bytes"):
+        steps.append((description, total))
+        return advanced.append
+
+    write_demo_checkpoint(tmp_path / "d", DemoSpec(**SMALL), progress=start)
+    assert steps == [("writing the demo checkpoint", 4)] and sum(advanced) == 4
+
+
+def test_progress_amounts_use_binary_units():
+    from types import SimpleNamespace
+
+    from wna16ctl.output import _AmountColumn
+
+    col = _AmountColumn()
+    task = SimpleNamespace(fields={"unit": "bytes"}, completed=3 << 20, total=10 << 20, speed=2 << 20,
+                           finished_speed=None)
+    text = str(col.render(task))
+    assert text == "3.0 MiB/10.0 MiB 2.0 MiB/s"
+    task.fields = {"unit": "experts"}
+    task.completed, task.total = 3, 16
+    assert str(col.render(task)) == "3/16 experts"
+
+
+# ---- plurals, help, dry run --------------------------------------------------------------------------
+
+
+def test_plurals(make_ckpt, tmp_path):
+    ck = make_ckpt(**SMALL)
+    res = invoke("inspect", ck, "--tp", "1")
+    assert "1 MoE layer ·" in res.stdout and "2 experts" in res.stdout
+    res = invoke("repack", ck, "--tp", "1", "-o", tmp_path / "o")
+    assert res.exit_code == 0, res.output
+    assert "1 file written" in res.stdout and "in 1 rank directory" in res.stdout
+
+
+def test_help_lists_whole_command_descriptions():
+    res = invoke("--help")
+    commands = res.stdout.split("Commands:")[1].splitlines()
+    for name in ("demo", "inspect", "repack", "verify"):
+        (line,) = [ln for ln in commands if ln.strip().startswith(name + " ")]
+        assert not line.rstrip().endswith("..."), line
+        assert line.rstrip().endswith("."), line
+
+
+def test_dry_run_json_of_a_plan_that_fails(make_ckpt):
+    res = invoke("repack", make_ckpt(), "--tp", "4", "--dry-run", "--json")  # I_p 64 splits the 128 groups
+    assert res.exit_code == 1
+    doc = json.loads(res.stdout)
+    assert doc["loadable"] is False and "divisible by group_size (128)" in doc["error"]
+    assert doc["settings"]["tp"] == 4
+    assert res.stderr.startswith("error: ")
+
+
+def test_dry_run_collapses_identical_layers_and_totals_ranks(make_ckpt):
+    res = invoke("repack", make_ckpt(num_layers=3, num_experts=2, top_k=1, vocab_size=64), "--tp", "2", "--dry-run")
+    assert res.exit_code == 0, res.output
+    lines = res.stdout.splitlines()
+    assert sum("model.layers." in ln for ln in lines) == 0
+    assert any(ln.startswith("layers 0-2") for ln in lines), res.stdout
+    assert any(ln.startswith("0-1") and "each" in ln for ln in lines), res.stdout
+    assert any(ln.startswith("total") for ln in lines), res.stdout
+
+
+# ---- resume and staging --------------------------------------------------------------------------------
+
+
+def test_resume_names_the_differing_settings(make_ckpt, tmp_path):
+    ck = make_ckpt(**SMALL)
+    out = tmp_path / "out"
+    assert invoke("repack", ck, "--tp", "2", "-o", out, "-q").exit_code == 0
+    line = one_error_line(invoke("repack", ck, "--tp", "1", "-o", out, "--resume"), 2)
+    assert "tp: 2 there, 1 now" in line and "--force" in line
+    line = one_error_line(invoke("repack", ck, "--tp", "2", "--max-shard-size", "1MiB", "-o", out, "--resume"), 2)
+    assert "max_shard_bytes" in line and "tp:" not in line
+
+
+def test_discarded_staging_directory_is_announced(make_ckpt, tmp_path, monkeypatch):
+    import wna16ctl.repack as repack_mod
+
+    ck = make_ckpt(**SMALL)
+    out = tmp_path / "out"
+    real = repack_mod.build_rank_tensors
+
+    def interrupt(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(repack_mod, "build_rank_tensors", interrupt)
+    assert invoke("repack", ck, "--tp", "1", "-o", out).exit_code == 130
+    stage = tmp_path / ".out.wna16ctl-partial"
+    assert stage.is_dir()
+    monkeypatch.setattr(repack_mod, "build_rank_tensors", real)
+    res = invoke("repack", ck, "--tp", "1", "-o", out, "-q")  # announced even when quiet
+    assert res.exit_code == 0, res.output
+    assert "discarded" in res.stderr and str(stage) in res.stderr and "--resume" in res.stderr
+    quiet = invoke("repack", ck, "--tp", "1", "-o", out, "--force")  # nothing to discard now
+    assert "discarded" not in quiet.stderr
+
+
+# ---- plan rows ----------------------------------------------------------------------------------------------
+
+
+def test_failing_rows_show_no_backend(make_ckpt):
+    res = invoke("inspect", make_ckpt(), "--tp", "4")  # fails: I_p 64 splits the 128-wide groups
+    assert res.exit_code == 1
+    row = next(ln for ln in res.stdout.splitlines() if ln.startswith("layers 0-1"))
+    assert "fails" in row and "triton" not in row and "marlin" not in row and "yes" not in row, row
+    assert "none" in row
+
+
+def _unquantized_checkpoint(out: Path) -> Path:
+    out.mkdir()
+    g = torch.Generator().manual_seed(0)
+    H, I, E = 128, 128, 2
+    t = {"model.embed_tokens.weight": torch.randn(64, H, generator=g).to(torch.bfloat16),
+         "model.layers.0.post_attention_layernorm.weight": torch.ones(H, dtype=torch.bfloat16),
+         "model.layers.0.mlp.gate.weight": torch.randn(E, H, generator=g).to(torch.bfloat16)}
+    for e in range(E):
+        for proj, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+            t[f"model.layers.0.mlp.experts.{e}.{proj}.weight"] = torch.randn(*shape, generator=g).to(torch.bfloat16)
+    save_file(t, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": H,
+        "moe_intermediate_size": I, "num_experts": E, "num_experts_per_tok": 1, "num_hidden_layers": 1,
+        "vocab_size": 64, "torch_dtype": "bfloat16"}))
+    return out
+
+
+def test_unquantized_reason_for_every_tp(tmp_path):
+    res = invoke("inspect", _unquantized_checkpoint(tmp_path / "ck"), "--tp", "1,2")
+    assert res.exit_code == 1
+    notes = [ln for ln in res.stdout.splitlines() if "not quantized" in ln]
+    assert len(notes) == 1 and "TP 1, 2" in notes[0], res.stdout
+
+
+# ---- act-order g_idx --------------------------------------------------------------------------------------
+
+
+def test_inspect_reports_differing_gate_up_g_idx_like_repack(tmp_path):
+    # hand-built: every projection draws its own act-order permutation
+    ck = write_raw_checkpoint(tmp_path / "ck", hidden=256, intermediate=128, group_size=64, actorder="group")
+    res = invoke("inspect", ck, "--tp", "1", "--json")
+    assert res.exit_code == 1
+    doc = json.loads(res.stdout)
+    (plan,) = doc["layers"][0]["plans"]
+    assert not plan["loadable"]
+    (err,) = [e for e in plan["errors"] if "g_idx" in e]
+    assert "gate_proj.weight_g_idx and" in err and "up_proj.weight_g_idx differ" in err
+    repack_line = one_error_line(invoke("repack", ck, "--tp", "1", "--dry-run"), 1)
+    assert err in repack_line  # the one check, the same words
+
+
+def test_progress_bars_draw_on_a_terminal(monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    from wna16ctl.output import Sink
+
+    sink = Sink()
+    buffer = io.StringIO()
+    monkeypatch.setattr(Sink, "progress_enabled", lambda self: True)
+    sink.__dict__["err"] = Console(file=buffer, force_terminal=True, width=100)
+    with sink.tasks() as start:
+        advance = start("hashing output files", 3 << 20, unit="bytes")
+        advance(3 << 20)
+        step = start("round trip and numerics", 4, unit="experts")
+        for _ in range(4):
+            step(1)
+    text = buffer.getvalue()
+    assert "hashing output files" in text and "MiB" in text and "experts" in text
+    assert " MB" not in text and "MB/s" not in text.replace("MiB/s", "")
