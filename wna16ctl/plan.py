@@ -17,6 +17,7 @@ from typing import Any
 
 from wna16ctl.checkpoint.config import PACK_QUANTIZED, WeightScheme
 from wna16ctl.checkpoint.moe import MoELayer
+from wna16ctl.errors import UsageError
 
 SUPPORTED_BITS = (4, 8)
 MARLIN_GROUP_SIZES = (-1, 32, 64, 128)
@@ -148,6 +149,18 @@ class LayerPlan:
         }
 
 
+def check_parallel_size(layer: MoELayer, tp: int, ep: bool) -> None:
+    """Refuse rank counts beyond anything the layer can be split into (bad input, not a plan):
+    past both the expert count and the intermediate size every further rank is empty whether
+    experts or columns are split, and per-rank lists of that length would only exhaust memory."""
+    limit = max(layer.num_experts, layer.intermediate_size)
+    if tp > limit:
+        raise UsageError(
+            f"--tp {tp}{' --ep' if ep else ''}: more ranks than {layer.prefix} has experts ({layer.num_experts}) "
+            f"or intermediate columns ({layer.intermediate_size}); choose at most {limit}"
+        )
+
+
 def local_expert_counts(num_experts: int, ep_size: int) -> list[int]:
     """vLLM's linear expert placement: E // ep each, the first E % ep ranks one more."""
     base, rem = divmod(num_experts, ep_size)
@@ -195,6 +208,7 @@ def plan_layer(layer: MoELayer, tp: int, ep: bool = False) -> LayerPlan:
     if tp < 1:
         raise ValueError("tp must be >= 1")
     H, I, E = layer.hidden_size, layer.intermediate_size, layer.num_experts
+    check_parallel_size(layer, tp, ep)
     moe_tp = 1 if ep else tp
     experts_per_rank = local_expert_counts(E, tp) if ep else [E] * tp
     i_p = I // moe_tp

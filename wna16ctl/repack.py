@@ -21,7 +21,7 @@ from wna16ctl import __version__
 from wna16ctl.checkpoint import Checkpoint, MoELayer, open_checkpoint
 from wna16ctl.checkpoint.headers import INDEX_NAME
 from wna16ctl.checkpoint.moe import ROLE_ORDER
-from wna16ctl.checkpoint.tensors import TensorReader, dtype_from_name
+from wna16ctl.checkpoint.tensors import TensorReader, check_g_idx, writable_view
 from wna16ctl.errors import NotLoadable, UsageError
 from wna16ctl.layout.rank import RankLayout, build_rank_tensors, expected_rank_shapes
 from wna16ctl.plan import Backend, LayerPlan, plan_layer
@@ -169,6 +169,11 @@ def _check_shared_g_idx(ck: Checkpoint, jobs: list[LayerJob]) -> None:
                 if not all(n in ck.files for n in names):
                     continue  # old writers skipped unset g_idx: both become k // group_size
                 gate, up = (reader.read(n) for n in names)
+                for n, g in zip(names, (gate, up)):
+                    check_g_idx(g, n, layer.hidden_size, layer.scheme.group_size)
+                down = layer.tensor_name(e, "down", "weight_g_idx")
+                if down in ck.files:
+                    check_g_idx(reader.read(down), down, layer.intermediate_size, layer.scheme.group_size)
                 if not torch.equal(gate.to(torch.int64), up.to(torch.int64)):
                     k = int((gate.to(torch.int64) != up.to(torch.int64)).nonzero()[0])
                     raise NotLoadable(
@@ -187,7 +192,7 @@ def plan_repack(ckpt_path: str | os.PathLike[str], settings: RepackSettings) -> 
     layers = ck.quantized_layers
     if not layers:
         raise NotLoadable(f"{ck.root}: no quantized MoE layers to repack")
-    scale_dtype = dtype_from_name(ck.config.torch_dtype)
+    scale_dtype = getattr(torch, ck.config.torch_dtype)  # one of config.SCALE_DTYPES
     n_ranks = settings.tp
     jobs: list[LayerJob] = []
     for layer in layers:
@@ -214,7 +219,7 @@ def plan_repack(ckpt_path: str | os.PathLike[str], settings: RepackSettings) -> 
         names = list(expected_rank_shapes(specs[0], 1, scale_dtype))
         jobs.append(LayerJob(layer, plan, layout, specs, ranges, names))
 
-    _check_shared_g_idx(ck, jobs)
+    _check_shared_g_idx(ck, jobs)  # also checks every act-order g_idx is a valid group assignment
     repacked = {
         layer.tensor_name(e, role, suffix)
         for job in jobs for layer in [job.layer] for e in range(layer.num_experts) for role in ROLE_ORDER
@@ -302,12 +307,8 @@ def run_repack(
     """Execute `plan` into `out` (staged, then renamed); see module doc."""
     ck = plan.checkpoint
     out_path = Path(out).resolve()  # "-o ." has no name to stage beside and rename
-    if out_path.resolve() == ck.root.resolve() or ck.root.resolve() in out_path.resolve().parents:
-        raise UsageError(f"{out_path}: the output must not be inside the checkpoint directory")
-    if out_path.resolve() in ck.root.resolve().parents:
-        # --force (or --resume) replaces OUT as a whole at the commit: the checkpoint would go with it.
-        raise UsageError(f"{out_path}: contains the checkpoint {ck.root}; choose an output directory outside it")
-    staged = StagedOutput(out_path, force=force, resume=resume, identity=plan.identity)
+    # OUT, its staging and previous-output names must be clear of the checkpoint (outdir.py)
+    staged = StagedOutput(out_path, force=force, resume=resume, identity=plan.identity, checkpoint=ck.root)
     advance = progress or (lambda n: None)
     try:
         result = _execute(plan, staged, advance, device)
@@ -320,44 +321,135 @@ def run_repack(
     return result
 
 
+def _digest(parts: list[str]) -> str:
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+class _SourceDigests:
+    """Digests of the source bytes each output file is made from: its resume key.
+
+    A copy unit's digest covers its tensors' bytes; a layer unit's digest, per rank, covers every
+    byte read for the experts that rank holds (chunk by chunk, in read order: the reader feeds the
+    bytes it reads to a hasher, so no second pass over the data).  A file's digest is that of its
+    units' digests in order.
+    """
+
+    def __init__(self, plan: RepackPlan):
+        self.plan = plan
+        self.copy: dict[tuple, str] = {}
+        self.chunks: dict[int, dict[int, str]] = {}  # layer -> chunk start -> digest
+
+    def add_chunk(self, j: int, chunk: range, digest: str) -> None:
+        self.chunks.setdefault(j, {})[chunk.start] = digest
+
+    def unit(self, u: tuple, rank: int) -> str:
+        if u[0] == "copy":
+            return self.copy[u]
+        job = self.plan.jobs[u[1]]
+        rng = job.expert_ranges[rank]
+        got = self.chunks[u[1]]
+        return _digest([got[c.start] for c in _expert_chunks(job) if c.start in rng])
+
+    def file(self, f: PlannedFile) -> str:
+        rank = int(f.relpath.split("/", 1)[0].removeprefix("rank-"))
+        return _digest([f.relpath] + [self.unit(u, rank) for u in self.plan.units[f.relpath]])
+
+
+def _read_layer_chunk(reader: TensorReader, job: LayerJob, chunk: range) -> tuple[list, str]:
+    h = hashlib.sha256()
+    reader.hasher = h
+    try:
+        experts = [reader.read_expert(job.layer, e) for e in chunk]
+    finally:
+        reader.hasher = None
+    return experts, h.hexdigest()
+
+
+def _copy_tensor(reader: TensorReader, info: Any, targets: list[tuple[StagedOutput, PlannedFile, int]],
+                 h: Any, bufsize: int = 16 << 20) -> None:
+    """Copy one non-expert tensor into every target file, digesting its bytes once."""
+    for start in range(info.start, info.end, bufsize):
+        n = min(bufsize, info.end - start)
+        sub = type(info)(info.name, info.dtype, (), info.file, start, start + n)
+        data = reader.read_bytes(sub)
+        view = writable_view(data)
+        h.update(view)
+        for staged, f, offset in targets:
+            staged.pwrite(f, offset + (start - info.start), view)
+
+
+def _verify_reusable(plan: RepackPlan, staged: StagedOutput, reader: TensorReader,
+                     candidates: list[PlannedFile], digests: _SourceDigests) -> list[PlannedFile]:
+    """Re-digest the source bytes the candidate files were made from; return those still valid."""
+    needed: dict[tuple, set[int]] = {}
+    for f in candidates:
+        rank = int(f.relpath.split("/", 1)[0].removeprefix("rank-"))
+        for u in plan.units[f.relpath]:
+            needed.setdefault(u, set()).add(rank)
+    ck = plan.checkpoint
+    for u, ranks in needed.items():
+        if u[0] == "copy":
+            h = hashlib.sha256()
+            for name in u[1]:
+                info = ck.files.info(name)
+                for start in range(info.start, info.end, 16 << 20):
+                    sub = type(info)(info.name, info.dtype, (), info.file, start, min(start + (16 << 20), info.end))
+                    h.update(writable_view(reader.read_bytes(sub)))
+            digests.copy[u] = h.hexdigest()
+            continue
+        job = plan.jobs[u[1]]
+        wanted = [job.expert_ranges[r] for r in ranks]
+        for chunk in _expert_chunks(job):
+            if any(chunk.start in rng for rng in wanted):
+                _, d = _read_layer_chunk(reader, job, chunk)
+                digests.add_chunk(u[1], chunk, d)
+    return [f for f in candidates if staged.reuse(f, digests.file(f))]
+
+
 def _execute(plan: RepackPlan, staged: StagedOutput, advance: Callable[[int], None], device: str) -> RepackResult:
     ck = plan.checkpoint
     by_rel = {f.relpath: f for files in plan.files for f in files}
-    pending = {rel: f for rel, f in by_rel.items() if not staged.is_reusable(f)}
-    reused = len(by_rel) - len(pending)
-    remaining = {rel: len(plan.units[rel]) for rel in pending}
-    unit_file: dict[tuple, list[PlannedFile]] = {}
-    unit_end: dict[tuple[str, tuple], int] = {}
-    for rel, f in pending.items():
-        staged.open(f)
-        ends = {t.name: f.offsets[t.name] + t.nbytes for t in f.tensors}
-        for u in plan.units[rel]:
-            unit_file.setdefault(u, []).append(f)
-            names = u[1] if u[0] == "copy" else [n for n in ends if n.startswith(plan.jobs[u[1]].layer.prefix + ".")]
-            unit_end[(rel, u)] = max(ends[n] for n in names)
-
-    def unit_done(u: tuple) -> None:
-        for f in unit_file.get(u, []):
-            remaining[f.relpath] -= 1
-            if remaining[f.relpath] == 0:
-                staged.finish(f)
-            else:  # units fill a file front to back: everything before this unit's end is final
-                staged.written_upto(f, unit_end[(f.relpath, u)])
-        staged.checkpoint_journal()
-
+    digests = _SourceDigests(plan)
     written = 0
     repack_weights = marlin_repacker(device)
     writer = _BackgroundWrites(staged)
     with TensorReader(ck.files) as reader, writer:
-        # 1. non-expert tensors, copied byte for byte into every rank that still needs them
+        candidates = [f for f in by_rel.values() if staged.staged_file_matches(f)]
+        reused_files = {f.relpath for f in _verify_reusable(plan, staged, reader, candidates, digests)} if candidates else set()
+        pending = {rel: f for rel, f in by_rel.items() if rel not in reused_files}
+        reused = len(by_rel) - len(pending)
+        staged.check_space(sum(f.size for f in pending.values()))
+        remaining = {rel: len(plan.units[rel]) for rel in pending}
+        unit_file: dict[tuple, list[PlannedFile]] = {}
+        unit_end: dict[tuple[str, tuple], int] = {}
+        for rel, f in pending.items():
+            ends = {t.name: f.offsets[t.name] + t.nbytes for t in f.tensors}
+            for u in plan.units[rel]:
+                unit_file.setdefault(u, []).append(f)
+                names = u[1] if u[0] == "copy" else [n for n in ends if n.startswith(plan.jobs[u[1]].layer.prefix + ".")]
+                unit_end[(rel, u)] = max(ends[n] for n in names)
+
+        def unit_done(u: tuple) -> None:
+            for f in unit_file.get(u, []):
+                remaining[f.relpath] -= 1
+                if remaining[f.relpath] == 0:
+                    staged.finish(f, digests.file(f))
+                else:  # units fill a file front to back: everything before this unit's end is final
+                    staged.written_upto(f, unit_end[(f.relpath, u)])
+            staged.checkpoint_journal()
+
+        # 1. non-expert tensors, read once, digested, written into every rank that still needs them
         copy_units = [u for rel in sorted(pending) for u in plan.units[rel] if u[0] == "copy"]
         for u in dict.fromkeys(copy_units):
             for f in unit_file[u]:
-                for name in u[1]:
-                    info = ck.files.info(name)
-                    staged.copy_range(f, f.offsets[name], reader._fd(info.file), info.start, info.nbytes, source=info.file)
-                    written += info.nbytes
-                    advance(info.nbytes)
+                staged.open(f)
+            h = hashlib.sha256()
+            for name in u[1]:
+                info = ck.files.info(name)
+                _copy_tensor(reader, info, [(staged, f, f.offsets[name]) for f in unit_file[u]], h)
+                written += info.nbytes * len(unit_file[u])
+                advance(info.nbytes * len(unit_file[u]))
+            digests.copy[u] = h.hexdigest()
             unit_done(u)
         # 2. expert layers
         for j, job in enumerate(plan.jobs):
@@ -366,9 +458,15 @@ def _execute(plan: RepackPlan, staged: StagedOutput, advance: Callable[[int], No
                 [f for f in unit_file.get(u, []) if f.relpath.startswith(f"rank-{r}/")]] if fs}
             if not rank_files:
                 continue
+            for fs in rank_files.values():
+                staged.open(fs[0])
             layer = job.layer
+            wanted = [job.expert_ranges[r] for r in rank_files]
             for chunk in _expert_chunks(job):
-                experts = [reader.read_expert(layer, e) for e in chunk]
+                if not any(chunk.start in rng for rng in wanted):
+                    continue  # EP: no pending rank holds these experts
+                experts, d = _read_layer_chunk(reader, job, chunk)
+                digests.add_chunk(j, chunk, d)
                 nbytes = layer.packed_bytes * len(chunk) // layer.num_experts
                 writes: list[tuple[PlannedFile, int, torch.Tensor]] = []
                 for r, fs in rank_files.items():
@@ -391,17 +489,22 @@ def _execute(plan: RepackPlan, staged: StagedOutput, advance: Callable[[int], No
             unit_done(u)
         # 3. per-rank indexes, side files, manifest
         for r, files in enumerate(plan.files):
-            wm = {t.name: Path(f.relpath).name for f in files for t in f.tensors}
-            total = sum(t.nbytes for f in files for t in f.tensors)
-            staged.write_small(f"rank-{r}/{INDEX_NAME}", (json.dumps({"metadata": {"total_size": total}, "weight_map": wm}, indent=2) + "\n").encode())
+            staged.write_small(f"rank-{r}/{INDEX_NAME}", rank_index_bytes(files))
         for name in _SIDE_FILES:
             src = ck.root / name
             if src.is_file():
                 staged.copy_file(src, name)
         staged.collect_hashes()
-        manifest = build_manifest(plan, staged.done, staged.stage)
+        manifest = build_manifest(plan, staged.done, staged.stage, staged.sources)
         staged.commit(manifest)
     return RepackResult(staged.out, len(pending), reused, written, manifest)
+
+
+def rank_index_bytes(files: list[PlannedFile]) -> bytes:
+    """The `model.safetensors.index.json` of one rank directory, as repack writes it."""
+    wm = {t.name: Path(f.relpath).name for f in files for t in f.tensors}
+    total = sum(t.nbytes for f in files for t in f.tensors)
+    return (json.dumps({"metadata": {"total_size": total}, "weight_map": wm}, indent=2) + "\n").encode()
 
 
 class _BackgroundWrites:
@@ -458,15 +561,20 @@ def marlin_repacker(device: str) -> Callable[..., torch.Tensor]:
     return repack
 
 
-def build_manifest(plan: RepackPlan, hashes: dict[str, str], root: Path) -> dict[str, Any]:
-    out_files = {rel: {"sha256": digest, "bytes": (root / rel).stat().st_size} for rel, digest in sorted(hashes.items())}
+def build_manifest(plan: RepackPlan, hashes: dict[str, str], root: Path,
+                   sources: dict[str, str] | None = None) -> dict[str, Any]:
+    out_files: dict[str, dict[str, Any]] = {}
+    for rel, digest in sorted(hashes.items()):
+        out_files[rel] = {"sha256": digest, "bytes": (root / rel).stat().st_size}
+        if sources and rel in sources:
+            out_files[rel]["source_sha256"] = sources[rel]
     return {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
         "tool_version": __version__,
         "identity": plan.identity,
         "source": {
-            "path": str(plan.checkpoint.root),
+            "path": os.path.abspath(plan.checkpoint.root),
             "fingerprint": plan.fingerprint,
             "architecture": (plan.checkpoint.config.architectures or ("",))[0],
         },
