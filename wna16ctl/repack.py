@@ -32,7 +32,7 @@ FORMAT_VERSION = 1
 LAYOUTS = ("auto", "marlin", "transposed")
 _SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape")
 # Files copied beside the rank directories (tokenizer, generation and chat-template files).
-_SIDE_FILES = (
+SIDE_FILES = (
     "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
     "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
     "added_tokens.json", "preprocessor_config.json",
@@ -490,7 +490,7 @@ def _execute(plan: RepackPlan, staged: StagedOutput, advance: Callable[[int], No
         # 3. per-rank indexes, side files, manifest
         for r, files in enumerate(plan.files):
             staged.write_small(f"rank-{r}/{INDEX_NAME}", rank_index_bytes(files))
-        for name in _SIDE_FILES:
+        for name in SIDE_FILES:
             src = ck.root / name
             if src.is_file():
                 staged.copy_file(src, name)

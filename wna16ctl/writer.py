@@ -31,6 +31,7 @@ from wna16ctl.errors import BadInput, OutputError, UsageError
 from wna16ctl.outdir import JOURNAL_NAME, MANIFEST_NAME
 
 _ALIGN = 8  # safetensors pads the header so that data starts 8-byte aligned
+PLANNED_METADATA = {"format": "pt"}  # every output file's safetensors __metadata__
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class PlannedFile:
     size: int = 0
 
     def layout(self) -> None:
-        entries: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        entries: dict[str, Any] = {"__metadata__": dict(PLANNED_METADATA)}
         pos = 0
         rel: dict[str, int] = {}
         for t in self.tensors:
@@ -246,7 +247,9 @@ class StagedOutput:
             if isinstance(journal, dict) and journal.get("identity") == self.identity:
                 files, sources = journal.get("files"), journal.get("sources") or {}
                 if isinstance(files, dict) and isinstance(sources, dict):
-                    return {str(k): (str(v), sources.get(k)) for k, v in files.items()}
+                    found = {str(k): (str(v), sources.get(k)) for k, v in files.items() if _plain_rel(k)}
+                    self._prune_stage(set(found))
+                    return found
         if out_nonempty:
             manifest = outdir.our_manifest(self.out)
             if not manifest or manifest.get("identity") != self.identity:
@@ -273,6 +276,25 @@ class StagedOutput:
                 found[rel] = (meta["sha256"], meta.get("source_sha256"))
             return found
         return {}
+
+    def _prune_stage(self, keep: set[str]) -> None:
+        """Remove from our staging directory everything but the journaled regular files: a link
+        (removed as a link, its target untouched) or stray file must not reach OUT."""
+        keep = keep | {outdir.STAGE_MARKER, JOURNAL_NAME}
+        dirs = {p.as_posix() for rel in keep for p in Path(rel).parents if p.as_posix() != "."}
+        for dirpath, dirnames, filenames in os.walk(self.stage, topdown=True):
+            base = Path(dirpath).relative_to(self.stage)
+            for d in list(dirnames):
+                rel = (base / d).as_posix()
+                if rel not in dirs or not outdir.is_real_dir(Path(dirpath) / d):
+                    p = Path(dirpath) / d
+                    shutil.rmtree(p) if outdir.is_real_dir(p) else os.unlink(p)
+                    dirnames.remove(d)
+            for name in filenames:
+                rel = (base / name).as_posix()
+                st = os.lstat(Path(dirpath) / name)
+                if rel not in keep or not stat.S_ISREG(st.st_mode):
+                    os.unlink(Path(dirpath) / name)
 
     def staged_file_matches(self, f: PlannedFile) -> bool:
         """True when a staged file from an earlier run has exactly the bytes it was recorded with

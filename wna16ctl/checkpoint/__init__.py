@@ -101,4 +101,7 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     warnings = [w for lay in layers for w in lay.warnings]
     if config.quant is None:
         warnings.append(f"{root / 'config.json'}: no quantization_config; the experts are not quantized")
+    if config.torch_dtype == "float32":
+        warnings.append(f"{root / 'config.json'}: torch_dtype float32: vLLM's Marlin MoE kernels (and verify's MoE GEMM) "
+                        "run float16/bfloat16 only; the Triton layout accepts float32 scales")
     return Checkpoint(root=root, config=config, files=files, layers=layers, warnings=warnings)

@@ -137,7 +137,7 @@ def _regex_budget(source: str) -> Iterator[None]:
     try:
         yield
     except _RegexTimeout:
-        patterns = ", ".join(repr("re:" + p) for p in _slowest_candidates())
+        patterns = ", ".join(f"'re:{p}'" for p in _CURRENT_PATTERN[-1:])
         raise BadInput(
             f"{source}: matching quantization_config targets/ignore against the module names took more than "
             f"{REGEX_BUDGET_S:g} s (catastrophic backtracking in {patterns or 'a re: pattern'}); simplify the "
@@ -148,11 +148,7 @@ def _regex_budget(source: str) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-_CURRENT_PATTERN: list[str] = []
-
-
-def _slowest_candidates() -> list[str]:
-    return _CURRENT_PATTERN[-1:]
+_CURRENT_PATTERN: list[str] = []  # the pattern being matched, named when the budget runs out
 
 
 @dataclass(frozen=True)
