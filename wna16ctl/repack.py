@@ -306,7 +306,10 @@ def run_repack(
 ) -> RepackResult:
     """Execute `plan` into `out` (staged, then renamed); see module doc."""
     ck = plan.checkpoint
-    out_path = Path(out).resolve()  # "-o ." has no name to stage beside and rename
+    try:
+        out_path = Path(out).resolve()  # "-o ." has no name to stage beside and rename
+    except (RuntimeError, OSError) as e:  # a symlink loop
+        raise UsageError(f"{out}: cannot be resolved ({getattr(e, 'strerror', None) or e}); choose another -o") from None
     # OUT, its staging and previous-output names must be clear of the checkpoint (outdir.py)
     staged = StagedOutput(out_path, force=force, resume=resume, identity=plan.identity, checkpoint=ck.root)
     advance = progress or (lambda n: None)
