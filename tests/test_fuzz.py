@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from tests.test_repack import one_torch_thread  # noqa: F401  (fixture)
@@ -181,6 +181,10 @@ def plant(path: Path, state: str, out: Path, outside: Path, our_output: Path) ->
 @FUZZ
 @given(out_state=st.sampled_from(STATES), stage_state=st.sampled_from(STATES), old_state=st.sampled_from(STATES),
        lock_state=st.sampled_from(["absent", "regular_file"]), mode=st.sampled_from(["plain", "force", "resume"]))
+@example(out_state="our_output_plus_foreign", stage_state="absent", old_state="absent", lock_state="absent",
+         mode="resume")
+@example(out_state="our_output", stage_state="our_stage", old_state="our_output", lock_state="regular_file",
+         mode="force")
 def test_fuzz_output_layouts(source, tmp_path_factory, out_state, stage_state, old_state, lock_state, mode):
     base = tmp_path_factory.getbasetemp() / "layouts-out"
     if not (base / "wna16ctl.json").exists():

@@ -151,6 +151,32 @@ def test_foreign_entries_are_never_deleted_by_force(make_ckpt, tmp_path):
         assert (d / "data.bin").read_text() == "mine"
         shutil.rmtree(d)
     assert invoke("repack", str(ck), "--tp", "1", "-o", str(out), "--force").exit_code == 0
+    # --resume replaces OUT at the commit too: the same rule
+    (out / "user.txt").write_text("mine")
+    res = invoke("repack", str(ck), "--tp", "1", "-o", str(out), "--resume")
+    one_line_error(res, "user.txt", "not written by wna16ctl")
+    assert (out / "user.txt").read_text() == "mine"
+
+
+def test_file_added_to_out_during_the_run_is_kept_and_so_is_the_work(make_ckpt, tmp_path, monkeypatch):
+    ck = make_ckpt(**SMALL)
+    out = tmp_path / "out"
+    run_repack(plan_repack(ck, RepackSettings(tp=1)), out)
+    real = repack_mod.build_manifest
+
+    def meanwhile(*a, **kw):
+        (out / "user.txt").write_text("mine")  # the user drops a file into OUT while repack runs
+        return real(*a, **kw)
+
+    monkeypatch.setattr(repack_mod, "build_manifest", meanwhile)
+    with pytest.raises(UsageError, match="user.txt"):
+        run_repack(plan_repack(ck, RepackSettings(tp=1)), out, force=True)
+    monkeypatch.undo()
+    assert (out / "user.txt").read_text() == "mine"
+    assert leftovers(out) == [".out.wna16ctl-partial"]  # the finished work, for --resume
+    (out / "user.txt").unlink()
+    res = run_repack(plan_repack(ck, RepackSettings(tp=1)), out, resume=True)
+    assert res.files_written == 0 and leftovers(out) == []
 
 
 def test_resume_never_writes_through_links_in_staging(make_ckpt, tmp_path, monkeypatch):
@@ -767,3 +793,20 @@ def test_missing_quantization_config_is_named(make_ckpt, tmp_path):
     ck = copy_ckpt(make_ckpt(**SMALL), tmp_path / "ck")
     edit_config(ck, quantization_config=None)
     one_line_error(invoke("inspect", str(ck), "--tp", "1"), "no quantization_config")
+
+
+def test_hugging_face_cache_layout_repacks_and_verifies(tokenized_output, tmp_path):
+    # a snapshot links every file (shards, config, tokenizer) to ../../blobs/<hash>
+    src_ck, _ = tokenized_output
+    blobs, snap = tmp_path / "blobs", tmp_path / "snapshots" / "abc"
+    blobs.mkdir()
+    snap.mkdir(parents=True)
+    for p in sorted(src_ck.iterdir()):
+        blob = blobs / hashlib.sha256(p.read_bytes()).hexdigest()
+        shutil.copyfile(p, blob)
+        (snap / p.name).symlink_to(os.path.relpath(blob, snap))
+    out = tmp_path / "out"
+    run_repack(plan_repack(snap, RepackSettings(tp=2)), out)
+    assert not any(p.is_symlink() for p in out.rglob("*"))
+    report = verify_output(snap, out, samples=GSM8K_TEST, num_samples=4)
+    assert report.passed, [f.message for f in report.findings]

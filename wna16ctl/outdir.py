@@ -136,7 +136,8 @@ def foreign_entry(path: Path, out: Path) -> str | None:
     manifest = our_manifest(path)
     if manifest is None:
         return entries[0][0]
-    listed = {str(k) for k in manifest["files"]} | {MANIFEST_NAME}
+    # the marker too: a commit killed between its rename and the marker's removal leaves it
+    listed = {str(k) for k in manifest["files"]} | {MANIFEST_NAME, STAGE_MARKER}
     parents = {p.as_posix() for rel in listed for p in Path(rel).parents if p.as_posix() != "."}
     for rel, is_dir in entries:
         if (is_dir and rel in parents) or (not is_dir and rel in listed):

@@ -92,9 +92,10 @@ def split_into_files(groups: Iterable[list[PlannedTensor]], prefix: str, max_byt
     return files
 
 
-def sha256_file(path: Path, bufsize: int = 16 << 20) -> str:
+def sha256_file(path: Path, bufsize: int = 16 << 20, *, follow_links: bool = False) -> str:
+    """sha256 of a regular file (output files are never links; a checkpoint's may be)."""
     h = hashlib.sha256()
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | (0 if follow_links else os.O_NOFOLLOW))
     with open(fd, "rb", buffering=0) as f:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(errno.EINVAL, "not a regular file", str(path))
@@ -167,6 +168,7 @@ class StagedOutput:
         self._hashing: dict[str, Future[str]] = {}
         self._lock_fd = -1
         self._created_stage = False
+        self.keep_stage = False  # set when a failure must not discard finished work
         # one hashing thread: tasks run in submission order, so a file's ranges hash in order
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wna16ctl-hash")
         self._hashers: dict[str, tuple[Any, list[int]]] = {}  # relpath -> (sha256, [bytes hashed])
@@ -180,7 +182,7 @@ class StagedOutput:
 
     # setup -------------------------------------------------------------------------------------
     def _release_after_failed_prepare(self) -> None:
-        if self._created_stage and self._lock_fd >= 0:
+        if self._created_stage:  # made by this run a moment ago: ours to remove
             shutil.rmtree(self.stage, ignore_errors=True)
         self._unlock()
         self._pool.shutdown(wait=False)
@@ -197,12 +199,12 @@ class StagedOutput:
         nonempty = out.is_dir() and any(out.iterdir())
         if nonempty and not (force or resume):
             raise UsageError(f"{out}: exists and is not empty; pass --force to replace it or --resume to reuse it")
-        if nonempty and force:
+        if nonempty:  # --force or --resume: OUT is replaced at the commit, so all of it must be ours
             foreign = outdir.foreign_entry(out, out)
             if foreign is not None:
                 raise UsageError(
-                    f"{out}: --force replaces only wna16ctl output, but {foreign} was not written by wna16ctl; "
-                    "move it away or choose another -o"
+                    f"{out}: {'--force' if force else '--resume'} replaces only wna16ctl output, but {foreign} was "
+                    "not written by wna16ctl; move it away or choose another -o"
                 )
         old = outdir.old_path(out)
         if os.path.lexists(old) and (not outdir.is_real_dir(old) or outdir.foreign_entry(old, out) is not None):
@@ -472,8 +474,13 @@ class StagedOutput:
         self.collect_hashes()
         manifest_bytes = json.dumps(manifest, indent=2).encode() + b"\n"
         try:
+            if os.path.lexists(self.out):
+                foreign = outdir.foreign_entry(self.out, self.out) if outdir.is_real_dir(self.out) else self.out.name
+                if foreign is not None:  # appeared while we worked: keep the finished output for --resume
+                    self.keep_stage = True
+                    raise UsageError(f"{self.out}: {foreign} was added while repack ran and is not wna16ctl's; "
+                                     f"move it away and rerun with --resume (the finished output is kept)")
             (self.stage / JOURNAL_NAME).unlink(missing_ok=True)
-            (self.stage / outdir.STAGE_MARKER).unlink(missing_ok=True)
             outdir.write_file(self.stage / MANIFEST_NAME, manifest_bytes)
             old = None
             if os.path.lexists(self.out):
@@ -481,6 +488,8 @@ class StagedOutput:
                 outdir.remove_ours(old, self.out, "the previous-output directory")
                 os.rename(self.out, old)
             os.rename(self.stage, self.out)
+            # the marker goes last: until the rename the staging directory must stay provably ours
+            (self.out / outdir.STAGE_MARKER).unlink(missing_ok=True)
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
         except OSError as e:
@@ -500,7 +509,7 @@ class StagedOutput:
         for fut in self._hashing.values():
             fut.cancel()
         self._pool.shutdown(wait=True, cancel_futures=True)
-        if keep_for_resume:
+        if keep_for_resume or self.keep_stage:
             try:
                 self.checkpoint_journal()
             except OutputError:
