@@ -810,3 +810,20 @@ def test_hugging_face_cache_layout_repacks_and_verifies(tokenized_output, tmp_pa
     assert not any(p.is_symlink() for p in out.rglob("*"))
     report = verify_output(snap, out, samples=GSM8K_TEST, num_samples=4)
     assert report.passed, [f.message for f in report.findings]
+
+
+def test_output_that_is_a_mount_point_is_refused_up_front(make_ckpt, other_filesystem):
+    # staging must sit on OUT's filesystem, and beside a mount point it cannot
+    res = invoke("repack", str(make_ckpt(**SMALL)), "--tp", "1", "-o", str(other_filesystem))
+    one_line_error(res, "mount point")
+    assert list(other_filesystem.iterdir()) == [] and leftovers(other_filesystem) == []
+
+
+def test_verify_names_a_non_finite_scale_of_the_source(make_ckpt, tmp_path):
+    ck = copy_ckpt(make_ckpt(**SMALL), tmp_path / "ck")
+    out = tmp_path / "out"
+    run_repack(plan_repack(ck, RepackSettings(tp=2)), out)
+    name = f"{PREFIX}.3.gate_proj.weight_scale"
+    _poison(ck, name, _set(0, float("nan")))  # data only: the header fingerprint is unchanged
+    one_line_error(invoke("verify", str(ck), str(out), "--num-samples", "2", "--samples", str(GSM8K_TEST)),
+                   name, "not finite")

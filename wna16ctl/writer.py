@@ -196,6 +196,9 @@ class StagedOutput:
         out, stage = self.out, self.stage
         if out.is_symlink() or (out.exists() and not out.is_dir()):
             raise UsageError(f"{out}: exists and is not a directory; choose another -o")
+        if out.is_dir() and os.stat(out).st_dev != os.stat(out.parent).st_dev:
+            # staging beside OUT would be on another filesystem: the final rename cannot work
+            raise UsageError(f"{out}: is a mount point; choose a directory inside it as -o")
         nonempty = out.is_dir() and any(out.iterdir())
         if nonempty and not (force or resume):
             raise UsageError(f"{out}: exists and is not empty; pass --force to replace it or --resume to reuse it")
