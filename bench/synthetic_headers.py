@@ -79,7 +79,7 @@ def write(out: Path, layers: int = 61, experts: int = 384, hidden: int = 7168, i
     config = {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "hidden_size": hidden,
         "num_hidden_layers": layers, "moe_intermediate_size": inter, "intermediate_size": 18432,
-        "n_routed_experts": experts, "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 1,
+        "n_routed_experts": experts, "n_shared_experts": 1, "num_experts_per_tok": min(8, experts), "first_k_dense_replace": 1,
         "vocab_size": vocab, "torch_dtype": "bfloat16",
         "quantization_config": {
             "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",

@@ -449,7 +449,10 @@ def test_manifest_and_rank_files(make_ckpt, tmp_path):
     del on_disk[MANIFEST_NAME]
     assert sorted(m["files"]) == sorted(on_disk)
     for rel, meta in m["files"].items():
-        assert meta == {"sha256": on_disk[rel], "bytes": (out / rel).stat().st_size}, rel
+        assert {k: meta[k] for k in ("sha256", "bytes")} == {"sha256": on_disk[rel], "bytes": (out / rel).stat().st_size}, rel
+        # tensor files also record the digest of the source bytes they were made from (the resume key)
+        want = {"sha256", "bytes", "source_sha256"} if rel.endswith(".safetensors") else {"sha256", "bytes"}
+        assert set(meta) == want, rel
     assert "config.json" in m["files"]
     assert (out / "config.json").read_bytes() == (ck / "config.json").read_bytes()
     # ranks
@@ -506,10 +509,18 @@ def test_existing_output_refused_then_forced(make_ckpt, tmp_path):
     assert "Traceback" not in res.output
     assert sorted(p.name for p in out.iterdir()) == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
     assert leftovers(out) == []
-    res = _repack_cli(str(ck), "--tp", "2", "-o", str(out), "--force", "--json")
+    # --force replaces only what wna16ctl wrote: a user's file is named and kept
+    res = _repack_cli(str(ck), "--tp", "2", "-o", str(out), "--force")
+    assert res.exit_code == 2, res.output
+    assert "keep.txt" in res.stderr and "not written by wna16ctl" in res.stderr
+    assert (out / "keep.txt").read_text() == "mine" and leftovers(out) == []
+    (out / "keep.txt").unlink()
+    res = _repack_cli(str(ck), "--tp", "2", "-o", str(out), "--force", "--json")  # an empty directory
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["files_written"] == 2
-    assert not (out / "keep.txt").exists() and (out / MANIFEST_NAME).is_file()
+    res = _repack_cli(str(ck), "--tp", "1", "-o", str(out), "--force", "--json")  # an earlier output
+    assert res.exit_code == 0, res.output
+    assert json.loads((out / MANIFEST_NAME).read_text())["tp"] == 1 and not (out / "rank-1").exists()
     assert leftovers(out) == []
 
 
@@ -630,8 +641,8 @@ def test_interrupt_then_resume(two_layer_ckpt, tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         run_repack(plan_repack(ck, RESUME_SETTINGS), out)
     assert not out.exists()
-    # the staging dir (for --resume) and the empty lock file, whose flock died with the process
-    assert leftovers(out) in ([".out.wna16ctl-partial"], [".out.wna16ctl-lock", ".out.wna16ctl-partial"])
+    # only the staging dir (for --resume): the lock was the staging dir's flock, no lock file
+    assert leftovers(out) == [".out.wna16ctl-partial"]
     assert not (tmp_path / ".out.wna16ctl-partial" / MANIFEST_NAME).exists()
     monkeypatch.undo()
     res = run_repack(plan_repack(ck, RESUME_SETTINGS), out, resume=True)
@@ -690,8 +701,8 @@ def test_sigkill_leaves_nothing_complete(two_layer_ckpt, tmp_path):
             proc.wait()
     assert not out.exists()
     assert not list(tmp_path.rglob(MANIFEST_NAME))
-    # the staging dir (for --resume) and the empty lock file, whose flock died with the process
-    assert leftovers(out) in ([".out.wna16ctl-partial"], [".out.wna16ctl-lock", ".out.wna16ctl-partial"])
+    # only the staging dir (for --resume): the flock died with the process, no lock file is left
+    assert leftovers(out) == [".out.wna16ctl-partial"]
     # the partial output is still a valid resume point
     run_repack(plan_repack(two_layer_ckpt, RESUME_SETTINGS), out, resume=True)
     fresh = tmp_path / "fresh"
@@ -717,16 +728,26 @@ def test_concurrent_repack_into_the_same_output_is_refused(make_ckpt, tmp_path):
 
     ck = make_ckpt(num_layers=1, num_experts=4)
     out = tmp_path / "out"
-    lock = os.open(tmp_path / ".out.wna16ctl-lock", os.O_RDWR | os.O_CREAT)
-    fcntl.flock(lock, fcntl.LOCK_EX)  # another process is writing OUT
+    plan = plan_repack(ck, RepackSettings(vllm=ACT_ORDER_RELEASE, tp=1))
+    # another writer holds OUT: its staging directory is locked (flock) while it works
+    first = writer_mod.StagedOutput(out, force=False, resume=False, identity=plan.identity, checkpoint=ck)
+    stage = tmp_path / ".out.wna16ctl-partial"
+    assert stage.is_dir()
+    fd = os.open(stage, os.O_RDONLY | os.O_DIRECTORY)
+    with pytest.raises(OSError):
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.close(fd)
     try:
-        with pytest.raises(UsageError, match="another wna16ctl repack"):
-            run_repack(plan_repack(ck, RepackSettings(vllm=ACT_ORDER_RELEASE, tp=1)), out)
+        for resume in (False, True):
+            with pytest.raises(UsageError, match="another wna16ctl repack"):
+                run_repack(plan, out, resume=resume)
+            assert stage.is_dir()  # the second writer touched nothing of the first's
     finally:
-        os.close(lock)
-    run_repack(plan_repack(ck, RepackSettings(vllm=ACT_ORDER_RELEASE, tp=1)), out)
+        first.abort(keep_for_resume=False)
+    assert leftovers(out) == []
+    run_repack(plan, out)
     assert (out / "wna16ctl.json").is_file()
-    assert not (tmp_path / ".out.wna16ctl-lock").exists()
+    assert leftovers(out) == []  # no lock file is ever left beside OUT
 
 
 def test_output_dot_and_ep_rank_without_experts(make_ckpt, tmp_path, monkeypatch):

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from wna16ctl.checkpoint.headers import (
-    _MAX_HEADER, INDEX_NAME, SINGLE_NAME, ShardHeader, ShardList, locate_shards, read_shard_header,
-    shard_header_from_dict,
+    MAX_HEADER, INDEX_NAME, SINGLE_NAME, ShardHeader, ShardList, locate_shards, read_shard_header,
+    shard_header_from_bytes,
 )
 from wna16ctl.errors import BadInput, UsageError
 
@@ -275,7 +275,7 @@ def _fetch_header(repo_id: str, commit: str, filename: str) -> tuple[int, bytes]
         if len(raw) < 8:
             raise BadInput(f"{what}: truncated safetensors file ({size} bytes, no header length)")
         (n,) = struct.unpack("<Q", raw[:8])
-        if n == 0 or n > _MAX_HEADER or 8 + n > size:
+        if n < 2 or n > MAX_HEADER or 8 + n > size:
             raise BadInput(f"{what}: header length {n} does not fit the file size {size}; "
                            "the file is truncated or not safetensors")
         if len(raw) < 8 + n:
@@ -287,14 +287,9 @@ def _fetch_header(repo_id: str, commit: str, filename: str) -> tuple[int, bytes]
 
 
 def _header_from_raw(path: Path, what: str, size: int, raw: bytes) -> ShardHeader:
-    """The same ShardHeader `read_shard_header` makes from the local file's first 8 + N bytes."""
-    try:
-        header = json.loads(raw[8:])
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadInput(f"{what}: header is not valid JSON ({e}); the file is corrupt") from None
-    if not isinstance(header, dict):
-        raise BadInput(f"{what}: header is not a JSON object; the file is corrupt")
-    return shard_header_from_dict(path, size, len(raw), header)
+    """The same ShardHeader `read_shard_header` makes from the local file's first 8 + N bytes
+    (the same checks: what the safetensors library refuses is refused here too)."""
+    return shard_header_from_bytes(path, size, raw[8:])
 
 
 def _prefetch_headers(ref: HubRef, commit: str, root: Path, paths: list[Path]) -> dict[Path, tuple[int, bytes]]:

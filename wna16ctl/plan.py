@@ -341,6 +341,7 @@ def plan_layer(layer: MoELayer, tp: int, ep: bool = False, engine: str = rules.N
     if gpu not in rules.GPUS:
         raise ValueError(f"unknown GPU architecture {gpu!r} (one of {', '.join(rules.GPUS)})")
     H, I, E = layer.hidden_size, layer.intermediate_size, layer.num_experts
+
     moe_tp = 1 if ep else tp
     experts_per_rank = local_expert_counts(E, tp) if ep else [E] * tp
     i_p = I // moe_tp

@@ -17,20 +17,19 @@ from typing import Any, Callable
 
 import torch
 
-from wna16ctl import __version__
+from wna16ctl import __version__, outdir, rules
 from wna16ctl.checkpoint import Checkpoint, MoELayer, open_checkpoint
 from wna16ctl.checkpoint.gidx import gate_up_g_idx_mismatch
 from wna16ctl.checkpoint.headers import INDEX_NAME
 from wna16ctl.checkpoint.moe import ROLE_ORDER
-from wna16ctl.checkpoint.tensors import TensorReader, dtype_from_name
+from wna16ctl.checkpoint.tensors import TensorReader, check_g_idx, writable_view
 from wna16ctl.errors import NotLoadable, UsageError
 from wna16ctl.layout.rank import RankLayout, build_rank_tensors, expected_rank_shapes
-from wna16ctl import rules
 from wna16ctl.plan import Backend, LayerPlan, plan_layer
 from wna16ctl.tpsizes import check_tp_sizes, parse_tp_list
 from wna16ctl.output import TaskStarter, no_progress
 from wna16ctl.writer import (
-    JOURNAL_NAME, MANIFEST_NAME, PlannedFile, PlannedTensor, StagedOutput, split_into_files, st_dtype, staging_path,
+    JOURNAL_NAME, MANIFEST_NAME, PlannedFile, PlannedTensor, StagedOutput, split_into_files, st_dtype,
 )
 
 FORMAT_NAME = "wna16ctl-repack"
@@ -38,7 +37,7 @@ FORMAT_VERSION = 1
 LAYOUTS = ("auto", "marlin", "transposed")
 _SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape")
 # Files copied beside the rank directories (tokenizer, generation and chat-template files).
-_SIDE_FILES = (
+SIDE_FILES = (
     "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
     "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
     "added_tokens.json", "preprocessor_config.json",
@@ -171,9 +170,22 @@ def _choose_layout(layer: MoELayer, plan: LayerPlan, requested: str) -> str:
 
 
 def _check_shared_g_idx(ck: Checkpoint, jobs: list[LayerJob]) -> None:
-    """Act-order: gate and up must carry the same g_idx (checkpoint/gidx.py).  Part of the
-    validation pass, so a bad checkpoint is refused before anything is written."""
-    for job in jobs:
+    """Act-order: every g_idx a valid group assignment, and gate and up carrying the same one (the
+    engine keeps one copy for w13; checkpoint/gidx.py).  Part of the validation pass, so a bad
+    checkpoint is refused before anything is written; it reads only the small g_idx vectors.
+    """
+    act = [j for j in jobs if j.layer.scheme is not None and j.layer.scheme.act_order]
+    if not act:
+        return
+    with TensorReader(ck.files) as reader:
+        for job in act:
+            layer = job.layer
+            for e in range(layer.num_experts):
+                for role, k in (("gate", layer.hidden_size), ("up", layer.hidden_size), ("down", layer.intermediate_size)):
+                    name = layer.tensor_name(e, role, "weight_g_idx")
+                    if name in ck.files:  # old writers skipped unset g_idx: then k // group_size
+                        check_g_idx(reader.read(name), name, k, layer.scheme.group_size)
+    for job in act:
         problem = gate_up_g_idx_mismatch(ck.files, job.layer)
         if problem is not None:
             raise NotLoadable(problem)
@@ -193,7 +205,7 @@ def plan_repack(ckpt_path: str | os.PathLike[str], settings: RepackSettings) -> 
     if not layers:
         raise NotLoadable(f"{ck.root}: no quantized MoE layers to repack")
     check_tp_sizes(layers, (settings.tp,), settings.ep)
-    scale_dtype = dtype_from_name(ck.config.torch_dtype)
+    scale_dtype = getattr(torch, ck.config.torch_dtype)  # one of config.SCALE_DTYPES
     n_ranks = settings.tp
     jobs: list[LayerJob] = []
     for layer in layers:
@@ -221,7 +233,7 @@ def plan_repack(ckpt_path: str | os.PathLike[str], settings: RepackSettings) -> 
         names = list(expected_rank_shapes(specs[0], 1, scale_dtype))
         jobs.append(LayerJob(layer, plan, layout, specs, ranges, names))
 
-    _check_shared_g_idx(ck, jobs)
+    _check_shared_g_idx(ck, jobs)  # also checks every act-order g_idx is a valid group assignment
     repacked = {
         layer.tensor_name(e, role, suffix)
         for job in jobs for layer in [job.layer] for e in range(layer.num_experts) for role in ROLE_ORDER
@@ -315,7 +327,7 @@ def _identity_differences(recorded: dict[str, Any], wanted: dict[str, Any]) -> l
 def _check_previous_run(plan: RepackPlan, out_path: Path, *, resume: bool) -> str | None:
     """Before the writer takes over: name the settings that differ when --resume cannot reuse
     OUT; return the notice to give once a staging directory of an interrupted run is discarded."""
-    stage = staging_path(out_path)
+    stage = outdir.stage_path(out_path)
     journal = _read_json_file(stage / JOURNAL_NAME) if stage.is_dir() else None
     journal_matches = journal is not None and journal.get("identity") == plan.identity
     if resume and not journal_matches and out_path.is_dir() and any(out_path.iterdir()):
@@ -358,14 +370,13 @@ def run_repack(
     function (`wna16ctl.output.Sink.tasks`); `notice(message)` receives what the user should know
     on the way (a discarded staging directory)."""
     ck = plan.checkpoint
-    out_path = Path(out).resolve()  # "-o ." has no name to stage beside and rename
-    if out_path.resolve() == ck.root.resolve() or ck.root.resolve() in out_path.resolve().parents:
-        raise UsageError(f"{out_path}: the output must not be inside the checkpoint directory")
-    if out_path.resolve() in ck.root.resolve().parents:
-        # --force (or --resume) replaces OUT as a whole at the commit: the checkpoint would go with it.
-        raise UsageError(f"{out_path}: contains the checkpoint {ck.root}; choose an output directory outside it")
+    try:
+        out_path = Path(out).resolve()  # "-o ." has no name to stage beside and rename
+    except (RuntimeError, OSError) as e:  # a symlink loop
+        raise UsageError(f"{out}: cannot be resolved ({getattr(e, 'strerror', None) or e}); choose another -o") from None
     discarded = _check_previous_run(plan, out_path, resume=resume)
-    staged = StagedOutput(out_path, force=force, resume=resume, identity=plan.identity)
+    # OUT, its staging and previous-output names must be clear of the checkpoint (outdir.py)
+    staged = StagedOutput(out_path, force=force, resume=resume, identity=plan.identity, checkpoint=ck.root)
     if discarded and notice is not None:
         notice(discarded)
     start = progress or no_progress
@@ -380,54 +391,136 @@ def run_repack(
     return result
 
 
+def _digest(parts: list[str]) -> str:
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+class _SourceDigests:
+    """Digests of the source bytes each output file is made from: its resume key.
+
+    A copy unit's digest covers its tensors' bytes; a layer unit's digest, per rank, covers every
+    byte read for the experts that rank holds (chunk by chunk, in read order: the reader feeds the
+    bytes it reads to a hasher, so no second pass over the data).  A file's digest is that of its
+    units' digests in order.
+    """
+
+    def __init__(self, plan: RepackPlan):
+        self.plan = plan
+        self.copy: dict[tuple, str] = {}
+        self.chunks: dict[int, dict[int, str]] = {}  # layer -> chunk start -> digest
+
+    def add_chunk(self, j: int, chunk: range, digest: str) -> None:
+        self.chunks.setdefault(j, {})[chunk.start] = digest
+
+    def unit(self, u: tuple, rank: int) -> str:
+        if u[0] == "copy":
+            return self.copy[u]
+        job = self.plan.jobs[u[1]]
+        rng = job.expert_ranges[rank]
+        got = self.chunks[u[1]]
+        return _digest([got[c.start] for c in _expert_chunks(job) if c.start in rng])
+
+    def file(self, f: PlannedFile) -> str:
+        rank = int(f.relpath.split("/", 1)[0].removeprefix("rank-"))
+        return _digest([f.relpath] + [self.unit(u, rank) for u in self.plan.units[f.relpath]])
+
+
+def _read_layer_chunk(reader: TensorReader, job: LayerJob, chunk: range) -> tuple[list, str]:
+    h = hashlib.sha256()
+    reader.hasher = h
+    try:
+        experts = [reader.read_expert(job.layer, e) for e in chunk]
+    finally:
+        reader.hasher = None
+    return experts, h.hexdigest()
+
+
+def _copy_tensor(reader: TensorReader, info: Any, targets: list[tuple[StagedOutput, PlannedFile, int]],
+                 h: Any, bufsize: int = 16 << 20) -> None:
+    """Copy one non-expert tensor into every target file, digesting its bytes once."""
+    for start in range(info.start, info.end, bufsize):
+        n = min(bufsize, info.end - start)
+        sub = type(info)(info.name, info.dtype, (), info.file, start, start + n)
+        data = reader.read_bytes(sub)
+        view = writable_view(data)
+        h.update(view)
+        for staged, f, offset in targets:
+            staged.pwrite(f, offset + (start - info.start), view)
+
+
+def _verify_reusable(plan: RepackPlan, staged: StagedOutput, reader: TensorReader,
+                     candidates: list[PlannedFile], digests: _SourceDigests) -> list[PlannedFile]:
+    """Re-digest the source bytes the candidate files were made from; return those still valid."""
+    needed: dict[tuple, set[int]] = {}
+    for f in candidates:
+        rank = int(f.relpath.split("/", 1)[0].removeprefix("rank-"))
+        for u in plan.units[f.relpath]:
+            needed.setdefault(u, set()).add(rank)
+    ck = plan.checkpoint
+    for u, ranks in needed.items():
+        if u[0] == "copy":
+            h = hashlib.sha256()
+            for name in u[1]:
+                info = ck.files.info(name)
+                for start in range(info.start, info.end, 16 << 20):
+                    sub = type(info)(info.name, info.dtype, (), info.file, start, min(start + (16 << 20), info.end))
+                    h.update(writable_view(reader.read_bytes(sub)))
+            digests.copy[u] = h.hexdigest()
+            continue
+        job = plan.jobs[u[1]]
+        wanted = [job.expert_ranges[r] for r in ranks]
+        for chunk in _expert_chunks(job):
+            if any(chunk.start in rng for rng in wanted):
+                _, d = _read_layer_chunk(reader, job, chunk)
+                digests.add_chunk(u[1], chunk, d)
+    return [f for f in candidates if staged.reuse(f, digests.file(f))]
+
+
 def _execute(plan: RepackPlan, staged: StagedOutput, start: TaskStarter, device: str) -> RepackResult:
     ck = plan.checkpoint
     by_rel = {f.relpath: f for files in plan.files for f in files}
-    if staged.reusable:  # --resume: hashing the earlier run's files can take a while
-        check = start("checking files of the earlier run", sum(f.size for f in by_rel.values() if f.relpath in staged.reusable))
-        pending = {}
-        for rel, f in by_rel.items():
-            if not staged.is_reusable(f):
-                pending[rel] = f
-            if rel in staged.reusable:
-                check(f.size)
-    else:
-        pending = dict(by_rel)
-    reused = len(by_rel) - len(pending)
+    digests = _SourceDigests(plan)
     advance = start("repacking", plan.input_bytes(), unit="bytes")
-    remaining = {rel: len(plan.units[rel]) for rel in pending}
-    unit_file: dict[tuple, list[PlannedFile]] = {}
-    unit_end: dict[tuple[str, tuple], int] = {}
-    for rel, f in pending.items():
-        staged.open(f)
-        ends = {t.name: f.offsets[t.name] + t.nbytes for t in f.tensors}
-        for u in plan.units[rel]:
-            unit_file.setdefault(u, []).append(f)
-            names = u[1] if u[0] == "copy" else [n for n in ends if n.startswith(plan.jobs[u[1]].layer.prefix + ".")]
-            unit_end[(rel, u)] = max(ends[n] for n in names)
-
-    def unit_done(u: tuple) -> None:
-        for f in unit_file.get(u, []):
-            remaining[f.relpath] -= 1
-            if remaining[f.relpath] == 0:
-                staged.finish(f)
-            else:  # units fill a file front to back: everything before this unit's end is final
-                staged.written_upto(f, unit_end[(f.relpath, u)])
-        staged.checkpoint_journal()
-
     written = 0
     repack_weights = marlin_repacker(device)
     writer = _BackgroundWrites(staged)
     with TensorReader(ck.files) as reader, writer:
-        # 1. non-expert tensors, copied byte for byte into every rank that still needs them
+        candidates = [f for f in by_rel.values() if staged.staged_file_matches(f)]
+        reused_files = {f.relpath for f in _verify_reusable(plan, staged, reader, candidates, digests)} if candidates else set()
+        pending = {rel: f for rel, f in by_rel.items() if rel not in reused_files}
+        reused = len(by_rel) - len(pending)
+        staged.check_space(sum(f.size for f in pending.values()))
+        remaining = {rel: len(plan.units[rel]) for rel in pending}
+        unit_file: dict[tuple, list[PlannedFile]] = {}
+        unit_end: dict[tuple[str, tuple], int] = {}
+        for rel, f in pending.items():
+            ends = {t.name: f.offsets[t.name] + t.nbytes for t in f.tensors}
+            for u in plan.units[rel]:
+                unit_file.setdefault(u, []).append(f)
+                names = u[1] if u[0] == "copy" else [n for n in ends if n.startswith(plan.jobs[u[1]].layer.prefix + ".")]
+                unit_end[(rel, u)] = max(ends[n] for n in names)
+
+        def unit_done(u: tuple) -> None:
+            for f in unit_file.get(u, []):
+                remaining[f.relpath] -= 1
+                if remaining[f.relpath] == 0:
+                    staged.finish(f, digests.file(f))
+                else:  # units fill a file front to back: everything before this unit's end is final
+                    staged.written_upto(f, unit_end[(f.relpath, u)])
+            staged.checkpoint_journal()
+
+        # 1. non-expert tensors, read once, digested, written into every rank that still needs them
         copy_units = [u for rel in sorted(pending) for u in plan.units[rel] if u[0] == "copy"]
         for u in dict.fromkeys(copy_units):
             for f in unit_file[u]:
-                for name in u[1]:
-                    info = ck.files.info(name)
-                    staged.copy_range(f, f.offsets[name], reader._fd(info.file), info.start, info.nbytes, source=info.file)
-                    written += info.nbytes
-                    advance(info.nbytes)
+                staged.open(f)
+            h = hashlib.sha256()
+            for name in u[1]:
+                info = ck.files.info(name)
+                _copy_tensor(reader, info, [(staged, f, f.offsets[name]) for f in unit_file[u]], h)
+                written += info.nbytes * len(unit_file[u])
+                advance(info.nbytes * len(unit_file[u]))
+            digests.copy[u] = h.hexdigest()
             unit_done(u)
         # 2. expert layers
         for j, job in enumerate(plan.jobs):
@@ -436,9 +529,15 @@ def _execute(plan: RepackPlan, staged: StagedOutput, start: TaskStarter, device:
                 [f for f in unit_file.get(u, []) if f.relpath.startswith(f"rank-{r}/")]] if fs}
             if not rank_files:
                 continue
+            for fs in rank_files.values():
+                staged.open(fs[0])
             layer = job.layer
+            wanted = [job.expert_ranges[r] for r in rank_files]
             for chunk in _expert_chunks(job):
-                experts = [reader.read_expert(layer, e) for e in chunk]
+                if not any(chunk.start in rng for rng in wanted):
+                    continue  # EP: no pending rank holds these experts
+                experts, d = _read_layer_chunk(reader, job, chunk)
+                digests.add_chunk(j, chunk, d)
                 nbytes = layer.packed_bytes * len(chunk) // layer.num_experts
                 writes: list[tuple[PlannedFile, int, torch.Tensor]] = []
                 for r, fs in rank_files.items():
@@ -461,17 +560,22 @@ def _execute(plan: RepackPlan, staged: StagedOutput, start: TaskStarter, device:
             unit_done(u)
         # 3. per-rank indexes, side files, manifest
         for r, files in enumerate(plan.files):
-            wm = {t.name: Path(f.relpath).name for f in files for t in f.tensors}
-            total = sum(t.nbytes for f in files for t in f.tensors)
-            staged.write_small(f"rank-{r}/{INDEX_NAME}", (json.dumps({"metadata": {"total_size": total}, "weight_map": wm}, indent=2) + "\n").encode())
-        for name in _SIDE_FILES:
+            staged.write_small(f"rank-{r}/{INDEX_NAME}", rank_index_bytes(files))
+        for name in SIDE_FILES:
             src = ck.root / name
             if src.is_file():
                 staged.copy_file(src, name)
         staged.collect_hashes()
-        manifest = build_manifest(plan, staged.done, staged.stage)
+        manifest = build_manifest(plan, staged.done, staged.stage, staged.sources)
         staged.commit(manifest)
     return RepackResult(staged.out, len(pending), reused, written, manifest)
+
+
+def rank_index_bytes(files: list[PlannedFile]) -> bytes:
+    """The `model.safetensors.index.json` of one rank directory, as repack writes it."""
+    wm = {t.name: Path(f.relpath).name for f in files for t in f.tensors}
+    total = sum(t.nbytes for f in files for t in f.tensors)
+    return (json.dumps({"metadata": {"total_size": total}, "weight_map": wm}, indent=2) + "\n").encode()
 
 
 class _BackgroundWrites:
@@ -528,15 +632,20 @@ def marlin_repacker(device: str) -> Callable[..., torch.Tensor]:
     return repack
 
 
-def build_manifest(plan: RepackPlan, hashes: dict[str, str], root: Path) -> dict[str, Any]:
-    out_files = {rel: {"sha256": digest, "bytes": (root / rel).stat().st_size} for rel, digest in sorted(hashes.items())}
+def build_manifest(plan: RepackPlan, hashes: dict[str, str], root: Path,
+                   sources: dict[str, str] | None = None) -> dict[str, Any]:
+    out_files: dict[str, dict[str, Any]] = {}
+    for rel, digest in sorted(hashes.items()):
+        out_files[rel] = {"sha256": digest, "bytes": (root / rel).stat().st_size}
+        if sources and rel in sources:
+            out_files[rel]["source_sha256"] = sources[rel]
     return {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
         "tool_version": __version__,
         "identity": plan.identity,
         "source": {
-            "path": str(plan.checkpoint.root),
+            "path": os.path.abspath(plan.checkpoint.root),
             "fingerprint": plan.fingerprint,
             "architecture": (plan.checkpoint.config.architectures or ("",))[0],
         },

@@ -36,9 +36,13 @@ from wna16ctl.layout.packing import unpack_codes
 from wna16ctl.layout.rank import RankLayout, unbuild_expert_tensors
 from wna16ctl.layout.shard import shard_expert, unshard_expert
 from wna16ctl.layout._mismatch import first_difference
-from wna16ctl.repack import FORMAT_NAME, LayerJob, RepackPlan, RepackSettings, plan_repack, source_fingerprint
+from wna16ctl.checkpoint.config import SCALE_DTYPES
+from wna16ctl.checkpoint.headers import INDEX_NAME, read_shard_header
 from wna16ctl.output import TaskStarter, no_progress
-from wna16ctl.writer import JOURNAL_NAME, MANIFEST_NAME, sha256_file
+from wna16ctl.repack import (
+    FORMAT_NAME, SIDE_FILES, LayerJob, RepackPlan, RepackSettings, plan_repack, rank_index_bytes, source_fingerprint,
+)
+from wna16ctl.writer import JOURNAL_NAME, MANIFEST_NAME, PLANNED_METADATA, sha256_file
 
 SILU_LIPSCHITZ = 1.1  # max |d/dx x·sigmoid(x)| = 1.0998...
 # Roundings to the model dtype on the candidate's path: x, W13, the w13 output, h, W2, the w2
@@ -46,6 +50,7 @@ SILU_LIPSCHITZ = 1.1  # max |d/dx x·sigmoid(x)| = 1.0998...
 # u/sqrt(3) (round-to-nearest), so an unbiased output's relative L2 error stays below
 # sqrt(ROUNDINGS)·u; a systematic fault (wrong scale, swapped halves) exceeds it.
 ROUNDINGS = 8
+GEMM_DTYPES = (torch.float16, torch.bfloat16)  # what the Marlin MoE GEMM (ours and vLLM's) runs
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
 
 
@@ -181,48 +186,163 @@ class VerifyReport:
 
 
 def _read_manifest(out: Path) -> dict[str, Any]:
-    import json
+    from wna16ctl.jsonfile import JSONError, loads
 
     path = out / MANIFEST_NAME
     if not out.is_dir():
         raise BadInput(f"{out}: not a directory; pass the output of `wna16ctl repack`")
-    if not path.is_file():
+    if not path.is_file() or path.is_symlink():
         hint = " (an interrupted run: rerun repack with --resume)" if (out / JOURNAL_NAME).exists() else ""
         raise BadInput(f"{path}: missing; {out} is not a complete wna16ctl repack output{hint}")
     try:
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
+        manifest = loads(path.read_bytes())
+    except OSError as e:
+        raise BadInput(f"{path}: unreadable ({e.strerror})") from None
+    except JSONError as e:
         raise BadInput(f"{path}: unreadable ({e})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
         raise BadInput(f"{path}: not a wna16ctl repack manifest")
+    _check_manifest_types(path, manifest)
     return manifest
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# key -> (type check, what it must be): the manifest fields verify relies on
+_MANIFEST_FIELDS: dict[str, tuple[Any, str]] = {
+    "format_version": (_is_int, "an integer"),
+    "identity": (lambda v: isinstance(v, dict) and isinstance(v.get("settings"), dict), "an object with settings"),
+    "source": (lambda v: isinstance(v, dict) and isinstance(v.get("fingerprint"), str), "an object with a fingerprint"),
+    "tp": (lambda v: _is_int(v) and v >= 1, "a positive integer"),
+    "ep": (lambda v: isinstance(v, bool), "true or false"),
+    "layout": (lambda v: isinstance(v, str), "a string"),
+    "scale_dtype": (lambda v: v in SCALE_DTYPES, f"one of {', '.join(SCALE_DTYPES)}"),
+    "ranks": (lambda v: isinstance(v, list) and all(isinstance(r, dict) for r in v), "a list of objects"),
+    "layers": (lambda v: isinstance(v, list) and all(isinstance(x, dict) for x in v), "a list of objects"),
+    "files": (lambda v: isinstance(v, dict) and all(
+        isinstance(m, dict) and isinstance(m.get("sha256"), str) and _is_int(m.get("bytes")) for m in v.values()),
+        "an object mapping paths to {sha256, bytes}"),
+}
+_SETTINGS_FIELDS: dict[str, tuple[Any, str]] = {
+    "tp": (lambda v: _is_int(v) and v >= 1, "a positive integer"),
+    "ep": (lambda v: isinstance(v, bool), "true or false"),
+    "layout": (lambda v: isinstance(v, str), "a string"),
+    "max_shard_bytes": (lambda v: _is_int(v) and v >= 1, "a positive integer"),
+    "vllm": (lambda v: isinstance(v, str), "a vLLM release"),
+    "gpu": (lambda v: isinstance(v, str), "a GPU architecture"),
+}
+
+
+def _check_manifest_types(path: Path, manifest: dict[str, Any]) -> None:
+    """One line for a malformed manifest (wrong JSON types), before anything relies on it."""
+    for key, (ok, what) in _MANIFEST_FIELDS.items():
+        if key not in manifest or not ok(manifest[key]):
+            got = "missing" if key not in manifest else f"{type(manifest[key]).__name__} {str(manifest[key])[:40]!r}"
+            raise BadInput(f"{path}: field {key!r} must be {what} (got {got}); the manifest is corrupt")
+    settings = manifest["identity"]["settings"]
+    for key, (ok, what) in _SETTINGS_FIELDS.items():
+        if key not in settings or not ok(settings[key]):
+            raise BadInput(f"{path}: identity.settings.{key} must be {what}; the manifest is corrupt")
+    if set(settings) != set(_SETTINGS_FIELDS):
+        raise BadInput(f"{path}: identity.settings has keys {sorted(settings)}, expected {sorted(_SETTINGS_FIELDS)}")
+
+
+def _expected_files(ck: Checkpoint, plan: RepackPlan) -> dict[str, bytes | Path | None]:
+    """Every file repack writes for `plan`: rel -> exact bytes (rank index), source side file, or
+    None (a tensor file, checked by its header and the round trip)."""
+    want: dict[str, bytes | Path | None] = {}
+    for r, files in enumerate(plan.files):
+        for f in files:
+            want[f.relpath] = None
+        want[f"rank-{r}/{INDEX_NAME}"] = rank_index_bytes(files)
+    for name in SIDE_FILES:
+        src = ck.root / name
+        if src.is_file():
+            want[name] = src
+    return want
+
+
+def _check_files_against_plan(ck: Checkpoint, out: Path, plan: RepackPlan, manifest: dict[str, Any],
+                              add: Any) -> None:
+    """What OUT holds is what the plan implies: the same file set, rank indexes as repack writes
+    them, each tensor file's header as planned, side files equal to the checkpoint's today."""
+    want = _expected_files(ck, plan)
+    listed = set(manifest["files"])
+    for rel in sorted(set(want) - listed):
+        add(f"{rel}: repack writes this file for these settings, but the manifest does not list it")
+    for rel in sorted(listed - set(want)):
+        add(f"{rel}: listed in the manifest, but repack does not write it for these settings")
+    planned_meta = dict(PLANNED_METADATA)
+    for rel in sorted(set(want) & listed):
+        path = out / rel
+        if not path.is_file() or path.is_symlink():
+            continue  # reported by the file check
+        expected = want[rel]
+        if isinstance(expected, bytes):
+            if path.read_bytes() != expected:
+                add(f"{rel}: differs from the index repack writes for this plan (edited after repack)")
+        elif isinstance(expected, Path):
+            try:
+                same = sha256_file(path) == sha256_file(expected, follow_links=True)  # HF cache: links
+            except OSError as e:
+                add(f"{expected}: cannot be read to compare with {rel} ({e.strerror})")
+                continue
+            if not same:
+                add(f"{rel}: differs from the checkpoint's {expected.name} (copied side files must equal the source's)")
+        else:
+            # the tensors themselves are the round trip's; the metadata is fixed by the plan
+            try:
+                meta = read_shard_header(path).metadata
+            except BadInput as e:
+                add(e.message)
+                continue
+            if meta != planned_meta:
+                add(f"{rel}: safetensors __metadata__ {meta} differs from the planned {planned_meta}")
 
 
 def _check_manifest(ck: Checkpoint, out: Path, manifest: dict[str, Any], report: VerifyReport,
                     progress: TaskStarter = no_progress) -> RepackPlan | None:
     add = lambda msg, **kw: report.findings.append(Finding("manifest", msg, **kw))  # noqa: E731
     fp = source_fingerprint(ck)
-    if manifest.get("source", {}).get("fingerprint") != fp:
+    if manifest["source"]["fingerprint"] != fp or manifest["identity"].get("source_fingerprint") != fp:
         add(f"fingerprint mismatch: {out} was made from another checkpoint, or {ck.root} changed since "
-            f"(manifest {str(manifest.get('source', {}).get('fingerprint'))[:16]}…, checkpoint {fp[:16]}…)")
-    files = manifest.get("files", {})
-    present = {rel: out / rel for rel in files if (out / rel).is_file()}
+            f"(manifest {str(manifest['source']['fingerprint'])[:16]}…, checkpoint {fp[:16]}…)")
+    files = manifest["files"]
+    present = {rel: out / rel for rel in files if _inside(rel) and not (out / rel).is_symlink() and (out / rel).is_file()}
     advance = progress("hashing output files", sum(p.stat().st_size for p in present.values()), unit="bytes")
     for rel, meta in sorted(files.items()):
         path = out / rel
         report.files_checked += 1
-        if rel not in present:
+        if not _inside(rel):
+            add(f"{rel}: the manifest names a path outside the output directory")
+        elif path.is_symlink():
+            add(f"{rel}: is a symbolic link (repack writes regular files only)")
+        elif not path.is_file():
             add(f"{rel}: listed in the manifest but missing")
-        elif path.stat().st_size != meta.get("bytes"):
-            add(f"{rel}: {path.stat().st_size} bytes, the manifest says {meta.get('bytes')} (modified after repack)")
+        elif path.stat().st_size != meta["bytes"]:
+            add(f"{rel}: {path.stat().st_size} bytes, the manifest says {meta['bytes']} (modified after repack)")
             advance(path.stat().st_size)
-        elif sha256_file(path, progress=advance) != meta.get("sha256"):
+        elif sha256_file(path, progress=advance) != meta["sha256"]:
             add(f"{rel}: sha256 differs from the manifest (modified after repack)")
-    for path in sorted(out.rglob("*")):
-        rel = path.relative_to(out).as_posix()
-        if path.is_file() and rel != MANIFEST_NAME and rel not in files:
-            add(f"{rel}: not listed in the manifest (added after repack)")
-    settings = manifest.get("identity", {}).get("settings", {})
+    parents = {p.as_posix() for rel in files for p in Path(rel).parents if p.as_posix() != "."}
+    for dirpath, dirnames, filenames in os.walk(out):
+        base = Path(dirpath).relative_to(out)
+        for d in sorted(dirnames):
+            rel = (base / d).as_posix()
+            if rel not in parents:
+                add(f"{rel}/: a directory the manifest does not account for (added after repack)")
+        for fname in sorted(filenames):
+            rel = (base / fname).as_posix()
+            if rel != MANIFEST_NAME and rel not in files:
+                add(f"{rel}: not listed in the manifest (added after repack)")
+    settings = manifest["identity"]["settings"]
+    for key in ("tp", "ep", "layout"):
+        if manifest[key] != settings[key]:
+            add(f"the manifest's {key} ({manifest[key]!r}) differs from its identity's settings ({settings[key]!r})")
+    if manifest["scale_dtype"] != ck.config.torch_dtype:
+        add(f"scale_dtype {manifest['scale_dtype']} differs from the checkpoint's torch_dtype {ck.config.torch_dtype}")
     try:
         rs = RepackSettings(**settings)
         plan = plan_repack(ck.root, rs)
@@ -233,9 +353,11 @@ def _check_manifest(ck: Checkpoint, out: Path, manifest: dict[str, Any], report:
         report.not_run("round_trip", "no plan to compare against: the planner refuses the recorded settings (see manifest)")
         report.not_run("numerics", "no plan to run: the planner refuses the recorded settings")
         return None
+    except UsageError as e:
+        raise BadInput(f"{out / MANIFEST_NAME}: settings {settings!r} cannot be planned: {e.message}") from None
     today = {j.layer.prefix: j.to_json() for j in plan.jobs}
-    recorded = {lay.get("name"): lay for lay in manifest.get("layers", [])}
-    for name in sorted(set(today) | set(recorded)):
+    recorded = {lay.get("name"): lay for lay in manifest["layers"]}
+    for name in sorted(set(today) | set(recorded), key=str):
         if name not in recorded:
             add(f"{name}: the planner expects this layer but the output has none", layer=name)
         elif name not in today:
@@ -243,13 +365,19 @@ def _check_manifest(ck: Checkpoint, out: Path, manifest: dict[str, Any], report:
         elif recorded[name] != today[name]:
             keys = sorted(k for k in today[name] if recorded[name].get(k) != today[name][k])
             add(f"{name}: the output's plan differs from today's planner in {', '.join(keys)}", layer=name)
-    for r, rank in enumerate(manifest.get("ranks", [])):
+    for r, rank in enumerate(manifest["ranks"]):
         expected = [f.relpath for f in plan.files[r]] if r < len(plan.files) else None
         if rank.get("files") != expected:
             add(f"rank {r}: files {rank.get('files')} differ from the planned {expected}", rank=r)
-    if len(manifest.get("ranks", [])) != rs.tp:
-        add(f"the manifest lists {len(manifest.get('ranks', []))} ranks for tp {rs.tp}")
+    if len(manifest["ranks"]) != rs.tp:
+        add(f"the manifest lists {len(manifest['ranks'])} ranks for tp {rs.tp}")
+    _check_files_against_plan(ck, out, plan, manifest, add)
     return plan
+
+
+def _inside(rel: str) -> bool:
+    parts = rel.split("/")
+    return bool(rel) and not rel.startswith("/") and "\\" not in rel and all(p not in ("", ".", "..") for p in parts)
 
 
 # ---- 2 + 3. round trip and numerics --------------------------------------------------------------
@@ -420,7 +548,12 @@ def verify_output(
     if plan is None:
         return report
     jobs = plan.jobs
-    dtype = dtype_from_name(manifest.get("scale_dtype") or ck.config.torch_dtype)
+    dtype = dtype_from_name(manifest["scale_dtype"])
+    if dtype not in GEMM_DTYPES and any(j.layout == "marlin" for j in jobs):
+        raise UsageError(
+            f"{out_path}: scales are {manifest['scale_dtype']} (torch_dtype of {ck.root.name}); the MoE GEMM verify "
+            "runs, like vLLM's Marlin MoE kernels, takes float16/bfloat16 only, so this output cannot be verified"
+        )
     with TensorReader(ck.files) as reader:
         vocab = int(ck.config.raw.get("vocab_size") or 1 << 30)
         token_ids, report.tokenizer = tokenize(ck, questions, vocab)

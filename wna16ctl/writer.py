@@ -4,15 +4,18 @@ Every output file's header is computed from the plan before any tensor exists, s
 be written piecewise (expert by expert) at its final offset with `pwrite`; the resident set stays
 at one chunk of experts whatever the model size.  Output is staged in a hidden sibling directory
 and renamed into place only when complete: an interrupted run never leaves something that looks
-finished, and `--resume` reuses the staged files whose hashes match the journal.
+finished, and `--resume` reuses the staged files whose hashes match the journal and whose source
+bytes (digested as they are read) are unchanged.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import shutil
+import stat
 import struct
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -21,13 +24,14 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from wna16ctl.checkpoint.headers import DTYPE_SIZES
+from wna16ctl.checkpoint.headers import DTYPE_BITS
 from wna16ctl.checkpoint.tensors import SAFETENSORS_DTYPES, writable_view
+from wna16ctl import outdir
 from wna16ctl.errors import BadInput, OutputError, UsageError
+from wna16ctl.outdir import JOURNAL_NAME, MANIFEST_NAME
 
-MANIFEST_NAME = "wna16ctl.json"
-JOURNAL_NAME = ".wna16ctl-journal.json"
 _ALIGN = 8  # safetensors pads the header so that data starts 8-byte aligned
+PLANNED_METADATA = {"format": "pt"}  # every output file's safetensors __metadata__
 
 
 @dataclass(frozen=True)
@@ -38,10 +42,10 @@ class PlannedTensor:
 
     @property
     def nbytes(self) -> int:
-        n = DTYPE_SIZES[self.dtype]
+        n = DTYPE_BITS[self.dtype]
         for d in self.shape:
             n *= d
-        return n
+        return n // 8
 
 
 @dataclass
@@ -55,7 +59,7 @@ class PlannedFile:
     size: int = 0
 
     def layout(self) -> None:
-        entries: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        entries: dict[str, Any] = {"__metadata__": dict(PLANNED_METADATA)}
         pos = 0
         rel: dict[str, int] = {}
         for t in self.tensors:
@@ -88,14 +92,14 @@ def split_into_files(groups: Iterable[list[PlannedTensor]], prefix: str, max_byt
     return files
 
 
-def staging_path(out: Path) -> Path:
-    """The hidden sibling of OUT where a run builds its output (kept after an interrupt for --resume)."""
-    return out.parent / f".{out.name}.wna16ctl-partial"
-
-
-def sha256_file(path: Path, bufsize: int = 16 << 20, progress: Callable[[int], None] | None = None) -> str:
+def sha256_file(path: Path, bufsize: int = 16 << 20, progress: Callable[[int], None] | None = None, *,
+                follow_links: bool = False) -> str:
+    """sha256 of a regular file (output files are never links; a checkpoint's may be)."""
     h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | (0 if follow_links else os.O_NOFOLLOW))
+    with open(fd, "rb", buffering=0) as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
         buf = bytearray(bufsize)
         view = memoryview(buf)
         while True:
@@ -118,126 +122,240 @@ def _os_error(e: OSError, path: Path | str) -> OutputError:
     return OutputError(f"{path}: cannot write ({what}); nothing was left behind", hint=hint)
 
 
-class StagedOutput:
-    """The output directory under construction (a hidden sibling of OUT) and its file handles."""
+# copy_file_range cannot copy between these (other filesystems, special files, old kernels)
+_NO_COPY_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF, errno.EPERM}
 
-    def __init__(self, out: Path, *, force: bool, resume: bool, identity: dict[str, Any]):
+
+def copy_between(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, nbytes: int) -> int:
+    """Copy `nbytes` from one descriptor to another at given offsets; returns the bytes copied
+    (fewer only when the source ends early).  In-kernel copy where possible, else read/write."""
+    done = 0
+    use_kernel = hasattr(os, "copy_file_range")
+    while done < nbytes:
+        n = -1
+        if use_kernel:
+            try:
+                n = os.copy_file_range(src_fd, dst_fd, nbytes - done, src_offset + done, dst_offset + done)
+            except OSError as e:
+                if e.errno not in _NO_COPY_RANGE:
+                    raise
+                use_kernel = False  # e.g. EXDEV: the checkpoint and OUT are on different filesystems
+        if n < 0:
+            chunk = os.pread(src_fd, min(nbytes - done, 16 << 20), src_offset + done)
+            n = len(chunk)
+            view = memoryview(chunk)
+            while view:
+                view = view[os.pwrite(dst_fd, view, dst_offset + done + n - len(view)):]
+        if n == 0:
+            break
+        done += n
+    return done
+
+
+class StagedOutput:
+    """The output directory under construction (a hidden sibling of OUT) and its file handles.
+
+    Everything it deletes or renames is proven ours first (`wna16ctl.outdir`); the staging
+    directory is locked (flock) for the run, so one writer per OUT.
+    """
+
+    def __init__(self, out: Path, *, force: bool, resume: bool, identity: dict[str, Any],
+                 checkpoint: Path | None = None):
         self.out = out
         self.identity = identity  # fingerprint + settings: what --resume must match
-        self.stage = staging_path(out)
+        self.stage = outdir.stage_path(out)
         self.done: dict[str, str] = {}  # relpath -> sha256 of finished files
+        self.sources: dict[str, str] = {}  # relpath -> digest of the source bytes it was made from
+        self.reusable: dict[str, tuple[str, str | None]] = {}  # relpath -> (sha256, source digest)
         self._fds: dict[str, int] = {}
         self._hashing: dict[str, Future[str]] = {}
+        self._lock_fd = -1
+        self._created_stage = False
+        self.keep_stage = False  # set when a failure must not discard finished work
         # one hashing thread: tasks run in submission order, so a file's ranges hash in order
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wna16ctl-hash")
         self._hashers: dict[str, tuple[Any, list[int]]] = {}  # relpath -> (sha256, [bytes hashed])
+        if checkpoint is not None:
+            outdir.check_clear_of_checkpoint(out, checkpoint)
         try:
             self._prepare(force, resume)
         except BaseException:
-            self._unlock()
+            self._release_after_failed_prepare()
             raise
 
     # setup -------------------------------------------------------------------------------------
-    def _lock(self) -> None:
-        """One writer per OUT: a second repack into the same OUT would share the staging dir."""
-        import fcntl
-
-        self._lock_path = self.out.parent / f".{self.out.name}.wna16ctl-lock"
-        try:
-            self._lock_fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise _os_error(e, self._lock_path) from None
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(self._lock_fd)
-            self._lock_fd = -1
-            raise UsageError(f"{self.out}: another wna16ctl repack is writing it; wait for it to finish") from None
+    def _release_after_failed_prepare(self) -> None:
+        if self._created_stage:  # made by this run a moment ago: ours to remove
+            shutil.rmtree(self.stage, ignore_errors=True)
+        self._unlock()
+        self._pool.shutdown(wait=False)
 
     def _unlock(self) -> None:
-        if getattr(self, "_lock_fd", -1) >= 0:
-            self._lock_path.unlink(missing_ok=True)
+        if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
 
     def _prepare(self, force: bool, resume: bool) -> None:
-        out = self.out
-        if out.exists() and not out.is_dir():
+        out, stage = self.out, self.stage
+        if out.is_symlink() or (out.exists() and not out.is_dir()):
             raise UsageError(f"{out}: exists and is not a directory; choose another -o")
+        if out.is_dir() and os.stat(out).st_dev != os.stat(out.parent).st_dev:
+            # staging beside OUT would be on another filesystem: the final rename cannot work
+            raise UsageError(f"{out}: is a mount point; choose a directory inside it as -o")
         nonempty = out.is_dir() and any(out.iterdir())
         if nonempty and not (force or resume):
             raise UsageError(f"{out}: exists and is not empty; pass --force to replace it or --resume to reuse it")
+        if nonempty:  # --force or --resume: OUT is replaced at the commit, so all of it must be ours
+            foreign = outdir.foreign_entry(out, out)
+            if foreign is not None:
+                raise UsageError(
+                    f"{out}: {'--force' if force else '--resume'} replaces only wna16ctl output, but {foreign} was "
+                    "not written by wna16ctl; move it away or choose another -o"
+                )
+        old = outdir.old_path(out)
+        if os.path.lexists(old) and (not outdir.is_real_dir(old) or outdir.foreign_entry(old, out) is not None):
+            raise UsageError(f"{old}: exists but was not written by wna16ctl; move it away and run again")
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise _os_error(e, out.parent) from None
-        self._lock()
-        reusable: dict[str, str] = {}
-        if resume:
-            reusable = self._adopt_previous(nonempty)
-        if self.stage.exists() and not reusable:
-            shutil.rmtree(self.stage)
+        # the staging directory: ours (marked for this OUT), empty, or not there
+        if os.path.lexists(stage):
+            if not outdir.is_real_dir(stage) or (any(os.scandir(stage)) and not outdir.is_our_stage(stage, out)):
+                raise UsageError(
+                    f"{stage}: exists but is not wna16ctl's staging directory for {out}; move it away and run again"
+                )
+        else:
+            try:
+                stage.mkdir()
+                self._created_stage = True
+            except OSError as e:
+                raise _os_error(e, stage) from None
         try:
-            self.stage.mkdir(exist_ok=True)
-            if not os.access(self.stage, os.W_OK):
+            if not os.access(stage, os.W_OK):
                 raise PermissionError(13, "Permission denied")
+            self._lock_fd = outdir.lock_dir(stage)
         except OSError as e:
-            raise _os_error(e, self.stage) from None
-        self.reusable = reusable
+            raise _os_error(e, stage) from None
+        if self._lock_fd < 0:
+            raise UsageError(f"{out}: another wna16ctl repack is writing it; wait for it to finish")
+        if resume:
+            self.reusable = self._adopt_previous(nonempty)
+        if not self.reusable:
+            outdir.clear_dir(stage)
+        try:
+            outdir.write_file(stage / outdir.STAGE_MARKER, outdir.stage_marker(out))
+        except OSError as e:
+            raise _os_error(e, stage) from None
 
-    def _adopt_previous(self, out_nonempty: bool) -> dict[str, str]:
+    def _adopt_previous(self, out_nonempty: bool) -> dict[str, tuple[str, str | None]]:
         """Files a previous run finished for the same source and settings (journal or manifest)."""
-        if self.stage.is_dir():
-            journal = _read_json(self.stage / JOURNAL_NAME)
-            if journal and journal.get("identity") == self.identity:
-                return dict(journal.get("files", {}))
+        if outdir.is_our_stage(self.stage, self.out):
+            journal = outdir.read_json_file(self.stage / JOURNAL_NAME)
+            if isinstance(journal, dict) and journal.get("identity") == self.identity:
+                files, sources = journal.get("files"), journal.get("sources") or {}
+                if isinstance(files, dict) and isinstance(sources, dict):
+                    found = {str(k): (str(v), sources.get(k)) for k, v in files.items() if _plain_rel(k)}
+                    self._prune_stage(set(found))
+                    return found
         if out_nonempty:
-            manifest = _read_json(self.out / MANIFEST_NAME)
+            manifest = outdir.our_manifest(self.out)
             if not manifest or manifest.get("identity") != self.identity:
                 raise UsageError(
                     f"{self.out}: holds output for another source or other settings (its manifest does not match); "
                     "use --force to replace it"
                 )
-            # Hard-link the finished files into staging (the old OUT stays intact until the commit).
-            if self.stage.exists():
-                shutil.rmtree(self.stage)
-            files = {k: v["sha256"] for k, v in manifest.get("files", {}).items()}
-            for rel in files:
-                src, dst = self.out / rel, self.stage / rel
-                if not src.is_file():
+            # Hard-link the finished files into staging (the old OUT stays intact until the commit);
+            # only regular files: a link in OUT is never followed, and never adopted.
+            outdir.clear_dir(self.stage)
+            found: dict[str, tuple[str, str | None]] = {}
+            for rel, meta in manifest["files"].items():
+                if not isinstance(meta, dict) or not isinstance(meta.get("sha256"), str) or not _plain_rel(rel):
                     continue
-                dst.parent.mkdir(parents=True, exist_ok=True)
+                src, dst = self.out / rel, self.stage / rel
+                st = outdir._lstat(src)
+                if st is None or not stat.S_ISREG(st.st_mode):
+                    continue
+                outdir.ensure_dirs(self.stage, str(Path(rel).parent))
                 try:
-                    os.link(src, dst)
+                    os.link(src, dst, follow_symlinks=False)
                 except OSError:
-                    shutil.copyfile(src, dst)
-            return files
+                    continue
+                found[rel] = (meta["sha256"], meta.get("source_sha256"))
+            return found
         return {}
 
-    def is_reusable(self, f: PlannedFile) -> bool:
-        """True when a staged file from an earlier run has exactly the expected bytes."""
-        want = self.reusable.get(f.relpath)
+    def _prune_stage(self, keep: set[str]) -> None:
+        """Remove from our staging directory everything but the journaled regular files: a link
+        (removed as a link, its target untouched) or stray file must not reach OUT."""
+        keep = keep | {outdir.STAGE_MARKER, JOURNAL_NAME}
+        dirs = {p.as_posix() for rel in keep for p in Path(rel).parents if p.as_posix() != "."}
+        for dirpath, dirnames, filenames in os.walk(self.stage, topdown=True):
+            base = Path(dirpath).relative_to(self.stage)
+            for d in list(dirnames):
+                rel = (base / d).as_posix()
+                if rel not in dirs or not outdir.is_real_dir(Path(dirpath) / d):
+                    p = Path(dirpath) / d
+                    shutil.rmtree(p) if outdir.is_real_dir(p) else os.unlink(p)
+                    dirnames.remove(d)
+            for name in filenames:
+                rel = (base / name).as_posix()
+                st = os.lstat(Path(dirpath) / name)
+                if rel not in keep or not stat.S_ISREG(st.st_mode):
+                    os.unlink(Path(dirpath) / name)
+
+    def staged_file_matches(self, f: PlannedFile) -> bool:
+        """True when a staged file from an earlier run has exactly the bytes it was recorded with
+        (whether its source is unchanged is the caller's question: see `reuse`)."""
+        entry = self.reusable.get(f.relpath)
         path = self.stage / f.relpath
-        if want is None or not path.is_file() or path.stat().st_size != f.size:
+        if entry is None or entry[1] is None:
             return False
-        if sha256_file(path) != want:
+        st = outdir._lstat(path)
+        if st is None or not stat.S_ISREG(st.st_mode) or st.st_size != f.size:
             return False
-        self.done[f.relpath] = want
+        try:
+            return sha256_file(path) == entry[0]
+        except OSError:
+            return False
+
+    def reuse(self, f: PlannedFile, source_digest: str) -> bool:
+        """Adopt a matching staged file when it was made from the source bytes as they are now."""
+        sha, recorded = self.reusable[f.relpath]
+        if recorded != source_digest:
+            return False
+        self.done[f.relpath] = sha
+        self.sources[f.relpath] = source_digest
         return True
+
+    def check_space(self, nbytes: int) -> None:
+        """Fail before hours of work when the output filesystem cannot hold what is left to write
+        (files are created as they are first written, so no descriptor is held per pending file)."""
+        try:
+            st = os.statvfs(self.stage)
+        except OSError:
+            return
+        free = st.f_bavail * st.f_frsize
+        if nbytes > free:
+            raise OutputError(
+                f"{self.stage}: cannot write ({nbytes} bytes needed, {free} free); nothing was left behind",
+                hint="free space on the output filesystem or choose another -o",
+            )
 
     # writing -------------------------------------------------------------------------------------
     def open(self, f: PlannedFile) -> None:
+        """Create `f` in staging with its header (idempotent: files are opened when first written)."""
+        if f.relpath in self._fds:
+            return
         path = self.stage / f.relpath
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            # Unlink first: a staged file may be a hard link to the previous output (--resume),
-            # which must stay intact until the commit.
-            path.unlink(missing_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            outdir.ensure_dirs(self.stage, str(Path(f.relpath).parent))
+            # a new inode: a staged file may be a hard link to the previous output (--resume),
+            # which must stay intact until the commit
+            fd = outdir.create_file(path)
             self._fds[f.relpath] = fd
             os.pwrite(fd, f.header, 0)
-            # Reserve the whole file now: a full disk fails here, before hours of work.
-            os.posix_fallocate(fd, 0, f.size) if hasattr(os, "posix_fallocate") else os.ftruncate(fd, f.size)
+            os.ftruncate(fd, f.size)
         except OSError as e:
             raise _os_error(e, path) from None
 
@@ -258,25 +376,18 @@ class StagedOutput:
 
     def copy_range(self, f: PlannedFile, offset: int, src_fd: int, src_offset: int, nbytes: int,
                    source: Path | None = None) -> None:
-        """Copy bytes from a source file without passing them through Python (copy_file_range)."""
-        fd = self._fds[f.relpath]
-        done = 0
+        """Copy bytes from a source file (in the kernel where possible, across filesystems too)."""
+        self.open(f)
         try:
-            while done < nbytes:
-                if hasattr(os, "copy_file_range"):
-                    n = os.copy_file_range(src_fd, fd, nbytes - done, src_offset + done, offset + done)
-                else:  # pragma: no cover - non-Linux
-                    chunk = os.pread(src_fd, min(nbytes - done, 16 << 20), src_offset + done)
-                    n = os.pwrite(fd, chunk, offset + done)
-                if n == 0:
-                    # The input is at fault (truncated after planning): name it, not the staging file.
-                    raise BadInput(
-                        f"{source or 'the source'}: ends before the tensor data the plan expects (the shard was "
-                        "truncated or replaced after planning); restore the file and run again; nothing was left behind"
-                    )
-                done += n
+            done = copy_between(src_fd, src_offset, self._fds[f.relpath], offset, nbytes)
         except OSError as e:
             raise _os_error(e, self.stage / f.relpath) from None
+        if done < nbytes:
+            # The input is at fault (truncated after planning): name it, not the staging file.
+            raise BadInput(
+                f"{source or 'the source'}: ends before the tensor data the plan expects (the shard was "
+                "truncated or replaced after planning); restore the file and run again; nothing was left behind"
+            )
 
     def written_upto(self, f: PlannedFile, offset: int) -> None:
         """Bytes [0, offset) of `f` are final: hash them in the background while work goes on.
@@ -288,11 +399,12 @@ class StagedOutput:
         fd = self._fds[f.relpath]
         self._pool.submit(_hash_range, fd, hasher, pos, offset)
 
-    def finish(self, f: PlannedFile) -> None:
+    def finish(self, f: PlannedFile, source_digest: str) -> None:
         """Complete a file: hash what is left, fsync and close it, all in the background."""
         fd = self._fds.pop(f.relpath)
         hasher, pos = self._hashers.setdefault(f.relpath, (hashlib.sha256(), [0]))
         path = self.stage / f.relpath
+        self.sources[f.relpath] = source_digest
 
         def complete() -> str:
             try:
@@ -309,19 +421,34 @@ class StagedOutput:
     def write_small(self, relpath: str, data: bytes) -> None:
         path = self.stage / relpath
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(data)
+            outdir.ensure_dirs(self.stage, str(Path(relpath).parent))
+            outdir.write_file(path, data)
         except OSError as e:
             raise _os_error(e, path) from None
         self.done[relpath] = hashlib.sha256(data).hexdigest()
 
     def copy_file(self, src: Path, relpath: str) -> None:
+        """Copy a side file (tokenizer, config) of the checkpoint: regular files only."""
         dst = self.stage / relpath
         try:
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(src, dst)
+            sfd = os.open(src, os.O_RDONLY | os.O_NONBLOCK)
         except OSError as e:
-            raise _os_error(e, dst) from None
+            raise BadInput(f"{src}: cannot read ({e.strerror})") from None
+        try:
+            st = os.fstat(sfd)
+            if not stat.S_ISREG(st.st_mode):
+                raise BadInput(f"{src}: is not a regular file; replace it with the file itself")
+            try:
+                outdir.ensure_dirs(self.stage, str(Path(relpath).parent))
+                dfd = outdir.create_file(dst, mode=os.O_WRONLY)
+                try:
+                    copy_between(sfd, 0, dfd, 0, st.st_size)
+                finally:
+                    os.close(dfd)
+            except OSError as e:
+                raise _os_error(e, dst) from None
+        finally:
+            os.close(sfd)
         self.done[relpath] = sha256_file(dst)
 
     def collect_hashes(self) -> None:
@@ -338,10 +465,11 @@ class StagedOutput:
             elif fut.done():
                 self.done[rel] = fut.result()
                 del self._hashing[rel]
-        data = json.dumps({"identity": self.identity, "files": self.done}, indent=1).encode()
+        data = json.dumps({"identity": self.identity, "files": self.done, "sources": self.sources},
+                          indent=1).encode()
         tmp = self.stage / (JOURNAL_NAME + ".tmp")
         try:
-            tmp.write_bytes(data)
+            outdir.write_file(tmp, data)
             os.replace(tmp, self.stage / JOURNAL_NAME)
         except OSError as e:
             raise _os_error(e, tmp) from None
@@ -350,17 +478,24 @@ class StagedOutput:
     def commit(self, manifest: dict[str, Any]) -> None:
         """Write the manifest, then make the staged directory OUT in one rename."""
         self.collect_hashes()
-        (self.stage / JOURNAL_NAME).unlink(missing_ok=True)
         manifest_bytes = json.dumps(manifest, indent=2).encode() + b"\n"
         try:
-            (self.stage / MANIFEST_NAME).write_bytes(manifest_bytes)
+            if os.path.lexists(self.out):
+                foreign = outdir.foreign_entry(self.out, self.out) if outdir.is_real_dir(self.out) else self.out.name
+                if foreign is not None:  # appeared while we worked: keep the finished output for --resume
+                    self.keep_stage = True
+                    raise UsageError(f"{self.out}: {foreign} was added while repack ran and is not wna16ctl's; "
+                                     f"move it away and rerun with --resume (the finished output is kept)")
+            (self.stage / JOURNAL_NAME).unlink(missing_ok=True)
+            outdir.write_file(self.stage / MANIFEST_NAME, manifest_bytes)
             old = None
-            if self.out.exists():
-                old = self.out.parent / f".{self.out.name}.wna16ctl-old"
-                if old.exists():
-                    shutil.rmtree(old)
+            if os.path.lexists(self.out):
+                old = outdir.old_path(self.out)
+                outdir.remove_ours(old, self.out, "the previous-output directory")
                 os.rename(self.out, old)
             os.rename(self.stage, self.out)
+            # the marker goes last: until the rename the staging directory must stay provably ours
+            (self.out / outdir.STAGE_MARKER).unlink(missing_ok=True)
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
         except OSError as e:
@@ -380,14 +515,20 @@ class StagedOutput:
         for fut in self._hashing.values():
             fut.cancel()
         self._pool.shutdown(wait=True, cancel_futures=True)
-        if keep_for_resume:
+        if keep_for_resume or self.keep_stage:
             try:
                 self.checkpoint_journal()
             except OutputError:
                 pass
-        else:
+        elif self._lock_fd >= 0:  # ours and locked: remove it
             shutil.rmtree(self.stage, ignore_errors=True)
         self._unlock()
+
+
+def _plain_rel(rel: Any) -> bool:
+    """A manifest path that stays inside OUT."""
+    return (isinstance(rel, str) and bool(rel) and not os.path.isabs(rel) and "\\" not in rel
+            and all(p not in ("", ".", "..") for p in rel.split("/")))
 
 
 def _hash_range(fd: int, hasher: Any, pos: list[int], end: int, bufsize: int = 4 << 20) -> None:
@@ -403,14 +544,6 @@ def _hash_range(fd: int, hasher: Any, pos: list[int], end: int, bufsize: int = 4
             raise OSError(5, "file shorter than planned")
         hasher.update(view[:n])
         pos[0] += n
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def st_dtype(dtype: torch.dtype) -> str:

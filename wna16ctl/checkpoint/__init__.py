@@ -30,7 +30,7 @@ class HeaderSource:
 
     The directory always holds `config.json` (and the index, if any); the shards themselves may
     live elsewhere.  `locate` lists the shards, `read` returns one shard's checked header (through
-    `headers.shard_header_from_dict`, so every source yields the same objects); it may run in the
+    `headers.shard_header_from_bytes`, so every source yields the same objects); it may run in the
     forked scan worker.  The default reads the local files; `wna16ctl.hub` serves headers it
     fetched by range request beforehand.
     """
@@ -124,4 +124,7 @@ def open_checkpoint(path: str | os.PathLike[str], headers: HeaderSource = LOCAL_
     warnings = [w for lay in layers for w in lay.warnings]
     if config.quant is None:
         warnings.append(f"{root / 'config.json'}: no quantization_config; the experts are not quantized")
+    if config.torch_dtype == "float32":
+        warnings.append(f"{root / 'config.json'}: torch_dtype float32: vLLM's Marlin MoE kernels (and verify's MoE GEMM) "
+                        "run float16/bfloat16 only; the Triton layout accepts float32 scales")
     return Checkpoint(root=root, config=config, files=files, layers=layers, warnings=warnings)

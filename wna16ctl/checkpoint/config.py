@@ -12,12 +12,14 @@ these rules against the library wherever the library can parse.
 
 from __future__ import annotations
 
-import json
 import re
+import signal
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from wna16ctl.errors import BadInput
 
@@ -98,14 +100,55 @@ class QuantConfig:
     groups: tuple[_Group, ...]
     ignore: tuple[str, ...]
     _matcher: "_Matcher" = field(repr=False, compare=False)
+    source: str = field(default="config.json", compare=False)  # the file, for error messages
 
     def scheme_for(self, module_name: str) -> WeightScheme | None:
         """The weight scheme of a Linear named `module_name`, or None if it is not quantized."""
-        return _resolve(self, module_name)
+        with _regex_budget(self.source):
+            return _resolve(self, module_name)
 
     def schemes_for(self, module_names: list[str]) -> list[WeightScheme | None]:
         """`scheme_for` of many names at once (each regex runs once over all names)."""
-        return _resolve_many(self, module_names)
+        with _regex_budget(self.source):
+            return _resolve_many(self, module_names)
+
+
+REGEX_BUDGET_S = 10.0  # per batch of names; ordinary targets take milliseconds
+
+
+class _RegexTimeout(Exception):
+    pass
+
+
+@contextmanager
+def _regex_budget(source: str) -> Iterator[None]:
+    """Bound the time target/ignore regexes may take (Python's `re` backtracks without limit: a
+    pattern like `(a+)+$` needs 2^n steps).  SIGALRM interrupts the matcher; main thread only."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer") \
+            or signal.getitimer(signal.ITIMER_REAL)[0] > 0:
+        yield
+        return
+
+    def on_alarm(signum: int, frame: Any) -> None:
+        raise _RegexTimeout
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, REGEX_BUDGET_S)
+    try:
+        yield
+    except _RegexTimeout:
+        patterns = ", ".join(f"'re:{p}'" for p in _CURRENT_PATTERN[-1:])
+        raise BadInput(
+            f"{source}: matching quantization_config targets/ignore against the module names took more than "
+            f"{REGEX_BUDGET_S:g} s (catastrophic backtracking in {patterns or 'a re: pattern'}); simplify the "
+            "pattern (no nested quantifiers such as (a+)+)"
+        ) from None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+_CURRENT_PATTERN: list[str] = []  # the pattern being matched, named when the budget runs out
 
 
 @dataclass(frozen=True)
@@ -217,6 +260,7 @@ def parse_quantization_config(qc: Any, path: Path) -> QuantConfig:
         if str(t).startswith("re:"):
             _compile(str(t)[3:], path)
     return QuantConfig(
+        source=str(path),
         quant_method=method,
         format=top_format,
         version=(str(qc["version"]) if qc.get("version") is not None else None),
@@ -246,6 +290,7 @@ def _resolve(qc: QuantConfig, name: str) -> WeightScheme | None:
     if name in m.exact:
         return m.exact[name]
     for r, scheme in m.regex:
+        _CURRENT_PATTERN[:] = [r.pattern]
         if r.match(name):
             return scheme
     return m.class_scheme
@@ -264,6 +309,7 @@ def _regex_hits(pattern: re.Pattern[str], names: list[str], joined: str, starts:
     match would cross a line break (a pattern whose classes admit newlines), fall back to one
     match per name, which is the definition.
     """
+    _CURRENT_PATTERN[:] = [pattern.pattern]
     if "\\Z" in pattern.pattern or "\\A" in pattern.pattern:  # anchors to the whole text, not a line
         return {i for i, n in enumerate(names) if pattern.match(n)}
     try:
@@ -345,27 +391,84 @@ def _build_matcher(ordered: tuple[tuple[str, WeightScheme | None], ...], ignore:
     )
 
 
-def _first_int(raw: dict[str, Any], *keys: str) -> int | None:
+_MAX_DIM = 1 << 40  # no model dimension or count comes near this; larger is a corrupt config
+
+# Scale dtypes of WNA16 MoE layers: the model dtype, in which vLLM keeps the scales.  float32
+# is accepted (the Triton kernel and the checkpoint allow it) but the Marlin kernels and
+# verify's MoE GEMM run float16/bfloat16 only.
+SCALE_DTYPES = ("float16", "bfloat16", "float32")
+_DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32", "fp32": "float32"}
+
+# Model families whose `intermediate_size` is the dense MLP's width and whose experts' width is
+# `moe_intermediate_size`: for these a missing `moe_intermediate_size` is read from the tensors.
+_SEPARATE_MOE_WIDTH = frozenset({
+    "qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_vl_moe", "deepseek_v2", "deepseek_v3", "kimi_k2",
+    "glm4_moe", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "bailing_moe", "step3_text",
+})
+
+
+def _first_int(raw: dict[str, Any], path: Path, *keys: str) -> int | None:
+    """The first of `keys` present, as a positive integer (BadInput naming the key otherwise)."""
     for k in keys:
-        v = raw.get(k)
-        if isinstance(v, int) and not isinstance(v, bool):
-            return v
+        if k not in raw or raw[k] is None:
+            continue
+        v = raw[k]
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise BadInput(f"{path}: {k} = {_short(v)} is not an integer; write it as a JSON number")
+        if not 0 < v <= _MAX_DIM:
+            raise BadInput(f"{path}: {k} = {_short(v)} is out of range (must be a positive integer)")
+        return v
     return None
+
+
+def _short(v: Any) -> str:
+    text = repr(v) if not isinstance(v, int) or v.bit_length() < 256 else f"an integer of {len(str(v))} digits"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def scale_dtype_name(value: Any, path: Path) -> str:
+    """`torch_dtype` as one of SCALE_DTYPES (BadInput for anything else)."""
+    name = str(value).removeprefix("torch.").lower() if isinstance(value, str) else None
+    name = _DTYPE_ALIASES.get(name, name) if name is not None else None
+    if name not in SCALE_DTYPES:
+        raise BadInput(
+            f"{path}: torch_dtype = {_short(value)} is not a dtype WNA16 MoE scales can have "
+            f"({', '.join(SCALE_DTYPES)}); set the model's float dtype"
+        )
+    return name
+
+
+def _check_routing_fields(raw: dict[str, Any], path: Path, num_experts: int | None) -> None:
+    """Fields verify's router reads: numbers of the right kind, groups that divide the experts."""
+    eps = raw.get("rms_norm_eps")
+    if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1):
+        raise BadInput(f"{path}: rms_norm_eps = {_short(eps)} is not a small positive number")
+    factor = raw.get("routed_scaling_factor")
+    if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0):
+        raise BadInput(f"{path}: routed_scaling_factor = {_short(factor)} is not a positive number")
+    n_group = _first_int(raw, path, "n_group")
+    topk_group = _first_int(raw, path, "topk_group")
+    if n_group is not None and num_experts is not None and num_experts % n_group:
+        raise BadInput(f"{path}: n_group = {n_group} does not divide the {num_experts} experts; "
+                       "the routed experts are split into equal groups")
+    if topk_group is not None and n_group is not None and topk_group > n_group:
+        raise BadInput(f"{path}: topk_group = {topk_group} exceeds n_group = {n_group}")
 
 
 def read_model_config(ckpt: Path) -> ModelConfig:
     """Read and check `CKPT/config.json` (raises BadInput with the file named)."""
     path = ckpt / "config.json"
+    from wna16ctl.checkpoint.headers import read_regular_file
+    from wna16ctl.jsonfile import JSONError, loads
+
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_regular_file(path, "config.json", limit=64 << 20)
     except FileNotFoundError:
         raise BadInput(f"{path}: not found; point wna16ctl at a Hugging Face checkpoint directory") from None
-    except OSError as e:
-        raise BadInput(f"{path}: cannot read ({e.strerror})") from None
     try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise BadInput(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+        raw = loads(text)
+    except JSONError as e:
+        raise BadInput(f"{path}: not valid JSON ({e})") from None
     _expect(isinstance(raw, dict), path, "must hold a JSON object")
     # Multimodal wrappers keep the language model's fields in a sub-config.
     for sub in ("text_config", "language_config"):
@@ -373,23 +476,35 @@ def read_model_config(ckpt: Path) -> ModelConfig:
             merged = dict(raw[sub])
             merged.setdefault("quantization_config", raw.get("quantization_config"))
             raw = {**raw, **merged}
-    hidden = _first_int(raw, "hidden_size", "d_model")
-    _expect(hidden is not None and hidden > 0, path, "hidden_size is missing")
+    hidden = _first_int(raw, path, "hidden_size", "d_model")
+    _expect(hidden is not None, path, "hidden_size is missing")
     qc_raw = raw.get("quantization_config")
     quant = parse_quantization_config(qc_raw, path) if qc_raw is not None else None
     archs = raw.get("architectures") or []
+    model_type = str(raw.get("model_type", ""))
+    # Mixtral calls its expert width `intermediate_size`; the MoE families with shared or
+    # dense MLPs keep that name for the dense MLP and use `moe_intermediate_size`.
+    width_keys = ("moe_intermediate_size", "expert_intermediate_size")
+    if model_type not in _SEPARATE_MOE_WIDTH:
+        width_keys += ("intermediate_size",)
+    num_experts = _first_int(raw, path, "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+    top_k = _first_int(raw, path, "num_experts_per_tok", "moe_topk")
+    if top_k is not None and num_experts is not None and top_k > num_experts:
+        raise BadInput(f"{path}: num_experts_per_tok = {top_k} exceeds the {num_experts} experts")
+    if top_k is None and isinstance(raw.get("top_k"), int) and not isinstance(raw.get("top_k"), bool):
+        top_k = raw["top_k"] if raw["top_k"] > 0 else None
+    _check_routing_fields(raw, path, num_experts)
+    raw_dtype = raw.get("torch_dtype") if raw.get("torch_dtype") is not None else raw.get("dtype")
     return ModelConfig(
         path=path,
         raw=raw,
-        model_type=str(raw.get("model_type", "")),
+        model_type=model_type,
         architectures=tuple(str(a) for a in archs) if isinstance(archs, list) else (),
         hidden_size=int(hidden),  # type: ignore[arg-type]
-        # Mixtral calls its expert width `intermediate_size`; the MoE families with shared or
-        # dense MLPs keep that name for the dense MLP and use `moe_intermediate_size`.
-        moe_intermediate_size=_first_int(raw, "moe_intermediate_size", "expert_intermediate_size", "intermediate_size"),
-        num_experts=_first_int(raw, "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"),
-        num_experts_per_tok=_first_int(raw, "num_experts_per_tok", "moe_topk", "top_k"),
-        num_hidden_layers=_first_int(raw, "num_hidden_layers", "n_layers"),
-        torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
+        moe_intermediate_size=_first_int(raw, path, *width_keys),
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        num_hidden_layers=_first_int(raw, path, "num_hidden_layers", "n_layers"),
+        torch_dtype=scale_dtype_name(raw_dtype, path) if raw_dtype is not None else "bfloat16",
         quant=quant,
     )

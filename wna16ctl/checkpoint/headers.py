@@ -7,26 +7,31 @@ demo.  Every path named by the index must stay inside the checkpoint directory.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
-import re
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from wna16ctl.errors import BadInput
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-_MAX_HEADER = 512 * 1024 * 1024  # safetensors' own limit is 100 MB; be lenient, not unbounded
+MAX_HEADER = 100_000_000  # the safetensors library refuses larger headers (HeaderTooLarge)
+MAX_INDEX = 1 << 30  # a 10^6-tensor index is ~100 MB
+_U64 = 1 << 64
 
 DTYPE_SIZES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
     "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
     "I32": 4, "U32": 4, "F32": 4,
-    "I64": 8, "U64": 8, "F64": 8,
+    "I64": 8, "U64": 8, "F64": 8, "C64": 8,
 }
+# every dtype the safetensors library reads, in bits (the sub-byte ones have no byte size)
+DTYPE_BITS = {**{k: 8 * v for k, v in DTYPE_SIZES.items()}, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
 
 
 @dataclass(frozen=True)
@@ -90,7 +95,9 @@ class CheckpointFiles:
         if self.index_path is not None:
             try:
                 wm = json.loads(self.index_path.read_bytes()).get("weight_map", {})
-            except (OSError, ValueError, AttributeError):
+            except (OSError, ValueError, AttributeError, RecursionError):
+                wm = {}
+            if not isinstance(wm, dict):
                 wm = {}
             if name in wm:
                 return BadInput(
@@ -156,96 +163,180 @@ def read_shard_headers(paths: list[Path]) -> list[ShardHeader]:
     return [read_shard_header(p) for p in paths]
 
 
-def read_shard_header(path: Path) -> ShardHeader:
-    """Read one safetensors header; raise BadInput naming the file when it is not a valid one."""
+def open_regular(path: Path, what: str) -> int:
+    """An O_RDONLY descriptor of a regular file (never blocks on a FIFO or device)."""
     try:
-        with open(path, "rb") as f:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise
+    except IsADirectoryError:
+        raise BadInput(f"{path}: is a directory, expected {what}") from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise BadInput(f"{path}: is a symbolic link loop; point it at the real {what}") from None
+        raise BadInput(f"{path}: cannot open ({e.strerror})") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else "not a regular file"
+        raise BadInput(f"{path}: is {kind}, expected {what}; replace it with the file itself")
+    return fd
+
+
+def read_regular_file(path: Path, what: str, *, limit: int) -> bytes:
+    """The bytes of a small regular file (BadInput when it is something else or too large)."""
+    fd = open_regular(path, what)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise BadInput(f"{path}: {size} bytes, more than the {limit >> 20} MiB a {what} can have")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read(limit + 1)
+    except OSError as e:
+        raise BadInput(f"{path}: cannot read ({e.strerror})") from None
+    finally:
+        os.close(fd)
+
+
+def read_shard_header(path: Path) -> ShardHeader:
+    """Read one safetensors header; raise BadInput naming the file when it is not a valid one.
+
+    The safetensors library's rules, so that what it refuses is refused here (with the file
+    named): header at most 100 MB of UTF-8 JSON; `__metadata__` a str -> str map; each entry a
+    known dtype, a shape of non-negative integers and two integer offsets; offsets, sorted,
+    tiling the data section exactly (no gap, no overlap, nothing after); every entry's byte
+    count equal to its dtype and shape.  Duplicate names, which the library silently collapses,
+    are refused too.
+    """
+    try:
+        fd = open_regular(path, "safetensors shard")
+    except FileNotFoundError:
+        raise BadInput(f"{path}: shard not found; the index names it but the file is missing") from None
+    try:
+        with os.fdopen(fd, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             if len(head) < 8:
                 raise BadInput(f"{path}: truncated safetensors file ({size} bytes, no header length); re-download it")
             (n,) = struct.unpack("<Q", head)
-            if n == 0 or n > _MAX_HEADER or 8 + n > size:
+            if n > MAX_HEADER:
+                raise BadInput(f"{path}: header length {n} exceeds the safetensors limit of {MAX_HEADER} bytes; "
+                               "the file is corrupt or not safetensors")
+            if n < 2 or 8 + n > size:
                 raise BadInput(
                     f"{path}: header length {n} does not fit the file size {size}; the file is truncated or not safetensors"
                 )
             blob = f.read(n)
-    except FileNotFoundError:
-        raise BadInput(f"{path}: shard not found; the index names it but the file is missing") from None
-    except IsADirectoryError:
-        raise BadInput(f"{path}: is a directory, expected a safetensors shard") from None
     except PermissionError:
         raise BadInput(f"{path}: permission denied") from None
-    try:
-        header = json.loads(blob)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadInput(f"{path}: header is not valid JSON ({e}); the file is corrupt") from None
-    if not isinstance(header, dict):
-        raise BadInput(f"{path}: header is not a JSON object; the file is corrupt")
-    return shard_header_from_dict(path, size, 8 + n, header)
+    except OSError as e:
+        raise BadInput(f"{path}: cannot read ({e.strerror})") from None
+    return shard_header_from_bytes(path, size, blob)
 
 
-def shard_header_from_dict(path: Path, size: int, data_start: int, header: dict) -> ShardHeader:
-    """Check a decoded safetensors header (`size`: the file's bytes, `data_start`: 8 + header
-    length) and make its ShardHeader.  Every header source goes through here: local files
+def shard_header_from_bytes(path: Path, size: int, blob: bytes) -> ShardHeader:
+    """Check a safetensors header -- `blob`, the JSON after the 8-byte length, of a file of `size`
+    bytes -- and make its ShardHeader.  Every header source goes through here: local files
     (`read_shard_header`) and headers fetched by range request from the Hub (`wna16ctl.hub`)."""
-    meta = header.pop("__metadata__", None) or {}
-    data_len = size - data_start
-    max_end = 0
-    for name, e in header.items():
-        try:
-            dtype = e["dtype"]
-            start, end = e["data_offsets"]
-            shape = e["shape"]
-        except (KeyError, TypeError, ValueError):
-            raise BadInput(f"{path}: header entry for {name} lacks dtype/shape/data_offsets; the file is corrupt") from None
-        # cheap type checks only: this loop runs over every tensor; the dims of a shape are
-        # checked where they are used (compared with an expected shape, or multiplied out)
-        if type(start) is not int or type(end) is not int or type(shape) is not list \
-                or dtype not in DTYPE_SIZES or not (0 <= start <= end):
-            raise BadInput(f"{path}: tensor {name} has dtype {dtype!r} / offsets {e['data_offsets']!r} / shape "
-                           f"{shape!r}, which is invalid; the file is corrupt")
-        if end > max_end:
-            max_end = end
-    if max_end > data_len:
-        raise BadInput(
-            f"{path}: tensor data ends at byte {data_start + max_end} but the file has {size}; "
-            "the shard is truncated (re-download it)"
-        )
+    header = _decode_header(path, blob)
+    meta = header.pop("__metadata__", None)
+    if meta is None:
+        meta = {}
+    elif not isinstance(meta, dict) or not all(type(v) is str for v in meta.values()):
+        raise BadInput(f"{path}: __metadata__ must map strings to strings; the file is corrupt")
+    data_start = 8 + len(blob)
+    _check_layout(path, header, data_start, size)
     return ShardHeader(path=path, size=size, data_start=data_start, entries=header, metadata=meta)
 
 
-def check_tensor_extent(info: dict, name: str, path: Path) -> None:
-    """Check that a header entry's byte range matches its dtype and shape."""
-    numel = 1
-    for d in info["shape"]:
-        if type(d) is not int or d < 0:
-            raise BadInput(f"{path}: tensor {name} has shape {info['shape']!r}, which is invalid; the file is corrupt")
-        numel *= d
-    start, end = info["data_offsets"]
-    if end - start != numel * DTYPE_SIZES[info["dtype"]]:
-        raise BadInput(
-            f"{path}: tensor {name} spans {end - start} bytes but {info['dtype']}{list(info['shape'])} needs "
-            f"{numel * DTYPE_SIZES[info['dtype']]}; the file is corrupt"
-        )
-
-
-_INDEX_VALUE = re.compile(rb'":\s*"([^"\\]*\.safetensors)"')
-
-
-def _index_files_fast(blob: bytes) -> tuple[list[str], int] | None:
-    """The distinct shard files an index names, and how many names it maps, without a JSON parse.
-
-    On a 280k-tensor index this is ~5x cheaper than json.loads.  It is only trusted when the
-    count equals the number of tensors the headers hold; any other index takes the exact path.
-    """
+def _decode_header(path: Path, blob: bytes) -> dict:
     try:
-        values = _INDEX_VALUE.findall(blob)
-        if not values:
-            return None
-        return [v.decode("utf-8") for v in dict.fromkeys(values)], len(values)
-    except UnicodeDecodeError:
-        return None
+        text = blob.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadInput(f"{path}: header is not UTF-8 (byte {e.start}); the file is corrupt") from None
+    header = _parse_json(path, text, None)
+    if not isinstance(header, dict):
+        raise BadInput(f"{path}: header is not a JSON object; the file is corrupt")
+    # json.loads keeps the last of repeated keys.  Each entry has one "dtype", "shape" and
+    # "data_offsets" key: counts that differ from the number of names mean a repeated key
+    # somewhere (or those words inside strings), and only then is the header parsed again
+    # with a hook that finds the repeat (the hook costs ~40% of the parse).
+    n = len(header) - ("__metadata__" in header)
+    if (blob.count(b'"data_offsets"') != n or blob.count(b'"dtype"') != n or blob.count(b'"shape"') != n
+            or blob.count(b'"__metadata__"') > 1):
+        repeated: list[str] = []
+
+        def hook(pairs: list[tuple[str, Any]]) -> dict:
+            d = dict(pairs)
+            if len(d) != len(pairs) and not repeated:
+                seen: set[str] = set()
+                repeated.append(next(k for k, _ in pairs if k in seen or seen.add(k)))  # type: ignore[func-returns-value]
+            return d
+
+        _parse_json(path, text, hook)
+        if repeated:
+            raise BadInput(f"{path}: header names {repeated[0]!r} twice; the file is corrupt")
+    return header
+
+
+def _parse_json(path: Path, text: str, hook: Any) -> Any:
+    try:
+        return json.loads(text, object_pairs_hook=hook, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise BadInput(f"{path}: header JSON is nested too deeply; the file is corrupt") from None
+    except ValueError as e:  # JSONDecodeError, NaN/Infinity, integers beyond int()'s digit limit
+        raise BadInput(f"{path}: header is not valid JSON ({str(e).split(';')[0]}); the file is corrupt") from None
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _check_layout(path: Path, header: dict, data_start: int, size: int) -> None:
+    """Every entry well-formed, byte counts matching dtype x shape, offsets tiling the data."""
+    spans: list[tuple[int, int, str]] = []
+    bits_of = DTYPE_BITS
+    for name, e in header.items():
+        try:
+            dtype = e["dtype"]
+            offsets = e["data_offsets"]
+            shape = e["shape"]
+        except (KeyError, TypeError):
+            raise BadInput(f"{path}: header entry for {name} lacks dtype/shape/data_offsets; the file is corrupt") from None
+        bits = bits_of.get(dtype) if type(dtype) is str else None
+        if bits is None or type(offsets) is not list or len(offsets) != 2 or type(shape) is not list:
+            raise BadInput(f"{path}: tensor {name} has dtype {dtype!r} / offsets {offsets!r} / shape "
+                           f"{shape!r}, which is invalid; the file is corrupt")
+        start, end = offsets
+        if type(start) is not int or type(end) is not int or not (0 <= start <= end < _U64):
+            raise BadInput(f"{path}: tensor {name} has data offsets {offsets!r}, which are invalid; the file is corrupt")
+        numel = 1
+        for d in shape:
+            if type(d) is not int or d < 0:
+                raise BadInput(f"{path}: tensor {name} has shape {shape!r}, which is invalid; the file is corrupt")
+            numel *= d
+        if numel * bits >= _U64 or (numel * bits) % 8 or (numel * bits) // 8 != end - start:
+            raise BadInput(
+                f"{path}: tensor {name} spans {end - start} bytes but {dtype}{shape} needs "
+                f"{numel * bits / 8:g}; the file is corrupt"
+            )
+        spans.append((start, end, name))
+    spans.sort()
+    data_len = size - data_start
+    pos = 0
+    for start, end, name in spans:
+        if start != pos:
+            what = "overlaps the tensor before it" if start < pos else f"leaves a gap at byte {pos}"
+            raise BadInput(f"{path}: tensor {name} {what} (data offsets {start}..{end}); the file is corrupt")
+        pos = end
+    if pos != data_len:
+        if pos > data_len:
+            raise BadInput(
+                f"{path}: tensor data ends at byte {data_start + pos} but the file has {size}; "
+                "the shard is truncated (re-download it)"
+            )
+        raise BadInput(f"{path}: {data_len - pos} bytes after the last tensor's data; the file is corrupt or "
+                       "was appended to")
 
 
 @dataclass(frozen=True)
@@ -256,7 +347,7 @@ class ShardList:
     paths: list[Path]
     index_path: Path | None = None
     index_blob: bytes | None = None
-    index_count: int | None = None  # names the index maps (fast path); None: check exactly
+    index_count: int | None = None  # kept for the worker's message format; the index is always parsed
 
 
 def locate_shards(root: Path) -> ShardList:
@@ -264,17 +355,16 @@ def locate_shards(root: Path) -> ShardList:
     if not root.is_dir():
         raise BadInput(f"{root}: not a directory; point wna16ctl at a checkpoint directory")
     index_path = root / INDEX_NAME
-    if index_path.exists():
+    if os.path.lexists(index_path):
         try:
-            blob = index_path.read_bytes()
-        except OSError as e:
-            raise BadInput(f"{index_path}: cannot read ({e.strerror})") from None
-        fast = _index_files_fast(blob)
-        if fast is not None:
-            return ShardList(root, [_safe_child(root, rel, index_path) for rel in fast[0]], index_path, blob, fast[1])
-        return ShardList(root, list(_index_weight_map(index_path, blob)[1].values()), index_path, blob, None)
+            blob = read_regular_file(index_path, "shard index", limit=MAX_INDEX)
+        except FileNotFoundError:
+            raise BadInput(f"{index_path}: is a dangling symbolic link; restore the index") from None
+        # Parsed exactly (json.loads), never pattern-matched: what the JSON says is what counts.
+        wm, files = _index_weight_map(index_path, blob)
+        return ShardList(root, list(files.values()), index_path, blob, None)
     single = root / SINGLE_NAME
-    if single.exists():
+    if os.path.lexists(single):
         return ShardList(root, [single])
     found = sorted(root.glob("*.safetensors"))
     if not found:
@@ -283,16 +373,17 @@ def locate_shards(root: Path) -> ShardList:
 
 
 def assemble(where: ShardList, shards: list[ShardHeader]) -> CheckpointFiles:
-    """The checkpoint's tensors from its shard headers, checked against the index."""
+    """The checkpoint's tensors from its shard headers, checked name by name against the index."""
     ckpt = CheckpointFiles(where.root, shards, where.index_path)
-    if where.index_path is None or where.index_count == len(ckpt):
+    if where.index_path is None:
         return ckpt
-    # The exact (slower) path: full JSON parse, every name checked against its file.
-    blob = where.index_blob if where.index_blob is not None else where.index_path.read_bytes()
+    blob = where.index_blob if where.index_blob is not None else read_regular_file(
+        where.index_path, "shard index", limit=MAX_INDEX)
     wm, files = _index_weight_map(where.index_path, blob)
     by_path = {sh.path: sh for sh in shards}
+    file_of = {rel: by_path.get(p) for rel, p in files.items()}
     for name, rel in wm.items():
-        sh = by_path.get(files[rel])
+        sh = file_of[rel]
         if sh is None or name not in sh.entries:
             raise BadInput(f"{where.index_path}: names tensor {name} in {rel}, but {rel} does not hold it")
     if len(wm) != len(ckpt):
@@ -302,9 +393,11 @@ def assemble(where: ShardList, shards: list[ShardHeader]) -> CheckpointFiles:
 
 
 def _index_weight_map(index_path: Path, blob: bytes) -> tuple[dict[str, str], dict[str, Path]]:
+    from wna16ctl.jsonfile import JSONError, loads
+
     try:
-        index = json.loads(blob)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        index = loads(blob)
+    except JSONError as e:
         raise BadInput(f"{index_path}: not a readable JSON index ({e})") from None
     wm = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(wm, dict) or not wm:
@@ -312,9 +405,14 @@ def _index_weight_map(index_path: Path, blob: bytes) -> tuple[dict[str, str], di
     files: dict[str, Path] = {}
     for rel in dict.fromkeys(wm.values()):
         if not isinstance(rel, str):
-            raise BadInput(f"{index_path}: weight_map value {rel!r} is not a file name")
+            raise BadInput(f"{index_path}: weight_map value {_short_repr(rel)} is not a file name")
         files[rel] = _safe_child(index_path.parent, rel, index_path)
     return wm, files
+
+
+def _short_repr(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def read_checkpoint_files(root: Path) -> CheckpointFiles:

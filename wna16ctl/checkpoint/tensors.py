@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -68,6 +69,8 @@ class TensorReader:
     def __init__(self, files: CheckpointFiles):
         self.files = files
         self._fds: dict[Path, int] = {}
+        # when set, every byte read is fed to it in read order (repack's resume key, see repack.py)
+        self.hasher: Any = None
 
     def __enter__(self) -> "TensorReader":
         return self
@@ -108,6 +111,8 @@ class TensorReader:
                     "after planning); restore the file and run again"
                 )
             done += n
+        if self.hasher is not None:
+            self.hasher.update(view)
         return out
 
     def read(self, name: str) -> torch.Tensor:
@@ -120,6 +125,7 @@ class TensorReader:
         assert s is not None
         name = lambda suffix: layer.tensor_name(expert, role, suffix)  # noqa: E731
         out = {"weight_packed": self.read(name("weight_packed")), "weight_scale": self.read(name("weight_scale"))}
+        check_scales(out["weight_scale"], name("weight_scale"))
         n_rows = out["weight_packed"].shape[0]
         groups = out["weight_scale"].shape[1]
         k = layer.hidden_size if role in ("gate", "up") else layer.intermediate_size
@@ -128,7 +134,9 @@ class TensorReader:
         if s.act_order:
             gname = name("weight_g_idx")
             if gname in self.files:
-                out["weight_g_idx"] = self.read(gname).to(torch.int32)
+                g_idx = self.read(gname)
+                check_g_idx(g_idx, gname, k, s.group_size)
+                out["weight_g_idx"] = g_idx.to(torch.int32)
             else:  # old writers skipped a g_idx that was never set: groups in column order
                 out["weight_g_idx"] = (torch.arange(k, dtype=torch.int32) // s.group_size).to(torch.int32)
         return out
@@ -147,4 +155,42 @@ class TensorReader:
         if zp.dtype == torch.int32 and zp.shape[0] != n_rows:
             return zp
         # Legacy (compressed-tensors <= 0.9.3): unpacked signed zero points [N, G].
+        z = zp.to(torch.int64)
+        bad = (z < -offset) | (z >= offset)
+        if bool(bad.any()):
+            where = [int(i) for i in bad.nonzero()[0]]
+            raise BadInput(
+                f"{self.files.shard_of(name).path}: tensor {name} holds zero point {int(z[tuple(where)])} at {where}, "
+                f"outside the {num_bits}-bit range [{-offset}, {offset - 1}]; the checkpoint is corrupt"
+            )
         return pack_codes(zp.to(torch.int32) + offset, num_bits, dim=0)
+
+
+def check_scales(scale: torch.Tensor, name: str) -> None:
+    """Scales must be finite: a NaN or Inf would be written into every rank and poison the layer."""
+    finite = torch.isfinite(scale)
+    if not bool(finite.all()):
+        where = [int(i) for i in (~finite).nonzero()[0]]
+        raise BadInput(f"tensor {name}: scale {float(scale[tuple(where)])} at {where} is not finite; "
+                       "the checkpoint is corrupt (re-quantize or re-download it)")
+
+
+def check_g_idx(g_idx: torch.Tensor, name: str, k: int, group_size: int) -> None:
+    """An act-order g_idx assigns each of the K input columns to a group: values in [0, G) and
+    every group holding exactly its group_size columns (the last one the remainder)."""
+    groups = -(-k // group_size)
+    g = g_idx.to(torch.int64) if g_idx.dtype != torch.int64 else g_idx
+    if g.numel() != k:
+        raise BadInput(f"tensor {name}: has {g.numel()} entries, expected {k}; the checkpoint is corrupt")
+    out_of_range = (g < 0) | (g >= groups)
+    if bool(out_of_range.any()):
+        col = int(out_of_range.nonzero()[0])
+        raise BadInput(f"tensor {name}: column {col} is assigned to group {int(g[col])}, outside [0, {groups}); "
+                       "the checkpoint is corrupt")
+    counts = torch.bincount(g, minlength=groups)
+    want = torch.full((groups,), group_size, dtype=counts.dtype)
+    want[-1] = k - (groups - 1) * group_size
+    if not torch.equal(counts, want):
+        grp = int((counts != want).nonzero()[0])
+        raise BadInput(f"tensor {name}: group {grp} holds {int(counts[grp])} columns, expected {int(want[grp])}; "
+                       "g_idx is not a valid act-order group assignment (the checkpoint is corrupt)")

@@ -1,0 +1,222 @@
+"""What repack may create, replace and delete around an output directory OUT.
+
+One rule: wna16ctl deletes or renames only paths it created, in this run or an earlier one, and
+can prove it created:
+
+* the staging directory `.OUT.wna16ctl-partial` holds a marker naming the OUT it belongs to;
+* a finished OUT (or the previous OUT kept as `.OUT.wna16ctl-old` during a commit) holds a
+  wna16ctl manifest, and `--force` replaces it only when every entry is one the manifest lists;
+* an empty directory may be used or replaced.
+
+Anything else in one of those places is refused with one line naming the first foreign entry.
+Nothing is ever written through a symbolic link: files are created with O_EXCL|O_NOFOLLOW after
+unlinking whatever name was there (inside the staging directory only), and every directory on
+the way is checked with lstat.  None of these names may be the checkpoint or one of its parents.
+One writer per OUT: the staging directory itself is flock()ed, so a killed run leaves no lock
+file behind and the lock dies with the process.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import stat
+from pathlib import Path
+from typing import Any
+
+from wna16ctl.errors import UsageError
+
+MANIFEST_NAME = "wna16ctl.json"
+OUTPUT_FORMAT = "wna16ctl-repack"
+STAGE_MARKER = ".wna16ctl-stage.json"
+STAGE_FORMAT = "wna16ctl-stage"
+JOURNAL_NAME = ".wna16ctl-journal.json"
+_MAX_SMALL_JSON = 64 << 20  # a marker or manifest larger than this is not one of ours
+
+
+def stage_path(out: Path) -> Path:
+    return out.parent / f".{out.name}.wna16ctl-partial"
+
+
+def old_path(out: Path) -> Path:
+    return out.parent / f".{out.name}.wna16ctl-old"
+
+
+def check_clear_of_checkpoint(out: Path, ckpt: Path) -> None:
+    """Refuse an OUT whose own, staging or previous-output name is (or holds) the checkpoint."""
+    ck = ckpt.resolve()
+    if out == ck or ck in out.parents:
+        raise UsageError(f"{out}: the output must not be inside the checkpoint directory")
+    for p, what in ((out, "the output"), (stage_path(out), "the staging directory"),
+                    (old_path(out), "the previous-output directory")):
+        if p == ck or p in ck.parents:
+            if p == out:
+                raise UsageError(f"{out}: contains the checkpoint {ck}; choose an output directory outside it")
+            raise UsageError(f"{p}: {what} of {out} would be the checkpoint {ck} (or hold it); "
+                             "choose another output name")
+
+
+def _lstat(path: Path) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except FileNotFoundError:
+        return None
+
+
+def is_real_dir(path: Path) -> bool:
+    st = _lstat(path)
+    return st is not None and stat.S_ISDIR(st.st_mode)
+
+
+def read_json_file(path: Path) -> Any:
+    """A small JSON file of ours (never through a link, never a FIFO); None when it is not one."""
+    from wna16ctl.jsonfile import JSONError, loads
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_SMALL_JSON:
+            return None
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    try:
+        return loads(data)
+    except JSONError:
+        return None
+
+
+def is_our_stage(path: Path, out: Path) -> bool:
+    if not is_real_dir(path):
+        return False
+    marker = read_json_file(path / STAGE_MARKER)
+    return isinstance(marker, dict) and marker.get("format") == STAGE_FORMAT and marker.get("out") == str(out)
+
+
+def our_manifest(path: Path) -> dict[str, Any] | None:
+    """The manifest of a wna16ctl output directory at `path`, or None if it is not one."""
+    if not is_real_dir(path):
+        return None
+    m = read_json_file(path / MANIFEST_NAME)
+    if isinstance(m, dict) and m.get("format") == OUTPUT_FORMAT and isinstance(m.get("files"), dict):
+        return m
+    return None
+
+
+def _entries(root: Path) -> list[tuple[str, bool]]:
+    """(relative path, is a real directory) of everything under `root`, links not followed."""
+    out: list[tuple[str, bool]] = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        rel_dir = Path(dirpath).relative_to(root)
+        for d in dirnames:
+            p = Path(dirpath) / d
+            out.append(((rel_dir / d).as_posix(), is_real_dir(p)))
+        for f in filenames:
+            out.append(((rel_dir / f).as_posix(), False))
+    return sorted(out)
+
+
+def foreign_entry(path: Path, out: Path) -> str | None:
+    """The first entry of directory `path` that no wna16ctl run wrote, or None if all are ours.
+
+    Ours: an empty directory; a marked staging directory of `out`; an output directory whose
+    entries are all listed by its manifest (and the directories holding them).
+    """
+    entries = _entries(path)
+    if not entries or is_our_stage(path, out):
+        return None
+    manifest = our_manifest(path)
+    if manifest is None:
+        return entries[0][0]
+    # the marker too: a commit killed between its rename and the marker's removal leaves it
+    listed = {str(k) for k in manifest["files"]} | {MANIFEST_NAME, STAGE_MARKER}
+    parents = {p.as_posix() for rel in listed for p in Path(rel).parents if p.as_posix() != "."}
+    for rel, is_dir in entries:
+        if (is_dir and rel in parents) or (not is_dir and rel in listed):
+            continue
+        return rel
+    return None
+
+
+def remove_ours(path: Path, out: Path, what: str) -> None:
+    """Delete `path` (a staging or previous-output directory) after proving it is ours."""
+    st = _lstat(path)
+    if st is None:
+        return
+    foreign = foreign_entry(path, out) if stat.S_ISDIR(st.st_mode) else path.name
+    if foreign is not None:
+        raise UsageError(f"{path}: {what} exists but was not written by wna16ctl (first foreign entry: "
+                         f"{foreign}); move it away and run again")
+    shutil.rmtree(path)
+
+
+def clear_dir(path: Path, keep: tuple[str, ...] = ()) -> None:
+    """Empty a directory of ours (its entries are removed, links themselves, never their targets)."""
+    for entry in os.scandir(path):
+        if entry.name in keep:
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path)
+        else:
+            os.unlink(entry.path)
+
+
+def ensure_dirs(root: Path, rel_dir: str) -> Path:
+    """Create `root/rel_dir` component by component; refuse a link or non-directory on the way."""
+    p = root
+    for part in Path(rel_dir).parts:
+        p = p / part
+        st = _lstat(p)
+        if st is None:
+            os.mkdir(p)
+        elif not stat.S_ISDIR(st.st_mode):
+            raise UsageError(f"{p}: is {'a symbolic link' if stat.S_ISLNK(st.st_mode) else 'not a directory'} "
+                             "inside the staging directory; wna16ctl does not write through it (remove it)")
+    return p
+
+
+def create_file(path: Path, *, mode: int = os.O_RDWR) -> int:
+    """A new file at `path` (whatever name was there is unlinked first: staging only)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except IsADirectoryError:
+        raise OSError(errno.EISDIR, "is a directory", str(path)) from None
+    return os.open(path, mode | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+
+
+def write_file(path: Path, data: bytes) -> None:
+    fd = create_file(path, mode=os.O_WRONLY)
+    try:
+        view = memoryview(data)
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+    finally:
+        os.close(fd)
+
+
+def stage_marker(out: Path) -> bytes:
+    return json.dumps({"format": STAGE_FORMAT, "out": str(out), "pid": os.getpid()}).encode()
+
+
+def lock_dir(path: Path) -> int:
+    """flock() a real directory; returns the descriptor, or -1 when another process holds it."""
+    import fcntl
+
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return -1
+    return fd
