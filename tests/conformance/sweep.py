@@ -18,6 +18,7 @@ from typing import Any
 
 from tests.conformance import cases as case_space
 from tests.conformance import vllm_release
+from tests.conformance.known_differences import known_cause
 from tests.conformance.test_vllm_conformance import disagreements, outcome_of_plan, run_planner
 
 
@@ -48,6 +49,8 @@ def sweep(version: str, n: int, seed: int) -> dict[str, Any]:
     rng = random.Random(seed)
     classes: dict[str, dict[str, Any]] = {}
     atoms: dict[str, dict[str, Any]] = {}
+    explained: dict[str, int] = {}
+    unexplained = 0
     agree = 0
     t0 = time.perf_counter()
     vllm_release.worker(version)  # start-up is not part of the per-case timing
@@ -60,6 +63,11 @@ def sweep(version: str, n: int, seed: int) -> dict[str, Any]:
         if not diffs:
             agree += 1
             continue
+        known = known_cause(version, case, vllm, plan)
+        if known is not None:
+            explained[known] = explained.get(known, 0) + 1
+        else:
+            unexplained += 1
         for d in diffs:  # each differing field on its own, so root causes stand out
             atom = class_key(vllm, plan, [d])
             a = atoms.setdefault(atom, {"count": 0, "case": case, "vllm": vllm, "planner": plan})
@@ -75,7 +83,8 @@ def sweep(version: str, n: int, seed: int) -> dict[str, Any]:
     for e in [*classes.values(), *atoms.values()]:
         e["vllm"].pop("traceback", None)
     return {"version": version, "cases": n, "agree": agree, "startup_s": round(t1 - t0, 2),
-            "per_1000_s": round((t2 - t1) / n * 1000, 2), "classes": classes, "atoms": atoms}
+            "per_1000_s": round((t2 - t1) / n * 1000, 2), "classes": classes, "atoms": atoms,
+            "explained": explained, "unexplained": unexplained}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,13 +106,14 @@ def main(argv: list[str] | None = None) -> int:
         vllm_release.close_worker(v)
         results.append(res)
         print(f"== vLLM {v}: {res['agree']}/{res['cases']} agree; start-up {res['startup_s']} s, "
-              f"{res['per_1000_s']} s per 1000 cases")
+              f"{res['per_1000_s']} s per 1000 cases; known causes {res['explained']}, "
+              f"unexplained {res['unexplained']}", flush=True)
         for key, e in sorted(res["atoms"].items(), key=lambda kv: -kv[1]["count"]):
             print(f"  [{e['count']}] {key}")
             print(f"      case: {json.dumps(e['case'])}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1, default=str)
+        if args.json:  # rewritten after each release, so a long sweep can be read while it runs
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1, default=str)
     return 0
 
 
