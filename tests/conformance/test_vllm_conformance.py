@@ -75,13 +75,33 @@ RELEASE_PARAMS = [_release_param(v) for v in _selected_releases()]
 
 @pytest.fixture(scope="module")
 def release(request) -> str:
+    """The release's worker, started and checked once per release (skips when not fetchable)."""
     version = request.param
     try:
         vllm_release.release_sources(version)
     except vllm_release.ReleaseUnavailable:
         pytest.skip(vllm_release.fetch_hint(version))
+    check_harness(version)
     yield version
     vllm_release.close_worker(version)
+
+
+def check_harness(version: str) -> None:
+    """Facts read in the release's sources: a stand-in that broke the decision code shows here."""
+    base = {"hidden_size": 2048, "intermediate_size": 768, "num_experts": 8, "num_bits": 4, "group_size": 128,
+            "group_size_null": False, "symmetric": True, "actorder": None, "strategy": "group", "tp": 2, "ep": False,
+            "gpu": "sm80"}  # A100: Marlin first in every release (on sm90 0.32+ put Humming first)
+    ok = vllm_release.vllm_outcome(version, base)
+    assert ok["stage"] is None and ok["backend"] == "marlin" and ok["oracle_ran"], ok
+    assert ok["padded_intermediate"] == 384, ok
+    # I_p = 192 is not a multiple of 128: Marlin's gate refuses, Triton takes it, and the group
+    # check of create_weights then fails with the release's own message
+    bad = vllm_release.vllm_outcome(version, dict(base, tp=4))
+    assert "marlin" in bad["rejected"] and bad["backend"] == "triton", bad
+    assert bad["stage"] == "create_weights" and "(192)" in bad["error"] and "group_size (128)" in bad["error"], bad
+    # FusedMoEConfig asserts that the MoE TP size divides the intermediate size
+    odd = vllm_release.vllm_outcome(version, dict(base, intermediate_size=770, tp=4))
+    assert odd["stage"] == "method" and odd["error_type"] == "AssertionError", odd
 
 
 # -- cases ------------------------------------------------------------------------------------
@@ -228,23 +248,3 @@ def check_case(version: str, case: dict[str, Any]) -> None:
 @given(case=cases())
 def test_planner_matches_vllm(release: str, case: dict[str, Any]) -> None:
     check_case(release, case)
-
-
-# -- the harness itself: facts read in the releases' sources, so a broken stand-in shows ---------
-
-@pytest.mark.parametrize("release", [pytest.param(v, id=f"vllm-{v}") for v in _selected_releases()], indirect=True)
-def test_harness_runs_the_release_code(release: str) -> None:
-    base = {"hidden_size": 2048, "intermediate_size": 768, "num_experts": 8, "num_bits": 4, "group_size": 128,
-            "group_size_null": False, "symmetric": True, "actorder": None, "strategy": "group", "tp": 2, "ep": False,
-            "gpu": "sm80"}  # A100: Marlin first in every release (on sm90 0.32+ put Humming first)
-    ok = vllm_release.vllm_outcome(release, base)
-    assert ok["stage"] is None and ok["backend"] == "marlin" and ok["oracle_ran"], ok
-    assert ok["padded_intermediate"] == 384, ok
-    # I_p = 192 is not a multiple of 128: Marlin's gate refuses, Triton takes it, and the group
-    # check of create_weights then fails with the release's own message
-    bad = vllm_release.vllm_outcome(release, dict(base, tp=4))
-    assert "marlin" in bad["rejected"] and bad["backend"] == "triton", bad
-    assert bad["stage"] == "create_weights" and "(192)" in bad["error"] and "group_size (128)" in bad["error"], bad
-    # FusedMoEConfig asserts that the MoE TP size divides the intermediate size
-    odd = vllm_release.vllm_outcome(release, dict(base, intermediate_size=770, tp=4))
-    assert odd["stage"] == "method" and odd["error_type"] == "AssertionError", odd

@@ -42,11 +42,8 @@ def cache_root() -> Path:
 
 
 def fetch_hint(version: str) -> str:
-    return (
-        f"vLLM {version} sources not available (offline or pip failed); fetch them with network access: "
-        f"python -c \"import sys; sys.path.insert(0, 'tests/conformance'); "
-        f"import vllm_release; vllm_release.release_sources('{version}')\""
-    )
+    return (f"vLLM {version} sources not cached and could not be fetched (offline?); with network access run "
+            f"`python -m tests.conformance.vllm_release {version}`")
 
 
 def release_sources(version: str) -> Path:
@@ -177,9 +174,29 @@ def _close_workers() -> None:
     _WORKERS.clear()
 
 
+def main(argv: list[str]) -> int:
+    """`python -m tests.conformance.vllm_release VERSION... | all`: fetch release sources into the cache."""
+    versions = list(RELEASES) if argv == ["all"] else argv
+    if not versions:
+        print("usage: python -m tests.conformance.vllm_release VERSION... | all", file=sys.stderr)
+        return 2
+    status = 0
+    for v in versions:
+        try:
+            print(release_sources(v))
+        except ReleaseUnavailable as exc:
+            print(f"vLLM {v}: {exc}", file=sys.stderr)
+            status = 1
+    return status
+
+
 def vllm_outcome(version: str, case: dict[str, Any]) -> dict[str, Any]:
     """What release `version` does with `case` (see `_vllm_worker.py` for how each field is read)."""
     res = worker(version).ask(case)
     if "harness_error" in res:
         raise RuntimeError(f"harness failure for vLLM {version} on {case}: {res['harness_error']}\n{res.get('traceback', '')}")
     return res
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
