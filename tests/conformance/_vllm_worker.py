@@ -2,23 +2,50 @@
 
 Started as `python _vllm_worker.py TREE EXTENSIONS_TXT [EXTRA_PATH ...]`: TREE holds the release's
 extracted `vllm/` package, EXTENSIONS_TXT names its compiled modules, EXTRA_PATH its pinned
-compressed-tensors.  Reads one JSON case per
-line on stdin and writes one JSON outcome per line; vLLM's own log output goes to stderr.
+compressed-tensors.  Reads one JSON case per line on stdin, writes one JSON outcome per line;
+vLLM's own log output goes to stderr.  The import environment is described in _stubs.py.
 
-The engine steps driven for a compressed-tensors `pack-quantized` checkpoint, as vLLM's model
-loader and its routed-experts layer run them on rank 0:
+The engine steps driven for a compressed-tensors `pack-quantized` checkpoint, in the order vLLM's
+model loader and its routed-experts layer run them on rank 0:
 
-1. config:   `CompressedTensorsConfig.from_config(quantization_config)` (pydantic validation of
-             the scheme by the pinned compressed-tensors, and vLLM's own refusals);
-2. method:   the layer's `FusedMoEConfig` (built like the layer builds it: MoE TP size, local
-             experts under EP), then `quant_config.get_quant_method(layer, prefix)`, which calls
-             `CompressedTensorsMoEMethod.get_moe_method` and constructs the method;
-3. oracle:   part of the method constructor: `select_wna16_moe_backend` (the stage is "oracle"
-             when the exception comes out of that function, "method" for any other constructor
-             failure, e.g. the Marlin assert or the int8 group-size assert);
+1. config: `CompressedTensorsConfig.from_config(quantization_config)`, with the
+   `quantization_config` an llm-compressor export writes for the case's scheme (the pinned
+   compressed-tensors validates the scheme; vLLM adds its own refusals).
+2. method: the layer's `FusedMoEConfig` (MoE TP size = tp, or 1 under EP with ep_size = tp and
+   rank 0's share of the experts under vLLM's linear placement), then
+   `quant_config.get_quant_method(layer, prefix)` -> `CompressedTensorsMoEMethod.get_moe_method`
+   -> the method constructor.
+3. oracle: inside the constructor, `select_wna16_moe_backend`.
 4. create_weights: `maybe_roundup_sizes`, then `create_weights` with the arguments the layer
-             passes (`intermediate_size_full` only for the method classes the layer names), on
-             the CPU with real torch parameters.
+   passes (`intermediate_size_full` only for the method classes the layer's own
+   `_needs_intermediate_size_param` names), allocating real parameters on the CPU.
+5. (Marlin only) `process_weights_after_loading` until its first compiled op.
+
+How each field of the outcome is read:
+
+* stage / error / error_type: the step whose call raised first, `str()` of the exception and its
+  class name.  A failure inside the constructor is "oracle" when the traceback passes through
+  `select_wna16_moe_backend`, otherwise "method" (the constructor's own asserts, and
+  `FusedMoEConfig`'s divisibility assert, which the layer hits before asking for a method).
+  An AttributeError on our stand-in layer is a harness gap and is reported as such, not as a stage.
+* backend: the first element of what `select_wna16_moe_backend` returned (recorded by wrapping
+  the name in the method module), lower-cased enum value; also set when the constructor failed
+  after the oracle returned.  None when the oracle did not return.
+* oracle_ran: whether the constructor called the oracle at all.
+* rejected / rejected_reasons: every backend of the release's `_get_priority_backends()` that
+  fails the two tests of the oracle's own loop -- `_backend_incompatibility_reason` (where the
+  release has it) and then each kernel class's `is_supported_config` -- asked with the exact
+  arguments the constructor gave the oracle.  Asked for all backends, also those after the
+  winner (the loop itself stops at the winner).  An exception while asking counts as rejected
+  ("raises ...").
+* w2_scale_sharding: `[load_full_w2, w2_scales_size, is_k_full]` from the method class's
+  `_w2_scale_sharding` called with what `create_weights` passes it (the method's actorder and
+  group size, the layer's intermediate size per partition and full); None where the release has
+  no such function or the method was not built.
+* padded_intermediate: what `marlin_moe_padded_intermediate` returned when the release's own
+  `process_weights_after_loading` called it (recorded by wrapping the name in the oracle module),
+  i.e. with the arguments that release passes; only for Marlin outcomes that got through
+  create_weights.  process_error / process_reached_op tell how that processing ended.
 """
 
 from __future__ import annotations
