@@ -51,7 +51,7 @@ def strategy():
     return cases()
 
 
-def sample(rng: random.Random) -> dict[str, Any]:
+def sample(rng: random.Random, gpus: list[str] | None = None) -> dict[str, Any]:
     def one_of(*choices):
         return rng.choice(choices)()
 
@@ -64,4 +64,4 @@ def sample(rng: random.Random) -> dict[str, Any]:
     hidden = one_of(lambda: rng.choice(COMMON_HIDDEN), lambda: 32 * rng.randint(1, 96), lambda: rng.randint(16, 4096))
     inter = one_of(lambda: rng.choice(COMMON_INTERMEDIATE), lambda: 32 * rng.randint(1, 128), lambda: rng.randint(8, 4096))
     return _case(strat, gs, null, hidden, inter, rng.choice(EXPERTS), rng.choice([4, 8]), rng.random() < 0.5,
-                 rng.choice(ACTORDERS), rng.choice(TP_SIZES), rng.random() < 0.5, rng.choice(GPUS))
+                 rng.choice(ACTORDERS), rng.choice(TP_SIZES), rng.random() < 0.5, rng.choice(gpus or GPUS))

@@ -45,7 +45,7 @@ def _size(case: dict[str, Any]) -> tuple:
     return (case["hidden_size"] * case["intermediate_size"], case["num_experts"], case["tp"])
 
 
-def sweep(version: str, n: int, seed: int) -> dict[str, Any]:
+def sweep(version: str, n: int, seed: int, gpus: list[str] | None = None) -> dict[str, Any]:
     rng = random.Random(seed)
     classes: dict[str, dict[str, Any]] = {}
     atoms: dict[str, dict[str, Any]] = {}
@@ -56,7 +56,7 @@ def sweep(version: str, n: int, seed: int) -> dict[str, Any]:
     vllm_release.worker(version)  # start-up is not part of the per-case timing
     t1 = time.perf_counter()
     for _ in range(n):
-        case = case_space.sample(rng)
+        case = case_space.sample(rng, gpus)
         vllm = vllm_release.vllm_outcome(version, case)
         plan = outcome_of_plan(run_planner(case, version))
         diffs = disagreements(vllm, plan)
@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-n", type=int, default=500)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the full result here")
+    ap.add_argument("--gpus", help="comma list of GPUs to draw from (sm80, sm90, sm100); default sm90 and sm80")
     args = ap.parse_args(argv)
     versions = list(vllm_release.RELEASES) if args.releases == "all" else args.releases.split(",")
     results = []
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         except vllm_release.ReleaseUnavailable:
             print(vllm_release.fetch_hint(v), file=sys.stderr)
             continue
-        res = sweep(v, args.n, args.seed)
+        res = sweep(v, args.n, args.seed, args.gpus.split(",") if args.gpus else None)
         vllm_release.close_worker(v)
         results.append(res)
         print(f"== vLLM {v}: {res['agree']}/{res['cases']} agree; start-up {res['startup_s']} s, "
