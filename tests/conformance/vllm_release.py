@@ -118,8 +118,11 @@ class _Worker:
         self.log_path = src / "worker.log"
         self._log = open(self.log_path, "w")
         script = Path(__file__).with_name("_vllm_worker.py")
-        env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", VLLM_LOGGING_LEVEL="ERROR",
-                   OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="0")
+        # vLLM reads many VLLM_* variables (VLLM_HUMMING_MOE_GEMM_TYPE, VLLM_MARLIN_INPUT_DTYPE,
+        # VLLM_BATCH_INVARIANT, ...) that change its choices: the modelled engine has them unset.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+        env.update(PYTHONDONTWRITEBYTECODE="1", VLLM_LOGGING_LEVEL="ERROR", OMP_NUM_THREADS="1",
+                   CUDA_VISIBLE_DEVICES="0")
         self.proc = subprocess.Popen(
             [sys.executable, str(script), str(src / "tree"), str(src / "extensions.txt"), str(src / "ct")],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env, bufsize=1,
