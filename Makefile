@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 DEMO_DIR ?= build/demo
 TP ?= 2
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test conformance bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,13 @@ demo: $(BIN)/.installed
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -rs
+
+# The planner against the real decision code of every supported vLLM release (fetches each
+# release's sources once into ~/.cache/wna16ctl; `make test` runs only the oldest and newest).
+CONFORMANCE_EXAMPLES ?= 2000
+conformance: $(BIN)/.installed
+	WNA16CTL_CONFORMANCE_RELEASES=all WNA16CTL_CONFORMANCE_EXAMPLES=$(CONFORMANCE_EXAMPLES) \
+		$(BIN)/python -m pytest -q -rs -m conformance tests/conformance
 
 bench: $(BIN)/.installed
 	$(BIN)/python bench/run_all.py

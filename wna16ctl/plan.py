@@ -421,13 +421,17 @@ def plan_layer(layer: MoELayer, tp: int, ep: bool = False, engine: str = rules.N
                 and rel.has("ctor.group_size_none_crash") and H % 128 == 0):
             # the gate's `H % 128 == 0 and ...` short-circuits for other H: then None is only
             # "not a Marlin group size" and the layer goes on to the next backend
+            crash = ("TypeError: '<=' not supported between instances of 'NoneType' and 'int'" if allow_tile_padding
+                     else "TypeError: '>' not supported between instances of 'NoneType' and 'int'")
             plan.fail("oracle", "group_size null", (
-                "TypeError: '<=' not supported between instances of 'NoneType' and 'int' (the Marlin gate receives "
-                "group_size None for a channel-wise scheme written with group_size null; vllm #52713, fixed by "
-                "PR #53163)" if allow_tile_padding else
-                "TypeError: '>' not supported between instances of 'NoneType' and 'int' (the Marlin gate receives "
-                "group_size None for a channel-wise scheme written with group_size null; vllm #52713, fixed by "
-                "PR #53163)"))
+                f"{crash} (the Marlin gate receives group_size None for a channel-wise scheme written with "
+                "group_size null; vllm #52713, fixed by PR #53163)"))
+            # what each remaining backend would say, for the report (the engine stops at the crash)
+            for rest in order[order.index(b):]:
+                reason = (f"crashes the Marlin gate: {crash}" if rest in (Backend.MARLIN, Backend.BATCHED_MARLIN)
+                          else _backend_reason(rest, rel, gpu, s, H, i_p, allow_tile_padding))
+                if reason is not None:
+                    plan.rejected[rest.value] = reason
             return plan
         own[b] = _backend_reason(b, rel, gpu, s, H, i_p, allow_tile_padding)
         if own[b] is None and plan.backend is None:

@@ -1,0 +1,515 @@
+"""Runs one vLLM release's own decision code for many MoE layer cases (a subprocess per release).
+
+Started as `python _vllm_worker.py TREE EXTENSIONS_TXT [EXTRA_PATH ...]`: TREE holds the release's
+extracted `vllm/` package, EXTENSIONS_TXT names its compiled modules, EXTRA_PATH its pinned
+compressed-tensors.  Reads one JSON case per line on stdin, writes one JSON outcome per line;
+vLLM's own log output goes to stderr.  The import environment is described in _stubs.py.
+
+The engine steps driven for a compressed-tensors `pack-quantized` checkpoint, in the order vLLM's
+model loader and its routed-experts layer run them on rank 0:
+
+1. config: `CompressedTensorsConfig.from_config(quantization_config)`, with the
+   `quantization_config` an llm-compressor export writes for the case's scheme (the pinned
+   compressed-tensors validates the scheme; vLLM adds its own refusals).
+2. method: the layer's `FusedMoEConfig` (MoE TP size = tp, or 1 under EP with ep_size = tp and
+   rank 0's share of the experts under vLLM's linear placement), then
+   `quant_config.get_quant_method(layer, prefix)` -> `CompressedTensorsMoEMethod.get_moe_method`
+   -> the method constructor.
+3. oracle: inside the constructor, `select_wna16_moe_backend`.
+4. create_weights: `maybe_roundup_sizes`, then `create_weights` with the arguments the layer
+   passes (`intermediate_size_full` only for the method classes the layer's own
+   `_needs_intermediate_size_param` names), allocating real parameters on the CPU.
+5. (Marlin only) `process_weights_after_loading` until its first compiled op.
+
+How each field of the outcome is read:
+
+* stage / error / error_type: the step whose call raised first, `str()` of the exception and its
+  class name.  A failure inside the constructor is "oracle" when the traceback passes through
+  `select_wna16_moe_backend`, otherwise "method" (the constructor's own asserts, and
+  `FusedMoEConfig`'s divisibility assert, which the layer hits before asking for a method).
+  An AttributeError on our stand-in layer is a harness gap and is reported as such, not as a stage.
+* backend: the first element of what `select_wna16_moe_backend` returned (recorded by wrapping
+  the name in the method module), lower-cased enum value; also set when the constructor failed
+  after the oracle returned.  None when the oracle did not return.
+* oracle_ran: whether the constructor called the oracle at all.
+* rejected / rejected_reasons: every backend of the release's `_get_priority_backends()` that
+  fails the two tests of the oracle's own loop -- `_backend_incompatibility_reason` (where the
+  release has it) and then each kernel class's `is_supported_config` -- asked with the exact
+  arguments the constructor gave the oracle.  Asked for all backends, also those after the
+  winner (the loop itself stops at the winner).  An exception while asking counts as rejected
+  ("raises ...").
+* w2_scale_sharding: `[load_full_w2, w2_scales_size, is_k_full]` from the method class's
+  `_w2_scale_sharding` called with what `create_weights` passes it (the method's actorder and
+  group size, the layer's intermediate size per partition and full); None where the release has
+  no such function or the method was not built.
+* padded_intermediate: what `marlin_moe_padded_intermediate` returned when the release's own
+  `process_weights_after_loading` called it (recorded by wrapping the name in the oracle module),
+  i.e. with the arguments that release passes; only for Marlin outcomes that got through
+  create_weights.  process_error / process_reached_op tell how that processing ended.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import os
+import sys
+import traceback
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import _stubs  # noqa: E402
+
+PREFIX = "model.layers.0.mlp.experts"
+TOP_K = 2
+
+
+# The devices a case can name: compute capability, device name, memory (what the platform answers).
+GPUS = {
+    "sm80": ((8, 0), "NVIDIA A100-SXM4-80GB", 80),
+    "sm90": ((9, 0), "NVIDIA H200", 141),
+    "sm100": ((10, 0), "NVIDIA B200", 180),
+}
+_GPU = {"name": "sm90"}
+
+
+def set_gpu(name: str) -> None:
+    if name not in GPUS:
+        raise ValueError(f"unknown gpu {name!r}; one of {sorted(GPUS)}")
+    _GPU["name"] = name
+
+
+def _install_cuda_platform() -> None:
+    """vLLM's real CUDA platform class, answering for one device of the current case's GPU."""
+    import vllm.platforms as platforms
+    from vllm.platforms import cuda
+    from vllm.platforms.interface import DeviceCapability
+
+    def spec():
+        return GPUS[_GPU["name"]]
+
+    class CudaOneDevice(cuda.CudaPlatformBase):
+        @classmethod
+        def get_device_capability(cls, device_id: int = 0):
+            (major, minor), _, _ = spec()
+            return DeviceCapability(major=major, minor=minor)
+
+        @classmethod
+        def has_device_capability(cls, capability, device_id: int = 0) -> bool:
+            (major, minor), _, _ = spec()
+            want = capability if isinstance(capability, int) else capability[0] * 10 + capability[1]
+            return major * 10 + minor >= want
+
+        @classmethod
+        def get_device_name(cls, device_id: int = 0) -> str:
+            return spec()[1]
+
+        @classmethod
+        def get_device_total_memory(cls, device_id: int = 0) -> int:
+            return spec()[2] * 1024**3
+
+        @classmethod
+        def is_fully_connected(cls, physical_device_ids) -> bool:
+            return True
+
+        @classmethod
+        def device_count(cls) -> int:
+            return 1
+
+        @classmethod
+        def get_device_uuid(cls, device_id: int = 0) -> str:
+            return "GPU-00000000-0000-0000-0000-000000000000"
+
+    CudaOneDevice.__name__ = CudaOneDevice.__qualname__ = "NvmlCudaPlatform"
+    platforms._current_platform = CudaOneDevice()
+
+
+class Release:
+    """The imported decision code of one release."""
+
+    def __init__(self) -> None:
+        _install_cuda_platform()
+        from vllm.model_executor.layers.quantization.compressed_tensors import compressed_tensors as ct
+
+        self.ct = ct
+        from vllm.model_executor.layers.fused_moe import config as moe_config_mod
+
+        self.moe_config_mod = moe_config_mod
+        import importlib
+
+        self.routed_experts_cls = _find_routed_experts_class()
+        self.oracle = importlib.import_module("vllm.model_executor.layers.fused_moe.oracle.int_wna16")
+        self.marlin_utils = importlib.import_module("vllm.model_executor.layers.quantization.utils.marlin_utils")
+        self.wna16_mod = importlib.import_module(
+            "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
+            "compressed_tensors_moe_wna16"
+        )
+        self.activation_mod = importlib.import_module("vllm.model_executor.layers.fused_moe.activation")
+        from vllm.version import __version__
+
+        self.version = __version__
+        # Record the arguments of the oracle call the method constructor makes: the same
+        # arguments then tell which backends the release rejects (see `_rejected`).
+        self.oracle_calls: list[dict[str, Any]] = []
+        real_select = self.oracle.select_wna16_moe_backend
+
+        def recording_select(*args, **kwargs):
+            call = {"args": args, "kwargs": kwargs, "result": None}
+            self.oracle_calls.append(call)
+            call["result"] = real_select(*args, **kwargs)
+            return call["result"]
+
+        self.wna16_mod.select_wna16_moe_backend = recording_select
+        self.real_select = real_select
+
+    # -- building the engine's objects ---------------------------------------------------------
+
+    def quantization_config(self, case: dict[str, Any]) -> dict[str, Any]:
+        """The `quantization_config` an llm-compressor W{4,8}A16 export writes for this scheme."""
+        group_size: int | None = case["group_size"]
+        if case["strategy"] == "channel" and case.get("group_size_null", False):
+            group_size = None
+        weights = {
+            "num_bits": case["num_bits"],
+            "type": "int",
+            "symmetric": case["symmetric"],
+            "strategy": case["strategy"],
+            "group_size": group_size,
+            "actorder": case["actorder"],
+            "dynamic": False,
+            "observer": "minmax",
+            "block_structure": None,
+        }
+        return {
+            "quant_method": "compressed-tensors",
+            "format": "pack-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": weights,
+                    "input_activations": None,
+                    "output_activations": None,
+                    "format": "pack-quantized",
+                }
+            },
+            "ignore": ["lm_head"],
+            "kv_cache_scheme": None,
+        }
+
+    def moe_config(self, case: dict[str, Any]):
+        """The layer's FusedMoEConfig on rank 0 (fields filled by name: they vary by release)."""
+        m = self.moe_config_mod
+        tp, ep = case["tp"], case["ep"]
+        E = case["num_experts"]
+        moe_tp = 1 if ep else tp
+        ep_size = tp if ep else 1
+        local = E // ep_size + (1 if 0 < E % ep_size else 0)
+        par_values = {
+            "tp_size": moe_tp, "pcp_size": 1, "dp_size": 1, "ep_size": ep_size, "tp_rank": 0,
+            "pcp_rank": 0, "dp_rank": 0, "ep_rank": 0, "sp_size": 1, "use_ep": ep,
+            "all2all_backend": "allgather_reducescatter", "enable_eplb": False,
+        }
+        par = _build_dataclass(m.FusedMoEParallelConfig, par_values)
+        import torch
+
+        values = {
+            "num_experts": E, "experts_per_token": TOP_K, "hidden_dim": case["hidden_size"],
+            "intermediate_size": case["intermediate_size"], "num_local_experts": local,
+            "num_logical_experts": E, "activation": self.activation_mod.MoEActivation.SILU,
+            "device": "cuda", "routing_method": m.RoutingMethodType.Renormalize,
+            "moe_parallel_config": par, "in_dtype": torch.bfloat16, "moe_backend": "auto",
+        }
+        return _build_dataclass(m.FusedMoEConfig, values)
+
+    def layer(self, moe_config):
+        """A routed-experts module as far as the quantization code looks at it."""
+        import torch
+
+        cls = self.routed_experts_cls
+        layer = cls.__new__(cls)
+        torch.nn.Module.__init__(layer)
+        layer.moe_config = moe_config
+        layer.layer_name = PREFIX
+        layer.hidden_size = moe_config.hidden_dim
+        layer.global_num_experts = moe_config.num_experts
+        layer.local_num_experts = moe_config.num_local_experts
+        layer.params_dtype = torch.bfloat16
+        # what the layer constructor stores before asking for the quant method
+        layer.ckpt_gate_proj_name = "gate_proj"
+        layer.ckpt_up_proj_name = "up_proj"
+        layer.ckpt_down_proj_name = "down_proj"
+        layer.is_fused_checkpoint_transposed = False
+        layer.quant_config = None
+        layer.top_k = moe_config.experts_per_token
+        layer.activation = moe_config.activation
+        layer.renormalize = True
+        layer.use_grouped_topk = False
+        layer.apply_router_weight_on_input = False
+        layer.e_score_correction_bias = None
+        return layer
+
+    # -- one case --------------------------------------------------------------------------------
+
+    def outcome(self, case: dict[str, Any]) -> dict[str, Any]:
+        import torch
+
+        set_gpu(case.get("gpu", "sm90"))
+
+        out: dict[str, Any] = {
+            "stage": None, "error": None, "error_type": None, "backend": None, "rejected": [],
+            "w2_scale_sharding": None, "padded_intermediate": None, "version": self.version,
+            "oracle_ran": False, "gpu": case.get("gpu", "sm90"),
+        }
+
+        def fail(stage: str, exc: BaseException) -> dict[str, Any]:
+            if isinstance(exc, AttributeError) and isinstance(getattr(exc, "obj", None), torch.nn.Module):
+                # our stand-in layer lacks something the release reads: a harness gap, not an outcome
+                raise RuntimeError(f"stand-in layer incomplete for this release: {exc}") from exc
+            out["stage"] = stage
+            out["error"] = _exception_text(exc)
+            out["error_type"] = type(exc).__name__
+            out["traceback"] = traceback.format_exc(limit=-4)
+            return out
+
+        # 1. config parse
+        try:
+            qc = self.ct.CompressedTensorsConfig.from_config(self.quantization_config(case))
+        except Exception as exc:  # noqa: BLE001 - the first failure is the outcome
+            return fail("config", exc)
+
+        # 2./3. the layer's MoE config, method dispatch, method constructor (with the oracle)
+        self.oracle_calls.clear()
+        method = None
+        try:
+            moe = self.moe_config(case)
+            layer = self.layer(moe)
+            method = qc.get_quant_method(layer, PREFIX)
+        except Exception as exc:  # noqa: BLE001
+            in_oracle = any(fr.name == "select_wna16_moe_backend" for fr in traceback.extract_tb(exc.__traceback__))
+            fail("oracle" if in_oracle else "method", exc)
+            self._oracle_fields(out)
+            return out
+        out["method_class"] = type(method).__name__
+        self._oracle_fields(out)
+        if out["backend"] is None:
+            out["backend"] = _backend_name(getattr(method, "wna16_backend", None))
+
+        # 4. create_weights, as the layer calls it
+        try:
+            hidden, i_p = method.maybe_roundup_sizes(
+                layer.hidden_size, moe.intermediate_size_per_partition, moe.in_dtype, moe.moe_parallel_config,
+            )
+            moe.hidden_dim = hidden
+            moe.intermediate_size_per_partition = i_p
+            layer.hidden_size = hidden
+            layer.intermediate_size_per_partition = i_p
+            params: dict[str, Any] = {
+                "num_experts": moe.num_local_experts,
+                "hidden_size": hidden,
+                "unpadded_hidden_size": moe.hidden_dim_unpadded,
+                "intermediate_size_per_partition": i_p,
+                "params_dtype": torch.bfloat16,
+                "weight_loader": lambda *a, **k: None,
+                "global_num_experts": moe.num_experts,
+            }
+            needs_full = getattr(self.routed_experts_cls, "_needs_intermediate_size_param", None)
+            if needs_full is not None and needs_full(layer, method):
+                params["intermediate_size_full"] = moe.intermediate_size
+            with torch.device("cpu"):
+                method.create_weights(layer=layer, **params)
+        except Exception as exc:  # noqa: BLE001
+            fail("create_weights", exc)
+        finally:
+            out["w2_scale_sharding"] = self._w2_sharding(method, moe, case)
+
+        # Marlin tile padding: run the release's own `process_weights_after_loading` on the CPU
+        # parameters until its first compiled op (the Marlin repack), and read what its call of
+        # `marlin_moe_padded_intermediate` returned -- with the arguments that release passes.
+        if out["stage"] is None and out["backend"] in ("marlin", "batched_marlin"):
+            self._process_until_first_op(method, layer, out)
+        return out
+
+    def _process_until_first_op(self, method, layer, out: dict[str, Any]) -> None:
+        helper = getattr(self.oracle, "marlin_moe_padded_intermediate", None)
+        calls: list[Any] = []
+        if helper is not None:
+            def recording_pad(*args, **kwargs):
+                calls.append((args, kwargs))
+                result = helper(*args, **kwargs)
+                calls[-1] = (args, kwargs, result)
+                return result
+
+            self.oracle.marlin_moe_padded_intermediate = recording_pad
+        _stubs.OPS_RAISE = True
+        try:
+            method.process_weights_after_loading(layer)
+            out["process_error"] = "completed without a compiled op (unexpected for Marlin)"
+        except _stubs.ExtensionOpCalled as stop:
+            out["process_reached_op"] = str(stop)
+        except Exception as exc:  # noqa: BLE001 - a failure of the release's weight processing
+            out["process_error"] = f"{type(exc).__name__}: {_exception_text(exc)}"
+        finally:
+            _stubs.OPS_RAISE = False
+            if helper is not None:
+                self.oracle.marlin_moe_padded_intermediate = helper
+        done = [c for c in calls if len(c) == 3]
+        if done:
+            out["padded_intermediate"] = int(done[0][2])
+
+    def _w2_sharding(self, method, moe, case) -> list | None:
+        """`_w2_scale_sharding` with the arguments `create_weights` passes (None where absent)."""
+        fn = getattr(type(method), "_w2_scale_sharding", None) if method is not None else None
+        if fn is None:
+            return None
+        try:
+            res = fn(method.actorder, method.group_size, moe.intermediate_size_per_partition, moe.intermediate_size)
+        except Exception as exc:  # noqa: BLE001
+            return [f"{type(exc).__name__}: {exc}"]
+        return [bool(res[0]), int(res[1]), bool(res[2])]
+
+    def _oracle_fields(self, out: dict[str, Any]) -> None:
+        """backend: what the method constructor's oracle call returned (also when the
+        constructor then failed); oracle_ran: whether the constructor got to the oracle."""
+        out["oracle_ran"] = bool(self.oracle_calls)
+        if self.oracle_calls and self.oracle_calls[-1]["result"] is not None:
+            out["backend"] = _backend_name(self.oracle_calls[-1]["result"][0])
+        out["rejected_reasons"] = self._rejected()
+        out["rejected"] = sorted(out["rejected_reasons"])
+
+    def _rejected(self) -> dict[str, str]:
+        """Backends of the CUDA priority list that fail the oracle's own two tests.
+
+        The auto loop stops at the first backend that passes, so for the backends after it the
+        same two tests are asked here with the arguments the method constructor gave the oracle:
+        `_backend_incompatibility_reason` (where the release has it) and every kernel class's
+        `is_supported_config`.  A backend is rejected when a reason is returned, or no kernel
+        class supports the configuration, or asking raises.
+        """
+        if not self.oracle_calls:
+            return {}
+        call = self.oracle_calls[-1]
+        bound = _bind(self.real_select, call["args"], call["kwargs"])
+        o = self.oracle
+        mk = sys.modules["vllm.model_executor.layers.fused_moe.modular_kernel"]
+        config = bound["config"]
+        fmt = (
+            mk.FusedMoEActivationFormat.BatchedExperts
+            if config.moe_parallel_config.use_batched_activation_format
+            else mk.FusedMoEActivationFormat.Standard
+        )
+        reason_fn = getattr(o, "_backend_incompatibility_reason", None)
+        rejected: dict[str, str] = {}
+        for backend in o._get_priority_backends():
+            name = _backend_name(backend)
+            try:
+                if reason_fn is not None:
+                    reason = _call_with(reason_fn, {"backend": backend, "moe_config": config, **bound})
+                    if reason is not None:
+                        rejected[name] = reason
+                        continue
+                why = []
+                for k_cls in o.backend_to_kernel_cls(backend):
+                    supported, reason = k_cls.is_supported_config(k_cls, config, bound["weight_key"], None, fmt)
+                    if supported:
+                        break
+                    why.append(f"{k_cls.__name__}: {reason}")
+                else:
+                    rejected[name] = "; ".join(why)
+            except Exception as exc:  # noqa: BLE001 - asking raised: the real loop would raise too
+                rejected[name] = f"raises {type(exc).__name__}: {exc}"
+        return rejected
+
+
+def _bind(fn, args, kwargs) -> dict[str, Any]:
+    import inspect
+
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _call_with(fn, values: dict[str, Any]):
+    import inspect
+
+    params = inspect.signature(fn).parameters
+    return fn(**{k: v for k, v in values.items() if k in params})
+
+
+def _backend_name(backend) -> str | None:
+    if backend is None:
+        return None
+    return str(backend.value if isinstance(backend, enum.Enum) else backend).lower()
+
+
+def _exception_text(exc: BaseException) -> str:
+    # ValueError("a ", "b") (vLLM's get_moe_method passes several arguments) prints as a tuple;
+    # str() is what a user sees in the traceback, so that is the text compared.
+    return str(exc)
+
+
+def _find_routed_experts_class():
+    import importlib
+
+    for name in ("vllm.model_executor.layers.fused_moe.routed_experts", "vllm.model_executor.layers.fused_moe.layer"):
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        for cls_name in ("RoutedExperts", "FusedMoE"):
+            cls = getattr(mod, cls_name, None)
+            if cls is not None:
+                return cls
+    raise ImportError("no RoutedExperts/FusedMoE class in this release")
+
+
+def _build_dataclass(cls, values: dict[str, Any]):
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kwargs = {k: v for k, v in values.items() if k in fields}
+    missing = [
+        n for n, f in fields.items()
+        if n not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise TypeError(f"{cls.__name__}: no value for required fields {missing} (release changed its config)")
+    return cls(**kwargs)
+
+
+def main() -> int:
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # anything vLLM prints goes to stderr; stdout carries only the protocol
+    sys.stdout = sys.stderr
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+    tree, extensions_file, extra = sys.argv[1], sys.argv[2], sys.argv[3:]
+    try:
+        with open(extensions_file) as f:
+            extensions = [line.strip() for line in f if line.strip()]
+        import glob
+
+        meta = glob.glob(os.path.join(tree, "vllm-*.dist-info", "METADATA"))
+        metadata_text = open(meta[0]).read() if meta else ""
+        _stubs.install(tree, extra, extensions, metadata_text)
+        release = Release()
+    except Exception as exc:  # noqa: BLE001
+        proto.write(json.dumps({"ready": False, "error": f"{type(exc).__name__}: {exc}",
+                                "traceback": traceback.format_exc()}) + "\n")
+        return 1
+    proto.write(json.dumps({"ready": True, "version": release.version}) + "\n")
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        case = json.loads(line)
+        try:
+            res = release.outcome(case)
+        except Exception as exc:  # noqa: BLE001 - a harness failure, reported as such
+            res = {"harness_error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        proto.write(json.dumps(res, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""The space of MoE layer cases the conformance sweep draws from (one table, two samplers).
+
+`strategy()` is the hypothesis strategy of the property test; `sample(rng)` draws from the same
+tables with a `random.Random`, for the sweep script that classifies disagreements.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+COMMON_HIDDEN = [512, 1024, 2048, 2880, 4096, 5120, 7168]
+COMMON_INTERMEDIATE = [128, 192, 256, 320, 384, 512, 640, 768, 1024, 1408, 1536, 2048, 2560, 2816]
+MARLIN_GROUPS = [32, 64, 128]
+ODD_GROUPS = [16, 96, 256, 100, 8]
+EXPERTS = [1, 2, 3, 8, 16, 60, 64, 128]
+TP_SIZES = [1, 2, 3, 4, 8, 16]
+ACTORDERS = [None, "weight", "static", "group", "dynamic"]
+STRATEGIES = ["group", "group", "group", "channel"]  # group-wise is the common export
+GPUS = ["sm90", "sm90", "sm80"]  # H100/H200 first; A100 (Humming's priority differs by capability)
+
+
+def _case(strategy: str, group_size: int, group_size_null: bool, hidden: int, inter: int, experts: int,
+          bits: int, symmetric: bool, actorder: str | None, tp: int, ep: bool, gpu: str) -> dict[str, Any]:
+    return {
+        "hidden_size": hidden, "intermediate_size": inter, "num_experts": experts, "num_bits": bits,
+        "group_size": group_size, "group_size_null": group_size_null, "symmetric": symmetric,
+        "actorder": actorder, "strategy": strategy, "tp": tp, "ep": ep, "gpu": gpu,
+    }
+
+
+def strategy():
+    from hypothesis import strategies as st
+
+    hidden = st.one_of(st.sampled_from(COMMON_HIDDEN), st.integers(1, 96).map(lambda k: 32 * k), st.integers(16, 4096))
+    inter = st.one_of(st.sampled_from(COMMON_INTERMEDIATE), st.integers(1, 128).map(lambda k: 32 * k),
+                      st.integers(8, 4096))
+
+    @st.composite
+    def cases(draw) -> dict[str, Any]:
+        strat = draw(st.sampled_from(STRATEGIES))
+        if strat == "group":
+            gs = draw(st.one_of(st.sampled_from(MARLIN_GROUPS), st.sampled_from(ODD_GROUPS)))
+            null = False
+        else:
+            gs, null = -1, draw(st.booleans())
+        return _case(strat, gs, null, draw(hidden), draw(inter), draw(st.sampled_from(EXPERTS)),
+                     draw(st.sampled_from([4, 8])), draw(st.booleans()), draw(st.sampled_from(ACTORDERS)),
+                     draw(st.sampled_from(TP_SIZES)), draw(st.booleans()), draw(st.sampled_from(GPUS)))
+
+    return cases()
+
+
+def sample(rng: random.Random, gpus: list[str] | None = None) -> dict[str, Any]:
+    def one_of(*choices):
+        return rng.choice(choices)()
+
+    strat = rng.choice(STRATEGIES)
+    if strat == "group":
+        gs = one_of(lambda: rng.choice(MARLIN_GROUPS), lambda: rng.choice(ODD_GROUPS))
+        null = False
+    else:
+        gs, null = -1, rng.random() < 0.5
+    hidden = one_of(lambda: rng.choice(COMMON_HIDDEN), lambda: 32 * rng.randint(1, 96), lambda: rng.randint(16, 4096))
+    inter = one_of(lambda: rng.choice(COMMON_INTERMEDIATE), lambda: 32 * rng.randint(1, 128), lambda: rng.randint(8, 4096))
+    return _case(strat, gs, null, hidden, inter, rng.choice(EXPERTS), rng.choice([4, 8]), rng.random() < 0.5,
+                 rng.choice(ACTORDERS), rng.choice(TP_SIZES), rng.random() < 0.5, rng.choice(gpus or GPUS))
