@@ -93,10 +93,11 @@ class VerifyReport:
     files_checked: int = 0
     findings: list[Finding] = field(default_factory=list)
     numerics: list[LayerNumerics] = field(default_factory=list)
+    e2e: Any = None  # wna16ctl.e2e.E2EResult when --e2e was asked
 
     @property
     def passed(self) -> bool:
-        return not self.findings and all(n.passed for n in self.numerics)
+        return not self.findings and all(n.passed for n in self.numerics) and (self.e2e is None or self.e2e.passed)
 
     def by_check(self, check: str) -> list[Finding]:
         return [f for f in self.findings if f.check == check]
@@ -111,6 +112,7 @@ class VerifyReport:
             "files_checked": self.files_checked,
             "findings": [f.to_json() for f in self.findings],
             "numerics": [n.to_json() for n in self.numerics],
+            "e2e": self.e2e.to_json() if self.e2e is not None else None,
         }
 
 
@@ -333,19 +335,31 @@ def verify_output(
     samples: str | os.PathLike[str],
     num_samples: int = 64,
     device: str = "cpu",
+    e2e: Any = None,
 ) -> VerifyReport:
+    """The three checks; with `e2e` (a wna16ctl.e2e.E2EOptions) also the end-to-end generation."""
     ck = open_checkpoint(ckpt)
     out_path = Path(out)
     manifest = _read_manifest(out_path)
     gemm_device = _gemm_device(device)
+    dtype = dtype_from_name(manifest.get("scale_dtype") or ck.config.torch_dtype)
+    report, plan = _verify_checks(ck, out_path, manifest, samples, num_samples, gemm_device, dtype)
+    if e2e is not None:
+        from wna16ctl import e2e as e2e_mod
+
+        report.e2e = e2e_mod.run_e2e(ck, out_path, plan, Path(samples), e2e, gemm_device, dtype)
+    return report
+
+
+def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], samples: str | os.PathLike[str],
+                   num_samples: int, gemm_device: torch.device, dtype: torch.dtype) -> tuple[VerifyReport, RepackPlan | None]:
     device = gemm_device.type
     questions = load_questions(samples, num_samples)
     report = VerifyReport(str(ck.root), str(out_path), device, tokenizer="", samples=len(questions))
     plan = _check_manifest(ck, out_path, manifest, report)
     if plan is None or not plan.jobs:
-        return report
+        return report, plan
     jobs = plan.jobs
-    dtype = dtype_from_name(manifest.get("scale_dtype") or ck.config.torch_dtype)
     with TensorReader(ck.files) as reader:
         vocab = int(ck.config.raw.get("vocab_size") or 1 << 30)
         token_ids, report.tokenizer = tokenize(ck, questions, vocab)
@@ -356,7 +370,7 @@ def verify_output(
                 ranks.append(_RankFiles(out_path / f"rank-{r}"))
             except BadInput as e:
                 report.findings.append(Finding("round_trip", f"rank {r}: {e.message}", rank=r))
-                return report
+                return report, plan
         try:
             _verify_rank_contents(ck, reader, plan, ranks, report)
             for job in jobs:
@@ -364,20 +378,27 @@ def verify_output(
         finally:
             for rf in ranks:
                 rf.reader.close()
-    return report
+    return report, plan
 
 
 def _gemm_rank_candidate(job: LayerJob, r: int, rank: _RankFiles, a: torch.Tensor, routing, dtype: torch.dtype,
                          device: torch.device) -> torch.Tensor:
-    """Rank r's layer output through the MoE GEMM: w13 GEMM, SiLU·mul, w2 GEMM with the router
-    weights; per-slot outputs in the model dtype, summed over the top-k slots in fp32."""
+    t = {n: rank.reader.read(f"{job.layer.prefix}.{n}").to(device) for n in job.tensor_names}
+    return rank_moe_output(job, r, t, a, routing.topk_ids, routing.topk_weights, dtype, device)
+
+
+def rank_moe_output(job: LayerJob, r: int, t: dict[str, torch.Tensor], a: torch.Tensor, topk_ids: torch.Tensor,
+                    topk_weights: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Rank r's layer output through the MoE GEMM over its repacked tensors `t` (Marlin layout):
+    w13 GEMM, SiLU·mul, w2 GEMM with the router weights; per-slot outputs in the model dtype,
+    summed over the top-k slots in fp32. Returns [T, H] fp32 on the CPU."""
     from wna16ctl.kernels import moe_wna16_gemm
 
     spec = job.specs[r]
     rng = job.expert_ranges[r]
-    T, k = routing.topk_ids.shape
-    t = {n: rank.reader.read(f"{job.layer.prefix}.{n}").to(device) for n in job.tensor_names}
-    ids = routing.topk_ids.reshape(-1)  # slot s = token * k + j
+    T, k = topk_ids.shape
+    topk_ids = topk_ids.cpu()
+    ids = topk_ids.reshape(-1)  # slot s = token * k + j
     slots = ((ids >= rng.start) & (ids < rng.stop)).nonzero().squeeze(1)
     local = ids[slots] - rng.start
     order = torch.argsort(local, stable=True)
@@ -396,7 +417,7 @@ def _gemm_rank_candidate(job: LayerJob, r: int, rank: _RankFiles, a: torch.Tenso
         h, t["w2_weight_packed"], t["w2_weight_scale"], sorted_ids, offsets, top_k=1,
         num_bits=spec.num_bits, zero_points=t.get("w2_weight_zero_point"),
         g_idx=t["w2_weight_g_idx"] if act else None, perm=t["w2_g_idx_sort_indices"] if act else None,
-        topk_weights=routing.topk_weights.reshape(-1).float().to(device), is_k_full=job.plan.w2.is_k_full)
+        topk_weights=topk_weights.reshape(-1).float().to(device), is_k_full=job.plan.w2.is_k_full)
     return y.float().cpu().view(T, k, -1).sum(1)
 
 
