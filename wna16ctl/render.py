@@ -154,4 +154,29 @@ def render_verify(console: Console, report) -> None:  # noqa: ANN001 - VerifyRep
                           f"{n.cosine:.6f}", f"{n.max_error_over_bound:.3f}",
                           "[green]pass[/]" if n.passed else f"[bold red]FAIL[/] ({_numerics_failure(n)})")
         console.print(table)
+    if report.e2e is not None:
+        render_e2e(console, report.e2e)
     console.print("verdict: " + ("[bold green]verified[/]" if report.passed else "[bold red]NOT verified[/]"))
+
+
+def render_e2e(console: Console, res) -> None:  # noqa: ANN001 - E2EResult, imported lazily
+    status = {"pass": "[green]pass[/]", "FAIL": "[bold red]FAIL[/]"}.get(res.status, f"[yellow]{res.status}[/]")
+    console.print(f"  end to end  {status}  " + (escape(res.reason) if res.status != "pass" or not res.prompts else
+                  f"{res.tokens_agreeing}/{res.tokens_generated} tokens agree"))
+    if not res.prompts:
+        return
+    console.print(f"      {escape(res.model)} on {res.device}, experts in {res.expert_dtype}, {escape(res.prompt_form)}, "
+                  f"{res.max_new_tokens} new tokens, {res.seconds:.1f} s")
+    table = simple_table("greedy generation: source experts vs repacked experts",
+                         ["prompt", "agree", "first diff", "max |Δlogit|", "bound", "max KL", "result"])
+    for c in res.prompts:
+        j = c.to_json()
+        table.add_row(str(c.index), f"{c.agree_prefix}/{len(c.reference_tokens)}",
+                      "—" if c.first_divergence is None else str(c.first_divergence),
+                      f"{j['max_abs_dlogit']:.3g}", f"{j['min_bound']:.3g}", f"{j['max_kl']:.3g}",
+                      "[green]pass[/]" if c.passed else f"[bold red]FAIL[/] (step {c.worst_step})")
+    console.print(table)
+    if res.score:
+        s = res.score
+        console.print(f"      GSM8K exact match: reference {s['reference_exact_match']:.0%}, candidate "
+                      f"{s['candidate_exact_match']:.0%}; answers agree {s['answers_agree']:.0%}")
