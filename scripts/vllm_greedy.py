@@ -20,8 +20,11 @@ def main(request_path: str, result_path: str) -> None:
 
     req = json.loads(open(request_path).read())
     started = time.monotonic()
+    # on the CPU backend gpu_memory_utilization is the share of host memory vLLM reserves: a
+    # demo model needs a sliver of it
     llm = LLM(model=req["model"], dtype=req.get("dtype", "auto"), max_model_len=req.get("max_model_len", 2048),
-              enforce_eager=True, seed=0, skip_tokenizer_init=True)
+              gpu_memory_utilization=req.get("memory_fraction", 0.05), enforce_eager=True, seed=0,
+              skip_tokenizer_init=True)
     params = SamplingParams(temperature=0.0, max_tokens=req["max_tokens"], detokenize=False)
     outs = llm.generate([{"prompt_token_ids": ids} for ids in req["prompts"]], params, use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outs]

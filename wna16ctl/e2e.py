@@ -546,3 +546,25 @@ def run_e2e(ck, out: Path, plan, samples: Path, options: E2EOptions, device: tor
         }
     result.seconds = time.monotonic() - started
     return result
+
+
+def reference_generation(ckpt: str | os.PathLike[str], samples: Path, options: E2EOptions,
+                         device: torch.device = torch.device("cpu")) -> tuple[list[list[int]], list[list[int]], list[torch.Tensor]]:
+    """The reference run alone at TP 1 (prompt ids, greedy tokens, step logits per prompt): what an
+    engine that loads CKPT itself should generate for the same prompt ids."""
+    from wna16ctl.checkpoint import open_checkpoint
+    from wna16ctl.checkpoint.tensors import TensorReader, dtype_from_name
+    from wna16ctl.repack import RepackSettings, plan_repack
+
+    ck = open_checkpoint(ckpt)
+    plan = plan_repack(ck.root, RepackSettings(tp=1))
+    dtype = dtype_from_name(ck.config.torch_dtype or "bfloat16")
+    prompts = _build_prompts(ck.root, samples, options.prompts, int(ck.config.raw.get("vocab_size") or 0))
+    eos_cfg = ck.config.raw.get("eos_token_id")
+    eos = set(eos_cfg if isinstance(eos_cfg, list) else [eos_cfg] if eos_cfg is not None else [])
+    model, blocks = _build_model(ck, device)
+    with TensorReader(ck.files) as reader:
+        _install(blocks, {j.layer.prefix: _ExpertsModule(_ReferenceExperts(ck, reader, j, dtype, device), dtype)
+                          for j in plan.jobs})
+    runs = [_greedy(model, ids, options.max_new_tokens, eos, device) for ids in prompts.ids]
+    return prompts.ids, [r[0] for r in runs], [r[1] for r in runs]
