@@ -40,6 +40,7 @@ from wna16ctl.errors import BadInput
 SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
 FEW_SHOT = 2  # worked GSM8K examples before the question when the checkpoint has no chat template
 PROBE_SEED = 0
+SMALL_MODEL_HIDDEN = 2048  # up to this width the CPU run uses one intra-op thread
 INSTALL_HINT = "pip install 'wna16ctl[e2e]'"
 TRANSFORMERS_RANGE = ">=4.57,<6"
 
@@ -463,10 +464,27 @@ def run_e2e(ck, out: Path, plan, samples: Path, options: E2EOptions, device: tor
             dtype: torch.dtype) -> E2EResult:
     """The end-to-end comparison (see the module docstring). Never raises for a repack fault: a
     fault is a FAIL; a check that cannot run is 'not run' with the reason."""
+    threads = torch.get_num_threads()
+    if device.type == "cpu" and (ck.config.hidden_size or 0) <= SMALL_MODEL_HIDDEN:
+        # a decode step of a small model is hundreds of tiny ops: intra-op threads cost more in
+        # hand-offs than they save, and on a loaded machine they make the run several-fold slower
+        torch.set_num_threads(1)
+    try:
+        return _run_e2e(ck, out, plan, samples, options, device, dtype)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_e2e(ck, out: Path, plan, samples: Path, options: E2EOptions, device: torch.device,  # noqa: ANN001
+             dtype: torch.dtype) -> E2EResult:
     from wna16ctl.checkpoint.tensors import TensorReader
     from wna16ctl.verify import ROUNDINGS, UNIT_ROUNDOFF, _RankFiles
 
     started = time.monotonic()
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return not_run(f"transformers is not installed: {INSTALL_HINT}")
     model_type = ck.config.model_type
     if model_type not in SUPPORTED_MODEL_TYPES:
         return not_run(f"model type {model_type!r} is not supported for --e2e (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
