@@ -80,6 +80,8 @@ def assert_caught(report) -> None:
     assert f"prompt {prompt}, step {step}" in res.reason
     c = res.prompts[prompt]
     assert c.max_abs_dlogit[step] > c.bound[step]
+    worst = max(d / b for p in res.prompts for d, b in zip(p.max_abs_dlogit, p.bound))
+    print(f"caught at prompt {prompt}, step {step}; worst max|Δlogit|/bound {worst:.1f}")
     doc = res.to_json()
     assert doc["first_failure"] == {"prompt": prompt, "step": step}
 
@@ -106,6 +108,23 @@ def test_other_architectures_agree(outputs, arch):
     res = report.e2e
     assert report.passed and res.status == "pass", res.to_json()
     assert res.tokens_generated == res.tokens_agreeing > 0
+
+
+def test_chat_template_prompts(outputs, tmp_path):
+    ck, out = outputs("qwen3")
+    other = tmp_path / "ck"
+    shutil.copytree(ck, other)
+    cfg_path = other / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = ("{% for m in messages %}<|begin_of_text|>{{ m['content'] }}\n{% endfor %}"
+                            "{% if add_generation_prompt %}Answer:{% endif %}")
+    cfg_path.write_text(json.dumps(cfg))
+    report = verify_output(other, out, samples=GSM8K_TEST, num_samples=4, e2e=E2EOptions(prompts=1, max_new_tokens=4))
+    res = report.e2e
+    assert res.status == "pass" and res.prompt_form == "chat template", res.to_json()
+    few_shot = e2e_mod._build_prompts(ck, GSM8K_TEST, 1, 320)
+    assert few_shot.form.startswith("few-shot")
+    assert 0 < res.prompts[0].prompt_tokens < len(few_shot.ids[0]) / 2  # the question alone, no worked examples
 
 
 # ---- planted faults ---------------------------------------------------------------------------------------
