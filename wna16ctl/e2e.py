@@ -500,10 +500,13 @@ def _run_e2e(ck, out: Path, plan, samples: Path, options: E2EOptions, device: to
     if dtype not in UNIT_ROUNDOFF or dtype == torch.float32:
         return not_run(f"model dtype {dtype}: the MoE GEMM runs in bfloat16 or float16 only")
     vocab = int(ck.config.raw.get("vocab_size") or 0)
-    prompts = _build_prompts(ck.root, samples, options.prompts, vocab)
     eos_cfg = ck.config.raw.get("eos_token_id")
     eos = set(eos_cfg if isinstance(eos_cfg, list) else [eos_cfg] if eos_cfg is not None else [])
-    model, blocks = _build_model(ck, device)
+    try:
+        prompts = _build_prompts(ck.root, samples, options.prompts, vocab)
+        model, blocks = _build_model(ck, device)
+    except BadInput as e:  # no usable prompts, or the checkpoint lacks a weight of the model
+        return not_run(e.message)
     result = E2EResult(status="pass", model=type(model).__name__, device=device.type, expert_dtype=str(dtype).removeprefix("torch."),
                        prompt_form=prompts.form, max_new_tokens=options.max_new_tokens)
     noise = math.sqrt(ROUNDINGS) * UNIT_ROUNDOFF[dtype]
@@ -527,7 +530,7 @@ def _run_e2e(ck, out: Path, plan, samples: Path, options: E2EOptions, device: to
         return E2EResult(status="FAIL", reason=f"the repacked tensors cannot be read: {getattr(e, 'message', e)}")
     for i, ids in enumerate(prompts.ids):
         if not ids:
-            raise BadInput(f"{samples}: prompt {i} has no tokens")
+            return not_run(f"{samples}: prompt {i} has no tokens in the model's vocabulary")
         _install(blocks, reference)
         ref = _greedy(model, ids, options.max_new_tokens, eos, device)
         try:

@@ -342,17 +342,17 @@ def verify_output(
     out_path = Path(out)
     manifest = _read_manifest(out_path)
     gemm_device = _gemm_device(device)
-    dtype = dtype_from_name(manifest.get("scale_dtype") or ck.config.torch_dtype)
-    report, plan = _verify_checks(ck, out_path, manifest, samples, num_samples, gemm_device, dtype)
+    report, plan = _verify_checks(ck, out_path, manifest, samples, num_samples, gemm_device)
     if e2e is not None:
         from wna16ctl import e2e as e2e_mod
 
+        dtype = dtype_from_name(manifest.get("scale_dtype") or ck.config.torch_dtype)
         report.e2e = e2e_mod.run_e2e(ck, out_path, plan, Path(samples), e2e, gemm_device, dtype)
     return report
 
 
 def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], samples: str | os.PathLike[str],
-                   num_samples: int, gemm_device: torch.device, dtype: torch.dtype) -> tuple[VerifyReport, RepackPlan | None]:
+                   num_samples: int, gemm_device: torch.device) -> tuple[VerifyReport, RepackPlan | None]:
     device = gemm_device.type
     questions = load_questions(samples, num_samples)
     report = VerifyReport(str(ck.root), str(out_path), device, tokenizer="", samples=len(questions))
@@ -360,6 +360,7 @@ def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], sam
     if plan is None or not plan.jobs:
         return report, plan
     jobs = plan.jobs
+    dtype = dtype_from_name(manifest.get("scale_dtype") or ck.config.torch_dtype)
     with TensorReader(ck.files) as reader:
         vocab = int(ck.config.raw.get("vocab_size") or 1 << 30)
         token_ids, report.tokenizer = tokenize(ck, questions, vocab)
