@@ -32,7 +32,7 @@ def _engine_python() -> Path:
 
 
 def test_reference_tokens_agree_with_vllm(make_ckpt, tmp_path):
-    from wna16ctl.e2e import E2EOptions, reference_generation
+    from wna16ctl.e2e import E2EOptions, model_dtype_logit_change, reference_generation
 
     python = _engine_python()
     ck = make_ckpt(tokenizer=True)  # the `wna16ctl demo` default: Qwen3-MoE, 2 layers, 8 experts
@@ -48,23 +48,29 @@ def test_reference_tokens_agree_with_vllm(make_ckpt, tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     engine = json.loads(result.read_text())
     assert len(engine["tokens"]) == len(prompts)
+    # how far bf16 non-expert layers (as the engine computes them) move the reference's logits
+    bf16_change = model_dtype_logit_change(ck, prompts, ref_tokens)
     prefix = total = 0
-    margins = []
-    for ref, got, logits in zip(ref_tokens, engine["tokens"], ref_logits):
+    divergences = []  # (prompt, step, reference margin, bf16 logit change there)
+    for i, (ref, got, logits) in enumerate(zip(ref_tokens, engine["tokens"], ref_logits)):
         assert got, "the engine generated nothing"
         n = min(len(ref), len(got))
         first = next((t for t in range(n) if ref[t] != got[t]), n)
         prefix += first
         total += len(ref)
         if first < n:  # the reference's preference for its own token where the engine chose another
-            margins.append(float(logits[first, ref[first]] - logits[first, got[first]]))
+            divergences.append((i, first, float(logits[first, ref[first]] - logits[first, got[first]]),
+                                float(bf16_change[i][first])))
     agreement = prefix / total
     line = (f"engine tier: vLLM {engine['vllm']} (bf16) vs the e2e reference: {prefix}/{total} tokens agree before "
-            f"the first divergence ({agreement:.1%}); reference margins at divergences {['%.3g' % m for m in margins]}; "
+            f"the first divergence ({agreement:.1%}); divergences (prompt, step, reference margin, bf16 logit "
+            f"change): {[(p, s, round(m, 4), round(c, 4)) for p, s, m, c in divergences]}; "
             f"engine {engine['seconds']:.0f} s")
     print(line, file=sys.stderr)
     (REPO_ROOT / "build").mkdir(exist_ok=True)
     (REPO_ROOT / "build" / "engine-agreement.txt").write_text(line + "\n")
-    # every prompt's first token is chosen from the prompt alone: a wrong engine load (experts,
-    # scales, router) shows there first
-    assert sum(r[0] == g[0] for r, g in zip(ref_tokens, engine["tokens"])) >= len(prompts) - 1, line
+    # A divergence is legitimate only at a near-tie that bf16 arithmetic can flip: the reference's
+    # margin within twice the logit change bf16 layers cause there. A wrong engine load (experts,
+    # scales, router) diverges at a clear preference.
+    for p, step, margin, change in divergences:
+        assert margin <= 2 * change, f"prompt {p} step {step}: margin {margin:.4g} > 2 × {change:.4g}; {line}"

@@ -589,3 +589,25 @@ def reference_generation(ckpt: str | os.PathLike[str], samples: Path, options: E
                           for j in plan.jobs})
     runs = [_greedy(model, ids, options.max_new_tokens, eos, device) for ids in prompts.ids]
     return prompts.ids, [r[0] for r in runs], [r[1] for r in runs]
+
+
+def model_dtype_logit_change(ckpt: str | os.PathLike[str], prompts: list[list[int]], tokens: list[list[int]],
+                             device: torch.device = torch.device("cpu")) -> list[torch.Tensor]:
+    """Per prompt and step, max |Δlogit| between the TP-1 reference run teacher-forced in fp32 and
+    the same run with the non-expert layers in the model dtype: how far an engine that computes
+    them in that dtype may legitimately move the logits (one sample of its rounding)."""
+    from wna16ctl.checkpoint import open_checkpoint
+    from wna16ctl.checkpoint.tensors import TensorReader, dtype_from_name
+    from wna16ctl.repack import RepackSettings, plan_repack
+
+    ck = open_checkpoint(ckpt)
+    plan = plan_repack(ck.root, RepackSettings(tp=1))
+    dtype = dtype_from_name(ck.config.torch_dtype or "bfloat16")
+    model, blocks = _build_model(ck, device)
+    with TensorReader(ck.files) as reader:
+        _install(blocks, {j.layer.prefix: _ExpertsModule(_ReferenceExperts(ck, reader, j, dtype, device), dtype)
+                          for j in plan.jobs})
+    full = [_teacher_forced(model, p, t, device) for p, t in zip(prompts, tokens)]
+    model.to(dtype)
+    low = [_teacher_forced(model, p, t, device) for p, t in zip(prompts, tokens)]
+    return [(a - b).abs().amax(-1) for a, b in zip(full, low)]
