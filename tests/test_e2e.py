@@ -46,6 +46,9 @@ def outputs(make_ckpt, tmp_path_factory):
         "mixtral": dict(SMALL, arch="mixtral"),
         "qwen2_moe": dict(SMALL, arch="qwen2_moe"),
         "deepseek_v3": dict(SMALL, arch="deepseek_v3", num_layers=2),
+        "actorder": dict(SMALL, actorder="group"),
+        "asym": dict(SMALL, symmetric=False),
+        "int8": dict(SMALL, num_bits=8),
     }
     settings = {"tp2": RepackSettings(tp=2), "ep2": RepackSettings(tp=2, ep=True)}
 
@@ -102,8 +105,8 @@ def test_correct_repack_agrees(outputs, setting):
         assert all(d <= b for d, b in zip(c.max_abs_dlogit, c.bound)) and all(b > 0 for b in c.bound)
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "deepseek_v3"])
-def test_other_architectures_agree(outputs, arch):
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "deepseek_v3", "actorder", "asym", "int8"])
+def test_other_architectures_and_schemes_agree(outputs, arch):
     report = e2e(*outputs(arch), E2EOptions(prompts=1, max_new_tokens=6))
     res = report.e2e
     assert report.passed and res.status == "pass", res.to_json()

@@ -161,8 +161,8 @@ def render_verify(console: Console, report) -> None:  # noqa: ANN001 - VerifyRep
 
 def render_e2e(console: Console, res) -> None:  # noqa: ANN001 - E2EResult, imported lazily
     status = {"pass": "[green]pass[/]", "FAIL": "[bold red]FAIL[/]"}.get(res.status, f"[yellow]{res.status}[/]")
-    console.print(f"  end to end  {status}  " + (escape(res.reason) if res.status != "pass" or not res.prompts else
-                  f"{res.tokens_agreeing}/{res.tokens_generated} tokens agree"))
+    agree = f"{res.tokens_agreeing}/{res.tokens_generated} tokens agree" if res.prompts else ""
+    console.print(f"  end to end  {status}  " + "; ".join(escape(x) for x in (agree, res.reason) if x))
     if not res.prompts:
         return
     console.print(f"      {escape(res.model)} on {res.device}, experts in {res.expert_dtype}, {escape(res.prompt_form)}, "
