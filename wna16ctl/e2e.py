@@ -180,17 +180,15 @@ def _read_records(path: Path, limit: int) -> list[dict[str, Any]]:
 
 
 def gsm8k_answer(text: str | None) -> str | None:
-    """GSM8K's final number: after '####' when present, else the last number in the text."""
+    """GSM8K's final number: the first after '####' when there is one, else the last in the text."""
     if not text:
         return None
-    tail = text.split("####", 1)[1] if "####" in text else text
-    nums = re.findall(r"-?\d[\d,]*(?:\.\d+)?", tail if "####" in text else text)
+    marked = "####" in text
+    nums = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text.split("####", 1)[1] if marked else text)
     if not nums:
         return None
-    num = (nums[0] if "####" in text else nums[-1]).replace(",", "").rstrip(".")
-    if "." in num:
-        num = num.rstrip("0").rstrip(".")
-    return num
+    num = (nums[0] if marked else nums[-1]).replace(",", "")
+    return num.rstrip("0").rstrip(".") if "." in num else num
 
 
 @dataclass
@@ -333,8 +331,8 @@ class _ReferenceExperts:
         for spec, rng in zip(job.specs, job.expert_ranges):
             i_p = spec.intermediate_per_partition
             cols = slice(spec.rank * i_p, (spec.rank + 1) * i_p)
-            weights = {e: (torch.cat([gate[e][cols], up[e][cols]]).T.contiguous().float().to(device),
-                           down[e][:, cols].T.contiguous().float().to(device)) for e in rng}
+            weights = {e: (torch.cat([gate[e][cols], up[e][cols]]).T.contiguous().to(device),
+                           down[e][:, cols].T.contiguous().to(device)) for e in rng}  # model dtype, upcast per use
             self.ranks.append((rng, weights))
 
     def __call__(self, a: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -350,10 +348,10 @@ class _ReferenceExperts:
                 slots = (flat == e).nonzero().squeeze(1)
                 if not slots.numel():
                     continue
-                g13 = (a[slots // k].float() @ w13).to(self.dtype).float()
+                g13 = (a[slots // k].float() @ w13.float()).to(self.dtype).float()
                 i_p = w2.shape[0]
                 h = (F.silu(g13[:, :i_p]) * g13[:, i_p:]).to(self.dtype).float()
-                slots_out[slots] = ((h @ w2) * wf[slots].unsqueeze(1)).to(self.dtype)
+                slots_out[slots] = ((h @ w2.float()) * wf[slots].unsqueeze(1)).to(self.dtype)
             partial = slots_out.float().view(T, k, -1).sum(1)
             total += partial.to(self.dtype).float()  # each rank's partial in the model dtype, then all-reduced
         return total.to(self.dtype)
