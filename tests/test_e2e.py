@@ -252,6 +252,12 @@ def test_without_e2e_the_key_is_null(outputs):
     assert res.exit_code == 0 and json.loads(res.stdout)["e2e"] is None
 
 
+def test_e2e_options_without_e2e_are_a_usage_error(outputs):
+    ck, out = outputs("qwen3")
+    res = CliRunner().invoke(cli, ["verify", str(ck), str(out), "--prompts", "2", "--score"])
+    assert res.exit_code == 2 and "--prompts, --score only apply with --e2e" in res.stderr, res.output
+
+
 @pytest.mark.parametrize("text,number", [
     ("so 5 + 3 = 8\n#### 8", "8"), ("#### 1,250", "1250"), ("the answer is 42.", "42"), ("x 3.50 y", "3.5"),
     ("no digits", None), ("", None),

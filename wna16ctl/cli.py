@@ -216,6 +216,10 @@ def verify(ctx: click.Context, ckpt: str, out: str, samples: str | None, num_sam
            prompts: int, max_new_tokens: int, score: bool, json_mode: bool) -> None:
     """Prove OUT (a repack output) equals CKPT: manifest, bit-exact round trip, numerics (and --e2e)."""
     sink = Sink(json_mode=json_mode)
+    given = [f"--{n.replace('_', '-')}" for n in ("prompts", "max_new_tokens", "score")
+             if ctx.get_parameter_source(n) is click.core.ParameterSource.COMMANDLINE]
+    if given and not e2e:
+        raise click.UsageError(f"{', '.join(given)} only apply with --e2e")
 
     def body() -> int:
         from wna16ctl.activations import default_samples
