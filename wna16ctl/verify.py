@@ -133,6 +133,7 @@ class VerifyReport:
     checks: list[Check] = field(default_factory=_default_checks)
     findings: list[Finding] = field(default_factory=list)
     numerics: list[LayerNumerics] = field(default_factory=list)
+    e2e: Any = None  # wna16ctl.e2e.E2EResult when --e2e was asked
 
     @property
     def passed(self) -> bool:
@@ -179,6 +180,7 @@ class VerifyReport:
             "files_checked": self.files_checked,
             "findings": [f.to_json() for f in self.findings],
             "numerics": [n.to_json() for n in self.numerics],
+            "e2e": self.e2e.to_json() if self.e2e is not None else None,
         }
 
 
@@ -531,22 +533,40 @@ def verify_output(
     num_samples: int = 64,
     device: str = "auto",
     progress: TaskStarter | None = None,
+    e2e: Any = None,
 ) -> VerifyReport:
-    """Run every check of OUT against CKPT; see the module doc.  Bad input raises a WnaError;
-    a failing or skipped check is recorded in the returned report, never raised."""
+    """Run every check of OUT against CKPT; see the module doc.  With `e2e` (a
+    wna16ctl.e2e.E2EOptions) also the end-to-end generation, a required check then.  Bad input
+    raises a WnaError; a failing or skipped check is recorded in the returned report, never raised."""
     progress = progress or no_progress
     ck = open_checkpoint(ckpt)
     out_path = Path(out)
     manifest = _read_manifest(out_path)
     gemm_device = _gemm_device(device)
+    samples_path = resolve_samples(samples)  # inputs in the order a user fixes them: checkpoint, output, device, samples
+    report, plan = _verify_checks(ck, out_path, manifest, samples_path, num_samples, gemm_device, progress)
+    if e2e is not None:
+        from wna16ctl import e2e as e2e_mod
+
+        check = Check("e2e", "greedy generation on GSM8K prompts with the source and the repacked experts")
+        report.checks.append(check)
+        dtype = dtype_from_name(manifest.get("scale_dtype") or ck.config.torch_dtype)
+        report.e2e = e2e_mod.run_e2e(ck, out_path, plan, Path(samples_path), e2e, gemm_device, dtype)
+        check.status = {"pass": PASS, "FAIL": FAIL}.get(report.e2e.status, NOT_RUN)
+        check.reason = report.e2e.reason or ""
+    return report
+
+
+def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], samples: str | os.PathLike[str],
+                   num_samples: int, gemm_device: torch.device,
+                   progress: TaskStarter) -> tuple[VerifyReport, RepackPlan | None]:
     device = gemm_device.type
-    # inputs in the order a user fixes them: checkpoint, output, device, samples
-    questions = load_questions(resolve_samples(samples), num_samples)
+    questions = load_questions(samples, num_samples)
     report = VerifyReport(str(ck.root), str(out_path), device, tokenizer="", samples=len(questions))
     plan = _check_manifest(ck, out_path, manifest, report, progress)
     report.conclude("manifest")
     if plan is None:
-        return report
+        return report, plan
     jobs = plan.jobs
     dtype = dtype_from_name(manifest["scale_dtype"])
     if dtype not in GEMM_DTYPES and any(j.layout == "marlin" for j in jobs):
@@ -572,7 +592,7 @@ def verify_output(
             report.conclude("round_trip")
             which = ", ".join(f"rank-{r}" for r in unreadable)
             report.not_run("numerics", f"{which} cannot be read (see round trip)")
-            return report
+            return report, plan
         try:
             _verify_rank_contents(ck, reader, plan, ranks, report)
             advance = progress("round trip and numerics", sum(j.layer.num_experts for j in jobs), unit="experts")
@@ -590,20 +610,27 @@ def verify_output(
                 f"out of bound" if failed else None),
         incomplete="; ".join(f"{n.layer}: {n.reason}" for n in skipped) or None,
     )
-    return report
+    return report, plan
 
 
 def _gemm_rank_candidate(job: LayerJob, r: int, rank: _RankFiles, a: torch.Tensor, routing, dtype: torch.dtype,
                          device: torch.device) -> torch.Tensor:
-    """Rank r's layer output through the MoE GEMM: w13 GEMM, SiLU·mul, w2 GEMM with the router
-    weights; per-slot outputs in the model dtype, summed over the top-k slots in fp32."""
+    t = {n: rank.reader.read(f"{job.layer.prefix}.{n}").to(device) for n in job.tensor_names}
+    return rank_moe_output(job, r, t, a, routing.topk_ids, routing.topk_weights, dtype, device)
+
+
+def rank_moe_output(job: LayerJob, r: int, t: dict[str, torch.Tensor], a: torch.Tensor, topk_ids: torch.Tensor,
+                    topk_weights: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Rank r's layer output through the MoE GEMM over its repacked tensors `t` (Marlin layout):
+    w13 GEMM, SiLU·mul, w2 GEMM with the router weights; per-slot outputs in the model dtype,
+    summed over the top-k slots in fp32. Returns [T, H] fp32 on the CPU."""
     from wna16ctl.kernels import moe_wna16_gemm
 
     spec = job.specs[r]
     rng = job.expert_ranges[r]
-    T, k = routing.topk_ids.shape
-    t = {n: rank.reader.read(f"{job.layer.prefix}.{n}").to(device) for n in job.tensor_names}
-    ids = routing.topk_ids.reshape(-1)  # slot s = token * k + j
+    T, k = topk_ids.shape
+    topk_ids = topk_ids.cpu()
+    ids = topk_ids.reshape(-1)  # slot s = token * k + j
     slots = ((ids >= rng.start) & (ids < rng.stop)).nonzero().squeeze(1)
     local = ids[slots] - rng.start
     order = torch.argsort(local, stable=True)
@@ -622,7 +649,7 @@ def _gemm_rank_candidate(job: LayerJob, r: int, rank: _RankFiles, a: torch.Tenso
         h, t["w2_weight_packed"], t["w2_weight_scale"], sorted_ids, offsets, top_k=1,
         num_bits=spec.num_bits, zero_points=t.get("w2_weight_zero_point"),
         g_idx=t["w2_weight_g_idx"] if act else None, perm=t["w2_g_idx_sort_indices"] if act else None,
-        topk_weights=routing.topk_weights.reshape(-1).float().to(device), is_k_full=job.plan.w2.is_k_full)
+        topk_weights=topk_weights.reshape(-1).float().to(device), is_k_full=job.plan.w2.is_k_full)
     return y.float().cpu().view(T, k, -1).sum(1)
 
 

@@ -1,0 +1,36 @@
+"""Greedy generation with vLLM for the engine test tier (runs in the engine venv, not the project's).
+
+    python scripts/vllm_greedy.py REQUEST.json RESULT.json
+
+REQUEST: {"model": DIR, "prompts": [[token ids], ...], "max_tokens": N, "dtype": "bfloat16"}.
+RESULT: {"tokens": [[generated ids], ...], "vllm": version, "seconds": load + generate time}.
+Only vLLM and the standard library are imported: the engine venv does not have wna16ctl.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def main(request_path: str, result_path: str) -> None:
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    req = json.loads(open(request_path).read())
+    started = time.monotonic()
+    # on the CPU backend gpu_memory_utilization is the share of host memory vLLM reserves: a
+    # demo model needs a sliver of it
+    llm = LLM(model=req["model"], dtype=req.get("dtype", "auto"), max_model_len=req.get("max_model_len", 2048),
+              gpu_memory_utilization=req.get("memory_fraction", 0.05), enforce_eager=True, seed=0,
+              skip_tokenizer_init=True)
+    params = SamplingParams(temperature=0.0, max_tokens=req["max_tokens"], detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in req["prompts"]], params, use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    with open(result_path, "w") as f:
+        json.dump({"tokens": tokens, "vllm": vllm.__version__, "seconds": time.monotonic() - started}, f)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])

@@ -1,0 +1,268 @@
+"""`verify --e2e`: greedy generation with the source experts and with the repacked ones.
+
+Small demos (hidden 128, 4 experts, one MoE layer, a GSM8K-trained tokenizer) and short runs
+(2 prompts × 8 tokens) keep this file fast; the faults are planted in the repacked output the way
+a buggy repack would write them (manifest hashes rewritten to match)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import wna16ctl.e2e as e2e_mod
+from tests.conftest import ACT_ORDER_RELEASE, GSM8K_TEST
+from tests.test_verify import patch, read, rehash
+from wna16ctl.checkpoint import open_checkpoint
+from wna16ctl.checkpoint.tensors import TensorReader
+from wna16ctl.cli import cli
+from wna16ctl.e2e import E2EOptions, gsm8k_answer
+from wna16ctl.layout.marlin import marlin_permute_scales, marlin_unpermute_scales
+from wna16ctl.layout.packing import pack_codes, unpack_codes
+from wna16ctl.layout.rank import build_expert_tensors
+from wna16ctl.repack import RepackSettings, plan_repack, run_repack
+from wna16ctl.verify import verify_output
+
+pytest.importorskip("transformers")
+
+SMALL = dict(num_layers=1, num_experts=4, hidden_size=128, intermediate_size=128, group_size=32,
+             vocab_size=320, tokenizer=True)
+OPTS = E2EOptions(prompts=2, max_new_tokens=8)
+H, I = 128, 128
+
+
+@pytest.fixture(scope="module")
+def outputs(make_ckpt, tmp_path_factory):
+    """(spec name, settings name) -> (checkpoint, pristine repack output)."""
+    made: dict[tuple[str, str], tuple[Path, Path]] = {}
+    specs = {
+        "qwen3": SMALL,
+        "g128": dict(SMALL, hidden_size=256, intermediate_size=256, group_size=128),  # I_p == group_size
+        "mixtral": dict(SMALL, arch="mixtral"),
+        "qwen2_moe": dict(SMALL, arch="qwen2_moe"),
+        "deepseek_v3": dict(SMALL, arch="deepseek_v3", num_layers=2),
+        "actorder": dict(SMALL, actorder="group"),
+        "asym": dict(SMALL, symmetric=False),
+        "int8": dict(SMALL, num_bits=8),
+    }
+    # act-order is in the specs: plan for the newest release that still loads it
+    settings = {"tp2": RepackSettings(tp=2, vllm=ACT_ORDER_RELEASE),
+                "ep2": RepackSettings(tp=2, ep=True, vllm=ACT_ORDER_RELEASE)}
+
+    def get(spec: str, setting: str = "tp2") -> tuple[Path, Path]:
+        if (spec, setting) not in made:
+            ck = make_ckpt(**specs[spec])
+            out = tmp_path_factory.mktemp(f"e2e-{spec}-{setting}") / "out"
+            run_repack(plan_repack(ck, settings[setting]), out)
+            made[spec, setting] = (ck, out)
+        return made[spec, setting]
+
+    return get
+
+
+def copy_output(out: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "out"
+    shutil.copytree(out, dst)
+    return dst
+
+
+def e2e(ck: Path, out: Path, opts: E2EOptions = OPTS):
+    report = verify_output(ck, out, samples=GSM8K_TEST, num_samples=4, e2e=opts)
+    assert report.e2e is not None
+    return report
+
+
+def assert_caught(report) -> None:
+    """The fault fails the verdict through the e2e check, naming the first prompt and step."""
+    res = report.e2e
+    assert not report.passed and res.status == "FAIL", res.to_json()
+    prompt, step = res.first_failure
+    assert f"prompt {prompt}, step {step}" in res.reason
+    c = res.prompts[prompt]
+    assert c.max_abs_dlogit[step] > c.bound[step]
+    worst = max(d / b for p in res.prompts for d, b in zip(p.max_abs_dlogit, p.bound))
+    print(f"caught at prompt {prompt}, step {step}; worst max|Δlogit|/bound {worst:.1f}")
+    doc = res.to_json()
+    assert doc["first_failure"] == {"prompt": prompt, "step": step}
+
+
+# ---- correct repacks agree token for token ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("setting", ["tp2", "ep2"])
+def test_correct_repack_agrees(outputs, setting):
+    report = e2e(*outputs("qwen3", setting))
+    res = report.e2e
+    assert report.passed and res.status == "pass", res.to_json()
+    assert len(res.prompts) == 2 and res.tokens_generated == res.tokens_agreeing > 0
+    assert res.model == "Qwen3MoeForCausalLM" and res.prompt_form.startswith("few-shot")
+    for c in res.prompts:
+        assert c.first_divergence is None and c.reference_tokens == c.candidate_tokens
+        assert len(c.max_abs_dlogit) == len(c.bound) == len(c.kl) == len(c.reference_tokens)
+        assert all(d <= b for d, b in zip(c.max_abs_dlogit, c.bound)) and all(b > 0 for b in c.bound)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "deepseek_v3", "actorder", "asym", "int8"])
+def test_other_architectures_and_schemes_agree(outputs, arch):
+    report = e2e(*outputs(arch), E2EOptions(prompts=1, max_new_tokens=6))
+    res = report.e2e
+    assert report.passed and res.status == "pass", res.to_json()
+    assert res.tokens_generated == res.tokens_agreeing > 0
+
+
+def test_chat_template_prompts(outputs, tmp_path):
+    ck, out = outputs("qwen3")
+    other = tmp_path / "ck"
+    shutil.copytree(ck, other)
+    cfg_path = other / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = ("{% for m in messages %}<|begin_of_text|>{{ m['content'] }}\n{% endfor %}"
+                            "{% if add_generation_prompt %}Answer:{% endif %}")
+    cfg_path.write_text(json.dumps(cfg))
+    report = verify_output(other, out, samples=GSM8K_TEST, num_samples=4, e2e=E2EOptions(prompts=1, max_new_tokens=4))
+    res = report.e2e
+    assert res.status == "pass" and res.prompt_form == "chat template", res.to_json()
+    few_shot = e2e_mod._build_prompts(ck, GSM8K_TEST, 1, 320)
+    assert few_shot.form.startswith("few-shot")
+    assert 0 < res.prompts[0].prompt_tokens < len(few_shot.ids[0]) / 2  # the question alone, no worked examples
+
+
+# ---- planted faults ---------------------------------------------------------------------------------------
+
+
+def _expert_use(ck: Path, out: Path, monkeypatch) -> torch.Tensor:
+    """How often the reference run routes to each expert (counted on a pristine run)."""
+    counts = torch.zeros(64, dtype=torch.long)
+    real = e2e_mod._ReferenceExperts.__call__
+
+    def counting(self, a, ids, w):
+        counts.add_(torch.bincount(ids.reshape(-1).cpu(), minlength=64))
+        return real(self, a, ids, w)
+
+    monkeypatch.setattr(e2e_mod._ReferenceExperts, "__call__", counting)
+    assert e2e(ck, out).passed
+    monkeypatch.setattr(e2e_mod._ReferenceExperts, "__call__", real)
+    return counts
+
+
+def test_flipped_nibble_in_frequently_routed_expert_w13(outputs, tmp_path, monkeypatch):
+    ck, pristine = outputs("qwen3")
+    expert = int(_expert_use(ck, pristine, monkeypatch).argmax())
+    out = copy_output(pristine, tmp_path)
+    # A buggy repack flips the top bit of one gate_proj code: the one whose group has the largest
+    # scale in rank 0's rows (a flip of 8 quantisation steps there moves the weight most).
+    job = plan_repack(ck, RepackSettings(tp=2)).jobs[0]
+    spec = job.specs[0]
+    c = open_checkpoint(ck)
+    with TensorReader(c.files) as reader:
+        ex = reader.read_expert(c.layers[0], expert)
+    scale = ex["gate"]["weight_scale"][: spec.intermediate_per_partition].float()
+    row, group = divmod(int(scale.argmax()), scale.shape[1])
+    codes = unpack_codes(ex["gate"]["weight_packed"], 4, dim=1)
+    codes[row, group * 32] ^= 8
+    ex["gate"]["weight_packed"] = pack_codes(codes, 4, dim=1)
+    bad = build_expert_tensors(ex, spec, expert_id=expert, scale_dtype=torch.bfloat16)
+    w13 = read(out, 0, "w13_weight_packed")
+    assert (w13[expert] != bad["w13_weight_packed"]).sum() == 1  # one word, one nibble
+    w13[expert] = bad["w13_weight_packed"]
+    patch(out, 0, "w13_weight_packed", w13)
+    rehash(out)
+    assert_caught(e2e(ck, out))
+
+
+def test_swapped_w2_scale_groups(outputs, tmp_path):
+    ck, pristine = outputs("qwen3")
+    out = copy_output(pristine, tmp_path)
+    s = read(out, 1, "w2_weight_scale")  # [E, I_p / 32 = 2 groups, H]
+    assert s.shape[1] == 2
+    s[:, [0, 1]] = s[:, [1, 0]].clone()
+    patch(out, 1, "w2_weight_scale", s)
+    rehash(out)
+    assert_caught(e2e(ck, out))
+
+
+def test_w13_scales_with_engine_size_k_quirk(outputs, tmp_path):
+    # vllm PR #50196: size_k = I_p (128) == group_size gives the grouped w13 scales the
+    # channel-wise permutation
+    ck, pristine = outputs("g128")
+    out = copy_output(pristine, tmp_path)
+    p, gs, h = 128, 128, 256
+    for r in range(2):
+        s = read(out, r, "w13_weight_scale")
+        quirk = torch.stack([marlin_permute_scales(marlin_unpermute_scales(s[e], h, 2 * p, gs), p, 2 * p, gs)
+                             for e in range(s.shape[0])])
+        assert not quirk.equal(s)
+        patch(out, r, "w13_weight_scale", quirk)
+    rehash(out)
+    assert_caught(e2e(ck, out))
+
+
+# ---- not run ----------------------------------------------------------------------------------------------
+
+
+def test_unsupported_architecture_is_not_run(outputs, tmp_path):
+    ck, out = outputs("qwen3")
+    other = tmp_path / "ck"
+    shutil.copytree(ck, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["model_type"] = "olmoe"
+    (other / "config.json").write_text(json.dumps(cfg))
+    report = e2e(other, out)
+    assert report.e2e.status == "not run" and not report.passed
+    assert "'olmoe' is not supported for --e2e" in report.e2e.reason
+    assert "\n" not in report.e2e.reason
+
+
+def test_missing_transformers_is_one_line_exit_2(outputs, monkeypatch):
+    ck, out = outputs("qwen3")
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    res = CliRunner().invoke(cli, ["verify", str(ck), str(out), "--samples", str(GSM8K_TEST), "--e2e"])
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "pip install 'wna16ctl[e2e]'" in lines[0] and "Traceback" not in res.output
+
+
+# ---- CLI ----------------------------------------------------------------------------------------------------
+
+
+def test_cli_e2e_json_and_rendering(outputs):
+    ck, out = outputs("qwen3")
+    args = ["verify", str(ck), str(out), "--samples", str(GSM8K_TEST), "--num-samples", "4",
+            "--e2e", "--prompts", "1", "--max-new-tokens", "4", "--score"]
+    res = CliRunner().invoke(cli, args + ["--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    e = doc["e2e"]
+    assert doc["passed"] and e["status"] == "pass" and e["agreement"] == 1.0
+    assert e["tokens_generated"] == 4 and len(e["prompts"]) == 1
+    assert set(e["score"]) >= {"reference_exact_match", "candidate_exact_match"}
+    assert e["prompts"][0]["gold_answer"] == "18"  # the first GSM8K test question's answer
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code == 0, res.output
+    assert "end to end" in res.stdout and "4/4 tokens agree" in res.stdout
+
+
+def test_without_e2e_the_key_is_null(outputs):
+    ck, out = outputs("qwen3")
+    res = CliRunner().invoke(cli, ["verify", str(ck), str(out), "--samples", str(GSM8K_TEST), "--num-samples", "4",
+                                   "--json"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["e2e"] is None
+
+
+def test_e2e_options_without_e2e_are_a_usage_error(outputs):
+    ck, out = outputs("qwen3")
+    res = CliRunner().invoke(cli, ["verify", str(ck), str(out), "--prompts", "2", "--score"])
+    assert res.exit_code == 2 and "--prompts, --score only apply with --e2e" in res.stderr, res.output
+
+
+@pytest.mark.parametrize("text,number", [
+    ("so 5 + 3 = 8\n#### 8", "8"), ("#### 1,250", "1250"), ("the answer is 42.", "42"), ("x 3.50 y", "3.5"),
+    ("no digits", None), ("", None),
+])
+def test_gsm8k_answer(text, number):
+    assert gsm8k_answer(text) == number
