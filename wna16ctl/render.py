@@ -89,6 +89,7 @@ def render_inspection(console: Console, insp: Inspection) -> None:
             continue
         seen.add((span, text))
         console.print(f"  {escape(span)} {tp}: {text}")
+    render_model_section(console, insp)
     verdict = "[bold green]loads[/] at every requested TP size" if insp.loadable else "[bold red]does not load[/] everywhere (see above)"
     console.print(f"verdict: {verdict}")
 
@@ -206,3 +207,56 @@ def render_release_matrix(console: Console, insp: Inspection) -> None:
     from wna16ctl.rules import span as release_span
 
     console.print(f"loads at every requested TP size on: {release_span(ok)}")
+
+
+def render_model_section(console: Console, insp: Inspection) -> None:
+    """The model around the experts: engine-level TP checks, quantized linear layers (layers with
+    identical plans collapsed into one row group), MTP layers and modules that were not planned."""
+    ck = insp.checkpoint
+    bad = [c for c in insp.checks if not c.ok]
+    for c in bad:
+        colour = "red" if c.fatal else "yellow"
+        console.print(f"  model TP {c.tp}: [{colour}]{'error' if c.fatal else 'note'}[/] {escape(c.rule)}: "
+                      f"{escape(c.error or c.detail)}")
+    if ck.linear_layers:
+        groups: dict[str, list] = {}
+        for lay in ck.linear_layers:
+            key = repr((lay.kind, lay.tp_role, lay.scheme, [p.to_json() for p in insp.linear_plans[lay.name]]))
+            groups.setdefault(key, []).append(lay)
+        table = simple_table("quantized linear layers per TP size",
+                             ["layers", "layer", "role", "scheme", "TP", "K/rank", "N/rank", "kernel", "status"])
+        notes: list[tuple[str, str, str]] = []
+        for members in groups.values():
+            lay = members[0]
+            span = _layer_span([m.layer_index for m in members], [m.name for m in members])
+            for i, p in enumerate(insp.linear_plans[lay.name]):
+                status = "[green]ok[/]" if p.loadable else "[bold red]fails[/]"
+                if p.hazards:
+                    status += f" [yellow]{len(p.hazards)} hazard{'s' if len(p.hazards) > 1 else ''}[/]"
+                table.add_row(escape(span) if i == 0 else "", escape(lay.kind) if i == 0 else "",
+                              lay.tp_role if i == 0 else "",
+                              escape(lay.scheme.describe()) if (i == 0 and lay.scheme) else "",
+                              str(p.tp), "—" if p.k is None else str(p.k), "—" if p.n is None else str(p.n),
+                              escape(p.kernel.removesuffix("LinearKernel")) if p.kernel else "[red]none[/]", status)
+                where = f"{span} {lay.kind}"
+                for e in p.errors:
+                    notes.append((where, f"TP {p.tp}", f"[red]error[/] {escape(e)}"))
+                for h in p.hazards:
+                    notes.append((where, f"TP {p.tp}", f"[yellow]hazard[/] {escape(h)}"))
+                if not p.loadable or p.hazards:
+                    for name, reason in p.rejected.items():
+                        if not reason.startswith("lower priority"):
+                            notes.append((where, f"TP {p.tp}", f"[dim]{name} rejected:[/] {escape(reason)}"))
+        console.print(table)
+        seen: set[tuple[str, str]] = set()
+        for where, tp, text in notes:
+            if (where, text) not in seen:
+                seen.add((where, text))
+                console.print(f"  {escape(where)} {tp}: {text}")
+    for lay in ck.mtp_layers:
+        scheme = lay.scheme.describe() if lay.scheme else "unquantized"
+        console.print(f"  MTP layer {escape(lay.prefix)} ({lay.num_experts} experts, {escape(scheme)}): not a decoder "
+                      "layer; vLLM loads it only for MTP speculative decoding, and it is not part of this verdict")
+    if ck.unplaced_linear:
+        shown = ", ".join(ck.unplaced_linear[:5]) + (f" … ({len(ck.unplaced_linear)} in all)" if len(ck.unplaced_linear) > 5 else "")
+        console.print(f"  [yellow]not planned[/]: quantized modules whose vLLM layer wna16ctl does not know: {escape(shown)}")
