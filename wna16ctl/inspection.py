@@ -4,7 +4,7 @@ one vLLM release (or every known release)."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from wna16ctl import __version__, rules
@@ -155,7 +155,7 @@ def _linear_key(lay: LinearLayer) -> tuple:
 def plan_all_linear(layers: list[LinearLayer], tps: tuple[int, ...], version: str, gpu: str, dtype: str,
                     with_differences: bool = True) -> dict[str, list[LinearPlan]]:
     """Plans of every linear layer at every TP size for one release; each distinct shape is planned once."""
-    memo: dict[tuple, list[LinearPlan]] = {}
+    memo: dict[tuple, tuple[str, list[LinearPlan]]] = {}
     out: dict[str, list[LinearPlan]] = {}
     for lay in layers:
         key = _linear_key(lay)
@@ -164,8 +164,15 @@ def plan_all_linear(layers: list[LinearLayer], tps: tuple[int, ...], version: st
             if with_differences:
                 for p in plans:
                     p.hazards[:0] = linear_release_differences(lay, p.tp, version, gpu, dtype)
-            memo[key] = plans
-        out[lay.name] = memo[key]
+            memo[key] = (lay.name, plans)
+            out[lay.name] = plans
+            continue
+        first, plans = memo[key]
+        # the engine's texts name the layer: a reused plan names this one
+        out[lay.name] = [p if not any(first in t for t in p.errors + p.hazards) else
+                         replace(p, errors=[t.replace(first, lay.name) for t in p.errors],
+                                 hazards=[t.replace(first, lay.name) for t in p.hazards])
+                         for p in plans]
     return out
 
 
