@@ -33,7 +33,9 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     straddle = m.qwen3_30b_a3b(layers=1)
     straddle.update(hidden_size=2560, num_attention_heads=32, num_key_value_heads=8, head_dim=80, num_experts=8)
     no_gate_ignore = m.qwen15_moe_a27b(layers=1)
-    no_gate_ignore["quantization_config"] = m.w4a16(["lm_head", r"re:.*mlp\.gate$"])
+    no_gate_ignore["quantization_config"] = m.w4a16(["lm_head"])
+    router_q = m.qwen3_30b_a3b(layers=1)
+    router_q["quantization_config"] = m.w4a16(["lm_head"])
     legacy = m.qwen3_30b_a3b(layers=1)
     legacy["compression_config"] = legacy.pop("quantization_config")
     specs = {
@@ -46,6 +48,7 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "qwen2moe": (m.qwen15_moe_a27b(), m.qwen3_moe),
         "straddle": (straddle, m.qwen3_moe),
         "gate_quantized": (no_gate_ignore, m.qwen3_moe),
+        "gate_quantized_qwen3": (router_q, m.qwen3_moe),
         "legacy": (legacy, m.qwen3_moe),
     }
     out = {}
@@ -84,7 +87,7 @@ def test_qwen35_in_proj_ba_at_tp2_on_0_33_0(ckpts):
     assert p["kernel"] == HUMMING and p["loadable"] and p["errors"] == []
     assert p["rejected"][MARLIN] == f"lower priority than {HUMMING}"
     # releases before 0.32.0 put Marlin first: it pads N 32 -> 64 (a hazard, not an error)
-    assert any(h.startswith("vLLM 0.27.0–0.31.0: loads on MarlinLinearKernel") for h in p["hazards"])
+    assert "vLLM 0.27.0–0.31.0: loads on MarlinLinearKernel (Marlin tile padding to (N, K) = (64, 2048))" in p["hazards"]
 
 
 def test_qwen35_in_proj_ba_marlin_pads_on_ampere(ckpts):
@@ -200,6 +203,14 @@ def test_qwen2_moe_shared_expert_and_gate(ckpts):
     assert not p["loadable"] and p["failure_rule"] == "built unquantized"
     assert "builds the shared-expert gate unquantized" in p["errors"][0]
     assert bad["loadable"] is False
+    assert "builds the MoE router unquantized" in _plan(_linear(bad, "layers.0.mlp.gate")[0], 1)["errors"][0]
+
+
+def test_qwen3_moe_router_takes_the_quant_config(ckpts):
+    doc = _doc(ckpts["gate_quantized_qwen3"], tps=(8,))
+    gate = _linear(doc, "layers.0.mlp.gate")[0]
+    p = _plan(gate, 8)
+    assert gate["tp_role"] == "replicated" and (p["k"], p["n"]) == (2048, 128) and p["loadable"]
 
 
 # -- Mixtral channel-wise, engine-level checks -------------------------------------------------------
@@ -299,3 +310,15 @@ def test_zero_point_marlin_and_int8():
     p = plan_linear(_row_layer(4096, 4096, int8), 2, "0.31.0", "sm80")
     assert p.rejected[MARLIN].startswith("Quant type (uint8) not supported by  Marlin")
     assert p.kernel == HUMMING
+
+
+def test_release_matrix_covers_linear_layers(ckpts):
+    res = CliRunner().invoke(cli, ["inspect", str(ckpts["straddle"]), "--tp", "4,8", "--vllm", "all"])
+    assert res.exit_code == 1, res.output
+    assert "self_attn.o_proj (row)" in res.output and "✗ K/rank % group" in res.output
+    res = CliRunner().invoke(cli, ["inspect", str(ckpts["straddle"]), "--tp", "8", "--vllm", "all", "--json"])
+    doc = json.loads(res.stdout)
+    by_release = {v["vllm"]: v for v in doc["versions"]}
+    o = next(lay for lay in by_release["0.31.0"]["linear_layers"] if lay["kind"] == "self_attn.o_proj")
+    assert o["plans"][0]["kernel"] == MACHETE and not o["plans"][0]["loadable"]
+    assert not any(v["loadable"] for v in doc["versions"])

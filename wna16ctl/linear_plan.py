@@ -358,7 +358,7 @@ def plan_linear(layer: LinearLayer, tp: int, engine: str = rules.NEWEST, gpu: st
 
 def linear_outcome(p: LinearPlan) -> str:
     if p.loadable:
-        return f"loads on {p.kernel}"
+        return f"loads on {p.kernel}" + (f" (Marlin tile padding to (N, K) = {p.padded_nk})" if p.padded_nk else "")
     return f"fails ({p.failure_stage}): {p.errors[0].splitlines()[0]}"
 
 

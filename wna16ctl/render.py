@@ -203,6 +203,7 @@ def render_release_matrix(console: Console, insp: Inspection) -> None:
         console.print(table)
     for rule, text in legend.items():
         console.print(f"  [red]✗ {escape(rule)}[/]: {escape(text)}")
+    render_linear_matrix(console, insp)
     ok = [v for v in RELEASES if insp.loadable_in(v)]
     from wna16ctl.rules import span as release_span
 
@@ -221,7 +222,7 @@ def render_model_section(console: Console, insp: Inspection) -> None:
     if ck.linear_layers:
         groups: dict[str, list] = {}
         for lay in ck.linear_layers:
-            key = repr((lay.kind, lay.tp_role, lay.scheme, [p.to_json() for p in insp.linear_plans[lay.name]]))
+            key = repr((lay.kind, lay.tp_role, lay.scheme, _unnamed(lay.name, insp.linear_plans[lay.name])))
             groups.setdefault(key, []).append(lay)
         table = simple_table("quantized linear layers per TP size",
                              ["layers", "layer", "role", "scheme", "TP", "K/rank", "N/rank", "kernel", "status"])
@@ -244,9 +245,11 @@ def render_model_section(console: Console, insp: Inspection) -> None:
                 for h in p.hazards:
                     notes.append((where, f"TP {p.tp}", f"[yellow]hazard[/] {escape(h)}"))
                 if not p.loadable or p.hazards:
+                    # why each kernel ranked ahead of the chosen one passed (every reason is in --json)
                     for name, reason in p.rejected.items():
-                        if not reason.startswith("lower priority"):
-                            notes.append((where, f"TP {p.tp}", f"[dim]{name} rejected:[/] {escape(reason)}"))
+                        if reason.startswith("lower priority"):
+                            break
+                        notes.append((where, f"TP {p.tp}", f"[dim]{name} rejected:[/] {escape(reason)}"))
         console.print(table)
         seen: set[tuple[str, str]] = set()
         for where, tp, text in notes:
@@ -260,3 +263,41 @@ def render_model_section(console: Console, insp: Inspection) -> None:
     if ck.unplaced_linear:
         shown = ", ".join(ck.unplaced_linear[:5]) + (f" … ({len(ck.unplaced_linear)} in all)" if len(ck.unplaced_linear) > 5 else "")
         console.print(f"  [yellow]not planned[/]: quantized modules whose vLLM layer wna16ctl does not know: {escape(shown)}")
+
+
+def render_linear_matrix(console: Console, insp: Inspection) -> None:
+    """`--vllm all` for the quantized linear layers: per group of identical layers, the kernel each
+    release picks at each TP size, or the first rule that refuses the layer; then the failing model checks."""
+    from wna16ctl.rules import RELEASES
+
+    ck = insp.checkpoint
+    groups: dict[str, list] = {}
+    for lay in ck.linear_layers:
+        key = repr((lay.kind, [_unnamed(lay.name, insp.linear_versions[v][lay.name]) for v in RELEASES]))
+        groups.setdefault(key, []).append(lay)
+    legend: dict[str, str] = {}
+    for members in groups.values():
+        lay = members[0]
+        span = _layer_span([m.layer_index for m in members], [m.name for m in members])
+        table = simple_table(f"{span} · {lay.kind} ({lay.tp_role})", ["vLLM"] + [f"TP {t}" for t in insp.tps])
+        for v in RELEASES:
+            plans = insp.linear_versions[v][lay.name]
+            table.add_row(v, *[f"[green]{escape(p.kernel.removesuffix('LinearKernel'))}[/]" if p.loadable
+                               else f"[red]✗ {escape(p.failure_rule or 'fails')}[/]" for p in plans])
+            for p in plans:
+                if not p.loadable and p.failure_rule and p.failure_rule not in legend:
+                    legend[p.failure_rule] = p.errors[0].splitlines()[0]
+        console.print(table)
+    for rule, text in legend.items():
+        console.print(f"  [red]✗ {escape(rule)}[/]: {escape(text)}")
+    for c in insp.checks:
+        if not c.ok:
+            console.print(f"  model TP {c.tp}: [{'red' if c.fatal else 'yellow'}]{escape(c.rule)}[/]: {escape(c.error or c.detail)}")
+
+
+def _unnamed(name: str, plans: list) -> str:
+    """The plans' JSON with the layer's own name blanked: layers whose plans differ only in the
+    name the engine's texts quote are shown as one group."""
+    import json
+
+    return json.dumps([p.to_json() for p in plans]).replace(name, "<layer>")

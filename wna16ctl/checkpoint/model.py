@@ -165,7 +165,10 @@ _GDN = {"in_proj_qkv": ("in_proj_qkvz", 0), "in_proj_z": ("in_proj_qkvz", 1), "i
 _FUSED_SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
                  "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"), "in_proj_ba": ("in_proj_b", "in_proj_a"),
                  "in_proj_qkvz": ("in_proj_qkv", "in_proj_z")}
-_UNQUANTIZED = {"gate": "the MoE router (GateLinear)", "shared_expert_gate": "the shared-expert gate"}
+_UNQUANTIZED = {"gate": "the MoE router", "shared_expert_gate": "the shared-expert gate"}
+# model files whose router (GateLinear, a ReplicatedLinear) receives the quant config; the others
+# (Qwen2-MoE, Qwen3-Next/3.5, Mixtral, DeepSeek, GLM-4.5) build it unquantized
+_ROUTER_TAKES_QUANT = frozenset({"qwen3_moe"})
 
 
 def _packed_nk(files: CheckpointFiles, module: str, scheme: WeightScheme | None) -> tuple[int, int] | None:
@@ -213,7 +216,9 @@ def find_linear_layers(files: CheckpointFiles, config: ModelConfig) -> tuple[lis
         if m == "lm_head" or leaf == "lm_head":
             add(m, "lm_head", VOCAB, k, 0, LinearShard(m, (n,), s))
         elif leaf in _UNQUANTIZED:
-            add(m, kind_of(leaf), REPLICATED, k, 0, LinearShard(m, (n,), s), refused=_UNQUANTIZED[leaf])
+            quantizable = leaf == "gate" and dims.model_type in _ROUTER_TAKES_QUANT
+            add(m, kind_of(leaf), REPLICATED, k, 0, LinearShard(m, (n,), s),
+                refused=None if quantizable else _UNQUANTIZED[leaf])
         elif leaf in _ATTN_QKV and not dims.mla:
             hd = dims.head_dim or 0
             add(f"{parent}.qkv_proj", kind_of("qkv_proj"), QKV, k, _ATTN_QKV[leaf], LinearShard(m, (n,), s), head_dim=hd)
