@@ -322,3 +322,13 @@ def test_release_matrix_covers_linear_layers(ckpts):
     o = next(lay for lay in by_release["0.31.0"]["linear_layers"] if lay["kind"] == "self_attn.o_proj")
     assert o["plans"][0]["kernel"] == MACHETE and not o["plans"][0]["loadable"]
     assert not any(v["loadable"] for v in doc["versions"])
+
+
+def test_vision_tower_modules_are_reported_not_planned(tmp_path):
+    c = m.qwen3_30b_a3b(layers=1)
+    c["quantization_config"] = m.w4a16(m.RECIPE_IGNORE)
+    tensors = list(m.qwen3_moe(c, c["quantization_config"]))
+    tensors += list(m._mlp("model.visual.blocks.0.mlp", 1280, 3420, c["quantization_config"]))
+    doc = _doc(m.write(tmp_path / "vl", c, iter(tensors)), tps=(2,))
+    assert doc["unplaced_linear"] == [f"model.visual.blocks.0.mlp.{p}" for p in ("down_proj", "gate_proj", "up_proj")]
+    assert not any("visual" in lay["name"] for lay in doc["linear_layers"])
