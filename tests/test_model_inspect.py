@@ -332,3 +332,17 @@ def test_vision_tower_modules_are_reported_not_planned(tmp_path):
     doc = _doc(m.write(tmp_path / "vl", c, iter(tensors)), tps=(2,))
     assert doc["unplaced_linear"] == [f"model.visual.blocks.0.mlp.{p}" for p in ("down_proj", "gate_proj", "up_proj")]
     assert not any("visual" in lay["name"] for lay in doc["linear_layers"])
+
+
+def test_merge_text_config_keeps_the_checkpoints_own_keys():
+    from wna16ctl.checkpoint.config import merge_text_config, quantization_config_of
+
+    raw = {"architectures": ["Outer"], "model_type": "outer", "quantization_config": {"a": 1},
+           "text_config": {"architectures": ["Inner"], "model_type": "inner", "hidden_size": 8, "vocab_size": 9}}
+    merged = merge_text_config(raw)
+    assert merged["architectures"] == ["Outer"] and merged["model_type"] == "outer"
+    assert merged["hidden_size"] == 8 and merged["vocab_size"] == 9 and merged["text_model_type"] == "inner"
+    assert merged["quantization_config"] == {"a": 1}
+    assert merge_text_config({"hidden_size": 4, "text_config": {"hidden_size": 8}})["hidden_size"] == 4
+    assert quantization_config_of({"compression_config": {"b": 2}}) == {"b": 2}
+    assert quantization_config_of({"compression_config": {"b": 2}, "quantization_config": {"a": 1}}) == {"a": 1}
