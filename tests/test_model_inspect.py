@@ -300,6 +300,10 @@ def test_act_order_linear_by_release():
     assert re.match(r"Failed to find a kernel that can implement the WNA16 linear layer\. Reasons: \n", p.errors[0])
     p = plan_linear(lay, 2, "0.30.0", "sm90")
     assert p.failure_stage == "config" and "no longer supported" in p.errors[0]
+    dynamic = WeightScheme(4, 128, True, "group", "dynamic", "pack-quantized")
+    p = plan_linear(_row_layer(4096, 4096, dynamic), 2, "0.29.0", "sm90")
+    assert p.kernel == MACHETE  # planned as if without act-order
+    assert any(h.startswith("actorder 'dynamic' is the alias of 'group'") for h in p.hazards)
 
 
 def test_zero_point_marlin_and_int8():

@@ -318,7 +318,15 @@ def plan_linear(layer: LinearLayer, tp: int, engine: str = rules.NEWEST, gpu: st
     k, n, k_p, n_p = shape
     plan.k, plan.n = k_p, n_p
     c = KernelConfig(k=k, n=n, k_p=k_p, n_p=n_p, weight_type=weight_type(s), bits=s.num_bits, act_type=dtype,
-                     group_size=s.group_size, zero_points=not s.symmetric, has_g_idx=s.act_order)
+                     group_size=s.group_size, zero_points=not s.symmetric,
+                     # the scheme compares the actorder string with "group" as written: "dynamic" is not
+                     has_g_idx=s.actorder == "group")
+    if s.actorder == "dynamic" and rel.has("linear.g_idx_kernels"):
+        plan.hazards.append(
+            "actorder 'dynamic' is the alias of 'group', but vLLM's linear scheme compares the string with 'group': "
+            "it plans this layer without act-order and registers no g_idx parameter, so the checkpoint's "
+            "weight_g_idx cannot load (or the groups are applied unpermuted). Rewrite the config's actorder as "
+            "'group' (the tensors are the same)")
     # -- create_weights: choose_mp_linear_kernel ------------------------------------------------
     for kern in kernel_priority(rel, gpu):
         reason = kernel_reason(kern, rel, gpu, c)
@@ -335,13 +343,18 @@ def plan_linear(layer: LinearLayer, tp: int, engine: str = rules.NEWEST, gpu: st
         return plan
     # -- create_weights: scale sharding ---------------------------------------------------------
     row_parallel = k_p != k
-    repeat = (s.act_order and rel.has("linear.g_idx_kernels")) or (s.group_size == -1 and row_parallel)
+    g_idx = c.has_g_idx and rel.has("linear.g_idx_kernels")
+    repeat = g_idx or (s.group_size == -1 and row_parallel)
     gs = s.group_size if s.group_size != -1 else k
     if not repeat and k_p % gs:
         plan.fail("create_weights", "K/rank % group", _straddle_text(k_p, gs, layer.name))
         return plan
+    if plan.kernel == HUMMING:
+        plan.hazards.append(
+            "runs on Humming, whose can_implement in vLLM accepts any 16-bit-activation layer; shape limits of the "
+            "humming package itself (converted at load) are not in vLLM's sources and are not planned")
     # -- process_weights_after_loading ------------------------------------------------------------
-    if plan.kernel == MARLIN and not (s.act_order and rel.has("linear.g_idx_kernels")):
+    if plan.kernel == MARLIN and not g_idx:
         padded = _padded_nk(n_p, k_p, s.group_size)
         if padded != (n_p, k_p):
             plan.padded_nk = padded
