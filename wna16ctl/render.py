@@ -38,6 +38,7 @@ def render_inspection(console: Console, insp: Inspection) -> None:
                   f"packed experts {human_bytes(total_packed)}")
     if not layers:
         console.print("[yellow]no routed-expert MoE layers found[/]")
+        render_model_section(console, insp)
         return
 
     # Collapse layers whose plans are identical into one row group.
@@ -251,11 +252,23 @@ def render_model_section(console: Console, insp: Inspection) -> None:
                             break
                         notes.append((where, f"TP {p.tp}", f"[dim]{name} rejected:[/] {escape(reason)}"))
         console.print(table)
-        seen: set[tuple[str, str]] = set()
+        # per layer group: errors, hazards, rejected kernels, each with the TP sizes it applies to; a
+        # note that more than two layer groups share is printed once (every plan keeps it in --json)
+        groups_of: dict[str, set[str]] = {}
+        for where, _tp, text in notes:
+            groups_of.setdefault(text, set()).add(where)
+        shared = {t for t, ws in groups_of.items() if len(ws) > 2}
+        by_where: dict[str, dict[str, list[str]]] = {}
         for where, tp, text in notes:
-            if (where, text) not in seen:
-                seen.add((where, text))
-                console.print(f"  {escape(where)} {tp}: {text}")
+            if text not in shared:
+                tps = by_where.setdefault(where, {}).setdefault(text, [])
+                if tp not in tps:
+                    tps.append(tp)
+        for where, texts in by_where.items():
+            for text, tps in texts.items():
+                console.print(f"  {escape(where)} TP {','.join(t.removeprefix('TP ') for t in tps)}: {text}")
+        for text in (t for t in groups_of if t in shared):
+            console.print(f"  {len(groups_of[text])} layer groups: {text}")
     for lay in ck.mtp_layers:
         scheme = lay.scheme.describe() if lay.scheme else "unquantized"
         console.print(f"  MTP layer {escape(lay.prefix)} ({lay.num_experts} experts, {escape(scheme)}): not a decoder "
