@@ -21,15 +21,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--dir", type=Path, default=Path("/tmp/wna16ctl-kimi-headers"))
+    ap.add_argument("--linear-dir", type=Path, default=Path("/tmp/wna16ctl-kimi-headers-linear"))
     a = ap.parse_args()
     if not (a.dir / "config.json").exists():
         synthetic_headers.write(a.dir)
-    runs = median_runs(wna16ctl("inspect", str(a.dir), "--tp", "8", "--json"), a.runs)
-    walls = [r.wall for r in runs]
+    if not (a.linear_dir / "config.json").exists():
+        synthetic_headers.write(a.linear_dir, quantize_linear=True)
     print("| benchmark | median wall | min | max | peak RSS |")
     print("|---|---|---|---|---|")
-    print(f"| inspect --tp 8 --json, Kimi-K2-sized headers (208k tensors, 60 shards) | {med(walls):.3f} s | "
-          f"{min(walls):.3f} s | {max(walls):.3f} s | {max(r.max_rss_kib for r in runs) / 1024:.0f} MiB |")
+    for label, d in (("experts quantized", a.dir), ("experts + attention/dense/shared quantized (366 linear layers)",
+                                                     a.linear_dir)):
+        runs = median_runs(wna16ctl("inspect", str(d), "--tp", "8", "--json"), a.runs)
+        walls = [r.wall for r in runs]
+        print(f"| inspect --tp 8 --json, Kimi-K2-sized headers (208k tensors, 60 shards), {label} | {med(walls):.3f} s | "
+              f"{min(walls):.3f} s | {max(walls):.3f} s | {max(r.max_rss_kib for r in runs) / 1024:.0f} MiB |")
 
 
 if __name__ == "__main__":

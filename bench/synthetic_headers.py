@@ -5,7 +5,7 @@ expert intermediate 2048, int4 group-32 symmetric experts, ~60 shards.  Only hea
 real, so it costs a few MB of disk however large the model it describes; `inspect` reads
 nothing else.
 
-    python bench/synthetic_headers.py OUT [--layers 61] [--experts 384] [--shards 60]
+    python bench/synthetic_headers.py OUT [--layers 61] [--experts 384] [--shards 60] [--quantize-linear]
 """
 
 from __future__ import annotations
@@ -19,8 +19,20 @@ from pathlib import Path
 DT = {"I32": 4, "BF16": 2, "I64": 8, "F32": 4}
 
 
-def _tensors(layers: int, experts: int, hidden: int, inter: int, gs: int, bits: int, vocab: int):
+def _dense(module: str, shape: list[int], quantized: bool, gs: int, bits: int):
+    if not quantized:
+        yield f"{module}.weight", "BF16", shape
+        return
+    n, k = shape
+    yield f"{module}.weight_packed", "I32", [n, k * bits // 32]
+    yield f"{module}.weight_scale", "BF16", [n, k // gs]
+    yield f"{module}.weight_shape", "I64", [2]
+
+
+def _tensors(layers: int, experts: int, hidden: int, inter: int, gs: int, bits: int, vocab: int,
+             quantize_linear: bool = False):
     pf = 32 // bits
+    q = quantize_linear
     yield "model.embed_tokens.weight", "BF16", [vocab, hidden]
     for L in range(layers):
         p = f"model.layers.{L}"
@@ -28,15 +40,15 @@ def _tensors(layers: int, experts: int, hidden: int, inter: int, gs: int, bits: 
         yield f"{p}.post_attention_layernorm.weight", "BF16", [hidden]
         for proj, shape in (("q_a_proj", [1536, hidden]), ("q_b_proj", [12288, 1536]), ("kv_a_proj_with_mqa", [576, hidden]),
                             ("kv_b_proj", [16384, 512]), ("o_proj", [hidden, 8192])):
-            yield f"{p}.self_attn.{proj}.weight", "BF16", shape
+            yield from _dense(f"{p}.self_attn.{proj}", shape, q, gs, bits)
         if L == 0:
             for proj, shape in (("gate_proj", [18432, hidden]), ("up_proj", [18432, hidden]), ("down_proj", [hidden, 18432])):
-                yield f"{p}.mlp.{proj}.weight", "BF16", shape
+                yield from _dense(f"{p}.mlp.{proj}", shape, q, gs, bits)
             continue
         yield f"{p}.mlp.gate.weight", "BF16", [experts, hidden]
         yield f"{p}.mlp.gate.e_score_correction_bias", "F32", [experts]
         for proj, shape in (("gate_proj", [inter, hidden]), ("up_proj", [inter, hidden]), ("down_proj", [hidden, inter])):
-            yield f"{p}.mlp.shared_experts.{proj}.weight", "BF16", shape
+            yield from _dense(f"{p}.mlp.shared_experts.{proj}", shape, q, gs, bits)
         for e in range(experts):
             for proj, (n, k) in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)), ("down_proj", (hidden, inter))):
                 m = f"{p}.mlp.experts.{e}.{proj}"
@@ -48,9 +60,11 @@ def _tensors(layers: int, experts: int, hidden: int, inter: int, gs: int, bits: 
 
 
 def write(out: Path, layers: int = 61, experts: int = 384, hidden: int = 7168, inter: int = 2048,
-          gs: int = 32, bits: int = 4, shards: int = 60, vocab: int = 163840) -> Path:
+          gs: int = 32, bits: int = 4, shards: int = 60, vocab: int = 163840, quantize_linear: bool = False) -> Path:
+    """`quantize_linear`: attention, the dense MLP and the shared experts are quantized too (the usual
+    W4A16 recipe: every Linear but lm_head and the router), and config.json gets the MLA sizes."""
     out.mkdir(parents=True, exist_ok=True)
-    items = list(_tensors(layers, experts, hidden, inter, gs, bits, vocab))
+    items = list(_tensors(layers, experts, hidden, inter, gs, bits, vocab, quantize_linear))
     per = -(-len(items) // shards)
     weight_map: dict[str, str] = {}
     total = 0
@@ -92,6 +106,12 @@ def write(out: Path, layers: int = 61, experts: int = 384, hidden: int = 7168, i
             "ignore": ["lm_head", r"re:.*self_attn.*", r"re:.*shared_experts.*", r"re:.*mlp\.(gate|up|down)_proj$"],
         },
     }
+    if quantize_linear:
+        config.update(num_attention_heads=64, num_key_value_heads=64, q_lora_rank=1536, kv_lora_rank=512,
+                      qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+        qc = config["quantization_config"]
+        qc["config_groups"]["group_0"]["targets"] = ["Linear"]
+        qc["ignore"] = ["lm_head", r"re:.*mlp\.gate$"]
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
 
@@ -102,8 +122,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=61)
     ap.add_argument("--experts", type=int, default=384)
     ap.add_argument("--shards", type=int, default=60)
+    ap.add_argument("--quantize-linear", action="store_true", help="quantize attention, dense MLP and shared experts too")
     a = ap.parse_args()
-    p = write(a.out, layers=a.layers, experts=a.experts, shards=a.shards)
+    p = write(a.out, layers=a.layers, experts=a.experts, shards=a.shards, quantize_linear=a.quantize_linear)
     n = sum(1 for _ in os.scandir(p))
     print(f"wrote {p} ({n} files)")
 

@@ -4,12 +4,14 @@ one vLLM release (or every known release)."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from wna16ctl import __version__, rules
-from wna16ctl.checkpoint import Checkpoint, MoELayer, open_checkpoint
+from wna16ctl.checkpoint import Checkpoint, LinearLayer, MoELayer, open_checkpoint
 from wna16ctl.checkpoint.gidx import gate_up_g_idx_mismatch
+from wna16ctl.checkpoint.model import QKV
+from wna16ctl.linear_plan import LinearPlan, ModelCheck, linear_release_differences, model_checks, plan_linear
 from wna16ctl.errors import UsageError
 from wna16ctl.plan import LayerPlan, plan_layer, release_differences
 from wna16ctl.tpsizes import check_tp_sizes
@@ -25,13 +27,37 @@ class Inspection:
     plans: dict[str, list[LayerPlan]]  # layer prefix -> one plan per TP size
     # every known release's plans, when all were asked for (release -> prefix -> plans)
     versions: dict[str, dict[str, list[LayerPlan]]] = field(default_factory=dict)
+    linear_plans: dict[str, list[LinearPlan]] = field(default_factory=dict)  # linear layer name -> per TP
+    linear_versions: dict[str, dict[str, list[LinearPlan]]] = field(default_factory=dict)
+    checks: list[ModelCheck] = field(default_factory=list)  # model-level checks, every TP size
 
     @property
     def loadable(self) -> bool:
-        return _loadable(self.checkpoint, self.plans)
+        return _loadable(self.checkpoint, self.plans) and self.model_loadable(self.linear_plans)
 
     def loadable_in(self, version: str) -> bool:
-        return _loadable(self.checkpoint, self.versions[version])
+        return _loadable(self.checkpoint, self.versions[version]) and self.model_loadable(self.linear_versions[version])
+
+    def model_loadable(self, linear: dict[str, list[LinearPlan]]) -> bool:
+        """The model around the experts: every quantized linear layer and every fatal model check."""
+        return (all(p.loadable for plans in linear.values() for p in plans)
+                and all(c.ok for c in self.checks if c.fatal))
+
+    def _linear_json(self, linear: dict[str, list[LinearPlan]]) -> list[dict[str, Any]]:
+        return [
+            {
+                "name": lay.name,
+                "kind": lay.kind,
+                "layer_index": lay.layer_index,
+                "modules": lay.modules,
+                "tp_role": lay.tp_role,
+                "input_size": lay.input_size,
+                "output_sizes": list(lay.output_sizes),
+                "scheme": None if lay.scheme is None else lay.scheme.to_json(),
+                "plans": [p.to_json() for p in linear[lay.name]],
+            }
+            for lay in self.checkpoint.linear_layers
+        ]
 
     def _layers_json(self, plans: dict[str, list[LayerPlan]]) -> list[dict[str, Any]]:
         return [
@@ -69,10 +95,16 @@ class Inspection:
             "loadable": self.loadable,
             "warnings": list(ck.warnings),
             "layers": self._layers_json(self.plans),
+            "linear_layers": self._linear_json(self.linear_plans),
+            "model_checks": [c.to_json() for c in self.checks],
+            "mtp_layers": [{"name": lay.prefix, "num_experts": lay.num_experts,
+                            "scheme": None if lay.scheme is None else lay.scheme.to_json()} for lay in ck.mtp_layers],
+            "unplaced_linear": list(ck.unplaced_linear),
         }
         if self.versions:
             out["versions"] = [
-                {"vllm": v, "loadable": self.loadable_in(v), "layers": self._layers_json(self.versions[v])}
+                {"vllm": v, "loadable": self.loadable_in(v), "layers": self._layers_json(self.versions[v]),
+                 "linear_layers": self._linear_json(self.linear_versions[v])}
                 for v in rules.RELEASES
             ]
         return out
@@ -122,6 +154,42 @@ def plan_all(layers: list[MoELayer], tps: tuple[int, ...], ep: bool, version: st
     return out
 
 
+def _linear_key(lay: LinearLayer) -> tuple:
+    """Linear layers with equal keys get equal plans (names aside)."""
+    return (lay.tp_role, lay.input_size, lay.output_sizes, tuple(s.scheme for s in lay.shards), lay.head_dim,
+            lay.num_heads, lay.num_kv_heads, lay.refused)
+
+
+def plan_all_linear(layers: list[LinearLayer], tps: tuple[int, ...], version: str, gpu: str, dtype: str,
+                    with_differences: bool = True) -> dict[str, list[LinearPlan]]:
+    """Plans of every linear layer at every TP size for one release; each distinct shape is planned once."""
+    memo: dict[tuple, tuple[str, list[LinearPlan]]] = {}
+    out: dict[str, list[LinearPlan]] = {}
+    for lay in layers:
+        key = _linear_key(lay)
+        if key not in memo:
+            plans = [plan_linear(lay, tp, version, gpu, dtype) for tp in tps]
+            if with_differences:
+                for p in plans:
+                    p.hazards[:0] = linear_release_differences(lay, p.tp, version, gpu, dtype)
+            memo[key] = (lay.name, plans)
+            out[lay.name] = plans
+            continue
+        first, plans = memo[key]
+        # the engine's texts name the layer: a reused plan names this one
+        out[lay.name] = [p if not any(first in t for t in p.errors + p.hazards) else
+                         replace(p, errors=[t.replace(first, lay.name) for t in p.errors],
+                                 hazards=[t.replace(first, lay.name) for t in p.hazards])
+                         for p in plans]
+    return out
+
+
+def _params_dtype(torch_dtype: str) -> str:
+    """The activation dtype the linear kernels see (vLLM's params_dtype from the model dtype)."""
+    t = torch_dtype.lower().replace("torch.", "")
+    return {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32", "fp32": "float32"}.get(t, t)
+
+
 def inspect_checkpoint(path: str | os.PathLike[str], tps: tuple[int, ...] = (1,), ep: bool = False,
                        vllm: str | None = "installed", gpu: str = rules.DEFAULT_GPU,
                        revision: str | None = None) -> Inspection:
@@ -145,4 +213,13 @@ def inspect_checkpoint(path: str | os.PathLike[str], tps: tuple[int, ...] = (1,)
     versions = {v: (plans if v == engine.version else plan_all(ck.layers, tps, ep, v, gpu, problems,
                                                                        with_differences=False))
                 for v in rules.RELEASES} if every else {}
-    return Inspection(checkpoint=ck, tps=tuple(tps), ep=ep, engine=engine, gpu=gpu, plans=plans, versions=versions)
+    dtype = _params_dtype(ck.config.torch_dtype)
+    linear = plan_all_linear(ck.linear_layers, tps, engine.version, gpu, dtype)
+    linear_versions = {v: (linear if v == engine.version else
+                           plan_all_linear(ck.linear_layers, tps, v, gpu, dtype, with_differences=False))
+                       for v in rules.RELEASES} if every else {}
+    dims = ck.dims
+    has_attention = any(lay.tp_role == QKV for lay in ck.linear_layers) or dims.num_attention_heads is not None
+    checks = [c for tp in tps for c in model_checks(dims, tp, ep, engine.version, attention=has_attention)]
+    return Inspection(checkpoint=ck, tps=tuple(tps), ep=ep, engine=engine, gpu=gpu, plans=plans, versions=versions,
+                      linear_plans=linear, linear_versions=linear_versions, checks=checks)

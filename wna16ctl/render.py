@@ -60,6 +60,7 @@ def render_inspection(console: Console, insp: Inspection) -> None:
                   f"({human_bytes(ck.files.total_bytes)}); packed experts {human_bytes(total_packed)}")
     if not layers:
         console.print("[yellow]no routed-expert MoE layers found[/]")
+        render_model_section(console, insp)
         return
 
     # Collapse layers whose plans are identical into one row group.
@@ -116,6 +117,7 @@ def render_inspection(console: Console, insp: Inspection) -> None:
                 notes.setdefault((span, text), []).append(tp)
     console.print(table)
     _notes_grid(console, [(f"{span}, {_tp_list(tps)}:", text) for (span, text), tps in notes.items()])
+    render_model_section(console, insp)
     verdict = "[bold green]loads[/] at every requested TP size" if insp.loadable else "[bold red]does not load[/] everywhere (see above)"
     console.print(f"verdict: {verdict}")
 
@@ -256,6 +258,7 @@ def render_release_matrix(console: Console, insp: Inspection) -> None:
         console.print(table)
     for rule, text in legend.items():
         console.print(f"  [red]✗ {escape(rule)}[/]: {escape(text)}")
+    render_linear_matrix(console, insp)
     ok = [v for v in RELEASES if insp.loadable_in(v)]
     from wna16ctl.rules import span as release_span
 
@@ -283,3 +286,108 @@ def render_e2e(console: Console, res) -> None:  # noqa: ANN001 - E2EResult, impo
         s = res.score
         console.print(f"      GSM8K exact match: reference {s['reference_exact_match']:.0%}, candidate "
                       f"{s['candidate_exact_match']:.0%}; answers agree {s['answers_agree']:.0%}")
+
+
+def render_model_section(console: Console, insp: Inspection) -> None:
+    """The model around the experts: engine-level TP checks, quantized linear layers (layers with
+    identical plans collapsed into one row group), MTP layers and modules that were not planned."""
+    ck = insp.checkpoint
+    bad = [c for c in insp.checks if not c.ok]
+    for c in bad:
+        colour = "red" if c.fatal else "yellow"
+        console.print(f"  model TP {c.tp}: [{colour}]{'error' if c.fatal else 'note'}[/] {escape(c.rule)}: "
+                      f"{escape(c.error or c.detail)}")
+    if ck.linear_layers:
+        groups: dict[str, list] = {}
+        for lay in ck.linear_layers:
+            key = repr((lay.kind, lay.tp_role, lay.scheme, _unnamed(lay.name, insp.linear_plans[lay.name])))
+            groups.setdefault(key, []).append(lay)
+        table = simple_table("quantized linear layers per TP size",
+                             ["layers", "layer", "role", "scheme", "TP", "K/rank", "N/rank", "kernel", "status"], console)
+        notes: list[tuple[str, str, str]] = []
+        for members in groups.values():
+            lay = members[0]
+            span = _layer_span([m.layer_index for m in members], [m.name for m in members])
+            for i, p in enumerate(insp.linear_plans[lay.name]):
+                status = "[green]ok[/]" if p.loadable else "[bold red]fails[/]"
+                if p.hazards:
+                    status += f" [yellow]{len(p.hazards)} hazard{'s' if len(p.hazards) > 1 else ''}[/]"
+                table.add_row(escape(span) if i == 0 else "", escape(lay.kind) if i == 0 else "",
+                              lay.tp_role if i == 0 else "",
+                              escape(lay.scheme.describe()) if (i == 0 and lay.scheme) else "",
+                              str(p.tp), "—" if p.k is None else str(p.k), "—" if p.n is None else str(p.n),
+                              escape(p.kernel.removesuffix("LinearKernel")) if p.kernel else "[red]none[/]", status)
+                where = f"{span} {lay.kind}"
+                for e in p.errors:
+                    notes.append((where, f"TP {p.tp}", f"[red]error[/] {escape(e)}"))
+                for h in p.hazards:
+                    notes.append((where, f"TP {p.tp}", f"[yellow]hazard[/] {escape(h)}"))
+                if not p.loadable or p.hazards:
+                    # why each kernel ranked ahead of the chosen one passed (every reason is in --json)
+                    for name, reason in p.rejected.items():
+                        if reason.startswith("lower priority"):
+                            break
+                        notes.append((where, f"TP {p.tp}", f"[dim]{name} rejected:[/] {escape(reason)}"))
+        console.print(table)
+        # per layer group: errors, hazards, rejected kernels, each with the TP sizes it applies to; a
+        # note that more than two layer groups share is printed once (every plan keeps it in --json)
+        groups_of: dict[str, set[str]] = {}
+        for where, _tp, text in notes:
+            groups_of.setdefault(text, set()).add(where)
+        shared = {t for t, ws in groups_of.items() if len(ws) > 2}
+        by_where: dict[str, dict[str, list[str]]] = {}
+        for where, tp, text in notes:
+            if text not in shared:
+                tps = by_where.setdefault(where, {}).setdefault(text, [])
+                if tp not in tps:
+                    tps.append(tp)
+        for where, texts in by_where.items():
+            for text, tps in texts.items():
+                console.print(f"  {escape(where)} TP {','.join(t.removeprefix('TP ') for t in tps)}: {text}")
+        for text in (t for t in groups_of if t in shared):
+            console.print(f"  {len(groups_of[text])} layer groups: {text}")
+    for lay in ck.mtp_layers:
+        scheme = lay.scheme.describe() if lay.scheme else "unquantized"
+        console.print(f"  MTP layer {escape(lay.prefix)} ({lay.num_experts} experts, {escape(scheme)}): not a decoder "
+                      "layer; vLLM loads it only for MTP speculative decoding, and it is not part of this verdict")
+    if ck.unplaced_linear:
+        shown = ", ".join(ck.unplaced_linear[:5]) + (f" … ({len(ck.unplaced_linear)} in all)" if len(ck.unplaced_linear) > 5 else "")
+        console.print(f"  [yellow]not planned[/]: quantized modules whose vLLM layer wna16ctl does not know: {escape(shown)}")
+
+
+def render_linear_matrix(console: Console, insp: Inspection) -> None:
+    """`--vllm all` for the quantized linear layers: per group of identical layers, the kernel each
+    release picks at each TP size, or the first rule that refuses the layer; then the failing model checks."""
+    from wna16ctl.rules import RELEASES
+
+    ck = insp.checkpoint
+    groups: dict[str, list] = {}
+    for lay in ck.linear_layers:
+        key = repr((lay.kind, [_unnamed(lay.name, insp.linear_versions[v][lay.name]) for v in RELEASES]))
+        groups.setdefault(key, []).append(lay)
+    legend: dict[str, str] = {}
+    for members in groups.values():
+        lay = members[0]
+        span = _layer_span([m.layer_index for m in members], [m.name for m in members])
+        table = simple_table(f"{span} · {lay.kind} ({lay.tp_role})", ["vLLM"] + [f"TP {t}" for t in insp.tps], console)
+        for v in RELEASES:
+            plans = insp.linear_versions[v][lay.name]
+            table.add_row(v, *[f"[green]{escape(p.kernel.removesuffix('LinearKernel'))}[/]" if p.loadable
+                               else f"[red]✗ {escape(p.failure_rule or 'fails')}[/]" for p in plans])
+            for p in plans:
+                if not p.loadable and p.failure_rule and p.failure_rule not in legend:
+                    legend[p.failure_rule] = p.errors[0].splitlines()[0]
+        console.print(table)
+    for rule, text in legend.items():
+        console.print(f"  [red]✗ {escape(rule)}[/]: {escape(text)}")
+    for c in insp.checks:
+        if not c.ok:
+            console.print(f"  model TP {c.tp}: [{'red' if c.fatal else 'yellow'}]{escape(c.rule)}[/]: {escape(c.error or c.detail)}")
+
+
+def _unnamed(name: str, plans: list) -> str:
+    """The plans' JSON with the layer's own name blanked: layers whose plans differ only in the
+    name the engine's texts quote are shown as one group."""
+    import json
+
+    return json.dumps([p.to_json() for p in plans]).replace(name, "<layer>")

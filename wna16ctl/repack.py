@@ -201,7 +201,7 @@ def plan_repack(ckpt_path: str | os.PathLike[str], settings: RepackSettings) -> 
     if settings.gpu not in rules.GPUS:
         raise UsageError(f"--gpu {settings.gpu!r} is not one of {', '.join(rules.GPUS)}")
     ck = open_checkpoint(ckpt_path)
-    layers = ck.quantized_layers
+    layers = ck.quantized_layers + ck.quantized_mtp_layers  # MTP experts are repacked like the decoder's
     if not layers:
         raise NotLoadable(f"{ck.root}: no quantized MoE layers to repack")
     check_tp_sizes(layers, (settings.tp,), settings.ep)

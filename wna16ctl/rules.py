@@ -124,6 +124,25 @@ CHANGES: tuple[Change, ...] = (
            "the pack factor (packed zero points are sliced per rank)",
            f"{_WNA16}: create_weights"),
     # -- weight processing (known engine bugs) --------------------------------------------
+    # -- dense linear layers (CompressedTensorsWNA16 → choose_mp_linear_kernel) -------------
+    Change("linear.allspark_kernel", "0.27.0", "0.31.0",
+           "AllSparkLinearKernel (int8 channel-wise, Ampere only) is a candidate between Machete and Marlin",
+           "kernels/linear/__init__.py: _POSSIBLE_KERNELS; kernels/linear/mixed_precision/allspark.py"),
+    Change("linear.humming_first_on_sm90", "0.32.0", None,
+           "Humming is moved directly ahead of Marlin on compute capability 9.0 for linear layers too "
+           "(prioritize_humming in _resolve_backend_kernels)",
+           "kernels/linear/__init__.py: _resolve_backend_kernels; quantization/utils/humming/priority.py"),
+    Change("linear.g_idx_kernels", "0.27.0", "0.30.0",
+           "act-order (g_idx) linear layers reach the kernels: Machete and Exllama refuse a partitioned K, "
+           "Marlin keeps its strict thread-tile shape check, CUTLASS/Conch/Triton/Humming refuse g_idx, and "
+           "act-order scales are repeated on every rank",
+           "kernels/linear/mixed_precision/*.py: can_implement; compressed_tensors_wNa16.py: create_weights"),
+    Change("linear.marlin_tile_padding", "0.27.0", None,
+           "Marlin zero-pads a linear layer's per-rank N and K up to a thread tile (n%64 & k%128, or n%128 & "
+           "k%64) instead of refusing it; only a scale group straddling two ranks is refused (in every release "
+           "this rulebook plans)",
+           "kernels/linear/mixed_precision/marlin.py: can_implement; quantization/utils/marlin_utils.py: "
+           "marlin_padded_nk"),
     Change("process.w13_scales_size_k_quirk", "0.27.0", None,
            "Marlin processing permutes w13 scales with size_k = intermediate_size_per_partition instead of "
            "hidden_size: with I_p <= group_size the grouped scales get the channel-wise permutation",

@@ -14,13 +14,14 @@ from wna16ctl.checkpoint._fork import split_map
 from wna16ctl.checkpoint.headers import (
     INDEX_NAME, CheckpointFiles, ShardHeader, ShardList, TensorInfo, assemble, locate_shards, read_shard_header,
 )
+from wna16ctl.checkpoint.model import LinearLayer, ModelDims, find_linear_layers, is_mtp, model_dims
 from wna16ctl.checkpoint.moe import MoELayer, find_moe_layers
 from wna16ctl.checkpoint.scan import scan_shard, shard_header
 from wna16ctl.errors import BadInput
 
 __all__ = [
-    "Checkpoint", "CheckpointFiles", "HeaderSource", "ModelConfig", "MoELayer", "QuantConfig", "TensorInfo",
-    "WeightScheme", "open_checkpoint",
+    "Checkpoint", "CheckpointFiles", "HeaderSource", "LinearLayer", "ModelConfig", "ModelDims", "MoELayer", "QuantConfig",
+    "TensorInfo", "WeightScheme", "open_checkpoint",
 ]
 
 
@@ -47,13 +48,25 @@ class Checkpoint:
     root: Path
     config: ModelConfig
     files: CheckpointFiles
-    layers: list[MoELayer]
+    layers: list[MoELayer]  # the decoder's MoE layers (MTP layers are apart: see `mtp_layers`)
     warnings: list[str] = field(default_factory=list)
     source: dict[str, str] | None = None  # a Hub checkpoint: repo_id, revision, commit
+    # MoE layers of multi-token-prediction modules, which vLLM's decoder does not build
+    mtp_layers: list[MoELayer] = field(default_factory=list)
+    linear_layers: list[LinearLayer] = field(default_factory=list)  # quantized non-expert linears, as vLLM fuses them
+    unplaced_linear: list[str] = field(default_factory=list)  # quantized modules wna16ctl cannot place
 
     @property
     def quantized_layers(self) -> list[MoELayer]:
         return [lay for lay in self.layers if lay.quantized]
+
+    @property
+    def quantized_mtp_layers(self) -> list[MoELayer]:
+        return [lay for lay in self.mtp_layers if lay.quantized]
+
+    @property
+    def dims(self) -> ModelDims:
+        return model_dims(self.config)
 
 
 @contextmanager
@@ -121,10 +134,15 @@ def open_checkpoint(path: str | os.PathLike[str], headers: HeaderSource = LOCAL_
             layers = find_moe_layers(files, config)
         else:
             files, layers = _scan_checkpoint(root, config, intermediate, headers)
+    mtp = [lay for lay in layers if is_mtp(lay.prefix, config.num_hidden_layers)]
+    if mtp:
+        layers = [lay for lay in layers if not is_mtp(lay.prefix, config.num_hidden_layers)]
+    linear, unplaced = find_linear_layers(files, config)
     warnings = [w for lay in layers for w in lay.warnings]
     if config.quant is None:
         warnings.append(f"{root / 'config.json'}: no quantization_config; the experts are not quantized")
     if config.torch_dtype == "float32":
         warnings.append(f"{root / 'config.json'}: torch_dtype float32: vLLM's Marlin MoE kernels (and verify's MoE GEMM) "
                         "run float16/bfloat16 only; the Triton layout accepts float32 scales")
-    return Checkpoint(root=root, config=config, files=files, layers=layers, warnings=warnings)
+    return Checkpoint(root=root, config=config, files=files, layers=layers, warnings=warnings, mtp_layers=mtp,
+                      linear_layers=linear, unplaced_linear=unplaced)

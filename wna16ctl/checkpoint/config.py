@@ -455,6 +455,35 @@ def _check_routing_fields(raw: dict[str, Any], path: Path, num_experts: int | No
         raise BadInput(f"{path}: topk_group = {topk_group} exceeds n_group = {n_group}")
 
 
+# Keys that name the checkpoint itself, not its language model: a multimodal or wrapper config
+# keeps its own values for these when the nested text config is merged in.
+_OWN_KEYS = ("architectures", "model_type", "quantization_config", "compression_config", "torch_dtype", "dtype")
+
+
+def merge_text_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """The config with a nested `text_config` / `language_config` merged in (Kimi-K2.5, Qwen3.5).
+
+    The language model's sizes come from the nested config (as vLLM's `hf_text_config`), but the
+    checkpoint's architecture, model_type, dtype and quantization stay those of the top level,
+    which is what vLLM dispatches on.  A nested key the top level lacks is still taken."""
+    for sub in ("text_config", "language_config"):
+        nested = raw.get(sub)
+        if isinstance(nested, dict) and "hidden_size" not in raw:
+            merged = {**raw, **nested}
+            for key in _OWN_KEYS:
+                if raw.get(key) is not None:
+                    merged[key] = raw[key]
+            merged["text_model_type"] = nested.get("model_type")
+            return merged
+    return raw
+
+
+def quantization_config_of(raw: dict[str, Any]) -> Any:
+    """`quantization_config`, else the legacy `compression_config` key (vLLM reads both)."""
+    qc = raw.get("quantization_config")
+    return raw.get("compression_config") if qc is None else qc
+
+
 def read_model_config(ckpt: Path) -> ModelConfig:
     """Read and check `CKPT/config.json` (raises BadInput with the file named)."""
     path = ckpt / "config.json"
@@ -470,15 +499,10 @@ def read_model_config(ckpt: Path) -> ModelConfig:
     except JSONError as e:
         raise BadInput(f"{path}: not valid JSON ({e})") from None
     _expect(isinstance(raw, dict), path, "must hold a JSON object")
-    # Multimodal wrappers keep the language model's fields in a sub-config.
-    for sub in ("text_config", "language_config"):
-        if isinstance(raw.get(sub), dict) and "hidden_size" not in raw:
-            merged = dict(raw[sub])
-            merged.setdefault("quantization_config", raw.get("quantization_config"))
-            raw = {**raw, **merged}
+    raw = merge_text_config(raw)
     hidden = _first_int(raw, path, "hidden_size", "d_model")
     _expect(hidden is not None, path, "hidden_size is missing")
-    qc_raw = raw.get("quantization_config")
+    qc_raw = quantization_config_of(raw)
     quant = parse_quantization_config(qc_raw, path) if qc_raw is not None else None
     archs = raw.get("architectures") or []
     model_type = str(raw.get("model_type", ""))

@@ -21,6 +21,9 @@ from wna16ctl.errors import BadInput
 PROJECTION_ROLES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape", "weight")
 _FLOAT_DTYPES = ("BF16", "F16", "F32")
+# Header entries of non-expert tensors that a worker process sends back in full (not only their
+# names): the packed weights and scales of quantized linear layers, whose shapes are planned.
+_DENSE_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_zero_point", ".weight_g_idx")
 # Formats compressed-tensors writes; anything else is not a compressed-tensors checkpoint we know.
 KNOWN_FORMATS = frozenset({
     "pack-quantized", "naive-quantized", "int-quantized", "float-quantized", "dense", "mixed-precision",
@@ -67,9 +70,13 @@ def scan_shard(path: str, config: ModelConfig, intermediate: int, *, keep_entrie
     # 1. group this shard's expert tensors by projection module
     modules: dict[str, tuple[str, int, str]] = {}  # module -> (prefix, expert, proj)
     tensors: list[tuple[str, str, str, dict]] = []  # (name, module, suffix, entry)
+    dense: dict[str, dict] = {}  # non-expert quantized tensors (the linear planner reads their shapes)
     for name, e in sh.entries.items():
         if ".experts." not in name:
-            continue  # dtype, shape and extent of every entry were checked by read_shard_header
+            # dtype, shape and extent of every entry were checked by read_shard_header
+            if not keep_entries and name.endswith(_DENSE_SUFFIXES):
+                dense[name] = e
+            continue
         if name.endswith(".weight_shape"):
             continue  # a third of all expert tensors, never read (shapes come from the config)
         parts = name.rsplit(".", 3)
@@ -150,7 +157,7 @@ def scan_shard(path: str, config: ModelConfig, intermediate: int, *, keep_entrie
     return {
         "path": path, "size": sh.size, "data_start": sh.data_start, "metadata": sh.metadata,
         "entries": sh.entries if keep_entries else list(sh.entries),
-        "layers": layers, "schemes": table,
+        "layers": layers, "schemes": table, "dense": dense,
     }
 
 
@@ -170,4 +177,5 @@ def shard_header(scan: dict[str, Any]) -> ShardHeader:
     entries = scan["entries"]
     if isinstance(entries, list):  # scanned in a worker process: only the names came back
         entries = dict.fromkeys(entries)
+        entries.update(scan.get("dense") or {})
     return ShardHeader(Path(scan["path"]), scan["size"], scan["data_start"], entries, scan["metadata"])

@@ -1,0 +1,446 @@
+"""The planner for the model around the experts: quantized linear layers and the engine's
+model-level tensor-parallel checks, for one vLLM release on one CUDA GPU architecture.
+
+`plan_linear` follows what the engine does with one compressed-tensors WNA16 linear layer
+(`CompressedTensorsWNA16.create_weights`): the layer class shards K or N per rank (its own
+divisibility asserts), `choose_mp_linear_kernel` walks the release's CUDA kernel list and takes
+the first kernel whose `can_implement` accepts the per-rank shape, and the scales are then
+checked for groups straddling ranks.  `model_checks` are the checks that stop the engine before
+any weight (attention heads, KV heads, vocabulary, experts).  A sibling of `plan.py` (the MoE
+planner): the same rulebook, the same shape of result, no files read and no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from wna16ctl import rules
+from wna16ctl.checkpoint.config import PACK_QUANTIZED, WeightScheme
+from wna16ctl.checkpoint.model import COLUMN, QKV, REPLICATED, ROW, VOCAB, LinearLayer, ModelDims
+
+# vLLM kernel class names, in the CUDA priority order of `_POSSIBLE_KERNELS`
+CUTLASS_W4A8, MACHETE, ALLSPARK, MARLIN = "CutlassW4A8LinearKernel", "MacheteLinearKernel", "AllSparkLinearKernel", "MarlinLinearKernel"
+CONCH, EXLLAMA, TRITON, HUMMING = "ConchLinearKernel", "ExllamaLinearKernel", "TritonW4A16LinearKernel", "HummingLinearKernel"
+_MIN_CC = {CUTLASS_W4A8: 90, MACHETE: 90, ALLSPARK: 80, MARLIN: 75, CONCH: 80, EXLLAMA: 60, TRITON: 0, HUMMING: 75}
+VOCAB_PADDING = 64  # DEFAULT_VOCAB_PADDING_SIZE
+
+
+def kernel_priority(rel: rules.Release, gpu: str) -> list[str]:
+    order = [CUTLASS_W4A8, MACHETE, MARLIN, CONCH, EXLLAMA, TRITON, HUMMING]
+    if rel.has("linear.allspark_kernel"):
+        order.insert(order.index(MARLIN), ALLSPARK)
+    if rel.has("linear.humming_first_on_sm90") and rules.GPUS[gpu] == 90:
+        order.remove(HUMMING)
+        order.insert(order.index(MARLIN), HUMMING)
+    return order
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """vLLM's MPLinearLayerConfig, as far as kernel choice reads it."""
+
+    k: int  # full input size (K)
+    n: int  # full output size (N)
+    k_p: int  # per-rank K
+    n_p: int  # per-rank N
+    weight_type: str  # uint4b8 / uint8b128 (symmetric) or uint4 / uint8 (zero points)
+    bits: int
+    act_type: str  # the model dtype: bfloat16 / float16 / float32
+    group_size: int  # -1: channel-wise
+    zero_points: bool
+    has_g_idx: bool
+
+
+def weight_type(s: WeightScheme) -> str:
+    if s.symmetric:
+        return f"uint{s.num_bits}b{2 ** (s.num_bits - 1)}"
+    return f"uint{s.num_bits}"
+
+
+def _padded_nk(n: int, k: int, group_size: int) -> tuple[int, int]:
+    """Marlin's thread-tile padding of (N, K): the cheaper of (n%64, k%lcm(128,g)) and (n%128, k%lcm(64,g))."""
+    import math
+
+    g = group_size if group_size > 0 else 1
+    up = lambda x, m: -(-x // m) * m  # noqa: E731
+    cands = ((up(n, 64), up(k, math.lcm(128, g))), (up(n, 128), up(k, math.lcm(64, g))))
+    return min(cands, key=lambda nk: (nk[0] * nk[1], nk[0] + nk[1]))
+
+
+def _marlin_strict_shape(c: KernelConfig) -> str | None:
+    """`verify_marlin_supports_shape` (act-order layers in releases with g_idx kernels)."""
+    if c.n_p % 64:
+        return (f"Weight output_size_per_partition = {c.n_p} is not divisible by  min_thread_n = 64. "
+                "Consider reducing tensor_parallel_size or running with --quantization gptq.")
+    if c.k_p % 128:
+        return (f"Weight input_size_per_partition = {c.k_p} is not divisible by min_thread_k = 128. "
+                "Consider reducing tensor_parallel_size or running with --quantization gptq.")
+    if c.group_size < c.k and c.k_p % c.group_size:
+        return _straddle_text(c.k_p, c.group_size, None, " or running with --quantization gptq")
+    return None
+
+
+def _straddle_text(k_p: int, group_size: int, layer: str | None, extra: str = "") -> str:
+    where = f" for layer '{layer}'" if layer else ""
+    return (f"Weight input_size_per_partition={k_p}{where} is not divisible by group_size={group_size}. This "
+            "happens when tensor_parallel_size splits the layer input into shards that are not a whole number of "
+            f"quant groups. Consider reducing tensor_parallel_size{extra}.")
+
+
+def kernel_reason(kernel: str, rel: rules.Release, gpu: str, c: KernelConfig) -> str | None:
+    """Why `kernel` cannot implement the layer (None: it can), in the order the release checks."""
+    cc = rules.GPUS[gpu]
+    g_idx = c.has_g_idx and rel.has("linear.g_idx_kernels")
+    if _MIN_CC[kernel] > cc:
+        return f"{kernel} requires capability {_MIN_CC[kernel]}, current compute  capability is {cc}"
+    if kernel == CUTLASS_W4A8:
+        if cc != 90:
+            return "CUTLASS W4A8 requires compute capability of 90 (Hopper)"
+        if g_idx:
+            return "Act reordering not supported by CUTLASS W4A8"
+        return "CUTLASS W4A8 only supports FP8 (e4m3) activations"
+    if kernel == MACHETE:
+        if cc != 90:
+            return "Machete requires compute capability of 90 (Hopper)"
+        if g_idx and c.k_p != c.k:
+            return "Act reordering currently not supported by Machete, when the input features are partitioned across devices"
+        types = ["uint4", "uint8"] if c.zero_points else ["uint4b8", "uint8b128"]
+        if c.weight_type not in types:
+            return f"Quant type ({c.weight_type}) not supported by Machete, supported types are: {types}"
+        sizes = [-1, 64, 128] if c.act_type in ("float16", "bfloat16") else [-1, 128]
+        if c.group_size not in sizes:
+            return f"Group size ({c.group_size}) not supported by Machete, supported group sizes are: {sizes}"
+        if c.k_p % 64:
+            return "Input features size must be divisible by 64"
+        if c.n_p % 128:
+            return "Output features size must be divisible by 128"
+        return None
+    if kernel == ALLSPARK:
+        if c.zero_points:
+            return "Zero points currently not supported by AllSpark"
+        if not 80 <= cc < 90:
+            return f"AllSpark currently does not support device_capability = {cc}."
+        if c.group_size != -1:
+            return f"For Ampere GPU, AllSpark does not support group_size = {c.group_size}. Only group_size = -1 are supported."
+        if c.weight_type != "uint8b128":
+            return (f"For Ampere GPU, AllSpark does not support quant type ({c.weight_type}). Only quant type "
+                    "([uint8b128]) are supported.")
+        if c.k_p % 16 or c.n_p % 16:
+            return ("AllSpark needs input_size_per_partition % 16 = 0 and output_size_per_partition % 16 = 0 for "
+                    "Ampere GPU optimized kernels.")
+        if c.act_type not in ("float16", "bfloat16"):
+            return f"AllSpark only supports act_dtype = float16 or bfloat16,for Ampere GPU, but got act_dtype = {c.act_type}."
+        return None
+    if kernel == MARLIN:
+        types = ["uint4"] if c.zero_points else ["uint4b8", "uint8b128"]
+        if c.weight_type not in types:
+            return f"Quant type ({c.weight_type}) not supported by  Marlin, supported types are: {types}"
+        if c.group_size not in (-1, 32, 64, 128):
+            return f"Group size ({c.group_size}) not supported by Marlin, supported group sizes are: [-1, 32, 64, 128]"
+        if g_idx:
+            return _marlin_strict_shape(c)
+        if c.group_size != -1 and c.group_size < c.k and c.k_p % c.group_size:
+            return f"in_features per partition {c.k_p} is not divisible by group_size = {c.group_size}."
+        return None
+    if kernel == CONCH:
+        if g_idx:
+            return "Activation reordering (g_idx) is not supported by ConchLinearKernel"
+        if c.weight_type not in ("uint4", "uint8", "uint4b8", "uint8b128"):
+            return f"Weight type ({c.weight_type}) not supported by ConchLinearKernel"
+        if c.group_size not in (-1, 128):
+            return (f"Group size ({c.group_size}) not supported by ConchLinearKernel, supported group sizes are: "
+                    "[-1, 128]")
+        return ("conch-triton-kernels is not installed, please install it via `pip install conch-triton-kernels` and "
+                "try again! (an optional package; planned as absent)")
+    if kernel == EXLLAMA:
+        if g_idx and c.k_p != c.k:
+            return "Act reordering currently not supported by Exllama, when the input features are partitioned across devices"
+        if c.n_p % (32 // c.bits):
+            return ("Output features must be a multiple of the pack factor (32 / num_bits) so that we can correctly "
+                    "pack the zero points")
+        if c.act_type != "float16":
+            return "Exllama only supports float16 activations"
+        if c.weight_type not in ("uint4b8", "uint8b128"):
+            return f"Quant type ({c.weight_type}) not supported by Exllama, supported types are: [uint4b8, uint8b128]"
+        if c.group_size <= 0:
+            return f"Group size ({c.group_size}) must be positive, Exllama does not support channelwise quantization"
+        if c.k % c.group_size:
+            return f"Group size ({c.group_size}) does not evenly divide the number of input features ({c.k})"
+        return None
+    if kernel == TRITON:
+        if g_idx:
+            return "Activation reordering (g_idx) is not supported by TritonW4A16LinearKernel"
+        if c.weight_type not in ("uint4b8", "uint4"):
+            return f"Quant type {c.weight_type} not supported; supported: [uint4b8, uint4]"
+        if c.act_type not in ("float16", "bfloat16"):
+            return "Only float16/bfloat16 activations are supported"
+        if c.n_p % 8:
+            return f"Output features ({c.n_p}) must be divisible by 8 (8 int4 values packed per int32)"
+        if c.group_size not in (-1, 32, 64, 128, 256) and c.group_size != c.k:
+            return f"Group size {c.group_size} not supported; supported: [-1, 32, 64, 128, 256] or full K ({c.k})"
+        eff = c.group_size if c.group_size != -1 else c.k_p
+        if c.k_p % eff:
+            return f"Input features {c.k_p} not divisible by group size {eff}"
+        return None
+    if kernel == HUMMING:
+        if g_idx:
+            return "Humming does not support act-order (g_idx)"
+        return None
+    raise AssertionError(kernel)
+
+
+@dataclass
+class LinearPlan:
+    """What one release does with one linear layer at one TP size."""
+
+    tp: int
+    vllm: str
+    gpu: str
+    k: int | None = None  # per-rank K
+    n: int | None = None  # per-rank N
+    kernel: str | None = None
+    rejected: dict[str, str] = field(default_factory=dict)
+    padded_nk: tuple[int, int] | None = None  # Marlin's tile padding of (N, K), when it pads
+    errors: list[str] = field(default_factory=list)
+    failure_stage: str | None = None
+    failure_rule: str | None = None
+    hazards: list[str] = field(default_factory=list)
+
+    @property
+    def loadable(self) -> bool:
+        return not self.errors and self.kernel is not None
+
+    def fail(self, stage: str, rule: str, text: str) -> None:
+        if not self.errors:
+            self.failure_stage, self.failure_rule = stage, rule
+        self.errors.append(text)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "tp": self.tp, "vllm": self.vllm, "gpu": self.gpu, "k": self.k, "n": self.n, "kernel": self.kernel,
+            "rejected": dict(self.rejected),
+            "marlin_padded_nk": list(self.padded_nk) if self.padded_nk else None,
+            "errors": list(self.errors), "failure_stage": self.failure_stage, "failure_rule": self.failure_rule,
+            "hazards": list(self.hazards), "loadable": self.loadable,
+        }
+
+
+def _divide(plan: LinearPlan, what: str, a: int, b: int) -> int | None:
+    """vLLM's `divide` (ensure_divisibility): an AssertionError when `a` is not a multiple of `b`."""
+    if a % b:
+        plan.fail("create_weights", f"{what} % TP", f"AssertionError: {a} is not divisible by {b} ({what})")
+        return None
+    return a // b
+
+
+def per_rank_shape(layer: LinearLayer, tp: int, plan: LinearPlan) -> tuple[int, int, int, int] | None:
+    """(K, N, K per rank, N per rank) as the layer class shards it, or None after an assert."""
+    k, n = layer.input_size, layer.output_size
+    role = layer.tp_role
+    if role == REPLICATED:
+        return k, n, k, n
+    if role == ROW:
+        k_p = _divide(plan, "input size", k, tp)
+        return None if k_p is None else (k, n, k_p, n)
+    if role == VOCAB:
+        padded = -(-n // VOCAB_PADDING) * VOCAB_PADDING
+        n_p = _divide(plan, "padded vocabulary", padded, tp)
+        return None if n_p is None else (k, padded, k, n_p)
+    if role == QKV:
+        hd, heads, kv = layer.head_dim or 0, layer.num_heads or 0, layer.num_kv_heads or 0
+        if not (hd and heads and kv):
+            plan.fail("create_weights", "heads", f"{layer.name}: cannot tell the head counts from config.json")
+            return None
+        q_p = _divide(plan, "attention heads", heads, tp)
+        if q_p is None:
+            return None
+        if tp >= kv:
+            if _divide(plan, "KV head replicas", tp, kv) is None:
+                return None
+            kv_p = 1
+        else:
+            kv_p = _divide(plan, "KV heads", kv, tp)  # type: ignore[assignment]
+            if kv_p is None:
+                return None
+        sizes = layer.output_sizes
+        v_hd = sizes[2] // kv if len(sizes) > 2 and sizes[2] else hd
+        return k, (heads + kv) * hd + kv * v_hd, k, q_p * hd + kv_p * hd + kv_p * v_hd
+    if role == COLUMN:
+        n_p = 0
+        for size in layer.output_sizes:
+            part = _divide(plan, "output size", size, tp)
+            if part is None:
+                return None
+            n_p += part
+        return k, n, k, n_p
+    raise AssertionError(role)
+
+
+def plan_linear(layer: LinearLayer, tp: int, engine: str = rules.NEWEST, gpu: str = rules.DEFAULT_GPU,
+                dtype: str = "bfloat16") -> LinearPlan:
+    """The one decision function for a linear layer: what vLLM `engine` does with `layer` on `tp`
+    ranks of a CUDA `gpu`, in the engine's order, stopping where it stops."""
+    if tp < 1:
+        raise ValueError("tp must be >= 1")
+    rel = rules.release(engine)
+    plan = LinearPlan(tp=tp, vllm=engine, gpu=gpu)
+    s = layer.scheme
+    if layer.mixed_schemes:
+        plan.fail("config", "mixed shards", (
+            f"Found different quantization schemes for the shards of {layer.name}. vLLM requires all to use the same "
+            f"scheme. ({', '.join(layer.modules)})"))
+        return plan
+    if s is None:
+        plan.fail("config", "unquantized", f"{layer.name}: packed tensors but quantization_config does not quantize it")
+        return plan
+    if layer.refused:
+        plan.fail("load", "built unquantized", (
+            f"{layer.name}: vLLM builds {layer.refused} unquantized (quant_config=None), so its weight_packed/"
+            "weight_scale tensors have no parameter to load into; keep it in quantization_config.ignore"))
+        return plan
+    if rel.has("config.refuse_group_actorder") and s.actorder in ("group", "dynamic"):
+        plan.fail("config", "actorder refused", (
+            f"Compressed-tensors group/dynamic activation ordering (actorder={s.actorder!r}) is no longer supported. "
+            "Use a checkpoint with static/weight activation ordering or without activation ordering."))
+        return plan
+    if not s.is_wna16 or s.format != PACK_QUANTIZED:
+        plan.fail("config", "not WNA16", (
+            f"{layer.name}: scheme {s.describe()} format {s.format} is not a pack-quantized weight-only integer "
+            "scheme; the WNA16 linear planner does not cover it"))
+        return plan
+    if not 2 <= s.num_bits <= 8:
+        plan.fail("config", "bits", f"Unsupported num_bits = {s.num_bits}. Supported num_bits = [2, 3, 4, 5, 6, 7, 8]")
+        return plan
+    shape = per_rank_shape(layer, tp, plan)
+    if shape is None:
+        return plan
+    k, n, k_p, n_p = shape
+    plan.k, plan.n = k_p, n_p
+    c = KernelConfig(k=k, n=n, k_p=k_p, n_p=n_p, weight_type=weight_type(s), bits=s.num_bits, act_type=dtype,
+                     group_size=s.group_size, zero_points=not s.symmetric,
+                     # the scheme compares the actorder string with "group" as written: "dynamic" is not
+                     has_g_idx=s.actorder == "group")
+    if s.actorder == "dynamic" and rel.has("linear.g_idx_kernels"):
+        plan.hazards.append(
+            "actorder 'dynamic' is the alias of 'group', but vLLM's linear scheme compares the string with 'group': "
+            "it plans this layer without act-order and registers no g_idx parameter, so the checkpoint's "
+            "weight_g_idx cannot load (or the groups are applied unpermuted). Rewrite the config's actorder as "
+            "'group' (the tensors are the same)")
+    # -- create_weights: choose_mp_linear_kernel ------------------------------------------------
+    for kern in kernel_priority(rel, gpu):
+        reason = kernel_reason(kern, rel, gpu, c)
+        if plan.kernel is None and reason is None:
+            plan.kernel = kern
+        elif reason is not None:
+            plan.rejected[kern] = reason
+        else:
+            plan.rejected[kern] = f"lower priority than {plan.kernel}"
+    if plan.kernel is None:
+        plan.fail("create_weights", "no kernel", (
+            "Failed to find a kernel that can implement the WNA16 linear layer. Reasons: \n"
+            + "\n".join(f" {kn} cannot implement due to: {r}" for kn, r in plan.rejected.items())))
+        return plan
+    # -- create_weights: scale sharding ---------------------------------------------------------
+    row_parallel = k_p != k
+    g_idx = c.has_g_idx and rel.has("linear.g_idx_kernels")
+    repeat = g_idx or (s.group_size == -1 and row_parallel)
+    gs = s.group_size if s.group_size != -1 else k
+    if not repeat and k_p % gs:
+        plan.fail("create_weights", "K/rank % group", _straddle_text(k_p, gs, layer.name))
+        return plan
+    if plan.kernel == HUMMING:
+        plan.hazards.append(
+            "runs on Humming, whose can_implement in vLLM accepts any 16-bit-activation layer; shape limits of the "
+            "humming package itself (converted at load) are not in vLLM's sources and are not planned")
+    # -- process_weights_after_loading ------------------------------------------------------------
+    if plan.kernel == MARLIN and not g_idx:
+        padded = _padded_nk(n_p, k_p, s.group_size)
+        if padded != (n_p, k_p):
+            plan.padded_nk = padded
+            plan.hazards.append(
+                f"Marlin pads this layer's per-rank (N, K) from ({n_p}, {k_p}) to {padded} (thread tiles): activations "
+                "and outputs are padded and sliced on every forward, and vLLM warns that performance may be degraded")
+    if not s.symmetric and layer.tp_role == COLUMN and any((size // tp) % (32 // s.num_bits)
+                                                            for size in layer.output_sizes if size):
+        plan.hazards.append(
+            f"zero points are packed along N ({32 // s.num_bits} per int32): an output shard whose per-rank size is "
+            "not a multiple of that starts inside a packed word when the fused layer is loaded")
+    return plan
+
+
+def linear_outcome(p: LinearPlan) -> str:
+    if p.loadable:
+        return f"loads on {p.kernel}" + (f" (Marlin tile padding to (N, K) = {p.padded_nk})" if p.padded_nk else "")
+    return f"fails ({p.failure_stage}): {p.errors[0].splitlines()[0]}"
+
+
+def linear_release_differences(layer: LinearLayer, tp: int, engine: str, gpu: str, dtype: str) -> list[str]:
+    mine = linear_outcome(plan_linear(layer, tp, engine, gpu, dtype))
+    groups: dict[str, list[str]] = {}
+    for v in rules.RELEASES:
+        if v != engine:
+            out = linear_outcome(plan_linear(layer, tp, v, gpu, dtype))
+            if out != mine:
+                groups.setdefault(out, []).append(v)
+    return [f"vLLM {rules.span(vs)}: {out}" for out, vs in groups.items()]
+
+
+# -- model-level checks: the engine stops before any weight ---------------------------------------
+@dataclass(frozen=True)
+class ModelCheck:
+    tp: int
+    rule: str
+    ok: bool
+    detail: str
+    error: str | None = None  # the engine's text when it refuses
+    stage: str = "config"  # "config" (engine arguments) or "model" (model construction)
+    fatal: bool = True  # False: a fact reported beside the verdict (e.g. EPLB only)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tp": self.tp, "rule": self.rule, "ok": self.ok, "detail": self.detail, "error": self.error,
+                "stage": self.stage, "fatal": self.fatal}
+
+
+_EXPERTS_GT_TP = ("qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
+
+
+def model_checks(dims: ModelDims, tp: int, ep: bool, engine: str = rules.NEWEST,
+                 attention: bool = True) -> list[ModelCheck]:
+    """The checks vLLM makes on the model's sizes for `tp` ranks before it loads a weight."""
+    rules.release(engine)  # the texts below are the same in every release this rulebook plans
+    out: list[ModelCheck] = []
+    h = dims.num_attention_heads
+    if h:
+        ok = h % tp == 0
+        out.append(ModelCheck(tp, "attention heads % TP", ok, f"{h} % {tp}", None if ok else (
+            f"Total number of attention heads ({h}) must be divisible by tensor parallel size ({tp}).")))
+    kv = dims.num_key_value_heads
+    if attention and kv and not dims.mla:
+        a, b = (tp, kv) if tp >= kv else (kv, tp)
+        ok = a % b == 0
+        how = "replicated" if tp >= kv else "sharded"
+        out.append(ModelCheck(tp, "KV heads", ok, f"{kv} KV heads {how} over {tp} ranks ({a} % {b})",
+                              None if ok else f"AssertionError: {a} is not divisible by {b}", stage="model"))
+    if dims.vocab_size:
+        padded = -(-dims.vocab_size // VOCAB_PADDING) * VOCAB_PADDING
+        ok = padded % tp == 0
+        out.append(ModelCheck(tp, "vocabulary % TP", ok, f"vocab {dims.vocab_size} padded to {padded}, % {tp}",
+                              None if ok else f"AssertionError: {padded} is not divisible by {tp}", stage="model"))
+    if dims.linear_num_value_heads:
+        v = dims.linear_num_value_heads
+        ok = v % tp == 0
+        out.append(ModelCheck(tp, "linear-attention value heads % TP", ok, f"{v} % {tp}",
+                              None if ok else f"AssertionError: {v} is not divisible by {tp}", stage="model"))
+    E = dims.num_experts
+    if E and (dims.model_type in _EXPERTS_GT_TP or dims.text_model_type in _EXPERTS_GT_TP):
+        ok = tp <= E
+        out.append(ModelCheck(tp, "TP <= experts", ok, f"{tp} <= {E}", None if ok else (
+            f"Tensor parallel size {tp} is greater than the number of experts {E}."), stage="model"))
+    if E and ep and tp > 1:
+        ok = E % tp == 0
+        out.append(ModelCheck(tp, "experts % EP (EPLB)", ok, f"{E} % {tp}", None if ok else (
+            f"EPLB currently only supports even distribution of experts across ranks. Got {E} experts and {tp} EP "
+            "ranks. (only with --enable-eplb; without it vLLM places the experts unevenly)"), stage="model",
+            fatal=False))
+    return out
