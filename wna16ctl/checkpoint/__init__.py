@@ -102,7 +102,8 @@ def _scan_checkpoint(root: Path, config: ModelConfig, intermediate: int,
         try:
             # the worker also reads the index: give it a little less than half of the shards
             scans, located = split_map(scan, guess, use_marshal=True, extra=lambda: _located(root), child_share=0.45)
-            where = ShardList(root, [Path(p) for p in located[0]], located[1] and Path(located[1]), None, located[2])
+            where = ShardList(root, [Path(p) for p in located[0]], located[1] and Path(located[1]),
+                              index_digests=located[2])
         except BadInput:
             scans, where = None, locate_shards(root)  # maybe a stray file: redo from the index
         if scans is not None and {p.resolve() for p in where.paths} != {p.resolve() for p in guess}:
@@ -116,10 +117,11 @@ def _scan_checkpoint(root: Path, config: ModelConfig, intermediate: int,
     return files, find_moe_layers(files, config, scans, intermediate)
 
 
-def _located(root: Path) -> tuple[list[str], str | None, int | None]:
-    """`locate_shards` as plain data (it may travel back from the worker process)."""
+def _located(root: Path) -> tuple[list[str], str | None, dict[str, str] | None]:
+    """`locate_shards` as plain data (it may travel back from the worker process): the shard
+    paths, the index and its per-file name digests (so the parent need not parse the index again)."""
     w = locate_shards(root)
-    return [str(p) for p in w.paths], (str(w.index_path) if w.index_path else None), w.index_count
+    return [str(p) for p in w.paths], (str(w.index_path) if w.index_path else None), w.index_digests
 
 
 def open_checkpoint(path: str | os.PathLike[str], headers: HeaderSource = LOCAL_FILES) -> Checkpoint:
