@@ -285,7 +285,12 @@ def _decode_header(path: Path, blob: bytes) -> dict:
 
 
 def _parse_json(path: Path, text: str, hook: Any) -> Any:
+    # NaN / Infinity are refused through parse_constant, which costs a quarter of the parse: pass
+    # it only when such a token can be there at all
+    strict = "NaN" in text or "Infinity" in text
     try:
+        if not strict:
+            return json.loads(text, object_pairs_hook=hook)
         return json.loads(text, object_pairs_hook=hook, parse_constant=_refuse_constant)
     except RecursionError:
         raise BadInput(f"{path}: header JSON is nested too deeply; the file is corrupt") from None
@@ -297,24 +302,35 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def _fast_spans(header: dict) -> list[tuple[int, int, str]] | None:
-    """The entries' spans when every entry is plainly well formed (C-level products and minima,
-    ~3x faster than checking each dimension in Python on 10^5 entries), else None."""
+def _fast_spans(header: dict) -> list[tuple[int, int]] | None:
+    """The entries' (start, end) when every entry is plainly well formed (C-level products and
+    minima: ~4x faster than checking each dimension in Python on 10^5 entries), else None."""
     bits_of, prod = DTYPE_BITS, math.prod
-    spans: list[tuple[int, int, str]] = []
+    spans: list[tuple[int, int]] = []
+    add = spans.append
     try:
-        for name, e in header.items():
+        for e in header.values():
             start, end = e["data_offsets"]
             shape = e["shape"]
             n = prod(shape) * bits_of[e["dtype"]]
-            if (type(shape) is not list or type(n) is not int or type(start) is not int or type(end) is not int
-                    or (shape and min(shape) < 0) or not 0 <= start <= end < _U64 or n >= _U64
-                    or n != 8 * (end - start)):
+            # cheapest test first; the type tests reject floats, strings and lists that multiply
+            if (n != 8 * (end - start) or type(n) is not int or type(start) is not int or type(end) is not int
+                    or type(shape) is not list or (shape and min(shape) < 0) or start < 0 or n >= _U64):
                 return None
-            spans.append((start, end, name))
+            add((start, end))
     except (KeyError, TypeError, ValueError):
         return None
     return spans
+
+
+def _tiles(spans: list[tuple[int, int]], data_len: int) -> bool:
+    spans.sort()
+    pos = 0
+    for start, end in spans:
+        if start != pos:
+            return False
+        pos = end
+    return pos == data_len
 
 
 def _check_layout(path: Path, header: dict, data_start: int, size: int, fast: bool = False) -> None:
@@ -322,9 +338,11 @@ def _check_layout(path: Path, header: dict, data_start: int, size: int, fast: bo
 
     `fast`: try the vectorised pass first (the header holds no JSON booleans); anything it does
     not accept is checked entry by entry, which names what is wrong."""
-    spans = _fast_spans(header) if fast else None
-    if spans is None:
-        spans = _exact_spans(path, header)
+    if fast:
+        quick = _fast_spans(header)
+        if quick is not None and _tiles(quick, size - data_start):
+            return
+    spans = _exact_spans(path, header)  # says which tensor is wrong
     spans.sort()
     data_len = size - data_start
     pos = 0
