@@ -14,6 +14,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -86,27 +87,32 @@ def _parquet_questions(path: Path, num_samples: int) -> list[str]:
     return out
 
 
+def read_records(path: Path, limit: int) -> list[dict[str, Any]]:
+    """The first `limit` records of a JSON-lines file, each with a string `question` field."""
+    out: list[dict[str, Any]] = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if len(out) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise BadInput(f"{path}:{lineno}: not a JSON line ({e.msg})") from None
+            if not isinstance(rec, dict) or not isinstance(rec.get("question"), str):
+                raise BadInput(f"{path}:{lineno}: has no string 'question' field")
+            out.append(rec)
+    return out
+
+
 def load_questions(samples: str | os.PathLike[str], num_samples: int) -> list[str]:
     """`question` fields of a JSON-lines or parquet file, or of a Hugging Face dataset id (needs `datasets`)."""
     path = Path(samples)
     if path.is_file() and path.suffix == ".parquet":
         return _parquet_questions(path, num_samples)
     if path.is_file():
-        out: list[str] = []
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if len(out) >= num_samples:
-                    break
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise BadInput(f"{path}:{lineno}: not a JSON line ({e.msg})") from None
-                q = rec.get("question") if isinstance(rec, dict) else None
-                if not isinstance(q, str):
-                    raise BadInput(f"{path}:{lineno}: has no string 'question' field")
-                out.append(q)
+        out = [rec["question"] for rec in read_records(path, num_samples)]
         if not out:
             raise BadInput(f"{path}: no samples")
         return out

@@ -35,6 +35,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from wna16ctl.activations import read_records
 from wna16ctl.errors import BadInput
 
 SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
@@ -161,24 +162,6 @@ def require_transformers() -> None:
 # ---- prompts ---------------------------------------------------------------------------------------------
 
 
-def _read_records(path: Path, limit: int) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if len(out) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise BadInput(f"{path}:{lineno}: not a JSON line ({e.msg})") from None
-            if not isinstance(rec, dict) or not isinstance(rec.get("question"), str):
-                raise BadInput(f"{path}:{lineno}: has no string 'question' field")
-            out.append(rec)
-    return out
-
-
 def gsm8k_answer(text: str | None) -> str | None:
     """GSM8K's final number: the first after '####' when there is one, else the last in the text."""
     if not text:
@@ -202,7 +185,7 @@ class _Prompts:
 def _build_prompts(ck_root: Path, samples: Path, n: int, vocab: int) -> _Prompts:
     if not samples.is_file():
         raise BadInput(f"{samples}: no such file; --e2e needs GSM8K records (JSON lines with 'question'/'answer')")
-    records = _read_records(samples, n)
+    records = read_records(samples, n)
     if not records:
         raise BadInput(f"{samples}: no samples")
     gold = [gsm8k_answer(r.get("answer")) for r in records]
@@ -226,7 +209,7 @@ def _build_prompts(ck_root: Path, samples: Path, n: int, vocab: int) -> _Prompts
         form = "chat template"
     else:
         train = samples.parent / "train.jsonl"
-        shots = _read_records(train, FEW_SHOT) if train.is_file() else []
+        shots = read_records(train, FEW_SHOT) if train.is_file() else []
         prefix = "".join(f"Question: {s['question']}\nAnswer: {s.get('answer', '')}\n\n" for s in shots)
         texts = [f"{prefix}Question: {r['question']}\nAnswer:" for r in records]
         form = f"few-shot ({len(shots)} worked examples)"
