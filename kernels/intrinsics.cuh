@@ -12,6 +12,10 @@
 
 #include <stdint.h>
 
+#if defined(__CUDACC__)
+#include <cuda_fp16.h>
+#endif
+
 #if defined(__CUDACC__)  // nvcc, both its host and device passes
 
 #define WNA16_DEV __device__ __forceinline__
@@ -162,6 +166,37 @@ WNA16_DEV void wna16_store_release(int* p, int v) {
   asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
 WNA16_DEV void wna16_threadfence() { __threadfence(); }
+
+// 16-bit <-> fp32 conversions of packed pairs (low half = first value).
+// cvt.f32.f16 x2 / cvt.rn.f16x2.f32
+WNA16_DEV float2 wna16_f16x2_to_float2(uint32_t v) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&v));
+}
+WNA16_DEV uint32_t wna16_float2_to_f16x2(float lo, float hi) {
+  uint32_t d;
+  asm volatile("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+// bf16 -> fp32 is a 16-bit shift; cvt.rn.bf16x2.f32
+WNA16_DEV float2 wna16_bf16x2_to_float2(uint32_t v) {
+  return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
+}
+WNA16_DEV uint32_t wna16_float2_to_bf16x2(float lo, float hi) {
+  uint32_t d;
+  asm volatile("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+
+// Dynamic shared memory of the launch (the launch's smem_bytes), 16-byte aligned.
+#define WNA16_SHARED_MEMORY(type, name) extern __shared__ __align__(16) type name[]
+
+// Launch `kernel` (parenthesise a template-id with commas) on grid x block with smem_bytes of
+// dynamic shared memory on stream. The host build runs it on the CPU emulation instead.
+#define WNA16_LAUNCH(grid, block, smem_bytes, stream, kernel, ...)          \
+  do {                                                                       \
+    auto* wna16_kernel_ = kernel;                                            \
+    wna16_kernel_<<<(grid), (block), (smem_bytes), (stream)>>>(__VA_ARGS__); \
+  } while (0)
 
 #else  // host build (g++): the CPU emulation
 
