@@ -5,15 +5,18 @@ can prove it created:
 
 * the staging directory `.OUT.wna16ctl-partial` holds a marker naming the OUT it belongs to;
 * a finished OUT (or the previous OUT kept as `.OUT.wna16ctl-old` during a commit) holds a
-  wna16ctl manifest, and `--force` replaces it only when every entry is one the manifest lists;
+  wna16ctl manifest (or manifest parts, `wna16ctl.part-R_R.json`, when it holds some of the
+  ranks), and `--force` replaces it only when every entry is one the manifest(s) list;
 * an empty directory may be used or replaced.
 
 Anything else in one of those places is refused with one line naming the first foreign entry.
 Nothing is ever written through a symbolic link: files are created with O_EXCL|O_NOFOLLOW after
 unlinking whatever name was there (inside the staging directory only), and every directory on
 the way is checked with lstat.  None of these names may be the checkpoint or one of its parents.
-One writer per OUT: the staging directory itself is flock()ed, so a killed run leaves no lock
-file behind and the lock dies with the process.
+One run per OUT: the staging directory itself is flock()ed by the process that owns it, so a
+killed run leaves no lock file behind and the lock dies with the process.  Other processes of
+the same multi-process run write into it too; the marker's run id proves they joined this run
+(`wna16ctl.distributed`), and each keeps its own journal part.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import stat
 from pathlib import Path
@@ -32,8 +36,38 @@ MANIFEST_NAME = "wna16ctl.json"
 OUTPUT_FORMAT = "wna16ctl-repack"
 STAGE_MARKER = ".wna16ctl-stage.json"
 STAGE_FORMAT = "wna16ctl-stage"
-JOURNAL_NAME = ".wna16ctl-journal.json"
+JOURNAL_NAME = ".wna16ctl-journal.json"  # written by the process that owns the staging directory
+PART_MANIFEST_PREFIX = "wna16ctl.part-"
+_PART_MANIFEST_RE = re.compile(r"^wna16ctl\.part-(0|[1-9][0-9]*)(_(0|[1-9][0-9]*))*\.json$")
+_JOURNAL_PART_RE = re.compile(r"^\.wna16ctl-journal-p[1-9][0-9]*\.json$")
 _MAX_SMALL_JSON = 64 << 20  # a marker or manifest larger than this is not one of ours
+
+
+def part_manifest_name(ranks: list[int] | tuple[int, ...]) -> str:
+    """The manifest part of an output holding only `ranks` (`--ranks`, `--node-local`)."""
+    return f"{PART_MANIFEST_PREFIX}{'_'.join(str(r) for r in sorted(ranks))}.json"
+
+
+def is_part_manifest_name(name: str) -> bool:
+    return bool(_PART_MANIFEST_RE.match(name))
+
+
+def journal_part_name(process: int) -> str:
+    """The journal of process `process` (> 0) of a multi-process run; process 0 keeps JOURNAL_NAME."""
+    return JOURNAL_NAME if process == 0 else f".wna16ctl-journal-p{process}.json"
+
+
+def is_journal_name(name: str) -> bool:
+    return name == JOURNAL_NAME or bool(_JOURNAL_PART_RE.match(name))
+
+
+def part_manifest_names(path: Path) -> list[str]:
+    """The manifest parts directly inside `path` (regular files only), sorted."""
+    try:
+        names = [e.name for e in os.scandir(path) if is_part_manifest_name(e.name) and e.is_file(follow_symlinks=False)]
+    except OSError:
+        return []
+    return sorted(names)
 
 
 def stage_path(out: Path) -> Path:
@@ -101,14 +135,30 @@ def is_our_stage(path: Path, out: Path) -> bool:
     return isinstance(marker, dict) and marker.get("format") == STAGE_FORMAT and marker.get("out") == str(out)
 
 
+def _is_manifest(m: Any) -> bool:
+    return isinstance(m, dict) and m.get("format") == OUTPUT_FORMAT and isinstance(m.get("files"), dict)
+
+
 def our_manifest(path: Path) -> dict[str, Any] | None:
-    """The manifest of a wna16ctl output directory at `path`, or None if it is not one."""
+    """The manifest of a wna16ctl output directory at `path`, or None if it is not one.
+
+    Without `wna16ctl.json`, the manifest parts (each valid, one identity) stand for it: a copy
+    of the first with the union of their files.  Which ranks they cover is `wna16ctl.parts`'."""
     if not is_real_dir(path):
         return None
     m = read_json_file(path / MANIFEST_NAME)
-    if isinstance(m, dict) and m.get("format") == OUTPUT_FORMAT and isinstance(m.get("files"), dict):
+    if _is_manifest(m):
         return m
-    return None
+    if os.path.lexists(path / MANIFEST_NAME):
+        return None
+    parts = [read_json_file(path / name) for name in part_manifest_names(path)]
+    if not parts or not all(_is_manifest(p) for p in parts):
+        return None
+    if any(p.get("identity") != parts[0].get("identity") for p in parts):
+        return None
+    merged = dict(parts[0])
+    merged["files"] = {k: v for p in parts for k, v in p["files"].items()}
+    return merged
 
 
 def _entries(root: Path) -> list[tuple[str, bool]]:
@@ -137,7 +187,7 @@ def foreign_entry(path: Path, out: Path) -> str | None:
     if manifest is None:
         return entries[0][0]
     # the marker too: a commit killed between its rename and the marker's removal leaves it
-    listed = {str(k) for k in manifest["files"]} | {MANIFEST_NAME, STAGE_MARKER}
+    listed = {str(k) for k in manifest["files"]} | {MANIFEST_NAME, STAGE_MARKER, *part_manifest_names(path)}
     parents = {p.as_posix() for rel in listed for p in Path(rel).parents if p.as_posix() != "."}
     for rel, is_dir in entries:
         if (is_dir and rel in parents) or (not is_dir and rel in listed):
@@ -205,8 +255,14 @@ def write_file(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-def stage_marker(out: Path) -> bytes:
-    return json.dumps({"format": STAGE_FORMAT, "out": str(out), "pid": os.getpid()}).encode()
+def stage_marker(out: Path, run: str | None = None) -> bytes:
+    """The marker of a staging directory; `run` identifies the run that other processes join."""
+    return json.dumps({"format": STAGE_FORMAT, "out": str(out), "pid": os.getpid(), "run": run}).encode()
+
+
+def stage_run(path: Path) -> str | None:
+    marker = read_json_file(path / STAGE_MARKER)
+    return marker.get("run") if isinstance(marker, dict) else None
 
 
 def lock_dir(path: Path) -> int:

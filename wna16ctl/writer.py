@@ -6,6 +6,11 @@ at one chunk of experts whatever the model size.  Output is staged in a hidden s
 and renamed into place only when complete: an interrupted run never leaves something that looks
 finished, and `--resume` reuses the staged files whose hashes match the journal and whose source
 bytes (digested as they are read) are unchanged.
+
+Several processes may write one staging directory (torchrun, `wna16ctl.distributed`): the
+owner creates, locks and commits it; the others join it (the marker's run id must be the one the
+owner announced) and each journals its own files in a journal part, so no process overwrites
+another's record.  The owner merges every part when it adopts an interrupted run.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import os
 import shutil
 import stat
 import struct
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -160,7 +166,10 @@ class StagedOutput:
     """
 
     def __init__(self, out: Path, *, force: bool, resume: bool, identity: dict[str, Any],
-                 checkpoint: Path | None = None):
+                 checkpoint: Path | None = None, process: int = 0, join: str | None = None,
+                 reusable: dict[str, tuple[str, str | None]] | None = None):
+        """`join`: the run id of a staging directory another process of this run owns (then
+        `reusable` is what that owner adopted); `process` names this process's journal part."""
         self.out = out
         self.identity = identity  # fingerprint + settings: what --resume must match
         self.stage = outdir.stage_path(out)
@@ -175,8 +184,15 @@ class StagedOutput:
         # one hashing thread: tasks run in submission order, so a file's ranges hash in order
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wna16ctl-hash")
         self._hashers: dict[str, tuple[Any, list[int]]] = {}  # relpath -> (sha256, [bytes hashed])
+        self.owner = join is None  # the owner locks, clears, adopts and commits; joiners only write
+        self.run = join or uuid.uuid4().hex
+        self.journal_name = outdir.journal_part_name(process)
+        self._rewritten: set[str] = set()  # files this process (re)creates: their old entry is void
         if checkpoint is not None:
             outdir.check_clear_of_checkpoint(out, checkpoint)
+        if not self.owner:
+            self._join(reusable or {})
+            return
         try:
             self._prepare(force, resume)
         except BaseException:
@@ -189,6 +205,11 @@ class StagedOutput:
             shutil.rmtree(self.stage, ignore_errors=True)
         self._unlock()
         self._pool.shutdown(wait=False)
+
+    def release(self) -> None:
+        """Give up a prepared staging directory before anything was written (another process of
+        the run failed to start): removed if this run created it, else left as it was."""
+        self._release_after_failed_prepare()
 
     def _unlock(self) -> None:
         if self._lock_fd >= 0:
@@ -244,20 +265,36 @@ class StagedOutput:
         if not self.reusable:
             outdir.clear_dir(stage)
         try:
-            outdir.write_file(stage / outdir.STAGE_MARKER, outdir.stage_marker(out))
+            outdir.write_file(stage / outdir.STAGE_MARKER, outdir.stage_marker(out, self.run))
         except OSError as e:
             raise _os_error(e, stage) from None
+        if self.reusable:  # journal parts were merged (and pruned): record them in one place now
+            self.checkpoint_journal()
+
+    def _join(self, reusable: dict[str, tuple[str, str | None]]) -> None:
+        """Write into the staging directory the owner prepared for this run (never lock, clear,
+        adopt or remove it: that is the owner's)."""
+        if not outdir.is_our_stage(self.stage, self.out) or outdir.stage_run(self.stage) != self.run:
+            raise UsageError(f"{self.stage}: is not the staging directory process 0 of this run prepared (a "
+                             "different directory at this path on this machine?); with OUT local to each node "
+                             "pass --node-local")
+        self.reusable = dict(reusable)
 
     def _adopt_previous(self, out_nonempty: bool) -> dict[str, tuple[str, str | None]]:
         """Files a previous run finished for the same source and settings (journal or manifest)."""
         if outdir.is_our_stage(self.stage, self.out):
-            journal = outdir.read_json_file(self.stage / JOURNAL_NAME)
-            if isinstance(journal, dict) and journal.get("identity") == self.identity:
-                files, sources = journal.get("files"), journal.get("sources") or {}
-                if isinstance(files, dict) and isinstance(sources, dict):
-                    found = {str(k): (str(v), sources.get(k)) for k, v in files.items() if _plain_rel(k)}
-                    self._prune_stage(set(found))
-                    return found
+            found = {}
+            # the owner's journal and every other process's part (a multi-process run)
+            names = sorted(e.name for e in os.scandir(self.stage) if outdir.is_journal_name(e.name))
+            for name in names:
+                journal = outdir.read_json_file(self.stage / name)
+                if isinstance(journal, dict) and journal.get("identity") == self.identity:
+                    files, sources = journal.get("files"), journal.get("sources") or {}
+                    if isinstance(files, dict) and isinstance(sources, dict):
+                        found.update({str(k): (str(v), sources.get(k)) for k, v in files.items() if _plain_rel(k)})
+            if found:
+                self._prune_stage(set(found))  # the parts go too: the owner's journal gets them all
+                return found
         if out_nonempty:
             manifest = outdir.our_manifest(self.out)
             if not manifest or manifest.get("identity") != self.identity:
@@ -347,6 +384,7 @@ class StagedOutput:
         """Create `f` in staging with its header (idempotent: files are opened when first written)."""
         if f.relpath in self._fds:
             return
+        self._rewritten.add(f.relpath)
         path = self.stage / f.relpath
         try:
             outdir.ensure_dirs(self.stage, str(Path(f.relpath).parent))
@@ -465,18 +503,31 @@ class StagedOutput:
             elif fut.done():
                 self.done[rel] = fut.result()
                 del self._hashing[rel]
-        data = json.dumps({"identity": self.identity, "files": self.done, "sources": self.sources},
-                          indent=1).encode()
-        tmp = self.stage / (JOURNAL_NAME + ".tmp")
+        # Entries adopted from an earlier run stay until this process rewrites the file: in a
+        # multi-process run they may be another process's, not yet in its own journal part.
+        files = {rel: v[0] for rel, v in self.reusable.items() if rel not in self._rewritten}
+        sources = {rel: v[1] for rel, v in self.reusable.items() if rel not in self._rewritten and v[1] is not None}
+        files.update(self.done)
+        sources.update(self.sources)
+        data = json.dumps({"identity": self.identity, "files": files, "sources": sources}, indent=1).encode()
+        tmp = self.stage / (self.journal_name + ".tmp")
         try:
             outdir.write_file(tmp, data)
-            os.replace(tmp, self.stage / JOURNAL_NAME)
+            os.replace(tmp, self.stage / self.journal_name)
         except OSError as e:
             raise _os_error(e, tmp) from None
 
     # the end -------------------------------------------------------------------------------------
-    def commit(self, manifest: dict[str, Any]) -> None:
-        """Write the manifest, then make the staged directory OUT in one rename."""
+    def close(self) -> None:
+        """A joining process's end: its files hashed, synced and journaled (the owner commits)."""
+        try:
+            self.collect_hashes()
+        finally:
+            self._pool.shutdown(wait=True)
+
+    def commit(self, manifest: dict[str, Any], manifest_name: str = MANIFEST_NAME) -> None:
+        """Write the manifest (or a manifest part), then make the staged directory OUT in one rename."""
+        assert self.owner, "only the owner of the staging directory commits it"
         self.collect_hashes()
         manifest_bytes = json.dumps(manifest, indent=2).encode() + b"\n"
         try:
@@ -486,8 +537,10 @@ class StagedOutput:
                     self.keep_stage = True
                     raise UsageError(f"{self.out}: {foreign} was added while repack ran and is not wna16ctl's; "
                                      f"move it away and rerun with --resume (the finished output is kept)")
-            (self.stage / JOURNAL_NAME).unlink(missing_ok=True)
-            outdir.write_file(self.stage / MANIFEST_NAME, manifest_bytes)
+            for entry in os.scandir(self.stage):  # every process's journal part
+                if outdir.is_journal_name(entry.name):
+                    os.unlink(entry.path)
+            outdir.write_file(self.stage / manifest_name, manifest_bytes)
             old = None
             if os.path.lexists(self.out):
                 old = outdir.old_path(self.out)
@@ -515,7 +568,7 @@ class StagedOutput:
         for fut in self._hashing.values():
             fut.cancel()
         self._pool.shutdown(wait=True, cancel_futures=True)
-        if keep_for_resume or self.keep_stage:
+        if keep_for_resume or self.keep_stage or not self.owner:
             try:
                 self.checkpoint_journal()
             except OutputError:
