@@ -4,6 +4,11 @@ A validation pass (the planner over every layer, every expert tensor's header) r
 first byte is written.  Work then proceeds layer by layer and, within a layer, in chunks of
 experts: each chunk is read once and turned into every rank's tensors, which are written at their
 final offsets.  Memory is bounded by the chunk size, not by the model.
+
+A run may write only some ranks (`ranks`: a part with a manifest part) and may be one of several
+processes (`group`, launched by torchrun; `wna16ctl.distributed` says which ranks each process
+writes): every process plans, the owner of the staging directory prepares it, all write their
+ranks into it, and the owner commits once every process has reported its file hashes.
 """
 
 from __future__ import annotations
@@ -13,11 +18,11 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
-from wna16ctl import __version__, outdir, rules
+from wna16ctl import __version__, distributed, outdir, rules
 from wna16ctl.checkpoint import Checkpoint, MoELayer, open_checkpoint
 from wna16ctl.checkpoint.gidx import gate_up_g_idx_mismatch
 from wna16ctl.checkpoint.headers import INDEX_NAME
@@ -285,7 +290,11 @@ class RepackResult:
     files_written: int
     files_reused: int
     bytes_written: int
-    manifest: dict[str, Any]
+    manifest: dict[str, Any]  # the manifest, or the manifest part of an output holding some ranks
+    ranks: list[int] = field(default_factory=list)  # the ranks OUT holds
+    manifest_name: str = MANIFEST_NAME  # wna16ctl.json, or the part's wna16ctl.part-R_R.json
+    processes: list[dict[str, Any]] = field(default_factory=list)  # per process that wrote into OUT
+    committed: bool = True  # False in a process that wrote its ranks into another process's OUT
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -293,6 +302,9 @@ class RepackResult:
             "files_written": self.files_written,
             "files_reused": self.files_reused,
             "bytes_written": self.bytes_written,
+            "ranks": self.ranks,
+            "manifest_name": self.manifest_name,
+            "processes": self.processes,
             "manifest": self.manifest,
         }
 
@@ -363,32 +375,119 @@ def run_repack(
     progress: TaskStarter | None = None,
     device: str = "auto",
     notice: Callable[[str], None] | None = None,
+    ranks: Sequence[int] | None = None,
+    node_local: bool = False,
+    group: distributed.Group | None = None,
 ) -> RepackResult:
     """Execute `plan` into `out` (staged, then renamed); see module doc.
 
     `progress(description, total, unit=...)` starts a progress step and returns its advance
     function (`wna16ctl.output.Sink.tasks`); `notice(message)` receives what the user should know
-    on the way (a discarded staging directory)."""
-    ck = plan.checkpoint
+    on the way (a discarded staging directory).  `ranks`: write only these TP ranks (OUT gets a
+    manifest part).  `group`: this process's place in a multi-process run (default: alone);
+    `node_local`: OUT is a separate directory on each node, committed by the node's first process."""
+    group = group or distributed.SOLO
+    me = group.launch
+    tp = plan.settings.tp
+    if ranks is not None and (not ranks or any(not 0 <= r < tp for r in ranks)):
+        raise UsageError(f"ranks {list(ranks)}: each must be a rank of --tp {tp} (0 to {tp - 1})")
+    subset = None if ranks is None else sorted(set(ranks))
     try:
         out_path = Path(out).resolve()  # "-o ." has no name to stage beside and rename
     except (RuntimeError, OSError) as e:  # a symlink loop
         raise UsageError(f"{out}: cannot be resolved ({getattr(e, 'strerror', None) or e}); choose another -o") from None
-    discarded = _check_previous_run(plan, out_path, resume=resume)
-    # OUT, its staging and previous-output names must be clear of the checkpoint (outdir.py)
-    staged = StagedOutput(out_path, force=force, resume=resume, identity=plan.identity, checkpoint=ck.root)
+    # who writes into this process's OUT, and who owns (prepares, locks, commits) it
+    owner = group.node_owner(me.node) if node_local else 0
+    writers = [m.rank for m in group.members if not node_local or m.node == me.node]
+    mine = distributed.ranks_of_process(tp, me.rank, me.world_size, subset)
+    out_ranks = sorted(r for w in writers for r in distributed.ranks_of_process(tp, w, me.world_size, subset))
+    is_owner = me.rank == owner
+    held: list[StagedOutput] = []
+
+    def prepare() -> tuple[str, str | None]:
+        dev = distributed.select_device(device, me)
+        if not is_owner:
+            return dev, None
+        discarded = _check_previous_run(plan, out_path, resume=resume)
+        # OUT, its staging and previous-output names must be clear of the checkpoint (outdir.py)
+        held.append(StagedOutput(out_path, force=force, resume=resume, identity=plan.identity,
+                                 checkpoint=plan.checkpoint.root))
+        return dev, discarded
+
+    try:
+        dev, discarded = group.together("preparing the output directory", prepare)
+        # the owner announces its staging directory (run id) and what it adopted from an earlier run
+        announced = group.all_gather((held[0].run, held[0].reusable) if held else None)
+        if not is_owner:
+            run_id, reusable = announced[owner]
+            held.append(group.together("joining the output directory", lambda: StagedOutput(
+                out_path, force=force, resume=resume, identity=plan.identity, checkpoint=plan.checkpoint.root,
+                process=me.rank, join=run_id, reusable=reusable)))
+        else:
+            group.together("joining the output directory", lambda: None)
+    except BaseException:
+        if held and held[0].owner:
+            held[0].release()
+        raise
+    staged = held[0]
     if discarded and notice is not None:
         notice(discarded)
-    start = progress or no_progress
+    start = (progress or no_progress) if is_owner else no_progress
+
+    def write() -> tuple[int, int, int]:
+        counts = _execute(plan, staged, start, "cuda" if dev.startswith("cuda") else "cpu", mine,
+                          side_files=is_owner, launch=me)
+        staged.collect_hashes() if is_owner else staged.close()  # hashed, synced, journaled
+        return counts
+
     try:
-        result = _execute(plan, staged, start, device)
+        written, reused, nbytes = group.together("writing", write)
+        reports = group.all_gather({
+            "process": me.rank, "node": me.node, "ranks": mine, "files_written": written,
+            "files_reused": reused, "bytes_written": nbytes, "done": staged.done, "sources": staged.sources})
     except KeyboardInterrupt:
         staged.abort(keep_for_resume=True)
         raise
     except BaseException:
-        staged.abort(keep_for_resume=False)
+        # alone: a failure discards the staging directory; with other processes their finished
+        # work is in it (and the failure may be theirs): keep it for --resume
+        staged.abort(keep_for_resume=group.world_size > 1)
         raise
-    return result
+    ours = [r for r in reports if r["process"] in writers]
+    complete = out_ranks == list(range(tp))
+    name = MANIFEST_NAME if complete else outdir.part_manifest_name(out_ranks)
+    manifest: dict[str, Any] = {}
+    error: BaseException | None = None
+    if is_owner:
+        try:
+            for r in ours:
+                staged.done.update(r["done"])
+                staged.sources.update(r["sources"])
+            manifest = build_manifest(plan, staged.done, staged.stage, staged.sources)
+            if not complete:
+                manifest["part"] = {"ranks": out_ranks}
+            staged.commit(manifest, name)
+        except BaseException as e:  # noqa: BLE001 - re-raised once the others know
+            error = e
+            if outdir.is_real_dir(staged.stage):  # not renamed: keep everything for --resume
+                staged.abort(keep_for_resume=group.world_size > 1 or isinstance(e, KeyboardInterrupt))
+    try:
+        outcomes = group.all_gather(None if error is None else distributed.outcome_of(error))
+    except distributed.PeerFailed:
+        if error is None and is_owner:  # committed: a peer that vanished since changes nothing here
+            outcomes = [None] * group.world_size
+        else:
+            raise
+    if error is not None:
+        raise error
+    if outcomes[owner] is not None:
+        code, message = outcomes[owner]
+        raise distributed.PeerFailed(f"process {owner} failed while committing {out_path}: {message}", code)
+    processes = [{k: r[k] for k in ("process", "node", "ranks", "files_written", "files_reused", "bytes_written")}
+                 for r in ours]
+    return RepackResult(staged.out, sum(r["files_written"] for r in ours), sum(r["files_reused"] for r in ours),
+                        sum(r["bytes_written"] for r in ours), manifest, out_ranks, name, processes,
+                        committed=is_owner)
 
 
 def _digest(parts: list[str]) -> str:
@@ -476,9 +575,12 @@ def _verify_reusable(plan: RepackPlan, staged: StagedOutput, reader: TensorReade
     return [f for f in candidates if staged.reuse(f, digests.file(f))]
 
 
-def _execute(plan: RepackPlan, staged: StagedOutput, start: TaskStarter, device: str) -> RepackResult:
+def _execute(plan: RepackPlan, staged: StagedOutput, start: TaskStarter, device: str, ranks: list[int],
+             side_files: bool = True, launch: distributed.Launch = distributed.SOLO.launch) -> tuple[int, int, int]:
+    """Write the files of `ranks` (and the side files) into `staged`; returns (files written,
+    files reused, tensor bytes written).  The caller commits."""
     ck = plan.checkpoint
-    by_rel = {f.relpath: f for files in plan.files for f in files}
+    by_rel = {f.relpath: f for r in ranks for f in plan.files[r]}
     digests = _SourceDigests(plan)
     advance = start("repacking", plan.input_bytes(), unit="bytes")
     written = 0
@@ -508,6 +610,8 @@ def _execute(plan: RepackPlan, staged: StagedOutput, start: TaskStarter, device:
                 else:  # units fill a file front to back: everything before this unit's end is final
                     staged.written_upto(f, unit_end[(f.relpath, u)])
             staged.checkpoint_journal()
+            if any(remaining[f.relpath] == 0 for f in unit_file.get(u, [])):
+                distributed.kill_after_first_file_for_tests(launch, staged.collect_hashes)
 
         # 1. non-expert tensors, read once, digested, written into every rank that still needs them
         copy_units = [u for rel in sorted(pending) for u in plan.units[rel] if u[0] == "copy"]
@@ -558,17 +662,16 @@ def _execute(plan: RepackPlan, staged: StagedOutput, start: TaskStarter, device:
                 advance(nbytes)
             writer.drain()
             unit_done(u)
-        # 3. per-rank indexes, side files, manifest
-        for r, files in enumerate(plan.files):
-            staged.write_small(f"rank-{r}/{INDEX_NAME}", rank_index_bytes(files))
-        for name in SIDE_FILES:
-            src = ck.root / name
-            if src.is_file():
-                staged.copy_file(src, name)
+        # 3. per-rank indexes and side files (the manifest is the caller's: other processes may write too)
+        for r in ranks:
+            staged.write_small(f"rank-{r}/{INDEX_NAME}", rank_index_bytes(plan.files[r]))
+        if side_files:
+            for name in SIDE_FILES:
+                src = ck.root / name
+                if src.is_file():
+                    staged.copy_file(src, name)
         staged.collect_hashes()
-        manifest = build_manifest(plan, staged.done, staged.stage, staged.sources)
-        staged.commit(manifest)
-    return RepackResult(staged.out, len(pending), reused, written, manifest)
+    return len(pending), reused, written
 
 
 def rank_index_bytes(files: list[PlannedFile]) -> bytes:
