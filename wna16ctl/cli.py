@@ -149,7 +149,12 @@ def _parse_size(value: str) -> int:
 @click.option("--force", is_flag=True, help="Replace a non-empty output directory.")
 @click.option("--max-shard-size", default="4GiB", show_default=True, help="Largest output file (a layer never straddles files).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
-              help="Where the Marlin repack runs (cuda needs a GPU and nvcc; auto falls back to the CPU).")
+              help="Where the Marlin repack runs (cuda needs a GPU and nvcc; auto falls back to the CPU). Under "
+                   "torchrun each process uses the GPU of its LOCAL_RANK.")
+@click.option("--ranks", "ranks", default=None, metavar="R,R,...",
+              help="Write only these TP ranks: OUT becomes a part with a manifest part (join parts with assemble).")
+@click.option("--node-local", is_flag=True,
+              help="Under torchrun: OUT is local to each node; each node commits the ranks its processes wrote as a part.")
 @_vllm_option(allow_all=False)
 @_gpu_option()
 @click.option("--json", "json_mode", is_flag=True, help="Print the result as one JSON object.")
@@ -158,12 +163,21 @@ def _parse_size(value: str) -> int:
 @_debug_option
 @click.pass_context
 def repack(ctx: click.Context, ckpt: str, tp: str, ep: bool, layout: str, out: str | None, dry_run: bool, resume: bool,
-           force: bool, max_shard_size: str, device: str, vllm: str, gpu: str, json_mode: bool, quiet: bool,
-           revision: str | None, debug: bool) -> None:
+           force: bool, max_shard_size: str, device: str, ranks: str | None, node_local: bool, vllm: str, gpu: str,
+           json_mode: bool, quiet: bool, revision: str | None, debug: bool) -> None:
     """Write per-rank safetensors of CKPT's experts in the kernel layout, with a verifiable manifest.
 
-    CKPT may be a Hub repo id ORG/NAME[@REVISION]: it is downloaded into the Hugging Face cache first."""
-    sink = Sink(json_mode=json_mode, quiet=quiet)
+    CKPT may be a Hub repo id ORG/NAME[@REVISION]: it is downloaded into the Hugging Face cache first.
+    Launched by torchrun, the processes share the work: rank r is written by process r mod the
+    number of processes, and process 0 commits once all have finished (docs/user-guide.md)."""
+    from wna16ctl import distributed
+
+    try:
+        launch = distributed.launch_from_env()
+    except UsageError:
+        launch = distributed.Launch()  # the body reports it
+    # progress from the first process of each node; results from the processes that commit
+    sink = Sink(json_mode=json_mode, quiet=quiet or launch.local_rank != 0)
     max_bytes = _parse_size(max_shard_size)
     if out is None and not dry_run:
         raise click.UsageError("-o/--output is required (or pass --dry-run)")
@@ -178,31 +192,65 @@ def repack(ctx: click.Context, ckpt: str, tp: str, ep: bool, layout: str, out: s
         from wna16ctl.inspection import resolve
 
         engine = resolve(vllm, gpu)
-        if engine.note and engine.source != "default":
+        first = launch.rank == 0  # what every process would say alike is said once
+        if engine.note and engine.source != "default" and first:
             sink.warn(engine.note)
         (n_ranks,) = _tps(tp, single=True)
+        subset = distributed.parse_ranks(ranks, n_ranks) if ranks is not None else None
         settings = RepackSettings(tp=n_ranks, ep=ep, layout=layout, max_shard_bytes=max_bytes, vllm=engine.version,
                                   gpu=gpu)
-        source = _local_checkpoint(sink, ckpt, revision)
+        group = distributed.init_group(launch)
         try:
-            plan = plan_repack(source, settings)
-        except NotLoadable as e:
-            if dry_run and json_mode:  # the plan's answer is "no": still one JSON object on stdout
-                sink.result({"checkpoint": ckpt, "settings": settings.to_json(), "loadable": False,
-                             "error": e.message}, lambda console: None)
-            raise
-        for w in plan.checkpoint.warnings:
-            sink.warn(w)
-        if dry_run:
-            sink.result({**plan.to_json(), "loadable": True}, lambda console: render_repack_plan(console, plan))
-            return EXIT_OK
-        with sink.tasks() as progress:
-            result = run_repack(plan, out, force=force, resume=resume, progress=progress, device=device,
-                                notice=lambda message: sink.warn(message, always=True))
-        sink.result(result.to_json(), lambda console: render_repack_result(console, plan, result))
+            source = _local_checkpoint(sink, ckpt, revision)
+            try:
+                # every process validates the whole plan before any of them writes a byte
+                plan = group.together("planning", lambda: plan_repack(source, settings))
+            except NotLoadable as e:
+                if dry_run and json_mode and first:  # the plan's answer is "no": still one JSON object on stdout
+                    sink.result({"checkpoint": ckpt, "settings": settings.to_json(), "loadable": False,
+                                 "error": e.message}, lambda console: None)
+                raise
+            for w in plan.checkpoint.warnings if first else ():
+                sink.warn(w)
+            if dry_run:
+                if first:
+                    sink.result({**plan.to_json(), "loadable": True}, lambda console: render_repack_plan(console, plan))
+                return EXIT_OK
+            with sink.tasks() as progress:
+                result = run_repack(plan, out, force=force, resume=resume, progress=progress, device=device,
+                                    notice=lambda message: sink.warn(message, always=True), ranks=subset,
+                                    node_local=node_local, group=group)
+        finally:
+            group.close()
+        if result.committed:  # one result per output directory (one per node with --node-local)
+            sink.result(result.to_json(), lambda console: render_repack_result(console, plan, result))
         return EXIT_OK
 
     _run(ctx, sink, body, interrupted="no output was committed; the staging directory is kept for --resume")
+
+
+@cli.command(short_help="Join repack parts (--ranks, --node-local) copied into one directory.")
+@click.argument("out", type=click.Path(file_okay=False, path_type=str))
+@click.option("--json", "json_mode", is_flag=True, help="Print the result as one JSON object (docs/repack-json.md).")
+@_debug_option
+@click.pass_context
+def assemble(ctx: click.Context, out: str, json_mode: bool, debug: bool) -> None:
+    """Join the manifest parts in OUT (the contents of several `repack --ranks` or `--node-local`
+    outputs copied together) into the wna16ctl.json a single run writes.
+
+    Checks that the parts are of one run, cover every rank and that each listed file is there with
+    its size; run `verify` afterwards to check the contents."""
+    sink = Sink(json_mode=json_mode)
+
+    def body() -> int:
+        from wna16ctl.parts import assemble as assemble_parts
+        from wna16ctl.render import render_assemble
+
+        result = assemble_parts(out)
+        sink.result(result.to_json(), lambda console: render_assemble(console, result))
+        return EXIT_OK
+
+    _run(ctx, sink, body, interrupted="run assemble again")
 
 
 @cli.command(short_help="Write a small demo checkpoint quantized by compressed-tensors.")

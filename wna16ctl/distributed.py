@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import signal
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence, TypeVar
@@ -158,6 +159,12 @@ class PeerFailed(WnaError):
         self.exit_code = exit_code
 
 
+def _first_sentence(e: BaseException) -> str:
+    """gloo's messages start with a source location and go on for lines: keep what it says."""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", (str(e).splitlines() or [""])[0])
+    return (text.split(". ")[0] or type(e).__name__).rstrip(".")
+
+
 def outcome_of(e: BaseException) -> tuple[int, str]:
     """(exit code, one-line message) of a failure, as the other processes are told it."""
     if isinstance(e, WnaError):
@@ -192,9 +199,9 @@ class Group:
         try:
             dist.all_gather_object(out, obj)
         except Exception as e:  # gloo: a peer's connection closed, or the timeout
-            raise PeerFailed(f"process {self.rank}: lost contact with another process of the run ({type(e).__name__}: "
-                             f"{str(e).splitlines()[0] if str(e) else 'no detail'}); it was killed or crashed, "
-                             "or took longer than $WNA16CTL_DIST_TIMEOUT") from None
+            raise PeerFailed(f"process {self.rank}: lost contact with another process of the run ({_first_sentence(e)}); "
+                             f"it was killed or crashed, or took longer than ${TIMEOUT_ENV} seconds; nothing was "
+                             "committed") from None
         return out
 
     def together(self, step: str, fn: Callable[[], T]) -> T:
@@ -253,7 +260,7 @@ def init_group(launch: Launch | None = None) -> Group:
                                 timeout=datetime.timedelta(seconds=timeout))
     except Exception as e:  # noqa: BLE001 - the rendezvous failed: one line
         raise UsageError(f"process {launch.rank}: cannot join the process group at {os.environ.get('MASTER_ADDR')}:"
-                         f"{os.environ.get('MASTER_PORT')} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                         f"{os.environ.get('MASTER_PORT')} ({_first_sentence(e)}); "
                          "check torchrun's --master-addr/--master-port or --rdzv-endpoint") from None
     _stop_on_sigterm()
     group = Group(launch)
