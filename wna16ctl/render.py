@@ -192,7 +192,8 @@ def render_verify(console: Console, report) -> None:  # noqa: ANN001 - VerifyRep
     from rich.table import Table
 
     counts = {"manifest": plural(report.files_checked, "file") + " hashed",
-              "round_trip": plural(report.experts_checked, "expert") + " checked on every rank"}
+              "round_trip": plural(report.experts_checked, "expert") + " checked on "
+              + (f"ranks {', '.join(map(str, report.ranks_checked))}" if report.ranks_not_checked else "every rank")}
     grid = Table.grid(padding=(0, 1))
     grid.add_column(no_wrap=True)  # check name, or the mark of a detail line
     grid.add_column(no_wrap=True)  # status
@@ -223,7 +224,9 @@ def render_verify(console: Console, report) -> None:  # noqa: ANN001 - VerifyRep
         console.print(table)
     if report.e2e is not None:
         render_e2e(console, report.e2e)
-    console.print("verdict: " + ("[bold green]verified[/]" if report.passed else "[bold red]NOT verified[/]"))
+    part = (f" (ranks {', '.join(map(str, report.ranks_checked))} only; ranks "
+            f"{', '.join(map(str, report.ranks_not_checked))} not checked)" if report.ranks_not_checked else "")
+    console.print("verdict: " + ("[bold green]verified[/]" if report.passed else "[bold red]NOT verified[/]") + part)
 
 
 def _engine_source(engine) -> str:  # noqa: ANN001 - rules.Engine

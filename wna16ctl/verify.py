@@ -14,6 +14,10 @@ is missing stays `not run` with the reason, and the verdict needs every required
    (model dtype, fp32 accumulation, partial sums added across ranks like the all-reduce)
    against the dequantized checkpoint in fp32, within an element-wise bound derived from the
    dtype's rounding (docs/verify.md).
+
+An output holding some of the ranks (manifest parts, `wna16ctl.parts`) is verified for the ranks
+it holds, the numerics over those ranks' partial sums; an extra `all_ranks` check, not required,
+stays `not run` and names the ranks that were not checked (and the re-assembly across ranks).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from wna16ctl import outdir, parts
 from wna16ctl.activations import embed, load_questions, resolve_samples, route, tokenize
 from wna16ctl.checkpoint import Checkpoint, open_checkpoint
 from wna16ctl.checkpoint.headers import CheckpointFiles, read_checkpoint_files
@@ -130,6 +135,8 @@ class VerifyReport:
     layers_checked: int = 0
     experts_checked: int = 0
     files_checked: int = 0
+    ranks_checked: list[int] = field(default_factory=list)
+    ranks_not_checked: list[int] = field(default_factory=list)  # absent from a part
     checks: list[Check] = field(default_factory=_default_checks)
     findings: list[Finding] = field(default_factory=list)
     numerics: list[LayerNumerics] = field(default_factory=list)
@@ -178,6 +185,7 @@ class VerifyReport:
             "numerics_ok": self.ok("numerics"),
             "layers_checked": self.layers_checked, "experts_checked": self.experts_checked,
             "files_checked": self.files_checked,
+            "ranks_checked": self.ranks_checked, "ranks_not_checked": self.ranks_not_checked,
             "findings": [f.to_json() for f in self.findings],
             "numerics": [n.to_json() for n in self.numerics],
             "e2e": self.e2e.to_json() if self.e2e is not None else None,
@@ -193,6 +201,11 @@ def _read_manifest(out: Path) -> dict[str, Any]:
     path = out / MANIFEST_NAME
     if not out.is_dir():
         raise BadInput(f"{out}: not a directory; pass the output of `wna16ctl repack`")
+    names = outdir.part_manifest_names(out)
+    if not os.path.lexists(path) and names:  # one part, or several copied together
+        manifest = parts.merge_parts(out, names)
+        _check_manifest_types(out / names[0], manifest)
+        return manifest
     if not path.is_file() or path.is_symlink():
         hint = " (an interrupted run: rerun repack with --resume)" if (out / JOURNAL_NAME).exists() else ""
         raise BadInput(f"{path}: missing; {out} is not a complete wna16ctl repack output{hint}")
@@ -251,11 +264,12 @@ def _check_manifest_types(path: Path, manifest: dict[str, Any]) -> None:
         raise BadInput(f"{path}: identity.settings has keys {sorted(settings)}, expected {sorted(_SETTINGS_FIELDS)}")
 
 
-def _expected_files(ck: Checkpoint, plan: RepackPlan) -> dict[str, bytes | Path | None]:
-    """Every file repack writes for `plan`: rel -> exact bytes (rank index), source side file, or
-    None (a tensor file, checked by its header and the round trip)."""
+def _expected_files(ck: Checkpoint, plan: RepackPlan, ranks: list[int]) -> dict[str, bytes | Path | None]:
+    """Every file repack writes for `plan` and `ranks`: rel -> exact bytes (rank index), source
+    side file, or None (a tensor file, checked by its header and the round trip)."""
     want: dict[str, bytes | Path | None] = {}
-    for r, files in enumerate(plan.files):
+    for r in ranks:
+        files = plan.files[r]
         for f in files:
             want[f.relpath] = None
         want[f"rank-{r}/{INDEX_NAME}"] = rank_index_bytes(files)
@@ -270,7 +284,7 @@ def _check_files_against_plan(ck: Checkpoint, out: Path, plan: RepackPlan, manif
                               add: Any) -> None:
     """What OUT holds is what the plan implies: the same file set, rank indexes as repack writes
     them, each tensor file's header as planned, side files equal to the checkpoint's today."""
-    want = _expected_files(ck, plan)
+    want = _expected_files(ck, plan, _present_ranks(manifest, len(plan.files)))
     listed = set(manifest["files"])
     for rel in sorted(set(want) - listed):
         add(f"{rel}: repack writes this file for these settings, but the manifest does not list it")
@@ -329,6 +343,7 @@ def _check_manifest(ck: Checkpoint, out: Path, manifest: dict[str, Any], report:
         elif sha256_file(path, progress=advance) != meta["sha256"]:
             add(f"{rel}: sha256 differs from the manifest (modified after repack)")
     parents = {p.as_posix() for rel in files for p in Path(rel).parents if p.as_posix() != "."}
+    manifests = {MANIFEST_NAME} if parts.part_ranks(manifest) is None else set(outdir.part_manifest_names(out))
     for dirpath, dirnames, filenames in os.walk(out):
         base = Path(dirpath).relative_to(out)
         for d in sorted(dirnames):
@@ -337,7 +352,7 @@ def _check_manifest(ck: Checkpoint, out: Path, manifest: dict[str, Any], report:
                 add(f"{rel}/: a directory the manifest does not account for (added after repack)")
         for fname in sorted(filenames):
             rel = (base / fname).as_posix()
-            if rel != MANIFEST_NAME and rel not in files:
+            if rel not in manifests and rel not in files:
                 add(f"{rel}: not listed in the manifest (added after repack)")
     settings = manifest["identity"]["settings"]
     for key in ("tp", "ep", "layout"):
@@ -377,6 +392,12 @@ def _check_manifest(ck: Checkpoint, out: Path, manifest: dict[str, Any], report:
     return plan
 
 
+def _present_ranks(manifest: dict[str, Any], n_ranks: int) -> list[int]:
+    """The ranks an output holds: all, or a part's (parts copied together: all of theirs)."""
+    covered = parts.part_ranks(manifest)
+    return list(range(n_ranks)) if covered is None else [r for r in covered if r < n_ranks]
+
+
 def _inside(rel: str) -> bool:
     parts = rel.split("/")
     return bool(rel) and not rel.startswith("/") and "\\" not in rel and all(p not in ("", ".", "..") for p in parts)
@@ -410,12 +431,12 @@ def _tensor_digest(reader: TensorReader, info: Any, chunk: int = 64 << 20) -> st
     return h.hexdigest()
 
 
-def _verify_rank_contents(ck: Checkpoint, reader: TensorReader, plan: RepackPlan, ranks: list[_RankFiles],
+def _verify_rank_contents(ck: Checkpoint, reader: TensorReader, plan: RepackPlan, ranks: dict[int, _RankFiles],
                           report: VerifyReport) -> None:
     """Each rank holds exactly the planned tensors, and the non-expert ones byte for byte as in the
     checkpoint (the round trip below only covers the expert tensors)."""
     source_digest: dict[str, str] = {}
-    for r, rf in enumerate(ranks):
+    for r, rf in ranks.items():
         add = lambda msg, **kw: report.findings.append(Finding("round_trip", f"rank {r}: {msg}", rank=r, **kw))  # noqa: E731
         planned = {t.name for f in plan.files[r] for t in f.tensors} if r < len(plan.files) else set()
         have = set(rf.files.names())
@@ -545,7 +566,10 @@ def verify_output(
     gemm_device = _gemm_device(device)
     samples_path = resolve_samples(samples)  # inputs in the order a user fixes them: checkpoint, output, device, samples
     report, plan = _verify_checks(ck, out_path, manifest, samples_path, num_samples, gemm_device, progress)
-    if e2e is not None:
+    if e2e is not None and report.ranks_not_checked:
+        report.checks.append(Check("e2e", "greedy generation on GSM8K prompts with the source and the repacked experts",
+                                   reason="needs every rank; this output is a part"))
+    elif e2e is not None:
         from wna16ctl import e2e as e2e_mod
 
         check = Check("e2e", "greedy generation on GSM8K prompts with the source and the repacked experts")
@@ -568,6 +592,16 @@ def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], sam
     if plan is None:
         return report, plan
     jobs = plan.jobs
+    present = _present_ranks(manifest, len(plan.files))
+    report.ranks_checked = present
+    report.ranks_not_checked = [r for r in range(len(plan.files)) if r not in present]
+    if report.ranks_not_checked:
+        missing = ", ".join(map(str, report.ranks_not_checked))
+        report.checks.append(Check(
+            "all_ranks", "every rank present, and the ranks re-assembled into the checkpoint", required=False,
+            reason=f"a part holding rank{'s' if len(present) != 1 else ''} {', '.join(map(str, present))} of "
+                   f"{len(plan.files)}: rank{'s' if len(report.ranks_not_checked) != 1 else ''} {missing} not checked, "
+                   "nor the re-assembly across ranks (verify the parts copied together for that)"))
     dtype = dtype_from_name(manifest["scale_dtype"])
     if dtype not in GEMM_DTYPES and any(j.layout == "marlin" for j in jobs):
         raise UsageError(
@@ -578,16 +612,16 @@ def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], sam
         vocab = int(ck.config.raw.get("vocab_size") or 1 << 30)
         token_ids, report.tokenizer = tokenize(ck, questions, vocab)
         hidden = embed(ck, reader, token_ids)
-        ranks: list[_RankFiles] = []
+        ranks: dict[int, _RankFiles] = {}
         unreadable: list[int] = []
-        for r in range(len(jobs[0].specs)):
+        for r in present:
             try:
-                ranks.append(_RankFiles(out_path / f"rank-{r}"))
+                ranks[r] = _RankFiles(out_path / f"rank-{r}")
             except BadInput as e:
                 report.findings.append(Finding("round_trip", f"rank {r}: {e.message}", rank=r))
                 unreadable.append(r)
         if unreadable:
-            for rf in ranks:
+            for rf in ranks.values():
                 rf.reader.close()
             report.conclude("round_trip")
             which = ", ".join(f"rank-{r}" for r in unreadable)
@@ -599,7 +633,7 @@ def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], sam
             for job in jobs:
                 _verify_layer(ck, reader, job, ranks, hidden, dtype, report, gemm_device, advance)
         finally:
-            for rf in ranks:
+            for rf in ranks.values():
                 rf.reader.close()
     report.conclude("round_trip")
     failed = [n for n in report.numerics if n.status == FAIL]
@@ -653,7 +687,7 @@ def rank_moe_output(job: LayerJob, r: int, t: dict[str, torch.Tensor], a: torch.
     return y.float().cpu().view(T, k, -1).sum(1)
 
 
-def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: list[_RankFiles],
+def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: dict[int, _RankFiles],
                   hidden: torch.Tensor, dtype: torch.dtype, report: VerifyReport,
                   gemm_device: torch.device = torch.device("cpu"),
                   advance: Callable[[int], None] = lambda n: None) -> None:
@@ -682,7 +716,7 @@ def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: li
         per_rank: list[dict[str, torch.Tensor]] = []
         for r, spec in enumerate(job.specs):
             rng = job.expert_ranges[r]
-            if e not in rng:
+            if e not in rng or r not in ranks:  # a part: only the ranks it holds
                 continue
             local = e - rng.start
             expected = _cast_scales(shard_expert(ck_expert, tp=spec.tp, rank=spec.rank, load_full_w2=spec.load_full_w2,
@@ -730,7 +764,7 @@ def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: li
     if job.layout == "marlin":
         # the candidate runs through the MoE GEMM over the Marlin tensors as written: the CUDA
         # kernel on a GPU, its CPU twin elsewhere (torch.ops.wna16ctl.moe_wna16_gemm)
-        for r in range(n_ranks):
+        for r in ranks:
             if not len(job.expert_ranges[r]):  # EP with more ranks than experts: nothing written
                 continue
             try:
@@ -753,7 +787,8 @@ def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: li
         row.reason = "the reference output is all zero (no token reached an expert): nothing to compare"
         return
     sum_err = part_err.sum(0)
-    total_err = sum_err + u * (y_ref.abs() + sum_err) + n_ranks * 2.0**-24 * part_c.abs().sum(0)
+    # the sum over the ranks present (all of them, or a part's: its ranks' share of the output)
+    total_err = sum_err + u * (y_ref.abs() + sum_err) + len(ranks) * 2.0**-24 * part_c.abs().sum(0)
     err = (y_c - y_ref).abs()
     ratio = err / total_err.clamp_min(1e-30)
     rel, cos = agreement(y_c, y_ref)
