@@ -1,0 +1,341 @@
+"""repack across processes (torchrun on the CPU, gloo on localhost), parts (`--ranks`,
+`--node-local`) and `assemble`: every multi-process or assembled output must equal the
+single-process run byte for byte, and a failure anywhere must commit nothing and leave a staging
+directory that `--resume` completes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import GSM8K_TEST
+from wna16ctl import distributed, outdir
+from wna16ctl.distributed import Group, Launch, PeerFailed
+from wna16ctl.errors import BadInput, UsageError
+from wna16ctl.parts import assemble
+from wna16ctl.repack import RepackSettings, plan_repack, run_repack
+from wna16ctl.verify import NOT_RUN, PASS, verify_output
+from wna16ctl.writer import StagedOutput
+
+# TP 4 needs I/4 divisible by the group size 128; a small shard size gives every rank several
+# files, so "after its first file" is in the middle of a process's work
+SPEC = dict(num_layers=2, num_experts=4, intermediate_size=512, vocab_size=64)
+SETTINGS = RepackSettings(tp=4, max_shard_bytes=300_000)
+CLI_SETTINGS = ["--tp", "4", "--max-shard-size", "300000"]
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+               "TORCHELASTIC_RUN_ID", distributed.TEST_KILL_ENV)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from wna16ctl.demo import DemoSpec, write_demo_checkpoint
+
+    return write_demo_checkpoint(tmp_path_factory.mktemp("ckpt"), DemoSpec(**SPEC))
+
+
+@pytest.fixture(scope="module")
+def whole(ckpt, tmp_path_factory):
+    """The single-process output everything else must equal."""
+    out = tmp_path_factory.mktemp("whole") / "out"
+    run_repack(plan_repack(ckpt, SETTINGS), out)
+    return out
+
+
+def digests(root: Path) -> dict[str, str]:
+    """sha256 of every file under `root` (the manifest included), by relative path."""
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def siblings(out: Path) -> list[str]:
+    return sorted(p.name for p in out.parent.iterdir() if p.name != out.name and out.name in p.name)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    return {**env, "OMP_NUM_THREADS": "1", **extra}
+
+
+def torchrun(args: list[str], *, cwd: Path, port: int, nproc: int = 2, nnodes: int = 1, node_rank: int = 0,
+             env: dict[str, str] | None = None, wait: bool = True):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--nnodes", str(nnodes),
+           "--node-rank", str(node_rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
+           "-m", "wna16ctl", *args]
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env or clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    if not wait:
+        return proc
+    out, err = proc.communicate(timeout=300)
+    return proc.returncode, out, err
+
+
+def stdout_objects(text: str) -> list[dict]:
+    """The JSON objects printed one after another on stdout."""
+    dec = json.JSONDecoder()
+    out, pos, text = [], 0, text.strip()
+    while pos < len(text):
+        obj, pos = dec.raw_decode(text, pos)
+        out.append(obj)
+        while pos < len(text) and text[pos].isspace():
+            pos += 1
+    return out
+
+
+# ---- the decisions, without processes ----------------------------------------------------------------
+
+
+def test_launch_from_env():
+    assert distributed.launch_from_env({}) == Launch()
+    assert distributed.launch_from_env({"WORLD_SIZE": "1", "RANK": "0"}) == Launch()
+    env = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",
+           "MASTER_ADDR": "node0", "MASTER_PORT": "29500"}
+    assert distributed.launch_from_env(env) == Launch(rank=5, world_size=8, local_rank=1, local_world_size=4, node=1)
+    with pytest.raises(UsageError, match="RANK is not"):
+        distributed.launch_from_env({k: v for k, v in env.items() if k != "RANK"})
+    with pytest.raises(UsageError, match="MASTER_ADDR"):
+        distributed.launch_from_env({k: v for k, v in env.items() if k != "MASTER_ADDR"})
+    with pytest.raises(UsageError, match="LOCAL_RANK='x' is not an integer"):
+        distributed.launch_from_env({**env, "LOCAL_RANK": "x"})
+    with pytest.raises(UsageError, match="do not fit"):
+        distributed.launch_from_env({**env, "RANK": "8"})
+
+
+def test_rank_r_is_written_by_process_r_mod_world_size():
+    assert [distributed.ranks_of_process(8, p, 3) for p in range(3)] == [[0, 3, 6], [1, 4, 7], [2, 5]]
+    assert [distributed.ranks_of_process(2, p, 4) for p in range(4)] == [[0], [1], [], []]
+    assert [distributed.ranks_of_process(8, p, 2, subset=[6, 3, 0]) for p in range(2)] == [[0, 6], [3]]
+    assert distributed.parse_ranks("3, 0,3", 4) == [0, 3]
+    for bad in ("4", "-1", "a", "", "0,,1"):
+        with pytest.raises(UsageError, match="--ranks"):
+            distributed.parse_ranks(bad, 4)
+
+
+def test_each_process_uses_the_gpu_of_its_local_rank():
+    chosen: list[int] = []
+    pick = lambda launch, device="cuda", count=4: distributed.select_device(  # noqa: E731
+        device, launch, cuda_usable=lambda: True, device_count=lambda: count, set_device=chosen.append)
+    assert pick(Launch(rank=6, world_size=8, local_rank=2, local_world_size=4, node=1)) == "cuda:2"
+    assert pick(Launch()) == "cuda:0"
+    assert chosen == [2, 0]
+    with pytest.raises(UsageError, match="LOCAL_RANK 3 but 2 GPUs are visible"):
+        pick(Launch(rank=3, world_size=4, local_rank=3, local_world_size=4), count=2)
+    assert pick(Launch(rank=3, world_size=4, local_rank=3, local_world_size=4), device="auto", count=2) == "cpu"
+    assert chosen == [2, 0]
+    # --device cpu never looks for a GPU; cuda without one is refused, auto falls back
+    assert distributed.select_device("cpu", Launch(), cuda_usable=lambda: 1 / 0) == "cpu"
+    assert distributed.select_device("auto", Launch(), cuda_usable=lambda: False) == "cpu"
+    with pytest.raises(UsageError, match="no usable CUDA GPU"):
+        distributed.select_device("cuda", Launch(), cuda_usable=lambda: False)
+
+
+def test_a_joining_process_refuses_a_staging_directory_of_another_run(ckpt, tmp_path):
+    plan = plan_repack(ckpt, SETTINGS)
+    out = tmp_path / "out"
+    owner = StagedOutput(out, force=False, resume=False, identity=plan.identity)
+    try:
+        with pytest.raises(UsageError, match="not the staging directory process 0 of this run prepared"):
+            StagedOutput(out, force=False, resume=False, identity=plan.identity, process=1, join="another-run")
+        joined = StagedOutput(out, force=False, resume=False, identity=plan.identity, process=1, join=owner.run)
+        joined.abort(keep_for_resume=False)  # a joiner never removes the owner's directory
+        assert outdir.is_our_stage(outdir.stage_path(out), out)
+    finally:
+        owner.abort(keep_for_resume=False)
+    assert siblings(out) == []
+
+
+class _PeerFailsWhileWriting(Group):
+    """Process 0 of two, whose peer reports a failure at the writing step."""
+
+    def __init__(self):
+        me = Launch(rank=0, world_size=2, local_rank=0, local_world_size=2)
+        super().__init__(me, [me, Launch(rank=1, world_size=2, local_rank=1, local_world_size=2)])
+
+    def all_gather(self, obj):
+        return [obj, None]
+
+    def together(self, step, fn):
+        value = fn()
+        if step == "writing":
+            raise PeerFailed(f"process 1 failed while {step}: disk full", 2)
+        return value
+
+
+def test_a_failure_in_another_process_commits_nothing_and_keeps_staging(ckpt, whole, tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(PeerFailed, match="process 1 failed while writing: disk full"):
+        run_repack(plan_repack(ckpt, SETTINGS), out, group=_PeerFailsWhileWriting())
+    assert not out.exists() and siblings(out) == [f".{out.name}.wna16ctl-partial"]
+    plan = plan_repack(ckpt, SETTINGS)
+    res = run_repack(plan, out, resume=True)
+    mine = len(plan.files[0]) + len(plan.files[2])  # ranks 0 and 2 were process 0's, finished
+    assert res.files_reused == mine and res.files_written == len(plan.files[1]) + len(plan.files[3])
+    assert digests(out) == digests(whole) and siblings(out) == []
+
+
+# ---- parts and assemble (one process) ----------------------------------------------------------------
+
+
+def test_ranks_subsets_assembled_equal_the_whole_run(ckpt, whole, tmp_path):
+    plan = plan_repack(ckpt, SETTINGS)
+    a = run_repack(plan, tmp_path / "a", ranks=[3, 0])
+    b = run_repack(plan, tmp_path / "b", ranks=[1, 2])
+    assert (a.ranks, a.manifest_name, b.manifest_name) == ([0, 3], "wna16ctl.part-0_3.json", "wna16ctl.part-1_2.json")
+    names = sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert [n for n in names if n.startswith(("rank-", "wna16ctl"))] == ["rank-0", "rank-3", "wna16ctl.part-0_3.json"]
+    assert "config.json" in names  # every part carries the side files
+    # each part's rank files and indexes are the whole run's, byte for byte
+    full = digests(whole)
+    for part in ("a", "b"):
+        got = digests(tmp_path / part)
+        assert all(full[rel] == d for rel, d in got.items() if not rel.startswith("wna16ctl."))
+    # copied together: verify accepts it as it is; assemble makes it the whole run's output
+    joined = tmp_path / "joined"
+    shutil.copytree(tmp_path / "a", joined)
+    shutil.copytree(tmp_path / "b", joined, dirs_exist_ok=True)
+    report = verify_output(ckpt, joined, samples=GSM8K_TEST, num_samples=4)
+    assert report.passed and report.ranks_not_checked == [] and [c.name for c in report.checks] == [
+        "manifest", "round_trip", "numerics"], [f.message for f in report.findings]
+    result = assemble(joined)
+    assert result.parts == ["wna16ctl.part-0_3.json", "wna16ctl.part-1_2.json"] and result.ranks == [0, 1, 2, 3]
+    assert digests(joined) == digests(whole)
+
+
+def test_verify_checks_the_ranks_a_part_holds_and_reports_the_others_not_run(ckpt, tmp_path):
+    part = tmp_path / "part"
+    run_repack(plan_repack(ckpt, SETTINGS), part, ranks=[1])
+    report = verify_output(ckpt, part, samples=GSM8K_TEST, num_samples=4)
+    statuses = {c.name: c.status for c in report.checks}
+    assert statuses == {"manifest": PASS, "round_trip": PASS, "numerics": PASS, "all_ranks": NOT_RUN}
+    assert report.passed and report.ranks_checked == [1] and report.ranks_not_checked == [0, 2, 3]
+    assert "ranks 0, 2, 3 not checked" in report.check("all_ranks").reason
+    assert report.to_json()["ranks_not_checked"] == [0, 2, 3]
+    # the checks are real on a part: one flipped byte in its rank file fails the manifest check
+    f = next((part / "rank-1").glob("model-00002-*.safetensors"))
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 1
+    f.write_bytes(bytes(data))
+    bad = verify_output(ckpt, part, samples=GSM8K_TEST, num_samples=4)
+    assert not bad.passed and bad.check("manifest").status == "FAIL"
+    assert any("sha256 differs" in x.message for x in bad.findings)
+
+
+def test_assemble_refuses_what_is_not_one_whole_run(ckpt, tmp_path):
+    plan = plan_repack(ckpt, SETTINGS)
+    run_repack(plan, tmp_path / "a", ranks=[0, 1])
+    run_repack(plan, tmp_path / "b", ranks=[2, 3])
+    d = tmp_path / "d"
+    shutil.copytree(tmp_path / "a", d)
+    with pytest.raises(UsageError, match="ranks 2, 3 of 4 missing"):
+        assemble(d)
+    shutil.copytree(tmp_path / "b", d, dirs_exist_ok=True)
+    victim = next((d / "rank-2").glob("*.safetensors"))
+    victim.write_bytes(victim.read_bytes()[:-1])
+    with pytest.raises(UsageError, match="an incomplete copy"):
+        assemble(d)
+    shutil.copy(next((tmp_path / "b" / "rank-2").glob(victim.name)), victim)
+    (d / "notes.txt").write_text("mine")
+    with pytest.raises(UsageError, match="notes.txt is not listed"):
+        assemble(d)
+    (d / "notes.txt").unlink()
+    # a part of another run (other settings) is refused, naming the key that differs
+    other = tmp_path / "other"
+    run_repack(plan_repack(ckpt, RepackSettings(tp=4, max_shard_bytes=400_000)), other, ranks=[2, 3])
+    e = tmp_path / "e"
+    shutil.copytree(tmp_path / "a", e)
+    shutil.copy(other / "wna16ctl.part-2_3.json", e)
+    with pytest.raises(BadInput, match="'identity' differs"):
+        assemble(e)
+    assert (d / "wna16ctl.part-0_1.json").exists() and not (d / "wna16ctl.json").exists()  # nothing changed
+    assemble(d)
+    assert not outdir.part_manifest_names(d) and (d / "wna16ctl.json").is_file()
+
+
+def test_force_and_resume_treat_a_part_as_wna16ctl_output(ckpt, tmp_path):
+    plan = plan_repack(ckpt, SETTINGS)
+    part = tmp_path / "part"
+    run_repack(plan, part, ranks=[0])
+    before = digests(part)
+    res = run_repack(plan, part, ranks=[0], resume=True)
+    assert res.files_written == 0 and res.files_reused == len(plan.files[0]) and digests(part) == before
+    run_repack(plan, part, ranks=[2], force=True)  # replaced: every entry was the part's
+    assert outdir.part_manifest_names(part) == ["wna16ctl.part-2.json"] and not (part / "rank-0").exists()
+
+
+# ---- torchrun -------------------------------------------------------------------------------------------
+
+
+def test_torchrun_two_processes_equal_the_single_process_run(ckpt, whole, tmp_path):
+    rc, out, err = torchrun(["repack", str(ckpt), *CLI_SETTINGS, "-o", "out", "--json"], cwd=tmp_path, port=free_port())
+    assert rc == 0, err
+    results = stdout_objects(out)
+    assert len(results) == 1, out  # printed once, by process 0, which committed
+    per_rank = [len(files) for files in plan_repack(ckpt, SETTINGS).files]
+    assert [(p["process"], p["ranks"], p["files_written"]) for p in results[0]["processes"]] == [
+        (0, [0, 2], per_rank[0] + per_rank[2]), (1, [1, 3], per_rank[1] + per_rank[3])]
+    assert digests(tmp_path / "out") == digests(whole)
+    assert siblings(tmp_path / "out") == []
+
+
+def test_torchrun_process_killed_commits_nothing_and_resume_completes_it(ckpt, whole, tmp_path):
+    port = free_port()
+    rc, _, err = torchrun(["repack", str(ckpt), *CLI_SETTINGS, "-o", "out", "-q"], cwd=tmp_path, port=port,
+                          env=clean_env(**{distributed.TEST_KILL_ENV: "1"}))
+    out = tmp_path / "out"
+    assert rc != 0 and "SIGKILL" in err, err
+    assert not out.exists() and siblings(out) == [".out.wna16ctl-partial"]
+    stage = tmp_path / ".out.wna16ctl-partial"
+    assert not list(stage.glob("wna16ctl*.json"))  # no manifest: nothing committed
+    # process 1's journal part records the first file it finished before dying
+    journal = json.loads((stage / ".wna16ctl-journal-p1.json").read_text())
+    first = sorted(rel for rel in journal["files"] if rel.startswith("rank-1/"))[0]
+    inode = os.stat(stage / first).st_ino
+    res = subprocess.run([sys.executable, "-m", "wna16ctl", "repack", str(ckpt), *CLI_SETTINGS, "-o", "out", "--resume",
+                          "--json"], cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    result = json.loads(res.stdout)
+    total = sum(len(files) for files in plan_repack(ckpt, SETTINGS).files)
+    assert result["files_reused"] > 0 and result["files_reused"] + result["files_written"] == total
+    assert os.stat(out / first).st_ino == inode  # another process's journaled file was reused, not rewritten
+    assert digests(out) == digests(whole) and siblings(out) == []
+
+
+def test_torchrun_two_nodes_node_local_parts_verify_and_assemble(ckpt, whole, tmp_path):
+    port = free_port()
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    procs = []
+    for n, cwd in enumerate(nodes):
+        cwd.mkdir()
+        procs.append(torchrun(["repack", str(ckpt), *CLI_SETTINGS, "-o", "out", "--node-local", "--json"], cwd=cwd,
+                              port=port, nproc=1, nnodes=2, node_rank=n, wait=False))
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+        results.append(stdout_objects(out))
+    # world size 2: node 0's process writes ranks 0 and 2, node 1's ranks 1 and 3, each a part
+    assert [r[0]["ranks"] for r in results] == [[0, 2], [1, 3]]
+    assert [sorted(outdir.part_manifest_names(n / "out")) for n in nodes] == [
+        ["wna16ctl.part-0_2.json"], ["wna16ctl.part-1_3.json"]]
+    for n, held in zip(nodes, ([0, 2], [1, 3])):
+        report = verify_output(ckpt, n / "out", samples=GSM8K_TEST, num_samples=4)
+        assert report.passed and report.ranks_checked == held, [f.message for f in report.findings]
+        assert report.check("all_ranks").status == NOT_RUN
+    joined = tmp_path / "joined"
+    for n in nodes:
+        shutil.copytree(n / "out", joined, dirs_exist_ok=True)
+    assemble(joined)
+    assert digests(joined) == digests(whole)
