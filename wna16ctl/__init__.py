@@ -56,7 +56,7 @@ def repack(path: PathLike, out: PathLike | None, tp: int | str, *, ep: bool = Fa
            max_shard_size: int | str = "4GiB", dry_run: bool = False, resume: bool = False, force: bool = False,
            device: str = "auto", vllm: str = "installed", gpu: str = "sm90",
            progress: Callable[..., Callable[[int], None]] | None = None,
-           notice: Callable[[str], None] | None = None) -> RepackResult | RepackPlan:
+           notice: Callable[[str], None] | None = None, ranks: list[int] | None = None) -> RepackResult | RepackPlan:
     """Write the checkpoint's experts per rank in the kernel layout into `out`, with a manifest.
 
     Same options and defaults as `wna16ctl repack` (`layout` auto|marlin|transposed, `device`
@@ -65,7 +65,8 @@ def repack(path: PathLike, out: PathLike | None, tp: int | str, *, ep: bool = Fa
     `RepackResult` (`to_json()` = `repack --json`, docs/repack-json.md).  `vllm` and `gpu` as for
     `inspect` (not `"all"`): the plan follows that release and the manifest records it.  `progress` and `notice`
     receive what the CLI shows on stderr (see `wna16ctl.output.Sink.tasks`).  A layer that cannot
-    be produced raises `NotLoadable` before anything is written.
+    be produced raises `NotLoadable` before anything is written.  `ranks` (e.g. [0, 3]) writes only
+    those TP ranks: `out` is then a part with a manifest part (`wna16ctl.parts`).
     """
     from wna16ctl.errors import UsageError
     from wna16ctl.inspection import resolve
@@ -85,7 +86,8 @@ def repack(path: PathLike, out: PathLike | None, tp: int | str, *, ep: bool = Fa
         return plan
     if out is None:
         raise UsageError("an output directory is required (or pass dry_run=True)")
-    return run_repack(plan, out, force=force, resume=resume, progress=progress, device=device, notice=notice)
+    return run_repack(plan, out, force=force, resume=resume, progress=progress, device=device, notice=notice,
+                      ranks=ranks)
 
 
 def verify(path: PathLike, out: PathLike, *, samples: PathLike | None = None, num_samples: int = 64, device: str = "auto",

@@ -114,10 +114,16 @@ class RepackPlan:
             "source_fingerprint": self.fingerprint, "settings": self.settings.to_json(),
         }
 
-    def input_bytes(self) -> int:
-        """Bytes the run reads: packed experts once, copied tensors once per rank."""
+    def input_bytes(self, ranks: Sequence[int] | None = None) -> int:
+        """Bytes the run (or the process writing `ranks`) reads: packed experts once (under EP
+        those of the ranks' experts), copied tensors once per rank."""
+        ranks = range(len(self.files)) if ranks is None else ranks
         copied = sum(self.checkpoint.files.info(n).nbytes for n in self.copied)
-        return sum(j.layer.packed_bytes for j in self.jobs) + copied * len(self.files)
+        experts = 0
+        for j in self.jobs:
+            held = {e for r in ranks for e in j.expert_ranges[r]}
+            experts += j.layer.packed_bytes * len(held) // max(j.layer.num_experts, 1)
+        return experts + copied * len(ranks)
 
     def rank_bytes(self) -> list[int]:
         return [sum(f.size for f in files) for files in self.files]
@@ -340,7 +346,11 @@ def _check_previous_run(plan: RepackPlan, out_path: Path, *, resume: bool) -> st
     """Before the writer takes over: name the settings that differ when --resume cannot reuse
     OUT; return the notice to give once a staging directory of an interrupted run is discarded."""
     stage = outdir.stage_path(out_path)
-    journal = _read_json_file(stage / JOURNAL_NAME) if stage.is_dir() else None
+    # the owner's journal, else another process's part (a multi-process run whose owner wrote none)
+    journals = [_read_json_file(stage / e.name) for e in sorted(os.scandir(stage), key=lambda e: e.name != JOURNAL_NAME)
+                if outdir.is_journal_name(e.name)] if stage.is_dir() else []
+    journal = next((j for j in journals if j and j.get("identity") == plan.identity), None) or next(
+        (j for j in journals if j), None)
     journal_matches = journal is not None and journal.get("identity") == plan.identity
     if resume and not journal_matches and out_path.is_dir() and any(out_path.iterdir()):
         manifest = _read_json_file(out_path / MANIFEST_NAME)
@@ -582,7 +592,7 @@ def _execute(plan: RepackPlan, staged: StagedOutput, start: TaskStarter, device:
     ck = plan.checkpoint
     by_rel = {f.relpath: f for r in ranks for f in plan.files[r]}
     digests = _SourceDigests(plan)
-    advance = start("repacking", plan.input_bytes(), unit="bytes")
+    advance = start("repacking", plan.input_bytes(ranks), unit="bytes")
     written = 0
     repack_weights = marlin_repacker(device)
     writer = _BackgroundWrites(staged)
