@@ -339,3 +339,11 @@ def test_torchrun_two_nodes_node_local_parts_verify_and_assemble(ckpt, whole, tm
         shutil.copytree(n / "out", joined, dirs_exist_ok=True)
     assemble(joined)
     assert digests(joined) == digests(whole)
+
+
+def test_node_local_refuses_a_node_that_would_write_no_rank(ckpt, tmp_path):
+    members = [Launch(rank=r, world_size=4, local_rank=r % 2, local_world_size=2, node=r // 2) for r in range(4)]
+    group = Group(members[0], members)  # 2 nodes x 2 processes; TP 2 leaves node 1 without a rank
+    with pytest.raises(UsageError, match="node 1 would write no rank"):
+        run_repack(plan_repack(ckpt, RepackSettings(tp=2)), tmp_path / "out", node_local=True, group=group)
+    assert not (tmp_path / "out").exists() and siblings(tmp_path / "out") == []

@@ -412,6 +412,13 @@ def run_repack(
     mine = distributed.ranks_of_process(tp, me.rank, me.world_size, subset)
     out_ranks = sorted(r for w in writers for r in distributed.ranks_of_process(tp, w, me.world_size, subset))
     is_owner = me.rank == owner
+    if node_local:  # every process knows every member: all refuse alike, before anything is written
+        for node in sorted({m.node for m in group.members}):
+            if not any(distributed.ranks_of_process(tp, m.rank, me.world_size, subset) for m in group.node_members(node)):
+                raise UsageError(
+                    f"--node-local: the processes of node {node} would write no rank (rank r is written by process r "
+                    f"mod {me.world_size}, of {len(subset) if subset else tp} rank(s)); start fewer processes or "
+                    "repack a larger --tp")
     held: list[StagedOutput] = []
 
     def prepare() -> tuple[str, str | None]:
