@@ -290,10 +290,10 @@ def test_torchrun_two_processes_equal_the_single_process_run(ckpt, whole, tmp_pa
     assert siblings(tmp_path / "out") == []
 
 
-def test_torchrun_process_killed_commits_nothing_and_resume_completes_it(ckpt, whole, tmp_path):
-    port = free_port()
-    rc, _, err = torchrun(["repack", str(ckpt), *CLI_SETTINGS, "-o", "out", "-q"], cwd=tmp_path, port=port,
-                          env=clean_env(**{distributed.TEST_KILL_ENV: "1"}))
+@pytest.mark.parametrize("resume_with", ["one process", "torchrun"])
+def test_torchrun_process_killed_commits_nothing_and_resume_completes_it(ckpt, whole, tmp_path, resume_with):
+    args = ["repack", str(ckpt), *CLI_SETTINGS, "-o", "out"]
+    rc, _, err = torchrun([*args, "-q"], cwd=tmp_path, port=free_port(), env=clean_env(**{distributed.TEST_KILL_ENV: "1"}))
     out = tmp_path / "out"
     assert rc != 0 and "SIGKILL" in err, err
     assert not out.exists() and siblings(out) == [".out.wna16ctl-partial"]
@@ -303,13 +303,17 @@ def test_torchrun_process_killed_commits_nothing_and_resume_completes_it(ckpt, w
     journal = json.loads((stage / ".wna16ctl-journal-p1.json").read_text())
     first = sorted(rel for rel in journal["files"] if rel.startswith("rank-1/"))[0]
     inode = os.stat(stage / first).st_ino
-    res = subprocess.run([sys.executable, "-m", "wna16ctl", "repack", str(ckpt), *CLI_SETTINGS, "-o", "out", "--resume",
-                          "--json"], cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr
-    result = json.loads(res.stdout)
+    if resume_with == "torchrun":  # process 1 again writes rank 1: it reuses what it journaled
+        rc, stdout, err = torchrun([*args, "--resume", "--json"], cwd=tmp_path, port=free_port())
+    else:  # one process writes every rank: it reuses what process 1 journaled
+        res = subprocess.run([sys.executable, "-m", "wna16ctl", *args, "--resume", "--json"], cwd=tmp_path,
+                             env=clean_env(), capture_output=True, text=True, timeout=300)
+        rc, stdout, err = res.returncode, res.stdout, res.stderr
+    assert rc == 0, err
+    (result,) = stdout_objects(stdout)
     total = sum(len(files) for files in plan_repack(ckpt, SETTINGS).files)
     assert result["files_reused"] > 0 and result["files_reused"] + result["files_written"] == total
-    assert os.stat(out / first).st_ino == inode  # another process's journaled file was reused, not rewritten
+    assert os.stat(out / first).st_ino == inode  # the journaled file was reused, not rewritten
     assert digests(out) == digests(whole) and siblings(out) == []
 
 
