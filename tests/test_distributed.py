@@ -317,6 +317,43 @@ def test_torchrun_process_killed_commits_nothing_and_resume_completes_it(ckpt, w
     assert digests(out) == digests(whole) and siblings(out) == []
 
 
+_FAILING_PROCESS = """
+import os, sys
+import wna16ctl.repack as r
+from wna16ctl.errors import BadInput
+real, calls = r.build_rank_tensors, []
+def build(*a, **kw):  # process 1 fails on its second chunk
+    calls.append(1)
+    if os.environ["RANK"] == "1" and len(calls) == 2:
+        raise BadInput("shard-x.safetensors: simulated read error")
+    return real(*a, **kw)
+r.build_rank_tensors = build
+sys.argv = ["wna16ctl"] + sys.argv[1:]
+from wna16ctl.cli import main
+main()
+"""
+
+
+def test_torchrun_error_in_one_process_stops_all_and_keeps_staging(ckpt, whole, tmp_path):
+    script = tmp_path / "failing.py"
+    script.write_text(_FAILING_PROCESS)
+    port = free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(port), str(script), "repack", str(ckpt), *CLI_SETTINGS, "-o", "out", "-q"]
+    res = subprocess.run(cmd, cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    # each process one line: the failing one its own error, process 0 who failed and why
+    assert "error: shard-x.safetensors: simulated read error" in errors, res.stderr
+    assert "error: process 1 failed while writing: shard-x.safetensors: simulated read error" in errors, res.stderr
+    # (torchrun prints a traceback of its own when a child fails; none comes from wna16ctl's code)
+    assert not [ln for ln in res.stderr.splitlines() if 'File "' in ln and "/wna16ctl/" in ln], res.stderr
+    out = tmp_path / "out"
+    assert not out.exists() and siblings(out) == [".out.wna16ctl-partial"]
+    res = run_repack(plan_repack(ckpt, SETTINGS), out, resume=True)
+    assert res.files_reused > 0 and digests(out) == digests(whole)
+
+
 def test_torchrun_two_nodes_node_local_parts_verify_and_assemble(ckpt, whole, tmp_path):
     port = free_port()
     nodes = [tmp_path / "node0", tmp_path / "node1"]
