@@ -200,8 +200,7 @@ class Group:
             dist.all_gather_object(out, obj)
         except Exception as e:  # gloo: a peer's connection closed, or the timeout
             raise PeerFailed(f"process {self.rank}: lost contact with another process of the run ({_first_sentence(e)}); "
-                             f"it was killed or crashed, or took longer than ${TIMEOUT_ENV} seconds; nothing was "
-                             "committed") from None
+                             f"it was killed or crashed, or took longer than ${TIMEOUT_ENV} seconds") from None
         return out
 
     def together(self, step: str, fn: Callable[[], T]) -> T:
@@ -215,7 +214,12 @@ class Group:
             value = fn()
         except BaseException as e:  # noqa: BLE001 - re-raised below, after the others know
             error = e
-        outcomes = self.all_gather(None if error is None else outcome_of(error))
+        try:
+            outcomes = self.all_gather(None if error is None else outcome_of(error))
+        except PeerFailed:
+            if error is not None:  # this process's own error says more than the lost peer
+                raise error from None
+            raise
         if error is not None:
             raise error
         for process, outcome in enumerate(outcomes):
