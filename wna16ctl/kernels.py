@@ -538,9 +538,10 @@ def _gemm_dims(a: Tensor, b_q: Tensor, scales: Tensor, num_bits: int, top_k: int
 def _check_gemm_extras(
     a: Tensor, b_q: Tensor, scales: Tensor, zero_points: Optional[Tensor], g_idx: Optional[Tensor],
     perm: Optional[Tensor], sorted_token_ids: Tensor, expert_offsets: Tensor,
-    topk_weights: Optional[Tensor], top_k: int, num_bits: int,
+    topk_weights: Optional[Tensor], top_k: int, num_bits: int, is_k_full: bool,
 ) -> None:
-    """Shapes of the optional and routing inputs: the CUDA kernel trusts them."""
+    """Shapes of the optional and routing inputs, the scale-group layout, and the index values:
+    the CUDA kernel trusts them."""
     experts, size_k, size_n, groups = _gemm_dims(a, b_q, scales, num_bits, top_k)
     if zero_points is not None and tuple(zero_points.shape) != (experts, groups, size_n * num_bits // 32):
         raise ValueError(f"zero_points {tuple(zero_points.shape)} != {(experts, groups, size_n * num_bits // 32)}")
@@ -553,6 +554,36 @@ def _check_gemm_extras(
         raise ValueError(f"sorted_token_ids must be 1-D and expert_offsets [{experts + 1}]")
     if topk_weights is not None and topk_weights.numel() != a.shape[0] * top_k:
         raise ValueError(f"topk_weights has {topk_weights.numel()} entries, expected {a.shape[0] * top_k}")
+    if perm is not None and is_k_full and groups <= 1:
+        raise ValueError("For act_order, num_groups must be > 1")
+    if not (perm is not None and not is_k_full) and size_k % groups:
+        raise ValueError(f"size_k = {size_k}, is not divisible by b_scales.size(1) = {groups}")
+    if a.is_cuda and torch.cuda.is_current_stream_capturing():
+        return  # the value checks below read the tensors back; a graph capture cannot
+    _check_gemm_values(g_idx, perm, sorted_token_ids, groups, size_k, a.shape[0] * top_k)
+
+
+def _check_gemm_values(g_idx: Optional[Tensor], perm: Optional[Tensor], sorted_token_ids: Tensor,
+                       groups: int, size_k: int, num_slots: int) -> None:
+    """Index values the kernels would otherwise clamp or race on: a scale group outside the scales,
+    a column outside K, a slot listed twice (two tiles would write the same output row)."""
+    if g_idx is not None and g_idx.numel():
+        lo, hi = int(g_idx.min()), int(g_idx.max())
+        if lo < 0 or hi >= groups:
+            raise ValueError(f"g_idx values lie in [{lo}, {hi}], outside [0, num_groups = {groups}) "
+                             "of the scales: pass the scales g_idx refers to (all groups of the full K)")
+    if perm is not None and perm.numel():
+        lo, hi = int(perm.min()), int(perm.max())
+        if lo < 0 or hi >= size_k:
+            raise ValueError(f"perm values lie in [{lo}, {hi}], outside [0, size_k = {size_k})")
+    ids = sorted_token_ids.reshape(-1).to(torch.int64)
+    ids = ids[(ids >= 0) & (ids < num_slots)]  # the rest are padding sentinels
+    if ids.numel():
+        counts = torch.bincount(ids, minlength=num_slots)
+        if int(counts.max()) > 1:
+            slot = int(torch.argmax(counts))
+            raise ValueError(f"sorted_token_ids lists slot {slot} {int(counts[slot])} times: each slot "
+                             f"(token * top_k + j) may appear once; padding entries must be >= {num_slots}")
 
 
 def _gemm_cpu(
@@ -567,12 +598,8 @@ def _gemm_cpu(
 
     experts, size_k, size_n, groups = _gemm_dims(a, b_q, scales, num_bits, top_k)
     _check_gemm_extras(a, b_q, scales, zero_points, g_idx, perm, sorted_token_ids, expert_offsets,
-                       topk_weights, top_k, num_bits)
+                       topk_weights, top_k, num_bits, is_k_full)
     gidx_mode = perm is not None and not is_k_full
-    if perm is not None and is_k_full and groups <= 1:
-        raise ValueError("For act_order, num_groups must be > 1")
-    if not gidx_mode and size_k % groups:
-        raise ValueError(f"size_k = {size_k}, is not divisible by b_scales.size(1) = {groups}")
     dtype = a.dtype
     num_slots = a.shape[0] * top_k
     out = torch.zeros(num_slots, size_n, dtype=dtype)
@@ -684,7 +711,7 @@ def _gemm_cuda(
             lambda *t: _gemm_cpu(*t, top_k=top_k, num_bits=num_bits, is_k_full=is_k_full), a.device)
     experts, size_k, size_n, groups = _gemm_dims(a, b_q, scales, num_bits, top_k)
     _check_gemm_extras(a, b_q, scales, zero_points, g_idx, perm, sorted_token_ids, expert_offsets,
-                       topk_weights, top_k, num_bits)
+                       topk_weights, top_k, num_bits, is_k_full)
     dev = a.device
     num_slots = a.shape[0] * top_k
     out = torch.zeros(num_slots, size_n, dtype=a.dtype, device=dev)
