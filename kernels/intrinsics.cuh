@@ -79,11 +79,12 @@ WNA16_DEV void wna16_cp_async16(void* smem, const void* gmem, bool pred = true) 
 // cp.async.commit_group
 WNA16_DEV void wna16_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
-// Wait until at most N of this thread's committed groups are pending.
+// Wait until at most N of this thread's committed groups are pending. The memory clobber keeps
+// the compiler from hoisting shared-memory reads of the landed data above the wait.
 // cp.async.wait_group N
 template <int N>
 WNA16_DEV void wna16_cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 // Any three-input bitwise function: LUT is the truth table over (0xF0, 0xCC, 0xAA) = (a, b, c).

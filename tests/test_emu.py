@@ -15,6 +15,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
@@ -110,6 +112,20 @@ def test_kernel_sources_use_only_the_intrinsics_header() -> None:
         code = re.sub(r"//[^\n]*", "", path.read_text())  # comments may name them
         for pattern, what in banned:
             assert not re.search(pattern, code), f"{path.name}: {what}"
+
+
+@pytest.mark.nvcc
+def test_probes_are_valid_cuda() -> None:
+    """The probe kernels build with nvcc too (so they can run on a GPU beside the emulation)."""
+    nvcc = K.find_nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-Xcompiler", "-Wall", "-Xcompiler", "-Wextra",
+                               "--Werror", "all-warnings", "-I", str(K.kernels_dir()), "-c",
+                               str(H.EMU_DIR / "probes.cu"), "-o", str(Path(tmp) / "probes.o")],
+                              capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
 
 
 # ----------------------------------------------------------------------------------------------

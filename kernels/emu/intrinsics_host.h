@@ -77,7 +77,8 @@ struct alignas(8) uint2 {
   unsigned int x, y;
 };
 
-// 16-bit float storage types (bit patterns only; arithmetic goes through the wna16_* functions).
+// 16-bit float storage types (bit patterns only, member __x; no cuda_fp16.h arithmetic or
+// conversion functions: kernels convert through the wna16_* functions).
 struct __half {
   uint16_t __x;
 };
@@ -306,6 +307,9 @@ inline void check_aligned(const void* p, uintptr_t align, const char* what) {
 inline const Slot* rendezvous(const Slot& mine) {
   ThreadState& s = self();
   if (!s.warp) fatal("%s called outside a kernel launch", "a warp collective");
+  if ((mine.op == kOpMma || mine.op == kOpLdm4 || mine.op == kOpLdm2 || mine.op == kOpLdm4T) &&
+      s.warp->bar.expected != 32)
+    fatal("%s needs a full warp of 32 threads (blockDim is not a multiple of 32)", "mma/ldmatrix");
   Slot* buf = s.warp->slot[s.parity];
   s.parity ^= 1;
   buf[s.lane] = mine;

@@ -29,7 +29,7 @@ TEST_SOURCES = ("probes.cu", "runner.cpp")
 FLAVOURS: dict[str, tuple[str, ...]] = {
     "plain": ("-O2",),
     "tsan": ("-O1", "-g", "-fsanitize=thread"),
-    "asan": ("-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
+    "asan": ("-O0", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
              "-fno-sanitize-recover=undefined"),
 }
 _COMMON = ("-std=c++17", "-pthread", "-Wall", "-Wextra", "-Werror")
