@@ -122,6 +122,17 @@ __global__ void offbyone_kernel(int mode, const uint32_t* src, uint32_t* out) {
   out[t] = src[t + (mode == 1 ? 1 : 0)];
 }
 
+// Every thread of a 3-D grid of 3-D blocks records its indices and the dimensions it sees.
+__global__ void dims_kernel(int* out) {
+  const int t = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+  const int b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  int* o = out + 12 * (b * (int)(blockDim.x * blockDim.y * blockDim.z) + t);
+  const int v[12] = {(int)threadIdx.x, (int)threadIdx.y, (int)threadIdx.z, (int)blockIdx.x,
+                     (int)blockIdx.y,  (int)blockIdx.z,  (int)blockDim.x,  (int)blockDim.y,
+                     (int)blockDim.z,  (int)gridDim.x,   (int)gridDim.y,   (int)gridDim.z};
+  for (int i = 0; i < 12; ++i) o[i] = v[i];
+}
+
 int status() { return (int)cudaGetLastError(); }
 
 }  // namespace
@@ -161,6 +172,21 @@ int wna16_probe_cp_async(int mode, int zfill, int n, const void* src, void* out)
 }
 int wna16_probe_smem(int mode, int n, const uint32_t* src, uint32_t* out) {
   WNA16_LAUNCH(1, n, n * 4, nullptr, smem_kernel, mode, src, out);
+  return status();
+}
+// The smem kernel (mode 0) on n threads with `bytes` of dynamic shared memory, after raising the
+// kernel's limit to `optin` bytes when optin > 0: what the launch and the attribute call answer.
+int wna16_probe_smem_limit(int n, int bytes, int optin, const uint32_t* src, uint32_t* out) {
+  if (optin > 0) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(smem_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin);
+    if (err != cudaSuccess) return 1000 + (int)err;
+  }
+  WNA16_LAUNCH(1, n, bytes, nullptr, smem_kernel, 0, src, out);
+  return status();
+}
+int wna16_probe_dims(int* out) {
+  WNA16_LAUNCH(dim3(2, 3, 2), dim3(4, 2, 3), 0, nullptr, dims_kernel, out);
   return status();
 }
 int wna16_probe_offbyone(int mode, int n, const uint32_t* src, uint32_t* out) {

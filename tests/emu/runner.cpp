@@ -30,6 +30,8 @@ int wna16_probe_convert(int, int, const float*, uint32_t*, float*);
 int wna16_probe_cp_async(int, int, int, const void*, void*);
 int wna16_probe_smem(int, int, const uint32_t*, uint32_t*);
 int wna16_probe_offbyone(int, int, const uint32_t*, uint32_t*);
+int wna16_probe_smem_limit(int, int, int, const uint32_t*, uint32_t*);
+int wna16_probe_dims(int*);
 }
 
 namespace {
@@ -123,6 +125,10 @@ int run(const std::string& op) {
     return wna16_probe_cp_async((int)I("mode"), (int)I("zfill"), (int)I("n"), B("src"), B("out"));
   if (op == "smem")
     return wna16_probe_smem((int)I("mode"), (int)I("n"), B<uint32_t>("src"), B<uint32_t>("out"));
+  if (op == "smem_limit")
+    return wna16_probe_smem_limit((int)I("n"), (int)I("bytes"), (int)I("optin"), B<uint32_t>("src"),
+                                  B<uint32_t>("out"));
+  if (op == "dims") return wna16_probe_dims(B<int>("out"));
   if (op == "offbyone")
     return wna16_probe_offbyone((int)I("mode"), (int)I("n"), B<uint32_t>("src"),
                                 B<uint32_t>("out"));
