@@ -728,8 +728,8 @@ def test_emulation_notices_a_wrong_fragment_in_the_real_gemm(tmp_path: Path, pla
 
 def test_asan_reports_the_zero_point_kernel_reading_one_past_the_end(tmp_path: Path, drivers) -> None:
     _driver(drivers, "asan")
-    src = H.mutated_kernels(tmp_path, "repack.cu", "i < total;\n       i += (int64_t)gridDim.x * blockDim.x) {\n    const uint32_t* row",
-                            "i <= total;\n       i += (int64_t)gridDim.x * blockDim.x) {\n    const uint32_t* row")
+    loop = "total;\n       i += (int64_t)gridDim.x * blockDim.x) {\n    const uint32_t* row"
+    src = H.mutated_kernels(tmp_path, "repack.cu", f"i < {loop}", f"i <= {loop}")
     exe = H.build("asan", src)
     zp = pack_codes(torch.randint(0, 16, (2, 128), generator=_gen(3), dtype=torch.int32), 4)
     r = H.run(exe, "zero_points", {"in": zp, "out": torch.zeros_like(zp)}, {"rows": 2, "size_n": 128, "num_bits": 4},

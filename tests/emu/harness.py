@@ -32,7 +32,7 @@ FLAVOURS: dict[str, tuple[str, ...]] = {
     "asan": ("-O0", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
              "-fno-sanitize-recover=undefined"),
 }
-_COMMON = ("-std=c++17", "-pthread", "-Wall", "-Wextra", "-Werror")
+_COMMON = ("-std=c++17", "-pthread", "-Wall", "-Wextra", "-Wpedantic", "-Werror")
 
 # sanitizer reports fail the driver with this exit code (and abort on the first error)
 SAN_ENV = {
