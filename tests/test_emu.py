@@ -397,6 +397,14 @@ def test_divergent_barrier_aborts(plain: Path) -> None:
     assert r.returncode != 0 and "not reached by every thread" in r.stderr
 
 
+def test_warp_collectives_must_be_reached_by_the_whole_warp(plain: Path) -> None:
+    out = {"out": torch.zeros(32, dtype=torch.int32)}
+    r = H.run(plain, "bad_warp", out, {"mode": 0}, ("out",), timeout=60)
+    assert r.returncode != 0 and "lanes of one warp met at different collectives" in r.stderr
+    r = H.run(plain, "bad_warp", out, {"mode": 1}, ("out",), timeout=60)
+    assert r.returncode != 0 and "not reached by every thread" in r.stderr
+
+
 def test_thread_and_block_indices_of_a_3d_launch(plain: Path) -> None:
     r = _ok(H.run(plain, "dims", {"out": torch.full((12 * 24 * 12,), -1, dtype=torch.int32)}, outs=("out",)))
     got = r.tensor("out", torch.int32, (12, 24, 12))

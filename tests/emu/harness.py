@@ -22,9 +22,12 @@ import torch
 from wna16ctl import kernels as K
 
 EMU_DIR = Path(__file__).resolve().parent
-# the real kernels and their launchers, the probes, the driver, the error store
-KERNEL_SOURCES = ("moe_gemm.cu", "repack.cu", "error.cpp")
+# the driver links every CUDA source of kernels/ (kernels and launchers) and the error store
 TEST_SOURCES = ("probes.cu", "runner.cpp")
+
+
+def kernel_sources(kernels: Path) -> list[Path]:
+    return [*sorted(kernels.glob("*.cu")), kernels / "error.cpp"]
 
 FLAVOURS: dict[str, tuple[str, ...]] = {
     "plain": ("-O2",),
@@ -57,7 +60,7 @@ def build(flavour: str, kernels: Optional[Path] = None) -> Path:
     headers = [p.name.encode() + p.read_bytes() for p in _headers(kernels)]
     out = K._build_dir() / "emu"
     out.mkdir(parents=True, exist_ok=True)
-    sources = [kernels / s for s in KERNEL_SOURCES] + [EMU_DIR / s for s in TEST_SOURCES]
+    sources = kernel_sources(kernels) + [EMU_DIR / s for s in TEST_SOURCES]
     objs: list[Path] = []
     cmds: list[list[str]] = []
     for src in sources:

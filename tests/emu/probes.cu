@@ -44,6 +44,14 @@ __global__ void warp_kernel(const uint32_t* v, const int* arg, uint32_t* out) {
 }
 
 // lop3 with a run-time LUT: a binary search over the 256 compile-time instances.
+// mode 0: lanes below 16 shuffle while the others take a ballot (different collectives);
+// 1: lane 3 leaves before the shuffle.
+__global__ void bad_warp_kernel(int mode, uint32_t* out) {
+  const int l = threadIdx.x;
+  if (mode == 1 && l == 3) return;
+  out[l] = (mode == 0 && l >= 16) ? wna16_ballot(true) : wna16_shfl((uint32_t)l, 0);
+}
+
 template <int LO, int HI>
 WNA16_DEV uint32_t lop3_any(int lut, uint32_t a, uint32_t b, uint32_t c) {
   if constexpr (HI - LO == 1) {
@@ -183,6 +191,10 @@ int wna16_probe_smem_limit(int n, int bytes, int optin, const uint32_t* src, uin
     if (err != cudaSuccess) return 1000 + (int)err;
   }
   WNA16_LAUNCH(1, n, bytes, nullptr, smem_kernel, 0, src, out);
+  return status();
+}
+int wna16_probe_bad_warp(int mode, uint32_t* out) {
+  WNA16_LAUNCH(1, 32, 0, nullptr, bad_warp_kernel, mode, out);
   return status();
 }
 int wna16_probe_dims(int* out) {

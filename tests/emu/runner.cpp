@@ -32,6 +32,7 @@ int wna16_probe_smem(int, int, const uint32_t*, uint32_t*);
 int wna16_probe_offbyone(int, int, const uint32_t*, uint32_t*);
 int wna16_probe_smem_limit(int, int, int, const uint32_t*, uint32_t*);
 int wna16_probe_dims(int*);
+int wna16_probe_bad_warp(int, uint32_t*);
 }
 
 namespace {
@@ -128,6 +129,7 @@ int run(const std::string& op) {
   if (op == "smem_limit")
     return wna16_probe_smem_limit((int)I("n"), (int)I("bytes"), (int)I("optin"), B<uint32_t>("src"),
                                   B<uint32_t>("out"));
+  if (op == "bad_warp") return wna16_probe_bad_warp((int)I("mode"), B<uint32_t>("out"));
   if (op == "dims") return wna16_probe_dims(B<int>("out"));
   if (op == "offbyone")
     return wna16_probe_offbyone((int)I("mode"), (int)I("n"), B<uint32_t>("src"),
