@@ -595,8 +595,9 @@ def check_gemm(prob: dict, r: H.Result, got: torch.Tensor) -> None:
 
 
 # K % 64 in {0, 16, 32, 48}; N in {64, 128, 256, 320}; fp16/bf16; 4/8 bit; zero points; act-order
-# with a full K and with is_k_full false; sentinel padding; empty first/last experts; every tile
-# variant (mma BM 16, mma BM 64 -- large groups or padding -- and the FMA cross-check).
+# with a full K and with is_k_full false; sentinel padding; empty first/last experts; every kernel
+# instance (mma BM 16, mma BM 64 -- large groups or padding -- and the FMA cross-check, each for
+# both dtypes and both bit widths).
 GRID = [
     ("mma", dict(size_k=128, size_n=64, group_size=64)),
     ("mma", dict(size_k=80, size_n=128, group_size=16, dtype=torch.float16, pad=16)),
@@ -609,16 +610,17 @@ GRID = [
                  num_bits=8, zp=True, empty_ends=True, pad=16)),
     # 64-row tiles: enough slots per expert, or the padding of a real caller
     ("mma", dict(size_k=80, size_n=128, group_size=16, skew=True, m=60, experts=2, top_k=2)),
-    ("mma", dict(size_k=96, size_n=64, group_size=32, dtype=torch.float16, num_bits=8, zp=True, pad=64,
-                 empty_ends=True)),
-    ("mma", dict(size_k=112, size_n=320, group_size=16, act_order=True, k_full=False, pad=64, m=3)),
+    ("mma", dict(size_k=96, size_n=64, group_size=32, dtype=torch.float16, zp=True, pad=64, experts=2)),
+    ("mma", dict(size_k=112, size_n=320, group_size=16, num_bits=8, act_order=True, k_full=False, pad=64, m=3,
+                 experts=2)),
     ("mma", dict(size_k=128, size_n=256, group_size=64, dtype=torch.float16, act_order=True, k_full=False,
-                 num_bits=8, skew=True, m=50, experts=2, top_k=2, empty_ends=True)),
+                 num_bits=8, skew=True, m=100, experts=2, top_k=2, empty_ends=True)),
     # the FMA variant (16-row tiles only)
     ("fma", dict(size_k=80, size_n=64, group_size=16, dtype=torch.float16, zp=True, pad=16, empty_ends=True)),
     ("fma", dict(size_k=112, size_n=320, group_size=16, num_bits=8, act_order=True, k_full=False)),
     ("fma", dict(size_k=96, size_n=256, group_size=32, act_order=True, dtype=torch.float16, num_bits=8,
                  zp=True, pad=64)),
+    ("fma", dict(size_k=128, size_n=128, group_size=64, pad=16, zp=True)),
 ]
 
 
@@ -632,9 +634,12 @@ def _grid_id(item) -> str:
 def test_grid_covers_every_axis() -> None:
     ks = {c.get("size_k", 256) % 64 for _, c in GRID}
     ns = {c.get("size_n", 192) for _, c in GRID}
-    tiles = {(v, tile_rows(grid_problem(**c), v)) for v, c in GRID}
+    # every kernel instance the launcher can pick: dtype x bits x (mma 16, mma 64, fma 16)
+    instances = {(v, c.get("dtype", torch.bfloat16), c.get("num_bits", 4), tile_rows(grid_problem(**c), v))
+                 for v, c in GRID}
     assert ks == {0, 16, 32, 48} and {64, 128, 256} <= ns and max(ns) > 256
-    assert tiles == {("mma", 16), ("mma", 64), ("fma", 16)}
+    assert instances == {(v, d, b, bm) for d in (torch.float16, torch.bfloat16) for b in (4, 8)
+                         for v, bm in (("mma", 16), ("mma", 64), ("fma", 16))}
     for key in ("zp", "pad", "empty_ends", "act_order"):
         assert any(c.get(key) for _, c in GRID), key
     assert any(c.get("act_order") and c.get("k_full") is False for _, c in GRID)
