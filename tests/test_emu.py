@@ -41,7 +41,7 @@ POISON32 = 0x7FFF7FFF  # the emulator's shared-memory fill, read as one 32-bit w
 
 @pytest.fixture(scope="session")
 def drivers() -> dict[str, object]:
-    """The three builds of the driver, compiled concurrently once per session (cached by digest)."""
+    """The three builds of the driver, compiled concurrently once per test run (cached by digest)."""
     if K.find_cxx() is None:
         pytest.skip("no g++ on PATH")
 

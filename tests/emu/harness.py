@@ -3,7 +3,7 @@
 Three builds of one test driver (tests/emu/runner.cpp): plain, ThreadSanitizer, and
 AddressSanitizer + UndefinedBehaviorSanitizer. Objects are cached by a digest of their inputs
 (the source, every header, the flags and the compiler version) in the native-kernel cache, so a
-session compiles each once and a source tree with one file changed recompiles only that file.
+test run compiles each once and a source tree with one file changed recompiles only that file.
 Inputs go to the driver as raw files; outputs come back as tensors.
 """
 
@@ -75,7 +75,7 @@ def build(flavour: str, kernels: Optional[Path] = None) -> Path:
     if exe.exists() and not cmds:
         return exe
     with tempfile.TemporaryDirectory(dir=out, prefix=".build-") as tmp:
-        # each object to a temporary name, then renamed (concurrent sessions stay safe)
+        # each object to a temporary name, then renamed (concurrent test runs stay safe)
         staged = []
         for cmd in cmds:
             final = Path(cmd[-1])
