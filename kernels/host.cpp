@@ -291,7 +291,7 @@ WNA16_API int wna16_marlin_rank_host(const void* const* src, int64_t num_experts
   if (scale_bytes != 2 && scale_bytes != 4)
     return wna16_fail(WNA16_EINVAL, "scale_bytes = %d is not 2 or 4", scale_bytes);
   const bool channel = group_size == -1;
-  if (!channel && (group_size <= 0 || h % group_size || intermediate % group_size || i_p % group_size))
+  if (!channel && (group_size <= 0 || h % group_size || intermediate % group_size || (!load_full_w2 && i_p % group_size)))
     return wna16_fail(WNA16_EINVAL, "group_size %lld does not divide the projections' K", (long long)group_size);
   const int pf = wna16_pack_factor(num_bits);
   const int64_t g13 = channel ? 1 : h / group_size, g2_full = channel ? 1 : intermediate / group_size;
