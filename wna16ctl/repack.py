@@ -650,9 +650,16 @@ def _execute(plan: RepackPlan, staged: StagedOutput, start: TaskStarter, device:
                 # two chunks of output are alive at a time.  The first tensor of the layer is filled
                 # in file order, so once written it is final up to this chunk: hashed now, while cached.
                 first = f"{layer.prefix}.{job.tensor_names[0]}"
-                final = [(f, f.offsets[first] + (chunk.stop - job.expert_ranges[r].start) * per_first[r])
-                         for r, fs in rank_files.items() for f in fs[:1] if chunk.start in job.expert_ranges[r]]
-                writer.submit(writes, lambda final=final: [staged.written_upto(f, end) for f, end in final])
+                final = [(f, off, t, f.offsets[first] + (chunk.stop - job.expert_ranges[r].start) * per_first[r])
+                         for r, fs in rank_files.items() for f in fs[:1] if chunk.start in job.expert_ranges[r]
+                         for g, off, t in writes if g is f and off == f.offsets[first] + (chunk.start - job.expert_ranges[r].start) * per_first[r]]
+
+                def hash_first(final: list = final) -> None:  # in the writer thread, after the writes
+                    for f, off, t, end in final:  # from the buffer when the hash is caught up, else re-read
+                        if not (isinstance(t, memoryview) and staged.hash_written(f, off, t)):
+                            staged.written_upto(f, end)
+
+                writer.submit(writes, hash_first)
                 advance(nbytes)
             for chunk, fut in pending_digests:
                 digests.add_chunk(j, chunk, fut.result())

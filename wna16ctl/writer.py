@@ -438,6 +438,19 @@ class StagedOutput:
         fd = self._fds[f.relpath]
         self._pool.submit(_hash_range, fd, hasher, pos, offset, self._hash_buf)
 
+    def hash_written(self, f: PlannedFile, offset: int, data: memoryview) -> bool:
+        """Feed `data`, just written at `offset` of `f`, to the file's hash without reading it back,
+        when it is next in file order; False (nothing done) when the hash thread is behind.
+
+        Safe beside the hash thread: its position reaches `offset` only once it has hashed every
+        byte before, and no range it is given goes past data that is not final yet."""
+        hasher, pos = self._hashers.setdefault(f.relpath, (new_hasher(), [0]))
+        if pos[0] != offset:
+            return False
+        hasher.update(data)
+        pos[0] = offset + data.nbytes
+        return True
+
     def finish(self, f: PlannedFile, source_digest: str) -> None:
         """Complete a file: hash what is left, then fsync and close it, all in the background
         (the hash thread hands the fsync to a sync thread and goes on with the next file)."""
