@@ -76,6 +76,12 @@ WNA16_API int wna16_marlin_rank_host(const void* const* src, int64_t num_experts
                                      int simd, int num_threads);
 /* Index of the first non-finite of n scales (kind 0 fp16, 1 bf16, 2 fp32), -1 when none. */
 WNA16_API int64_t wna16_first_nonfinite(const void* data, int64_t n, int kind);
+/* The same over n tensors: the index of the first with a non-finite value (-1 when none), *at = where. */
+WNA16_API int64_t wna16_first_nonfinite_many(const void* const* data, const int64_t* counts, int64_t n,
+                                             int kind, int64_t* at);
+/* pread of n ranges into dsts: -1 when all were read, else the failed range (*err = errno, 0 = EOF). */
+WNA16_API int64_t wna16_pread_many(const int32_t* fds, const int64_t* offsets, const int64_t* sizes,
+                                   void* const* dsts, int64_t n, int32_t* err);
 WNA16_API int wna16_marlin_unrepack_host(const int32_t* marlin, const int32_t* perm, int32_t* out,
                                          int64_t num_experts, int64_t size_k, int64_t size_n,
                                          int num_bits, int num_threads);

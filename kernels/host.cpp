@@ -1,8 +1,10 @@
 // Host build of layout.cuh: the native CPU Marlin repack (the repack command's fast path) and the
 // index queries the tests compare with the Python layout code. Pure permutations of bits, so the
 // results equal the torch path exactly; the work is memory-bound and split over std::threads.
+#include <errno.h>
 #include <stdint.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <memory>
@@ -326,6 +328,41 @@ WNA16_API int wna16_marlin_rank_host(const void* const* src, int64_t num_experts
   return WNA16_OK;
 }
 
+// Reads n ranges (fds[i], offsets[i], sizes[i]) into dsts[i]: one call for a chunk's tensors.
+// Returns -1 when all were read, else the index of the first range that failed (*err = errno, or
+// 0 when the file ended first); the caller reports it.
+WNA16_API int64_t wna16_pread_many(const int32_t* fds, const int64_t* offsets, const int64_t* sizes,
+                                   void* const* dsts, int64_t n, int32_t* err) {
+  for (int64_t i = 0; i < n; ++i) {
+    char* dst = (char*)dsts[i];
+    int64_t done = 0;
+    while (done < sizes[i]) {
+      const ssize_t got = pread(fds[i], dst + done, (size_t)(sizes[i] - done), (off_t)(offsets[i] + done));
+      if (got < 0 && errno == EINTR) continue;
+      if (got <= 0) {
+        *err = got < 0 ? errno : 0;
+        return i;
+      }
+      done += got;
+    }
+  }
+  return -1;
+}
+
+// Index of the first of n scale tensors holding a non-finite value (-1 when none); *at = its
+// element index.
+WNA16_API int64_t wna16_first_nonfinite_many(const void* const* data, const int64_t* counts, int64_t n,
+                                             int kind, int64_t* at) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t j = wna16_first_nonfinite(data[i], counts[i], kind);
+    if (j >= 0) {
+      *at = j;
+      return i;
+    }
+  }
+  return -1;
+}
+
 // Index of the first non-finite value of n scales (kind 0 fp16, 1 bf16, 2 fp32), -1 when all are finite.
 WNA16_API int64_t wna16_first_nonfinite(const void* data, int64_t n, int kind) {
   if (kind == 2) {
@@ -335,8 +372,15 @@ WNA16_API int64_t wna16_first_nonfinite(const void* data, int64_t n, int kind) {
     return -1;
   }
   const uint16_t* p = (const uint16_t*)data;
-  for (int64_t i = 0; i < n; ++i)
-    if (!finite16(p[i], kind)) return i;
+  const uint16_t mask = kind == 0 ? 0x7c00u : 0x7f80u;  // the exponent: all ones = inf or nan
+  for (int64_t b = 0; b < n; b += 1024) {  // a branch-free pass per block (vectorised), then the index
+    const int64_t e = std::min<int64_t>(n, b + 1024);
+    unsigned bad = 0;
+    for (int64_t i = b; i < e; ++i) bad |= (unsigned)((p[i] & mask) == mask);
+    if (bad)
+      for (int64_t i = b; i < e; ++i)
+        if (!finite16(p[i], kind)) return i;
+  }
   return -1;
 }
 

@@ -293,6 +293,8 @@ _HOST_PROTOS = {
     "wna16_round_16bit": (_I32, [_P, _P, _I64, _I32]),
     "wna16_marlin_rank_host": (_I32, [_P, _I64, _I64, _I64, _I32, _I32, _I32, _I64] + [_I32] * 4 + [_P] * 4 + [_I32] * 2),
     "wna16_first_nonfinite": (_I64, [_P, _I64, _I32]),
+    "wna16_first_nonfinite_many": (_I64, [_P, _P, _I64, _I32, _P]),
+    "wna16_pread_many": (_I64, [_P, _P, _P, _P, _I64, _P]),
     "wna16_widen_16bit": (_I32, [_P, _P, _I64, _I32]),
 }
 

@@ -707,8 +707,13 @@ class _BackgroundWrites:
             self._staged.pwrite(f, offset, t)
         if after is not None:
             after()
-        for f, offset, t in writes:  # the disk works on this chunk while the next is built
-            self._staged.start_writeback(f, offset, len(t) if isinstance(t, memoryview) else t.numel() * t.element_size())
+        spans: dict[str, tuple[PlannedFile, int, int]] = {}  # one writeback call per file
+        for f, offset, t in writes:
+            end = offset + (len(t) if isinstance(t, memoryview) else t.numel() * t.element_size())
+            _, lo, hi = spans.get(f.relpath, (f, offset, end))
+            spans[f.relpath] = (f, min(lo, offset), max(hi, end))
+        for f, lo, hi in spans.values():  # the disk works on this chunk while the next is built
+            self._staged.start_writeback(f, lo, hi - lo)
 
     def submit(self, writes: list[tuple[PlannedFile, int, Any]], after: Callable[[], Any] | None = None) -> None:
         """Write in the background, then call `after` there (the writes are on the file by then)."""

@@ -78,36 +78,48 @@ class LayerBuilder:
         self._scales: dict[int, list[tuple[TensorInfo, int]]] = {}
 
     def read(self, reader: RawReader, chunk: range, slot: int) -> memoryview:
-        """Read the chunk's expert tensors into `slot`; returns the bytes read, in read order."""
+        """Read the chunk's expert tensors into `slot` (one native call); returns the bytes read,
+        in read order."""
         view, base = self.buffers.get(("in", slot), self.expert_bytes * self.max_experts)
-        src, pos, scales = self._src[slot], 0, []
+        n = 6 * len(chunk)
+        fds, offsets, sizes, dsts = (ctypes.c_int32 * n)(), (ctypes.c_int64 * n)(), (ctypes.c_int64 * n)(), (ctypes.c_void_p * n)()
+        src, infos, pos = self._src[slot], [], 0
         for i, e in enumerate(chunk):
             for j, role in enumerate(ROLE_ORDER):
                 for k, suffix in enumerate(_SUFFIXES):
                     info = self.files.info(self.layer.tensor_name(e, role, suffix))
                     if pos + info.nbytes > len(view):
                         raise BadInput(f"{info.file}: tensor {info.name} is larger than expert 0's; the checkpoint is corrupt")
-                    reader.read_into(info, view[pos:pos + info.nbytes])
+                    t = len(infos)
+                    fds[t], offsets[t], sizes[t], dsts[t] = reader.fd(info.file), info.start, info.nbytes, base + pos
                     src[6 * i + 3 * k + j] = base + pos  # packed gate, up, down, then their scales
-                    if k == 1:
-                        scales.append((info, base + pos))
+                    infos.append((info, pos))
                     pos += info.nbytes
-        self._scales[slot] = scales
+        err = ctypes.c_int32(0)
+        failed = native.host_lib().wna16_pread_many(fds, offsets, sizes, dsts, n, ctypes.byref(err))
+        if failed >= 0:  # read again the plain way, which names the tensor and the cause if it fails again
+            for info, at in infos:
+                reader.read_into(info, view[at:at + info.nbytes])
+        self._scales[slot] = [(info, base + at) for info, at in infos if info.name.endswith(".weight_scale")]
         return view[:pos]
 
     def check_scales(self, slot: int) -> None:
         """Scales must be finite (the same rule and message as `checkpoint.tensors.check_scales`)."""
-        lib, kind = native.host_lib(), _SCALE_KIND[self.scale_dtype]
-        for info, addr in self._scales[slot]:
-            count = info.nbytes // _SCALE_BYTES[info.dtype]
-            at = lib.wna16_first_nonfinite(addr, count, kind)
-            if at >= 0:
-                cols = info.shape[-1] if len(info.shape) > 1 else count
-                where = [at // cols, at % cols] if len(info.shape) > 1 else [at]
-                value = _scale_value(ctypes.string_at(addr + at * _SCALE_BYTES[info.dtype], _SCALE_BYTES[info.dtype]),
-                                     info.dtype)
-                raise BadInput(f"tensor {info.name}: scale {value} at {where} is not finite; "
-                               "the checkpoint is corrupt (re-quantize or re-download it)")
+        scales = self._scales[slot]
+        ptrs, counts = (ctypes.c_void_p * len(scales))(), (ctypes.c_int64 * len(scales))()
+        for t, (info, addr) in enumerate(scales):
+            ptrs[t], counts[t] = addr, info.nbytes // _SCALE_BYTES[info.dtype]
+        at = ctypes.c_int64(-1)
+        bad = native.host_lib().wna16_first_nonfinite_many(ptrs, counts, len(scales), _SCALE_KIND[self.scale_dtype],
+                                                           ctypes.byref(at))
+        if bad >= 0:
+            info, addr = scales[bad]
+            i, width = at.value, _SCALE_BYTES[info.dtype]
+            cols = info.shape[-1] if len(info.shape) > 1 else counts[bad]
+            where = [i // cols, i % cols] if len(info.shape) > 1 else [i]
+            value = _scale_value(ctypes.string_at(addr + i * width, width), info.dtype)
+            raise BadInput(f"tensor {info.name}: scale {value} at {where} is not finite; "
+                           "the checkpoint is corrupt (re-quantize or re-download it)")
 
     def build(self, rank: int, n_experts: int, slot: int) -> dict[str, memoryview]:
         """Rank `rank`'s tensors for the chunk in `slot`: name -> bytes of its n_experts slices."""

@@ -30,6 +30,10 @@ class RawReader:
             os.close(fd)
         self._fds.clear()
 
+    def fd(self, path: Path) -> int:
+        """The open descriptor of a shard (opened on first use)."""
+        return self._fd(path)
+
     def _fd(self, path: Path) -> int:
         fd = self._fds.get(path)
         if fd is None:
