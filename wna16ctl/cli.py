@@ -149,7 +149,8 @@ def _parse_size(value: str) -> int:
 @click.option("--force", is_flag=True, help="Replace a non-empty output directory.")
 @click.option("--max-shard-size", default="4GiB", show_default=True, help="Largest output file (a layer never straddles files).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
-              help="Where the Marlin repack runs (cuda needs a GPU and nvcc; auto falls back to the CPU).")
+              help="Where the Marlin repack runs (auto: the native CPU path where it applies, else a GPU if "
+                   "there is one; cuda needs a GPU and nvcc).")
 @_vllm_option(allow_all=False)
 @_gpu_option()
 @click.option("--json", "json_mode", is_flag=True, help="Print the result as one JSON object.")

@@ -4,6 +4,10 @@ A validation pass (the planner over every layer, every expert tensor's header) r
 first byte is written.  Work then proceeds layer by layer and, within a layer, in chunks of
 experts: each chunk is read once and turned into every rank's tensors, which are written at their
 final offsets.  Memory is bounded by the chunk size, not by the model.
+
+Two data paths write the same bytes: `wna16ctl.repack_native` (no torch; Marlin layers without
+zero points, act-order or padding, on the CPU) and the torch code of `wna16ctl.layout` (every
+other layer, and `--device cuda`).  File and source digests are BLAKE3 (`writer.FILE_HASH`).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -557,8 +562,6 @@ def _execute(plan: RepackPlan, staged: StagedOutput, start: TaskStarter, device:
     else:
         reader_cm = RawReader(ck.files)
     writer = _BackgroundWrites(staged)
-    from concurrent.futures import ThreadPoolExecutor
-
     hash_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wna16ctl-digest")
     with reader_cm as reader, writer, hash_pool:
         candidates = [f for f in by_rel.values() if staged.staged_file_matches(f)]
