@@ -119,12 +119,13 @@ SETTINGS = [  # a release whose Marlin MoE takes channel-wise experts too
     RepackSettings(tp=2, vllm=ACT_ORDER_RELEASE),
     RepackSettings(tp=2, vllm=ACT_ORDER_RELEASE, max_shard_bytes=300_000),  # several files per rank
     RepackSettings(tp=1, vllm=ACT_ORDER_RELEASE),
+    RepackSettings(tp=2, ep=True, vllm=ACT_ORDER_RELEASE),  # each rank its own experts
 ]
 
 
 @pytest.mark.parametrize("spec", [dict(num_experts=8), dict(group_size=-1, num_experts=4),
                                   dict(num_bits=8, num_experts=4)], ids=["int4-g128", "channel", "int8"])
-@pytest.mark.parametrize("settings", SETTINGS, ids=["tp2", "tp2-small-files", "tp1"])
+@pytest.mark.parametrize("settings", SETTINGS, ids=["tp2", "tp2-small-files", "tp1", "ep2"])
 def test_native_and_torch_paths_write_the_same_bytes(make_ckpt, tmp_path, monkeypatch, spec, settings):
     ck = make_ckpt(**spec)
     _require_native(ck, settings)

@@ -76,25 +76,30 @@ class LayerBuilder:
         self.per_expert = {name: _nbytes(shape, dt) for name, (shape, dt) in self.shapes.items()}
         self._src = {slot: (ctypes.c_void_p * (6 * max_experts))() for slot in range(2)}
         self._scales: dict[int, list[tuple[TensorInfo, int]]] = {}
+        # per expert, its 6 tensors in read order with their place in src (looked up once per layer)
+        self._reads = [[(files.info(layer.tensor_name(e, role, suffix)), 3 * k + j)
+                        for j, role in enumerate(ROLE_ORDER) for k, suffix in enumerate(_SUFFIXES)]
+                       for e in range(layer.num_experts)]
+        n = 6 * max_experts
+        self._io = {slot: ((ctypes.c_int32 * n)(), (ctypes.c_int64 * n)(), (ctypes.c_int64 * n)(), (ctypes.c_void_p * n)())
+                    for slot in range(2)}
 
     def read(self, reader: RawReader, chunk: range, slot: int) -> memoryview:
         """Read the chunk's expert tensors into `slot` (one native call); returns the bytes read,
         in read order."""
         view, base = self.buffers.get(("in", slot), self.expert_bytes * self.max_experts)
         n = 6 * len(chunk)
-        fds, offsets, sizes, dsts = (ctypes.c_int32 * n)(), (ctypes.c_int64 * n)(), (ctypes.c_int64 * n)(), (ctypes.c_void_p * n)()
+        fds, offsets, sizes, dsts = self._io[slot]
         src, infos, pos = self._src[slot], [], 0
         for i, e in enumerate(chunk):
-            for j, role in enumerate(ROLE_ORDER):
-                for k, suffix in enumerate(_SUFFIXES):
-                    info = self.files.info(self.layer.tensor_name(e, role, suffix))
-                    if pos + info.nbytes > len(view):
-                        raise BadInput(f"{info.file}: tensor {info.name} is larger than expert 0's; the checkpoint is corrupt")
-                    t = len(infos)
-                    fds[t], offsets[t], sizes[t], dsts[t] = reader.fd(info.file), info.start, info.nbytes, base + pos
-                    src[6 * i + 3 * k + j] = base + pos  # packed gate, up, down, then their scales
-                    infos.append((info, pos))
-                    pos += info.nbytes
+            for info, place in self._reads[e]:
+                if pos + info.nbytes > len(view):
+                    raise BadInput(f"{info.file}: tensor {info.name} is larger than expert 0's; the checkpoint is corrupt")
+                t = len(infos)
+                fds[t], offsets[t], sizes[t], dsts[t] = reader.fd(info.file), info.start, info.nbytes, base + pos
+                src[6 * i + place] = base + pos  # packed gate, up, down, then their scales
+                infos.append((info, pos))
+                pos += info.nbytes
         err = ctypes.c_int32(0)
         failed = native.host_lib().wna16_pread_many(fds, offsets, sizes, dsts, n, ctypes.byref(err))
         if failed >= 0:  # read again the plain way, which names the tensor and the cause if it fails again
