@@ -1,4 +1,5 @@
-"""Native kernels: build and load the libraries in `kernels/`, and the `wna16ctl::*` torch ops.
+"""Native kernels: the `wna16ctl::*` torch ops over the libraries in `kernels/`, which
+`wna16ctl.native` builds and loads without torch (its API is re-exported here).
 
 Two shared libraries are compiled on first use into a per-user cache
 (`$XDG_CACHE_HOME/wna16ctl` or `~/.cache/wna16ctl`), keyed by a hash of the sources, the compiler
