@@ -1,34 +1,43 @@
-"""Repack throughput against `cp -r` of the same checkpoint, measured in the same run, and peak RSS.
+"""`repack` against `cp -r` of the same checkpoint, both ending in `sync`, in one run, and peak RSS.
 
 A random-code Qwen3-30B-A3B-shaped checkpoint (H 2048, I 768, 128 experts, int4 g128) with
-`--layers` MoE layers (4 ≈ 1.2 GiB of packed experts) is repacked with `--tp 2`; runs alternate
-cp / repack so that drift of a shared machine hits both alike.  Peak RSS is also measured at a
-second size to show it does not grow with the checkpoint.  A per-tensor micro-benchmark compares
-`build_rank_tensors` with a straightforward per-expert reference (unpack, index-gather through
-the Appendix-A permutation table, pack).
+`--layers` MoE layers (4 = 1.28 GB) is copied with `cp -r SRC DST` and repacked with
+`wna16ctl repack SRC --tp 2 -o OUT -q`; each command is followed by `sync` (timed with it) and
+starts from a missing destination (removed, and the removal synced, untimed).  A pair is one of
+each, in alternating order (cp first, then repack first, ...) so that drift of a shared machine
+hits both alike; after one warm-up pair (page cache) the median of `--pairs` pairs of the ratio
+cp / repack is printed with its min-max.  Peak RSS (wait4) is measured at a second size to show it
+does not grow with the checkpoint.  A per-tensor micro-benchmark compares `build_rank_tensors`
+(the torch data path) with a straightforward per-expert reference.
 
-    python bench/bench_repack.py [--layers 4] [--runs 3] [--dir /tmp/wna16ctl-bench]
+    python bench/bench_repack.py [--layers 4] [--small-layers 1] [--pairs 3] [--dir /tmp/wna16ctl-bench]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import synthetic_checkpoint  # noqa: E402
-from common import med, run_once, wna16ctl  # noqa: E402
+from common import Run, med, run_once, wna16ctl  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
 
 
 def _ckpt(root: Path, layers: int) -> Path:
+    # Written by a child process: this one stays small (no torch), because a child's peak RSS as
+    # wait4 reports it starts from its parent's at the fork.
     path = root / f"q30-{layers}l"
     if not (path / "config.json").exists():
         shutil.rmtree(path, ignore_errors=True)
-        synthetic_checkpoint.write(path, layers=layers)
+        subprocess.run([sys.executable, str(HERE / "synthetic_checkpoint.py"), str(path), "--layers", str(layers)],
+                       check=True, stdout=subprocess.DEVNULL)
     return path
 
 
@@ -36,27 +45,46 @@ def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def whole_command(root: Path, layers: int, runs: int) -> list[str]:
+def _sync() -> float:
+    t = time.perf_counter()
+    subprocess.run(["sync"], check=True)
+    return time.perf_counter() - t
+
+
+def _timed(cmd: list[str], dst: Path) -> Run:
+    """`cmd` then `sync`, from a missing destination: wall of both, peak RSS of `cmd`."""
+    shutil.rmtree(dst, ignore_errors=True)
+    _sync()  # the removal's (and the previous run's) writeback is timed for neither
+    r = run_once(cmd)
+    return Run(r.wall + _sync(), r.max_rss_kib, r.returncode)
+
+
+def whole_command(root: Path, layers: int, pairs: int, tp: int) -> tuple[str, int]:
+    """One markdown row for `layers` layers, and the repack's peak RSS in KiB."""
     ck = _ckpt(root, layers)
     out, copy = root / "out", root / "copy"
     size = _dir_bytes(ck)
+    cp_cmd = ["cp", "-r", str(ck), str(copy)]
+    rp_cmd = wna16ctl("repack", str(ck), "--tp", str(tp), "-o", str(out), "-q")
+    load = os.getloadavg()[0]
     cp_runs, rp_runs = [], []
-    for i in range(runs + 1):  # first pair is a warm-up (page cache)
-        # both start from a missing destination: deleting the previous output is timed for neither
-        shutil.rmtree(copy, ignore_errors=True)
-        c = run_once(["cp", "-r", str(ck), str(copy)])
-        shutil.rmtree(out, ignore_errors=True)
-        r = run_once(wna16ctl("repack", str(ck), "--tp", "2", "-o", str(out), "-q"))
+    for i in range(pairs + 1):  # the first pair is a warm-up (page cache, the native library's build)
+        if i % 2 == 0:
+            c, r = _timed(cp_cmd, copy), _timed(rp_cmd, out)
+        else:
+            r, c = _timed(rp_cmd, out), _timed(cp_cmd, copy)
         if i:
             cp_runs.append(c)
             rp_runs.append(r)
     shutil.rmtree(copy, ignore_errors=True)
-    ratios = [r.wall / c.wall for r, c in zip(rp_runs, cp_runs)]
+    shutil.rmtree(out, ignore_errors=True)
+    ratios = [c.wall / r.wall for r, c in zip(rp_runs, cp_runs)]
     rp, cp = med([r.wall for r in rp_runs]), med([c.wall for c in cp_runs])
-    return [
-        f"| {layers} layers, {size / 2**30:.2f} GiB, --tp 2 | {cp:.2f} s | {rp:.2f} s | {med(ratios):.2f}× "
-        f"({min(ratios):.2f}–{max(ratios):.2f}) | {size / rp / 2**20:.0f} MiB/s | {max(r.max_rss_kib for r in rp_runs) / 1024:.0f} MiB |"
-    ]
+    rss = max(r.max_rss_kib for r in rp_runs)
+    load = max(load, os.getloadavg()[0])
+    return (f"| {layers} layers, {size / 1e9:.2f} GB, --tp {tp} | {cp:.2f} s | {rp:.2f} s | **{med(ratios):.2f}** "
+            f"({min(ratios):.2f}–{max(ratios):.2f}) | {size / rp / 2**20:.0f} MiB/s | {rss / 1024:.0f} MiB | {load:.1f} |",
+            rss)
 
 
 def per_tensor(repeats: int = 3) -> list[str]:
@@ -125,18 +153,30 @@ def _weight_perm_4bit():  # -> torch.Tensor
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--small-layers", type=int, default=1, help="second size for the RSS comparison")
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--pairs", type=int, default=3, help="timed cp / repack pairs per size (after one warm-up)")
+    ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--dir", type=Path, default=Path("/tmp/wna16ctl-bench"))
+    ap.add_argument("--no-per-tensor", action="store_true", help="skip the per-tensor micro-benchmark")
     a = ap.parse_args()
     a.dir.mkdir(parents=True, exist_ok=True)
-    print("| checkpoint | cp -r | repack | repack / cp (min–max) | repack throughput | repack peak RSS |")
-    print("|---|---|---|---|---|---|")
+    print(f"{os.cpu_count()} CPUs; cp -r SRC DST && sync  vs  wna16ctl repack SRC --tp {a.tp} -o OUT -q && sync; "
+          f"median of {a.pairs} alternating pairs")
+    print()
+    print("| checkpoint | cp -r + sync | repack + sync | cp / repack (min–max) | repack throughput | repack peak RSS | load average |")
+    print("|---|---|---|---|---|---|---|")
+    rss = {}
     for layers in (a.small_layers, a.layers):
-        for row in whole_command(a.dir, layers, a.runs):
-            print(row, flush=True)
+        row, rss[layers] = whole_command(a.dir, layers, a.pairs, a.tp)
+        print(row, flush=True)
+    small, large = rss[a.small_layers], rss[a.layers]
+    print(f"\npeak RSS {small / 1024:.0f} MiB at {a.small_layers} layers, {large / 1024:.0f} MiB at {a.layers}: "
+          f"{'flat' if large <= small * 1.1 + 32 * 1024 else 'GROWS with the checkpoint'}; "
+          f"{'within' if large <= 2 * 2**20 else 'ABOVE'} 2 GiB")
+    if a.no_per_tensor:
+        return
     print()
     print("| per tensor | wna16ctl | per-expert reference | speed-up |")
     print("|---|---|---|---|")

@@ -65,6 +65,24 @@ WNA16_API int wna16_marlin_repack_host_strided(const int32_t* packed, const int3
                                                int64_t src_stride_n, int64_t out_stride_e,
                                                int64_t out_stride_row, int num_threads);
 /* marlin -> packed; with perm, source row perm[k] receives Marlin row k (undoes the gather). */
+/* One rank's Marlin tensors for num_experts experts from the checkpoint's N-first tensors, symmetric,
+ * no act-order, no tile padding. src holds 6 pointers per expert: gate, up, down weight_packed
+ * ([I, H/pf], [I, H/pf], [H, I/pf] int32), then their weight_scale ([I, G13], [I, G13], [H, G2])
+ * of scale_bytes each. Outputs are [E, ...] as the repack writes them. simd = 0 forces the scalar
+ * tile code (the tests compare both). */
+WNA16_API int wna16_marlin_rank_host(const void* const* src, int64_t num_experts, int64_t hidden,
+                                     int64_t intermediate, int tp, int rank, int num_bits,
+                                     int64_t group_size, int load_full_w2, int scale_bytes, int w13_grouped,
+                                     int w2_grouped, void* w13, void* w2, void* w13_scale, void* w2_scale,
+                                     int simd, int num_threads);
+/* Index of the first non-finite of n scales (kind 0 fp16, 1 bf16, 2 fp32), -1 when none. */
+WNA16_API int64_t wna16_first_nonfinite(const void* data, int64_t n, int kind);
+/* The same over n tensors: the index of the first with a non-finite value (-1 when none), *at = where. */
+WNA16_API int64_t wna16_first_nonfinite_many(const void* const* data, const int64_t* counts, int64_t n,
+                                             int kind, int64_t* at);
+/* pread of n ranges into dsts: -1 when all were read, else the failed range (*err = errno, 0 = EOF). */
+WNA16_API int64_t wna16_pread_many(const int32_t* fds, const int64_t* offsets, const int64_t* sizes,
+                                   void* const* dsts, int64_t n, int32_t* err);
 WNA16_API int wna16_marlin_unrepack_host(const int32_t* marlin, const int32_t* perm, int32_t* out,
                                          int64_t num_experts, int64_t size_k, int64_t size_n,
                                          int num_bits, int num_threads);

@@ -1,12 +1,19 @@
 // Host build of layout.cuh: the native CPU Marlin repack (the repack command's fast path) and the
 // index queries the tests compare with the Python layout code. Pure permutations of bits, so the
 // results equal the torch path exactly; the work is memory-bound and split over std::threads.
+#include <errno.h>
 #include <stdint.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <thread>
 #include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define WNA16_HAVE_X86 1
+#endif
 
 #include "capi.h"
 #include "checks.h"
@@ -114,9 +121,267 @@ void gather_ktile_strided(const uint32_t* src, int64_t s_kw, int64_t s_n, const 
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// The repack command's native data path: one rank's Marlin tensors for a chunk of experts, read
+// straight from the checkpoint's N-first words (symmetric, no act-order, no tile padding).
+
+// Marlin rows of k-tile `kt` for the 64 columns [n0, n0 + 64), 4-bit, from an N-first source
+// (column n's packed K words at src + n * ld): for each c < 8 the 16 output words 16c .. 16c+15
+// take their codes from exactly the columns c, c+8, .., c+56, words 2kt and 2kt+1 (one qword each),
+// so a gather of 8 qwords and two byte permutations over their nibbles make one 64-byte store.
+// Equal to repack_ktile over staged rows (wna16_marlin_word4), which the tests check.
+#if WNA16_HAVE_X86
+__attribute__((target("avx512f,avx512bw,avx512vbmi"))) void ntile4_avx512(const uint32_t* src, int64_t ld,
+                                                                            int64_t kt, int64_t n0,
+                                                                            uint32_t* dst) {
+  // byte p = 4 * (4 tl + w) + b of the 16 words: low nibble from table index A[p], high from B[p]
+  // (table = [low nibbles of the 64 gathered bytes, high nibbles]); qword j = 2w + h holds x, y
+  // (h = 0) or x', y' (h = 1) of wna16_marlin_word4.
+  alignas(64) static const uint8_t kA[64] = {
+#define WNA16_A(tl, w) (uint8_t)(16 * (w) + (tl)), (uint8_t)(16 * (w) + 8 + (tl)), \
+                       (uint8_t)(64 + 16 * (w) + (tl)), (uint8_t)(64 + 16 * (w) + 8 + (tl))
+      WNA16_A(0, 0), WNA16_A(0, 1), WNA16_A(0, 2), WNA16_A(0, 3), WNA16_A(1, 0), WNA16_A(1, 1),
+      WNA16_A(1, 2), WNA16_A(1, 3), WNA16_A(2, 0), WNA16_A(2, 1), WNA16_A(2, 2), WNA16_A(2, 3),
+      WNA16_A(3, 0), WNA16_A(3, 1), WNA16_A(3, 2), WNA16_A(3, 3)
+#undef WNA16_A
+  };
+  const __m512i idx_a = _mm512_load_si512((const void*)kA);
+  const __m512i idx_b = _mm512_add_epi8(idx_a, _mm512_set1_epi8(4));  // y is 4 bytes after x
+  const __m512i lo_mask = _mm512_set1_epi8(0x0f);
+  const __m512i cols = _mm512_set_epi64(56 * ld, 48 * ld, 40 * ld, 32 * ld, 24 * ld, 16 * ld, 8 * ld, 0);
+  for (int c = 0; c < 8; ++c) {
+    // dword offsets of word 2kt of the columns n0 + c + 8j
+    const __m512i off = _mm512_add_epi64(cols, _mm512_set1_epi64((n0 + c) * ld + 2 * kt));
+    const __m512i v = _mm512_mask_i64gather_epi64(_mm512_setzero_si512(), 0xff, off, (const void*)src, 4);
+    const __m512i lo = _mm512_and_si512(v, lo_mask);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo_mask);
+    const __m512i a = _mm512_permutex2var_epi8(lo, idx_a, hi);
+    const __m512i b = _mm512_permutex2var_epi8(lo, idx_b, hi);
+    _mm512_storeu_si512((void*)(dst + 16 * c), _mm512_or_si512(a, _mm512_slli_epi16(b, 4)));
+  }
+}
+
+// The same words for 8 k-tiles at once: the 8 columns' 64-byte runs of words 2kt0 .. 2kt0+15 are
+// loaded whole and transposed (8x8 qwords), so every source cache line is read once, in order.
+__attribute__((target("avx512f,avx512bw,avx512vbmi"))) void marlin4_nfirst_avx512(
+    const uint32_t* src, int64_t ld, int64_t size_k, int64_t size_n, uint32_t* dst, int64_t out_ld) {
+  alignas(64) static const uint8_t kA[64] = {
+#define WNA16_A(tl, w) (uint8_t)(16 * (w) + (tl)), (uint8_t)(16 * (w) + 8 + (tl)), \
+                       (uint8_t)(64 + 16 * (w) + (tl)), (uint8_t)(64 + 16 * (w) + 8 + (tl))
+      WNA16_A(0, 0), WNA16_A(0, 1), WNA16_A(0, 2), WNA16_A(0, 3), WNA16_A(1, 0), WNA16_A(1, 1),
+      WNA16_A(1, 2), WNA16_A(1, 3), WNA16_A(2, 0), WNA16_A(2, 1), WNA16_A(2, 2), WNA16_A(2, 3),
+      WNA16_A(3, 0), WNA16_A(3, 1), WNA16_A(3, 2), WNA16_A(3, 3)
+#undef WNA16_A
+  };
+  const __m512i idx_a = _mm512_load_si512((const void*)kA);
+  const __m512i idx_b = _mm512_add_epi8(idx_a, _mm512_set1_epi8(4));
+  const __m512i lo_mask = _mm512_set1_epi8(0x0f);
+  const int64_t ktiles = size_k / 16, kt_main = ktiles - ktiles % 8;
+  // two-source qword permutations (permutex2var: GCC 12's unpack / shuffle_i64x2 intrinsics trip
+  // -Wmaybe-uninitialized): unpack lo / hi, then 128-bit lanes (0, 2) / (1, 3) of both sources
+  const __m512i unpack_lo = _mm512_set_epi64(14, 6, 12, 4, 10, 2, 8, 0);
+  const __m512i unpack_hi = _mm512_set_epi64(15, 7, 13, 5, 11, 3, 9, 1);
+  const __m512i lanes_02 = _mm512_set_epi64(13, 12, 9, 8, 5, 4, 1, 0);
+  const __m512i lanes_13 = _mm512_set_epi64(15, 14, 11, 10, 7, 6, 3, 2);
+  for (int64_t n0 = 0; n0 < size_n; n0 += 64)
+    for (int c = 0; c < 8; ++c) {
+      const uint32_t* col = src + (n0 + c) * ld;
+      uint32_t* out = dst + 2 * n0 + 16 * c;
+      for (int64_t kt0 = 0; kt0 < kt_main; kt0 += 8) {
+        __m512i r[8], a[8], b[8];
+        for (int j = 0; j < 8; ++j) r[j] = _mm512_loadu_si512((const void*)(col + 8 * j * ld + 2 * kt0));
+        for (int j = 0; j < 4; ++j) {  // a[2j]: k = 0, 2, 4, 6 of rows 2j, 2j+1; a[2j+1]: k odd
+          a[2 * j] = _mm512_permutex2var_epi64(r[2 * j], unpack_lo, r[2 * j + 1]);
+          a[2 * j + 1] = _mm512_permutex2var_epi64(r[2 * j], unpack_hi, r[2 * j + 1]);
+        }
+        // b[4h + 2p + q]: rows 4h .. 4h+3 at k = q + 2p and q + 2p + 4
+        for (int h = 0; h < 2; ++h)
+          for (int q = 0; q < 2; ++q) {
+            b[4 * h + q] = _mm512_permutex2var_epi64(a[4 * h + q], lanes_02, a[4 * h + 2 + q]);
+            b[4 * h + 2 + q] = _mm512_permutex2var_epi64(a[4 * h + q], lanes_13, a[4 * h + 2 + q]);
+          }
+        for (int k = 0; k < 8; ++k) {
+          const int q = k & 1, p = (k >> 1) & 1;
+          const __m512i v = _mm512_permutex2var_epi64(b[2 * p + q], (k >> 2) ? lanes_13 : lanes_02, b[4 + 2 * p + q]);
+          const __m512i lo = _mm512_and_si512(v, lo_mask);
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo_mask);
+          const __m512i x = _mm512_permutex2var_epi8(lo, idx_a, hi);
+          const __m512i y = _mm512_permutex2var_epi8(lo, idx_b, hi);
+          _mm512_storeu_si512((void*)(out + (kt0 + k) * out_ld), _mm512_or_si512(x, _mm512_slli_epi16(y, 4)));
+        }
+      }
+    }
+  for (int64_t kt = kt_main; kt < ktiles; ++kt)
+    for (int64_t n0 = 0; n0 < size_n; n0 += 64) ntile4_avx512(src, ld, kt, n0, dst + kt * out_ld + 2 * n0);
+}
+
+bool have_avx512vbmi() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vbmi");
+  return yes;
+}
+#else
+bool have_avx512vbmi() { return false; }
+#endif
+
+// One projection's Marlin weight (K = size_k, N = size_n) from the N-first words at `src`
+// (column n at src + n * ld, the K words from word 0): rows of `dst` are out_ld words apart.
+void marlin_from_nfirst(const uint32_t* src, int64_t ld, int64_t size_k, int64_t size_n, int num_bits,
+                        uint32_t* dst, int64_t out_ld, bool simd, std::vector<uint32_t>& tmp) {
+  const int pf = wna16_pack_factor(num_bits);
+  const int64_t ktiles = size_k / 16;
+  if (simd && num_bits == 4) {
+#if WNA16_HAVE_X86
+    marlin4_nfirst_avx512(src, ld, size_k, size_n, dst, out_ld);
+    return;
+#endif
+  }
+  tmp.resize((size_t)(16 / pf * size_n));
+  for (int64_t kt = 0; kt < ktiles; ++kt) {
+    stage_ktile_strided(src, 1, ld, kt, size_n, num_bits, tmp.data());
+    repack_ktile(tmp.data(), size_n, dst + kt * out_ld, size_n, num_bits);
+  }
+}
+
+// out[g][j] = logical[g][chunk(j) + src(j)], logical[g][n] = column n's scale of group g + g0
+// in an N-first [*, ld] scale tensor (gate/up: two sources, the second for n >= split).
+template <typename T>
+void marlin_scales_from_nfirst(const T* first, const T* second, int64_t split, int64_t ld, int64_t g0,
+                               int64_t groups, int64_t size_n, int grouped, T* out) {
+  const int ch = wna16_scale_chunk(grouped);
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t j = 0; j < size_n; ++j) {
+      const int64_t n = (j / ch) * ch + wna16_scale_src(grouped, (int)(j % ch));
+      const T* col = n < split ? first + n * ld : second + (n - split) * ld;
+      out[g * size_n + j] = col[g0 + g];
+    }
+}
+
+template <typename T>
+void expert_scales(const void* const* e, int64_t h, int64_t i, int64_t i_p, int rank, int64_t g13, int64_t g2_full,
+                   int64_t g2, int64_t g2_first, int w13_grouped, int w2_grouped, T* w13s, T* w2s) {
+  const T* gate = (const T*)e[3] + rank * i_p * g13;
+  const T* up = (const T*)e[4] + rank * i_p * g13;
+  marlin_scales_from_nfirst<T>(gate, up, i_p, g13, 0, g13, 2 * i_p, w13_grouped, w13s);
+  marlin_scales_from_nfirst<T>((const T*)e[5], nullptr, h, g2_full, g2_first, g2, h, w2_grouped, w2s);
+  (void)i;
+}
+
+bool finite16(uint16_t v, int kind) {  // kind 0 = fp16, 1 = bf16
+  return kind == 0 ? (v & 0x7c00u) != 0x7c00u : (v & 0x7f80u) != 0x7f80u;
+}
+
 }  // namespace
 
 extern "C" {
+
+WNA16_API int wna16_marlin_rank_host(const void* const* src, int64_t num_experts, int64_t hidden,
+                                     int64_t intermediate, int tp, int rank, int num_bits,
+                                     int64_t group_size, int load_full_w2, int scale_bytes, int w13_grouped,
+                                     int w2_grouped, void* w13, void* w2, void* w13_scale, void* w2_scale,
+                                     int simd, int num_threads) {
+  const int64_t h = hidden;
+  if (tp <= 0 || rank < 0 || rank >= tp || intermediate % tp)
+    return wna16_fail(WNA16_EINVAL, "rank %d of tp %d does not divide intermediate %lld", rank, tp,
+                      (long long)intermediate);
+  const int64_t i_p = intermediate / tp;
+  int rc = wna16_check_marlin_shape(1, h, i_p, num_bits);
+  if (!rc) rc = wna16_check_marlin_shape(1, i_p, h, num_bits);
+  if (rc) return rc;
+  if (scale_bytes != 2 && scale_bytes != 4)
+    return wna16_fail(WNA16_EINVAL, "scale_bytes = %d is not 2 or 4", scale_bytes);
+  const bool channel = group_size == -1;
+  if (!channel && (group_size <= 0 || h % group_size || intermediate % group_size || (!load_full_w2 && i_p % group_size)))
+    return wna16_fail(WNA16_EINVAL, "group_size %lld does not divide the projections' K", (long long)group_size);
+  const int pf = wna16_pack_factor(num_bits);
+  const int64_t g13 = channel ? 1 : h / group_size, g2_full = channel ? 1 : intermediate / group_size;
+  const int64_t g2 = (channel || load_full_w2) ? g2_full : i_p / group_size;
+  const int64_t g2_first = (channel || load_full_w2) ? 0 : rank * (i_p / group_size);
+  const int64_t w13_row = 2 * i_p * 16 / pf, w2_row = h * 16 / pf;  // Marlin row lengths (words)
+  const int64_t w13_e = (h / 16) * w13_row, w2_e = (i_p / 16) * w2_row;
+  const bool use_simd = simd && have_avx512vbmi();
+  // tasks per expert: gate, up, down, scales
+  parallel_rows(num_experts * 4, num_threads, [&](int64_t b, int64_t e) {
+    std::vector<uint32_t> tmp;
+    for (int64_t task = b; task < e; ++task) {
+      const int64_t ex = task / 4;
+      const int part = (int)(task % 4);
+      const void* const* s = src + 6 * ex;
+      if (part < 2) {  // gate / up: rows [rank I_p, (rank+1) I_p) of [I, H/pf]; K = H, N = I_p
+        const uint32_t* p = (const uint32_t*)s[part] + rank * i_p * (h / pf);
+        marlin_from_nfirst(p, h / pf, h, i_p, num_bits, (uint32_t*)w13 + ex * w13_e + part * (w13_row / 2),
+                           w13_row, use_simd, tmp);
+      } else if (part == 2) {  // down: words [rank I_p/pf, ..) of each row of [H, I/pf]; K = I_p, N = H
+        const uint32_t* p = (const uint32_t*)s[2] + rank * (i_p / pf);
+        marlin_from_nfirst(p, intermediate / pf, i_p, h, num_bits, (uint32_t*)w2 + ex * w2_e, w2_row, use_simd, tmp);
+      } else if (scale_bytes == 2) {
+        expert_scales<uint16_t>(s, h, intermediate, i_p, rank, g13, g2_full, g2, g2_first, w13_grouped, w2_grouped,
+                                (uint16_t*)w13_scale + ex * g13 * 2 * i_p, (uint16_t*)w2_scale + ex * g2 * h);
+      } else {
+        expert_scales<uint32_t>(s, h, intermediate, i_p, rank, g13, g2_full, g2, g2_first, w13_grouped, w2_grouped,
+                                (uint32_t*)w13_scale + ex * g13 * 2 * i_p, (uint32_t*)w2_scale + ex * g2 * h);
+      }
+    }
+  });
+  return WNA16_OK;
+}
+
+// Reads n ranges (fds[i], offsets[i], sizes[i]) into dsts[i]: one call for a chunk's tensors.
+// Returns -1 when all were read, else the index of the first range that failed (*err = errno, or
+// 0 when the file ended first); the caller reports it.
+WNA16_API int64_t wna16_pread_many(const int32_t* fds, const int64_t* offsets, const int64_t* sizes,
+                                   void* const* dsts, int64_t n, int32_t* err) {
+  for (int64_t i = 0; i < n; ++i) {
+    char* dst = (char*)dsts[i];
+    int64_t done = 0;
+    while (done < sizes[i]) {
+      const ssize_t got = pread(fds[i], dst + done, (size_t)(sizes[i] - done), (off_t)(offsets[i] + done));
+      if (got < 0 && errno == EINTR) continue;
+      if (got <= 0) {
+        *err = got < 0 ? errno : 0;
+        return i;
+      }
+      done += got;
+    }
+  }
+  return -1;
+}
+
+// Index of the first of n scale tensors holding a non-finite value (-1 when none); *at = its
+// element index.
+WNA16_API int64_t wna16_first_nonfinite_many(const void* const* data, const int64_t* counts, int64_t n,
+                                             int kind, int64_t* at) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t j = wna16_first_nonfinite(data[i], counts[i], kind);
+    if (j >= 0) {
+      *at = j;
+      return i;
+    }
+  }
+  return -1;
+}
+
+// Index of the first non-finite value of n scales (kind 0 fp16, 1 bf16, 2 fp32), -1 when all are finite.
+WNA16_API int64_t wna16_first_nonfinite(const void* data, int64_t n, int kind) {
+  if (kind == 2) {
+    const uint32_t* p = (const uint32_t*)data;
+    for (int64_t i = 0; i < n; ++i)
+      if ((p[i] & 0x7f800000u) == 0x7f800000u) return i;
+    return -1;
+  }
+  const uint16_t* p = (const uint16_t*)data;
+  const uint16_t mask = kind == 0 ? 0x7c00u : 0x7f80u;  // the exponent: all ones = inf or nan
+  for (int64_t b = 0; b < n; b += 1024) {  // a branch-free pass per block (vectorised), then the index
+    const int64_t e = std::min<int64_t>(n, b + 1024);
+    unsigned bad = 0;
+    for (int64_t i = b; i < e; ++i) bad |= (unsigned)((p[i] & mask) == mask);
+    if (bad)
+      for (int64_t i = b; i < e; ++i)
+        if (!finite16(p[i], kind)) return i;
+  }
+  return -1;
+}
+
 
 WNA16_API int wna16_marlin_repack_host_strided(const int32_t* packed, const int32_t* perm, int32_t* out,
                                                int64_t num_experts, int64_t size_k, int64_t size_n,

@@ -230,7 +230,7 @@ def test_verify_checks_the_ranks_a_part_holds_and_reports_the_others_not_run(ckp
     f.write_bytes(bytes(data))
     bad = verify_output(ckpt, part, samples=GSM8K_TEST, num_samples=4)
     assert not bad.passed and bad.check("manifest").status == "FAIL"
-    assert any("sha256 differs" in x.message for x in bad.findings)
+    assert any("blake3 differs" in x.message for x in bad.findings)
 
 
 def test_assemble_refuses_what_is_not_one_whole_run(ckpt, tmp_path):
@@ -320,14 +320,21 @@ def test_torchrun_process_killed_commits_nothing_and_resume_completes_it(ckpt, w
 _FAILING_PROCESS = """
 import os, sys
 import wna16ctl.repack as r
+import wna16ctl.repack_native as n
 from wna16ctl.errors import BadInput
-real, calls = r.build_rank_tensors, []
-def build(*a, **kw):  # process 1 fails on its second chunk
+real, real_native, calls = r.build_rank_tensors, n.LayerBuilder.build, []
+def fail_on_second_chunk():  # process 1 fails on its second chunk, on either data path
     calls.append(1)
     if os.environ["RANK"] == "1" and len(calls) == 2:
         raise BadInput("shard-x.safetensors: simulated read error")
+def build(*a, **kw):
+    fail_on_second_chunk()
     return real(*a, **kw)
+def build_native(self, *a, **kw):
+    fail_on_second_chunk()
+    return real_native(self, *a, **kw)
 r.build_rank_tensors = build
+n.LayerBuilder.build = build_native
 sys.argv = ["wna16ctl"] + sys.argv[1:]
 from wna16ctl.cli import main
 main()

@@ -23,6 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import wna16ctl.repack as repack_mod
+import wna16ctl.repack_native as repack_native
 import wna16ctl.writer as writer_mod
 from tests.conftest import GSM8K_TEST, REPO_ROOT
 from tests.test_repack import ckpt, file_digests, leftovers, one_torch_thread, patch_tensor, snapshot  # noqa: F401
@@ -83,16 +84,25 @@ def read_tensor(ck: Path, name: str) -> torch.Tensor:
 
 
 def interrupt_after(monkeypatch, n_builds: int) -> None:
-    real = repack_mod.build_rank_tensors
+    """KeyboardInterrupt at the n-th rank build, on whichever data path the layers take."""
+    real, real_native = repack_mod.build_rank_tensors, repack_native.LayerBuilder.build
     calls = []
 
-    def build(*a, **kw):
+    def count() -> None:
         calls.append(1)
         if len(calls) == n_builds:
             raise KeyboardInterrupt
+
+    def build(*a, **kw):
+        count()
         return real(*a, **kw)
 
+    def native_build(*a, **kw):
+        count()
+        return real_native(*a, **kw)
+
     monkeypatch.setattr(repack_mod, "build_rank_tensors", build)
+    monkeypatch.setattr(repack_native.LayerBuilder, "build", native_build)
 
 
 def tree_hash(root: Path) -> dict[str, str]:

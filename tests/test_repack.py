@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import blake3
 import numpy as np
 import pytest
 import torch
@@ -25,6 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import wna16ctl.repack as repack_mod
+import wna16ctl.repack_native as repack_native
 import wna16ctl.writer as writer_mod
 from tests.conftest import ACT_ORDER_RELEASE, GSM8K_TEST
 from tests.layout import reference
@@ -96,6 +98,14 @@ def expert_ranges(num_experts: int, tp: int, ep: bool) -> list[range]:
         out.append(range(start, start + n))
         start += n
     return out
+
+
+def require_native_path(ck: Path, settings: RepackSettings) -> None:
+    """Skip unless every layer of this plan takes the native data path here (a C++ compiler)."""
+    plan = plan_repack(ck, settings)
+    why = {repack_native.unsupported(j.layer, j.specs[0], plan.scale_st_dtype, "auto") for j in plan.jobs}
+    if why != {None}:
+        pytest.skip(f"native data path not taken: {why - {None}}")
 
 
 def file_digests(root: Path) -> dict[str, str]:
@@ -444,14 +454,15 @@ def test_manifest_and_rank_files(make_ckpt, tmp_path):
     assert (m["tp"], m["ep"], m["layout"], m["scale_dtype"]) == (2, False, "auto", "bfloat16")
     src = read_dir(ck)
     assert m["copied_tensors"] == len(non_expert_names(src))
-    # files: every file of OUT but the manifest, with its sha256 and size
-    on_disk = file_digests(out)
+    # files: every file of OUT but the manifest, with its BLAKE3 digest and size
+    on_disk = {p.relative_to(out).as_posix(): blake3.blake3(p.read_bytes()).hexdigest()
+               for p in sorted(out.rglob("*")) if p.is_file()}
     del on_disk[MANIFEST_NAME]
     assert sorted(m["files"]) == sorted(on_disk)
     for rel, meta in m["files"].items():
-        assert {k: meta[k] for k in ("sha256", "bytes")} == {"sha256": on_disk[rel], "bytes": (out / rel).stat().st_size}, rel
+        assert {k: meta[k] for k in ("blake3", "bytes")} == {"blake3": on_disk[rel], "bytes": (out / rel).stat().st_size}, rel
         # tensor files also record the digest of the source bytes they were made from (the resume key)
-        want = {"sha256", "bytes", "source_sha256"} if rel.endswith(".safetensors") else {"sha256", "bytes"}
+        want = {"blake3", "bytes", "source_blake3"} if rel.endswith(".safetensors") else {"blake3", "bytes"}
         assert set(meta) == want, rel
     assert "config.json" in m["files"]
     assert (out / "config.json").read_bytes() == (ck / "config.json").read_bytes()
@@ -617,14 +628,21 @@ def two_layer_ckpt(make_ckpt):
 RESUME_SETTINGS = RepackSettings(vllm=ACT_ORDER_RELEASE, tp=2, max_shard_bytes=300_000)
 
 
-def test_interrupt_then_resume(two_layer_ckpt, tmp_path, monkeypatch):
+@pytest.mark.parametrize("data_path", ["native", "torch"])
+def test_interrupt_then_resume(two_layer_ckpt, tmp_path, monkeypatch, data_path):
     ck = two_layer_ckpt
+    if data_path == "torch":
+        monkeypatch.setenv("WNA16CTL_NO_NATIVE", "1")
+    else:
+        require_native_path(ck, RESUME_SETTINGS)
     fresh = tmp_path / "fresh"
     run_repack(plan_repack(ck, RESUME_SETTINGS), fresh)
     out = tmp_path / "out"
     real_build = repack_mod.build_rank_tensors
-    real_sha = writer_mod.sha256_file
+    real_native_build = repack_native.LayerBuilder.build
+    real_sha = writer_mod.hash_file
     calls = []
+    first_layer = plan_repack(ck, RESUME_SETTINGS).jobs[0].layer.prefix
 
     def build(*a, **kw):
         calls.append(1)
@@ -632,12 +650,18 @@ def test_interrupt_then_resume(two_layer_ckpt, tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real_build(*a, **kw)
 
+    def native_build(self, *a, **kw):
+        if self.layer.prefix != first_layer:  # layer 0 written on both ranks, layer 1 under way
+            raise KeyboardInterrupt
+        return real_native_build(self, *a, **kw)
+
     def slow_sha(path, *a, **kw):  # hashes still queued when the interrupt comes
         time.sleep(0.05)
         return real_sha(path, *a, **kw)
 
     monkeypatch.setattr(repack_mod, "build_rank_tensors", build)
-    monkeypatch.setattr(writer_mod, "sha256_file", slow_sha)
+    monkeypatch.setattr(repack_native.LayerBuilder, "build", native_build)
+    monkeypatch.setattr(writer_mod, "hash_file", slow_sha)
     with pytest.raises(KeyboardInterrupt):
         run_repack(plan_repack(ck, RESUME_SETTINGS), out)
     assert not out.exists()
@@ -645,6 +669,8 @@ def test_interrupt_then_resume(two_layer_ckpt, tmp_path, monkeypatch):
     assert leftovers(out) == [".out.wna16ctl-partial"]
     assert not (tmp_path / ".out.wna16ctl-partial" / MANIFEST_NAME).exists()
     monkeypatch.undo()
+    if data_path == "torch":
+        monkeypatch.setenv("WNA16CTL_NO_NATIVE", "1")
     res = run_repack(plan_repack(ck, RESUME_SETTINGS), out, resume=True)
     total = sum(len(f) for f in plan_repack(ck, RESUME_SETTINGS).files)
     assert res.files_reused > 0 and res.files_reused + res.files_written == total and res.files_written > 0
@@ -668,13 +694,19 @@ def test_resume_refuses_other_settings(two_layer_ckpt, tmp_path):
 _SLOW_CHILD = """
 import sys, time, pathlib
 import wna16ctl.repack as r
+import wna16ctl.repack_native as n
 marker = pathlib.Path(sys.argv[1])
-real = r.build_rank_tensors
+real, real_native = r.build_rank_tensors, n.LayerBuilder.build
 def slow(*a, **kw):
     marker.touch()
     time.sleep(0.4)
     return real(*a, **kw)
-r.build_rank_tensors = slow
+def slow_native(*a, **kw):
+    marker.touch()
+    time.sleep(0.4)
+    return real_native(*a, **kw)
+r.build_rank_tensors = slow  # whichever data path the layers take
+n.LayerBuilder.build = slow_native
 sys.argv = ["wna16ctl"] + sys.argv[2:]
 from wna16ctl.cli import main
 main()

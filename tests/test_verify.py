@@ -317,7 +317,7 @@ def test_non_expert_tensor_modified(fresh):
     t.view(torch.int16)[5, 7] ^= 1  # one byte
     patch(out, 0, name, t)
     report = verify(ck, out)
-    assert_manifest_only_names(report, "rank-0/model-00001-of-00001.safetensors", "sha256 differs")
+    assert_manifest_only_names(report, "rank-0/model-00001-of-00001.safetensors", "blake3 differs")
     rehash(out)  # the buggy-repack variant: only the copied-tensor check can see it
     report = verify(ck, out)
     assert not report.passed and not findings(report, "manifest")
@@ -333,7 +333,7 @@ def test_side_file_modified(fresh):
     cfg.write_bytes(bytes(data))
     report = verify(ck, out)
     assert not report.passed
-    assert_manifest_only_names(report, "config.json", "sha256 differs")
+    assert_manifest_only_names(report, "config.json", "blake3 differs")
     assert not findings(report, "round_trip")
 
 

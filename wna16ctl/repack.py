@@ -9,6 +9,10 @@ A run may write only some ranks (`ranks`: a part with a manifest part) and may b
 processes (`group`, launched by torchrun; `wna16ctl.distributed` says which ranks each process
 writes): every process plans, the owner of the staging directory prepares it, all write their
 ranks into it, and the owner commits once every process has reported its file hashes.
+
+Two data paths write the same bytes: `wna16ctl.repack_native` (no torch; Marlin layers without
+zero points, act-order or padding, on the CPU) and the torch code of `wna16ctl.layout` (every
+other layer, and `--device cuda`).  File and source digests are BLAKE3 (`writer.FILE_HASH`).
 """
 
 from __future__ import annotations
@@ -16,26 +20,29 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import torch
-
 from wna16ctl import __version__, distributed, outdir, rules
 from wna16ctl.checkpoint import Checkpoint, MoELayer, open_checkpoint
+from wna16ctl.checkpoint.config import SCALE_ST_DTYPES
 from wna16ctl.checkpoint.gidx import gate_up_g_idx_mismatch
 from wna16ctl.checkpoint.headers import INDEX_NAME
 from wna16ctl.checkpoint.moe import ROLE_ORDER
-from wna16ctl.checkpoint.tensors import TensorReader, check_g_idx, writable_view
+from wna16ctl.checkpoint.raw import RawReader
 from wna16ctl.errors import NotLoadable, UsageError
-from wna16ctl.layout.rank import RankLayout, build_rank_tensors, expected_rank_shapes
+from wna16ctl.layout.spec import RankLayout, expert_shapes
 from wna16ctl.plan import Backend, LayerPlan, plan_layer
 from wna16ctl.tpsizes import check_tp_sizes, parse_tp_list
 from wna16ctl.output import TaskStarter, no_progress
 from wna16ctl.writer import (
-    JOURNAL_NAME, MANIFEST_NAME, PlannedFile, PlannedTensor, StagedOutput, split_into_files, st_dtype,
+    FILE_HASH, JOURNAL_NAME, MANIFEST_NAME, PlannedFile, PlannedTensor, StagedOutput, new_hasher, split_into_files,
 )
+
+# torch is imported only where a layer takes the torch data path (wna16ctl.repack_native covers
+# the common layers without it): its import alone costs longer than repacking a gigabyte.
 
 FORMAT_NAME = "wna16ctl-repack"
 FORMAT_VERSION = 1
@@ -47,7 +54,9 @@ SIDE_FILES = (
     "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
     "added_tokens.json", "preprocessor_config.json",
 )
-_CHUNK_BYTES = 64 << 20  # packed input per expert chunk: bounds memory, amortises per-call overhead
+# Packed input per expert chunk: a chunk and its outputs stay in the CPU caches from the read to
+# the write and the hash (64 MiB chunks measured ~2x the system time: every stage went to DRAM).
+_CHUNK_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -104,8 +113,18 @@ class RepackPlan:
     copied: list[str]  # tensors copied unchanged into every rank
     files: list[list[PlannedFile]]  # per rank
     fingerprint: str
-    scale_dtype: torch.dtype
+    scale_dtype_name: str  # config.json's torch_dtype: the dtype scales are written in ("bfloat16")
     units: dict[str, list[tuple]] = field(default_factory=dict)  # relpath -> work units writing into it
+
+    @property
+    def scale_dtype(self) -> Any:  # torch.dtype
+        import torch
+
+        return getattr(torch, self.scale_dtype_name)
+
+    @property
+    def scale_st_dtype(self) -> str:
+        return SCALE_ST_DTYPES[self.scale_dtype_name]
 
     @property
     def identity(self) -> dict[str, Any]:
@@ -188,6 +207,8 @@ def _check_shared_g_idx(ck: Checkpoint, jobs: list[LayerJob]) -> None:
     act = [j for j in jobs if j.layer.scheme is not None and j.layer.scheme.act_order]
     if not act:
         return
+    from wna16ctl.checkpoint.tensors import TensorReader, check_g_idx
+
     with TensorReader(ck.files) as reader:
         for job in act:
             layer = job.layer
@@ -216,7 +237,7 @@ def plan_repack(ckpt_path: str | os.PathLike[str], settings: RepackSettings) -> 
     if not layers:
         raise NotLoadable(f"{ck.root}: no quantized MoE layers to repack")
     check_tp_sizes(layers, (settings.tp,), settings.ep)
-    scale_dtype = getattr(torch, ck.config.torch_dtype)  # one of config.SCALE_DTYPES
+    scale_dtype = SCALE_ST_DTYPES[ck.config.torch_dtype]  # torch_dtype is one of config.SCALE_DTYPES
     n_ranks = settings.tp
     jobs: list[LayerJob] = []
     for layer in layers:
@@ -241,7 +262,7 @@ def plan_repack(ckpt_path: str | os.PathLike[str], settings: RepackSettings) -> 
             )
             for r in range(n_ranks)
         ]
-        names = list(expected_rank_shapes(specs[0], 1, scale_dtype))
+        names = list(expert_shapes(specs[0], scale_dtype))
         jobs.append(LayerJob(layer, plan, layout, specs, ranges, names))
 
     _check_shared_g_idx(ck, jobs)  # also checks every act-order g_idx is a valid group assignment
@@ -274,8 +295,8 @@ def plan_repack(ckpt_path: str | os.PathLike[str], settings: RepackSettings) -> 
             n_local = len(job.expert_ranges[r])
             if n_local == 0:
                 continue
-            shapes = expected_rank_shapes(job.specs[r], n_local, scale_dtype)
-            groups.append([PlannedTensor(f"{job.layer.prefix}.{k}", st_dtype(dt), tuple(shape)) for k, (shape, dt) in shapes.items()])
+            shapes = expert_shapes(job.specs[r], scale_dtype)
+            groups.append([PlannedTensor(f"{job.layer.prefix}.{k}", dt, (n_local, *shape)) for k, (shape, dt) in shapes.items()])
             group_units.append(("layer", j))
         rank_files = split_into_files(groups, f"rank-{r}/", settings.max_shard_bytes)
         # map each group to the file that holds it
@@ -287,7 +308,7 @@ def plan_repack(ckpt_path: str | os.PathLike[str], settings: RepackSettings) -> 
                 units[f.relpath].append(group_units[gi])
                 gi += 1
         files.append(rank_files)
-    return RepackPlan(ck, settings, jobs, copied, files, source_fingerprint(ck), scale_dtype, units)
+    return RepackPlan(ck, settings, jobs, copied, files, source_fingerprint(ck), ck.config.torch_dtype, units)
 
 
 @dataclass
@@ -422,7 +443,9 @@ def run_repack(
     held: list[StagedOutput] = []
 
     def prepare() -> tuple[str, str | None]:
-        dev = distributed.select_device(device, me)
+        # `auto` on layers the native CPU path covers needs no GPU (and no torch import to look for one)
+        native_only = device == "auto" and _all_native(plan)
+        dev = distributed.select_device("cpu" if native_only else device, me)
         if not is_owner:
             return dev, None
         discarded = _check_previous_run(plan, out_path, resume=resume)
@@ -452,7 +475,7 @@ def run_repack(
     start = (progress or no_progress) if is_owner else no_progress
 
     def write() -> tuple[int, int, int]:
-        counts = _execute(plan, staged, start, "cuda" if dev.startswith("cuda") else "cpu", mine,
+        counts = _execute(plan, staged, start, "cpu" if dev == "cpu" else ("cuda" if device == "cuda" else "auto"), mine,
                           side_files=is_owner, launch=me)
         staged.collect_hashes() if is_owner else staged.close()  # hashed, synced, journaled
         return counts
@@ -508,7 +531,9 @@ def run_repack(
 
 
 def _digest(parts: list[str]) -> str:
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+    h = new_hasher()
+    h.update("\n".join(parts).encode())
+    return h.hexdigest()
 
 
 class _SourceDigests:
@@ -541,8 +566,9 @@ class _SourceDigests:
         return _digest([f.relpath] + [self.unit(u, rank) for u in self.plan.units[f.relpath]])
 
 
-def _read_layer_chunk(reader: TensorReader, job: LayerJob, chunk: range) -> tuple[list, str]:
-    h = hashlib.sha256()
+def _read_layer_chunk(reader: Any, job: LayerJob, chunk: range) -> tuple[list, str]:
+    """The torch path's read of a chunk (a TensorReader): experts as tensors, and their digest."""
+    h = new_hasher()
     reader.hasher = h
     try:
         experts = [reader.read_expert(job.layer, e) for e in chunk]
@@ -551,21 +577,50 @@ def _read_layer_chunk(reader: TensorReader, job: LayerJob, chunk: range) -> tupl
     return experts, h.hexdigest()
 
 
-def _copy_tensor(reader: TensorReader, info: Any, targets: list[tuple[StagedOutput, PlannedFile, int]],
-                 h: Any, bufsize: int = 16 << 20) -> None:
+def _digest_view(view: memoryview) -> str:
+    h = new_hasher()
+    h.update(view)  # releases the GIL: runs beside the native build of the same chunk
+    return h.hexdigest()
+
+
+class _CopyBuffer:
+    """One reused buffer for the non-expert tensors (fresh memory costs a page fault per 4 KiB)."""
+
+    def __init__(self, size: int = 16 << 20):
+        self.size = size
+        self._view: memoryview | None = None
+
+    def view(self) -> memoryview:
+        if self._view is None:
+            self._view = memoryview(bytearray(self.size))
+        return self._view
+
+
+def _copy_tensor(reader: RawReader, info: Any, targets: list[tuple[StagedOutput, PlannedFile, int]],
+                 h: Any, buf: _CopyBuffer) -> None:
     """Copy one non-expert tensor into every target file, digesting its bytes once."""
-    for start in range(info.start, info.end, bufsize):
-        n = min(bufsize, info.end - start)
+    for start in range(info.start, info.end, buf.size):
+        n = min(buf.size, info.end - start)
         sub = type(info)(info.name, info.dtype, (), info.file, start, start + n)
-        data = reader.read_bytes(sub)
-        view = writable_view(data)
+        view = buf.view()[:n]
+        reader.read_into(sub, view)
         h.update(view)
         for staged, f, offset in targets:
             staged.pwrite(f, offset + (start - info.start), view)
 
 
-def _verify_reusable(plan: RepackPlan, staged: StagedOutput, reader: TensorReader,
-                     candidates: list[PlannedFile], digests: _SourceDigests) -> list[PlannedFile]:
+def _chunk_digest(plan: RepackPlan, job: LayerJob, reader: RawReader, chunk: range,
+                  builder: Any | None) -> str:
+    """The source digest of one chunk, by whichever path reads that layer (the same bytes in the
+    same order, so the same digest)."""
+    if builder is not None:
+        return _digest_view(builder.read(reader, chunk, 0))
+    return _read_layer_chunk(reader, job, chunk)[1]
+
+
+def _verify_reusable(plan: RepackPlan, staged: StagedOutput, reader: RawReader,
+                     candidates: list[PlannedFile], digests: _SourceDigests,
+                     builders: dict[int, Any]) -> list[PlannedFile]:
     """Re-digest the source bytes the candidate files were made from; return those still valid."""
     needed: dict[tuple, set[int]] = {}
     for f in candidates:
@@ -573,23 +628,46 @@ def _verify_reusable(plan: RepackPlan, staged: StagedOutput, reader: TensorReade
         for u in plan.units[f.relpath]:
             needed.setdefault(u, set()).add(rank)
     ck = plan.checkpoint
+    buf = _CopyBuffer()
     for u, ranks in needed.items():
         if u[0] == "copy":
-            h = hashlib.sha256()
+            h = new_hasher()
             for name in u[1]:
                 info = ck.files.info(name)
-                for start in range(info.start, info.end, 16 << 20):
-                    sub = type(info)(info.name, info.dtype, (), info.file, start, min(start + (16 << 20), info.end))
-                    h.update(writable_view(reader.read_bytes(sub)))
+                for start in range(info.start, info.end, buf.size):
+                    sub = type(info)(info.name, info.dtype, (), info.file, start, min(start + buf.size, info.end))
+                    view = buf.view()[:sub.nbytes]
+                    reader.read_into(sub, view)
+                    h.update(view)
             digests.copy[u] = h.hexdigest()
             continue
         job = plan.jobs[u[1]]
         wanted = [job.expert_ranges[r] for r in ranks]
         for chunk in _expert_chunks(job):
             if any(chunk.start in rng for rng in wanted):
-                _, d = _read_layer_chunk(reader, job, chunk)
-                digests.add_chunk(u[1], chunk, d)
+                digests.add_chunk(u[1], chunk, _chunk_digest(plan, job, reader, chunk, builders.get(u[1])))
     return [f for f in candidates if staged.reuse(f, digests.file(f))]
+
+
+def _all_native(plan: RepackPlan) -> bool:
+    """Whether the native CPU path builds every layer of `plan` (then no GPU is looked for)."""
+    from wna16ctl import repack_native
+
+    return all(repack_native.unsupported(j.layer, j.specs[0], plan.scale_st_dtype, "auto") is None for j in plan.jobs)
+
+
+def _native_builders(plan: RepackPlan, device: str) -> dict[int, Any]:
+    """Layer index -> repack_native.LayerBuilder for the layers the native path covers."""
+    from wna16ctl import repack_native
+
+    out: dict[int, Any] = {}
+    buffers = repack_native.Buffers()  # one set for all layers: memory stays at two chunks
+    for j, job in enumerate(plan.jobs):
+        if repack_native.unsupported(job.layer, job.specs[0], plan.scale_st_dtype, device) is None:
+            most = max(len(c) for c in _expert_chunks(job))
+            out[j] = repack_native.LayerBuilder(plan.checkpoint.files, job.layer, job.specs, buffers,
+                                                plan.scale_st_dtype, most)
+    return out
 
 
 def _execute(plan: RepackPlan, staged: StagedOutput, start: TaskStarter, device: str, ranks: list[int],
@@ -601,11 +679,22 @@ def _execute(plan: RepackPlan, staged: StagedOutput, start: TaskStarter, device:
     digests = _SourceDigests(plan)
     advance = start("repacking", plan.input_bytes(ranks), unit="bytes")
     written = 0
-    repack_weights = marlin_repacker(device)
+    if device == "cuda":
+        marlin_repacker(device)  # refuses --device cuda without a usable GPU before any work
+    builders = _native_builders(plan, device)
+    torch_layers = len(builders) < len(plan.jobs)
+    if torch_layers:
+        from wna16ctl.checkpoint.tensors import TensorReader
+
+        reader_cm: RawReader = TensorReader(ck.files)
+    else:
+        reader_cm = RawReader(ck.files)
     writer = _BackgroundWrites(staged)
-    with TensorReader(ck.files) as reader, writer:
+    hash_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wna16ctl-digest")
+    with reader_cm as reader, writer, hash_pool:
         candidates = [f for f in by_rel.values() if staged.staged_file_matches(f)]
-        reused_files = {f.relpath for f in _verify_reusable(plan, staged, reader, candidates, digests)} if candidates else set()
+        reused_files = ({f.relpath for f in _verify_reusable(plan, staged, reader, candidates, digests, builders)}
+                        if candidates else set())
         pending = {rel: f for rel, f in by_rel.items() if rel not in reused_files}
         reused = len(by_rel) - len(pending)
         staged.check_space(sum(f.size for f in pending.values()))
@@ -632,18 +721,20 @@ def _execute(plan: RepackPlan, staged: StagedOutput, start: TaskStarter, device:
 
         # 1. non-expert tensors, read once, digested, written into every rank that still needs them
         copy_units = [u for rel in sorted(pending) for u in plan.units[rel] if u[0] == "copy"]
+        buf = _CopyBuffer()
         for u in dict.fromkeys(copy_units):
             for f in unit_file[u]:
                 staged.open(f)
-            h = hashlib.sha256()
+            h = new_hasher()
             for name in u[1]:
                 info = ck.files.info(name)
-                _copy_tensor(reader, info, [(staged, f, f.offsets[name]) for f in unit_file[u]], h)
+                _copy_tensor(reader, info, [(staged, f, f.offsets[name]) for f in unit_file[u]], h, buf)
                 written += info.nbytes * len(unit_file[u])
                 advance(info.nbytes * len(unit_file[u]))
             digests.copy[u] = h.hexdigest()
             unit_done(u)
         # 2. expert layers
+        repack_weights = marlin_repacker(device) if torch_layers else None
         for j, job in enumerate(plan.jobs):
             u = ("layer", j)
             rank_files = {r: fs for r in range(len(plan.files)) for fs in [
@@ -654,29 +745,57 @@ def _execute(plan: RepackPlan, staged: StagedOutput, start: TaskStarter, device:
                 staged.open(fs[0])
             layer = job.layer
             wanted = [job.expert_ranges[r] for r in rank_files]
-            for chunk in _expert_chunks(job):
-                if not any(chunk.start in rng for rng in wanted):
-                    continue  # EP: no pending rank holds these experts
-                experts, d = _read_layer_chunk(reader, job, chunk)
-                digests.add_chunk(j, chunk, d)
+            builder = builders.get(j)
+            pending_digests: list[tuple[range, Any]] = []
+            per_first = {r: fs[0].tensors[[t.name for t in fs[0].tensors].index(f"{layer.prefix}.{job.tensor_names[0]}")].nbytes
+                         // max(len(job.expert_ranges[r]), 1) for r, fs in rank_files.items()}
+            chunks = [c for c in _expert_chunks(job) if any(c.start in rng for rng in wanted)]  # EP: skip others
+            for i, chunk in enumerate(chunks):
                 nbytes = layer.packed_bytes * len(chunk) // layer.num_experts
-                writes: list[tuple[PlannedFile, int, torch.Tensor]] = []
+                writes: list[tuple[PlannedFile, int, Any]] = []
+                if builder is not None:
+                    slot = i % 2
+                    if i >= 2:  # the digest of the chunk read into this slot before must be done
+                        pending_digests[i - 2][1].result()
+                    view = builder.read(reader, chunk, slot)
+                    pending_digests.append((chunk, hash_pool.submit(_digest_view, view)))
+                    builder.check_scales(slot)
+                else:
+                    experts, d = _read_layer_chunk(reader, job, chunk)
+                    digests.add_chunk(j, chunk, d)
                 for r, fs in rank_files.items():
                     rng = job.expert_ranges[r]
                     if chunk.start not in rng:
                         continue
                     f = fs[0]
-                    tensors = build_rank_tensors(experts, job.specs[r], scale_dtype=plan.scale_dtype,
-                                                 expert_ids=list(chunk), repack=repack_weights)
                     local = chunk.start - rng.start
+                    if builder is not None:
+                        tensors: dict[str, Any] = builder.build(r, len(chunk), slot)
+                        per = builder.per_expert
+                    else:
+                        tensors = build_rank_tensors(experts, job.specs[r], scale_dtype=plan.scale_dtype,
+                                                     expert_ids=list(chunk), repack=repack_weights)
+                        per = {name: (t[0].numel() * t.element_size() if t.shape[0] else 0) for name, t in tensors.items()}
                     for name, t in tensors.items():
-                        per = t[0].numel() * t.element_size() if t.shape[0] else 0
-                        writes.append((f, f.offsets[f"{layer.prefix}.{name}"] + local * per, t))
-                        written += t.numel() * t.element_size()
+                        writes.append((f, f.offsets[f"{layer.prefix}.{name}"] + local * per[name], t))
+                        written += per[name] * len(chunk)
                 # Writing chunk i overlaps building chunk i+1 (pwrite releases the GIL); at most
-                # two chunks of output are alive at a time.
-                writer.submit(writes)
+                # two chunks of output are alive at a time.  The first tensor of the layer is filled
+                # in file order, so once written it is final up to this chunk: hashed now, while cached.
+                first = f"{layer.prefix}.{job.tensor_names[0]}"
+                final = [(f, off, t, f.offsets[first] + (chunk.stop - job.expert_ranges[r].start) * per_first[r])
+                         for r, fs in rank_files.items() for f in fs[:1] if chunk.start in job.expert_ranges[r]
+                         for g, off, t in writes if g is f and off == f.offsets[first] + (chunk.start - job.expert_ranges[r].start) * per_first[r]]
+
+                def hash_first(final: list = final) -> None:  # in the writer thread, after the writes
+                    for f, off, t, end in final:  # from the buffer when the hash is caught up, else re-read
+                        if not (isinstance(t, memoryview) and staged.hash_written(f, off, t)):
+                            staged.written_upto(f, end)
+
+                writer.submit(writes, hash_first)
                 advance(nbytes)
+            for chunk, fut in pending_digests:
+                digests.add_chunk(j, chunk, fut.result())
             writer.drain()
             unit_done(u)
         # 3. per-rank indexes and side files (the manifest is the caller's: other processes may write too)
@@ -689,6 +808,13 @@ def _execute(plan: RepackPlan, staged: StagedOutput, start: TaskStarter, device:
                     staged.copy_file(src, name)
         staged.collect_hashes()
     return len(pending), reused, written
+
+
+def build_rank_tensors(*args: Any, **kwargs: Any) -> Any:
+    """`wna16ctl.layout.rank.build_rank_tensors` (the torch data path), imported on first use."""
+    from wna16ctl.layout.rank import build_rank_tensors as build
+
+    return build(*args, **kwargs)
 
 
 def rank_index_bytes(files: list[PlannedFile]) -> bytes:
@@ -708,13 +834,23 @@ class _BackgroundWrites:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wna16ctl-write")
         self._pending = None
 
-    def _write(self, writes: list[tuple[PlannedFile, int, torch.Tensor]]) -> None:
+    def _write(self, writes: list[tuple[PlannedFile, int, Any]], after: Callable[[], Any] | None) -> None:
         for f, offset, t in writes:
             self._staged.pwrite(f, offset, t)
+        if after is not None:
+            after()
+        spans: dict[str, tuple[PlannedFile, int, int]] = {}  # one writeback call per file
+        for f, offset, t in writes:
+            end = offset + (len(t) if isinstance(t, memoryview) else t.numel() * t.element_size())
+            _, lo, hi = spans.get(f.relpath, (f, offset, end))
+            spans[f.relpath] = (f, min(lo, offset), max(hi, end))
+        for f, lo, hi in spans.values():  # the disk works on this chunk while the next is built
+            self._staged.start_writeback(f, lo, hi - lo)
 
-    def submit(self, writes: list[tuple[PlannedFile, int, torch.Tensor]]) -> None:
+    def submit(self, writes: list[tuple[PlannedFile, int, Any]], after: Callable[[], Any] | None = None) -> None:
+        """Write in the background, then call `after` there (the writes are on the file by then)."""
         self.drain()
-        self._pending = self._pool.submit(self._write, writes)
+        self._pending = self._pool.submit(self._write, writes, after)
 
     def drain(self) -> None:
         if self._pending is not None:
@@ -732,7 +868,7 @@ class _BackgroundWrites:
             self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-def marlin_repacker(device: str) -> Callable[..., torch.Tensor]:
+def marlin_repacker(device: str) -> Callable[..., Any]:
     """The Marlin weight repack for `device`: the CUDA kernel, the native CPU library, or torch.
 
     All three are bit-identical (tests/test_kernels.py); the choice only changes speed.
@@ -743,7 +879,7 @@ def marlin_repacker(device: str) -> Callable[..., torch.Tensor]:
         raise UsageError("--device cuda: no usable CUDA GPU and kernel library here; use --device cpu")
     use_cuda = device == "cuda" or (device == "auto" and kernels.cuda_available())
 
-    def repack(packed: torch.Tensor, num_bits: int, perm: torch.Tensor | None = None, *, out: torch.Tensor) -> torch.Tensor:
+    def repack(packed: Any, num_bits: int, perm: Any = None, *, out: Any) -> Any:
         if use_cuda:
             result = kernels.marlin_repack_fast(packed.cuda(), num_bits, None if perm is None else perm.cuda()).cpu()
             return out.copy_(result)
@@ -756,9 +892,9 @@ def build_manifest(plan: RepackPlan, hashes: dict[str, str], root: Path,
                    sources: dict[str, str] | None = None) -> dict[str, Any]:
     out_files: dict[str, dict[str, Any]] = {}
     for rel, digest in sorted(hashes.items()):
-        out_files[rel] = {"sha256": digest, "bytes": (root / rel).stat().st_size}
+        out_files[rel] = {FILE_HASH: digest, "bytes": (root / rel).stat().st_size}
         if sources and rel in sources:
-            out_files[rel]["source_sha256"] = sources[rel]
+            out_files[rel][f"source_{FILE_HASH}"] = sources[rel]
     return {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
@@ -773,7 +909,7 @@ def build_manifest(plan: RepackPlan, hashes: dict[str, str], root: Path,
         "tp": plan.settings.tp,
         "ep": plan.settings.ep,
         "layout": plan.settings.layout,
-        "scale_dtype": str(plan.scale_dtype).replace("torch.", ""),
+        "scale_dtype": plan.scale_dtype_name,
         "ranks": [
             {"rank": r, "dir": f"rank-{r}", "files": [f.relpath for f in files], "bytes": sum(f.size for f in files)}
             for r, files in enumerate(plan.files)

@@ -47,7 +47,7 @@ from wna16ctl.output import TaskStarter, no_progress
 from wna16ctl.repack import (
     FORMAT_NAME, SIDE_FILES, LayerJob, RepackPlan, RepackSettings, plan_repack, rank_index_bytes, source_fingerprint,
 )
-from wna16ctl.writer import JOURNAL_NAME, MANIFEST_NAME, PLANNED_METADATA, sha256_file
+from wna16ctl.writer import JOURNAL_NAME, MANIFEST_NAME, PLANNED_METADATA, FILE_HASHES, hash_file, recorded_hash, sha256_file
 
 SILU_LIPSCHITZ = 1.1  # max |d/dx x·sigmoid(x)| = 1.0998...
 # Roundings to the model dtype on the candidate's path: x, W13, the w13 output, h, W2, the w2
@@ -237,8 +237,8 @@ _MANIFEST_FIELDS: dict[str, tuple[Any, str]] = {
     "ranks": (lambda v: isinstance(v, list) and all(isinstance(r, dict) for r in v), "a list of objects"),
     "layers": (lambda v: isinstance(v, list) and all(isinstance(x, dict) for x in v), "a list of objects"),
     "files": (lambda v: isinstance(v, dict) and all(
-        isinstance(m, dict) and isinstance(m.get("sha256"), str) and _is_int(m.get("bytes")) for m in v.values()),
-        "an object mapping paths to {sha256, bytes}"),
+        recorded_hash(m) is not None and _is_int(m.get("bytes")) for m in v.values()),
+        f"an object mapping paths to {{{' or '.join(FILE_HASHES)}, bytes}}"),
 }
 _SETTINGS_FIELDS: dict[str, tuple[Any, str]] = {
     "tp": (lambda v: _is_int(v) and v >= 1, "a positive integer"),
@@ -340,8 +340,10 @@ def _check_manifest(ck: Checkpoint, out: Path, manifest: dict[str, Any], report:
         elif path.stat().st_size != meta["bytes"]:
             add(f"{rel}: {path.stat().st_size} bytes, the manifest says {meta['bytes']} (modified after repack)")
             advance(path.stat().st_size)
-        elif sha256_file(path, progress=advance) != meta["sha256"]:
-            add(f"{rel}: sha256 differs from the manifest (modified after repack)")
+        else:
+            algorithm, digest = recorded_hash(meta)  # blake3, or sha256 from earlier versions
+            if hash_file(path, algorithm, progress=advance) != digest:
+                add(f"{rel}: {algorithm} differs from the manifest (modified after repack)")
     parents = {p.as_posix() for rel in files for p in Path(rel).parents if p.as_posix() != "."}
     manifests = {MANIFEST_NAME} if parts.part_ranks(manifest) is None else set(outdir.part_manifest_names(out))
     for dirpath, dirnames, filenames in os.walk(out):

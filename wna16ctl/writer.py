@@ -28,16 +28,35 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-import torch
+import blake3
 
 from wna16ctl.checkpoint.headers import DTYPE_BITS
-from wna16ctl.checkpoint.tensors import SAFETENSORS_DTYPES, writable_view
 from wna16ctl import outdir
 from wna16ctl.errors import BadInput, OutputError, UsageError
 from wna16ctl.outdir import JOURNAL_NAME, MANIFEST_NAME
 
 _ALIGN = 8  # safetensors pads the header so that data starts 8-byte aligned
 PLANNED_METADATA = {"format": "pt"}  # every output file's safetensors __metadata__
+# The digest of every output file (and of the source bytes behind it): BLAKE3, ~4x sha256's speed
+# on one core here.  Manifests of earlier versions carry sha256, which verify still reads.
+FILE_HASH = "blake3"
+FILE_HASHES = ("blake3", "sha256")  # the manifest keys verify accepts, preferred first
+
+
+def new_hasher(algorithm: str = FILE_HASH) -> Any:
+    """A streaming hasher (update / hexdigest) of one of FILE_HASHES."""
+    if algorithm == "blake3":
+        return blake3.blake3()
+    return hashlib.new(algorithm)
+
+
+def recorded_hash(meta: Any) -> tuple[str, str] | None:
+    """(algorithm, hex digest) of a manifest file entry, None when it records none we know."""
+    if isinstance(meta, dict):
+        for algorithm in FILE_HASHES:
+            if isinstance(meta.get(algorithm), str):
+                return algorithm, meta[algorithm]
+    return None
 
 
 @dataclass(frozen=True)
@@ -101,7 +120,13 @@ def split_into_files(groups: Iterable[list[PlannedTensor]], prefix: str, max_byt
 def sha256_file(path: Path, bufsize: int = 16 << 20, progress: Callable[[int], None] | None = None, *,
                 follow_links: bool = False) -> str:
     """sha256 of a regular file (output files are never links; a checkpoint's may be)."""
-    h = hashlib.sha256()
+    return hash_file(path, "sha256", bufsize, progress, follow_links=follow_links)
+
+
+def hash_file(path: Path, algorithm: str = FILE_HASH, bufsize: int = 16 << 20,
+              progress: Callable[[int], None] | None = None, *, follow_links: bool = False) -> str:
+    """Digest (one of FILE_HASHES) of a regular file."""
+    h = new_hasher(algorithm)
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | (0 if follow_links else os.O_NOFOLLOW))
     with open(fd, "rb", buffering=0) as f:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -173,9 +198,9 @@ class StagedOutput:
         self.out = out
         self.identity = identity  # fingerprint + settings: what --resume must match
         self.stage = outdir.stage_path(out)
-        self.done: dict[str, str] = {}  # relpath -> sha256 of finished files
+        self.done: dict[str, str] = {}  # relpath -> FILE_HASH digest of finished files
         self.sources: dict[str, str] = {}  # relpath -> digest of the source bytes it was made from
-        self.reusable: dict[str, tuple[str, str | None]] = {}  # relpath -> (sha256, source digest)
+        self.reusable: dict[str, tuple[str, str | None]] = {}  # relpath -> (digest, source digest)
         self._fds: dict[str, int] = {}
         self._hashing: dict[str, Future[str]] = {}
         self._lock_fd = -1
@@ -183,7 +208,10 @@ class StagedOutput:
         self.keep_stage = False  # set when a failure must not discard finished work
         # one hashing thread: tasks run in submission order, so a file's ranges hash in order
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wna16ctl-hash")
-        self._hashers: dict[str, tuple[Any, list[int]]] = {}  # relpath -> (sha256, [bytes hashed])
+        # fsync apart from hashing: waiting for one file's writeback does not hold up the next hash
+        self._sync_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="wna16ctl-sync")
+        self._hashers: dict[str, tuple[Any, list[int]]] = {}  # relpath -> (hasher, [bytes hashed])
+        self._hash_buf = _HashBuffer()  # used by the hash thread only
         self.owner = join is None  # the owner locks, clears, adopts and commits; joiners only write
         self.run = join or uuid.uuid4().hex
         self.journal_name = outdir.journal_part_name(process)
@@ -205,6 +233,7 @@ class StagedOutput:
             shutil.rmtree(self.stage, ignore_errors=True)
         self._unlock()
         self._pool.shutdown(wait=False)
+        self._sync_pool.shutdown(wait=False)
 
     def release(self) -> None:
         """Give up a prepared staging directory before anything was written (another process of
@@ -307,7 +336,9 @@ class StagedOutput:
             outdir.clear_dir(self.stage)
             found: dict[str, tuple[str, str | None]] = {}
             for rel, meta in manifest["files"].items():
-                if not isinstance(meta, dict) or not isinstance(meta.get("sha256"), str) or not _plain_rel(rel):
+                # only digests of this version's kind: an earlier version's sha256 entries (and
+                # their source_sha256 keys) could never match this run's source digests
+                if not isinstance(meta, dict) or not isinstance(meta.get(FILE_HASH), str) or not _plain_rel(rel):
                     continue
                 src, dst = self.out / rel, self.stage / rel
                 st = outdir._lstat(src)
@@ -318,7 +349,7 @@ class StagedOutput:
                     os.link(src, dst, follow_symlinks=False)
                 except OSError:
                     continue
-                found[rel] = (meta["sha256"], meta.get("source_sha256"))
+                found[rel] = (meta[FILE_HASH], meta.get(f"source_{FILE_HASH}"))
             return found
         return {}
 
@@ -352,7 +383,7 @@ class StagedOutput:
         if st is None or not stat.S_ISREG(st.st_mode) or st.st_size != f.size:
             return False
         try:
-            return sha256_file(path) == entry[0]
+            return hash_file(path) == entry[0]
         except OSError:
             return False
 
@@ -397,13 +428,16 @@ class StagedOutput:
         except OSError as e:
             raise _os_error(e, path) from None
 
-    def pwrite(self, f: PlannedFile, offset: int, data: torch.Tensor | bytes | memoryview) -> None:
+    def pwrite(self, f: PlannedFile, offset: int, data: Any) -> None:
+        """Write a CPU tensor, bytes or a memoryview at `offset` of `f`."""
         fd = self._fds[f.relpath]
-        if isinstance(data, torch.Tensor):
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            view = memoryview(data).cast("B")
+        else:  # a torch tensor (torch is only imported by the torch data path)
+            from wna16ctl.checkpoint.tensors import writable_view
+
             t = data.contiguous()  # held until the writes below are done: the view does not own it
             view = writable_view(t)
-        else:
-            view = memoryview(data)
         done = 0
         total = view.nbytes
         try:
@@ -411,6 +445,11 @@ class StagedOutput:
                 done += os.pwrite(fd, view[done:], offset + done)
         except OSError as e:
             raise _os_error(e, self.stage / f.relpath) from None
+
+    def start_writeback(self, f: PlannedFile, offset: int, nbytes: int) -> None:
+        """Start writing [offset, offset + nbytes) of `f` to disk now (sync_file_range, Linux), so
+        that the fsync at the end finds little left to wait for; a no-op where unavailable."""
+        _start_writeback(self._fds[f.relpath], offset, nbytes)
 
     def copy_range(self, f: PlannedFile, offset: int, src_fd: int, src_offset: int, nbytes: int,
                    source: Path | None = None) -> None:
@@ -433,28 +472,62 @@ class StagedOutput:
         Files are filled front to back in units (non-expert groups, then layers in order), so
         the hash of a file is nearly done when its last unit is written, instead of starting then.
         """
-        hasher, pos = self._hashers.setdefault(f.relpath, (hashlib.sha256(), [0]))
+        hasher, pos = self._hashers.setdefault(f.relpath, (new_hasher(), [0]))
         fd = self._fds[f.relpath]
-        self._pool.submit(_hash_range, fd, hasher, pos, offset)
+        self._pool.submit(_hash_range, fd, hasher, pos, offset, self._hash_buf)
+
+    def hash_written(self, f: PlannedFile, offset: int, data: memoryview) -> bool:
+        """Feed `data`, just written at `offset` of `f`, to the file's hash without reading it back,
+        when it is next in file order; False (nothing done) when the hash thread is behind.
+
+        Safe beside the hash thread: its position reaches `offset` only once it has hashed every
+        byte before, and no range it is given goes past data that is not final yet."""
+        hasher, pos = self._hashers.setdefault(f.relpath, (new_hasher(), [0]))
+        if pos[0] != offset:
+            return False
+        hasher.update(data)
+        pos[0] = offset + data.nbytes
+        return True
 
     def finish(self, f: PlannedFile, source_digest: str) -> None:
-        """Complete a file: hash what is left, fsync and close it, all in the background."""
+        """Complete a file: hash what is left, then fsync and close it, all in the background
+        (the hash thread hands the fsync to a sync thread and goes on with the next file)."""
         fd = self._fds.pop(f.relpath)
-        hasher, pos = self._hashers.setdefault(f.relpath, (hashlib.sha256(), [0]))
+        hasher, pos = self._hashers.setdefault(f.relpath, (new_hasher(), [0]))
         path = self.stage / f.relpath
         self.sources[f.relpath] = source_digest
+        done: Future[str] = Future()
 
-        def complete() -> str:
+        def sync(digest: str) -> None:
             try:
-                _hash_range(fd, hasher, pos, f.size)
                 os.fsync(fd)
             except OSError as e:
-                raise _os_error(e, path) from None
+                done.set_exception(_os_error(e, path))
+            else:
+                done.set_result(digest)
             finally:
                 os.close(fd)
-            return hasher.hexdigest()
 
-        self._hashing[f.relpath] = self._pool.submit(complete)
+        def complete() -> None:
+            try:
+                _hash_range(fd, hasher, pos, f.size, self._hash_buf)
+            except OSError as e:
+                os.close(fd)
+                done.set_exception(_os_error(e, path))
+                return
+            try:
+                self._sync_pool.submit(sync, hasher.hexdigest())
+            except RuntimeError as e:  # shut down by abort()
+                os.close(fd)
+                done.set_exception(e)
+
+        def queued_cancel(fut: Future[None]) -> None:
+            if fut.cancelled():  # abort() cancelled the queued hash: nothing will finish this file
+                os.close(fd)
+                done.cancel()
+
+        self._pool.submit(complete).add_done_callback(queued_cancel)
+        self._hashing[f.relpath] = done
 
     def write_small(self, relpath: str, data: bytes) -> None:
         path = self.stage / relpath
@@ -463,7 +536,9 @@ class StagedOutput:
             outdir.write_file(path, data)
         except OSError as e:
             raise _os_error(e, path) from None
-        self.done[relpath] = hashlib.sha256(data).hexdigest()
+        h = new_hasher()
+        h.update(data)
+        self.done[relpath] = h.hexdigest()
 
     def copy_file(self, src: Path, relpath: str) -> None:
         """Copy a side file (tokenizer, config) of the checkpoint: regular files only."""
@@ -487,7 +562,7 @@ class StagedOutput:
                 raise _os_error(e, dst) from None
         finally:
             os.close(sfd)
-        self.done[relpath] = sha256_file(dst)
+        self.done[relpath] = hash_file(dst)
 
     def collect_hashes(self) -> None:
         for rel, fut in self._hashing.items():
@@ -555,6 +630,7 @@ class StagedOutput:
             raise _os_error(e, self.out) from None
         finally:
             self._pool.shutdown(wait=True)
+            self._sync_pool.shutdown(wait=True)
             self._unlock()
 
     def abort(self, keep_for_resume: bool) -> None:
@@ -568,6 +644,7 @@ class StagedOutput:
         for fut in self._hashing.values():
             fut.cancel()
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._sync_pool.shutdown(wait=True)
         if keep_for_resume or self.keep_stage or not self.owner:
             try:
                 self.checkpoint_journal()
@@ -578,26 +655,59 @@ class StagedOutput:
         self._unlock()
 
 
+_SYNC_FILE_RANGE_WRITE = 2
+_libc_sync_file_range: Any = None
+
+
+def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    global _libc_sync_file_range
+    if _libc_sync_file_range is None:
+        import ctypes
+
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+            fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+        except (AttributeError, OSError):
+            fn = False
+        _libc_sync_file_range = fn
+    if _libc_sync_file_range:
+        _libc_sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # advisory: errors surface at fsync
+
+
 def _plain_rel(rel: Any) -> bool:
     """A manifest path that stays inside OUT."""
     return (isinstance(rel, str) and bool(rel) and not os.path.isabs(rel) and "\\" not in rel
             and all(p not in ("", ".", "..") for p in rel.split("/")))
 
 
-def _hash_range(fd: int, hasher: Any, pos: list[int], end: int, bufsize: int = 4 << 20) -> None:
-    """Feed bytes [pos[0], end) of `fd` to `hasher` (page-cache reads of what was just written).
+class _HashBuffer:
+    """The hash thread's one read buffer, reused: a fresh buffer per range would cost a page
+    fault per 4 KiB, and ranges are hashed right after they are written (still in the caches)."""
 
-    One reused buffer: a fresh 4 MiB bytes object per read would cost a page fault per 4 KiB.
-    """
-    buf = bytearray(min(bufsize, max(end - pos[0], 1)))
-    view = memoryview(buf)
+    def __init__(self, size: int = 4 << 20):
+        self.size = size
+        self._view: memoryview | None = None
+
+    def view(self) -> memoryview:
+        if self._view is None:
+            self._view = memoryview(bytearray(self.size))
+        return self._view
+
+
+def _hash_range(fd: int, hasher: Any, pos: list[int], end: int, buf: _HashBuffer | None = None) -> None:
+    """Feed bytes [pos[0], end) of `fd` to `hasher` (page-cache reads of what was just written)."""
+    view = (buf or _HashBuffer(min(4 << 20, max(end - pos[0], 1)))).view()
     while pos[0] < end:
-        n = os.preadv(fd, [view[: min(len(buf), end - pos[0])]], pos[0])
+        n = os.preadv(fd, [view[: min(len(view), end - pos[0])]], pos[0])
         if n == 0:
             raise OSError(5, "file shorter than planned")
         hasher.update(view[:n])
         pos[0] += n
 
 
-def st_dtype(dtype: torch.dtype) -> str:
+def st_dtype(dtype: Any) -> str:
+    """The safetensors name of a torch dtype."""
+    from wna16ctl.checkpoint.tensors import SAFETENSORS_DTYPES
+
     return SAFETENSORS_DTYPES[dtype]

@@ -243,19 +243,22 @@ def test_resume_names_the_differing_settings(make_ckpt, tmp_path):
 
 def test_discarded_staging_directory_is_announced(make_ckpt, tmp_path, monkeypatch):
     import wna16ctl.repack as repack_mod
+    import wna16ctl.repack_native as repack_native
 
     ck = make_ckpt(**SMALL)
     out = tmp_path / "out"
-    real = repack_mod.build_rank_tensors
+    real, real_native = repack_mod.build_rank_tensors, repack_native.LayerBuilder.build
 
     def interrupt(*a, **kw):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(repack_mod, "build_rank_tensors", interrupt)
+    monkeypatch.setattr(repack_mod, "build_rank_tensors", interrupt)  # whichever data path the layers take
+    monkeypatch.setattr(repack_native.LayerBuilder, "build", interrupt)
     assert invoke("repack", ck, "--tp", "1", "-o", out).exit_code == 130
     stage = tmp_path / ".out.wna16ctl-partial"
     assert stage.is_dir()
     monkeypatch.setattr(repack_mod, "build_rank_tensors", real)
+    monkeypatch.setattr(repack_native.LayerBuilder, "build", real_native)
     res = invoke("repack", ck, "--tp", "1", "-o", out, "-q")  # announced even when quiet
     assert res.exit_code == 0, res.output
     assert "discarded" in res.stderr and str(stage) in res.stderr and "--resume" in res.stderr

@@ -9,13 +9,11 @@ format: zero points as packed int32 [ceil(N/pf), G] codes, g_idx as int32 [K].
 from __future__ import annotations
 
 import ctypes
-import os
-from pathlib import Path
-from typing import Any
 
 import torch
 
-from wna16ctl.checkpoint.headers import CheckpointFiles, TensorInfo
+from wna16ctl.checkpoint.headers import TensorInfo
+from wna16ctl.checkpoint.raw import RawReader
 from wna16ctl.checkpoint.moe import ROLE_ORDER, MoELayer
 from wna16ctl.errors import BadInput
 
@@ -63,56 +61,17 @@ def dtype_from_name(name: str) -> torch.dtype:
     return d
 
 
-class TensorReader:
+class TensorReader(RawReader):
     """Reads tensors by name from a checkpoint's shards (one open descriptor per shard)."""
-
-    def __init__(self, files: CheckpointFiles):
-        self.files = files
-        self._fds: dict[Path, int] = {}
-        # when set, every byte read is fed to it in read order (repack's resume key, see repack.py)
-        self.hasher: Any = None
 
     def __enter__(self) -> "TensorReader":
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-
-    def _fd(self, path: Path) -> int:
-        fd = self._fds.get(path)
-        if fd is None:
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError as e:
-                raise BadInput(f"{path}: cannot open ({e.strerror})") from None
-            self._fds[path] = fd
-        return fd
 
     def read_bytes(self, info: TensorInfo) -> torch.Tensor:
         """The tensor's bytes as a uint8 tensor (uninitialised storage filled by pread: a bytearray
         would zero-fill first what pread then overwrites)."""
         out = torch.empty(info.nbytes, dtype=torch.uint8)
-        view = writable_view(out)
-        fd = self._fd(info.file)
-        done = 0
-        while done < info.nbytes:
-            try:
-                n = os.preadv(fd, [view[done:]], info.start + done)
-            except OSError as e:
-                raise BadInput(f"{info.file}: reading tensor {info.name} failed ({e.strerror})") from None
-            if n == 0:
-                raise BadInput(
-                    f"{info.file}: ends before tensor {info.name} does (the shard was truncated or replaced "
-                    "after planning); restore the file and run again"
-                )
-            done += n
-        if self.hasher is not None:
-            self.hasher.update(view)
+        self.read_into(info, writable_view(out))
         return out
 
     def read(self, name: str) -> torch.Tensor:

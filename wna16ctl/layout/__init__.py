@@ -5,20 +5,29 @@ kernels consume on each tensor-parallel rank, and back. No I/O happens here.
 * `shard`: the loader's per-rank K-first tensors of one expert, its inverse, expert placement.
 * `marlin`: Marlin padding, act-order sort, weight repack, scale and zero-point permutations.
 * `transposed`: the Triton N-first byte layout.
-* `rank`: `RankLayout` and the one entry point that chains the above for a rank.
+* `spec`: `RankLayout` and the shapes it implies (no torch).
+* `rank`: the one entry point that chains the above for a rank.
 """
 
-from wna16ctl.layout.packing import pack_codes, unpack_codes
-from wna16ctl.layout.rank import (
-    RankLayout,
-    build_expert_tensors,
-    build_rank_tensors,
-    expected_expert_shapes,
-    expected_rank_shapes,
-    unbuild_expert_tensors,
-    unbuild_rank_tensors,
-)
-from wna16ctl.layout.shard import ExpertTensors, ProjectionTensors, local_experts, shard_expert, unshard_expert
+# Names resolve on first use (PEP 562): `wna16ctl.layout.spec` is torch-free and importing it
+# must not pull torch in through this package.
+_HOME = {
+    "pack_codes": "packing", "unpack_codes": "packing",
+    "RankLayout": "rank", "build_expert_tensors": "rank", "build_rank_tensors": "rank",
+    "expected_expert_shapes": "rank", "expected_rank_shapes": "rank", "unbuild_expert_tensors": "rank",
+    "unbuild_rank_tensors": "rank",
+    "ExpertTensors": "shard", "ProjectionTensors": "shard", "local_experts": "shard", "shard_expert": "shard",
+    "unshard_expert": "shard",
+}
+
+
+def __getattr__(name: str):  # noqa: ANN202
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
+
 
 __all__ = [
     "ExpertTensors",

@@ -25,8 +25,7 @@ from torch import Tensor
 from wna16ctl.layout._mismatch import require_zero
 from wna16ctl.layout.packing import pack_codes, pack_factor, unpack_codes
 
-TILE_K = 16
-TILE_N = 64
+from wna16ctl.layout.spec import TILE_K, TILE_N, marlin_scales_grouped  # noqa: F401
 
 
 # ----------------------------------------------------------------------------------------------
@@ -351,11 +350,6 @@ def _untiles_8bit(source: Tensor, target: Tensor, size_k: int, size_n: int) -> N
 
 # ----------------------------------------------------------------------------------------------
 # §6.5 scales
-
-
-def marlin_scales_grouped(size_k: int, group_size: int) -> bool:
-    """Whether the grouped (64) scale permutation applies rather than the single (32) one."""
-    return group_size != -1 and group_size < size_k
 
 
 def marlin_permute_scales(s: Tensor, size_k: int, size_n: int, group_size: int) -> Tensor:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-SUPPORTED_BITS = (4, 8)
+from wna16ctl.layout.spec import SUPPORTED_BITS  # noqa: F401
 
 
 def check_num_bits(num_bits: int) -> None:

@@ -14,16 +14,12 @@ caller can stream experts; the rank functions stack them on dim 0.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
 from wna16ctl.errors import LayoutMismatch
 from wna16ctl.layout._mismatch import first_difference
 from wna16ctl.layout.marlin import (
-    TILE_K,
-    TILE_N,
     marlin_permute_scales,
     marlin_repack,
     marlin_unpermute_scales,
@@ -36,7 +32,6 @@ from wna16ctl.layout.marlin import (
     unpad_intermediate_halves,
     unpad_intermediate_rows,
 )
-from wna16ctl.layout.packing import SUPPORTED_BITS
 from wna16ctl.layout.shard import (
     G_IDX,
     PACKED,
@@ -49,6 +44,7 @@ from wna16ctl.layout.shard import (
     shard_expert,
     shard_gate_up,
 )
+from wna16ctl.layout.spec import LAYOUTS, MARLIN, TRANSPOSED, RankLayout, expert_shapes, w2_scale_size_k  # noqa: F401
 from wna16ctl.layout.transposed import (
     from_transposed_scales,
     from_transposed_weight,
@@ -57,118 +53,6 @@ from wna16ctl.layout.transposed import (
     to_transposed_weight,
     to_transposed_zero_points,
 )
-
-MARLIN = "marlin"
-TRANSPOSED = "transposed"
-LAYOUTS = (MARLIN, TRANSPOSED)
-
-
-@dataclass(frozen=True)
-class RankLayout:
-    """Everything that decides the shapes and contents of one rank's MoE tensors."""
-
-    layout: str  # "marlin" | "transposed"
-    num_bits: int
-    group_size: int  # -1 = channel-wise
-    symmetric: bool
-    act_order: bool  # actorder "group": g_idx present
-    hidden_size: int  # H
-    intermediate_size: int  # full I
-    tp: int  # MoE TP size (1 under expert parallelism)
-    rank: int  # TP rank (0 under expert parallelism)
-    load_full_w2: bool
-    padded_intermediate: int  # P (== I_p unless Marlin tile padding applies)
-
-    def __post_init__(self) -> None:
-        problems = _layout_problems(self)
-        if problems:
-            raise ValueError(f"invalid RankLayout {self}: " + "; ".join(problems))
-
-    @property
-    def pack_factor(self) -> int:
-        return 32 // self.num_bits
-
-    @property
-    def intermediate_per_partition(self) -> int:
-        return self.intermediate_size // self.tp
-
-    @property
-    def channelwise(self) -> bool:
-        return self.group_size == -1
-
-    @property
-    def padded(self) -> bool:
-        return self.padded_intermediate != self.intermediate_per_partition
-
-    @property
-    def w13_groups(self) -> int:
-        """G13: scale rows of w13 (groups along H)."""
-        return 1 if self.channelwise else self.hidden_size // self.group_size
-
-    @property
-    def w2_scale_groups(self) -> int:
-        """Scale rows of w2 as stored: all I/gs when loaded full, else the (padded) rank's groups."""
-        if self.channelwise:
-            return 1
-        if self.load_full_w2:
-            return self.intermediate_size // self.group_size
-        return self.padded_intermediate // self.group_size
-
-    @property
-    def w2_zero_point_groups(self) -> int:
-        """Zero-point rows of w2: never loaded full."""
-        return 1 if self.channelwise else self.padded_intermediate // self.group_size
-
-
-def _layout_problems(spec: RankLayout) -> list[str]:
-    problems: list[str] = []
-    if spec.layout not in LAYOUTS:
-        problems.append(f"layout must be one of {LAYOUTS}")
-    if spec.num_bits not in SUPPORTED_BITS:
-        problems.append(f"num_bits must be one of {SUPPORTED_BITS}")
-        return problems
-    h, i, tp, pf, gs = spec.hidden_size, spec.intermediate_size, spec.tp, spec.pack_factor, spec.group_size
-    if h <= 0 or i <= 0:
-        problems.append("hidden and intermediate sizes must be positive")
-        return problems
-    if tp <= 0 or not 0 <= spec.rank < tp:
-        problems.append("rank must lie in [0, tp)")
-        return problems
-    if i % tp != 0:
-        problems.append("intermediate_size is not divisible by tp")
-        return problems
-    i_p = spec.intermediate_per_partition
-    if h % pf != 0 or i_p % pf != 0:
-        problems.append(f"hidden size and intermediate size per partition must be multiples of {pf}")
-    if gs != -1 and gs <= 0:
-        problems.append("group_size must be -1 or positive")
-    if gs > 0:
-        if h % gs != 0:
-            problems.append("hidden_size is not divisible by group_size")
-        if spec.load_full_w2 and i % gs != 0:
-            problems.append("intermediate_size is not divisible by group_size")
-        if not spec.load_full_w2 and i_p % gs != 0:
-            problems.append("intermediate size per partition is not divisible by group_size")
-    if spec.act_order and gs <= 0:
-        problems.append("act-order needs group-wise scales")
-    p = spec.padded_intermediate
-    if p < i_p:
-        problems.append("padded_intermediate is smaller than the intermediate size per partition")
-    if spec.layout == TRANSPOSED:
-        if p != i_p:
-            problems.append("the transposed layout is never padded")
-        if spec.act_order:
-            problems.append("the transposed layout has no act-order form")
-    if spec.layout == MARLIN:
-        if p != i_p and spec.act_order:
-            problems.append("Marlin tile padding is not applied with act-order")
-        if p != i_p and gs > 0 and p % gs != 0:
-            problems.append("padded_intermediate is not a multiple of group_size")
-        if p % TILE_N != 0 or h % TILE_N != 0:
-            # The kernel's thread tiles need both; gate and up then fill whole n-tiles each.
-            problems.append(f"Marlin needs the hidden size and padded intermediate to be multiples of {TILE_N}")
-    return problems
-
 
 ShapeAndDtype = tuple[tuple[int, ...], torch.dtype]
 # (packed K-first int32, num_bits, act-order perm or None, *, out=) -> out
@@ -183,33 +67,11 @@ def expected_rank_shapes(spec: RankLayout, num_local_experts: int, scale_dtype: 
 
 
 def expected_expert_shapes(spec: RankLayout, scale_dtype: torch.dtype) -> dict[str, ShapeAndDtype]:
-    """name -> (shape, dtype) of one expert's slice of the rank tensors."""
-    h, pf, nb = spec.hidden_size, spec.pack_factor, spec.num_bits
-    p, g13 = spec.padded_intermediate, spec.w13_groups
-    g2, g2_zp = spec.w2_scale_groups, spec.w2_zero_point_groups
-    shapes: dict[str, ShapeAndDtype] = {}
-    if spec.layout == MARLIN:
-        shapes["w13_weight_packed"] = ((h // TILE_K, 2 * p * TILE_K // pf), torch.int32)
-        shapes["w2_weight_packed"] = ((p // TILE_K, h * TILE_K // pf), torch.int32)
-        shapes["w13_weight_scale"] = ((g13, 2 * p), scale_dtype)
-        shapes["w2_weight_scale"] = ((g2, h), scale_dtype)
-        if not spec.symmetric:
-            shapes["w13_weight_zero_point"] = ((g13, 2 * p // pf), torch.int32)
-            shapes["w2_weight_zero_point"] = ((g2_zp, h // pf), torch.int32)
-        if spec.act_order:
-            shapes["w13_weight_g_idx"] = ((h,), torch.int32)
-            shapes["w2_weight_g_idx"] = ((p,), torch.int32)
-            shapes["w13_g_idx_sort_indices"] = ((h,), torch.int32)
-            shapes["w2_g_idx_sort_indices"] = ((p,), torch.int32)
-    else:
-        shapes["w13_weight_packed"] = ((2 * p, h * nb // 8), torch.uint8)
-        shapes["w2_weight_packed"] = ((h, p * nb // 8), torch.uint8)
-        shapes["w13_weight_scale"] = ((2 * p, g13), scale_dtype)
-        shapes["w2_weight_scale"] = ((h, g2), scale_dtype)
-        if not spec.symmetric:
-            shapes["w13_weight_zero_point"] = ((2 * p * nb // 8, g13), torch.uint8)
-            shapes["w2_weight_zero_point"] = ((h * nb // 8, g2_zp), torch.uint8)
-    return shapes
+    """name -> (shape, dtype) of one expert's slice of the rank tensors (`spec.expert_shapes`)."""
+    from wna16ctl.checkpoint.tensors import SAFETENSORS_DTYPES, torch_dtype
+
+    return {name: (shape, torch_dtype(dt)) for name, (shape, dt) in
+            expert_shapes(spec, SAFETENSORS_DTYPES[scale_dtype]).items()}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -329,12 +191,7 @@ def _marlin_expert_into(
         out["w2_weight_zero_point"].copy_(marlin_zero_points(w2_zp, spec.w2_zero_point_groups, h, nb))
 
 
-def _w2_scale_size_k(spec: RankLayout) -> int:
-    # The K the w2 scale rows cover: G2 groups of gs, or a stand-in of pf when channel-wise
-    # (any size_k > -1 selects the single permutation then).
-    if spec.channelwise:
-        return spec.pack_factor
-    return spec.w2_scale_groups * spec.group_size
+_w2_scale_size_k = w2_scale_size_k
 
 
 def _transposed_expert(kfirst: Mapping[str, Tensor], spec: RankLayout) -> dict[str, Tensor]:

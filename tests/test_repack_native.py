@@ -1,0 +1,202 @@
+"""repack's native data path (wna16ctl/repack_native.py, `wna16_marlin_rank_host` in kernels/host.cpp)
+against the torch data path: the same rank tensors, the same files and manifest, without torch in
+the process, the same refusals; and the digests it writes (BLAKE3) next to sha256 manifests."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from wna16ctl import native
+from wna16ctl.errors import BadInput
+from wna16ctl.layout.rank import RankLayout, build_rank_tensors
+from wna16ctl.layout.spec import marlin_scales_grouped, w2_scale_size_k
+from wna16ctl.repack import RepackSettings, plan_repack, run_repack
+from wna16ctl.repack_native import unsupported
+from wna16ctl.verify import verify_output
+from wna16ctl.writer import MANIFEST_NAME, sha256_file
+
+from tests.conftest import ACT_ORDER_RELEASE
+
+
+@pytest.fixture(scope="module")
+def host() -> native.NativeLib:
+    lib = native.host_lib()
+    if lib is None:
+        pytest.skip("no C++ compiler: the native data path is not available here")
+    return lib
+
+
+def _experts(n: int, h: int, i: int, nb: int, gs: int, dtype: torch.dtype, seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    pf = 32 // nb
+
+    def proj(rows: int, k: int) -> dict[str, torch.Tensor]:
+        groups = 1 if gs == -1 else k // gs
+        return {"weight_packed": torch.randint(-(2**31), 2**31 - 1, (rows, k // pf), generator=g, dtype=torch.int32),
+                "weight_scale": torch.rand(rows, groups, generator=g).to(dtype)}
+
+    return [{"gate": proj(i, h), "up": proj(i, h), "down": proj(h, i)} for _ in range(n)]
+
+
+def _native_rank(host: native.NativeLib, experts: list[dict], spec: RankLayout, like: dict[str, torch.Tensor],
+                 simd: int) -> dict[str, torch.Tensor]:
+    src = (ctypes.c_void_p * (6 * len(experts)))()
+    for e, ex in enumerate(experts):
+        for j, role in enumerate(("gate", "up", "down")):
+            src[6 * e + j] = ex[role]["weight_packed"].data_ptr()
+            src[6 * e + 3 + j] = ex[role]["weight_scale"].data_ptr()
+    got = {k: torch.full_like(v, -1) for k, v in like.items()}
+    scale_bytes = experts[0]["gate"]["weight_scale"].element_size()
+    host.call("wna16_marlin_rank_host", src, len(experts), spec.hidden_size, spec.intermediate_size, spec.tp, spec.rank,
+              spec.num_bits, spec.group_size, int(spec.load_full_w2), scale_bytes,
+              int(marlin_scales_grouped(spec.hidden_size, spec.group_size)),
+              int(marlin_scales_grouped(w2_scale_size_k(spec), spec.group_size)),
+              *(got[k].data_ptr() for k in ("w13_weight_packed", "w2_weight_packed", "w13_weight_scale", "w2_weight_scale")),
+              simd, 2)
+    return got
+
+
+# H, I, TP, bits, group size, load_full_w2, scale dtype: 8 k-tiles at once and the remainder, 8-bit
+# (scalar tiles), channel-wise and fine groups, w2 scales loaded whole, every scale width
+CASES = [
+    (256, 128, 1, 4, 128, False, torch.bfloat16),
+    (2048, 768, 2, 4, 128, False, torch.bfloat16),
+    (512, 384, 2, 4, 128, True, torch.bfloat16),
+    (384, 256, 2, 8, 128, False, torch.float16),
+    (1024, 512, 4, 4, -1, False, torch.bfloat16),
+    (512, 256, 2, 4, 32, False, torch.float32),
+]
+
+
+@pytest.mark.parametrize("h,i,tp,nb,gs,full,dtype", CASES)
+@pytest.mark.parametrize("simd", [1, 0], ids=["simd", "scalar"])
+def test_native_rank_builder_equals_torch(host, h, i, tp, nb, gs, full, dtype, simd):
+    experts = _experts(3, h, i, nb, gs, dtype, seed=h + i + nb)
+    for rank in range(tp):
+        spec = RankLayout(layout="marlin", num_bits=nb, group_size=gs, symmetric=True, act_order=False, hidden_size=h,
+                          intermediate_size=i, tp=tp, rank=rank, load_full_w2=full, padded_intermediate=i // tp)
+        want = build_rank_tensors(experts, spec)
+        got = _native_rank(host, experts, spec, want, simd)
+        for name in want:
+            assert torch.equal(got[name], want[name]), (name, rank)
+
+
+def test_native_scan_finds_the_first_non_finite_scale(host):
+    for dtype, kind in ((torch.float16, 0), (torch.bfloat16, 1), (torch.float32, 2)):
+        x = torch.ones(1000, dtype=dtype)
+        assert host.wna16_first_nonfinite(x.data_ptr(), x.numel(), kind) == -1
+        x[700], x[321] = float("nan"), float("-inf")
+        assert host.wna16_first_nonfinite(x.data_ptr(), x.numel(), kind) == 321
+        x[321] = torch.finfo(dtype).max  # the largest finite value is finite
+        assert host.wna16_first_nonfinite(x.data_ptr(), x.numel(), kind) == 700
+
+
+# ---- whole runs ------------------------------------------------------------------------------------
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _require_native(ck: Path, settings: RepackSettings) -> None:
+    plan = plan_repack(ck, settings)
+    why = {unsupported(j.layer, j.specs[0], plan.scale_st_dtype, "auto") for j in plan.jobs}
+    if why != {None}:
+        pytest.skip(f"native data path not taken: {why - {None}}")
+
+
+SETTINGS = [  # a release whose Marlin MoE takes channel-wise experts too
+    RepackSettings(tp=2, vllm=ACT_ORDER_RELEASE),
+    RepackSettings(tp=2, vllm=ACT_ORDER_RELEASE, max_shard_bytes=300_000),  # several files per rank
+    RepackSettings(tp=1, vllm=ACT_ORDER_RELEASE),
+    RepackSettings(tp=2, ep=True, vllm=ACT_ORDER_RELEASE),  # each rank its own experts
+]
+
+
+@pytest.mark.parametrize("spec", [dict(num_experts=8), dict(group_size=-1, num_experts=4),
+                                  dict(num_bits=8, num_experts=4)], ids=["int4-g128", "channel", "int8"])
+@pytest.mark.parametrize("settings", SETTINGS, ids=["tp2", "tp2-small-files", "tp1", "ep2"])
+def test_native_and_torch_paths_write_the_same_bytes(make_ckpt, tmp_path, monkeypatch, spec, settings):
+    ck = make_ckpt(**spec)
+    _require_native(ck, settings)
+    run_repack(plan_repack(ck, settings), tmp_path / "native")
+    monkeypatch.setenv("WNA16CTL_NO_NATIVE", "1")
+    run_repack(plan_repack(ck, settings), tmp_path / "torch")
+    native_tree, torch_tree = _tree(tmp_path / "native"), _tree(tmp_path / "torch")
+    assert sorted(native_tree) == sorted(torch_tree)
+    for rel in native_tree:  # the manifest too: file digests and source digests agree
+        assert native_tree[rel] == torch_tree[rel], rel
+
+
+def test_native_runs_are_byte_identical_and_verify(make_ckpt, tmp_path):
+    ck = make_ckpt(num_experts=8)
+    _require_native(ck, RepackSettings(tp=2))
+    run_repack(plan_repack(ck, RepackSettings(tp=2)), tmp_path / "a")
+    run_repack(plan_repack(ck, RepackSettings(tp=2)), tmp_path / "b")
+    assert _tree(tmp_path / "a") == _tree(tmp_path / "b")
+    report = verify_output(ck, tmp_path / "a", num_samples=4)
+    assert report.passed, [f.message for f in report.findings]
+
+
+_NO_TORCH_CHILD = """
+import sys
+from wna16ctl.cli import main
+try:
+    main()
+except SystemExit as e:
+    print("torch" in sys.modules, e.code)
+"""
+
+
+def test_native_repack_does_not_import_torch(make_ckpt, tmp_path):
+    ck = make_ckpt(num_experts=8)
+    _require_native(ck, RepackSettings(tp=2))
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-c", _NO_TORCH_CHILD, "repack", str(ck), "--tp", "2", "-o", str(out), "-q"],
+                          capture_output=True, text=True, env={**os.environ, "WNA16CTL_NO_NATIVE": ""})
+    assert proc.stdout.split()[-2:] == ["False", "0"], proc.stderr
+    assert (out / MANIFEST_NAME).is_file()
+
+
+def test_native_path_refuses_a_non_finite_scale_before_commit(make_ckpt, tmp_path):
+    src = make_ckpt(num_experts=8)
+    _require_native(src, RepackSettings(tp=2))
+    ck = tmp_path / "ck"
+    shutil.copytree(src, ck)
+    name = "model.layers.1.mlp.experts.5.up_proj.weight_scale"
+    shard = next(p for p in sorted(ck.glob("*.safetensors")) if name in load_file(p))
+    tensors = load_file(shard)
+    tensors[name][3, 1] = float("inf")
+    save_file(tensors, shard, metadata={"format": "pt"})
+    out = tmp_path / "out"
+    with pytest.raises(BadInput, match=rf"tensor {name}: scale inf at \[3, 1\] is not finite"):
+        run_repack(plan_repack(ck, RepackSettings(tp=2)), out)
+    assert not out.exists() and not any(tmp_path.glob(".out*"))
+
+
+def test_verify_reads_sha256_manifests_and_blake3_ones(make_ckpt, tmp_path):
+    ck = make_ckpt(num_experts=8)
+    out = tmp_path / "out"
+    run_repack(plan_repack(ck, RepackSettings(tp=2)), out)
+    m = json.loads((out / MANIFEST_NAME).read_text())
+    assert all("blake3" in meta and "sha256" not in meta for meta in m["files"].values())
+    # a manifest as earlier versions wrote it: sha256 per file
+    for rel, meta in m["files"].items():
+        m["files"][rel] = {"sha256": sha256_file(out / rel), "bytes": meta["bytes"]}
+    (out / MANIFEST_NAME).write_text(json.dumps(m, indent=2) + "\n")
+    assert verify_output(ck, out, num_samples=4).passed
+    rel = "rank-1/model.safetensors.index.json"
+    m["files"][rel]["sha256"] = "0" * 64
+    (out / MANIFEST_NAME).write_text(json.dumps(m, indent=2) + "\n")
+    report = verify_output(ck, out, num_samples=4)
+    assert not report.passed and any(f"{rel}: sha256 differs" in f.message for f in report.findings)

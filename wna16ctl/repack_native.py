@@ -1,0 +1,160 @@
+"""repack's native data path: torch-free, for the layers it covers.
+
+A chunk of experts is read (pread) into a reused buffer in the order the torch path reads it (so
+the source digest is the same), its scales are checked finite, and every pending rank's Marlin
+tensors are built by the host library (`wna16_marlin_rank_host` in kernels/host.cpp) straight
+from the checkpoint's N-first words into reused output buffers, which are then written at their
+final offsets.  Buffers come in pairs: chunk i+1 is built while chunk i is written and digested.
+
+It covers Marlin layers that are symmetric, without act-order or tile padding, whose scales are
+already in the model dtype; its bytes equal the torch path's (tests/test_repack_native.py).  Every
+other layer goes through `wna16ctl.layout` (`unsupported` says why).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import struct
+from typing import Any
+
+from wna16ctl import native
+from wna16ctl.checkpoint.headers import CheckpointFiles, TensorInfo
+from wna16ctl.checkpoint.moe import ROLE_ORDER
+from wna16ctl.checkpoint.raw import RawReader
+from wna16ctl.errors import BadInput
+from wna16ctl.layout.spec import MARLIN, RankLayout, expert_shapes, marlin_scales_grouped, w2_scale_size_k
+
+_SCALE_KIND = {"F16": 0, "BF16": 1, "F32": 2}  # wna16_first_nonfinite's kinds
+_SCALE_BYTES = {"F16": 2, "BF16": 2, "F32": 4}
+_SUFFIXES = ("weight_packed", "weight_scale")  # per projection, in TensorReader.read_projection's order
+
+
+def unsupported(layer: Any, spec: RankLayout, scale_dtype: str, device: str) -> str | None:
+    """Why the native path cannot build this layer (None when it can); `scale_dtype` is the
+    output's safetensors scale dtype."""
+    if device == "cuda":
+        return "--device cuda runs the repack on the GPU"
+    if spec.layout != MARLIN:
+        return f"the {spec.layout} layout"
+    if not spec.symmetric or spec.act_order or spec.padded:
+        return "zero points, act-order or tile padding"
+    if layer.scale_dtype != scale_dtype or scale_dtype not in _SCALE_KIND:
+        return f"scales cast from {layer.scale_dtype} to {scale_dtype}"
+    if native.host_lib() is None:
+        return "no native host library"
+    return None
+
+
+class Buffers:
+    """Anonymous memory shared by every layer of a run and reused chunk after chunk (fresh memory
+    costs a page fault per 4 KiB): two input slots and two output slots per rank."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple, tuple[mmap.mmap, memoryview, int]] = {}
+
+    def get(self, key: tuple, nbytes: int) -> tuple[memoryview, int]:
+        """(view, address) of buffer `key`, at least nbytes long."""
+        buf = self._bufs.get(key)
+        if buf is None or len(buf[1]) < nbytes:
+            m = mmap.mmap(-1, max(nbytes, 1))
+            buf = (m, memoryview(m), ctypes.addressof(ctypes.c_char.from_buffer(m)))
+            self._bufs[key] = buf
+        return buf[1], buf[2]
+
+
+class LayerBuilder:
+    """Buffers and calls for one layer: `read` a chunk into slot 0 or 1, `check`, `build` a rank."""
+
+    def __init__(self, files: CheckpointFiles, layer: Any, specs: list[RankLayout], buffers: Buffers,
+                 scale_dtype: str, max_experts: int):
+        self.files, self.layer, self.specs, self.buffers = files, layer, specs, buffers
+        self.scale_dtype, self.max_experts = scale_dtype, max_experts
+        names0 = [layer.tensor_name(0, role, s) for role in ROLE_ORDER for s in _SUFFIXES]
+        self.expert_bytes = sum(files.info(n).nbytes for n in names0)
+        self.shapes = expert_shapes(specs[0], scale_dtype)  # name -> (per-expert shape, dtype)
+        self.per_expert = {name: _nbytes(shape, dt) for name, (shape, dt) in self.shapes.items()}
+        self._src = {slot: (ctypes.c_void_p * (6 * max_experts))() for slot in range(2)}
+        self._scales: dict[int, list[tuple[TensorInfo, int]]] = {}
+        # per expert, its 6 tensors in read order with their place in src (looked up once per layer)
+        self._reads = [[(files.info(layer.tensor_name(e, role, suffix)), 3 * k + j)
+                        for j, role in enumerate(ROLE_ORDER) for k, suffix in enumerate(_SUFFIXES)]
+                       for e in range(layer.num_experts)]
+        n = 6 * max_experts
+        self._io = {slot: ((ctypes.c_int32 * n)(), (ctypes.c_int64 * n)(), (ctypes.c_int64 * n)(), (ctypes.c_void_p * n)())
+                    for slot in range(2)}
+
+    def read(self, reader: RawReader, chunk: range, slot: int) -> memoryview:
+        """Read the chunk's expert tensors into `slot` (one native call); returns the bytes read,
+        in read order."""
+        view, base = self.buffers.get(("in", slot), self.expert_bytes * self.max_experts)
+        n = 6 * len(chunk)
+        fds, offsets, sizes, dsts = self._io[slot]
+        src, infos, pos = self._src[slot], [], 0
+        for i, e in enumerate(chunk):
+            for info, place in self._reads[e]:
+                if pos + info.nbytes > len(view):
+                    raise BadInput(f"{info.file}: tensor {info.name} is larger than expert 0's; the checkpoint is corrupt")
+                t = len(infos)
+                fds[t], offsets[t], sizes[t], dsts[t] = reader.fd(info.file), info.start, info.nbytes, base + pos
+                src[6 * i + place] = base + pos  # packed gate, up, down, then their scales
+                infos.append((info, pos))
+                pos += info.nbytes
+        err = ctypes.c_int32(0)
+        failed = native.host_lib().wna16_pread_many(fds, offsets, sizes, dsts, n, ctypes.byref(err))
+        if failed >= 0:  # read again the plain way, which names the tensor and the cause if it fails again
+            for info, at in infos:
+                reader.read_into(info, view[at:at + info.nbytes])
+        self._scales[slot] = [(info, base + at) for info, at in infos if info.name.endswith(".weight_scale")]
+        return view[:pos]
+
+    def check_scales(self, slot: int) -> None:
+        """Scales must be finite (the same rule and message as `checkpoint.tensors.check_scales`)."""
+        scales = self._scales[slot]
+        ptrs, counts = (ctypes.c_void_p * len(scales))(), (ctypes.c_int64 * len(scales))()
+        for t, (info, addr) in enumerate(scales):
+            ptrs[t], counts[t] = addr, info.nbytes // _SCALE_BYTES[info.dtype]
+        at = ctypes.c_int64(-1)
+        bad = native.host_lib().wna16_first_nonfinite_many(ptrs, counts, len(scales), _SCALE_KIND[self.scale_dtype],
+                                                           ctypes.byref(at))
+        if bad >= 0:
+            info, addr = scales[bad]
+            i, width = at.value, _SCALE_BYTES[info.dtype]
+            cols = info.shape[-1] if len(info.shape) > 1 else counts[bad]
+            where = [i // cols, i % cols] if len(info.shape) > 1 else [i]
+            value = _scale_value(ctypes.string_at(addr + i * width, width), info.dtype)
+            raise BadInput(f"tensor {info.name}: scale {value} at {where} is not finite; "
+                           "the checkpoint is corrupt (re-quantize or re-download it)")
+
+    def build(self, rank: int, n_experts: int, slot: int) -> dict[str, memoryview]:
+        """Rank `rank`'s tensors for the chunk in `slot`: name -> bytes of its n_experts slices."""
+        spec = self.specs[rank]
+        view, base = self.buffers.get(("out", rank, slot), sum(self.per_expert.values()) * self.max_experts)
+        regions: dict[str, memoryview] = {}
+        addrs: list[int] = []
+        pos = 0
+        for name in ("w13_weight_packed", "w2_weight_packed", "w13_weight_scale", "w2_weight_scale"):
+            n = self.per_expert[name] * n_experts
+            regions[name] = view[pos:pos + n]
+            addrs.append(base + pos)
+            pos += n
+        native.host_lib().call(
+            "wna16_marlin_rank_host", self._src[slot], n_experts, spec.hidden_size, spec.intermediate_size,
+            spec.tp, spec.rank, spec.num_bits, spec.group_size, int(spec.load_full_w2), _SCALE_BYTES[self.scale_dtype],
+            int(marlin_scales_grouped(spec.hidden_size, spec.group_size)),
+            int(marlin_scales_grouped(w2_scale_size_k(spec), spec.group_size)), *addrs, 1, 0,
+        )
+        return regions
+
+
+def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
+    n = _SCALE_BYTES.get(dtype) or {"I32": 4, "U8": 1}[dtype]
+    for d in shape:
+        n *= d
+    return n
+
+
+def _scale_value(raw: bytes, dtype: str) -> float:
+    if dtype == "BF16":
+        return struct.unpack("<f", b"\0\0" + raw)[0]
+    return struct.unpack("<e" if dtype == "F16" else "<f", raw)[0]
