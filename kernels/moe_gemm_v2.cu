@@ -135,7 +135,8 @@ struct Plan {
   static constexpr int LANE_OFF = MAIN;
   static constexpr int LANE = 2 * 4 * NT * 4 * 32 * 16;  // g_idx mode uses both halves
   static constexpr int SLOT_OFF = LANE_OFF + LANE;   // sorted slot of each tile row
-  static constexpr int FLAG_OFF = SLOT_OFF + BM * 4;
+  static constexpr int AOFF_OFF = SLOT_OFF + BM * 4; // its activation row offset (elements), -1: none
+  static constexpr int FLAG_OFF = AOFF_OFF + BM * 8;
   static constexpr int SMEM = FLAG_OFF + 16;
   static_assert(STAGE % 16 == 0 && MAIN % 16 == 0, "16-byte aligned regions");
 };
@@ -149,10 +150,17 @@ WNA16_KDEV int64_t unit_start(int64_t b, int64_t units, int64_t blocks) {
   return b * units / blocks;
 }
 
-// GIDX: act-order with !is_k_full (a group per row, read through g_idx), a separate instance so
-// the common kernel carries none of its registers.
-template <int DT, int NB, int MT, int NT, bool GIDX>
+// Kernel modes, separate instances so the fast one carries no code or registers of the others:
+//   kFast    no act-order, scale groups of whole stages (group_rows % 64 == 0): the lane table
+//            is refilled once per run of stages of one group, the inner loop only streams;
+//   kGeneral act-order on a full K (activation columns gathered through perm) or groups of 16 /
+//            32 rows: the group is checked per k-tile;
+//   kGidx    act-order with !is_k_full: a group per row, read through g_idx.
+constexpr int kFast = 0, kGeneral = 1, kGidx = 2;
+
+template <int DT, int NB, int MT, int NT, int MODE>
 struct Gemm {
+  static constexpr bool GIDX = MODE == kGidx;
   using P = Plan<NB, MT, NT>;
   using Q = Quant<DT, NB>;
   static constexpr int PF = P::PF, WPT = P::WPT, BM = P::BM, BN = P::BN;
@@ -200,7 +208,9 @@ struct Gemm {
     return ((int64_t)ks * kStageK) / p.group_rows != ((int64_t)(ks - 1) * kStageK) / p.group_rows;
   }
 
-  // Issue the copies of stage ks into buffer `buf` (one commit group per call, by the caller).
+  // Issue the copies of stage ks into its buffer (one commit group per call, by the caller).
+  // GATHER: act-order, activation columns gathered through perm.
+  template <bool GATHER>
   static WNA16_KDEV void load_stage(const Args& p, const Tile& t, unsigned char* smem,
                                     const int32_t* sh_slot, int ks, int ks_first, int tid) {
     unsigned char* st = smem + (ks % kStages) * P::STAGE;
@@ -217,7 +227,7 @@ struct Gemm {
       const bool ok = s >= 0 && kk < K;
       unsigned char* dst = st + P::A_OFF + row * 128 + ((ch ^ (row & 7)) << 4);
       const int64_t arow = ok ? (int64_t)(s / p.top_k) * K : 0;
-      if (!p.perm) {
+      if (!GATHER) {
         wna16_cp_async16(dst, ok ? (const void*)(a + arow + kk) : p.a, ok);
       } else {  // act-order: columns gathered through perm (plain loads)
         uint32_t v[4] = {0u, 0u, 0u, 0u};
@@ -258,7 +268,13 @@ struct Gemm {
     if (!stage_needs_scales(p, ks, ks_first)) return;
     int64_t g0, g1;
     stage_groups(p, ks, &g0, &g1);
-    const int nrows = (int)(g1 - g0 + 1);
+    copy_scale_rows(p, t, st, g0, (int)(g1 - g0 + 1), tid);
+  }
+
+  // Scale (and zero-point) rows g0 .. g0 + nrows - 1 of the block's columns into a stage.
+  static WNA16_KDEV void copy_scale_rows(const Args& p, const Tile& t, unsigned char* st,
+                                         int64_t g0, int nrows, int tid) {
+    const int64_t N = p.size_n, G = p.num_groups;
     constexpr int S_CHUNKS = BN / 8;  // 16-bit scales
     for (int c = tid; c < nrows * S_CHUNKS; c += kThreads) {
       const int r = c / S_CHUNKS, ch = c % S_CHUNKS;
@@ -276,6 +292,86 @@ struct Gemm {
       }
     }
   }
+
+  // The fast mode's copies, with the per-thread part of the addresses fixed per tile and
+  // advanced by pointer steps: thread tid copies activation chunk tid % 8 of rows tid / 8 + 16 i,
+  // weight chunks tid + 128 i, and at a group's first stage scale / zero-point chunk tid.
+  struct FastLoader {
+    static constexpr int CPT = WPT / 4;                    // 16-byte chunks per 16 x 64 tile
+    static constexpr int ROW_CHUNKS = NT * CPT;            // chunks of one k-tile row of the block
+    static constexpr int B_PER_THREAD = 4 * ROW_CHUNKS / kThreads;
+    static constexpr int S_CHUNKS = BN / 8, Z_CHUNKS = BN / PF / 4;
+    static_assert((4 * ROW_CHUNKS) % kThreads == 0, "chunk split");
+    static_assert(S_CHUNKS + Z_CHUNKS <= kThreads, "one scale chunk per thread");
+    const uint16_t* a;       // activations + this thread's column chunk
+    const uint32_t* b;       // the block's weights at k-tile 0 of the next stage
+    const void* s;           // its scale (or zero-point) chunk of the next group, or null
+    int64_t bcols, b_step, s_step;  // per k-tile, per stage, per group
+    int a_ch, a_row0, tid, nvalid, s_dst, ktiles, spg, left;
+
+    WNA16_KDEV FastLoader(const Args& p, const Tile& t, int tid_, int ks_next) {
+      ktiles = (int)(p.size_k / 16);
+      bcols = p.size_n * 16 / PF;
+      tid = tid_, nvalid = t.nvalid;
+      a_ch = tid & 7, a_row0 = tid >> 3;
+      a = static_cast<const uint16_t*>(p.a) + 8 * a_ch;
+      b_step = 4 * bcols;
+      b = p.b + t.e * (int64_t)ktiles * bcols + (t.n0 / 64) * WPT + (int64_t)ks_next * b_step;
+      spg = p.group_rows / kStageK;
+      const int64_t g = (int64_t)ks_next / spg;
+      left = ks_next % spg;  // stages of the group before ks_next (0: ks_next starts it)
+      s = nullptr, s_step = 0, s_dst = 0;
+      if (tid < S_CHUNKS) {
+        if (8 * tid < t.nvalid * 64) {
+          s = p.scales + ((t.e * p.num_groups + g) * p.size_n + t.n0 + 8 * tid);
+          s_step = p.size_n * 2;
+        }
+        s_dst = P::S_OFF + 16 * tid;
+      } else if (p.zp && tid < S_CHUNKS + Z_CHUNKS) {
+        const int ch = tid - S_CHUNKS;
+        if (ch * 4 * PF < t.nvalid * 64) {
+          s = p.zp + ((t.e * p.num_groups + g) * (p.size_n / PF) + t.n0 / PF + 4 * ch);
+          s_step = p.size_n / PF * 4;
+        }
+        s_dst = P::Z_OFF + 16 * ch;
+      }
+      if (left) s = s ? static_cast<const unsigned char*>(s) + s_step : nullptr;  // next group
+      if (left) left = spg - left;
+    }
+
+    // Copies of stage ks (the stage after the previous call's).
+    WNA16_KDEV void load(const Args& p, const Tile& t, unsigned char* smem,
+                         const int64_t* sh_aoff, int ks) {
+      unsigned char* st = smem + (ks % kStages) * P::STAGE;
+      const int64_t kk = (int64_t)ks * kStageK + 8 * a_ch;
+      WNA16_UNROLL
+      for (int i = 0; i < MT; ++i) {
+        if (i < t.mcount) {
+          const int row = a_row0 + 16 * i;
+          const int64_t off = sh_aoff[row];
+          const bool ok = off >= 0 && kk < p.size_k;
+          wna16_cp_async16(st + P::A_OFF + row * 128 + ((a_ch ^ (row & 7)) << 4),
+                           ok ? (const void*)(a + off + (int64_t)ks * kStageK) : p.a, ok);
+        }
+      }
+      WNA16_UNROLL
+      for (int i = 0; i < B_PER_THREAD; ++i) {  // chunk tid + 128 i: k-tile row, chunk in row
+        const int c = tid + kThreads * i, ktl = c / ROW_CHUNKS, rest = c % ROW_CHUNKS;
+        const bool ok = rest / CPT < nvalid && ks * 4 + ktl < ktiles;
+        wna16_cp_async16(st + P::B_OFF + (ktl * NT * WPT + rest * 4) * 4,
+                         ok ? (const void*)(b + ktl * bcols + rest * 4) : p.b, ok);
+      }
+      b += b_step;
+      if (left == 0) {  // the first stage of a group brings its scale / zero-point row
+        if (s_dst) {
+          wna16_cp_async16(st + s_dst, s ? s : p.scales, s != nullptr);
+          if (s) s = static_cast<const unsigned char*>(s) + s_step;
+        }
+        left = spg;
+      }
+      --left;
+    }
+  };
 
   // This lane's entry of sub-tile `sub` of n-tile j in the lane table: {scale pair of column c,
   // of c + 8, zero pair of c, of c + 8} when the pairs are per column; in g_idx mode the row
@@ -340,13 +436,16 @@ struct Gemm {
     }
   }
 
-  // One stage of one warp: its k-tile against all n-tiles and 16-row slices.
+  // One stage of one warp: its k-tile against all n-tiles and 16-row slices. REFILL: check the
+  // k-tile's group and refill the lane table (the fast loop does that once per group run).
+  template <bool REFILL>
   static WNA16_KDEV void compute_stage(const Args& p, const Tile& t, unsigned char* smem,
                                        const unsigned char* st, int ks, int warp, int lane,
                                        int64_t* cur_group, float acc[MT][NT][8][4]) {
     const int64_t kt = (int64_t)ks * 4 + warp;
     if (kt >= p.size_k / 16) return;  // warp-uniform: past K in the last stage
-    if (GIDX) {
+    if (!REFILL) {
+    } else if (GIDX) {
       const int32_t* g = reinterpret_cast<const int32_t*>(st + P::G_OFF) + 16 * warp;
       const int r = 2 * (lane & 3);
       int32_t grp[4];
@@ -366,14 +465,14 @@ struct Gemm {
     uint32_t af[MT][4];
     WNA16_UNROLL
     for (int mi = 0; mi < MT; ++mi) {
-      if (mi < t.mcount) {
+      if (mi == 0 || mi < t.mcount) {  // slice 0 always has rows
         const int row = 16 * mi + (lane & 15), ch = 2 * warp + (lane >> 4);
         wna16_ldmatrix_x4(af[mi], st + P::A_OFF + row * 128 + ((ch ^ (row & 7)) << 4));
       }
     }
         WNA16_UNROLL
     for (int j = 0; j < NT; ++j) {
-      if (j >= t.nvalid) continue;  // warp-uniform
+      if (j > 0 && j >= t.nvalid) continue;  // warp-uniform; n-tile 0 is always inside N
       const uint32_t* wp =
           reinterpret_cast<const uint32_t*>(st + P::B_OFF) + (warp * NT + j) * WPT + lane * 4 * Q::WORDS;
       uint32_t words[4 * Q::WORDS];
@@ -398,7 +497,7 @@ struct Gemm {
         Q::dequant(words + sub * Q::WORDS, z, s, bf);
         WNA16_UNROLL
         for (int mi = 0; mi < MT; ++mi) {
-          if (mi < t.mcount) {
+          if (mi == 0 || mi < t.mcount) {  // slice 0 always has rows
             Ops<DT>::mma(acc[mi][j][2 * sub], af[mi], bf);
             Ops<DT>::mma(acc[mi][j][2 * sub + 1], af[mi], bf + 2);
           }
@@ -428,6 +527,7 @@ struct Gemm {
     const int tid = (int)threadIdx.x, lane = tid & 31, warp = tid >> 5;
     int32_t* sh_slot = reinterpret_cast<int32_t*>(smem + P::SLOT_OFF);
     int32_t* sh_flag = reinterpret_cast<int32_t*>(smem + P::FLAG_OFF);
+    int64_t* sh_aoff = reinterpret_cast<int64_t*>(smem + P::AOFF_OFF);
     const Tile t = locate(p, tile);
 
     wna16_syncthreads();  // the previous tile is done with shared memory
@@ -438,6 +538,7 @@ struct Gemm {
         if (s < 0 || s >= p.num_slots) s = -1;  // sentinel padding
       }
       sh_slot[i] = s;
+      sh_aoff[i] = s < 0 ? -1 : (int64_t)(s / p.top_k) * p.size_k;
     }
     wna16_syncthreads();
 
@@ -455,15 +556,46 @@ struct Gemm {
     // prologue: kStages - 1 stages in flight (empty groups keep the wait arithmetic uniform)
     WNA16_UNROLL
     for (int i = 0; i < kStages - 1; ++i) {
-      if (ks0 + i < ks1) load_stage(p, t, smem, sh_slot, ks0 + i, ks0, tid);
+      if (ks0 + i < ks1) {
+        if (p.perm) load_stage<true>(p, t, smem, sh_slot, ks0 + i, ks0, tid);
+        else load_stage<false>(p, t, smem, sh_slot, ks0 + i, ks0, tid);
+      }
       wna16_cp_async_commit();
     }
-    for (int ks = ks0; ks < ks1; ++ks) {
-      wna16_cp_async_wait<kStages - 2>();  // this thread's copies of stage ks have landed
-      wna16_syncthreads();                 // everyone's have; stage ks - 1 is consumed
-      if (ks + kStages - 1 < ks1) load_stage(p, t, smem, sh_slot, ks + kStages - 1, ks0, tid);
-      wna16_cp_async_commit();
-      compute_stage(p, t, smem, smem + (ks % kStages) * P::STAGE, ks, warp, lane, &cur_group, acc);
+    if (MODE == kFast) {
+      // one scale group per stage: the lane table changes only between runs of stages of one
+      // group, and the inner loop carries no refill, gather or index arithmetic
+      FastLoader ld(p, t, tid, ks0 + kStages - 1);
+      const int spg = p.group_rows / kStageK;  // stages per group
+      for (int ks = ks0; ks < ks1;) {
+        const int run_end = (int)min64(ks1, (int64_t)(ks / spg + 1) * spg);
+        wna16_cp_async_wait<kStages - 2>();
+        wna16_syncthreads();
+        if (ks + kStages - 1 < ks1) ld.load(p, t, smem, sh_aoff, ks + kStages - 1);
+        wna16_cp_async_commit();
+        compute_stage<true>(p, t, smem, smem + (ks % kStages) * P::STAGE, ks, warp, lane,
+                            &cur_group, acc);
+        for (++ks; ks < run_end; ++ks) {
+          wna16_cp_async_wait<kStages - 2>();
+          wna16_syncthreads();
+          if (ks + kStages - 1 < ks1) ld.load(p, t, smem, sh_aoff, ks + kStages - 1);
+          wna16_cp_async_commit();
+          compute_stage<false>(p, t, smem, smem + (ks % kStages) * P::STAGE, ks, warp, lane,
+                               &cur_group, acc);
+        }
+      }
+    } else {
+      for (int ks = ks0; ks < ks1; ++ks) {
+        wna16_cp_async_wait<kStages - 2>();  // this thread's copies of stage ks have landed
+        wna16_syncthreads();                 // everyone's have; stage ks - 1 is consumed
+        if (ks + kStages - 1 < ks1) {
+          if (p.perm) load_stage<true>(p, t, smem, sh_slot, ks + kStages - 1, ks0, tid);
+          else load_stage<false>(p, t, smem, sh_slot, ks + kStages - 1, ks0, tid);
+        }
+        wna16_cp_async_commit();
+        compute_stage<true>(p, t, smem, smem + (ks % kStages) * P::STAGE, ks, warp, lane,
+                            &cur_group, acc);
+      }
     }
     wna16_cp_async_wait<0>();
     wna16_syncthreads();  // the pipeline buffers become the reduction buffer
@@ -551,11 +683,11 @@ struct Gemm {
   }
 };
 
-template <int DT, int NB, int MT, int NT, bool GIDX>
-__global__ void __launch_bounds__(kThreads) moe_gemm_v2_kernel(const Args p) {
+template <int DT, int NB, int MT, int NT, int MODE>
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm) moe_gemm_v2_kernel(const Args p) {
   WNA16_SHARED_MEMORY(U4, smem_raw);
   unsigned char* smem = reinterpret_cast<unsigned char*>(smem_raw);
-  using G = Gemm<DT, NB, MT, NT, GIDX>;
+  using G = Gemm<DT, NB, MT, NT, MODE>;
   const int64_t nblk = (p.size_n + G::BN - 1) / G::BN;
   const int kstages = (int)((p.size_k + kStageK - 1) / kStageK);
   const int64_t units = (int64_t)p.tile_prefix[p.num_experts] * nblk * kstages;
@@ -581,20 +713,19 @@ struct Config {
   int64_t ws_words;   // workspace int32 words
 };
 
+template <int NB>
+int tile_smem_bits(int mt, int nt) {
+  if (mt == 1) return nt == 4 ? Plan<NB, 1, 4>::SMEM : Plan<NB, 1, 2>::SMEM;
+  if (mt == 2) return Plan<NB, 2, 2>::SMEM;
+  return Plan<NB, 4, 1>::SMEM;
+}
 int tile_smem(int num_bits, int mt, int nt) {
-  if (num_bits == 4) {
-    if (mt == 1) return Plan<4, 1, 2>::SMEM;
-    if (mt == 2) return Plan<4, 2, 2>::SMEM;
-    return Plan<4, 4, 1>::SMEM;
-  }
-  if (mt == 1) return Plan<8, 1, 2>::SMEM;
-  if (mt == 2) return Plan<8, 2, 2>::SMEM;
-  return Plan<8, 4, 1>::SMEM;
+  return num_bits == 4 ? tile_smem_bits<4>(mt, nt) : tile_smem_bits<8>(mt, nt);
 }
 
 // variant: WNA16_GEMM_AUTO / WNA16_GEMM_MMA, or 16 / 32 / 64 to force the tile rows.
 int make_config(int64_t num_sorted, int64_t num_experts, int64_t size_n, int num_bits,
-                int gidx_mode, int variant, int sms, Config* cfg) {
+                bool fast, int variant, int sms, Config* cfg) {
   int rows;
   if (variant == WNA16_GEMM_AUTO || variant == WNA16_GEMM_MMA) {
     const int64_t per_expert = num_experts ? (num_sorted + num_experts - 1) / num_experts : 0;
@@ -606,9 +737,11 @@ int make_config(int64_t num_sorted, int64_t num_experts, int64_t size_n, int num
   } else {
     return wna16_fail(WNA16_EINVAL, "unknown GEMM variant %d", variant);
   }
-  if (gidx_mode) rows = 16;  // the g_idx instance has the 16-row tile only
+  if (!fast) rows = 16;  // the general and g_idx instances have the 16-row tile only
   cfg->mt = rows / 16;
-  cfg->nt = cfg->mt == 4 ? 1 : 2;
+  // 128 accumulators per thread in every fast tile: 16 x 256, 32 x 128, 64 x 64; the general
+  // and g_idx instances (more code, more registers) take 16 x 128
+  cfg->nt = !fast ? 2 : (cfg->mt == 1 ? 4 : (cfg->mt == 2 ? 2 : 1));
   cfg->smem = tile_smem(num_bits, cfg->mt, cfg->nt);
   const int64_t bn = 64 * cfg->nt, bm = rows;
   cfg->max_tiles = ((num_sorted + bm - 1) / bm + num_experts) * ((size_n + bn - 1) / bn);
@@ -619,25 +752,28 @@ int make_config(int64_t num_sorted, int64_t num_experts, int64_t size_n, int num
   return WNA16_OK;
 }
 
-template <int DT, int NB, int MT, int NT, bool GIDX>
+template <int DT, int NB, int MT, int NT, int MODE>
 int launch_typed(const Args& p, int smem, int smem_optin, void* stream) {
-  auto* kernel = moe_gemm_v2_kernel<DT, NB, MT, NT, GIDX>;
+  auto* kernel = moe_gemm_v2_kernel<DT, NB, MT, NT, MODE>;
   if (smem > smem_optin)
     return wna16_fail(WNA16_ENOTSUP, "the v2 GEMM tile needs %d bytes of shared memory, the "
                       "device allows %d", smem, smem_optin);
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess)
     return wna16_fail(WNA16_ECUDA, "moe_gemm_v2 shared memory: %s", cudaGetErrorString(err));
-  WNA16_LAUNCH(p.grid, kThreads, smem, (cudaStream_t)stream, (moe_gemm_v2_kernel<DT, NB, MT, NT, GIDX>), p);
+  WNA16_LAUNCH(p.grid, kThreads, smem, (cudaStream_t)stream, (moe_gemm_v2_kernel<DT, NB, MT, NT, MODE>), p);
   return WNA16_OK;
 }
 
+bool fast_mode(const Args& p) { return !p.perm && p.group_rows % kStageK == 0; }
+
 template <int DT, int NB>
 int launch_bits(const Args& p, const Config& cfg, int smem_optin, void* stream) {
-  if (p.gidx_mode) return launch_typed<DT, NB, 1, 2, true>(p, cfg.smem, smem_optin, stream);
-  if (cfg.mt == 1) return launch_typed<DT, NB, 1, 2, false>(p, cfg.smem, smem_optin, stream);
-  if (cfg.mt == 2) return launch_typed<DT, NB, 2, 2, false>(p, cfg.smem, smem_optin, stream);
-  return launch_typed<DT, NB, 4, 1, false>(p, cfg.smem, smem_optin, stream);
+  if (p.gidx_mode) return launch_typed<DT, NB, 1, 2, kGidx>(p, cfg.smem, smem_optin, stream);
+  if (!fast_mode(p)) return launch_typed<DT, NB, 1, 2, kGeneral>(p, cfg.smem, smem_optin, stream);
+  if (cfg.mt == 1) return launch_typed<DT, NB, 1, 4, kFast>(p, cfg.smem, smem_optin, stream);
+  if (cfg.mt == 2) return launch_typed<DT, NB, 2, 2, kFast>(p, cfg.smem, smem_optin, stream);
+  return launch_typed<DT, NB, 4, 1, kFast>(p, cfg.smem, smem_optin, stream);
 }
 
 int device_sms(int* sms, int* major, int* smem_optin) {
@@ -657,17 +793,27 @@ bool aligned16(const void* ptr) { return ((uintptr_t)ptr & 15u) == 0; }
 
 }  // namespace wna16v2
 
+// Fast mode iff no act-order and scale groups of whole 64-row stages.
+static bool wna16v2_fast(int64_t size_k, int64_t num_groups, int has_perm) {
+  const int64_t group_rows = num_groups > 1 ? size_k / num_groups : size_k;
+  return !has_perm && group_rows % wna16v2::kStageK == 0;
+}
+
 extern "C" WNA16_API int wna16_cuda_moe_gemm_v2_workspace(int64_t num_sorted, int64_t num_experts,
-                                                         int64_t size_n, int num_bits,
-                                                         int gidx_mode, int variant,
+                                                         int64_t size_n, int64_t size_k,
+                                                         int64_t num_groups, int num_bits,
+                                                         int has_perm, int variant,
                                                          int64_t* words) {
   using namespace wna16v2;
   int sms = 0, major = 0, optin = 0;
   int rc = wna16_check_bits(num_bits);
   if (rc) return rc;
+  if (num_groups < 1) return wna16_fail(WNA16_EINVAL, "num_groups must be >= 1");
   if ((rc = device_sms(&sms, &major, &optin))) return rc;
   Config cfg;
-  if ((rc = make_config(num_sorted, num_experts, size_n, num_bits, gidx_mode, variant, sms, &cfg))) return rc;
+  if ((rc = make_config(num_sorted, num_experts, size_n, num_bits,
+                        wna16v2_fast(size_k, num_groups, has_perm), variant, sms, &cfg)))
+    return rc;
   *words = cfg.ws_words;
   return WNA16_OK;
 }
@@ -700,7 +846,9 @@ extern "C" WNA16_API int wna16_cuda_moe_gemm_v2(
   if (major < 8)
     return wna16_fail(WNA16_ENOTSUP, "the v2 GEMM needs sm80+ (mma.sync), device is sm%d0", major);
   Config cfg;
-  if ((rc = make_config(num_sorted, num_experts, size_n, num_bits, gidx_mode, variant, sms, &cfg))) return rc;
+  if ((rc = make_config(num_sorted, num_experts, size_n, num_bits,
+                        wna16v2_fast(size_k, num_groups, perm != 0), variant, sms, &cfg)))
+    return rc;
 
   const int64_t header = (num_experts + 1 + 3) / 4 * 4;
   const int64_t counters = (cfg.max_tiles + 3) / 4 * 4;
