@@ -24,19 +24,13 @@
 #include "dequant.cuh"
 #include "intrinsics.cuh"
 #include "layout.cuh"
+#include "moe_gemm_v2.cuh"
 
 #if defined(__CUDACC__)
 #include <cuda_runtime.h>
 #endif
 
 namespace wna16v2 {
-
-constexpr int kThreads = 128;    // 4 warps
-constexpr int kStages = 4;       // cp.async pipeline depth
-constexpr int kStageK = 64;      // K rows per pipeline stage: warp w computes k-tile w
-constexpr int kBlocksPerSm = 2;  // grid = SMs * this (the shared memory below allows it)
-constexpr int kPrefixThreads = 256;
-constexpr int kRedPad = 8;       // fp32 row padding of the reduction buffer (bank spread)
 
 struct alignas(16) U4 {
   uint32_t x, y, z, w;
@@ -111,36 +105,6 @@ __global__ void __launch_bounds__(kPrefixThreads)
   if (tid == kPrefixThreads - 1) tile_prefix[num_experts] = run;
 }
 
-// ----------------------------------------------------------------------------------------------
-// Shared-memory plan of one kernel instance.
-template <int NB, int MT, int NT>
-struct Plan {
-  static constexpr int PF = 32 / NB;
-  static constexpr int WPT = 1024 / PF;              // words per 16 x 64 Marlin tile
-  static constexpr int BM = 16 * MT, BN = 64 * NT;
-  static constexpr int A_BYTES = BM * kStageK * 2;   // activations [BM][64], swizzled chunks
-  static constexpr int B_BYTES = 4 * NT * WPT * 4;   // weights [k-tile][n-tile][WPT]
-  static constexpr int S_BYTES = 4 * BN * 2;         // up to 4 scale rows of the stage
-  static constexpr int Z_BYTES = 4 * (BN / PF) * 4;  // up to 4 zero-point rows
-  static constexpr int G_BYTES = kStageK * 4;        // g_idx of the stage's rows
-  static constexpr int A_OFF = 0, B_OFF = A_BYTES, S_OFF = B_OFF + B_BYTES,
-                       Z_OFF = S_OFF + S_BYTES, G_OFF = Z_OFF + Z_BYTES;
-  static constexpr int STAGE = G_OFF + G_BYTES;
-  static constexpr int PIPE = kStages * STAGE;
-  static constexpr int RED_LD = BN + kRedPad;
-  static constexpr int RED = 4 * BM * RED_LD * 4;    // per-warp fp32 tiles, aliases the pipeline
-  static constexpr int MAIN = PIPE > RED ? PIPE : RED;
-  // per-lane scale / zero pairs, [warp][n-tile][sub-tile][lane] x 16 bytes: thread-private, so
-  // the main loop holds them in shared memory instead of 16 * NT registers
-  static constexpr int LANE_OFF = MAIN;
-  static constexpr int LANE = 2 * 4 * NT * 4 * 32 * 16;  // g_idx mode uses both halves
-  static constexpr int SLOT_OFF = LANE_OFF + LANE;   // sorted slot of each tile row
-  static constexpr int AOFF_OFF = SLOT_OFF + BM * 4; // its activation row offset (elements), -1: none
-  static constexpr int FLAG_OFF = AOFF_OFF + BM * 8;
-  static constexpr int SMEM = FLAG_OFF + 16;
-  static_assert(STAGE % 16 == 0 && MAIN % 16 == 0, "16-byte aligned regions");
-};
-
 // The block that owns unit x of the stream-K sequence (units [start(b), start(b + 1)) with
 // start(b) = floor(b * U / G)).
 WNA16_KDEV int64_t unit_owner(int64_t x, int64_t units, int64_t blocks) {
@@ -161,7 +125,7 @@ constexpr int kFast = 0, kGeneral = 1, kGidx = 2;
 template <int DT, int NB, int MT, int NT, int MODE>
 struct Gemm {
   static constexpr bool GIDX = MODE == kGidx;
-  using P = Plan<NB, MT, NT>;
+  using P = Plan<NB, MT, NT, MODE == kGidx>;
   using Q = Quant<DT, NB>;
   static constexpr int PF = P::PF, WPT = P::WPT, BM = P::BM, BN = P::BN;
 
@@ -214,7 +178,7 @@ struct Gemm {
   static WNA16_KDEV void load_stage(const Args& p, const Tile& t, unsigned char* smem,
                                     const int32_t* sh_slot, int ks, int ks_first, int tid) {
     unsigned char* st = smem + (ks % kStages) * P::STAGE;
-    const int64_t K = p.size_k, N = p.size_n, G = p.num_groups;
+    const int64_t K = p.size_k, N = p.size_n;
     const int64_t k0 = (int64_t)ks * kStageK;
     const int ktiles = (int)(K / 16);
 
@@ -714,18 +678,21 @@ struct Config {
 };
 
 template <int NB>
-int tile_smem_bits(int mt, int nt) {
-  if (mt == 1) return nt == 4 ? Plan<NB, 1, 4>::SMEM : Plan<NB, 1, 2>::SMEM;
+int tile_smem_bits(int mode, int mt) {
+  if (mode == kGidx) return Plan<NB, 1, 2, true>::SMEM;
+  if (mode == kGeneral) return Plan<NB, 1, 2>::SMEM;
+  if (mt == 1) return Plan<NB, 1, 4>::SMEM;
   if (mt == 2) return Plan<NB, 2, 2>::SMEM;
   return Plan<NB, 4, 1>::SMEM;
 }
-int tile_smem(int num_bits, int mt, int nt) {
-  return num_bits == 4 ? tile_smem_bits<4>(mt, nt) : tile_smem_bits<8>(mt, nt);
+int tile_smem(int num_bits, int mode, int mt) {
+  return num_bits == 4 ? tile_smem_bits<4>(mode, mt) : tile_smem_bits<8>(mode, mt);
 }
 
 // variant: WNA16_GEMM_AUTO / WNA16_GEMM_MMA, or 16 / 32 / 64 to force the tile rows.
 int make_config(int64_t num_sorted, int64_t num_experts, int64_t size_n, int num_bits,
-                bool fast, int variant, int sms, Config* cfg) {
+                int mode, int variant, int sms, Config* cfg) {
+  const bool fast = mode == kFast;
   int rows;
   if (variant == WNA16_GEMM_AUTO || variant == WNA16_GEMM_MMA) {
     const int64_t per_expert = num_experts ? (num_sorted + num_experts - 1) / num_experts : 0;
@@ -742,7 +709,7 @@ int make_config(int64_t num_sorted, int64_t num_experts, int64_t size_n, int num
   // 128 accumulators per thread in every fast tile: 16 x 256, 32 x 128, 64 x 64; the general
   // and g_idx instances (more code, more registers) take 16 x 128
   cfg->nt = !fast ? 2 : (cfg->mt == 1 ? 4 : (cfg->mt == 2 ? 2 : 1));
-  cfg->smem = tile_smem(num_bits, cfg->mt, cfg->nt);
+  cfg->smem = tile_smem(num_bits, mode, cfg->mt);
   const int64_t bn = 64 * cfg->nt, bm = rows;
   cfg->max_tiles = ((num_sorted + bm - 1) / bm + num_experts) * ((size_n + bn - 1) / bn);
   cfg->grid = sms * kBlocksPerSm;
@@ -793,10 +760,11 @@ bool aligned16(const void* ptr) { return ((uintptr_t)ptr & 15u) == 0; }
 
 }  // namespace wna16v2
 
-// Fast mode iff no act-order and scale groups of whole 64-row stages.
-static bool wna16v2_fast(int64_t size_k, int64_t num_groups, int has_perm) {
+// The kernel mode: fast iff no act-order and scale groups of whole 64-row stages.
+static int wna16v2_mode(int64_t size_k, int64_t num_groups, int has_perm, int gidx_mode) {
   const int64_t group_rows = num_groups > 1 ? size_k / num_groups : size_k;
-  return !has_perm && group_rows % wna16v2::kStageK == 0;
+  if (gidx_mode) return wna16v2::kGidx;
+  return !has_perm && group_rows % wna16v2::kStageK == 0 ? wna16v2::kFast : wna16v2::kGeneral;
 }
 
 extern "C" WNA16_API int wna16_cuda_moe_gemm_v2_workspace(int64_t num_sorted, int64_t num_experts,
@@ -812,7 +780,7 @@ extern "C" WNA16_API int wna16_cuda_moe_gemm_v2_workspace(int64_t num_sorted, in
   if ((rc = device_sms(&sms, &major, &optin))) return rc;
   Config cfg;
   if ((rc = make_config(num_sorted, num_experts, size_n, num_bits,
-                        wna16v2_fast(size_k, num_groups, has_perm), variant, sms, &cfg)))
+                        wna16v2_mode(size_k, num_groups, has_perm, 0), variant, sms, &cfg)))
     return rc;
   *words = cfg.ws_words;
   return WNA16_OK;
@@ -847,7 +815,8 @@ extern "C" WNA16_API int wna16_cuda_moe_gemm_v2(
     return wna16_fail(WNA16_ENOTSUP, "the v2 GEMM needs sm80+ (mma.sync), device is sm%d0", major);
   Config cfg;
   if ((rc = make_config(num_sorted, num_experts, size_n, num_bits,
-                        wna16v2_fast(size_k, num_groups, perm != 0), variant, sms, &cfg)))
+                        wna16v2_mode(size_k, num_groups, perm != 0, gidx_mode), variant, sms,
+                        &cfg)))
     return rc;
 
   const int64_t header = (num_experts + 1 + 3) / 4 * 4;

@@ -7,7 +7,9 @@ safe), and loaded with ctypes:
 
 * the host library (g++): the fast multi-threaded CPU Marlin repack, index queries, and a CPU
   replay of the CUDA GEMM used by the tests;
-* the CUDA library (nvcc): repack, scale / zero-point permutation and the MoE GEMM.
+* the CUDA library (nvcc): repack, scale / zero-point permutation and the MoE GEMM (the fast
+  Marlin-style kernel of `moe_gemm_v2.cu`, with the simple kernel of `moe_gemm.cu` kept as the
+  reference and for what the fast one does not take; `$WNA16CTL_GEMM_KERNEL` picks one).
 
 Nothing here is required: without g++ / nvcc / a GPU, or with `WNA16CTL_NO_NATIVE=1`, every
 entry point falls back to the torch code of `wna16ctl.layout` after one logged notice. The CPU
@@ -38,7 +40,7 @@ log = logging.getLogger(__name__)
 ABI_VERSION = 1  # must equal WNA16_ABI_VERSION in kernels/capi.h
 
 HOST_SOURCES = ("host.cpp", "host_gemm.cpp", "error.cpp")
-CUDA_SOURCES = ("repack.cu", "moe_gemm.cu", "error.cpp")
+CUDA_SOURCES = ("repack.cu", "moe_gemm.cu", "moe_gemm_v2.cu", "error.cpp")
 _HOST_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-pthread", "-fvisibility=hidden")
 # The GEMM replay is a test vehicle with many template instances: -O1 builds it 3x faster.
 _HOST_FILE_FLAGS = {"host_gemm.cpp": ("-O1",)}
@@ -47,6 +49,10 @@ _FALLBACK_ARCHS = ("80", "90")
 
 DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
 GEMM_VARIANTS = {"auto": 0, "fma": 1, "mma": 2}
+# the v2 kernel also takes a forced tile height (rows of sorted slots per tile)
+GEMM_V2_TILES = {"tile16": 16, "tile32": 32, "tile64": 64}
+GEMM_KERNELS = ("auto", "v1", "v2")
+WNA16_ENOTSUP = 3
 
 WNA16_OK = 0
 
@@ -57,6 +63,10 @@ class KernelBuildError(RuntimeError):
 
 class KernelError(RuntimeError):
     """A native call returned an error code (the message is the library's last error)."""
+
+    def __init__(self, message: str, code: int = 0):
+        super().__init__(message)
+        self.code = code
 
 
 # ----------------------------------------------------------------------------------------------
@@ -315,6 +325,8 @@ _CUDA_PROTOS = {
     "wna16_cuda_permute_scales": (_I32, [_P, _P, _I64, _I64, _I32, _I32, _P]),
     "wna16_cuda_zero_points": (_I32, [_P, _P, _I64, _I64, _I32, _P]),
     "wna16_cuda_moe_gemm": (_I32, [_P] * 11 + [_I64] * 6 + [_I32] * 5 + [_P]),
+    "wna16_cuda_moe_gemm_v2": (_I32, [_P] * 11 + [_I64] * 6 + [_I32] * 5 + [_P]),
+    "wna16_cuda_moe_gemm_v2_workspace": (_I32, [_I64] * 5 + [_I32] * 3 + [_P]),
 }
 
 
@@ -339,7 +351,7 @@ class NativeLib:
         rc = getattr(self._lib, name)(*args)
         if rc != WNA16_OK:
             msg = self._lib.wna16_last_error() or b""
-            raise KernelError(f"{name}: {msg.decode(errors='replace')} (code {rc})")
+            raise KernelError(f"{name}: {msg.decode(errors='replace')} (code {rc})", rc)
 
 
 _load_lock = threading.Lock()
@@ -561,6 +573,27 @@ def _check_gemm_extras(
         raise ValueError(f"topk_weights has {topk_weights.numel()} entries, expected {a.shape[0] * top_k}")
 
 
+def _check_routing_values(
+    g_idx: Optional[Tensor], sorted_token_ids: Tensor, num_slots: int, groups: int, gidx_mode: bool,
+) -> None:
+    """Values the kernels cannot check without a device round trip, checked here before a launch:
+    g_idx inside the scale rows (when it selects them) and no slot listed twice (two writers of
+    one output row)."""
+    if gidx_mode and g_idx is not None and g_idx.numel():
+        lo, hi = int(g_idx.min()), int(g_idx.max())
+        if lo < 0 or hi >= groups:
+            raise ValueError(f"g_idx values lie in [{lo}, {hi}], outside the {groups} scale rows "
+                             f"[0, {groups}); pass the global group ids that index the scales")
+    ids = sorted_token_ids.reshape(-1)
+    valid = ids[(ids >= 0) & (ids < num_slots)]
+    if valid.numel() > 1:
+        counts = torch.bincount(valid.to(torch.int64), minlength=num_slots)
+        if int(counts.max()) > 1:
+            slot = int(torch.argmax(counts))
+            raise ValueError(f"sorted_token_ids lists slot {slot} {int(counts[slot])} times; each "
+                             f"slot (token * top_k + j) may appear once (pad with ids >= {num_slots})")
+
+
 def _gemm_cpu(
     a: Tensor, b_q: Tensor, scales: Tensor, zero_points: Optional[Tensor], g_idx: Optional[Tensor],
     perm: Optional[Tensor], sorted_token_ids: Tensor, expert_offsets: Tensor,
@@ -581,6 +614,7 @@ def _gemm_cpu(
         raise ValueError(f"size_k = {size_k}, is not divisible by b_scales.size(1) = {groups}")
     dtype = a.dtype
     num_slots = a.shape[0] * top_k
+    _check_routing_values(g_idx, sorted_token_ids, num_slots, groups, gidx_mode)
     out = torch.zeros(num_slots, size_n, dtype=dtype)
     ids = sorted_token_ids.to(torch.int64)
     offs = expert_offsets.to(torch.int64).clamp(0, ids.numel())
@@ -666,15 +700,36 @@ def _zero_points_cuda(zp: Tensor, size_k: int, size_n: int, num_bits: int) -> Te
 
 
 def gemm_variant() -> int:
-    """$WNA16CTL_GEMM_VARIANT: auto (mma on sm80+), mma or fma."""
+    """$WNA16CTL_GEMM_VARIANT: auto (mma on sm80+), mma or fma; the v2 kernel also takes tile16,
+    tile32 or tile64 (a forced tile height)."""
     name = os.environ.get("WNA16CTL_GEMM_VARIANT", "auto").strip().lower() or "auto"
+    if name in GEMM_V2_TILES:
+        return GEMM_V2_TILES[name]
     if name not in GEMM_VARIANTS:
-        raise ValueError(f"WNA16CTL_GEMM_VARIANT={name!r}: expected one of {sorted(GEMM_VARIANTS)}")
+        raise ValueError(f"WNA16CTL_GEMM_VARIANT={name!r}: expected one of "
+                         f"{sorted(GEMM_VARIANTS) + sorted(GEMM_V2_TILES)}")
     return GEMM_VARIANTS[name]
+
+
+def gemm_kernel() -> str:
+    """$WNA16CTL_GEMM_KERNEL: auto (the fast v2 kernel where it applies, else v1), v1 (the simple
+    reference kernel) or v2 (the fast kernel; errors instead of falling back)."""
+    name = os.environ.get("WNA16CTL_GEMM_KERNEL", "auto").strip().lower() or "auto"
+    if name not in GEMM_KERNELS:
+        raise ValueError(f"WNA16CTL_GEMM_KERNEL={name!r}: expected one of {list(GEMM_KERNELS)}")
+    return name
 
 
 def _i32(t: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
     return None if t is None else t.to(device=device, dtype=torch.int32).contiguous()
+
+
+def _aligned16(t: Optional[Tensor]) -> Optional[Tensor]:
+    """Contiguous and 16-byte aligned (the v2 kernel moves 16 bytes at a time)."""
+    if t is None:
+        return None
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
 def _gemm_cuda(
@@ -693,17 +748,36 @@ def _gemm_cuda(
                        topk_weights, top_k, num_bits)
     dev = a.device
     num_slots = a.shape[0] * top_k
+    gidx_mode = perm is not None and not is_k_full
+    _check_routing_values(g_idx, sorted_token_ids, num_slots, groups, gidx_mode)
     out = torch.zeros(num_slots, size_n, dtype=a.dtype, device=dev)
-    ws = torch.empty(experts + 1, dtype=torch.int32, device=dev)
     ids = _i32(sorted_token_ids, dev)
     tw = None if topk_weights is None else topk_weights.to(device=dev, dtype=torch.float32).contiguous()
-    a_c, b_c, s_c = a.contiguous(), b_q.contiguous(), scales.contiguous()
-    zp_c, gi, pm, offs = _i32(zero_points, dev), _i32(g_idx, dev), _i32(perm, dev), _i32(expert_offsets, dev)
+    a_c, b_c, s_c = _aligned16(a), _aligned16(b_q), _aligned16(scales)
+    zp_c, gi, pm, offs = (_aligned16(_i32(zero_points, dev)), _aligned16(_i32(g_idx, dev)), _i32(perm, dev),
+                          _i32(expert_offsets, dev))
+    variant, which = gemm_variant(), gemm_kernel()
+    tail = (_ptr(a_c), _ptr(b_c), _ptr(s_c), _ptr(zp_c), _ptr(gi), _ptr(pm), _ptr(ids), _ptr(offs), _ptr(tw),
+            _ptr(out))
+    sizes = (num_slots, ids.numel(), experts, size_n, size_k, groups, top_k, num_bits, DTYPE_CODES[a.dtype],
+             int(is_k_full), variant, _stream(a_c))
     with torch.cuda.device(dev):
-        lib.call("wna16_cuda_moe_gemm", _ptr(a_c), _ptr(b_c), _ptr(s_c), _ptr(zp_c), _ptr(gi), _ptr(pm),
-                 _ptr(ids), _ptr(offs), _ptr(tw), _ptr(out), _ptr(ws), num_slots, ids.numel(), experts,
-                 size_n, size_k, groups, top_k, num_bits, DTYPE_CODES[a.dtype], int(is_k_full),
-                 gemm_variant(), _stream(a_c))
+        if which != "v1" and variant != GEMM_VARIANTS["fma"]:
+            try:
+                words = ctypes.c_int64(0)
+                lib.call("wna16_cuda_moe_gemm_v2_workspace", ids.numel(), experts, size_n, size_k, groups,
+                         num_bits, int(perm is not None), variant, ctypes.byref(words))
+                ws = torch.empty(max(words.value, 1), dtype=torch.int32, device=dev)
+                lib.call("wna16_cuda_moe_gemm_v2", *tail, _ptr(ws), *sizes)
+                return out
+            except KernelError as exc:
+                if which == "v2" or exc.code != WNA16_ENOTSUP:
+                    raise
+                log.debug("v2 GEMM declined (%s): using the v1 kernel", exc)
+        if variant in GEMM_V2_TILES.values():
+            raise ValueError("WNA16CTL_GEMM_VARIANT=tile16/32/64 applies to the v2 kernel only")
+        ws = torch.empty(experts + 1, dtype=torch.int32, device=dev)
+        lib.call("wna16_cuda_moe_gemm", *tail, _ptr(ws), *sizes)
     return out
 
 
