@@ -294,7 +294,7 @@ def measure(archs: list[str]) -> tuple[list[KernelFigures], list[str]]:
                 f = KernelFigures(kernel, arch, name, mangled, u["registers"], u["spill_stores"], u["spill_loads"],
                                   u["stack"], u["smem"], num_bits=nb)
                 if kernel == "v2":
-                    m = re.search(r"ELi(\d)ELi(\d)ELi(\d)E", mangled.split("kernelI", 1)[1])
+                    m = re.search(r"moe_gemm_v2_kernelILi\d+ELi\d+ELi(\d+)ELi(\d+)ELi(\d+)E", mangled)
                     mt, nt_, mode = (int(x) for x in m.groups()) if m else (0, 0, 0)
                     f.smem_dynamic = smem.get((nb, mt, nt_, int(mode == 2)), 0)
                 counted = counter(kernel, bodies[mangled]) if mangled in bodies else None
