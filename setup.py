@@ -21,12 +21,15 @@ class BuildPyWithKernels(build_py):
             return
         source = Path(__file__).resolve().parent / "kernels"
         target = Path(self.build_lib) / "wna16ctl" / "kernel_sources"
-        files = sorted(p for p in source.iterdir() if p.suffix in KERNEL_SUFFIXES)
+        # kernels/ and its emu/ folder (the CPU emulation that intrinsics.cuh includes on the host)
+        files = sorted(p for p in (*source.iterdir(), *(source / "emu").iterdir())
+                       if p.is_file() and p.suffix in KERNEL_SUFFIXES)
         if not files:
             raise RuntimeError(f"{source}: no kernel sources to package")
-        self.mkpath(str(target))
         for path in files:
-            self.copy_file(str(path), str(target / path.name))
+            dest = target / path.relative_to(source)
+            self.mkpath(str(dest.parent))
+            self.copy_file(str(path), str(dest))
 
 
 setup(cmdclass={"build_py": BuildPyWithKernels})

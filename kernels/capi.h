@@ -1,9 +1,10 @@
 /* C ABI of the wna16ctl kernel libraries, bound from Python with ctypes (wna16ctl/kernels.py).
  *
  * Two shared libraries are built from kernels/:
- *   libwna16_host  (g++:  host.cpp, host_gemm.cpp, error.cpp) -- CPU Marlin repack, index
- *                  queries, CPU replay of the CUDA GEMM
+ *   libwna16_host  (g++:  host.cpp, error.cpp)                -- CPU Marlin repack, index queries
  *   libwna16_cuda  (nvcc: repack.cu, moe_gemm.cu, error.cpp)  -- CUDA kernels
+ * The tests also build the CUDA sources with g++ against the CPU emulation of intrinsics.cuh
+ * (kernels/emu/), where the wna16_cuda_* functions below run on host memory.
  *
  * Conventions: raw pointers to contiguous row-major buffers, sizes as int64_t, streams as void*
  * (a cudaStream_t; NULL = legacy default stream). Every function returns WNA16_OK or an error code
@@ -84,25 +85,6 @@ WNA16_API int wna16_marlin_dst_table(int num_bits, int64_t size_k, int64_t size_
 /* Chunk permutations: scales (64 or 32 entries), zero points (64 entries). */
 WNA16_API int wna16_scale_perm_table(int grouped, int32_t* out);
 WNA16_API int wna16_zp_perm_table(int num_bits, int32_t* out);
-
-/* CPU replay of the CUDA repack kernel's block phases (repack.cuh), for tests. */
-WNA16_API int wna16_marlin_repack_replay(const int32_t* packed, const int32_t* perm, int32_t* out,
-                                         int64_t num_experts, int64_t size_k, int64_t size_n,
-                                         int num_bits);
-/* CPU replay of the CUDA GEMM (same tile phases, software mma.sync), for tests on machines
- * without a GPU. Contract of wna16_cuda_moe_gemm on host memory; variant FMA or MMA (AUTO = MMA);
- * tile_rows 0 (the launcher's choice), 16 or 64. Slow by design. */
-WNA16_API int wna16_moe_gemm_replay(const void* a, const int32_t* b, const void* scales,
-                                    const int32_t* zp, const int32_t* g_idx, const int32_t* perm,
-                                    const int32_t* sorted_ids, const int32_t* offsets,
-                                    const float* topk_weights, void* c, int32_t* workspace,
-                                    int64_t num_slots, int64_t num_sorted, int64_t num_experts,
-                                    int64_t size_n, int64_t size_k, int64_t num_groups, int top_k,
-                                    int num_bits, int dtype, int is_k_full, int variant,
-                                    int tile_rows);
-/* The replay's float <-> fp16/bf16 conversions (round to nearest even), checked against torch. */
-WNA16_API int wna16_round_16bit(const float* in, uint16_t* out, int64_t n, int dtype);
-WNA16_API int wna16_widen_16bit(const uint16_t* in, float* out, int64_t n, int dtype);
 
 /* ---------------------------------------------------------------- CUDA library ------------ */
 

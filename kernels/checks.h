@@ -47,7 +47,7 @@ static inline int wna16_check_zp(int64_t size_n, int num_bits) {
   return WNA16_OK;
 }
 
-// The GEMM launcher's checks (shared with the CPU replay). Mirrors the Marlin MoE kernel's rules
+// The GEMM launcher's checks. Mirrors the Marlin MoE kernel's rules
 // (spec §6.8): act-order with a full K needs several groups; otherwise groups must tile K.
 static inline int wna16_check_gemm(const void* a, const int32_t* b, const void* scales,
                                    const int32_t* g_idx, const int32_t* perm,

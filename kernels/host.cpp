@@ -5,14 +5,12 @@
 #include <string.h>
 
 #include <algorithm>
-#include <memory>
 #include <thread>
 #include <vector>
 
 #include "capi.h"
 #include "checks.h"
 #include "layout.cuh"
-#include "repack.cuh"
 
 namespace {
 
@@ -173,33 +171,6 @@ WNA16_API int wna16_marlin_repack_host(const int32_t* packed, const int32_t* per
       repack_ktile(rows, size_n, dst, size_n, num_bits);
     }
   });
-  return WNA16_OK;
-}
-
-// The CUDA repack kernel's block phases (repack.cuh) replayed thread by thread: the tests run the
-// GPU's work split and addressing on machines without a GPU.
-WNA16_API int wna16_marlin_repack_replay(const int32_t* packed, const int32_t* perm, int32_t* out,
-                                         int64_t num_experts, int64_t size_k, int64_t size_n,
-                                         int num_bits) {
-  int rc = wna16_check_marlin_shape(num_experts, size_k, size_n, num_bits);
-  if (rc) return rc;
-  const int64_t tasks = wna16::repack_tasks(num_experts, size_k, size_n);
-  auto run = [&](auto tile) {
-    using Tile = decltype(tile);
-    std::unique_ptr<typename Tile::Shared> sh(new typename Tile::Shared());
-    const int nt = wna16::kRepackThreads;
-    for (int64_t task = 0; task < tasks; ++task) {
-      const wna16::RepackTask t = wna16::repack_task(task, size_k, size_n);
-      if (perm)
-        for (int tid = 0; tid < nt; ++tid) Tile::load_perm(perm, t, size_k, *sh, tid);
-      for (int tid = 0; tid < nt; ++tid)
-        Tile::stage((const uint32_t*)packed, perm != nullptr, t, size_k, size_n, *sh, tid, nt);
-      for (int tid = 0; tid < nt; ++tid)
-        Tile::emit((uint32_t*)out, t, size_k, size_n, *sh, tid, nt);
-    }
-  };
-  if (num_bits == 4) run(wna16::RepackTile<4>());
-  else run(wna16::RepackTile<8>());
   return WNA16_OK;
 }
 

@@ -13,6 +13,7 @@
 #include <stdint.h>
 
 #if defined(__CUDACC__)
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #endif
 
@@ -78,11 +79,12 @@ WNA16_DEV void wna16_cp_async16(void* smem, const void* gmem, bool pred = true) 
 // cp.async.commit_group
 WNA16_DEV void wna16_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
-// Wait until at most N of this thread's committed groups are pending.
+// Wait until at most N of this thread's committed groups are pending. The memory clobber keeps
+// the compiler from hoisting shared-memory reads of the landed data above the wait.
 // cp.async.wait_group N
 template <int N>
 WNA16_DEV void wna16_cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 // Any three-input bitwise function: LUT is the truth table over (0xF0, 0xCC, 0xAA) = (a, b, c).
@@ -173,18 +175,30 @@ WNA16_DEV float2 wna16_f16x2_to_float2(uint32_t v) {
   return __half22float2(*reinterpret_cast<const __half2*>(&v));
 }
 WNA16_DEV uint32_t wna16_float2_to_f16x2(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  // no cvt.f16x2 before sm80: two scalar conversions (same result)
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+#else
   uint32_t d;
   asm volatile("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(d) : "f"(hi), "f"(lo));
   return d;
+#endif
 }
 // bf16 -> fp32 is a 16-bit shift; cvt.rn.bf16x2.f32
 WNA16_DEV float2 wna16_bf16x2_to_float2(uint32_t v) {
   return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
 }
 WNA16_DEV uint32_t wna16_float2_to_bf16x2(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  // no cvt.bf16x2 before sm80: cuda_bf16.h's software rounding (same result)
+  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+#else
   uint32_t d;
   asm volatile("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(d) : "f"(hi), "f"(lo));
   return d;
+#endif
 }
 
 // Dynamic shared memory of the launch (the launch's smem_bytes), 16-byte aligned.

@@ -1,31 +1,43 @@
-// CUDA launcher of the MoE GEMM over Marlin-layout WNA16 weights (W4A16 / W8A16, fp16 or bf16
+// Launcher of the MoE GEMM over Marlin-layout WNA16 weights (W4A16 / W8A16, fp16 or bf16
 // activations, fp32 accumulation, tokens grouped per expert). The tile algorithm lives in
-// moe_gemm.cuh, shared with the CPU replay in host_gemm.cpp that the tests run.
+// moe_gemm.cuh. Every device intrinsic comes from intrinsics.cuh, so this same file is built by
+// nvcc for the GPU and by g++ against the CPU emulation (kernels/emu/) that the tests run.
 //
 // Correctness first: not vLLM's Marlin kernel and no attempt at its speed -- no cp.async
 // pipeline, no split-K, every weight code decoded through layout.cuh's generic map. The product
 // runs on tensor cores (mma.sync m16n8k16, sm80+) or, as a cross-check of the mma fragment
-// mapping, as a plain fp32 FMA loop over the same shared tiles (variant argument).
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
+// mapping, as a plain fp32 FMA loop over the same shared tiles (variant argument). It stays as
+// the simple reference the faster kernels are tested against.
+#include <type_traits>
 
 #include "capi.h"
 #include "checks.h"
+#include "intrinsics.cuh"
 #include "moe_gemm.cuh"
 
 namespace wna16 {
 
+// 16-bit activation storage; the arithmetic goes through intrinsics.cuh's conversions
+// (fp32 -> 16 bit rounds to nearest even).
+struct F16 {
+  uint16_t bits;
+};
+struct BF16 {
+  uint16_t bits;
+};
+
 template <>
-struct Num<half> {
-  static __device__ __forceinline__ float to_float(half x) { return __half2float(x); }
-  static __device__ __forceinline__ half from_float(float x) { return __float2half_rn(x); }
+struct Num<F16> {
+  static WNA16_DEV float to_float(F16 x) { return wna16_f16x2_to_float2(x.bits).x; }
+  static WNA16_DEV F16 from_float(float x) {
+    return F16{(uint16_t)(wna16_float2_to_f16x2(x, 0.f) & 0xffffu)};
+  }
 };
 template <>
-struct Num<__nv_bfloat16> {
-  static __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-  static __device__ __forceinline__ __nv_bfloat16 from_float(float x) {
-    return __float2bfloat16_rn(x);
+struct Num<BF16> {
+  static WNA16_DEV float to_float(BF16 x) { return wna16_bf16x2_to_float2(x.bits).x; }
+  static WNA16_DEV BF16 from_float(float x) {
+    return BF16{(uint16_t)(wna16_float2_to_bf16x2(x, 0.f) & 0xffffu)};
   }
 };
 
@@ -42,32 +54,13 @@ int cuda_fail(cudaError_t err, const char* what) {
 
 // d += a * b on one m16n8k16 tile (fragment layout: see MoeTile::frag_a).
 template <typename T>
-__device__ __forceinline__ void mma_16816(float* d, const uint32_t* a, const uint32_t* b);
-
-template <>
-__device__ __forceinline__ void mma_16816<half>(float* d, const uint32_t* a, const uint32_t* b) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-#else
+WNA16_DEV void mma_16816(float* d, const uint32_t* a, const uint32_t* b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  (void)d, (void)a, (void)b;
   __trap();  // the launcher never selects mma below sm80
-#endif
-}
-
-template <>
-__device__ __forceinline__ void mma_16816<__nv_bfloat16>(float* d, const uint32_t* a,
-                                                         const uint32_t* b) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 #else
-  __trap();
+  if constexpr (std::is_same<T, F16>::value) wna16_mma_f16(d, a, b);
+  else wna16_mma_bf16(d, a, b);
 #endif
 }
 
@@ -78,37 +71,38 @@ __global__ void tile_prefix_kernel(const GemmArgs p, int32_t* ws, int bm) {
 template <typename T, int NB, int BM, bool MMA>
 __global__ void __launch_bounds__(kThreads) moe_wna16_kernel(const GemmArgs p) {
   using Tile = MoeTile<T, NB, BM, MMA>;
-  __shared__ __align__(16) typename Tile::Shared sh;
+  WNA16_SHARED_MEMORY(uint4, smem);
+  typename Tile::Shared& sh = *reinterpret_cast<typename Tile::Shared*>(smem);
   const int tid = threadIdx.x;
   const int64_t total = work_count(p);
 
   for (int64_t work = blockIdx.x; work < total; work += gridDim.x) {
     const WorkItem w = locate<BM>(p, work);
-    __syncthreads();  // the previous work item is done with the shared tiles
+    wna16_syncthreads();  // the previous work item is done with the shared tiles
     Tile::load_slots(p, w, sh, tid);
     float acc[Tile::ACC];
-#pragma unroll
+WNA16_UNROLL
     for (int i = 0; i < Tile::ACC; ++i) acc[i] = 0.f;
 
     for (int64_t k0 = 0; k0 < p.size_k; k0 += kBK) {
       const int kb = (int)(p.size_k - k0 < kBK ? p.size_k - k0 : kBK);  // multiple of 16
-      __syncthreads();  // previous step consumed; slots visible
+      wna16_syncthreads();  // previous step consumed; slots visible
       if (p.perm) {
         Tile::load_kperm(p, w, sh, tid, k0, kb);
-        __syncthreads();
+        wna16_syncthreads();
       }
       Tile::load_a(p, w, sh, tid, k0, kb);
       Tile::decode_b(p, w, sh, tid, k0, kb);
-      __syncthreads();
+      wna16_syncthreads();
       if constexpr (MMA) {
         for (int ks = 0; ks < kb; ks += 16) {
           uint32_t af[Tile::MI][4];
           Tile::frag_a(sh, tid, ks, af);
-#pragma unroll
+WNA16_UNROLL
           for (int ni = 0; ni < Tile::NI; ++ni) {
             uint32_t bf[2];
             if (!Tile::frag_b(sh, tid, ks, ni, w.ncols, bf)) continue;  // warp-uniform
-#pragma unroll
+WNA16_UNROLL
             for (int mi = 0; mi < Tile::MI; ++mi)
               mma_16816<T>(&acc[(mi * Tile::NI + ni) * 4], af[mi], bf);
           }
@@ -123,14 +117,18 @@ __global__ void __launch_bounds__(kThreads) moe_wna16_kernel(const GemmArgs p) {
 
 // The FMA variant exists to cross-check the mma path, so it gets one tile shape (fewer
 // instantiations keep the build at a few seconds).
+template <typename T, int NB, int BM, bool MMA>
+void launch_tile(const GemmArgs& p, int grid, cudaStream_t s) {
+  constexpr size_t smem = sizeof(typename MoeTile<T, NB, BM, MMA>::Shared);
+  static_assert(smem <= 48 * 1024, "the tiles fit the default dynamic shared memory");
+  WNA16_LAUNCH(grid, kThreads, smem, s, (moe_wna16_kernel<T, NB, BM, MMA>), p);
+}
+
 template <typename T, int NB>
 void launch_typed(const GemmArgs& p, int bm, bool mma, int grid, cudaStream_t s) {
-  if (!mma)
-    moe_wna16_kernel<T, NB, 16, false><<<grid, kThreads, 0, s>>>(p);
-  else if (bm == 16)
-    moe_wna16_kernel<T, NB, 16, true><<<grid, kThreads, 0, s>>>(p);
-  else
-    moe_wna16_kernel<T, NB, 64, true><<<grid, kThreads, 0, s>>>(p);
+  if (!mma) launch_tile<T, NB, 16, false>(p, grid, s);
+  else if (bm == 16) launch_tile<T, NB, 16, true>(p, grid, s);
+  else launch_tile<T, NB, 64, true>(p, grid, s);
 }
 
 }  // namespace
@@ -172,7 +170,7 @@ extern "C" WNA16_API int wna16_cuda_moe_gemm(
   const GemmArgs p{a, (const uint32_t*)b, scales, (const uint32_t*)zp, g_idx, perm, sorted_ids,
                    offsets, topk_weights, c, workspace, num_slots, num_sorted, num_experts,
                    size_n, size_k, num_groups, top_k, (perm && !is_k_full) ? 1 : 0};
-  tile_prefix_kernel<<<1, 32, 0, s>>>(p, workspace, bm);
+  WNA16_LAUNCH(1, 32, 0, s, tile_prefix_kernel, p, workspace, bm);
   if ((err = cudaGetLastError()) != cudaSuccess) return cuda_fail(err, "tile_prefix_kernel");
 
   // Upper bound of the work items (the exact count lives on the device); extra blocks exit.
@@ -180,11 +178,11 @@ extern "C" WNA16_API int wna16_cuda_moe_gemm(
   const int64_t cap = (int64_t)sms * 8;
   const int grid = (int)(work < cap ? work : cap);
   if (dtype == WNA16_DTYPE_F16) {
-    if (num_bits == 4) launch_typed<half, 4>(p, bm, mma, grid, s);
-    else launch_typed<half, 8>(p, bm, mma, grid, s);
+    if (num_bits == 4) launch_typed<F16, 4>(p, bm, mma, grid, s);
+    else launch_typed<F16, 8>(p, bm, mma, grid, s);
   } else {
-    if (num_bits == 4) launch_typed<__nv_bfloat16, 4>(p, bm, mma, grid, s);
-    else launch_typed<__nv_bfloat16, 8>(p, bm, mma, grid, s);
+    if (num_bits == 4) launch_typed<BF16, 4>(p, bm, mma, grid, s);
+    else launch_typed<BF16, 8>(p, bm, mma, grid, s);
   }
   if ((err = cudaGetLastError()) != cudaSuccess) return cuda_fail(err, "moe_wna16_kernel");
   return WNA16_OK;

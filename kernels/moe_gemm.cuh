@@ -1,10 +1,7 @@
-// The MoE GEMM tile algorithm, written as barrier-separated phases of per-thread work so that the
-// same code runs in two places:
-//   * moe_gemm.cu launches it as a CUDA kernel (one block of kThreads threads per work item,
-//     __syncthreads() between phases, mma.sync for the tensor-core product);
-//   * host_gemm.cpp replays it on the CPU thread by thread, phase by phase, with a software
-//     mma.sync (the PTX fragment layout) -- so the tiling, routing, act-order, zero-point and
-//     index logic that the GPU runs is executed by the test-suite on machines without a GPU.
+// The MoE GEMM tile algorithm, written as barrier-separated phases of per-thread work; the
+// kernel in moe_gemm.cu runs one block of kThreads threads per work item, wna16_syncthreads()
+// between phases, mma.sync for the tensor-core product. The same source runs on the GPU (nvcc)
+// and on the CPU emulation of intrinsics.cuh (g++), which is how the tests execute it.
 // Plain C++ under g++ (layout.cuh's WNA16_HD); the includer supplies Num<T> for its types.
 //
 // Work decomposition: work item = (m-tile, n-tile); m-tiles enumerate BM-slot chunks of every

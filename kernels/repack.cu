@@ -1,11 +1,10 @@
 // CUDA Marlin repack, scale permutation and zero-point conversion for many experts per launch.
-// The index math is layout.cuh's and the repack's block work is repack.cuh's (replayed on the CPU
-// by the tests); these kernels only schedule it, so the output is bit-identical to the host
-// library and to the torch path.
-#include <cuda_runtime.h>
-
+// The index math is layout.cuh's and the repack's block work is repack.cuh's; these kernels only
+// schedule it, so the output is bit-identical to the host library and to the torch path. Built by
+// nvcc for the GPU and by g++ against the CPU emulation (intrinsics.cuh, kernels/emu/).
 #include "capi.h"
 #include "checks.h"
+#include "intrinsics.cuh"
 #include "repack.cuh"
 
 namespace {
@@ -37,18 +36,19 @@ __global__ void __launch_bounds__(kRepackThreads)
                          uint32_t* __restrict__ out, int64_t num_experts, int64_t size_k,
                          int64_t size_n) {
   using Tile = RepackTile<NB>;
-  __shared__ typename Tile::Shared sh;
+  WNA16_SHARED_MEMORY(uint4, smem);
+  typename Tile::Shared& sh = *reinterpret_cast<typename Tile::Shared*>(smem);
   const int64_t tasks = repack_tasks(num_experts, size_k, size_n);
   for (int64_t task = blockIdx.x; task < tasks; task += gridDim.x) {
     const RepackTask t = repack_task(task, size_k, size_n);
     if (perm) {
       Tile::load_perm(perm, t, size_k, sh, threadIdx.x);
-      __syncthreads();
+      wna16_syncthreads();
     }
     Tile::stage(packed, perm != nullptr, t, size_k, size_n, sh, threadIdx.x, blockDim.x);
-    __syncthreads();
+    wna16_syncthreads();
     Tile::emit(out, t, size_k, size_n, sh, threadIdx.x, blockDim.x);
-    __syncthreads();  // shared rows are rewritten by the next task
+    wna16_syncthreads();  // shared rows are rewritten by the next task
   }
 }
 
@@ -71,7 +71,7 @@ __global__ void zero_points_kernel(const uint32_t* __restrict__ in, uint32_t* __
     const uint32_t* row = in + (i / words) * words;
     const int64_t w = i % words;
     uint32_t word = 0;
-#pragma unroll
+WNA16_UNROLL
     for (int s = 0; s < PF; ++s) {
       const int64_t q = w * PF + s;
       const int64_t from = (q / 64) * 64 + wna16_zp_src(NB, (int)(q % 64));
@@ -114,11 +114,11 @@ WNA16_API int wna16_cuda_marlin_repack(const int32_t* packed, const int32_t* per
   const cudaStream_t s = (cudaStream_t)stream;
   const int grid = grid_for(tasks, 8);
   if (num_bits == 4)
-    marlin_repack_kernel<4><<<grid, kRepackThreads, 0, s>>>(
-        (const uint32_t*)packed, perm, (uint32_t*)out, num_experts, size_k, size_n);
+    WNA16_LAUNCH(grid, kRepackThreads, sizeof(RepackTile<4>::Shared), s, marlin_repack_kernel<4>,
+                 (const uint32_t*)packed, perm, (uint32_t*)out, num_experts, size_k, size_n);
   else
-    marlin_repack_kernel<8><<<grid, kRepackThreads, 0, s>>>(
-        (const uint32_t*)packed, perm, (uint32_t*)out, num_experts, size_k, size_n);
+    WNA16_LAUNCH(grid, kRepackThreads, sizeof(RepackTile<8>::Shared), s, marlin_repack_kernel<8>,
+                 (const uint32_t*)packed, perm, (uint32_t*)out, num_experts, size_k, size_n);
   return launch_status("marlin_repack_kernel");
 }
 
@@ -131,11 +131,11 @@ WNA16_API int wna16_cuda_permute_scales(const void* in, void* out, int64_t rows,
   const cudaStream_t s = (cudaStream_t)stream;
   const int grid = grid_for((total + 255) / 256, 16);
   if (elem_bytes == 2)
-    permute_scales_kernel<uint16_t>
-        <<<grid, 256, 0, s>>>((const uint16_t*)in, (uint16_t*)out, total, grouped);
+    WNA16_LAUNCH(grid, 256, 0, s, permute_scales_kernel<uint16_t>, (const uint16_t*)in,
+                 (uint16_t*)out, total, grouped);
   else
-    permute_scales_kernel<uint32_t>
-        <<<grid, 256, 0, s>>>((const uint32_t*)in, (uint32_t*)out, total, grouped);
+    WNA16_LAUNCH(grid, 256, 0, s, permute_scales_kernel<uint32_t>, (const uint32_t*)in,
+                 (uint32_t*)out, total, grouped);
   return launch_status("permute_scales_kernel");
 }
 
@@ -148,9 +148,11 @@ WNA16_API int wna16_cuda_zero_points(const int32_t* in, int32_t* out, int64_t ro
   const cudaStream_t s = (cudaStream_t)stream;
   const int grid = grid_for((total + 255) / 256, 16);
   if (num_bits == 4)
-    zero_points_kernel<4><<<grid, 256, 0, s>>>((const uint32_t*)in, (uint32_t*)out, rows, size_n);
+    WNA16_LAUNCH(grid, 256, 0, s, zero_points_kernel<4>, (const uint32_t*)in, (uint32_t*)out, rows,
+                 size_n);
   else
-    zero_points_kernel<8><<<grid, 256, 0, s>>>((const uint32_t*)in, (uint32_t*)out, rows, size_n);
+    WNA16_LAUNCH(grid, 256, 0, s, zero_points_kernel<8>, (const uint32_t*)in, (uint32_t*)out, rows,
+                 size_n);
   return launch_status("zero_points_kernel");
 }
 

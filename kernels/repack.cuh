@@ -1,5 +1,5 @@
-// The CUDA repack's per-block work as barrier-separated phases, shared by the kernel (repack.cu)
-// and its CPU replay (host.cpp, run by the tests), like moe_gemm.cuh for the GEMM.
+// The CUDA repack's per-block work as barrier-separated phases (the kernel is in repack.cu; the
+// tests run it on the CPU emulation of intrinsics.cuh), like moe_gemm.cuh for the GEMM.
 //
 // Task = (expert, k-tile, chunk of kRepackCols columns). Phase 1 stages the k-tile's 16/pf
 // packed rows in shared memory with coalesced loads, gathering rows through the act-order perm

@@ -169,6 +169,7 @@ def test_wheel_install_runs_demo_inspect_repack_verify(tmp_path):
     installed = Path(where[0]).parent
     assert tmp_path / "venv" in installed.parents
     assert Path(where[1]) == installed / "kernel_sources" and (Path(where[1]) / "capi.h").is_file()
+    assert (Path(where[1]) / "emu" / "intrinsics_host.h").is_file()  # the host side of intrinsics.cuh
 
     for res in (run("demo", "ck"), run("inspect", "ck", "--tp", "1,2")):
         assert res.stderr == "", res.stderr

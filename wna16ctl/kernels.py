@@ -5,8 +5,7 @@ Two shared libraries are compiled on first use into a per-user cache
 and the target, built in a temporary directory and renamed into place (concurrent first uses are
 safe), and loaded with ctypes:
 
-* the host library (g++): the fast multi-threaded CPU Marlin repack, index queries, and a CPU
-  replay of the CUDA GEMM used by the tests;
+* the host library (g++): the fast multi-threaded CPU Marlin repack and index queries;
 * the CUDA library (nvcc): repack, scale / zero-point permutation and the MoE GEMM (the fast
   Marlin-style kernel of `moe_gemm_v2.cu`, with the simple kernel of `moe_gemm.cu` kept as the
   reference and for what the fast one does not take; `$WNA16CTL_GEMM_KERNEL` picks one).
@@ -39,11 +38,10 @@ log = logging.getLogger(__name__)
 
 ABI_VERSION = 1  # must equal WNA16_ABI_VERSION in kernels/capi.h
 
-HOST_SOURCES = ("host.cpp", "host_gemm.cpp", "error.cpp")
+HOST_SOURCES = ("host.cpp", "error.cpp")
 CUDA_SOURCES = ("repack.cu", "moe_gemm.cu", "moe_gemm_v2.cu", "error.cpp")
 _HOST_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-pthread", "-fvisibility=hidden")
-# The GEMM replay is a test vehicle with many template instances: -O1 builds it 3x faster.
-_HOST_FILE_FLAGS = {"host_gemm.cpp": ("-O1",)}
+_HOST_FILE_FLAGS: dict[str, tuple[str, ...]] = {}
 _CUDA_FLAGS = ("-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden")
 _FALLBACK_ARCHS = ("80", "90")
 
@@ -305,16 +303,12 @@ _HOST_PROTOS = {
     "wna16_marlin_repack_host": (_I32, [_P, _P, _P, _I64, _I64, _I64, _I32, _I32]),
     "wna16_marlin_repack_host_strided": (_I32, [_P, _P, _P, _I64, _I64, _I64, _I32] + [_I64] * 5 + [_I32]),
     "wna16_marlin_unrepack_host": (_I32, [_P, _P, _P, _I64, _I64, _I64, _I32, _I32]),
-    "wna16_marlin_repack_replay": (_I32, [_P, _P, _P, _I64, _I64, _I64, _I32]),
     "wna16_permute_scales_host": (_I32, [_P, _P, _I64, _I64, _I32, _I32, _I32]),
     "wna16_zero_points_host": (_I32, [_P, _P, _I64, _I64, _I32, _I32]),
     "wna16_marlin_src_table": (_I32, [_I32, _I64, _I64, _P, _P]),
     "wna16_marlin_dst_table": (_I32, [_I32, _I64, _I64, _P, _P, _P]),
     "wna16_scale_perm_table": (_I32, [_I32, _P]),
     "wna16_zp_perm_table": (_I32, [_I32, _P]),
-    "wna16_moe_gemm_replay": (_I32, [_P] * 11 + [_I64] * 6 + [_I32] * 6),
-    "wna16_round_16bit": (_I32, [_P, _P, _I64, _I32]),
-    "wna16_widen_16bit": (_I32, [_P, _P, _I64, _I32]),
 }
 
 _CUDA_PROTOS = {
@@ -556,9 +550,10 @@ def _gemm_dims(a: Tensor, b_q: Tensor, scales: Tensor, num_bits: int, top_k: int
 def _check_gemm_extras(
     a: Tensor, b_q: Tensor, scales: Tensor, zero_points: Optional[Tensor], g_idx: Optional[Tensor],
     perm: Optional[Tensor], sorted_token_ids: Tensor, expert_offsets: Tensor,
-    topk_weights: Optional[Tensor], top_k: int, num_bits: int,
+    topk_weights: Optional[Tensor], top_k: int, num_bits: int, is_k_full: bool,
 ) -> None:
-    """Shapes of the optional and routing inputs: the CUDA kernel trusts them."""
+    """Shapes of the optional and routing inputs, the scale-group layout, and the index values:
+    the CUDA kernel trusts them."""
     experts, size_k, size_n, groups = _gemm_dims(a, b_q, scales, num_bits, top_k)
     if zero_points is not None and tuple(zero_points.shape) != (experts, groups, size_n * num_bits // 32):
         raise ValueError(f"zero_points {tuple(zero_points.shape)} != {(experts, groups, size_n * num_bits // 32)}")
@@ -571,27 +566,36 @@ def _check_gemm_extras(
         raise ValueError(f"sorted_token_ids must be 1-D and expert_offsets [{experts + 1}]")
     if topk_weights is not None and topk_weights.numel() != a.shape[0] * top_k:
         raise ValueError(f"topk_weights has {topk_weights.numel()} entries, expected {a.shape[0] * top_k}")
+    if perm is not None and is_k_full and groups <= 1:
+        raise ValueError("For act_order, num_groups must be > 1")
+    if not (perm is not None and not is_k_full) and size_k % groups:
+        raise ValueError(f"size_k = {size_k}, is not divisible by b_scales.size(1) = {groups}")
+    if a.is_cuda and torch.cuda.is_current_stream_capturing():
+        return  # the value checks below read the tensors back; a graph capture cannot
+    _check_gemm_values(g_idx, perm, sorted_token_ids, groups, size_k, a.shape[0] * top_k)
 
 
-def _check_routing_values(
-    g_idx: Optional[Tensor], sorted_token_ids: Tensor, num_slots: int, groups: int, gidx_mode: bool,
-) -> None:
-    """Values the kernels cannot check without a device round trip, checked here before a launch:
-    g_idx inside the scale rows (when it selects them) and no slot listed twice (two writers of
-    one output row)."""
-    if gidx_mode and g_idx is not None and g_idx.numel():
+def _check_gemm_values(g_idx: Optional[Tensor], perm: Optional[Tensor], sorted_token_ids: Tensor,
+                       groups: int, size_k: int, num_slots: int) -> None:
+    """Index values the kernels would otherwise clamp or race on: a scale group outside the scales,
+    a column outside K, a slot listed twice (two tiles would write the same output row)."""
+    if g_idx is not None and g_idx.numel():
         lo, hi = int(g_idx.min()), int(g_idx.max())
         if lo < 0 or hi >= groups:
-            raise ValueError(f"g_idx values lie in [{lo}, {hi}], outside the {groups} scale rows "
-                             f"[0, {groups}); pass the global group ids that index the scales")
-    ids = sorted_token_ids.reshape(-1)
-    valid = ids[(ids >= 0) & (ids < num_slots)]
-    if valid.numel() > 1:
-        counts = torch.bincount(valid.to(torch.int64), minlength=num_slots)
+            raise ValueError(f"g_idx values lie in [{lo}, {hi}], outside [0, num_groups = {groups}) "
+                             "of the scales: pass the scales g_idx refers to (all groups of the full K)")
+    if perm is not None and perm.numel():
+        lo, hi = int(perm.min()), int(perm.max())
+        if lo < 0 or hi >= size_k:
+            raise ValueError(f"perm values lie in [{lo}, {hi}], outside [0, size_k = {size_k})")
+    ids = sorted_token_ids.reshape(-1).to(torch.int64)
+    ids = ids[(ids >= 0) & (ids < num_slots)]  # the rest are padding sentinels
+    if ids.numel():
+        counts = torch.bincount(ids, minlength=num_slots)
         if int(counts.max()) > 1:
             slot = int(torch.argmax(counts))
-            raise ValueError(f"sorted_token_ids lists slot {slot} {int(counts[slot])} times; each "
-                             f"slot (token * top_k + j) may appear once (pad with ids >= {num_slots})")
+            raise ValueError(f"sorted_token_ids lists slot {slot} {int(counts[slot])} times: each slot "
+                             f"(token * top_k + j) may appear once; padding entries must be >= {num_slots}")
 
 
 def _gemm_cpu(
@@ -606,15 +610,10 @@ def _gemm_cpu(
 
     experts, size_k, size_n, groups = _gemm_dims(a, b_q, scales, num_bits, top_k)
     _check_gemm_extras(a, b_q, scales, zero_points, g_idx, perm, sorted_token_ids, expert_offsets,
-                       topk_weights, top_k, num_bits)
+                       topk_weights, top_k, num_bits, is_k_full)
     gidx_mode = perm is not None and not is_k_full
-    if perm is not None and is_k_full and groups <= 1:
-        raise ValueError("For act_order, num_groups must be > 1")
-    if not gidx_mode and size_k % groups:
-        raise ValueError(f"size_k = {size_k}, is not divisible by b_scales.size(1) = {groups}")
     dtype = a.dtype
     num_slots = a.shape[0] * top_k
-    _check_routing_values(g_idx, sorted_token_ids, num_slots, groups, gidx_mode)
     out = torch.zeros(num_slots, size_n, dtype=dtype)
     ids = sorted_token_ids.to(torch.int64)
     offs = expert_offsets.to(torch.int64).clamp(0, ids.numel())
@@ -745,11 +744,9 @@ def _gemm_cuda(
             lambda *t: _gemm_cpu(*t, top_k=top_k, num_bits=num_bits, is_k_full=is_k_full), a.device)
     experts, size_k, size_n, groups = _gemm_dims(a, b_q, scales, num_bits, top_k)
     _check_gemm_extras(a, b_q, scales, zero_points, g_idx, perm, sorted_token_ids, expert_offsets,
-                       topk_weights, top_k, num_bits)
+                       topk_weights, top_k, num_bits, is_k_full)
     dev = a.device
     num_slots = a.shape[0] * top_k
-    gidx_mode = perm is not None and not is_k_full
-    _check_routing_values(g_idx, sorted_token_ids, num_slots, groups, gidx_mode)
     out = torch.zeros(num_slots, size_n, dtype=a.dtype, device=dev)
     ids = _i32(sorted_token_ids, dev)
     tw = None if topk_weights is None else topk_weights.to(device=dev, dtype=torch.float32).contiguous()
@@ -778,34 +775,6 @@ def _gemm_cuda(
             raise ValueError("WNA16CTL_GEMM_VARIANT=tile16/32/64 applies to the v2 kernel only")
         ws = torch.empty(experts + 1, dtype=torch.int32, device=dev)
         lib.call("wna16_cuda_moe_gemm", *tail, _ptr(ws), *sizes)
-    return out
-
-
-def moe_wna16_gemm_replay(
-    a: Tensor, b_q: Tensor, scales: Tensor, zero_points: Optional[Tensor], g_idx: Optional[Tensor],
-    perm: Optional[Tensor], sorted_token_ids: Tensor, expert_offsets: Tensor,
-    topk_weights: Optional[Tensor], top_k: int, num_bits: int, is_k_full: bool,
-    variant: str = "mma", tile_rows: int = 0,
-) -> Tensor:
-    """The CUDA GEMM's tile algorithm replayed on the CPU by the host library (tests only)."""
-    lib = host_lib()
-    if lib is None:
-        raise KernelBuildError("the native host library is unavailable")
-    experts, size_k, size_n, groups = _gemm_dims(a, b_q, scales, num_bits, top_k)
-    _check_gemm_extras(a, b_q, scales, zero_points, g_idx, perm, sorted_token_ids, expert_offsets,
-                       topk_weights, top_k, num_bits)
-    cpu = torch.device("cpu")
-    num_slots = a.shape[0] * top_k
-    out = torch.zeros(num_slots, size_n, dtype=a.dtype)
-    ws = torch.empty(experts + 1, dtype=torch.int32)
-    ids = _i32(sorted_token_ids, cpu)
-    tw = None if topk_weights is None else topk_weights.to(torch.float32).contiguous()
-    a_c, b_c, s_c = a.contiguous(), b_q.contiguous(), scales.contiguous()
-    zp_c, gi, pm, offs = _i32(zero_points, cpu), _i32(g_idx, cpu), _i32(perm, cpu), _i32(expert_offsets, cpu)
-    lib.call("wna16_moe_gemm_replay", _ptr(a_c), _ptr(b_c), _ptr(s_c), _ptr(zp_c), _ptr(gi), _ptr(pm),
-             _ptr(ids), _ptr(offs), _ptr(tw), _ptr(out), _ptr(ws), num_slots, ids.numel(), experts,
-             size_n, size_k, groups, top_k, num_bits, DTYPE_CODES[a.dtype], int(is_k_full),
-             GEMM_VARIANTS[variant], tile_rows)
     return out
 
 
