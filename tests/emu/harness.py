@@ -23,7 +23,7 @@ from wna16ctl import kernels as K
 
 EMU_DIR = Path(__file__).resolve().parent
 # the real kernels and their launchers, the probes, the driver, the error store
-KERNEL_SOURCES = ("moe_gemm.cu", "repack.cu", "error.cpp")
+KERNEL_SOURCES = ("moe_gemm.cu", "moe_gemm_v2.cu", "repack.cu", "error.cpp")
 TEST_SOURCES = ("probes.cu", "runner.cpp")
 
 FLAVOURS: dict[str, tuple[str, ...]] = {
