@@ -49,6 +49,7 @@ struct Args {
   void* c;
   const int32_t* tile_prefix;  // [E + 1]: m-tiles of the experts before e; [E] = all of them
   int32_t* counters;           // per tile: blocks that finished their part (zeroed per call)
+  int32_t* ready;              // per partial slot: 1 once its partial tile is written (zeroed)
   float* partials;             // [2 * grid][BM * BN] fp32 partial tiles
   int64_t num_slots, num_sorted, num_experts, size_n, size_k, num_groups;
   int top_k;
@@ -610,15 +611,24 @@ struct Gemm {
               red[o + 3 * BM * P::RED_LD];
         }
       }
-      wna16_threadfence();
+      // publish: the barrier orders the block's partial stores before thread 0's release of its
+      // ready flag (release is cumulative); the relaxed counter only elects the last block
       wna16_syncthreads();
       if (tid == 0) {
+        wna16_store_release(p.ready + slot_of(self), 1);
         const int done = wna16_atomic_add(p.counters + tile, 1);
         sh_flag[0] = done == (int)(b_hi - b_lo);
       }
       wna16_syncthreads();
       if (!sh_flag[0]) return;
-      wna16_threadfence();
+      if (tid == 0) {  // consume: acquire every other part's flag (all are set or about to be:
+                       // each block raises its flag before it counts itself in)
+        for (int64_t b = b_lo; b <= b_hi; ++b)
+          if (b != self)
+            while (wna16_load_acquire(p.ready + slot_of(b)) == 0) {
+            }
+      }
+      wna16_syncthreads();  // ... and the barrier passes the acquisition on to the block
     }
 
     for (int c = tid; c < nchunks; c += kThreads) {
@@ -714,7 +724,7 @@ int make_config(int64_t num_sorted, int64_t num_experts, int64_t size_n, int num
   cfg->max_tiles = ((num_sorted + bm - 1) / bm + num_experts) * ((size_n + bn - 1) / bn);
   cfg->grid = sms * kBlocksPerSm;
   const int64_t header = (num_experts + 1 + 3) / 4 * 4;
-  const int64_t counters = (cfg->max_tiles + 3) / 4 * 4;
+  const int64_t counters = (cfg->max_tiles + 2 * (int64_t)cfg->grid + 3) / 4 * 4;  // + ready flags
   cfg->ws_words = header + counters + 2 * (int64_t)cfg->grid * bm * bn;
   return WNA16_OK;
 }
@@ -820,13 +830,14 @@ extern "C" WNA16_API int wna16_cuda_moe_gemm_v2(
     return rc;
 
   const int64_t header = (num_experts + 1 + 3) / 4 * 4;
-  const int64_t counters = (cfg.max_tiles + 3) / 4 * 4;
+  const int64_t counters = (cfg.max_tiles + 2 * (int64_t)cfg.grid + 3) / 4 * 4;
   Args p;
   p.a = a, p.b = (const uint32_t*)b, p.scales = (const uint16_t*)scales, p.zp = (const uint32_t*)zp;
   p.g_idx = g_idx, p.perm = perm, p.sorted_ids = sorted_ids, p.offsets = offsets;
   p.topk_weights = topk_weights, p.c = c;
   p.tile_prefix = workspace;
   p.counters = workspace + header;
+  p.ready = p.counters + cfg.max_tiles;
   p.partials = reinterpret_cast<float*>(workspace + header + counters);
   p.num_slots = num_slots, p.num_sorted = num_sorted, p.num_experts = num_experts;
   p.size_n = size_n, p.size_k = size_k, p.num_groups = num_groups, p.top_k = top_k;
