@@ -1,7 +1,7 @@
 """The fast MoE GEMM (kernels/moe_gemm_v2.cu) where no GPU is needed, and against the CPU op on one.
 
-* its register dequantisation (kernels/dequant.cuh), compiled for the host and checked
-  exhaustively against the plain conversion (tests/native/dequant_test.cpp);
+* its register dequantisation (kernels/dequant.cuh), compiled for the host (the emulated
+  intrinsics) and checked exhaustively against the plain conversion (tests/native/dequant_test.cpp);
 * the kernel selection switches;
 * gpu: the v2 kernel against the torch op and the v1 kernel for every tile variant and mode.
 """
@@ -25,9 +25,9 @@ def test_dequant_bit_tricks_equal_plain_conversion(tmp_path: Path) -> None:
     if cxx is None:
         pytest.skip("no g++ on PATH")
     exe = tmp_path / "dequant_test"
-    # the shim provides the ALU intrinsics when the kernel directory has no host emulation of them
-    build = subprocess.run([cxx, "-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror", "-I", str(K.kernels_dir()),
-                            "-I", str(NATIVE / "shim"), str(NATIVE / "dequant_test.cpp"), "-o", str(exe)],
+    # the intrinsics of the host build: kernels/emu/intrinsics_host.h
+    build = subprocess.run([cxx, "-std=c++17", "-O1", "-pthread", "-Wall", "-Wextra", "-Werror", "-I",
+                            str(K.kernels_dir()), str(NATIVE / "dequant_test.cpp"), "-o", str(exe)],
                            capture_output=True, text=True)
     assert build.returncode == 0, build.stderr
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)

@@ -2,8 +2,11 @@
 // every code against every zero point (and the default zero), for fp16 and bf16, 4 and 8 bit,
 // with a spread of scales, against the plain conversion dtype(dtype(code - zero) * scale); and
 // every output position against layout.cuh's slot map (which rows / columns a B fragment holds).
-// Prints "ok <checked values>" and exits 0, or the first mismatches and exits 1.
+// The intrinsics come from the host emulation (kernels/emu/intrinsics_host.h); the reference
+// conversions below are this file's own. Prints "ok <checked values>" and exits 0, or the first
+// mismatches and exits 1.
 #include <stdio.h>
+#include <string.h>
 
 #include "dequant.cuh"
 #include "layout.cuh"
@@ -17,10 +20,35 @@ long checked = 0;
 
 uint16_t half_of(uint32_t pair, int h) { return (uint16_t)(pair >> (16 * h)); }
 
+// Reference conversions, round to nearest even (fp16 through GCC's _Float16, bf16 by hand; the
+// values here are finite).
+float h2f(uint16_t h) {
+  _Float16 x;
+  memcpy(&x, &h, 2);
+  return (float)x;
+}
+uint16_t f2h(float f) {
+  const _Float16 x = (_Float16)f;
+  uint16_t h;
+  memcpy(&h, &x, 2);
+  return h;
+}
+float b2f(uint16_t b) {
+  const uint32_t u = (uint32_t)b << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+uint16_t f2b(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
 template <int DT>
-float to_f(uint16_t v) { return DT == kF16 ? wna16_shim_h2f(v) : wna16_shim_b2f(v); }
+float to_f(uint16_t v) { return DT == kF16 ? h2f(v) : b2f(v); }
 template <int DT>
-uint16_t from_f(float f) { return DT == kF16 ? wna16_shim_f2h(f) : wna16_shim_f2b(f); }
+uint16_t from_f(float f) { return DT == kF16 ? f2h(f) : f2b(f); }
 
 // The code that output register o, half h reads, and the (row, column) offset layout.cuh gives
 // that slot: rows (r, r+1) / (r+8, r+9) of columns c / c+8 for o = 0..3.
