@@ -10,7 +10,8 @@ The grid: K % 64 in {0, 16, 32, 48}; N in {64, 128, 256, 320}; fp16 and bf16; 4 
 zero points; act-order with a full K and with is_k_full false; sentinel-padded sorted ids; empty
 first and last experts; every tile variant (16 x 256, 32 x 128, 64 x 64 fast tiles, the general
 and g_idx 16 x 128 instances); stream-K tiles cut between blocks (few emulated SMs); and a few
-cases under ThreadSanitizer and AddressSanitizer + UBSan with two blocks running side by side.
+cases under ThreadSanitizer and AddressSanitizer + UBSan with two blocks running side by side;
+and the streaming loop with its barrier removed, which ThreadSanitizer must report.
 """
 
 from __future__ import annotations
@@ -129,3 +130,18 @@ def test_emulated_gemm_v2_refuses_what_it_does_not_run(plain: Path) -> None:  # 
     prob = grid_problem(size_k=64, size_n=64, m=2, experts=2)
     r, _ = run_gemm_v2(plain, prob, "auto", dev={"cc": 75})
     assert r.returncode == 0 and r.rc == K.WNA16_ENOTSUP and "needs sm80+" in r.message
+
+
+def test_tsan_reports_the_v2_streaming_loop_without_its_barrier(tmp_path: Path, drivers) -> None:  # noqa: F811
+    """The emulation catches a missing barrier in the fast kernel's inner loop: the next stage's
+    copies land in a buffer another warp may still be reading."""
+    intact = _driver(drivers, "tsan")  # skips when the runtime is missing
+    prob = grid_problem(size_k=640, size_n=256, group_size=128, m=2, experts=2)
+    check_gemm(prob, *run_gemm_v2(intact, prob, "tile16", dev={"sms": 1}))  # clean as written
+    src = H.mutated_kernels(
+        tmp_path, "moe_gemm_v2.cu",
+        "          wna16_syncthreads();\n          if (ks + kStages - 1 < ks1) ld.load(",
+        "          if (ks + kStages - 1 < ks1) ld.load(")
+    exe = H.build("tsan", src)
+    r, _ = run_gemm_v2(exe, prob, "tile16", dev={"sms": 1})
+    assert r.returncode == 66 and "data race" in r.stderr, r.stderr[-2000:]
