@@ -16,14 +16,16 @@ per kernel instance and architecture:
       loop). One iteration decodes one word, 32 / num_bits codes; its mma loop is extra.
   Without cuobjdump the same loops are counted in the PTX (`nvcc -ptx`) instead.
 
-cuobjdump is not part of every CUDA install; `pip install nvidia-cuda-cuobjdump` provides it
-(this script also looks in the wheel's nvidia/cu*/bin). Without nvcc nothing can be measured:
-one line says so and the script exits 0.
+cuobjdump (and the nvdisasm it runs) are not part of every CUDA install;
+`pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm` provides both (this script also looks in
+the wheels' nvidia/cu*/bin). Without nvcc nothing can be measured: one line says so and the
+script exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import re
 import shutil
@@ -66,17 +68,26 @@ class KernelFigures:
     notes: list[str] = field(default_factory=list)
 
 
-def find_cuobjdump() -> str | None:
-    found = shutil.which("cuobjdump")
+def _find_tool(name: str) -> str | None:
+    found = shutil.which(name)
     if found:
         return found
     nvcc = find_nvcc()
-    if nvcc and (Path(nvcc).parent / "cuobjdump").is_file():
-        return str(Path(nvcc).parent / "cuobjdump")
+    if nvcc and (Path(nvcc).parent / name).is_file():
+        return str(Path(nvcc).parent / name)
     site = Path(sysconfig.get_paths()["purelib"]) / "nvidia"
-    for cand in sorted(site.glob("cu*/bin/cuobjdump")) + sorted(site.glob("cuda_cuobjdump/bin/cuobjdump")):
+    for cand in sorted(site.glob(f"cu*/bin/{name}")) + sorted(site.glob(f"cuda_{name}/bin/{name}")):
         return str(cand)
     return None
+
+
+def find_cuobjdump() -> tuple[str | None, dict[str, str]]:
+    """cuobjdump and the environment that lets it find nvdisasm, or None."""
+    cuobjdump, nvdisasm = _find_tool("cuobjdump"), _find_tool("nvdisasm")
+    if not cuobjdump or not nvdisasm:
+        return None, {}
+    return cuobjdump, {"NVDISASM_PATH": str(Path(nvdisasm).parent),
+                       "PATH": f"{Path(nvdisasm).parent}:{os.environ.get('PATH', '')}"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -269,9 +280,10 @@ def measure(archs: list[str]) -> tuple[list[KernelFigures], list[str]]:
     nvcc = find_nvcc()
     if nvcc is None:
         return [], ["nvcc not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin): nothing measured"]
-    cuobjdump = find_cuobjdump()
+    cuobjdump, tool_env = find_cuobjdump()
     if cuobjdump is None:
-        notes.append("cuobjdump not found (pip install nvidia-cuda-cuobjdump): loops counted in PTX, not SASS")
+        notes.append("cuobjdump or nvdisasm not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm): "
+                     "loops counted in PTX, not SASS")
     figures: list[KernelFigures] = []
     with tempfile.TemporaryDirectory(prefix="wna16-static-") as tmp:
         out = Path(tmp)
@@ -283,7 +295,7 @@ def measure(archs: list[str]) -> tuple[list[KernelFigures], list[str]]:
             usage = parse_ptxas(log)
             if cuobjdump:
                 sass = subprocess.run([cuobjdump, "--dump-sass", str(cubin)], capture_output=True, text=True,
-                                      check=True).stdout
+                                      check=True, env={**os.environ, **tool_env}).stdout
                 bodies, counter, where = sass_functions(sass), count_sass, "sass"
             else:
                 bodies, counter, where = ptx_functions(compile_ptx(nvcc, kernel, arch, out)), count_ptx, "ptx"
