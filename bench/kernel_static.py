@@ -6,7 +6,8 @@ For the simple reference kernel (kernels/moe_gemm.cu) and the fast one (kernels/
 per kernel instance and architecture:
 
 * registers, spill stores / loads, stack frame and static shared memory, from `ptxas -v`
-  (the v2 kernels' dynamic shared memory comes from their plan in kernels/moe_gemm_v2.cuh);
+  (the v2 kernels' dynamic shared memory comes from their plan in kernels/moe_gemm_v2.cuh; v1's
+  is dynamic too, sizeof its MoeTile::Shared, and not read here);
 * instructions per weight code in the loop that turns weight codes into mma operands, counted
   in the SASS (`cuobjdump --dump-sass`):
     - v2: the innermost loop holding the mma instructions (the streaming K loop). Its whole body
@@ -104,11 +105,13 @@ def describe(kernel: str, mangled: str) -> tuple[str, int, int]:
         modes = {0: "fast", 1: "general", 2: "g_idx"}
         name = f"{'bf16' if dt else 'fp16'} {nb}-bit {16 * mt}x{64 * nt} {modes.get(mode, mode)}"
         return name, nb, nt
-    m = re.search(r"moe_wna16_kernelI(13__nv_bfloat16|6__half)Li(\d)ELi(\d+)ELb([01])E", mangled)
+    # the activation type is __half / __nv_bfloat16 or a tag type (F16 / BF16) in the name
+    m = re.search(r"moe_wna16_kernelI(.*?)Li(\d)ELi(\d+)ELb([01])E", mangled)
     if not m:
         return mangled, 0, 0
     t, nb, bm, mma = m.groups()
-    return f"{'bf16' if 'bfloat' in t else 'fp16'} {nb}-bit {bm}x128 {'mma' if mma == '1' else 'fma'}", int(nb), 2
+    bf16 = "bfloat" in t or "BF16" in t
+    return f"{'bf16' if bf16 else 'fp16'} {nb}-bit {bm}x128 {'mma' if mma == '1' else 'fma'}", int(nb), 2
 
 
 def is_gemm(kernel: str, mangled: str) -> bool:
