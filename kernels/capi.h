@@ -2,7 +2,7 @@
  *
  * Two shared libraries are built from kernels/:
  *   libwna16_host  (g++:  host.cpp, error.cpp)                -- CPU Marlin repack, index queries
- *   libwna16_cuda  (nvcc: repack.cu, moe_gemm.cu, error.cpp)  -- CUDA kernels
+ *   libwna16_cuda  (nvcc: repack.cu, moe_gemm.cu, moe_gemm_v2.cu, error.cpp)  -- CUDA kernels
  * The tests also build the CUDA sources with g++ against the CPU emulation of intrinsics.cuh
  * (kernels/emu/), where the wna16_cuda_* functions below run on host memory.
  *
@@ -137,6 +137,26 @@ WNA16_API int wna16_cuda_moe_gemm(const void* a, const int32_t* b, const void* s
                                   int64_t size_n, int64_t size_k, int64_t num_groups, int top_k,
                                   int num_bits, int dtype, int is_k_full, int variant,
                                   void* stream);
+
+/* The fast MoE GEMM (moe_gemm_v2.cu): the contract of wna16_cuda_moe_gemm, sm80+ only, with a
+ * larger workspace (tile prefix, stream-K counters and fp32 partial tiles) whose size in int32
+ * words wna16_cuda_moe_gemm_v2_workspace gives for the same sizes and variant. variant: AUTO or
+ * MMA (tile height from the sorted rows per expert), or 16 / 32 / 64 to force the tile height;
+ * FMA -> WNA16_ENOTSUP. Also WNA16_ENOTSUP (nothing launched) for scale groups that are not a
+ * multiple of 16 rows or a tile needing more shared memory than the device allows; EINVAL for
+ * pointers that are not 16-byte aligned. */
+WNA16_API int wna16_cuda_moe_gemm_v2_workspace(int64_t num_sorted, int64_t num_experts,
+                                               int64_t size_n, int64_t size_k, int64_t num_groups,
+                                               int num_bits, int has_perm, int variant,
+                                               int64_t* words);
+WNA16_API int wna16_cuda_moe_gemm_v2(const void* a, const int32_t* b, const void* scales,
+                                     const int32_t* zp, const int32_t* g_idx, const int32_t* perm,
+                                     const int32_t* sorted_ids, const int32_t* offsets,
+                                     const float* topk_weights, void* c, int32_t* workspace,
+                                     int64_t num_slots, int64_t num_sorted, int64_t num_experts,
+                                     int64_t size_n, int64_t size_k, int64_t num_groups,
+                                     int top_k, int num_bits, int dtype, int is_k_full,
+                                     int variant, void* stream);
 
 #ifdef __cplusplus
 }

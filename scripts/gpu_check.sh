@@ -4,7 +4,8 @@
 # (no network, no install: the package runs from this checkout). Writes $OUT/gpu_check.json (or
 # ./gpu_check.json) and prints a short summary. Exit: 0 passed, 1 a check failed, 2 could not run.
 #
-#   scripts/gpu_check.sh [--budget SECONDS] [--gemm-cases N] [--no-pytest]
+#   scripts/gpu_check.sh [--budget SECONDS] [--gemm-cases N] [--no-pytest] [--no-sanitizer]
+# The JSON is rewritten after every step and case, so the 300 s stop below keeps what was measured.
 set -u
 cd "$(dirname "$0")/.." || exit 2
 REPO=$PWD

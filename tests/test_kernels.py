@@ -1,6 +1,7 @@
 """The native kernels (`kernels/`) and the `wna16ctl::*` torch ops.
 
-* nvcc: every CUDA source compiles warning-free (as errors) for sm_80 and sm_90;
+* nvcc: every CUDA source compiles warning-free (as errors) for sm_80 and sm_90, the fast GEMM
+  (moe_gemm_v2.cu) also without spills;
 * host library: layout.cuh's index math equals the Python layout code and the spec tables, and
   the native repack equals the torch repack bit for bit (the CUDA kernels themselves run on the
   CPU emulation in test_emu.py);
@@ -10,6 +11,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -83,6 +85,32 @@ def test_cuda_sources_compile_without_warnings(cuda_builds: dict[str, object], a
     result = cuda_builds[arch]
     assert not isinstance(result, Exception), str(result)
     assert Path(str(result)).stat().st_size > 0
+
+
+def _v2_cubin(nvcc: str, arch: str, out: Path) -> subprocess.CompletedProcess:
+    src = K.kernels_dir()
+    cmd = [nvcc, "-cubin", "-O3", "-std=c++17", f"-arch=sm_{arch}", "-Xptxas", "-v,-warn-spills,-warn-lmem-usage",
+           *_nvcc_werror_flags(nvcc), "-I", str(src), str(src / "moe_gemm_v2.cu"), "-o", str(out / f"v2-{arch}.cubin")]
+    return subprocess.run(cmd, capture_output=True, text=True)
+
+
+@pytest.mark.nvcc
+def test_gemm_v2_compiles_without_warnings_or_spills(tmp_path: Path) -> None:
+    """Every instance of the fast GEMM, sm_80 and sm_90: no warning, no spill, no stack frame."""
+    nvcc = K.find_nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin): CUDA sources not compiled")
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = dict(zip(("80", "90"), pool.map(lambda a: _v2_cubin(nvcc, a, tmp_path), ("80", "90"))))
+    for arch, proc in results.items():
+        log = proc.stdout + proc.stderr
+        assert proc.returncode == 0, f"sm_{arch}:\n{log[-4000:]}"
+        assert "warning" not in log.lower(), f"sm_{arch}:\n{log[-4000:]}"
+        frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+        kernels = re.findall(r"Compiling entry function '(\w+)'", log)
+        assert sum("moe_gemm_v2_kernel" in k for k in kernels) >= 20, kernels  # every instance was compiled
+        assert len(frames) == len(kernels)
+        assert all(f == ("0", "0", "0") for f in frames), f"sm_{arch}: {list(zip(kernels, frames))}"
 
 
 def test_host_sources_compile_without_warnings() -> None:

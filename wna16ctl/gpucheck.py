@@ -1,31 +1,43 @@
 """One unattended GPU check: build the kernels, check them against the CPU path, benchmark them.
 
-    python -m wna16ctl.gpucheck [--out FILE] [--budget SECONDS] [--no-pytest]
+    python -m wna16ctl.gpucheck [--out FILE] [--budget SECONDS] [--no-pytest] [--no-sanitizer]
 
-Runs in well under five minutes on one NVIDIA GPU with nothing prepared but a python with torch
+Runs in under five minutes on one NVIDIA GPU with nothing prepared but a python with torch
 (CUDA build) and nvcc. Writes one JSON file ($OUT/gpu_check.json when $OUT is set, else
-./gpu_check.json) and prints a short summary. Exit status: 0 all checks passed, 1 a check
-failed, 2 the check could not run (no GPU / torch without CUDA / build failure).
+./gpu_check.json) and rewrites it after every step and case (atomically), so a time limit or a
+hung kernel leaves what was measured; prints a short summary. Exit status: 0 all checks passed,
+1 a check failed (or the run was stopped), 2 the check could not run (no GPU / torch without
+CUDA / build failure).
 
 Checks:
 * repack, scale and zero-point permutation: CUDA == torch CPU path bit for bit (§9.3 shapes,
   4/8 bit, with and without act-order);
-* MoE GEMM, both kernel variants (mma.sync and fp32 FMA): against an fp32 reference from the
-  logical (unpacked, unpermuted) weights, over a seeded subsample of m ∈ {1,16,123,666},
-  n ∈ {128,1024}, k ∈ {256,2048}, e ∈ {8,64}, top-k ∈ {2,6}, 4/8 bit, group size -1/32/128,
-  zero points, act-order (full and partial K); plus a few small cases against the CPU op;
+* MoE GEMM, the fast kernel (v2) and the simple reference kernel (v1, mma.sync): against an fp32
+  reference from the logical (unpacked, unpermuted) dequantised weights and against each other,
+  over a seeded subsample of m ∈ {1,7,16,64,123,512}, n ∈ {128,1024}, k ∈ {256,2048},
+  e ∈ {8,64}, top-k ∈ {2,6}, 4/8 bit, group size -1/32/128, zero points, act-order (full and
+  partial K); plus a few small cases against the CPU op;
+* compute-sanitizer memcheck, racecheck and synccheck on three tiny GEMM cases (v2 with tiles
+  cut between blocks, v2 with g_idx, v1), when compute-sanitizer is installed;
 * the test-suite's `gpu` tests when pytest is importable.
-Benchmarks: repack throughput as a share of the GPU's peak memory bandwidth; GEMM time and
-effective weight bandwidth against torch bf16 matmuls of the dequantised weights, batch 1-64.
+Benchmarks (CUDA events around the bare library calls: no host synchronisation inside the timed
+region): repack throughput, plain and act-order, as a share of the GPU's peak memory bandwidth;
+GEMM time and weight bandwidth of v2 and v1 against torch bf16 matmuls of the dequantised
+weights, batch 1-512; the goals (repack >= 70% of peak, v2 >= 50% at m <= 16, v2 within 1.5x of
+bf16 at m >= 64) are reported as met or not, apart from the pass/fail of the checks.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import platform
 import random
+import re
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -36,6 +48,22 @@ from typing import Any, Callable, Optional
 import torch
 
 TOL = {torch.float16: 2.0 ** -9, torch.bfloat16: 2.0 ** -6}  # of max |ref|; output rounding dominates
+GOALS = {"repack_pct_of_peak": 70.0, "gemm_pct_of_peak_m_le_16": 50.0, "gemm_vs_bf16_m_ge_64": 1.5}
+
+
+class Report(dict):
+    """The JSON report, rewritten on disk (atomically: a temporary file renamed over it) by every
+    save(), so whatever stops the run leaves the last complete state behind."""
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self.path = path
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self, indent=2, default=str) + "\n")
+        os.replace(tmp, self.path)
 
 
 def _now() -> float:
@@ -138,7 +166,7 @@ def gemm_cases(seed: int, count: int) -> list[dict]:
     """A seeded subsample of the §9.4-style grid that still covers every feature."""
     rng = random.Random(seed)
     grid = []
-    for m in (1, 16, 123, 666):
+    for m in (1, 7, 16, 64, 123, 512):
         for n in (128, 1024):
             for k in (256, 2048):
                 for e in (8, 64):
@@ -266,7 +294,19 @@ def step_repack(report: dict, budget: Budget) -> bool:
     return ok
 
 
-def step_gemm(report: dict, budget: Budget, count: int) -> bool:
+KERNELS = {"v2": ("v2", "auto"), "v1": ("v1", "mma")}  # WNA16CTL_GEMM_KERNEL, WNA16CTL_GEMM_VARIANT
+
+
+def _use_kernel(name: str) -> None:
+    os.environ["WNA16CTL_GEMM_KERNEL"], os.environ["WNA16CTL_GEMM_VARIANT"] = KERNELS[name]
+
+
+def _default_kernel() -> None:
+    os.environ.pop("WNA16CTL_GEMM_KERNEL", None)
+    os.environ.pop("WNA16CTL_GEMM_VARIANT", None)
+
+
+def step_gemm(report: Report, budget: Budget, count: int) -> bool:
     torch.backends.cuda.matmul.allow_tf32 = False  # the reference must be true fp32
     cases = gemm_cases(seed=1234, count=count)
     results = []
@@ -277,20 +317,28 @@ def step_gemm(report: dict, budget: Budget, count: int) -> bool:
             break
         prob = build_problem(**case, seed=i)
         entry = {key: (str(v).replace("torch.", "") if isinstance(v, torch.dtype) else v) for key, v in case.items()}
-        for variant in ("mma", "fma"):
-            os.environ["WNA16CTL_GEMM_VARIANT"] = variant
+        outs = {}
+        for kernel in KERNELS:
+            _use_kernel(kernel)
             try:
                 got = torch.ops.wna16ctl.moe_wna16_gemm(*prob["args"])
                 torch.cuda.synchronize()
+                outs[kernel] = got
                 err = _rel_err(got, prob["expected"])
                 passed = err < TOL[prob["dtype"]]
-                entry[variant] = {"rel_err": float(f"{err:.3g}"), "ok": passed}
+                entry[kernel] = {"rel_err": float(f"{err:.3g}"), "ok": passed}
             except Exception as exc:  # record and continue: one bad case must not hide the rest
                 passed = False
-                entry[variant] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:500]}
+                entry[kernel] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:500]}
             ok &= passed
+        if len(outs) == 2:  # the two kernels against each other
+            err = _rel_err(outs["v2"], outs["v1"].float())
+            entry["v2_vs_v1"] = {"rel_err": float(f"{err:.3g}"), "ok": err < TOL[prob["dtype"]]}
+            ok &= entry["v2_vs_v1"]["ok"]
         results.append(entry)
-    os.environ.pop("WNA16CTL_GEMM_VARIANT", None)
+        report["gemm_checks"] = {"ok": ok, "partial": True, "cases": results}
+        report.save()
+    _default_kernel()
 
     # small cases against the CPU op itself (same semantics, tighter agreement expected)
     cpu_cases = []
@@ -301,24 +349,39 @@ def step_gemm(report: dict, budget: Budget, count: int) -> bool:
         prob = build_problem(**case, seed=100 + j)
         cpu_args = [x.cpu() if isinstance(x, torch.Tensor) else x for x in prob["args"]]
         want = torch.ops.wna16ctl.moe_wna16_gemm(*cpu_args)
-        got = torch.ops.wna16ctl.moe_wna16_gemm(*prob["args"]).cpu()
-        err = _rel_err(got, want.float())
-        passed = err < TOL[prob["dtype"]]
-        ok &= passed
-        cpu_cases.append({"case": j, "rel_err_vs_cpu_op": float(f"{err:.3g}"), "ok": passed})
+        for kernel in KERNELS:
+            _use_kernel(kernel)
+            got = torch.ops.wna16ctl.moe_wna16_gemm(*prob["args"]).cpu()
+            err = _rel_err(got, want.float())
+            passed = err < TOL[prob["dtype"]]
+            ok &= passed
+            cpu_cases.append({"case": j, "kernel": kernel, "rel_err_vs_cpu_op": float(f"{err:.3g}"), "ok": passed})
+        _default_kernel()
     report["gemm_checks"] = {"ok": ok, "tolerance_rel_max": {str(k).replace("torch.", ""): v for k, v in TOL.items()},
                              "cases": results, "vs_cpu_op": cpu_cases}
     return ok
 
 
-def bench_repack(report: dict) -> None:
+def _stream() -> int:
+    return torch.cuda.current_stream().cuda_stream
+
+
+def bench_repack(report: Report) -> None:
+    """The bare launcher in the timed region (the torch op validates perm on the host first)."""
+    from wna16ctl import kernels as K
+
+    lib = K.cuda_lib()
     e, k, n, bits = 16, 7168, 4096, 4
     packed = torch.randint(-2 ** 31, 2 ** 31 - 1, (e, k // 8, n), dtype=torch.int32, device="cuda")
     perm = torch.stack([torch.randperm(k, device="cuda") for _ in range(e)]).to(torch.int32)
+    out_t = torch.empty(e, k // 16, n * 16 // 8, dtype=torch.int32, device="cuda")
     peak = report.get("device", {}).get("peak_gbps") or float("nan")
-    out = {}
+    out: dict[str, Any] = {"timed": "CUDA events around wna16_cuda_marlin_repack alone (no host syncs)"}
     for name, p in (("plain", None), ("act_order", perm)):
-        ms = _time_cuda(lambda: torch.ops.wna16ctl.marlin_repack(packed, bits, p), reps=10)
+        def call(p=p) -> None:
+            lib.call("wna16_cuda_marlin_repack", packed.data_ptr(), None if p is None else p.data_ptr(),
+                     out_t.data_ptr(), e, k, n, bits, _stream())
+        ms = _time_cuda(call, reps=10)
         moved = 2 * packed.numel() * 4 + (p.numel() * 4 if p is not None else 0)  # read + write
         gbps = moved / ms / 1e6
         out[name] = {"ms": round(ms, 3), "gbps_read_write": round(gbps, 1),
@@ -327,13 +390,43 @@ def bench_repack(report: dict) -> None:
     report["bench_repack"] = out
 
 
-def bench_gemm(report: dict, budget: Budget) -> None:
-    """Decode-sized MoE GEMM: E 64, K 2048, N 1536 (a w13 projection), top-8, int4 g128, bf16."""
+def _gemm_call(kernel: str, args: tuple) -> tuple[Callable[[], None], torch.Tensor]:
+    """A closure launching one GEMM kernel through the bare library call (output and workspace
+    allocated once, inputs validated once by the caller), for timing without host syncs."""
+    from wna16ctl import kernels as K
+
+    lib = K.cuda_lib()
+    a, b_q, scales, zp, g_idx, perm, ids, offs, tw, top_k, bits, k_full = args
+    e, k, n, groups = b_q.shape[0], b_q.shape[1] * 16, scales.shape[2], scales.shape[1]
+    slots = a.shape[0] * top_k
+    c = torch.zeros(slots, n, dtype=a.dtype, device=a.device)
+    if kernel == "v2":
+        words = ctypes.c_int64(0)
+        lib.call("wna16_cuda_moe_gemm_v2_workspace", ids.numel(), e, n, k, groups, bits, int(perm is not None), 0,
+                 ctypes.byref(words))
+        ws, name, variant = torch.empty(words.value, dtype=torch.int32, device=a.device), "wna16_cuda_moe_gemm_v2", 0
+    else:
+        ws, name, variant = torch.empty(e + 1, dtype=torch.int32, device=a.device), "wna16_cuda_moe_gemm", 2
+
+    def ptr(t):
+        return None if t is None else t.data_ptr()
+
+    def call() -> None:
+        lib.call(name, ptr(a), ptr(b_q), ptr(scales), ptr(zp), ptr(g_idx), ptr(perm), ptr(ids), ptr(offs), ptr(tw),
+                 ptr(c), ptr(ws), slots, ids.numel(), e, n, k, groups, top_k, bits, K.DTYPE_CODES[a.dtype],
+                 int(k_full), variant, _stream())
+    return call, c
+
+
+def bench_gemm(report: Report, budget: Budget) -> None:
+    """Decode- to prefill-sized MoE GEMM: E 64, K 2048, N 1536 (a w13 projection), top-8, int4 g128,
+    bf16; v2 and v1 against one torch bf16 bmm over the active experts' dequantised weights."""
     from wna16ctl.layout.marlin import marlin_permute_scales, marlin_repack
     from wna16ctl.layout.packing import pack_codes
 
     e, k, n, topk, bits, gs = 64, 2048, 1536, 8, 4, 128
     dtype = torch.bfloat16
+    peak = report.get("device", {}).get("peak_gbps") or float("nan")
     q = torch.randint(0, 16, (e, k, n), dtype=torch.int32, device="cuda")
     scales = (torch.rand(e, k // gs, n, device="cuda") * 0.02).to(dtype)
     b_q = marlin_repack(pack_codes(q, bits, dim=-2), bits)
@@ -341,9 +434,16 @@ def bench_gemm(report: dict, budget: Budget) -> None:
     grp = torch.arange(k, device="cuda") // gs
     w_deq = torch.stack([(q[i] - 8).to(dtype) * scales[i][grp] for i in range(e)])  # [E, K, N] bf16
     del q
-    rows = []
-    for m in (1, 4, 16, 64):
+    rows: list[dict] = []
+    report["bench_gemm"] = {"shape": {"experts": e, "k": k, "n": n, "top_k": topk, "bits": bits, "group_size": gs,
+                                      "dtype": "bfloat16"}, "rows": rows,
+                            "timed": "CUDA events around the bare library call (no host syncs)",
+                            "note": "weight_gbps = bytes of the active experts' int4 weights + scales / time; "
+                                    "torch baseline = one bmm over the active experts' dequantised bf16 weights "
+                                    "(tokens padded per expert), i.e. 4x the int4 bytes"}
+    for m in (1, 4, 16, 64, 128, 256, 512):
         if budget.left() < 20:
+            report["bench_gemm"]["truncated"] = f"stopped before m = {m} (time budget)"
             break
         g = torch.Generator().manual_seed(m)
         a = torch.randn(m, k, generator=g).to(device="cuda", dtype=dtype)
@@ -356,26 +456,118 @@ def bench_gemm(report: dict, budget: Budget) -> None:
         active = torch.nonzero(counts).flatten()
         n_active = int(active.numel())
         max_rows = int(counts.max())
-        # torch baseline: the active experts' dequantised bf16 weights, one bmm over padded groups
         w_act = w_deq[active].contiguous()
         a_pad = torch.zeros(n_active, max_rows, k, dtype=dtype, device="cuda")
         entry: dict[str, Any] = {"m": m, "active_experts": n_active}
         int_bytes = n_active * (k * n * bits // 8 + (k // gs) * n * 2)
         bf16_bytes = n_active * k * n * 2
-        for variant in ("mma", "fma"):
-            os.environ["WNA16CTL_GEMM_VARIANT"] = variant
-            ms = _time_cuda(lambda: torch.ops.wna16ctl.moe_wna16_gemm(
-                a, b_q, m_scales, None, None, None, sorted_ids, offsets, None, topk, bits, True), reps=10)
-            entry[variant] = {"ms": round(ms, 4), "weight_gbps": round(int_bytes / ms / 1e6, 1)}
-        os.environ.pop("WNA16CTL_GEMM_VARIANT", None)
+        args = (a, b_q, m_scales, None, None, None, sorted_ids, offsets, None, topk, bits, True)
+        outs = {}
+        for kernel in ("v2", "v1"):
+            call, c = _gemm_call(kernel, args)
+            ms = _time_cuda(call, reps=10)
+            outs[kernel] = c
+            gbps = int_bytes / ms / 1e6
+            entry[kernel] = {"ms": round(ms, 4), "weight_gbps": round(gbps, 1), "pct_of_peak": round(100 * gbps / peak, 1)}
+        entry["v2_vs_v1_rel_err"] = float(f"{_rel_err(outs['v2'], outs['v1'].float()):.3g}")
         ms = _time_cuda(lambda: torch.bmm(a_pad, w_act), reps=10)
         entry["torch_bf16_bmm"] = {"ms": round(ms, 4), "weight_gbps": round(bf16_bytes / ms / 1e6, 1)}
+        entry["v2_over_bf16"] = round(entry["v2"]["ms"] / ms, 2)
         rows.append(entry)
-    report["bench_gemm"] = {"shape": {"experts": e, "k": k, "n": n, "top_k": topk, "bits": bits, "group_size": gs,
-                                      "dtype": "bfloat16"}, "rows": rows,
-                            "note": "weight_gbps = bytes of the active experts' weights (+scales) / time; "
-                                    "torch baseline = one bmm over the active experts' dequantised bf16 weights "
-                                    "(tokens padded per expert), i.e. 4x the int4 bytes"}
+        report.save()
+
+
+def goals(report: Report) -> dict:
+    """The performance goals, met or not (None: not measured)."""
+    br, rows = report.get("bench_repack", {}), report.get("bench_gemm", {}).get("rows", [])
+    low = [r["v2"]["pct_of_peak"] for r in rows if r["m"] <= 16]
+    high = [r["v2_over_bf16"] for r in rows if r["m"] >= 64]
+    out = {
+        "repack_pct_of_peak": {"goal": f">= {GOALS['repack_pct_of_peak']}", "plain": br.get("plain", {}).get("pct_of_peak"),
+                               "act_order": br.get("act_order", {}).get("pct_of_peak")},
+        "gemm_pct_of_peak_m_le_16": {"goal": f">= {GOALS['gemm_pct_of_peak_m_le_16']}", "worst": min(low) if low else None},
+        "gemm_vs_bf16_m_ge_64": {"goal": f"<= {GOALS['gemm_vs_bf16_m_ge_64']}x", "worst": max(high) if high else None},
+    }
+    rp = [v for v in (out["repack_pct_of_peak"]["plain"], out["repack_pct_of_peak"]["act_order"]) if v is not None]
+    out["repack_pct_of_peak"]["met"] = min(rp) >= GOALS["repack_pct_of_peak"] if rp else None
+    w = out["gemm_pct_of_peak_m_le_16"]["worst"]
+    out["gemm_pct_of_peak_m_le_16"]["met"] = None if w is None else w >= GOALS["gemm_pct_of_peak_m_le_16"]
+    w = out["gemm_vs_bf16_m_ge_64"]["worst"]
+    out["gemm_vs_bf16_m_ge_64"]["met"] = None if w is None else w <= GOALS["gemm_vs_bf16_m_ge_64"]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# compute-sanitizer on three tiny cases (each tool in a process of its own)
+
+SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck")
+SANITIZER_CASES = [  # (kernel, build_problem arguments)
+    ("v2", dict(m=3, n=256, k=320, e=4, topk=2, bits=4, gs=64, zp=True, act=False)),
+    ("v2", dict(m=2, n=128, k=192, e=3, topk=2, bits=8, gs=32, zp=False, act=True, k_full=False)),
+    ("v1", dict(m=3, n=128, k=128, e=3, topk=2, bits=4, gs=32, zp=True, act=True)),
+]
+
+
+def find_compute_sanitizer() -> Optional[str]:
+    found = shutil.which("compute-sanitizer")
+    if found:
+        return found
+    from wna16ctl import kernels as K
+
+    nvcc = K.find_nvcc()
+    for d in ([Path(nvcc).parent] if nvcc else []) + [Path("/usr/local/cuda/bin")]:
+        if (d / "compute-sanitizer").is_file():
+            return str(d / "compute-sanitizer")
+    return None
+
+
+def sanitizer_cases() -> int:
+    """The three tiny cases, each checked against the CPU op (run inside compute-sanitizer).
+    Few blocks (v2: one tile cut between blocks) so that the tools see the inter-block paths."""
+    bad = 0
+    for kernel, case in SANITIZER_CASES:
+        prob = build_problem(**case, seed=7)
+        _use_kernel(kernel)
+        got = torch.ops.wna16ctl.moe_wna16_gemm(*prob["args"])
+        torch.cuda.synchronize()
+        err = _rel_err(got, prob["expected"])
+        print(f"case {kernel} {case}: rel err {err:.3g}")
+        bad += not err < TOL[prob["dtype"]]
+    _default_kernel()
+    return 1 if bad else 0
+
+
+def step_sanitizer(report: Report, budget: Budget) -> Optional[bool]:
+    tool_path = find_compute_sanitizer()
+    if tool_path is None:
+        report["sanitizer"] = {"skipped": "compute-sanitizer not found (PATH, next to nvcc, /usr/local/cuda/bin)"}
+        return None
+    results: dict[str, Any] = {"tool": tool_path, "cases": [c for c, _ in SANITIZER_CASES]}
+    report["sanitizer"] = results
+    ok = True
+    for tool in SANITIZER_TOOLS:
+        if budget.left() < 50:
+            results[tool] = {"skipped": "no time left"}
+            continue
+        cmd = [tool_path, "--tool", tool, "--error-exitcode", "66", "--kernel-name", "kns=wna16",
+               sys.executable, "-m", "wna16ctl.gpucheck", "--sanitizer-cases"]
+        t0 = _now()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(20.0, min(90.0, budget.left() - 40)))
+            if proc.returncode and re.search(r"(?i)unrecognized|unknown option|invalid.*kernel-name", proc.stderr):
+                # a tool without kernel filters: check every kernel (slower, same verdict)
+                cmd = [c for c in cmd if c not in ("--kernel-name", "kns=wna16")]
+                proc = subprocess.run(cmd, capture_output=True, text=True,
+                                      timeout=max(20.0, min(90.0, budget.left() - 40)))
+            tail = (proc.stdout + proc.stderr).strip().splitlines()[-12:]
+            passed = proc.returncode == 0
+            results[tool] = {"ok": passed, "returncode": proc.returncode, "seconds": round(_now() - t0, 1), "tail": tail}
+        except subprocess.TimeoutExpired:
+            passed = False
+            results[tool] = {"ok": False, "error": "timed out", "seconds": round(_now() - t0, 1)}
+        ok &= passed
+        report.save()
+    return ok
 
 
 def step_pytest(report: dict, budget: Budget, repo: Path) -> Optional[bool]:
@@ -388,7 +580,7 @@ def step_pytest(report: dict, budget: Budget, repo: Path) -> Optional[bool]:
         report["pytest_gpu"] = {"skipped": "tests/ not present or no time left"}
         return None
     cmd = [sys.executable, "-m", "pytest", "--noconftest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-           "tests/test_kernels.py"]
+           "tests/test_kernels.py", "tests/test_gemm_v2.py"]
     try:
         proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=max(30, budget.left() - 15))
     except subprocess.TimeoutExpired:
@@ -417,9 +609,14 @@ def summary(report: dict) -> str:
     if "gemm_checks" in report:
         gch = report["gemm_checks"]
         worst = {v: max((c[v].get("rel_err", float("inf")) for c in gch["cases"] if v in c), default=None)
-                 for v in ("mma", "fma")}
+                 for v in ("v2", "v1")}
         lines.append(f"  GEMM vs fp32 reference: {'ok' if gch['ok'] else 'FAILED'} ({len(gch['cases'])} cases, "
-                     f"worst rel err mma {worst['mma']}, fma {worst['fma']})")
+                     f"worst rel err v2 {worst['v2']}, v1 {worst['v1']})")
+    if "sanitizer" in report:
+        san = report["sanitizer"]
+        state = san.get("skipped") or ", ".join(
+            f"{t} {san[t].get('skipped') or ('ok' if san[t].get('ok') else 'FAILED')}" for t in SANITIZER_TOOLS if t in san)
+        lines.append(f"  compute-sanitizer: {state}")
     if "pytest_gpu" in report:
         p = report["pytest_gpu"]
         state = p.get("skipped") or ("ok" if p.get("ok") else ("not run" if p.get("note") else "FAILED"))
@@ -430,15 +627,19 @@ def summary(report: dict) -> str:
                      f"({br['plain']['pct_of_peak']}% of peak {report.get('device', {}).get('peak_gbps')} GB/s), "
                      f"act-order {br['act_order']['gbps_read_write']} GB/s")
     for row in report.get("bench_gemm", {}).get("rows", []):
-        lines.append(f"  GEMM m={row['m']:>3}: mma {row['mma']['ms']} ms ({row['mma']['weight_gbps']} GB/s), "
-                     f"fma {row['fma']['ms']} ms, torch bf16 {row['torch_bf16_bmm']['ms']} ms "
-                     f"({row['torch_bf16_bmm']['weight_gbps']} GB/s)")
+        lines.append(f"  GEMM m={row['m']:>3}: v2 {row['v2']['ms']} ms ({row['v2']['weight_gbps']} GB/s, "
+                     f"{row['v2']['pct_of_peak']}% of peak), v1 {row['v1']['ms']} ms, torch bf16 "
+                     f"{row['torch_bf16_bmm']['ms']} ms (v2 / bf16 = {row['v2_over_bf16']})")
+    for name, g in report.get("goals", {}).items():
+        state = "not measured" if g.get("met") is None else ("met" if g["met"] else "NOT met")
+        lines.append(f"  goal {name} {g['goal']}: {state}")
     return "\n".join(lines)
 
 
-def run(out: Path, budget_s: float, gemm_count: int, with_pytest: bool) -> int:
+def run(out: Path, budget_s: float, gemm_count: int, with_pytest: bool, with_sanitizer: bool = True) -> int:
     budget = Budget(budget_s)
-    report: dict[str, Any] = {"status": "running", "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    report = Report(out)
+    report.update(status="running", started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), steps_done=[])
     repo = Path(__file__).resolve().parent.parent
 
     def finish(status: str, reason: Optional[str] = None, code: int = 0) -> int:
@@ -446,30 +647,55 @@ def run(out: Path, budget_s: float, gemm_count: int, with_pytest: bool) -> int:
         if reason:
             report["reason"] = reason
         report["seconds"] = round(_now() - budget.start, 1)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        report.save()
         print(summary(report))
         print(f"  report: {out}")
         return code
 
+    def stopped(signum, frame) -> None:  # the time limit of gpu_check.sh: keep what was measured
+        finish("stopped", f"terminated by signal {signum} during {report.get('step', '?')}: partial report", 1)
+        os._exit(1)
+
+    def step(name: str) -> None:
+        if report.get("step"):
+            report["steps_done"].append(report["step"])
+        report["step"] = name
+        report.save()
+
+    previous = signal.signal(signal.SIGTERM, stopped)
     try:
+        step("env")
         reason = step_env(report)
         if reason:
             return finish("not-run", reason, 2)
+        step("build")
         reason = step_build(report)
         if reason:
             return finish("not-run", reason, 2)
+        step("repack_checks")
         ok = step_repack(report, budget)
+        step("gemm_checks")
         ok &= step_gemm(report, budget, gemm_count)
+        for name, fn in (("bench_repack", lambda: bench_repack(report)),
+                         ("bench_gemm", lambda: bench_gemm(report, budget))):
+            if budget.left() > 30:
+                step(name)
+                fn()
+            else:
+                report[name] = {"skipped": "no time left"}
+        report["goals"] = goals(report)
+        if with_sanitizer:
+            step("sanitizer")
+            ok &= step_sanitizer(report, budget) is not False
         if with_pytest:
+            step("pytest_gpu")
             ok &= step_pytest(report, budget, repo) is not False
-        if budget.left() > 30:
-            bench_repack(report)
-        if budget.left() > 30:
-            bench_gemm(report, budget)
+        step("done")
     except Exception as exc:  # keep whatever was measured
         report["exception"] = traceback.format_exc()[-4000:]
         return finish("error", f"{type(exc).__name__}: {exc}"[:300], 1)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return finish("passed" if ok else "failed", None if ok else "see the failing cases", 0 if ok else 1)
 
 
@@ -478,10 +704,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     default_out = Path(os.environ["OUT"]) / "gpu_check.json" if os.environ.get("OUT") else Path("gpu_check.json")
     parser.add_argument("--out", type=Path, default=default_out)
     parser.add_argument("--budget", type=float, default=270.0, help="seconds for the whole check (default 270)")
-    parser.add_argument("--gemm-cases", type=int, default=40, help="GEMM grid cases to run (default 40)")
+    parser.add_argument("--gemm-cases", type=int, default=24, help="GEMM grid cases to run (default 24)")
     parser.add_argument("--no-pytest", action="store_true", help="skip the test-suite's gpu tests")
+    parser.add_argument("--no-sanitizer", action="store_true", help="skip the compute-sanitizer runs")
+    parser.add_argument("--sanitizer-cases", action="store_true", help=argparse.SUPPRESS)  # run inside the tool
     args = parser.parse_args(argv)
-    return run(args.out, args.budget, args.gemm_cases, not args.no_pytest)
+    if args.sanitizer_cases:
+        return sanitizer_cases()
+    return run(args.out, args.budget, args.gemm_cases, not args.no_pytest, not args.no_sanitizer)
 
 
 if __name__ == "__main__":

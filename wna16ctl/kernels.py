@@ -7,7 +7,9 @@ and the target, built in a temporary directory and renamed into place (concurren
 safe), and loaded with ctypes:
 
 * the host library (g++): the fast multi-threaded CPU Marlin repack and index queries;
-* the CUDA library (nvcc): repack, scale / zero-point permutation and the MoE GEMM.
+* the CUDA library (nvcc): repack, scale / zero-point permutation and the MoE GEMM (the fast
+  Marlin-style kernel of `moe_gemm_v2.cu`, with the simple kernel of `moe_gemm.cu` kept as the
+  reference and for what the fast one does not take; `$WNA16CTL_GEMM_KERNEL` picks one).
 
 Nothing here is required: without g++ / nvcc / a GPU, or with `WNA16CTL_NO_NATIVE=1`, every
 entry point falls back to the torch code of `wna16ctl.layout` after one logged notice. The CPU
@@ -54,6 +56,10 @@ log = logging.getLogger(__name__)
 
 DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
 GEMM_VARIANTS = {"auto": 0, "fma": 1, "mma": 2}
+# the v2 kernel also takes a forced tile height (rows of sorted slots per tile)
+GEMM_V2_TILES = {"tile16": 16, "tile32": 32, "tile64": 64}
+GEMM_KERNELS = ("auto", "v1", "v2")
+WNA16_ENOTSUP = 3
 
 
 def _ptr(t: Optional[Tensor]) -> Optional[int]:
@@ -362,15 +368,36 @@ def _zero_points_cuda(zp: Tensor, size_k: int, size_n: int, num_bits: int) -> Te
 
 
 def gemm_variant() -> int:
-    """$WNA16CTL_GEMM_VARIANT: auto (mma on sm80+), mma or fma."""
+    """$WNA16CTL_GEMM_VARIANT: auto (mma on sm80+), mma or fma; the v2 kernel also takes tile16,
+    tile32 or tile64 (a forced tile height)."""
     name = os.environ.get("WNA16CTL_GEMM_VARIANT", "auto").strip().lower() or "auto"
+    if name in GEMM_V2_TILES:
+        return GEMM_V2_TILES[name]
     if name not in GEMM_VARIANTS:
-        raise ValueError(f"WNA16CTL_GEMM_VARIANT={name!r}: expected one of {sorted(GEMM_VARIANTS)}")
+        raise ValueError(f"WNA16CTL_GEMM_VARIANT={name!r}: expected one of "
+                         f"{sorted(GEMM_VARIANTS) + sorted(GEMM_V2_TILES)}")
     return GEMM_VARIANTS[name]
+
+
+def gemm_kernel() -> str:
+    """$WNA16CTL_GEMM_KERNEL: auto (the fast v2 kernel where it applies, else v1), v1 (the simple
+    reference kernel) or v2 (the fast kernel; errors instead of falling back)."""
+    name = os.environ.get("WNA16CTL_GEMM_KERNEL", "auto").strip().lower() or "auto"
+    if name not in GEMM_KERNELS:
+        raise ValueError(f"WNA16CTL_GEMM_KERNEL={name!r}: expected one of {list(GEMM_KERNELS)}")
+    return name
 
 
 def _i32(t: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
     return None if t is None else t.to(device=device, dtype=torch.int32).contiguous()
+
+
+def _aligned16(t: Optional[Tensor]) -> Optional[Tensor]:
+    """Contiguous and 16-byte aligned (the v2 kernel moves 16 bytes at a time)."""
+    if t is None:
+        return None
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
 def _gemm_cuda(
@@ -390,16 +417,33 @@ def _gemm_cuda(
     dev = a.device
     num_slots = a.shape[0] * top_k
     out = torch.zeros(num_slots, size_n, dtype=a.dtype, device=dev)
-    ws = torch.empty(experts + 1, dtype=torch.int32, device=dev)
     ids = _i32(sorted_token_ids, dev)
     tw = None if topk_weights is None else topk_weights.to(device=dev, dtype=torch.float32).contiguous()
-    a_c, b_c, s_c = a.contiguous(), b_q.contiguous(), scales.contiguous()
-    zp_c, gi, pm, offs = _i32(zero_points, dev), _i32(g_idx, dev), _i32(perm, dev), _i32(expert_offsets, dev)
+    a_c, b_c, s_c = _aligned16(a), _aligned16(b_q), _aligned16(scales)
+    zp_c, gi, pm, offs = (_aligned16(_i32(zero_points, dev)), _aligned16(_i32(g_idx, dev)), _i32(perm, dev),
+                          _i32(expert_offsets, dev))
+    variant, which = gemm_variant(), gemm_kernel()
+    tail = (_ptr(a_c), _ptr(b_c), _ptr(s_c), _ptr(zp_c), _ptr(gi), _ptr(pm), _ptr(ids), _ptr(offs), _ptr(tw),
+            _ptr(out))
+    sizes = (num_slots, ids.numel(), experts, size_n, size_k, groups, top_k, num_bits, DTYPE_CODES[a.dtype],
+             int(is_k_full), variant, _stream(a_c))
     with torch.cuda.device(dev):
-        lib.call("wna16_cuda_moe_gemm", _ptr(a_c), _ptr(b_c), _ptr(s_c), _ptr(zp_c), _ptr(gi), _ptr(pm),
-                 _ptr(ids), _ptr(offs), _ptr(tw), _ptr(out), _ptr(ws), num_slots, ids.numel(), experts,
-                 size_n, size_k, groups, top_k, num_bits, DTYPE_CODES[a.dtype], int(is_k_full),
-                 gemm_variant(), _stream(a_c))
+        if which != "v1" and variant != GEMM_VARIANTS["fma"]:
+            try:
+                words = ctypes.c_int64(0)
+                lib.call("wna16_cuda_moe_gemm_v2_workspace", ids.numel(), experts, size_n, size_k, groups,
+                         num_bits, int(perm is not None), variant, ctypes.byref(words))
+                ws = torch.empty(max(words.value, 1), dtype=torch.int32, device=dev)
+                lib.call("wna16_cuda_moe_gemm_v2", *tail, _ptr(ws), *sizes)
+                return out
+            except KernelError as exc:
+                if which == "v2" or exc.code != WNA16_ENOTSUP:
+                    raise
+                log.debug("v2 GEMM declined (%s): using the v1 kernel", exc)
+        if variant in GEMM_V2_TILES.values():
+            raise ValueError("WNA16CTL_GEMM_VARIANT=tile16/32/64 applies to the v2 kernel only")
+        ws = torch.empty(experts + 1, dtype=torch.int32, device=dev)
+        lib.call("wna16_cuda_moe_gemm", *tail, _ptr(ws), *sizes)
     return out
 
 

@@ -26,7 +26,7 @@ log = logging.getLogger("wna16ctl.kernels")  # one logger for the notices of bot
 ABI_VERSION = 1  # must equal WNA16_ABI_VERSION in kernels/capi.h
 
 HOST_SOURCES = ("host.cpp", "error.cpp")
-CUDA_SOURCES = ("repack.cu", "moe_gemm.cu", "error.cpp")
+CUDA_SOURCES = ("repack.cu", "moe_gemm.cu", "moe_gemm_v2.cu", "error.cpp")
 _HOST_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-pthread", "-fvisibility=hidden")
 _HOST_FILE_FLAGS: dict[str, tuple[str, ...]] = {}
 _CUDA_FLAGS = ("-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden")
@@ -41,6 +41,10 @@ class KernelBuildError(RuntimeError):
 
 class KernelError(RuntimeError):
     """A native call returned an error code (the message is the library's last error)."""
+
+    def __init__(self, message: str, code: int = 0):
+        super().__init__(message)
+        self.code = code
 
 
 # ----------------------------------------------------------------------------------------------
@@ -301,6 +305,8 @@ _CUDA_PROTOS = {
     "wna16_cuda_permute_scales": (_I32, [_P, _P, _I64, _I64, _I32, _I32, _P]),
     "wna16_cuda_zero_points": (_I32, [_P, _P, _I64, _I64, _I32, _P]),
     "wna16_cuda_moe_gemm": (_I32, [_P] * 11 + [_I64] * 6 + [_I32] * 5 + [_P]),
+    "wna16_cuda_moe_gemm_v2": (_I32, [_P] * 11 + [_I64] * 6 + [_I32] * 5 + [_P]),
+    "wna16_cuda_moe_gemm_v2_workspace": (_I32, [_I64] * 5 + [_I32] * 3 + [_P]),
 }
 
 
@@ -325,7 +331,7 @@ class NativeLib:
         rc = getattr(self._lib, name)(*args)
         if rc != WNA16_OK:
             msg = self._lib.wna16_last_error() or b""
-            raise KernelError(f"{name}: {msg.decode(errors='replace')} (code {rc})")
+            raise KernelError(f"{name}: {msg.decode(errors='replace')} (code {rc})", rc)
 
 
 _load_lock = threading.Lock()

@@ -95,6 +95,22 @@ int run(const std::string& op) {
         B("c"), B<int32_t>("ws"), I("num_slots"), I("num_sorted"), I("num_experts"), I("size_n"),
         I("size_k"), I("num_groups"), (int)I("top_k"), (int)I("num_bits"), (int)I("dtype"),
         (int)I("is_k_full"), (int)I("variant"), nullptr);
+  if (op == "gemm_v2") {  // the workspace sized by the kernel's own query, exactly
+    int64_t words = 0;
+    int rc = wna16_cuda_moe_gemm_v2_workspace(I("num_sorted"), I("num_experts"), I("size_n"),
+                                              I("size_k"), I("num_groups"), (int)I("num_bits"),
+                                              B("perm") != nullptr, (int)I("variant"), &words);
+    if (rc) return rc;
+    int32_t* ws = static_cast<int32_t*>(malloc((size_t)(words > 0 ? words : 1) * sizeof(int32_t)));
+    rc = wna16_cuda_moe_gemm_v2(
+        B("a"), B<int32_t>("b"), B("scales"), B<int32_t>("zp"), B<int32_t>("g_idx"),
+        B<int32_t>("perm"), B<int32_t>("sorted_ids"), B<int32_t>("offsets"), B<float>("topk"),
+        B("c"), ws, I("num_slots"), I("num_sorted"), I("num_experts"), I("size_n"), I("size_k"),
+        I("num_groups"), (int)I("top_k"), (int)I("num_bits"), (int)I("dtype"), (int)I("is_k_full"),
+        (int)I("variant"), nullptr);
+    free(ws);
+    return rc;
+  }
   if (op == "repack")
     return wna16_cuda_marlin_repack(B<int32_t>("packed"), B<int32_t>("perm"), B<int32_t>("out"),
                                     I("num_experts"), I("size_k"), I("size_n"),

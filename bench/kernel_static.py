@@ -1,0 +1,365 @@
+"""Static performance evidence for the MoE GEMM kernels, without a GPU.
+
+    python bench/kernel_static.py [--arch 90 --arch 80] [--json FILE]
+
+For the simple reference kernel (kernels/moe_gemm.cu) and the fast one (kernels/moe_gemm_v2.cu),
+per kernel instance and architecture:
+
+* registers, spill stores / loads, stack frame and static shared memory, from `ptxas -v`
+  (the v2 kernels' dynamic shared memory comes from their plan in kernels/moe_gemm_v2.cuh; v1's
+  is dynamic too, sizeof its MoeTile::Shared, and not read here);
+* instructions per weight code in the loop that turns weight codes into mma operands, counted
+  in the SASS (`cuobjdump --dump-sass`):
+    - v2: the innermost loop holding the mma instructions (the streaming K loop). Its whole body
+      counts once per iteration -- copies, barrier, dequantisation, mma -- and one iteration
+      covers 32 * NT codes per thread (one 16-row k-tile of NT 64-column n-tiles);
+    - v1: the innermost loop holding the 16-bit shared stores of decoded weights (the decode
+      loop). One iteration decodes one word, 32 / num_bits codes; its mma loop is extra.
+  Without cuobjdump the same loops are counted in the PTX (`nvcc -ptx`) instead.
+
+cuobjdump (and the nvdisasm it runs) are not part of every CUDA install;
+`pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm` provides both (this script also looks in
+the wheels' nvidia/cu*/bin). Without nvcc nothing can be measured: one line says so and the
+script exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import json
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from wna16ctl.kernels import find_cxx, find_nvcc, kernels_dir  # noqa: E402
+
+SOURCES = {"v1": "moe_gemm.cu", "v2": "moe_gemm_v2.cu"}
+TARGET_SASS_PER_4BIT_CODE = 4.0
+
+
+@dataclass
+class KernelFigures:
+    kernel: str        # v1 / v2
+    arch: str
+    name: str          # readable instance name
+    mangled: str
+    registers: int = 0
+    spill_stores: int = 0
+    spill_loads: int = 0
+    stack: int = 0
+    smem_static: int = 0
+    smem_dynamic: int = 0
+    num_bits: int = 0
+    loop_instructions: int = 0
+    loop_mma: int = 0
+    codes_per_iteration: int = 0
+    per_code: float = 0.0
+    per_code_without_mma: float = 0.0
+    counted_in: str = ""  # "sass" / "ptx" / ""
+    notes: list[str] = field(default_factory=list)
+
+
+def _find_tool(name: str) -> str | None:
+    found = shutil.which(name)
+    if found:
+        return found
+    nvcc = find_nvcc()
+    if nvcc and (Path(nvcc).parent / name).is_file():
+        return str(Path(nvcc).parent / name)
+    site = Path(sysconfig.get_paths()["purelib"]) / "nvidia"
+    for cand in sorted(site.glob(f"cu*/bin/{name}")) + sorted(site.glob(f"cuda_{name}/bin/{name}")):
+        return str(cand)
+    return None
+
+
+def find_cuobjdump() -> tuple[str | None, dict[str, str]]:
+    """cuobjdump and the environment that lets it find nvdisasm, or None."""
+    cuobjdump, nvdisasm = _find_tool("cuobjdump"), _find_tool("nvdisasm")
+    if not cuobjdump or not nvdisasm:
+        return None, {}
+    return cuobjdump, {"NVDISASM_PATH": str(Path(nvdisasm).parent),
+                       "PATH": f"{Path(nvdisasm).parent}:{os.environ.get('PATH', '')}"}
+
+
+# ----------------------------------------------------------------------------------------------
+# names
+
+
+def describe(kernel: str, mangled: str) -> tuple[str, int, int]:
+    """(readable name, num_bits, NT) of a kernel instance from its mangled name."""
+    if kernel == "v2":
+        m = re.search(r"moe_gemm_v2_kernelILi(\d)ELi(\d)ELi(\d)ELi(\d)ELi(\d)E", mangled)
+        if not m:
+            return mangled, 0, 0
+        dt, nb, mt, nt, mode = (int(x) for x in m.groups())
+        modes = {0: "fast", 1: "general", 2: "g_idx"}
+        name = f"{'bf16' if dt else 'fp16'} {nb}-bit {16 * mt}x{64 * nt} {modes.get(mode, mode)}"
+        return name, nb, nt
+    # the activation type is __half / __nv_bfloat16 or a tag type (F16 / BF16) in the name
+    m = re.search(r"moe_wna16_kernelI(.*?)Li(\d)ELi(\d+)ELb([01])E", mangled)
+    if not m:
+        return mangled, 0, 0
+    t, nb, bm, mma = m.groups()
+    bf16 = "bfloat" in t or "BF16" in t
+    return f"{'bf16' if bf16 else 'fp16'} {nb}-bit {bm}x128 {'mma' if mma == '1' else 'fma'}", int(nb), 2
+
+
+def is_gemm(kernel: str, mangled: str) -> bool:
+    return ("moe_gemm_v2_kernel" in mangled) if kernel == "v2" else ("moe_wna16_kernel" in mangled)
+
+
+# ----------------------------------------------------------------------------------------------
+# compiling
+
+
+def compile_cubin(nvcc: str, kernel: str, arch: str, out: Path) -> tuple[Path, str]:
+    src = kernels_dir() / SOURCES[kernel]
+    cubin = out / f"{kernel}-sm{arch}.cubin"
+    cmd = [nvcc, "-cubin", "-O3", "-std=c++17", f"-arch=sm_{arch}", "-Xptxas", "-v", "-I", str(kernels_dir()),
+           str(src), "-o", str(cubin)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    return cubin, proc.stdout + proc.stderr
+
+
+def compile_ptx(nvcc: str, kernel: str, arch: str, out: Path) -> str:
+    src = kernels_dir() / SOURCES[kernel]
+    ptx = out / f"{kernel}-sm{arch}.ptx"
+    subprocess.run([nvcc, "-ptx", "-O3", "-std=c++17", f"-arch=sm_{arch}", "-I", str(kernels_dir()), str(src),
+                    "-o", str(ptx)], check=True, capture_output=True)
+    return ptx.read_text()
+
+
+def parse_ptxas(log: str) -> dict[str, dict[str, int]]:
+    """Per function: registers, spill stores/loads, stack, static smem."""
+    out: dict[str, dict[str, int]] = {}
+    current = None
+    for line in log.splitlines():
+        m = re.search(r"(?:Compiling entry function|Function properties for) '?([\w$]+)'?", line)
+        if m:
+            current = m.group(1)
+            out.setdefault(current, {"registers": 0, "spill_stores": 0, "spill_loads": 0, "stack": 0, "smem": 0})
+            continue
+        if current is None:
+            continue
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m:
+            out[current].update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+        m = re.search(r"Used (\d+) registers", line)
+        if m:
+            out[current]["registers"] = int(m.group(1))
+            sm = re.search(r"(\d+) bytes smem", line)
+            out[current]["smem"] = int(sm.group(1)) if sm else 0
+    return out
+
+
+def dynamic_smem(out: Path) -> dict[tuple[int, int, int, int], int]:
+    """The v2 plan's shared-memory bytes per (num_bits, MT, NT, per_row), from the header."""
+    cxx = find_cxx()
+    if not cxx:
+        return {}
+    prog = out / "plan.cpp"
+    variants = [(nb, mt, nt, pr) for nb in (4, 8) for mt, nt, pr in ((1, 4, 0), (2, 2, 0), (4, 1, 0), (1, 2, 0),
+                                                                      (1, 2, 1))]
+    lines = [f'  std::printf("{nb} {mt} {nt} {pr} %d\\n", wna16v2::Plan<{nb}, {mt}, {nt}, {"true" if pr else "false"}>::SMEM);'
+             for nb, mt, nt, pr in variants]
+    prog.write_text('#include <cstdio>\n#include "moe_gemm_v2.cuh"\nint main() {\n' + "\n".join(lines) + "\n}\n")
+    exe = out / "plan"
+    subprocess.run([cxx, "-std=c++17", "-I", str(kernels_dir()), str(prog), "-o", str(exe)], check=True)
+    sizes = {}
+    for line in subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.splitlines():
+        nb, mt, nt, pr, size = (int(x) for x in line.split())
+        sizes[(nb, mt, nt, pr)] = size
+    return sizes
+
+
+# ----------------------------------------------------------------------------------------------
+# loops
+
+
+_SASS_INS = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*?)\s*;")
+
+
+def sass_functions(text: str) -> dict[str, list[tuple[int, str]]]:
+    funcs = {}
+    for chunk in re.split(r"\n\s*Function : ", text)[1:]:
+        name = chunk.split("\n", 1)[0].strip()
+        funcs[name] = [(int(a, 16), b.strip()) for a, b in _SASS_INS.findall(chunk)]
+    return funcs
+
+
+def _opcode(ins: str) -> str:
+    parts = ins.split()
+    if not parts:
+        return ""
+    return parts[1] if parts[0].startswith("@") and len(parts) > 1 else parts[0]
+
+
+def sass_loops(ins: list[tuple[int, str]]) -> list[tuple[int, int]]:
+    """[start, end] instruction index ranges of loops (a branch back to an earlier address)."""
+    index = {a: i for i, (a, _) in enumerate(ins)}
+    loops = []
+    for i, (addr, text) in enumerate(ins):
+        if _opcode(text).startswith("BRA"):
+            m = re.search(r"(0x[0-9a-f]+)", text.split("BRA", 1)[1])
+            if m:
+                target = int(m.group(1), 16)
+                if target <= addr and target in index:
+                    loops.append((index[target], i))
+    return loops
+
+
+def innermost_loop(ops: list[str], loops: list[tuple[int, int]], marker) -> tuple[int, int] | None:
+    """The smallest loop whose body holds an instruction that `marker(opcode)` accepts."""
+    best = None
+    for lo, hi in loops:
+        if any(marker(op) for op in ops[lo:hi + 1]) and (best is None or hi - lo < best[1] - best[0]):
+            best = (lo, hi)
+    return best
+
+
+def count_sass(kernel: str, ins: list[tuple[int, str]]) -> tuple[int, int] | None:
+    """(instructions, mma instructions) of the kernel's main loop body."""
+    ops = [_opcode(t) for _, t in ins]
+    if kernel == "v2":
+        loop = innermost_loop(ops, sass_loops(ins), lambda op: op.startswith("HMMA"))
+    else:
+        loop = innermost_loop(ops, sass_loops(ins), lambda op: op.startswith("STS.U16"))
+    if loop is None:
+        return None
+    body = ops[loop[0]:loop[1] + 1]
+    return len(body), sum(op.startswith("HMMA") for op in body)
+
+
+def ptx_functions(text: str) -> dict[str, list[str]]:
+    funcs = {}
+    for m in re.finditer(r"\.entry\s+([\w$]+)\s*\((.*?)\n\}\n", text, re.S):
+        lines = [ln.strip() for ln in m.group(2).splitlines()]
+        funcs[m.group(1)] = lines
+    return funcs
+
+
+def count_ptx(kernel: str, lines: list[str]) -> tuple[int, int] | None:
+    labels = {}
+    body: list[str] = []  # instructions and labels, in order
+    for ln in lines:
+        if re.match(r"^\$?[\w$]+:$", ln):
+            labels[ln[:-1]] = len(body)
+            body.append(ln)
+        elif ln.endswith(";") and not ln.startswith((".", "//", "{", "}")):
+            body.append(ln)
+    loops = []
+    for i, ln in enumerate(body):
+        m = re.search(r"\bbra(?:\.uni)?\s+([\w$]+);", ln)
+        if m and m.group(1) in labels and labels[m.group(1)] <= i:
+            loops.append((labels[m.group(1)], i))
+    marker = (lambda s: "mma.sync" in s) if kernel == "v2" else (lambda s: s.startswith(("st.shared.u16", "st.shared.b16")))
+    best = None
+    for lo, hi in loops:
+        if any(marker(s) for s in body[lo:hi + 1]) and (best is None or hi - lo < best[1] - best[0]):
+            best = (lo, hi)
+    if best is None:
+        return None
+    seg = [s for s in body[best[0]:best[1] + 1] if not s.endswith(":")]
+    return len(seg), sum("mma.sync" in s for s in seg)
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def measure(archs: list[str]) -> tuple[list[KernelFigures], list[str]]:
+    notes: list[str] = []
+    nvcc = find_nvcc()
+    if nvcc is None:
+        return [], ["nvcc not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin): nothing measured"]
+    cuobjdump, tool_env = find_cuobjdump()
+    if cuobjdump is None:
+        notes.append("cuobjdump or nvdisasm not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm): "
+                     "loops counted in PTX, not SASS")
+    figures: list[KernelFigures] = []
+    with tempfile.TemporaryDirectory(prefix="wna16-static-") as tmp:
+        out = Path(tmp)
+        jobs = [(k, a) for a in archs for k in SOURCES]
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            built = dict(zip(jobs, pool.map(lambda job: compile_cubin(nvcc, job[0], job[1], out), jobs)))
+        smem = dynamic_smem(out)
+        for (kernel, arch), (cubin, log) in built.items():
+            usage = parse_ptxas(log)
+            if cuobjdump:
+                sass = subprocess.run([cuobjdump, "--dump-sass", str(cubin)], capture_output=True, text=True,
+                                      check=True, env={**os.environ, **tool_env}).stdout
+                bodies, counter, where = sass_functions(sass), count_sass, "sass"
+            else:
+                bodies, counter, where = ptx_functions(compile_ptx(nvcc, kernel, arch, out)), count_ptx, "ptx"
+            for mangled, u in sorted(usage.items()):
+                if not is_gemm(kernel, mangled):
+                    continue
+                name, nb, nt = describe(kernel, mangled)
+                f = KernelFigures(kernel, arch, name, mangled, u["registers"], u["spill_stores"], u["spill_loads"],
+                                  u["stack"], u["smem"], num_bits=nb)
+                if kernel == "v2":
+                    m = re.search(r"moe_gemm_v2_kernelILi\d+ELi\d+ELi(\d+)ELi(\d+)ELi(\d+)E", mangled)
+                    mt, nt_, mode = (int(x) for x in m.groups()) if m else (0, 0, 0)
+                    f.smem_dynamic = smem.get((nb, mt, nt_, int(mode == 2)), 0)
+                counted = counter(kernel, bodies[mangled]) if mangled in bodies else None
+                if counted:
+                    f.loop_instructions, f.loop_mma = counted
+                    f.codes_per_iteration = 32 * nt if kernel == "v2" else 32 // max(nb, 1)
+                    f.per_code = f.loop_instructions / f.codes_per_iteration
+                    f.per_code_without_mma = (f.loop_instructions - f.loop_mma) / f.codes_per_iteration
+                    f.counted_in = where
+                figures.append(f)
+    return figures, notes
+
+
+def render(figures: list[KernelFigures], notes: list[str]) -> str:
+    rows = ["| kernel | arch | instance | regs | spill st/ld (B) | stack (B) | smem static + dynamic (B) "
+            "| loop instr. | mma | codes / iter. | per code | per code w/o mma |",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for f in figures:
+        rows.append(f"| {f.kernel} | sm_{f.arch} | {f.name} | {f.registers} | {f.spill_stores} / {f.spill_loads} "
+                    f"| {f.stack} | {f.smem_static} + {f.smem_dynamic} | {f.loop_instructions} | {f.loop_mma} "
+                    f"| {f.codes_per_iteration} | {f.per_code:.2f} | {f.per_code_without_mma:.2f} |")
+    text = "\n".join(rows)
+    if figures:
+        where = {f.counted_in for f in figures if f.counted_in}
+        spills = sum(f.spill_stores + f.spill_loads for f in figures if f.kernel == "v2")
+        fast4 = [f.per_code for f in figures if f.kernel == "v2" and f.num_bits == 4 and "16x256 fast" in f.name]
+        text += f"\n\ncounted in: {', '.join(sorted(where)) or 'nothing'}; v2 spill bytes (all instances): {spills}"
+        if fast4:
+            verdict = "meets" if max(fast4) <= TARGET_SASS_PER_4BIT_CODE else "misses"
+            text += (f"; v2 4-bit 16x256 loop: {max(fast4):.2f} instructions per code ({verdict} the "
+                     f"<= {TARGET_SASS_PER_4BIT_CODE:g} target)")
+    for n in notes:
+        text += f"\nnote: {n}"
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", action="append", help="sm arch number (repeatable; default 90 and 80)")
+    ap.add_argument("--json", type=Path, help="also write the figures as JSON here")
+    args = ap.parse_args(argv)
+    figures, notes = measure(args.arch or ["90", "80"])
+    if not figures:
+        print(f"kernel_static: skipped: {'; '.join(notes)}")
+        return 0
+    print(render(figures, notes))
+    if args.json:
+        args.json.write_text(json.dumps({"kernels": [asdict(f) for f in figures], "notes": notes}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""gpu_check's logic that needs no GPU: the report on disk after every step (a kill or the time
+limit keeps what was measured), the not-run report, the goal verdicts, the case grid."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from wna16ctl import gpucheck
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _wait_for(path: Path, pred, timeout: float = 60.0) -> dict:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            data = json.loads(path.read_text())
+            if pred(data):
+                return data
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"{path} never reached the expected state")
+
+
+# a run whose build step hangs after recording its result (stands in for a hung kernel)
+_HANGING_RUN = """
+import sys, time
+from pathlib import Path
+from wna16ctl import gpucheck
+gpucheck.step_env = lambda report: None
+def hang(report):
+    report["build"] = {"ok": True, "measured": 42}
+    report.save()
+    time.sleep(120)
+gpucheck.step_build = hang
+sys.exit(gpucheck.run(Path(sys.argv[1]), 270.0, 1, False, False))
+"""
+
+
+def _start(script: str, out: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-c", script, str(out)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_time_limit_keeps_the_partial_report(tmp_path: Path) -> None:
+    out = tmp_path / "gpu_check.json"
+    proc = _start(_HANGING_RUN, out)
+    try:
+        _wait_for(out, lambda d: d.get("build", {}).get("measured") == 42)
+        proc.send_signal(signal.SIGTERM)  # what `timeout` in gpu_check.sh sends
+        stdout, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1
+    data = json.loads(out.read_text())
+    assert data["status"] == "stopped" and "during build" in data["reason"]
+    assert data["build"]["measured"] == 42 and data["steps_done"] == ["env"]
+    assert "stopped" in stdout
+
+
+def test_a_kill_leaves_the_last_saved_report(tmp_path: Path) -> None:
+    out = tmp_path / "gpu_check.json"
+    proc = _start(_HANGING_RUN, out)
+    try:
+        _wait_for(out, lambda d: d.get("build", {}).get("measured") == 42)
+        proc.send_signal(signal.SIGKILL)  # no handler runs: what is on disk must still parse
+        proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    data = json.loads(out.read_text())
+    assert data["status"] == "running" and data["step"] == "build" and data["build"]["measured"] == 42
+    assert not (tmp_path / "gpu_check.json.tmp").exists()
+
+
+def test_without_a_gpu_the_report_says_not_run(tmp_path: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the check would run")
+    out = tmp_path / "gpu_check.json"
+    assert gpucheck.main(["--out", str(out), "--no-pytest", "--no-sanitizer"]) == 2
+    data = json.loads(out.read_text())
+    assert data["status"] == "not-run" and "no CUDA device" in data["reason"]
+    assert "bench_gemm" not in data and "goals" not in data
+
+
+def test_goal_verdicts() -> None:
+    report = gpucheck.Report(Path("unused.json"))
+    assert all(g["met"] is None for g in gpucheck.goals(report).values())  # nothing measured
+    report["bench_repack"] = {"plain": {"pct_of_peak": 81.0}, "act_order": {"pct_of_peak": 64.0}}
+    report["bench_gemm"] = {"rows": [
+        {"m": 1, "v2": {"pct_of_peak": 55.0}, "v2_over_bf16": 0.3},
+        {"m": 16, "v2": {"pct_of_peak": 51.0}, "v2_over_bf16": 0.5},
+        {"m": 64, "v2": {"pct_of_peak": 40.0}, "v2_over_bf16": 1.2},
+        {"m": 512, "v2": {"pct_of_peak": 20.0}, "v2_over_bf16": 1.7},
+    ]}
+    g = gpucheck.goals(report)
+    assert g["repack_pct_of_peak"]["met"] is False  # act-order below 70 %
+    assert g["gemm_pct_of_peak_m_le_16"] == {"goal": ">= 50.0", "worst": 51.0, "met": True}
+    assert g["gemm_vs_bf16_m_ge_64"]["worst"] == 1.7 and g["gemm_vs_bf16_m_ge_64"]["met"] is False
+
+
+def test_gemm_case_grid_spans_m_1_to_512_and_every_feature() -> None:
+    cases = gpucheck.gemm_cases(seed=1234, count=24)
+    assert len(cases) == 24
+    assert {c["m"] for c in cases} == {1, 7, 16, 64, 123, 512}
+    assert {c["bits"] for c in cases} == {4, 8} and {c["zp"] for c in cases} == {False, True}
+    assert any(c["act"] and not c["k_full"] for c in cases)
+    assert {c["dtype"] for c in cases} == {torch.float16, torch.bfloat16}
+
+
+def test_compute_sanitizer_absent_is_recorded_as_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpucheck, "find_compute_sanitizer", lambda: None)
+    report = gpucheck.Report(Path("unused.json"))
+    assert gpucheck.step_sanitizer(report, gpucheck.Budget(100)) is None
+    assert "compute-sanitizer not found" in report["sanitizer"]["skipped"]
