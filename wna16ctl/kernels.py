@@ -47,9 +47,13 @@ from wna16ctl.native import (  # noqa: F401 - the build and load API, re-exporte
     kernels_dir,
     native_disabled,
     native_host_available,
-    _notice,
+    _build_dir,
+    _digest,
     _libs,
     _load,
+    _notice,
+    _run,
+    _tool_version,
 )
 
 log = logging.getLogger(__name__)
