@@ -187,8 +187,17 @@ def repack(ctx: click.Context, ckpt: str, tp: str, ep: bool, layout: str, out: s
 
     def body() -> int:
         from wna16ctl.errors import NotLoadable
-        from wna16ctl.render import render_repack_plan, render_repack_result
         from wna16ctl.repack import RepackSettings, plan_repack, run_repack
+
+        def render_repack_plan(console, plan):  # noqa: ANN001, ANN202 - rich is imported only to print
+            from wna16ctl.render import render_repack_plan as render
+
+            render(console, plan)
+
+        def render_repack_result(console, plan, result):  # noqa: ANN001, ANN202
+            from wna16ctl.render import render_repack_result as render
+
+            render(console, plan, result)
 
         from wna16ctl.inspection import resolve
 

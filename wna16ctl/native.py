@@ -115,6 +115,19 @@ def _tool_version(exe: str) -> str:
     return out.stdout.strip()
 
 
+def _tool_identity(exe: str) -> str:
+    """What a build is keyed on for its compiler: the resolved executable's path, size and mtime.
+    A stat instead of running `exe --version` on every use (tens of milliseconds per process);
+    replacing the compiler changes at least one of the three."""
+    path = shutil.which(exe) or exe
+    try:
+        real = os.path.realpath(path)
+        st = os.stat(real)
+    except OSError as exc:
+        raise KernelBuildError(f"{exe}: cannot be found ({exc.strerror})") from exc
+    return f"{real}:{st.st_size}:{st.st_mtime_ns}"
+
+
 def find_cxx() -> Optional[str]:
     return os.environ.get("CXX") if os.environ.get("CXX") else shutil.which("g++")
 
@@ -170,7 +183,7 @@ def build_host(extra_flags: Sequence[str] = (), out_dir: Optional[Path] = None) 
     src = kernels_dir()
     flags = [*_HOST_FLAGS, *extra_flags]
     files = _source_files()
-    key = _digest([*(p.name.encode() + p.read_bytes() for p in files), _tool_version(cxx), *flags])
+    key = _digest([*(p.name.encode() + p.read_bytes() for p in files), _tool_identity(cxx), *flags])
     out_dir = out_dir or _build_dir()
     target = out_dir / f"libwna16_host-{key}.so"
     if target.exists():
@@ -260,7 +273,7 @@ def build_cuda(
     src = kernels_dir()
     flags = [*_CUDA_FLAGS, *_gencode(archs, _nvcc_archs(nvcc)), *extra_flags]
     files = _source_files()
-    key = _digest([*(p.name.encode() + p.read_bytes() for p in files), _tool_version(nvcc), *flags])
+    key = _digest([*(p.name.encode() + p.read_bytes() for p in files), _tool_identity(nvcc), *flags])
     out_dir = out_dir or _build_dir()
     target = out_dir / f"libwna16_cuda-{'-'.join(archs)}-{key}.so"
     if target.exists():
