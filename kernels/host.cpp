@@ -131,21 +131,23 @@ void gather_ktile_strided(const uint32_t* src, int64_t s_kw, int64_t s_n, const 
 // so a gather of 8 qwords and two byte permutations over their nibbles make one 64-byte store.
 // Equal to repack_ktile over staged rows (wna16_marlin_word4), which the tests check.
 #if WNA16_HAVE_X86
+// Byte p = 4 * (4 tl + w) + b of 16 output words takes its low nibble from table index
+// kNibbleIndex[p] (the table being [low nibbles of 64 gathered bytes, high nibbles]) and its high
+// nibble from kNibbleIndex[p] + 4; shared by both 4-bit tile loops below.
+alignas(64) const uint8_t kNibbleIndex[64] = {
+#define WNA16_A(tl, w) (uint8_t)(16 * (w) + (tl)), (uint8_t)(16 * (w) + 8 + (tl)), \
+                       (uint8_t)(64 + 16 * (w) + (tl)), (uint8_t)(64 + 16 * (w) + 8 + (tl))
+    WNA16_A(0, 0), WNA16_A(0, 1), WNA16_A(0, 2), WNA16_A(0, 3), WNA16_A(1, 0), WNA16_A(1, 1),
+    WNA16_A(1, 2), WNA16_A(1, 3), WNA16_A(2, 0), WNA16_A(2, 1), WNA16_A(2, 2), WNA16_A(2, 3),
+    WNA16_A(3, 0), WNA16_A(3, 1), WNA16_A(3, 2), WNA16_A(3, 3)
+#undef WNA16_A
+};
+
 __attribute__((target("avx512f,avx512bw,avx512vbmi"))) void ntile4_avx512(const uint32_t* src, int64_t ld,
                                                                             int64_t kt, int64_t n0,
                                                                             uint32_t* dst) {
-  // byte p = 4 * (4 tl + w) + b of the 16 words: low nibble from table index A[p], high from B[p]
-  // (table = [low nibbles of the 64 gathered bytes, high nibbles]); qword j = 2w + h holds x, y
-  // (h = 0) or x', y' (h = 1) of wna16_marlin_word4.
-  alignas(64) static const uint8_t kA[64] = {
-#define WNA16_A(tl, w) (uint8_t)(16 * (w) + (tl)), (uint8_t)(16 * (w) + 8 + (tl)), \
-                       (uint8_t)(64 + 16 * (w) + (tl)), (uint8_t)(64 + 16 * (w) + 8 + (tl))
-      WNA16_A(0, 0), WNA16_A(0, 1), WNA16_A(0, 2), WNA16_A(0, 3), WNA16_A(1, 0), WNA16_A(1, 1),
-      WNA16_A(1, 2), WNA16_A(1, 3), WNA16_A(2, 0), WNA16_A(2, 1), WNA16_A(2, 2), WNA16_A(2, 3),
-      WNA16_A(3, 0), WNA16_A(3, 1), WNA16_A(3, 2), WNA16_A(3, 3)
-#undef WNA16_A
-  };
-  const __m512i idx_a = _mm512_load_si512((const void*)kA);
+  // qword j = 2w + h of the gather holds x, y (h = 0) or x', y' (h = 1) of wna16_marlin_word4
+  const __m512i idx_a = _mm512_load_si512((const void*)kNibbleIndex);
   const __m512i idx_b = _mm512_add_epi8(idx_a, _mm512_set1_epi8(4));  // y is 4 bytes after x
   const __m512i lo_mask = _mm512_set1_epi8(0x0f);
   const __m512i cols = _mm512_set_epi64(56 * ld, 48 * ld, 40 * ld, 32 * ld, 24 * ld, 16 * ld, 8 * ld, 0);
@@ -165,15 +167,7 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"))) void ntile4_avx512(const 
 // loaded whole and transposed (8x8 qwords), so every source cache line is read once, in order.
 __attribute__((target("avx512f,avx512bw,avx512vbmi"))) void marlin4_nfirst_avx512(
     const uint32_t* src, int64_t ld, int64_t size_k, int64_t size_n, uint32_t* dst, int64_t out_ld) {
-  alignas(64) static const uint8_t kA[64] = {
-#define WNA16_A(tl, w) (uint8_t)(16 * (w) + (tl)), (uint8_t)(16 * (w) + 8 + (tl)), \
-                       (uint8_t)(64 + 16 * (w) + (tl)), (uint8_t)(64 + 16 * (w) + 8 + (tl))
-      WNA16_A(0, 0), WNA16_A(0, 1), WNA16_A(0, 2), WNA16_A(0, 3), WNA16_A(1, 0), WNA16_A(1, 1),
-      WNA16_A(1, 2), WNA16_A(1, 3), WNA16_A(2, 0), WNA16_A(2, 1), WNA16_A(2, 2), WNA16_A(2, 3),
-      WNA16_A(3, 0), WNA16_A(3, 1), WNA16_A(3, 2), WNA16_A(3, 3)
-#undef WNA16_A
-  };
-  const __m512i idx_a = _mm512_load_si512((const void*)kA);
+  const __m512i idx_a = _mm512_load_si512((const void*)kNibbleIndex);
   const __m512i idx_b = _mm512_add_epi8(idx_a, _mm512_set1_epi8(4));
   const __m512i lo_mask = _mm512_set1_epi8(0x0f);
   const int64_t ktiles = size_k / 16, kt_main = ktiles - ktiles % 8;

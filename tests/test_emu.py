@@ -550,7 +550,10 @@ def grid_problem(*, pad: int = 0, empty_ends: bool = False, **case) -> dict:
     return prob
 
 
-def run_gemm(exe: Path, prob: dict, variant: str, dev: Optional[dict] = None) -> tuple[H.Result, torch.Tensor]:
+def run_gemm_op(exe: Path, op: str, prob: dict, variant_code: int, dev: Optional[dict] = None,
+                extra: Optional[dict] = None) -> tuple[H.Result, torch.Tensor]:
+    """Run the driver's GEMM op `op` ("gemm": v1, "gemm_v2") on `prob`; the output starts as
+    MARKER everywhere, so rows the kernel must not touch show."""
     a, b_q, scales, zp, g_idx, perm, ids, offs, tw, top_k, num_bits, k_full = prob["args"]
     experts, size_k, size_n = b_q.shape[0], b_q.shape[1] * 16, scales.shape[2]
     num_slots = a.shape[0] * top_k
@@ -558,16 +561,22 @@ def run_gemm(exe: Path, prob: dict, variant: str, dev: Optional[dict] = None) ->
 
     def i32(t):
         return None if t is None else t.to(torch.int32)
-    r = H.run(exe, "gemm",
+    r = H.run(exe, op,
               {"a": a, "b": b_q, "scales": scales, "zp": i32(zp), "g_idx": i32(g_idx), "perm": i32(perm),
                "sorted_ids": i32(ids), "offsets": i32(offs), "topk": None if tw is None else tw.float(),
-               "c": c, "ws": torch.zeros(experts + 1, dtype=torch.int32)},
+               "c": c, **(extra or {})},
               {"num_slots": num_slots, "num_sorted": ids.numel(), "num_experts": experts, "size_n": size_n,
                "size_k": size_k, "num_groups": scales.shape[1], "top_k": top_k, "num_bits": num_bits,
-               "dtype": K.DTYPE_CODES[a.dtype], "is_k_full": int(k_full), "variant": K.GEMM_VARIANTS[variant]},
+               "dtype": K.DTYPE_CODES[a.dtype], "is_k_full": int(k_full), "variant": variant_code},
               ("c",), dev or {})
     out = r.tensor("c", a.dtype, (num_slots, size_n)) if "c" in r.outputs else c
     return r, out
+
+
+def run_gemm(exe: Path, prob: dict, variant: str, dev: Optional[dict] = None) -> tuple[H.Result, torch.Tensor]:
+    experts = prob["args"][1].shape[0]
+    return run_gemm_op(exe, "gemm", prob, K.GEMM_VARIANTS[variant], dev,
+                       {"ws": torch.zeros(experts + 1, dtype=torch.int32)})
 
 
 def tile_rows(prob: dict, variant: str) -> int:

@@ -23,30 +23,15 @@ import pytest
 import torch
 
 from tests.emu import harness as H
-from tests.test_emu import MARKER, asan, check_gemm, drivers, grid_problem, plain, tsan  # noqa: F401
-from tests.test_emu import _driver, _grid_id
+from tests.test_emu import asan, check_gemm, drivers, grid_problem, plain, tsan  # noqa: F401
+from tests.test_emu import _driver, _grid_id, run_gemm_op
 from wna16ctl import kernels as K
 
 VARIANTS = {"auto": 0, "tile16": 16, "tile32": 32, "tile64": 64}
 
 
 def run_gemm_v2(exe: Path, prob: dict, variant: str, dev: Optional[dict] = None) -> tuple[H.Result, torch.Tensor]:
-    a, b_q, scales, zp, g_idx, perm, ids, offs, tw, top_k, num_bits, k_full = prob["args"]
-    experts, size_k, size_n = b_q.shape[0], b_q.shape[1] * 16, scales.shape[2]
-    num_slots = a.shape[0] * top_k
-    c = torch.full((num_slots, size_n), MARKER, dtype=torch.int16).view(a.dtype)
-
-    def i32(t):
-        return None if t is None else t.to(torch.int32)
-    r = H.run(exe, "gemm_v2",
-              {"a": a, "b": b_q, "scales": scales, "zp": i32(zp), "g_idx": i32(g_idx), "perm": i32(perm),
-               "sorted_ids": i32(ids), "offsets": i32(offs), "topk": None if tw is None else tw.float(), "c": c},
-              {"num_slots": num_slots, "num_sorted": ids.numel(), "num_experts": experts, "size_n": size_n,
-               "size_k": size_k, "num_groups": scales.shape[1], "top_k": top_k, "num_bits": num_bits,
-               "dtype": K.DTYPE_CODES[a.dtype], "is_k_full": int(k_full), "variant": VARIANTS[variant]},
-              ("c",), dev or {})
-    out = r.tensor("c", a.dtype, (num_slots, size_n)) if "c" in r.outputs else c
-    return r, out
+    return run_gemm_op(exe, "gemm_v2", prob, VARIANTS[variant], dev)  # the driver sizes the workspace
 
 
 # (tile variant, emulated SMs, problem): few SMs make stream-K cut tiles between blocks

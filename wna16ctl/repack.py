@@ -38,7 +38,8 @@ from wna16ctl.plan import Backend, LayerPlan, plan_layer
 from wna16ctl.tpsizes import check_tp_sizes, parse_tp_list
 from wna16ctl.output import TaskStarter, no_progress
 from wna16ctl.writer import (
-    FILE_HASH, JOURNAL_NAME, MANIFEST_NAME, PlannedFile, PlannedTensor, StagedOutput, new_hasher, split_into_files,
+    FILE_HASH, JOURNAL_NAME, MANIFEST_NAME, PlannedFile, PlannedTensor, ReusedBuffer, StagedOutput, new_hasher,
+    split_into_files,
 )
 
 # torch is imported only where a layer takes the torch data path (wna16ctl.repack_native covers
@@ -56,6 +57,7 @@ SIDE_FILES = (
 )
 # Packed input per expert chunk: a chunk and its outputs stay in the CPU caches from the read to
 # the write and the hash (64 MiB chunks measured ~2x the system time: every stage went to DRAM).
+_COPY_PIECE = 16 << 20  # non-expert tensors are copied (and re-digested) in pieces of this size
 _CHUNK_BYTES = 4 << 20
 
 
@@ -583,22 +585,10 @@ def _digest_view(view: memoryview) -> str:
     return h.hexdigest()
 
 
-class _CopyBuffer:
-    """One reused buffer for the non-expert tensors (fresh memory costs a page fault per 4 KiB)."""
-
-    def __init__(self, size: int = 16 << 20):
-        self.size = size
-        self._view: memoryview | None = None
-
-    def view(self) -> memoryview:
-        if self._view is None:
-            self._view = memoryview(bytearray(self.size))
-        return self._view
-
-
 def _copy_tensor(reader: RawReader, info: Any, targets: list[tuple[StagedOutput, PlannedFile, int]],
-                 h: Any, buf: _CopyBuffer) -> None:
-    """Copy one non-expert tensor into every target file, digesting its bytes once."""
+                 h: Any, buf: ReusedBuffer) -> None:
+    """Copy one non-expert tensor into every target file (none: only digest it), digesting its
+    bytes once."""
     for start in range(info.start, info.end, buf.size):
         n = min(buf.size, info.end - start)
         sub = type(info)(info.name, info.dtype, (), info.file, start, start + n)
@@ -628,17 +618,12 @@ def _verify_reusable(plan: RepackPlan, staged: StagedOutput, reader: RawReader,
         for u in plan.units[f.relpath]:
             needed.setdefault(u, set()).add(rank)
     ck = plan.checkpoint
-    buf = _CopyBuffer()
+    buf = ReusedBuffer(_COPY_PIECE)
     for u, ranks in needed.items():
         if u[0] == "copy":
             h = new_hasher()
             for name in u[1]:
-                info = ck.files.info(name)
-                for start in range(info.start, info.end, buf.size):
-                    sub = type(info)(info.name, info.dtype, (), info.file, start, min(start + buf.size, info.end))
-                    view = buf.view()[:sub.nbytes]
-                    reader.read_into(sub, view)
-                    h.update(view)
+                _copy_tensor(reader, ck.files.info(name), [], h, buf)  # no targets: digest only
             digests.copy[u] = h.hexdigest()
             continue
         job = plan.jobs[u[1]]
@@ -721,7 +706,7 @@ def _execute(plan: RepackPlan, staged: StagedOutput, start: TaskStarter, device:
 
         # 1. non-expert tensors, read once, digested, written into every rank that still needs them
         copy_units = [u for rel in sorted(pending) for u in plan.units[rel] if u[0] == "copy"]
-        buf = _CopyBuffer()
+        buf = ReusedBuffer(_COPY_PIECE)
         for u in dict.fromkeys(copy_units):
             for f in unit_file[u]:
                 staged.open(f)

@@ -211,7 +211,7 @@ class StagedOutput:
         # fsync apart from hashing: waiting for one file's writeback does not hold up the next hash
         self._sync_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="wna16ctl-sync")
         self._hashers: dict[str, tuple[Any, list[int]]] = {}  # relpath -> (hasher, [bytes hashed])
-        self._hash_buf = _HashBuffer()  # used by the hash thread only
+        self._hash_buf = ReusedBuffer()  # used by the hash thread only
         self.owner = join is None  # the owner locks, clears, adopts and commits; joiners only write
         self.run = join or uuid.uuid4().hex
         self.journal_name = outdir.journal_part_name(process)
@@ -681,9 +681,10 @@ def _plain_rel(rel: Any) -> bool:
             and all(p not in ("", ".", "..") for p in rel.split("/")))
 
 
-class _HashBuffer:
-    """The hash thread's one read buffer, reused: a fresh buffer per range would cost a page
-    fault per 4 KiB, and ranges are hashed right after they are written (still in the caches)."""
+class ReusedBuffer:
+    """One read buffer, allocated on first use and reused: a fresh buffer per read would cost a
+    page fault per 4 KiB (the hash thread's read-back of what was just written, repack's copy of
+    the non-expert tensors)."""
 
     def __init__(self, size: int = 4 << 20):
         self.size = size
@@ -695,9 +696,9 @@ class _HashBuffer:
         return self._view
 
 
-def _hash_range(fd: int, hasher: Any, pos: list[int], end: int, buf: _HashBuffer | None = None) -> None:
+def _hash_range(fd: int, hasher: Any, pos: list[int], end: int, buf: ReusedBuffer | None = None) -> None:
     """Feed bytes [pos[0], end) of `fd` to `hasher` (page-cache reads of what was just written)."""
-    view = (buf or _HashBuffer(min(4 << 20, max(end - pos[0], 1)))).view()
+    view = (buf or ReusedBuffer(min(4 << 20, max(end - pos[0], 1)))).view()
     while pos[0] < end:
         n = os.preadv(fd, [view[: min(len(view), end - pos[0])]], pos[0])
         if n == 0:
