@@ -322,7 +322,7 @@ import os, sys
 import wna16ctl.repack as r
 import wna16ctl.repack_native as n
 from wna16ctl.errors import BadInput
-real, real_native, calls = r.build_rank_tensors, n.LayerBuilder.build, []
+real, real_native, calls = r.build_rank_tensors, n.LayerBuilder.build_into, []
 def fail_on_second_chunk():  # process 1 fails on its second chunk, on either data path
     calls.append(1)
     if os.environ["RANK"] == "1" and len(calls) == 2:
@@ -334,7 +334,7 @@ def build_native(self, *a, **kw):
     fail_on_second_chunk()
     return real_native(self, *a, **kw)
 r.build_rank_tensors = build
-n.LayerBuilder.build = build_native
+n.LayerBuilder.build_into = build_native
 sys.argv = ["wna16ctl"] + sys.argv[1:]
 from wna16ctl.cli import main
 main()

@@ -85,7 +85,7 @@ def read_tensor(ck: Path, name: str) -> torch.Tensor:
 
 def interrupt_after(monkeypatch, n_builds: int) -> None:
     """KeyboardInterrupt at the n-th rank build, on whichever data path the layers take."""
-    real, real_native = repack_mod.build_rank_tensors, repack_native.LayerBuilder.build
+    real, real_native = repack_mod.build_rank_tensors, repack_native.LayerBuilder.build_into
     calls = []
 
     def count() -> None:
@@ -102,7 +102,7 @@ def interrupt_after(monkeypatch, n_builds: int) -> None:
         return real_native(*a, **kw)
 
     monkeypatch.setattr(repack_mod, "build_rank_tensors", build)
-    monkeypatch.setattr(repack_native.LayerBuilder, "build", native_build)
+    monkeypatch.setattr(repack_native.LayerBuilder, "build_into", native_build)
 
 
 def tree_hash(root: Path) -> dict[str, str]:

@@ -310,7 +310,9 @@ def test_round_trip_matrix(ckpt, tmp_path, case):
     want_layout = "transposed" if case.layout == "transposed" else "marlin"
     assert [j.layout for j in plan.jobs] == [want_layout]
     res = run_repack(plan, tmp_path / "out")
-    assert res.files_written == case.tp and res.files_reused == 0
+    # per rank a file of non-expert tensors and one per expert tensor kind of the layer
+    assert res.files_written == case.tp * (1 + len(plan.jobs[0].tensor_names)) and res.files_reused == 0
+    assert res.files_written == sum(len(fs) for fs in plan.files)
     check_output_independently(ck, tmp_path / "out", plan)
     report = verify_output(ck, tmp_path / "out", samples=GSM8K_TEST, num_samples=8)
     assert report.passed, [f.to_json() for f in report.findings] + [n.to_json() for n in report.numerics]
@@ -528,7 +530,7 @@ def test_existing_output_refused_then_forced(make_ckpt, tmp_path):
     (out / "keep.txt").unlink()
     res = _repack_cli(str(ck), "--tp", "2", "-o", str(out), "--force", "--json")  # an empty directory
     assert res.exit_code == 0, res.output
-    assert json.loads(res.stdout)["files_written"] == 2
+    assert json.loads(res.stdout)["files_written"] == 2 * 5  # per rank: non-expert tensors, 4 expert kinds
     res = _repack_cli(str(ck), "--tp", "1", "-o", str(out), "--force", "--json")  # an earlier output
     assert res.exit_code == 0, res.output
     assert json.loads((out / MANIFEST_NAME).read_text())["tp"] == 1 and not (out / "rank-1").exists()
@@ -554,11 +556,10 @@ def test_disk_full_mid_run_leaves_nothing(make_ckpt, tmp_path, monkeypatch):
     real_pwrite = os.pwrite
     calls = []
 
-    def pwrite(fd, data, offset):
-        if offset > 0:  # tensor data (headers go to offset 0)
-            calls.append(offset)
-            if len(calls) == 3:
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    def pwrite(fd, data, offset):  # the third write into an output file fails
+        calls.append(offset)
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real_pwrite(fd, data, offset)
 
     monkeypatch.setattr(os, "pwrite", pwrite)
@@ -639,7 +640,7 @@ def test_interrupt_then_resume(two_layer_ckpt, tmp_path, monkeypatch, data_path)
     run_repack(plan_repack(ck, RESUME_SETTINGS), fresh)
     out = tmp_path / "out"
     real_build = repack_mod.build_rank_tensors
-    real_native_build = repack_native.LayerBuilder.build
+    real_native_build = repack_native.LayerBuilder.build_into
     real_sha = writer_mod.hash_file
     calls = []
     first_layer = plan_repack(ck, RESUME_SETTINGS).jobs[0].layer.prefix
@@ -660,7 +661,7 @@ def test_interrupt_then_resume(two_layer_ckpt, tmp_path, monkeypatch, data_path)
         return real_sha(path, *a, **kw)
 
     monkeypatch.setattr(repack_mod, "build_rank_tensors", build)
-    monkeypatch.setattr(repack_native.LayerBuilder, "build", native_build)
+    monkeypatch.setattr(repack_native.LayerBuilder, "build_into", native_build)
     monkeypatch.setattr(writer_mod, "hash_file", slow_sha)
     with pytest.raises(KeyboardInterrupt):
         run_repack(plan_repack(ck, RESUME_SETTINGS), out)
@@ -696,7 +697,7 @@ import sys, time, pathlib
 import wna16ctl.repack as r
 import wna16ctl.repack_native as n
 marker = pathlib.Path(sys.argv[1])
-real, real_native = r.build_rank_tensors, n.LayerBuilder.build
+real, real_native = r.build_rank_tensors, n.LayerBuilder.build_into
 def slow(*a, **kw):
     marker.touch()
     time.sleep(0.4)
@@ -706,7 +707,7 @@ def slow_native(*a, **kw):
     time.sleep(0.4)
     return real_native(*a, **kw)
 r.build_rank_tensors = slow  # whichever data path the layers take
-n.LayerBuilder.build = slow_native
+n.LayerBuilder.build_into = slow_native
 sys.argv = ["wna16ctl"] + sys.argv[2:]
 from wna16ctl.cli import main
 main()

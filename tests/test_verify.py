@@ -73,28 +73,39 @@ def fresh(outputs, tmp_path):
 # ---- helpers ----------------------------------------------------------------------------------------------
 
 
-def rank_file(out: Path, r: int) -> Path:
-    (f,) = sorted((out / f"rank-{r}").glob("*.safetensors"))
-    return f
+def _full(name: str) -> str:
+    return name if name.startswith("model.") else f"{PREFIX}.{name}"
+
+
+def rank_file(out: Path, r: int, name: str = "w13_weight_packed") -> Path:
+    """The file of rank r holding tensor `name` (by the rank's index; a name the index does not
+    know: the file of the layer's w13_weight_packed)."""
+    wm = json.loads((out / f"rank-{r}" / "model.safetensors.index.json").read_text())["weight_map"]
+    return out / f"rank-{r}" / wm.get(_full(name), wm[_full("w13_weight_packed")])
+
+
+def _rel(out: Path, r: int, name: str) -> str:
+    return rank_file(out, r, name).relative_to(out).as_posix()
 
 
 def read(out: Path, r: int, name: str) -> torch.Tensor:
-    with safe_open(rank_file(out, r), framework="pt") as so:
-        return so.get_tensor(name if name.startswith("model.") else f"{PREFIX}.{name}")
+    with safe_open(rank_file(out, r, name), framework="pt") as so:
+        return so.get_tensor(_full(name))
 
 
 def rewrite(out: Path, r: int, **tensors: torch.Tensor) -> None:
-    """Rewrite a rank file with some expert tensors replaced (any shape)."""
-    path = rank_file(out, r)
-    with safe_open(path, framework="pt") as so:
-        all_tensors = {k: so.get_tensor(k) for k in so.keys()}
-    for name, t in tensors.items():
-        all_tensors[f"{PREFIX}.{name}"] = t.contiguous()
-    save_file(all_tensors, path, metadata={"format": "pt"})
+    """Rewrite the rank files holding some expert tensors with them replaced (any shape)."""
+    for path in {rank_file(out, r, name) for name in tensors}:
+        with safe_open(path, framework="pt") as so:
+            all_tensors = {k: so.get_tensor(k) for k in so.keys()}
+        for name, t in tensors.items():
+            if rank_file(out, r, name) == path:
+                all_tensors[_full(name)] = t.contiguous()
+        save_file(all_tensors, path, metadata={"format": "pt"})
 
 
 def patch(out: Path, r: int, name: str, t: torch.Tensor) -> None:
-    patch_tensor(rank_file(out, r), name if name.startswith("model.") else f"{PREFIX}.{name}", t)
+    patch_tensor(rank_file(out, r, name), _full(name), t)
 
 
 def rehash(out: Path) -> None:
@@ -146,7 +157,10 @@ def numerics_failed(report: VerifyReport) -> bool:
 def test_pristine_outputs_pass(outputs, name):
     report = verify(*outputs(name))
     assert report.passed, [f.to_json() for f in report.findings]
-    assert report.files_checked == 5  # per rank a safetensors file and its index, and config.json
+    # every file of the manifest: per rank its safetensors files and index, and config.json
+    ck, out = outputs(name)
+    manifest = json.loads((out / "wna16ctl.json").read_text())
+    assert report.files_checked == len(manifest["files"]) == 2 * (len(list((out / "rank-0").glob("*.safetensors"))) + 1) + 1
     assert report.layers_checked == 1 and report.experts_checked == 4
 
 
@@ -164,7 +178,7 @@ def test_flipped_nibble_in_w2(fresh, mode):
     report = verify(ck, out)
     assert not report.passed
     if mode == "plain":
-        assert_manifest_only_names(report, "rank-1/model-00001-of-00001.safetensors", "modified after repack")
+        assert_manifest_only_names(report, _rel(out, 1, "w2_weight_packed"), "modified after repack")
     else:
         assert not findings(report, "manifest")
     f = assert_round_trip(report, expert=2, rank=1, words=("w2_weight_packed", "down_proj"))
@@ -272,8 +286,10 @@ def test_ranks_reordered(fresh, mode):
     report = verify(ck, out)
     assert not report.passed
     if mode == "plain":
-        assert_manifest_only_names(report, "rank-0/model-00001-of-00001.safetensors",
-                                   "rank-1/model-00001-of-00001.safetensors")
+        # every expert tensor file of both ranks differs from what the manifest records at its
+        # path (the files of non-expert tensors are the same in every rank)
+        assert_manifest_only_names(report, *(_rel(out, r, k) for r in range(2) for k in (
+            "w13_weight_packed", "w2_weight_packed", "w13_weight_scale", "w2_weight_scale")))
     for r in range(2):
         assert_round_trip(report, expert=0, rank=r, words=("differs",))
 
@@ -317,7 +333,7 @@ def test_non_expert_tensor_modified(fresh):
     t.view(torch.int16)[5, 7] ^= 1  # one byte
     patch(out, 0, name, t)
     report = verify(ck, out)
-    assert_manifest_only_names(report, "rank-0/model-00001-of-00001.safetensors", "blake3 differs")
+    assert_manifest_only_names(report, _rel(out, 0, name), "blake3 differs")
     rehash(out)  # the buggy-repack variant: only the copied-tensor check can see it
     report = verify(ck, out)
     assert not report.passed and not findings(report, "manifest")

@@ -277,7 +277,12 @@ def plan_repack(ckpt_path: str | os.PathLike[str], settings: RepackSettings) -> 
 
     files: list[list[PlannedFile]] = []
     units: dict[str, list[tuple]] = {}
+    # Output tensors are grouped by kind (w13_weight_packed of every layer, then w2_weight_packed,
+    # ...), each kind in files of its own: reading the experts chunk by chunk then fills every file
+    # front to back, so each is hashed as it is written and needs no read-back (wna16ctl.filestream).
+    kinds = list(dict.fromkeys(k for job in jobs for k in job.tensor_names))
     for r in range(n_ranks):
+        sections: list[tuple[list[list[PlannedTensor]], list[tuple]]] = []
         groups: list[list[PlannedTensor]] = []
         group_units: list[tuple] = []
         cur: list[PlannedTensor] = []
@@ -293,22 +298,31 @@ def plan_repack(ckpt_path: str | os.PathLike[str], settings: RepackSettings) -> 
         if cur:
             groups.append(cur)
             group_units.append(("copy", tuple(t.name for t in cur)))
-        for j, job in enumerate(jobs):
-            n_local = len(job.expert_ranges[r])
-            if n_local == 0:
-                continue
-            shapes = expert_shapes(job.specs[r], scale_dtype)
-            groups.append([PlannedTensor(f"{job.layer.prefix}.{k}", dt, (n_local, *shape)) for k, (shape, dt) in shapes.items()])
-            group_units.append(("layer", j))
-        rank_files = split_into_files(groups, f"rank-{r}/", settings.max_shard_bytes)
-        # map each group to the file that holds it
-        gi = 0
-        for f in rank_files:
-            names_in_file = {t.name for t in f.tensors}
-            units[f.relpath] = []
-            while gi < len(groups) and groups[gi][0].name in names_in_file:
-                units[f.relpath].append(group_units[gi])
-                gi += 1
+        sections.append((groups, group_units))
+        for kind in kinds:
+            groups, group_units = [], []
+            for j, job in enumerate(jobs):
+                n_local = len(job.expert_ranges[r])
+                shapes = expert_shapes(job.specs[r], scale_dtype)
+                if n_local == 0 or kind not in shapes:
+                    continue
+                shape, dt = shapes[kind]
+                groups.append([PlannedTensor(f"{job.layer.prefix}.{kind}", dt, (n_local, *shape))])
+                group_units.append(("layer", j))
+            sections.append((groups, group_units))
+        pieces = [(split_into_files(g, f"rank-{r}/", settings.max_shard_bytes), g, gu) for g, gu in sections if g]
+        n_files = sum(len(fs) for fs, _, _ in pieces)
+        rank_files: list[PlannedFile] = []
+        for fs, groups, group_units in pieces:
+            gi = 0
+            for f in fs:  # numbered across the rank: model-00001-of-0000N, ...
+                f.relpath = f"rank-{r}/model-{len(rank_files) + 1:05d}-of-{n_files:05d}.safetensors"
+                names_in_file = {t.name for t in f.tensors}
+                units[f.relpath] = []
+                while gi < len(groups) and groups[gi][0].name in names_in_file:
+                    units[f.relpath].append(group_units[gi])
+                    gi += 1
+                rank_files.append(f)
         files.append(rank_files)
     return RepackPlan(ck, settings, jobs, copied, files, source_fingerprint(ck), ck.config.torch_dtype, units)
 
@@ -585,7 +599,19 @@ def _digest_view(view: memoryview) -> str:
     return h.hexdigest()
 
 
-def _copy_tensor(reader: RawReader, info: Any, targets: list[tuple[StagedOutput, PlannedFile, int]],
+class _StreamSink:
+    """`StagedOutput.pwrite` for a file written front to back: every write must come next."""
+
+    def __init__(self, stream: Any):
+        self.stream = stream
+
+    def pwrite(self, f: PlannedFile, offset: int, data: memoryview) -> None:
+        if offset != self.stream.position:
+            raise AssertionError(f"{f.relpath}: a write at {offset}, but the file is at {self.stream.position}")
+        self.stream.write(data)
+
+
+def _copy_tensor(reader: RawReader, info: Any, targets: list[tuple[Any, PlannedFile, int]],
                  h: Any, buf: ReusedBuffer) -> None:
     """Copy one non-expert tensor into every target file (none: only digest it), digesting its
     bytes once."""
@@ -693,12 +719,21 @@ def _execute(plan: RepackPlan, staged: StagedOutput, start: TaskStarter, device:
                 names = u[1] if u[0] == "copy" else [n for n in ends if n.startswith(plan.jobs[u[1]].layer.prefix + ".")]
                 unit_end[(rel, u)] = max(ends[n] for n in names)
 
+        # Every layer native: each tensor file is produced front to back through a FileStream
+        # (built in place, hashed as written, O_DIRECT where possible); else positioned writes.
+        streamed = len(builders) == len(plan.jobs)
+        streams: dict[str, Any] = {}
+
         def unit_done(u: tuple) -> None:
             for f in unit_file.get(u, []):
                 remaining[f.relpath] -= 1
                 if remaining[f.relpath] == 0:
-                    staged.finish(f, digests.file(f))
-                else:  # units fill a file front to back: everything before this unit's end is final
+                    if f.relpath in streams:
+                        del streams[f.relpath]
+                        staged.finish_stream(f, digests.file(f))
+                    else:
+                        staged.finish(f, digests.file(f))
+                elif f.relpath not in streams:  # units fill a file front to back: all before this unit's end is final
                     staged.written_upto(f, unit_end[(f.relpath, u)])
             staged.checkpoint_journal()
             if any(remaining[f.relpath] == 0 for f in unit_file.get(u, [])):
@@ -709,11 +744,15 @@ def _execute(plan: RepackPlan, staged: StagedOutput, start: TaskStarter, device:
         buf = ReusedBuffer(_COPY_PIECE)
         for u in dict.fromkeys(copy_units):
             for f in unit_file[u]:
-                staged.open(f)
+                if not streamed:
+                    staged.open(f)
+                elif f.relpath not in streams:
+                    streams[f.relpath] = staged.stream(f, 0)  # write() reserves at most a block
+            sinks = [(_StreamSink(streams[f.relpath]) if streamed else staged, f) for f in unit_file[u]]
             h = new_hasher()
             for name in u[1]:
                 info = ck.files.info(name)
-                _copy_tensor(reader, info, [(staged, f, f.offsets[name]) for f in unit_file[u]], h, buf)
+                _copy_tensor(reader, info, [(sink, f, f.offsets[name]) for sink, f in sinks], h, buf)
                 written += info.nbytes * len(unit_file[u])
                 advance(info.nbytes * len(unit_file[u]))
             digests.copy[u] = h.hexdigest()
@@ -722,18 +761,25 @@ def _execute(plan: RepackPlan, staged: StagedOutput, start: TaskStarter, device:
         repack_weights = marlin_repacker(device) if torch_layers else None
         for j, job in enumerate(plan.jobs):
             u = ("layer", j)
-            rank_files = {r: fs for r in range(len(plan.files)) for fs in [
-                [f for f in unit_file.get(u, []) if f.relpath.startswith(f"rank-{r}/")]] if fs}
-            if not rank_files:
-                continue
-            for fs in rank_files.values():
-                staged.open(fs[0])
             layer = job.layer
-            wanted = [job.expert_ranges[r] for r in rank_files]
+            # rank -> output tensor name (without the prefix) -> the pending file holding it
+            targets: dict[int, dict[str, PlannedFile]] = {}
+            for f in unit_file.get(u, []):
+                r = int(f.relpath.split("/", 1)[0].removeprefix("rank-"))
+                for t in f.tensors:
+                    if t.name.startswith(layer.prefix + ".") and t.name[len(layer.prefix) + 1:] in job.tensor_names:
+                        targets.setdefault(r, {})[t.name[len(layer.prefix) + 1:]] = f
+            if not targets:
+                continue
             builder = builders.get(j)
+            for r, by_name in targets.items():
+                for name, f in by_name.items():
+                    if streamed and f.relpath not in streams:  # a file's first unit opens it
+                        streams[f.relpath] = staged.stream(f, builder.per_expert[name] * builder.max_experts)
+                    elif not streamed:
+                        staged.open(f)
+            wanted = [job.expert_ranges[r] for r in targets]
             pending_digests: list[tuple[range, Any]] = []
-            per_first = {r: fs[0].tensors[[t.name for t in fs[0].tensors].index(f"{layer.prefix}.{job.tensor_names[0]}")].nbytes
-                         // max(len(job.expert_ranges[r]), 1) for r, fs in rank_files.items()}
             chunks = [c for c in _expert_chunks(job) if any(c.start in rng for rng in wanted)]  # EP: skip others
             for i, chunk in enumerate(chunks):
                 nbytes = layer.packed_bytes * len(chunk) // layer.num_experts
@@ -748,12 +794,28 @@ def _execute(plan: RepackPlan, staged: StagedOutput, start: TaskStarter, device:
                 else:
                     experts, d = _read_layer_chunk(reader, job, chunk)
                     digests.add_chunk(j, chunk, d)
-                for r, fs in rank_files.items():
+                for r, by_name in targets.items():
                     rng = job.expert_ranges[r]
                     if chunk.start not in rng:
                         continue
-                    f = fs[0]
                     local = chunk.start - rng.start
+                    if streamed:
+                        # built in place at the end of each file (a file already complete from an
+                        # earlier run still gets its kind built, into scratch memory)
+                        places = {}
+                        for name in job.tensor_names:
+                            f = by_name.get(name)
+                            st = streams.get(f.relpath) if f is not None else None
+                            n = builder.per_expert[name] * len(chunk)
+                            if st is not None and st.position != f.offsets[f"{layer.prefix}.{name}"] + local * builder.per_expert[name]:
+                                raise AssertionError(f"{f.relpath}: {name} of experts {chunk} is not next in the file")
+                            places[name] = (st, st.reserve(n) if st is not None else None, n)
+                        builder.build_into(r, len(chunk), slot, {k: v[1] for k, v in places.items()})
+                        for st, _, n in places.values():
+                            if st is not None:
+                                st.commit(n)
+                                written += n
+                        continue
                     if builder is not None:
                         tensors: dict[str, Any] = builder.build(r, len(chunk), slot)
                         per = builder.per_expert
@@ -762,22 +824,20 @@ def _execute(plan: RepackPlan, staged: StagedOutput, start: TaskStarter, device:
                                                      expert_ids=list(chunk), repack=repack_weights)
                         per = {name: (t[0].numel() * t.element_size() if t.shape[0] else 0) for name, t in tensors.items()}
                     for name, t in tensors.items():
-                        writes.append((f, f.offsets[f"{layer.prefix}.{name}"] + local * per[name], t))
-                        written += per[name] * len(chunk)
-                # Writing chunk i overlaps building chunk i+1 (pwrite releases the GIL); at most
-                # two chunks of output are alive at a time.  The first tensor of the layer is filled
-                # in file order, so once written it is final up to this chunk: hashed now, while cached.
-                first = f"{layer.prefix}.{job.tensor_names[0]}"
-                final = [(f, off, t, f.offsets[first] + (chunk.stop - job.expert_ranges[r].start) * per_first[r])
-                         for r, fs in rank_files.items() for f in fs[:1] if chunk.start in job.expert_ranges[r]
-                         for g, off, t in writes if g is f and off == f.offsets[first] + (chunk.start - job.expert_ranges[r].start) * per_first[r]]
+                        f = by_name.get(name)
+                        if f is not None:
+                            writes.append((f, f.offsets[f"{layer.prefix}.{name}"] + local * per[name], t))
+                            written += per[name] * len(chunk)
+                if not streamed:
+                    # Writing chunk i overlaps building chunk i+1 (pwrite releases the GIL); at most two
+                    # chunks of output are alive at a time.  Each file is filled in order, so what was
+                    # just written is hashed from its buffer while cached (else re-read once final).
+                    def hash_written(writes: list = writes) -> None:  # in the writer thread, after the writes
+                        for f, off, t in writes:
+                            if not (isinstance(t, memoryview) and staged.hash_written(f, off, t)):
+                                staged.written_upto(f, off + _nbytes_of(t))
 
-                def hash_first(final: list = final) -> None:  # in the writer thread, after the writes
-                    for f, off, t, end in final:  # from the buffer when the hash is caught up, else re-read
-                        if not (isinstance(t, memoryview) and staged.hash_written(f, off, t)):
-                            staged.written_upto(f, end)
-
-                writer.submit(writes, hash_first)
+                    writer.submit(writes, hash_written)
                 advance(nbytes)
             for chunk, fut in pending_digests:
                 digests.add_chunk(j, chunk, fut.result())
@@ -793,6 +853,10 @@ def _execute(plan: RepackPlan, staged: StagedOutput, start: TaskStarter, device:
                     staged.copy_file(src, name)
         staged.collect_hashes()
     return len(pending), reused, written
+
+
+def _nbytes_of(t: Any) -> int:
+    return t.nbytes if isinstance(t, memoryview) else t.numel() * t.element_size()
 
 
 def build_rank_tensors(*args: Any, **kwargs: Any) -> Any:

@@ -27,7 +27,8 @@ from wna16ctl.layout.spec import MARLIN, RankLayout, expert_shapes, marlin_scale
 
 _SCALE_KIND = {"F16": 0, "BF16": 1, "F32": 2}  # wna16_first_nonfinite's kinds
 _SCALE_BYTES = {"F16": 2, "BF16": 2, "F32": 4}
-_SUFFIXES = ("weight_packed", "weight_scale")  # per projection, in TensorReader.read_projection's order
+_SUFFIXES = ("weight_packed", "weight_scale")
+_OUT_ORDER = ("w13_weight_packed", "w2_weight_packed", "w13_weight_scale", "w2_weight_scale")  # the builder's outputs  # per projection, in TensorReader.read_projection's order
 
 
 def unsupported(layer: Any, spec: RankLayout, scale_dtype: str, device: str) -> str | None:
@@ -127,24 +128,36 @@ class LayerBuilder:
                            "the checkpoint is corrupt (re-quantize or re-download it)")
 
     def build(self, rank: int, n_experts: int, slot: int) -> dict[str, memoryview]:
-        """Rank `rank`'s tensors for the chunk in `slot`: name -> bytes of its n_experts slices."""
-        spec = self.specs[rank]
+        """Rank `rank`'s tensors for the chunk in `slot`: name -> bytes of its n_experts slices
+        (in reused memory, valid until the slot's next build)."""
         view, base = self.buffers.get(("out", rank, slot), sum(self.per_expert.values()) * self.max_experts)
         regions: dict[str, memoryview] = {}
-        addrs: list[int] = []
+        addrs: dict[str, int] = {}
         pos = 0
-        for name in ("w13_weight_packed", "w2_weight_packed", "w13_weight_scale", "w2_weight_scale"):
+        for name in _OUT_ORDER:
             n = self.per_expert[name] * n_experts
             regions[name] = view[pos:pos + n]
-            addrs.append(base + pos)
+            addrs[name] = base + pos
             pos += n
+        self.build_into(rank, n_experts, slot, addrs)
+        return regions
+
+    def build_into(self, rank: int, n_experts: int, slot: int, addrs: dict[str, int | None]) -> None:
+        """Build rank `rank`'s tensors for the chunk in `slot` at the given addresses (name ->
+        address of room for n_experts slices; None: not wanted, built into scratch memory)."""
+        spec = self.specs[rank]
+        out = []
+        for name in _OUT_ORDER:
+            addr = addrs.get(name)
+            if addr is None:
+                addr = self.buffers.get(("scratch", name), self.per_expert[name] * self.max_experts)[1]
+            out.append(addr)
         native.host_lib().call(
             "wna16_marlin_rank_host", self._src[slot], n_experts, spec.hidden_size, spec.intermediate_size,
             spec.tp, spec.rank, spec.num_bits, spec.group_size, int(spec.load_full_w2), _SCALE_BYTES[self.scale_dtype],
             int(marlin_scales_grouped(spec.hidden_size, spec.group_size)),
-            int(marlin_scales_grouped(w2_scale_size_k(spec), spec.group_size)), *addrs, 1, 0,
+            int(marlin_scales_grouped(w2_scale_size_k(spec), spec.group_size)), *out, 1, 0,
         )
-        return regions
 
 
 def _nbytes(shape: tuple[int, ...], dtype: str) -> int:

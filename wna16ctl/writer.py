@@ -33,6 +33,7 @@ import blake3
 from wna16ctl.checkpoint.headers import DTYPE_BITS
 from wna16ctl import outdir
 from wna16ctl.errors import BadInput, OutputError, UsageError
+from wna16ctl.filestream import FileStream, start_writeback
 from wna16ctl.outdir import JOURNAL_NAME, MANIFEST_NAME
 
 _ALIGN = 8  # safetensors pads the header so that data starts 8-byte aligned
@@ -212,6 +213,8 @@ class StagedOutput:
         self._sync_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="wna16ctl-sync")
         self._hashers: dict[str, tuple[Any, list[int]]] = {}  # relpath -> (hasher, [bytes hashed])
         self._hash_buf = ReusedBuffer()  # used by the hash thread only
+        self._streams: dict[str, tuple[FileStream, int]] = {}  # relpath -> (stream, fd): files written in order
+        self._stream_pool: ThreadPoolExecutor | None = None  # their hashing and writes
         self.owner = join is None  # the owner locks, clears, adopts and commits; joiners only write
         self.run = join or uuid.uuid4().hex
         self.journal_name = outdir.journal_part_name(process)
@@ -446,10 +449,65 @@ class StagedOutput:
         except OSError as e:
             raise _os_error(e, self.stage / f.relpath) from None
 
+    def stream(self, f: PlannedFile, max_reserve: int) -> FileStream:
+        """Create `f` in staging to be written front to back (`wna16ctl.filestream`), starting
+        with its header; `max_reserve` is the largest piece the caller will reserve at once."""
+        self._rewritten.add(f.relpath)
+        path = self.stage / f.relpath
+        try:
+            outdir.ensure_dirs(self.stage, str(Path(f.relpath).parent))
+            fd = outdir.create_file(path, mode=os.O_WRONLY)  # a new inode, as in open()
+        except OSError as e:
+            raise _os_error(e, path) from None
+        try:
+            os.ftruncate(fd, f.size)
+        except OSError as e:
+            os.close(fd)
+            raise _os_error(e, path) from None
+        if self._stream_pool is None:
+            # I/O threads: writes of different files in flight together, hashing beside them
+            self._stream_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="wna16ctl-io")
+        s = FileStream(fd, f.size, new_hasher(), self._stream_pool, max_reserve=max(max_reserve, len(f.header)),
+                       on_error=lambda e: _os_error(e, path), direct=os.environ.get("WNA16CTL_DIRECT_IO", "1") != "0")
+        self._streams[f.relpath] = (s, fd)
+        s.write(f.header)
+        return s
+
+    def finish_stream(self, f: PlannedFile, source_digest: str) -> None:
+        """Complete a streamed file: its last block written (here), then fsync and close in the
+        background; the digest is journaled like `finish`'s."""
+        s, fd = self._streams.pop(f.relpath)
+        path = self.stage / f.relpath
+        try:
+            s.close()
+        except BaseException:
+            os.close(fd)
+            raise
+        self.sources[f.relpath] = source_digest
+        done: Future[str] = Future()
+        digest = s.hasher.hexdigest()
+
+        def sync() -> None:
+            try:
+                os.fsync(fd)
+            except OSError as e:
+                done.set_exception(_os_error(e, path))
+            else:
+                done.set_result(digest)
+            finally:
+                os.close(fd)
+
+        try:
+            self._sync_pool.submit(sync)
+        except RuntimeError:  # shut down by abort()
+            os.close(fd)
+            raise
+        self._hashing[f.relpath] = done
+
     def start_writeback(self, f: PlannedFile, offset: int, nbytes: int) -> None:
         """Start writing [offset, offset + nbytes) of `f` to disk now (sync_file_range, Linux), so
         that the fsync at the end finds little left to wait for; a no-op where unavailable."""
-        _start_writeback(self._fds[f.relpath], offset, nbytes)
+        start_writeback(self._fds[f.relpath], offset, nbytes)
 
     def copy_range(self, f: PlannedFile, offset: int, src_fd: int, src_offset: int, nbytes: int,
                    source: Path | None = None) -> None:
@@ -599,6 +657,8 @@ class StagedOutput:
             self.collect_hashes()
         finally:
             self._pool.shutdown(wait=True)
+            if self._stream_pool is not None:
+                self._stream_pool.shutdown(wait=True)
 
     def commit(self, manifest: dict[str, Any], manifest_name: str = MANIFEST_NAME) -> None:
         """Write the manifest (or a manifest part), then make the staged directory OUT in one rename."""
@@ -631,10 +691,22 @@ class StagedOutput:
         finally:
             self._pool.shutdown(wait=True)
             self._sync_pool.shutdown(wait=True)
+            if self._stream_pool is not None:
+                self._stream_pool.shutdown(wait=True)
             self._unlock()
 
     def abort(self, keep_for_resume: bool) -> None:
         """Close everything; remove the staging directory unless it should serve --resume."""
+        for s, _ in self._streams.values():
+            s.abort()
+        if self._stream_pool is not None:  # no write may be running when its descriptor closes
+            self._stream_pool.shutdown(wait=True, cancel_futures=True)
+        for _, fd in self._streams.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._streams.clear()
         for fd in self._fds.values():
             try:
                 os.close(fd)
@@ -653,26 +725,6 @@ class StagedOutput:
         elif self._lock_fd >= 0:  # ours and locked: remove it
             shutil.rmtree(self.stage, ignore_errors=True)
         self._unlock()
-
-
-_SYNC_FILE_RANGE_WRITE = 2
-_libc_sync_file_range: Any = None
-
-
-def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    global _libc_sync_file_range
-    if _libc_sync_file_range is None:
-        import ctypes
-
-        try:
-            fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-            fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-            fn.restype = ctypes.c_int
-        except (AttributeError, OSError):
-            fn = False
-        _libc_sync_file_range = fn
-    if _libc_sync_file_range:
-        _libc_sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # advisory: errors surface at fsync
 
 
 def _plain_rel(rel: Any) -> bool:

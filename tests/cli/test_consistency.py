@@ -197,7 +197,13 @@ def test_plurals(make_ckpt, tmp_path):
     assert "1 MoE layer ·" in res.stdout and "2 experts" in res.stdout
     res = invoke("repack", ck, "--tp", "1", "-o", tmp_path / "o")
     assert res.exit_code == 0, res.output
-    assert "1 file written" in res.stdout and "in 1 rank directory" in res.stdout
+    # a file of non-expert tensors and one per expert tensor kind
+    assert "5 files written" in res.stdout and "in 1 rank directory" in res.stdout
+    out = tmp_path / "o"
+    (out / "rank-0" / "model-00005-of-00005.safetensors").unlink()  # then --resume rewrites one file
+    res = invoke("repack", ck, "--tp", "1", "-o", out, "--resume")
+    assert res.exit_code == 0, res.output
+    assert "1 file written" in res.stdout and "4 reused" in res.stdout, res.stdout
 
 
 def test_help_lists_whole_command_descriptions():
@@ -247,18 +253,18 @@ def test_discarded_staging_directory_is_announced(make_ckpt, tmp_path, monkeypat
 
     ck = make_ckpt(**SMALL)
     out = tmp_path / "out"
-    real, real_native = repack_mod.build_rank_tensors, repack_native.LayerBuilder.build
+    real, real_native = repack_mod.build_rank_tensors, repack_native.LayerBuilder.build_into
 
     def interrupt(*a, **kw):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(repack_mod, "build_rank_tensors", interrupt)  # whichever data path the layers take
-    monkeypatch.setattr(repack_native.LayerBuilder, "build", interrupt)
+    monkeypatch.setattr(repack_native.LayerBuilder, "build_into", interrupt)
     assert invoke("repack", ck, "--tp", "1", "-o", out).exit_code == 130
     stage = tmp_path / ".out.wna16ctl-partial"
     assert stage.is_dir()
     monkeypatch.setattr(repack_mod, "build_rank_tensors", real)
-    monkeypatch.setattr(repack_native.LayerBuilder, "build", real_native)
+    monkeypatch.setattr(repack_native.LayerBuilder, "build_into", real_native)
     res = invoke("repack", ck, "--tp", "1", "-o", out, "-q")  # announced even when quiet
     assert res.exit_code == 0, res.output
     assert "discarded" in res.stderr and str(stage) in res.stderr and "--resume" in res.stderr

@@ -1,0 +1,231 @@
+"""One output file written front to back through reused, page-aligned blocks.
+
+The producer (repack's native data path) asks for room at the end of the file (`reserve`), builds
+its bytes there in place, and `commit`s them.  Each full block is handed to a shared pool of I/O
+threads, which hash it (the file is produced in order, so its digest needs no read-back) and write
+it at its offset.  Where the filesystem takes O_DIRECT the block goes from this memory straight to
+the disk: no copy into the page cache, no dirty pages for a later writeback, and almost no CPU;
+elsewhere (tmpfs, some network filesystems) it is a plain write followed by `sync_file_range`, so
+the disk starts at once.  Two blocks per file: one is filled while the other is written.
+
+A file's blocks are written one after another (its hash is fed in order) but different files'
+blocks in parallel, which keeps several writes in flight on a disk that is slow at one at a time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import mmap
+import os
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
+
+_PAGE = 4096  # O_DIRECT wants offsets, sizes and addresses aligned to the logical block size (<= 4 KiB)
+BLOCK_BYTES = int(os.environ.get("WNA16CTL_BLOCK", 8 << 20))  # one write: large enough that a disk at queue depth one runs near its rate
+
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def _round_up(n: int, to: int = _PAGE) -> int:
+    return -(-n // to) * to
+
+
+class SerialLane:
+    """Tasks of one file, run in submission order on a shared pool (no thread per file)."""
+
+    def __init__(self, pool: ThreadPoolExecutor):
+        self._pool = pool
+        self._lock = threading.Lock()
+        self._queue: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
+        self._running = False
+
+    def submit(self, fn: Callable[[], Any]) -> Future[Any]:
+        fut: Future[Any] = Future()
+        with self._lock:
+            self._queue.append((fn, fut))
+            if not self._running:
+                self._running = True
+                self._pool.submit(self._drain)
+        return fut
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._running = False
+                    return
+                fn, fut = self._queue.popleft()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the block
+                fut.set_exception(e)
+
+
+class FileStream:
+    """Bytes [0, size) of one file, produced in order.  `hasher` receives every byte in order;
+    `on_error(exc)` turns an OSError of a write into the error to raise (naming the file)."""
+
+    def __init__(self, fd: int, size: int, hasher: Any, pool: ThreadPoolExecutor, *, max_reserve: int,
+                 on_error: Callable[[OSError], BaseException], block: int = BLOCK_BYTES, direct: bool = True):
+        self.fd, self.size, self.hasher = fd, size, hasher
+        self._on_error = on_error
+        self._block = max(_PAGE, block // _PAGE * _PAGE)
+        # a reservation never needs a new block mid-way; +1 page for the zero padding of the last write
+        self._capacity = self._block + _round_up(max(max_reserve, 1)) + _PAGE
+        self._lane = SerialLane(pool)
+        self._bufs: list[tuple[mmap.mmap, int]] = []
+        self._inflight: list[Future[Any] | None] = [None, None]
+        self._cur = 0
+        self._fill = 0  # bytes in the current buffer
+        self._flushed = 0  # file offset of the current buffer's first byte
+        self.position = 0  # bytes committed so far
+        self.direct = bool(direct and _O_DIRECT) and self._set_direct(True)
+        self._failed: BaseException | None = None
+        self.aborted = False
+
+    # the producer's side ---------------------------------------------------------------------
+    def reserve(self, nbytes: int) -> int:
+        """Address of room for the next `nbytes` of the file (valid until `commit`)."""
+        if self.position + nbytes > self.size:
+            raise ValueError(f"{nbytes} bytes at {self.position} pass the planned end {self.size}")
+        buf = self._buffer(self._cur)
+        if self._fill + nbytes > self._capacity - _PAGE:
+            self._hand_off(self._fill // _PAGE * _PAGE)
+            buf = self._buffer(self._cur)
+            if self._fill + nbytes > self._capacity - _PAGE:
+                raise ValueError(f"a reservation of {nbytes} bytes is larger than this stream's {self._capacity}")
+        return buf[1] + self._fill
+
+    def commit(self, nbytes: int) -> None:
+        self._fill += nbytes
+        self.position += nbytes
+        if self._fill >= self._block:
+            self._hand_off(self._fill // _PAGE * _PAGE)
+
+    def write(self, data: bytes | memoryview) -> None:
+        """Append bytes (the header, a copied tensor): reserve, copy, commit."""
+        view = memoryview(data).cast("B")
+        for at in range(0, len(view), self._block):
+            piece = view[at:at + self._block]
+            self.reserve(len(piece))
+            m = self._bufs[self._cur][0]
+            m[self._fill:self._fill + len(piece)] = piece
+            self.commit(len(piece))
+
+    def close(self) -> None:
+        """Write what is left, wait for every write; the caller fsyncs and takes the digest."""
+        if self.position != self.size:
+            raise ValueError(f"closed at {self.position} of {self.size} bytes")
+        if self._fill:
+            self._hand_off(self._fill, last=True)
+        for i, fut in enumerate(self._inflight):
+            if fut is not None:
+                self._inflight[i] = None
+                fut.result()
+        if self._failed is not None:
+            raise self._failed
+        self._release()
+
+    def abort(self) -> None:
+        """Stop: queued blocks are skipped (the caller waits for the pool before closing the fd)."""
+        self.aborted = True
+
+    # blocks ----------------------------------------------------------------------------------
+    def _buffer(self, i: int) -> tuple[mmap.mmap, int]:
+        while len(self._bufs) <= i:
+            m = mmap.mmap(-1, self._capacity)  # page-aligned, as O_DIRECT needs
+            self._bufs.append((m, ctypes.addressof(ctypes.c_char.from_buffer(m))))
+        return self._bufs[i]
+
+    def _hand_off(self, nbytes: int, last: bool = False) -> None:
+        """Queue bytes [0, nbytes) of the current buffer; carry the rest into the other one."""
+        if nbytes <= 0:
+            return
+        m, addr = self._buffer(self._cur)
+        real = nbytes
+        if last and self.direct and nbytes % _PAGE:  # the last write is padded to a page, then cut
+            nbytes = _round_up(nbytes)
+            ctypes.memset(addr + real, 0, nbytes - real)
+        offset = self._flushed
+        view = memoryview(m)
+        self._inflight[self._cur] = self._lane.submit(lambda: self._write_block(view, real, nbytes, offset, last))
+        nxt = 1 - self._cur
+        waiting = self._inflight[nxt]
+        if waiting is not None:  # the other buffer must be written before it is refilled
+            self._inflight[nxt] = None
+            waiting.result()
+        carry = self._fill - real if not last else 0
+        if carry:
+            ctypes.memmove(self._buffer(nxt)[1], addr + real, carry)
+        self._flushed += real
+        self._cur, self._fill = nxt, carry
+
+    def _write_block(self, view: memoryview, real: int, nbytes: int, offset: int, last: bool) -> None:
+        if self.aborted or self._failed is not None:
+            return
+        try:
+            self.hasher.update(view[:real])  # releases the GIL
+            self._pwrite(view[:nbytes], offset)
+            if nbytes != real:
+                os.ftruncate(self.fd, self.size)  # drop the padding again
+            if not self.direct:
+                start_writeback(self.fd, offset, real)
+        except OSError as e:
+            self._failed = self._on_error(e)
+            raise self._failed from None
+        finally:
+            view.release()
+
+    def _pwrite(self, view: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(view):
+            try:
+                done += os.pwrite(self.fd, view[done:], offset + done)
+            except OSError as e:
+                if e.errno != errno.EINVAL or not self.direct:
+                    raise
+                # the filesystem took the flag but not this write (an alignment it wants larger):
+                # plain writes from here on
+                self._set_direct(False)
+                self.direct = False
+
+    def _set_direct(self, on: bool) -> bool:
+        try:
+            flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
+            fcntl.fcntl(self.fd, fcntl.F_SETFL, (flags | _O_DIRECT) if on else (flags & ~_O_DIRECT))
+        except OSError:
+            return False
+        return True
+
+    def _release(self) -> None:
+        for m, _ in self._bufs:
+            try:
+                m.close()
+            except BufferError:  # a view is still alive in a failed write: the GC frees it
+                pass
+        self._bufs.clear()
+
+
+_SYNC_FILE_RANGE_WRITE = 2
+_libc_sync_file_range: Any = None
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Start writing [offset, offset + nbytes) to disk now (Linux); a no-op where unavailable."""
+    global _libc_sync_file_range
+    if _libc_sync_file_range is None:
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+            fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+        except (AttributeError, OSError):
+            fn = False
+        _libc_sync_file_range = fn
+    if _libc_sync_file_range:
+        _libc_sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # advisory: errors surface at fsync
