@@ -25,11 +25,19 @@ def pool():
         yield p
 
 
-def _produce(path, data: bytes, pool, *, direct: bool, block: int, pieces: list[int], header: bytes = b"") -> FileStream:
+@pytest.fixture
+def write_pool():
+    with ThreadPoolExecutor(max_workers=4) as p:
+        yield p
+
+
+def _produce(path, data: bytes, pool, *, direct: bool, block: int, pieces: list[int], header: bytes = b"",
+             write_pool=None, depth: int = 4) -> FileStream:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.ftruncate(fd, len(header) + len(data))
     s = FileStream(fd, len(header) + len(data), blake3.blake3(), pool, max_reserve=max(pieces), block=block,
-                   direct=direct, on_error=lambda e: Failed(f"{path}: {e.strerror}"))
+                   direct=direct, on_error=lambda e: Failed(f"{path}: {e.strerror}"), write_pool=write_pool,
+                   depth=depth)
     s.write(header)
     at = 0
     for n in pieces:
@@ -47,13 +55,15 @@ def _produce(path, data: bytes, pool, *, direct: bool, block: int, pieces: list[
 
 @pytest.mark.parametrize("direct", [True, False])
 @pytest.mark.parametrize("block", [4096, 3 * 4096, 1 << 16])
-def test_stream_writes_and_hashes_exactly_what_was_committed(tmp_path, pool, direct, block):
+@pytest.mark.parametrize("writes", ["on the lane", "on their own pool, depth 2", "on their own pool, depth 4"])
+def test_stream_writes_and_hashes_exactly_what_was_committed(tmp_path, pool, write_pool, direct, block, writes):
     rng = random.Random(block + direct)
     header = rng.randbytes(137)  # an odd length: nothing after it is page-aligned in the file
     data = rng.randbytes(10 * block + 1234)
     pieces = [rng.choice([1, 7, 4095, 4096, 5000, block, block + 3]) for _ in range(400)]
     s = _produce(tmp_path / "f", data, pool, direct=direct, block=block,
-                 pieces=_cap(pieces, len(data), block + 3), header=header)
+                 pieces=_cap(pieces, len(data), block + 3), header=header,
+                 write_pool=None if writes == "on the lane" else write_pool, depth=int(writes[-1]) if writes[-1].isdigit() else 2)
     got = (tmp_path / "f").read_bytes()
     assert got == header + data  # the padding of the last direct write is cut again
     assert s.hasher.hexdigest() == blake3.blake3(header + data).hexdigest()
@@ -80,19 +90,20 @@ def test_stream_refuses_bytes_past_the_planned_end_and_an_early_close(tmp_path, 
         s.commit(64)
         with pytest.raises(ValueError, match="pass the planned end 100"):
             s.reserve(37)
-        with pytest.raises(ValueError, match="closed at 64 of 100"):
+        with pytest.raises(ValueError, match="at 64 of 100"):
             s.close()
     finally:
         os.close(fd)
 
 
-def test_a_failed_write_surfaces_in_the_producer_with_the_file_named(tmp_path, pool):
+@pytest.mark.parametrize("own_pool", [False, True])
+def test_a_failed_write_surfaces_in_the_producer_with_the_file_named(tmp_path, pool, write_pool, own_pool):
     path = tmp_path / "f"
     path.write_bytes(b"")
     fd = os.open(path, os.O_RDONLY)  # every write fails (EBADF)
     try:
         s = FileStream(fd, 1 << 20, blake3.blake3(), pool, max_reserve=4096, block=8192, direct=False,
-                       on_error=lambda e: Failed(f"{path}: {e.strerror}"))
+                       on_error=lambda e: Failed(f"{path}: {e.strerror}"), write_pool=write_pool if own_pool else None)
         with pytest.raises(Failed, match=str(path)):
             for _ in range(256):
                 s.reserve(4096)

@@ -463,9 +463,8 @@ def test_manifest_and_rank_files(make_ckpt, tmp_path):
     assert sorted(m["files"]) == sorted(on_disk)
     for rel, meta in m["files"].items():
         assert {k: meta[k] for k in ("blake3", "bytes")} == {"blake3": on_disk[rel], "bytes": (out / rel).stat().st_size}, rel
-        # tensor files also record the digest of the source bytes they were made from (the resume key)
-        want = {"blake3", "bytes", "source_blake3"} if rel.endswith(".safetensors") else {"blake3", "bytes"}
-        assert set(meta) == want, rel
+        # the native data path checks a staged file for --resume by rebuilding it: no source digest
+        assert set(meta) == {"blake3", "bytes"}, rel
     assert "config.json" in m["files"]
     assert (out / "config.json").read_bytes() == (ck / "config.json").read_bytes()
     # ranks
@@ -556,7 +555,7 @@ def test_disk_full_mid_run_leaves_nothing(make_ckpt, tmp_path, monkeypatch):
     real_pwrite = os.pwrite
     calls = []
 
-    def pwrite(fd, data, offset):  # the third write into an output file fails
+    def pwrite(fd, data, offset):  # the third write into an output file fails (others may be in flight)
         calls.append(offset)
         if len(calls) == 3:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -564,7 +563,7 @@ def test_disk_full_mid_run_leaves_nothing(make_ckpt, tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "pwrite", pwrite)
     res = _repack_cli(str(ck), "--tp", "2", "-o", str(out), "--max-shard-size", "300000")
-    assert len(calls) == 3
+    assert len(calls) >= 3
     assert res.exit_code == 2, res.output
     assert "No space left on device" in res.stderr and "nothing was left behind" in res.stderr
     assert "free space" in res.stderr and "Traceback" not in res.output

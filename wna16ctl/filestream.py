@@ -2,14 +2,15 @@
 
 The producer (repack's native data path) asks for room at the end of the file (`reserve`), builds
 its bytes there in place, and `commit`s them.  Each full block is handed to a shared pool of I/O
-threads, which hash it (the file is produced in order, so its digest needs no read-back) and write
-it at its offset.  Where the filesystem takes O_DIRECT the block goes from this memory straight to
+threads, which hash it (the file is produced in order, so its digest needs no read-back), while a
+second pool writes it at its offset.  Where the filesystem takes O_DIRECT the block goes from this memory straight to
 the disk: no copy into the page cache, no dirty pages for a later writeback, and almost no CPU;
 elsewhere (tmpfs, some network filesystems) it is a plain write followed by `sync_file_range`, so
-the disk starts at once.  Two blocks per file: one is filled while the other is written.
+the disk starts at once.  A few blocks per file: one is filled while the others are written.
 
-A file's blocks are written one after another (its hash is fed in order) but different files'
-blocks in parallel, which keeps several writes in flight on a disk that is slow at one at a time.
+A file's blocks are hashed one after another (in file order) but written in any order and in
+parallel with other files' blocks, which keeps several writes in flight on a disk that is slow at
+one at a time.
 """
 
 from __future__ import annotations
@@ -25,7 +26,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 _PAGE = 4096  # O_DIRECT wants offsets, sizes and addresses aligned to the logical block size (<= 4 KiB)
-BLOCK_BYTES = int(os.environ.get("WNA16CTL_BLOCK", 8 << 20))  # one write: large enough that a disk at queue depth one runs near its rate
+# One write of 1 MiB, up to four of them in flight per file: small enough that a block is still in
+# the cache when it is hashed and written, deep enough that a disk slow at one write at a time is
+# kept busy (bench/bench_repack.py measured 1, 4 and 8 MiB blocks here: 1 MiB was fastest).
+BLOCK_BYTES = 1 << 20
+DEPTH = 4
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -69,25 +74,34 @@ class SerialLane:
 
 class FileStream:
     """Bytes [0, size) of one file, produced in order.  `hasher` receives every byte in order;
-    `on_error(exc)` turns an OSError of a write into the error to raise (naming the file)."""
+    `on_error(exc)` turns an OSError of a write into the error to raise (naming the file).  With
+    fd -1 nothing is written: the bytes are only hashed (repack's check of a staged file)."""
 
     def __init__(self, fd: int, size: int, hasher: Any, pool: ThreadPoolExecutor, *, max_reserve: int,
-                 on_error: Callable[[OSError], BaseException], block: int = BLOCK_BYTES, direct: bool = True):
+                 write_pool: ThreadPoolExecutor | None = None,
+                 on_error: Callable[[OSError], BaseException], block: int = BLOCK_BYTES, direct: bool = True,
+                 depth: int = DEPTH):
         self.fd, self.size, self.hasher = fd, size, hasher
         self._on_error = on_error
         self._block = max(_PAGE, block // _PAGE * _PAGE)
         # a reservation never needs a new block mid-way; +1 page for the zero padding of the last write
         self._capacity = self._block + _round_up(max(max_reserve, 1)) + _PAGE
         self._lane = SerialLane(pool)
+        self._write_pool = write_pool  # None: each write runs on the lane after its block's hash
         self._bufs: list[tuple[mmap.mmap, int]] = []
-        self._inflight: list[Future[Any] | None] = [None, None]
+        self._inflight: list[tuple[Future[Any], Future[Any]] | None] = [None] * max(2, depth)
         self._cur = 0
         self._fill = 0  # bytes in the current buffer
         self._flushed = 0  # file offset of the current buffer's first byte
         self.position = 0  # bytes committed so far
-        self.direct = bool(direct and _O_DIRECT) and self._set_direct(True)
+        self.direct = bool(direct and _O_DIRECT and fd >= 0) and self._set_direct(True)
         self._failed: BaseException | None = None
         self.aborted = False
+
+    @property
+    def block(self) -> int:
+        """Bytes per write (a reservation of at most this never waits for more than one write)."""
+        return self._block
 
     # the producer's side ---------------------------------------------------------------------
     def reserve(self, nbytes: int) -> int:
@@ -119,21 +133,44 @@ class FileStream:
             self.commit(len(piece))
 
     def close(self) -> None:
-        """Write what is left, wait for every write; the caller fsyncs and takes the digest."""
+        """Write what is left and wait for every write (the caller fsyncs and takes the digest)."""
+        done: Future[BaseException | None] = Future()
+        self.finish(done.set_result)
+        error = done.result()
+        if error is not None:
+            raise error
+
+    def finish(self, then: Callable[[BaseException | None], None]) -> None:
+        """Queue what is left and return at once: `then(error)` runs on the hashing pool after the
+        file's last write (error: why a write failed or the stream was aborted; None when all
+        is written).  The producer goes on with the next file meanwhile."""
         if self.position != self.size:
-            raise ValueError(f"closed at {self.position} of {self.size} bytes")
+            raise ValueError(f"finished at {self.position} of {self.size} bytes")
+        padded = False
         if self._fill:
-            self._hand_off(self._fill, last=True)
-        for i, fut in enumerate(self._inflight):
-            if fut is not None:
-                self._inflight[i] = None
-                fut.result()
-        if self._failed is not None:
-            raise self._failed
-        self._release()
+            padded = self._hand_off(self._fill, last=True)
+        writes = [w for _, w in filter(None, self._inflight)]
+        self._inflight = [None] * len(self._inflight)
+
+        def final() -> None:  # after the file's last hash (the lane runs its tasks in order)
+            for w in writes:  # the writes run on the other pool, which never waits for this one
+                try:
+                    w.result()
+                except BaseException:  # noqa: BLE001 - recorded in self._failed
+                    pass
+            error = self._failed or (RuntimeError("aborted") if self.aborted else None)
+            if error is None and padded:
+                try:
+                    os.ftruncate(self.fd, self.size)  # drop the zero padding of the last write
+                except OSError as e:
+                    error = self._on_error(e)
+            self._release()
+            then(error)
+
+        self._lane.submit(final)
 
     def abort(self) -> None:
-        """Stop: queued blocks are skipped (the caller waits for the pool before closing the fd)."""
+        """Stop: queued blocks are skipped (the caller waits for the pools before closing the fd)."""
         self.aborted = True
 
     # blocks ----------------------------------------------------------------------------------
@@ -143,44 +180,57 @@ class FileStream:
             self._bufs.append((m, ctypes.addressof(ctypes.c_char.from_buffer(m))))
         return self._bufs[i]
 
-    def _hand_off(self, nbytes: int, last: bool = False) -> None:
-        """Queue bytes [0, nbytes) of the current buffer; carry the rest into the other one."""
+    def _hand_off(self, nbytes: int, last: bool = False) -> bool:
+        """Queue bytes [0, nbytes) of the current buffer (hashed in order on the lane, written on
+        the write pool, both at once); carry the rest into the next buffer.  True when the write
+        was padded to a page (the last one, with O_DIRECT)."""
         if nbytes <= 0:
-            return
+            return False
         m, addr = self._buffer(self._cur)
         real = nbytes
         if last and self.direct and nbytes % _PAGE:  # the last write is padded to a page, then cut
             nbytes = _round_up(nbytes)
             ctypes.memset(addr + real, 0, nbytes - real)
         offset = self._flushed
-        view = memoryview(m)
-        self._inflight[self._cur] = self._lane.submit(lambda: self._write_block(view, real, nbytes, offset, last))
-        nxt = 1 - self._cur
+        hashed = self._lane.submit(lambda: self._hash_block(m, real))
+        if self._write_pool is not None:
+            written = self._write_pool.submit(self._write_block, m, nbytes, offset)
+        else:
+            written = self._lane.submit(lambda: self._write_block(m, nbytes, offset))
+        self._inflight[self._cur] = (hashed, written)
+        self._flushed += real
+        if last:  # nothing follows: no buffer to wait for, nothing to carry
+            self._fill = 0
+            return nbytes != real
+        nxt = (self._cur + 1) % len(self._inflight)
         waiting = self._inflight[nxt]
-        if waiting is not None:  # the other buffer must be written before it is refilled
+        if waiting is not None:  # the next buffer must be hashed and written before it is refilled
             self._inflight[nxt] = None
-            waiting.result()
-        carry = self._fill - real if not last else 0
+            for fut in waiting:
+                fut.result()
+        carry = self._fill - real
         if carry:
             ctypes.memmove(self._buffer(nxt)[1], addr + real, carry)
-        self._flushed += real
         self._cur, self._fill = nxt, carry
+        return False
 
-    def _write_block(self, view: memoryview, real: int, nbytes: int, offset: int, last: bool) -> None:
+    def _hash_block(self, m: mmap.mmap, nbytes: int) -> None:
         if self.aborted or self._failed is not None:
             return
+        with memoryview(m) as view:
+            self.hasher.update(view[:nbytes])  # releases the GIL
+
+    def _write_block(self, m: mmap.mmap, nbytes: int, offset: int) -> None:
+        if self.aborted or self._failed is not None or self.fd < 0:  # fd -1: a stream only hashed
+            return
         try:
-            self.hasher.update(view[:real])  # releases the GIL
-            self._pwrite(view[:nbytes], offset)
-            if nbytes != real:
-                os.ftruncate(self.fd, self.size)  # drop the padding again
+            with memoryview(m) as view:
+                self._pwrite(view[:nbytes], offset)
             if not self.direct:
-                start_writeback(self.fd, offset, real)
+                start_writeback(self.fd, offset, nbytes)
         except OSError as e:
             self._failed = self._on_error(e)
             raise self._failed from None
-        finally:
-            view.release()
 
     def _pwrite(self, view: memoryview, offset: int) -> None:
         done = 0

@@ -17,10 +17,11 @@ other layer, and `--device cuda`).  File and source digests are BLAKE3 (`writer.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -36,6 +37,7 @@ from wna16ctl.errors import NotLoadable, UsageError
 from wna16ctl.layout.spec import RankLayout, expert_shapes
 from wna16ctl.plan import Backend, LayerPlan, plan_layer
 from wna16ctl.tpsizes import check_tp_sizes, parse_tp_list
+from wna16ctl.filestream import DEPTH, FileStream
 from wna16ctl.output import TaskStarter, no_progress
 from wna16ctl.writer import (
     FILE_HASH, JOURNAL_NAME, MANIFEST_NAME, PlannedFile, PlannedTensor, ReusedBuffer, StagedOutput, new_hasher,
@@ -599,19 +601,7 @@ def _digest_view(view: memoryview) -> str:
     return h.hexdigest()
 
 
-class _StreamSink:
-    """`StagedOutput.pwrite` for a file written front to back: every write must come next."""
-
-    def __init__(self, stream: Any):
-        self.stream = stream
-
-    def pwrite(self, f: PlannedFile, offset: int, data: memoryview) -> None:
-        if offset != self.stream.position:
-            raise AssertionError(f"{f.relpath}: a write at {offset}, but the file is at {self.stream.position}")
-        self.stream.write(data)
-
-
-def _copy_tensor(reader: RawReader, info: Any, targets: list[tuple[Any, PlannedFile, int]],
+def _copy_tensor(reader: RawReader, info: Any, targets: list[tuple[StagedOutput, PlannedFile, int]],
                  h: Any, buf: ReusedBuffer) -> None:
     """Copy one non-expert tensor into every target file (none: only digest it), digesting its
     bytes once."""
@@ -694,6 +684,9 @@ def _execute(plan: RepackPlan, staged: StagedOutput, start: TaskStarter, device:
         marlin_repacker(device)  # refuses --device cuda without a usable GPU before any work
     builders = _native_builders(plan, device)
     torch_layers = len(builders) < len(plan.jobs)
+    if not torch_layers:
+        with RawReader(ck.files) as raw:
+            return _execute_streamed(plan, staged, raw, builders, by_rel, advance, ranks, side_files, launch)
     if torch_layers:
         from wna16ctl.checkpoint.tensors import TensorReader
 
@@ -719,21 +712,12 @@ def _execute(plan: RepackPlan, staged: StagedOutput, start: TaskStarter, device:
                 names = u[1] if u[0] == "copy" else [n for n in ends if n.startswith(plan.jobs[u[1]].layer.prefix + ".")]
                 unit_end[(rel, u)] = max(ends[n] for n in names)
 
-        # Every layer native: each tensor file is produced front to back through a FileStream
-        # (built in place, hashed as written, O_DIRECT where possible); else positioned writes.
-        streamed = len(builders) == len(plan.jobs)
-        streams: dict[str, Any] = {}
-
         def unit_done(u: tuple) -> None:
             for f in unit_file.get(u, []):
                 remaining[f.relpath] -= 1
                 if remaining[f.relpath] == 0:
-                    if f.relpath in streams:
-                        del streams[f.relpath]
-                        staged.finish_stream(f, digests.file(f))
-                    else:
-                        staged.finish(f, digests.file(f))
-                elif f.relpath not in streams:  # units fill a file front to back: all before this unit's end is final
+                    staged.finish(f, digests.file(f))
+                else:  # units fill a file front to back: everything before this unit's end is final
                     staged.written_upto(f, unit_end[(f.relpath, u)])
             staged.checkpoint_journal()
             if any(remaining[f.relpath] == 0 for f in unit_file.get(u, [])):
@@ -744,15 +728,11 @@ def _execute(plan: RepackPlan, staged: StagedOutput, start: TaskStarter, device:
         buf = ReusedBuffer(_COPY_PIECE)
         for u in dict.fromkeys(copy_units):
             for f in unit_file[u]:
-                if not streamed:
-                    staged.open(f)
-                elif f.relpath not in streams:
-                    streams[f.relpath] = staged.stream(f, 0)  # write() reserves at most a block
-            sinks = [(_StreamSink(streams[f.relpath]) if streamed else staged, f) for f in unit_file[u]]
+                staged.open(f)
             h = new_hasher()
             for name in u[1]:
                 info = ck.files.info(name)
-                _copy_tensor(reader, info, [(sink, f, f.offsets[name]) for sink, f in sinks], h, buf)
+                _copy_tensor(reader, info, [(staged, f, f.offsets[name]) for f in unit_file[u]], h, buf)
                 written += info.nbytes * len(unit_file[u])
                 advance(info.nbytes * len(unit_file[u]))
             digests.copy[u] = h.hexdigest()
@@ -762,22 +742,13 @@ def _execute(plan: RepackPlan, staged: StagedOutput, start: TaskStarter, device:
         for j, job in enumerate(plan.jobs):
             u = ("layer", j)
             layer = job.layer
-            # rank -> output tensor name (without the prefix) -> the pending file holding it
-            targets: dict[int, dict[str, PlannedFile]] = {}
-            for f in unit_file.get(u, []):
-                r = int(f.relpath.split("/", 1)[0].removeprefix("rank-"))
-                for t in f.tensors:
-                    if t.name.startswith(layer.prefix + ".") and t.name[len(layer.prefix) + 1:] in job.tensor_names:
-                        targets.setdefault(r, {})[t.name[len(layer.prefix) + 1:]] = f
+            targets = _layer_targets(job, unit_file.get(u, []))
             if not targets:
                 continue
             builder = builders.get(j)
-            for r, by_name in targets.items():
-                for name, f in by_name.items():
-                    if streamed and f.relpath not in streams:  # a file's first unit opens it
-                        streams[f.relpath] = staged.stream(f, builder.per_expert[name] * builder.max_experts)
-                    elif not streamed:
-                        staged.open(f)
+            for by_name in targets.values():
+                for f in by_name.values():
+                    staged.open(f)
             wanted = [job.expert_ranges[r] for r in targets]
             pending_digests: list[tuple[range, Any]] = []
             chunks = [c for c in _expert_chunks(job) if any(c.start in rng for rng in wanted)]  # EP: skip others
@@ -799,23 +770,6 @@ def _execute(plan: RepackPlan, staged: StagedOutput, start: TaskStarter, device:
                     if chunk.start not in rng:
                         continue
                     local = chunk.start - rng.start
-                    if streamed:
-                        # built in place at the end of each file (a file already complete from an
-                        # earlier run still gets its kind built, into scratch memory)
-                        places = {}
-                        for name in job.tensor_names:
-                            f = by_name.get(name)
-                            st = streams.get(f.relpath) if f is not None else None
-                            n = builder.per_expert[name] * len(chunk)
-                            if st is not None and st.position != f.offsets[f"{layer.prefix}.{name}"] + local * builder.per_expert[name]:
-                                raise AssertionError(f"{f.relpath}: {name} of experts {chunk} is not next in the file")
-                            places[name] = (st, st.reserve(n) if st is not None else None, n)
-                        builder.build_into(r, len(chunk), slot, {k: v[1] for k, v in places.items()})
-                        for st, _, n in places.values():
-                            if st is not None:
-                                st.commit(n)
-                                written += n
-                        continue
                     if builder is not None:
                         tensors: dict[str, Any] = builder.build(r, len(chunk), slot)
                         per = builder.per_expert
@@ -828,31 +782,208 @@ def _execute(plan: RepackPlan, staged: StagedOutput, start: TaskStarter, device:
                         if f is not None:
                             writes.append((f, f.offsets[f"{layer.prefix}.{name}"] + local * per[name], t))
                             written += per[name] * len(chunk)
-                if not streamed:
-                    # Writing chunk i overlaps building chunk i+1 (pwrite releases the GIL); at most two
-                    # chunks of output are alive at a time.  Each file is filled in order, so what was
-                    # just written is hashed from its buffer while cached (else re-read once final).
-                    def hash_written(writes: list = writes) -> None:  # in the writer thread, after the writes
-                        for f, off, t in writes:
-                            if not (isinstance(t, memoryview) and staged.hash_written(f, off, t)):
-                                staged.written_upto(f, off + _nbytes_of(t))
+                # Writing chunk i overlaps building chunk i+1 (pwrite releases the GIL); at most two
+                # chunks of output are alive at a time.  Each file is filled in order, so what was
+                # just written is hashed from its buffer while cached (else re-read once final).
+                def hash_written(writes: list = writes) -> None:  # in the writer thread, after the writes
+                    for f, off, t in writes:
+                        if not (isinstance(t, memoryview) and staged.hash_written(f, off, t)):
+                            staged.written_upto(f, off + _nbytes_of(t))
 
-                    writer.submit(writes, hash_written)
+                writer.submit(writes, hash_written)
                 advance(nbytes)
             for chunk, fut in pending_digests:
                 digests.add_chunk(j, chunk, fut.result())
             writer.drain()
             unit_done(u)
-        # 3. per-rank indexes and side files (the manifest is the caller's: other processes may write too)
-        for r in ranks:
-            staged.write_small(f"rank-{r}/{INDEX_NAME}", rank_index_bytes(plan.files[r]))
-        if side_files:
-            for name in SIDE_FILES:
-                src = ck.root / name
-                if src.is_file():
-                    staged.copy_file(src, name)
-        staged.collect_hashes()
+        _write_side_files(plan, staged, ranks, side_files)
     return len(pending), reused, written
+
+
+def _execute_streamed(plan: RepackPlan, staged: StagedOutput, reader: RawReader, builders: dict[int, Any],
+                      by_rel: dict[str, PlannedFile], advance: Callable[[int], None], ranks: list[int],
+                      side_files: bool, launch: distributed.Launch) -> tuple[int, int, int]:
+    """`_execute` when the native path builds every layer: each file is produced front to back
+    (`_produce_streamed`).  A file staged by an earlier run is reused when its bytes are what the
+    journal records and rebuilding it from the checkpoint as it is now gives those bytes again
+    (so no digest of the source is needed while writing)."""
+    candidates = [f for f in by_rel.values() if staged.staged_file_matches(f, need_source=False)]
+    reused = {f.relpath for f in _rebuilt_matches(plan, staged, reader, builders, candidates)} if candidates else set()
+    pending = {rel: f for rel, f in by_rel.items() if rel not in reused}
+    staged.check_space(sum(f.size for f in pending.values()))
+
+    def file_done(f: PlannedFile, stream: FileStream) -> None:
+        staged.finish_stream(f, None)  # its last writes, fsync and digest run in the background
+        staged.checkpoint_journal()  # the files finished by now
+        distributed.kill_after_first_file_for_tests(launch, staged.collect_hashes)
+
+    written = _produce_streamed(plan, pending, reader, builders, open_stream=staged.stream, file_done=file_done,
+                                advance=advance)
+    _write_side_files(plan, staged, ranks, side_files)
+    return len(pending), len(by_rel) - len(pending), written
+
+
+def _rebuilt_matches(plan: RepackPlan, staged: StagedOutput, reader: RawReader, builders: dict[int, Any],
+                     candidates: list[PlannedFile]) -> list[PlannedFile]:
+    """The candidates whose bytes, rebuilt from the checkpoint now (hashed, not written), have the
+    digest the journal records; they are adopted as done."""
+    results: list[tuple[PlannedFile, Future[str]]] = []
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="wna16ctl-rehash") as pool:
+        def open_stream(f: PlannedFile, max_reserve: int, depth: int = DEPTH) -> FileStream:
+            s = FileStream(-1, f.size, new_hasher(), pool, max_reserve=max(max_reserve, len(f.header)),
+                           on_error=lambda e: e, direct=False, depth=depth)  # fd -1: hashed, never written
+            s.write(f.header)
+            return s
+
+        def file_done(f: PlannedFile, stream: FileStream) -> None:
+            fut: Future[str] = Future()
+            stream.finish(lambda err: fut.set_exception(err) if err else fut.set_result(stream.hasher.hexdigest()))
+            results.append((f, fut))
+
+        _produce_streamed(plan, {f.relpath: f for f in candidates}, reader, builders, open_stream=open_stream,
+                          file_done=file_done)
+        return [f for f, fut in results if fut.result() == staged.reusable[f.relpath][0] and staged.adopt(f)]
+
+
+def _produce_streamed(plan: RepackPlan, files: dict[str, PlannedFile], reader: RawReader, builders: dict[int, Any], *,
+                      open_stream: Callable[..., FileStream], file_done: Callable[[PlannedFile, FileStream], None],
+                      advance: Callable[[int], None] = lambda n: None) -> int:
+    """Produce `files` front to back through FileStreams: the non-expert tensors (read once, into
+    every rank's file), then layer after layer, chunk by chunk, each rank's tensors built in place
+    at the end of their files.  `file_done(f, stream)` when f's last byte is committed.  Returns
+    the tensor bytes produced."""
+    ck = plan.checkpoint
+    remaining = {rel: len(plan.units[rel]) for rel in files}
+    unit_file: dict[tuple, list[PlannedFile]] = {}
+    for rel, f in files.items():
+        for u in plan.units[rel]:
+            unit_file.setdefault(u, []).append(f)
+    streams: dict[str, FileStream] = {}
+    produced = 0
+    with ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) - 1), thread_name_prefix="wna16ctl-build") as pool:
+        produced = _produce_streamed_with(plan, files, reader, builders, unit_file, remaining, streams, pool,
+                                          open_stream, file_done, advance)
+    return produced
+
+
+def _produce_streamed_with(plan: RepackPlan, files: dict[str, PlannedFile], reader: RawReader,
+                           builders: dict[int, Any], unit_file: dict[tuple, list[PlannedFile]],
+                           remaining: dict[str, int], streams: dict[str, FileStream], build_pool: ThreadPoolExecutor,
+                           open_stream: Callable[..., FileStream], file_done: Callable[[PlannedFile, FileStream], None],
+                           advance: Callable[[int], None]) -> int:
+    ck = plan.checkpoint
+    produced = 0
+
+    def unit_done(u: tuple) -> None:
+        for f in unit_file.get(u, []):
+            remaining[f.relpath] -= 1
+            if remaining[f.relpath] == 0:
+                file_done(f, streams.pop(f.relpath))
+
+    # 1. non-expert tensors: read straight into the first rank's file, copied into the others'
+    for u in dict.fromkeys(u for rel in sorted(files) for u in plan.units[rel] if u[0] == "copy"):
+        targets = unit_file[u]
+        for f in targets:
+            if f.relpath not in streams:  # deeper: these are written while the first layer is built
+                streams[f.relpath] = open_stream(f, 0, 4 * DEPTH)
+        for name in u[1]:
+            info = ck.files.info(name)
+            _copy_into_streams(reader, info, [(streams[f.relpath], f.offsets[name]) for f in targets])
+            produced += info.nbytes * len(targets)
+            advance(info.nbytes * len(targets))
+        unit_done(u)
+    # 2. expert layers
+    for j, job in enumerate(plan.jobs):
+        u = ("layer", j)
+        targets = _layer_targets(job, unit_file.get(u, []))
+        if not targets:
+            continue
+        builder = builders[j]
+        for by_name in targets.values():
+            for name, f in by_name.items():
+                if f.relpath not in streams:  # a file's first unit opens it
+                    streams[f.relpath] = open_stream(f, builder.per_expert[name] * builder.max_experts)
+        layer = job.layer
+        wanted = [job.expert_ranges[r] for r in targets]
+        for chunk in (c for c in _expert_chunks(job) if any(c.start in rng for rng in wanted)):  # EP: skip others
+            builder.read(reader, chunk, 0)
+            builder.check_scales(0)
+            builds: list[tuple[int, dict[str, int | None]]] = []
+            commits: list[tuple[FileStream, int]] = []
+            for r, by_name in targets.items():
+                rng = job.expert_ranges[r]
+                if chunk.start not in rng:
+                    continue
+                local = chunk.start - rng.start
+                # room at the end of each file of the rank (a kind whose file an earlier run
+                # already completed is built into scratch memory)
+                addrs: dict[str, int | None] = {}
+                for name in job.tensor_names:
+                    f = by_name.get(name)
+                    n = builder.per_expert[name] * len(chunk)
+                    if f is None:
+                        addrs[name] = None
+                        continue
+                    st = streams[f.relpath]
+                    if st.position != f.offsets[f"{layer.prefix}.{name}"] + local * builder.per_expert[name]:
+                        raise AssertionError(f"{f.relpath}: {name} of experts {chunk} is not next in the file")
+                    addrs[name] = st.reserve(n)
+                    commits.append((st, n))
+                builds.append((r, addrs))
+            # the ranks' builds side by side (the native call releases the GIL)
+            futs = [build_pool.submit(builder.build_into, r, len(chunk), 0, addrs) for r, addrs in builds[1:]]
+            if builds:
+                builder.build_into(builds[0][0], len(chunk), 0, builds[0][1])
+            for fut in futs:
+                fut.result()
+            for st, n in commits:
+                st.commit(n)
+                produced += n
+            advance(layer.packed_bytes * len(chunk) // layer.num_experts)
+        unit_done(u)
+    return produced
+
+
+def _copy_into_streams(reader: RawReader, info: Any, targets: list[tuple[FileStream, int]]) -> None:
+    """One non-expert tensor into every target (stream, offset of the tensor in its file): read
+    in pieces into the first target's memory, copied from there into the others."""
+    first = targets[0][0]
+    for start in range(info.start, info.end, first.block):
+        n = min(first.block, info.end - start)
+        for s, offset in targets:
+            if s.position != offset + (start - info.start):
+                raise AssertionError(f"tensor {info.name} is not next in its file")
+        view = memoryview((ctypes.c_char * n).from_address(first.reserve(n))).cast("B")
+        reader.read_into(type(info)(info.name, info.dtype, (), info.file, start, start + n), view)
+        for s, _ in targets[1:]:
+            s.write(view)
+        first.commit(n)
+        view.release()
+
+
+def _write_side_files(plan: RepackPlan, staged: StagedOutput, ranks: list[int], side_files: bool) -> None:
+    """Per-rank indexes and the checkpoint's side files (the manifest is the caller's: other
+    processes may write too)."""
+    for r in ranks:
+        staged.write_small(f"rank-{r}/{INDEX_NAME}", rank_index_bytes(plan.files[r]))
+    if side_files:
+        for name in SIDE_FILES:
+            src = plan.checkpoint.root / name
+            if src.is_file():
+                staged.copy_file(src, name)
+    staged.collect_hashes()
+
+
+def _layer_targets(job: LayerJob, files: list[PlannedFile]) -> dict[int, dict[str, PlannedFile]]:
+    """rank -> output tensor name (without the layer prefix) -> the file of `files` holding it."""
+    targets: dict[int, dict[str, PlannedFile]] = {}
+    prefix = job.layer.prefix + "."
+    for f in files:
+        r = int(f.relpath.split("/", 1)[0].removeprefix("rank-"))
+        for t in f.tensors:
+            if t.name.startswith(prefix) and t.name[len(prefix):] in job.tensor_names:
+                targets.setdefault(r, {})[t.name[len(prefix):]] = f
+    return targets
 
 
 def _nbytes_of(t: Any) -> int:

@@ -33,7 +33,7 @@ import blake3
 from wna16ctl.checkpoint.headers import DTYPE_BITS
 from wna16ctl import outdir
 from wna16ctl.errors import BadInput, OutputError, UsageError
-from wna16ctl.filestream import FileStream, start_writeback
+from wna16ctl.filestream import DEPTH, FileStream, start_writeback
 from wna16ctl.outdir import JOURNAL_NAME, MANIFEST_NAME
 
 _ALIGN = 8  # safetensors pads the header so that data starts 8-byte aligned
@@ -214,7 +214,9 @@ class StagedOutput:
         self._hashers: dict[str, tuple[Any, list[int]]] = {}  # relpath -> (hasher, [bytes hashed])
         self._hash_buf = ReusedBuffer()  # used by the hash thread only
         self._streams: dict[str, tuple[FileStream, int]] = {}  # relpath -> (stream, fd): files written in order
-        self._stream_pool: ThreadPoolExecutor | None = None  # their hashing and writes
+        self._stream_pool: ThreadPoolExecutor | None = None  # their hashing ...
+        self._write_pool: ThreadPoolExecutor | None = None  # ... and their writes
+        self._closing: dict[str, tuple[FileStream, int]] = {}  # relpath -> (stream, fd): streams finished, their last writes queued
         self.owner = join is None  # the owner locks, clears, adopts and commits; joiners only write
         self.run = join or uuid.uuid4().hex
         self.journal_name = outdir.journal_part_name(process)
@@ -375,12 +377,13 @@ class StagedOutput:
                 if rel not in keep or not stat.S_ISREG(st.st_mode):
                     os.unlink(Path(dirpath) / name)
 
-    def staged_file_matches(self, f: PlannedFile) -> bool:
+    def staged_file_matches(self, f: PlannedFile, need_source: bool = True) -> bool:
         """True when a staged file from an earlier run has exactly the bytes it was recorded with
-        (whether its source is unchanged is the caller's question: see `reuse`)."""
+        (whether its source is unchanged is the caller's question: see `reuse`, `adopt`);
+        `need_source`: only files recorded with the digest of their source bytes qualify."""
         entry = self.reusable.get(f.relpath)
         path = self.stage / f.relpath
-        if entry is None or entry[1] is None:
+        if entry is None or (need_source and entry[1] is None):
             return False
         st = outdir._lstat(path)
         if st is None or not stat.S_ISREG(st.st_mode) or st.st_size != f.size:
@@ -397,6 +400,11 @@ class StagedOutput:
             return False
         self.done[f.relpath] = sha
         self.sources[f.relpath] = source_digest
+        return True
+
+    def adopt(self, f: PlannedFile) -> bool:
+        """Adopt a matching staged file the caller has proven current by rebuilding it."""
+        self.done[f.relpath] = self.reusable[f.relpath][0]
         return True
 
     def check_space(self, nbytes: int) -> None:
@@ -449,9 +457,10 @@ class StagedOutput:
         except OSError as e:
             raise _os_error(e, self.stage / f.relpath) from None
 
-    def stream(self, f: PlannedFile, max_reserve: int) -> FileStream:
+    def stream(self, f: PlannedFile, max_reserve: int, depth: int = DEPTH) -> FileStream:
         """Create `f` in staging to be written front to back (`wna16ctl.filestream`), starting
-        with its header; `max_reserve` is the largest piece the caller will reserve at once."""
+        with its header; `max_reserve` is the largest piece the caller will reserve at once,
+        `depth` the blocks that may be in flight."""
         self._rewritten.add(f.relpath)
         path = self.stage / f.relpath
         try:
@@ -465,44 +474,45 @@ class StagedOutput:
             os.close(fd)
             raise _os_error(e, path) from None
         if self._stream_pool is None:
-            # I/O threads: writes of different files in flight together, hashing beside them
-            self._stream_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="wna16ctl-io")
-        s = FileStream(fd, f.size, new_hasher(), self._stream_pool, max_reserve=max(max_reserve, len(f.header)),
-                       on_error=lambda e: _os_error(e, path), direct=os.environ.get("WNA16CTL_DIRECT_IO", "1") != "0")
+            # hashing (CPU: two threads) apart from writing (waiting for the disk: several in flight)
+            self._stream_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="wna16ctl-hash-stream")
+            self._write_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="wna16ctl-write-stream")
+        s = FileStream(fd, f.size, new_hasher(), self._stream_pool, write_pool=self._write_pool,
+                       max_reserve=max(max_reserve, len(f.header)),
+                       on_error=lambda e: _os_error(e, path), direct=os.environ.get("WNA16CTL_DIRECT_IO", "1") != "0",
+                       depth=depth)
         self._streams[f.relpath] = (s, fd)
         s.write(f.header)
         return s
 
-    def finish_stream(self, f: PlannedFile, source_digest: str) -> None:
-        """Complete a streamed file: its last block written (here), then fsync and close in the
-        background; the digest is journaled like `finish`'s."""
+    def finish_stream(self, f: PlannedFile, source_digest: str | None) -> None:
+        """Complete a streamed file without waiting: its last block, then fsync and close, run on
+        the I/O pool; the digest is journaled like `finish`'s once that is done."""
         s, fd = self._streams.pop(f.relpath)
         path = self.stage / f.relpath
-        try:
-            s.close()
-        except BaseException:
-            os.close(fd)
-            raise
-        self.sources[f.relpath] = source_digest
+        if source_digest is not None:
+            self.sources[f.relpath] = source_digest
         done: Future[str] = Future()
-        digest = s.hasher.hexdigest()
+        self._closing[f.relpath] = (s, fd)
 
-        def sync() -> None:
+        def complete(error: BaseException | None) -> None:
+            if self._closing.pop(f.relpath, None) is None:  # closed by abort() meanwhile
+                return
             try:
-                os.fsync(fd)
+                if error is None:
+                    os.fsync(fd)
             except OSError as e:
-                done.set_exception(_os_error(e, path))
-            else:
-                done.set_result(digest)
+                error = _os_error(e, path)
             finally:
                 os.close(fd)
+            if done.set_running_or_notify_cancel():  # not cancelled by abort()
+                if error is None:
+                    done.set_result(s.hasher.hexdigest())
+                else:
+                    done.set_exception(error)
 
-        try:
-            self._sync_pool.submit(sync)
-        except RuntimeError:  # shut down by abort()
-            os.close(fd)
-            raise
         self._hashing[f.relpath] = done
+        s.finish(complete)
 
     def start_writeback(self, f: PlannedFile, offset: int, nbytes: int) -> None:
         """Start writing [offset, offset + nbytes) of `f` to disk now (sync_file_range, Linux), so
@@ -657,8 +667,12 @@ class StagedOutput:
             self.collect_hashes()
         finally:
             self._pool.shutdown(wait=True)
-            if self._stream_pool is not None:
-                self._stream_pool.shutdown(wait=True)
+            self._shutdown_stream_pools()
+
+    def _shutdown_stream_pools(self, cancel: bool = False) -> None:
+        for pool in (self._stream_pool, self._write_pool):  # hashing first: its final tasks wait for writes
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=cancel)
 
     def commit(self, manifest: dict[str, Any], manifest_name: str = MANIFEST_NAME) -> None:
         """Write the manifest (or a manifest part), then make the staged directory OUT in one rename."""
@@ -691,22 +705,21 @@ class StagedOutput:
         finally:
             self._pool.shutdown(wait=True)
             self._sync_pool.shutdown(wait=True)
-            if self._stream_pool is not None:
-                self._stream_pool.shutdown(wait=True)
+            self._shutdown_stream_pools()
             self._unlock()
 
     def abort(self, keep_for_resume: bool) -> None:
         """Close everything; remove the staging directory unless it should serve --resume."""
-        for s, _ in self._streams.values():
+        for s, _ in [*self._streams.values(), *self._closing.values()]:
             s.abort()
-        if self._stream_pool is not None:  # no write may be running when its descriptor closes
-            self._stream_pool.shutdown(wait=True, cancel_futures=True)
-        for _, fd in self._streams.values():
+        self._shutdown_stream_pools(cancel=True)  # no write may be running when its descriptor closes
+        for _, fd in [*self._streams.values(), *self._closing.values()]:
             try:
                 os.close(fd)
             except OSError:
                 pass
         self._streams.clear()
+        self._closing.clear()
         for fd in self._fds.values():
             try:
                 os.close(fd)
