@@ -285,3 +285,27 @@ def test_native_resume_rebuilds_and_rewrites_only_the_files_a_source_change_touc
     fresh = tmp_path / "fresh"
     run_repack(plan_repack(ck, settings), fresh)
     assert file_digests(out) == file_digests(fresh)
+
+
+def test_progress_steps_add_up_to_their_totals_on_a_run_and_a_resume(make_ckpt, tmp_path):
+    ck = make_ckpt(num_layers=2, num_experts=4)
+    settings = RepackSettings(tp=2, vllm=ACT_ORDER_RELEASE, max_shard_bytes=300_000)
+    _require_native(ck, settings)
+    steps: list[list] = []
+
+    def progress(description, total, unit="bytes"):
+        steps.append([description, total, 0])
+
+        def advance(n):
+            steps[-1][2] += n
+        return advance
+
+    out = tmp_path / "out"
+    run_repack(plan_repack(ck, settings), out, progress=progress)
+    assert [s[0] for s in steps] == ["repacking"] and steps[0][1] == steps[0][2] > 0
+    sorted((out / "rank-1").glob("*.safetensors"))[2].unlink()  # one file to write again
+    steps.clear()
+    res = run_repack(plan_repack(ck, settings), out, resume=True, progress=progress)
+    assert res.files_written == 1
+    assert [s[0] for s in steps] == ["checking the staged files", "repacking"]
+    assert all(total == done > 0 for _, total, done in steps), steps

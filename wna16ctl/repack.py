@@ -678,7 +678,6 @@ def _execute(plan: RepackPlan, staged: StagedOutput, start: TaskStarter, device:
     ck = plan.checkpoint
     by_rel = {f.relpath: f for r in ranks for f in plan.files[r]}
     digests = _SourceDigests(plan)
-    advance = start("repacking", plan.input_bytes(ranks), unit="bytes")
     written = 0
     if device == "cuda":
         marlin_repacker(device)  # refuses --device cuda without a usable GPU before any work
@@ -686,7 +685,8 @@ def _execute(plan: RepackPlan, staged: StagedOutput, start: TaskStarter, device:
     torch_layers = len(builders) < len(plan.jobs)
     if not torch_layers:
         with RawReader(ck.files) as raw:
-            return _execute_streamed(plan, staged, raw, builders, by_rel, advance, ranks, side_files, launch)
+            return _execute_streamed(plan, staged, raw, builders, by_rel, start, ranks, side_files, launch)
+    advance = start("repacking", plan.input_bytes(ranks), unit="bytes")
     if torch_layers:
         from wna16ctl.checkpoint.tensors import TensorReader
 
@@ -801,15 +801,19 @@ def _execute(plan: RepackPlan, staged: StagedOutput, start: TaskStarter, device:
 
 
 def _execute_streamed(plan: RepackPlan, staged: StagedOutput, reader: RawReader, builders: dict[int, Any],
-                      by_rel: dict[str, PlannedFile], advance: Callable[[int], None], ranks: list[int],
+                      by_rel: dict[str, PlannedFile], start: TaskStarter, ranks: list[int],
                       side_files: bool, launch: distributed.Launch) -> tuple[int, int, int]:
     """`_execute` when the native path builds every layer: each file is produced front to back
     (`_produce_streamed`).  A file staged by an earlier run is reused when its bytes are what the
     journal records and rebuilding it from the checkpoint as it is now gives those bytes again
     (so no digest of the source is needed while writing)."""
     candidates = [f for f in by_rel.values() if staged.staged_file_matches(f, need_source=False)]
-    reused = {f.relpath for f in _rebuilt_matches(plan, staged, reader, builders, candidates)} if candidates else set()
+    reused: set[str] = set()
+    if candidates:
+        check = start("checking the staged files", _streamed_input_bytes(plan, candidates), unit="bytes")
+        reused = {f.relpath for f in _rebuilt_matches(plan, staged, reader, builders, candidates, check)}
     pending = {rel: f for rel, f in by_rel.items() if rel not in reused}
+    advance = start("repacking", _streamed_input_bytes(plan, list(pending.values())), unit="bytes")
     staged.check_space(sum(f.size for f in pending.values()))
 
     def file_done(f: PlannedFile, stream: FileStream) -> None:
@@ -824,7 +828,7 @@ def _execute_streamed(plan: RepackPlan, staged: StagedOutput, reader: RawReader,
 
 
 def _rebuilt_matches(plan: RepackPlan, staged: StagedOutput, reader: RawReader, builders: dict[int, Any],
-                     candidates: list[PlannedFile]) -> list[PlannedFile]:
+                     candidates: list[PlannedFile], advance: Callable[[int], None]) -> list[PlannedFile]:
     """The candidates whose bytes, rebuilt from the checkpoint now (hashed, not written), have the
     digest the journal records; they are adopted as done."""
     results: list[tuple[PlannedFile, Future[str]]] = []
@@ -841,8 +845,27 @@ def _rebuilt_matches(plan: RepackPlan, staged: StagedOutput, reader: RawReader, 
             results.append((f, fut))
 
         _produce_streamed(plan, {f.relpath: f for f in candidates}, reader, builders, open_stream=open_stream,
-                          file_done=file_done)
+                          file_done=file_done, advance=advance)
         return [f for f, fut in results if fut.result() == staged.reusable[f.relpath][0] and staged.adopt(f)]
+
+
+def _streamed_input_bytes(plan: RepackPlan, files: list[PlannedFile]) -> int:
+    """The bytes `_produce_streamed` reads for `files` (its progress total): each non-expert tensor
+    once per file holding it, each chunk of experts once if any of the files' ranks holds it."""
+    total = 0
+    units: dict[tuple, list[PlannedFile]] = {}
+    for f in files:
+        for u in plan.units[f.relpath]:
+            units.setdefault(u, []).append(f)
+    for u, fs in units.items():
+        if u[0] == "copy":
+            total += sum(plan.checkpoint.files.info(n).nbytes for n in u[1]) * len(fs)
+            continue
+        job = plan.jobs[u[1]]
+        wanted = [job.expert_ranges[r] for r in _layer_targets(job, fs)]
+        total += sum(job.layer.packed_bytes * len(c) // job.layer.num_experts
+                     for c in _expert_chunks(job) if any(c.start in rng for rng in wanted))
+    return total
 
 
 def _produce_streamed(plan: RepackPlan, files: dict[str, PlannedFile], reader: RawReader, builders: dict[int, Any], *,
