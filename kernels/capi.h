@@ -39,6 +39,7 @@ extern "C" {
 #define WNA16_EINVAL 1  /* bad shape / argument; nothing was launched or written */
 #define WNA16_ECUDA 2   /* CUDA runtime error (launch, driver too old, no device) */
 #define WNA16_ENOTSUP 3 /* valid request this build does not implement */
+#define WNA16_EFAULT 4  /* (host) memory read was gone: a file mapped with wna16_map_file shrank */
 
 #define WNA16_DTYPE_F16 0
 #define WNA16_DTYPE_BF16 1
@@ -77,9 +78,16 @@ WNA16_API int wna16_marlin_rank_host(const void* const* src, int64_t num_experts
                                      int simd, int num_threads);
 /* Index of the first non-finite of n scales (kind 0 fp16, 1 bf16, 2 fp32), -1 when none. */
 WNA16_API int64_t wna16_first_nonfinite(const void* data, int64_t n, int kind);
-/* The same over n tensors: the index of the first with a non-finite value (-1 when none), *at = where. */
+/* The same over n tensors: the index of the first with a non-finite value (-1 when none, -2 when a
+ * mapped page was gone), *at = where. */
 WNA16_API int64_t wna16_first_nonfinite_many(const void* const* data, const int64_t* counts, int64_t n,
                                              int kind, int64_t* at);
+/* Read-only, shared, populated mapping of [offset, offset + length) of fd (offset page-aligned);
+ * NULL with *err = errno when it fails. wna16_marlin_rank_host and wna16_first_nonfinite_many read
+ * such mappings safely: a page the file lost meanwhile (truncated) makes them return WNA16_EFAULT
+ * (-2 for the latter) instead of the process dying of SIGBUS (run them with num_threads 1). */
+WNA16_API void* wna16_map_file(int32_t fd, int64_t offset, int64_t length, int32_t* err);
+WNA16_API int wna16_unmap_file(void* addr, int64_t length);
 /* pread of n ranges into dsts: -1 when all were read, else the failed range (*err = errno, 0 = EOF). */
 WNA16_API int64_t wna16_pread_many(const int32_t* fds, const int64_t* offsets, const int64_t* sizes,
                                    void* const* dsts, int64_t n, int32_t* err);

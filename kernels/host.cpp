@@ -2,8 +2,11 @@
 // index queries the tests compare with the Python layout code. Pure permutations of bits, so the
 // results equal the torch path exactly; the work is memory-bound and split over std::threads.
 #include <errno.h>
+#include <setjmp.h>
+#include <signal.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -20,6 +23,39 @@
 #include "layout.cuh"
 
 namespace {
+
+// ---- reads of mapped files that survive the file shrinking -------------------------------------
+// repack maps the checkpoint's shards instead of copying them out with pread; a shard truncated
+// while it runs would kill the process with SIGBUS on the next read of a lost page. A guarded
+// entry point sets a per-thread jump buffer; the SIGBUS handler jumps back to it, and the entry
+// point returns WNA16_EFAULT. Faults outside a guard go to whichever handler was there before
+// (Python's faulthandler, or the default). The jump skips the frames between (nothing in them
+// owns more than a scratch vector, which then leaks: the run is ending with an error anyway).
+thread_local sigjmp_buf* tls_guard = nullptr;
+struct sigaction previous_bus;
+
+void on_sigbus(int sig, siginfo_t* info, void* ctx) {
+  if (tls_guard != nullptr) siglongjmp(*tls_guard, 1);
+  // not a guarded read: hand the fault to the previous handler (the instruction faults again)
+  sigaction(SIGBUS, &previous_bus, nullptr);
+  (void)sig, (void)info, (void)ctx;
+}
+
+void ensure_sigbus_handler() {
+  struct sigaction cur;
+  if (sigaction(SIGBUS, nullptr, &cur) == 0 && (cur.sa_flags & SA_SIGINFO) && cur.sa_sigaction == on_sigbus) return;
+  struct sigaction sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sa_sigaction = on_sigbus;
+  sa.sa_flags = SA_SIGINFO | SA_NODEFER;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGBUS, &sa, &previous_bus);  // whoever was there (re-installed, e.g. faulthandler) is the fallback
+}
+
+struct BusGuard {  // clears the thread's guard however the entry point returns
+  explicit BusGuard(sigjmp_buf* buf) { tls_guard = buf; }
+  ~BusGuard() { tls_guard = nullptr; }
+};
 
 // Runs fn(begin, end) over [0, total) in contiguous chunks on up to num_threads threads.
 template <typename Fn>
@@ -274,6 +310,13 @@ WNA16_API int wna16_marlin_rank_host(const void* const* src, int64_t num_experts
                                      int64_t group_size, int load_full_w2, int scale_bytes, int w13_grouped,
                                      int w2_grouped, void* w13, void* w2, void* w13_scale, void* w2_scale,
                                      int simd, int num_threads) {
+  ensure_sigbus_handler();
+  sigjmp_buf jump;
+  if (sigsetjmp(jump, 1)) {
+    tls_guard = nullptr;
+    return wna16_fail(WNA16_EFAULT, "a page of the source was gone (the mapped file shrank while it was read)");
+  }
+  BusGuard guard(&jump);
   const int64_t h = hidden;
   if (tp <= 0 || rank < 0 || rank >= tp || intermediate % tp)
     return wna16_fail(WNA16_EINVAL, "rank %d of tp %d does not divide intermediate %lld", rank, tp,
@@ -320,6 +363,19 @@ WNA16_API int wna16_marlin_rank_host(const void* const* src, int64_t num_experts
   return WNA16_OK;
 }
 
+WNA16_API void* wna16_map_file(int32_t fd, int64_t offset, int64_t length, int32_t* err) {
+  void* p = mmap(nullptr, (size_t)length, PROT_READ, MAP_SHARED | MAP_POPULATE, fd, (off_t)offset);
+  if (p == MAP_FAILED) {
+    *err = errno;
+    return nullptr;
+  }
+  return p;
+}
+
+WNA16_API int wna16_unmap_file(void* addr, int64_t length) {
+  return munmap(addr, (size_t)length) == 0 ? WNA16_OK : wna16_fail(WNA16_EINVAL, "munmap: %s", strerror(errno));
+}
+
 // Reads n ranges (fds[i], offsets[i], sizes[i]) into dsts[i]: one call for a chunk's tensors.
 // Returns -1 when all were read, else the index of the first range that failed (*err = errno, or
 // 0 when the file ended first); the caller reports it.
@@ -345,6 +401,14 @@ WNA16_API int64_t wna16_pread_many(const int32_t* fds, const int64_t* offsets, c
 // element index.
 WNA16_API int64_t wna16_first_nonfinite_many(const void* const* data, const int64_t* counts, int64_t n,
                                              int kind, int64_t* at) {
+  ensure_sigbus_handler();
+  sigjmp_buf jump;
+  if (sigsetjmp(jump, 1)) {
+    tls_guard = nullptr;
+    wna16_fail(WNA16_EFAULT, "a page of the source was gone (the mapped file shrank while it was read)");
+    return -2;
+  }
+  BusGuard guard(&jump);
   for (int64_t i = 0; i < n; ++i) {
     const int64_t j = wna16_first_nonfinite(data[i], counts[i], kind);
     if (j >= 0) {

@@ -309,3 +309,53 @@ def test_progress_steps_add_up_to_their_totals_on_a_run_and_a_resume(make_ckpt, 
     assert res.files_written == 1
     assert [s[0] for s in steps] == ["checking the staged files", "repacking"]
     assert all(total == done > 0 for _, total, done in steps), steps
+
+
+# ---- the shards read in place (mapped), and a shard that shrinks meanwhile ---------------------------
+
+_TRUNCATING_CHILD = """
+import os, sys
+import wna16ctl.repack_native as n
+hook = sys.argv[1]  # truncate right after the chunk is mapped (the scale check faults) or checked (the build does)
+real = getattr(n.LayerBuilder, hook)
+def then_truncate(self, *a):
+    real(self, *a)
+    for path in self.mapped_files(0):  # mapped and populated: the next read of these pages faults (SIGBUS)
+        os.truncate(path, 4096)
+setattr(n.LayerBuilder, hook, then_truncate)
+sys.argv = ["wna16ctl"] + sys.argv[2:]
+from wna16ctl.cli import main
+main()
+"""
+
+
+@pytest.mark.parametrize("hook", ["map", "check_scales"])
+def test_a_shard_truncated_while_mapped_is_a_one_line_error_not_a_crash(make_ckpt, tmp_path, hook):
+    from tests.test_repack import leftovers
+
+    ck = tmp_path / "ck"
+    shutil.copytree(make_ckpt(num_layers=2, num_experts=8), ck)
+    settings = RepackSettings(tp=2, vllm=ACT_ORDER_RELEASE)
+    _require_native(ck, settings)
+    out = tmp_path / "out"
+    res = subprocess.run([sys.executable, "-c", _TRUNCATING_CHILD, hook, "repack", str(ck), "--tp", "2", "-o", str(out),
+                          "--vllm", ACT_ORDER_RELEASE, "-q"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, (res.returncode, res.stderr)  # not -SIGBUS
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "truncated or replaced after planning" in lines[0], res.stderr
+    assert ".safetensors" in lines[0] and str(ck) in lines[0]
+    assert not out.exists() and leftovers(out) == []
+
+
+def test_a_shard_truncated_after_planning_is_named_before_it_is_mapped(make_ckpt, tmp_path):
+    ck = tmp_path / "ck"
+    shutil.copytree(make_ckpt(num_layers=2, num_experts=8), ck)
+    settings = RepackSettings(tp=2, vllm=ACT_ORDER_RELEASE)
+    _require_native(ck, settings)
+    plan = plan_repack(ck, settings)
+    shard = plan.checkpoint.files.info(plan.jobs[-1].layer.tensor_name(7, "down", "weight_packed")).file
+    os.truncate(shard, os.path.getsize(shard) // 2)
+    with pytest.raises(BadInput, match="truncated or replaced after planning") as info:
+        run_repack(plan, tmp_path / "out")
+    assert str(shard) in info.value.message
+    assert not (tmp_path / "out").exists()

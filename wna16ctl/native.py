@@ -33,6 +33,7 @@ _CUDA_FLAGS = ("-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisi
 _FALLBACK_ARCHS = ("80", "90")
 
 WNA16_OK = 0
+WNA16_EFAULT = 4  # kernels/capi.h: a mapped file shrank while it was read
 
 
 class KernelBuildError(RuntimeError):
@@ -308,6 +309,8 @@ _HOST_PROTOS = {
     "wna16_first_nonfinite": (_I64, [_P, _I64, _I32]),
     "wna16_first_nonfinite_many": (_I64, [_P, _P, _I64, _I32, _P]),
     "wna16_pread_many": (_I64, [_P, _P, _P, _P, _I64, _P]),
+    "wna16_map_file": (_P, [_I32, _I64, _I64, _P]),
+    "wna16_unmap_file": (_I32, [_P, _I64]),
 }
 
 _CUDA_PROTOS = {

@@ -929,39 +929,46 @@ def _produce_streamed_with(plan: RepackPlan, files: dict[str, PlannedFile], read
         layer = job.layer
         wanted = [job.expert_ranges[r] for r in targets]
         for chunk in (c for c in _expert_chunks(job) if any(c.start in rng for rng in wanted)):  # EP: skip others
-            builder.read(reader, chunk, 0)
-            builder.check_scales(0)
-            builds: list[tuple[int, dict[str, int | None]]] = []
-            commits: list[tuple[FileStream, int]] = []
-            for r, by_name in targets.items():
-                rng = job.expert_ranges[r]
-                if chunk.start not in rng:
-                    continue
-                local = chunk.start - rng.start
-                # room at the end of each file of the rank (a kind whose file an earlier run
-                # already completed is built into scratch memory)
-                addrs: dict[str, int | None] = {}
-                for name in job.tensor_names:
-                    f = by_name.get(name)
-                    n = builder.per_expert[name] * len(chunk)
-                    if f is None:
-                        addrs[name] = None
+            builder.map(reader, chunk, 0)  # read in place: the page cache, not a copy of it
+            try:
+                builder.check_scales(0)
+                builds: list[tuple[int, dict[str, int | None]]] = []
+                commits: list[tuple[FileStream, int]] = []
+                for r, by_name in targets.items():
+                    rng = job.expert_ranges[r]
+                    if chunk.start not in rng:
                         continue
-                    st = streams[f.relpath]
-                    if st.position != f.offsets[f"{layer.prefix}.{name}"] + local * builder.per_expert[name]:
-                        raise AssertionError(f"{f.relpath}: {name} of experts {chunk} is not next in the file")
-                    addrs[name] = st.reserve(n)
-                    commits.append((st, n))
-                builds.append((r, addrs))
-            # the ranks' builds side by side (the native call releases the GIL)
-            futs = [build_pool.submit(builder.build_into, r, len(chunk), 0, addrs) for r, addrs in builds[1:]]
-            if builds:
-                builder.build_into(builds[0][0], len(chunk), 0, builds[0][1])
-            for fut in futs:
-                fut.result()
-            for st, n in commits:
-                st.commit(n)
-                produced += n
+                    local = chunk.start - rng.start
+                    # room at the end of each file of the rank (a kind whose file an earlier run
+                    # already completed is built into scratch memory)
+                    addrs: dict[str, int | None] = {}
+                    for name in job.tensor_names:
+                        f = by_name.get(name)
+                        n = builder.per_expert[name] * len(chunk)
+                        if f is None:
+                            addrs[name] = None
+                            continue
+                        st = streams[f.relpath]
+                        if st.position != f.offsets[f"{layer.prefix}.{name}"] + local * builder.per_expert[name]:
+                            raise AssertionError(f"{f.relpath}: {name} of experts {chunk} is not next in the file")
+                        addrs[name] = st.reserve(n)
+                        commits.append((st, n))
+                    builds.append((r, addrs))
+                # the ranks' builds side by side (the native call releases the GIL)
+                futs = [build_pool.submit(builder.build_into, r, len(chunk), 0, addrs) for r, addrs in builds[1:]]
+                try:
+                    if builds:
+                        builder.build_into(builds[0][0], len(chunk), 0, builds[0][1])
+                finally:
+                    for fut in futs:  # all done before the mapping goes, whatever failed
+                        fut.exception()
+                for fut in futs:
+                    fut.result()
+                for st, n in commits:
+                    st.commit(n)
+                    produced += n
+            finally:
+                builder.unmap(0)
             advance(layer.packed_bytes * len(chunk) // layer.num_experts)
         unit_done(u)
     return produced

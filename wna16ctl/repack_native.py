@@ -1,10 +1,14 @@
 """repack's native data path: torch-free, for the layers it covers.
 
-A chunk of experts is read (pread) into a reused buffer in the order the torch path reads it (so
-the source digest is the same), its scales are checked finite, and every pending rank's Marlin
-tensors are built by the host library (`wna16_marlin_rank_host` in kernels/host.cpp) straight
-from the checkpoint's N-first words into reused output buffers, which are then written at their
-final offsets.  Buffers come in pairs: chunk i+1 is built while chunk i is written and digested.
+A chunk of experts is either mapped in place (`map`: read-only shared windows of the shards, so
+the bytes are read from the page cache itself; the streamed path, wna16ctl.repack._produce_streamed)
+or read (`read`, pread) into a reused buffer in the order the torch path reads it (so the source
+digest is the same; the positioned-write path).  Its scales are checked finite, and every pending
+rank's Marlin tensors are built by the host library (`wna16_marlin_rank_host` in
+kernels/host.cpp) straight from the checkpoint's N-first words, into the output files' blocks or
+into reused buffers.  The native calls that read a mapping survive a shard truncated meanwhile
+(they return WNA16_EFAULT instead of the process dying of SIGBUS), which becomes the one-line
+error a truncated shard gets everywhere.
 
 It covers Marlin layers that are symmetric, without act-order or tile padding, whose scales are
 already in the model dtype; its bytes equal the torch path's (tests/test_repack_native.py).  Every
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 import struct
 from typing import Any
 
@@ -28,6 +33,7 @@ from wna16ctl.layout.spec import MARLIN, RankLayout, expert_shapes, marlin_scale
 _SCALE_KIND = {"F16": 0, "BF16": 1, "F32": 2}  # wna16_first_nonfinite's kinds
 _SCALE_BYTES = {"F16": 2, "BF16": 2, "F32": 4}
 _SUFFIXES = ("weight_packed", "weight_scale")
+_MAP_GAP = 1 << 20  # tensors at most this far apart share a mapped window
 _OUT_ORDER = ("w13_weight_packed", "w2_weight_packed", "w13_weight_scale", "w2_weight_scale")  # the builder's outputs  # per projection, in TensorReader.read_projection's order
 
 
@@ -84,6 +90,7 @@ class LayerBuilder:
         n = 6 * max_experts
         self._io = {slot: ((ctypes.c_int32 * n)(), (ctypes.c_int64 * n)(), (ctypes.c_int64 * n)(), (ctypes.c_void_p * n)())
                     for slot in range(2)}
+        self._maps: dict[int, list[tuple[int, int, Any]]] = {}  # slot -> (address, length, shard) mapped
 
     def read(self, reader: RawReader, chunk: range, slot: int) -> memoryview:
         """Read the chunk's expert tensors into `slot` (one native call); returns the bytes read,
@@ -109,6 +116,55 @@ class LayerBuilder:
         self._scales[slot] = [(info, base + at) for info, at in infos if info.name.endswith(".weight_scale")]
         return view[:pos]
 
+    def map(self, reader: RawReader, chunk: range, slot: int) -> None:
+        """Point `slot` at the chunk's expert tensors in the page cache itself (a read-only shared
+        mapping of the span they occupy in each shard), not at a copy; `unmap` when built.  The
+        native calls that read them survive a shard truncated meanwhile (WNA16_EFAULT)."""
+        self.unmap(slot)
+        # one window per run of nearby tensors (a shard's tensors of one expert need not be adjacent:
+        # mapping from the first to the last would hold most of the shard)
+        tensors = sorted((info.file, info.start, info.end) for e in chunk for info, _ in self._reads[e])
+        windows: list[list[Any]] = []
+        for path, start, end in tensors:
+            if windows and windows[-1][0] == path and start - windows[-1][2] <= _MAP_GAP:
+                windows[-1][2] = max(windows[-1][2], end)
+            else:
+                windows.append([path, start, end])
+        lib = native.host_lib()
+        where: list[tuple[Any, int, int, int]] = []  # (shard, first byte, last byte, address of the first)
+        for path, lo, hi in windows:
+            fd = reader.fd(path)
+            if os.fstat(fd).st_size < hi:
+                raise _truncated(path)
+            start = lo - lo % mmap.PAGESIZE
+            err = ctypes.c_int32(0)
+            addr = lib.wna16_map_file(fd, start, hi - start, ctypes.byref(err))
+            if not addr:
+                raise BadInput(f"{path}: cannot be mapped ({os.strerror(err.value)}); check the file and run again")
+            self._maps.setdefault(slot, []).append((addr, hi - start, path))
+            where.append((path, lo, hi, addr + (lo - start)))
+
+        def address(info: TensorInfo) -> int:
+            for path, lo, hi, addr in where:
+                if path == info.file and lo <= info.start and info.end <= hi:
+                    return addr + (info.start - lo)
+            raise AssertionError(f"{info.name} is in no mapped window")
+
+        src, scales = self._src[slot], []
+        for i, e in enumerate(chunk):
+            for info, place in self._reads[e]:
+                src[6 * i + place] = address(info)
+                if info.name.endswith(".weight_scale"):
+                    scales.append((info, src[6 * i + place]))
+        self._scales[slot] = scales
+
+    def unmap(self, slot: int) -> None:
+        for addr, length, _ in self._maps.pop(slot, []):
+            native.host_lib().wna16_unmap_file(addr, length)
+
+    def mapped_files(self, slot: int) -> list[Any]:
+        return [path for _, _, path in self._maps.get(slot, [])]
+
     def check_scales(self, slot: int) -> None:
         """Scales must be finite (the same rule and message as `checkpoint.tensors.check_scales`)."""
         scales = self._scales[slot]
@@ -118,6 +174,8 @@ class LayerBuilder:
         at = ctypes.c_int64(-1)
         bad = native.host_lib().wna16_first_nonfinite_many(ptrs, counts, len(scales), _SCALE_KIND[self.scale_dtype],
                                                            ctypes.byref(at))
+        if bad == -2:  # a mapped shard shrank
+            raise _truncated(self.mapped_files(slot)[0])
         if bad >= 0:
             info, addr = scales[bad]
             i, width = at.value, _SCALE_BYTES[info.dtype]
@@ -152,12 +210,23 @@ class LayerBuilder:
             if addr is None:
                 addr = self.buffers.get(("scratch", name), self.per_expert[name] * self.max_experts)[1]
             out.append(addr)
-        native.host_lib().call(
-            "wna16_marlin_rank_host", self._src[slot], n_experts, spec.hidden_size, spec.intermediate_size,
-            spec.tp, spec.rank, spec.num_bits, spec.group_size, int(spec.load_full_w2), _SCALE_BYTES[self.scale_dtype],
-            int(marlin_scales_grouped(spec.hidden_size, spec.group_size)),
-            int(marlin_scales_grouped(w2_scale_size_k(spec), spec.group_size)), *out, 1, 0,
-        )
+        mapped = slot in self._maps  # one thread: the fault guard is per thread
+        try:
+            native.host_lib().call(
+                "wna16_marlin_rank_host", self._src[slot], n_experts, spec.hidden_size, spec.intermediate_size,
+                spec.tp, spec.rank, spec.num_bits, spec.group_size, int(spec.load_full_w2),
+                _SCALE_BYTES[self.scale_dtype], int(marlin_scales_grouped(spec.hidden_size, spec.group_size)),
+                int(marlin_scales_grouped(w2_scale_size_k(spec), spec.group_size)), *out, 1, 1 if mapped else 0,
+            )
+        except native.KernelError as e:
+            if e.code == native.WNA16_EFAULT and mapped:
+                raise _truncated(self.mapped_files(slot)[0]) from None
+            raise
+
+
+def _truncated(path: Any) -> BadInput:
+    return BadInput(f"{path}: ends before the tensor data the plan expects (the shard was truncated or replaced "
+                    "after planning); restore the file and run again; nothing was left behind")
 
 
 def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
