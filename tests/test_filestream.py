@@ -143,3 +143,30 @@ def test_serial_lane_runs_one_files_tasks_in_order(pool):
     for f in futs:
         f.result()
     assert all(seen[k] == list(range(k, 300, 3)) for k in seen)
+
+
+def test_abort_while_a_finished_file_is_still_being_written_leaves_it_unjournaled(tmp_path, monkeypatch):
+    import json
+    import time
+
+    from wna16ctl.writer import PlannedFile, PlannedTensor, StagedOutput
+
+    staged = StagedOutput(tmp_path / "out", force=False, resume=False, identity={"x": 1})
+    f = PlannedFile("rank-0/model-00001-of-00001.safetensors", [PlannedTensor("t", "U8", (3 << 20,))])
+    f.layout()
+    real = os.pwrite
+
+    def slow(fd, data, offset):  # the file's last writes are still running when abort() comes
+        time.sleep(0.2)
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(filestream.os, "pwrite", slow)
+    s = staged.stream(f, 1 << 20)
+    for _ in range(3):
+        s.reserve(1 << 20)
+        s.commit(1 << 20)
+    staged.finish_stream(f, None)
+    time.sleep(0.05)  # the blocks are hashed by now: the file's final task waits for its writes
+    staged.abort(keep_for_resume=True)  # must not raise: an aborted file is simply not journaled
+    journal = json.loads((staged.stage / staged.journal_name).read_text())
+    assert f.relpath not in journal["files"]

@@ -35,6 +35,10 @@ DEPTH = 4
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
+class StreamAborted(Exception):
+    """What `finish`'s callback gets when the stream was aborted before its last write."""
+
+
 def _round_up(n: int, to: int = _PAGE) -> int:
     return -(-n // to) * to
 
@@ -158,7 +162,7 @@ class FileStream:
                     w.result()
                 except BaseException:  # noqa: BLE001 - recorded in self._failed
                     pass
-            error = self._failed or (RuntimeError("aborted") if self.aborted else None)
+            error = self._failed or (StreamAborted() if self.aborted else None)
             if error is None and padded:
                 try:
                     os.ftruncate(self.fd, self.size)  # drop the zero padding of the last write

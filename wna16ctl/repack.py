@@ -883,19 +883,6 @@ def _produce_streamed(plan: RepackPlan, files: dict[str, PlannedFile], reader: R
             unit_file.setdefault(u, []).append(f)
     streams: dict[str, FileStream] = {}
     produced = 0
-    with ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) - 1), thread_name_prefix="wna16ctl-build") as pool:
-        produced = _produce_streamed_with(plan, files, reader, builders, unit_file, remaining, streams, pool,
-                                          open_stream, file_done, advance)
-    return produced
-
-
-def _produce_streamed_with(plan: RepackPlan, files: dict[str, PlannedFile], reader: RawReader,
-                           builders: dict[int, Any], unit_file: dict[tuple, list[PlannedFile]],
-                           remaining: dict[str, int], streams: dict[str, FileStream], build_pool: ThreadPoolExecutor,
-                           open_stream: Callable[..., FileStream], file_done: Callable[[PlannedFile, FileStream], None],
-                           advance: Callable[[int], None]) -> int:
-    ck = plan.checkpoint
-    produced = 0
 
     def unit_done(u: tuple) -> None:
         for f in unit_file.get(u, []):
@@ -915,62 +902,74 @@ def _produce_streamed_with(plan: RepackPlan, files: dict[str, PlannedFile], read
             produced += info.nbytes * len(targets)
             advance(info.nbytes * len(targets))
         unit_done(u)
-    # 2. expert layers
-    for j, job in enumerate(plan.jobs):
-        u = ("layer", j)
-        targets = _layer_targets(job, unit_file.get(u, []))
-        if not targets:
-            continue
-        builder = builders[j]
-        for by_name in targets.values():
-            for name, f in by_name.items():
-                if f.relpath not in streams:  # a file's first unit opens it
-                    streams[f.relpath] = open_stream(f, builder.per_expert[name] * builder.max_experts)
-        layer = job.layer
-        wanted = [job.expert_ranges[r] for r in targets]
-        for chunk in (c for c in _expert_chunks(job) if any(c.start in rng for rng in wanted)):  # EP: skip others
-            builder.map(reader, chunk, 0)  # read in place: the page cache, not a copy of it
-            try:
-                builder.check_scales(0)
-                builds: list[tuple[int, dict[str, int | None]]] = []
-                commits: list[tuple[FileStream, int]] = []
-                for r, by_name in targets.items():
-                    rng = job.expert_ranges[r]
-                    if chunk.start not in rng:
-                        continue
-                    local = chunk.start - rng.start
-                    # room at the end of each file of the rank (a kind whose file an earlier run
-                    # already completed is built into scratch memory)
-                    addrs: dict[str, int | None] = {}
-                    for name in job.tensor_names:
-                        f = by_name.get(name)
-                        n = builder.per_expert[name] * len(chunk)
-                        if f is None:
-                            addrs[name] = None
-                            continue
-                        st = streams[f.relpath]
-                        if st.position != f.offsets[f"{layer.prefix}.{name}"] + local * builder.per_expert[name]:
-                            raise AssertionError(f"{f.relpath}: {name} of experts {chunk} is not next in the file")
-                        addrs[name] = st.reserve(n)
-                        commits.append((st, n))
-                    builds.append((r, addrs))
-                # the ranks' builds side by side (the native call releases the GIL)
-                futs = [build_pool.submit(builder.build_into, r, len(chunk), 0, addrs) for r, addrs in builds[1:]]
-                try:
-                    if builds:
-                        builder.build_into(builds[0][0], len(chunk), 0, builds[0][1])
-                finally:
-                    for fut in futs:  # all done before the mapping goes, whatever failed
-                        fut.exception()
-                for fut in futs:
-                    fut.result()
-                for st, n in commits:
-                    st.commit(n)
-                    produced += n
-            finally:
-                builder.unmap(0)
-            advance(layer.packed_bytes * len(chunk) // layer.num_experts)
-        unit_done(u)
+    # 2. expert layers, the ranks of a chunk built side by side (one build thread per further core)
+    with ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) - 1), thread_name_prefix="wna16ctl-build") as pool:
+        for j, job in enumerate(plan.jobs):
+            u = ("layer", j)
+            targets = _layer_targets(job, unit_file.get(u, []))
+            if not targets:
+                continue
+            builder = builders[j]
+            for by_name in targets.values():
+                for name, f in by_name.items():
+                    if f.relpath not in streams:  # a file's first unit opens it
+                        streams[f.relpath] = open_stream(f, builder.per_expert[name] * builder.max_experts)
+            layer = job.layer
+            wanted = [job.expert_ranges[r] for r in targets]
+            for chunk in (c for c in _expert_chunks(job) if any(c.start in rng for rng in wanted)):  # EP: skip others
+                produced += _build_chunk(job, builder, reader, chunk, targets, streams, pool)
+                advance(layer.packed_bytes * len(chunk) // layer.num_experts)
+            unit_done(u)
+    return produced
+
+
+def _build_chunk(job: LayerJob, builder: Any, reader: RawReader, chunk: range,
+                 targets: dict[int, dict[str, PlannedFile]], streams: dict[str, FileStream],
+                 build_pool: ThreadPoolExecutor) -> int:
+    """One chunk of experts of one layer into the streams of every target rank; returns the bytes
+    committed."""
+    layer = job.layer
+    produced = 0
+    builder.map(reader, chunk, 0)  # read in place: the page cache, not a copy of it
+    try:
+        builder.check_scales(0)
+        builds: list[tuple[int, dict[str, int | None]]] = []
+        commits: list[tuple[FileStream, int]] = []
+        for r, by_name in targets.items():
+            rng = job.expert_ranges[r]
+            if chunk.start not in rng:
+                continue
+            local = chunk.start - rng.start
+            # room at the end of each file of the rank (a kind whose file an earlier run
+            # already completed is built into scratch memory)
+            addrs: dict[str, int | None] = {}
+            for name in job.tensor_names:
+                f = by_name.get(name)
+                n = builder.per_expert[name] * len(chunk)
+                if f is None:
+                    addrs[name] = None
+                    continue
+                st = streams[f.relpath]
+                if st.position != f.offsets[f"{layer.prefix}.{name}"] + local * builder.per_expert[name]:
+                    raise AssertionError(f"{f.relpath}: {name} of experts {chunk} is not next in the file")
+                addrs[name] = st.reserve(n)
+                commits.append((st, n))
+            builds.append((r, addrs))
+        # the ranks' builds side by side (the native call releases the GIL)
+        futs = [build_pool.submit(builder.build_into, r, len(chunk), 0, addrs) for r, addrs in builds[1:]]
+        try:
+            if builds:
+                builder.build_into(builds[0][0], len(chunk), 0, builds[0][1])
+        finally:
+            for fut in futs:  # all done before the mapping goes, whatever failed
+                fut.exception()
+        for fut in futs:
+            fut.result()
+        for st, n in commits:
+            st.commit(n)
+            produced += n
+    finally:
+        builder.unmap(0)
     return produced
 
 

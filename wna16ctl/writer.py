@@ -33,7 +33,7 @@ import blake3
 from wna16ctl.checkpoint.headers import DTYPE_BITS
 from wna16ctl import outdir
 from wna16ctl.errors import BadInput, OutputError, UsageError
-from wna16ctl.filestream import DEPTH, FileStream, start_writeback
+from wna16ctl.filestream import DEPTH, FileStream, StreamAborted, start_writeback
 from wna16ctl.outdir import JOURNAL_NAME, MANIFEST_NAME
 
 _ALIGN = 8  # safetensors pads the header so that data starts 8-byte aligned
@@ -497,6 +497,10 @@ class StagedOutput:
 
         def complete(error: BaseException | None) -> None:
             if self._closing.pop(f.relpath, None) is None:  # closed by abort() meanwhile
+                return
+            if isinstance(error, StreamAborted):  # abort(): the file is simply not journaled
+                os.close(fd)
+                done.cancel()
                 return
             try:
                 if error is None:

@@ -260,7 +260,8 @@ def test_discarded_staging_directory_is_announced(make_ckpt, tmp_path, monkeypat
 
     monkeypatch.setattr(repack_mod, "build_rank_tensors", interrupt)  # whichever data path the layers take
     monkeypatch.setattr(repack_native.LayerBuilder, "build_into", interrupt)
-    assert invoke("repack", ck, "--tp", "1", "-o", out).exit_code == 130
+    first = invoke("repack", ck, "--tp", "1", "-o", out)
+    assert first.exit_code == 130, first.output
     stage = tmp_path / ".out.wna16ctl-partial"
     assert stage.is_dir()
     monkeypatch.setattr(repack_mod, "build_rank_tensors", real)
