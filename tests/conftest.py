@@ -59,3 +59,14 @@ def _one_torch_thread():
 # The newest vLLM release that still loads act-order (actorder: group) checkpoints: the layout
 # tests run against its rules, since they exercise g_idx, load_full_w2 and is_k_full.
 ACT_ORDER_RELEASE = "0.29.0"
+
+
+@pytest.fixture(scope="session")
+def host():  # -> wna16ctl.native.NativeLib
+    """The native host library (built on first use); the test is skipped where it cannot be had."""
+    from wna16ctl import native
+
+    lib = native.host_lib()
+    if lib is None:
+        pytest.skip("native host library unavailable (no g++ or WNA16CTL_NO_NATIVE set)")
+    return lib

@@ -165,7 +165,7 @@ def test_abort_while_a_finished_file_is_still_being_written_leaves_it_unjournale
     for _ in range(3):
         s.reserve(1 << 20)
         s.commit(1 << 20)
-    staged.finish_stream(f, None)
+    staged.finish_stream(f)
     time.sleep(0.05)  # the blocks are hashed by now: the file's final task waits for its writes
     staged.abort(keep_for_resume=True)  # must not raise: an aborted file is simply not journaled
     journal = json.loads((staged.stage / staged.journal_name).read_text())

@@ -135,14 +135,6 @@ def test_fallback_without_native(monkeypatch: pytest.MonkeyPatch) -> None:
 # (b) host library
 
 
-@pytest.fixture(scope="module")
-def host() -> K.NativeLib:
-    lib = K.host_lib()
-    if lib is None:
-        pytest.skip("native host library unavailable (no g++ or WNA16CTL_NO_NATIVE set)")
-    return lib
-
-
 def _src_table(host: K.NativeLib, num_bits: int, size_k: int, size_n: int) -> tuple[torch.Tensor, torch.Tensor]:
     src_k = torch.empty(size_k * size_n, dtype=torch.int64)
     src_n = torch.empty_like(src_k)

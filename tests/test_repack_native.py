@@ -28,14 +28,6 @@ from wna16ctl.writer import MANIFEST_NAME, sha256_file
 from tests.conftest import ACT_ORDER_RELEASE, GSM8K_TEST
 
 
-@pytest.fixture(scope="module")
-def host() -> native.NativeLib:
-    lib = native.host_lib()
-    if lib is None:
-        pytest.skip("no C++ compiler: the native data path is not available here")
-    return lib
-
-
 def _experts(n: int, h: int, i: int, nb: int, gs: int, dtype: torch.dtype, seed: int) -> list[dict]:
     g = torch.Generator().manual_seed(seed)
     pf = 32 // nb

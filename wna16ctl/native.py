@@ -116,6 +116,11 @@ def _tool_version(exe: str) -> str:
     return out.stdout.strip()
 
 
+def _build_key(compiler: str, flags: list[str]) -> str:
+    """The cache key of a library: every kernel source (name and bytes), the compiler, the flags."""
+    return _digest([*(p.name.encode() + p.read_bytes() for p in _source_files()), _tool_identity(compiler), *flags])
+
+
 def _tool_identity(exe: str) -> str:
     """What a build is keyed on for its compiler: the resolved executable's path, size and mtime.
     A stat instead of running `exe --version` on every use (tens of milliseconds per process);
@@ -183,8 +188,7 @@ def build_host(extra_flags: Sequence[str] = (), out_dir: Optional[Path] = None) 
         raise KernelBuildError("no C++ compiler (g++) on PATH")
     src = kernels_dir()
     flags = [*_HOST_FLAGS, *extra_flags]
-    files = _source_files()
-    key = _digest([*(p.name.encode() + p.read_bytes() for p in files), _tool_identity(cxx), *flags])
+    key = _build_key(cxx, flags)
     out_dir = out_dir or _build_dir()
     target = out_dir / f"libwna16_host-{key}.so"
     if target.exists():
@@ -273,8 +277,7 @@ def build_cuda(
         archs = [_normalise_arch(a) for a in arch]
     src = kernels_dir()
     flags = [*_CUDA_FLAGS, *_gencode(archs, _nvcc_archs(nvcc)), *extra_flags]
-    files = _source_files()
-    key = _digest([*(p.name.encode() + p.read_bytes() for p in files), _tool_identity(nvcc), *flags])
+    key = _build_key(nvcc, flags)
     out_dir = out_dir or _build_dir()
     target = out_dir / f"libwna16_cuda-{'-'.join(archs)}-{key}.so"
     if target.exists():

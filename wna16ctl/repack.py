@@ -24,7 +24,7 @@ import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from wna16ctl import __version__, distributed, outdir, rules
 from wna16ctl.checkpoint import Checkpoint, MoELayer, open_checkpoint
@@ -703,12 +703,11 @@ def _execute(plan: RepackPlan, staged: StagedOutput, start: TaskStarter, device:
         reused = len(by_rel) - len(pending)
         staged.check_space(sum(f.size for f in pending.values()))
         remaining = {rel: len(plan.units[rel]) for rel in pending}
-        unit_file: dict[tuple, list[PlannedFile]] = {}
+        unit_file = _files_by_unit(plan, pending.values())
         unit_end: dict[tuple[str, tuple], int] = {}
         for rel, f in pending.items():
             ends = {t.name: f.offsets[t.name] + t.nbytes for t in f.tensors}
             for u in plan.units[rel]:
-                unit_file.setdefault(u, []).append(f)
                 names = u[1] if u[0] == "copy" else [n for n in ends if n.startswith(plan.jobs[u[1]].layer.prefix + ".")]
                 unit_end[(rel, u)] = max(ends[n] for n in names)
 
@@ -817,7 +816,7 @@ def _execute_streamed(plan: RepackPlan, staged: StagedOutput, reader: RawReader,
     staged.check_space(sum(f.size for f in pending.values()))
 
     def file_done(f: PlannedFile, stream: FileStream) -> None:
-        staged.finish_stream(f, None)  # its last writes, fsync and digest run in the background
+        staged.finish_stream(f)  # its last writes, fsync and digest run in the background
         staged.checkpoint_journal()  # the files finished by now
         distributed.kill_after_first_file_for_tests(launch, staged.collect_hashes)
 
@@ -834,7 +833,7 @@ def _rebuilt_matches(plan: RepackPlan, staged: StagedOutput, reader: RawReader, 
     results: list[tuple[PlannedFile, Future[str]]] = []
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="wna16ctl-rehash") as pool:
         def open_stream(f: PlannedFile, max_reserve: int, depth: int = DEPTH) -> FileStream:
-            s = FileStream(-1, f.size, new_hasher(), pool, max_reserve=max(max_reserve, len(f.header)),
+            s = FileStream(-1, f.size, new_hasher(), pool, max_reserve=max_reserve,
                            on_error=lambda e: e, direct=False, depth=depth)  # fd -1: hashed, never written
             s.write(f.header)
             return s
@@ -849,15 +848,20 @@ def _rebuilt_matches(plan: RepackPlan, staged: StagedOutput, reader: RawReader, 
         return [f for f, fut in results if fut.result() == staged.reusable[f.relpath][0] and staged.adopt(f)]
 
 
+def _files_by_unit(plan: RepackPlan, files: Iterable[PlannedFile]) -> dict[tuple, list[PlannedFile]]:
+    """Work unit -> the files among `files` it writes into (in the order given)."""
+    out: dict[tuple, list[PlannedFile]] = {}
+    for f in files:
+        for u in plan.units[f.relpath]:
+            out.setdefault(u, []).append(f)
+    return out
+
+
 def _streamed_input_bytes(plan: RepackPlan, files: list[PlannedFile]) -> int:
     """The bytes `_produce_streamed` reads for `files` (its progress total): each non-expert tensor
     once per file holding it, each chunk of experts once if any of the files' ranks holds it."""
     total = 0
-    units: dict[tuple, list[PlannedFile]] = {}
-    for f in files:
-        for u in plan.units[f.relpath]:
-            units.setdefault(u, []).append(f)
-    for u, fs in units.items():
+    for u, fs in _files_by_unit(plan, files).items():
         if u[0] == "copy":
             total += sum(plan.checkpoint.files.info(n).nbytes for n in u[1]) * len(fs)
             continue
@@ -877,10 +881,7 @@ def _produce_streamed(plan: RepackPlan, files: dict[str, PlannedFile], reader: R
     the tensor bytes produced."""
     ck = plan.checkpoint
     remaining = {rel: len(plan.units[rel]) for rel in files}
-    unit_file: dict[tuple, list[PlannedFile]] = {}
-    for rel, f in files.items():
-        for u in plan.units[rel]:
-            unit_file.setdefault(u, []).append(f)
+    unit_file = _files_by_unit(plan, files.values())
     streams: dict[str, FileStream] = {}
     produced = 0
 

@@ -478,20 +478,19 @@ class StagedOutput:
             self._stream_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="wna16ctl-hash-stream")
             self._write_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="wna16ctl-write-stream")
         s = FileStream(fd, f.size, new_hasher(), self._stream_pool, write_pool=self._write_pool,
-                       max_reserve=max(max_reserve, len(f.header)),
+                       max_reserve=max_reserve,
                        on_error=lambda e: _os_error(e, path), direct=os.environ.get("WNA16CTL_DIRECT_IO", "1") != "0",
                        depth=depth)
         self._streams[f.relpath] = (s, fd)
         s.write(f.header)
         return s
 
-    def finish_stream(self, f: PlannedFile, source_digest: str | None) -> None:
+    def finish_stream(self, f: PlannedFile) -> None:
         """Complete a streamed file without waiting: its last block, then fsync and close, run on
-        the I/O pool; the digest is journaled like `finish`'s once that is done."""
+        the I/O pool; the digest is journaled like `finish`'s once that is done (no source digest:
+        `--resume` checks a streamed file by rebuilding it)."""
         s, fd = self._streams.pop(f.relpath)
         path = self.stage / f.relpath
-        if source_digest is not None:
-            self.sources[f.relpath] = source_digest
         done: Future[str] = Future()
         self._closing[f.relpath] = (s, fd)
 
