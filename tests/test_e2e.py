@@ -18,8 +18,8 @@ from click.testing import CliRunner
 import wna16ctl.e2e as e2e_mod
 from tests.conftest import ACT_ORDER_RELEASE, GSM8K_TEST
 from tests.test_verify import patch, read, rehash
-from wna16ctl.checkpoint import open_checkpoint
-from wna16ctl.checkpoint.tensors import TensorReader
+from wna16ctl.sources import open_checkpoint
+from wna16ctl.sources.tensors import TensorReader
 from wna16ctl.cli import cli
 from wna16ctl.e2e import E2EOptions, gsm8k_answer
 from wna16ctl.layout.marlin import marlin_permute_scales, marlin_unpermute_scales

@@ -13,14 +13,14 @@ from click.testing import CliRunner
 
 from tests import modelckpt as m
 from wna16ctl import rules
-from wna16ctl.checkpoint.config import WeightScheme
-from wna16ctl.checkpoint.model import COLUMN, ROW, VOCAB, LinearLayer, LinearShard
+from wna16ctl.sources.config import WeightScheme
+from wna16ctl.sources.model import COLUMN, ROW, VOCAB, LinearLayer, LinearShard
 from wna16ctl.cli import cli
 from wna16ctl.inspection import inspect_checkpoint
 from wna16ctl.linear_plan import (
     ALLSPARK, HUMMING, MACHETE, MARLIN, kernel_priority, model_checks, plan_linear,
 )
-from wna16ctl.checkpoint.model import ModelDims
+from wna16ctl.sources.model import ModelDims
 
 
 @pytest.fixture(scope="module")
@@ -339,7 +339,7 @@ def test_vision_tower_modules_are_reported_not_planned(tmp_path):
 
 
 def test_merge_text_config_keeps_the_checkpoints_own_keys():
-    from wna16ctl.checkpoint.config import merge_text_config, quantization_config_of
+    from wna16ctl.sources.config import merge_text_config, quantization_config_of
 
     raw = {"architectures": ["Outer"], "model_type": "outer", "quantization_config": {"a": 1},
            "text_config": {"architectures": ["Inner"], "model_type": "inner", "hidden_size": 8, "vocab_size": 9}}

@@ -71,8 +71,8 @@ def test_rank_bytes_equal_the_layout_shapes(bits, gs, sym, actorder, tp, ep):
     """plan.py sizes ranks without torch (inspect's path); they must equal the layout's shapes."""
     import torch
 
-    from wna16ctl.checkpoint.config import WeightScheme
-    from wna16ctl.checkpoint.moe import MoELayer
+    from wna16ctl.sources.config import WeightScheme
+    from wna16ctl.sources.moe import MoELayer
     from wna16ctl.layout.rank import RankLayout, expected_rank_shapes
     from wna16ctl.plan import plan_layer
 

@@ -27,7 +27,7 @@ import wna16ctl.repack_native as repack_native
 import wna16ctl.writer as writer_mod
 from tests.conftest import GSM8K_TEST, REPO_ROOT
 from tests.test_repack import ckpt, file_digests, leftovers, one_torch_thread, patch_tensor, snapshot  # noqa: F401
-from wna16ctl.checkpoint.headers import read_shard_header
+from wna16ctl.sources.headers import read_shard_header
 from wna16ctl.cli import cli
 from wna16ctl.errors import BadInput, UsageError
 from wna16ctl.repack import RepackSettings, plan_repack, run_repack
@@ -684,7 +684,7 @@ def test_catastrophic_target_regex_is_bounded(make_ckpt, tmp_path):
     def fn(c):
         c["quantization_config"]["config_groups"]["group_0"]["targets"] = [r"re:([\w.]|[\w.])*X$"]
     _edit_json(ck / "config.json", fn)
-    proc = run_cli("inspect", str(ck), "--tp", "1", prelude="import wna16ctl.checkpoint.config as c; c.REGEX_BUDGET_S = 1")
+    proc = run_cli("inspect", str(ck), "--tp", "1", prelude="import wna16ctl.sources.config as c; c.REGEX_BUDGET_S = 1")
     assert_one_line(proc, "catastrophic backtracking", r"([\w.]|[\w.])*X$")
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from wna16ctl import rules
-from wna16ctl.checkpoint.config import WeightScheme
-from wna16ctl.checkpoint.moe import MoELayer
+from wna16ctl.sources.config import WeightScheme
+from wna16ctl.sources.moe import MoELayer
 from wna16ctl.plan import Backend, backend_priority, plan_layer
 
 

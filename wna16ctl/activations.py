@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from wna16ctl.checkpoint import Checkpoint, MoELayer
-from wna16ctl.checkpoint.tensors import TensorReader
+from wna16ctl.sources import Checkpoint, MoELayer
+from wna16ctl.sources.tensors import TensorReader
 from wna16ctl.errors import BadInput
 
 MAX_TOKENS_PER_SAMPLE = 64
@@ -64,7 +64,7 @@ def resolve_samples(samples: str | os.PathLike[str] | None) -> str | os.PathLike
     shared = repository_shared_dir()
     if shared is not None and (shared / GSM8K_TEST).is_file():
         return shared / GSM8K_TEST
-    from wna16ctl.hub import gsm8k_test_file
+    from wna16ctl.sources.hub import gsm8k_test_file
 
     return gsm8k_test_file()
 

@@ -362,7 +362,7 @@ def verify(ctx: click.Context, ckpt: str, out: str, samples: str | None, num_sam
 
 def _local_checkpoint(sink: Sink, ckpt: str, revision: str | None) -> str:
     """CKPT as a directory: a Hub repo id is downloaded (huggingface_hub's progress on stderr)."""
-    from wna16ctl.hub import parse_ref, resolve_local
+    from wna16ctl.sources.hub import parse_ref, resolve_local
 
     if parse_ref(ckpt, revision) is not None:
         sink.info(f"{ckpt}: downloading from the Hugging Face Hub into its cache (or finding it there)")

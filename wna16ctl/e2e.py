@@ -233,7 +233,7 @@ def _build_model(ck, device: torch.device):  # noqa: ANN001 - Checkpoint
     Returns (model, {checkpoint experts prefix: the model's MoE block})."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from wna16ctl.checkpoint.tensors import TensorReader
+    from wna16ctl.sources.tensors import TensorReader
 
     raw = {k: v for k, v in ck.config.raw.items() if k != "quantization_config"}
     config = AutoConfig.for_model(**raw)
@@ -458,7 +458,7 @@ def run_e2e(ck, out: Path, plan, samples: Path, options: E2EOptions, device: tor
 
 def _run_e2e(ck, out: Path, plan, samples: Path, options: E2EOptions, device: torch.device,  # noqa: ANN001
              dtype: torch.dtype) -> E2EResult:
-    from wna16ctl.checkpoint.tensors import TensorReader
+    from wna16ctl.sources.tensors import TensorReader
     from wna16ctl.verify import ROUNDINGS, UNIT_ROUNDOFF, _RankFiles
 
     started = time.monotonic()
@@ -554,8 +554,8 @@ def reference_generation(ckpt: str | os.PathLike[str], samples: Path, options: E
                          device: torch.device = torch.device("cpu")) -> tuple[list[list[int]], list[list[int]], list[torch.Tensor]]:
     """The reference run alone at TP 1 (prompt ids, greedy tokens, step logits per prompt): what an
     engine that loads CKPT itself should generate for the same prompt ids."""
-    from wna16ctl.checkpoint import open_checkpoint
-    from wna16ctl.checkpoint.tensors import TensorReader, dtype_from_name
+    from wna16ctl.sources import open_checkpoint
+    from wna16ctl.sources.tensors import TensorReader, dtype_from_name
     from wna16ctl.repack import RepackSettings, plan_repack
 
     ck = open_checkpoint(ckpt)
@@ -577,8 +577,8 @@ def model_dtype_logit_change(ckpt: str | os.PathLike[str], prompts: list[list[in
     """Per prompt and step, max |Δlogit| between the TP-1 reference run teacher-forced in fp32 and
     the same run with the non-expert layers in the model dtype: how far an engine that computes
     them in that dtype may legitimately move the logits (one sample of its rounding)."""
-    from wna16ctl.checkpoint import open_checkpoint
-    from wna16ctl.checkpoint.tensors import TensorReader, dtype_from_name
+    from wna16ctl.sources import open_checkpoint
+    from wna16ctl.sources.tensors import TensorReader, dtype_from_name
     from wna16ctl.repack import RepackSettings, plan_repack
 
     ck = open_checkpoint(ckpt)

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from wna16ctl import __version__, rules
-from wna16ctl.checkpoint import Checkpoint, LinearLayer, MoELayer, open_checkpoint
-from wna16ctl.checkpoint.gidx import gate_up_g_idx_mismatch
-from wna16ctl.checkpoint.model import QKV
+from wna16ctl.sources import Checkpoint, LinearLayer, MoELayer, open_checkpoint
+from wna16ctl.sources.gidx import gate_up_g_idx_mismatch
+from wna16ctl.sources.model import QKV
 from wna16ctl.linear_plan import LinearPlan, ModelCheck, linear_release_differences, model_checks, plan_linear
 from wna16ctl.errors import UsageError
 from wna16ctl.plan import LayerPlan, plan_layer, release_differences
@@ -202,7 +202,7 @@ def inspect_checkpoint(path: str | os.PathLike[str], tps: tuple[int, ...] = (1,)
     """
     every = vllm == "all"
     engine = resolve(vllm, gpu)
-    from wna16ctl.hub import open_hub_checkpoint, parse_ref
+    from wna16ctl.sources.hub import open_hub_checkpoint, parse_ref
 
     ref = parse_ref(str(path), revision)
     ck = open_checkpoint(path) if ref is None else open_hub_checkpoint(ref)

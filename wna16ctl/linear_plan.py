@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from wna16ctl import rules
-from wna16ctl.checkpoint.config import PACK_QUANTIZED, WeightScheme
-from wna16ctl.checkpoint.model import COLUMN, QKV, REPLICATED, ROW, VOCAB, LinearLayer, ModelDims
+from wna16ctl.sources.config import PACK_QUANTIZED, WeightScheme
+from wna16ctl.sources.model import COLUMN, QKV, REPLICATED, ROW, VOCAB, LinearLayer, ModelDims
 
 # vLLM kernel class names, in the CUDA priority order of `_POSSIBLE_KERNELS`
 CUTLASS_W4A8, MACHETE, ALLSPARK, MARLIN = "CutlassW4A8LinearKernel", "MacheteLinearKernel", "AllSparkLinearKernel", "MarlinLinearKernel"

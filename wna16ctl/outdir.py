@@ -106,7 +106,7 @@ def is_real_dir(path: Path) -> bool:
 
 def read_json_file(path: Path) -> Any:
     """A small JSON file of ours (never through a link, never a FIFO); None when it is not one."""
-    from wna16ctl.jsonfile import JSONError, loads
+    from wna16ctl.sources.jsonfile import JSONError, loads
 
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)

@@ -37,7 +37,7 @@ def part_ranks(manifest: dict[str, Any]) -> list[int] | None:
 
 def read_part(path: Path) -> dict[str, Any]:
     """One manifest part, with its `part.ranks` checked against its name."""
-    from wna16ctl.jsonfile import JSONError, loads
+    from wna16ctl.sources.jsonfile import JSONError, loads
 
     st = outdir._lstat(path)
     if st is None or not stat.S_ISREG(st.st_mode):

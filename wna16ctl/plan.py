@@ -21,8 +21,8 @@ from enum import Enum
 from typing import Any
 
 from wna16ctl import rules
-from wna16ctl.checkpoint.config import PACK_QUANTIZED, WeightScheme
-from wna16ctl.checkpoint.moe import MoELayer
+from wna16ctl.sources.config import PACK_QUANTIZED, WeightScheme
+from wna16ctl.sources.moe import MoELayer
 
 SUPPORTED_BITS = (4, 8)
 MARLIN_GROUP_SIZES = (-1, 32, 64, 128)

@@ -27,12 +27,12 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from wna16ctl import __version__, distributed, outdir, rules
-from wna16ctl.checkpoint import Checkpoint, MoELayer, open_checkpoint
-from wna16ctl.checkpoint.config import SCALE_ST_DTYPES
-from wna16ctl.checkpoint.gidx import gate_up_g_idx_mismatch
-from wna16ctl.checkpoint.headers import INDEX_NAME
-from wna16ctl.checkpoint.moe import ROLE_ORDER
-from wna16ctl.checkpoint.raw import RawReader
+from wna16ctl.sources import Checkpoint, MoELayer, open_checkpoint
+from wna16ctl.sources.config import SCALE_ST_DTYPES
+from wna16ctl.sources.gidx import gate_up_g_idx_mismatch
+from wna16ctl.sources.headers import INDEX_NAME
+from wna16ctl.sources.moe import ROLE_ORDER
+from wna16ctl.sources.raw import RawReader
 from wna16ctl.errors import NotLoadable, UsageError
 from wna16ctl.layout.spec import RankLayout, expert_shapes
 from wna16ctl.plan import Backend, LayerPlan, plan_layer
@@ -211,7 +211,7 @@ def _check_shared_g_idx(ck: Checkpoint, jobs: list[LayerJob]) -> None:
     act = [j for j in jobs if j.layer.scheme is not None and j.layer.scheme.act_order]
     if not act:
         return
-    from wna16ctl.checkpoint.tensors import TensorReader, check_g_idx
+    from wna16ctl.sources.tensors import TensorReader, check_g_idx
 
     with TensorReader(ck.files) as reader:
         for job in act:
@@ -688,7 +688,7 @@ def _execute(plan: RepackPlan, staged: StagedOutput, start: TaskStarter, device:
             return _execute_streamed(plan, staged, raw, builders, by_rel, start, ranks, side_files, launch)
     advance = start("repacking", plan.input_bytes(ranks), unit="bytes")
     if torch_layers:
-        from wna16ctl.checkpoint.tensors import TensorReader
+        from wna16ctl.sources.tensors import TensorReader
 
         reader_cm: RawReader = TensorReader(ck.files)
     else:

@@ -24,9 +24,9 @@ import struct
 from typing import Any
 
 from wna16ctl import native
-from wna16ctl.checkpoint.headers import CheckpointFiles, TensorInfo
-from wna16ctl.checkpoint.moe import ROLE_ORDER
-from wna16ctl.checkpoint.raw import RawReader
+from wna16ctl.sources.headers import CheckpointFiles, TensorInfo
+from wna16ctl.sources.moe import ROLE_ORDER
+from wna16ctl.sources.raw import RawReader
 from wna16ctl.errors import BadInput
 from wna16ctl.layout.spec import MARLIN, RankLayout, expert_shapes, marlin_scales_grouped, w2_scale_size_k
 

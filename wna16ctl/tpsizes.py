@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from wna16ctl.checkpoint.moe import MoELayer
+from wna16ctl.sources.moe import MoELayer
 from wna16ctl.errors import UsageError
 
 MAX_TP = 4096  # far above any deployment; catches typos like 40960 before anything is planned

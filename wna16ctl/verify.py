@@ -33,16 +33,16 @@ import torch.nn.functional as F
 
 from wna16ctl import outdir, parts
 from wna16ctl.activations import embed, load_questions, resolve_samples, route, tokenize
-from wna16ctl.checkpoint import Checkpoint, open_checkpoint
-from wna16ctl.checkpoint.headers import CheckpointFiles, read_checkpoint_files
-from wna16ctl.checkpoint.tensors import TensorReader, as_tensor, dtype_from_name, writable_view
+from wna16ctl.sources import Checkpoint, open_checkpoint
+from wna16ctl.sources.headers import CheckpointFiles, read_checkpoint_files
+from wna16ctl.sources.tensors import TensorReader, as_tensor, dtype_from_name, writable_view
 from wna16ctl.errors import BadInput, LayoutMismatch, NotLoadable, UsageError
 from wna16ctl.layout.packing import unpack_codes
 from wna16ctl.layout.rank import RankLayout, unbuild_expert_tensors
 from wna16ctl.layout.shard import shard_expert, unshard_expert
 from wna16ctl.layout._mismatch import first_difference
-from wna16ctl.checkpoint.config import SCALE_DTYPES
-from wna16ctl.checkpoint.headers import INDEX_NAME, read_shard_header
+from wna16ctl.sources.config import SCALE_DTYPES
+from wna16ctl.sources.headers import INDEX_NAME, read_shard_header
 from wna16ctl.output import TaskStarter, no_progress
 from wna16ctl.repack import (
     FORMAT_NAME, SIDE_FILES, LayerJob, RepackPlan, RepackSettings, plan_repack, rank_index_bytes, source_fingerprint,
@@ -196,7 +196,7 @@ class VerifyReport:
 
 
 def _read_manifest(out: Path) -> dict[str, Any]:
-    from wna16ctl.jsonfile import JSONError, loads
+    from wna16ctl.sources.jsonfile import JSONError, loads
 
     path = out / MANIFEST_NAME
     if not out.is_dir():

@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable
 
 import blake3
 
-from wna16ctl.checkpoint.headers import DTYPE_BITS
+from wna16ctl.sources.headers import DTYPE_BITS
 from wna16ctl import outdir
 from wna16ctl.errors import BadInput, OutputError, UsageError
 from wna16ctl.filestream import DEPTH, FileStream, StreamAborted, start_writeback
@@ -445,7 +445,7 @@ class StagedOutput:
         if isinstance(data, (bytes, bytearray, memoryview)):
             view = memoryview(data).cast("B")
         else:  # a torch tensor (torch is only imported by the torch data path)
-            from wna16ctl.checkpoint.tensors import writable_view
+            from wna16ctl.sources.tensors import writable_view
 
             t = data.contiguous()  # held until the writes below are done: the view does not own it
             view = writable_view(t)
@@ -777,6 +777,6 @@ def _hash_range(fd: int, hasher: Any, pos: list[int], end: int, buf: ReusedBuffe
 
 def st_dtype(dtype: Any) -> str:
     """The safetensors name of a torch dtype."""
-    from wna16ctl.checkpoint.tensors import SAFETENSORS_DTYPES
+    from wna16ctl.sources.tensors import SAFETENSORS_DTYPES
 
     return SAFETENSORS_DTYPES[dtype]

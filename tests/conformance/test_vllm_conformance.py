@@ -27,8 +27,8 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from tests.conformance import cases as case_space  # noqa: E402
 from tests.conformance import vllm_release  # noqa: E402
 from tests.conformance.known_differences import known_cause  # noqa: E402
-from wna16ctl.checkpoint.config import WeightScheme  # noqa: E402
-from wna16ctl.checkpoint.moe import MoELayer  # noqa: E402
+from wna16ctl.sources.config import WeightScheme  # noqa: E402
+from wna16ctl.sources.moe import MoELayer  # noqa: E402
 from wna16ctl.plan import plan_layer  # noqa: E402
 
 pytestmark = pytest.mark.conformance

@@ -68,7 +68,7 @@ def expected_rank_shapes(spec: RankLayout, num_local_experts: int, scale_dtype: 
 
 def expected_expert_shapes(spec: RankLayout, scale_dtype: torch.dtype) -> dict[str, ShapeAndDtype]:
     """name -> (shape, dtype) of one expert's slice of the rank tensors (`spec.expert_shapes`)."""
-    from wna16ctl.checkpoint.tensors import SAFETENSORS_DTYPES, torch_dtype
+    from wna16ctl.sources.tensors import SAFETENSORS_DTYPES, torch_dtype
 
     return {name: (shape, torch_dtype(dt)) for name, (shape, dt) in
             expert_shapes(spec, SAFETENSORS_DTYPES[scale_dtype]).items()}

@@ -29,14 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from wna16ctl.checkpoint.headers import (
+from wna16ctl.sources.headers import (
     MAX_HEADER, INDEX_NAME, SINGLE_NAME, ShardHeader, ShardList, locate_shards, read_shard_header,
     shard_header_from_bytes,
 )
 from wna16ctl.errors import BadInput, UsageError
 
 if TYPE_CHECKING:
-    from wna16ctl.checkpoint import Checkpoint
+    from wna16ctl.sources import Checkpoint
 
 GSM8K_REPO = "openai/gsm8k"
 GSM8K_TEST_FILES = "main/test-*.parquet"
@@ -338,7 +338,7 @@ def open_hub_checkpoint(ref: HubRef) -> "Checkpoint":
     Its root is the snapshot directory of the Hugging Face cache, so the result is the one
     `open_checkpoint` gives on the downloaded repository, plus `source`.
     """
-    from wna16ctl.checkpoint import HeaderSource, open_checkpoint
+    from wna16ctl.sources import HeaderSource, open_checkpoint
 
     config = _download(ref, "config.json", ref.revision)
     root = config.parent  # <cache>/models--org--name/snapshots/<commit>

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from wna16ctl.checkpoint.headers import CheckpointFiles, TensorInfo
+from wna16ctl.sources.headers import CheckpointFiles, TensorInfo
 from wna16ctl.errors import BadInput
 
 

@@ -14,8 +14,8 @@ from dataclasses import astuple
 from pathlib import Path
 from typing import Any
 
-from wna16ctl.checkpoint.config import PACK_QUANTIZED, ModelConfig, WeightScheme
-from wna16ctl.checkpoint.headers import ShardHeader, read_shard_header
+from wna16ctl.sources.config import PACK_QUANTIZED, ModelConfig, WeightScheme
+from wna16ctl.sources.headers import ShardHeader, read_shard_header
 from wna16ctl.errors import BadInput
 
 PROJECTION_ROLES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}

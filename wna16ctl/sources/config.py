@@ -6,7 +6,7 @@ checkpoints that exist in the wild, so `inspect` parses the config here: every r
 null/false/true/"weight"/"static"/"group"/"dynamic", preset-name groups) is accepted.
 Scheme resolution follows the library's rules (`compressed_tensors.utils.match`): targets are
 ordered exact name < regex (`re:` prefix, `re.match`) < class name, a module's scheme is that of
-its first matching target, `ignore` removes a module.  tests/checkpoint/test_config.py checks
+its first matching target, `ignore` removes a module.  tests/sources/test_config.py checks
 these rules against the library wherever the library can parse.
 """
 
@@ -488,8 +488,8 @@ def quantization_config_of(raw: dict[str, Any]) -> Any:
 def read_model_config(ckpt: Path) -> ModelConfig:
     """Read and check `CKPT/config.json` (raises BadInput with the file named)."""
     path = ckpt / "config.json"
-    from wna16ctl.checkpoint.headers import read_regular_file
-    from wna16ctl.jsonfile import JSONError, loads
+    from wna16ctl.sources.headers import read_regular_file
+    from wna16ctl.sources.jsonfile import JSONError, loads
 
     try:
         text = read_regular_file(path, "config.json", limit=64 << 20)

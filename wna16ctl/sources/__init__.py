@@ -9,14 +9,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from wna16ctl.checkpoint.config import ModelConfig, QuantConfig, WeightScheme, read_model_config
-from wna16ctl.checkpoint._fork import split_map
-from wna16ctl.checkpoint.headers import (
+from wna16ctl.sources.config import ModelConfig, QuantConfig, WeightScheme, read_model_config
+from wna16ctl.sources._fork import split_map
+from wna16ctl.sources.headers import (
     INDEX_NAME, CheckpointFiles, ShardHeader, ShardList, TensorInfo, assemble, locate_shards, read_shard_header,
 )
-from wna16ctl.checkpoint.model import LinearLayer, ModelDims, find_linear_layers, is_mtp, model_dims
-from wna16ctl.checkpoint.moe import MoELayer, find_moe_layers
-from wna16ctl.checkpoint.scan import scan_shard, shard_header
+from wna16ctl.sources.model import LinearLayer, ModelDims, find_linear_layers, is_mtp, model_dims
+from wna16ctl.sources.moe import MoELayer, find_moe_layers
+from wna16ctl.sources.scan import scan_shard, shard_header
 from wna16ctl.errors import BadInput
 
 __all__ = [
@@ -32,7 +32,7 @@ class HeaderSource:
     The directory always holds `config.json` (and the index, if any); the shards themselves may
     live elsewhere.  `locate` lists the shards, `read` returns one shard's checked header (through
     `headers.shard_header_from_bytes`, so every source yields the same objects); it may run in the
-    forked scan worker.  The default reads the local files; `wna16ctl.hub` serves headers it
+    forked scan worker.  The default reads the local files; `wna16ctl.sources.hub` serves headers it
     fetched by range request beforehand.
     """
 

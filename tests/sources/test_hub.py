@@ -18,7 +18,7 @@ import pytest
 from tests.conftest import GSM8K_TEST, REPO_ROOT
 from tests.hubserver import FakeHub
 from wna16ctl.errors import UsageError
-from wna16ctl.hub import HubRef, parse_ref
+from wna16ctl.sources.hub import HubRef, parse_ref
 
 sys.path.insert(0, str(REPO_ROOT / "bench"))
 import synthetic_headers  # noqa: E402
@@ -218,7 +218,7 @@ def test_repack_verify_and_inspect_a_hub_repo_with_gsm8k_from_the_hub(hub, make_
 
 def test_gsm8k_offline_and_not_cached_names_the_other_sources(hub, tmp_path):
     # verify's last sample source, called as default_samples() calls it (without importing torch)
-    code = ("from wna16ctl.errors import BadInput\nfrom wna16ctl.hub import gsm8k_test_file\n"
+    code = ("from wna16ctl.errors import BadInput\nfrom wna16ctl.sources.hub import gsm8k_test_file\n"
             "try:\n    gsm8k_test_file()\nexcept BadInput as e:\n    print(e.message)\n")
     e = {k: v for k, v in os.environ.items() if k not in _HF_VARS}
     e.update(HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
@@ -242,7 +242,7 @@ def test_entries_of_shards_scanned_by_the_worker_come_from_the_hub_headers(hub, 
     # entries on demand through the Hub header source (the shard itself is not on disk)
     ck = synthetic_headers.write(tmp_path / "ck", layers=9, experts=16, hidden=512, inter=256, shards=12, vocab=128)
     hub.add("acme/twelve", ck)
-    code = ("from wna16ctl.hub import HubRef, open_hub_checkpoint;"
+    code = ("from wna16ctl.sources.hub import HubRef, open_hub_checkpoint;"
             "ck = open_hub_checkpoint(HubRef('acme/twelve'));"
             "print(ck.files.info('lm_head.weight').shape, ck.files.raw('model.norm.weight')['shape'],"
             " ck.files.shard_of('lm_head.weight').path.exists())")

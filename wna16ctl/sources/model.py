@@ -16,8 +16,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from wna16ctl.checkpoint.config import ModelConfig, WeightScheme
-from wna16ctl.checkpoint.headers import CheckpointFiles
+from wna16ctl.sources.config import ModelConfig, WeightScheme
+from wna16ctl.sources.headers import CheckpointFiles
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 

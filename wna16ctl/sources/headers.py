@@ -239,7 +239,7 @@ def read_shard_header(path: Path) -> ShardHeader:
 def shard_header_from_bytes(path: Path, size: int, blob: bytes) -> ShardHeader:
     """Check a safetensors header -- `blob`, the JSON after the 8-byte length, of a file of `size`
     bytes -- and make its ShardHeader.  Every header source goes through here: local files
-    (`read_shard_header`) and headers fetched by range request from the Hub (`wna16ctl.hub`)."""
+    (`read_shard_header`) and headers fetched by range request from the Hub (`wna16ctl.sources.hub`)."""
     header = _decode_header(path, blob)
     meta = header.pop("__metadata__", None)
     if meta is None:
@@ -463,7 +463,7 @@ def _names_digests(wm: dict[str, str]) -> dict[str, str]:
 
 
 def _index_weight_map(index_path: Path, blob: bytes) -> tuple[dict[str, str], dict[str, Path]]:
-    from wna16ctl.jsonfile import JSONError, loads
+    from wna16ctl.sources.jsonfile import JSONError, loads
 
     try:
         index = loads(blob)

@@ -92,7 +92,7 @@ def test_garbled_header_in_the_parents_half_does_not_hang(tmp_path):
 
 
 def test_entries_checked_by_the_worker_are_readable(many_shards):
-    code = ("from wna16ctl.checkpoint import open_checkpoint;"
+    code = ("from wna16ctl.sources import open_checkpoint;"
             f"ck = open_checkpoint({str(many_shards)!r});"
             "print(ck.files.info('lm_head.weight').shape, ck.files.raw('model.norm.weight')['shape'])")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

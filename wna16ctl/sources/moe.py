@@ -12,9 +12,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from wna16ctl.checkpoint.config import ModelConfig, WeightScheme
-from wna16ctl.checkpoint.headers import CheckpointFiles
-from wna16ctl.checkpoint.scan import checks_packed, scan_shard
+from wna16ctl.sources.config import ModelConfig, WeightScheme
+from wna16ctl.sources.headers import CheckpointFiles
+from wna16ctl.sources.scan import checks_packed, scan_shard
 from wna16ctl.errors import BadInput
 
 ROLE_ORDER = ("gate", "up", "down")

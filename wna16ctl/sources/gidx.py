@@ -12,8 +12,8 @@ import os
 import sys
 from array import array
 
-from wna16ctl.checkpoint.headers import CheckpointFiles, TensorInfo
-from wna16ctl.checkpoint.moe import MoELayer
+from wna16ctl.sources.headers import CheckpointFiles, TensorInfo
+from wna16ctl.sources.moe import MoELayer
 from wna16ctl.errors import BadInput
 
 _TYPECODE = {"I32": "i", "I64": "q"}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from wna16ctl.checkpoint.config import parse_quantization_config
+from wna16ctl.sources.config import parse_quantization_config
 from wna16ctl.errors import BadInput
 
 P = Path("config.json")

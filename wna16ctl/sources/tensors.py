@@ -12,9 +12,9 @@ import ctypes
 
 import torch
 
-from wna16ctl.checkpoint.headers import TensorInfo
-from wna16ctl.checkpoint.raw import RawReader
-from wna16ctl.checkpoint.moe import ROLE_ORDER, MoELayer
+from wna16ctl.sources.headers import TensorInfo
+from wna16ctl.sources.raw import RawReader
+from wna16ctl.sources.moe import ROLE_ORDER, MoELayer
 from wna16ctl.errors import BadInput
 
 _TORCH_DTYPES = {
