@@ -378,7 +378,7 @@ def test_invalid_g_idx_is_refused_before_writing(ckpt, tmp_path, case):
 
 
 def test_legacy_unpacked_zero_point_out_of_range_is_refused(make_ckpt, tmp_path):
-    from tests.checkpoint.test_legacy_forms import SMALL as LSMALL, _rewrite
+    from tests.sources.test_legacy_forms import SMALL as LSMALL, _rewrite
     from wna16ctl.layout.packing import unpack_codes
 
     src = make_ckpt(symmetric=False, **LSMALL)

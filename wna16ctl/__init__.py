@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from wna16ctl.inspection import Inspection
+    from wna16ctl.planning.inspection import Inspection
     from wna16ctl.repack import RepackPlan, RepackResult
     from wna16ctl.verify import VerifyReport
 
@@ -46,8 +46,8 @@ def inspect(path: PathLike, tp: TpSizes = "1,2,4,8", ep: bool = False, *, vllm: 
     Returns the `Inspection` whose `to_json()` is `wna16ctl inspect --json` (docs/inspect-json.md);
     `.loadable` is the exit-0 condition.  Raises `BadInput`/`UsageError` on unusable input.
     """
-    from wna16ctl.inspection import inspect_checkpoint
-    from wna16ctl.tpsizes import parse_tp_list
+    from wna16ctl.planning.inspection import inspect_checkpoint
+    from wna16ctl.planning.tpsizes import parse_tp_list
 
     return inspect_checkpoint(path, parse_tp_list(tp), ep, vllm=vllm, gpu=gpu, revision=revision)
 
@@ -69,10 +69,10 @@ def repack(path: PathLike, out: PathLike | None, tp: int | str, *, ep: bool = Fa
     those TP ranks: `out` is then a part with a manifest part (`wna16ctl.parts`).
     """
     from wna16ctl.errors import UsageError
-    from wna16ctl.inspection import resolve
+    from wna16ctl.planning.inspection import resolve
     from wna16ctl.output import parse_size
     from wna16ctl.repack import RepackSettings, plan_repack, run_repack
-    from wna16ctl.tpsizes import parse_tp_list
+    from wna16ctl.planning.tpsizes import parse_tp_list
 
     (n_ranks,) = parse_tp_list(tp, single=True)
     if force and resume:
@@ -135,7 +135,7 @@ for _name in _API:  # submodules imported before this point (none in practice)
     if f"{__name__}.{_name}" in sys.modules:
         setattr(sys.modules[__name__], _name, sys.modules[f"{__name__}.{_name}"])
 
-_TYPES = {"Inspection": "wna16ctl.inspection", "RepackPlan": "wna16ctl.repack", "RepackResult": "wna16ctl.repack",
+_TYPES = {"Inspection": "wna16ctl.planning.inspection", "RepackPlan": "wna16ctl.repack", "RepackResult": "wna16ctl.repack",
           "VerifyReport": "wna16ctl.verify"}
 
 

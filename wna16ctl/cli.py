@@ -64,7 +64,7 @@ def _debug_option(f: Callable) -> Callable:
 
 
 def _tps(value: str, *, single: bool = False) -> tuple[int, ...]:
-    from wna16ctl.tpsizes import parse_tp_list
+    from wna16ctl.planning.tpsizes import parse_tp_list
 
     return parse_tp_list(value, single=single)
 
@@ -84,7 +84,7 @@ def _vllm_option(allow_all: bool) -> Callable:
 
 
 def _gpu_option() -> Callable:
-    from wna16ctl.rules import DEFAULT_GPU, GPUS
+    from wna16ctl.planning.rules import DEFAULT_GPU, GPUS
 
     return click.option("--gpu", type=click.Choice(list(GPUS)), default=DEFAULT_GPU, show_default=True,
                         help="GPU architecture the engine runs on (backend priority depends on it).")
@@ -113,7 +113,7 @@ def inspect(ctx: click.Context, ckpt: str, tp: str, ep: bool, vllm: str, gpu: st
     sink = Sink(json_mode=json_mode)
 
     def body() -> int:
-        from wna16ctl.inspection import inspect_checkpoint
+        from wna16ctl.planning.inspection import inspect_checkpoint
         from wna16ctl.render import render_inspection, render_release_matrix
 
         insp = inspect_checkpoint(ckpt, _tps(tp), ep, vllm=vllm, gpu=gpu, revision=revision)
@@ -199,7 +199,7 @@ def repack(ctx: click.Context, ckpt: str, tp: str, ep: bool, layout: str, out: s
 
             render(console, plan, result)
 
-        from wna16ctl.inspection import resolve
+        from wna16ctl.planning.inspection import resolve
 
         engine = resolve(vllm, gpu)
         first = launch.rank == 0  # what every process would say alike is said once

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.markup import escape
 
-from wna16ctl.inspection import Inspection
+from wna16ctl.planning.inspection import Inspection
 from wna16ctl.output import human_bytes, plural, simple_table
 
 
@@ -13,7 +13,7 @@ def _layer_span(indices: list[int | None], names: list[str]) -> str:
     nums = [i for i in indices if i is not None]
     if len(nums) != len(indices) or not nums:
         return ", ".join(names)
-    from wna16ctl.plan import _ranges
+    from wna16ctl.planning.moe import _ranges
 
     return f"layers {_ranges(sorted(nums))}"
 
@@ -123,7 +123,7 @@ def render_inspection(console: Console, insp: Inspection) -> None:
 
 
 def _span_of_ints(ids: list[int]) -> str:
-    from wna16ctl.plan import _ranges
+    from wna16ctl.planning.moe import _ranges
 
     return _ranges(ids)
 
@@ -246,7 +246,7 @@ def _cell(p) -> str:  # noqa: ANN001 - LayerPlan
 def render_release_matrix(console: Console, insp: Inspection) -> None:
     """`--vllm all`: per group of identical layers, one row per release and one column per TP size;
     each cell is the backend that loads the layer or the first rule that refuses it."""
-    from wna16ctl.rules import RELEASES
+    from wna16ctl.planning.rules import RELEASES
 
     ck = insp.checkpoint
     cfg = ck.config
@@ -275,7 +275,7 @@ def render_release_matrix(console: Console, insp: Inspection) -> None:
         console.print(f"  [red]✗ {escape(rule)}[/]: {escape(text)}")
     render_linear_matrix(console, insp)
     ok = [v for v in RELEASES if insp.loadable_in(v)]
-    from wna16ctl.rules import span as release_span
+    from wna16ctl.planning.rules import span as release_span
 
     console.print(f"loads at every requested TP size on: {release_span(ok)}")
 
@@ -373,7 +373,7 @@ def render_model_section(console: Console, insp: Inspection) -> None:
 def render_linear_matrix(console: Console, insp: Inspection) -> None:
     """`--vllm all` for the quantized linear layers: per group of identical layers, the kernel each
     release picks at each TP size, or the first rule that refuses the layer; then the failing model checks."""
-    from wna16ctl.rules import RELEASES
+    from wna16ctl.planning.rules import RELEASES
 
     ck = insp.checkpoint
     groups: dict[str, list] = {}

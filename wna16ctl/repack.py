@@ -26,7 +26,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from wna16ctl import __version__, distributed, outdir, rules
+from wna16ctl import __version__, distributed, outdir
+from wna16ctl.planning import rules
 from wna16ctl.sources import Checkpoint, MoELayer, open_checkpoint
 from wna16ctl.sources.config import SCALE_ST_DTYPES
 from wna16ctl.sources.gidx import gate_up_g_idx_mismatch
@@ -35,8 +36,8 @@ from wna16ctl.sources.moe import ROLE_ORDER
 from wna16ctl.sources.raw import RawReader
 from wna16ctl.errors import NotLoadable, UsageError
 from wna16ctl.layout.spec import RankLayout, expert_shapes
-from wna16ctl.plan import Backend, LayerPlan, plan_layer
-from wna16ctl.tpsizes import check_tp_sizes, parse_tp_list
+from wna16ctl.planning.moe import Backend, LayerPlan, plan_layer
+from wna16ctl.planning.tpsizes import check_tp_sizes, parse_tp_list
 from wna16ctl.filestream import DEPTH, FileStream
 from wna16ctl.output import TaskStarter, no_progress
 from wna16ctl.writer import (

@@ -88,14 +88,14 @@ def test_debug_anywhere_keeps_the_exit_code(tmp_path, where):
 @pytest.mark.parametrize("command", ["inspect", "verify", "repack", "demo"])
 def test_interrupt_message_belongs_to_the_command(make_ckpt, tmp_path, monkeypatch, command):
     import wna16ctl.demo
-    import wna16ctl.inspection
+    import wna16ctl.planning.inspection
     import wna16ctl.repack
     import wna16ctl.verify
 
     def interrupt(*a, **kw):
         raise KeyboardInterrupt
 
-    target = {"inspect": (wna16ctl.inspection, "inspect_checkpoint"), "verify": (wna16ctl.verify, "verify_output"),
+    target = {"inspect": (wna16ctl.planning.inspection, "inspect_checkpoint"), "verify": (wna16ctl.verify, "verify_output"),
               "repack": (wna16ctl.repack, "run_repack"), "demo": (wna16ctl.demo, "write_demo_checkpoint")}[command]
     monkeypatch.setattr(*target, interrupt)
     ck = make_ckpt(**SMALL)

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from tests.conftest import ACT_ORDER_RELEASE
 from tests.rawckpt import write_raw_checkpoint
-from tests.test_plan import PAD_TABLE, W2_TABLE
+from tests.planning.test_moe import PAD_TABLE, W2_TABLE
 from wna16ctl.cli import cli
 
 SMALL = dict(num_layers=1, num_experts=2, top_k=1, vocab_size=64)
@@ -50,7 +50,7 @@ def test_w2_table_channel_with_group_actorder(make_ckpt, tmp_path):
     for group in cfg["quantization_config"]["config_groups"].values():
         group["weights"]["actorder"] = "group"
     (ck / "config.json").write_text(json.dumps(cfg))
-    # the function's table row holds (tests/test_plan.py), but no release gets that far: the
+    # the function's table row holds (tests/planning/test_moe.py), but no release gets that far: the
     # compressed-tensors 0.17.0 they pin refuses act-order on a channel scheme while the config is parsed
     code, doc = inspect_json(ck, "--tp", "2")
     p = plan_at(doc, 2)

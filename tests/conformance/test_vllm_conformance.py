@@ -29,7 +29,7 @@ from tests.conformance import vllm_release  # noqa: E402
 from tests.conformance.known_differences import known_cause  # noqa: E402
 from wna16ctl.sources.config import WeightScheme  # noqa: E402
 from wna16ctl.sources.moe import MoELayer  # noqa: E402
-from wna16ctl.plan import plan_layer  # noqa: E402
+from wna16ctl.planning.moe import plan_layer  # noqa: E402
 
 pytestmark = pytest.mark.conformance
 

@@ -41,7 +41,7 @@ def marlin_moe_padded_intermediate(i_p: int, group_size: int) -> int:
             f"intermediate size per partition {i_p} is not divisible by group_size {group_size}; "
             "scale groups would straddle the padding"
         )
-    from wna16ctl.plan import marlin_moe_padded_intermediate as padded  # the one rule (torch-free)
+    from wna16ctl.planning.moe import marlin_moe_padded_intermediate as padded  # the one rule (torch-free)
 
     return padded(i_p, group_size)
 

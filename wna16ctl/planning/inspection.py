@@ -7,14 +7,15 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from wna16ctl import __version__, rules
+from wna16ctl import __version__
+from wna16ctl.planning import rules
 from wna16ctl.sources import Checkpoint, LinearLayer, MoELayer, open_checkpoint
 from wna16ctl.sources.gidx import gate_up_g_idx_mismatch
 from wna16ctl.sources.model import QKV
-from wna16ctl.linear_plan import LinearPlan, ModelCheck, linear_release_differences, model_checks, plan_linear
+from wna16ctl.planning.linear import LinearPlan, ModelCheck, linear_release_differences, model_checks, plan_linear
 from wna16ctl.errors import UsageError
-from wna16ctl.plan import LayerPlan, plan_layer, release_differences
-from wna16ctl.tpsizes import check_tp_sizes
+from wna16ctl.planning.moe import LayerPlan, plan_layer, release_differences
+from wna16ctl.planning.tpsizes import check_tp_sizes
 
 
 @dataclass

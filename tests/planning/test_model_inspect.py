@@ -12,12 +12,12 @@ import pytest
 from click.testing import CliRunner
 
 from tests import modelckpt as m
-from wna16ctl import rules
+from wna16ctl.planning import rules
 from wna16ctl.sources.config import WeightScheme
 from wna16ctl.sources.model import COLUMN, ROW, VOCAB, LinearLayer, LinearShard
 from wna16ctl.cli import cli
-from wna16ctl.inspection import inspect_checkpoint
-from wna16ctl.linear_plan import (
+from wna16ctl.planning.inspection import inspect_checkpoint
+from wna16ctl.planning.linear import (
     ALLSPARK, HUMMING, MACHETE, MARLIN, kernel_priority, model_checks, plan_linear,
 )
 from wna16ctl.sources.model import ModelDims

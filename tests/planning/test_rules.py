@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from wna16ctl import rules
+from wna16ctl.planning import rules
 from wna16ctl.sources.config import WeightScheme
 from wna16ctl.sources.moe import MoELayer
-from wna16ctl.plan import Backend, backend_priority, plan_layer
+from wna16ctl.planning.moe import Backend, backend_priority, plan_layer
 
 
 def _layer(H=2048, I=768, E=8, bits=4, gs=128, sym=True, actorder=None, strategy=None, null=False) -> MoELayer:
@@ -98,7 +98,7 @@ def test_grouped_int8_and_asymmetric_checks_by_release():
 def test_differences_are_computed_from_the_rules():
     lay = _layer(actorder="group", gs=128, I=1536)
     p = plan_layer(lay, 2, engine="0.29.0", gpu="sm80")
-    from wna16ctl.plan import release_differences
+    from wna16ctl.planning.moe import release_differences
 
     diff = release_differences(lay, 2, False, "0.29.0", "sm80")
     assert diff == ["vLLM 0.30.0–0.33.0: refused at config parse: " + plan_layer(lay, 2, engine="0.33.0").errors[0]]
@@ -115,7 +115,7 @@ def test_installed_vllm_is_read_from_metadata_without_importing_it(tmp_path):
     (site / "vllm" / "__init__.py").write_text("raise SystemExit('vllm was imported')\n")
     code = textwrap.dedent("""
         import sys
-        from wna16ctl.rules import resolve_engine
+        from wna16ctl.planning.rules import resolve_engine
         e = resolve_engine(None)
         print(e.version, e.source, e.requested, 'vllm' in sys.modules)
     """)
@@ -129,11 +129,11 @@ def test_no_engine_installed_is_answered_without_searching_metadata(tmp_path):
     entries (importlib.metadata's search is skipped); with one, the version is read as before."""
     code = textwrap.dedent("""
         import sys
-        from wna16ctl.rules import installed_vllm
+        from wna16ctl.planning.rules import installed_vllm
         print(installed_vllm(), 'importlib.metadata' in sys.modules)
     """)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    out = subprocess.run([sys.executable, "-I", "-c", "import sys; sys.path.insert(0, %r); " % str(Path(__file__).resolve().parent.parent) + code],
+    out = subprocess.run([sys.executable, "-I", "-c", "import sys; sys.path.insert(0, %r); " % str(Path(__file__).resolve().parents[2]) + code],
                          capture_output=True, text=True, env=env, check=True).stdout
     assert out.split() == ["None", "False"]
     site = tmp_path / "site"

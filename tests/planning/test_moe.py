@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from wna16ctl.plan import marlin_moe_padded_intermediate, marlin_support_reason, w2_scale_sharding
+from wna16ctl.planning.moe import marlin_moe_padded_intermediate, marlin_support_reason, w2_scale_sharding
 
 # spec §9.1: (actorder, gs, I_p, I) -> (load_full_w2, w2_scales_size, is_k_full)
 W2_TABLE = [
@@ -74,7 +74,7 @@ def test_rank_bytes_equal_the_layout_shapes(bits, gs, sym, actorder, tp, ep):
     from wna16ctl.sources.config import WeightScheme
     from wna16ctl.sources.moe import MoELayer
     from wna16ctl.layout.rank import RankLayout, expected_rank_shapes
-    from wna16ctl.plan import plan_layer
+    from wna16ctl.planning.moe import plan_layer
 
     H, I, E = 256, 96 if gs == -1 else 256, 6
     scheme = WeightScheme(num_bits=bits, group_size=gs, symmetric=sym, strategy="group" if gs > 0 else "channel",

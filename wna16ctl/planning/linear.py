@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from wna16ctl import rules
+from wna16ctl.planning import rules
 from wna16ctl.sources.config import PACK_QUANTIZED, WeightScheme
 from wna16ctl.sources.model import COLUMN, QKV, REPLICATED, ROW, VOCAB, LinearLayer, ModelDims
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from wna16ctl import rules
+from wna16ctl.planning import rules
 from wna16ctl.sources.config import PACK_QUANTIZED, WeightScheme
 from wna16ctl.sources.moe import MoELayer
 
