@@ -64,13 +64,13 @@ def repack(path: PathLike, out: PathLike | None, tp: int | str, *, ep: bool = Fa
     `RepackPlan` is returned (`to_json()` = `repack --dry-run --json`); otherwise the
     `RepackResult` (`to_json()` = `repack --json`, docs/repack-json.md).  `vllm` and `gpu` as for
     `inspect` (not `"all"`): the plan follows that release and the manifest records it.  `progress` and `notice`
-    receive what the CLI shows on stderr (see `wna16ctl.output.Sink.tasks`).  A layer that cannot
+    receive what the CLI shows on stderr (see `wna16ctl.sink.Sink.tasks`).  A layer that cannot
     be produced raises `NotLoadable` before anything is written.  `ranks` (e.g. [0, 3]) writes only
     those TP ranks: `out` is then a part with a manifest part (`wna16ctl.parts`).
     """
     from wna16ctl.errors import UsageError
     from wna16ctl.planning.inspection import resolve
-    from wna16ctl.output import parse_size
+    from wna16ctl.sink import parse_size
     from wna16ctl.repack import RepackSettings, plan_repack, run_repack
     from wna16ctl.planning.tpsizes import parse_tp_list
 

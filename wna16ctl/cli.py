@@ -16,7 +16,7 @@ import click
 
 from wna16ctl import __version__
 from wna16ctl.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, UsageError, WnaError
-from wna16ctl.output import Sink
+from wna16ctl.sink import Sink
 
 
 def _run(ctx: click.Context, sink: Sink, body: Callable[[], int], *, interrupted: str,
@@ -129,7 +129,7 @@ def inspect(ctx: click.Context, ckpt: str, tp: str, ep: bool, vllm: str, gpu: st
 
 
 def _parse_size(value: str) -> int:
-    from wna16ctl.output import parse_size
+    from wna16ctl.sink import parse_size
 
     try:
         return parse_size(value)

@@ -34,7 +34,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from wna16ctl.output import TaskStarter, no_progress
+from wna16ctl.sink import TaskStarter, no_progress
 
 if TYPE_CHECKING:
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme

@@ -6,7 +6,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from wna16ctl.planning.inspection import Inspection
-from wna16ctl.output import human_bytes, plural, simple_table
+from wna16ctl.sink import human_bytes, plural, simple_table
 
 
 def _layer_span(indices: list[int | None], names: list[str]) -> str:

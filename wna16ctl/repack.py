@@ -39,7 +39,7 @@ from wna16ctl.layout.spec import RankLayout, expert_shapes
 from wna16ctl.planning.moe import Backend, LayerPlan, plan_layer
 from wna16ctl.planning.tpsizes import check_tp_sizes, parse_tp_list
 from wna16ctl.filestream import DEPTH, FileStream
-from wna16ctl.output import TaskStarter, no_progress
+from wna16ctl.sink import TaskStarter, no_progress
 from wna16ctl.writer import (
     FILE_HASH, JOURNAL_NAME, MANIFEST_NAME, PlannedFile, PlannedTensor, ReusedBuffer, StagedOutput, new_hasher,
     split_into_files,
@@ -432,7 +432,7 @@ def run_repack(
     """Execute `plan` into `out` (staged, then renamed); see module doc.
 
     `progress(description, total, unit=...)` starts a progress step and returns its advance
-    function (`wna16ctl.output.Sink.tasks`); `notice(message)` receives what the user should know
+    function (`wna16ctl.sink.Sink.tasks`); `notice(message)` receives what the user should know
     on the way (a discarded staging directory).  `ranks`: write only these TP ranks (OUT gets a
     manifest part).  `group`: this process's place in a multi-process run (default: alone);
     `node_local`: OUT is a separate directory on each node, committed by the node's first process."""

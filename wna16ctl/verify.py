@@ -43,7 +43,7 @@ from wna16ctl.layout.shard import shard_expert, unshard_expert
 from wna16ctl.layout._mismatch import first_difference
 from wna16ctl.sources.config import SCALE_DTYPES
 from wna16ctl.sources.headers import INDEX_NAME, read_shard_header
-from wna16ctl.output import TaskStarter, no_progress
+from wna16ctl.sink import TaskStarter, no_progress
 from wna16ctl.repack import (
     FORMAT_NAME, SIDE_FILES, LayerJob, RepackPlan, RepackSettings, plan_repack, rank_index_bytes, source_fingerprint,
 )

@@ -176,7 +176,7 @@ def test_demo_progress_is_reported(tmp_path):
 def test_progress_amounts_use_binary_units():
     from types import SimpleNamespace
 
-    from wna16ctl.output import _AmountColumn
+    from wna16ctl.sink import _AmountColumn
 
     col = _AmountColumn()
     task = SimpleNamespace(fields={"unit": "bytes"}, completed=3 << 20, total=10 << 20, speed=2 << 20,
@@ -331,7 +331,7 @@ def test_progress_bars_draw_on_a_terminal(monkeypatch):
 
     from rich.console import Console
 
-    from wna16ctl.output import Sink
+    from wna16ctl.sink import Sink
 
     sink = Sink()
     buffer = io.StringIO()
