@@ -17,13 +17,14 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import GSM8K_TEST
-from wna16ctl import distributed, outdir
+from wna16ctl import distributed
+from wna16ctl.output import outdir
 from wna16ctl.distributed import Group, Launch, PeerFailed
 from wna16ctl.errors import BadInput, UsageError
 from wna16ctl.parts import assemble
 from wna16ctl.repack import RepackSettings, plan_repack, run_repack
 from wna16ctl.verify import NOT_RUN, PASS, verify_output
-from wna16ctl.writer import StagedOutput
+from wna16ctl.output.writer import StagedOutput
 
 # TP 4 needs I/4 divisible by the group size 128; a small shard size gives every rank several
 # files, so "after its first file" is in the middle of a process's work

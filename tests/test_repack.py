@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 
 import wna16ctl.repack as repack_mod
 import wna16ctl.repack_native as repack_native
-import wna16ctl.writer as writer_mod
+import wna16ctl.output.writer as writer_mod
 from tests.conftest import ACT_ORDER_RELEASE, GSM8K_TEST
 from tests.layout import reference
 from tests.layout.data import to_numpy
@@ -38,7 +38,7 @@ from wna16ctl.layout.rank import expected_rank_shapes, unbuild_rank_tensors
 from wna16ctl.layout.shard import unshard_expert
 from wna16ctl.repack import RepackSettings, plan_repack, run_repack, source_fingerprint
 from wna16ctl.verify import verify_output
-from wna16ctl.writer import MANIFEST_NAME
+from wna16ctl.output.writer import MANIFEST_NAME
 
 BASE = dict(num_layers=1, num_experts=4, vocab_size=64)  # H 256, I 256: small, every layout fits
 EXPERT_RE = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<e>\d+)\.(?P<proj>[a-z0-9_]+)\.(?P<suffix>[a-z_]+)$")

@@ -23,7 +23,7 @@ from wna16ctl.layout.spec import marlin_scales_grouped, w2_scale_size_k
 from wna16ctl.repack import RepackSettings, plan_repack, run_repack
 from wna16ctl.repack_native import unsupported
 from wna16ctl.verify import verify_output
-from wna16ctl.writer import MANIFEST_NAME, sha256_file
+from wna16ctl.output.writer import MANIFEST_NAME, sha256_file
 
 from tests.conftest import ACT_ORDER_RELEASE, GSM8K_TEST
 
@@ -201,7 +201,7 @@ def test_verify_reads_sha256_manifests_and_blake3_ones(make_ckpt, tmp_path):
     assert not report.passed and any(f"{rel}: sha256 differs" in f.message for f in report.findings)
 
 
-# ---- files produced front to back (wna16ctl.filestream) ---------------------------------------------
+# ---- files produced front to back (wna16ctl.output.filestream) ---------------------------------------------
 
 
 def test_each_rank_file_holds_one_kind_of_tensor_in_layer_order(make_ckpt):
@@ -223,7 +223,7 @@ def test_each_rank_file_holds_one_kind_of_tensor_in_layer_order(make_ckpt):
 
 
 def test_native_files_are_hashed_as_written_never_read_back(make_ckpt, tmp_path, monkeypatch):
-    import wna16ctl.writer as writer_mod
+    import wna16ctl.output.writer as writer_mod
 
     ck = make_ckpt(num_layers=2, num_experts=4)
     settings = RepackSettings(tp=2, vllm=ACT_ORDER_RELEASE, max_shard_bytes=300_000)

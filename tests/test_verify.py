@@ -27,7 +27,7 @@ from wna16ctl.errors import BadInput
 from wna16ctl.layout.marlin import marlin_permute_scales, marlin_unpermute_scales
 from wna16ctl.repack import RepackSettings, plan_repack, run_repack
 from wna16ctl.verify import VerifyReport, verify_output
-from wna16ctl.writer import MANIFEST_NAME, sha256_file
+from wna16ctl.output.writer import MANIFEST_NAME, sha256_file
 
 PREFIX = "model.layers.0.mlp.experts"
 H, I = 256, 256

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from wna16ctl import outdir
+from wna16ctl.output import outdir
 from wna16ctl.errors import BadInput, UsageError
-from wna16ctl.outdir import MANIFEST_NAME, OUTPUT_FORMAT
+from wna16ctl.output.outdir import MANIFEST_NAME, OUTPUT_FORMAT
 
 # May differ between parts made on different machines: the whole manifest takes the part with the
 # lowest rank's (the checkpoint path is not part of the identity; the fingerprint is)

@@ -26,7 +26,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from wna16ctl import __version__, distributed, outdir
+from wna16ctl import __version__, distributed
+from wna16ctl.output import outdir
 from wna16ctl.planning import rules
 from wna16ctl.sources import Checkpoint, MoELayer, open_checkpoint
 from wna16ctl.sources.config import SCALE_ST_DTYPES
@@ -38,9 +39,9 @@ from wna16ctl.errors import NotLoadable, UsageError
 from wna16ctl.layout.spec import RankLayout, expert_shapes
 from wna16ctl.planning.moe import Backend, LayerPlan, plan_layer
 from wna16ctl.planning.tpsizes import check_tp_sizes, parse_tp_list
-from wna16ctl.filestream import DEPTH, FileStream
+from wna16ctl.output.filestream import DEPTH, FileStream
 from wna16ctl.sink import TaskStarter, no_progress
-from wna16ctl.writer import (
+from wna16ctl.output.writer import (
     FILE_HASH, JOURNAL_NAME, MANIFEST_NAME, PlannedFile, PlannedTensor, ReusedBuffer, StagedOutput, new_hasher,
     split_into_files,
 )
@@ -282,7 +283,7 @@ def plan_repack(ckpt_path: str | os.PathLike[str], settings: RepackSettings) -> 
     units: dict[str, list[tuple]] = {}
     # Output tensors are grouped by kind (w13_weight_packed of every layer, then w2_weight_packed,
     # ...), each kind in files of its own: reading the experts chunk by chunk then fills every file
-    # front to back, so each is hashed as it is written and needs no read-back (wna16ctl.filestream).
+    # front to back, so each is hashed as it is written and needs no read-back (wna16ctl.output.filestream).
     kinds = list(dict.fromkeys(k for job in jobs for k in job.tensor_names))
     for r in range(n_ranks):
         sections: list[tuple[list[list[PlannedTensor]], list[tuple]]] = []

@@ -31,7 +31,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from wna16ctl import outdir, parts
+from wna16ctl import parts
+from wna16ctl.output import outdir
 from wna16ctl.activations import embed, load_questions, resolve_samples, route, tokenize
 from wna16ctl.sources import Checkpoint, open_checkpoint
 from wna16ctl.sources.headers import CheckpointFiles, read_checkpoint_files
@@ -47,7 +48,7 @@ from wna16ctl.sink import TaskStarter, no_progress
 from wna16ctl.repack import (
     FORMAT_NAME, SIDE_FILES, LayerJob, RepackPlan, RepackSettings, plan_repack, rank_index_bytes, source_fingerprint,
 )
-from wna16ctl.writer import JOURNAL_NAME, MANIFEST_NAME, PLANNED_METADATA, FILE_HASHES, hash_file, recorded_hash, sha256_file
+from wna16ctl.output.writer import JOURNAL_NAME, MANIFEST_NAME, PLANNED_METADATA, FILE_HASHES, hash_file, recorded_hash, sha256_file
 
 SILU_LIPSCHITZ = 1.1  # max |d/dx x·sigmoid(x)| = 1.0998...
 # Roundings to the model dtype on the candidate's path: x, W13, the w13 output, h, W2, the w2

@@ -10,7 +10,7 @@ import sys
 from click.testing import CliRunner
 
 from wna16ctl.cli import cli
-from wna16ctl.writer import MANIFEST_NAME
+from wna16ctl.output.writer import MANIFEST_NAME
 
 SMALL = dict(num_layers=1, num_experts=2, top_k=1, vocab_size=64)
 

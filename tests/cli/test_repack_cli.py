@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import GSM8K_TEST
 from tests.test_repack import one_torch_thread, single_thread_env  # noqa: F401  (an autouse fixture)
-from wna16ctl.writer import MANIFEST_NAME
+from wna16ctl.output.writer import MANIFEST_NAME
 
 _SCRIPT = Path(sys.executable).parent / "wna16ctl"
 COMMAND = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "wna16ctl"]

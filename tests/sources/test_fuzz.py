@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from tests.test_repack import one_torch_thread  # noqa: F401  (fixture)
 from wna16ctl.cli import cli
-from wna16ctl.outdir import STAGE_MARKER, stage_marker
+from wna16ctl.output.outdir import STAGE_MARKER, stage_marker
 
 SMALL = dict(num_layers=1, num_experts=4, vocab_size=64)
 FUZZ = settings(max_examples=int(os.environ.get("WNA16CTL_FUZZ_EXAMPLES", "40")), derandomize=True, deadline=None, database=None,

@@ -31,10 +31,10 @@ from typing import Any, Callable, Iterable
 import blake3
 
 from wna16ctl.sources.headers import DTYPE_BITS
-from wna16ctl import outdir
+from wna16ctl.output import outdir
 from wna16ctl.errors import BadInput, OutputError, UsageError
-from wna16ctl.filestream import DEPTH, FileStream, StreamAborted, start_writeback
-from wna16ctl.outdir import JOURNAL_NAME, MANIFEST_NAME
+from wna16ctl.output.filestream import DEPTH, FileStream, StreamAborted, start_writeback
+from wna16ctl.output.outdir import JOURNAL_NAME, MANIFEST_NAME
 
 _ALIGN = 8  # safetensors pads the header so that data starts 8-byte aligned
 PLANNED_METADATA = {"format": "pt"}  # every output file's safetensors __metadata__
@@ -187,7 +187,7 @@ def copy_between(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, nby
 class StagedOutput:
     """The output directory under construction (a hidden sibling of OUT) and its file handles.
 
-    Everything it deletes or renames is proven ours first (`wna16ctl.outdir`); the staging
+    Everything it deletes or renames is proven ours first (`wna16ctl.output.outdir`); the staging
     directory is locked (flock) for the run, so one writer per OUT.
     """
 
@@ -458,7 +458,7 @@ class StagedOutput:
             raise _os_error(e, self.stage / f.relpath) from None
 
     def stream(self, f: PlannedFile, max_reserve: int, depth: int = DEPTH) -> FileStream:
-        """Create `f` in staging to be written front to back (`wna16ctl.filestream`), starting
+        """Create `f` in staging to be written front to back (`wna16ctl.output.filestream`), starting
         with its header; `max_reserve` is the largest piece the caller will reserve at once,
         `depth` the blocks that may be in flight."""
         self._rewritten.add(f.relpath)

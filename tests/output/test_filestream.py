@@ -1,4 +1,4 @@
-"""wna16ctl.filestream: a file produced front to back in reused blocks, hashed as written."""
+"""wna16ctl.output.filestream: a file produced front to back in reused blocks, hashed as written."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 import blake3
 import pytest
 
-from wna16ctl import filestream
-from wna16ctl.filestream import FileStream, SerialLane
+from wna16ctl.output import filestream
+from wna16ctl.output.filestream import FileStream, SerialLane
 
 
 class Failed(Exception):
@@ -149,7 +149,7 @@ def test_abort_while_a_finished_file_is_still_being_written_leaves_it_unjournale
     import json
     import time
 
-    from wna16ctl.writer import PlannedFile, PlannedTensor, StagedOutput
+    from wna16ctl.output.writer import PlannedFile, PlannedTensor, StagedOutput
 
     staged = StagedOutput(tmp_path / "out", force=False, resume=False, identity={"x": 1})
     f = PlannedFile("rank-0/model-00001-of-00001.safetensors", [PlannedTensor("t", "U8", (3 << 20,))])
