@@ -25,7 +25,7 @@ from wna16ctl.e2e import E2EOptions, gsm8k_answer
 from wna16ctl.layout.marlin import marlin_permute_scales, marlin_unpermute_scales
 from wna16ctl.layout.packing import pack_codes, unpack_codes
 from wna16ctl.layout.rank import build_expert_tensors
-from wna16ctl.repack import RepackSettings, plan_repack, run_repack
+from wna16ctl.repacking.pipeline import RepackSettings, plan_repack, run_repack
 from wna16ctl.verify import verify_output
 
 pytest.importorskip("transformers")

@@ -22,15 +22,15 @@ from click.testing import CliRunner
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-import wna16ctl.repack as repack_mod
-import wna16ctl.repack_native as repack_native
+import wna16ctl.repacking.pipeline as repack_mod
+import wna16ctl.repacking.native_path as repack_native
 import wna16ctl.output.writer as writer_mod
 from tests.conftest import GSM8K_TEST, REPO_ROOT
-from tests.test_repack import ckpt, file_digests, leftovers, one_torch_thread, patch_tensor, snapshot  # noqa: F401
+from tests.repacking.test_pipeline import ckpt, file_digests, leftovers, one_torch_thread, patch_tensor, snapshot  # noqa: F401
 from wna16ctl.sources.headers import read_shard_header
 from wna16ctl.cli import cli
 from wna16ctl.errors import BadInput, UsageError
-from wna16ctl.repack import RepackSettings, plan_repack, run_repack
+from wna16ctl.repacking.pipeline import RepackSettings, plan_repack, run_repack
 from wna16ctl.verify import verify_output
 from wna16ctl.output.writer import MANIFEST_NAME, sha256_file
 

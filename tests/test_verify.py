@@ -21,11 +21,11 @@ from safetensors.torch import save_file
 
 import wna16ctl.verify as verify_mod
 from tests.conftest import ACT_ORDER_RELEASE, GSM8K_TEST
-from tests.test_repack import BASE, ckpt, one_torch_thread, patch_tensor, read_dir  # noqa: F401  (fixtures)
+from tests.repacking.test_pipeline import BASE, ckpt, one_torch_thread, patch_tensor, read_dir  # noqa: F401  (fixtures)
 from wna16ctl.cli import cli
 from wna16ctl.errors import BadInput
 from wna16ctl.layout.marlin import marlin_permute_scales, marlin_unpermute_scales
-from wna16ctl.repack import RepackSettings, plan_repack, run_repack
+from wna16ctl.repacking.pipeline import RepackSettings, plan_repack, run_repack
 from wna16ctl.verify import VerifyReport, verify_output
 from wna16ctl.output.writer import MANIFEST_NAME, sha256_file
 
@@ -419,7 +419,7 @@ def read_dir_names(path: Path) -> list[str]:
 
 # ---- every demo variant verifies -----------------------------------------------------------------------------
 
-# The round-trip matrix of tests/test_repack.py verifies int4/int8, every group size, asym,
+# The round-trip matrix of tests/repacking/test_pipeline.py verifies int4/int8, every group size, asym,
 # act-order, TP 1/2/4 and EP; these add the other architectures, mixed precision and dtypes.
 VARIANTS = [
     (dict(arch="mixtral", **BASE), RepackSettings(vllm=ACT_ORDER_RELEASE, tp=2)),

@@ -24,7 +24,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from wna16ctl.planning.inspection import Inspection
-    from wna16ctl.repack import RepackPlan, RepackResult
+    from wna16ctl.repacking.pipeline import RepackPlan, RepackResult
     from wna16ctl.verify import VerifyReport
 
 __all__ = ["inspect", "repack", "verify", "__version__", "Inspection", "RepackPlan", "RepackResult", "VerifyReport"]
@@ -66,12 +66,12 @@ def repack(path: PathLike, out: PathLike | None, tp: int | str, *, ep: bool = Fa
     `inspect` (not `"all"`): the plan follows that release and the manifest records it.  `progress` and `notice`
     receive what the CLI shows on stderr (see `wna16ctl.sink.Sink.tasks`).  A layer that cannot
     be produced raises `NotLoadable` before anything is written.  `ranks` (e.g. [0, 3]) writes only
-    those TP ranks: `out` is then a part with a manifest part (`wna16ctl.parts`).
+    those TP ranks: `out` is then a part with a manifest part (`wna16ctl.repacking.parts`).
     """
     from wna16ctl.errors import UsageError
     from wna16ctl.planning.inspection import resolve
     from wna16ctl.sink import parse_size
-    from wna16ctl.repack import RepackSettings, plan_repack, run_repack
+    from wna16ctl.repacking.pipeline import RepackSettings, plan_repack, run_repack
     from wna16ctl.planning.tpsizes import parse_tp_list
 
     (n_ranks,) = parse_tp_list(tp, single=True)
@@ -106,7 +106,7 @@ def verify(path: PathLike, out: PathLike, *, samples: PathLike | None = None, nu
 
 # `wna16ctl.repack` and `wna16ctl.verify` are also the implementation modules' names.  Importing a
 # submodule sets it as an attribute of the package, which would hide the function; so such a
-# submodule becomes callable instead: `import wna16ctl.repack` still gives the module, and
+# submodule becomes callable instead: `import wna16ctl.repacking.pipeline` still gives the module, and
 # `wna16ctl.repack(...)` is the function above either way.
 _API = {"repack": repack, "verify": verify}
 

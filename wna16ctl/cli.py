@@ -171,7 +171,7 @@ def repack(ctx: click.Context, ckpt: str, tp: str, ep: bool, layout: str, out: s
     CKPT may be a Hub repo id ORG/NAME[@REVISION]: it is downloaded into the Hugging Face cache first.
     Launched by torchrun, the processes share the work: rank r is written by process r mod the
     number of processes, and process 0 commits once all have finished (docs/user-guide.md)."""
-    from wna16ctl import distributed
+    from wna16ctl.repacking import distributed
 
     try:
         launch = distributed.launch_from_env()
@@ -187,7 +187,7 @@ def repack(ctx: click.Context, ckpt: str, tp: str, ep: bool, layout: str, out: s
 
     def body() -> int:
         from wna16ctl.errors import NotLoadable
-        from wna16ctl.repack import RepackSettings, plan_repack, run_repack
+        from wna16ctl.repacking.pipeline import RepackSettings, plan_repack, run_repack
 
         def render_repack_plan(console, plan):  # noqa: ANN001, ANN202 - rich is imported only to print
             from wna16ctl.render import render_repack_plan as render
@@ -253,7 +253,7 @@ def assemble(ctx: click.Context, out: str, json_mode: bool, debug: bool) -> None
     sink = Sink(json_mode=json_mode)
 
     def body() -> int:
-        from wna16ctl.parts import assemble as assemble_parts
+        from wna16ctl.repacking.parts import assemble as assemble_parts
         from wna16ctl.render import render_assemble
 
         result = assemble_parts(out)

@@ -556,7 +556,7 @@ def reference_generation(ckpt: str | os.PathLike[str], samples: Path, options: E
     engine that loads CKPT itself should generate for the same prompt ids."""
     from wna16ctl.sources import open_checkpoint
     from wna16ctl.sources.tensors import TensorReader, dtype_from_name
-    from wna16ctl.repack import RepackSettings, plan_repack
+    from wna16ctl.repacking.pipeline import RepackSettings, plan_repack
 
     ck = open_checkpoint(ckpt)
     plan = plan_repack(ck.root, RepackSettings(tp=1))
@@ -579,7 +579,7 @@ def model_dtype_logit_change(ckpt: str | os.PathLike[str], prompts: list[list[in
     them in that dtype may legitimately move the logits (one sample of its rounding)."""
     from wna16ctl.sources import open_checkpoint
     from wna16ctl.sources.tensors import TensorReader, dtype_from_name
-    from wna16ctl.repack import RepackSettings, plan_repack
+    from wna16ctl.repacking.pipeline import RepackSettings, plan_repack
 
     ck = open_checkpoint(ckpt)
     plan = plan_repack(ck.root, RepackSettings(tp=1))

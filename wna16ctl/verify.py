@@ -15,7 +15,7 @@ is missing stays `not run` with the reason, and the verdict needs every required
    against the dequantized checkpoint in fp32, within an element-wise bound derived from the
    dtype's rounding (docs/verify.md).
 
-An output holding some of the ranks (manifest parts, `wna16ctl.parts`) is verified for the ranks
+An output holding some of the ranks (manifest parts, `wna16ctl.repacking.parts`) is verified for the ranks
 it holds, the numerics over those ranks' partial sums; an extra `all_ranks` check, not required,
 stays `not run` and names the ranks that were not checked (and the re-assembly across ranks).
 """
@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from wna16ctl import parts
+from wna16ctl.repacking import parts
 from wna16ctl.output import outdir
 from wna16ctl.activations import embed, load_questions, resolve_samples, route, tokenize
 from wna16ctl.sources import Checkpoint, open_checkpoint
@@ -45,7 +45,7 @@ from wna16ctl.layout._mismatch import first_difference
 from wna16ctl.sources.config import SCALE_DTYPES
 from wna16ctl.sources.headers import INDEX_NAME, read_shard_header
 from wna16ctl.sink import TaskStarter, no_progress
-from wna16ctl.repack import (
+from wna16ctl.repacking.pipeline import (
     FORMAT_NAME, SIDE_FILES, LayerJob, RepackPlan, RepackSettings, plan_repack, rank_index_bytes, source_fingerprint,
 )
 from wna16ctl.output.writer import JOURNAL_NAME, MANIFEST_NAME, PLANNED_METADATA, FILE_HASHES, hash_file, recorded_hash, sha256_file

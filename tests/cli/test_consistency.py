@@ -89,7 +89,7 @@ def test_debug_anywhere_keeps_the_exit_code(tmp_path, where):
 def test_interrupt_message_belongs_to_the_command(make_ckpt, tmp_path, monkeypatch, command):
     import wna16ctl.demo
     import wna16ctl.planning.inspection
-    import wna16ctl.repack
+    import wna16ctl.repacking.pipeline
     import wna16ctl.verify
 
     def interrupt(*a, **kw):
@@ -132,7 +132,7 @@ def test_inspect_fits_columns_and_is_plain_when_piped(make_ckpt):
 
 
 def test_verify_progress_steps_are_reported(make_ckpt, tmp_path):
-    from wna16ctl.repack import RepackSettings, plan_repack, run_repack
+    from wna16ctl.repacking.pipeline import RepackSettings, plan_repack, run_repack
     from wna16ctl.verify import verify_output
 
     ck = make_ckpt(**SMALL)
@@ -248,8 +248,8 @@ def test_resume_names_the_differing_settings(make_ckpt, tmp_path):
 
 
 def test_discarded_staging_directory_is_announced(make_ckpt, tmp_path, monkeypatch):
-    import wna16ctl.repack as repack_mod
-    import wna16ctl.repack_native as repack_native
+    import wna16ctl.repacking.pipeline as repack_mod
+    import wna16ctl.repacking.native_path as repack_native
 
     ck = make_ckpt(**SMALL)
     out = tmp_path / "out"

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from tests.conftest import ACT_ORDER_RELEASE
 from wna16ctl.cli import cli
 from wna16ctl.layout.packing import unpack_codes
-from wna16ctl.repack import RepackSettings, plan_repack, run_repack
+from wna16ctl.repacking.pipeline import RepackSettings, plan_repack, run_repack
 
 SMALL = dict(num_layers=1, num_experts=4, top_k=1, vocab_size=64)
 

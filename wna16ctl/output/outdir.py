@@ -16,7 +16,7 @@ the way is checked with lstat.  None of these names may be the checkpoint or one
 One run per OUT: the staging directory itself is flock()ed by the process that owns it, so a
 killed run leaves no lock file behind and the lock dies with the process.  Other processes of
 the same multi-process run write into it too; the marker's run id proves they joined this run
-(`wna16ctl.distributed`), and each keeps its own journal part.
+(`wna16ctl.repacking.distributed`), and each keeps its own journal part.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def our_manifest(path: Path) -> dict[str, Any] | None:
     """The manifest of a wna16ctl output directory at `path`, or None if it is not one.
 
     Without `wna16ctl.json`, the manifest parts (each valid, one identity) stand for it: a copy
-    of the first with the union of their files.  Which ranks they cover is `wna16ctl.parts`'."""
+    of the first with the union of their files.  Which ranks they cover is `wna16ctl.repacking.parts`'."""
     if not is_real_dir(path):
         return None
     m = read_json_file(path / MANIFEST_NAME)

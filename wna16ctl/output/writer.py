@@ -7,7 +7,7 @@ and renamed into place only when complete: an interrupted run never leaves somet
 finished, and `--resume` reuses the staged files whose hashes match the journal and whose source
 bytes (digested as they are read) are unchanged.
 
-Several processes may write one staging directory (torchrun, `wna16ctl.distributed`): the
+Several processes may write one staging directory (torchrun, `wna16ctl.repacking.distributed`): the
 owner creates, locks and commits it; the others join it (the marker's run id must be the one the
 owner announced) and each journals its own files in a journal part, so no process overwrites
 another's record.  The owner merges every part when it adopts an interrupted run.

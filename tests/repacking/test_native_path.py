@@ -1,4 +1,4 @@
-"""repack's native data path (wna16ctl/repack_native.py, `wna16_marlin_rank_host` in kernels/host.cpp)
+"""repack's native data path (wna16ctl/repacking/native_path.py, `wna16_marlin_rank_host` in kernels/host.cpp)
 against the torch data path: the same rank tensors, the same files and manifest, without torch in
 the process, the same refusals; and the digests it writes (BLAKE3) next to sha256 manifests."""
 
@@ -20,8 +20,8 @@ from wna16ctl import native
 from wna16ctl.errors import BadInput
 from wna16ctl.layout.rank import RankLayout, build_rank_tensors
 from wna16ctl.layout.spec import marlin_scales_grouped, w2_scale_size_k
-from wna16ctl.repack import RepackSettings, plan_repack, run_repack
-from wna16ctl.repack_native import unsupported
+from wna16ctl.repacking.pipeline import RepackSettings, plan_repack, run_repack
+from wna16ctl.repacking.native_path import unsupported
 from wna16ctl.verify import verify_output
 from wna16ctl.output.writer import MANIFEST_NAME, sha256_file
 
@@ -255,7 +255,7 @@ def test_direct_and_buffered_writes_give_the_same_output(make_ckpt, tmp_path, mo
 
 def test_native_resume_rebuilds_and_rewrites_only_the_files_a_source_change_touches(make_ckpt, tmp_path):
     from tests.test_reliability import copy_ckpt, read_tensor, shard_of
-    from tests.test_repack import file_digests, patch_tensor
+    from tests.repacking.test_pipeline import file_digests, patch_tensor
 
     ck = copy_ckpt(make_ckpt(num_layers=2, num_experts=4), tmp_path / "ck")
     settings = RepackSettings(tp=2, vllm=ACT_ORDER_RELEASE)
@@ -307,7 +307,7 @@ def test_progress_steps_add_up_to_their_totals_on_a_run_and_a_resume(make_ckpt, 
 
 _TRUNCATING_CHILD = """
 import os, sys
-import wna16ctl.repack_native as n
+import wna16ctl.repacking.native_path as n
 hook = sys.argv[1]  # truncate right after the chunk is mapped (the scale check faults) or checked (the build does)
 real = getattr(n.LayerBuilder, hook)
 def then_truncate(self, *a):
@@ -323,7 +323,7 @@ main()
 
 @pytest.mark.parametrize("hook", ["map", "check_scales"])
 def test_a_shard_truncated_while_mapped_is_a_one_line_error_not_a_crash(make_ckpt, tmp_path, hook):
-    from tests.test_repack import leftovers
+    from tests.repacking.test_pipeline import leftovers
 
     ck = tmp_path / "ck"
     shutil.copytree(make_ckpt(num_layers=2, num_experts=8), ck)

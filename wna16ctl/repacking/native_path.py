@@ -1,7 +1,7 @@
 """repack's native data path: torch-free, for the layers it covers.
 
 A chunk of experts is either mapped in place (`map`: read-only shared windows of the shards, so
-the bytes are read from the page cache itself; the streamed path, wna16ctl.repack._produce_streamed)
+the bytes are read from the page cache itself; the streamed path, wna16ctl.repacking.pipeline._produce_streamed)
 or read (`read`, pread) into a reused buffer in the order the torch path reads it (so the source
 digest is the same; the positioned-write path).  Its scales are checked finite, and every pending
 rank's Marlin tensors are built by the host library (`wna16_marlin_rank_host` in
@@ -11,7 +11,7 @@ into reused buffers.  The native calls that read a mapping survive a shard trunc
 error a truncated shard gets everywhere.
 
 It covers Marlin layers that are symmetric, without act-order or tile padding, whose scales are
-already in the model dtype; its bytes equal the torch path's (tests/test_repack_native.py).  Every
+already in the model dtype; its bytes equal the torch path's (tests/repacking/test_native_path.py).  Every
 other layer goes through `wna16ctl.layout` (`unsupported` says why).
 """
 

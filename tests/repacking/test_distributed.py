@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import GSM8K_TEST
-from wna16ctl import distributed
+from wna16ctl.repacking import distributed
 from wna16ctl.output import outdir
-from wna16ctl.distributed import Group, Launch, PeerFailed
+from wna16ctl.repacking.distributed import Group, Launch, PeerFailed
 from wna16ctl.errors import BadInput, UsageError
-from wna16ctl.parts import assemble
-from wna16ctl.repack import RepackSettings, plan_repack, run_repack
+from wna16ctl.repacking.parts import assemble
+from wna16ctl.repacking.pipeline import RepackSettings, plan_repack, run_repack
 from wna16ctl.verify import NOT_RUN, PASS, verify_output
 from wna16ctl.output.writer import StagedOutput
 
@@ -320,8 +320,8 @@ def test_torchrun_process_killed_commits_nothing_and_resume_completes_it(ckpt, w
 
 _FAILING_PROCESS = """
 import os, sys
-import wna16ctl.repack as r
-import wna16ctl.repack_native as n
+import wna16ctl.repacking.pipeline as r
+import wna16ctl.repacking.native_path as n
 from wna16ctl.errors import BadInput
 real, real_native, calls = r.build_rank_tensors, n.LayerBuilder.build_into, []
 def fail_on_second_chunk():  # process 1 fails on its second chunk, on either data path

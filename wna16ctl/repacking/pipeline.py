@@ -6,11 +6,11 @@ experts: each chunk is read once and turned into every rank's tensors, which are
 final offsets.  Memory is bounded by the chunk size, not by the model.
 
 A run may write only some ranks (`ranks`: a part with a manifest part) and may be one of several
-processes (`group`, launched by torchrun; `wna16ctl.distributed` says which ranks each process
+processes (`group`, launched by torchrun; `wna16ctl.repacking.distributed` says which ranks each process
 writes): every process plans, the owner of the staging directory prepares it, all write their
 ranks into it, and the owner commits once every process has reported its file hashes.
 
-Two data paths write the same bytes: `wna16ctl.repack_native` (no torch; Marlin layers without
+Two data paths write the same bytes: `wna16ctl.repacking.native_path` (no torch; Marlin layers without
 zero points, act-order or padding, on the CPU) and the torch code of `wna16ctl.layout` (every
 other layer, and `--device cuda`).  File and source digests are BLAKE3 (`writer.FILE_HASH`).
 """
@@ -26,7 +26,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from wna16ctl import __version__, distributed
+from wna16ctl import __version__
+from wna16ctl.repacking import distributed
 from wna16ctl.output import outdir
 from wna16ctl.planning import rules
 from wna16ctl.sources import Checkpoint, MoELayer, open_checkpoint
@@ -46,7 +47,7 @@ from wna16ctl.output.writer import (
     split_into_files,
 )
 
-# torch is imported only where a layer takes the torch data path (wna16ctl.repack_native covers
+# torch is imported only where a layer takes the torch data path (wna16ctl.repacking.native_path covers
 # the common layers without it): its import alone costs longer than repacking a gigabyte.
 
 FORMAT_NAME = "wna16ctl-repack"
@@ -654,14 +655,14 @@ def _verify_reusable(plan: RepackPlan, staged: StagedOutput, reader: RawReader,
 
 def _all_native(plan: RepackPlan) -> bool:
     """Whether the native CPU path builds every layer of `plan` (then no GPU is looked for)."""
-    from wna16ctl import repack_native
+    from wna16ctl.repacking import native_path as repack_native
 
     return all(repack_native.unsupported(j.layer, j.specs[0], plan.scale_st_dtype, "auto") is None for j in plan.jobs)
 
 
 def _native_builders(plan: RepackPlan, device: str) -> dict[int, Any]:
     """Layer index -> repack_native.LayerBuilder for the layers the native path covers."""
-    from wna16ctl import repack_native
+    from wna16ctl.repacking import native_path as repack_native
 
     out: dict[int, Any] = {}
     buffers = repack_native.Buffers()  # one set for all layers: memory stays at two chunks

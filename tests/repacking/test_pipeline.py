@@ -25,8 +25,8 @@ from click.testing import CliRunner
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-import wna16ctl.repack as repack_mod
-import wna16ctl.repack_native as repack_native
+import wna16ctl.repacking.pipeline as repack_mod
+import wna16ctl.repacking.native_path as repack_native
 import wna16ctl.output.writer as writer_mod
 from tests.conftest import ACT_ORDER_RELEASE, GSM8K_TEST
 from tests.layout import reference
@@ -36,7 +36,7 @@ from wna16ctl.errors import BadInput, NotLoadable, UsageError
 from wna16ctl.layout.marlin import marlin_permute_scales
 from wna16ctl.layout.rank import expected_rank_shapes, unbuild_rank_tensors
 from wna16ctl.layout.shard import unshard_expert
-from wna16ctl.repack import RepackSettings, plan_repack, run_repack, source_fingerprint
+from wna16ctl.repacking.pipeline import RepackSettings, plan_repack, run_repack, source_fingerprint
 from wna16ctl.verify import verify_output
 from wna16ctl.output.writer import MANIFEST_NAME
 
@@ -693,8 +693,8 @@ def test_resume_refuses_other_settings(two_layer_ckpt, tmp_path):
 
 _SLOW_CHILD = """
 import sys, time, pathlib
-import wna16ctl.repack as r
-import wna16ctl.repack_native as n
+import wna16ctl.repacking.pipeline as r
+import wna16ctl.repacking.native_path as n
 marker = pathlib.Path(sys.argv[1])
 real, real_native = r.build_rank_tensors, n.LayerBuilder.build_into
 def slow(*a, **kw):
