@@ -32,7 +32,7 @@ def _engine_python() -> Path:
 
 
 def test_reference_tokens_agree_with_vllm(make_ckpt, tmp_path):
-    from wna16ctl.e2e import E2EOptions, model_dtype_logit_change, reference_generation
+    from wna16ctl.verification.e2e import E2EOptions, model_dtype_logit_change, reference_generation
 
     python = _engine_python()
     ck = make_ckpt(tokenizer=True)  # the `wna16ctl demo` default: Qwen3-MoE, 2 layers, 8 experts

@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from tests.conftest import GSM8K_TEST, REPO_ROOT
-from wna16ctl.activations import SHARED_ENV, load_questions, resolve_samples
+from wna16ctl.verification.activations import SHARED_ENV, load_questions, resolve_samples
 from wna16ctl.cli import cli
 from wna16ctl.errors import BadInput
 
@@ -57,7 +57,7 @@ def test_shared_beside_the_repository_without_env(monkeypatch):
 
 
 def test_no_samples_anywhere_names_the_ways(monkeypatch):
-    import wna16ctl.activations as act
+    import wna16ctl.verification.activations as act
 
     monkeypatch.delenv(SHARED_ENV, raising=False)
     monkeypatch.setattr(act, "repository_shared_dir", lambda: None)  # a wheel install
@@ -104,7 +104,7 @@ def test_parquet_without_pyarrow_is_one_line(tmp_path, monkeypatch):
 def test_demo_tokenizer_needs_no_data_files_and_tokenizes_gsm8k(tmp_path, monkeypatch):
     from tokenizers import Tokenizer
 
-    import wna16ctl.activations as act
+    import wna16ctl.verification.activations as act
     from wna16ctl.demo import DemoSpec, write_demo_checkpoint
 
     monkeypatch.setenv(SHARED_ENV, str(tmp_path / "nonexistent"))

@@ -31,7 +31,7 @@ from wna16ctl.sources.headers import read_shard_header
 from wna16ctl.cli import cli
 from wna16ctl.errors import BadInput, UsageError
 from wna16ctl.repacking.pipeline import RepackSettings, plan_repack, run_repack
-from wna16ctl.verify import verify_output
+from wna16ctl.verification.checks import verify_output
 from wna16ctl.output.writer import MANIFEST_NAME, sha256_file
 
 SMALL = dict(num_layers=1, num_experts=4, vocab_size=64)

@@ -25,7 +25,7 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from wna16ctl.planning.inspection import Inspection
     from wna16ctl.repacking.pipeline import RepackPlan, RepackResult
-    from wna16ctl.verify import VerifyReport
+    from wna16ctl.verification.checks import VerifyReport
 
 __all__ = ["inspect", "repack", "verify", "__version__", "Inspection", "RepackPlan", "RepackResult", "VerifyReport"]
 
@@ -99,7 +99,7 @@ def verify(path: PathLike, out: PathLike, *, samples: PathLike | None = None, nu
     Returns the `VerifyReport` (`to_json()` = `verify --json`, docs/verify-json.md); `.passed`
     is true only when every required check ran and passed.  Raises `BadInput` on unusable input.
     """
-    from wna16ctl.verify import verify_output
+    from wna16ctl.verification.checks import verify_output
 
     return verify_output(path, out, samples=samples, num_samples=num_samples, device=device, progress=progress)
 

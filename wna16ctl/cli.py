@@ -342,11 +342,11 @@ def verify(ctx: click.Context, ckpt: str, out: str, samples: str | None, num_sam
 
     def body() -> int:
         from wna16ctl.render import render_verify
-        from wna16ctl.verify import verify_output
+        from wna16ctl.verification.checks import verify_output
 
         options = None
         if e2e:
-            from wna16ctl.e2e import E2EOptions, require_transformers
+            from wna16ctl.verification.e2e import E2EOptions, require_transformers
 
             require_transformers()
             options = E2EOptions(prompts=prompts, max_new_tokens=max_new_tokens, score=score)

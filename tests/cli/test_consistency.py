@@ -90,7 +90,7 @@ def test_interrupt_message_belongs_to_the_command(make_ckpt, tmp_path, monkeypat
     import wna16ctl.demo
     import wna16ctl.planning.inspection
     import wna16ctl.repacking.pipeline
-    import wna16ctl.verify
+    import wna16ctl.verification.checks
 
     def interrupt(*a, **kw):
         raise KeyboardInterrupt
@@ -133,7 +133,7 @@ def test_inspect_fits_columns_and_is_plain_when_piped(make_ckpt):
 
 def test_verify_progress_steps_are_reported(make_ckpt, tmp_path):
     from wna16ctl.repacking.pipeline import RepackSettings, plan_repack, run_repack
-    from wna16ctl.verify import verify_output
+    from wna16ctl.verification.checks import verify_output
 
     ck = make_ckpt(**SMALL)
     out = tmp_path / "out"

@@ -23,7 +23,7 @@ from wna16ctl.repacking.distributed import Group, Launch, PeerFailed
 from wna16ctl.errors import BadInput, UsageError
 from wna16ctl.repacking.parts import assemble
 from wna16ctl.repacking.pipeline import RepackSettings, plan_repack, run_repack
-from wna16ctl.verify import NOT_RUN, PASS, verify_output
+from wna16ctl.verification.checks import NOT_RUN, PASS, verify_output
 from wna16ctl.output.writer import StagedOutput
 
 # TP 4 needs I/4 divisible by the group size 128; a small shard size gives every rank several

@@ -22,7 +22,7 @@ from wna16ctl.layout.rank import RankLayout, build_rank_tensors
 from wna16ctl.layout.spec import marlin_scales_grouped, w2_scale_size_k
 from wna16ctl.repacking.pipeline import RepackSettings, plan_repack, run_repack
 from wna16ctl.repacking.native_path import unsupported
-from wna16ctl.verify import verify_output
+from wna16ctl.verification.checks import verify_output
 from wna16ctl.output.writer import MANIFEST_NAME, sha256_file
 
 from tests.conftest import ACT_ORDER_RELEASE, GSM8K_TEST

@@ -37,7 +37,7 @@ from wna16ctl.layout.marlin import marlin_permute_scales
 from wna16ctl.layout.rank import expected_rank_shapes, unbuild_rank_tensors
 from wna16ctl.layout.shard import unshard_expert
 from wna16ctl.repacking.pipeline import RepackSettings, plan_repack, run_repack, source_fingerprint
-from wna16ctl.verify import verify_output
+from wna16ctl.verification.checks import verify_output
 from wna16ctl.output.writer import MANIFEST_NAME
 
 BASE = dict(num_layers=1, num_experts=4, vocab_size=64)  # H 256, I 256: small, every layout fits
@@ -784,7 +784,7 @@ def test_concurrent_repack_into_the_same_output_is_refused(make_ckpt, tmp_path):
 
 def test_output_dot_and_ep_rank_without_experts(make_ckpt, tmp_path, monkeypatch):
     from tests.conftest import GSM8K_TEST
-    from wna16ctl.verify import verify_output
+    from wna16ctl.verification.checks import verify_output
 
     ck = make_ckpt(num_layers=1, num_experts=2, top_k=1)
     out = tmp_path / "here"

@@ -230,7 +230,7 @@ def test_gsm8k_offline_and_not_cached_names_the_other_sources(hub, tmp_path):
 
 def test_parquet_samples_file(tmp_path):
     root = _gsm8k_dataset(tmp_path / "d", n=5)
-    from wna16ctl.activations import load_questions
+    from wna16ctl.verification.activations import load_questions
 
     qs = load_questions(root / "main" / "test-00000-of-00001.parquet", 3)
     first = [json.loads(line)["question"] for _, line in zip(range(3), GSM8K_TEST.open(encoding="utf-8"))]

@@ -19,14 +19,14 @@ from click.testing import CliRunner
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-import wna16ctl.verify as verify_mod
+import wna16ctl.verification.checks as verify_mod
 from tests.conftest import ACT_ORDER_RELEASE, GSM8K_TEST
 from tests.repacking.test_pipeline import BASE, ckpt, one_torch_thread, patch_tensor, read_dir  # noqa: F401  (fixtures)
 from wna16ctl.cli import cli
 from wna16ctl.errors import BadInput
 from wna16ctl.layout.marlin import marlin_permute_scales, marlin_unpermute_scales
 from wna16ctl.repacking.pipeline import RepackSettings, plan_repack, run_repack
-from wna16ctl.verify import VerifyReport, verify_output
+from wna16ctl.verification.checks import VerifyReport, verify_output
 from wna16ctl.output.writer import MANIFEST_NAME, sha256_file
 
 PREFIX = "model.layers.0.mlp.experts"

@@ -35,7 +35,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from wna16ctl.activations import read_records
+from wna16ctl.verification.activations import read_records
 from wna16ctl.errors import BadInput
 
 SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
@@ -347,7 +347,7 @@ class _CandidateExperts:
         self.job, self.tensors, self.dtype, self.device = job, rank_tensors, dtype, device
 
     def __call__(self, a: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        from wna16ctl.verify import rank_moe_output
+        from wna16ctl.verification.checks import rank_moe_output
 
         total = torch.zeros(a.shape[0], a.shape[1])
         for r, t in enumerate(self.tensors):
@@ -459,7 +459,7 @@ def run_e2e(ck, out: Path, plan, samples: Path, options: E2EOptions, device: tor
 def _run_e2e(ck, out: Path, plan, samples: Path, options: E2EOptions, device: torch.device,  # noqa: ANN001
              dtype: torch.dtype) -> E2EResult:
     from wna16ctl.sources.tensors import TensorReader
-    from wna16ctl.verify import ROUNDINGS, UNIT_ROUNDOFF, _RankFiles
+    from wna16ctl.verification.checks import ROUNDINGS, UNIT_ROUNDOFF, _RankFiles
 
     started = time.monotonic()
     try:

@@ -11,13 +11,13 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-import wna16ctl.verify as verify_mod
+import wna16ctl.verification.checks as verify_mod
 from tests.conftest import GSM8K_TEST
 from tests.repacking.test_pipeline import BASE, ckpt, one_torch_thread  # noqa: F401  (fixtures)
 from wna16ctl.cli import cli
 from wna16ctl.errors import LayoutMismatch
 from wna16ctl.repacking.pipeline import RepackSettings, plan_repack, run_repack
-from wna16ctl.verify import FAIL, NOT_RUN, PASS, Check, VerifyReport, agreement, verify_output
+from wna16ctl.verification.checks import FAIL, NOT_RUN, PASS, Check, VerifyReport, agreement, verify_output
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,7 @@ _DATASET_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 def repository_shared_dir() -> Path | None:
     """The `shared/` folder beside the repository this package runs from (a checkout, not a
     wheel install: there the folder beside site-packages means nothing)."""
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     if not (repo / "pyproject.toml").is_file() or not (repo / "wna16ctl" / "__init__.py").is_file():
         return None
     shared = repo.parent / "shared"

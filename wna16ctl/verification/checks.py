@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from wna16ctl.repacking import parts
 from wna16ctl.output import outdir
-from wna16ctl.activations import embed, load_questions, resolve_samples, route, tokenize
+from wna16ctl.verification.activations import embed, load_questions, resolve_samples, route, tokenize
 from wna16ctl.sources import Checkpoint, open_checkpoint
 from wna16ctl.sources.headers import CheckpointFiles, read_checkpoint_files
 from wna16ctl.sources.tensors import TensorReader, as_tensor, dtype_from_name, writable_view
@@ -141,7 +141,7 @@ class VerifyReport:
     checks: list[Check] = field(default_factory=_default_checks)
     findings: list[Finding] = field(default_factory=list)
     numerics: list[LayerNumerics] = field(default_factory=list)
-    e2e: Any = None  # wna16ctl.e2e.E2EResult when --e2e was asked
+    e2e: Any = None  # wna16ctl.verification.e2e.E2EResult when --e2e was asked
 
     @property
     def passed(self) -> bool:
@@ -560,7 +560,7 @@ def verify_output(
     e2e: Any = None,
 ) -> VerifyReport:
     """Run every check of OUT against CKPT; see the module doc.  With `e2e` (a
-    wna16ctl.e2e.E2EOptions) also the end-to-end generation, a required check then.  Bad input
+    wna16ctl.verification.e2e.E2EOptions) also the end-to-end generation, a required check then.  Bad input
     raises a WnaError; a failing or skipped check is recorded in the returned report, never raised."""
     progress = progress or no_progress
     ck = open_checkpoint(ckpt)
@@ -573,7 +573,7 @@ def verify_output(
         report.checks.append(Check("e2e", "greedy generation on GSM8K prompts with the source and the repacked experts",
                                    reason="needs every rank; this output is a part"))
     elif e2e is not None:
-        from wna16ctl import e2e as e2e_mod
+        from wna16ctl.verification import e2e as e2e_mod
 
         check = Check("e2e", "greedy generation on GSM8K prompts with the source and the repacked experts")
         report.checks.append(check)

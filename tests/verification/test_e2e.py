@@ -15,18 +15,18 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-import wna16ctl.e2e as e2e_mod
+import wna16ctl.verification.e2e as e2e_mod
 from tests.conftest import ACT_ORDER_RELEASE, GSM8K_TEST
-from tests.test_verify import patch, read, rehash
+from tests.verification.test_checks import patch, read, rehash
 from wna16ctl.sources import open_checkpoint
 from wna16ctl.sources.tensors import TensorReader
 from wna16ctl.cli import cli
-from wna16ctl.e2e import E2EOptions, gsm8k_answer
+from wna16ctl.verification.e2e import E2EOptions, gsm8k_answer
 from wna16ctl.layout.marlin import marlin_permute_scales, marlin_unpermute_scales
 from wna16ctl.layout.packing import pack_codes, unpack_codes
 from wna16ctl.layout.rank import build_expert_tensors
 from wna16ctl.repacking.pipeline import RepackSettings, plan_repack, run_repack
-from wna16ctl.verify import verify_output
+from wna16ctl.verification.checks import verify_output
 
 pytest.importorskip("transformers")
 
