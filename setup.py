@@ -1,7 +1,7 @@
 """Build hook: ship the kernel sources of `kernels/` inside the package.
 
 `kernels/` stays the one copy in the repository; a built wheel carries it as
-`wna16ctl/kernel_sources/`, where `wna16ctl.kernels.kernels_dir()` finds it, so the native host
+`wna16ctl/kernel_sources/`, where `wna16ctl.native.ops.kernels_dir()` finds it, so the native host
 build and the CUDA build work after `pip install` as they do in a checkout.  (Editable installs
 read `kernels/` in the checkout directly.)  Everything else is in pyproject.toml.
 """

@@ -41,7 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from wna16ctl.kernels import find_cxx, find_nvcc, kernels_dir  # noqa: E402
+from wna16ctl.native.ops import find_cxx, find_nvcc, kernels_dir  # noqa: E402
 
 SOURCES = {"v1": "moe_gemm.cu", "v2": "moe_gemm_v2.cu"}
 TARGET_SASS_PER_4BIT_CODE = 4.0

@@ -1,4 +1,4 @@
-/* C ABI of the wna16ctl kernel libraries, bound from Python with ctypes (wna16ctl/kernels.py).
+/* C ABI of the wna16ctl kernel libraries, bound from Python with ctypes (wna16ctl/native/ops.py).
  *
  * Two shared libraries are built from kernels/:
  *   libwna16_host  (g++:  host.cpp, error.cpp)                -- CPU Marlin repack, index queries

@@ -45,7 +45,7 @@ command -v nvcc >/dev/null 2>&1 || echo "note: nvcc not found; the check will re
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 # hard stop a little above the python budget, so a hung kernel still leaves a report behind
-timeout --signal=TERM --kill-after=10 300 "$PY" -m wna16ctl.gpucheck --out "$JSON" "$@"
+timeout --signal=TERM --kill-after=10 300 "$PY" -m wna16ctl.native.gpucheck --out "$JSON" "$@"
 rc=$?
 if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
   [ -s "$JSON" ] || not_run "timed out after 300 s before writing a report"

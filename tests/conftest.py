@@ -62,9 +62,9 @@ ACT_ORDER_RELEASE = "0.29.0"
 
 
 @pytest.fixture(scope="session")
-def host():  # -> wna16ctl.native.NativeLib
+def host():  # -> wna16ctl.native.build.NativeLib
     """The native host library (built on first use); the test is skipped where it cannot be had."""
-    from wna16ctl import native
+    from wna16ctl.native import build as native
 
     lib = native.host_lib()
     if lib is None:

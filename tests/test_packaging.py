@@ -119,7 +119,7 @@ def test_demo_tokenizer_needs_no_data_files_and_tokenizes_gsm8k(tmp_path, monkey
 
 
 def test_kernel_sources_dir_override_and_checkout(monkeypatch, tmp_path):
-    from wna16ctl import kernels
+    from wna16ctl.native import ops as kernels
 
     monkeypatch.setenv("WNA16CTL_KERNELS_DIR", str(tmp_path))
     assert kernels.kernels_dir() == tmp_path
@@ -163,7 +163,7 @@ def test_wheel_install_runs_demo_inspect_repack_verify(tmp_path):
         assert res.returncode == code, (args, res.stdout, res.stderr)
         return res
 
-    where = subprocess.run([str(bin_dir / "python"), "-c", "import wna16ctl, wna16ctl.kernels as k; "
+    where = subprocess.run([str(bin_dir / "python"), "-c", "import wna16ctl, wna16ctl.native.ops as k; "
                             "print(wna16ctl.__file__); print(k.kernels_dir())"],
                            cwd=work, env=env, capture_output=True, text=True, check=True).stdout.split()
     installed = Path(where[0]).parent

@@ -19,7 +19,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from wna16ctl import kernels as K
+from wna16ctl.native import ops as K
 
 EMU_DIR = Path(__file__).resolve().parent
 # the driver links every CUDA source of kernels/ (kernels and launchers) and the error store

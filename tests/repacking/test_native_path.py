@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from wna16ctl import native
+from wna16ctl.native import build as native
 from wna16ctl.errors import BadInput
 from wna16ctl.layout.rank import RankLayout, build_rank_tensors
 from wna16ctl.layout.spec import marlin_scales_grouped, w2_scale_size_k

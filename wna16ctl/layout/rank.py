@@ -92,7 +92,7 @@ def build_rank_tensors(
     Scales keep the checkpoint dtype unless `scale_dtype` is given; then they are cast the way
     the engine's loader casts them into its model-dtype parameters (bf16 -> fp16 rounds).
     `repack` replaces the torch Marlin weight repack with a bit-identical implementation (the
-    native CPU or CUDA kernels of `wna16ctl.kernels`), called as `repack(packed, nb, perm, out=)`.
+    native CPU or CUDA kernels of `wna16ctl.native.ops`), called as `repack(packed, nb, perm, out=)`.
     """
     if not experts:
         raise ValueError("no experts to lay out")

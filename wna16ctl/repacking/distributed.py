@@ -124,11 +124,11 @@ def select_device(device: str, launch: Launch, *, cuda_usable: Callable[[], bool
                   set_device: Callable[[int], None] | None = None) -> str:
     """Make this process's GPU the current CUDA device when the repack runs on one; returns
     "cpu" or "cuda:N".  `--device auto` falls back to the CPU when this LOCAL_RANK has no GPU.
-    The callables default to wna16ctl.kernels / torch.cuda (parameters so that tests need no GPU)."""
+    The callables default to wna16ctl.native.ops / torch.cuda (parameters so that tests need no GPU)."""
     if device == "cpu":
         return "cpu"
     if cuda_usable is None:
-        from wna16ctl import kernels
+        from wna16ctl.native import ops as kernels
 
         cuda_usable = kernels.cuda_available
     if not cuda_usable():

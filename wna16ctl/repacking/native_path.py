@@ -23,7 +23,7 @@ import os
 import struct
 from typing import Any
 
-from wna16ctl import native
+from wna16ctl.native import build as native
 from wna16ctl.sources.headers import CheckpointFiles, TensorInfo
 from wna16ctl.sources.moe import ROLE_ORDER
 from wna16ctl.sources.raw import RawReader

@@ -1084,9 +1084,9 @@ class _BackgroundWrites:
 def marlin_repacker(device: str) -> Callable[..., Any]:
     """The Marlin weight repack for `device`: the CUDA kernel, the native CPU library, or torch.
 
-    All three are bit-identical (tests/test_kernels.py); the choice only changes speed.
+    All three are bit-identical (tests/native/test_kernels.py); the choice only changes speed.
     """
-    from wna16ctl import kernels
+    from wna16ctl.native import ops as kernels
 
     if device == "cuda" and not kernels.cuda_available():
         raise UsageError("--device cuda: no usable CUDA GPU and kernel library here; use --device cpu")

@@ -540,7 +540,7 @@ def _dequantize_kfirst(kf: dict[str, torch.Tensor], spec: RankLayout, which: str
 
 
 def _gemm_device(device: str) -> torch.device:
-    from wna16ctl import kernels
+    from wna16ctl.native import ops as kernels
 
     if device == "cuda" and not kernels.cuda_available():
         raise UsageError("--device cuda: no usable CUDA GPU and kernel library here; use --device cpu")
@@ -661,7 +661,7 @@ def rank_moe_output(job: LayerJob, r: int, t: dict[str, torch.Tensor], a: torch.
     """Rank r's layer output through the MoE GEMM over its repacked tensors `t` (Marlin layout):
     w13 GEMM, SiLU·mul, w2 GEMM with the router weights; per-slot outputs in the model dtype,
     summed over the top-k slots in fp32. Returns [T, H] fp32 on the CPU."""
-    from wna16ctl.kernels import moe_wna16_gemm
+    from wna16ctl.native.ops import moe_wna16_gemm
 
     spec = job.specs[r]
     rng = job.expert_ranges[r]

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from wna16ctl import gpucheck
+from wna16ctl.native import gpucheck
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _wait_for(path: Path, pred, timeout: float = 60.0) -> dict:
@@ -36,7 +36,7 @@ def _wait_for(path: Path, pred, timeout: float = 60.0) -> dict:
 _HANGING_RUN = """
 import sys, time
 from pathlib import Path
-from wna16ctl import gpucheck
+from wna16ctl.native import gpucheck
 gpucheck.step_env = lambda report: None
 def hang(report):
     report["build"] = {"ok": True, "measured": 42}

@@ -1,5 +1,5 @@
 """Native kernels: the `wna16ctl::*` torch ops over the libraries in `kernels/`, which
-`wna16ctl.native` builds and loads without torch (its API is re-exported here).
+`wna16ctl.native.build` builds and loads without torch (its API is re-exported here).
 
 Two shared libraries are compiled on first use into a per-user cache
 (`$XDG_CACHE_HOME/wna16ctl` or `~/.cache/wna16ctl`), keyed by a hash of the sources, the compiler
@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from wna16ctl.native import (  # noqa: F401 - the build and load API, re-exported
+from wna16ctl.native.build import (  # noqa: F401 - the build and load API, re-exported
     ABI_VERSION,
     HOST_SOURCES,
     CUDA_SOURCES,

@@ -26,8 +26,8 @@ import pytest
 import torch
 
 from tests.emu import harness as H
-from tests.test_kernels import GEMM_CASES, TOL, _case_id, make_problem
-from wna16ctl import kernels as K
+from tests.native.test_kernels import GEMM_CASES, TOL, _case_id, make_problem
+from wna16ctl.native import ops as K
 from wna16ctl.layout.marlin import (
     marlin_permute_scales,
     marlin_repack,

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_kernels import GEMM_CASES, TOL, _case_id, _rel_err, make_problem
-from wna16ctl import kernels as K
+from tests.native.test_kernels import GEMM_CASES, TOL, _case_id, _rel_err, make_problem
+from wna16ctl.native import ops as K
 
-NATIVE = Path(__file__).resolve().parent / "native"
+NATIVE = Path(__file__).resolve().parent
 
 
 def test_dequant_bit_tricks_equal_plain_conversion(tmp_path: Path) -> None:

@@ -23,9 +23,9 @@ import pytest
 import torch
 
 from tests.emu import harness as H
-from tests.test_emu import asan, check_gemm, drivers, grid_problem, plain, tsan  # noqa: F401
-from tests.test_emu import _driver, _grid_id, run_gemm_op
-from wna16ctl import kernels as K
+from tests.native.test_emu import asan, check_gemm, drivers, grid_problem, plain, tsan  # noqa: F401
+from tests.native.test_emu import _driver, _grid_id, run_gemm_op
+from wna16ctl.native import ops as K
 
 VARIANTS = {"auto": 0, "tile16": 16, "tile32": 32, "tile64": 64}
 

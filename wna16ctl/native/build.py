@@ -3,7 +3,7 @@
 The host library (g++) and the CUDA library (nvcc) are compiled on first use into a per-user cache
 (`$XDG_CACHE_HOME/wna16ctl` or `~/.cache/wna16ctl`), keyed by a hash of the sources, the compiler
 and the target, built in a temporary directory and renamed into place (concurrent first uses are
-safe), and loaded with ctypes.  `wna16ctl.kernels` puts torch ops on top; the repack data path
+safe), and loaded with ctypes.  `wna16ctl.native.ops` puts torch ops on top; the repack data path
 calls the host library directly and so runs without importing torch.
 """
 
@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional, Sequence
 
-log = logging.getLogger("wna16ctl.kernels")  # one logger for the notices of both modules
+log = logging.getLogger("wna16ctl.native.ops")  # one logger for the notices of both modules
 
 ABI_VERSION = 1  # must equal WNA16_ABI_VERSION in kernels/capi.h
 
@@ -58,10 +58,10 @@ def kernels_dir() -> Path:
     override = os.environ.get("WNA16CTL_KERNELS_DIR")
     if override:
         return Path(override)
-    packaged = Path(__file__).resolve().parent / "kernel_sources"
+    packaged = Path(__file__).resolve().parents[1] / "kernel_sources"
     if (packaged / "capi.h").is_file():
         return packaged
-    return Path(__file__).resolve().parent.parent / "kernels"
+    return Path(__file__).resolve().parents[2] / "kernels"
 
 
 def cache_dir() -> Path:

@@ -1,6 +1,6 @@
 """One unattended GPU check: build the kernels, check them against the CPU path, benchmark them.
 
-    python -m wna16ctl.gpucheck [--out FILE] [--budget SECONDS] [--no-pytest] [--no-sanitizer]
+    python -m wna16ctl.native.gpucheck [--out FILE] [--budget SECONDS] [--no-pytest] [--no-sanitizer]
 
 Runs in under five minutes on one NVIDIA GPU with nothing prepared but a python with torch
 (CUDA build) and nvcc. Writes one JSON file ($OUT/gpu_check.json when $OUT is set, else
@@ -209,7 +209,7 @@ def step_env(report: dict) -> Optional[str]:
         "torch_cuda": torch.version.cuda,
         "cuda_available": torch.cuda.is_available(),
     }
-    from wna16ctl import kernels as K
+    from wna16ctl.native import ops as K
 
     nvcc = K.find_nvcc()
     env["nvcc"] = nvcc
@@ -226,7 +226,7 @@ def step_env(report: dict) -> Optional[str]:
 
 
 def step_build(report: dict) -> Optional[str]:
-    from wna16ctl import kernels as K
+    from wna16ctl.native import ops as K
 
     t0 = _now()
     try:
@@ -368,7 +368,7 @@ def _stream() -> int:
 
 def bench_repack(report: Report) -> None:
     """The bare launcher in the timed region (the torch op validates perm on the host first)."""
-    from wna16ctl import kernels as K
+    from wna16ctl.native import ops as K
 
     lib = K.cuda_lib()
     e, k, n, bits = 16, 7168, 4096, 4
@@ -393,7 +393,7 @@ def bench_repack(report: Report) -> None:
 def _gemm_call(kernel: str, args: tuple) -> tuple[Callable[[], None], torch.Tensor]:
     """A closure launching one GEMM kernel through the bare library call (output and workspace
     allocated once, inputs validated once by the caller), for timing without host syncs."""
-    from wna16ctl import kernels as K
+    from wna16ctl.native import ops as K
 
     lib = K.cuda_lib()
     a, b_q, scales, zp, g_idx, perm, ids, offs, tw, top_k, bits, k_full = args
@@ -512,7 +512,7 @@ def find_compute_sanitizer() -> Optional[str]:
     found = shutil.which("compute-sanitizer")
     if found:
         return found
-    from wna16ctl import kernels as K
+    from wna16ctl.native import ops as K
 
     nvcc = K.find_nvcc()
     for d in ([Path(nvcc).parent] if nvcc else []) + [Path("/usr/local/cuda/bin")]:
@@ -550,7 +550,7 @@ def step_sanitizer(report: Report, budget: Budget) -> Optional[bool]:
             results[tool] = {"skipped": "no time left"}
             continue
         cmd = [tool_path, "--tool", tool, "--error-exitcode", "66", "--kernel-name", "kns=wna16",
-               sys.executable, "-m", "wna16ctl.gpucheck", "--sanitizer-cases"]
+               sys.executable, "-m", "wna16ctl.native.gpucheck", "--sanitizer-cases"]
         t0 = _now()
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(20.0, min(90.0, budget.left() - 40)))
@@ -580,7 +580,7 @@ def step_pytest(report: dict, budget: Budget, repo: Path) -> Optional[bool]:
         report["pytest_gpu"] = {"skipped": "tests/ not present or no time left"}
         return None
     cmd = [sys.executable, "-m", "pytest", "--noconftest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-           "tests/test_kernels.py", "tests/test_gemm_v2.py"]
+           "tests/native/test_kernels.py", "tests/native/test_gemm_v2.py"]
     try:
         proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=max(30, budget.left() - 15))
     except subprocess.TimeoutExpired:
@@ -640,7 +640,7 @@ def run(out: Path, budget_s: float, gemm_count: int, with_pytest: bool, with_san
     budget = Budget(budget_s)
     report = Report(out)
     report.update(status="running", started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), steps_done=[])
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
 
     def finish(status: str, reason: Optional[str] = None, code: int = 0) -> int:
         report["status"] = status
@@ -700,7 +700,7 @@ def run(out: Path, budget_s: float, gemm_count: int, with_pytest: bool, with_san
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m wna16ctl.gpucheck", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m wna16ctl.native.gpucheck", description=__doc__.splitlines()[0])
     default_out = Path(os.environ["OUT"]) / "gpu_check.json" if os.environ.get("OUT") else Path("gpu_check.json")
     parser.add_argument("--out", type=Path, default=default_out)
     parser.add_argument("--budget", type=float, default=270.0, help="seconds for the whole check (default 270)")

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.layout import reference as ref
-from wna16ctl import kernels as K
+from wna16ctl.native import ops as K
 from wna16ctl.layout.marlin import (
     marlin_permute_scales,
     marlin_repack,
