@@ -16,11 +16,9 @@ stays cheap.  See docs/python-api.md.
 from __future__ import annotations
 
 import os
-import sys
-import types
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-__version__ = "0.1.0"
+from wna16ctl.version import __version__
 
 if TYPE_CHECKING:
     from wna16ctl.planning.inspection import Inspection
@@ -104,39 +102,8 @@ def verify(path: PathLike, out: PathLike, *, samples: PathLike | None = None, nu
     return verify_output(path, out, samples=samples, num_samples=num_samples, device=device, progress=progress)
 
 
-# `wna16ctl.repack` and `wna16ctl.verify` are also the implementation modules' names.  Importing a
-# submodule sets it as an attribute of the package, which would hide the function; so such a
-# submodule becomes callable instead: `import wna16ctl.repacking.pipeline` still gives the module, and
-# `wna16ctl.repack(...)` is the function above either way.
-_API = {"repack": repack, "verify": verify}
-
-
-class _CallableModule(types.ModuleType):
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return _API[self.__name__.rpartition(".")[2]](*args, **kwargs)
-
-
-class _Package(types.ModuleType):
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _API and isinstance(value, types.ModuleType) and not isinstance(value, _CallableModule):
-            value.__class__ = _CallableModule
-            value.__signature__ = _signature(_API[name])  # type: ignore[attr-defined]
-        super().__setattr__(name, value)
-
-
-def _signature(fn: Callable[..., Any]) -> Any:
-    import inspect as pyinspect
-
-    return pyinspect.signature(fn)
-
-
-sys.modules[__name__].__class__ = _Package
-for _name in _API:  # submodules imported before this point (none in practice)
-    if f"{__name__}.{_name}" in sys.modules:
-        setattr(sys.modules[__name__], _name, sys.modules[f"{__name__}.{_name}"])
-
-_TYPES = {"Inspection": "wna16ctl.planning.inspection", "RepackPlan": "wna16ctl.repack", "RepackResult": "wna16ctl.repack",
-          "VerifyReport": "wna16ctl.verify"}
+_TYPES = {"Inspection": "wna16ctl.planning.inspection", "RepackPlan": "wna16ctl.repacking.pipeline",
+          "RepackResult": "wna16ctl.repacking.pipeline", "VerifyReport": "wna16ctl.verification.checks"}
 
 
 def __getattr__(name: str) -> Any:  # the result types, imported on first use

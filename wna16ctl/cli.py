@@ -14,7 +14,7 @@ from typing import Callable, NoReturn
 
 import click
 
-from wna16ctl import __version__
+from wna16ctl.version import __version__
 from wna16ctl.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, UsageError, WnaError
 from wna16ctl.sink import Sink
 

@@ -95,8 +95,8 @@ def test_interrupt_message_belongs_to_the_command(make_ckpt, tmp_path, monkeypat
     def interrupt(*a, **kw):
         raise KeyboardInterrupt
 
-    target = {"inspect": (wna16ctl.planning.inspection, "inspect_checkpoint"), "verify": (wna16ctl.verify, "verify_output"),
-              "repack": (wna16ctl.repack, "run_repack"), "demo": (wna16ctl.demo, "write_demo_checkpoint")}[command]
+    target = {"inspect": (wna16ctl.planning.inspection, "inspect_checkpoint"), "verify": (wna16ctl.verification.checks, "verify_output"),
+              "repack": (wna16ctl.repacking.pipeline, "run_repack"), "demo": (wna16ctl.demo, "write_demo_checkpoint")}[command]
     monkeypatch.setattr(*target, interrupt)
     ck = make_ckpt(**SMALL)
     args = {"inspect": ["inspect", ck], "verify": ["verify", ck, tmp_path, "--samples", GSM8K_TEST],

@@ -25,6 +25,7 @@ from torch import Tensor
 from wna16ctl.layout._mismatch import require_zero
 from wna16ctl.layout.packing import pack_codes, pack_factor, unpack_codes
 
+from wna16ctl.layout import spec
 from wna16ctl.layout.spec import TILE_K, TILE_N, marlin_scales_grouped  # noqa: F401
 
 
@@ -41,9 +42,7 @@ def marlin_moe_padded_intermediate(i_p: int, group_size: int) -> int:
             f"intermediate size per partition {i_p} is not divisible by group_size {group_size}; "
             "scale groups would straddle the padding"
         )
-    from wna16ctl.planning.moe import marlin_moe_padded_intermediate as padded  # the one rule (torch-free)
-
-    return padded(i_p, group_size)
+    return spec.marlin_moe_padded_intermediate(i_p, group_size)
 
 
 def pad_intermediate_halves(t: Tensor, size: int, padded_size: int) -> Tensor:

@@ -6,11 +6,19 @@ on the native path never imports torch.  Dtypes are safetensors dtype strings he
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 SUPPORTED_BITS = (4, 8)
 TILE_K = 16
 TILE_N = 64
+
+
+def marlin_moe_padded_intermediate(i_p: int, group_size: int) -> int:
+    """The intermediate size Marlin MoE pads to: a multiple of lcm(64, group size).  The planner
+    reports it and the layout pads to it, so both read this one definition."""
+    step = math.lcm(64, max(group_size, 1))
+    return -(-i_p // step) * step
 
 
 def marlin_scales_grouped(size_k: int, group_size: int) -> bool:

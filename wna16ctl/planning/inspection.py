@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from wna16ctl import __version__
+from wna16ctl.version import __version__
 from wna16ctl.planning import rules
 from wna16ctl.sources import Checkpoint, LinearLayer, MoELayer, open_checkpoint
 from wna16ctl.sources.gidx import gate_up_g_idx_mismatch

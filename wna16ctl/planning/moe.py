@@ -15,11 +15,11 @@ fast; repack and verify call the same function.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from wna16ctl.layout.spec import marlin_moe_padded_intermediate  # noqa: F401  (re-exported: the planner reports it)
 from wna16ctl.planning import rules
 from wna16ctl.sources.config import PACK_QUANTIZED, WeightScheme
 from wna16ctl.sources.moe import MoELayer
@@ -85,12 +85,6 @@ def w2_scale_sharding(actorder: str | None, group_size: int, i_p: int, i: int) -
         w2_scales_size=i if load_full else i_p,
         is_k_full=(not act) or (i_p == i),
     )
-
-
-def marlin_moe_padded_intermediate(i_p: int, group_size: int) -> int:
-    """The intermediate size Marlin MoE pads to: a multiple of lcm(64, group size)."""
-    step = math.lcm(64, max(group_size, 1))
-    return -(-i_p // step) * step
 
 
 def marlin_support_reason(hidden: int, i_p: int, group_size: int, allow_tile_padding: bool) -> str | None:

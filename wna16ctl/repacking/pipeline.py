@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from wna16ctl import __version__
+from wna16ctl.version import __version__
 from wna16ctl.repacking import distributed
 from wna16ctl.output import outdir
 from wna16ctl.planning import rules

@@ -1,4 +1,13 @@
-"""Reading a compressed-tensors checkpoint from its config and safetensors headers only."""
+"""Where checkpoints come from: a directory or a Hub repo, read from config and safetensors headers only.
+
+* this package: `open_checkpoint` and `Checkpoint` (config, shards, MoE and linear layers).
+* `config`, `headers`, `scan`, `tensors`, `raw`, `gidx`: the config forms, header reading and checks, tensor reads.
+* `model`, `moe`: discovery of the model's dimensions, its MoE layers and its quantized linear layers.
+* `hub`: the same from the Hugging Face Hub (headers only), and GSM8K from the Hub.
+* `jsonfile`: JSON parsing with the limits every input file gets.
+
+Knows nothing of engines: `planning` decides what a release does with what is read here.
+"""
 
 from __future__ import annotations
 

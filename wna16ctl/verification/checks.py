@@ -35,8 +35,7 @@ from wna16ctl.repacking import parts
 from wna16ctl.output import outdir
 from wna16ctl.verification.activations import embed, load_questions, resolve_samples, route, tokenize
 from wna16ctl.sources import Checkpoint, open_checkpoint
-from wna16ctl.sources.headers import CheckpointFiles, read_checkpoint_files
-from wna16ctl.sources.tensors import TensorReader, as_tensor, dtype_from_name, writable_view
+from wna16ctl.sources.tensors import TensorReader, dtype_from_name, writable_view
 from wna16ctl.errors import BadInput, LayoutMismatch, NotLoadable, UsageError
 from wna16ctl.layout.packing import unpack_codes
 from wna16ctl.layout.rank import RankLayout, unbuild_expert_tensors
@@ -48,16 +47,10 @@ from wna16ctl.sink import TaskStarter, no_progress
 from wna16ctl.repacking.pipeline import (
     FORMAT_NAME, SIDE_FILES, LayerJob, RepackPlan, RepackSettings, plan_repack, rank_index_bytes, source_fingerprint,
 )
+from wna16ctl.verification.rank_gemm import GEMM_DTYPES, ROUNDINGS, UNIT_ROUNDOFF, RankFiles, rank_moe_output  # noqa: F401
 from wna16ctl.output.writer import JOURNAL_NAME, MANIFEST_NAME, PLANNED_METADATA, FILE_HASHES, hash_file, recorded_hash, sha256_file
 
 SILU_LIPSCHITZ = 1.1  # max |d/dx x·sigmoid(x)| = 1.0998...
-# Roundings to the model dtype on the candidate's path: x, W13, the w13 output, h, W2, the w2
-# output, the rank partial, the all-reduced sum.  Each contributes a relative error of RMS at most
-# u/sqrt(3) (round-to-nearest), so an unbiased output's relative L2 error stays below
-# sqrt(ROUNDINGS)·u; a systematic fault (wrong scale, swapped halves) exceeds it.
-ROUNDINGS = 8
-GEMM_DTYPES = (torch.float16, torch.bfloat16)  # what the Marlin MoE GEMM (ours and vLLM's) runs
-UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
 
 
 PASS, FAIL, NOT_RUN = "pass", "FAIL", "not run"
@@ -409,22 +402,6 @@ def _inside(rel: str) -> bool:
 # ---- 2 + 3. round trip and numerics --------------------------------------------------------------
 
 
-class _RankFiles:
-    """One rank directory's tensors; reads one expert's slice of a stacked tensor at a time."""
-
-    def __init__(self, root: Path):
-        self.files: CheckpointFiles = read_checkpoint_files(root)
-        self.reader = TensorReader(self.files)
-
-    def expert_slice(self, name: str, local: int) -> torch.Tensor:
-        info = self.files.info(name)
-        if not info.shape or local >= info.shape[0]:
-            raise LayoutMismatch(f"{name}: has shape {list(info.shape)}, no expert slot {local}")
-        per = info.nbytes // info.shape[0]
-        sub = type(info)(info.name, info.dtype, info.shape[1:], info.file, info.start + local * per, info.start + (local + 1) * per)
-        return as_tensor(self.reader.read_bytes(sub), info.dtype, sub.shape)
-
-
 def _tensor_digest(reader: TensorReader, info: Any, chunk: int = 64 << 20) -> str:
     """sha256 of one tensor's bytes, read in bounded chunks."""
     h = hashlib.sha256()
@@ -434,7 +411,7 @@ def _tensor_digest(reader: TensorReader, info: Any, chunk: int = 64 << 20) -> st
     return h.hexdigest()
 
 
-def _verify_rank_contents(ck: Checkpoint, reader: TensorReader, plan: RepackPlan, ranks: dict[int, _RankFiles],
+def _verify_rank_contents(ck: Checkpoint, reader: TensorReader, plan: RepackPlan, ranks: dict[int, RankFiles],
                           report: VerifyReport) -> None:
     """Each rank holds exactly the planned tensors, and the non-expert ones byte for byte as in the
     checkpoint (the round trip below only covers the expert tensors)."""
@@ -615,11 +592,11 @@ def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], sam
         vocab = int(ck.config.raw.get("vocab_size") or 1 << 30)
         token_ids, report.tokenizer = tokenize(ck, questions, vocab)
         hidden = embed(ck, reader, token_ids)
-        ranks: dict[int, _RankFiles] = {}
+        ranks: dict[int, RankFiles] = {}
         unreadable: list[int] = []
         for r in present:
             try:
-                ranks[r] = _RankFiles(out_path / f"rank-{r}")
+                ranks[r] = RankFiles(out_path / f"rank-{r}")
             except BadInput as e:
                 report.findings.append(Finding("round_trip", f"rank {r}: {e.message}", rank=r))
                 unreadable.append(r)
@@ -650,47 +627,13 @@ def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], sam
     return report, plan
 
 
-def _gemm_rank_candidate(job: LayerJob, r: int, rank: _RankFiles, a: torch.Tensor, routing, dtype: torch.dtype,
+def _gemm_rank_candidate(job: LayerJob, r: int, rank: RankFiles, a: torch.Tensor, routing, dtype: torch.dtype,
                          device: torch.device) -> torch.Tensor:
     t = {n: rank.reader.read(f"{job.layer.prefix}.{n}").to(device) for n in job.tensor_names}
     return rank_moe_output(job, r, t, a, routing.topk_ids, routing.topk_weights, dtype, device)
 
 
-def rank_moe_output(job: LayerJob, r: int, t: dict[str, torch.Tensor], a: torch.Tensor, topk_ids: torch.Tensor,
-                    topk_weights: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Rank r's layer output through the MoE GEMM over its repacked tensors `t` (Marlin layout):
-    w13 GEMM, SiLU·mul, w2 GEMM with the router weights; per-slot outputs in the model dtype,
-    summed over the top-k slots in fp32. Returns [T, H] fp32 on the CPU."""
-    from wna16ctl.native.ops import moe_wna16_gemm
-
-    spec = job.specs[r]
-    rng = job.expert_ranges[r]
-    T, k = topk_ids.shape
-    topk_ids = topk_ids.cpu()
-    ids = topk_ids.reshape(-1)  # slot s = token * k + j
-    slots = ((ids >= rng.start) & (ids < rng.stop)).nonzero().squeeze(1)
-    local = ids[slots] - rng.start
-    order = torch.argsort(local, stable=True)
-    sorted_ids = slots[order].to(torch.int32).to(device)
-    counts = torch.bincount(local, minlength=len(rng))
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32).to(device)
-    act = spec.act_order
-    g13 = moe_wna16_gemm(
-        a.to(device), t["w13_weight_packed"], t["w13_weight_scale"], sorted_ids, offsets, top_k=k,
-        num_bits=spec.num_bits, zero_points=t.get("w13_weight_zero_point"),
-        g_idx=t["w13_weight_g_idx"] if act else None, perm=t["w13_g_idx_sort_indices"] if act else None,
-        is_k_full=True)
-    P = spec.padded_intermediate
-    h = (F.silu(g13[:, :P].float()) * g13[:, P:].float()).to(dtype)
-    y = moe_wna16_gemm(
-        h, t["w2_weight_packed"], t["w2_weight_scale"], sorted_ids, offsets, top_k=1,
-        num_bits=spec.num_bits, zero_points=t.get("w2_weight_zero_point"),
-        g_idx=t["w2_weight_g_idx"] if act else None, perm=t["w2_g_idx_sort_indices"] if act else None,
-        topk_weights=topk_weights.reshape(-1).float().to(device), is_k_full=job.plan.w2.is_k_full)
-    return y.float().cpu().view(T, k, -1).sum(1)
-
-
-def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: dict[int, _RankFiles],
+def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: dict[int, RankFiles],
                   hidden: torch.Tensor, dtype: torch.dtype, report: VerifyReport,
                   gemm_device: torch.device = torch.device("cpu"),
                   advance: Callable[[int], None] = lambda n: None) -> None:

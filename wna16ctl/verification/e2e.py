@@ -347,7 +347,7 @@ class _CandidateExperts:
         self.job, self.tensors, self.dtype, self.device = job, rank_tensors, dtype, device
 
     def __call__(self, a: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        from wna16ctl.verification.checks import rank_moe_output
+        from wna16ctl.verification.rank_gemm import rank_moe_output
 
         total = torch.zeros(a.shape[0], a.shape[1])
         for r, t in enumerate(self.tensors):
@@ -459,7 +459,7 @@ def run_e2e(ck, out: Path, plan, samples: Path, options: E2EOptions, device: tor
 def _run_e2e(ck, out: Path, plan, samples: Path, options: E2EOptions, device: torch.device,  # noqa: ANN001
              dtype: torch.dtype) -> E2EResult:
     from wna16ctl.sources.tensors import TensorReader
-    from wna16ctl.verification.checks import ROUNDINGS, UNIT_ROUNDOFF, _RankFiles
+    from wna16ctl.verification.rank_gemm import ROUNDINGS, UNIT_ROUNDOFF, RankFiles
 
     started = time.monotonic()
     try:
@@ -500,7 +500,7 @@ def _run_e2e(ck, out: Path, plan, samples: Path, options: E2EOptions, device: to
         for p, j in jobs.items():
             tensors = []
             for r in range(len(j.specs)):
-                rf = _RankFiles(out / f"rank-{r}")
+                rf = RankFiles(out / f"rank-{r}")
                 try:
                     tensors.append({n: rf.reader.read(f"{p}.{n}").to(device) for n in j.tensor_names}
                                    if len(j.expert_ranges[r]) else {})

@@ -1,0 +1,78 @@
+"""One rank's repacked experts, read back and run through the MoE GEMM.
+
+Shared by the layer numerics of `checks` and the end-to-end run of `e2e`, which both compare a
+rank's output with the dequantized checkpoint under the same rounding model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from wna16ctl.errors import LayoutMismatch
+from wna16ctl.sources.headers import CheckpointFiles, read_checkpoint_files
+from wna16ctl.sources.tensors import TensorReader, as_tensor
+
+if TYPE_CHECKING:
+    from wna16ctl.repacking.pipeline import LayerJob
+
+# Roundings to the model dtype on the candidate's path: x, W13, the w13 output, h, W2, the w2
+# output, the rank partial, the all-reduced sum.  Each contributes a relative error of RMS at most
+# u/sqrt(3) (round-to-nearest), so an unbiased output's relative L2 error stays below
+# sqrt(ROUNDINGS)·u; a systematic fault (wrong scale, swapped halves) exceeds it.
+ROUNDINGS = 8
+GEMM_DTYPES = (torch.float16, torch.bfloat16)  # what the Marlin MoE GEMM (ours and vLLM's) runs
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
+
+
+class RankFiles:
+    """One rank directory's tensors; reads one expert's slice of a stacked tensor at a time."""
+
+    def __init__(self, root: Path):
+        self.files: CheckpointFiles = read_checkpoint_files(root)
+        self.reader = TensorReader(self.files)
+
+    def expert_slice(self, name: str, local: int) -> torch.Tensor:
+        info = self.files.info(name)
+        if not info.shape or local >= info.shape[0]:
+            raise LayoutMismatch(f"{name}: has shape {list(info.shape)}, no expert slot {local}")
+        per = info.nbytes // info.shape[0]
+        sub = type(info)(info.name, info.dtype, info.shape[1:], info.file, info.start + local * per, info.start + (local + 1) * per)
+        return as_tensor(self.reader.read_bytes(sub), info.dtype, sub.shape)
+
+
+def rank_moe_output(job: LayerJob, r: int, t: dict[str, torch.Tensor], a: torch.Tensor, topk_ids: torch.Tensor,
+                    topk_weights: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Rank r's layer output through the MoE GEMM over its repacked tensors `t` (Marlin layout):
+    w13 GEMM, SiLU·mul, w2 GEMM with the router weights; per-slot outputs in the model dtype,
+    summed over the top-k slots in fp32. Returns [T, H] fp32 on the CPU."""
+    from wna16ctl.native.ops import moe_wna16_gemm
+
+    spec = job.specs[r]
+    rng = job.expert_ranges[r]
+    T, k = topk_ids.shape
+    topk_ids = topk_ids.cpu()
+    ids = topk_ids.reshape(-1)  # slot s = token * k + j
+    slots = ((ids >= rng.start) & (ids < rng.stop)).nonzero().squeeze(1)
+    local = ids[slots] - rng.start
+    order = torch.argsort(local, stable=True)
+    sorted_ids = slots[order].to(torch.int32).to(device)
+    counts = torch.bincount(local, minlength=len(rng))
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32).to(device)
+    act = spec.act_order
+    g13 = moe_wna16_gemm(
+        a.to(device), t["w13_weight_packed"], t["w13_weight_scale"], sorted_ids, offsets, top_k=k,
+        num_bits=spec.num_bits, zero_points=t.get("w13_weight_zero_point"),
+        g_idx=t["w13_weight_g_idx"] if act else None, perm=t["w13_g_idx_sort_indices"] if act else None,
+        is_k_full=True)
+    P = spec.padded_intermediate
+    h = (F.silu(g13[:, :P].float()) * g13[:, P:].float()).to(dtype)
+    y = moe_wna16_gemm(
+        h, t["w2_weight_packed"], t["w2_weight_scale"], sorted_ids, offsets, top_k=1,
+        num_bits=spec.num_bits, zero_points=t.get("w2_weight_zero_point"),
+        g_idx=t["w2_weight_g_idx"] if act else None, perm=t["w2_g_idx_sort_indices"] if act else None,
+        topk_weights=topk_weights.reshape(-1).float().to(device), is_k_full=job.plan.w2.is_k_full)
+    return y.float().cpu().view(T, k, -1).sum(1)
