@@ -20,6 +20,7 @@ the native paths are checked against them bit for bit (repack) or against an fp3
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 from typing import Optional, Sequence
