@@ -89,6 +89,11 @@ class Instance:
     loop_sass: int  # SASS of one streaming-loop iteration (one stage of one warp)
     loop_mma: int
     source: str = "recorded sm_90, nvcc 13.0 (docs/performance.md)"
+    # how the instance is organised (v2's defaults; a design may change them)
+    lane_table: bool = True  # scale / zero pairs re-read from a shared-memory table every stage
+    warps_over_n: bool = False  # each warp takes an n-slice and all k-tiles of a stage (no reduction)
+    launches: int = 3  # workspace reset, tile prefix, main kernel
+    grid_blocks_per_sm: int = 2
 
 
 # bench/kernel_static.py's sm_90 figures of the fast instances, as recorded in docs/performance.md
@@ -98,6 +103,17 @@ RECORDED_SM90 = (
     Instance("4-bit 64x64", 4, 4, 1, 239, 317, 32),
     Instance("8-bit fp16 16x256", 8, 1, 4, 245, 531, 32),
     Instance("8-bit bf16 16x256", 8, 1, 4, 244, 785, 32),
+)
+
+# A design, not a kernel: the Marlin-style tiling with warps split over N (32 accumulators per
+# thread in the 16x256 tile, ~128 registers assumed: four blocks per SM), scales and zeros in
+# registers once per group (no lane table), no cross-warp reduction, one launch. Its loop is
+# assumed to hold v2's SASS less the 16 lane-table loads per stage; nothing here is measured.
+V3_DESIGN = (
+    Instance("v3 design 4-bit 16x256", 4, 1, 4, 128, 487 - 16, 32, source="design assumption",
+             lane_table=False, warps_over_n=True, launches=1, grid_blocks_per_sm=4),
+    Instance("v3 design 8-bit bf16 16x256", 8, 1, 4, 128, 785 - 16, 32, source="design assumption",
+             lane_table=False, warps_over_n=True, launches=1, grid_blocks_per_sm=4),
 )
 
 
@@ -150,21 +166,27 @@ class Plan:
     def lane_table_bytes(self) -> int:
         return 4 * self.nt * 4 * 32 * 16
 
+    lane_table: bool = True
+    reduction: bool = True
+
     @property
     def smem(self) -> int:
         pipe = self.stages * self.stage_bytes
-        red = 4 * self.bm * (self.bn + self.red_pad) * 4
-        return max(pipe, red) + self.lane_table_bytes + self.bm * 4 + self.bm * 8 + 16
+        red = 4 * self.bm * (self.bn + self.red_pad) * 4 if self.reduction else 0
+        lane = self.lane_table_bytes if self.lane_table else 0
+        return max(pipe, red) + lane + self.bm * 4 + self.bm * 8 + 16
 
 
 def plan_of(inst: Instance, consts: dict[str, int] | None = None) -> Plan:
     c = consts or plan_constants()
-    return Plan(inst.num_bits, inst.mt, inst.nt, c["kStages"], c["kStageK"], c["kRedPad"])
+    return Plan(inst.num_bits, inst.mt, inst.nt, c["kStages"], c["kStageK"], c["kRedPad"],
+                lane_table=inst.lane_table, reduction=not inst.warps_over_n)
 
 
-def blocks_per_sm(inst: Instance, plan: Plan, gpu: Gpu, threads: int = 128, launch_cap: int = 2) -> tuple[int, str]:
+def blocks_per_sm(inst: Instance, plan: Plan, gpu: Gpu, threads: int = 128) -> tuple[int, str]:
     """Resident blocks per SM and what limits them (registers, shared memory, or the grid's own
-    two blocks per SM)."""
+    blocks per SM)."""
+    launch_cap = inst.grid_blocks_per_sm
     warps = threads // 32
     regs_per_warp = math.ceil(inst.registers * 32 / 256) * 256  # allocated in 256-register units
     by_regs = gpu.regs_per_sm // (regs_per_warp * warps)
@@ -218,21 +240,28 @@ def stage_cost(inst: Instance, gpu: Gpu, shape: Shape, rows: int, consts: dict[s
     # instruction in 4 wavefronts; a narrow access is one wavefront)
     w = gpu.smem_bytes_per_clk
     words_per_lane = plan.wpt * 4 // 32 // 16  # 16-byte weight loads per lane and n-tile
+    # per warp and 16-row slice one x4 ldmatrix (4 wavefronts) per k-tile it computes: v2's warp
+    # one k-tile, a warp split over N all four
+    a_loads = 4 * mcount * 4 * (4 if inst.warps_over_n else 1)
     smem = {
         "cp.async writes": (mcount * 16 * 128 + plan.b_bytes) / w,
-        "ldmatrix A": 4 * mcount * 4,  # per warp and slice one x4 ldmatrix: 4 wavefronts
+        "ldmatrix A": a_loads,
         "weight loads": 4 * plan.nt * words_per_lane * 4,
-        "lane table reads": 4 * plan.nt * 4 * 4,  # per warp, n-tile, sub-tile one 16-byte load
     }
-    per_group = 4 * plan.nt * 4 * (2 * 2 + 4)  # refill: 4 narrow loads + one 16-byte store, per warp
-    smem["lane table refill"] = per_group / stages_per_group
+    if inst.lane_table:
+        smem["lane table reads"] = 4 * plan.nt * 4 * 4  # per warp, n-tile, sub-tile one 16-byte load
+        per_group = 4 * plan.nt * 4 * (2 * 2 + 4)  # refill: 4 narrow loads + one 16-byte store, per warp
+    else:  # the group's scale / zero row read into registers: one narrow load per pair and warp
+        per_group = 4 * plan.nt * 4 * 2 // 4
+    smem["scale refill"] = per_group / stages_per_group
     smem_cycles = sum(smem.values())
 
     blocks, why = blocks_per_sm(inst, plan, gpu)
     warps_per_scheduler = blocks * 4 / gpu.schedulers
     issue_rate = min(1.0, warps_per_scheduler * gpu.single_warp_ipc)
     # one warp of each block per scheduler: a block-stage costs every scheduler the loop's SASS
-    issue = (inst.loop_sass + refill_sass(plan) / stages_per_group) / issue_rate
+    refill = refill_sass(plan) if inst.lane_table else refill_sass(plan) // 4  # a quarter: own n-slice only
+    issue = (inst.loop_sass + refill / stages_per_group) / issue_rate
     mma = 4 * plan.nt * 8 * mcount / gpu.mma_per_clk
     hbm_per_clk = gpu.hbm_bytes_per_s / gpu.sms / gpu.clock_hz
     latency_clk = gpu.latency_s * gpu.clock_hz
@@ -279,8 +308,7 @@ class Expectation:
     warps_per_scheduler: float
 
 
-def expect(inst: Instance, gpu: Gpu, shape: Shape, m: int, launches: int = 3,
-           consts: dict[str, int] | None = None) -> Expectation:
+def expect(inst: Instance, gpu: Gpu, shape: Shape, m: int, consts: dict[str, int] | None = None) -> Expectation:
     """The modelled call at M tokens: streaming time on the busiest SM plus what does not stream."""
     c = consts or plan_constants()
     plan = plan_of(inst, c)
@@ -292,7 +320,7 @@ def expect(inst: Instance, gpu: Gpu, shape: Shape, m: int, launches: int = 3,
     ntiles_n = math.ceil(shape.size_n / plan.bn)
     mtiles = e * max(1, math.ceil(slots_per_expert / plan.bm))
     units = round(mtiles) * ntiles_n * kstages
-    blocks = min(gpu.sms * 2, units)  # the grid: two blocks per SM, equal stream-K ranges
+    blocks = min(gpu.sms * inst.grid_blocks_per_sm, units)  # the grid: equal stream-K ranges
     starts = [b * units // blocks for b in range(blocks + 1)]  # unit_start() of the kernel
     longest = max(starts[b + 1] - starts[b] for b in range(blocks))
     # tiles a block starts: each is a pipeline fill (a memory latency before its first stage)
@@ -303,13 +331,13 @@ def expect(inst: Instance, gpu: Gpu, shape: Shape, m: int, launches: int = 3,
     bytes_total = cost.hbm_bytes * units + activations + outputs
     clk = gpu.clock_hz
     # the busiest SM streams its blocks' stages at the slowest resource's rate
-    per_sm = min(blocks, cost.blocks) if blocks >= gpu.sms * cost.blocks else math.ceil(blocks / gpu.sms)
+    per_sm = math.ceil(blocks / gpu.sms)  # blocks an SM runs (resident or in a later wave)
     steady_s = per_sm * longest * cost.cycles[cost.limit] / clk
     fill_s = tiles * gpu.latency_s
     fixup_s = gpu.latency_s if cut else 0.0  # publish, flag, acquire, read the partials (L2)
     red = (4 * 16 * min(plan.mt, math.ceil(rows / 16)) * plan.bn * 4) * 2  # warp partials out and back
-    epilogue_s = tiles * red / gpu.smem_bytes_per_clk / clk
-    launch_s = (launches - 1) * gpu.launch_gap_s
+    epilogue_s = tiles * red / gpu.smem_bytes_per_clk / clk if plan.reduction else 0.0
+    launch_s = (inst.launches - 1) * gpu.launch_gap_s
     parts = {"streaming": steady_s, "pipeline fills": fill_s, "stream-K fix-up": fixup_s,
              "epilogue": epilogue_s, "other launches": launch_s}
     total = sum(parts.values())
@@ -339,7 +367,7 @@ def instances_from_static(path: Path) -> list[Instance]:
     return out
 
 
-def pick_instance(instances: list[Instance], shape: Shape, m: int, num_bits: int = 4) -> Instance:
+def pick_instance(instances, shape: Shape, m: int, num_bits: int = 4) -> Instance:
     rows = launcher_rows(shape, m)
     want = {16: (1, 4), 32: (2, 2), 64: (4, 1)}[rows]
     return next(i for i in instances if i.num_bits == num_bits and (i.mt, i.nt) == want and "fp16" not in i.name)
@@ -392,6 +420,13 @@ def main(argv: list[str] | None = None) -> int:
     rows, costs = model(instances, gpus)
     print(f"static figures: {instances[0].source}")
     print(render(rows, gpus, costs))
+    print("\nv3 design (assumed figures, not a kernel: warps over N, scales in registers, one launch, "
+          "4 blocks per SM), share of HBM peak at M = 1 / 16 / 64:")
+    shape = Shape()
+    for g in gpus:
+        for d in V3_DESIGN:
+            got = [expect(d, g, shape, m) for m in (1, 16, 64)]
+            print(f"  {g.name}, {d.name}: " + " / ".join(f"{100 * r.fraction:.0f} % ({r.limit})" for r in got))
     print("\nsensitivity to the single-warp issue rate (share of HBM peak at M = 1 / 16 / 64):")
     for g in gpus:
         for ipc in (0.3, 0.4, 0.5):

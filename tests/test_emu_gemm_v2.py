@@ -126,7 +126,9 @@ def test_emulated_gemm_v2_under_sanitizers(drivers, flavour: str, item) -> None:
     variant, sms, case = item
     prob = grid_problem(**case)
     # blocks side by side in seeded orders: the stream-K partials and counters are shared
-    for dev in seeded_devices(sms, item)[1:]:
+    # (ThreadSanitizer in both schedules, AddressSanitizer, whose findings do not depend on the
+    # interleaving, in one)
+    for dev in seeded_devices(sms, item)[1:] if flavour == "tsan" else seeded_devices(sms, item)[-1:]:
         check_gemm(prob, *run_gemm_v2(exe, prob, variant, dev=dev))
 
 

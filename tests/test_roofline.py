@@ -70,3 +70,20 @@ def test_expectation_at_m1_by_hand() -> None:
 def test_launcher_tile_choice() -> None:
     s = R.Shape()
     assert [R.launcher_rows(s, m) for m in (1, 16, 64, 256, 512)] == [16, 16, 16, 32, 64]
+
+
+def test_v3_design_accounting_by_hand() -> None:
+    d = R.V3_DESIGN[0]
+    # no lane table, no cross-warp reduction buffer: the 4-stage pipeline (4 x 13,056 B) and the
+    # row tables (16 x 4 + 16 x 8 + 16 B); 128 registers -> 4 blocks per SM (the grid's own cap)
+    assert R.plan_of(d).smem == 4 * 13_056 + 64 + 128 + 16
+    assert R.blocks_per_sm(d, R.plan_of(d), H200) == (4, "registers")
+    c = R.stage_cost(d, H200, R.Shape(), rows=1)
+    # shared memory: copies 80, ldmatrix 4 warps x 4 k-tiles x 4 = 64, weights 64, scale rows into
+    # registers 4 x 4 x 4 x 2 / 4 = 32 per group -> 16 per stage
+    assert c.cycles["shared memory"] == 80 + 64 + 64 + 16
+    # 16 warps per SM: 4 per scheduler, the issue slots full; 471 SASS + a quarter refill (68 / 2)
+    assert c.issue_rate == 1.0 and c.cycles["issue"] == pytest.approx(471 + 34)
+    assert c.limit == "copy limit"
+    e = R.expect(d, H200, R.Shape(), 1)
+    assert e.parts_us["other launches"] == 0 and e.parts_us["epilogue"] == 0

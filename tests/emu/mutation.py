@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
@@ -116,7 +117,9 @@ def verdict(exe: Path, variant: str, case: dict, dev: dict) -> Optional[str]:
     try:
         check_gemm(prob, r, got)
     except AssertionError as e:
-        return "wrong output: " + (str(e).strip().splitlines() or ["?"])[0][:120]
+        first = (str(e).strip().splitlines() or [""])[0]
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        return f"wrong output: {first[:100] or (where.line or '?').strip()[:100]}"
     return None
 
 
