@@ -30,11 +30,11 @@ test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -rs
 
 # The kernels in depth: every GEMM mutant must be caught by the emulated tests (each one a
-# recompile of the GEMM source), the kill count of each over every case, and the nvcc builds.
+# recompile of the GEMM source; `make test` runs two of them), then how many of the plain and
+# ThreadSanitizer cases catch each one (exit 1 if one survives).
 test-kernels: $(BIN)/.installed
-	$(BIN)/python -m pytest -q -rs -m 'mutants or not mutants' tests/test_emu_mutants.py tests/test_emu.py tests/test_emu_gemm_v2.py
+	$(BIN)/python -m pytest -q -rs -m 'mutants or not mutants' tests/test_emu_mutants.py
 	$(BIN)/python -m tests.emu.mutation
-	if command -v nvcc >/dev/null; then $(BIN)/python -m pytest -q -rs -m nvcc; fi
 
 # The planner against the real decision code of every supported vLLM release (fetches each
 # release's sources once into ~/.cache/wna16ctl; `make test` runs only the oldest and newest).
