@@ -87,3 +87,22 @@ def test_v3_design_accounting_by_hand() -> None:
     assert c.limit == "copy limit"
     e = R.expect(d, H200, R.Shape(), 1)
     assert e.parts_us["other launches"] == 0 and e.parts_us["epilogue"] == 0
+
+
+def test_static_figures_from_kernel_static_json(tmp_path: Path) -> None:
+    import json
+
+    rows = [dict(kernel="v2", arch="90", name="bf16 4-bit 16x256 fast", num_bits=4, registers=232,
+                 loop_instructions=450, loop_mma=32, counted_in="sass"),
+            dict(kernel="v2", arch="90", name="fp16 4-bit 16x256 fast", num_bits=4, registers=240,
+                 loop_instructions=487, loop_mma=32, counted_in="sass"),
+            dict(kernel="v2", arch="80", name="bf16 4-bit 16x256 fast", num_bits=4, registers=1,
+                 loop_instructions=1, loop_mma=1, counted_in="sass"),
+            dict(kernel="v2", arch="90", name="bf16 4-bit 16x128 general", num_bits=4, registers=196,
+                 loop_instructions=2786, loop_mma=16, counted_in="sass")]
+    path = tmp_path / "static.json"
+    path.write_text(json.dumps({"kernels": rows, "notes": []}))
+    got = R.instances_from_static(path)
+    assert [(i.name, i.mt, i.nt, i.registers, i.loop_sass) for i in got] == [
+        ("4-bit bf16 16x256", 1, 4, 232, 450), ("4-bit fp16 16x256", 1, 4, 240, 487)]
+    assert R.pick_instance(got, R.Shape(), 1).loop_sass == 450  # the bench shape is bf16
