@@ -64,7 +64,7 @@ rc=$?
 if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
   not_run "the CUDA build took longer than ${BUILD_LIMIT} s"
 fi
-echo "build: $(( $(date +%s) - t0 )) s (outside the ${BUDGET} s budget)"
+[ $rc -eq 0 ] && echo "build: $(( $(date +%s) - t0 )) s (outside the ${BUDGET} s budget)"
 
 # hard stop a little above the python budget, so a hung kernel still leaves a report behind
 LIMIT=$(( BUDGET + 15 ))
