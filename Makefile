@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 DEMO_DIR ?= build/demo
 TP ?= 2
 
-.PHONY: install demo test conformance test-engine engine-venv bench clean
+.PHONY: install demo test test-kernels conformance test-engine engine-venv bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,13 @@ demo: $(BIN)/.installed
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -rs
+
+# The kernels in depth: every GEMM mutant must be caught by the emulated tests (each one a
+# recompile of the GEMM source; `make test` runs two of them), then how many of the plain and
+# ThreadSanitizer cases catch each one (exit 1 if one survives).
+test-kernels: $(BIN)/.installed
+	$(BIN)/python -m pytest -q -rs -m 'mutants or not mutants' tests/native/test_emu_mutants.py
+	$(BIN)/python -m tests.emu.mutation
 
 # The planner against the real decision code of every supported vLLM release (fetches each
 # release's sources once into ~/.cache/wna16ctl; `make test` runs only the oldest and newest).

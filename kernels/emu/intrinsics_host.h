@@ -5,19 +5,28 @@
 // Execution model (docs/kernel-emulation.md has the long form):
 //   * a launch runs its blocks on "teams" of real threads, one std::thread per CUDA thread of the
 //     block; a team runs one block after another (WNA16_EMU_BLOCKS teams run side by side, default
-//     one), threads are created once per launch and reused for every block;
+//     one), threads are created once per launch and reused for every block; with a schedule
+//     seed (WNA16_EMU_SEED, non-zero) the blocks are dealt to the teams in a seeded random order
+//     and each block starts after a seeded random delay, so blocks overlap differently per seed;
 //   * wna16_syncthreads is a barrier of the block's threads; warp collectives (mma, ldmatrix,
 //     shuffles, ballot, syncwarp) are a rendezvous of the warp's 32 lanes, each lane depositing its
 //     operands and computing its own result from the others' -- as the hardware's fragment tables
 //     say, so a fragment bug gives wrong numbers here as on a GPU;
 //   * dynamic shared memory is one exactly sized heap block per team, filled with a poison pattern
 //     (16-bit 0x7FFF: NaN as fp16/bf16/fp32, a huge int32) before every block;
-//   * cp.async copies are queued per thread and performed only when a cp.async.wait_group retires
-//     their group, so a missing wait reads poison and races with the late write (ThreadSanitizer);
+//   * cp.async reads its source and overwrites its destination with the poison pattern when it is
+//     issued (the copy may land any time from then on), and reads the source again and writes the
+//     data when a cp.async.wait_group retires its group: a read of the destination before the wait
+//     sees poison, a copy issued into a buffer that another thread still reads races with that
+//     read, and a source that changes between issue and wait aborts;
 //   * a barrier or collective that not every thread reaches (an early return, divergence) aborts
 //     with a message instead of hanging; so do misaligned or non-shared ldmatrix/cp.async addresses.
 // The synchronisation is built on C++ atomics (acquire/release), which ThreadSanitizer models, so a
 // missing wna16_syncthreads between a shared-memory write and another thread's read is reported.
+// Global atomics are relaxed, as atomicAdd / atomicCAS are on the device: only ld.acquire,
+// st.release and a fence order other memory, so a consumer that trusts a relaxed counter without
+// an acquire is reported by ThreadSanitizer; relaxed atomics may yield the CPU (seeded) to widen
+// the window in which other blocks interleave.
 #pragma once
 
 #include <limits.h>
@@ -151,6 +160,7 @@ struct Device {
   int l2_bytes = 50 * 1024 * 1024;
   int runtime_version = 12080, driver_version = 12080;
   int concurrent_blocks = 1;  // teams of threads running blocks side by side
+  int seed = 0;               // block schedule and yield seed; 0 = blocks in index order, no yields
   double timeout_s = 120;     // a barrier or collective waiting longer than this aborts
 };
 
@@ -167,6 +177,7 @@ inline Device& device() {
     x.cc_major = cc / 10, x.cc_minor = cc % 10;
     x.smem_optin = env_int("WNA16_EMU_SMEM_OPTIN", x.smem_optin);
     x.concurrent_blocks = env_int("WNA16_EMU_BLOCKS", x.concurrent_blocks);
+    x.seed = env_int("WNA16_EMU_SEED", x.seed);
     x.timeout_s = env_int("WNA16_EMU_TIMEOUT_S", (int)x.timeout_s);
     return x;
   }();
@@ -273,11 +284,21 @@ struct ThreadState {
     const void* src;
     bool pred;
     int64_t group;
+    unsigned char seen[16];  // the source as read at issue
   };
   std::vector<Copy> copies;
   int64_t committed = 0;  // groups committed so far
   int64_t retired = 0;    // groups [0, retired) are complete
+  uint64_t rng = 0;       // seeded per thread and block (0: no schedule noise)
 };
+
+// splitmix64: the emulator's seeded noise (block order, start delays, yields)
+inline uint64_t mix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
 
 inline ThreadState& self() {
   static thread_local ThreadState s;
@@ -318,6 +339,24 @@ inline const Slot* rendezvous(const Slot& mine) {
     if (buf[l].op != mine.op || buf[l].kind != mine.kind)
       fatal("%s: lanes of one warp met at different collectives", "warp collective");
   return buf;
+}
+
+// A relaxed atomic may let other threads run first (seeded, about one call in four), so that the
+// blocks of a stream-K fix-up interleave differently from run to run.
+inline void maybe_yield() {
+  uint64_t& r = self().rng;
+  if (!r) return;
+  r = mix64(r);
+  if ((r & 3) == 0) std::this_thread::yield();
+  if ((r & 63) == 1) {
+    timespec ts{0, (long)(1000 + (r >> 40) % 20000)};
+    nanosleep(&ts, nullptr);
+  }
+}
+
+// The poison pattern of shared memory (16-bit 0x7FFF: NaN in fp16, bf16 and fp32; a huge int32).
+inline void poison(unsigned char* p, size_t bytes, size_t offset) {
+  for (size_t i = 0; i < bytes; ++i) p[i] = ((offset + i) & 1) ? 0x7F : 0xFF;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -432,6 +471,17 @@ void run_grid(dim3 grid, dim3 block, size_t smem_bytes, Fn body) {
     b.reset(new Barrier());
     b->expected = (int)nthreads;
   }
+  // which blocks each team runs, in order: index order, or a seeded shuffle dealt round robin
+  std::vector<int64_t> order((size_t)nblocks);
+  for (int64_t b = 0; b < nblocks; ++b) order[(size_t)b] = b;
+  const uint64_t seed = (uint64_t)(uint32_t)device().seed;
+  if (seed) {
+    uint64_t r = mix64(seed ^ 0x5EEDull);
+    for (int64_t i = nblocks - 1; i > 0; --i) {
+      r = mix64(r);
+      std::swap(order[(size_t)i], order[(size_t)(r % (uint64_t)(i + 1))]);
+    }
+  }
   std::vector<std::thread> threads;
   threads.reserve((size_t)(teams * nthreads));
   for (int ti = 0; ti < teams; ++ti)
@@ -447,12 +497,17 @@ void run_grid(dim3 grid, dim3 block, size_t smem_bytes, Fn body) {
                           (unsigned)(tid / ((int64_t)block.x * block.y))};
         blockDim = block;
         gridDim = grid;
-        for (int64_t b = ti; b < nblocks; b += teams) {
+        for (int64_t bi = ti; bi < nblocks; bi += teams) {
+          const int64_t b = order[(size_t)bi];
+          s.rng = seed ? mix64(seed * 0x100000001B3ull ^ (uint64_t)(b << 16) ^ (uint64_t)tid) | 1 : 0;
           blockIdx = uint3{(unsigned)(b % grid.x), (unsigned)((b / grid.x) % grid.y),
                            (unsigned)(b / ((int64_t)grid.x * grid.y))};
           if (tid == 0) {
-            // poison: 16-bit 0x7FFF everywhere (NaN in fp16, bf16 and fp32; a huge int32)
-            for (size_t i = 0; i < t->smem_bytes; ++i) t->smem[i] = (i & 1) ? 0x7F : 0xFF;
+            poison(t->smem, t->smem_bytes, 0);
+            if (seed) {  // a seeded start delay: blocks of different teams overlap differently
+              timespec ts{0, (long)(mix64(seed ^ (uint64_t)b) % 200000)};
+              nanosleep(&ts, nullptr);
+            }
             t->block_bar.exited.store(0, std::memory_order_relaxed);
             for (auto& w : t->warps) w->bar.exited.store(0, std::memory_order_relaxed);
           }
@@ -664,13 +719,19 @@ WNA16_DEV void wna16_ldmatrix_x4_trans(uint32_t r[4], const void* smem_row) {
   wna16_emu_ldmatrix(r, smem_row, wna16::emu::kOpLdm4T, 4);
 }
 
-// cp.async: queued now, performed (source read, destination written) when a wait retires it.
+// cp.async: the source is read and the destination poisoned at issue (the copy is in flight and
+// may land at any moment); at the wait that retires its group the source is read again -- it
+// must not have changed -- and the data written.
 WNA16_DEV void wna16_cp_async16(void* smem, const void* gmem, bool pred = true) {
   using namespace wna16::emu;
   check_aligned(smem, 16, "cp.async destination");
   check_in_shared(smem, 16, "cp.async destination");
   if (pred) check_aligned(gmem, 16, "cp.async source");
-  self().copies.push_back(ThreadState::Copy{smem, gmem, pred, -1});
+  ThreadState::Copy c{smem, gmem, pred, -1, {}};
+  if (pred) memcpy(c.seen, gmem, 16);
+  unsigned char* dst = static_cast<unsigned char*>(smem);
+  poison(dst, 16, (size_t)(dst - self().team->smem));
+  self().copies.push_back(c);
 }
 WNA16_DEV void wna16_cp_async_commit() {
   using namespace wna16::emu;
@@ -689,8 +750,16 @@ WNA16_DEV void wna16_cp_async_wait() {
   std::vector<ThreadState::Copy> keep;
   for (const auto& c : s.copies) {
     if (c.group >= 0 && c.group < done) {
-      if (c.pred) memcpy(c.dst, c.src, 16);
-      else memset(c.dst, 0, 16);
+      if (c.pred) {
+        unsigned char now[16];
+        memcpy(now, c.src, 16);
+        if (memcmp(now, c.seen, 16))
+          fatal("%s: its source changed between the issue and the wait (a write raced with "
+                "a copy in flight)", "cp.async");
+        memcpy(c.dst, now, 16);
+      } else {
+        memset(c.dst, 0, 16);
+      }
     } else {
       keep.push_back(c);
     }
@@ -787,27 +856,49 @@ WNA16_DEV void wna16_syncwarp() {
   wna16::emu::rendezvous(mine);
 }
 
-// Global-memory atomics. They are acq_rel here (relaxed on the device): ThreadSanitizer does not
-// model standalone fences, so a threadfence-then-flag protocol would otherwise be reported.
-WNA16_DEV int wna16_atomic_add(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_ACQ_REL); }
+// Global-memory atomics, with the device's orderings: atomicAdd / atomicCAS are relaxed (they
+// order nothing else), ld.acquire / st.release are what their PTX says. A seeded yield around
+// each gives other blocks a window to run in between.
+WNA16_DEV int wna16_atomic_add(int* p, int v) {
+  wna16::emu::maybe_yield();
+  const int old = __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
+  wna16::emu::maybe_yield();
+  return old;
+}
 WNA16_DEV float wna16_atomic_add_f32(float* p, float v) {
+  wna16::emu::maybe_yield();
   uint32_t* u = reinterpret_cast<uint32_t*>(p);
-  uint32_t old = __atomic_load_n(u, __ATOMIC_ACQUIRE);
+  uint32_t old = __atomic_load_n(u, __ATOMIC_RELAXED);
   for (;;) {
     const float next = wna16::emu::f32_from_bits(old) + v;
     uint32_t nb;
     memcpy(&nb, &next, 4);
-    if (__atomic_compare_exchange_n(u, &old, nb, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+    if (__atomic_compare_exchange_n(u, &old, nb, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
       return wna16::emu::f32_from_bits(old);
   }
 }
 WNA16_DEV int wna16_atomic_cas(int* p, int expected, int desired) {
-  __atomic_compare_exchange_n(p, &expected, desired, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+  wna16::emu::maybe_yield();
+  __atomic_compare_exchange_n(p, &expected, desired, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+  wna16::emu::maybe_yield();
   return expected;  // the old value either way
 }
-WNA16_DEV int wna16_load_acquire(const int* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
-WNA16_DEV void wna16_store_release(int* p, int v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
-WNA16_DEV void wna16_threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+WNA16_DEV int wna16_load_acquire(const int* p) {
+  wna16::emu::maybe_yield();
+  return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+}
+WNA16_DEV void wna16_store_release(int* p, int v) {
+  wna16::emu::maybe_yield();
+  __atomic_store_n(p, v, __ATOMIC_RELEASE);
+}
+// fence.sc.gpu: ThreadSanitizer does not model a standalone fence, so the fence is an acq_rel
+// read-modify-write of one word that every fence of the process shares: a fence before a relaxed
+// flag store and a fence after the relaxed load that sees the flag are then ordered as on the
+// device (stronger than the device between fences that do not pair, never weaker).
+WNA16_DEV void wna16_threadfence() {
+  static std::atomic<uint32_t> fence_word{0};
+  fence_word.fetch_add(1, std::memory_order_acq_rel);
+}
 
 // Conversions: 16-bit -> fp32 exactly; fp32 -> 16-bit rounded to nearest even.
 WNA16_DEV float2 wna16_f16x2_to_float2(uint32_t v) {

@@ -101,16 +101,59 @@ __global__ void convert_kernel(int bf16, int n, const float* x, uint32_t* packed
 
 // Each thread stages 16-byte chunk tid with cp.async (odd chunks with pred false when zfill),
 // then reads its neighbour's chunk. mode 0: wait before the barrier (correct); 1: the wait comes
-// only after the reads (broken: the neighbour's data is not there yet).
+// only after the reads (broken: the neighbour's data is not there yet); 2: the thread changes
+// its source between the issue and the wait (broken: a write races with the copy in flight).
+// Modes 3 and 4 reuse the buffer: a plain store and a barrier, the neighbour's chunk read, then
+// a cp.async into the chunk just read -- 4 with a barrier between the reads and the copy
+// (correct), 3 without (broken: the copy may land while the neighbour still reads).
 __global__ void cp_async_kernel(int mode, int zfill, const uint4* src, uint4* out) {
   WNA16_SHARED_MEMORY(uint4, sm_chunks);
   const int t = threadIdx.x, n = blockDim.x;
+  if (mode >= 3) {
+    sm_chunks[t] = src[t];
+    wna16_syncthreads();
+    out[t] = sm_chunks[(t + 1) % n];
+    if (mode == 4) wna16_syncthreads();
+    wna16_cp_async16(&sm_chunks[t], &src[(t + 1) % n]);
+    wna16_cp_async_commit();
+    wna16_cp_async_wait<0>();
+    return;
+  }
   wna16_cp_async16(&sm_chunks[t], &src[t], !(zfill && (t & 1)));
   wna16_cp_async_commit();
-  if (mode == 0) wna16_cp_async_wait<0>();
+  if (mode == 2) const_cast<uint4*>(src)[t].x += 1;
+  if (mode == 0 || mode == 2) wna16_cp_async_wait<0>();
   wna16_syncthreads();
   out[t] = sm_chunks[(t + 1) % n];
   if (mode == 1) wna16_cp_async_wait<0>();
+}
+
+// Two blocks of one thread: block 1 writes data[0..n) and raises *flag, block 0 waits for the
+// flag and copies data to out. mode 0: st.release / ld.acquire (correct); 1: a relaxed atomicAdd
+// on both sides (broken: nothing orders the data); 2: a fence before the relaxed raise and after
+// the relaxed wait (correct).
+__global__ void flag_kernel(int mode, int n, int* data, int* flag, int* out) {
+  if (blockIdx.x == 1) {
+    for (int i = 0; i < n; ++i) data[i] = 1000 + i;
+    if (mode == 0) wna16_store_release(flag, 1);
+    if (mode == 2) wna16_threadfence();
+    if (mode != 0) wna16_atomic_add(flag, 1);
+    return;
+  }
+  if (mode == 0) {
+    while (wna16_load_acquire(flag) == 0) {
+    }
+  } else {
+    while (wna16_atomic_add(flag, 0) == 0) {
+    }
+  }
+  if (mode == 2) wna16_threadfence();
+  for (int i = 0; i < n; ++i) out[i] = data[i];
+}
+
+// The order in which the blocks of a launch start: out[k] = the k-th block to start.
+__global__ void order_kernel(int* counter, int* out) {
+  if (threadIdx.x == 0) out[wna16_atomic_add(counter, 1)] = (int)blockIdx.x;
 }
 
 // mode 0: shared write, barrier, neighbour read; 1: the barrier removed (a data race);
@@ -176,6 +219,14 @@ int wna16_probe_convert(int bf16, int n, const float* x, uint32_t* packed, float
 }
 int wna16_probe_cp_async(int mode, int zfill, int n, const void* src, void* out) {
   WNA16_LAUNCH(1, n, n * 16, nullptr, cp_async_kernel, mode, zfill, (const uint4*)src, (uint4*)out);
+  return status();
+}
+int wna16_probe_flag(int mode, int n, int* data, int* flag, int* out) {
+  WNA16_LAUNCH(2, 1, 0, nullptr, flag_kernel, mode, n, data, flag, out);
+  return status();
+}
+int wna16_probe_order(int blocks, int* counter, int* out) {
+  WNA16_LAUNCH(blocks, 32, 0, nullptr, order_kernel, counter, out);
   return status();
 }
 int wna16_probe_smem(int mode, int n, const uint32_t* src, uint32_t* out) {

@@ -5,7 +5,7 @@
 //
 //   runner DIR      DIR/args.txt: "op NAME", "int KEY VALUE", "buf NAME" (DIR/NAME.bin loaded
 //                   into an exactly sized heap block, so an out-of-bounds access is caught),
-//                   "out NAME" (written to DIR/NAME.out after the call), "dev sms|cc|blocks VALUE".
+//                   "out NAME" (written to DIR/NAME.out after the call), "dev sms|cc|blocks|seed VALUE".
 // Prints "rc N" and the library's last error; exits 0 when the call ran (whatever rc it gave).
 #include <stdint.h>
 #include <stdio.h>
@@ -29,6 +29,8 @@ int wna16_probe_half2(int, int, const uint32_t*, const uint32_t*, const uint32_t
 int wna16_probe_convert(int, int, const float*, uint32_t*, float*);
 int wna16_probe_cp_async(int, int, int, const void*, void*);
 int wna16_probe_smem(int, int, const uint32_t*, uint32_t*);
+int wna16_probe_flag(int, int, int*, int*, int*);
+int wna16_probe_order(int, int*, int*);
 int wna16_probe_offbyone(int, int, const uint32_t*, uint32_t*);
 int wna16_probe_smem_limit(int, int, int, const uint32_t*, uint32_t*);
 int wna16_probe_dims(int*);
@@ -140,6 +142,9 @@ int run(const std::string& op) {
                                B<float>("wide"));
   if (op == "cp_async")
     return wna16_probe_cp_async((int)I("mode"), (int)I("zfill"), (int)I("n"), B("src"), B("out"));
+  if (op == "flag")
+    return wna16_probe_flag((int)I("mode"), (int)I("n"), B<int>("data"), B<int>("flag"), B<int>("out"));
+  if (op == "order") return wna16_probe_order((int)I("blocks"), B<int>("counter"), B<int>("out"));
   if (op == "smem")
     return wna16_probe_smem((int)I("mode"), (int)I("n"), B<uint32_t>("src"), B<uint32_t>("out"));
   if (op == "smem_limit")
@@ -181,6 +186,7 @@ int main(int argc, char** argv) {
       if (d == "sms") dev.sms = (int)value;
       else if (d == "cc") dev.cc_major = (int)value / 10, dev.cc_minor = (int)value % 10;
       else if (d == "blocks") dev.concurrent_blocks = (int)value;
+      else if (d == "seed") dev.seed = (int)value;
       else die("unknown device setting", d);
     } else {
       die("bad line", line);

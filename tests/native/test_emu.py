@@ -3,8 +3,10 @@
 * the emulated intrinsics against independent references: mma fragments against a plain matmul
   (fp16, bf16), ldmatrix against the PTX ISA's fragment table, shuffles and ballot, prmt/lop3
   against Python bit math, packed fp16/bf16 arithmetic and conversions against numpy/torch;
-* the emulation's checks: cp.async data arrives only at its wait, shared memory starts poisoned,
-  a divergent barrier and a misaligned ldmatrix abort;
+* the emulation's checks: cp.async data arrives only at its wait, a cp.async source changed in
+  flight aborts, a copy issued into a buffer still being read races, relaxed atomics order
+  nothing, the block schedule follows its seed, shared memory starts poisoned, a divergent
+  barrier and a misaligned ldmatrix abort;
 * the real kernels (kernels/moe_gemm.cu, kernels/repack.cu, launchers included) on the test grid,
   against the torch ops, plain and under ThreadSanitizer / AddressSanitizer+UBSan;
 * deliberately broken kernels (a removed barrier, an off-by-one read, a missing wait; also the
@@ -382,6 +384,40 @@ def test_cp_async_data_arrives_at_the_wait(plain: Path) -> None:
     assert torch.equal(got[~torch.from_numpy(poisoned)], neighbour[~torch.from_numpy(poisoned)])
 
 
+def test_cp_async_source_changed_in_flight_aborts(plain: Path) -> None:
+    """cp.async reads its source at issue and again at its wait: a write in between is a race
+    with the copy in flight, and the emulation stops on it."""
+    bufs = {"src": torch.arange(256, dtype=torch.int32), "out": torch.zeros(256, dtype=torch.int32)}
+    r = H.run(plain, "cp_async", bufs, {"mode": 2, "zfill": 0, "n": 64}, ("out",))
+    assert r.returncode != 0 and "source changed between the issue and the wait" in r.stderr, r.stderr[-2000:]
+
+
+def test_cp_async_into_a_buffer_after_a_barrier(plain: Path) -> None:
+    n = 64
+    src = torch.arange(n * 4, dtype=torch.int32) + 7
+    r = _ok(H.run(plain, "cp_async", {"src": src, "out": torch.zeros(n * 4, dtype=torch.int32)},
+                  {"mode": 4, "zfill": 0, "n": n}, ("out",)))
+    assert torch.equal(r.tensor("out", torch.int32, (n, 4)), torch.roll(src.reshape(n, 4), -1, 0))
+
+
+def test_block_schedule_is_seeded(plain: Path) -> None:
+    """Seed 0 runs the blocks in index order; a seed deals them in its own order, the same each
+    time it is given."""
+    blocks = 24
+
+    def order(seed: int, teams: int = 1) -> list[int]:
+        r = _ok(H.run(plain, "order", {"counter": torch.zeros(1, dtype=torch.int32),
+                                       "out": torch.full((blocks,), -1, dtype=torch.int32)},
+                      {"blocks": blocks}, ("out",), dev={"blocks": teams, "seed": seed}))
+        return r.tensor("out", torch.int32).tolist()
+
+    assert order(0) == list(range(blocks))
+    first = order(7)
+    assert sorted(first) == list(range(blocks)) and first != list(range(blocks))
+    assert order(7) == first and order(8) != first
+    assert sorted(order(9, teams=3)) == list(range(blocks))  # side by side: every block once
+
+
 def test_shared_memory_starts_poisoned(plain: Path) -> None:
     r = _ok(H.run(plain, "smem", {"src": torch.arange(128, dtype=torch.int32), "out": torch.zeros(128, dtype=torch.int32)},
                   {"mode": 2, "n": 128}, ("out",)))
@@ -455,6 +491,30 @@ def test_tsan_reports_a_late_cp_async_wait(tsan: Path) -> None:
     bufs = {"src": torch.arange(256, dtype=torch.int32), "out": torch.zeros(256, dtype=torch.int32)}
     assert _ok(H.run(tsan, "cp_async", bufs, {"mode": 0, "zfill": 0, "n": 64}, ("out",)))
     assert _race_reported(H.run(tsan, "cp_async", bufs, {"mode": 1, "zfill": 0, "n": 64}, ("out",)))
+
+
+def test_tsan_reports_a_cp_async_issued_into_a_buffer_still_read(tsan: Path) -> None:
+    """A copy issued before the barrier that ends the reads of its destination: the copy may land
+    at once, so the emulation writes the destination at issue and the reads race with it."""
+    bufs = {"src": torch.arange(256, dtype=torch.int32), "out": torch.zeros(256, dtype=torch.int32)}
+    assert _ok(H.run(tsan, "cp_async", bufs, {"mode": 4, "zfill": 0, "n": 64}, ("out",)))
+    assert _race_reported(H.run(tsan, "cp_async", bufs, {"mode": 3, "zfill": 0, "n": 64}, ("out",)))
+
+
+def test_tsan_reports_data_published_with_a_relaxed_atomic(tsan: Path) -> None:
+    """atomicAdd is relaxed on the device and in the emulation: a flag raised and read with it
+    orders nothing, unlike st.release / ld.acquire or a fence on both sides."""
+    n = 16
+
+    def run(mode: int) -> H.Result:
+        bufs = {"data": torch.zeros(n, dtype=torch.int32), "flag": torch.zeros(1, dtype=torch.int32),
+                "out": torch.zeros(n, dtype=torch.int32)}
+        return H.run(tsan, "flag", bufs, {"mode": mode, "n": n}, ("out",), dev={"blocks": 2, "seed": 3})
+
+    for mode in (0, 2):
+        r = _ok(run(mode))
+        assert r.tensor("out", torch.int32).tolist() == [1000 + i for i in range(n)]
+    assert _race_reported(run(1))
 
 
 def test_asan_reports_an_off_by_one_read(asan: Path) -> None:

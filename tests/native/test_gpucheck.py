@@ -123,3 +123,74 @@ def test_compute_sanitizer_absent_is_recorded_as_skipped(monkeypatch: pytest.Mon
     report = gpucheck.Report(Path("unused.json"))
     assert gpucheck.step_sanitizer(report, gpucheck.Budget(100)) is None
     assert "compute-sanitizer not found" in report["sanitizer"]["skipped"]
+
+
+def _fake_sanitizer(tmp_path: Path, text: str, code: int) -> str:
+    tool = tmp_path / "compute-sanitizer"
+    tool.write_text(f"#!/bin/sh\ncat <<'END'\n{text}\nEND\nexit {code}\n")
+    tool.chmod(0o755)
+    return str(tool)
+
+
+def test_compute_sanitizer_refusing_the_device_is_not_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lent machine's runtime that compute-sanitizer does not support: the tool never looked at
+    the kernels, so the check is "not run" with the tool's reason, not a failure."""
+    refusal = "========= COMPUTE-SANITIZER\n========= Error: Device not supported. Please refer to the " \
+              "\"Supported Devices\" section of the sanitizer documentation"
+    monkeypatch.setattr(gpucheck, "find_compute_sanitizer", lambda: _fake_sanitizer(tmp_path, refusal, 1))
+    report = gpucheck.Report(tmp_path / "r.json")
+    report["status"] = "passed"
+    assert gpucheck.step_sanitizer(report, gpucheck.Budget(600)) is None
+    san = report["sanitizer"]
+    assert all("Device not supported" in san[t]["not_run"] for t in gpucheck.SANITIZER_TOOLS)
+    assert "Device not supported" in san["not_run"]
+    assert "compute-sanitizer: not run (compute-sanitizer refused the device" in gpucheck.summary(report)
+
+
+def test_compute_sanitizer_finding_an_error_still_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    found = "========= Invalid __global__ read of size 4 bytes\n========= ERROR SUMMARY: 1 error"
+    monkeypatch.setattr(gpucheck, "find_compute_sanitizer", lambda: _fake_sanitizer(tmp_path, found, 66))
+    report = gpucheck.Report(tmp_path / "r.json")
+    assert gpucheck.step_sanitizer(report, gpucheck.Budget(600)) is False
+    assert report["sanitizer"]["memcheck"]["ok"] is False and "not_run" not in report["sanitizer"]
+
+
+def test_the_budget_starts_after_the_build_and_keeps_the_report_reserve(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    built = []
+
+    def build(report):
+        time.sleep(1.5)  # longer than the checks' share below: it must not count against it
+        built.append(1)
+        report["build"] = {"ok": True, "seconds": 1.5}
+
+    def hang(report, budget):
+        report["repack_started_with"] = budget.left()
+        time.sleep(30)
+
+    monkeypatch.setattr(gpucheck, "step_env", lambda report: None)
+    monkeypatch.setattr(gpucheck, "step_build", build)
+    monkeypatch.setattr(gpucheck, "step_repack", hang)
+    out = tmp_path / "gpu_check.json"
+    t0 = time.monotonic()
+    # 61 s of budget less the 60 s reserve: one second for the checks, then the report
+    assert gpucheck.run(out, gpucheck.REPORT_RESERVE_S + 1.0, 1, False, False) == 1
+    assert time.monotonic() - t0 < 10
+    data = json.loads(out.read_text())
+    assert data["status"] == "stopped" and "budget" in data["reason"] and "repack_checks" in data["reason"]
+    assert 0.5 < data["repack_started_with"] <= 1.0  # the 1.5 s build was not charged
+    assert data["budget"] == {"seconds": 61.0, "report_reserve": 60.0, "build_seconds_outside": 1.5}
+    # --build-only stops after the build
+    assert gpucheck.run(out, 480, 1, False, False, build_only=True) == 0
+    assert json.loads(out.read_text())["status"] == "built" and len(built) == 2
+    assert gpucheck.DEFAULT_BUDGET_S == 480
+
+
+def test_gemm_rows_carry_the_model_expectation() -> None:
+    report = {"env": {"device": "NVIDIA H200"}, "device": {"sm_count": 132, "peak_gbps": 4800.0}}
+    got = gpucheck.model_expectation(report, 1)
+    assert got["gpu"] == "H200 SXM" and got["instance"] == "4-bit 16x256"
+    assert 20 < got["expected_pct_of_peak"] < 30 and got["limit"].startswith("fixed costs")
+    other = gpucheck.model_expectation({"env": {"device": "NVIDIA L40S"}, "device": {"sm_count": 142,
+                                                                                      "peak_gbps": 864.0}}, 16)
+    assert other["gpu"] == "NVIDIA L40S" and other["expected_pct_of_peak"] > 0

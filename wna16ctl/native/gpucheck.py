@@ -1,9 +1,12 @@
 """One unattended GPU check: build the kernels, check them against the CPU path, benchmark them.
 
     python -m wna16ctl.native.gpucheck [--out FILE] [--budget SECONDS] [--no-pytest] [--no-sanitizer]
+    python -m wna16ctl.native.gpucheck --build-only
 
-Runs in under five minutes on one NVIDIA GPU with nothing prepared but a python with torch
-(CUDA build) and nvcc. Writes one JSON file ($OUT/gpu_check.json when $OUT is set, else
+Builds the CUDA library first (cached: a second run finds it), outside the time budget; the
+budget (default 480 s) then covers the checks, which stop REPORT_RESERVE_S (60 s) before it ends
+so that the report is always written. Needs nothing prepared but a python with torch (CUDA
+build) and nvcc. Writes one JSON file ($OUT/gpu_check.json when $OUT is set, else
 ./gpu_check.json) and rewrites it after every step and case (atomically), so a time limit or a
 hung kernel leaves what was measured; prints a short summary. Exit status: 0 all checks passed,
 1 a check failed (or the run was stopped), 2 the check could not run (no GPU / torch without
@@ -18,12 +21,14 @@ Checks:
   e ∈ {8,64}, top-k ∈ {2,6}, 4/8 bit, group size -1/32/128, zero points, act-order (full and
   partial K); plus a few small cases against the CPU op;
 * compute-sanitizer memcheck, racecheck and synccheck on three tiny GEMM cases (v2 with tiles
-  cut between blocks, v2 with g_idx, v1), when compute-sanitizer is installed;
+  cut between blocks, v2 with g_idx, v1), when compute-sanitizer is installed; a tool that
+  refuses the device ("Device not supported") is "not run" with its reason, never a failure;
 * the test-suite's `gpu` tests when pytest is importable.
 Benchmarks (CUDA events around the bare library calls: no host synchronisation inside the timed
 region): repack throughput, plain and act-order, as a share of the GPU's peak memory bandwidth;
 GEMM time and weight bandwidth of v2 and v1 against torch bf16 matmuls of the dequantised
-weights, batch 1-512; the goals (repack >= 70% of peak, v2 >= 50% at m <= 16, v2 within 1.5x of
+weights, batch 1-512, each row with the share of the HBM peak that bench/roofline.py's model
+expects for it; the goals (repack >= 70% of peak, v2 >= 50% at m <= 16, v2 within 1.5x of
 bf16 at m >= 64) are reported as met or not, apart from the pass/fail of the checks.
 """
 
@@ -49,6 +54,11 @@ import torch
 
 TOL = {torch.float16: 2.0 ** -9, torch.bfloat16: 2.0 ** -6}  # of max |ref|; output rounding dominates
 GOALS = {"repack_pct_of_peak": 70.0, "gemm_pct_of_peak_m_le_16": 50.0, "gemm_vs_bf16_m_ge_64": 1.5}
+DEFAULT_BUDGET_S = 480.0
+REPORT_RESERVE_S = 60.0  # the checks stop this long before the budget ends: the report is written
+# what compute-sanitizer prints when it cannot attach to the GPU (a runtime / driver it does not
+# support): the tool did not run, which says nothing about the kernels
+SANITIZER_REFUSED = re.compile(r"(?i)device not supported|unsupported (gpu|device)|not supported on this (gpu|device)")
 
 
 class Report(dict):
@@ -71,12 +81,19 @@ def _now() -> float:
 
 
 class Budget:
-    def __init__(self, seconds: float):
+    """Seconds left for the checks: the budget less the reserve kept for writing the report."""
+
+    def __init__(self, seconds: float, reserve: float = 0.0):
         self.start = _now()
         self.seconds = seconds
+        self.reserve = reserve
 
     def left(self) -> float:
-        return self.seconds - (_now() - self.start)
+        return self.seconds - self.reserve - (_now() - self.start)
+
+
+class BudgetSpent(Exception):
+    """The checks reached the end of their budget (the report reserve is what remains)."""
 
 
 def _time_cuda(fn: Callable[[], Any], reps: int = 20, warmup: int = 3) -> float:
@@ -473,8 +490,37 @@ def bench_gemm(report: Report, budget: Budget) -> None:
         ms = _time_cuda(lambda: torch.bmm(a_pad, w_act), reps=10)
         entry["torch_bf16_bmm"] = {"ms": round(ms, 4), "weight_gbps": round(bf16_bytes / ms / 1e6, 1)}
         entry["v2_over_bf16"] = round(entry["v2"]["ms"] / ms, 2)
+        entry["v1_over_bf16"] = round(entry["v1"]["ms"] / ms, 2)
+        entry["model"] = model_expectation(report, m)
+        if "expected_pct_of_peak" in entry["model"]:
+            entry["v2_over_model"] = round(entry["v2"]["pct_of_peak"] / entry["model"]["expected_pct_of_peak"], 2)
         rows.append(entry)
         report.save()
+
+
+def model_expectation(report: dict, m: int) -> dict:
+    """bench/roofline.py's expected share of the HBM peak for v2 at this M on this device (the
+    checkout's bench/; the recorded sm_90 static figures)."""
+    # the checkout's bench/, however deep this module sits in the package
+    bench = next((d / "bench" for d in Path(__file__).resolve().parents if (d / "bench" / "roofline.py").is_file()),
+                 None)
+    if bench is None:
+        return {"not_run": "bench/roofline.py not in this checkout"}
+    sys.path.insert(0, str(bench))
+    try:
+        import roofline as R
+    finally:
+        sys.path.remove(str(bench))
+    dev, name = report.get("device", {}), report.get("env", {}).get("device", "")
+    gpu = next((g for key, g in R.GPUS.items() if key in name.lower().replace(" ", "")), None)
+    if gpu is None or dev.get("sm_count") not in (None, gpu.sms):
+        if not dev.get("peak_gbps") or not dev.get("sm_count"):
+            return {"not_run": f"no model for {name or 'this device'}"}
+        gpu = R.Gpu(name or "this GPU", dev["peak_gbps"] * 1e9, dev["sm_count"], 1.98e9)
+    shape = R.Shape()
+    e = R.expect(R.pick_instance(list(R.RECORDED_SM90), shape, m), gpu, shape, m)
+    return {"gpu": gpu.name, "instance": e.instance, "expected_pct_of_peak": round(100 * e.fraction, 1),
+            "modelled_us": round(e.modelled_us, 1), "limit": e.limit}
 
 
 def goals(report: Report) -> dict:
@@ -545,6 +591,7 @@ def step_sanitizer(report: Report, budget: Budget) -> Optional[bool]:
     results: dict[str, Any] = {"tool": tool_path, "cases": [c for c, _ in SANITIZER_CASES]}
     report["sanitizer"] = results
     ok = True
+    ran_any = False
     for tool in SANITIZER_TOOLS:
         if budget.left() < 50:
             results[tool] = {"skipped": "no time left"}
@@ -560,13 +607,25 @@ def step_sanitizer(report: Report, budget: Budget) -> Optional[bool]:
                 proc = subprocess.run(cmd, capture_output=True, text=True,
                                       timeout=max(20.0, min(90.0, budget.left() - 40)))
             tail = (proc.stdout + proc.stderr).strip().splitlines()[-12:]
+            refused = SANITIZER_REFUSED.search(proc.stdout + proc.stderr)
+            if proc.returncode and refused:
+                line = next((ln for ln in tail if SANITIZER_REFUSED.search(ln)), refused.group(0)).strip("= ")
+                results[tool] = {"not_run": f"compute-sanitizer refused the device: {line}",
+                                 "returncode": proc.returncode, "seconds": round(_now() - t0, 1), "tail": tail}
+                report.save()
+                continue
             passed = proc.returncode == 0
             results[tool] = {"ok": passed, "returncode": proc.returncode, "seconds": round(_now() - t0, 1), "tail": tail}
         except subprocess.TimeoutExpired:
             passed = False
             results[tool] = {"ok": False, "error": "timed out", "seconds": round(_now() - t0, 1)}
+        ran_any = True
         ok &= passed
         report.save()
+    if not ran_any:
+        reasons = {results[t].get("not_run") or results[t].get("skipped") for t in SANITIZER_TOOLS if t in results}
+        results["not_run"] = "; ".join(sorted(r for r in reasons if r))
+        return None
     return ok
 
 
@@ -614,8 +673,14 @@ def summary(report: dict) -> str:
                      f"worst rel err v2 {worst['v2']}, v1 {worst['v1']})")
     if "sanitizer" in report:
         san = report["sanitizer"]
-        state = san.get("skipped") or ", ".join(
-            f"{t} {san[t].get('skipped') or ('ok' if san[t].get('ok') else 'FAILED')}" for t in SANITIZER_TOOLS if t in san)
+
+        def tool_state(t: str) -> str:
+            d = san[t]
+            if d.get("not_run"):
+                return "not run"
+            return d.get("skipped") or ("ok" if d.get("ok") else "FAILED")
+        state = san.get("skipped") or (f"not run ({san['not_run']})" if san.get("not_run") else ", ".join(
+            f"{t} {tool_state(t)}" for t in SANITIZER_TOOLS if t in san))
         lines.append(f"  compute-sanitizer: {state}")
     if "pytest_gpu" in report:
         p = report["pytest_gpu"]
@@ -627,17 +692,22 @@ def summary(report: dict) -> str:
                      f"({br['plain']['pct_of_peak']}% of peak {report.get('device', {}).get('peak_gbps')} GB/s), "
                      f"act-order {br['act_order']['gbps_read_write']} GB/s")
     for row in report.get("bench_gemm", {}).get("rows", []):
+        model = row.get("model", {})
+        expected = (f", model {model['expected_pct_of_peak']}% ({model['limit']})"
+                    if "expected_pct_of_peak" in model else "")
         lines.append(f"  GEMM m={row['m']:>3}: v2 {row['v2']['ms']} ms ({row['v2']['weight_gbps']} GB/s, "
-                     f"{row['v2']['pct_of_peak']}% of peak), v1 {row['v1']['ms']} ms, torch bf16 "
-                     f"{row['torch_bf16_bmm']['ms']} ms (v2 / bf16 = {row['v2_over_bf16']})")
+                     f"{row['v2']['pct_of_peak']}% of peak{expected}), v1 {row['v1']['ms']} ms, torch bf16 "
+                     f"{row['torch_bf16_bmm']['ms']} ms (v2 / bf16 = {row['v2_over_bf16']}, "
+                     f"v1 / bf16 = {row.get('v1_over_bf16')})")
     for name, g in report.get("goals", {}).items():
         state = "not measured" if g.get("met") is None else ("met" if g["met"] else "NOT met")
         lines.append(f"  goal {name} {g['goal']}: {state}")
     return "\n".join(lines)
 
 
-def run(out: Path, budget_s: float, gemm_count: int, with_pytest: bool, with_sanitizer: bool = True) -> int:
-    budget = Budget(budget_s)
+def run(out: Path, budget_s: float, gemm_count: int, with_pytest: bool, with_sanitizer: bool = True,
+        build_only: bool = False) -> int:
+    budget = Budget(budget_s, REPORT_RESERVE_S)
     report = Report(out)
     report.update(status="running", started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), steps_done=[])
     repo = Path(__file__).resolve().parents[2]
@@ -656,6 +726,9 @@ def run(out: Path, budget_s: float, gemm_count: int, with_pytest: bool, with_san
         finish("stopped", f"terminated by signal {signum} during {report.get('step', '?')}: partial report", 1)
         os._exit(1)
 
+    def spent(signum, frame) -> None:  # the checks' share of the budget is over
+        raise BudgetSpent()
+
     def step(name: str) -> None:
         if report.get("step"):
             report["steps_done"].append(report["step"])
@@ -672,6 +745,15 @@ def run(out: Path, budget_s: float, gemm_count: int, with_pytest: bool, with_san
         reason = step_build(report)
         if reason:
             return finish("not-run", reason, 2)
+        if build_only:
+            return finish("built")
+        # the budget covers the checks: it starts now, after the (cached) build, and a timer
+        # stops them REPORT_RESERVE_S before its end
+        budget = Budget(budget_s, REPORT_RESERVE_S)
+        report["budget"] = {"seconds": budget_s, "report_reserve": REPORT_RESERVE_S,
+                            "build_seconds_outside": report["build"].get("seconds")}
+        signal.signal(signal.SIGALRM, spent)
+        signal.setitimer(signal.ITIMER_REAL, max(1.0, budget.left()))
         step("repack_checks")
         ok = step_repack(report, budget)
         step("gemm_checks")
@@ -691,10 +773,14 @@ def run(out: Path, budget_s: float, gemm_count: int, with_pytest: bool, with_san
             step("pytest_gpu")
             ok &= step_pytest(report, budget, repo) is not False
         step("done")
+    except BudgetSpent:
+        return finish("stopped", f"the checks' budget ({budget_s:g} s less {REPORT_RESERVE_S:g} s for the report) "
+                      f"ran out during {report.get('step', '?')}: the steps after it did not run", 1)
     except Exception as exc:  # keep whatever was measured
         report["exception"] = traceback.format_exc()[-4000:]
         return finish("error", f"{type(exc).__name__}: {exc}"[:300], 1)
     finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGTERM, previous)
     return finish("passed" if ok else "failed", None if ok else "see the failing cases", 0 if ok else 1)
 
@@ -703,7 +789,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m wna16ctl.native.gpucheck", description=__doc__.splitlines()[0])
     default_out = Path(os.environ["OUT"]) / "gpu_check.json" if os.environ.get("OUT") else Path("gpu_check.json")
     parser.add_argument("--out", type=Path, default=default_out)
-    parser.add_argument("--budget", type=float, default=270.0, help="seconds for the whole check (default 270)")
+    parser.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S,
+                        help=f"seconds for the checks after the build (default {DEFAULT_BUDGET_S:g}; they stop "
+                             f"{REPORT_RESERVE_S:g} s before it ends to write the report)")
+    parser.add_argument("--build-only", action="store_true", help="build (or find cached) the CUDA library and stop")
     parser.add_argument("--gemm-cases", type=int, default=24, help="GEMM grid cases to run (default 24)")
     parser.add_argument("--no-pytest", action="store_true", help="skip the test-suite's gpu tests")
     parser.add_argument("--no-sanitizer", action="store_true", help="skip the compute-sanitizer runs")
@@ -711,7 +800,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.sanitizer_cases:
         return sanitizer_cases()
-    return run(args.out, args.budget, args.gemm_cases, not args.no_pytest, not args.no_sanitizer)
+    return run(args.out, args.budget, args.gemm_cases, not args.no_pytest, not args.no_sanitizer, args.build_only)
 
 
 if __name__ == "__main__":

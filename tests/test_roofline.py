@@ -1,0 +1,108 @@
+"""bench/roofline.py's arithmetic on one case computed by hand: the v2 4-bit 16x256 fast tile on
+an H200 at M = 1 (bench shape: E 64, K 2048, N 1536, top-8, int4 group 128, bf16)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import roofline as R  # noqa: E402
+
+INST = R.Instance("4-bit 16x256", 4, 1, 4, registers=240, loop_sass=487, loop_mma=32)
+H200 = R.GPUS["h200"]
+
+
+def test_plan_twin_matches_the_recorded_dynamic_shared_memory() -> None:
+    # kernel_static.py read 100,560 B (4-bit 16x256) and 120,016 B (8-bit 16x256) from the plan
+    assert R.plan_of(INST).smem == 100_560
+    assert R.plan_of(R.Instance("8-bit", 8, 1, 4, 245, 531, 32)).smem == 120_016
+
+
+def test_occupancy_by_hand() -> None:
+    # 240 registers x 32 lanes = 7,680 per warp (whole 256-register units), x 4 warps = 30,720:
+    # 65,536 // 30,720 = 2 blocks; shared memory: 233,472 // (100,560 + 1,024) = 2 as well
+    assert R.blocks_per_sm(INST, R.plan_of(INST), H200) == (2, "registers")
+    # the 8-bit tile's 120,016 B leave room for one block
+    eight = R.Instance("8-bit", 8, 1, 4, 245, 531, 32)
+    assert R.blocks_per_sm(eight, R.plan_of(eight), H200) == (1, "shared memory")
+
+
+def test_stage_cost_by_hand() -> None:
+    c = R.stage_cost(INST, H200, R.Shape(), rows=1)
+    # HBM per stage: 4 k-tiles x 4 n-tiles x 128 words x 4 B = 8,192 B of weights, plus one
+    # 512 B scale row (256 bf16) every second stage (group 128 = 2 stages of 64 rows)
+    assert c.hbm_bytes == 8192 + 256
+    # 4.8e12 B/s / 132 SMs / 1.98e9 clk/s = 18.3655 B per SM and clock
+    assert c.cycles["hbm"] == pytest.approx(8448 / 18.36547, rel=1e-5)
+    # shared memory in 128 B wavefronts: copies (16 x 128 + 8,192) / 128 = 80, ldmatrix 4 warps x 4
+    # = 16, weight loads 4 warps x 4 n-tiles x 4 = 64, lane table 4 x 4 x 4 sub-tiles x 4 = 256,
+    # refill 4 x 4 x 4 x (4 narrow + 4) = 512 per group -> 256 per stage
+    assert c.cycles["shared memory"] == 80 + 16 + 64 + 256 + 256
+    # issue: 8 warps per SM = 2 per scheduler, 2 x 0.4 = 0.8 of the issue slots; 487 SASS per stage
+    # plus the refill (4 n-tiles x 4 sub-tiles x 17 = 272 per group -> 136 per stage)
+    assert c.warps_per_scheduler == 2 and c.issue_rate == pytest.approx(0.8)
+    assert c.cycles["issue"] == pytest.approx((487 + 136) / 0.8)
+    assert c.limit == "issue"
+    assert c.steady_fraction == pytest.approx(459.99 / 778.75, rel=1e-4)
+
+
+def test_expectation_at_m1_by_hand() -> None:
+    e = R.expect(INST, H200, R.Shape(), 1)
+    # 1 token reaches 8 experts: 8 tiles x 6 n-tiles x 32 stages = 1,536 units on 264 blocks, the
+    # longest range 6 stages, two blocks per SM; some range crosses a tile boundary (2 fills) and
+    # some tile is cut (one fix-up)
+    steady = 2 * 6 * 778.75 / 1.98e9
+    fills, fixup = 2 * 0.8e-6, 0.8e-6
+    epilogue = 2 * (4 * 16 * 256 * 4 * 2) / 128 / 1.98e9  # per tile 4 warps' fp32 partials out and back
+    launches = 2 * 1.5e-6  # workspace reset and tile prefix before the main kernel
+    total = steady + fills + fixup + epilogue + launches
+    assert e.modelled_us == pytest.approx(total * 1e6, rel=1e-6)
+    nbytes = 8448 * 1536 + 2048 * 2 + 8 * 1536 * 2  # weights + scales, activations, outputs
+    assert e.hbm_bytes == pytest.approx(nbytes)
+    assert e.fraction == pytest.approx(nbytes / 4.8e12 / total, rel=1e-6)
+    assert 0.24 < e.fraction < 0.25
+    assert e.limit.startswith("fixed costs: other launches")  # 6.4 of 11.2 us do not stream
+
+
+def test_launcher_tile_choice() -> None:
+    s = R.Shape()
+    assert [R.launcher_rows(s, m) for m in (1, 16, 64, 256, 512)] == [16, 16, 16, 32, 64]
+
+
+def test_v3_design_accounting_by_hand() -> None:
+    d = R.V3_DESIGN[0]
+    # no lane table, no cross-warp reduction buffer: the 4-stage pipeline (4 x 13,056 B) and the
+    # row tables (16 x 4 + 16 x 8 + 16 B); 128 registers -> 4 blocks per SM (the grid's own cap)
+    assert R.plan_of(d).smem == 4 * 13_056 + 64 + 128 + 16
+    assert R.blocks_per_sm(d, R.plan_of(d), H200) == (4, "registers")
+    c = R.stage_cost(d, H200, R.Shape(), rows=1)
+    # shared memory: copies 80, ldmatrix 4 warps x 4 k-tiles x 4 = 64, weights 64, scale rows into
+    # registers 4 x 4 x 4 x 2 / 4 = 32 per group -> 16 per stage
+    assert c.cycles["shared memory"] == 80 + 64 + 64 + 16
+    # 16 warps per SM: 4 per scheduler, the issue slots full; 471 SASS + a quarter refill (68 / 2)
+    assert c.issue_rate == 1.0 and c.cycles["issue"] == pytest.approx(471 + 34)
+    assert c.limit == "copy limit"
+    e = R.expect(d, H200, R.Shape(), 1)
+    assert e.parts_us["other launches"] == 0 and e.parts_us["epilogue"] == 0
+
+
+def test_static_figures_from_kernel_static_json(tmp_path: Path) -> None:
+    import json
+
+    rows = [dict(kernel="v2", arch="90", name="bf16 4-bit 16x256 fast", num_bits=4, registers=232,
+                 loop_instructions=450, loop_mma=32, counted_in="sass"),
+            dict(kernel="v2", arch="90", name="fp16 4-bit 16x256 fast", num_bits=4, registers=240,
+                 loop_instructions=487, loop_mma=32, counted_in="sass"),
+            dict(kernel="v2", arch="80", name="bf16 4-bit 16x256 fast", num_bits=4, registers=1,
+                 loop_instructions=1, loop_mma=1, counted_in="sass"),
+            dict(kernel="v2", arch="90", name="bf16 4-bit 16x128 general", num_bits=4, registers=196,
+                 loop_instructions=2786, loop_mma=16, counted_in="sass")]
+    path = tmp_path / "static.json"
+    path.write_text(json.dumps({"kernels": rows, "notes": []}))
+    got = R.instances_from_static(path)
+    assert [(i.name, i.mt, i.nt, i.registers, i.loop_sass) for i in got] == [
+        ("4-bit bf16 16x256", 1, 4, 232, 450), ("4-bit fp16 16x256", 1, 4, 240, 487)]
+    assert R.pick_instance(got, R.Shape(), 1).loop_sass == 450  # the bench shape is bf16
