@@ -217,9 +217,13 @@ def suggest(insp: Inspection) -> list[Suggestion]:
             n = 0
             for g in sorted((g for g in GROUP_SIZES if g not in current), key=lambda g: (_group_distance(g, ref), g)):
                 if n < MAX_PER_KIND and loads(insp, tp, ep, version, gpu, _with_group(g)):
-                    add(*_weight_change(proposal, "group_size", str(g), _group_text(g)),
+                    # channel-wise scales have no groups to order: act-order 'group' goes with them
+                    unordered = g == -1 and any(s.act_order for s in schemes)
+                    add(*_weight_change(proposal, "group_size", str(g), _group_text(g)
+                                        + (" without act-order groups" if unordered else ""), unordered),
                         weight_cost + 1.0 + _group_distance(g, ref),
-                        recipe=("strategy: channel" if g == -1 else f"group_size: {g}"), requantize=proposal is None)
+                        recipe=("strategy: channel" if g == -1 else f"group_size: {g}")
+                        + (", actorder: null" if unordered else ""), requantize=proposal is None)
                     n += 1
         if any(not s.symmetric for s in schemes) and loads(insp, tp, ep, version, gpu, _symmetric):
             add(*_weight_change(proposal, "symmetric", "true", "symmetric weights (no zero points)"), weight_cost + 3.0,
@@ -229,12 +233,12 @@ def suggest(insp: Inspection) -> list[Suggestion]:
     return out
 
 
-def _weight_change(proposal: Any, kind: str, value: str, what: str) -> tuple[str, str, str]:
-    """(kind, change, flags) of a change to the weights."""
+def _weight_change(proposal: Any, kind: str, value: str, what: str, unordered: bool = False) -> tuple[str, str, str]:
+    """(kind, change, flags) of a change to the weights (`unordered`: act-order dropped as well)."""
     if proposal is None:
         line = {"actorder": f"actorder: {value}", "group_size": "strategy: channel" if value == "-1" else
                 f"group_size: {value}", "symmetric": f"symmetric: {value}"}[kind]
-        return kind, f"requantize with {what}", line
+        return kind, f"requantize with {what}", line + (", actorder: null" if unordered else "")
     if kind == "symmetric":
         if proposal.scheme != "W4A16_ASYM" or proposal.recipe is not None:
             return kind, f"quantize with {what}", "symmetric: true"
@@ -242,5 +246,5 @@ def _weight_change(proposal: Any, kind: str, value: str, what: str) -> tuple[str
     elif kind == "actorder":
         changed = proposal.with_weights(actorder=value)
     else:
-        changed = proposal.with_weights(group_size=int(value))
+        changed = proposal.with_weights(group_size=int(value), actorder="none" if unordered else None)
     return kind, f"quantize with {what}", changed.command_flags()
