@@ -222,7 +222,7 @@ def suggest(insp: Inspection) -> list[Suggestion]:
                     add(*_weight_change(proposal, "group_size", str(g), _group_text(g)
                                         + (" without act-order groups" if unordered else ""), unordered),
                         weight_cost + 1.0 + _group_distance(g, ref),
-                        recipe=("strategy: channel" if g == -1 else f"group_size: {g}")
+                        recipe=("strategy: channel, group_size: -1" if g == -1 else f"group_size: {g}")
                         + (", actorder: null" if unordered else ""), requantize=proposal is None)
                     n += 1
         if any(not s.symmetric for s in schemes) and loads(insp, tp, ep, version, gpu, _symmetric):
@@ -236,7 +236,7 @@ def suggest(insp: Inspection) -> list[Suggestion]:
 def _weight_change(proposal: Any, kind: str, value: str, what: str, unordered: bool = False) -> tuple[str, str, str]:
     """(kind, change, flags) of a change to the weights (`unordered`: act-order dropped as well)."""
     if proposal is None:
-        line = {"actorder": f"actorder: {value}", "group_size": "strategy: channel" if value == "-1" else
+        line = {"actorder": f"actorder: {value}", "group_size": "strategy: channel, group_size: -1" if value == "-1" else
                 f"group_size: {value}", "symmetric": f"symmetric: {value}"}[kind]
         return kind, f"requantize with {what}", line + (", actorder: null" if unordered else "")
     if kind == "symmetric":

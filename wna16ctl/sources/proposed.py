@@ -58,11 +58,14 @@ def preset_weights(name: str, where: str = "--scheme") -> dict[str, Any]:
 
 
 def override_weights(weights: dict[str, Any], group_size: int | None, actorder: str | None) -> dict[str, Any]:
-    """`weights` with `--group-size` (-1: channel-wise) and `--actorder` (none: no ordering) applied."""
+    """`weights` with `--group-size` (-1: channel-wise) and `--actorder` (none: no ordering) applied.
+
+    Channel-wise is written `group_size: -1` (as a recipe saying so writes it): a config with
+    `group_size: null` instead meets the Marlin gate crash of vLLM 0.27-0.29 (the planner reports it)."""
     w = dict(weights)
     if group_size is not None:
         if group_size == -1:
-            w.update(strategy="channel", group_size=None)
+            w.update(strategy="channel", group_size=-1)
         elif group_size > 0:
             w.update(strategy="group", group_size=group_size)
         else:
