@@ -204,3 +204,13 @@ def test_no_suggestion_when_no_single_change_loads(small):
     assert res.exit_code == 1 and json.loads(res.stdout)["suggestions"] == []
     res = CliRunner().invoke(cli, args)
     assert "TP 1: no single change that was tried loads" in res.output
+
+
+def test_new_json_keys_are_documented(small, tmp_path):
+    from tests.test_json_docs import documented
+
+    doc = documented("inspect-json.md")
+    j = wna16ctl.inspect(small["b768"], tp=4, scheme="W4A16", suggest=True).to_json()
+    assert {"proposed", "proposal", "suggestions"} <= set(j) and {"proposed", "proposal", "suggestions"} <= doc
+    assert set(j["proposal"]) <= doc, set(j["proposal"]) - doc
+    assert j["suggestions"] and set(j["suggestions"][0]) <= doc, set(j["suggestions"][0]) - doc

@@ -5,6 +5,8 @@
 * `model`, `moe`: discovery of the model's dimensions, its MoE layers and its quantized linear layers.
 * `hub`: the same from the Hugging Face Hub (headers only), and GSM8K from the Hub.
 * `jsonfile`: JSON parsing with the limits every input file gets.
+* `proposed`, `recipe`: an unquantized base seen as the checkpoint a proposed scheme or llm-compressor
+  recipe would produce.
 
 Knows nothing of engines: `planning` decides what a release does with what is read here.
 """
