@@ -178,3 +178,23 @@ def test_bad_recipes_are_one_line_errors(tmp_path, text, message, models):
 def test_option_misuse_is_a_usage_error(models, args, message):
     res = CliRunner().invoke(cli, ["inspect", str(models["base"]), *args])
     assert res.exit_code == 2 and message in res.output
+
+
+def test_a_hub_base_is_planned_from_its_headers(models, tmp_path):
+    from tests.hubserver import FakeHub
+    from tests.sources.test_hub import wna16ctl as run
+
+    hub = FakeHub()
+    try:
+        hub.add("acme/base", models["base"])
+        args = ["--scheme", "W4A16", "--tp", "1,2,4", "--json"]
+        remote = run(hub, tmp_path / "hf", "inspect", "acme/base", *args)
+        local = CliRunner().invoke(cli, ["inspect", str(models["base"]), *args])
+        assert remote.returncode == local.exit_code == 1, remote.stderr
+        a, b = json.loads(remote.stdout), json.loads(local.stdout)
+        assert [a["layers"], a["linear_layers"], a["model_checks"]] == [b["layers"], b["linear_layers"], b["model_checks"]]
+        assert a["source"]["repo_id"] == "acme/base" and a["proposed"] is True
+        gets = hub.range_gets()
+        assert gets and all(r[2] is not None for r in gets)  # shard headers by range request, never a whole shard
+    finally:
+        hub.close()
