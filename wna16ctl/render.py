@@ -146,8 +146,8 @@ def render_suggestions(console: Console, insp: Inspection, shown: int = 2) -> No
         if len(found) > shown:
             console.print(f"  TP {tp}: {len(found) - shown} more suggestion{'s' if len(found) - shown > 1 else ''} in --json")
     for tp in refused:
-        console.print(f"  TP {tp}: no single change that was tried loads (TP/EP, TP size, vLLM release, GPU, group "
-                      "size, act-order, symmetric weights)")
+        console.print(f"  TP {tp}: no change (or pair of changes) that was tried loads (TP/EP, TP size, vLLM release, "
+                      "GPU, group size, act-order, symmetric weights)")
 
 
 def _tp_loads(insp: Inspection, i: int) -> bool:

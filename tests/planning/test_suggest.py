@@ -79,7 +79,7 @@ def _recheck(path: Path, s: dict, base_args: list[str]) -> bool:
     """Inspect the configuration a suggestion names, from scratch: its TP/EP, release, GPU and, for
     a proposal, the flags it gives (which replace the proposal's own)."""
     args = [str(path), "--tp", str(s["tp"]), "--vllm", s["vllm"], "--gpu", s["gpu"]] + (["--ep"] if s["ep"] else [])
-    if s["kind"] in ("actorder", "group_size", "symmetric") and s["flags"].startswith("--"):
+    if "--scheme" in s["flags"] or "--recipe" in s["flags"]:  # the proposal it names, in full
         args += shlex.split(s["flags"])
     else:
         args += base_args
@@ -204,7 +204,22 @@ def test_no_suggestion_when_no_single_change_loads(small):
     res = CliRunner().invoke(cli, [*args, "--json"])
     assert res.exit_code == 1 and json.loads(res.stdout)["suggestions"] == []
     res = CliRunner().invoke(cli, args)
-    assert "TP 1: no single change that was tried loads" in res.output
+    assert "TP 1: no change (or pair of changes) that was tried loads" in res.output
+
+
+def test_pairs_of_changes_when_no_single_one_loads(small):
+    # act-order group (refused from 0.30.0) and 192 columns per rank (straddling groups of 128) at TP 4:
+    # one change fixes one refusal; the pairs are listed, each re-inspected from scratch
+    args = ["--scheme", "W4A16", "--actorder", "group"]
+    insp = wna16ctl.inspect(small["b768"], tp=4, scheme="W4A16", actorder="group", vllm="0.33.0", suggest=True)
+    s = [x.to_json() for x in insp.suggestions]
+    assert s and all("+" in x["kind"] for x in s)
+    assert s[0]["kind"] == "ep+actorder" and s[0]["flags"] == "--tp 4 --ep --scheme W4A16 --actorder static"
+    assert s[0]["vllm_flags"] == "--tensor-parallel-size 4 --enable-expert-parallel"
+    assert "actorder refused" in s[0]["refused"]  # the engine stops there; the straddle comes after
+    assert not _recheck(small["b768"], {**s[0], "ep": False, "flags": "--scheme W4A16 --actorder static"}, args)
+    for x in s:
+        assert _recheck(small["b768"], x, args), x
 
 
 def test_new_json_keys_are_documented(small, tmp_path):

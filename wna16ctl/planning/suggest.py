@@ -152,99 +152,166 @@ def _group_text(g: int) -> str:
     return "channel-wise scales (group size -1)" if g == -1 else f"group size {g}"
 
 
-def suggest(insp: Inspection) -> list[Suggestion]:
-    """Changes under which the model loads, for every requested TP size that is refused, nearest first."""
-    proposal = insp.proposal
-    version, gpu = insp.engine.version, insp.gpu
-    # weights not yet quantized change as cheaply as a serving flag; a checkpoint must be requantized
-    weight_cost = 1.5 if proposal is not None else 20.0
-    out: list[Suggestion] = []
+@dataclass(frozen=True)
+class _Option:
+    """One change to what was inspected: a serving setting, or a change of the weights' scheme."""
+
+    kind: str
+    text: str
+    cost: float
+    tp: int | None = None
+    ep: bool | None = None
+    version: str | None = None
+    gpu: str | None = None
+    group_size: int | None = None
+    actorder: str | None = None
+    symmetric: bool = False
+    unordered: bool = False  # channel-wise scales: act-order 'group' goes with them
+
+    def scheme_change(self) -> SchemeChange | None:
+        if self.group_size is not None:
+            return _with_group(self.group_size)
+        if self.actorder is not None:
+            return _static_actorder
+        return _symmetric if self.symmetric else None
+
+    def recipe_line(self) -> str | None:
+        if self.group_size is not None:
+            line = "strategy: channel, group_size: -1" if self.group_size == -1 else f"group_size: {self.group_size}"
+            return line + (", actorder: null" if self.unordered else "")
+        if self.actorder is not None:
+            return f"actorder: {self.actorder}"
+        return "symmetric: true" if self.symmetric else None
+
+
+LIMITS = {"ep": 1, "tp": MAX_PER_KIND, "vllm": 1, "gpu": 1, "actorder": 1, "group_size": MAX_PER_KIND, "symmetric": 1}
+MAX_PAIRS = 4  # pairs of changes listed when no single change loads
+
+
+def _options(insp: Inspection, tp: int, weight_cost: float) -> list[_Option]:
+    """Every single change tried for a refused `tp`, in the order of nearness within its kind."""
+    ep, version, gpu = insp.ep, insp.engine.version, insp.gpu
     schemes = _schemes(insp)
+    out = [_Option("ep", f"serve with expert parallelism at TP {tp}: each expert stays whole on one rank"
+                   if not ep else f"serve without expert parallelism at TP {tp}", 1.0, ep=not ep)]
+    for t in sorted((t for t in TP_CANDIDATES if t != tp), key=lambda t: (abs(math.log2(t) - math.log2(tp)), t)):
+        out.append(_Option("tp", f"serve at TP {t} instead of {tp}", 3.0 + abs(math.log2(t) - math.log2(tp)), tp=t))
+    for v in reversed(rules.RELEASES):  # the newest first
+        if v != version:
+            newer = rules.version_key(v) > rules.version_key(version)
+            out.append(_Option("vllm", f"use vLLM {v}", 6.0 if newer else 6.5, version=v))
+    cc = rules.GPUS[gpu]
+    for g in sorted((g for g in rules.GPUS if g != gpu), key=lambda g: (abs(rules.GPUS[g] - cc), rules.GPUS[g])):
+        out.append(_Option("gpu", f"run on {g} ({_GPU_NAMES.get(g, g)}) GPUs instead of {gpu}: the release ranks its "
+                           "backends by device", 8.0, gpu=g))
+    verb = "quantize" if insp.proposal is not None else "requantize"
+    if any(s.act_order for s in schemes):
+        out.append(_Option("actorder", f"{verb} with act-order 'static' instead of 'group' (the same accuracy recipe "
+                           "without g_idx at run time)", weight_cost + 1.0, actorder="static"))
+    current = sorted({s.group_size for s in schemes if s.strategy in ("group", "channel")})
+    if current:
+        ref = current[0]
+        for g in sorted((g for g in GROUP_SIZES if g not in current), key=lambda g: (_group_distance(g, ref), g)):
+            unordered = g == -1 and any(s.act_order for s in schemes)
+            out.append(_Option("group_size", f"{verb} with {_group_text(g)}"
+                               + (" without act-order groups" if unordered else ""),
+                               weight_cost + 1.0 + _group_distance(g, ref), group_size=g, unordered=unordered))
+    if any(not s.symmetric for s in schemes):
+        out.append(_Option("symmetric", f"{verb} with symmetric weights (no zero points)", weight_cost + 3.0,
+                           symmetric=True))
+    return out
+
+
+def _compose(changes: list[SchemeChange]) -> SchemeChange | None:
+    if not changes:
+        return None
+
+    def f(s: WeightScheme) -> WeightScheme:
+        for c in changes:
+            s = c(s)
+        return s
+    return f
+
+
+def _try(insp: Inspection, tp: int, opts: tuple[_Option, ...]) -> tuple[int, bool, str, str] | None:
+    """The deployment `opts` give, if the model loads under it (None otherwise)."""
+    tp_ = next((o.tp for o in opts if o.tp is not None), tp)
+    ep_ = next((o.ep for o in opts if o.ep is not None), insp.ep)
+    version = next((o.version for o in opts if o.version is not None), insp.engine.version)
+    gpu = next((o.gpu for o in opts if o.gpu is not None), insp.gpu)
+    change = _compose([c for c in (o.scheme_change() for o in opts) if c is not None])
+    return (tp_, ep_, version, gpu) if loads(insp, tp_, ep_, version, gpu, change) else None
+
+
+def _suggestion(insp: Inspection, tp: int, refused: tuple[str, ...], opts: tuple[_Option, ...],
+                where: tuple[int, bool, str, str], best_release: bool) -> Suggestion:
+    tp_, ep_, version, gpu = where
+    proposal = insp.proposal
+    kinds = [o.kind for o in opts]
+    parts: list[str] = []
+    if "ep" in kinds or "tp" in kinds:
+        parts.append(f"--tp {tp_}" + (" --ep" if ep_ else ""))
+    if "vllm" in kinds:
+        parts.append(f"--vllm {version}")
+    if "gpu" in kinds:
+        parts.append(f"--gpu {gpu}")
+    weights = [o for o in opts if o.scheme_change() is not None]
+    lines = [line for line in (o.recipe_line() for o in weights) if line]
+    if weights and proposal is None:
+        parts.append(", ".join(lines))
+    elif weights:
+        group = next((o.group_size for o in weights if o.group_size is not None), None)
+        actorder = next((o.actorder for o in weights if o.actorder is not None), None)
+        if actorder is None and any(o.unordered for o in weights):
+            actorder = "none"
+        symmetric = any(o.symmetric for o in weights)
+        if symmetric and (proposal.scheme != "W4A16_ASYM" or proposal.recipe is not None):
+            parts.append("symmetric: true")  # no option says it for a recipe or a custom scheme
+            symmetric = False
+        changed = proposal.with_weights(group_size=group, actorder=actorder, symmetric=True if symmetric else None)
+        if group is not None or actorder is not None or symmetric:
+            parts.append(changed.command_flags())
+    texts = [o.text for o in opts]
+    if best_release and "vllm" in kinds:
+        texts = [t + (", the newest known release that loads it" if o.kind == "vllm" else "") for t, o in zip(texts, opts)]
+    serving = "ep" in kinds or "tp" in kinds
+    return Suggestion(for_tp=tp, kind="+".join(kinds), change="; ".join(texts), flags=" ".join(parts), tp=tp_, ep=ep_,
+                      vllm=version, gpu=gpu,
+                      vllm_flags=(f"--tensor-parallel-size {tp_}" + (" --enable-expert-parallel" if ep_ else ""))
+                      if serving else None,
+                      recipe=", ".join(lines) or None, requantize=proposal is None and bool(weights), refused=refused,
+                      cost=sum(o.cost for o in opts))
+
+
+def suggest(insp: Inspection) -> list[Suggestion]:
+    """Changes under which the model loads, for every requested TP size that is refused, nearest
+    first: single changes; where none loads, pairs of changes of different kinds."""
+    # weights not yet quantized change as cheaply as a serving flag; a checkpoint must be requantized
+    weight_cost = 1.5 if insp.proposal is not None else 20.0
+    out: list[Suggestion] = []
     for i, tp in enumerate(insp.tps):
         refused = _refused_rules(insp, i)
         if not refused:
             continue
-        ep = insp.ep
+        options = _options(insp, tp, weight_cost)
         found: list[Suggestion] = []
-
-        def add(kind: str, change: str, flags: str, cost: float, *, tp_: int = tp, ep_: bool = ep,
-                version_: str = version, gpu_: str = gpu, vllm_flags: str | None = None, recipe: str | None = None,
-                requantize: bool = False) -> None:
-            found.append(Suggestion(for_tp=tp, kind=kind, change=change, flags=flags, tp=tp_, ep=ep_, vllm=version_,
-                                    gpu=gpu_, vllm_flags=vllm_flags, recipe=recipe, requantize=requantize,
-                                    refused=refused, cost=cost))
-
-        # 1. expert parallelism at the same number of GPUs (or without it, if it was asked for)
-        if loads(insp, tp, not ep, version, gpu):
-            if not ep:
-                add("ep", f"serve with expert parallelism at TP {tp}: each expert stays whole on one rank",
-                    f"--tp {tp} --ep", 1.0, ep_=True,
-                    vllm_flags=f"--tensor-parallel-size {tp} --enable-expert-parallel")
-            else:
-                add("ep", f"serve without expert parallelism at TP {tp}", f"--tp {tp}", 1.0, ep_=False,
-                    vllm_flags=f"--tensor-parallel-size {tp}")
-        # 2. another TP size, nearest first (the smaller of two equally near ones first)
-        others = sorted((t for t in TP_CANDIDATES if t != tp), key=lambda t: (abs(math.log2(t) - math.log2(tp)), t))
-        n = 0
-        for t in others:
-            if n < MAX_PER_KIND and loads(insp, t, ep, version, gpu):
-                add("tp", f"serve at TP {t} instead of {tp}" + (" (expert parallel)" if ep else ""),
-                    f"--tp {t}" + (" --ep" if ep else ""), 3.0 + abs(math.log2(t) - math.log2(tp)), tp_=t,
-                    vllm_flags=f"--tensor-parallel-size {t}" + (" --enable-expert-parallel" if ep else ""))
-                n += 1
-        # 3. another vLLM release: the newest that loads
-        for v in reversed(rules.RELEASES):
-            if v != version and loads(insp, tp, ep, v, gpu):
-                newer = rules.version_key(v) > rules.version_key(version)
-                add("vllm", f"use vLLM {v}, the {'newest' if newer else 'newest earlier'} known release that loads it "
-                    f"at TP {tp}", f"--vllm {v}", 6.0 if newer else 6.5, version_=v)
-                break
-        # 4. another GPU architecture, the nearest in compute capability
-        cc = rules.GPUS[gpu]
-        for g in sorted((g for g in rules.GPUS if g != gpu), key=lambda g: (abs(rules.GPUS[g] - cc), rules.GPUS[g])):
-            if loads(insp, tp, ep, version, g):
-                add("gpu", f"run on {g} ({_GPU_NAMES.get(g, g)}) GPUs instead of {gpu}: the release ranks "
-                    "its backends by device", f"--gpu {g}", 8.0, gpu_=g)
-                break
-        # 5. the weights: act-order static instead of group, another group size, symmetric
-        if any(s.act_order for s in schemes) and loads(insp, tp, ep, version, gpu, _static_actorder):
-            add(*_weight_change(proposal, "actorder", "static", "act-order 'static' instead of 'group' (the same "
-                                "accuracy recipe without g_idx at run time)"), weight_cost + 1.0,
-                recipe="actorder: static", requantize=proposal is None)
-        current = sorted({s.group_size for s in schemes if s.strategy in ("group", "channel")})
-        if current:
-            ref = current[0]
-            n = 0
-            for g in sorted((g for g in GROUP_SIZES if g not in current), key=lambda g: (_group_distance(g, ref), g)):
-                if n < MAX_PER_KIND and loads(insp, tp, ep, version, gpu, _with_group(g)):
-                    # channel-wise scales have no groups to order: act-order 'group' goes with them
-                    unordered = g == -1 and any(s.act_order for s in schemes)
-                    add(*_weight_change(proposal, "group_size", str(g), _group_text(g)
-                                        + (" without act-order groups" if unordered else ""), unordered),
-                        weight_cost + 1.0 + _group_distance(g, ref),
-                        recipe=("strategy: channel, group_size: -1" if g == -1 else f"group_size: {g}")
-                        + (", actorder: null" if unordered else ""), requantize=proposal is None)
-                    n += 1
-        if any(not s.symmetric for s in schemes) and loads(insp, tp, ep, version, gpu, _symmetric):
-            add(*_weight_change(proposal, "symmetric", "true", "symmetric weights (no zero points)"), weight_cost + 3.0,
-                recipe="symmetric: true", requantize=proposal is None)
+        taken: dict[str, int] = {}
+        for o in options:
+            if taken.get(o.kind, 0) >= LIMITS[o.kind]:
+                continue
+            where = _try(insp, tp, (o,))
+            if where is not None:
+                taken[o.kind] = taken.get(o.kind, 0) + 1
+                found.append(_suggestion(insp, tp, refused, (o,), where, best_release=True))
+        if not found:
+            pairs = sorted(((a, b) for j, a in enumerate(options) for b in options[j + 1:] if a.kind != b.kind),
+                           key=lambda ab: ab[0].cost + ab[1].cost)
+            for a, b in pairs:
+                if len(found) >= MAX_PAIRS:
+                    break
+                where = _try(insp, tp, (a, b))
+                if where is not None:
+                    found.append(_suggestion(insp, tp, refused, (a, b), where, best_release=False))
         found.sort(key=lambda s: s.cost)
         out += found
     return out
-
-
-def _weight_change(proposal: Any, kind: str, value: str, what: str, unordered: bool = False) -> tuple[str, str, str]:
-    """(kind, change, flags) of a change to the weights (`unordered`: act-order dropped as well)."""
-    if proposal is None:
-        line = {"actorder": f"actorder: {value}", "group_size": "strategy: channel, group_size: -1" if value == "-1" else
-                f"group_size: {value}", "symmetric": f"symmetric: {value}"}[kind]
-        return kind, f"requantize with {what}", line + (", actorder: null" if unordered else "")
-    if kind == "symmetric":
-        if proposal.scheme != "W4A16_ASYM" or proposal.recipe is not None:
-            return kind, f"quantize with {what}", "symmetric: true"
-        changed = replace(proposal.with_weights(symmetric=True), scheme="W4A16")
-    elif kind == "actorder":
-        changed = proposal.with_weights(actorder=value)
-    else:
-        changed = proposal.with_weights(group_size=int(value), actorder="none" if unordered else None)
-    return kind, f"quantize with {what}", changed.command_flags()
