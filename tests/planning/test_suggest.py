@@ -230,3 +230,16 @@ def test_new_json_keys_are_documented(small, tmp_path):
     assert {"proposed", "proposal", "suggestions"} <= set(j) and {"proposed", "proposal", "suggestions"} <= doc
     assert set(j["proposal"]) <= doc, set(j["proposal"]) - doc
     assert j["suggestions"] and set(j["suggestions"][0]) <= doc, set(j["suggestions"][0]) - doc
+
+
+def test_pairs_on_a_quantized_checkpoint_serving_first(tmp_path):
+    c = m.qwen3_30b_a3b(layers=1)
+    c["num_experts"] = 8
+    c["quantization_config"]["config_groups"]["group_0"]["weights"]["actorder"] = "group"
+    ck = m.write(tmp_path / "ag", c, m.qwen3_moe(c, c["quantization_config"]))
+    s = [x.to_json() for x in wna16ctl.inspect(ck, tp=4, vllm="0.33.0", suggest=True).suggestions]
+    assert [x["kind"] for x in s] == ["ep+vllm", "tp+vllm", "ep+actorder", "tp+actorder"]
+    assert s[0]["flags"] == "--tp 4 --ep --vllm 0.29.0" and not s[0]["requantize"]
+    assert s[2]["flags"] == "--tp 4 --ep; actorder: static" and s[2]["requantize"]
+    for x in s[:2]:
+        assert _recheck(ck, x, []), x

@@ -2,8 +2,8 @@
 
 Every candidate is one change to what was inspected -- expert parallelism at the same TP size,
 another TP size, another vLLM release, another GPU architecture, or a change of the weights'
-scheme (act-order `static` instead of `group`, another group size, symmetric weights) -- and is
-re-planned over the whole model with the same planners `inspect` uses (MoE layers, linear
+scheme (act-order `static` instead of `group`, another group size, symmetric weights), or, where
+no single change loads, a pair of changes of different kinds -- and is re-planned over the whole model with the same planners `inspect` uses (MoE layers, linear
 layers, the engine's model checks).  Only candidates under which every layer loads are kept,
 nearest first: changes to how the model is served before changes to the weights (for a proposed
 scheme, nothing is quantized yet, so its scheme changes rank with the serving ones), and within
@@ -257,7 +257,8 @@ def _suggestion(insp: Inspection, tp: int, refused: tuple[str, ...], opts: tuple
         parts.append(f"--gpu {gpu}")
     weights = [o for o in opts if o.scheme_change() is not None]
     lines = [line for line in (o.recipe_line() for o in weights) if line]
-    if weights and proposal is None:
+    if weights and proposal is None:  # the serving options, then the recipe line to requantize with
+        parts = [" ".join(parts) + ";"] if parts else []
         parts.append(", ".join(lines))
     elif weights:
         group = next((o.group_size for o in weights if o.group_size is not None), None)
@@ -306,11 +307,15 @@ def suggest(insp: Inspection) -> list[Suggestion]:
         if not found:
             pairs = sorted(((a, b) for j, a in enumerate(options) for b in options[j + 1:] if a.kind != b.kind),
                            key=lambda ab: ab[0].cost + ab[1].cost)
+            kinds_taken: set[tuple[str, str]] = set()  # the nearest pair of each two kinds only
             for a, b in pairs:
                 if len(found) >= MAX_PAIRS:
                     break
+                if (a.kind, b.kind) in kinds_taken:
+                    continue
                 where = _try(insp, tp, (a, b))
                 if where is not None:
+                    kinds_taken.add((a.kind, b.kind))
                     found.append(_suggestion(insp, tp, refused, (a, b), where, best_release=False))
         found.sort(key=lambda s: s.cost)
         out += found
