@@ -198,3 +198,14 @@ def test_a_hub_base_is_planned_from_its_headers(models, tmp_path):
         assert gets and all(r[2] is not None for r in gets)  # shard headers by range request, never a whole shard
     finally:
         hub.close()
+
+
+def test_layers_llm_compressor_refuses_are_named(tmp_path):
+    c = unquantized(m.qwen3_30b_a3b(layers=1))
+    c.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=1410)  # down_proj input 1410 is not a multiple of 128
+    base = m.write(tmp_path / "b", c, m.qwen3_moe(c, None))
+    ck = open_proposed(base, proposal_from_flags("W4A16"))
+    w = [x for x in ck.warnings if "refuses to quantize" in x]
+    assert len(w) == 1 and "model.layers.0.mlp.experts.0.down_proj (1410 columns)" in w[0] and "and 1 more" in w[0]
+    # the scales of such a layer hold a partial last group, as older writers stored them
+    assert ck.files.raw("model.layers.0.mlp.experts.0.down_proj.weight_scale")["shape"] == [2048, 12]

@@ -38,7 +38,6 @@ DEFAULT_IGNORE = (
 _EMBEDDINGS = ("embed_tokens", "wte", "wpe", "word_embeddings", "tok_embeddings", "embed_positions", "embeddings",
                "position_embedding", "patch_embedding")
 _FLOATS = ("BF16", "F16", "F32")
-_DT_BYTES = {"I32": 4, "I64": 8, "BF16": 2, "F16": 2, "F32": 4}
 
 
 def preset_weights(name: str, where: str = "--scheme") -> dict[str, Any]:
@@ -175,10 +174,12 @@ def _quantized_entries(module: str, entry: dict[str, Any], weights: dict[str, An
 
 
 def _nbytes(dtype: str, shape: list[int]) -> int:
-    n = _DT_BYTES.get(dtype, 2)
+    from wna16ctl.sources.headers import DTYPE_BITS
+
+    n = DTYPE_BITS.get(dtype, 16)
     for d in shape:
         n *= d
-    return n
+    return -(-n // 8)
 
 
 def open_proposed(path: str | os.PathLike[str], proposal: Proposal, revision: str | None = None) -> Any:
