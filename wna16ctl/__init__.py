@@ -32,7 +32,9 @@ TpSizes = int | str | Iterable[int]
 
 
 def inspect(path: PathLike, tp: TpSizes = "1,2,4,8", ep: bool = False, *, vllm: str = "installed", gpu: str = "sm90",
-            revision: str | None = None) -> Inspection:
+            revision: str | None = None, scheme: str | None = None, recipe: PathLike | None = None,
+            group_size: int | None = None, actorder: str | None = None, ignore: Iterable[str] | None = None,
+            suggest: bool = False) -> Inspection:
     """Plan every MoE layer of the checkpoint at `path` for each TP size (headers only, no GPU).
 
     `path`: a checkpoint directory or a Hub repo id `ORG/NAME[@REVISION]` (`revision` says the same).
@@ -41,13 +43,26 @@ def inspect(path: PathLike, tp: TpSizes = "1,2,4,8", ep: bool = False, *, vllm: 
     `vllm`: the release whose rules apply (`"0.33.0"`, `"latest"`, `"installed"` = the vllm package
     here, else the newest known; `"all"` plans every known release into `.versions`).
     `gpu`: the GPU architecture (`"sm80"`, `"sm90"`, ...): backend priority depends on it.
+    `scheme` (`"W4A16"`, `"W4A16_ASYM"`, `"W8A16"`) or `recipe` (an llm-compressor recipe file): `path`
+    is an unquantized model, planned as the checkpoint that quantization would write; `group_size`
+    (-1 = channel-wise), `actorder` (`"none"`, `"weight"`, `"static"`, `"group"`) and `ignore` (the
+    whole ignore list, `scheme` only) as the CLI options of the same names.
+    `suggest`: fill `.suggestions` with the nearest changes that load, for each TP size that does not.
     Returns the `Inspection` whose `to_json()` is `wna16ctl inspect --json` (docs/inspect-json.md);
     `.loadable` is the exit-0 condition.  Raises `BadInput`/`UsageError` on unusable input.
     """
     from wna16ctl.planning.inspection import inspect_checkpoint
     from wna16ctl.planning.tpsizes import parse_tp_list
+    from wna16ctl.sources.recipe import make_proposal
 
-    return inspect_checkpoint(path, parse_tp_list(tp), ep, vllm=vllm, gpu=gpu, revision=revision)
+    proposal = make_proposal(scheme, None if recipe is None else os.fspath(recipe), group_size, actorder,
+                             None if ignore is None else list(ignore))
+    insp = inspect_checkpoint(path, parse_tp_list(tp), ep, vllm=vllm, gpu=gpu, revision=revision, proposal=proposal)
+    if suggest:
+        from wna16ctl.planning.suggest import suggest as find_suggestions
+
+        insp.suggestions = find_suggestions(insp)
+    return insp
 
 
 def repack(path: PathLike, out: PathLike | None, tp: int | str, *, ep: bool = False, layout: str = "auto",

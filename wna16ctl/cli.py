@@ -102,21 +102,42 @@ _REVISION = click.option("--revision", default=None, metavar="REV",
 @_gpu_option()
 @click.option("--json", "json_mode", is_flag=True, help="Print one JSON object (schema: docs/inspect-json.md).")
 @_REVISION
+@click.option("--scheme", default=None, type=click.Choice(["W4A16", "W4A16_ASYM", "W8A16"], case_sensitive=False),
+              help="CKPT is unquantized: plan it as llm-compressor would quantize it with this preset.")
+@click.option("--recipe", default=None, type=click.Path(dir_okay=False, path_type=str),
+              help="CKPT is unquantized: plan it as this llm-compressor recipe (YAML) would quantize it.")
+@click.option("--group-size", "group_size", type=int, default=None,
+              help="With --scheme/--recipe: the group size (-1 = channel-wise).")
+@click.option("--actorder", type=click.Choice(["none", "weight", "static", "group"]), default=None,
+              help="With --scheme/--recipe: the activation ordering.")
+@click.option("--ignore", "ignore", multiple=True, metavar="PATTERN",
+              help="With --scheme: a module left unquantized (name or re:regex; repeat; replaces the default "
+                   "lm_head + router gates list).")
+@click.option("--suggest", is_flag=True, help="For each TP size that does not load, the nearest changes that do.")
 @_debug_option
 @click.pass_context
 def inspect(ctx: click.Context, ckpt: str, tp: str, ep: bool, vllm: str, gpu: str, json_mode: bool,
-            revision: str | None, debug: bool) -> None:
+            revision: str | None, scheme: str | None, recipe: str | None, group_size: int | None,
+            actorder: str | None, ignore: tuple[str, ...], suggest: bool, debug: bool) -> None:
     """Decide per MoE layer and TP size whether and how CKPT loads (headers only, no GPU).
 
     CKPT is a checkpoint directory or a Hugging Face Hub repo id ORG/NAME[@REVISION]; from the
-    Hub only config.json, the index and the shard headers are fetched (byte ranges, cached)."""
+    Hub only config.json, the index and the shard headers are fetched (byte ranges, cached).
+    With --scheme or --recipe, CKPT is an unquantized model, planned as the checkpoint that
+    quantization would write (docs/user-guide.md, "Before you quantize")."""
     sink = Sink(json_mode=json_mode)
 
     def body() -> int:
         from wna16ctl.planning.inspection import inspect_checkpoint
         from wna16ctl.render import render_inspection, render_release_matrix
+        from wna16ctl.sources.recipe import make_proposal
 
-        insp = inspect_checkpoint(ckpt, _tps(tp), ep, vllm=vllm, gpu=gpu, revision=revision)
+        proposal = make_proposal(scheme, recipe, group_size, actorder, list(ignore))
+        insp = inspect_checkpoint(ckpt, _tps(tp), ep, vllm=vllm, gpu=gpu, revision=revision, proposal=proposal)
+        if suggest:
+            from wna16ctl.planning.suggest import suggest as find_suggestions
+
+            insp.suggestions = find_suggestions(insp)
         if insp.engine.note and insp.engine.source != "default":
             sink.warn(insp.engine.note)
         for w in insp.checkpoint.warnings:

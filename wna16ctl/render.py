@@ -49,6 +49,7 @@ def render_inspection(console: Console, insp: Inspection) -> None:
     else:
         console.print(f"[bold]{escape(str(ck.root))}[/]")
     console.print(f"  rules of vLLM {insp.engine.version} ({_engine_source(insp.engine)}) on a CUDA {insp.gpu} GPU")
+    _proposal_line(console, insp)
     console.print(
         f"  {escape(arch)} · hidden {cfg.hidden_size} · {plural(len(layers), 'MoE layer')}"
         + (f" · {plural(layers[0].num_experts, 'expert')} × intermediate {layers[0].intermediate_size}" if layers else "")
@@ -120,6 +121,41 @@ def render_inspection(console: Console, insp: Inspection) -> None:
     render_model_section(console, insp)
     verdict = "[bold green]loads[/] at every requested TP size" if insp.loadable else "[bold red]does not load[/] everywhere (see above)"
     console.print(f"verdict: {verdict}")
+    render_suggestions(console, insp)
+
+
+def _proposal_line(console: Console, insp: Inspection) -> None:
+    if insp.proposal is not None:
+        console.print(f"  [bold]proposed[/] {escape(insp.proposal.origin)}: planned as the checkpoint llm-compressor "
+                      "would write (nothing is quantized yet)")
+
+
+def render_suggestions(console: Console, insp: Inspection, shown: int = 2) -> None:
+    """`--suggest`: under the verdict, the nearest changes that load for each refused TP size
+    (every one in --json)."""
+    if insp.suggestions is None:
+        return
+    by_tp: dict[int, list] = {}
+    for s in insp.suggestions:
+        by_tp.setdefault(s.for_tp, []).append(s)
+    refused = [tp for i, tp in enumerate(insp.tps) if tp not in by_tp and not _tp_loads(insp, i)]
+    for tp, found in by_tp.items():
+        for s in found[:shown]:
+            how = escape(s.flags) + (f"; vLLM: {escape(s.vllm_flags)}" if s.vllm_flags else "")
+            console.print(f"  TP {tp}: [cyan]suggest[/] {escape(s.change)} ({how}): re-planned, [green]loads[/]")
+        if len(found) > shown:
+            console.print(f"  TP {tp}: {len(found) - shown} more suggestion{'s' if len(found) - shown > 1 else ''} in --json")
+    for tp in refused:
+        console.print(f"  TP {tp}: no change (or pair of changes) that was tried loads (TP/EP, TP size, vLLM release, "
+                      "GPU, group size, act-order, symmetric weights)")
+
+
+def _tp_loads(insp: Inspection, i: int) -> bool:
+    ck = insp.checkpoint
+    tp = insp.tps[i]
+    return (all(insp.plans[lay.prefix][i].loadable for lay in ck.quantized_layers)
+            and all(p[i].loadable for p in insp.linear_plans.values())
+            and all(c.ok for c in insp.checks if c.fatal and c.tp == tp))
 
 
 def _span_of_ints(ids: list[int]) -> str:
@@ -252,6 +288,7 @@ def render_release_matrix(console: Console, insp: Inspection) -> None:
     cfg = ck.config
     arch = cfg.architectures[0] if cfg.architectures else cfg.model_type or "?"
     console.print(f"[bold]{escape(str(ck.root))}[/]")
+    _proposal_line(console, insp)
     console.print(f"  {escape(arch)} · {len(ck.layers)} MoE layer{'s' if len(ck.layers) != 1 else ''} · "
                   f"CUDA {insp.gpu}{' · expert parallel' if insp.ep else ''}")
     groups: dict[str, list] = {}
@@ -278,6 +315,7 @@ def render_release_matrix(console: Console, insp: Inspection) -> None:
     from wna16ctl.planning.rules import span as release_span
 
     console.print(f"loads at every requested TP size on: {release_span(ok)}")
+    render_suggestions(console, insp)
 
 
 def render_e2e(console: Console, res) -> None:  # noqa: ANN001 - E2EResult, imported lazily

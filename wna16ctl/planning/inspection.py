@@ -31,6 +31,10 @@ class Inspection:
     linear_plans: dict[str, list[LinearPlan]] = field(default_factory=dict)  # linear layer name -> per TP
     linear_versions: dict[str, dict[str, list[LinearPlan]]] = field(default_factory=dict)
     checks: list[ModelCheck] = field(default_factory=list)  # model-level checks, every TP size
+    # data-level errors per layer prefix (gate/up g_idx that differ), which every plan of the layer carries
+    problems: dict[str, str | None] = field(default_factory=dict)
+    proposal: Any = None  # a proposed quantization of an unquantized base (`sources.proposed.Proposal`)
+    suggestions: list[Any] | None = None  # changes that load where a TP size is refused (`planning.suggest`)
 
     @property
     def loadable(self) -> bool:
@@ -101,7 +105,12 @@ class Inspection:
             "mtp_layers": [{"name": lay.prefix, "num_experts": lay.num_experts,
                             "scheme": None if lay.scheme is None else lay.scheme.to_json()} for lay in ck.mtp_layers],
             "unplaced_linear": list(ck.unplaced_linear),
+            "proposed": self.proposal is not None,
         }
+        if self.proposal is not None:
+            out["proposal"] = self.proposal.to_json()
+        if self.suggestions is not None:
+            out["suggestions"] = [s.to_json() for s in self.suggestions]
         if self.versions:
             out["versions"] = [
                 {"vllm": v, "loadable": self.loadable_in(v), "layers": self._layers_json(self.versions[v]),
@@ -193,10 +202,11 @@ def _params_dtype(torch_dtype: str) -> str:
 
 def inspect_checkpoint(path: str | os.PathLike[str], tps: tuple[int, ...] = (1,), ep: bool = False,
                        vllm: str | None = "installed", gpu: str = rules.DEFAULT_GPU,
-                       revision: str | None = None) -> Inspection:
+                       revision: str | None = None, proposal: Any = None) -> Inspection:
     """Plan every MoE layer of the checkpoint at `path` for each TP size in `tps`.
 
     `path`: a checkpoint directory, or a Hub model repo id ORG/NAME[@REVISION] (headers only).
+    `proposal`: plan the unquantized base at `path` as `sources.proposed` quantizes it.
 
     `vllm`: a release (`0.33.0`), `latest`, `installed` (the vllm package here, else the newest
     known release) or `all` (every known release; `plans` are then the newest's).
@@ -206,10 +216,17 @@ def inspect_checkpoint(path: str | os.PathLike[str], tps: tuple[int, ...] = (1,)
     from wna16ctl.sources.hub import open_hub_checkpoint, parse_ref
 
     ref = parse_ref(str(path), revision)
-    ck = open_checkpoint(path) if ref is None else open_hub_checkpoint(ref)
+    if proposal is not None:
+        from wna16ctl.sources.proposed import open_proposed
+
+        ck = open_proposed(path, proposal, revision)
+    else:
+        ck = open_checkpoint(path) if ref is None else open_hub_checkpoint(ref)
     check_tp_sizes(ck.quantized_layers, tps, ep)
-    # a data-level rule (reads the small g_idx vectors): the same check repack refuses with
-    problems = {lay.prefix: gate_up_g_idx_mismatch(ck.files, lay) for lay in ck.quantized_layers}
+    # a data-level rule (reads the small g_idx vectors): the same check repack refuses with; a
+    # proposal has no tensors yet (GPTQ gives gate and up, which share their input, one order)
+    problems = {} if proposal is not None else {
+        lay.prefix: gate_up_g_idx_mismatch(ck.files, lay) for lay in ck.quantized_layers}
     plans = plan_all(ck.layers, tps, ep, engine.version, gpu, problems)
     versions = {v: (plans if v == engine.version else plan_all(ck.layers, tps, ep, v, gpu, problems,
                                                                        with_differences=False))
@@ -223,4 +240,5 @@ def inspect_checkpoint(path: str | os.PathLike[str], tps: tuple[int, ...] = (1,)
     has_attention = any(lay.tp_role == QKV for lay in ck.linear_layers) or dims.num_attention_heads is not None
     checks = [c for tp in tps for c in model_checks(dims, tp, ep, engine.version, attention=has_attention)]
     return Inspection(checkpoint=ck, tps=tuple(tps), ep=ep, engine=engine, gpu=gpu, plans=plans, versions=versions,
-                      linear_plans=linear, linear_versions=linear_versions, checks=checks)
+                      linear_plans=linear, linear_versions=linear_versions, checks=checks, problems=problems,
+                      proposal=proposal)

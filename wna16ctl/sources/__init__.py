@@ -5,6 +5,8 @@
 * `model`, `moe`: discovery of the model's dimensions, its MoE layers and its quantized linear layers.
 * `hub`: the same from the Hugging Face Hub (headers only), and GSM8K from the Hub.
 * `jsonfile`: JSON parsing with the limits every input file gets.
+* `proposed`, `recipe`: an unquantized base seen as the checkpoint a proposed scheme or llm-compressor
+  recipe would produce.
 
 Knows nothing of engines: `planning` decides what a release does with what is read here.
 """
@@ -133,11 +135,14 @@ def _located(root: Path) -> tuple[list[str], str | None, dict[str, str] | None]:
     return [str(p) for p in w.paths], (str(w.index_path) if w.index_path else None), w.index_digests
 
 
-def open_checkpoint(path: str | os.PathLike[str], headers: HeaderSource = LOCAL_FILES) -> Checkpoint:
-    """Config, headers and MoE layers of the checkpoint at `path` (BadInput when unusable)."""
+def open_checkpoint(path: str | os.PathLike[str], headers: HeaderSource = LOCAL_FILES,
+                    config: ModelConfig | None = None) -> Checkpoint:
+    """Config, headers and MoE layers of the checkpoint at `path` (BadInput when unusable).
+
+    `config`: the config to use instead of `path`'s config.json (a proposed quantization, `proposed`)."""
     root = Path(path)
     with _no_cyclic_gc():
-        config = read_model_config(root)
+        config = read_model_config(root) if config is None else config
         intermediate = config.moe_intermediate_size
         if intermediate is None:  # shapes decide: read every header first
             where = headers.locate(root)

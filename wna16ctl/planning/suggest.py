@@ -1,0 +1,322 @@
+"""`inspect --suggest`: for each requested TP size that does not load, the nearest changes that do.
+
+Every candidate is one change to what was inspected -- expert parallelism at the same TP size,
+another TP size, another vLLM release, another GPU architecture, or a change of the weights'
+scheme (act-order `static` instead of `group`, another group size, symmetric weights), or, where
+no single change loads, a pair of changes of different kinds -- and is re-planned over the whole model with the same planners `inspect` uses (MoE layers, linear
+layers, the engine's model checks).  Only candidates under which every layer loads are kept,
+nearest first: changes to how the model is served before changes to the weights (for a proposed
+scheme, nothing is quantized yet, so its scheme changes rank with the serving ones), and within
+a kind the smallest step first.
+
+Scheme changes are planned by giving every quantized layer the changed scheme, which is exactly
+what the planner reads of a layer; `sources.proposed` builds the same layers from headers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+from wna16ctl.planning import rules
+from wna16ctl.planning.inspection import Inspection, _params_dtype, plan_all, plan_all_linear
+from wna16ctl.planning.linear import model_checks
+from wna16ctl.sources.config import WeightScheme
+from wna16ctl.sources.model import QKV, LinearLayer
+from wna16ctl.sources.moe import MoELayer
+
+TP_CANDIDATES = (1, 2, 4, 8, 16)
+GROUP_SIZES = (32, 64, 128, -1)  # the group sizes the Marlin kernels are compiled for (-1: channel-wise)
+MAX_PER_KIND = 2  # of each kind, the nearest that load
+
+_GPU_NAMES = {"sm75": "Turing", "sm80": "Ampere A100", "sm86": "Ampere", "sm89": "Ada", "sm90": "Hopper",
+              "sm100": "Blackwell", "sm120": "Blackwell (consumer)"}
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    """One change under which the model loads at `for_tp`'s place, re-planned."""
+
+    for_tp: int  # the requested TP size that is refused
+    kind: str  # ep | tp | vllm | gpu | actorder | group_size | symmetric
+    change: str  # what changes, in words
+    flags: str  # the exact change: inspect options for serving and proposal changes, the recipe line to requantize
+    tp: int  # the deployment re-planned
+    ep: bool
+    vllm: str
+    gpu: str
+    vllm_flags: str | None = None  # what `vllm serve` takes for it, where it is a serving change
+    recipe: str | None = None  # the recipe line, where it is a change of the weights
+    requantize: bool = False  # the checkpoint must be quantized again
+    refused: tuple[str, ...] = ()  # the rules that refuse the requested configuration
+    loads: bool = True  # re-planned and loads (only such suggestions are listed)
+    cost: float = 0.0  # nearness (lower first); not part of the JSON
+
+    def to_json(self) -> dict[str, Any]:
+        return {"for_tp": self.for_tp, "kind": self.kind, "change": self.change, "flags": self.flags,
+                "vllm_flags": self.vllm_flags, "recipe": self.recipe, "requantize": self.requantize,
+                "tp": self.tp, "ep": self.ep, "vllm": self.vllm, "gpu": self.gpu, "refused": list(self.refused),
+                "loads": self.loads}
+
+
+# -- re-planning ------------------------------------------------------------------------------------
+SchemeChange = Callable[[WeightScheme], WeightScheme]
+
+
+def _rescheme_layer(lay: MoELayer, f: SchemeChange) -> MoELayer:
+    if lay.scheme is None:
+        return lay
+    sets = {tuple(None if s is None else f(s) for s in key): experts for key, experts in lay.scheme_sets.items()}
+    new = f(lay.scheme)
+    return replace(lay, scheme=new, scheme_sets=sets, zero_point_form="none" if new.symmetric else "packed",
+                   g_idx_form="present" if new.act_order else "none")
+
+
+def _rescheme_linear(lay: LinearLayer, f: SchemeChange) -> LinearLayer:
+    return replace(lay, shards=[replace(sh, scheme=None if sh.scheme is None else f(sh.scheme)) for sh in lay.shards])
+
+
+def loads(insp: Inspection, tp: int, ep: bool, version: str, gpu: str, change: SchemeChange | None = None) -> bool:
+    """Whether the inspected model loads at `tp` (EP if `ep`) in `version` on `gpu`, with every
+    quantized layer's scheme changed by `change`: the same planners as `inspect`, every layer."""
+    ck = insp.checkpoint
+    if not ep and any(tp > lay.intermediate_size for lay in ck.quantized_layers):
+        return False  # a rank would hold no column (inspect refuses such a size outright)
+    layers = ck.layers if change is None else [_rescheme_layer(lay, change) for lay in ck.layers]
+    # requantizing gives gate and up one order again: their old g_idx mismatch goes with it
+    problems = insp.problems if change is None else None
+    plans = plan_all(layers, (tp,), ep, version, gpu, problems, with_differences=False)
+    quantized = [lay for lay in layers if lay.quantized]
+    if not quantized or not all(plans[lay.prefix][0].loadable for lay in quantized):
+        return False
+    linear_layers = ck.linear_layers if change is None else [_rescheme_linear(lay, change) for lay in ck.linear_layers]
+    linear = plan_all_linear(linear_layers, (tp,), version, gpu, _params_dtype(ck.config.torch_dtype),
+                             with_differences=False)
+    if not all(p.loadable for plans_ in linear.values() for p in plans_):
+        return False
+    dims = ck.dims
+    attention = any(lay.tp_role == QKV for lay in ck.linear_layers) or dims.num_attention_heads is not None
+    return all(c.ok for c in model_checks(dims, tp, ep, version, attention=attention) if c.fatal)
+
+
+def _refused_rules(insp: Inspection, i: int) -> tuple[str, ...]:
+    """The short names of what refuses the i-th requested TP size (MoE, linear, model)."""
+    out: list[str] = []
+    for lay in insp.checkpoint.quantized_layers:
+        p = insp.plans[lay.prefix][i]
+        if not p.loadable:
+            out.append(p.failure_rule or "refused")
+    for plans in insp.linear_plans.values():
+        p = plans[i]
+        if not p.loadable:
+            out.append(f"linear: {p.failure_rule or 'refused'}")
+    tp = insp.tps[i]
+    out += [f"model: {c.rule}" for c in insp.checks if c.tp == tp and c.fatal and not c.ok]
+    return tuple(dict.fromkeys(out))
+
+
+# -- candidates ---------------------------------------------------------------------------------------
+def _schemes(insp: Inspection) -> list[WeightScheme]:
+    ck = insp.checkpoint
+    found = [lay.scheme for lay in ck.quantized_layers]
+    found += [sh.scheme for lay in ck.linear_layers for sh in lay.shards if sh.scheme is not None]
+    return list(dict.fromkeys(s for s in found if s is not None))
+
+
+def _with_group(g: int) -> SchemeChange:
+    def f(s: WeightScheme) -> WeightScheme:
+        if s.strategy not in ("group", "channel"):
+            return s
+        if g == -1:
+            actorder = s.actorder if s.actorder not in ("group", "dynamic") else None  # no groups to order
+            return replace(s, group_size=-1, strategy="channel", group_size_null=False, actorder=actorder)
+        return replace(s, group_size=g, strategy="group", group_size_null=False)
+    return f
+
+
+def _static_actorder(s: WeightScheme) -> WeightScheme:
+    return replace(s, actorder="static") if s.actorder in ("group", "dynamic") else s
+
+
+def _symmetric(s: WeightScheme) -> WeightScheme:
+    return replace(s, symmetric=True)
+
+
+def _group_distance(a: int, b: int) -> float:
+    """Steps between two group sizes on a log scale (channel-wise counts as a group of 2048)."""
+    return abs(math.log2(a if a > 0 else 2048) - math.log2(b if b > 0 else 2048))
+
+
+def _group_text(g: int) -> str:
+    return "channel-wise scales (group size -1)" if g == -1 else f"group size {g}"
+
+
+@dataclass(frozen=True)
+class _Option:
+    """One change to what was inspected: a serving setting, or a change of the weights' scheme."""
+
+    kind: str
+    text: str
+    cost: float
+    tp: int | None = None
+    ep: bool | None = None
+    version: str | None = None
+    gpu: str | None = None
+    group_size: int | None = None
+    actorder: str | None = None
+    symmetric: bool = False
+    unordered: bool = False  # channel-wise scales: act-order 'group' goes with them
+
+    def scheme_change(self) -> SchemeChange | None:
+        if self.group_size is not None:
+            return _with_group(self.group_size)
+        if self.actorder is not None:
+            return _static_actorder
+        return _symmetric if self.symmetric else None
+
+    def recipe_line(self) -> str | None:
+        if self.group_size is not None:
+            line = "strategy: channel, group_size: -1" if self.group_size == -1 else f"group_size: {self.group_size}"
+            return line + (", actorder: null" if self.unordered else "")
+        if self.actorder is not None:
+            return f"actorder: {self.actorder}"
+        return "symmetric: true" if self.symmetric else None
+
+
+LIMITS = {"ep": 1, "tp": MAX_PER_KIND, "vllm": 1, "gpu": 1, "actorder": 1, "group_size": MAX_PER_KIND, "symmetric": 1}
+MAX_PAIRS = 4  # pairs of changes listed when no single change loads
+
+
+def _options(insp: Inspection, tp: int, weight_cost: float) -> list[_Option]:
+    """Every single change tried for a refused `tp`, in the order of nearness within its kind."""
+    ep, version, gpu = insp.ep, insp.engine.version, insp.gpu
+    schemes = _schemes(insp)
+    out = [_Option("ep", f"serve with expert parallelism at TP {tp}: each expert stays whole on one rank"
+                   if not ep else f"serve without expert parallelism at TP {tp}", 1.0, ep=not ep)]
+    for t in sorted((t for t in TP_CANDIDATES if t != tp), key=lambda t: (abs(math.log2(t) - math.log2(tp)), t)):
+        out.append(_Option("tp", f"serve at TP {t} instead of {tp}", 3.0 + abs(math.log2(t) - math.log2(tp)), tp=t))
+    for v in reversed(rules.RELEASES):  # the newest first
+        if v != version:
+            newer = rules.version_key(v) > rules.version_key(version)
+            out.append(_Option("vllm", f"use vLLM {v}", 6.0 if newer else 6.5, version=v))
+    cc = rules.GPUS[gpu]
+    for g in sorted((g for g in rules.GPUS if g != gpu), key=lambda g: (abs(rules.GPUS[g] - cc), rules.GPUS[g])):
+        out.append(_Option("gpu", f"run on {g} ({_GPU_NAMES.get(g, g)}) GPUs instead of {gpu}: the release ranks its "
+                           "backends by device", 8.0, gpu=g))
+    verb = "quantize" if insp.proposal is not None else "requantize"
+    if any(s.act_order for s in schemes):
+        out.append(_Option("actorder", f"{verb} with act-order 'static' instead of 'group' (the same accuracy recipe "
+                           "without g_idx at run time)", weight_cost + 1.0, actorder="static"))
+    current = sorted({s.group_size for s in schemes if s.strategy in ("group", "channel")})
+    if current:
+        ref = current[0]
+        for g in sorted((g for g in GROUP_SIZES if g not in current), key=lambda g: (_group_distance(g, ref), g)):
+            unordered = g == -1 and any(s.act_order for s in schemes)
+            out.append(_Option("group_size", f"{verb} with {_group_text(g)}"
+                               + (" without act-order groups" if unordered else ""),
+                               weight_cost + 1.0 + _group_distance(g, ref), group_size=g, unordered=unordered))
+    if any(not s.symmetric for s in schemes):
+        out.append(_Option("symmetric", f"{verb} with symmetric weights (no zero points)", weight_cost + 3.0,
+                           symmetric=True))
+    return out
+
+
+def _compose(changes: list[SchemeChange]) -> SchemeChange | None:
+    if not changes:
+        return None
+
+    def f(s: WeightScheme) -> WeightScheme:
+        for c in changes:
+            s = c(s)
+        return s
+    return f
+
+
+def _try(insp: Inspection, tp: int, opts: tuple[_Option, ...]) -> tuple[int, bool, str, str] | None:
+    """The deployment `opts` give, if the model loads under it (None otherwise)."""
+    tp_ = next((o.tp for o in opts if o.tp is not None), tp)
+    ep_ = next((o.ep for o in opts if o.ep is not None), insp.ep)
+    version = next((o.version for o in opts if o.version is not None), insp.engine.version)
+    gpu = next((o.gpu for o in opts if o.gpu is not None), insp.gpu)
+    change = _compose([c for c in (o.scheme_change() for o in opts) if c is not None])
+    return (tp_, ep_, version, gpu) if loads(insp, tp_, ep_, version, gpu, change) else None
+
+
+def _suggestion(insp: Inspection, tp: int, refused: tuple[str, ...], opts: tuple[_Option, ...],
+                where: tuple[int, bool, str, str], best_release: bool) -> Suggestion:
+    tp_, ep_, version, gpu = where
+    proposal = insp.proposal
+    kinds = [o.kind for o in opts]
+    parts: list[str] = []
+    if "ep" in kinds or "tp" in kinds:
+        parts.append(f"--tp {tp_}" + (" --ep" if ep_ else ""))
+    if "vllm" in kinds:
+        parts.append(f"--vllm {version}")
+    if "gpu" in kinds:
+        parts.append(f"--gpu {gpu}")
+    weights = [o for o in opts if o.scheme_change() is not None]
+    lines = [line for line in (o.recipe_line() for o in weights) if line]
+    if weights and proposal is None:  # the serving options, then the recipe line to requantize with
+        parts = [" ".join(parts) + ";"] if parts else []
+        parts.append(", ".join(lines))
+    elif weights:
+        group = next((o.group_size for o in weights if o.group_size is not None), None)
+        actorder = next((o.actorder for o in weights if o.actorder is not None), None)
+        if actorder is None and any(o.unordered for o in weights):
+            actorder = "none"
+        symmetric = any(o.symmetric for o in weights)
+        if symmetric and (proposal.scheme != "W4A16_ASYM" or proposal.recipe is not None):
+            parts.append("symmetric: true")  # no option says it for a recipe or a custom scheme
+            symmetric = False
+        changed = proposal.with_weights(group_size=group, actorder=actorder, symmetric=True if symmetric else None)
+        if group is not None or actorder is not None or symmetric:
+            parts.append(changed.command_flags())
+    texts = [o.text for o in opts]
+    if best_release and "vllm" in kinds:
+        texts = [t + (", the newest known release that loads it" if o.kind == "vllm" else "") for t, o in zip(texts, opts)]
+    serving = "ep" in kinds or "tp" in kinds
+    return Suggestion(for_tp=tp, kind="+".join(kinds), change="; ".join(texts), flags=" ".join(parts), tp=tp_, ep=ep_,
+                      vllm=version, gpu=gpu,
+                      vllm_flags=(f"--tensor-parallel-size {tp_}" + (" --enable-expert-parallel" if ep_ else ""))
+                      if serving else None,
+                      recipe=", ".join(lines) or None, requantize=proposal is None and bool(weights), refused=refused,
+                      cost=sum(o.cost for o in opts))
+
+
+def suggest(insp: Inspection) -> list[Suggestion]:
+    """Changes under which the model loads, for every requested TP size that is refused, nearest
+    first: single changes; where none loads, pairs of changes of different kinds."""
+    # weights not yet quantized change as cheaply as a serving flag; a checkpoint must be requantized
+    weight_cost = 1.5 if insp.proposal is not None else 20.0
+    out: list[Suggestion] = []
+    for i, tp in enumerate(insp.tps):
+        refused = _refused_rules(insp, i)
+        if not refused:
+            continue
+        options = _options(insp, tp, weight_cost)
+        found: list[Suggestion] = []
+        taken: dict[str, int] = {}
+        for o in options:
+            if taken.get(o.kind, 0) >= LIMITS[o.kind]:
+                continue
+            where = _try(insp, tp, (o,))
+            if where is not None:
+                taken[o.kind] = taken.get(o.kind, 0) + 1
+                found.append(_suggestion(insp, tp, refused, (o,), where, best_release=True))
+        if not found:
+            pairs = sorted(((a, b) for j, a in enumerate(options) for b in options[j + 1:] if a.kind != b.kind),
+                           key=lambda ab: ab[0].cost + ab[1].cost)
+            kinds_taken: set[tuple[str, str]] = set()  # the nearest pair of each two kinds only
+            for a, b in pairs:
+                if len(found) >= MAX_PAIRS:
+                    break
+                if (a.kind, b.kind) in kinds_taken:
+                    continue
+                where = _try(insp, tp, (a, b))
+                if where is not None:
+                    kinds_taken.add((a.kind, b.kind))
+                    found.append(_suggestion(insp, tp, refused, (a, b), where, best_release=False))
+        found.sort(key=lambda s: s.cost)
+        out += found
+    return out
