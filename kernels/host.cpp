@@ -286,7 +286,7 @@ void marlin_from_nfirst(const uint32_t* src, int64_t ld, int64_t size_k, int64_t
   }
 #endif
 #if WNA16_HAVE_AVX2_TILES
-  if (level == WNA16_SIMD_AVX2 || level == WNA16_SIMD_AVX512) {
+  if ((level == WNA16_SIMD_AVX2 || level == WNA16_SIMD_AVX512) && (num_bits == 8 || size_k % 64 == 0)) {
     (num_bits == 4 ? wna16_marlin4_nfirst_avx2 : wna16_marlin8_nfirst_avx2)(src, ld, size_k, size_n, dst, out_ld);
     return;
   }

@@ -12,7 +12,9 @@ bool wna16_cpu_has_avx2();
 bool wna16_cpu_has_neon();  // (AVX-512 VBMI: have_avx512vbmi in host.cpp)
 
 // Present (and non-empty) only where the target has the instructions: AVX2 on x86-64, NEON on
-// aarch64; callers test WNA16_HAVE_AVX2_TILES / WNA16_HAVE_NEON_TILES.
+// aarch64; callers test WNA16_HAVE_AVX2_TILES / WNA16_HAVE_NEON_TILES. size_n is a multiple of
+// 64; for wna16_marlin4_nfirst_avx2 size_k is a multiple of 64 (in the rank builder every K is
+// another projection's N), for the others of 16.
 #if defined(__x86_64__) && defined(__GNUC__)
 #define WNA16_HAVE_AVX2_TILES 1
 void wna16_marlin4_nfirst_avx2(const uint32_t* src, int64_t ld, int64_t size_k, int64_t size_n, uint32_t* dst,
