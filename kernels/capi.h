@@ -59,12 +59,14 @@ WNA16_API int wna16_marlin_repack_host(const int32_t* packed, const int32_t* per
                                        int num_bits, int num_threads);
 /* The same with explicit strides (in int32 words): source element (e, kw, n) of the K-first
  * view at packed[e*src_stride_e + kw*src_stride_kw + n*src_stride_n] (so the checkpoint's N-first
- * words are read in place), output row (e, kt) at out + e*out_stride_e + kt*out_stride_row. */
+ * words are read in place), output row (e, kt) at out + e*out_stride_e + kt*out_stride_row.
+ * simd: a WNA16_SIMD_* level as for wna16_marlin_rank_host (its vector tile loops serve N-first
+ * sources, src_stride_kw == 1, without perm; everything else runs the scalar tiles). */
 WNA16_API int wna16_marlin_repack_host_strided(const int32_t* packed, const int32_t* perm, int32_t* out,
                                                int64_t num_experts, int64_t size_k, int64_t size_n,
                                                int num_bits, int64_t src_stride_e, int64_t src_stride_kw,
                                                int64_t src_stride_n, int64_t out_stride_e,
-                                               int64_t out_stride_row, int num_threads);
+                                               int64_t out_stride_row, int simd, int num_threads);
 /* marlin -> packed; with perm, source row perm[k] receives Marlin row k (undoes the gather). */
 /* One rank's Marlin tensors for num_experts experts from the checkpoint's N-first tensors, symmetric,
  * no act-order, no tile padding. src holds 6 pointers per expert: gate, up, down weight_packed

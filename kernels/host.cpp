@@ -483,12 +483,29 @@ WNA16_API int wna16_marlin_repack_host_strided(const int32_t* packed, const int3
                                                int64_t num_experts, int64_t size_k, int64_t size_n,
                                                int num_bits, int64_t src_stride_e, int64_t src_stride_kw,
                                                int64_t src_stride_n, int64_t out_stride_e,
-                                               int64_t out_stride_row, int num_threads) {
+                                               int64_t out_stride_row, int simd, int num_threads) {
   int rc = wna16_check_marlin_shape(num_experts, size_k, size_n, num_bits);
   if (rc) return rc;
   if ((rc = check_perm(perm, num_experts, size_k))) return rc;
+  if (simd == WNA16_SIMD_AUTO) simd = best_simd();
+  if (!simd_supported(simd))
+    return wna16_fail(WNA16_ENOTSUP, "SIMD level %d is not supported by this CPU or build", simd);
   const int pf = wna16_pack_factor(num_bits);
   const int64_t ktiles = size_k / 16;
+  if (!perm && src_stride_kw == 1 && simd != WNA16_SIMD_SCALAR) {
+    // the checkpoint's N-first words read in place (every layer the torch data path repacks
+    // without act-order): the rank builder's vector tile loops, one task per expert and n-tile
+    const int64_t ntiles = size_n / 64;
+    parallel_rows(num_experts * ntiles, num_threads, [&](int64_t b, int64_t e) {
+      std::vector<uint32_t> tmp;
+      for (int64_t task = b; task < e; ++task) {
+        const int64_t ex = task / ntiles, n0 = 64 * (task % ntiles);
+        marlin_from_nfirst((const uint32_t*)packed + ex * src_stride_e + n0 * src_stride_n, src_stride_n, size_k, 64,
+                           num_bits, (uint32_t*)out + ex * out_stride_e + n0 * 16 / pf, out_stride_row, simd, tmp);
+      }
+    });
+    return WNA16_OK;
+  }
   const bool dense = src_stride_n == 1 && src_stride_kw == size_n;
   parallel_rows(num_experts * ktiles, num_threads, [&](int64_t b, int64_t e) {
     std::vector<uint32_t> tmp(perm || !dense ? (size_t)(16 / pf * size_n) : 0);

@@ -83,3 +83,26 @@ def test_the_torch_path_reports_no_level(make_ckpt, tmp_path, monkeypatch):
     ck = make_ckpt(num_experts=4)
     result = run_repack(plan_repack(ck, RepackSettings(tp=2)), tmp_path / "out")
     assert result.simd is None and result.to_json()["simd"] is None
+
+
+@pytest.mark.parametrize("num_bits", [4, 8])
+@pytest.mark.parametrize("size_k", [256, 272])  # 272: 17 k-tiles, not a multiple of 4 (the scalar fallback)
+def test_the_torch_paths_host_repack_equals_torch_at_every_level(host, monkeypatch, num_bits, size_k):
+    """The torch data path's host repack (asymmetric layers, cast scales, ...) of the checkpoint's
+    N-first words read in place runs the same vector tile loops; each level against the torch code."""
+    import torch
+
+    from wna16ctl import kernels
+    from wna16ctl.layout.marlin import marlin_repack
+
+    pf, size_n, experts = 32 // num_bits, 192, 3
+    g = torch.Generator().manual_seed(size_k + num_bits)
+    n_first = torch.randint(-(2**31), 2**31 - 1, (experts, size_n, size_k // pf), generator=g, dtype=torch.int32)
+    kfirst_view = n_first.transpose(1, 2)  # [E, K/pf, N], not contiguous: read in place
+    want = marlin_repack(kfirst_view.contiguous(), num_bits)
+    for level in simd.available(host):
+        monkeypatch.setenv(simd.ENV, level)
+        wide = torch.full((experts, size_k // 16, 2 * want.shape[-1]), -1, dtype=torch.int32)
+        kernels.marlin_repack_fast(kfirst_view, num_bits, out=wide[:, :, want.shape[-1]:])
+        assert torch.equal(wide[:, :, want.shape[-1]:], want), level
+        assert bool((wide[:, :, : want.shape[-1]] == -1).all()), level  # the other half is untouched
