@@ -262,24 +262,27 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=Path("/tmp/wna16ctl-bench"))
     ap.add_argument("--no-per-tensor", action="store_true", help="skip the per-tensor micro-benchmark")
     ap.add_argument("--simd", help="compare these WNA16CTL_SIMD levels (comma-separated, e.g. avx512,avx2,scalar)")
+    ap.add_argument("--rank-builder-only", action="store_true", help="with --simd: only the rank builder alone")
     a = ap.parse_args()
     a.dir.mkdir(parents=True, exist_ok=True)
     if a.simd:
         levels = [x.strip() for x in a.simd.split(",") if x.strip()]
-        print(f"{os.cpu_count()} CPUs; {cpu_simd()}")
-        print(f"cp -r SRC DST && sync  vs  WNA16CTL_SIMD=LEVEL wna16ctl repack SRC --tp {a.tp} -o OUT -q && sync; "
-              f"median of {a.pairs} alternating rounds")
-        print()
-        print("| WNA16CTL_SIMD | checkpoint | cp -r + sync | repack + sync | cp / repack (min–max) | repack peak RSS "
-              "| load average |")
-        print("|---|---|---|---|---|---|---|")
-        for row in simd_paths(a.dir, a.layers, a.pairs, a.tp, levels):
-            print(row, flush=True)
+        print(f"{os.cpu_count()} CPUs; {cpu_simd()}; load average {os.getloadavg()[0]:.1f}")
+        if not a.rank_builder_only:
+            print(f"cp -r SRC DST && sync  vs  WNA16CTL_SIMD=LEVEL wna16ctl repack SRC --tp {a.tp} -o OUT -q && sync; "
+                  f"median of {a.pairs} alternating rounds")
+            print()
+            print("| WNA16CTL_SIMD | checkpoint | cp -r + sync | repack + sync | cp / repack (min–max) | repack peak RSS "
+                  "| load average |")
+            print("|---|---|---|---|---|---|---|")
+            for row in simd_paths(a.dir, a.layers, a.pairs, a.tp, levels):
+                print(row, flush=True)
         print()
         print(f"| rank builder alone | WNA16CTL_SIMD | median | output | speed-up over {levels[-1]} |")
         print("|---|---|---|---|---|")
         for row in rank_builder_levels(levels):
             print(row)
+        print(f"\nload average after: {os.getloadavg()[0]:.1f}")
         return
     print(f"{os.cpu_count()} CPUs; cp -r SRC DST && sync  vs  wna16ctl repack SRC --tp {a.tp} -o OUT -q && sync; "
           f"median of {a.pairs} alternating pairs")
