@@ -41,13 +41,6 @@ bool wna16_cpu_has_avx2() {
   return yes;
 }
 
-namespace {
-// Two columns' qwords (p and p + 8 ld words) in one 128-bit lane.
-__attribute__((target("avx2"))) inline __m128i load_pair(const uint32_t* p, int64_t ld) {
-  const __m128i lo = _mm_loadl_epi64((const __m128i*)p);
-  return _mm_castpd_si128(_mm_loadh_pd(_mm_castsi128_pd(lo), (const double*)(p + 8 * ld)));
-}
-}  // namespace
 
 namespace {
 // Step 1 on four qwords: x's high nibbles and y's low nibbles trade places (a delta swap).
