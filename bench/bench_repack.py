@@ -10,7 +10,15 @@ cp / repack is printed with its min-max.  Peak RSS (wait4) is measured at a seco
 does not grow with the checkpoint.  A per-tensor micro-benchmark compares `build_rank_tensors`
 (the torch data path) with a straightforward per-expert reference.
 
+`--simd avx512,avx2,scalar` (any of the levels of `WNA16CTL_SIMD`) compares the native rank
+builder's tile loops instead: each round runs `cp -r` and the repack once per level (each with
+`sync`), in an order that alternates round by round, and prints per level the median of the
+per-round ratios cp / repack and its peak RSS, then the rank builder alone per level (one thread,
+in this process, 8 experts of the same shape, 4-bit and 8-bit).  A level forced on a CPU that has
+a better one emulates a CPU that has only that level, as far as the tile loop goes.
+
     python bench/bench_repack.py [--layers 4] [--small-layers 1] [--pairs 3] [--dir /tmp/wna16ctl-bench]
+    python bench/bench_repack.py --simd avx512,avx2,scalar [--layers 4] [--pairs 5]
 """
 
 from __future__ import annotations
@@ -56,12 +64,100 @@ def _sync() -> float:
 _ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
 
 
-def _timed(cmd: list[str], dst: Path) -> Run:
+def _timed(cmd: list[str], dst: Path, env: dict[str, str] | None = None) -> Run:
     """`cmd` then `sync`, from a missing destination: wall of both, peak RSS of `cmd`."""
     shutil.rmtree(dst, ignore_errors=True)
     _sync()  # the removal's (and the previous run's) writeback is timed for neither
-    r = run_once(cmd, _ENV)
+    r = run_once(cmd, env or _ENV)
     return Run(r.wall + _sync(), r.max_rss_kib, r.returncode)
+
+
+def cpu_simd() -> str:
+    """The vector instruction sets of this CPU that the tile loops use."""
+    try:
+        flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith(("flags", "Features"))), [])
+    except OSError:
+        flags = []
+    have = [name for name, flag in (("AVX-512 VBMI", "avx512vbmi"), ("AVX2", "avx2"), ("NEON", "asimd")) if flag in flags]
+    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
+    return f"{model or 'unknown CPU'}: {', '.join(have) or 'no vector extension the tile loops use'}"
+
+
+def simd_paths(root: Path, layers: int, pairs: int, tp: int, levels: list[str]) -> list[str]:
+    """Markdown rows: per WNA16CTL_SIMD level, cp / repack as the median of per-round ratios."""
+    ck = _ckpt(root, layers)
+    size = _dir_bytes(ck)
+    copy = root / "copy"
+    cmds = [("cp", ["cp", "-r", str(ck), str(copy)], copy, _ENV)]
+    for level in levels:
+        out = root / f"out-{level}"
+        cmds.append((level, wna16ctl("repack", str(ck), "--tp", str(tp), "-o", str(out), "-q"), out,
+                     {**_ENV, "WNA16CTL_SIMD": level}))
+    runs: dict[str, list[Run]] = {name: [] for name, *_ in cmds}
+    load = os.getloadavg()[0]
+    for i in range(pairs + 1):  # the first round is a warm-up
+        order = cmds if i % 2 == 0 else cmds[::-1]
+        for name, cmd, dst, env in order:
+            r = _timed(cmd, dst, env)
+            if r.returncode != 0:
+                raise SystemExit(f"{name}: exit {r.returncode}")
+            if i:
+                runs[name].append(r)
+        load = max(load, os.getloadavg()[0])
+    for _, _, dst, _ in cmds:
+        shutil.rmtree(dst, ignore_errors=True)
+    cp = runs["cp"]
+    rows = []
+    for level in levels:
+        ratios = [c.wall / r.wall for c, r in zip(cp, runs[level])]
+        rp = med([r.wall for r in runs[level]])
+        rows.append(f"| {level} | {layers} layers, {size / 1e9:.2f} GB, --tp {tp} | {med([c.wall for c in cp]):.2f} s | "
+                    f"{rp:.2f} s | **{med(ratios):.2f}** ({min(ratios):.2f}–{max(ratios):.2f}) | "
+                    f"{max(r.max_rss_kib for r in runs[level]) / 1024:.0f} MiB | {load:.1f} |")
+    return rows
+
+
+def rank_builder_levels(levels: list[str], rounds: int = 15) -> list[str]:
+    """Markdown rows: the native rank builder alone per level (one thread, in this process),
+    8 experts of H 2048 x I 768, rank 0 of --tp 2, bf16 scales g128; the levels alternate."""
+    import ctypes
+    import statistics
+
+    from wna16ctl.native import build as native, simd
+
+    lib = native.host_lib()
+    H, I, E, tp = 2048, 768, 8, 2
+    rows = []
+    for nb in (4, 8):
+        pf = 32 // nb
+        keep = []
+
+        def buf(nbytes: int, fill: bool = False):  # noqa: ANN202
+            b = (ctypes.c_char * nbytes).from_buffer_copy(os.urandom(nbytes)) if fill else (ctypes.c_char * nbytes)()
+            keep.append(b)
+            return ctypes.addressof(b)
+
+        src = (ctypes.c_void_p * (6 * E))()
+        for e in range(E):
+            for j, (n, k) in enumerate(((I, H), (I, H), (H, I))):
+                src[6 * e + j] = buf(n * k // pf * 4, fill=True)
+                src[6 * e + 3 + j] = buf(n * (k // 128) * 2, fill=True)
+        ip = I // tp
+        w13, w2 = E * H * 2 * ip // pf * 4, E * ip * H // pf * 4
+        out = [buf(w13), buf(w2), buf(E * H // 128 * 2 * ip * 2), buf(E * I // 128 * H * 2)]
+        times: dict[str, list[float]] = {level: [] for level in levels}
+        for _ in range(rounds):
+            for level in levels:
+                t = time.perf_counter()
+                lib.call("wna16_marlin_rank_host", src, E, H, I, tp, 0, nb, 128, 0, 2, 1, 1, *out,
+                         simd.LEVELS[level], 1)
+                times[level].append(time.perf_counter() - t)
+        base = statistics.median(times[levels[-1]])
+        for level in levels:
+            m = statistics.median(times[level])
+            rows.append(f"| {nb}-bit | {level} | {m * 1e3:.2f} ms | {(w13 + w2) / m / 2**20:.0f} MiB/s | "
+                        f"{base / m:.2f}× |")
+    return rows
 
 
 def whole_command(root: Path, layers: int, pairs: int, tp: int) -> tuple[str, int]:
@@ -165,8 +261,29 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--dir", type=Path, default=Path("/tmp/wna16ctl-bench"))
     ap.add_argument("--no-per-tensor", action="store_true", help="skip the per-tensor micro-benchmark")
+    ap.add_argument("--simd", help="compare these WNA16CTL_SIMD levels (comma-separated, e.g. avx512,avx2,scalar)")
+    ap.add_argument("--rank-builder-only", action="store_true", help="with --simd: only the rank builder alone")
     a = ap.parse_args()
     a.dir.mkdir(parents=True, exist_ok=True)
+    if a.simd:
+        levels = [x.strip() for x in a.simd.split(",") if x.strip()]
+        print(f"{os.cpu_count()} CPUs; {cpu_simd()}; load average {os.getloadavg()[0]:.1f}")
+        if not a.rank_builder_only:
+            print(f"cp -r SRC DST && sync  vs  WNA16CTL_SIMD=LEVEL wna16ctl repack SRC --tp {a.tp} -o OUT -q && sync; "
+                  f"median of {a.pairs} alternating rounds")
+            print()
+            print("| WNA16CTL_SIMD | checkpoint | cp -r + sync | repack + sync | cp / repack (min–max) | repack peak RSS "
+                  "| load average |")
+            print("|---|---|---|---|---|---|---|")
+            for row in simd_paths(a.dir, a.layers, a.pairs, a.tp, levels):
+                print(row, flush=True)
+        print()
+        print(f"| rank builder alone | WNA16CTL_SIMD | median | output | speed-up over {levels[-1]} |")
+        print("|---|---|---|---|---|")
+        for row in rank_builder_levels(levels):
+            print(row)
+        print(f"\nload average after: {os.getloadavg()[0]:.1f}")
+        return
     print(f"{os.cpu_count()} CPUs; cp -r SRC DST && sync  vs  wna16ctl repack SRC --tp {a.tp} -o OUT -q && sync; "
           f"median of {a.pairs} alternating pairs")
     print()

@@ -20,6 +20,7 @@ class Run:
     wall: float
     max_rss_kib: int
     returncode: int
+    cpu: float = 0.0  # user + system seconds of the process and the children it waited for
 
 
 def run_once(cmd: list[str], env: dict[str, str] | None = None) -> Run:
@@ -32,7 +33,7 @@ def run_once(cmd: list[str], env: dict[str, str] | None = None) -> Run:
     err = proc.stderr.read().decode() if proc.stderr else ""
     if proc.returncode not in (0, 1):
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {err[-2000:]}")
-    return Run(wall, usage.ru_maxrss, proc.returncode)
+    return Run(wall, usage.ru_maxrss, proc.returncode, usage.ru_utime + usage.ru_stime)
 
 
 def median_runs(cmd: list[str], runs: int, warmup: int = 1, env: dict[str, str] | None = None) -> list[Run]:

@@ -59,23 +59,34 @@ WNA16_API int wna16_marlin_repack_host(const int32_t* packed, const int32_t* per
                                        int num_bits, int num_threads);
 /* The same with explicit strides (in int32 words): source element (e, kw, n) of the K-first
  * view at packed[e*src_stride_e + kw*src_stride_kw + n*src_stride_n] (so the checkpoint's N-first
- * words are read in place), output row (e, kt) at out + e*out_stride_e + kt*out_stride_row. */
+ * words are read in place), output row (e, kt) at out + e*out_stride_e + kt*out_stride_row.
+ * simd: a WNA16_SIMD_* level as for wna16_marlin_rank_host (its vector tile loops serve N-first
+ * sources, src_stride_kw == 1, without perm; everything else runs the scalar tiles). */
 WNA16_API int wna16_marlin_repack_host_strided(const int32_t* packed, const int32_t* perm, int32_t* out,
                                                int64_t num_experts, int64_t size_k, int64_t size_n,
                                                int num_bits, int64_t src_stride_e, int64_t src_stride_kw,
                                                int64_t src_stride_n, int64_t out_stride_e,
-                                               int64_t out_stride_row, int num_threads);
+                                               int64_t out_stride_row, int simd, int num_threads);
 /* marlin -> packed; with perm, source row perm[k] receives Marlin row k (undoes the gather). */
 /* One rank's Marlin tensors for num_experts experts from the checkpoint's N-first tensors, symmetric,
  * no act-order, no tile padding. src holds 6 pointers per expert: gate, up, down weight_packed
  * ([I, H/pf], [I, H/pf], [H, I/pf] int32), then their weight_scale ([I, G13], [I, G13], [H, G2])
- * of scale_bytes each. Outputs are [E, ...] as the repack writes them. simd = 0 forces the scalar
- * tile code (the tests compare both). */
+ * of scale_bytes each. Outputs are [E, ...] as the repack writes them. simd: a WNA16_SIMD_* level
+ * (AUTO: the best this CPU has; a level it lacks: WNA16_ENOTSUP, nothing written). Every level
+ * writes the same bytes (the tests compare them). */
 WNA16_API int wna16_marlin_rank_host(const void* const* src, int64_t num_experts, int64_t hidden,
                                      int64_t intermediate, int tp, int rank, int num_bits,
                                      int64_t group_size, int load_full_w2, int scale_bytes, int w13_grouped,
                                      int w2_grouped, void* w13, void* w2, void* w13_scale, void* w2_scale,
                                      int simd, int num_threads);
+/* The tile loops of wna16_marlin_rank_host. AVX512 (VBMI) runs 8-bit tiles with the AVX2 loop. */
+#define WNA16_SIMD_SCALAR 0
+#define WNA16_SIMD_AUTO 1
+#define WNA16_SIMD_AVX2 2
+#define WNA16_SIMD_AVX512 3
+#define WNA16_SIMD_NEON 4
+/* The level `requested` runs at: AUTO -> the best this CPU (and build) has; a level it lacks -> -1. */
+WNA16_API int wna16_simd_level(int requested);
 /* Index of the first non-finite of n scales (kind 0 fp16, 1 bf16, 2 fp32), -1 when none. */
 WNA16_API int64_t wna16_first_nonfinite(const void* data, int64_t n, int kind);
 /* The same over n tensors: the index of the first with a non-finite value (-1 when none, -2 when a

@@ -20,6 +20,7 @@
 
 #include "capi.h"
 #include "checks.h"
+#include "host_simd.h"
 #include "layout.cuh"
 
 namespace {
@@ -254,18 +255,48 @@ bool have_avx512vbmi() {
 bool have_avx512vbmi() { return false; }
 #endif
 
+bool simd_supported(int level) {
+  switch (level) {
+    case WNA16_SIMD_SCALAR: return true;
+    case WNA16_SIMD_AVX2: return wna16_cpu_has_avx2();
+    case WNA16_SIMD_AVX512: return have_avx512vbmi();
+    case WNA16_SIMD_NEON: return wna16_cpu_has_neon();
+    default: return false;
+  }
+}
+
+int best_simd() {
+  if (have_avx512vbmi()) return WNA16_SIMD_AVX512;
+  if (wna16_cpu_has_avx2()) return WNA16_SIMD_AVX2;
+  if (wna16_cpu_has_neon()) return WNA16_SIMD_NEON;
+  return WNA16_SIMD_SCALAR;
+}
+
 // One projection's Marlin weight (K = size_k, N = size_n) from the N-first words at `src`
 // (column n at src + n * ld, the K words from word 0): rows of `dst` are out_ld words apart.
+// `level` is a WNA16_SIMD_* level the CPU has (the AVX-512 level runs 8-bit tiles with AVX2).
 void marlin_from_nfirst(const uint32_t* src, int64_t ld, int64_t size_k, int64_t size_n, int num_bits,
-                        uint32_t* dst, int64_t out_ld, bool simd, std::vector<uint32_t>& tmp) {
+                        uint32_t* dst, int64_t out_ld, int level, std::vector<uint32_t>& tmp) {
   const int pf = wna16_pack_factor(num_bits);
   const int64_t ktiles = size_k / 16;
-  if (simd && num_bits == 4) {
 #if WNA16_HAVE_X86
+  if (level == WNA16_SIMD_AVX512 && num_bits == 4) {
     marlin4_nfirst_avx512(src, ld, size_k, size_n, dst, out_ld);
     return;
-#endif
   }
+#endif
+#if WNA16_HAVE_AVX2_TILES
+  if ((level == WNA16_SIMD_AVX2 || level == WNA16_SIMD_AVX512) && (num_bits == 8 || size_k % 64 == 0)) {
+    (num_bits == 4 ? wna16_marlin4_nfirst_avx2 : wna16_marlin8_nfirst_avx2)(src, ld, size_k, size_n, dst, out_ld);
+    return;
+  }
+#endif
+#if WNA16_HAVE_NEON_TILES
+  if (level == WNA16_SIMD_NEON) {
+    (num_bits == 4 ? wna16_marlin4_nfirst_neon : wna16_marlin8_nfirst_neon)(src, ld, size_k, size_n, dst, out_ld);
+    return;
+  }
+#endif
   tmp.resize((size_t)(16 / pf * size_n));
   for (int64_t kt = 0; kt < ktiles; ++kt) {
     stage_ktile_strided(src, 1, ld, kt, size_n, num_bits, tmp.data());
@@ -336,7 +367,9 @@ WNA16_API int wna16_marlin_rank_host(const void* const* src, int64_t num_experts
   const int64_t g2_first = (channel || load_full_w2) ? 0 : rank * (i_p / group_size);
   const int64_t w13_row = 2 * i_p * 16 / pf, w2_row = h * 16 / pf;  // Marlin row lengths (words)
   const int64_t w13_e = (h / 16) * w13_row, w2_e = (i_p / 16) * w2_row;
-  const bool use_simd = simd && have_avx512vbmi();
+  if (simd == WNA16_SIMD_AUTO) simd = best_simd();
+  if (!simd_supported(simd))
+    return wna16_fail(WNA16_ENOTSUP, "SIMD level %d is not supported by this CPU or build", simd);
   // tasks per expert: gate, up, down, scales
   parallel_rows(num_experts * 4, num_threads, [&](int64_t b, int64_t e) {
     std::vector<uint32_t> tmp;
@@ -347,10 +380,10 @@ WNA16_API int wna16_marlin_rank_host(const void* const* src, int64_t num_experts
       if (part < 2) {  // gate / up: rows [rank I_p, (rank+1) I_p) of [I, H/pf]; K = H, N = I_p
         const uint32_t* p = (const uint32_t*)s[part] + rank * i_p * (h / pf);
         marlin_from_nfirst(p, h / pf, h, i_p, num_bits, (uint32_t*)w13 + ex * w13_e + part * (w13_row / 2),
-                           w13_row, use_simd, tmp);
+                           w13_row, simd, tmp);
       } else if (part == 2) {  // down: words [rank I_p/pf, ..) of each row of [H, I/pf]; K = I_p, N = H
         const uint32_t* p = (const uint32_t*)s[2] + rank * (i_p / pf);
-        marlin_from_nfirst(p, intermediate / pf, i_p, h, num_bits, (uint32_t*)w2 + ex * w2_e, w2_row, use_simd, tmp);
+        marlin_from_nfirst(p, intermediate / pf, i_p, h, num_bits, (uint32_t*)w2 + ex * w2_e, w2_row, simd, tmp);
       } else if (scale_bytes == 2) {
         expert_scales<uint16_t>(s, h, intermediate, i_p, rank, g13, g2_full, g2, g2_first, w13_grouped, w2_grouped,
                                 (uint16_t*)w13_scale + ex * g13 * 2 * i_p, (uint16_t*)w2_scale + ex * g2 * h);
@@ -361,6 +394,11 @@ WNA16_API int wna16_marlin_rank_host(const void* const* src, int64_t num_experts
     }
   });
   return WNA16_OK;
+}
+
+WNA16_API int wna16_simd_level(int requested) {
+  if (requested == WNA16_SIMD_AUTO) return best_simd();
+  return simd_supported(requested) ? requested : -1;
 }
 
 WNA16_API void* wna16_map_file(int32_t fd, int64_t offset, int64_t length, int32_t* err) {
@@ -445,12 +483,29 @@ WNA16_API int wna16_marlin_repack_host_strided(const int32_t* packed, const int3
                                                int64_t num_experts, int64_t size_k, int64_t size_n,
                                                int num_bits, int64_t src_stride_e, int64_t src_stride_kw,
                                                int64_t src_stride_n, int64_t out_stride_e,
-                                               int64_t out_stride_row, int num_threads) {
+                                               int64_t out_stride_row, int simd, int num_threads) {
   int rc = wna16_check_marlin_shape(num_experts, size_k, size_n, num_bits);
   if (rc) return rc;
   if ((rc = check_perm(perm, num_experts, size_k))) return rc;
+  if (simd == WNA16_SIMD_AUTO) simd = best_simd();
+  if (!simd_supported(simd))
+    return wna16_fail(WNA16_ENOTSUP, "SIMD level %d is not supported by this CPU or build", simd);
   const int pf = wna16_pack_factor(num_bits);
   const int64_t ktiles = size_k / 16;
+  if (!perm && src_stride_kw == 1 && simd != WNA16_SIMD_SCALAR) {
+    // the checkpoint's N-first words read in place (every layer the torch data path repacks
+    // without act-order): the rank builder's vector tile loops, one task per expert and n-tile
+    const int64_t ntiles = size_n / 64;
+    parallel_rows(num_experts * ntiles, num_threads, [&](int64_t b, int64_t e) {
+      std::vector<uint32_t> tmp;
+      for (int64_t task = b; task < e; ++task) {
+        const int64_t ex = task / ntiles, n0 = 64 * (task % ntiles);
+        marlin_from_nfirst((const uint32_t*)packed + ex * src_stride_e + n0 * src_stride_n, src_stride_n, size_k, 64,
+                           num_bits, (uint32_t*)out + ex * out_stride_e + n0 * 16 / pf, out_stride_row, simd, tmp);
+      }
+    });
+    return WNA16_OK;
+  }
   const bool dense = src_stride_n == 1 && src_stride_kw == size_n;
   parallel_rows(num_experts * ktiles, num_threads, [&](int64_t b, int64_t e) {
     std::vector<uint32_t> tmp(perm || !dense ? (size_t)(16 / pf * size_n) : 0);

@@ -70,9 +70,15 @@ CASES = [
 ]
 
 
+SIMD_LEVELS = {"scalar": 0, "avx2": 2, "avx512": 3, "neon": 4}  # WNA16_SIMD_* in kernels/capi.h
+
+
 @pytest.mark.parametrize("h,i,tp,nb,gs,full,dtype", CASES)
-@pytest.mark.parametrize("simd", [1, 0], ids=["simd", "scalar"])
-def test_native_rank_builder_equals_torch(host, h, i, tp, nb, gs, full, dtype, simd):
+@pytest.mark.parametrize("level", list(SIMD_LEVELS))
+def test_native_rank_builder_equals_torch(host, h, i, tp, nb, gs, full, dtype, level):
+    simd = SIMD_LEVELS[level]
+    if host.wna16_simd_level(simd) != simd:
+        pytest.skip(f"this CPU has no {level} tile loop")
     experts = _experts(3, h, i, nb, gs, dtype, seed=h + i + nb)
     for rank in range(tp):
         spec = RankLayout(layout="marlin", num_bits=nb, group_size=gs, symmetric=True, act_order=False, hidden_size=h,

@@ -25,7 +25,7 @@ log = logging.getLogger("wna16ctl.native.ops")  # one logger for the notices of 
 
 ABI_VERSION = 1  # must equal WNA16_ABI_VERSION in kernels/capi.h
 
-HOST_SOURCES = ("host.cpp", "error.cpp")
+HOST_SOURCES = ("host.cpp", "host_simd.cpp", "error.cpp")
 CUDA_SOURCES = ("repack.cu", "moe_gemm.cu", "moe_gemm_v2.cu", "error.cpp")
 _HOST_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-pthread", "-fvisibility=hidden")
 _HOST_FILE_FLAGS: dict[str, tuple[str, ...]] = {}
@@ -300,7 +300,7 @@ _HOST_PROTOS = {
     "wna16_abi_version": (_I32, []),
     "wna16_last_error": (ctypes.c_char_p, []),
     "wna16_marlin_repack_host": (_I32, [_P, _P, _P, _I64, _I64, _I64, _I32, _I32]),
-    "wna16_marlin_repack_host_strided": (_I32, [_P, _P, _P, _I64, _I64, _I64, _I32] + [_I64] * 5 + [_I32]),
+    "wna16_marlin_repack_host_strided": (_I32, [_P, _P, _P, _I64, _I64, _I64, _I32] + [_I64] * 5 + [_I32, _I32]),
     "wna16_marlin_unrepack_host": (_I32, [_P, _P, _P, _I64, _I64, _I64, _I32, _I32]),
     "wna16_permute_scales_host": (_I32, [_P, _P, _I64, _I64, _I32, _I32, _I32]),
     "wna16_zero_points_host": (_I32, [_P, _P, _I64, _I64, _I32, _I32]),
@@ -309,6 +309,7 @@ _HOST_PROTOS = {
     "wna16_scale_perm_table": (_I32, [_I32, _P]),
     "wna16_zp_perm_table": (_I32, [_I32, _P]),
     "wna16_marlin_rank_host": (_I32, [_P, _I64, _I64, _I64, _I32, _I32, _I32, _I64] + [_I32] * 4 + [_P] * 4 + [_I32] * 2),
+    "wna16_simd_level": (_I32, [_I32]),
     "wna16_first_nonfinite": (_I64, [_P, _I64, _I32]),
     "wna16_first_nonfinite_many": (_I64, [_P, _P, _I64, _I32, _P]),
     "wna16_pread_many": (_I64, [_P, _P, _P, _P, _I64, _P]),

@@ -28,6 +28,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+from wna16ctl.native import simd
 from wna16ctl.native.build import (  # noqa: F401 - the build and load API, re-exported
     ABI_VERSION,
     HOST_SOURCES,
@@ -147,7 +148,8 @@ def marlin_repack_fast(
         raise ValueError(f"out must be a CPU int32 tensor of shape {shape} with unit stride in its last dim")
     out3 = out.view(-1, *out.shape[-2:]) if out.ndim > 2 else out.unsqueeze(0)
     lib.call("wna16_marlin_repack_host_strided", _ptr(src), _ptr(p), _ptr(out3), experts, size_k, size_n, num_bits,
-             src.stride(0), src.stride(1), src.stride(2), out3.stride(0), out3.stride(1), torch.get_num_threads())
+             src.stride(0), src.stride(1), src.stride(2), out3.stride(0), out3.stride(1),
+             simd.resolve()[0], torch.get_num_threads())  # WNA16CTL_SIMD: the vector tile loops for N-first sources
     return out
 
 

@@ -74,8 +74,9 @@ class LayerBuilder:
     """Buffers and calls for one layer: `read` a chunk into slot 0 or 1, `check`, `build` a rank."""
 
     def __init__(self, files: CheckpointFiles, layer: Any, specs: list[RankLayout], buffers: Buffers,
-                 scale_dtype: str, max_experts: int):
+                 scale_dtype: str, max_experts: int, simd_level: int = 1):
         self.files, self.layer, self.specs, self.buffers = files, layer, specs, buffers
+        self.simd_level = simd_level  # a WNA16_SIMD_* level (wna16ctl.native.simd.resolve); 1 = the best the CPU has
         self.scale_dtype, self.max_experts = scale_dtype, max_experts
         names0 = [layer.tensor_name(0, role, s) for role in ROLE_ORDER for s in _SUFFIXES]
         self.expert_bytes = sum(files.info(n).nbytes for n in names0)
@@ -216,7 +217,8 @@ class LayerBuilder:
                 "wna16_marlin_rank_host", self._src[slot], n_experts, spec.hidden_size, spec.intermediate_size,
                 spec.tp, spec.rank, spec.num_bits, spec.group_size, int(spec.load_full_w2),
                 _SCALE_BYTES[self.scale_dtype], int(marlin_scales_grouped(spec.hidden_size, spec.group_size)),
-                int(marlin_scales_grouped(w2_scale_size_k(spec), spec.group_size)), *out, 1, 1 if mapped else 0,
+                int(marlin_scales_grouped(w2_scale_size_k(spec), spec.group_size)), *out, self.simd_level,
+                1 if mapped else 0,
             )
         except native.KernelError as e:
             if e.code == native.WNA16_EFAULT and mapped:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from wna16ctl.version import __version__
+from wna16ctl.native import simd
 from wna16ctl.repacking import distributed
 from wna16ctl.output import outdir
 from wna16ctl.planning import rules
@@ -343,6 +344,7 @@ class RepackResult:
     manifest_name: str = MANIFEST_NAME  # wna16ctl.json, or the part's wna16ctl.part-R_R.json
     processes: list[dict[str, Any]] = field(default_factory=list)  # per process that wrote into OUT
     committed: bool = True  # False in a process that wrote its ranks into another process's OUT
+    simd: str | None = None  # this process's native tile loop (wna16ctl.native.simd); None: no layer took the native path
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -350,6 +352,7 @@ class RepackResult:
             "files_written": self.files_written,
             "files_reused": self.files_reused,
             "bytes_written": self.bytes_written,
+            "simd": self.simd,
             "ranks": self.ranks,
             "manifest_name": self.manifest_name,
             "processes": self.processes,
@@ -495,17 +498,20 @@ def run_repack(
         notice(discarded)
     start = (progress or no_progress) if is_owner else no_progress
 
-    def write() -> tuple[int, int, int]:
-        counts = _execute(plan, staged, start, "cpu" if dev == "cpu" else ("cuda" if device == "cuda" else "auto"), mine,
-                          side_files=is_owner, launch=me)
+    exec_device = "cpu" if dev == "cpu" else ("cuda" if device == "cuda" else "auto")
+
+    def write() -> tuple[int, int, int, str | None]:
+        simd_path = _native_simd(plan, exec_device)  # refuses a WNA16CTL_SIMD level the CPU lacks first
+        counts = _execute(plan, staged, start, exec_device, mine, side_files=is_owner, launch=me)
         staged.collect_hashes() if is_owner else staged.close()  # hashed, synced, journaled
-        return counts
+        return (*counts, simd_path)
 
     try:
-        written, reused, nbytes = group.together("writing", write)
+        written, reused, nbytes, simd_path = group.together("writing", write)
         reports = group.all_gather({
             "process": me.rank, "node": me.node, "ranks": mine, "files_written": written,
-            "files_reused": reused, "bytes_written": nbytes, "done": staged.done, "sources": staged.sources})
+            "files_reused": reused, "bytes_written": nbytes, "simd": simd_path, "done": staged.done,
+            "sources": staged.sources})
     except KeyboardInterrupt:
         staged.abort(keep_for_resume=True)
         raise
@@ -544,11 +550,11 @@ def run_repack(
     if outcomes[owner] is not None:
         code, message = outcomes[owner]
         raise distributed.PeerFailed(f"process {owner} failed while committing {out_path}: {message}", code)
-    processes = [{k: r[k] for k in ("process", "node", "ranks", "files_written", "files_reused", "bytes_written")}
+    processes = [{k: r[k] for k in ("process", "node", "ranks", "files_written", "files_reused", "bytes_written", "simd")}
                  for r in ours]
     return RepackResult(staged.out, sum(r["files_written"] for r in ours), sum(r["files_reused"] for r in ours),
                         sum(r["bytes_written"] for r in ours), manifest, out_ranks, name, processes,
-                        committed=is_owner)
+                        committed=is_owner, simd=simd_path)
 
 
 def _digest(parts: list[str]) -> str:
@@ -666,12 +672,25 @@ def _native_builders(plan: RepackPlan, device: str) -> dict[int, Any]:
 
     out: dict[int, Any] = {}
     buffers = repack_native.Buffers()  # one set for all layers: memory stays at two chunks
+    level = None
     for j, job in enumerate(plan.jobs):
         if repack_native.unsupported(job.layer, job.specs[0], plan.scale_st_dtype, device) is None:
+            if level is None:
+                level = simd.resolve()[0]  # WNA16CTL_SIMD, checked against the CPU
             most = max(len(c) for c in _expert_chunks(job))
             out[j] = repack_native.LayerBuilder(plan.checkpoint.files, job.layer, job.specs, buffers,
-                                                plan.scale_st_dtype, most)
+                                                plan.scale_st_dtype, most, level)
     return out
+
+
+def _native_simd(plan: RepackPlan, device: str) -> str | None:
+    """The tile loop the native rank builder runs for `plan` on this CPU (wna16ctl.native.simd), or None
+    when no layer takes the native data path."""
+    from wna16ctl import repack_native
+
+    if all(repack_native.unsupported(j.layer, j.specs[0], plan.scale_st_dtype, device) is not None for j in plan.jobs):
+        return None
+    return simd.resolve()[1]
 
 
 def _execute(plan: RepackPlan, staged: StagedOutput, start: TaskStarter, device: str, ranks: list[int],
