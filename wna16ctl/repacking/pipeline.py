@@ -686,7 +686,7 @@ def _native_builders(plan: RepackPlan, device: str) -> dict[int, Any]:
 def _native_simd(plan: RepackPlan, device: str) -> str | None:
     """The tile loop the native rank builder runs for `plan` on this CPU (wna16ctl.native.simd), or None
     when no layer takes the native data path."""
-    from wna16ctl import repack_native
+    from wna16ctl.repacking import native_path as repack_native
 
     if all(repack_native.unsupported(j.layer, j.specs[0], plan.scale_st_dtype, device) is not None for j in plan.jobs):
         return None
