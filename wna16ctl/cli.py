@@ -310,12 +310,18 @@ def demo(ctx: click.Context, out: str, arch: str, bits: str, group_size: str, as
     _run(ctx, sink, body, interrupted=f"{out} is incomplete; run the command again with --force")
 
 
+def _samples_order_help() -> str:
+    """verify's sample search order for --help, from the one statement of it (without step 1, the option itself)."""
+    from wna16ctl.verification.samples import SAMPLE_SEARCH_ORDER
+
+    return "; else ".join(step.replace("`", "") for step in SAMPLE_SEARCH_ORDER[1:])
+
+
 @cli.command(short_help="Prove OUT (a repack output) equals CKPT.")
 @click.argument("ckpt", type=click.Path(file_okay=False, path_type=str))
 @click.argument("out", type=click.Path(file_okay=False, path_type=str))
 @click.option("--samples", default=None, help="GSM8K-style questions: a .jsonl or .parquet file with a 'question' "
-              "field (default: $WNA16CTL_SHARED, else shared/ beside the repository, else the openai/gsm8k test "
-              "split from the Hub; see docs/verify.md).")
+              f"field. Without it: {_samples_order_help()}.")
 @click.option("--num-samples", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="Where the repacked layers run: the CUDA GEMM kernel or its CPU twin.")
@@ -353,7 +359,7 @@ def verify(ctx: click.Context, ckpt: str, out: str, samples: str | None, num_sam
         source = _local_checkpoint(sink, ckpt, revision)
         with sink.tasks() as progress:
             report = verify_output(source, out, samples=samples, num_samples=num_samples, device=device,
-                                   progress=progress, e2e=options)
+                                   progress=progress, e2e=options, notice=lambda m: sink.warn(m, always=True))
         sink.result(report.to_json(), lambda console: render_verify(console, report))
         return EXIT_OK if report.passed else EXIT_FAILED
 

@@ -13,7 +13,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import save_file
 
-from tests.conftest import GSM8K_TEST
+from tests.conftest import QUESTIONS
 from tests.rawckpt import write_raw_checkpoint
 from wna16ctl.cli import cli
 
@@ -99,7 +99,7 @@ def test_interrupt_message_belongs_to_the_command(make_ckpt, tmp_path, monkeypat
               "repack": (wna16ctl.repacking.pipeline, "run_repack"), "demo": (wna16ctl.demo, "write_demo_checkpoint")}[command]
     monkeypatch.setattr(*target, interrupt)
     ck = make_ckpt(**SMALL)
-    args = {"inspect": ["inspect", ck], "verify": ["verify", ck, tmp_path, "--samples", GSM8K_TEST],
+    args = {"inspect": ["inspect", ck], "verify": ["verify", ck, tmp_path, "--samples", QUESTIONS],
             "repack": ["repack", ck, "--tp", "1", "-o", tmp_path / "o"], "demo": ["demo", tmp_path / "d"]}[command]
     res = invoke(*args)
     assert res.exit_code == 130
@@ -152,7 +152,7 @@ def test_verify_progress_steps_are_reported(make_ckpt, tmp_path):
     run_repack(plan_repack(ck, RepackSettings(tp=1)), out, progress=start)
     assert [s[0] for s in starts] == ["repacking"] and done["repacking"] == starts[0][1]
     starts.clear()
-    verify_output(ck, out, samples=GSM8K_TEST, num_samples=4, progress=start)
+    verify_output(ck, out, samples=QUESTIONS, num_samples=4, progress=start)
     names = [s[0] for s in starts]
     assert names == ["hashing output files", "round trip and numerics"]
     for description, total, _ in starts:

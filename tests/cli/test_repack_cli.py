@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import GSM8K_TEST
+from tests.conftest import QUESTIONS
 from tests.repacking.test_pipeline import one_torch_thread, single_thread_env  # noqa: F401  (an autouse fixture)
 from wna16ctl.output.writer import MANIFEST_NAME
 
@@ -74,7 +74,7 @@ def test_repack_human_output(repacked):
 
 def test_verify_exit_0_and_json(repacked):
     ck, out, _, _ = repacked
-    res = run("verify", ck, out, "--samples", GSM8K_TEST, "--num-samples", "8", "--json")
+    res = run("verify", ck, out, "--samples", QUESTIONS, "--num-samples", "8", "--json")
     assert res.returncode == 0, (res.stdout, res.stderr)
     doc = json.loads(res.stdout)
     assert doc["passed"] is True and doc["findings"] == []

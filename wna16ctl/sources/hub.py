@@ -390,8 +390,8 @@ def gsm8k_test_file() -> Path:
     The last of verify's default sample sources; offline and not cached, the message names the
     others."""
     hf = _hf()
-    others = ("pass --samples FILE.jsonl (a 'question' per line), set WNA16CTL_SHARED to a folder with "
-              "data/gsm8k/test.jsonl")
+    others = ("pass --samples FILE.jsonl (a 'question' per line), set WNA16CTL_SAMPLES to such a file or "
+              "WNA16CTL_SHARED to a folder with data/gsm8k/test.jsonl")
     try:
         folder = Path(hf.snapshot_download(GSM8K_REPO, repo_type="dataset", allow_patterns=[GSM8K_TEST_FILES]))
     except Exception as e:  # noqa: BLE001 - every failure is one line naming the other sources

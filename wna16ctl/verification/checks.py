@@ -535,6 +535,7 @@ def verify_output(
     device: str = "auto",
     progress: TaskStarter | None = None,
     e2e: Any = None,
+    notice: Callable[[str], None] | None = None,
 ) -> VerifyReport:
     """Run every check of OUT against CKPT; see the module doc.  With `e2e` (a
     wna16ctl.verification.e2e.E2EOptions) also the end-to-end generation, a required check then.  Bad input
@@ -544,7 +545,7 @@ def verify_output(
     out_path = Path(out)
     manifest = _read_manifest(out_path)
     gemm_device = _gemm_device(device)
-    samples_path = resolve_samples(samples)  # inputs in the order a user fixes them: checkpoint, output, device, samples
+    samples_path = resolve_samples(samples, ck.root, notice)  # inputs in the order a user fixes them: checkpoint, output, device, samples
     report, plan = _verify_checks(ck, out_path, manifest, samples_path, num_samples, gemm_device, progress)
     if e2e is not None and report.ranks_not_checked:
         report.checks.append(Check("e2e", "greedy generation on GSM8K prompts with the source and the repacked experts",
