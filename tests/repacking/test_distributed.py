@@ -399,3 +399,17 @@ def test_node_local_refuses_a_node_that_would_write_no_rank(ckpt, tmp_path):
     with pytest.raises(UsageError, match="node 1 would write no rank"):
         run_repack(plan_repack(ckpt, RepackSettings(tp=2)), tmp_path / "out", node_local=True, group=group)
     assert not (tmp_path / "out").exists() and siblings(tmp_path / "out") == []
+
+
+def test_verify_of_an_ep_part_counts_the_experts_it_holds(ckpt, tmp_path):
+    """An EP part holding ranks 0 and 1 of 4 holds half of each layer's experts: verify counts
+    those, not every expert of the checkpoint."""
+    settings = RepackSettings(tp=4, ep=True, max_shard_bytes=300_000)
+    plan = plan_repack(ckpt, settings)
+    part = tmp_path / "part"
+    run_repack(plan, part, ranks=[0, 1])
+    report = verify_output(ckpt, part, samples=QUESTIONS, num_samples=4)
+    assert report.passed, [f.message for f in report.findings]
+    held = sum(len(job.expert_ranges[0]) + len(job.expert_ranges[1]) for job in plan.jobs)
+    total = sum(job.layer.num_experts for job in plan.jobs)
+    assert held < total and report.experts_checked == held == report.to_json()["experts_checked"]
