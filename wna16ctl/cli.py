@@ -123,7 +123,7 @@ def inspect(ctx: click.Context, ckpt: str, tp: str, ep: bool, vllm: str, gpu: st
             sink.warn(w)
         render = render_release_matrix if insp.versions else render_inspection
         sink.result(insp.to_json(), lambda console: render(console, insp))
-        return EXIT_OK if insp.loadable else EXIT_FAILED
+        return EXIT_OK if insp.ok else EXIT_FAILED  # a correctness hazard fails like a refusal
 
     _run(ctx, sink, body, interrupted="nothing was written", fast_exit=True)
 

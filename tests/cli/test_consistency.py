@@ -302,11 +302,24 @@ def _unquantized_checkpoint(out: Path) -> Path:
     return out
 
 
-def test_unquantized_reason_for_every_tp(tmp_path):
-    res = invoke("inspect", _unquantized_checkpoint(tmp_path / "ck"), "--tp", "1,2")
-    assert res.exit_code == 1
-    notes = [ln for ln in res.stdout.splitlines() if "not quantized" in ln]
-    assert len(notes) == 1 and "TP 1, 2" in notes[0], res.stdout
+def test_an_unquantized_moe_is_not_a_wna16_checkpoint(tmp_path):
+    """A bf16 MoE loads in vLLM as it is: bad input (exit 2, one line), not "does not load" (exit 1)."""
+    ck = _unquantized_checkpoint(tmp_path / "ck")
+    for args in (["inspect", ck, "--tp", "1,2"], ["inspect", ck, "--json"], ["repack", ck, "--tp", "2", "-o", tmp_path / "o"]):
+        res = invoke(*args)
+        assert res.exit_code == 2, (args, res.output)
+        errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+        assert len(errors) == 1 and f"{ck}: not a WNA16 MoE checkpoint: its routed experts are not quantized" in errors[0]
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_model_without_moe_layers_is_not_a_wna16_moe_checkpoint(tmp_path):
+    ck = _unquantized_checkpoint(tmp_path / "ck")
+    names = {"model.embed_tokens.weight": torch.zeros(64, 128, dtype=torch.bfloat16),
+             "model.layers.0.mlp.down_proj.weight": torch.zeros(128, 256, dtype=torch.bfloat16)}
+    save_file(names, str(ck / "model.safetensors"), metadata={"format": "pt"})
+    res = invoke("inspect", ck)
+    assert res.exit_code == 2 and "not a WNA16 MoE checkpoint: no routed-expert MoE layers found" in res.stderr, res.output
 
 
 # ---- act-order g_idx --------------------------------------------------------------------------------------
