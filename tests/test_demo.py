@@ -380,3 +380,19 @@ def test_refuses_a_folder_with_files(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(FileExistsError):
         write_demo_checkpoint(tmp_path, DemoSpec(**SMALL))
+
+
+def test_demo_files_get_the_umask_mode(tmp_path) -> None:
+    """Like every other file the tools write: 0644 under umask 022 (safetensors alone makes 0600)."""
+    import os
+    import stat
+
+    from wna16ctl.demo import DemoSpec, write_demo_checkpoint
+
+    old = os.umask(0o022)
+    try:
+        ck = write_demo_checkpoint(tmp_path / "ck", DemoSpec(**SMALL, num_shards=2))
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in ck.iterdir()}
+    assert modes and set(modes.values()) == {0o644}, modes

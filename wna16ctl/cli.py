@@ -83,11 +83,28 @@ def _vllm_option(allow_all: bool) -> Callable:
              "(else the newest known release), latest" + (", or all (a release x TP matrix)." if allow_all else "."))
 
 
+# GPU names accepted by --gpu beside the compute capabilities the rulebook knows (a name stands
+# for its architecture: backend choice depends on the capability only)
+GPU_ALIASES = {
+    "t4": "sm75", "a100": "sm80", "a800": "sm80", "a30": "sm80", "a10": "sm86", "a10g": "sm86", "a40": "sm86",
+    "rtx3090": "sm86", "l4": "sm89", "l40": "sm89", "l40s": "sm89", "rtx4090": "sm89", "h100": "sm90",
+    "h800": "sm90", "h200": "sm90", "h20": "sm90", "gh200": "sm90", "b100": "sm100", "b200": "sm100",
+    "gb200": "sm100", "b300": "sm100", "rtx5090": "sm120",
+}
+
+
 def _gpu_option() -> Callable:
     from wna16ctl.planning.rules import DEFAULT_GPU, GPUS
 
-    return click.option("--gpu", type=click.Choice(list(GPUS)), default=DEFAULT_GPU, show_default=True,
-                        help="GPU architecture the engine runs on (backend priority depends on it).")
+    def to_sm(ctx: click.Context, param: click.Parameter, value: str) -> str:
+        return GPU_ALIASES.get(value.lower(), value.lower())
+
+    names = list(GPUS) + [a for a in GPU_ALIASES if GPU_ALIASES[a] in GPUS]
+    return click.option("--gpu", type=click.Choice(names, case_sensitive=False), default=DEFAULT_GPU,
+                        show_default=True, callback=to_sm, metavar="SM|NAME",
+                        help=f"GPU architecture the engine runs on (backend priority depends on it): {', '.join(GPUS)}, "
+                             "or a GPU name for its architecture (h100, h200 = sm90; a100 = sm80; l40s = sm89; "
+                             "b200 = sm100; ...).")
 
 
 _REVISION = click.option("--revision", default=None, metavar="REV",
@@ -364,6 +381,37 @@ def verify(ctx: click.Context, ckpt: str, out: str, samples: str | None, num_sam
         return EXIT_OK if report.passed else EXIT_FAILED
 
     _run(ctx, sink, body, interrupted="nothing was verified")
+
+
+@cli.command("env", short_help="Versions and hardware, for bug reports.")
+@click.option("--json", "json_mode", is_flag=True, help="Print one JSON object.")
+@_debug_option
+@click.pass_context
+def env_command(ctx: click.Context, json_mode: bool, debug: bool) -> None:
+    """Print the versions of wna16ctl, Python, torch, compressed-tensors, safetensors,
+    huggingface_hub, transformers and an installed vLLM, and whether nvcc and a GPU are present."""
+    sink = Sink(json_mode=json_mode)
+
+    def body() -> int:
+        from wna16ctl.envreport import environment
+
+        data = environment()
+
+        def render(console) -> None:  # noqa: ANN001
+            for key in ("wna16ctl", "python", "platform"):
+                console.print(f"{key}: {data[key]}", markup=False, highlight=False)
+            console.print(f"cpu simd: {', '.join(data['cpu_simd']) or 'none of avx2/avx512'}", markup=False)
+            for name, version in data["packages"].items():
+                console.print(f"{name}: {version or 'not installed'}", markup=False)
+            nvcc = data["nvcc"]
+            console.print(f"nvcc: {'not found' if nvcc is None else nvcc['version'] or nvcc['path']}", markup=False)
+            gpus = data["gpus"]
+            console.print(f"gpus: {'no nvidia-smi' if gpus is None else '; '.join(gpus) or 'none'}", markup=False)
+
+        sink.result(data, render)
+        return EXIT_OK
+
+    _run(ctx, sink, body, interrupted="nothing was done")
 
 
 def _local_checkpoint(sink: Sink, ckpt: str, revision: str | None) -> str:

@@ -550,10 +550,19 @@ def _shard_assignment(sizes: list[int], num_shards: int) -> list[int]:
     return [i * num_shards // len(sizes) for i in range(len(sizes))]
 
 
+def _save_file(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """safetensors' save_file, leaving the file with the mode any new file gets (0644 under the
+    usual umask; the library itself creates it 0600)."""
+    save_file(tensors, str(path), metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def _write_safetensors(out_dir: Path, tensors: dict[str, torch.Tensor], num_shards: int) -> None:
     metadata = {"format": "pt"}
     if num_shards == 1:
-        save_file(tensors, str(out_dir / "model.safetensors"), metadata=metadata)
+        _save_file(tensors, out_dir / "model.safetensors", metadata)
         return
     names = list(tensors)
     sizes = [tensors[n].numel() * tensors[n].element_size() for n in names]
@@ -562,7 +571,7 @@ def _write_safetensors(out_dir: Path, tensors: dict[str, torch.Tensor], num_shar
     for shard in range(num_shards):
         file_name = f"model-{shard + 1:05d}-of-{num_shards:05d}.safetensors"
         shard_tensors = {n: tensors[n] for n, a in zip(names, assignment) if a == shard}
-        save_file(shard_tensors, str(out_dir / file_name), metadata=metadata)
+        _save_file(shard_tensors, out_dir / file_name, metadata)
         weight_map |= {n: file_name for n in shard_tensors}
     index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
     (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
