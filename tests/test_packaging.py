@@ -248,3 +248,12 @@ def test_verify_of_the_demo_without_gsm8k_passes_after_one_line(tmp_path, monkey
     res = runner.invoke(cli, ["verify", str(ck), str(tmp_path / "tp1"), "--num-samples", "8"])
     assert res.exit_code == 2 and res.stderr.startswith("error: no GSM8K samples"), res.output
     assert len(res.stderr.splitlines()) == 1
+
+
+def test_license_is_an_spdx_expression():
+    """A license table warns on every install with current setuptools; the SPDX string does not."""
+    import tomllib
+
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
+    assert project["project"]["license"] == "Apache-2.0"
+    assert any(req.replace(" ", "").startswith("setuptools>=77") for req in project["build-system"]["requires"])
