@@ -98,3 +98,19 @@ def test_not_loadable_is_one_line_error(repacked, tmp_path):
     expect_error(res, 1, "TP 4", "divisible by group_size (128)")
     assert not (tmp_path / "tp4").exists()
 
+
+
+def test_output_inside_another_output_is_refused(make_ckpt, tmp_path):
+    """`-o tp2/sub` inside a finished output: a later --force of tp2 would delete it; exit 2, one
+    line, and nothing written into tp2."""
+    from click.testing import CliRunner
+
+    from wna16ctl.cli import cli
+
+    ck = make_ckpt(num_layers=1, num_experts=2, top_k=1, vocab_size=64)
+    out = tmp_path / "tp2"
+    assert CliRunner().invoke(cli, ["repack", str(ck), "--tp", "2", "-o", str(out), "-q"]).exit_code == 0
+    before = sorted(p.name for p in out.iterdir())
+    res = CliRunner().invoke(cli, ["repack", str(ck), "--tp", "1", "-o", str(out / "sub")])
+    assert res.exit_code == 2 and f"{out / 'sub'}: is inside the repack output {out}" in res.stderr, res.output
+    assert sorted(p.name for p in out.iterdir()) == before
