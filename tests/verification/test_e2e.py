@@ -241,7 +241,8 @@ def test_cli_e2e_json_and_rendering(outputs):
     assert doc["passed"] and e["status"] == "pass" and e["agreement"] == 1.0
     assert e["tokens_generated"] == 4 and len(e["prompts"]) == 1
     assert set(e["score"]) >= {"reference_exact_match", "candidate_exact_match"}
-    assert e["prompts"][0]["gold_answer"] == "18"  # the first GSM8K test question's answer
+    first = json.loads(QUESTIONS.read_text(encoding="utf-8").splitlines()[0])
+    assert e["prompts"][0]["gold_answer"] == first["answer"].split("#### ")[-1]  # the first question's answer
     res = CliRunner().invoke(cli, args)
     assert res.exit_code == 0, res.output
     assert "end to end" in res.stdout and "4/4 tokens agree" in res.stdout
