@@ -77,3 +77,20 @@ def test_the_code_follows_the_order(tmp_path, monkeypatch):
     assert steps == [tmp_path / "given.jsonl", QUESTIONS, shared / "data" / "gsm8k" / "test.jsonl",
                      beside / "data" / "gsm8k" / "test.jsonl", hub_file, tmp_path / "demo_questions.jsonl"]
     assert len(steps) == len(SAMPLE_SEARCH_ORDER)
+
+
+def test_nvcc_compile_checks_run_in_ci_or_on_request(monkeypatch):
+    """The CUDA compile checks (marker nvcc) take minutes: `make test` includes them in CI
+    (CI=true, which .ci/run sets) or with WNA16CTL_NVCC_TESTS=1, else they skip with that reason."""
+    from tests.conftest import nvcc_tests_enabled
+
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.delenv("WNA16CTL_NVCC_TESTS", raising=False)
+    assert not nvcc_tests_enabled()
+    assert nvcc_tests_enabled("nvcc")  # pytest -m nvcc
+    monkeypatch.setenv("WNA16CTL_NVCC_TESTS", "1")
+    assert nvcc_tests_enabled()
+    monkeypatch.delenv("WNA16CTL_NVCC_TESTS")
+    monkeypatch.setenv("CI", "true")
+    assert nvcc_tests_enabled()
+    assert 'export CI="${CI:-true}"' in (REPO_ROOT / ".ci" / "run").read_text()
