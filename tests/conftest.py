@@ -21,8 +21,38 @@ def _shared_dir() -> Path:
 
 
 SHARED_DIR = _shared_dir()
+# GSM8K itself: only the tests about GSM8K read it, through the `gsm8k_test` fixture (skips without it)
 GSM8K_TEST = SHARED_DIR / "data" / "gsm8k" / "test.jsonl"
 GSM8K_TRAIN = SHARED_DIR / "data" / "gsm8k" / "train.jsonl"
+
+
+def _write_questions() -> Path:
+    """GSM8K-style questions for every test that only needs text to route through the experts:
+    the word problems the demo generates (JSON lines with 'question' and 'answer'), so that the
+    suite needs no data files."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from wna16ctl.demo import write_demo_questions
+
+    folder = Path(tempfile.mkdtemp(prefix="wna16ctl-questions-"))
+    atexit.register(shutil.rmtree, folder, True)
+    path = folder / "test.jsonl"
+    write_demo_questions(path)
+    write_demo_questions(folder / "train.jsonl", seed=2)  # --e2e's few-shot examples, read beside the samples
+    return path
+
+
+QUESTIONS = _write_questions()
+
+
+@pytest.fixture(scope="session")
+def gsm8k_test() -> Path:
+    """GSM8K's test split (JSON lines); the test is skipped, with the reason, where it is not found."""
+    if not GSM8K_TEST.is_file():
+        pytest.skip(f"GSM8K not found at {GSM8K_TEST} (set WNA16CTL_SHARED to a folder holding data/gsm8k/)")
+    return GSM8K_TEST
 
 MakeCheckpoint = Callable[..., Path]
 
@@ -70,3 +100,20 @@ def host():  # -> wna16ctl.native.build.NativeLib
     if lib is None:
         pytest.skip("native host library unavailable (no g++ or WNA16CTL_NO_NATIVE set)")
     return lib
+
+
+def nvcc_tests_enabled(markexpr: str = "") -> bool:
+    """The CUDA compile checks (marker `nvcc`) take minutes per source on a small machine: they run
+    in CI (CI=true), with WNA16CTL_NVCC_TESTS=1, or when `-m` names the marker."""
+    return (os.environ.get("WNA16CTL_NVCC_TESTS") == "1" or os.environ.get("CI", "").lower() == "true"
+            or "nvcc" in markexpr)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if nvcc_tests_enabled(config.getoption("markexpr", "") or ""):
+        return
+    skip = pytest.mark.skip(reason="CUDA compile check (marker nvcc): runs in CI (CI=true) or with "
+                                   "WNA16CTL_NVCC_TESTS=1")
+    for item in items:
+        if "nvcc" in item.keywords:
+            item.add_marker(skip)

@@ -38,6 +38,12 @@ class Repo:
     slow_suffix: str | None = None  # delay GETs of files ending with this...
     delay: float = 0.0  # ...by this many seconds before answering
     ignore_range: bool = False  # answer every GET with the whole file (as some mirrors do)
+    # a fault on GETs of files ending with `fault_suffix`: "503" / "429" (with Retry-After:
+    # `retry_after`), "truncate" (half the range, then the connection closes), "content_range"
+    # (a 206 whose Content-Range starts one byte late), "stall" (headers, then `delay` s of silence)
+    fault: str | None = None
+    fault_suffix: str = ".safetensors"
+    retry_after: int = 1
     _etags: dict[str, str] = field(default_factory=dict)
 
     def files(self) -> list[str]:
@@ -202,6 +208,10 @@ class FakeHub:
             return
         if not head and repo.slow_suffix and rel.endswith(repo.slow_suffix):
             time.sleep(repo.delay)
+        fault = repo.fault if not head and rel.endswith(repo.fault_suffix) else None
+        if fault in ("503", "429"):
+            self._error(h, int(fault), None, head, {"Retry-After": repo.retry_after} if fault == "429" else None)
+            return
         size = p.stat().st_size
         headers = {"ETag": f'"{repo.etag(rel)}"', "X-Repo-Commit": repo.commit, "Accept-Ranges": "bytes",
                    "Content-Type": "application/octet-stream"}
@@ -215,7 +225,7 @@ class FakeHub:
                 self._send(h, 416, b"", head, {**headers, "Content-Range": f"bytes */{size}"})
                 return
             status = 206
-            headers["Content-Range"] = f"bytes {start}-{end}/{size}"
+            headers["Content-Range"] = f"bytes {start + (fault == 'content_range')}-{end}/{size}"
         headers["Content-Length"] = end - start + 1
         if head:
             self._send(h, status, b"", True, headers)
@@ -224,6 +234,17 @@ class FakeHub:
         for k, v in headers.items():
             h.send_header(k, str(v))
         h.end_headers()
+        if fault == "stall":
+            h.wfile.flush()
+            time.sleep(repo.delay)
+            h.close_connection = True
+            return
+        if fault == "truncate":  # fewer bytes than Content-Length, then the connection ends
+            with open(p, "rb") as f:
+                h.wfile.write(os.pread(f.fileno(), (end - start + 1) // 2, start))
+            h.wfile.flush()
+            h.close_connection = True
+            return
         with open(p, "rb") as f:  # in chunks: a client that has enough closes the connection
             pos = start
             while pos <= end:

@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 import wna16ctl
-from tests.conftest import GSM8K_TEST
+from tests.conftest import QUESTIONS
 from wna16ctl.cli import cli
 from wna16ctl.errors import NotLoadable, UsageError
 
@@ -71,7 +71,7 @@ def test_repack_and_verify(make_ckpt, tmp_path):
     assert isinstance(result, wna16ctl.RepackResult) and result.files_reused == 0 and result.files_written > 0
     assert (tmp_path / "out" / "wna16ctl.json").is_file()
     assert result.to_json()["manifest"]["identity"]["settings"]["max_shard_bytes"] == 1 << 20
-    report = wna16ctl.verify(ck, tmp_path / "out", samples=GSM8K_TEST, num_samples=4)
+    report = wna16ctl.verify(ck, tmp_path / "out", samples=QUESTIONS, num_samples=4)
     assert isinstance(report, wna16ctl.VerifyReport) and report.passed
     assert [c.status for c in report.checks] == ["pass", "pass", "pass"]
     with pytest.raises(NotLoadable):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tests.conftest import GSM8K_TEST, MakeCheckpoint
+from tests.conftest import MakeCheckpoint
 from wna16ctl.demo import (
     ARCHITECTURES,
     DemoSpec,
@@ -335,10 +335,25 @@ def test_tokenizer(make_ckpt: MakeCheckpoint) -> None:
     assert 256 < tokenizer.get_vocab_size() <= config["vocab_size"]
     assert tokenizer.token_to_id("<|begin_of_text|>") == config["bos_token_id"]
     assert tokenizer.token_to_id("<|end_of_text|>") == config["eos_token_id"]
-    question = json.loads(GSM8K_TEST.read_text(encoding="utf-8").splitlines()[0])["question"]
+    # the held-out questions the demo writes for verify (GSM8K's stand-in when GSM8K is not found)
+    records = [json.loads(line) for line in (ckpt / "demo_questions.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert len(records) == 256 and all(r["answer"].split("#### ")[-1] for r in records)
+    _word_pieces(tokenizer, records[0]["question"], config["vocab_size"])
+
+
+def _word_pieces(tokenizer, question: str, vocab_size: int) -> None:  # noqa: ANN001
     ids = tokenizer.encode(question).ids
-    assert len(ids) < len(question.encode()) and all(i < config["vocab_size"] for i in ids)
+    assert len(ids) < len(question.encode()) and all(i < vocab_size for i in ids)
     assert tokenizer.decode(ids) == question
+
+
+def test_tokenizer_on_gsm8k(make_ckpt: MakeCheckpoint, gsm8k_test) -> None:
+    from tokenizers import Tokenizer
+
+    ckpt = make_ckpt(**SMALL, tokenizer=True)
+    tokenizer = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    question = json.loads(gsm8k_test.read_text(encoding="utf-8").splitlines()[0])["question"]
+    _word_pieces(tokenizer, question, json.loads((ckpt / "config.json").read_text())["vocab_size"])
 
 
 @pytest.mark.parametrize(
@@ -365,3 +380,19 @@ def test_refuses_a_folder_with_files(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(FileExistsError):
         write_demo_checkpoint(tmp_path, DemoSpec(**SMALL))
+
+
+def test_demo_files_get_the_umask_mode(tmp_path) -> None:
+    """Like every other file the tools write: 0644 under umask 022 (safetensors alone makes 0600)."""
+    import os
+    import stat
+
+    from wna16ctl.demo import DemoSpec, write_demo_checkpoint
+
+    old = os.umask(0o022)
+    try:
+        ck = write_demo_checkpoint(tmp_path / "ck", DemoSpec(**SMALL, num_shards=2))
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in ck.iterdir()}
+    assert modes and set(modes.values()) == {0o644}, modes

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import GSM8K_TEST, REPO_ROOT
+from tests.conftest import QUESTIONS, REPO_ROOT
 
 pytestmark = pytest.mark.engine
 
@@ -37,7 +37,7 @@ def test_reference_tokens_agree_with_vllm(make_ckpt, tmp_path):
     python = _engine_python()
     ck = make_ckpt(tokenizer=True)  # the `wna16ctl demo` default: Qwen3-MoE, 2 layers, 8 experts
     opts = E2EOptions(prompts=8, max_new_tokens=32)
-    prompts, ref_tokens, ref_logits = reference_generation(ck, GSM8K_TEST, opts)
+    prompts, ref_tokens, ref_logits = reference_generation(ck, QUESTIONS, opts)
     request = tmp_path / "request.json"
     result = tmp_path / "result.json"
     request.write_text(json.dumps({"model": str(ck), "prompts": prompts, "max_tokens": opts.max_new_tokens,

@@ -7,7 +7,7 @@ import re
 
 from click.testing import CliRunner
 
-from tests.conftest import GSM8K_TEST, REPO_ROOT
+from tests.conftest import QUESTIONS, REPO_ROOT
 from wna16ctl.cli import cli
 
 SMALL = dict(num_layers=1, num_experts=2, top_k=1, vocab_size=64)
@@ -41,7 +41,7 @@ def test_verify_json_keys_are_documented(make_ckpt, tmp_path):
     ck = make_ckpt(**SMALL)
     CliRunner().invoke(cli, ["repack", str(ck), "--tp", "1", "-o", str(tmp_path / "o"), "-q"])
     (tmp_path / "o" / "extra.txt").write_text("x")  # one finding; every check still runs
-    res = CliRunner().invoke(cli, ["verify", str(ck), str(tmp_path / "o"), "--samples", str(GSM8K_TEST),
+    res = CliRunner().invoke(cli, ["verify", str(ck), str(tmp_path / "o"), "--samples", str(QUESTIONS),
                                    "--num-samples", "4", "--json"])
     report = json.loads(res.stdout)
     doc = documented("verify-json.md")

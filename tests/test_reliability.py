@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 import wna16ctl.repacking.pipeline as repack_mod
 import wna16ctl.repacking.native_path as repack_native
 import wna16ctl.output.writer as writer_mod
-from tests.conftest import GSM8K_TEST, REPO_ROOT
+from tests.conftest import QUESTIONS, REPO_ROOT
 from tests.repacking.test_pipeline import ckpt, file_digests, leftovers, one_torch_thread, patch_tensor, snapshot  # noqa: F401
 from wna16ctl.sources.headers import read_shard_header
 from wna16ctl.cli import cli
@@ -226,7 +226,7 @@ def test_resume_never_writes_through_links_in_out(make_ckpt, tmp_path):
     assert res.files_written == 0
     assert snapshot(ck) == before
     assert not index.is_symlink()
-    assert verify_output(ck, out, samples=GSM8K_TEST, num_samples=4).passed
+    assert verify_output(ck, out, samples=QUESTIONS, num_samples=4).passed
 
 
 @pytest.fixture
@@ -330,7 +330,7 @@ def test_float32_repacks_and_verify_says_it_cannot_run_the_gemm(make_ckpt, tmp_p
     assert res.exit_code in (0, 1) and "float32" in res.stderr
     out = tmp_path / "out"
     assert invoke("repack", str(ck), "--tp", "2", "-o", str(out)).exit_code == 0
-    one_line_error(invoke("verify", str(ck), str(out), "--num-samples", "2", "--samples", str(GSM8K_TEST)),
+    one_line_error(invoke("verify", str(ck), str(out), "--num-samples", "2", "--samples", str(QUESTIONS)),
                    "float16/bfloat16 only")
 
 
@@ -486,7 +486,7 @@ def tokenized_output(make_ckpt, tmp_path_factory):
     ck = make_ckpt(tokenizer=True, num_layers=1, num_experts=4, vocab_size=512)
     out = tmp_path_factory.mktemp("tok-out") / "out"
     run_repack(plan_repack(ck, RepackSettings(tp=2)), out)
-    assert verify_output(ck, out, samples=GSM8K_TEST, num_samples=4).passed
+    assert verify_output(ck, out, samples=QUESTIONS, num_samples=4).passed
     return ck, out
 
 
@@ -497,7 +497,7 @@ def test_verify_checks_everything_in_out(tokenized_output, tmp_path, case):
     shutil.copytree(src_out, out)
     TAMPER[case](ck, out)
     try:
-        report = verify_output(ck, out, samples=GSM8K_TEST, num_samples=4)
+        report = verify_output(ck, out, samples=QUESTIONS, num_samples=4)
     except BadInput as e:  # e.g. a config that no longer matches the tensors: refused outright
         assert case.startswith("config_"), e.message
         return
@@ -703,7 +703,7 @@ def test_verify_with_a_manifest_edited_to_a_huge_tp(make_ckpt, tmp_path):
     out = tmp_path / "out"
     run_repack(plan_repack(ck, RepackSettings(tp=2, ep=True)), out)
     _edit_json(out / MANIFEST_NAME, lambda m: (m.update(tp=10**6), m["identity"]["settings"].update(tp=10**6)))
-    assert_one_line(run_cli("verify", str(ck), str(out), "--num-samples", "2", "--samples", str(GSM8K_TEST)),
+    assert_one_line(run_cli("verify", str(ck), str(out), "--num-samples", "2", "--samples", str(QUESTIONS)),
                     "more than 4096 ranks")
 
 
@@ -784,7 +784,7 @@ def test_malformed_manifest_is_one_line(plain_output, tmp_path, case):
     out = tmp_path / "out"
     shutil.copytree(src, out)
     _edit_json(out / MANIFEST_NAME, MANIFEST_FIELDS[case])
-    one_line_error(invoke("verify", str(ck), str(out), "--num-samples", "2", "--samples", str(GSM8K_TEST)),
+    one_line_error(invoke("verify", str(ck), str(out), "--num-samples", "2", "--samples", str(QUESTIONS)),
                    MANIFEST_NAME)
 
 
@@ -818,7 +818,7 @@ def test_hugging_face_cache_layout_repacks_and_verifies(tokenized_output, tmp_pa
     out = tmp_path / "out"
     run_repack(plan_repack(snap, RepackSettings(tp=2)), out)
     assert not any(p.is_symlink() for p in out.rglob("*"))
-    report = verify_output(snap, out, samples=GSM8K_TEST, num_samples=4)
+    report = verify_output(snap, out, samples=QUESTIONS, num_samples=4)
     assert report.passed, [f.message for f in report.findings]
 
 
@@ -835,5 +835,5 @@ def test_verify_names_a_non_finite_scale_of_the_source(make_ckpt, tmp_path):
     run_repack(plan_repack(ck, RepackSettings(tp=2)), out)
     name = f"{PREFIX}.3.gate_proj.weight_scale"
     _poison(ck, name, _set(0, float("nan")))  # data only: the header fingerprint is unchanged
-    one_line_error(invoke("verify", str(ck), str(out), "--num-samples", "2", "--samples", str(GSM8K_TEST)),
+    one_line_error(invoke("verify", str(ck), str(out), "--num-samples", "2", "--samples", str(QUESTIONS)),
                    name, "not finite")

@@ -104,17 +104,20 @@ def repack(path: PathLike, out: PathLike | None, tp: int | str, *, ep: bool = Fa
 
 
 def verify(path: PathLike, out: PathLike, *, samples: PathLike | None = None, num_samples: int = 64, device: str = "auto",
-           progress: Callable[..., Callable[[int], None]] | None = None) -> VerifyReport:
+           progress: Callable[..., Callable[[int], None]] | None = None,
+           notice: Callable[[str], None] | None = None) -> VerifyReport:
     """Prove that `out` (a repack output) equals the checkpoint at `path`.
 
-    `samples`: a .jsonl or .parquet file with a 'question' field; by default GSM8K's test split
-    from `$WNA16CTL_SHARED` or the `shared/` folder beside the repository (docs/verify.md).
+    `samples`: a .jsonl or .parquet file with a 'question' field; when None, the first source of
+    `wna16ctl.verification.samples.SAMPLE_SEARCH_ORDER` that exists (docs/verify.md).  `notice`
+    receives the one line given when a demo checkpoint's own questions stand in for GSM8K.
     Returns the `VerifyReport` (`to_json()` = `verify --json`, docs/verify-json.md); `.passed`
     is true only when every required check ran and passed.  Raises `BadInput` on unusable input.
     """
     from wna16ctl.verification.checks import verify_output
 
-    return verify_output(path, out, samples=samples, num_samples=num_samples, device=device, progress=progress)
+    return verify_output(path, out, samples=samples, num_samples=num_samples, device=device, progress=progress,
+                         notice=notice)
 
 
 _TYPES = {"Inspection": "wna16ctl.planning.inspection", "RepackPlan": "wna16ctl.repacking.pipeline",

@@ -83,11 +83,28 @@ def _vllm_option(allow_all: bool) -> Callable:
              "(else the newest known release), latest" + (", or all (a release x TP matrix)." if allow_all else "."))
 
 
+# GPU names accepted by --gpu beside the compute capabilities the rulebook knows (a name stands
+# for its architecture: backend choice depends on the capability only)
+GPU_ALIASES = {
+    "t4": "sm75", "a100": "sm80", "a800": "sm80", "a30": "sm80", "a10": "sm86", "a10g": "sm86", "a40": "sm86",
+    "rtx3090": "sm86", "l4": "sm89", "l40": "sm89", "l40s": "sm89", "rtx4090": "sm89", "h100": "sm90",
+    "h800": "sm90", "h200": "sm90", "h20": "sm90", "gh200": "sm90", "b100": "sm100", "b200": "sm100",
+    "gb200": "sm100", "b300": "sm100", "rtx5090": "sm120",
+}
+
+
 def _gpu_option() -> Callable:
     from wna16ctl.planning.rules import DEFAULT_GPU, GPUS
 
-    return click.option("--gpu", type=click.Choice(list(GPUS)), default=DEFAULT_GPU, show_default=True,
-                        help="GPU architecture the engine runs on (backend priority depends on it).")
+    def to_sm(ctx: click.Context, param: click.Parameter, value: str) -> str:
+        return GPU_ALIASES.get(value.lower(), value.lower())
+
+    names = list(GPUS) + [a for a in GPU_ALIASES if GPU_ALIASES[a] in GPUS]
+    return click.option("--gpu", type=click.Choice(names, case_sensitive=False), default=DEFAULT_GPU,
+                        show_default=True, callback=to_sm, metavar="SM|NAME",
+                        help=f"GPU architecture the engine runs on (backend priority depends on it): {', '.join(GPUS)}, "
+                             "or a GPU name for its architecture (h100, h200 = sm90; a100 = sm80; l40s = sm89; "
+                             "b200 = sm100; ...).")
 
 
 _REVISION = click.option("--revision", default=None, metavar="REV",
@@ -144,7 +161,7 @@ def inspect(ctx: click.Context, ckpt: str, tp: str, ep: bool, vllm: str, gpu: st
             sink.warn(w)
         render = render_release_matrix if insp.versions else render_inspection
         sink.result(insp.to_json(), lambda console: render(console, insp))
-        return EXIT_OK if insp.loadable else EXIT_FAILED
+        return EXIT_OK if insp.ok else EXIT_FAILED  # a correctness hazard fails like a refusal
 
     _run(ctx, sink, body, interrupted="nothing was written", fast_exit=True)
 
@@ -331,12 +348,18 @@ def demo(ctx: click.Context, out: str, arch: str, bits: str, group_size: str, as
     _run(ctx, sink, body, interrupted=f"{out} is incomplete; run the command again with --force")
 
 
+def _samples_order_help() -> str:
+    """verify's sample search order for --help, from the one statement of it (without step 1, the option itself)."""
+    from wna16ctl.verification.samples import SAMPLE_SEARCH_ORDER
+
+    return "; else ".join(step.replace("`", "") for step in SAMPLE_SEARCH_ORDER[1:])
+
+
 @cli.command(short_help="Prove OUT (a repack output) equals CKPT.")
 @click.argument("ckpt", type=click.Path(file_okay=False, path_type=str))
 @click.argument("out", type=click.Path(file_okay=False, path_type=str))
 @click.option("--samples", default=None, help="GSM8K-style questions: a .jsonl or .parquet file with a 'question' "
-              "field (default: $WNA16CTL_SHARED, else shared/ beside the repository, else the openai/gsm8k test "
-              "split from the Hub; see docs/verify.md).")
+              f"field. Without it: {_samples_order_help()}.")
 @click.option("--num-samples", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="Where the repacked layers run: the CUDA GEMM kernel or its CPU twin.")
@@ -374,11 +397,42 @@ def verify(ctx: click.Context, ckpt: str, out: str, samples: str | None, num_sam
         source = _local_checkpoint(sink, ckpt, revision)
         with sink.tasks() as progress:
             report = verify_output(source, out, samples=samples, num_samples=num_samples, device=device,
-                                   progress=progress, e2e=options)
+                                   progress=progress, e2e=options, notice=lambda m: sink.warn(m, always=True))
         sink.result(report.to_json(), lambda console: render_verify(console, report))
         return EXIT_OK if report.passed else EXIT_FAILED
 
     _run(ctx, sink, body, interrupted="nothing was verified")
+
+
+@cli.command("env", short_help="Versions and hardware, for bug reports.")
+@click.option("--json", "json_mode", is_flag=True, help="Print one JSON object.")
+@_debug_option
+@click.pass_context
+def env_command(ctx: click.Context, json_mode: bool, debug: bool) -> None:
+    """Print the versions of wna16ctl, Python, torch, compressed-tensors, safetensors,
+    huggingface_hub, transformers and an installed vLLM, and whether nvcc and a GPU are present."""
+    sink = Sink(json_mode=json_mode)
+
+    def body() -> int:
+        from wna16ctl.envreport import environment
+
+        data = environment()
+
+        def render(console) -> None:  # noqa: ANN001
+            for key in ("wna16ctl", "python", "platform"):
+                console.print(f"{key}: {data[key]}", markup=False, highlight=False)
+            console.print(f"cpu simd: {', '.join(data['cpu_simd']) or 'none of avx2/avx512'}", markup=False)
+            for name, version in data["packages"].items():
+                console.print(f"{name}: {version or 'not installed'}", markup=False)
+            nvcc = data["nvcc"]
+            console.print(f"nvcc: {'not found' if nvcc is None else nvcc['version'] or nvcc['path']}", markup=False)
+            gpus = data["gpus"]
+            console.print(f"gpus: {'no nvidia-smi' if gpus is None else '; '.join(gpus) or 'none'}", markup=False)
+
+        sink.result(data, render)
+        return EXIT_OK
+
+    _run(ctx, sink, body, interrupted="nothing was done")
 
 
 def _local_checkpoint(sink: Sink, ckpt: str, revision: str | None) -> str:

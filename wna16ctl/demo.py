@@ -35,6 +35,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from wna16ctl.sink import TaskStarter, no_progress
+from wna16ctl.verification.samples import DEMO_QUESTIONS
 
 if TYPE_CHECKING:
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
@@ -549,10 +550,19 @@ def _shard_assignment(sizes: list[int], num_shards: int) -> list[int]:
     return [i * num_shards // len(sizes) for i in range(len(sizes))]
 
 
+def _save_file(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """safetensors' save_file, leaving the file with the mode any new file gets (0644 under the
+    usual umask; the library itself creates it 0600)."""
+    save_file(tensors, str(path), metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def _write_safetensors(out_dir: Path, tensors: dict[str, torch.Tensor], num_shards: int) -> None:
     metadata = {"format": "pt"}
     if num_shards == 1:
-        save_file(tensors, str(out_dir / "model.safetensors"), metadata=metadata)
+        _save_file(tensors, out_dir / "model.safetensors", metadata)
         return
     names = list(tensors)
     sizes = [tensors[n].numel() * tensors[n].element_size() for n in names]
@@ -561,7 +571,7 @@ def _write_safetensors(out_dir: Path, tensors: dict[str, torch.Tensor], num_shar
     for shard in range(num_shards):
         file_name = f"model-{shard + 1:05d}-of-{num_shards:05d}.safetensors"
         shard_tensors = {n: tensors[n] for n, a in zip(names, assignment) if a == shard}
-        save_file(shard_tensors, str(out_dir / file_name), metadata=metadata)
+        _save_file(shard_tensors, out_dir / file_name, metadata)
         weight_map |= {n: file_name for n in shard_tensors}
     index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
     (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
@@ -579,7 +589,8 @@ def write_demo_checkpoint(out_dir: str | os.PathLike[str], spec: DemoSpec = Demo
     `out_dir` must not exist or be empty (stale shards of another spec would be read as part
     of this checkpoint).  Files: config.json (+ quantization_config),
     model-0000i-of-0000n.safetensors + model.safetensors.index.json (or one model.safetensors),
-    and with `spec.tokenizer` tokenizer.json + tokenizer_config.json.
+    and with `spec.tokenizer` tokenizer.json + tokenizer_config.json + demo_questions.jsonl (the
+    generated questions verify uses when GSM8K is not found).
     Same spec -> byte-identical files.
     """
     _check_spec(spec)
@@ -638,6 +649,7 @@ def write_demo_checkpoint(out_dir: str | os.PathLike[str], spec: DemoSpec = Demo
     step(1)
     if spec.tokenizer:
         _write_tokenizer(out, spec.vocab_size, tokenizer_training_text())
+        write_demo_questions(out / DEMO_QUESTIONS)
     step(1)
     return out
 
@@ -659,17 +671,23 @@ _NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", 
 
 
 def tokenizer_training_text(lines: int = TOKENIZER_TRAINING_LINES, seed: int = 0) -> list[str]:
-    """Grade-school arithmetic word problems with worked answers, generated from templates.
+    """Grade-school arithmetic word problems with worked answers, generated from templates, one
+    text each (question, newline, answer).
 
     The demo tokenizer is trained on these so that the package needs no data files: the text has
     the vocabulary of GSM8K-style questions (names, objects, money, time, number words, the
     `<<a*b=c>>` calculator notation and `#### answer` lines), so it tokenizes real questions into
     word pieces rather than bytes.
     """
+    return [question + "\n" + answer for question, answer in word_problems(lines, seed)]
+
+
+def word_problems(lines: int, seed: int) -> list[tuple[str, str]]:
+    """(question, worked answer ending in `#### N`) pairs; see `tokenizer_training_text`."""
     import random
 
     rng = random.Random(seed)
-    out: list[str] = []
+    out: list[tuple[str, str]] = []
     for i in range(lines):
         name, other = rng.sample(_NAMES, 2)
         one, many = rng.choice(_ITEMS)
@@ -713,8 +731,19 @@ def tokenizer_training_text(lines: int = TOKENIZER_TRAINING_LINES, seed: int = 0
             ans = f"Twice {name}'s age is 2*{a} = <<2*{a}={2 * a}>>{2 * a}.\n{other} is {2 * a}-{c} = " \
                   f"<<{2 * a}-{c}={age}>>{age} years old.\nTogether they are {a}+{age} = <<{a}+{age}={a + age}>>" \
                   f"{a + age} years old.\n#### {a + age}"
-        out.append(q + "\n" + ans)
+        out.append((q, ans))
     return out
+
+
+DEMO_QUESTION_COUNT = 256
+DEMO_QUESTION_SEED = 1  # not the tokenizer's training text (seed 0): held-out problems
+
+
+def write_demo_questions(path: Path, count: int = DEMO_QUESTION_COUNT, seed: int = DEMO_QUESTION_SEED) -> None:
+    """GSM8K-style JSON lines ('question', 'answer') verify falls back to on a demo checkpoint when
+    GSM8K itself is not found, so that the demo needs no data files."""
+    lines = [json.dumps({"question": q, "answer": a}) for q, a in word_problems(count, seed)]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 def _write_tokenizer(out_dir: Path, vocab_size: int, training_text: list[str]) -> None:

@@ -77,7 +77,7 @@ def render_inspection(console: Console, insp: Inspection) -> None:
         console,
     )
     table.columns[0].overflow = "fold"
-    for col in table.columns[2:]:
+    for col in table.columns[2:-1]:  # the status wraps between its words
         col.no_wrap = True
     # notes: (layer span, text) -> the TP sizes it applies to, in first-seen order
     notes: dict[tuple[str, str], list[str]] = {}
@@ -98,8 +98,7 @@ def render_inspection(console: Console, insp: Inspection) -> None:
             else:
                 # a failing row has no backend: showing the one the oracle would pick contradicts the error
                 backend, w2, k_full, status = "[red]none[/]", "—", "—", "[bold red]fails[/]"
-            if p.hazards:
-                status += f" [yellow]{plural(len(p.hazards), 'hazard')}[/]"
+            status += _hazard_status(p.hazards)
             table.add_row(
                 escape(span) if i == 0 else "",
                 escape(lay.scheme.describe()) if (i == 0 and lay.scheme) else ("unquantized" if i == 0 else ""),
@@ -108,7 +107,7 @@ def render_inspection(console: Console, insp: Inspection) -> None:
                 status,
             )
             texts = [f"[red]error[/] {escape(e)}" for e in p.errors]
-            texts += [f"[yellow]hazard[/] {escape(h)}" for h in p.hazards]
+            texts += [_hazard_note(h) for h in p.hazards]
             if not p.loadable:
                 # backends that never serve this deployment (another device, batched formats) are in --json
                 texts += [f"[dim]{name} rejected:[/] {escape(reason)}" for name, reason in p.rejected.items()
@@ -119,9 +118,32 @@ def render_inspection(console: Console, insp: Inspection) -> None:
     console.print(table)
     _notes_grid(console, [(f"{span}, {_tp_list(tps)}:", text) for (span, text), tps in notes.items()])
     render_model_section(console, insp)
-    verdict = "[bold green]loads[/] at every requested TP size" if insp.loadable else "[bold red]does not load[/] everywhere (see above)"
+    if not insp.loadable:
+        verdict = "[bold red]does not load[/] everywhere (see above)"
+    elif not insp.ok:
+        verdict = "[bold red]loads, but outputs would be wrong[/] (correctness hazard above)"
+    else:
+        verdict = "[bold green]loads[/] at every requested TP size"
     console.print(f"verdict: {verdict}")
+    console.print(f"summary: {escape(insp.summary()['text'])}")
     render_suggestions(console, insp)
+
+
+def _hazard_status(hazards: list[str]) -> str:
+    """The status cell's hazard count; correctness hazards (wrong outputs) apart, in red."""
+    from wna16ctl.planning.inspection import CORRECTNESS, hazard_severity
+
+    wrong = sum(hazard_severity(h) == CORRECTNESS for h in hazards)
+    out = f" [bold red]{plural(wrong, 'correctness hazard')}[/]" if wrong else ""
+    return out + (f" [yellow]{plural(len(hazards) - wrong, 'hazard')}[/]" if len(hazards) > wrong else "")
+
+
+def _hazard_note(text: str) -> str:
+    from wna16ctl.planning.inspection import CORRECTNESS, hazard_severity
+
+    if hazard_severity(text) == CORRECTNESS:
+        return f"[bold red]correctness hazard[/] {escape(text)}"
+    return f"[yellow]hazard[/] {escape(text)}"
 
 
 def _proposal_line(console: Console, insp: Inspection) -> None:
@@ -315,6 +337,7 @@ def render_release_matrix(console: Console, insp: Inspection) -> None:
     from wna16ctl.planning.rules import span as release_span
 
     console.print(f"loads at every requested TP size on: {release_span(ok)}")
+    console.print(f"summary (vLLM {insp.engine.version}): {escape(insp.summary()['text'])}")
     render_suggestions(console, insp)
 
 
@@ -362,9 +385,7 @@ def render_model_section(console: Console, insp: Inspection) -> None:
             lay = members[0]
             span = _layer_span([m.layer_index for m in members], [m.name for m in members])
             for i, p in enumerate(insp.linear_plans[lay.name]):
-                status = "[green]ok[/]" if p.loadable else "[bold red]fails[/]"
-                if p.hazards:
-                    status += f" [yellow]{len(p.hazards)} hazard{'s' if len(p.hazards) > 1 else ''}[/]"
+                status = ("[green]ok[/]" if p.loadable else "[bold red]fails[/]") + _hazard_status(p.hazards)
                 table.add_row(escape(span) if i == 0 else "", escape(lay.kind) if i == 0 else "",
                               lay.tp_role if i == 0 else "",
                               escape(lay.scheme.describe()) if (i == 0 and lay.scheme) else "",
@@ -374,7 +395,7 @@ def render_model_section(console: Console, insp: Inspection) -> None:
                 for e in p.errors:
                     notes.append((where, f"TP {p.tp}", f"[red]error[/] {escape(e)}"))
                 for h in p.hazards:
-                    notes.append((where, f"TP {p.tp}", f"[yellow]hazard[/] {escape(h)}"))
+                    notes.append((where, f"TP {p.tp}", _hazard_note(h)))
                 if not p.loadable or p.hazards:
                     # why each kernel ranked ahead of the chosen one passed (every reason is in --json)
                     for name, reason in p.rejected.items():

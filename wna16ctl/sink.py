@@ -28,13 +28,13 @@ class Sink:
     def out(self) -> "Console":
         from rich.console import Console
 
-        return Console(file=sys.stdout, highlight=False, soft_wrap=False, width=output_width(sys.stdout))
+        return Console(file=_plain_lines(sys.stdout), highlight=False, soft_wrap=False, width=output_width(sys.stdout))
 
     @cached_property
     def err(self) -> "Console":
         from rich.console import Console
 
-        return Console(file=sys.stderr, highlight=False, soft_wrap=True, width=output_width(sys.stderr))
+        return Console(file=_plain_lines(sys.stderr), highlight=False, soft_wrap=True, width=output_width(sys.stderr))
 
     # results -------------------------------------------------------------------------------
     def result(self, data: dict[str, Any], render: Callable[[Console], None]) -> None:
@@ -133,6 +133,38 @@ def output_width(stream: Any) -> int | None:
 PLAIN_WIDTH = 100  # pipes and logs without $COLUMNS
 
 
+class _NoTrailingSpaces:
+    """A pipe or log stream whose lines lose the spaces rich pads table cells with."""
+
+    def __init__(self, stream: Any):
+        self._stream = stream
+        self._line = ""
+
+    def write(self, text: str) -> int:
+        lines = (self._line + text).split("\n")
+        self._line = lines.pop()
+        if lines:
+            self._stream.write("".join(line.rstrip(" ") + "\n" for line in lines))
+        return len(text)
+
+    def flush(self) -> None:
+        if self._line:  # a line without its newline yet: written as it is
+            self._stream.write(self._line)
+            self._line = ""
+        self._stream.flush()
+
+    def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding, ...
+        return getattr(self._stream, name)
+
+
+def _plain_lines(stream: Any) -> Any:
+    try:
+        terminal = stream.isatty()
+    except (AttributeError, ValueError):
+        terminal = False
+    return stream if terminal else _NoTrailingSpaces(stream)
+
+
 def _escape(text: str) -> str:
     from rich.markup import escape
 
@@ -173,13 +205,31 @@ def plural(n: int, word: str, plural_form: str | None = None) -> str:
 
 
 def simple_table(title: str, columns: list[str], console: "Console | None" = None) -> "Table":
-    """A table with box drawing on a terminal, plain aligned columns in a pipe or a log."""
+    """A table with box drawing on a terminal, plain aligned columns in a pipe or a log.  No column
+    is narrower than its longest word, so narrow terminals wrap cells between words ("layers
+    0-1", never "laye/rs")."""
     from rich import box
     from rich.table import Table
+    from rich.text import Text
+
+    class WordTable(Table):
+        def _fit_words(self) -> None:
+            for column in self.columns:
+                cells = [column.header, *column._cells]
+                words = [w for c in cells if isinstance(c, str) for w in Text.from_markup(c).plain.split()]
+                column.min_width = max([column.min_width or 0, *map(len, words)])
+
+        def __rich_measure__(self, console, options):  # noqa: ANN001, ANN204
+            self._fit_words()
+            return super().__rich_measure__(console, options)
+
+        def __rich_console__(self, console, options):  # noqa: ANN001, ANN204
+            self._fit_words()
+            return super().__rich_console__(console, options)
 
     plain = console is not None and not console.is_terminal
-    table = Table(title=title, title_justify="left", show_lines=False, header_style="bold",
-                  box=None if plain else box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=not plain)
+    table = WordTable(title=title, title_justify="left", show_lines=False, header_style="bold",
+                      box=None if plain else box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=not plain)
     for c in columns:
         table.add_column(c)
     return table

@@ -13,7 +13,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import save_file
 
-from tests.conftest import GSM8K_TEST
+from tests.conftest import QUESTIONS
 from tests.rawckpt import write_raw_checkpoint
 from wna16ctl.cli import cli
 
@@ -99,7 +99,7 @@ def test_interrupt_message_belongs_to_the_command(make_ckpt, tmp_path, monkeypat
               "repack": (wna16ctl.repacking.pipeline, "run_repack"), "demo": (wna16ctl.demo, "write_demo_checkpoint")}[command]
     monkeypatch.setattr(*target, interrupt)
     ck = make_ckpt(**SMALL)
-    args = {"inspect": ["inspect", ck], "verify": ["verify", ck, tmp_path, "--samples", GSM8K_TEST],
+    args = {"inspect": ["inspect", ck], "verify": ["verify", ck, tmp_path, "--samples", QUESTIONS],
             "repack": ["repack", ck, "--tp", "1", "-o", tmp_path / "o"], "demo": ["demo", tmp_path / "d"]}[command]
     res = invoke(*args)
     assert res.exit_code == 130
@@ -152,7 +152,7 @@ def test_verify_progress_steps_are_reported(make_ckpt, tmp_path):
     run_repack(plan_repack(ck, RepackSettings(tp=1)), out, progress=start)
     assert [s[0] for s in starts] == ["repacking"] and done["repacking"] == starts[0][1]
     starts.clear()
-    verify_output(ck, out, samples=GSM8K_TEST, num_samples=4, progress=start)
+    verify_output(ck, out, samples=QUESTIONS, num_samples=4, progress=start)
     names = [s[0] for s in starts]
     assert names == ["hashing output files", "round trip and numerics"]
     for description, total, _ in starts:
@@ -302,11 +302,24 @@ def _unquantized_checkpoint(out: Path) -> Path:
     return out
 
 
-def test_unquantized_reason_for_every_tp(tmp_path):
-    res = invoke("inspect", _unquantized_checkpoint(tmp_path / "ck"), "--tp", "1,2")
-    assert res.exit_code == 1
-    notes = [ln for ln in res.stdout.splitlines() if "not quantized" in ln]
-    assert len(notes) == 1 and "TP 1, 2" in notes[0], res.stdout
+def test_an_unquantized_moe_is_not_a_wna16_checkpoint(tmp_path):
+    """A bf16 MoE loads in vLLM as it is: bad input (exit 2, one line), not "does not load" (exit 1)."""
+    ck = _unquantized_checkpoint(tmp_path / "ck")
+    for args in (["inspect", ck, "--tp", "1,2"], ["inspect", ck, "--json"], ["repack", ck, "--tp", "2", "-o", tmp_path / "o"]):
+        res = invoke(*args)
+        assert res.exit_code == 2, (args, res.output)
+        errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+        assert len(errors) == 1 and f"{ck}: not a WNA16 MoE checkpoint: its routed experts are not quantized" in errors[0]
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_model_without_moe_layers_is_not_a_wna16_moe_checkpoint(tmp_path):
+    ck = _unquantized_checkpoint(tmp_path / "ck")
+    names = {"model.embed_tokens.weight": torch.zeros(64, 128, dtype=torch.bfloat16),
+             "model.layers.0.mlp.down_proj.weight": torch.zeros(128, 256, dtype=torch.bfloat16)}
+    save_file(names, str(ck / "model.safetensors"), metadata={"format": "pt"})
+    res = invoke("inspect", ck)
+    assert res.exit_code == 2 and "not a WNA16 MoE checkpoint: no routed-expert MoE layers found" in res.stderr, res.output
 
 
 # ---- act-order g_idx --------------------------------------------------------------------------------------

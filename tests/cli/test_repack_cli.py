@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import GSM8K_TEST
+from tests.conftest import QUESTIONS
 from tests.repacking.test_pipeline import one_torch_thread, single_thread_env  # noqa: F401  (an autouse fixture)
 from wna16ctl.output.writer import MANIFEST_NAME
 
@@ -74,7 +74,7 @@ def test_repack_human_output(repacked):
 
 def test_verify_exit_0_and_json(repacked):
     ck, out, _, _ = repacked
-    res = run("verify", ck, out, "--samples", GSM8K_TEST, "--num-samples", "8", "--json")
+    res = run("verify", ck, out, "--samples", QUESTIONS, "--num-samples", "8", "--json")
     assert res.returncode == 0, (res.stdout, res.stderr)
     doc = json.loads(res.stdout)
     assert doc["passed"] is True and doc["findings"] == []
@@ -98,3 +98,19 @@ def test_not_loadable_is_one_line_error(repacked, tmp_path):
     expect_error(res, 1, "TP 4", "divisible by group_size (128)")
     assert not (tmp_path / "tp4").exists()
 
+
+
+def test_output_inside_another_output_is_refused(make_ckpt, tmp_path):
+    """`-o tp2/sub` inside a finished output: a later --force of tp2 would delete it; exit 2, one
+    line, and nothing written into tp2."""
+    from click.testing import CliRunner
+
+    from wna16ctl.cli import cli
+
+    ck = make_ckpt(num_layers=1, num_experts=2, top_k=1, vocab_size=64)
+    out = tmp_path / "tp2"
+    assert CliRunner().invoke(cli, ["repack", str(ck), "--tp", "2", "-o", str(out), "-q"]).exit_code == 0
+    before = sorted(p.name for p in out.iterdir())
+    res = CliRunner().invoke(cli, ["repack", str(ck), "--tp", "1", "-o", str(out / "sub")])
+    assert res.exit_code == 2 and f"{out / 'sub'}: is inside the repack output {out}" in res.stderr, res.output
+    assert sorted(p.name for p in out.iterdir()) == before

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import GSM8K_TEST
+import wna16ctl
+from tests.conftest import QUESTIONS
 from wna16ctl.repacking import distributed
 from wna16ctl.output import outdir
 from wna16ctl.repacking.distributed import Group, Launch, PeerFailed
@@ -207,7 +208,7 @@ def test_ranks_subsets_assembled_equal_the_whole_run(ckpt, whole, tmp_path):
     joined = tmp_path / "joined"
     shutil.copytree(tmp_path / "a", joined)
     shutil.copytree(tmp_path / "b", joined, dirs_exist_ok=True)
-    report = verify_output(ckpt, joined, samples=GSM8K_TEST, num_samples=4)
+    report = verify_output(ckpt, joined, samples=QUESTIONS, num_samples=4)
     assert report.passed and report.ranks_not_checked == [] and [c.name for c in report.checks] == [
         "manifest", "round_trip", "numerics"], [f.message for f in report.findings]
     result = assemble(joined)
@@ -218,7 +219,7 @@ def test_ranks_subsets_assembled_equal_the_whole_run(ckpt, whole, tmp_path):
 def test_verify_checks_the_ranks_a_part_holds_and_reports_the_others_not_run(ckpt, tmp_path):
     part = tmp_path / "part"
     run_repack(plan_repack(ckpt, SETTINGS), part, ranks=[1])
-    report = verify_output(ckpt, part, samples=GSM8K_TEST, num_samples=4)
+    report = verify_output(ckpt, part, samples=QUESTIONS, num_samples=4)
     statuses = {c.name: c.status for c in report.checks}
     assert statuses == {"manifest": PASS, "round_trip": PASS, "numerics": PASS, "all_ranks": NOT_RUN}
     assert report.passed and report.ranks_checked == [1] and report.ranks_not_checked == [0, 2, 3]
@@ -229,7 +230,7 @@ def test_verify_checks_the_ranks_a_part_holds_and_reports_the_others_not_run(ckp
     data = bytearray(f.read_bytes())
     data[-1] ^= 1
     f.write_bytes(bytes(data))
-    bad = verify_output(ckpt, part, samples=GSM8K_TEST, num_samples=4)
+    bad = verify_output(ckpt, part, samples=QUESTIONS, num_samples=4)
     assert not bad.passed and bad.check("manifest").status == "FAIL"
     assert any("blake3 differs" in x.message for x in bad.findings)
 
@@ -355,7 +356,9 @@ def test_torchrun_error_in_one_process_stops_all_and_keeps_staging(ckpt, whole, 
     assert "error: shard-x.safetensors: simulated read error" in errors, res.stderr
     assert "error: process 1 failed while writing: shard-x.safetensors: simulated read error" in errors, res.stderr
     # (torchrun prints a traceback of its own when a child fails; none comes from wna16ctl's code)
-    assert not [ln for ln in res.stderr.splitlines() if 'File "' in ln and "/wna16ctl/" in ln], res.stderr
+    # (the package's own folder, not the word: a checkout cloned into `wna16ctl/` holds torchrun's frames too)
+    package = {str(Path(wna16ctl.__file__).parent) + os.sep, str(Path(wna16ctl.__file__).resolve().parent) + os.sep}
+    assert not [ln for ln in res.stderr.splitlines() if 'File "' in ln and any(p in ln for p in package)], res.stderr
     out = tmp_path / "out"
     assert not out.exists() and siblings(out) == [".out.wna16ctl-partial"]
     res = run_repack(plan_repack(ckpt, SETTINGS), out, resume=True)
@@ -380,7 +383,7 @@ def test_torchrun_two_nodes_node_local_parts_verify_and_assemble(ckpt, whole, tm
     assert [sorted(outdir.part_manifest_names(n / "out")) for n in nodes] == [
         ["wna16ctl.part-0_2.json"], ["wna16ctl.part-1_3.json"]]
     for n, held in zip(nodes, ([0, 2], [1, 3])):
-        report = verify_output(ckpt, n / "out", samples=GSM8K_TEST, num_samples=4)
+        report = verify_output(ckpt, n / "out", samples=QUESTIONS, num_samples=4)
         assert report.passed and report.ranks_checked == held, [f.message for f in report.findings]
         assert report.check("all_ranks").status == NOT_RUN
     joined = tmp_path / "joined"
@@ -396,3 +399,17 @@ def test_node_local_refuses_a_node_that_would_write_no_rank(ckpt, tmp_path):
     with pytest.raises(UsageError, match="node 1 would write no rank"):
         run_repack(plan_repack(ckpt, RepackSettings(tp=2)), tmp_path / "out", node_local=True, group=group)
     assert not (tmp_path / "out").exists() and siblings(tmp_path / "out") == []
+
+
+def test_verify_of_an_ep_part_counts_the_experts_it_holds(ckpt, tmp_path):
+    """An EP part holding ranks 0 and 1 of 4 holds half of each layer's experts: verify counts
+    those, not every expert of the checkpoint."""
+    settings = RepackSettings(tp=4, ep=True, max_shard_bytes=300_000)
+    plan = plan_repack(ckpt, settings)
+    part = tmp_path / "part"
+    run_repack(plan, part, ranks=[0, 1])
+    report = verify_output(ckpt, part, samples=QUESTIONS, num_samples=4)
+    assert report.passed, [f.message for f in report.findings]
+    held = sum(len(job.expert_ranges[0]) + len(job.expert_ranges[1]) for job in plan.jobs)
+    total = sum(job.layer.num_experts for job in plan.jobs)
+    assert held < total and report.experts_checked == held == report.to_json()["experts_checked"]

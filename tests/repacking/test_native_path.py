@@ -25,7 +25,7 @@ from wna16ctl.repacking.native_path import unsupported
 from wna16ctl.verification.checks import verify_output
 from wna16ctl.output.writer import MANIFEST_NAME, sha256_file
 
-from tests.conftest import ACT_ORDER_RELEASE, GSM8K_TEST
+from tests.conftest import ACT_ORDER_RELEASE, QUESTIONS
 
 
 def _experts(n: int, h: int, i: int, nb: int, gs: int, dtype: torch.dtype, seed: int) -> list[dict]:
@@ -240,7 +240,7 @@ def test_native_files_are_hashed_as_written_never_read_back(make_ckpt, tmp_path,
 
     monkeypatch.setattr(writer_mod, "_hash_range", no_read_back)
     run_repack(plan_repack(ck, settings), tmp_path / "out")
-    report = verify_output(ck, tmp_path / "out", samples=GSM8K_TEST, num_samples=8)
+    report = verify_output(ck, tmp_path / "out", samples=QUESTIONS, num_samples=8)
     assert report.passed, [f.to_json() for f in report.findings]
 
 

@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 import wna16ctl.repacking.pipeline as repack_mod
 import wna16ctl.repacking.native_path as repack_native
 import wna16ctl.output.writer as writer_mod
-from tests.conftest import ACT_ORDER_RELEASE, GSM8K_TEST
+from tests.conftest import ACT_ORDER_RELEASE, QUESTIONS
 from tests.layout import reference
 from tests.layout.data import to_numpy
 from wna16ctl.cli import cli
@@ -314,7 +314,7 @@ def test_round_trip_matrix(ckpt, tmp_path, case):
     assert res.files_written == case.tp * (1 + len(plan.jobs[0].tensor_names)) and res.files_reused == 0
     assert res.files_written == sum(len(fs) for fs in plan.files)
     check_output_independently(ck, tmp_path / "out", plan)
-    report = verify_output(ck, tmp_path / "out", samples=GSM8K_TEST, num_samples=8)
+    report = verify_output(ck, tmp_path / "out", samples=QUESTIONS, num_samples=8)
     assert report.passed, [f.to_json() for f in report.findings] + [n.to_json() for n in report.numerics]
     assert report.layers_checked == 1 and report.experts_checked == 4
 
@@ -400,7 +400,7 @@ def test_marlin_tile_padding(make_ckpt, tmp_path, i, gs, padded):
     # the padded w13 scale columns are zero in each half (the scale permutation stays within 64-chunks)
     s13 = got[f"{prefix}.w13_weight_scale"].float()
     assert (s13 != 0).sum().item() == 4 * s13.shape[1] * 2 * i
-    report = verify_output(ck, tmp_path / "out", samples=GSM8K_TEST, num_samples=8)
+    report = verify_output(ck, tmp_path / "out", samples=QUESTIONS, num_samples=8)
     assert report.passed, [f.to_json() for f in report.findings]
 
 
@@ -783,7 +783,7 @@ def test_concurrent_repack_into_the_same_output_is_refused(make_ckpt, tmp_path):
 
 
 def test_output_dot_and_ep_rank_without_experts(make_ckpt, tmp_path, monkeypatch):
-    from tests.conftest import GSM8K_TEST
+    from tests.conftest import QUESTIONS
     from wna16ctl.verification.checks import verify_output
 
     ck = make_ckpt(num_layers=1, num_experts=2, top_k=1)
@@ -792,5 +792,5 @@ def test_output_dot_and_ep_rank_without_experts(make_ckpt, tmp_path, monkeypatch
     monkeypatch.chdir(out)
     run_repack(plan_repack(ck, RepackSettings(vllm=ACT_ORDER_RELEASE, tp=3, ep=True)), ".")  # rank 2 holds no expert
     assert (out / "wna16ctl.json").is_file() and (out / "rank-2").is_dir()
-    report = verify_output(ck, out, samples=GSM8K_TEST, num_samples=4)
+    report = verify_output(ck, out, samples=QUESTIONS, num_samples=4)
     assert report.passed, [f.message for f in report.findings]

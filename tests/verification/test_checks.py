@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import wna16ctl.verification.checks as verify_mod
-from tests.conftest import ACT_ORDER_RELEASE, GSM8K_TEST
+from tests.conftest import ACT_ORDER_RELEASE, QUESTIONS
 from tests.repacking.test_pipeline import BASE, ckpt, one_torch_thread, patch_tensor, read_dir  # noqa: F401  (fixtures)
 from wna16ctl.cli import cli
 from wna16ctl.errors import BadInput
@@ -118,7 +118,7 @@ def rehash(out: Path) -> None:
 
 
 def verify(ck: Path, out: Path) -> VerifyReport:
-    return verify_output(ck, out, samples=GSM8K_TEST, num_samples=8)
+    return verify_output(ck, out, samples=QUESTIONS, num_samples=8)
 
 
 def findings(report: VerifyReport, check: str) -> list:
@@ -448,7 +448,7 @@ def test_correct_repack_of_demo_variants_passes(ckpt, tmp_path, spec, settings):
 
 def test_cli_verify_json(outputs):
     ck, out = outputs("actorder")
-    res = CliRunner().invoke(cli, ["verify", str(ck), str(out), "--samples", str(GSM8K_TEST),
+    res = CliRunner().invoke(cli, ["verify", str(ck), str(out), "--samples", str(QUESTIONS),
                                    "--num-samples", "8", "--json"])
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
@@ -461,7 +461,7 @@ def test_cli_verify_failure_exit_1(fresh):
     w2 = read(out, 1, "w2_weight_packed")
     w2[2, 0, 0] ^= 1
     patch(out, 1, "w2_weight_packed", w2)
-    res = CliRunner().invoke(cli, ["verify", str(ck), str(out), "--samples", str(GSM8K_TEST),
+    res = CliRunner().invoke(cli, ["verify", str(ck), str(out), "--samples", str(QUESTIONS),
                                    "--num-samples", "8", "--json"])
     assert res.exit_code == 1, res.output
     doc = json.loads(res.stdout)
@@ -484,7 +484,7 @@ def _one_line_error(res, code: int = 2) -> str:
 def test_output_without_manifest(outputs, tmp_path):
     ck, _ = outputs("g128")
     (tmp_path / "out").mkdir()
-    res = CliRunner().invoke(cli, ["verify", str(ck), str(tmp_path / "out"), "--samples", str(GSM8K_TEST)])
+    res = CliRunner().invoke(cli, ["verify", str(ck), str(tmp_path / "out"), "--samples", str(QUESTIONS)])
     line = _one_line_error(res)
     assert "wna16ctl.json" in line and "missing" in line
 

@@ -16,7 +16,7 @@ import torch
 from click.testing import CliRunner
 
 import wna16ctl.verification.e2e as e2e_mod
-from tests.conftest import ACT_ORDER_RELEASE, GSM8K_TEST
+from tests.conftest import ACT_ORDER_RELEASE, QUESTIONS
 from tests.verification.test_checks import patch, read, rehash
 from wna16ctl.sources import open_checkpoint
 from wna16ctl.sources.tensors import TensorReader
@@ -72,7 +72,7 @@ def copy_output(out: Path, tmp_path: Path) -> Path:
 
 
 def e2e(ck: Path, out: Path, opts: E2EOptions = OPTS):
-    report = verify_output(ck, out, samples=GSM8K_TEST, num_samples=4, e2e=opts)
+    report = verify_output(ck, out, samples=QUESTIONS, num_samples=4, e2e=opts)
     assert report.e2e is not None
     return report
 
@@ -124,10 +124,10 @@ def test_chat_template_prompts(outputs, tmp_path):
     cfg["chat_template"] = ("{% for m in messages %}<|begin_of_text|>{{ m['content'] }}\n{% endfor %}"
                             "{% if add_generation_prompt %}Answer:{% endif %}")
     cfg_path.write_text(json.dumps(cfg))
-    report = verify_output(other, out, samples=GSM8K_TEST, num_samples=4, e2e=E2EOptions(prompts=1, max_new_tokens=4))
+    report = verify_output(other, out, samples=QUESTIONS, num_samples=4, e2e=E2EOptions(prompts=1, max_new_tokens=4))
     res = report.e2e
     assert res.status == "pass" and res.prompt_form == "chat template", res.to_json()
-    few_shot = e2e_mod._build_prompts(ck, GSM8K_TEST, 1, 320)
+    few_shot = e2e_mod._build_prompts(ck, QUESTIONS, 1, 320)
     assert few_shot.form.startswith("few-shot")
     assert 0 < res.prompts[0].prompt_tokens < len(few_shot.ids[0]) / 2  # the question alone, no worked examples
 
@@ -221,7 +221,7 @@ def test_unsupported_architecture_is_not_run(outputs, tmp_path):
 def test_missing_transformers_is_one_line_exit_2(outputs, monkeypatch):
     ck, out = outputs("qwen3")
     monkeypatch.setitem(sys.modules, "transformers", None)
-    res = CliRunner().invoke(cli, ["verify", str(ck), str(out), "--samples", str(GSM8K_TEST), "--e2e"])
+    res = CliRunner().invoke(cli, ["verify", str(ck), str(out), "--samples", str(QUESTIONS), "--e2e"])
     assert res.exit_code == 2, res.output
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "pip install 'wna16ctl[e2e]'" in lines[0] and "Traceback" not in res.output
@@ -232,7 +232,7 @@ def test_missing_transformers_is_one_line_exit_2(outputs, monkeypatch):
 
 def test_cli_e2e_json_and_rendering(outputs):
     ck, out = outputs("qwen3")
-    args = ["verify", str(ck), str(out), "--samples", str(GSM8K_TEST), "--num-samples", "4",
+    args = ["verify", str(ck), str(out), "--samples", str(QUESTIONS), "--num-samples", "4",
             "--e2e", "--prompts", "1", "--max-new-tokens", "4", "--score"]
     res = CliRunner().invoke(cli, args + ["--json"])
     assert res.exit_code == 0, res.output
@@ -241,7 +241,8 @@ def test_cli_e2e_json_and_rendering(outputs):
     assert doc["passed"] and e["status"] == "pass" and e["agreement"] == 1.0
     assert e["tokens_generated"] == 4 and len(e["prompts"]) == 1
     assert set(e["score"]) >= {"reference_exact_match", "candidate_exact_match"}
-    assert e["prompts"][0]["gold_answer"] == "18"  # the first GSM8K test question's answer
+    first = json.loads(QUESTIONS.read_text(encoding="utf-8").splitlines()[0])
+    assert e["prompts"][0]["gold_answer"] == first["answer"].split("#### ")[-1]  # the first question's answer
     res = CliRunner().invoke(cli, args)
     assert res.exit_code == 0, res.output
     assert "end to end" in res.stdout and "4/4 tokens agree" in res.stdout
@@ -249,7 +250,7 @@ def test_cli_e2e_json_and_rendering(outputs):
 
 def test_without_e2e_the_key_is_null(outputs):
     ck, out = outputs("qwen3")
-    res = CliRunner().invoke(cli, ["verify", str(ck), str(out), "--samples", str(GSM8K_TEST), "--num-samples", "4",
+    res = CliRunner().invoke(cli, ["verify", str(ck), str(out), "--samples", str(QUESTIONS), "--num-samples", "4",
                                    "--json"])
     assert res.exit_code == 0 and json.loads(res.stdout)["e2e"] is None
 

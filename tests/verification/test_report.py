@@ -12,7 +12,7 @@ import torch
 from click.testing import CliRunner
 
 import wna16ctl.verification.checks as verify_mod
-from tests.conftest import GSM8K_TEST
+from tests.conftest import QUESTIONS
 from tests.repacking.test_pipeline import BASE, ckpt, one_torch_thread  # noqa: F401  (fixtures)
 from wna16ctl.cli import cli
 from wna16ctl.errors import LayoutMismatch
@@ -37,7 +37,7 @@ def repacked(ckpt, tmp_path_factory):
 
 
 def cli_verify(ck: Path, out: Path, *extra: str):
-    return CliRunner().invoke(cli, ["verify", str(ck), str(out), "--samples", str(GSM8K_TEST), "--num-samples", "8",
+    return CliRunner().invoke(cli, ["verify", str(ck), str(out), "--samples", str(QUESTIONS), "--num-samples", "8",
                                     *extra])
 
 
@@ -114,7 +114,7 @@ def test_round_trip_failure_in_one_expert_transposed(repacked, monkeypatch):
     # numerics cannot be computed, and must say so (they used to pass on empty sums).
     ck, out = repacked("transposed")
     _fail_unbuild_of(2, monkeypatch)
-    report = verify_output(ck, out, samples=GSM8K_TEST, num_samples=8)
+    report = verify_output(ck, out, samples=QUESTIONS, num_samples=8)
     assert not report.passed
     assert report.check("round_trip").status == FAIL
     (row,) = report.numerics
@@ -131,7 +131,7 @@ def test_round_trip_failure_in_one_expert_marlin(repacked, monkeypatch):
     # never depends on the output, so the numerics still cover every expert and run honestly.
     ck, out = repacked("marlin")
     _fail_unbuild_of(2, monkeypatch)
-    report = verify_output(ck, out, samples=GSM8K_TEST, num_samples=8)
+    report = verify_output(ck, out, samples=QUESTIONS, num_samples=8)
     assert not report.passed and report.check("round_trip").status == FAIL
     (row,) = report.numerics
     assert row.status == PASS and row.experts_exercised == row.num_experts  # the tensors are in fact right
@@ -144,7 +144,7 @@ def test_gemm_that_cannot_run_is_not_run(repacked, monkeypatch):
         raise RuntimeError("kernel refused the tensors")
 
     monkeypatch.setattr(verify_mod, "_gemm_rank_candidate", broken)
-    report = verify_output(ck, out, samples=GSM8K_TEST, num_samples=8)
+    report = verify_output(ck, out, samples=QUESTIONS, num_samples=8)
     (row,) = report.numerics
     assert row.status == NOT_RUN and "kernel refused the tensors" in row.reason
     assert report.check("numerics").status == NOT_RUN and not report.passed

@@ -92,6 +92,18 @@ def check_clear_of_checkpoint(out: Path, ckpt: Path) -> None:
                              "choose another output name")
 
 
+def check_not_inside_an_output(out: Path) -> None:
+    """Refuse an OUT inside another repack output (or its staging directory): replacing or resuming
+    that output would delete or adopt this one's files."""
+    for parent in Path(os.path.abspath(out)).parents:
+        if parent.name.endswith(".wna16ctl-partial") and (parent / STAGE_MARKER).is_file():
+            raise UsageError(f"{out}: is inside the staging directory {parent} of another run; choose a "
+                             "directory outside it")
+        if our_manifest(parent) is not None:
+            raise UsageError(f"{out}: is inside the repack output {parent}; replacing or resuming that output "
+                             "would remove this one; choose a directory outside it")
+
+
 def _lstat(path: Path) -> os.stat_result | None:
     try:
         return os.lstat(path)

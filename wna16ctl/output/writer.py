@@ -223,6 +223,7 @@ class StagedOutput:
         self._rewritten: set[str] = set()  # files this process (re)creates: their old entry is void
         if checkpoint is not None:
             outdir.check_clear_of_checkpoint(out, checkpoint)
+        outdir.check_not_inside_an_output(out)
         if not self.owner:
             self._join(reusable or {})
             return

@@ -4,6 +4,7 @@ one vLLM release (or every known release)."""
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -16,6 +17,29 @@ from wna16ctl.planning.linear import LinearPlan, ModelCheck, linear_release_diff
 from wna16ctl.errors import UsageError
 from wna16ctl.planning.moe import LayerPlan, plan_layer, release_differences
 from wna16ctl.planning.tpsizes import check_tp_sizes
+
+
+# Hazard severities.  A correctness hazard means the engine loads the layer and computes wrong
+# outputs (or cannot really load what it planned): `inspect` exits 1 on one, as on a refusal.
+# Informational ones (other releases' outcomes, tile padding, another backend's conversion) do not
+# change the exit code.  The planner states hazards as sentences; their severity is read here
+# from what the sentence says happens.
+CORRECTNESS = "correctness"
+INFO = "info"
+_WRONG = ("outputs are wrong", "outputs would be wrong", "wrong outputs", "garbage", "wrong bit width",
+          "cannot load", "starts inside a packed word")
+_OTHER_RELEASES = re.compile(r"vLLM \d+\.\d+\.\d+[^:]*: ")  # "vLLM 0.27.0–0.29.0: loads on marlin"
+
+
+def hazard_severity(text: str) -> str:
+    """`CORRECTNESS` when the hazard says this release computes wrong outputs, else `INFO`."""
+    if _OTHER_RELEASES.match(text):
+        return INFO
+    return CORRECTNESS if any(w in text for w in _WRONG) else INFO
+
+
+def _tp_text(tps: list[int]) -> str:
+    return "TP " + ", ".join(map(str, tps))
 
 
 @dataclass
@@ -47,6 +71,61 @@ class Inspection:
         """The model around the experts: every quantized linear layer and every fatal model check."""
         return (all(p.loadable for plans in linear.values() for p in plans)
                 and all(c.ok for c in self.checks if c.fatal))
+
+    @property
+    def ok(self) -> bool:
+        """Exit 0: every requested TP size loads and no correctness hazard applies."""
+        return self.loadable and not any(h["severity"] == CORRECTNESS for h in self.hazards())
+
+    def _all_plans(self) -> list[tuple[str, str, Any]]:
+        """(kind, layer name, plan) for every quantized MoE layer and linear layer at every TP size."""
+        out: list[tuple[str, str, Any]] = [("moe", lay.prefix, p) for lay in self.checkpoint.quantized_layers
+                                           for p in self.plans[lay.prefix]]
+        out += [("linear", lay.name, p) for lay in self.checkpoint.linear_layers for p in self.linear_plans[lay.name]]
+        return out
+
+    def hazards(self) -> list[dict[str, Any]]:
+        """Each distinct hazard once, with its severity, the layers and the TP sizes it applies to."""
+        grouped: dict[str, dict[str, Any]] = {}
+        for _, name, p in self._all_plans():
+            for text in p.hazards:
+                h = grouped.setdefault(text, {"severity": hazard_severity(text), "text": text, "layers": [], "tp": []})
+                if name not in h["layers"]:
+                    h["layers"].append(name)
+                if p.tp not in h["tp"]:
+                    h["tp"].append(p.tp)
+        return sorted(grouped.values(), key=lambda h: h["severity"] != CORRECTNESS)
+
+    def summary(self) -> dict[str, Any]:
+        """Per TP size: loads, loads with wrong outputs, or fails (the rules, and whether --ep helps);
+        `text` is the line that ends every inspect table."""
+        loads, wrong, fails, with_ep = [], [], {}, []
+        fatal = {c.tp: c.rule for c in self.checks if c.fatal and not c.ok}
+        for tp in self.tps:
+            plans = [p for _, _, p in self._all_plans() if p.tp == tp]
+            rules_failed = list(dict.fromkeys([p.failure_rule or "refused" for p in plans if not p.loadable]
+                                              + ([fatal[tp]] if tp in fatal else [])))
+            if rules_failed or not self.checkpoint.quantized_layers:
+                fails[tp] = rules_failed
+                if any(h.startswith("with expert parallelism") for p in plans for h in p.hazards):
+                    with_ep.append(tp)
+            elif any(hazard_severity(h) == CORRECTNESS for p in plans for h in p.hazards):
+                wrong.append(tp)
+            else:
+                loads.append(tp)
+        parts = [f"loads at {_tp_text(loads)}"] if loads else [] if wrong else ["loads at no requested TP size"]
+        if wrong:
+            parts.append(f"{_tp_text(wrong)} load{'s' if len(wrong) == 1 else ''} but outputs would be wrong "
+                         "(correctness hazard above)")
+        failing = [tp for tp in fails if tp not in with_ep]
+        if failing:
+            why = ", ".join(dict.fromkeys(r for tp in failing for r in fails[tp]))
+            parts.append(f"{_tp_text(failing)} do{'es' if len(failing) == 1 else ''} not load ({why})")
+        if with_ep:
+            why = ", ".join(dict.fromkeys(r for tp in with_ep for r in fails[tp]))
+            parts.append(f"{_tp_text(with_ep)} need{'s' if len(with_ep) == 1 else ''} --ep ({why} without it)")
+        return {"loads": loads, "wrong_outputs": wrong, "fails": {str(tp): r for tp, r in fails.items()},
+                "loads_with_ep": with_ep, "text": "; ".join(parts)}
 
     def _linear_json(self, linear: dict[str, list[LinearPlan]]) -> list[dict[str, Any]]:
         return [
@@ -98,6 +177,9 @@ class Inspection:
             "tp": list(self.tps),
             "ep": self.ep,
             "loadable": self.loadable,
+            "ok": self.ok,
+            "summary": self.summary(),
+            "hazards": self.hazards(),
             "warnings": list(ck.warnings),
             "layers": self._layers_json(self.plans),
             "linear_layers": self._linear_json(self.linear_plans),
@@ -222,6 +304,7 @@ def inspect_checkpoint(path: str | os.PathLike[str], tps: tuple[int, ...] = (1,)
         ck = open_proposed(path, proposal, revision)
     else:
         ck = open_checkpoint(path) if ref is None else open_hub_checkpoint(ref)
+        ck.require_wna16_moe()
     check_tp_sizes(ck.quantized_layers, tps, ep)
     # a data-level rule (reads the small g_idx vectors): the same check repack refuses with; a
     # proposal has no tensors yet (GPTQ gives gate and up, which share their input, one order)

@@ -243,7 +243,7 @@ def plan_repack(ckpt_path: str | os.PathLike[str], settings: RepackSettings) -> 
     ck = open_checkpoint(ckpt_path)
     layers = ck.quantized_layers + ck.quantized_mtp_layers  # MTP experts are repacked like the decoder's
     if not layers:
-        raise NotLoadable(f"{ck.root}: no quantized MoE layers to repack")
+        ck.require_wna16_moe()
     check_tp_sizes(layers, (settings.tp,), settings.ep)
     scale_dtype = SCALE_ST_DTYPES[ck.config.torch_dtype]  # torch_dtype is one of config.SCALE_DTYPES
     n_ranks = settings.tp

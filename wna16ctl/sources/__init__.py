@@ -71,6 +71,20 @@ class Checkpoint:
     def quantized_layers(self) -> list[MoELayer]:
         return [lay for lay in self.layers if lay.quantized]
 
+    def require_wna16_moe(self) -> None:
+        """Bad input unless some routed experts are quantized: a bf16 MoE or a dense model loads in
+        vLLM as it is, and there is nothing here to plan or repack."""
+        if self.quantized_layers:
+            return
+        if not self.layers:
+            why = "no routed-expert MoE layers found"
+        elif self.config.quant is None:
+            why = "its routed experts are not quantized (config.json has no quantization_config)"
+        else:
+            why = "its routed experts are not quantized (no compressed-tensors scheme targets them)"
+        raise BadInput(f"{self.root}: not a WNA16 MoE checkpoint: {why}; vLLM loads it without repacking, "
+                       "and wna16ctl has nothing to plan")
+
     @property
     def quantized_mtp_layers(self) -> list[MoELayer]:
         return [lay for lay in self.mtp_layers if lay.quantized]

@@ -86,7 +86,28 @@ def _hf() -> Any:
     """huggingface_hub, imported on first use (a few tenths of a second a local `inspect` need not pay)."""
     import huggingface_hub
 
+    _quiet_retries()
     return huggingface_hub
+
+
+# huggingface_hub's own retry loop (5xx, 429, connection errors: five retries over ~23 s, or what
+# Retry-After asks) logs a warning per attempt.  A failure is reported once, as one line naming the
+# file and the fix (`hub_error`), so the per-attempt chatter is dropped.
+_RETRY_CHATTER = ("Retrying in ", "Rate limited. Waiting", "thrown while requesting")
+
+
+def _drop_retry_chatter(record: Any) -> bool:
+    message = str(record.msg)
+    return not (message.startswith(("Retrying in ", "Rate limited. Waiting", "HTTP Error "))
+                or any(word in message for word in _RETRY_CHATTER))
+
+
+def _quiet_retries() -> None:
+    import logging
+
+    log = logging.getLogger("huggingface_hub.utils._http")
+    if _drop_retry_chatter not in log.filters:
+        log.addFilter(_drop_retry_chatter)
 
 
 def _offline() -> bool:
@@ -227,7 +248,8 @@ def _write_cached(path: Path, size: int, raw: bytes) -> None:
         pass
 
 
-def _get_range(url: str, start: int, end: int, headers: dict[str, str], timeout: float | None) -> tuple[bytes, int]:
+def _get_range(url: str, start: int, end: int, headers: dict[str, str], timeout: float | None,
+               what: str | None = None) -> tuple[bytes, int]:
     """Bytes [start, end] of `url` and the file's total size, through huggingface_hub's HTTP
     session (proxies, user agent, redirects to the CDN).  The body is streamed and cut at `end`,
     so a server that ignores Range costs one header's worth of bytes, not the shard."""
@@ -242,7 +264,7 @@ def _get_range(url: str, start: int, end: int, headers: dict[str, str], timeout:
         if r.status_code == 206:
             m = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+|\*)", r.headers.get("Content-Range", "").strip())
             if m is None or int(m.group(1)) != start:
-                raise BadInput(f"{url}: the server answered range {r.headers.get('Content-Range')!r} for "
+                raise BadInput(f"{what or url}: the server answered range {r.headers.get('Content-Range')!r} for "
                                f"bytes {start}-{end}; it does not serve byte ranges correctly")
             total = int(m.group(3)) if m.group(3) != "*" else None
         else:  # 200: the whole file from byte 0
@@ -271,7 +293,7 @@ def _fetch_header(repo_id: str, commit: str, filename: str) -> tuple[int, bytes]
     headers = hf.utils.build_hf_headers()
     timeout = hf.constants.HF_HUB_DOWNLOAD_TIMEOUT
     with _hub_errors(repo_id, filename, model_arg=True):
-        raw, size = _get_range(url, 0, _FIRST_RANGE - 1, headers, timeout)
+        raw, size = _get_range(url, 0, _FIRST_RANGE - 1, headers, timeout, what)
         if len(raw) < 8:
             raise BadInput(f"{what}: truncated safetensors file ({size} bytes, no header length)")
         (n,) = struct.unpack("<Q", raw[:8])
@@ -279,7 +301,7 @@ def _fetch_header(repo_id: str, commit: str, filename: str) -> tuple[int, bytes]
             raise BadInput(f"{what}: header length {n} does not fit the file size {size}; "
                            "the file is truncated or not safetensors")
         if len(raw) < 8 + n:
-            more, _ = _get_range(url, len(raw), 8 + n - 1, headers, timeout)
+            more, _ = _get_range(url, len(raw), 8 + n - 1, headers, timeout, what)
             raw += more
         if len(raw) < 8 + n:
             raise BadInput(f"{what}: the server sent {len(raw)} of the header's {8 + n} bytes")
@@ -390,8 +412,8 @@ def gsm8k_test_file() -> Path:
     The last of verify's default sample sources; offline and not cached, the message names the
     others."""
     hf = _hf()
-    others = ("pass --samples FILE.jsonl (a 'question' per line), set WNA16CTL_SHARED to a folder with "
-              "data/gsm8k/test.jsonl")
+    others = ("pass --samples FILE.jsonl (a 'question' per line), set WNA16CTL_SAMPLES to such a file or "
+              "WNA16CTL_SHARED to a folder with data/gsm8k/test.jsonl")
     try:
         folder = Path(hf.snapshot_download(GSM8K_REPO, repo_type="dataset", allow_patterns=[GSM8K_TEST_FILES]))
     except Exception as e:  # noqa: BLE001 - every failure is one line naming the other sources

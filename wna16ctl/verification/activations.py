@@ -25,48 +25,11 @@ from wna16ctl.errors import BadInput
 MAX_TOKENS_PER_SAMPLE = 64
 
 
-SHARED_ENV = "WNA16CTL_SHARED"
-GSM8K_TEST = Path("data") / "gsm8k" / "test.jsonl"  # inside a shared data folder
+from wna16ctl.verification.samples import (  # noqa: F401 - the sample sources live in a torch-free module
+    DEMO_QUESTIONS, GSM8K_TEST, SAMPLE_SEARCH_ORDER, SAMPLES_ENV, SHARED_ENV, repository_shared_dir, resolve_samples,
+)
+
 _DATASET_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-
-
-def repository_shared_dir() -> Path | None:
-    """The `shared/` folder beside the repository this package runs from (a checkout, not a
-    wheel install: there the folder beside site-packages means nothing)."""
-    repo = Path(__file__).resolve().parents[2]
-    if not (repo / "pyproject.toml").is_file() or not (repo / "wna16ctl" / "__init__.py").is_file():
-        return None
-    shared = repo.parent / "shared"
-    return shared if shared.is_dir() else None
-
-
-def resolve_samples(samples: str | os.PathLike[str] | None) -> str | os.PathLike[str]:
-    """Where verify's questions come from, first match wins:
-
-    1. `samples` (`--samples FILE`: .jsonl or .parquet with a 'question' field);
-    2. `$WNA16CTL_SHARED/data/gsm8k/test.jsonl`: an override, so a path without it is an error;
-    3. `data/gsm8k/test.jsonl` in the `shared/` folder beside the repository;
-    4. the test split of the `openai/gsm8k` dataset on the Hub (a cached parquet file); offline and
-       not cached, one line naming the other ways.
-    """
-    if samples is not None:
-        return samples
-    env = os.environ.get(SHARED_ENV)
-    if env is not None:
-        root = Path(env)
-        if not root.is_dir():
-            raise BadInput(f"{SHARED_ENV}={env}: no such directory; point it at a folder holding {GSM8K_TEST}, "
-                           "unset it, or pass --samples FILE")
-        path = root / GSM8K_TEST
-        if not path.is_file():
-            raise BadInput(f"{path}: missing ({SHARED_ENV}={env}); pass --samples FILE or fix {SHARED_ENV}")
-        return path
-    shared = repository_shared_dir()
-    if shared is not None and (shared / GSM8K_TEST).is_file():
-        return shared / GSM8K_TEST
-    from wna16ctl.sources.hub import gsm8k_test_file
-
-    return gsm8k_test_file()
 
 
 def _parquet_questions(path: Path, num_samples: int) -> list[str]:

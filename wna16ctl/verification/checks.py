@@ -535,6 +535,7 @@ def verify_output(
     device: str = "auto",
     progress: TaskStarter | None = None,
     e2e: Any = None,
+    notice: Callable[[str], None] | None = None,
 ) -> VerifyReport:
     """Run every check of OUT against CKPT; see the module doc.  With `e2e` (a
     wna16ctl.verification.e2e.E2EOptions) also the end-to-end generation, a required check then.  Bad input
@@ -544,7 +545,7 @@ def verify_output(
     out_path = Path(out)
     manifest = _read_manifest(out_path)
     gemm_device = _gemm_device(device)
-    samples_path = resolve_samples(samples)  # inputs in the order a user fixes them: checkpoint, output, device, samples
+    samples_path = resolve_samples(samples, ck.root, notice)  # inputs in the order a user fixes them: checkpoint, output, device, samples
     report, plan = _verify_checks(ck, out_path, manifest, samples_path, num_samples, gemm_device, progress)
     if e2e is not None and report.ranks_not_checked:
         report.checks.append(Check("e2e", "greedy generation on GSM8K prompts with the source and the repacked experts",
@@ -688,7 +689,9 @@ def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: di
             if tok.numel():
                 _expert_numerics(x[tok], x_c[tok], w, tok, expected, None if job.layout == "marlin" else got, spec,
                                  dtype, bound, partial[r], partial_ref[r], partial_err[r])
-        report.experts_checked += 1
+        # an EP part holds some experts only: count those whose tensors were read back here
+        if any(e in job.expert_ranges[r] and r in ranks for r in range(n_ranks)):
+            report.experts_checked += 1
         advance(1)
         if len(per_rank) == n_ranks and not job.plan.ep:
             spec0 = job.specs[0]
