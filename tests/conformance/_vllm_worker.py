@@ -69,10 +69,16 @@ TOP_K = 2
 
 # The devices a case can name: compute capability, device name, memory (what the platform answers).
 GPUS = {
+    "sm75": ((7, 5), "Tesla T4", 16),
     "sm80": ((8, 0), "NVIDIA A100-SXM4-80GB", 80),
+    "sm86": ((8, 6), "NVIDIA A10", 24),
+    "sm89": ((8, 9), "NVIDIA L40S", 48),
     "sm90": ((9, 0), "NVIDIA H200", 141),
     "sm100": ((10, 0), "NVIDIA B200", 180),
+    "sm120": ((12, 0), "NVIDIA RTX PRO 6000 Blackwell Server Edition", 96),
 }
+# The environment variables a case may set (every other VLLM_* variable keeps the release's default).
+CASE_ENV = ("VLLM_USE_FLASHINFER_MOE_INT4", "VLLM_DISABLED_KERNELS", "VLLM_BATCH_INVARIANT")
 _GPU = {"name": "sm90"}
 
 
@@ -127,6 +133,20 @@ def _install_cuda_platform() -> None:
     platforms._current_platform = CudaOneDevice()
 
 
+def _set_case_env(env: dict[str, str]) -> None:
+    """The case's environment, read lazily by the release's envs module on each access."""
+    for name in CASE_ENV:
+        if name in env:
+            os.environ[name] = str(env[name])
+        else:
+            os.environ.pop(name, None)
+    # the release caches this answer for the process: each case asks afresh
+    mod = sys.modules.get("vllm.model_executor.layers.quantization.utils.flashinfer_mxint4_moe")
+    fn = getattr(mod, "is_flashinfer_mxint4_moe_available", None)
+    if fn is not None and hasattr(fn, "cache_clear"):
+        fn.cache_clear()
+
+
 class Release:
     """The imported decision code of one release."""
 
@@ -151,6 +171,10 @@ class Release:
         from vllm.version import __version__
 
         self.version = __version__
+        # The flashinfer package is not installed here; a Blackwell deployment has it, so its
+        # presence is answered yes and only the release's own switches and device checks decide.
+        fi = importlib.import_module("vllm.model_executor.layers.quantization.utils.flashinfer_mxint4_moe")
+        fi.has_flashinfer_trtllm_fused_moe = lambda: True
         # Record the arguments of the oracle call the method constructor makes: the same
         # arguments then tell which backends the release rejects (see `_rejected`).
         self.oracle_calls: list[dict[str, Any]] = []
@@ -221,7 +245,7 @@ class Release:
             "intermediate_size": case["intermediate_size"], "num_local_experts": local,
             "num_logical_experts": E, "activation": self.activation_mod.MoEActivation.SILU,
             "device": "cuda", "routing_method": m.RoutingMethodType.Renormalize,
-            "moe_parallel_config": par, "in_dtype": torch.bfloat16, "moe_backend": "auto",
+            "moe_parallel_config": par, "in_dtype": torch.bfloat16, "moe_backend": case.get("moe_backend", "auto"),
         }
         return _build_dataclass(m.FusedMoEConfig, values)
 
@@ -258,6 +282,8 @@ class Release:
         import torch
 
         set_gpu(case.get("gpu", "sm90"))
+        _set_case_env(case.get("env") or {})
+        _stubs.OPS_CALLED.clear()
 
         out: dict[str, Any] = {
             "stage": None, "error": None, "error_type": None, "backend": None, "rejected": [],
@@ -265,7 +291,13 @@ class Release:
             "oracle_ran": False, "gpu": case.get("gpu", "sm90"),
         }
 
+        def ops_called() -> None:
+            # a compiled op called while deciding would have answered with a placeholder: the
+            # decision would not be the release's; the test asserts this list is empty
+            out["ops_called"] = list(_stubs.OPS_CALLED)
+
         def fail(stage: str, exc: BaseException) -> dict[str, Any]:
+            ops_called()
             if isinstance(exc, AttributeError) and isinstance(getattr(exc, "obj", None), torch.nn.Module):
                 # our stand-in layer lacks something the release reads: a harness gap, not an outcome
                 raise RuntimeError(f"stand-in layer incomplete for this release: {exc}") from exc
@@ -329,6 +361,7 @@ class Release:
         # Marlin tile padding: run the release's own `process_weights_after_loading` on the CPU
         # parameters until its first compiled op (the Marlin repack), and read what its call of
         # `marlin_moe_padded_intermediate` returned -- with the arguments that release passes.
+        ops_called()
         if out["stage"] is None and out["backend"] in ("marlin", "batched_marlin"):
             self._process_until_first_op(method, layer, out)
         return out

@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-n", type=int, default=500)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the full result here")
-    ap.add_argument("--gpus", help="comma list of GPUs to draw from (sm80, sm90, sm100); default sm90 and sm80")
+    ap.add_argument("--gpus", help="comma list of GPUs to draw from (sm75 ... sm120); default every --gpu the CLI accepts")
     args = ap.parse_args(argv)
     versions = list(vllm_release.RELEASES) if args.releases == "all" else args.releases.split(",")
     results = []
