@@ -62,6 +62,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import _stubs  # noqa: E402
+import ckptcase  # noqa: E402
 
 PREFIX = "model.layers.0.mlp.experts"
 TOP_K = 2
@@ -192,37 +193,9 @@ class Release:
     # -- building the engine's objects ---------------------------------------------------------
 
     def quantization_config(self, case: dict[str, Any]) -> dict[str, Any]:
-        """The `quantization_config` an llm-compressor W{4,8}A16 export writes for this scheme."""
-        group_size: int | None = case["group_size"]
-        if case["strategy"] == "channel" and case.get("group_size_null", False):
-            group_size = None
-        weights = {
-            "num_bits": case["num_bits"],
-            "type": "int",
-            "symmetric": case["symmetric"],
-            "strategy": case["strategy"],
-            "group_size": group_size,
-            "actorder": case["actorder"],
-            "dynamic": False,
-            "observer": "minmax",
-            "block_structure": None,
-        }
-        return {
-            "quant_method": "compressed-tensors",
-            "format": "pack-quantized",
-            "quantization_status": "compressed",
-            "config_groups": {
-                "group_0": {
-                    "targets": ["Linear"],
-                    "weights": weights,
-                    "input_activations": None,
-                    "output_activations": None,
-                    "format": "pack-quantized",
-                }
-            },
-            "ignore": ["lm_head"],
-            "kv_cache_scheme": None,
-        }
+        """The `quantization_config` an llm-compressor W{4,8}A16 export writes for this scheme, with
+        the case's extra config groups: the same dict wna16ctl's reader gets (ckptcase.py)."""
+        return ckptcase.quantization_config(case)
 
     def moe_config(self, case: dict[str, Any]):
         """The layer's FusedMoEConfig on rank 0 (fields filled by name: they vary by release)."""

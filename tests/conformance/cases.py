@@ -25,14 +25,35 @@ MOE_BACKENDS = ["auto"] * 6 + ["marlin", "triton", "humming", "flashinfer_trtllm
 ENVS: list[dict[str, str]] = [{}, {}, {"VLLM_USE_FLASHINFER_MOE_INT4": "1"}]
 
 
+def _group(targets: list[str], **weights) -> dict:  # noqa: ANN003
+    base = {"num_bits": 4, "strategy": "group", "group_size": 128, "actorder": None, "symmetric": True,
+            "group_size_null": False}
+    return {"targets": targets, "weights": {**base, **weights}}
+
+
+_VISUAL, _ATTENTION, _EXPERTS = r"re:.*visual.*", r"re:.*self_attn.*", r"re:.*mlp\.experts.*"
+# config groups besides group_0 (targets Linear): most cases have none
+EXTRA_GROUPS: list[list[dict]] = [[]] * 8 + [
+    [_group([_VISUAL], actorder="group")],  # act-order for modules the model does not have
+    [_group([_VISUAL], actorder="dynamic")],
+    [_group([_ATTENTION], actorder="group")],  # act-order in attention only
+    [_group([_VISUAL], num_bits=8, strategy="channel", group_size=-1)],  # harmless second group
+    [_group([_EXPERTS], num_bits=8, strategy="channel", group_size=-1)],  # the experts get another scheme
+    [_group([_EXPERTS], group_size=64, actorder="static")],
+    [_group([_EXPERTS], group_size=32, symmetric=False)],
+    [_group([_EXPERTS], group_size=128, actorder="group")],
+]
+
+
 def _case(strategy: str, group_size: int, group_size_null: bool, hidden: int, inter: int, experts: int,
           bits: int, symmetric: bool, actorder: str | None, tp: int, ep: bool, gpu: str,
-          env: dict[str, str] | None = None, moe_backend: str = "auto") -> dict[str, Any]:
+          env: dict[str, str] | None = None, moe_backend: str = "auto",
+          extra_groups: list[dict] | None = None) -> dict[str, Any]:
     return {
         "hidden_size": hidden, "intermediate_size": inter, "num_experts": experts, "num_bits": bits,
         "group_size": group_size, "group_size_null": group_size_null, "symmetric": symmetric,
         "actorder": actorder, "strategy": strategy, "tp": tp, "ep": ep, "gpu": gpu,
-        "env": dict(env or {}), "moe_backend": moe_backend,
+        "env": dict(env or {}), "moe_backend": moe_backend, "extra_groups": list(extra_groups or []),
     }
 
 
@@ -54,7 +75,8 @@ def strategy():
         return _case(strat, gs, null, draw(hidden), draw(inter), draw(st.sampled_from(EXPERTS)),
                      draw(st.sampled_from([4, 8])), draw(st.booleans()), draw(st.sampled_from(ACTORDERS)),
                      draw(st.sampled_from(TP_SIZES)), draw(st.booleans()), draw(st.sampled_from(GPUS)),
-                     draw(st.sampled_from(ENVS)), draw(st.sampled_from(MOE_BACKENDS)))
+                     draw(st.sampled_from(ENVS)), draw(st.sampled_from(MOE_BACKENDS)),
+                     draw(st.sampled_from(EXTRA_GROUPS)))
 
     return cases()
 
@@ -73,4 +95,4 @@ def sample(rng: random.Random, gpus: list[str] | None = None) -> dict[str, Any]:
     inter = one_of(lambda: rng.choice(COMMON_INTERMEDIATE), lambda: 32 * rng.randint(1, 128), lambda: rng.randint(8, 4096))
     return _case(strat, gs, null, hidden, inter, rng.choice(EXPERTS), rng.choice([4, 8]), rng.random() < 0.5,
                  rng.choice(ACTORDERS), rng.choice(TP_SIZES), rng.random() < 0.5, rng.choice(gpus or GPUS),
-                 rng.choice(ENVS), rng.choice(MOE_BACKENDS))
+                 rng.choice(ENVS), rng.choice(MOE_BACKENDS), rng.choice(EXTRA_GROUPS))

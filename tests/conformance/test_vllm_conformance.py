@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 
 from tests.conformance import cases as case_space  # noqa: E402
 from tests.conformance import vllm_release  # noqa: E402
+from tests.conformance.ckptcase import planner_via_reader  # noqa: E402
 from tests.conformance.known_differences import known_cause  # noqa: E402
 from wna16ctl.sources.config import WeightScheme  # noqa: E402
 from wna16ctl.sources.moe import MoELayer  # noqa: E402
@@ -126,13 +127,28 @@ def layer_of_case(case: dict[str, Any]) -> MoELayer:
 
 
 def run_planner(case: dict[str, Any], version: str):
+    """The planner's answer for the case written as a checkpoint and read by wna16ctl's own reader
+    (config.json + headers, ckptcase.py): (config-parse refusal, None) or (None, the layer's plan)."""
+    return planner_via_reader(case, version)
+
+
+def run_planner_by_hand(case: dict[str, Any], version: str):
+    """The same layer built in memory (the reader's job done by hand): must agree with the reader."""
     switches = make_switches(case.get("env") or {}, case.get("moe_backend", "auto"))
     return plan_layer(layer_of_case(case), case["tp"], case["ep"], engine=version, gpu=case.get("gpu", "sm90"),
                       switches=switches)
 
 
-def outcome_of_plan(plan) -> dict[str, Any]:
-    """The planner's LayerPlan in the shape of `vllm_outcome` (the engine stops at the first error)."""
+def outcome_of_plan(result) -> dict[str, Any]:
+    """The planner's answer in the shape of `vllm_outcome` (the engine stops at the first error)."""
+    if isinstance(result, tuple):
+        refusal, plan = result
+        if refusal is not None:
+            return {"stage": "config", "error": refusal.error, "backend": None, "rejected": [], "considered": [],
+                    "forced": False, "w2_scale_sharding": None, "padded_intermediate": None,
+                    "errors": [refusal.error]}
+    else:
+        plan = result
     backend = plan.backend.value if plan.backend is not None else None
     return {
         "stage": plan.failure_stage,

@@ -415,14 +415,14 @@ def plan_layer(layer: MoELayer, tp: int, ep: bool = False, engine: str = rules.N
         # --moe-backend: the oracle maps the engine's name, asks that one backend and raises
         # when it does not fit; no other backend is considered
         mapped = wna16_moe_backends(engine)
+        for other in backend_priority(rel, gpu):
+            if other.value != forced or forced not in mapped:
+                plan.rejected[other.value] = f"not considered (--moe-backend {forced})"
         if forced not in mapped:
             plan.fail("oracle", "moe_backend", (
                 f"moe_backend='{forced}' is not supported for WNA16 MoE. Expected one of {mapped}."))
             return plan
         order = [Backend(forced)]
-        for other in backend_priority(rel, gpu):
-            if other.value != forced:
-                plan.rejected[other.value] = f"not considered (--moe-backend {forced})"
     for b in order:
         if (b in (Backend.MARLIN, Backend.BATCHED_MARLIN) and s.group_size_null
                 and rel.has("ctor.group_size_none_crash") and H % 128 == 0):
