@@ -335,9 +335,65 @@ class Release:
         # parameters until its first compiled op (the Marlin repack), and read what its call of
         # `marlin_moe_padded_intermediate` returned -- with the arguments that release passes.
         ops_called()
+        if out["stage"] is None and case.get("load_check"):
+            out["load_check"] = self._load_check(method, layer, moe, case)
         if out["stage"] is None and out["backend"] in ("marlin", "batched_marlin"):
             self._process_until_first_op(method, layer, out)
         return out
+
+    def _load_check(self, method, layer, moe, case) -> str:
+        """Drive the release's own expert weight loader with down_proj's packed weight of expert 0
+        on the last MoE TP rank (small CPU tensors with a known code in every position) and say
+        whether the rank's parameter then holds exactly its slice of the codes.
+
+        "ok", "wrong codes: ..." (it loads, but another slice of the codes), or "raises ...".
+        Only the expert placement is answered by the harness (expert 0 is local to rank 0 and,
+        without EP, to every rank); the slicing and copying are the release's."""
+        import torch
+
+        bits, H, I = case["num_bits"], case["hidden_size"], case["intermediate_size"]
+        pf = 32 // bits
+        par = moe.moe_parallel_config
+        tp = par.tp_size
+        rank = tp - 1
+        try:
+            object.__setattr__(par, "tp_rank", rank)
+        except Exception as exc:  # noqa: BLE001
+            return f"harness: cannot set tp_rank ({exc})"
+        codes = (torch.arange(H * I, dtype=torch.int64).reshape(H, I) * 7 + 3) % (1 << bits)
+        words = -(-I // pf)
+        padded = torch.zeros(H, words * pf, dtype=torch.int64)
+        padded[:, :I] = codes
+        packed = torch.zeros(H, words, dtype=torch.int64)
+        for j in range(pf):  # LSB-first, as compressed-tensors packs
+            packed |= padded[:, j::pf] << (bits * j)
+        packed = packed.to(torch.int32)  # the int32 bit pattern of the words
+        param = layer.w2_weight_packed
+        param.data.zero_()
+        layer.quant_method = method
+        for name, value in (("_fused_shared_expert_quantizer", None), ("_loaded_expert_biases", set())):
+            if not hasattr(layer, name):
+                setattr(layer, name, value)
+        layer._map_global_expert_id_to_local_expert_id = lambda expert_id: expert_id
+        try:
+            type(layer).weight_loader(layer, param, packed, f"{PREFIX}.0.down_proj.weight_packed", "w2", 0)
+        except Exception as exc:  # noqa: BLE001
+            return f"raises {type(exc).__name__}: {_exception_text(exc)}"
+        finally:
+            object.__setattr__(par, "tp_rank", 0)
+        data = param.data[0]
+        if data.shape[0] != H:  # K-first parameter: words along dim 0
+            data = data.t()
+        got = torch.stack([(data.to(torch.int64) >> (bits * j)) & ((1 << bits) - 1) for j in range(pf)], dim=-1)
+        got = got.reshape(H, -1)
+        i_p = I // tp
+        want = codes[:, rank * i_p:(rank + 1) * i_p]
+        if got.shape[1] < i_p:
+            return f"wrong codes: the parameter holds {got.shape[1]} codes per row, the rank needs {i_p}"
+        if not torch.equal(got[:, :i_p], want):
+            first = int((got[:, :i_p] != want).nonzero()[0, 1])
+            return f"wrong codes: rank {rank} column {first} holds another column's code"
+        return "ok"
 
     def _process_until_first_op(self, method, layer, out: dict[str, Any]) -> None:
         helper = getattr(self.oracle, "marlin_moe_padded_intermediate", None)

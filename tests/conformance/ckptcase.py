@@ -58,7 +58,7 @@ def _projection(name: str, n: int, k: int, s: dict[str, Any]) -> list[tuple[str,
            (f"{name}.weight_shape", "I64", [2])]
     if not s["symmetric"]:
         out.append((f"{name}.weight_zero_point", "I32", [-(-n // pf), groups]))
-    if s["strategy"] == "group" and s["actorder"] in ("group", "dynamic"):
+    if s["strategy"] == "group" and s["actorder"] in ("group", "dynamic", True):  # true: the old form of group
         out.append((f"{name}.weight_g_idx", "I32", [k]))
     return out
 

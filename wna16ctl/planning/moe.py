@@ -505,6 +505,11 @@ def plan_layer(layer: MoELayer, tp: int, ep: bool = False, engine: str = rules.N
             plan.fail("create_weights", "H % pf", (
                 f"CompressedTensors WNA16 MoE: hidden_size ({H}) must be divisible by packed_factor ({pf}) for correct "
                 "ZP unpacking."))
+    if (rel.has("weights.untransposed_zp_keyerror") and not s.symmetric and not plan.errors
+            and chosen in (Backend.HUMMING, Backend.FLASHINFER_TRTLLM)):
+        plan.fail("create_weights", "zp shape KeyError", (
+            "KeyError: 'Flashinfer' (the untransposed parameter shapes the Humming backend is given have no entry "
+            "for zero points; asymmetric layers cannot be created on it in this release)"))
     if plan.errors:
         if plan.failure_rule == "I_p % group" and not ep and tp > 1 and plan_layer(layer, tp, True, engine, gpu, switches).loadable:
             plan.hazards.append(f"with expert parallelism (wna16ctl --ep, vLLM --enable-expert-parallel) this layer "

@@ -125,6 +125,11 @@ CHANGES: tuple[Change, ...] = (
            "asymmetric layers also need 2 * intermediate_size_per_partition and hidden_size to be multiples of "
            "the pack factor (packed zero points are sliced per rank)",
            f"{_WNA16}: create_weights"),
+    Change("weights.untransposed_zp_keyerror", "0.29.0", "0.31.0",
+           "Humming (like FlashInfer) layers are created with the untransposed parameter shapes, whose table has "
+           "no entry for zero points: an asymmetric layer on Humming raises KeyError('Flashinfer') in "
+           "create_weights (reached with --moe-backend humming, or when Marlin and Triton both pass)",
+           f"{_WNA16}: get_weight_shape (is_transposed excludes HUMMING)"),
     # -- weight processing (known engine bugs) --------------------------------------------
     # -- dense linear layers (CompressedTensorsWNA16 → choose_mp_linear_kernel) -------------
     Change("linear.allspark_kernel", "0.27.0", "0.31.0",
