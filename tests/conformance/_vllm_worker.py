@@ -341,6 +341,35 @@ class Release:
             self._process_until_first_op(method, layer, out)
         return out
 
+    def linear_outcome(self, case: dict[str, Any]) -> dict[str, Any]:
+        """`choose_mp_linear_kernel` for one linear layer's per-rank shape on the case's GPU: the
+        kernel class it returns, or its ValueError (every kernel's reason)."""
+        import importlib
+
+        import torch
+
+        set_gpu(case.get("gpu", "sm90"))
+        _set_case_env(case.get("env") or {})
+        _stubs.OPS_CALLED.clear()
+        lin = importlib.import_module("vllm.model_executor.kernels.linear")
+        mp = importlib.import_module("vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel")
+        from vllm.scalar_type import scalar_types
+
+        bits, sym = case["num_bits"], case["symmetric"]
+        wtype = getattr(scalar_types, f"uint{bits}b{2 ** (bits - 1)}" if sym else f"uint{bits}")
+        config = _build_dataclass(mp.MPLinearLayerConfig, {
+            "full_weight_shape": (case["k"], case["n"]), "partition_weight_shape": (case["k_p"], case["n_p"]),
+            "weight_type": wtype, "act_type": getattr(torch, case.get("act_type", "bfloat16")),
+            "group_size": case["group_size"], "zero_points": not sym, "has_g_idx": case["has_g_idx"]})
+        (major, minor), _, _ = GPUS[_GPU["name"]]
+        out: dict[str, Any] = {"kernel": None, "error": None}
+        try:
+            out["kernel"] = lin.choose_mp_linear_kernel(config, compute_capability=major * 10 + minor).__name__
+        except Exception as exc:  # noqa: BLE001
+            out["error"] = f"{type(exc).__name__}: {_exception_text(exc)}"
+        out["ops_called"] = list(_stubs.OPS_CALLED)
+        return out
+
     def _load_check(self, method, layer, moe, case) -> str:
         """Drive the release's own expert weight loader with down_proj's packed weight of expert 0
         on the last MoE TP rank (small CPU tensors with a known code in every position) and say
@@ -566,7 +595,7 @@ def main() -> int:
             continue
         case = json.loads(line)
         try:
-            res = release.outcome(case)
+            res = release.linear_outcome(case) if case.get("kind") == "linear" else release.outcome(case)
         except Exception as exc:  # noqa: BLE001 - a harness failure, reported as such
             res = {"harness_error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
         proto.write(json.dumps(res, default=str) + "\n")
