@@ -188,3 +188,15 @@ def test_repack_plans_with_the_switches(ckpts: dict[str, Path]) -> None:
     assert "env" not in RepackSettings(tp=1).to_json()  # older outputs still --resume
     with pytest.raises(NotLoadable, match="config parse"):
         plan_repack(ckpts["unmatched"], RepackSettings(tp=1, vllm="0.33.0"))
+
+
+def test_new_inspect_keys_are_documented(ckpts: dict[str, Path]) -> None:
+    import re
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "inspect-json.md").read_text()
+    documented = set(re.findall(r"`([a-z_0-9]+)`", text)) | set(re.findall(r'"([a-z_0-9]+)":', text))
+    doc = inspect_checkpoint(ckpts["unmatched"], (1,), vllm="all").to_json()
+    assert set(doc) <= documented, set(doc) - documented
+    assert set(doc["engine"]) | set(doc["engine"]["env"]["VLLM_USE_FLASHINFER_MOE_INT4"]) <= documented
+    assert set(doc["config_refusal"]) <= documented and set(doc["versions"][0]) <= documented
+    assert all(f"| `{name}` |" in text for name in doc["engine"]["env"])  # every switch has a row

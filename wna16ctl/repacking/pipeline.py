@@ -256,10 +256,13 @@ def plan_repack(ckpt_path: str | os.PathLike[str], settings: RepackSettings) -> 
     except ValueError as e:
         raise UsageError(str(e)) from None
     ck = open_checkpoint(ckpt_path)
+    layers = ck.quantized_layers + ck.quantized_mtp_layers  # MTP experts are repacked like the decoder's
     refusal = config_refusal(ck.config.quant, settings.vllm)
     if refusal is not None:
-        raise NotLoadable(f"vLLM {settings.vllm} refuses {ck.root} at config parse: {refusal.text()}")
-    layers = ck.quantized_layers + ck.quantized_mtp_layers  # MTP experts are repacked like the decoder's
+        loads = [v for v in rules.RELEASES if config_refusal(ck.config.quant, v) is None
+                 and all(plan_layer(lay, settings.tp, settings.ep, v, settings.gpu, switches).loadable for lay in layers)]
+        raise NotLoadable(f"vLLM {settings.vllm} refuses {ck.root} at config parse: {refusal.text()}; "
+                          + (f"loads on vLLM {rules.span(loads)}" if loads else "no known vLLM release loads it"))
     if not layers:
         raise NotLoadable(f"{ck.root}: no quantized MoE layers to repack")
     check_tp_sizes(layers, (settings.tp,), settings.ep)
