@@ -599,7 +599,8 @@ def main() -> int:
         except Exception as exc:  # noqa: BLE001 - a harness failure, reported as such
             res = {"harness_error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
         proto.write(json.dumps(res, default=str) + "\n")
-    return 0
+    proto.flush()
+    os._exit(0)  # the release's modules need no teardown (it can take seconds)
 
 
 if __name__ == "__main__":

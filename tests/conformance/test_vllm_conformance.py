@@ -243,3 +243,15 @@ def test_adversarial_pins_are_the_releases_verdicts(release: str) -> None:
              for name in adversarial.FIXTURES for tp in adversarial.TPS
              if (got := adversarial.vllm_verdict(release, name, tp)) != pins[name][release][str(tp)]]
     assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize("release", RELEASE_PARAMS, indirect=True)
+def test_linear_kernel_choice_matches_vllm(release: str) -> None:
+    """The linear planner's kernel choice against the release's choose_mp_linear_kernel."""
+    import random
+
+    from tests.conformance import linear_cases
+
+    rng = random.Random(0)
+    wrong = [d for _ in range(EXAMPLES) if (d := linear_cases.linear_disagreement(release, linear_cases.sample(rng)))]
+    assert not wrong, "\n".join(wrong[:10])

@@ -1,9 +1,9 @@
-"""The linear planner's kernel choice against each release's `choose_mp_linear_kernel`.
+"""Cases for the linear planner's kernel choice against each release's `choose_mp_linear_kernel`.
 
 For a per-rank linear shape, scheme, GPU and environment, the release's own kernel list and each
 kernel's `can_implement` run in the conformance worker (`linear_outcome`); the planner walks its
-`kernel_priority` with `kernel_reason` (what `plan_linear` does).  Same knobs as
-test_vllm_conformance.py.
+`kernel_priority` with `kernel_reason` (what `plan_linear` does).  The test is in
+test_vllm_conformance.py, which shares each release's worker.
 """
 
 from __future__ import annotations
@@ -11,15 +11,10 @@ from __future__ import annotations
 import random
 from typing import Any
 
-import pytest
-
 from tests.conformance import vllm_release
-from tests.conformance.test_vllm_conformance import EXAMPLES, RELEASE_PARAMS, release  # noqa: F401  (fixture)
 from wna16ctl.planning import rules
 from wna16ctl.planning.engine_env import make_switches
 from wna16ctl.planning.linear import KernelConfig, kernel_priority, kernel_reason
-
-pytestmark = pytest.mark.conformance
 
 GPUS = ["sm75", "sm80", "sm86", "sm89", "sm90", "sm90", "sm100", "sm120"]
 ENVS: list[dict[str, str]] = [{}, {}, {}, {"VLLM_DISABLED_KERNELS": "MacheteLinearKernel"},
@@ -63,9 +58,3 @@ def linear_disagreement(version: str, case: dict[str, Any]) -> str | None:
         return f"vLLM {version}: {got['kernel'] or got['error']!r}, planner {mine!r} for {case}"
     return None
 
-
-@pytest.mark.parametrize("release", RELEASE_PARAMS, indirect=True)
-def test_linear_kernel_choice_matches_vllm(release: str) -> None:
-    rng = random.Random(0)
-    wrong = [d for _ in range(EXAMPLES) if (d := linear_disagreement(release, sample(rng)))]
-    assert not wrong, "\n".join(wrong[:10])
