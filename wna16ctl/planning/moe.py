@@ -521,8 +521,13 @@ def plan_layer(layer: MoELayer, tp: int, ep: bool = False, engine: str = rules.N
         plan.fail("load", "mixed experts", (
             f"per-expert mixed precision: expert 0 uses {s.describe()} but {mixed_experts}; vLLM builds one fused "
             "parameter per layer from expert 0's scheme, so the other experts cannot load"))
-    ok = (i_p * s.num_bits) % 32 == 0
-    checks.append(Check("intermediate_size_per_partition % pack_factor == 0", ok, f"{i_p} % {_pack_factor_text(s.num_bits)}"))
+    whole_words = (i_p * s.num_bits) % 32 == 0
+    # releases that round packed extents up load one whole partition (the loader's slice is the
+    # whole tensor); under MoE TP the per-rank slices still start inside a word
+    ok = whole_words or (rel.has("weights.ceil_packed_dim") and moe_tp == 1)
+    checks.append(Check("intermediate_size_per_partition % pack_factor == 0" + ("" if whole_words or not ok else
+                        " (or one partition: packed extents are rounded up)"), ok,
+                        f"{i_p} % {_pack_factor_text(s.num_bits)}"))
     if not ok:
         plan.fail("load", "I_p % pf", (
             f"intermediate size per partition ({i_p}) is not a multiple of the pack factor "
@@ -536,7 +541,15 @@ def plan_layer(layer: MoELayer, tp: int, ep: bool = False, engine: str = rules.N
             "wrong; use expert parallelism (--ep) or TP 1"))
 
     # -- the layout repack writes, and Marlin processing -----------------------------------------
-    if chosen in (Backend.MARLIN, Backend.TRITON):
+    if not whole_words:
+        # repack writes whole packed words per rank: no layout for a partial last word
+        plan.hazards.append(
+            f"the intermediate size ({i_p}) is not a multiple of the pack factor ({_pack_factor_text(s.num_bits)}): "
+            "vLLM loads this one partition with its last packed word partly filled, but wna16ctl repack does not "
+            "write such layers")
+        if chosen is Backend.MARLIN:  # the engine's own Marlin processing still pads it
+            plan.padded_intermediate = marlin_moe_padded_intermediate(i_p, gs)
+    elif chosen in (Backend.MARLIN, Backend.TRITON):
         plan.layout = LAYOUT_OF_BACKEND[chosen]
     elif own[Backend.MARLIN] is None and s.num_bits in SUPPORTED_BITS:
         plan.layout = "marlin"
