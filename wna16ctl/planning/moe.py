@@ -549,6 +549,11 @@ def plan_layer(layer: MoELayer, tp: int, ep: bool = False, engine: str = rules.N
             "write such layers")
         if chosen is Backend.MARLIN:  # the engine's own Marlin processing still pads it
             plan.padded_intermediate = marlin_moe_padded_intermediate(i_p, gs)
+            if plan.padded_intermediate != i_p:
+                plan.hazards.append(
+                    f"needs Marlin tile padding of the intermediate size per partition from {i_p} to "
+                    f"{plan.padded_intermediate} (marlin_moe_padded_intermediate): activations are padded and sliced on "
+                    "every forward, and vLLM warns that performance may be degraded")
     elif chosen in (Backend.MARLIN, Backend.TRITON):
         plan.layout = LAYOUT_OF_BACKEND[chosen]
     elif own[Backend.MARLIN] is None and s.num_bits in SUPPORTED_BITS:
