@@ -32,7 +32,8 @@ TpSizes = int | str | Iterable[int]
 
 
 def inspect(path: PathLike, tp: TpSizes = "1,2,4,8", ep: bool = False, *, vllm: str = "installed", gpu: str = "sm90",
-            revision: str | None = None, scheme: str | None = None, recipe: PathLike | None = None,
+            revision: str | None = None, env: dict[str, str] | Iterable[str] | None = None,
+            moe_backend: str = "auto", scheme: str | None = None, recipe: PathLike | None = None,
             group_size: int | None = None, actorder: str | None = None, ignore: Iterable[str] | None = None,
             suggest: bool = False) -> Inspection:
     """Plan every MoE layer of the checkpoint at `path` for each TP size (headers only, no GPU).
@@ -43,6 +44,8 @@ def inspect(path: PathLike, tp: TpSizes = "1,2,4,8", ep: bool = False, *, vllm: 
     `vllm`: the release whose rules apply (`"0.33.0"`, `"latest"`, `"installed"` = the vllm package
     here, else the newest known; `"all"` plans every known release into `.versions`).
     `gpu`: the GPU architecture (`"sm80"`, `"sm90"`, ...): backend priority depends on it.
+    `env`: the engine's environment (`{"VLLM_USE_FLASHINFER_MOE_INT4": "1"}` or `["NAME=VALUE"]`);
+    `moe_backend`: the engine's `--moe-backend` (`"auto"`, `"marlin"`, `"triton"`, ...).
     `scheme` (`"W4A16"`, `"W4A16_ASYM"`, `"W8A16"`) or `recipe` (an llm-compressor recipe file): `path`
     is an unquantized model, planned as the checkpoint that quantization would write; `group_size`
     (-1 = channel-wise), `actorder` (`"none"`, `"weight"`, `"static"`, `"group"`) and `ignore` (the
@@ -57,7 +60,8 @@ def inspect(path: PathLike, tp: TpSizes = "1,2,4,8", ep: bool = False, *, vllm: 
 
     proposal = make_proposal(scheme, None if recipe is None else os.fspath(recipe), group_size, actorder,
                              None if ignore is None else list(ignore))
-    insp = inspect_checkpoint(path, parse_tp_list(tp), ep, vllm=vllm, gpu=gpu, revision=revision, proposal=proposal)
+    insp = inspect_checkpoint(path, parse_tp_list(tp), ep, vllm=vllm, gpu=gpu, revision=revision, env=env,
+                              moe_backend=moe_backend, proposal=proposal)
     if suggest:
         from wna16ctl.planning.suggest import suggest as find_suggestions
 
@@ -68,6 +72,7 @@ def inspect(path: PathLike, tp: TpSizes = "1,2,4,8", ep: bool = False, *, vllm: 
 def repack(path: PathLike, out: PathLike | None, tp: int | str, *, ep: bool = False, layout: str = "auto",
            max_shard_size: int | str = "4GiB", dry_run: bool = False, resume: bool = False, force: bool = False,
            device: str = "auto", vllm: str = "installed", gpu: str = "sm90",
+           env: dict[str, str] | Iterable[str] | None = None, moe_backend: str = "auto",
            progress: Callable[..., Callable[[int], None]] | None = None,
            notice: Callable[[str], None] | None = None, ranks: list[int] | None = None) -> RepackResult | RepackPlan:
     """Write the checkpoint's experts per rank in the kernel layout into `out`, with a manifest.
@@ -76,13 +81,13 @@ def repack(path: PathLike, out: PathLike | None, tp: int | str, *, ep: bool = Fa
     auto|cpu|cuda, `max_shard_size` bytes or "4GiB").  With `dry_run` nothing is written and the
     `RepackPlan` is returned (`to_json()` = `repack --dry-run --json`); otherwise the
     `RepackResult` (`to_json()` = `repack --json`, docs/repack-json.md).  `vllm` and `gpu` as for
-    `inspect` (not `"all"`): the plan follows that release and the manifest records it.  `progress` and `notice`
+    `inspect` (not `"all"`), and so are `env` and `moe_backend`: the plan follows that release and the manifest records it.  `progress` and `notice`
     receive what the CLI shows on stderr (see `wna16ctl.sink.Sink.tasks`).  A layer that cannot
     be produced raises `NotLoadable` before anything is written.  `ranks` (e.g. [0, 3]) writes only
     those TP ranks: `out` is then a part with a manifest part (`wna16ctl.repacking.parts`).
     """
     from wna16ctl.errors import UsageError
-    from wna16ctl.planning.inspection import resolve
+    from wna16ctl.planning.inspection import resolve, resolve_switches
     from wna16ctl.sink import parse_size
     from wna16ctl.repacking.pipeline import RepackSettings, plan_repack, run_repack
     from wna16ctl.planning.tpsizes import parse_tp_list
@@ -91,10 +96,12 @@ def repack(path: PathLike, out: PathLike | None, tp: int | str, *, ep: bool = Fa
     if force and resume:
         raise UsageError("force and resume exclude each other")
     engine = resolve(vllm, gpu)
+    switches = resolve_switches(env, moe_backend)
     if vllm == "all":
         raise UsageError("repack plans for one vLLM release: pass a version, 'installed' or 'latest'")
     plan = plan_repack(path, RepackSettings(tp=n_ranks, ep=ep, layout=layout, max_shard_bytes=parse_size(max_shard_size),
-                                            vllm=engine.version, gpu=gpu))
+                                            vllm=engine.version, gpu=gpu, env=switches.env,
+                                            moe_backend=switches.moe_backend))
     if dry_run:
         return plan
     if out is None:

@@ -107,6 +107,17 @@ def _gpu_option() -> Callable:
                              "b200 = sm100; ...).")
 
 
+def _engine_options(f: Callable) -> Callable:
+    """--env and --moe-backend: what the engine is told beyond its release (planning/engine_env.py)."""
+    from wna16ctl.planning.engine_env import MOE_BACKENDS
+
+    f = click.option("--moe-backend", "moe_backend", type=click.Choice(list(MOE_BACKENDS)), default="auto",
+                     show_default=True, help="The engine's --moe-backend (auto: the release's own choice).")(f)
+    return click.option("--env", "env", multiple=True, metavar="NAME=VALUE",
+                        help="An environment variable the engine runs with, e.g. VLLM_USE_FLASHINFER_MOE_INT4=1 "
+                             "(repeatable; docs/inspect-json.md lists those planned).")(f)
+
+
 _REVISION = click.option("--revision", default=None, metavar="REV",
                          help="Branch, tag or commit when CKPT is a Hub repo id (same as ORG/NAME@REV).")
 
@@ -117,6 +128,7 @@ _REVISION = click.option("--revision", default=None, metavar="REV",
 @click.option("--ep", is_flag=True, help="Expert parallelism: MoE TP is 1 and experts are split across the ranks.")
 @_vllm_option(allow_all=True)
 @_gpu_option()
+@_engine_options
 @click.option("--json", "json_mode", is_flag=True, help="Print one JSON object (schema: docs/inspect-json.md).")
 @_REVISION
 @click.option("--scheme", default=None, type=click.Choice(["W4A16", "W4A16_ASYM", "W8A16"], case_sensitive=False),
@@ -133,9 +145,9 @@ _REVISION = click.option("--revision", default=None, metavar="REV",
 @click.option("--suggest", is_flag=True, help="For each TP size that does not load, the nearest changes that do.")
 @_debug_option
 @click.pass_context
-def inspect(ctx: click.Context, ckpt: str, tp: str, ep: bool, vllm: str, gpu: str, json_mode: bool,
-            revision: str | None, scheme: str | None, recipe: str | None, group_size: int | None,
-            actorder: str | None, ignore: tuple[str, ...], suggest: bool, debug: bool) -> None:
+def inspect(ctx: click.Context, ckpt: str, tp: str, ep: bool, vllm: str, gpu: str, env: tuple[str, ...],
+            moe_backend: str, json_mode: bool, revision: str | None, scheme: str | None, recipe: str | None,
+            group_size: int | None, actorder: str | None, ignore: tuple[str, ...], suggest: bool, debug: bool) -> None:
     """Decide per MoE layer and TP size whether and how CKPT loads (headers only, no GPU).
 
     CKPT is a checkpoint directory or a Hugging Face Hub repo id ORG/NAME[@REVISION]; from the
@@ -150,7 +162,8 @@ def inspect(ctx: click.Context, ckpt: str, tp: str, ep: bool, vllm: str, gpu: st
         from wna16ctl.sources.recipe import make_proposal
 
         proposal = make_proposal(scheme, recipe, group_size, actorder, list(ignore))
-        insp = inspect_checkpoint(ckpt, _tps(tp), ep, vllm=vllm, gpu=gpu, revision=revision, proposal=proposal)
+        insp = inspect_checkpoint(ckpt, _tps(tp), ep, vllm=vllm, gpu=gpu, revision=revision, env=list(env),
+                                  moe_backend=moe_backend, proposal=proposal)
         if suggest:
             from wna16ctl.planning.suggest import suggest as find_suggestions
 
@@ -196,6 +209,7 @@ def _parse_size(value: str) -> int:
               help="Under torchrun: OUT is local to each node; each node commits the ranks its processes wrote as a part.")
 @_vllm_option(allow_all=False)
 @_gpu_option()
+@_engine_options
 @click.option("--json", "json_mode", is_flag=True, help="Print the result as one JSON object.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @_REVISION
@@ -203,6 +217,7 @@ def _parse_size(value: str) -> int:
 @click.pass_context
 def repack(ctx: click.Context, ckpt: str, tp: str, ep: bool, layout: str, out: str | None, dry_run: bool, resume: bool,
            force: bool, max_shard_size: str, device: str, ranks: str | None, node_local: bool, vllm: str, gpu: str,
+           env: tuple[str, ...], moe_backend: str,
            json_mode: bool, quiet: bool, revision: str | None, debug: bool) -> None:
     """Write per-rank safetensors of CKPT's experts in the kernel layout, with a verifiable manifest.
 
@@ -237,16 +252,17 @@ def repack(ctx: click.Context, ckpt: str, tp: str, ep: bool, layout: str, out: s
 
             render(console, plan, result)
 
-        from wna16ctl.planning.inspection import resolve
+        from wna16ctl.planning.inspection import resolve, resolve_switches
 
         engine = resolve(vllm, gpu)
+        switches = resolve_switches(list(env), moe_backend)
         first = launch.rank == 0  # what every process would say alike is said once
         if engine.note and engine.source != "default" and first:
             sink.warn(engine.note)
         (n_ranks,) = _tps(tp, single=True)
         subset = distributed.parse_ranks(ranks, n_ranks) if ranks is not None else None
         settings = RepackSettings(tp=n_ranks, ep=ep, layout=layout, max_shard_bytes=max_bytes, vllm=engine.version,
-                                  gpu=gpu)
+                                  gpu=gpu, env=switches.env, moe_backend=switches.moe_backend)
         group = distributed.init_group(launch)
         try:
             source = _local_checkpoint(sink, ckpt, revision)

@@ -48,7 +48,9 @@ def render_inspection(console: Console, insp: Inspection) -> None:
         console.print(f"[bold]{escape(src['repo_id'])}[/] @ {escape(src['revision'])} (commit {src['commit'][:12]}, Hub)")
     else:
         console.print(f"[bold]{escape(str(ck.root))}[/]")
-    console.print(f"  rules of vLLM {insp.engine.version} ({_engine_source(insp.engine)}) on a CUDA {insp.gpu} GPU")
+    console.print(f"  rules of vLLM {insp.engine.version} ({_engine_source(insp.engine)}) on a CUDA {insp.gpu} GPU"
+                  + "".join(f", {escape(n)}={escape(v)}" for n, v in insp.switches.env)
+                  + (f", --moe-backend {insp.switches.moe_backend}" if insp.switches.moe_backend != "auto" else ""))
     _proposal_line(console, insp)
     console.print(
         f"  {escape(arch)} · hidden {cfg.hidden_size} · {plural(len(layers), 'MoE layer')}"
@@ -118,7 +120,9 @@ def render_inspection(console: Console, insp: Inspection) -> None:
     console.print(table)
     _notes_grid(console, [(f"{span}, {_tp_list(tps)}:", text) for (span, text), tps in notes.items()])
     render_model_section(console, insp)
-    if not insp.loadable:
+    if insp.config_refusal is not None:
+        verdict = f"[bold red]refused at config parse[/]: {escape(insp.config_refusal.text())}"
+    elif not insp.loadable:
         verdict = "[bold red]does not load[/] everywhere (see above)"
     elif not insp.ok:
         verdict = "[bold red]loads, but outputs would be wrong[/] (correctness hazard above)"

@@ -25,11 +25,14 @@ def test_group_actorder_by_release(make_ckpt):
     ck = make_ckpt(group_size=64, actorder="group", **SMALL)
     code, doc = _inspect(ck, "--vllm", "0.33.0", "--tp", "1,2")
     assert code == 1 and doc["loadable"] is False
-    assert doc["engine"] == {"name": "vllm", "version": "0.33.0", "source": "flag", "requested": "0.33.0", "note": None}
+    assert {k: doc["engine"][k] for k in ("name", "version", "source", "requested", "note")} == {
+        "name": "vllm", "version": "0.33.0", "source": "flag", "requested": "0.33.0", "note": None}
+    assert doc["failure_stage"] == "config"
+    assert doc["config_refusal"]["error"].startswith("Compressed-tensors group/dynamic activation ordering "
+                                                     "(actorder='group') is no longer supported.")
     for p in doc["layers"][0]["plans"]:
         assert not p["loadable"] and p["failure_stage"] == "config"
-        assert p["errors"][0].startswith("Compressed-tensors group/dynamic activation ordering (actorder='group') is "
-                                         "no longer supported.")
+        assert p["errors"][0].startswith("not reached (checkpoint refused at config parse)")
     code, doc = _inspect(ck, "--vllm", "0.29.0", "--tp", "1,2")
     assert code == 0
     for p in doc["layers"][0]["plans"]:

@@ -62,6 +62,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import _stubs  # noqa: E402
+import ckptcase  # noqa: E402
 
 PREFIX = "model.layers.0.mlp.experts"
 TOP_K = 2
@@ -69,10 +70,16 @@ TOP_K = 2
 
 # The devices a case can name: compute capability, device name, memory (what the platform answers).
 GPUS = {
+    "sm75": ((7, 5), "Tesla T4", 16),
     "sm80": ((8, 0), "NVIDIA A100-SXM4-80GB", 80),
+    "sm86": ((8, 6), "NVIDIA A10", 24),
+    "sm89": ((8, 9), "NVIDIA L40S", 48),
     "sm90": ((9, 0), "NVIDIA H200", 141),
     "sm100": ((10, 0), "NVIDIA B200", 180),
+    "sm120": ((12, 0), "NVIDIA RTX PRO 6000 Blackwell Server Edition", 96),
 }
+# The environment variables a case may set (every other VLLM_* variable keeps the release's default).
+CASE_ENV = ("VLLM_USE_FLASHINFER_MOE_INT4", "VLLM_DISABLED_KERNELS", "VLLM_BATCH_INVARIANT")
 _GPU = {"name": "sm90"}
 
 
@@ -127,6 +134,20 @@ def _install_cuda_platform() -> None:
     platforms._current_platform = CudaOneDevice()
 
 
+def _set_case_env(env: dict[str, str]) -> None:
+    """The case's environment, read lazily by the release's envs module on each access."""
+    for name in CASE_ENV:
+        if name in env:
+            os.environ[name] = str(env[name])
+        else:
+            os.environ.pop(name, None)
+    # the release caches this answer for the process: each case asks afresh
+    mod = sys.modules.get("vllm.model_executor.layers.quantization.utils.flashinfer_mxint4_moe")
+    fn = getattr(mod, "is_flashinfer_mxint4_moe_available", None)
+    if fn is not None and hasattr(fn, "cache_clear"):
+        fn.cache_clear()
+
+
 class Release:
     """The imported decision code of one release."""
 
@@ -151,6 +172,10 @@ class Release:
         from vllm.version import __version__
 
         self.version = __version__
+        # The flashinfer package is not installed here; a Blackwell deployment has it, so its
+        # presence is answered yes and only the release's own switches and device checks decide.
+        fi = importlib.import_module("vllm.model_executor.layers.quantization.utils.flashinfer_mxint4_moe")
+        fi.has_flashinfer_trtllm_fused_moe = lambda: True
         # Record the arguments of the oracle call the method constructor makes: the same
         # arguments then tell which backends the release rejects (see `_rejected`).
         self.oracle_calls: list[dict[str, Any]] = []
@@ -168,37 +193,9 @@ class Release:
     # -- building the engine's objects ---------------------------------------------------------
 
     def quantization_config(self, case: dict[str, Any]) -> dict[str, Any]:
-        """The `quantization_config` an llm-compressor W{4,8}A16 export writes for this scheme."""
-        group_size: int | None = case["group_size"]
-        if case["strategy"] == "channel" and case.get("group_size_null", False):
-            group_size = None
-        weights = {
-            "num_bits": case["num_bits"],
-            "type": "int",
-            "symmetric": case["symmetric"],
-            "strategy": case["strategy"],
-            "group_size": group_size,
-            "actorder": case["actorder"],
-            "dynamic": False,
-            "observer": "minmax",
-            "block_structure": None,
-        }
-        return {
-            "quant_method": "compressed-tensors",
-            "format": "pack-quantized",
-            "quantization_status": "compressed",
-            "config_groups": {
-                "group_0": {
-                    "targets": ["Linear"],
-                    "weights": weights,
-                    "input_activations": None,
-                    "output_activations": None,
-                    "format": "pack-quantized",
-                }
-            },
-            "ignore": ["lm_head"],
-            "kv_cache_scheme": None,
-        }
+        """The `quantization_config` an llm-compressor W{4,8}A16 export writes for this scheme, with
+        the case's extra config groups: the same dict wna16ctl's reader gets (ckptcase.py)."""
+        return ckptcase.quantization_config(case)
 
     def moe_config(self, case: dict[str, Any]):
         """The layer's FusedMoEConfig on rank 0 (fields filled by name: they vary by release)."""
@@ -221,7 +218,7 @@ class Release:
             "intermediate_size": case["intermediate_size"], "num_local_experts": local,
             "num_logical_experts": E, "activation": self.activation_mod.MoEActivation.SILU,
             "device": "cuda", "routing_method": m.RoutingMethodType.Renormalize,
-            "moe_parallel_config": par, "in_dtype": torch.bfloat16, "moe_backend": "auto",
+            "moe_parallel_config": par, "in_dtype": torch.bfloat16, "moe_backend": case.get("moe_backend", "auto"),
         }
         return _build_dataclass(m.FusedMoEConfig, values)
 
@@ -258,6 +255,8 @@ class Release:
         import torch
 
         set_gpu(case.get("gpu", "sm90"))
+        _set_case_env(case.get("env") or {})
+        _stubs.OPS_CALLED.clear()
 
         out: dict[str, Any] = {
             "stage": None, "error": None, "error_type": None, "backend": None, "rejected": [],
@@ -265,7 +264,13 @@ class Release:
             "oracle_ran": False, "gpu": case.get("gpu", "sm90"),
         }
 
+        def ops_called() -> None:
+            # a compiled op called while deciding would have answered with a placeholder: the
+            # decision would not be the release's; the test asserts this list is empty
+            out["ops_called"] = list(_stubs.OPS_CALLED)
+
         def fail(stage: str, exc: BaseException) -> dict[str, Any]:
+            ops_called()
             if isinstance(exc, AttributeError) and isinstance(getattr(exc, "obj", None), torch.nn.Module):
                 # our stand-in layer lacks something the release reads: a harness gap, not an outcome
                 raise RuntimeError(f"stand-in layer incomplete for this release: {exc}") from exc
@@ -329,9 +334,95 @@ class Release:
         # Marlin tile padding: run the release's own `process_weights_after_loading` on the CPU
         # parameters until its first compiled op (the Marlin repack), and read what its call of
         # `marlin_moe_padded_intermediate` returned -- with the arguments that release passes.
+        ops_called()
+        if out["stage"] is None and case.get("load_check"):
+            out["load_check"] = self._load_check(method, layer, moe, case)
         if out["stage"] is None and out["backend"] in ("marlin", "batched_marlin"):
             self._process_until_first_op(method, layer, out)
         return out
+
+    def linear_outcome(self, case: dict[str, Any]) -> dict[str, Any]:
+        """`choose_mp_linear_kernel` for one linear layer's per-rank shape on the case's GPU: the
+        kernel class it returns, or its ValueError (every kernel's reason)."""
+        import importlib
+
+        import torch
+
+        set_gpu(case.get("gpu", "sm90"))
+        _set_case_env(case.get("env") or {})
+        _stubs.OPS_CALLED.clear()
+        lin = importlib.import_module("vllm.model_executor.kernels.linear")
+        mp = importlib.import_module("vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel")
+        from vllm.scalar_type import scalar_types
+
+        bits, sym = case["num_bits"], case["symmetric"]
+        wtype = getattr(scalar_types, f"uint{bits}b{2 ** (bits - 1)}" if sym else f"uint{bits}")
+        config = _build_dataclass(mp.MPLinearLayerConfig, {
+            "full_weight_shape": (case["k"], case["n"]), "partition_weight_shape": (case["k_p"], case["n_p"]),
+            "weight_type": wtype, "act_type": getattr(torch, case.get("act_type", "bfloat16")),
+            "group_size": case["group_size"], "zero_points": not sym, "has_g_idx": case["has_g_idx"]})
+        (major, minor), _, _ = GPUS[_GPU["name"]]
+        out: dict[str, Any] = {"kernel": None, "error": None}
+        try:
+            out["kernel"] = lin.choose_mp_linear_kernel(config, compute_capability=major * 10 + minor).__name__
+        except Exception as exc:  # noqa: BLE001
+            out["error"] = f"{type(exc).__name__}: {_exception_text(exc)}"
+        out["ops_called"] = list(_stubs.OPS_CALLED)
+        return out
+
+    def _load_check(self, method, layer, moe, case) -> str:
+        """Drive the release's own expert weight loader with down_proj's packed weight of expert 0
+        on the last MoE TP rank (small CPU tensors with a known code in every position) and say
+        whether the rank's parameter then holds exactly its slice of the codes.
+
+        "ok", "wrong codes: ..." (it loads, but another slice of the codes), or "raises ...".
+        Only the expert placement is answered by the harness (expert 0 is local to rank 0 and,
+        without EP, to every rank); the slicing and copying are the release's."""
+        import torch
+
+        bits, H, I = case["num_bits"], case["hidden_size"], case["intermediate_size"]
+        pf = 32 // bits
+        par = moe.moe_parallel_config
+        tp = par.tp_size
+        rank = tp - 1
+        try:
+            object.__setattr__(par, "tp_rank", rank)
+        except Exception as exc:  # noqa: BLE001
+            return f"harness: cannot set tp_rank ({exc})"
+        codes = (torch.arange(H * I, dtype=torch.int64).reshape(H, I) * 7 + 3) % (1 << bits)
+        words = -(-I // pf)
+        padded = torch.zeros(H, words * pf, dtype=torch.int64)
+        padded[:, :I] = codes
+        packed = torch.zeros(H, words, dtype=torch.int64)
+        for j in range(pf):  # LSB-first, as compressed-tensors packs
+            packed |= padded[:, j::pf] << (bits * j)
+        packed = packed.to(torch.int32)  # the int32 bit pattern of the words
+        param = layer.w2_weight_packed
+        param.data.zero_()
+        layer.quant_method = method
+        for name, value in (("_fused_shared_expert_quantizer", None), ("_loaded_expert_biases", set())):
+            if not hasattr(layer, name):
+                setattr(layer, name, value)
+        layer._map_global_expert_id_to_local_expert_id = lambda expert_id: expert_id
+        try:
+            type(layer).weight_loader(layer, param, packed, f"{PREFIX}.0.down_proj.weight_packed", "w2", 0)
+        except Exception as exc:  # noqa: BLE001
+            return f"raises {type(exc).__name__}: {_exception_text(exc)}"
+        finally:
+            object.__setattr__(par, "tp_rank", 0)
+        data = param.data[0]
+        if data.shape[0] != H:  # K-first parameter: words along dim 0
+            data = data.t()
+        got = torch.stack([(data.to(torch.int64) >> (bits * j)) & ((1 << bits) - 1) for j in range(pf)], dim=-1)
+        got = got.reshape(H, -1)
+        i_p = I // tp
+        want = codes[:, rank * i_p:(rank + 1) * i_p]
+        if got.shape[1] < i_p:
+            return f"wrong codes: the parameter holds {got.shape[1]} codes per row, the rank needs {i_p}"
+        if not torch.equal(got[:, :i_p], want):
+            first = int((got[:, :i_p] != want).nonzero()[0, 1])
+            return f"wrong codes: rank {rank} column {first} holds another column's code"
+        return "ok"
 
     def _process_until_first_op(self, method, layer, out: dict[str, Any]) -> None:
         helper = getattr(self.oracle, "marlin_moe_padded_intermediate", None)
@@ -504,11 +595,12 @@ def main() -> int:
             continue
         case = json.loads(line)
         try:
-            res = release.outcome(case)
+            res = release.linear_outcome(case) if case.get("kind") == "linear" else release.outcome(case)
         except Exception as exc:  # noqa: BLE001 - a harness failure, reported as such
             res = {"harness_error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
         proto.write(json.dumps(res, default=str) + "\n")
-    return 0
+    proto.flush()
+    os._exit(0)  # the release's modules need no teardown (it can take seconds)
 
 
 if __name__ == "__main__":

@@ -17,15 +17,43 @@ EXPERTS = [1, 2, 3, 8, 16, 60, 64, 128]
 TP_SIZES = [1, 2, 3, 4, 8, 16]
 ACTORDERS = [None, "weight", "static", "group", "dynamic"]
 STRATEGIES = ["group", "group", "group", "channel"]  # group-wise is the common export
-GPUS = ["sm90", "sm90", "sm80"]  # H100/H200 first; A100 (Humming's priority differs by capability)
+# every --gpu the CLI accepts, H100/H200 drawn most (Humming's priority differs by capability)
+GPUS = ["sm90", "sm90", "sm75", "sm80", "sm86", "sm89", "sm100", "sm100", "sm120"]
+# --moe-backend: mostly the release's own choice, else each name the engine maps for WNA16 MoE
+MOE_BACKENDS = ["auto"] * 6 + ["marlin", "triton", "humming", "flashinfer_trtllm", "emulation", "rdna3"]
+# the engine's environment: defaults, or FlashInfer's int4 MoE switched on
+ENVS: list[dict[str, str]] = [{}, {}, {"VLLM_USE_FLASHINFER_MOE_INT4": "1"}]
+
+
+def _group(targets: list[str], **weights) -> dict:  # noqa: ANN003
+    base = {"num_bits": 4, "strategy": "group", "group_size": 128, "actorder": None, "symmetric": True,
+            "group_size_null": False}
+    return {"targets": targets, "weights": {**base, **weights}}
+
+
+_VISUAL, _ATTENTION, _EXPERTS = r"re:.*visual.*", r"re:.*self_attn.*", r"re:.*mlp\.experts.*"
+# config groups besides group_0 (targets Linear): most cases have none
+EXTRA_GROUPS: list[list[dict]] = [[]] * 8 + [
+    [_group([_VISUAL], actorder="group")],  # act-order for modules the model does not have
+    [_group([_VISUAL], actorder="dynamic")],
+    [_group([_ATTENTION], actorder="group")],  # act-order in attention only
+    [_group([_VISUAL], num_bits=8, strategy="channel", group_size=-1)],  # harmless second group
+    [_group([_EXPERTS], num_bits=8, strategy="channel", group_size=-1)],  # the experts get another scheme
+    [_group([_EXPERTS], group_size=64, actorder="static")],
+    [_group([_EXPERTS], group_size=32, symmetric=False)],
+    [_group([_EXPERTS], group_size=128, actorder="group")],
+]
 
 
 def _case(strategy: str, group_size: int, group_size_null: bool, hidden: int, inter: int, experts: int,
-          bits: int, symmetric: bool, actorder: str | None, tp: int, ep: bool, gpu: str) -> dict[str, Any]:
+          bits: int, symmetric: bool, actorder: str | None, tp: int, ep: bool, gpu: str,
+          env: dict[str, str] | None = None, moe_backend: str = "auto",
+          extra_groups: list[dict] | None = None) -> dict[str, Any]:
     return {
         "hidden_size": hidden, "intermediate_size": inter, "num_experts": experts, "num_bits": bits,
         "group_size": group_size, "group_size_null": group_size_null, "symmetric": symmetric,
         "actorder": actorder, "strategy": strategy, "tp": tp, "ep": ep, "gpu": gpu,
+        "env": dict(env or {}), "moe_backend": moe_backend, "extra_groups": list(extra_groups or []),
     }
 
 
@@ -46,7 +74,9 @@ def strategy():
             gs, null = -1, draw(st.booleans())
         return _case(strat, gs, null, draw(hidden), draw(inter), draw(st.sampled_from(EXPERTS)),
                      draw(st.sampled_from([4, 8])), draw(st.booleans()), draw(st.sampled_from(ACTORDERS)),
-                     draw(st.sampled_from(TP_SIZES)), draw(st.booleans()), draw(st.sampled_from(GPUS)))
+                     draw(st.sampled_from(TP_SIZES)), draw(st.booleans()), draw(st.sampled_from(GPUS)),
+                     draw(st.sampled_from(ENVS)), draw(st.sampled_from(MOE_BACKENDS)),
+                     draw(st.sampled_from(EXTRA_GROUPS)))
 
     return cases()
 
@@ -64,4 +94,5 @@ def sample(rng: random.Random, gpus: list[str] | None = None) -> dict[str, Any]:
     hidden = one_of(lambda: rng.choice(COMMON_HIDDEN), lambda: 32 * rng.randint(1, 96), lambda: rng.randint(16, 4096))
     inter = one_of(lambda: rng.choice(COMMON_INTERMEDIATE), lambda: 32 * rng.randint(1, 128), lambda: rng.randint(8, 4096))
     return _case(strat, gs, null, hidden, inter, rng.choice(EXPERTS), rng.choice([4, 8]), rng.random() < 0.5,
-                 rng.choice(ACTORDERS), rng.choice(TP_SIZES), rng.random() < 0.5, rng.choice(gpus or GPUS))
+                 rng.choice(ACTORDERS), rng.choice(TP_SIZES), rng.random() < 0.5, rng.choice(gpus or GPUS),
+                 rng.choice(ENVS), rng.choice(MOE_BACKENDS), rng.choice(EXTRA_GROUPS))

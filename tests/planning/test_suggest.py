@@ -79,8 +79,13 @@ def _recheck(path: Path, s: dict, base_args: list[str]) -> bool:
     """Inspect the configuration a suggestion names, from scratch: its TP/EP, release, GPU and, for
     a proposal, the flags it gives (which replace the proposal's own)."""
     args = [str(path), "--tp", str(s["tp"]), "--vllm", s["vllm"], "--gpu", s["gpu"]] + (["--ep"] if s["ep"] else [])
-    if "--scheme" in s["flags"] or "--recipe" in s["flags"]:  # the proposal it names, in full
-        args += shlex.split(s["flags"])
+    flags = shlex.split(s["flags"])
+    if "--moe-backend" in flags:  # the backend it tells the engine to use
+        i = flags.index("--moe-backend")
+        args += flags[i:i + 2]
+        flags = flags[:i] + flags[i + 2:]
+    if "--scheme" in flags or "--recipe" in flags:  # the proposal it names, in full
+        args += flags
     else:
         args += base_args
     res = CliRunner().invoke(cli, ["inspect", *args, "--json"])
@@ -149,7 +154,7 @@ REFUSALS = {
                                     "no longer supported"),
     "channel-wise on sm90 with 0.33": ("b768", ["--scheme", "W4A16", "--group-size", "-1", "--tp", "2", "--vllm",
                                                 "0.33.0", "--gpu", "sm90"], "channel assert",
-                                       {"vllm", "gpu", "group_size"}, "only Marlin does"),
+                                       {"vllm", "gpu", "group_size", "moe_backend"}, "only Marlin does"),
     "grouped int8 at 0.27": ("b768", ["--scheme", "W8A16", "--tp", "2", "--vllm", "0.27.0"], "int8 grouped",
                              {"vllm", "group_size"}, "grouped int8 experts are refused"),
     "asym pack factor": ("b1416", ["--scheme", "W4A16_ASYM", "--group-size", "-1", "--tp", "4", "--vllm", "0.33.0",
@@ -178,6 +183,8 @@ def test_suggestions_per_refusal_kind_each_replanned_and_loading(small, kind):
         g = next(x for x in s if x["kind"] == "gpu")
         assert g["gpu"] == "sm89"  # the nearest architecture whose backend order puts Marlin first
         assert next(x for x in s if x["kind"] == "vllm")["vllm"] == "0.31.0"
+        b = next(x for x in s if x["kind"] == "moe_backend")  # Marlin passes its gate when it is asked for
+        assert b["flags"] == "--moe-backend marlin" and b["vllm_flags"] == "--moe-backend marlin"
     if kind == "Marlin tile (act-order)":
         assert next(x for x in s if x["kind"] == "actorder")["flags"].endswith("--actorder static")
 

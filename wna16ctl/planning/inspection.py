@@ -10,12 +10,14 @@ from typing import Any
 
 from wna16ctl.version import __version__
 from wna16ctl.planning import rules
+from wna16ctl.planning.config_parse import NOT_REACHED, ConfigRefusal, config_refusal
+from wna16ctl.planning.engine_env import DEFAULT as DEFAULT_SWITCHES, EngineSwitches, make_switches
 from wna16ctl.sources import Checkpoint, LinearLayer, MoELayer, open_checkpoint
 from wna16ctl.sources.gidx import gate_up_g_idx_mismatch
 from wna16ctl.sources.model import QKV
 from wna16ctl.planning.linear import LinearPlan, ModelCheck, linear_release_differences, model_checks, plan_linear
 from wna16ctl.errors import UsageError
-from wna16ctl.planning.moe import LayerPlan, plan_layer, release_differences
+from wna16ctl.planning.moe import LayerPlan, local_expert_counts, plan_layer, release_differences
 from wna16ctl.planning.tpsizes import check_tp_sizes
 
 
@@ -59,13 +61,22 @@ class Inspection:
     problems: dict[str, str | None] = field(default_factory=dict)
     proposal: Any = None  # a proposed quantization of an unquantized base (`sources.proposed.Proposal`)
     suggestions: list[Any] | None = None  # changes that load where a TP size is refused (`planning.suggest`)
+    switches: EngineSwitches = DEFAULT_SWITCHES  # --env overrides and --moe-backend
+    # the config-parse refusal of each planned release (None: quantization_config parses)
+    refusals: dict[str, ConfigRefusal | None] = field(default_factory=dict)
+
+    @property
+    def config_refusal(self) -> ConfigRefusal | None:
+        return self.refusals.get(self.engine.version)
 
     @property
     def loadable(self) -> bool:
-        return _loadable(self.checkpoint, self.plans) and self.model_loadable(self.linear_plans)
+        return (self.config_refusal is None and _loadable(self.checkpoint, self.plans)
+                and self.model_loadable(self.linear_plans))
 
     def loadable_in(self, version: str) -> bool:
-        return _loadable(self.checkpoint, self.versions[version]) and self.model_loadable(self.linear_versions[version])
+        return (self.refusals.get(version) is None and _loadable(self.checkpoint, self.versions[version])
+                and self.model_loadable(self.linear_versions[version]))
 
     def model_loadable(self, linear: dict[str, list[LinearPlan]]) -> bool:
         """The model around the experts: every quantized linear layer and every fatal model check."""
@@ -165,7 +176,8 @@ class Inspection:
         cfg = ck.config
         out: dict[str, Any] = {
             "wna16ctl_version": __version__,
-            "engine": self.engine.to_json(),
+            "engine": {**self.engine.to_json(), "env": self.switches.to_json(self.engine.version),
+                       "moe_backend": self.switches.moe_backend},
             "gpu": self.gpu,
             "checkpoint": str(ck.root),
             **({"source": dict(ck.source)} if ck.source is not None else {}),
@@ -180,6 +192,9 @@ class Inspection:
             "ok": self.ok,
             "summary": self.summary(),
             "hazards": self.hazards(),
+            # "config": quantization_config itself is refused (config_refusal says which group)
+            "failure_stage": None if self.config_refusal is None else "config",
+            "config_refusal": None if self.config_refusal is None else self.config_refusal.to_json(),
             "warnings": list(ck.warnings),
             "layers": self._layers_json(self.plans),
             "linear_layers": self._linear_json(self.linear_plans),
@@ -195,7 +210,10 @@ class Inspection:
             out["suggestions"] = [s.to_json() for s in self.suggestions]
         if self.versions:
             out["versions"] = [
-                {"vllm": v, "loadable": self.loadable_in(v), "layers": self._layers_json(self.versions[v]),
+                {"vllm": v, "loadable": self.loadable_in(v),
+                 "failure_stage": None if self.refusals.get(v) is None else "config",
+                 "config_refusal": None if self.refusals.get(v) is None else self.refusals[v].to_json(),  # type: ignore[union-attr]
+                 "layers": self._layers_json(self.versions[v]),
                  "linear_layers": self._linear_json(self.linear_versions[v])}
                 for v in rules.RELEASES
             ]
@@ -213,6 +231,14 @@ def resolve(vllm: str | None, gpu: str) -> rules.Engine:
         raise UsageError(str(e)) from None
 
 
+def resolve_switches(env: list[str] | dict[str, str] | None, moe_backend: str | None) -> EngineSwitches:
+    """`--env` items and `--moe-backend` -> the engine switches; bad values are usage errors."""
+    try:
+        return make_switches(env, moe_backend)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
 def _loadable(ck: Checkpoint, plans: dict[str, list[LayerPlan]]) -> bool:
     layers = ck.quantized_layers
     return bool(layers) and all(p.loadable for lay in layers for p in plans[lay.prefix])
@@ -224,20 +250,43 @@ def _layer_key(lay: MoELayer) -> tuple:
             lay.intermediate_size, lay.scale_dtype, lay.zero_point_form)
 
 
+def not_reached_plan(lay: MoELayer, tp: int, ep: bool, version: str, gpu: str, refusal: ConfigRefusal) -> LayerPlan:
+    """The row of an MoE layer in a checkpoint the release refuses at config parse: nothing after
+    the parse is computed, so every later field is null."""
+    moe_tp = 1 if ep else tp
+    plan = LayerPlan(tp=tp, ep=ep, moe_tp=moe_tp, intermediate_size_per_partition=lay.intermediate_size // moe_tp,
+                     padded_intermediate=None, backend=None, rejected={}, w2=None, quant_type=None,
+                     local_experts=local_expert_counts(lay.num_experts, tp) if ep else [lay.num_experts] * tp,
+                     rank_bytes=None, vllm=version, gpu=gpu)
+    plan.fail("config", "not reached", f"{NOT_REACHED}: {refusal.text()}")
+    return plan
+
+
+def not_reached_linear(tp: int, version: str, gpu: str, refusal: ConfigRefusal) -> LinearPlan:
+    plan = LinearPlan(tp=tp, vllm=version, gpu=gpu)
+    plan.fail("config", "not reached", f"{NOT_REACHED}: {refusal.text()}")
+    return plan
+
+
 def plan_all(layers: list[MoELayer], tps: tuple[int, ...], ep: bool, version: str, gpu: str,
-             problems: dict[str, str | None] | None = None, with_differences: bool = True) -> dict[str, list[LayerPlan]]:
+             problems: dict[str, str | None] | None = None, with_differences: bool = True,
+             switches: EngineSwitches = DEFAULT_SWITCHES,
+             refusal: ConfigRefusal | None = None) -> dict[str, list[LayerPlan]]:
     """Plans of every layer at every TP size for one release; hazards include what other releases do.
-    `problems`: a data-level error per layer (found in the tensors, not the headers) that every plan carries."""
+    `problems`: a data-level error per layer (found in the tensors, not the headers) that every plan carries.
+    `refusal`: the release refuses quantization_config itself, so no layer is reached."""
+    if refusal is not None:
+        return {lay.prefix: [not_reached_plan(lay, tp, ep, version, gpu, refusal) for tp in tps] for lay in layers}
     memo: dict[tuple, list[LayerPlan]] = {}
     out: dict[str, list[LayerPlan]] = {}
     for lay in layers:
         problem = (problems or {}).get(lay.prefix)
         key = (_layer_key(lay), problem)
         if key not in memo:
-            plans = [plan_layer(lay, tp, ep, version, gpu) for tp in tps]
+            plans = [plan_layer(lay, tp, ep, version, gpu, switches) for tp in tps]
             if with_differences:
                 for p in plans:
-                    p.hazards[:0] = release_differences(lay, p.tp, ep, version, gpu)
+                    p.hazards[:0] = release_differences(lay, p.tp, ep, version, gpu, switches)
             if problem is not None:
                 for p in plans:
                     p.fail("load", "g_idx differ", problem)
@@ -253,17 +302,20 @@ def _linear_key(lay: LinearLayer) -> tuple:
 
 
 def plan_all_linear(layers: list[LinearLayer], tps: tuple[int, ...], version: str, gpu: str, dtype: str,
-                    with_differences: bool = True) -> dict[str, list[LinearPlan]]:
+                    with_differences: bool = True, switches: EngineSwitches = DEFAULT_SWITCHES,
+                    refusal: ConfigRefusal | None = None) -> dict[str, list[LinearPlan]]:
     """Plans of every linear layer at every TP size for one release; each distinct shape is planned once."""
+    if refusal is not None:
+        return {lay.name: [not_reached_linear(tp, version, gpu, refusal) for tp in tps] for lay in layers}
     memo: dict[tuple, tuple[str, list[LinearPlan]]] = {}
     out: dict[str, list[LinearPlan]] = {}
     for lay in layers:
         key = _linear_key(lay)
         if key not in memo:
-            plans = [plan_linear(lay, tp, version, gpu, dtype) for tp in tps]
+            plans = [plan_linear(lay, tp, version, gpu, dtype, switches) for tp in tps]
             if with_differences:
                 for p in plans:
-                    p.hazards[:0] = linear_release_differences(lay, p.tp, version, gpu, dtype)
+                    p.hazards[:0] = linear_release_differences(lay, p.tp, version, gpu, dtype, switches)
             memo[key] = (lay.name, plans)
             out[lay.name] = plans
             continue
@@ -284,7 +336,8 @@ def _params_dtype(torch_dtype: str) -> str:
 
 def inspect_checkpoint(path: str | os.PathLike[str], tps: tuple[int, ...] = (1,), ep: bool = False,
                        vllm: str | None = "installed", gpu: str = rules.DEFAULT_GPU,
-                       revision: str | None = None, proposal: Any = None) -> Inspection:
+                       revision: str | None = None, env: list[str] | dict[str, str] | None = None,
+                       moe_backend: str | None = None, proposal: Any = None) -> Inspection:
     """Plan every MoE layer of the checkpoint at `path` for each TP size in `tps`.
 
     `path`: a checkpoint directory, or a Hub model repo id ORG/NAME[@REVISION] (headers only).
@@ -292,9 +345,13 @@ def inspect_checkpoint(path: str | os.PathLike[str], tps: tuple[int, ...] = (1,)
 
     `vllm`: a release (`0.33.0`), `latest`, `installed` (the vllm package here, else the newest
     known release) or `all` (every known release; `plans` are then the newest's).
+
+    `env`: the engine's environment overrides (`NAME=VALUE` items or a mapping, e.g.
+    VLLM_USE_FLASHINFER_MOE_INT4=1); `moe_backend`: the engine's `--moe-backend` (default auto).
     """
     every = vllm == "all"
     engine = resolve(vllm, gpu)
+    switches = resolve_switches(env, moe_backend)
     from wna16ctl.sources.hub import open_hub_checkpoint, parse_ref
 
     ref = parse_ref(str(path), revision)
@@ -310,18 +367,23 @@ def inspect_checkpoint(path: str | os.PathLike[str], tps: tuple[int, ...] = (1,)
     # proposal has no tensors yet (GPTQ gives gate and up, which share their input, one order)
     problems = {} if proposal is not None else {
         lay.prefix: gate_up_g_idx_mismatch(ck.files, lay) for lay in ck.quantized_layers}
-    plans = plan_all(ck.layers, tps, ep, engine.version, gpu, problems)
+    refusals = {v: config_refusal(ck.config.quant, v) for v in (rules.RELEASES if every else (engine.version,))}
+    plans = plan_all(ck.layers, tps, ep, engine.version, gpu, problems, switches=switches,
+                     refusal=refusals[engine.version])
     versions = {v: (plans if v == engine.version else plan_all(ck.layers, tps, ep, v, gpu, problems,
-                                                                       with_differences=False))
+                                                                       with_differences=False, switches=switches,
+                                                                       refusal=refusals[v]))
                 for v in rules.RELEASES} if every else {}
     dtype = _params_dtype(ck.config.torch_dtype)
-    linear = plan_all_linear(ck.linear_layers, tps, engine.version, gpu, dtype)
+    linear = plan_all_linear(ck.linear_layers, tps, engine.version, gpu, dtype, switches=switches,
+                             refusal=refusals[engine.version])
     linear_versions = {v: (linear if v == engine.version else
-                           plan_all_linear(ck.linear_layers, tps, v, gpu, dtype, with_differences=False))
+                           plan_all_linear(ck.linear_layers, tps, v, gpu, dtype, with_differences=False,
+                                           switches=switches, refusal=refusals[v]))
                        for v in rules.RELEASES} if every else {}
     dims = ck.dims
     has_attention = any(lay.tp_role == QKV for lay in ck.linear_layers) or dims.num_attention_heads is not None
     checks = [c for tp in tps for c in model_checks(dims, tp, ep, engine.version, attention=has_attention)]
     return Inspection(checkpoint=ck, tps=tuple(tps), ep=ep, engine=engine, gpu=gpu, plans=plans, versions=versions,
                       linear_plans=linear, linear_versions=linear_versions, checks=checks, problems=problems,
-                      proposal=proposal)
+                      proposal=proposal, switches=switches, refusals=refusals)

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from wna16ctl.planning import rules
+from wna16ctl.planning.config_parse import scheme_refusal
+from wna16ctl.planning.engine_env import DEFAULT as DEFAULT_SWITCHES, EngineSwitches
 from wna16ctl.sources.config import PACK_QUANTIZED, WeightScheme
 from wna16ctl.sources.model import COLUMN, QKV, REPLICATED, ROW, VOCAB, LinearLayer, ModelDims
 
@@ -24,6 +26,8 @@ CUTLASS_W4A8, MACHETE, ALLSPARK, MARLIN = "CutlassW4A8LinearKernel", "MacheteLin
 CONCH, EXLLAMA, TRITON, HUMMING = "ConchLinearKernel", "ExllamaLinearKernel", "TritonW4A16LinearKernel", "HummingLinearKernel"
 _MIN_CC = {CUTLASS_W4A8: 90, MACHETE: 90, ALLSPARK: 80, MARLIN: 75, CONCH: 80, EXLLAMA: 60, TRITON: 0, HUMMING: 75}
 VOCAB_PADDING = 64  # DEFAULT_VOCAB_PADDING_SIZE
+# what the engine logs instead of a kernel class when VLLM_BATCH_INVARIANT=1 bypasses the kernel choice
+BATCH_INVARIANT = "dequantize + batch-invariant matmul"
 
 
 def kernel_priority(rel: rules.Release, gpu: str) -> list[str]:
@@ -278,7 +282,7 @@ def per_rank_shape(layer: LinearLayer, tp: int, plan: LinearPlan) -> tuple[int, 
 
 
 def plan_linear(layer: LinearLayer, tp: int, engine: str = rules.NEWEST, gpu: str = rules.DEFAULT_GPU,
-                dtype: str = "bfloat16") -> LinearPlan:
+                dtype: str = "bfloat16", switches: EngineSwitches = DEFAULT_SWITCHES) -> LinearPlan:
     """The one decision function for a linear layer: what vLLM `engine` does with `layer` on `tp`
     ranks of a CUDA `gpu`, in the engine's order, stopping where it stops."""
     if tp < 1:
@@ -299,10 +303,9 @@ def plan_linear(layer: LinearLayer, tp: int, engine: str = rules.NEWEST, gpu: st
             f"{layer.name}: vLLM builds {layer.refused} unquantized (quant_config=None), so its weight_packed/"
             "weight_scale tensors have no parameter to load into; keep it in quantization_config.ignore"))
         return plan
-    if rel.has("config.refuse_group_actorder") and s.actorder in ("group", "dynamic"):
-        plan.fail("config", "actorder refused", (
-            f"Compressed-tensors group/dynamic activation ordering (actorder={s.actorder!r}) is no longer supported. "
-            "Use a checkpoint with static/weight activation ordering or without activation ordering."))
+    refused = scheme_refusal(s, rel)
+    if refused is not None:
+        plan.fail("config", *refused)
         return plan
     if not s.is_wna16 or s.format != PACK_QUANTIZED:
         plan.fail("config", "not WNA16", (
@@ -328,8 +331,12 @@ def plan_linear(layer: LinearLayer, tp: int, engine: str = rules.NEWEST, gpu: st
             "weight_g_idx cannot load (or the groups are applied unpermuted). Rewrite the config's actorder as "
             "'group' (the tensors are the same)")
     # -- create_weights: choose_mp_linear_kernel ------------------------------------------------
-    for kern in kernel_priority(rel, gpu):
-        reason = kernel_reason(kern, rel, gpu, c)
+    disabled = switches.names("VLLM_DISABLED_KERNELS", engine)
+    if switches.flag("VLLM_BATCH_INVARIANT", engine):
+        plan.kernel = BATCH_INVARIANT  # no kernel is chosen: the checkpoint layout is kept and dequantized
+    for kern in ([] if plan.kernel else kernel_priority(rel, gpu)):
+        reason = (f"{kern} disabled by environment variable (VLLM_DISABLED_KERNELS)" if kern in disabled
+                  else kernel_reason(kern, rel, gpu, c))
         if plan.kernel is None and reason is None:
             plan.kernel = kern
         elif reason is not None:
@@ -375,12 +382,13 @@ def linear_outcome(p: LinearPlan) -> str:
     return f"fails ({p.failure_stage}): {p.errors[0].splitlines()[0]}"
 
 
-def linear_release_differences(layer: LinearLayer, tp: int, engine: str, gpu: str, dtype: str) -> list[str]:
-    mine = linear_outcome(plan_linear(layer, tp, engine, gpu, dtype))
+def linear_release_differences(layer: LinearLayer, tp: int, engine: str, gpu: str, dtype: str,
+                               switches: EngineSwitches = DEFAULT_SWITCHES) -> list[str]:
+    mine = linear_outcome(plan_linear(layer, tp, engine, gpu, dtype, switches))
     groups: dict[str, list[str]] = {}
     for v in rules.RELEASES:
         if v != engine:
-            out = linear_outcome(plan_linear(layer, tp, v, gpu, dtype))
+            out = linear_outcome(plan_linear(layer, tp, v, gpu, dtype, switches))
             if out != mine:
                 groups.setdefault(out, []).append(v)
     return [f"vLLM {rules.span(vs)}: {out}" for out, vs in groups.items()]

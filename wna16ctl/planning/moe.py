@@ -21,6 +21,8 @@ from typing import Any
 
 from wna16ctl.layout.spec import marlin_moe_padded_intermediate  # noqa: F401  (re-exported: the planner reports it)
 from wna16ctl.planning import rules
+from wna16ctl.planning.config_parse import scheme_refusal
+from wna16ctl.planning.engine_env import DEFAULT as DEFAULT_SWITCHES, EngineSwitches, wna16_moe_backends
 from wna16ctl.sources.config import PACK_QUANTIZED, WeightScheme
 from wna16ctl.sources.moe import MoELayer
 
@@ -169,7 +171,7 @@ def _key_text(key: WeightKey) -> str:
 
 # -- backend reasons ----------------------------------------------------------------------------
 def _backend_reason(b: Backend, rel: rules.Release, gpu: str, s: WeightScheme, hidden: int, i_p: int,
-                    allow_tile_padding: bool) -> str | None:
+                    allow_tile_padding: bool, switches: EngineSwitches = DEFAULT_SWITCHES) -> str | None:
     """Why `b` does not take this layer in `rel` on `gpu` (None: it does).
 
     The oracle's own incompatibility reason first, then the experts class's support checks
@@ -184,6 +186,9 @@ def _backend_reason(b: Backend, rel: rules.Release, gpu: str, s: WeightScheme, h
             return "zero points and bias are not supported"
         if cc // 10 != 10:
             return "kernel does not support the current device (TRT-LLM mxint4 MoE needs a Blackwell sm100 GPU)"
+        if not switches.flag("VLLM_USE_FLASHINFER_MOE_INT4", rel.version):
+            return ("kernel does not support the current device (FlashInfer int4 MoE is off: "
+                    "VLLM_USE_FLASHINFER_MOE_INT4 is 0 by default; --env VLLM_USE_FLASHINFER_MOE_INT4=1 turns it on)")
         if key != _INT4_32:
             return f"kernel does not support quantization scheme {_key_text(key)} (int4 symmetric group-32 only)"
         return None
@@ -259,10 +264,10 @@ class LayerPlan:
     padded_intermediate: int | None  # Marlin tile-padded intermediate (None unless the layout is Marlin)
     backend: Backend | None  # what the release auto-selects (None: refused before or at selection)
     rejected: dict[str, str]
-    w2: W2ScaleSharding  # as the release computes it
+    w2: W2ScaleSharding | None  # as the release computes it in create_weights (None: refused before it)
     quant_type: str | None
     local_experts: list[int]  # experts per rank
-    rank_bytes: list[int]  # bytes of each rank's expert tensors in the layout repack writes
+    rank_bytes: list[int] | None  # bytes of each rank's expert tensors in the layout repack writes (None: no layout)
     vllm: str = rules.NEWEST
     gpu: str = rules.DEFAULT_GPU
     layout: str | None = None  # the layout repack writes: marlin, transposed, or None (none applies)
@@ -295,10 +300,10 @@ class LayerPlan:
             "backend": self.backend.value if self.backend is not None else None,
             "layout": self.layout,
             "rejected": dict(self.rejected),
-            "w2_scale_sharding": self.w2.to_json(),
+            "w2_scale_sharding": None if self.w2 is None else self.w2.to_json(),
             "quant_type": self.quant_type,
             "local_experts": list(self.local_experts),
-            "rank_bytes": list(self.rank_bytes),
+            "rank_bytes": None if self.rank_bytes is None else list(self.rank_bytes),
             "checks": [c.to_json() for c in self.checks],
             "errors": list(self.errors),
             "failure_stage": self.failure_stage,
@@ -326,9 +331,10 @@ def _format_bits_error(rel: rules.Release, s: WeightScheme) -> str:
 
 
 def plan_layer(layer: MoELayer, tp: int, ep: bool = False, engine: str = rules.NEWEST,
-               gpu: str = rules.DEFAULT_GPU) -> LayerPlan:
+               gpu: str = rules.DEFAULT_GPU, switches: EngineSwitches = DEFAULT_SWITCHES) -> LayerPlan:
     """The one decision function: what vLLM `engine` does with `layer` on `tp` ranks (EP if `ep`)
-    of a CUDA GPU of architecture `gpu`, step by step, stopping where the engine stops."""
+    of a CUDA GPU of architecture `gpu`, step by step, stopping where the engine stops.
+    `switches`: the engine's environment overrides and `--moe-backend` (defaults: none, auto)."""
     if tp < 1:
         raise ValueError("tp must be >= 1")
     rel = rules.release(engine)
@@ -342,24 +348,18 @@ def plan_layer(layer: MoELayer, tp: int, ep: bool = False, engine: str = rules.N
     s = layer.scheme
     plan = LayerPlan(
         tp=tp, ep=ep, moe_tp=moe_tp, intermediate_size_per_partition=i_p, padded_intermediate=None,
-        backend=None, rejected={}, w2=W2ScaleSharding(False, i_p, True), quant_type=None,
-        local_experts=experts_per_rank, rank_bytes=[0] * tp, vllm=engine, gpu=gpu,
+        backend=None, rejected={}, w2=None, quant_type=None,
+        local_experts=experts_per_rank, rank_bytes=None, vllm=engine, gpu=gpu,
     )
     if s is None:
         plan.fail("method", "unquantized", "experts are not quantized (no compressed-tensors scheme targets them); nothing to plan")
         return plan
 
     # -- config parse (CompressedTensorsConfig): refuses the whole checkpoint -----------------
-    if s.strategy == "channel" and s.actorder in ("group", "dynamic"):
-        # compressed-tensors 0.17.0 (pinned by every known release) validates this while vLLM parses the config
-        plan.fail("config", "actorder on channel", (
-            "ValidationError (compressed-tensors QuantizationArgs): Must use group or tensor_group quantization "
-            "strategy in order to apply group activation ordering"))
-        return plan
-    if rel.has("config.refuse_group_actorder") and s.actorder in ("group", "dynamic"):
-        plan.fail("config", "actorder refused", (
-            f"Compressed-tensors group/dynamic activation ordering (actorder={s.actorder!r}) is no longer supported. "
-            "Use a checkpoint with static/weight activation ordering or without activation ordering."))
+    # (the layer's own group; inspect judges every group of the config, config_parse.py)
+    refused = scheme_refusal(s, rel)
+    if refused is not None:
+        plan.fail("config", *refused)
         return plan
 
     # -- the MoE layer and its method (FusedMoEConfig, get_moe_method) ------------------------
@@ -410,6 +410,19 @@ def plan_layer(layer: MoELayer, tp: int, ep: bool = False, engine: str = rules.N
     allow_tile_padding = not (rel.has("ctor.actorder_strict_tiles") and s.act_order)
     order = backend_priority(rel, gpu)
     own: dict[Backend, str | None] = {}
+    forced = switches.moe_backend
+    if forced != "auto":
+        # --moe-backend: the oracle maps the engine's name, asks that one backend and raises
+        # when it does not fit; no other backend is considered
+        mapped = wna16_moe_backends(engine)
+        for other in backend_priority(rel, gpu):
+            if other.value != forced or forced not in mapped:
+                plan.rejected[other.value] = f"not considered (--moe-backend {forced})"
+        if forced not in mapped:
+            plan.fail("oracle", "moe_backend", (
+                f"moe_backend='{forced}' is not supported for WNA16 MoE. Expected one of {mapped}."))
+            return plan
+        order = [Backend(forced)]
     for b in order:
         if (b in (Backend.MARLIN, Backend.BATCHED_MARLIN) and s.group_size_null
                 and rel.has("ctor.group_size_none_crash") and H % 128 == 0):
@@ -423,11 +436,11 @@ def plan_layer(layer: MoELayer, tp: int, ep: bool = False, engine: str = rules.N
             # what each remaining backend would say, for the report (the engine stops at the crash)
             for rest in order[order.index(b):]:
                 reason = (f"crashes the Marlin gate: {crash}" if rest in (Backend.MARLIN, Backend.BATCHED_MARLIN)
-                          else _backend_reason(rest, rel, gpu, s, H, i_p, allow_tile_padding))
+                          else _backend_reason(rest, rel, gpu, s, H, i_p, allow_tile_padding, switches))
                 if reason is not None:
                     plan.rejected[rest.value] = reason
             return plan
-        own[b] = _backend_reason(b, rel, gpu, s, H, i_p, allow_tile_padding)
+        own[b] = _backend_reason(b, rel, gpu, s, H, i_p, allow_tile_padding, switches)
         if own[b] is None and plan.backend is None:
             plan.backend = b
         elif own[b] is not None:
@@ -437,8 +450,13 @@ def plan_layer(layer: MoELayer, tp: int, ep: bool = False, engine: str = rules.N
     # the layouts wna16ctl writes are those of the Marlin and Triton backends
     for b in (Backend.MARLIN, Backend.TRITON):
         if b not in own:
-            own[b] = _backend_reason(b, rel, gpu, s, H, i_p, allow_tile_padding)
+            own[b] = _backend_reason(b, rel, gpu, s, H, i_p, allow_tile_padding, switches)
     chosen = plan.backend
+    if chosen is None and forced != "auto":
+        plan.fail("oracle", "forced backend", (
+            f"WNA16 MoE backend '{forced.upper()}' does not support the deployment configuration since "
+            f"{plan.rejected[forced]}."))
+        return plan
     if chosen is None:
         plan.fail("oracle", "no backend", "No WNA16 MoE backend supports the deployment configuration.")
         return plan
@@ -456,8 +474,9 @@ def plan_layer(layer: MoELayer, tp: int, ep: bool = False, engine: str = rules.N
 
     # -- create_weights ------------------------------------------------------------------------
     checks = plan.checks
-    if rel.has("weights.w2_scale_sharding"):
-        plan.w2 = vllm_w2_scale_sharding(s.actorder, gs, i_p, I)
+    # releases without `_w2_scale_sharding` always shard the w2 scales by rank
+    plan.w2 = (vllm_w2_scale_sharding(s.actorder, gs, i_p, I) if rel.has("weights.w2_scale_sharding")
+               else W2ScaleSharding(False, i_p, True))
     if s.strategy != "channel":
         ok = H % gs == 0
         checks.append(Check("hidden_size % group_size == 0", ok, f"{H} % {gs}"))
@@ -486,8 +505,13 @@ def plan_layer(layer: MoELayer, tp: int, ep: bool = False, engine: str = rules.N
             plan.fail("create_weights", "H % pf", (
                 f"CompressedTensors WNA16 MoE: hidden_size ({H}) must be divisible by packed_factor ({pf}) for correct "
                 "ZP unpacking."))
+    if (rel.has("weights.untransposed_zp_keyerror") and not s.symmetric and not plan.errors
+            and chosen in (Backend.HUMMING, Backend.FLASHINFER_TRTLLM)):
+        plan.fail("create_weights", "zp shape KeyError", (
+            "KeyError: 'Flashinfer' (the untransposed parameter shapes the Humming backend is given have no entry "
+            "for zero points; asymmetric layers cannot be created on it in this release)"))
     if plan.errors:
-        if plan.failure_rule == "I_p % group" and not ep and tp > 1 and plan_layer(layer, tp, True, engine, gpu).loadable:
+        if plan.failure_rule == "I_p % group" and not ep and tp > 1 and plan_layer(layer, tp, True, engine, gpu, switches).loadable:
             plan.hazards.append(f"with expert parallelism (wna16ctl --ep, vLLM --enable-expert-parallel) this layer "
                                 f"loads at {tp} ranks: each expert stays whole on one rank")
         return plan
@@ -497,8 +521,13 @@ def plan_layer(layer: MoELayer, tp: int, ep: bool = False, engine: str = rules.N
         plan.fail("load", "mixed experts", (
             f"per-expert mixed precision: expert 0 uses {s.describe()} but {mixed_experts}; vLLM builds one fused "
             "parameter per layer from expert 0's scheme, so the other experts cannot load"))
-    ok = (i_p * s.num_bits) % 32 == 0
-    checks.append(Check("intermediate_size_per_partition % pack_factor == 0", ok, f"{i_p} % {_pack_factor_text(s.num_bits)}"))
+    whole_words = (i_p * s.num_bits) % 32 == 0
+    # releases that round packed extents up load one whole partition (the loader's slice is the
+    # whole tensor); under MoE TP the per-rank slices still start inside a word
+    ok = whole_words or (rel.has("weights.ceil_packed_dim") and moe_tp == 1)
+    checks.append(Check("intermediate_size_per_partition % pack_factor == 0" + ("" if whole_words or not ok else
+                        " (or one partition: packed extents are rounded up)"), ok,
+                        f"{i_p} % {_pack_factor_text(s.num_bits)}"))
     if not ok:
         plan.fail("load", "I_p % pf", (
             f"intermediate size per partition ({i_p}) is not a multiple of the pack factor "
@@ -512,7 +541,20 @@ def plan_layer(layer: MoELayer, tp: int, ep: bool = False, engine: str = rules.N
             "wrong; use expert parallelism (--ep) or TP 1"))
 
     # -- the layout repack writes, and Marlin processing -----------------------------------------
-    if chosen in (Backend.MARLIN, Backend.TRITON):
+    if not whole_words:
+        # repack writes whole packed words per rank: no layout for a partial last word
+        plan.hazards.append(
+            f"the intermediate size ({i_p}) is not a multiple of the pack factor ({_pack_factor_text(s.num_bits)}): "
+            "vLLM loads this one partition with its last packed word partly filled, but wna16ctl repack does not "
+            "write such layers")
+        if chosen is Backend.MARLIN:  # the engine's own Marlin processing still pads it
+            plan.padded_intermediate = marlin_moe_padded_intermediate(i_p, gs)
+            if plan.padded_intermediate != i_p:
+                plan.hazards.append(
+                    f"needs Marlin tile padding of the intermediate size per partition from {i_p} to "
+                    f"{plan.padded_intermediate} (marlin_moe_padded_intermediate): activations are padded and sliced on "
+                    "every forward, and vLLM warns that performance may be degraded")
+    elif chosen in (Backend.MARLIN, Backend.TRITON):
         plan.layout = LAYOUT_OF_BACKEND[chosen]
     elif own[Backend.MARLIN] is None and s.num_bits in SUPPORTED_BITS:
         plan.layout = "marlin"
@@ -620,15 +662,16 @@ def _outcome(p: LayerPlan) -> str:
     return f"{where}: {p.errors[0]}"
 
 
-def release_differences(layer: MoELayer, tp: int, ep: bool, engine: str, gpu: str) -> list[str]:
+def release_differences(layer: MoELayer, tp: int, ep: bool, engine: str, gpu: str,
+                        switches: EngineSwitches = DEFAULT_SWITCHES) -> list[str]:
     """What the other known releases do differently with this layer, computed from the rulebook:
     one line per group of releases whose outcome differs from `engine`'s."""
-    mine = _outcome(plan_layer(layer, tp, ep, engine, gpu))
+    mine = _outcome(plan_layer(layer, tp, ep, engine, gpu, switches))
     groups: dict[str, list[str]] = {}
     for v in rules.RELEASES:
         if v == engine:
             continue
-        out = _outcome(plan_layer(layer, tp, ep, v, gpu))
+        out = _outcome(plan_layer(layer, tp, ep, v, gpu, switches))
         if out != mine:
             groups.setdefault(out, []).append(v)
     return [f"vLLM {rules.span(vs)}: {out}" for out, vs in groups.items()]

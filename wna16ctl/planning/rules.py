@@ -121,10 +121,21 @@ CHANGES: tuple[Change, ...] = (
            "act-order w2 scales are loaded whole on every rank (load_full_w2) and is_k_full is false at "
            "TP > 1 (_w2_scale_sharding); later releases have no act-order and always shard",
            f"{_WNA16}: _w2_scale_sharding", "vllm PR #41161"),
+    Change("weights.ceil_packed_dim", "0.29.0", None,
+           "packed parameter extents are rounded up (ceil(size * bits / 32) words), so one whole partition whose "
+           "intermediate size is not a multiple of the pack factor loads (TP 1 or EP); under MoE TP the loader's "
+           "per-rank slices of the packed down_proj still start inside a word (earlier releases floor the extent "
+           "and the copy fails even at TP 1)",
+           f"{_WNA16}: _packed_dim, get_weight_shape"),
     Change("weights.asym_pack_checks", "0.29.0", None,
            "asymmetric layers also need 2 * intermediate_size_per_partition and hidden_size to be multiples of "
            "the pack factor (packed zero points are sliced per rank)",
            f"{_WNA16}: create_weights"),
+    Change("weights.untransposed_zp_keyerror", "0.29.0", "0.31.0",
+           "Humming (like FlashInfer) layers are created with the untransposed parameter shapes, whose table has "
+           "no entry for zero points: an asymmetric layer on Humming raises KeyError('Flashinfer') in "
+           "create_weights (reached with --moe-backend humming, or when Marlin and Triton both pass)",
+           f"{_WNA16}: get_weight_shape (is_transposed excludes HUMMING)"),
     # -- weight processing (known engine bugs) --------------------------------------------
     # -- dense linear layers (CompressedTensorsWNA16 → choose_mp_linear_kernel) -------------
     Change("linear.allspark_kernel", "0.27.0", "0.31.0",

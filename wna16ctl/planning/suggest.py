@@ -20,9 +20,11 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from wna16ctl.planning import rules
+from wna16ctl.planning.config_parse import config_refusal
+from wna16ctl.planning.engine_env import MOE_BACKEND_SINCE
 from wna16ctl.planning.inspection import Inspection, _params_dtype, plan_all, plan_all_linear
 from wna16ctl.planning.linear import model_checks
-from wna16ctl.sources.config import WeightScheme
+from wna16ctl.sources.config import QuantConfig, WeightScheme
 from wna16ctl.sources.model import QKV, LinearLayer
 from wna16ctl.sources.moe import MoELayer
 
@@ -77,22 +79,38 @@ def _rescheme_linear(lay: LinearLayer, f: SchemeChange) -> LinearLayer:
     return replace(lay, shards=[replace(sh, scheme=None if sh.scheme is None else f(sh.scheme)) for sh in lay.shards])
 
 
-def loads(insp: Inspection, tp: int, ep: bool, version: str, gpu: str, change: SchemeChange | None = None) -> bool:
+def _config_refusal(quant: QuantConfig | None, version: str, change: SchemeChange | None) -> object | None:
+    """The release's config-parse refusal of the checkpoint's groups, after `change` (requantizing
+    rewrites every group's weights, so a refused act-order group can go with it)."""
+    if quant is not None and change is not None:
+        groups = tuple(replace(g, scheme=None if g.scheme is None else change(g.scheme)) for g in quant.groups)
+        quant = replace(quant, groups=groups)
+    return config_refusal(quant, version)
+
+
+def loads(insp: Inspection, tp: int, ep: bool, version: str, gpu: str, change: SchemeChange | None = None,
+          moe_backend: str | None = None) -> bool:
     """Whether the inspected model loads at `tp` (EP if `ep`) in `version` on `gpu`, with every
     quantized layer's scheme changed by `change`: the same planners as `inspect`, every layer."""
     ck = insp.checkpoint
     if not ep and any(tp > lay.intermediate_size for lay in ck.quantized_layers):
         return False  # a rank would hold no column (inspect refuses such a size outright)
+    # the release parses every config group first: a refused group stops the model at any TP
+    if _config_refusal(ck.config.quant, version, change) is not None:
+        return False
     layers = ck.layers if change is None else [_rescheme_layer(lay, change) for lay in ck.layers]
     # requantizing gives gate and up one order again: their old g_idx mismatch goes with it
     problems = insp.problems if change is None else None
-    plans = plan_all(layers, (tp,), ep, version, gpu, problems, with_differences=False)
+    switches = insp.switches if moe_backend is None else replace(insp.switches, moe_backend=moe_backend)
+    if not backend_known(switches.moe_backend, version):
+        return False
+    plans = plan_all(layers, (tp,), ep, version, gpu, problems, with_differences=False, switches=switches)
     quantized = [lay for lay in layers if lay.quantized]
     if not quantized or not all(plans[lay.prefix][0].loadable for lay in quantized):
         return False
     linear_layers = ck.linear_layers if change is None else [_rescheme_linear(lay, change) for lay in ck.linear_layers]
     linear = plan_all_linear(linear_layers, (tp,), version, gpu, _params_dtype(ck.config.torch_dtype),
-                             with_differences=False)
+                             with_differences=False, switches=switches)
     if not all(p.loadable for plans_ in linear.values() for p in plans_):
         return False
     dims = ck.dims
@@ -152,6 +170,14 @@ def _group_text(g: int) -> str:
     return "channel-wise scales (group size -1)" if g == -1 else f"group size {g}"
 
 
+# the backends a GPU deployment would name (EMULATION is a slow test path, RDNA3 an AMD GPU)
+SUGGESTED_MOE_BACKENDS = ("marlin", "triton", "humming", "flashinfer_trtllm")
+
+
+def backend_known(backend: str, version: str) -> bool:
+    return backend == "auto" or rules.version_key(version) >= rules.version_key(MOE_BACKEND_SINCE[backend])
+
+
 @dataclass(frozen=True)
 class _Option:
     """One change to what was inspected: a serving setting, or a change of the weights' scheme."""
@@ -167,6 +193,7 @@ class _Option:
     actorder: str | None = None
     symmetric: bool = False
     unordered: bool = False  # channel-wise scales: act-order 'group' goes with them
+    moe_backend: str | None = None
 
     def scheme_change(self) -> SchemeChange | None:
         if self.group_size is not None:
@@ -184,7 +211,7 @@ class _Option:
         return "symmetric: true" if self.symmetric else None
 
 
-LIMITS = {"ep": 1, "tp": MAX_PER_KIND, "vllm": 1, "gpu": 1, "actorder": 1, "group_size": MAX_PER_KIND, "symmetric": 1}
+LIMITS = {"moe_backend": 1, "ep": 1, "tp": MAX_PER_KIND, "vllm": 1, "gpu": 1, "actorder": 1, "group_size": MAX_PER_KIND, "symmetric": 1}
 MAX_PAIRS = 4  # pairs of changes listed when no single change loads
 
 
@@ -204,6 +231,11 @@ def _options(insp: Inspection, tp: int, weight_cost: float) -> list[_Option]:
     for g in sorted((g for g in rules.GPUS if g != gpu), key=lambda g: (abs(rules.GPUS[g] - cc), rules.GPUS[g])):
         out.append(_Option("gpu", f"run on {g} ({_GPU_NAMES.get(g, g)}) GPUs instead of {gpu}: the release ranks its "
                            "backends by device", 8.0, gpu=g))
+    for b in SUGGESTED_MOE_BACKENDS:
+        if b != insp.switches.moe_backend:
+            out.append(_Option("moe_backend", f"tell vLLM --moe-backend {b} instead of "
+                               f"{'its automatic choice' if insp.switches.moe_backend == 'auto' else insp.switches.moe_backend}",
+                               2.0, moe_backend=b))
     verb = "quantize" if insp.proposal is not None else "requantize"
     if any(s.act_order for s in schemes):
         out.append(_Option("actorder", f"{verb} with act-order 'static' instead of 'group' (the same accuracy recipe "
@@ -239,8 +271,9 @@ def _try(insp: Inspection, tp: int, opts: tuple[_Option, ...]) -> tuple[int, boo
     ep_ = next((o.ep for o in opts if o.ep is not None), insp.ep)
     version = next((o.version for o in opts if o.version is not None), insp.engine.version)
     gpu = next((o.gpu for o in opts if o.gpu is not None), insp.gpu)
+    backend = next((o.moe_backend for o in opts if o.moe_backend is not None), None)
     change = _compose([c for c in (o.scheme_change() for o in opts) if c is not None])
-    return (tp_, ep_, version, gpu) if loads(insp, tp_, ep_, version, gpu, change) else None
+    return (tp_, ep_, version, gpu) if loads(insp, tp_, ep_, version, gpu, change, backend) else None
 
 
 def _suggestion(insp: Inspection, tp: int, refused: tuple[str, ...], opts: tuple[_Option, ...],
@@ -255,6 +288,9 @@ def _suggestion(insp: Inspection, tp: int, refused: tuple[str, ...], opts: tuple
         parts.append(f"--vllm {version}")
     if "gpu" in kinds:
         parts.append(f"--gpu {gpu}")
+    backend = next((o.moe_backend for o in opts if o.moe_backend is not None), None)
+    if backend is not None:
+        parts.append(f"--moe-backend {backend}")
     weights = [o for o in opts if o.scheme_change() is not None]
     lines = [line for line in (o.recipe_line() for o in weights) if line]
     if weights and proposal is None:  # the serving options, then the recipe line to requantize with
@@ -276,10 +312,11 @@ def _suggestion(insp: Inspection, tp: int, refused: tuple[str, ...], opts: tuple
     if best_release and "vllm" in kinds:
         texts = [t + (", the newest known release that loads it" if o.kind == "vllm" else "") for t, o in zip(texts, opts)]
     serving = "ep" in kinds or "tp" in kinds
+    vllm_flags = " ".join(([f"--tensor-parallel-size {tp_}" + (" --enable-expert-parallel" if ep_ else "")]
+                           if serving else []) + ([f"--moe-backend {backend}"] if backend is not None else []))
     return Suggestion(for_tp=tp, kind="+".join(kinds), change="; ".join(texts), flags=" ".join(parts), tp=tp_, ep=ep_,
                       vllm=version, gpu=gpu,
-                      vllm_flags=(f"--tensor-parallel-size {tp_}" + (" --enable-expert-parallel" if ep_ else ""))
-                      if serving else None,
+                      vllm_flags=vllm_flags or None,
                       recipe=", ".join(lines) or None, requantize=proposal is None and bool(weights), refused=refused,
                       cost=sum(o.cost for o in opts))
 

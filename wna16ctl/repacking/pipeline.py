@@ -39,6 +39,8 @@ from wna16ctl.sources.moe import ROLE_ORDER
 from wna16ctl.sources.raw import RawReader
 from wna16ctl.errors import NotLoadable, UsageError
 from wna16ctl.layout.spec import RankLayout, expert_shapes
+from wna16ctl.planning.config_parse import config_refusal
+from wna16ctl.planning.engine_env import EngineSwitches, parse_env
 from wna16ctl.planning.moe import Backend, LayerPlan, plan_layer
 from wna16ctl.planning.tpsizes import check_tp_sizes, parse_tp_list
 from wna16ctl.output.filestream import DEPTH, FileStream
@@ -75,9 +77,19 @@ class RepackSettings:
     max_shard_bytes: int = 4 << 30
     vllm: str = rules.NEWEST  # the release planned for (a member of rules.RELEASES)
     gpu: str = rules.DEFAULT_GPU
+    env: tuple[tuple[str, str], ...] = ()  # the engine's environment overrides (planning/engine_env.py)
+    moe_backend: str = "auto"  # the engine's --moe-backend
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        # recorded only when given, so outputs of runs without them still --resume
+        if not self.env:
+            del out["env"]
+        else:
+            out["env"] = dict(self.env)
+        if self.moe_backend == "auto":
+            del out["moe_backend"]
+        return out
 
 
 @dataclass
@@ -240,8 +252,18 @@ def plan_repack(ckpt_path: str | os.PathLike[str], settings: RepackSettings) -> 
         raise UsageError(f"vLLM {settings.vllm} is not a release the rulebook knows ({', '.join(rules.RELEASES)})")
     if settings.gpu not in rules.GPUS:
         raise UsageError(f"--gpu {settings.gpu!r} is not one of {', '.join(rules.GPUS)}")
+    try:
+        switches = EngineSwitches(parse_env(dict(settings.env)), settings.moe_backend)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     ck = open_checkpoint(ckpt_path)
     layers = ck.quantized_layers + ck.quantized_mtp_layers  # MTP experts are repacked like the decoder's
+    refusal = config_refusal(ck.config.quant, settings.vllm)
+    if refusal is not None:
+        loads = [v for v in rules.RELEASES if config_refusal(ck.config.quant, v) is None
+                 and all(plan_layer(lay, settings.tp, settings.ep, v, settings.gpu, switches).loadable for lay in layers)]
+        raise NotLoadable(f"vLLM {settings.vllm} refuses {ck.root} at config parse: {refusal.text()}; "
+                          + (f"loads on vLLM {rules.span(loads)}" if loads else "no known vLLM release loads it"))
     if not layers:
         ck.require_wna16_moe()
     check_tp_sizes(layers, (settings.tp,), settings.ep)
@@ -249,7 +271,7 @@ def plan_repack(ckpt_path: str | os.PathLike[str], settings: RepackSettings) -> 
     n_ranks = settings.tp
     jobs: list[LayerJob] = []
     for layer in layers:
-        plan = plan_layer(layer, settings.tp, settings.ep, settings.vllm, settings.gpu)
+        plan = plan_layer(layer, settings.tp, settings.ep, settings.vllm, settings.gpu, switches)
         layout = _choose_layout(layer, plan, settings.layout)
         pad = plan.padded_intermediate if layout == "marlin" else plan.intermediate_size_per_partition
         assert layer.scheme is not None

@@ -88,6 +88,7 @@ class WeightScheme:
 class _Group:
     targets: tuple[str, ...]
     scheme: WeightScheme | None  # None: weights not quantized by this group
+    name: str = ""  # its key in config_groups (engines name the group when they refuse it)
 
 
 @dataclass(frozen=True)
@@ -235,7 +236,7 @@ def parse_quantization_config(qc: Any, path: Path) -> QuantConfig:
             if preset is None:
                 raise BadInput(f"{path}: {where} names an unknown preset scheme; spell out its weights")
             scheme = _parse_weights(preset, top_format, where, path)
-            groups.append(_Group(tuple(str(t) for t in body), scheme))
+            groups.append(_Group(tuple(str(t) for t in body), scheme, str(name)))
             continue
         _expect(isinstance(body, dict), path, f"{where} must be an object")
         targets = body.get("targets") or []
@@ -244,7 +245,7 @@ def parse_quantization_config(qc: Any, path: Path) -> QuantConfig:
         if fmt == "mixed-precision":  # only meaningful at the top; a group needs a real one
             fmt = top_format
         scheme = _parse_weights(body.get("weights"), str(fmt), where, path)
-        groups.append(_Group(tuple(str(t) for t in targets), scheme))
+        groups.append(_Group(tuple(str(t) for t in targets), scheme, str(name)))
     ignore = qc.get("ignore") or []
     _expect(isinstance(ignore, list), path, "quantization_config.ignore must be a list")
     # Later groups win for a repeated target (the library builds an OrderedDict).

@@ -1,0 +1,116 @@
+"""A conformance case as a checkpoint on disk, read back through wna16ctl's own reader.
+
+`quantization_config(case)` is the config both sides get: the case's scheme as an llm-compressor
+W{4,8}A16 export writes it (group_0, targets Linear), plus the case's extra config groups (a
+second scheme for the experts, act-order in attention only, a group for modules the model does
+not have).  `write_case(case, dir)` writes it as `config.json` with the header of one sparse
+safetensors shard holding one Qwen3-MoE decoder layer; `planner_via_reader(case, version)`
+opens that directory with `open_checkpoint` (the CLI's path: config parsing, target matching,
+header scan, MoE discovery) and plans its layer, after the checkpoint-level config-parse check.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import struct
+import tempfile
+from pathlib import Path
+from typing import Any
+
+PREFIX = "model.layers.0.mlp.experts"
+_BYTES = {"I32": 4, "BF16": 2, "I64": 8}
+
+
+def _weights(case: dict[str, Any]) -> dict[str, Any]:
+    group_size: int | None = case["group_size"]
+    if case["strategy"] == "channel" and case.get("group_size_null", False):
+        group_size = None
+    return {"num_bits": case["num_bits"], "type": "int", "symmetric": case["symmetric"], "strategy": case["strategy"],
+            "group_size": group_size, "actorder": case["actorder"], "dynamic": False, "observer": "minmax",
+            "block_structure": None}
+
+
+def quantization_config(case: dict[str, Any]) -> dict[str, Any]:
+    groups = {"group_0": {"targets": ["Linear"], "weights": _weights(case), "input_activations": None,
+                          "output_activations": None, "format": "pack-quantized"}}
+    for i, extra in enumerate(case.get("extra_groups") or (), start=1):
+        groups[f"group_{i}"] = {"targets": list(extra["targets"]), "weights": _weights({**case, **extra["weights"]}),
+                                "input_activations": None, "output_activations": None, "format": "pack-quantized"}
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+            "config_groups": groups, "ignore": ["lm_head"], "kv_cache_scheme": None}
+
+
+def expert_scheme(case: dict[str, Any]) -> dict[str, Any]:
+    """The weights the experts get: the last extra group that targets them by regex (a regex
+    target outranks the class name Linear), else group_0's."""
+    chosen = {}
+    for extra in case.get("extra_groups") or ():
+        if any(t.startswith("re:") and "experts" in t for t in extra["targets"]):
+            chosen = extra["weights"]
+    return {**case, **chosen}
+
+
+def _projection(name: str, n: int, k: int, s: dict[str, Any]) -> list[tuple[str, str, list[int]]]:
+    pf = 32 // s["num_bits"]
+    groups = -(-k // s["group_size"]) if s["strategy"] == "group" else 1
+    out = [(f"{name}.weight_packed", "I32", [n, -(-k // pf)]), (f"{name}.weight_scale", "BF16", [n, groups]),
+           (f"{name}.weight_shape", "I64", [2])]
+    if not s["symmetric"]:
+        out.append((f"{name}.weight_zero_point", "I32", [-(-n // pf), groups]))
+    if s["strategy"] == "group" and s["actorder"] in ("group", "dynamic", True):  # true: the old form of group
+        out.append((f"{name}.weight_g_idx", "I32", [k]))
+    return out
+
+
+def write_case(case: dict[str, Any], out: Path) -> Path:
+    H, I, E = case["hidden_size"], case["intermediate_size"], case["num_experts"]
+    s = expert_scheme(case)
+    tensors: list[tuple[str, str, list[int]]] = [
+        ("model.embed_tokens.weight", "BF16", [64, H]), ("model.norm.weight", "BF16", [H]),
+        ("lm_head.weight", "BF16", [64, H]), ("model.layers.0.mlp.gate.weight", "BF16", [E, H]),
+        ("model.layers.0.input_layernorm.weight", "BF16", [H]),
+        ("model.layers.0.post_attention_layernorm.weight", "BF16", [H]),
+    ]
+    for e in range(E):
+        for proj, (n, k) in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+            tensors += _projection(f"{PREFIX}.{e}.{proj}", n, k, s)
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    off = 0
+    for name, dt, shape in tensors:
+        size = _BYTES[dt]
+        for d in shape:
+            size *= d
+        header[name] = {"dtype": dt, "shape": shape, "data_offsets": [off, off + size]}
+        off += size
+    out.mkdir(parents=True, exist_ok=True)
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(out / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        f.truncate(8 + len(blob) + off)
+    # no attention in this one-layer model: every module the config quantizes is an expert
+    config = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": H,
+              "num_hidden_layers": 1, "moe_intermediate_size": I, "intermediate_size": 4 * H, "num_experts": E,
+              "num_experts_per_tok": min(2, E), "vocab_size": 64, "torch_dtype": "bfloat16",
+              "quantization_config": copy.deepcopy(quantization_config(case))}
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def planner_via_reader(case: dict[str, Any], version: str):
+    """(config refusal or None, the plan of the checkpoint's one MoE layer or None) for the case
+    written to disk and read by `open_checkpoint`."""
+    from wna16ctl.planning.config_parse import config_refusal
+    from wna16ctl.planning.engine_env import make_switches
+    from wna16ctl.planning.moe import plan_layer
+    from wna16ctl.sources import open_checkpoint
+
+    with tempfile.TemporaryDirectory(prefix="wna16ctl-case-") as tmp:
+        ck = open_checkpoint(write_case(case, Path(tmp) / "ckpt"))
+        refusal = config_refusal(ck.config.quant, version)
+        (layer,) = ck.layers
+        if refusal is not None:
+            return refusal, None
+        switches = make_switches(case.get("env") or {}, case.get("moe_backend", "auto"))
+        return None, plan_layer(layer, case["tp"], case["ep"], version, case.get("gpu", "sm90"), switches)
