@@ -168,8 +168,13 @@ def test_suggestions_per_refusal_kind_each_replanned_and_loading(small, kind):
     insp = wna16ctl.inspect(small[base], **_api(args), suggest=True)
     j = insp.to_json()
     plan = j["layers"][0]["plans"][0]
-    assert not j["loadable"] and plan["failure_rule"] == rule
-    assert text in " ".join(plan["errors"] + list(plan["rejected"].values()))
+    assert not j["loadable"]
+    if j["failure_stage"] == "config":  # the release refuses quantization_config before any layer
+        assert j["config_refusal"]["rule"] == rule and text in j["config_refusal"]["error"]
+        rule = f"config: {rule}"
+    else:
+        assert plan["failure_rule"] == rule
+        assert text in " ".join(plan["errors"] + list(plan["rejected"].values()))
     s = j["suggestions"]
     assert expected <= {x["kind"] for x in s}, [x["kind"] for x in s]
     proposal_args = [a for a in args if a not in ("--tp", "--vllm", "--gpu") and a not in _values(args)]
@@ -204,14 +209,29 @@ def _api(args: list[str]) -> dict:
     return kw
 
 
-def test_no_suggestion_when_no_single_change_loads(small):
-    # width 1410: no TP size, group size, release or symmetric variant gives a whole int32 word per rank
+def test_symmetric_weights_load_a_whole_partition_that_is_no_whole_word(small):
+    # width 1410 is no whole number of int32 words: asymmetric zero points (packed along the
+    # width) cannot load at any TP, while from 0.29.0 the engine loads symmetric weights of a whole
+    # partition (TP 1) all the same, so "symmetric" is the one change that loads
     args = ["inspect", str(small["b1410"]), "--tp", "1", "--scheme", "W4A16_ASYM", "--group-size", "-1",
             "--gpu", "sm80", "--vllm", "0.33.0", "--suggest"]
     res = CliRunner().invoke(cli, [*args, "--json"])
-    assert res.exit_code == 1 and json.loads(res.stdout)["suggestions"] == []
-    res = CliRunner().invoke(cli, args)
-    assert "TP 1: no change (or pair of changes) that was tried loads" in res.output
+    assert res.exit_code == 1
+    s = json.loads(res.stdout)["suggestions"]
+    assert [x["kind"] for x in s] == ["symmetric"] and s[0]["flags"] == "--scheme W4A16 --group-size -1"
+    assert _recheck(small["b1410"], s[0], [])
+
+
+def test_the_table_says_when_no_change_loads(small):
+    from rich.console import Console
+
+    from wna16ctl.render import render_suggestions
+
+    insp = wna16ctl.inspect(small["b1410"], tp=1, scheme="W4A16_ASYM", group_size=-1, gpu="sm80", vllm="0.33.0")
+    insp.suggestions = []  # a search that found nothing
+    console = Console(record=True, width=200)
+    render_suggestions(console, insp)
+    assert "TP 1: no change (or pair of changes) that was tried loads" in console.export_text()
 
 
 def test_pairs_of_changes_when_no_single_one_loads(small):
@@ -223,7 +243,7 @@ def test_pairs_of_changes_when_no_single_one_loads(small):
     assert s and all("+" in x["kind"] for x in s)
     assert s[0]["kind"] == "ep+actorder" and s[0]["flags"] == "--tp 4 --ep --scheme W4A16 --actorder static"
     assert s[0]["vllm_flags"] == "--tensor-parallel-size 4 --enable-expert-parallel"
-    assert "actorder refused" in s[0]["refused"]  # the engine stops there; the straddle comes after
+    assert "config: actorder refused" in s[0]["refused"]  # the engine stops there; the straddle comes after
     assert not _recheck(small["b768"], {**s[0], "ep": False, "flags": "--scheme W4A16 --actorder static"}, args)
     for x in s:
         assert _recheck(small["b768"], x, args), x

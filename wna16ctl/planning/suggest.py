@@ -119,7 +119,9 @@ def loads(insp: Inspection, tp: int, ep: bool, version: str, gpu: str, change: S
 
 
 def _refused_rules(insp: Inspection, i: int) -> tuple[str, ...]:
-    """The short names of what refuses the i-th requested TP size (MoE, linear, model)."""
+    """The short names of what refuses the i-th requested TP size (config parse, MoE, linear, model)."""
+    if insp.config_refusal is not None:  # every layer is "not reached": the group is the reason
+        return (f"config: {insp.config_refusal.rule}",)
     out: list[str] = []
     for lay in insp.checkpoint.quantized_layers:
         p = insp.plans[lay.prefix][i]
