@@ -546,9 +546,14 @@ def verify_output(
     gemm_device = _gemm_device(device)
     samples_path = resolve_samples(samples)  # inputs in the order a user fixes them: checkpoint, output, device, samples
     report, plan = _verify_checks(ck, out_path, manifest, samples_path, num_samples, gemm_device, progress)
-    if e2e is not None and report.ranks_not_checked:
+    if e2e is not None and (report.ranks_not_checked or plan is None):
+        from wna16ctl.verification import e2e as e2e_mod
+
+        why = "needs every rank; this output is a part" if plan is not None else \
+            "no plan to run: see the manifest check"
         report.checks.append(Check("e2e", "greedy generation on GSM8K prompts with the source and the repacked experts",
-                                   reason="needs every rank; this output is a part"))
+                                   reason=why))
+        report.e2e = e2e_mod.not_run(why)
     elif e2e is not None:
         from wna16ctl.verification import e2e as e2e_mod
 
