@@ -43,10 +43,11 @@ def _rewrite_expert(ck: Path, out: Path, settings: RepackSettings, rank: int, ex
     bad = build_expert_tensors(ex, spec, expert_id=expert, scale_dtype=torch.bfloat16)
     changed = 0
     for name in names:
-        t = read(out, rank, name)
+        full = f"{job.layer.prefix}.{name}"
+        t = read(out, rank, full)
         changed += int((t[local] != bad[name]).sum())
         t[local] = bad[name]
-        patch(out, rank, name, t)
+        patch(out, rank, full, t)
     rehash(out)
     return changed
 
@@ -75,11 +76,12 @@ def flipped_code(ck: Path, out: Path, settings: RepackSettings, expert: int) -> 
 
 def swapped_scale_columns(ck: Path, out: Path, settings: RepackSettings) -> str:
     """Two adjacent columns of rank 0's Marlin-order w13 scales swapped, in every expert."""
-    s = read(out, 0, "w13_weight_scale")
+    name = f"{plan_repack(ck, settings).jobs[0].layer.prefix}.w13_weight_scale"
+    s = read(out, 0, name)
     swapped = s.clone()
     swapped[..., [0, 1]] = s[..., [1, 0]]
     assert not swapped.equal(s)
-    patch(out, 0, "w13_weight_scale", swapped)
+    patch(out, 0, name, swapped)
     rehash(out)
     return "rank 0 w13 scales, Marlin columns 0 and 1"
 

@@ -339,6 +339,15 @@ def test_unsupported_architecture_is_not_run(outputs, tmp_path):
     assert "\n" not in report.e2e.reason
 
 
+def test_part_output_gives_not_run_never_null(outputs, tmp_path):
+    ck, _ = outputs("qwen3")
+    part = tmp_path / "part"
+    run_repack(plan_repack(ck, RepackSettings(tp=2)), part, ranks=[1])
+    report = e2e(ck, part, FAST)
+    assert report.e2e.status == "not run" and "needs every rank" in report.e2e.reason
+    assert report.to_json()["e2e"]["status"] == "not run" and not report.passed
+
+
 def test_missing_transformers_is_one_line_exit_2(outputs, monkeypatch):
     ck, out = outputs("qwen3")
     monkeypatch.setitem(sys.modules, "transformers", None)
