@@ -81,7 +81,7 @@ def rank_file(out: Path, r: int, name: str = "w13_weight_packed") -> Path:
     """The file of rank r holding tensor `name` (by the rank's index; a name the index does not
     know: the file of the layer's w13_weight_packed)."""
     wm = json.loads((out / f"rank-{r}" / "model.safetensors.index.json").read_text())["weight_map"]
-    return out / f"rank-{r}" / wm.get(_full(name), wm[_full("w13_weight_packed")])
+    return out / f"rank-{r}" / (wm[_full(name)] if _full(name) in wm else wm[_full("w13_weight_packed")])
 
 
 def _rel(out: Path, r: int, name: str) -> str:
