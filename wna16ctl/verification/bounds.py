@@ -159,6 +159,12 @@ class Verdict:
     max_ratio: float  # max |candidate − centre| / max(|lo − centre|, |hi − centre|): ≤ 1 when inside
     max_abs_error: float  # max |candidate − centre|
 
+    def merged(self, other: "Verdict") -> "Verdict":
+        """Both judgements as one (the elements of each counted)."""
+        return Verdict(self.violations + other.violations, self.elements + other.elements,
+                       self.exact_elements + other.exact_elements, max(self.max_ratio, other.max_ratio),
+                       max(self.max_abs_error, other.max_abs_error))
+
     def to_json(self) -> dict[str, float | int]:
         return {"violations": self.violations, "elements": self.elements, "exact_elements": self.exact_elements,
                 "max_error_over_bound": self.max_ratio, "max_abs_error": self.max_abs_error}

@@ -47,7 +47,7 @@ from wna16ctl.sink import TaskStarter, no_progress
 from wna16ctl.repacking.pipeline import (
     FORMAT_NAME, SIDE_FILES, LayerJob, RepackPlan, RepackSettings, plan_repack, rank_index_bytes, source_fingerprint,
 )
-from wna16ctl.verification.bounds import block_interval, judge
+from wna16ctl.verification.bounds import Interval, block_interval, judge
 from wna16ctl.verification.rank_gemm import GEMM_DTYPES, ROUNDINGS, UNIT_ROUNDOFF, EmulatedGemm, RankFiles, rank_moe_output  # noqa: F401
 from wna16ctl.output.writer import JOURNAL_NAME, MANIFEST_NAME, PLANNED_METADATA, FILE_HASHES, hash_file, recorded_hash, sha256_file
 
@@ -642,6 +642,30 @@ def _gemm_rank_candidate(job: LayerJob, r: int, rank: RankFiles, a: torch.Tensor
     return rank_moe_output(job, r, t, a, routing.topk_ids, routing.topk_weights, dtype, device, gemm=gemm)
 
 
+class _SubRouting:
+    """A routing restricted to some tokens (what `_gemm_rank_candidate` reads of a routing)."""
+
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+
+    def __init__(self, routing: Any, rows: torch.Tensor):
+        self.topk_ids, self.topk_weights = routing.topk_ids[rows], routing.topk_weights[rows]
+
+
+EMULATED_TOKENS_PER_EXPERT = 4
+EMULATED_FIRST_TOKENS = 32
+
+
+def _emulated_rows(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """The tokens the emulated kernel runs in the numerics: the first few, and the first few routed
+    to each expert, so that every expert's tensors go through the kernel source."""
+    rows = [torch.arange(min(EMULATED_FIRST_TOKENS, topk_ids.shape[0]))]
+    for e in range(num_experts):
+        tok = (topk_ids == e).any(1).nonzero().squeeze(1)
+        rows.append(tok[:EMULATED_TOKENS_PER_EXPERT])
+    return torch.unique(torch.cat(rows))
+
+
 def _numerics_gemm(device: torch.device):  # noqa: ANN202
     """(gemm, what it is) for the layer numerics: see `_verify_layer`."""
     if device.type == "cuda":
@@ -733,21 +757,33 @@ def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: di
                         layer=layer.prefix, expert=e))
     report.layers_checked += 1
     kernel = "the layer's math in torch (transposed layout)"
+    emulated_rows: torch.Tensor | None = None  # tokens the kernel source ran on the CPU emulation
+    partial_k = torch.zeros(0)
     if job.layout == "marlin":
         # the candidate runs through the MoE GEMM over the Marlin tensors as written: the CUDA
-        # kernel on a GPU, the same kernel source on the CPU emulation elsewhere; without g++ the
-        # torch twin (the layout's inverses: the round trip's own code, said in `kernel`)
-        gemm, kernel = _numerics_gemm(gemm_device)
+        # kernel on a GPU. On the CPU every token goes through the torch twin (the layout's
+        # inverses) and a subset covering every expert through the kernel source on the CPU
+        # emulation (all tokens would take minutes); without g++ the twin alone, said in `kernel`
+        emulated, kernel = _numerics_gemm(gemm_device)
+        if emulated is not None:
+            emulated_rows = _emulated_rows(routing.topk_ids, layer.num_experts)
+            partial_k = torch.zeros(n_ranks, len(emulated_rows), H)
+        sub = None if emulated_rows is None else _SubRouting(routing, emulated_rows)
         for r in ranks:
             if not len(job.expert_ranges[r]):  # EP with more ranks than experts: nothing written
                 continue
             try:
-                partial[r] = _gemm_rank_candidate(job, r, ranks[r], x.to(dtype), routing, dtype, gemm_device, gemm)
+                partial[r] = _gemm_rank_candidate(job, r, ranks[r], x.to(dtype), routing, dtype, gemm_device)
+                if sub is not None:
+                    partial_k[r] = _gemm_rank_candidate(job, r, ranks[r], x[emulated_rows].to(dtype), sub, dtype,
+                                                        gemm_device, emulated)
             except Exception as err:  # malformed tensors make the kernel fail: the comparison cannot run
                 msg = err.message if isinstance(err, (LayoutMismatch, BadInput)) else f"{type(err).__name__}: {err}"
                 no_candidate.append(f"the GEMM cannot run on rank {r}'s tensors ({msg})")
-    if job.layout == "marlin" and gemm is not None and gemm.launches:
-        kernel += " (" + ", ".join(f"{k} × {v}" for k, v in sorted(gemm.launches.items())) + " launches)"
+        if emulated is not None:
+            kernel = (f"{kernel} on {len(emulated_rows)} of {T} tokens (every expert; "
+                      + ", ".join(f"{k} × {v}" for k, v in sorted(emulated.launches.items()))
+                      + " launches), the torch twin of the kernel on all")
     row = LayerNumerics(layer=layer.prefix, tokens=T, forced_tokens=routing.forced, experts_exercised=exercised,
                         num_experts=layer.num_experts, kernel=kernel)
     report.numerics.append(row)
@@ -767,6 +803,10 @@ def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: di
     iv = block_interval([ref_ranks[r] for r in sorted(ranks)], x.to(dtype), routing.topk_ids, routing.topk_weights,
                         dtype)
     verdict = judge(y_c, iv)
+    if emulated_rows is not None:  # the kernel source's outputs on its tokens, against the same rows
+        y_k = partial_k.to(dtype).float().sum(0).to(dtype).float()
+        rows = Interval(iv.lo[emulated_rows], iv.hi[emulated_rows], iv.centre[emulated_rows])
+        verdict = verdict.merged(judge(y_k, rows))
     rel, cos = agreement(y_c, y_ref)
     row.max_abs_error, row.rel_l2_error, row.cosine = verdict.max_abs_error, rel, cos
     row.max_error_over_bound, row.violations = verdict.max_ratio, verdict.violations
