@@ -792,7 +792,6 @@ def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: di
         return
     # all-reduce: each rank's partial is rounded to the model dtype, the sum too
     part_c = partial.to(dtype).float()
-    part_err = partial_err + u * (partial_ref.abs() + partial_err)
     y_c = part_c.sum(0).to(dtype).float()
     y_ref = partial_ref.sum(0)
     if not bool(y_ref.any()):
