@@ -41,28 +41,18 @@ def _gamma(k: int) -> float:
     return ACC_MARGIN * k * U32 / (1 - k * U32)
 
 
-def _bits_step(x: torch.Tensor, dtype: torch.dtype, up: bool) -> torch.Tensor:
-    """The next value of `dtype` above (up) or below x (x already in dtype), as float64."""
-    xd = x.to(dtype)
-    bits = xd.view(torch.int16).to(torch.int32)
-    pos = xd.double() > 0
-    zero = xd.double() == 0
-    step = torch.where(pos == up, 1, -1)
-    nxt = torch.where(zero, torch.ones_like(bits), bits + step)  # from zero: the smallest subnormal
-    nxt = torch.where(zero & ~torch.tensor(up), nxt | 0x8000, nxt)
-    nxt = ((nxt + 0x8000) % 0x10000 - 0x8000).to(torch.int16)
-    return nxt.view(dtype).double()
+# (significant bits, exponent of the smallest subnormal's quantum) of the 16-bit model dtypes
+_PRECISION = {torch.bfloat16: (8, -133), torch.float16: (11, -24)}
 
 
-def round_to(x: torch.Tensor, dtype: torch.dtype, tie_up: bool) -> torch.Tensor:
-    """Round float64 `x` to the nearest value of `dtype` (exactly, no double rounding), ties broken
-    outward (`tie_up`: towards +inf) -- the conservative choice for an interval end. float64 out."""
-    guess = x.to(torch.float32).to(dtype).double()  # within one step of the nearest
-    below = torch.where(guess <= x, guess, _bits_step(guess, dtype, up=False))
-    above = torch.where(guess >= x, guess, _bits_step(guess, dtype, up=True))
-    db, da = x - below, above - x
-    pick_above = (da < db) | ((da == db) & torch.tensor(tie_up))
-    return torch.where(pick_above, above, below)
+def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Round float64 `x` to the nearest value of `dtype`, ties to even, exactly (no detour through
+    fp32, whose double rounding could land one step off); float64 out. Scaling by a power of two
+    is exact in float64, so x / quantum is rounded once."""
+    bits, q_min = _PRECISION[dtype]
+    _, e = torch.frexp(x)  # x = m · 2^e, 0.5 ≤ |m| < 1
+    q = torch.clamp(e - bits, min=q_min)  # the dtype's quantum at x: 2^q
+    return torch.ldexp(torch.round(torch.ldexp(x, -q)), q)
 
 
 @dataclass
@@ -72,7 +62,8 @@ class Interval:
     centre: torch.Tensor  # the float64 value before the last rounding (what |error| is measured from)
 
     def rounded(self, dtype: torch.dtype) -> "Interval":
-        return Interval(round_to(self.lo, dtype, tie_up=False), round_to(self.hi, dtype, tie_up=True), self.centre)
+        # round to nearest is monotone: a value inside [lo, hi] rounds inside [RN(lo), RN(hi)]
+        return Interval(round_to(self.lo, dtype), round_to(self.hi, dtype), self.centre)
 
 
 def gemm_interval(a_lo: torch.Tensor, a_hi: torch.Tensor, w: torch.Tensor) -> Interval:
