@@ -351,21 +351,34 @@ def render_e2e(console: Console, res) -> None:  # noqa: ANN001 - E2EResult, impo
     console.print(f"  end to end  {status}  " + "; ".join(escape(x) for x in (agree, res.reason) if x))
     if not res.prompts:
         return
-    console.print(f"      {escape(res.model)} on {res.device}, experts in {res.expert_dtype}, {escape(res.prompt_form)}, "
-                  f"{res.max_new_tokens} new tokens, {res.seconds:.1f} s")
+    console.print(f"      {escape(res.model)} on {res.device}, experts in {res.expert_dtype} through "
+                  f"{escape(res.kernel)}, {escape(res.prompt_form)}, {res.max_new_tokens} new tokens, {res.seconds:.1f} s")
+    if res.layers:
+        table = simple_table("MoE block outputs against the rounding interval",
+                             ["layer", "calls", "elements", "exact", "outside", "max err / bound", "experts routed",
+                              "forced"], console)
+        for lay in res.layers:
+            table.add_row(escape(lay.layer), str(lay.calls), str(lay.elements), str(lay.exact_elements),
+                          "0" if not lay.violations else f"[bold red]{lay.violations}[/]", f"{lay.max_ratio:.3g}",
+                          f"{len(lay.routed)}/{lay.num_experts}", str(len(lay.forced)))
+        console.print(table)
     table = simple_table("greedy generation: source experts vs repacked experts",
-                         ["prompt", "agree", "first diff", "max |Δlogit|", "bound", "max KL", "result"], console)
+                         ["prompt", "agree", "first diff", "top-2 margin", "bound", "max |Δlogit|", "result"], console)
     for c in res.prompts:
         j = c.to_json()
         table.add_row(str(c.index), f"{c.agree_prefix}/{len(c.reference_tokens)}",
                       "—" if c.first_divergence is None else str(c.first_divergence),
-                      f"{j['max_abs_dlogit']:.3g}", f"{j['min_bound']:.3g}", f"{j['max_kl']:.3g}",
-                      "[green]pass[/]" if c.passed else f"[bold red]FAIL[/] (step {c.worst_step})")
+                      "—" if c.reference_top2_margin is None else f"{c.reference_top2_margin:.3g}",
+                      f"{c.bound[-1]:.3g}" if c.bound else "—", f"{j['max_abs_dlogit']:.3g}",
+                      "[green]pass[/]" if c.first_divergence is None else
+                      "[yellow]near-tie[/]" if c.near_tie else "[bold red]FAIL[/]")
     console.print(table)
     if res.score:
         s = res.score
-        console.print(f"      GSM8K exact match: reference {s['reference_exact_match']:.0%}, candidate "
-                      f"{s['candidate_exact_match']:.0%}; answers agree {s['answers_agree']:.0%}")
+        pct = lambda v: "—" if v is None else f"{v:.0%}"  # noqa: E731
+        console.print(f"      GSM8K exact match: reference {pct(s['reference_exact_match'])}, candidate "
+                      f"{pct(s['candidate_exact_match'])}; answers agree {pct(s['answers_agree'])} of "
+                      f"{s['both_answered']} answered by both" + (f" ({escape(s['note'])})" if s["note"] else ""))
 
 
 def render_model_section(console: Console, insp: Inspection) -> None:

@@ -16,6 +16,7 @@ import torch
 from click.testing import CliRunner
 
 import wna16ctl.verification.e2e as e2e_mod
+from tests.verification import faults
 from tests.conftest import ACT_ORDER_RELEASE, QUESTIONS
 from tests.verification.test_checks import patch, read, rehash
 from wna16ctl.sources import open_checkpoint
@@ -48,6 +49,8 @@ def outputs(make_ckpt, tmp_path_factory):
         "deepseek_v3": dict(SMALL, arch="deepseek_v3", num_layers=2),
         "actorder": dict(SMALL, actorder="group"),
         "asym": dict(SMALL, symmetric=False),
+        "mixtral_asym": dict(SMALL, arch="mixtral", symmetric=False),
+        "qwen3_16e": dict(SMALL, num_experts=16),  # some experts are rarely routed
         "int8": dict(SMALL, num_bits=8),
     }
     # act-order is in the specs: plan for the newest release that still loads it
@@ -78,17 +81,15 @@ def e2e(ck: Path, out: Path, opts: E2EOptions = OPTS):
 
 
 def assert_caught(report) -> None:
-    """The fault fails the verdict through the e2e check, naming the first prompt and step."""
+    """The fault fails the e2e check by itself: MoE block outputs outside their rounding interval."""
     res = report.e2e
     assert not report.passed and res.status == "FAIL", res.to_json()
-    prompt, step = res.first_failure
-    assert f"prompt {prompt}, step {step}" in res.reason
-    c = res.prompts[prompt]
-    assert c.max_abs_dlogit[step] > c.bound[step]
-    worst = max(d / b for p in res.prompts for d, b in zip(p.max_abs_dlogit, p.bound))
-    print(f"caught at prompt {prompt}, step {step}; worst max|Δlogit|/bound {worst:.1f}")
+    assert res.block_violations > 0 and res.max_error_over_bound > 1
+    bad = next(lay for lay in res.layers if lay.violations)
+    assert bad.layer in res.reason and "outside the rounding interval" in res.reason
     doc = res.to_json()
-    assert doc["first_failure"] == {"prompt": prompt, "step": step}
+    assert doc["block_violations"] == res.block_violations and doc["status"] == "FAIL"
+    print(f"caught: {res.block_violations} elements out, max error {res.max_error_over_bound:.3g} × the bound")
 
 
 # ---- correct repacks agree token for token ----------------------------------------------------------------
@@ -101,10 +102,16 @@ def test_correct_repack_agrees(outputs, setting):
     assert report.passed and res.status == "pass", res.to_json()
     assert len(res.prompts) == 2 and res.tokens_generated == res.tokens_agreeing > 0
     assert res.model == "Qwen3MoeForCausalLM" and res.prompt_form.startswith("few-shot")
+    assert "on the CPU emulation" in res.kernel and "v2 ×" in res.kernel  # the kernel source ran, not the twin
+    assert res.block_violations == 0 and res.max_error_over_bound <= 1
+    (lay,) = res.layers
+    assert lay.calls >= 2 and lay.exact_elements > 0 and lay.elements > lay.exact_elements
+    ex = res.to_json()["experts_exercised"]
+    assert ex["exercised"] == ex["experts"] == 4 and ex["routed"] + ex["forced"] == 4
     for c in res.prompts:
         assert c.first_divergence is None and c.reference_tokens == c.candidate_tokens
         assert len(c.max_abs_dlogit) == len(c.bound) == len(c.kl) == len(c.reference_tokens)
-        assert all(d <= b for d, b in zip(c.max_abs_dlogit, c.bound)) and all(b > 0 for b in c.bound)
+        assert all(b > 0 for b in c.bound)
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "deepseek_v3", "actorder", "asym", "int8"])
@@ -202,6 +209,122 @@ def test_w13_scales_with_engine_size_k_quirk(outputs, tmp_path):
     assert_caught(e2e(ck, out))
 
 
+# ---- the four faults a fixed bound missed: each fails e2e by itself ------------------------------------------
+
+FAST = E2EOptions(prompts=1, max_new_tokens=4)
+
+
+def test_zero_point_off_by_one_asymmetric_mixtral(outputs, tmp_path):
+    ck, pristine = outputs("mixtral_asym")
+    out = copy_output(pristine, tmp_path)
+    faults.zero_point_off_by_one(ck, out, RepackSettings(tp=2, vllm=ACT_ORDER_RELEASE))
+    assert_caught(e2e(ck, out, FAST))
+
+
+def test_flipped_code_in_rarely_routed_expert(outputs, tmp_path, monkeypatch):
+    ck, pristine = outputs("qwen3_16e")
+    use = _expert_use(ck, pristine, monkeypatch)[:16]
+    rare = int(torch.where(use > 0, use, 1 << 40).argmin())
+    assert use[rare] < use.sum() / 32  # rarely routed: under half its fair share
+    out = copy_output(pristine, tmp_path)
+    faults.flipped_code(ck, out, RepackSettings(tp=2, vllm=ACT_ORDER_RELEASE), rare)
+    assert_caught(e2e(ck, out))
+
+
+def test_swapped_marlin_scale_columns(outputs, tmp_path):
+    ck, pristine = outputs("qwen3")
+    out = copy_output(pristine, tmp_path)
+    faults.swapped_scale_columns(ck, out, RepackSettings(tp=2, vllm=ACT_ORDER_RELEASE))
+    assert_caught(e2e(ck, out, FAST))
+
+
+def test_w13_gate_up_half_swap(outputs, tmp_path):
+    ck, pristine = outputs("qwen3")
+    out = copy_output(pristine, tmp_path)
+    faults.gate_up_swapped(ck, out, RepackSettings(tp=2, vllm=ACT_ORDER_RELEASE))
+    assert_caught(e2e(ck, out, FAST))
+
+
+def _never_route(monkeypatch, expert: int, instead: int) -> None:
+    """Every run (reference, candidate, bound) routes `expert`'s slots to `instead`."""
+    real = e2e_mod._ExpertsModule.forward
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return real(self, hidden_states, torch.where(top_k_index == expert, instead, top_k_index), top_k_weights)
+
+    monkeypatch.setattr(e2e_mod._ExpertsModule, "forward", forward)
+
+
+def test_unrouted_expert_is_run_on_the_forced_pass(outputs, tmp_path, monkeypatch):
+    ck, pristine = outputs("qwen3")
+    _never_route(monkeypatch, 3, 0)
+    res = e2e(ck, pristine, FAST).e2e
+    assert res.status == "pass", res.to_json()
+    (lay,) = res.layers
+    assert 3 not in lay.routed and lay.forced == [3] and lay.exercised == 4
+    assert res.to_json()["experts_exercised"]["per_layer"][lay.layer]["forced"] == [3]
+    # a fault in that expert is seen by the forced pass alone
+    out = copy_output(pristine, tmp_path)
+    faults.flipped_code(ck, out, RepackSettings(tp=2, vllm=ACT_ORDER_RELEASE), 3)
+    res = e2e(ck, out, FAST).e2e
+    (lay,) = res.layers
+    assert res.status == "FAIL" and lay.forced_violations == lay.violations > 0, res.to_json()
+    assert lay.first_violation == "forced routing"
+
+
+# ---- the token criterion and the score ------------------------------------------------------------------------
+
+
+def _logits(rows: list[list[float]]) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+def test_divergence_at_a_near_tie_passes_with_its_figures():
+    plain = _logits([[3.0, 1.0, 0.0], [2.0, 1.99, 0.0]])
+    cand = _logits([[3.0, 1.0, 0.0], [1.99, 2.0, 0.0]])
+    c = e2e_mod.compare_runs(0, 5, [0, 0], plain, cand, torch.tensor([0.01, 0.01]))
+    assert c.first_divergence == 1 and c.near_tie and c.passed
+    assert c.reference_top2_margin == pytest.approx(0.01, abs=1e-6) and c.candidate_tokens == [0, 1]
+
+
+def test_divergence_with_a_clear_margin_fails():
+    plain = _logits([[3.0, 1.0, 0.0], [2.0, 1.5, 0.0]])
+    cand = _logits([[3.0, 1.0, 0.0], [1.0, 2.0, 0.0]])
+    c = e2e_mod.compare_runs(0, 5, [0, 0], plain, cand, torch.tensor([0.01, 0.01]))
+    assert c.first_divergence == 1 and not c.near_tie and not c.passed
+    assert c.reference_top2_margin == pytest.approx(0.5) and c.agree_prefix == 1
+
+
+def _scored(ref: str | None, cand: str | None, gold: str | None):
+    c = e2e_mod.PromptComparison(0, 1, [1], [1], 1, 1, None, [0.0], [0.0], [0.1])
+    c.reference_answer, c.candidate_answer, c.gold_answer = ref, cand, gold
+    return c
+
+
+def test_score_is_not_meaningful_when_the_reference_rarely_answers():
+    s = e2e_mod.score_summary([_scored(None, None, "3"), _scored(None, None, "4"), _scored("7", "7", "5")])
+    assert not s["meaningful"] and "1 of 3" in s["note"]
+    assert s["both_answered"] == 1 and s["answers_agree"] == 1.0  # "no answer" = "no answer" is not agreement
+    assert s["prompts_with_gold_answer"] == 3 and s["reference_answered"] == s["candidate_answered"] == 1
+
+
+def test_score_counts_agreement_only_where_both_answered():
+    s = e2e_mod.score_summary([_scored("3", "3", "3"), _scored("4", None, "4"), _scored("5", "6", None)])
+    assert s["meaningful"] and s["both_answered"] == 2 and s["answers_agree"] == 0.5
+    assert s["reference_exact_match"] == 1.0 and s["candidate_exact_match"] == 0.5
+
+
+def test_without_g_plus_plus_e2e_is_not_run(outputs, monkeypatch):
+    import wna16ctl.native.emulated as emulated
+
+    ck, out = outputs("qwen3")
+    monkeypatch.setattr(emulated, "_state", {})
+    monkeypatch.setattr(emulated, "find_cxx", lambda: None)
+    report = e2e(ck, out, FAST)
+    assert report.e2e.status == "not run" and "no C++ compiler" in report.e2e.reason
+    assert not report.passed
+
+
 # ---- not run ----------------------------------------------------------------------------------------------
 
 
@@ -216,6 +339,15 @@ def test_unsupported_architecture_is_not_run(outputs, tmp_path):
     assert report.e2e.status == "not run" and not report.passed
     assert "'olmoe' is not supported for --e2e" in report.e2e.reason
     assert "\n" not in report.e2e.reason
+
+
+def test_part_output_gives_not_run_never_null(outputs, tmp_path):
+    ck, _ = outputs("qwen3")
+    part = tmp_path / "part"
+    run_repack(plan_repack(ck, RepackSettings(tp=2)), part, ranks=[1])
+    report = e2e(ck, part, FAST)
+    assert report.e2e.status == "not run" and "needs every rank" in report.e2e.reason
+    assert report.to_json()["e2e"]["status"] == "not run" and not report.passed
 
 
 def test_missing_transformers_is_one_line_exit_2(outputs, monkeypatch):

@@ -7,7 +7,7 @@ rank's output with the dequantized checkpoint under the same rounding model.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
@@ -45,11 +45,16 @@ class RankFiles:
 
 
 def rank_moe_output(job: LayerJob, r: int, t: dict[str, torch.Tensor], a: torch.Tensor, topk_ids: torch.Tensor,
-                    topk_weights: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+                    topk_weights: torch.Tensor, dtype: torch.dtype, device: torch.device,
+                    gemm: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
     """Rank r's layer output through the MoE GEMM over its repacked tensors `t` (Marlin layout):
     w13 GEMM, SiLU·mul, w2 GEMM with the router weights; per-slot outputs in the model dtype,
-    summed over the top-k slots in fp32. Returns [T, H] fp32 on the CPU."""
+    summed over the top-k slots in fp32. Returns [T, H] fp32 on the CPU. `gemm` (the signature of
+    `ops.moe_wna16_gemm`) defaults to the torch op; `EmulatedGemm` runs the real kernel source."""
     from wna16ctl.native.ops import moe_wna16_gemm
+
+    if gemm is None:
+        gemm = moe_wna16_gemm
 
     spec = job.specs[r]
     rng = job.expert_ranges[r]
@@ -63,16 +68,36 @@ def rank_moe_output(job: LayerJob, r: int, t: dict[str, torch.Tensor], a: torch.
     counts = torch.bincount(local, minlength=len(rng))
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32).to(device)
     act = spec.act_order
-    g13 = moe_wna16_gemm(
+    g13 = gemm(
         a.to(device), t["w13_weight_packed"], t["w13_weight_scale"], sorted_ids, offsets, top_k=k,
         num_bits=spec.num_bits, zero_points=t.get("w13_weight_zero_point"),
         g_idx=t["w13_weight_g_idx"] if act else None, perm=t["w13_g_idx_sort_indices"] if act else None,
         is_k_full=True)
     P = spec.padded_intermediate
     h = (F.silu(g13[:, :P].float()) * g13[:, P:].float()).to(dtype)
-    y = moe_wna16_gemm(
+    y = gemm(
         h, t["w2_weight_packed"], t["w2_weight_scale"], sorted_ids, offsets, top_k=1,
         num_bits=spec.num_bits, zero_points=t.get("w2_weight_zero_point"),
         g_idx=t["w2_weight_g_idx"] if act else None, perm=t["w2_g_idx_sort_indices"] if act else None,
         topk_weights=topk_weights.reshape(-1).float().to(device), is_k_full=job.plan.w2.is_k_full)
     return y.float().cpu().view(T, k, -1).sum(1)
+
+
+class EmulatedGemm:
+    """The MoE GEMM through the real CUDA kernel source on the CPU emulation
+    (`wna16ctl.native.emulated`), counting launches per kernel and their time."""
+
+    def __init__(self) -> None:
+        self.launches: dict[str, int] = {}
+        self.seconds = 0.0
+
+    def __call__(self, *args, **kwargs) -> torch.Tensor:  # noqa: ANN002, ANN003
+        import time
+
+        from wna16ctl.native.emulated import emulated_moe_gemm
+
+        t0 = time.perf_counter()
+        out, kernel = emulated_moe_gemm(*args, **kwargs)
+        self.seconds += time.perf_counter() - t0
+        self.launches[kernel] = self.launches.get(kernel, 0) + 1
+        return out

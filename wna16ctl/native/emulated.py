@@ -1,0 +1,169 @@
+"""The CUDA MoE GEMM kernels run on the CPU: a library of the real kernel sources
+(`kernels/moe_gemm_v2.cu`, `kernels/moe_gemm.cu`) compiled with g++ against the CPU emulation of
+`kernels/intrinsics.cuh` (`kernels/emu/intrinsics_host.h`, docs/kernel-emulation.md).
+
+What it is for: `verify` judges the repacked per-rank tensors with the kernel a GPU would run, its
+fragment layout, its dequantisation and its tile/stream-K code, not with the layout's own inverse
+functions (which `ops._gemm_cpu` uses and which would miss any bug they share with the forward
+layout). It is slow -- every CUDA thread is a host thread -- so it is meant for small models and
+for a prefix of steps on larger ones; it says nothing about speed.
+
+Nothing here is required: without g++ (or with `WNA16CTL_NO_NATIVE=1`) `emulated_gemm_lib()`
+returns None with the reason in `emulated_unavailable_reason()`, and callers report the check as
+"not run". An emulator abort (a kernel that misaligns an ldmatrix or diverges at a barrier) ends
+the process with a message on stderr, as a device fault would.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import tempfile
+import threading
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from wna16ctl.native.build import (
+    KernelBuildError,
+    KernelError,
+    NativeLib,
+    WNA16_OK,
+    _build_dir,
+    _compile_and_link,
+    _digest,
+    _tool_identity,
+    find_cxx,
+    kernels_dir,
+    native_disabled,
+)
+from wna16ctl.native.ops import DTYPE_CODES, GEMM_VARIANTS, WNA16_ENOTSUP, _check_gemm_extras, _gemm_dims
+
+# the kernels and their launchers, the error store, the emulated device's settings
+EMULATED_SOURCES = ("moe_gemm_v2.cu", "moe_gemm.cu", "error.cpp", "emu_capi.cpp")
+_FLAGS = ("-O2", "-std=c++17", "-fPIC", "-pthread", "-fvisibility=hidden")
+# Few emulated SMs: the stream-K grid of v2 is sized by the SM count, and every block is a team of
+# host threads; 2 SMs still make stream-K cut tiles between blocks on larger problems.
+EMULATED_SMS = 2
+
+_P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_PROTOS = {
+    "wna16_abi_version": (_I32, []),
+    "wna16_last_error": (ctypes.c_char_p, []),
+    "wna16_emu_configure": (_I32, [_I32, _I32, _I32]),
+    "wna16_cuda_moe_gemm": (_I32, [_P] * 11 + [_I64] * 6 + [_I32] * 5 + [_P]),
+    "wna16_cuda_moe_gemm_v2": (_I32, [_P] * 11 + [_I64] * 6 + [_I32] * 5 + [_P]),
+    "wna16_cuda_moe_gemm_v2_workspace": (_I32, [_I64] * 5 + [_I32] * 3 + [_P]),
+}
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _emulated_headers(src: Path) -> list[Path]:
+    return sorted([*src.glob("*.h"), *src.glob("*.cuh"), *(src / "emu").glob("*.h")])
+
+
+def build_emulated(out_dir: Optional[Path] = None) -> Path:
+    """Build (or find in the cache) the emulated kernel library; returns its path."""
+    cxx = find_cxx()
+    if not cxx:
+        raise KernelBuildError("no C++ compiler (g++) on PATH")
+    src = kernels_dir()
+    if not (src / "emu" / "intrinsics_host.h").is_file():
+        raise KernelBuildError(f"the kernel emulation is not in {src}/emu (set WNA16CTL_KERNELS_DIR)")
+    key = _digest([*(p.name.encode() + p.read_bytes() for p in
+                     [*(src / s for s in EMULATED_SOURCES), *_emulated_headers(src)]),
+                   _tool_identity(cxx), *_FLAGS])
+    out_dir = out_dir or _build_dir()
+    target = out_dir / f"libwna16_emulated-{key}.so"
+    if target.exists():
+        return target
+    with tempfile.TemporaryDirectory(dir=out_dir, prefix=".build-") as tmp:
+        objs = [Path(tmp) / f"{Path(s).stem}.o" for s in EMULATED_SOURCES]
+        cmds = [[cxx, *_FLAGS, "-I", str(src), *(["-x", "c++"] if s.endswith(".cu") else []), "-c", str(src / s),
+                 "-o", str(o)] for s, o in zip(EMULATED_SOURCES, objs)]
+        link = [cxx, *_FLAGS, "-shared", *map(str, objs), "-o", str(Path(tmp) / "lib.so")]
+        return _compile_and_link(target, cmds, link, Path(tmp))
+
+
+def emulated_gemm_lib() -> Optional[NativeLib]:
+    """The loaded emulated library (built on first use), or None with the reason kept."""
+    with _lock:
+        if "lib" in _state:
+            return _state["lib"]  # type: ignore[return-value]
+        lib: Optional[NativeLib] = None
+        if native_disabled():
+            _state["reason"] = "native code is disabled (WNA16CTL_NO_NATIVE)"
+        else:
+            try:
+                lib = NativeLib(build_emulated(), _PROTOS)
+                lib.call("wna16_emu_configure", EMULATED_SMS, 1, 0)
+            except (KernelBuildError, OSError, ValueError, KernelError) as exc:
+                _state["reason"] = f"the emulated kernels cannot be built: {str(exc).splitlines()[0]}"
+                lib = None
+        _state["lib"] = lib
+        return lib
+
+
+def emulated_unavailable_reason() -> str:
+    return str(_state.get("reason", ""))
+
+
+def _aligned(t: Optional[Tensor]) -> Optional[Tensor]:
+    if t is None:
+        return None
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def _p(t: Optional[Tensor]) -> Optional[int]:
+    return None if t is None else t.data_ptr()
+
+
+def emulated_moe_gemm(
+    a: Tensor, b_q: Tensor, scales: Tensor, sorted_token_ids: Tensor, expert_offsets: Tensor, *,
+    top_k: int, num_bits: int, zero_points: Optional[Tensor] = None, g_idx: Optional[Tensor] = None,
+    perm: Optional[Tensor] = None, topk_weights: Optional[Tensor] = None, is_k_full: bool = True,
+) -> tuple[Tensor, str]:
+    """The MoE GEMM (the contract of `ops.moe_wna16_gemm`) executed by the real kernel source on
+    the CPU emulation: v2, or v1 where v2 declines (WNA16_ENOTSUP). Returns (output, kernel name).
+    Raises KernelBuildError when the library is unavailable, KernelError when a kernel refuses."""
+    lib = emulated_gemm_lib()
+    if lib is None:
+        raise KernelBuildError(emulated_unavailable_reason())
+    t = [None if x is None else x.cpu() for x in (a, b_q, scales, zero_points, g_idx, perm, sorted_token_ids,
+                                                  expert_offsets, topk_weights)]
+    a, b_q, scales, zero_points, g_idx, perm, sorted_token_ids, expert_offsets, topk_weights = t
+    experts, size_k, size_n, groups = _gemm_dims(a, b_q, scales, num_bits, top_k)
+    _check_gemm_extras(a, b_q, scales, zero_points, g_idx, perm, sorted_token_ids, expert_offsets,
+                       topk_weights, top_k, num_bits, is_k_full)
+    num_slots = a.shape[0] * top_k
+    out = torch.zeros(num_slots, size_n, dtype=a.dtype)
+    i32 = lambda x: None if x is None else _aligned(x.to(torch.int32))  # noqa: E731
+    ids, offs = i32(sorted_token_ids), i32(expert_offsets)
+    tw = None if topk_weights is None else _aligned(topk_weights.reshape(-1).float())
+    keep = (_aligned(a), _aligned(b_q), _aligned(scales), i32(zero_points), i32(g_idx), i32(perm), ids, offs, tw)
+    ptrs = [_p(x) for x in keep] + [_p(out)]
+    sizes = (num_slots, ids.numel(), experts, size_n, size_k, groups, top_k, num_bits, DTYPE_CODES[a.dtype],
+             int(is_k_full), GEMM_VARIANTS["auto"], None)
+    words = ctypes.c_int64(0)
+    rc = lib.wna16_cuda_moe_gemm_v2_workspace(ids.numel(), experts, size_n, size_k, groups, num_bits,
+                                               int(perm is not None), GEMM_VARIANTS["auto"], ctypes.byref(words))
+    if rc == WNA16_OK:
+        ws = torch.zeros(max(words.value, 1), dtype=torch.int32)
+        rc = lib.wna16_cuda_moe_gemm_v2(*ptrs, _p(ws), *sizes)
+        if rc == WNA16_OK:
+            return out, "v2"
+    if rc != WNA16_ENOTSUP:
+        raise KernelError(f"wna16_cuda_moe_gemm_v2 (emulated): {(lib.wna16_last_error() or b'').decode()} (code {rc})", rc)
+    ws = torch.zeros(experts + 1, dtype=torch.int32)
+    lib.call("wna16_cuda_moe_gemm", *ptrs, _p(ws), *sizes)
+    return out, "v1"
+
+
+def emulation_enabled_by_env() -> bool:
+    """$WNA16CTL_VERIFY_KERNEL=torch skips the emulated kernels in verify (they are the default)."""
+    return os.environ.get("WNA16CTL_VERIFY_KERNEL", "emulated").strip().lower() != "torch"

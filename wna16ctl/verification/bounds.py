@@ -1,0 +1,173 @@
+"""The interval every correct MoE layer output must lie in, element by element.
+
+The candidate (a rank's repacked tensors through the MoE GEMM kernel) and this reference get the
+SAME activations in the model dtype and the SAME dequantised weights (dtype(q − z)·s, one rounding:
+the kernel's contract, which its magic-number dequantisation meets bit for bit). What may still
+differ between two correct implementations is only the order of the fp32 accumulations (tiles,
+mma internals, stream-K partial sums) and fp32's silu. So the reference computes every stage in
+float64 with an interval around it and rounds the interval's ends to the model dtype as the
+candidate rounds its values (round to nearest even, which is monotone):
+
+1. w13 GEMM: e = a·W in float64; any fp32 accumulation of the K exact products lies within
+   e ± 2γ_K·(|a|·|W|), γ_K = K·u32/(1 − K·u32) (the factor 2: margin for the hardware's
+   accumulation inside an mma); the rounded value lies in [RN(lo), RN(hi)].
+2. h = silu(gate)·up in fp32, then rounded: the exact range of silu(x)·y over the box of the gate
+   and up intervals (silu has one minimum, at x₀ ≈ −1.2785), widened by 2⁻²⁰ relative for fp32's
+   silu and product, then rounded.
+3. w2 GEMM on the h interval: centre·W ± (radius·|W| + 2γ_K·max|h|·|W|), times the router weight
+   (fp32: 2⁻²³ relative), rounded.
+4. the k slots of a token summed in fp32 (k·u32 relative), the rank partial rounded; the ranks'
+   partials summed in fp32 and rounded (the all-reduce).
+
+Where both ends round to the same value the interval is a single point and the candidate must
+equal it exactly; elsewhere it is at most a few units in the last place of the model dtype wide.
+A wrong code, scale, zero point or layout moves an output by far more than that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+U32 = 2.0**-24
+SILU_MIN_X = -1.2784645427610738  # argmin of x·sigmoid(x)
+SILU_REL = 2.0**-20  # fp32 silu (a few ulps) and the fp32 product
+ACC_MARGIN = 2.0  # the accumulation bound doubled: mma internals on real hardware
+
+
+def _gamma(k: int) -> float:
+    return ACC_MARGIN * k * U32 / (1 - k * U32)
+
+
+# (significant bits, exponent of the smallest subnormal's quantum) of the 16-bit model dtypes
+_PRECISION = {torch.bfloat16: (8, -133), torch.float16: (11, -24)}
+
+
+def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Round float64 `x` to the nearest value of `dtype`, ties to even, exactly (no detour through
+    fp32, whose double rounding could land one step off); float64 out. Scaling by a power of two
+    is exact in float64, so x / quantum is rounded once."""
+    bits, q_min = _PRECISION[dtype]
+    _, e = torch.frexp(x)  # x = m · 2^e, 0.5 ≤ |m| < 1
+    q = torch.clamp(e - bits, min=q_min)  # the dtype's quantum at x: 2^q
+    return torch.ldexp(torch.round(torch.ldexp(x, -q)), q)
+
+
+@dataclass
+class Interval:
+    lo: torch.Tensor  # float64
+    hi: torch.Tensor
+    centre: torch.Tensor  # the float64 value before the last rounding (what |error| is measured from)
+
+    def rounded(self, dtype: torch.dtype) -> "Interval":
+        # round to nearest is monotone: a value inside [lo, hi] rounds inside [RN(lo), RN(hi)]
+        return Interval(round_to(self.lo, dtype), round_to(self.hi, dtype), self.centre)
+
+
+def gemm_interval(a_lo: torch.Tensor, a_hi: torch.Tensor, w: torch.Tensor) -> Interval:
+    """a·W for any a in [a_lo, a_hi] (float64 [M, K]) and W [K, N], fp32 accumulation in any order."""
+    w64 = w.double()
+    mid, rad = (a_lo + a_hi) / 2, (a_hi - a_lo) / 2
+    e = mid @ w64
+    mag = torch.maximum(a_lo.abs(), a_hi.abs()) @ w64.abs()
+    r = rad @ w64.abs() + _gamma(w.shape[0]) * mag + 2.0**-50 * mag
+    return Interval(e - r, e + r, e)
+
+
+def silu_product_interval(g: Interval, u: Interval) -> Interval:
+    """silu(x)·y over x ∈ [g.lo, g.hi], y ∈ [u.lo, u.hi], widened for fp32's silu and product."""
+    s_lo = F.silu(torch.clamp(torch.full_like(g.lo, SILU_MIN_X), g.lo, g.hi))
+    s_hi = torch.maximum(F.silu(g.lo), F.silu(g.hi))
+    corners = torch.stack([s_lo * u.lo, s_lo * u.hi, s_hi * u.lo, s_hi * u.hi])
+    lo, hi = corners.amin(0), corners.amax(0)
+    pad = SILU_REL * torch.maximum(lo.abs(), hi.abs())
+    return Interval(lo - pad, hi + pad, F.silu(g.centre) * u.centre)
+
+
+def expert_interval(a: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight: torch.Tensor,
+                    dtype: torch.dtype) -> Interval:
+    """One expert's per-slot output [S, H] in `dtype`: a [S, H] (in dtype), w13 [H, 2I] and w2 [I, H]
+    (dequantised in dtype), weight [S] the router weights (fp32). See the module doc, steps 1-3."""
+    a64 = a.to(dtype).double()
+    g13 = gemm_interval(a64, a64, w13).rounded(dtype)
+    i = w2.shape[0]
+    half = lambda iv, s: Interval(iv.lo[:, s], iv.hi[:, s], iv.centre[:, s])  # noqa: E731
+    h = silu_product_interval(half(g13, slice(0, i)), half(g13, slice(i, None))).rounded(dtype)
+    y = gemm_interval(h.lo, h.hi, w2)
+    wt = weight.double().unsqueeze(1)
+    lo, hi = y.lo * wt, y.hi * wt
+    pad = 2.0**-23 * torch.maximum(lo.abs(), hi.abs())
+    return Interval(lo - pad, hi + pad, y.centre * wt).rounded(dtype)
+
+
+def sum_interval(iv: Interval, dim: int, dtype: torch.dtype) -> Interval:
+    """An fp32 sum along `dim` of values in the interval (any order), rounded to dtype."""
+    n = iv.lo.shape[dim]
+    mag = torch.maximum(iv.lo.abs(), iv.hi.abs()).sum(dim)
+    pad = n * U32 * mag * 1.0001
+    return Interval(iv.lo.sum(dim) - pad, iv.hi.sum(dim) + pad, iv.centre.sum(dim)).rounded(dtype)
+
+
+RankWeights = tuple[range, dict[int, tuple[torch.Tensor, torch.Tensor]]]  # experts, {e: (w13 [H, 2I_p], w2 [I_p, H])}
+
+
+def block_interval(ranks: list[RankWeights], a: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                   dtype: torch.dtype) -> Interval:
+    """A MoE block's output [T, H] over every rank (steps 1-4 of the module doc): a [T, H] in dtype,
+    topk_ids / topk_weights [T, k]; per rank its experts' dequantised weights (model dtype)."""
+    T, k = topk_ids.shape
+    H = a.shape[1]
+    flat = topk_ids.reshape(-1).cpu()
+    wf = topk_weights.reshape(-1).float().cpu()
+    a = a.cpu()
+    partials = []
+    for rng, weights in ranks:
+        if not len(rng):
+            continue
+        z = torch.zeros(T * k, H, dtype=torch.float64)
+        slot_iv = Interval(z.clone(), z.clone(), z.clone())
+        for e, (w13, w2) in weights.items():
+            slots = (flat == e).nonzero().squeeze(1)
+            if not slots.numel():
+                continue
+            iv = expert_interval(a[slots // k], w13.cpu(), w2.cpu(), wf[slots], dtype)
+            slot_iv.lo[slots], slot_iv.hi[slots], slot_iv.centre[slots] = iv.lo, iv.hi, iv.centre
+        view = lambda t: t.view(T, k, H)  # noqa: E731
+        partials.append(sum_interval(Interval(view(slot_iv.lo), view(slot_iv.hi), view(slot_iv.centre)), 1, dtype))
+    stacked = Interval(*(torch.stack([getattr(p, f) for p in partials]) for f in ("lo", "hi", "centre")))
+    return sum_interval(stacked, 0, dtype)
+
+
+@dataclass
+class Verdict:
+    """A candidate output against its interval."""
+
+    violations: int  # elements outside [lo, hi]
+    elements: int
+    exact_elements: int  # elements whose interval is one value (the candidate must equal it)
+    max_ratio: float  # max |candidate − centre| / max(|lo − centre|, |hi − centre|): ≤ 1 when inside
+    max_abs_error: float  # max |candidate − centre|
+
+    def merged(self, other: "Verdict") -> "Verdict":
+        """Both judgements as one (the elements of each counted)."""
+        return Verdict(self.violations + other.violations, self.elements + other.elements,
+                       self.exact_elements + other.exact_elements, max(self.max_ratio, other.max_ratio),
+                       max(self.max_abs_error, other.max_abs_error))
+
+    def to_json(self) -> dict[str, float | int]:
+        return {"violations": self.violations, "elements": self.elements, "exact_elements": self.exact_elements,
+                "max_error_over_bound": self.max_ratio, "max_abs_error": self.max_abs_error}
+
+
+def judge(candidate: torch.Tensor, iv: Interval) -> Verdict:
+    c = candidate.double()
+    outside = (c < iv.lo) | (c > iv.hi) | torch.isnan(c)
+    err = torch.where(torch.isnan(c), torch.inf, (c - iv.centre).abs())
+    allowed = torch.maximum((iv.lo - iv.centre).abs(), (iv.hi - iv.centre).abs()).clamp_min(1e-300)
+    exact = iv.lo == iv.hi
+    return Verdict(
+        violations=int(outside.sum()), elements=c.numel(), exact_elements=int(exact.sum()),
+        max_ratio=float((err / allowed).max()) if c.numel() else 0.0,
+        max_abs_error=float(err.max()) if c.numel() else 0.0)
