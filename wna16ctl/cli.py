@@ -26,19 +26,24 @@ def _run(ctx: click.Context, sink: Sink, body: Callable[[], int], *, interrupted
     `--debug` (before or after the sub-command) adds the traceback on stderr; the exit code is
     the same with and without it.  `interrupted` is this command's Ctrl-C message."""
     debug = bool(ctx.find_root().params.get("debug") or ctx.params.get("debug"))
+    # `quiet` on an error: another process of a torchrun launch prints the line every process shares
     try:
         code = body()
     except WnaError as e:
         _traceback(debug)
-        sink.error(e.message, e.hint)
+        if not getattr(e, "quiet", False):
+            sink.error(e.message, e.hint)
         code = e.exit_code
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:  # Ctrl-C, or torchrun stopping this process (a message of its own)
         _traceback(debug)
-        sink.error(f"interrupted; {interrupted}")
-        code = 130
+        if not getattr(e, "quiet", False):
+            sink.error(getattr(e, "message", None) or f"interrupted; {interrupted}")
+        code = getattr(e, "exit_code", 130)
     except Exception as e:  # a bug: say so in one line, full traceback only with --debug
         _traceback(debug)
-        sink.error(f"internal error: {type(e).__name__}: {e}", None if debug else "rerun with --debug for the traceback and report it")
+        if not getattr(e, "quiet", False):
+            sink.error(f"internal error: {type(e).__name__}: {e}",
+                       None if debug else "rerun with --debug for the traceback and report it")
         code = EXIT_BAD_INPUT
     if fast_exit and ctx.find_root().info_name == "wna16ctl" and sys.argv[0].endswith(("wna16ctl", "__main__.py")):
         # A real process (not a test runner): skip freeing ~10^6 header objects at interpreter
@@ -238,7 +243,21 @@ def repack(ctx: click.Context, ckpt: str, tp: str, ep: bool, layout: str, out: s
     if force and resume:
         raise click.UsageError("--force and --resume exclude each other")
 
+    group = distributed.SOLO
+
     def body() -> int:
+        try:
+            return repack_body()
+        except BaseException as e:
+            # what every process of a launch meets alike (options checked before the group
+            # exists, a Ctrl-C that reaches them all) is said once per node, by its first process
+            alike = group is distributed.SOLO or (isinstance(e, KeyboardInterrupt) and not hasattr(e, "message"))
+            if launch.distributed and alike and not hasattr(e, "quiet"):
+                e.quiet = launch.local_rank != 0  # type: ignore[attr-defined]
+            raise
+
+    def repack_body() -> int:
+        nonlocal group
         from wna16ctl.errors import NotLoadable
         from wna16ctl.repacking.pipeline import RepackSettings, plan_repack, run_repack
 
@@ -265,7 +284,7 @@ def repack(ctx: click.Context, ckpt: str, tp: str, ep: bool, layout: str, out: s
                                   gpu=gpu, env=switches.env, moe_backend=switches.moe_backend)
         group = distributed.init_group(launch)
         try:
-            source = _local_checkpoint(sink, ckpt, revision)
+            source = group.together("opening the checkpoint", lambda: _local_checkpoint(sink, ckpt, revision))
             try:
                 # every process validates the whole plan before any of them writes a byte
                 plan = group.together("planning", lambda: plan_repack(source, settings))

@@ -85,6 +85,11 @@ def torchrun(args: list[str], *, cwd: Path, port: int, nproc: int = 2, nnodes: i
     return proc.returncode, out, err
 
 
+def error_lines(stderr: str) -> list[str]:
+    """wna16ctl's error lines in a launch's stderr (every process's and torchrun's together)."""
+    return [ln for ln in stderr.splitlines() if ln.startswith("error:")]
+
+
 def stdout_objects(text: str) -> list[dict]:
     """The JSON objects printed one after another on stdout."""
     dec = json.JSONDecoder()
@@ -282,7 +287,7 @@ def test_force_and_resume_treat_a_part_as_wna16ctl_output(ckpt, tmp_path):
 
 def test_torchrun_two_processes_equal_the_single_process_run(ckpt, whole, tmp_path):
     rc, out, err = torchrun(["repack", str(ckpt), *CLI_SETTINGS, "-o", "out", "--json"], cwd=tmp_path, port=free_port())
-    assert rc == 0, err
+    assert rc == 0 and error_lines(err) == [], err
     results = stdout_objects(out)
     assert len(results) == 1, out  # printed once, by process 0, which committed
     per_rank = [len(files) for files in plan_repack(ckpt, SETTINGS).files]
@@ -298,6 +303,8 @@ def test_torchrun_process_killed_commits_nothing_and_resume_completes_it(ckpt, w
     rc, _, err = torchrun([*args, "-q"], cwd=tmp_path, port=free_port(), env=clean_env(**{distributed.TEST_KILL_ENV: "1"}))
     out = tmp_path / "out"
     assert rc != 0 and "SIGKILL" in err, err
+    # one line for the whole launch, by process 0, naming the process that was killed
+    assert len(error_lines(err)) == 1 and "error: process 0 lost contact with process 1:" in error_lines(err)[0], err
     assert not out.exists() and siblings(out) == [".out.wna16ctl-partial"]
     stage = tmp_path / ".out.wna16ctl-partial"
     assert not list(stage.glob("wna16ctl*.json"))  # no manifest: nothing committed
@@ -317,6 +324,22 @@ def test_torchrun_process_killed_commits_nothing_and_resume_completes_it(ckpt, w
     assert result["files_reused"] > 0 and result["files_reused"] + result["files_written"] == total
     assert os.stat(out / first).st_ino == inode  # the journaled file was reused, not rewritten
     assert digests(out) == digests(whole) and siblings(out) == []
+
+
+def test_torchrun_first_process_killed_another_says_so_once(ckpt, tmp_path):
+    # three processes: the lost one is found among the processes of this host, not by elimination
+    rc, _, err = torchrun(["repack", str(ckpt), *CLI_SETTINGS, "-o", "out", "-q"], cwd=tmp_path, port=free_port(),
+                          nproc=3, env=clean_env(**{distributed.TEST_KILL_ENV: "0"}))
+    assert rc != 0 and "SIGKILL" in err, err
+    (line,) = error_lines(err)
+    assert line.startswith(("error: process 1 ", "error: process 2 ")) and "lost contact with process 0:" in line, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_torchrun_bad_input_is_one_line(tmp_path):
+    rc, _, err = torchrun(["repack", str(tmp_path / "missing"), "--tp", "2", "-o", "out"], cwd=tmp_path,
+                          port=free_port())
+    assert rc != 0 and len(error_lines(err)) == 1 and "missing" in error_lines(err)[0], err
 
 
 _FAILING_PROCESS = """
@@ -351,10 +374,9 @@ def test_torchrun_error_in_one_process_stops_all_and_keeps_staging(ckpt, whole, 
            "--master-port", str(port), str(script), "repack", str(ckpt), *CLI_SETTINGS, "-o", "out", "-q"]
     res = subprocess.run(cmd, cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode != 0
-    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
-    # each process one line: the failing one its own error, process 0 who failed and why
-    assert "error: shard-x.safetensors: simulated read error" in errors, res.stderr
-    assert "error: process 1 failed while writing: shard-x.safetensors: simulated read error" in errors, res.stderr
+    # one line for the whole launch: process 0 says who failed and why, the failing process is quiet
+    assert error_lines(res.stderr) == [
+        "error: process 1 failed while writing: shard-x.safetensors: simulated read error"], res.stderr
     # (torchrun prints a traceback of its own when a child fails; none comes from wna16ctl's code)
     # (the package's own folder, not the word: a checkout cloned into `wna16ctl/` holds torchrun's frames too)
     package = {str(Path(wna16ctl.__file__).parent) + os.sep, str(Path(wna16ctl.__file__).resolve().parent) + os.sep}

@@ -14,7 +14,11 @@ The decisions made here:
 * every step of a run is taken together (`Group.together`): each process runs it, then all
   exchange their outcome, so a failure anywhere stops every process at the same step with the
   failing process's one-line message.  A process that dies makes the others' next exchange fail
-  (or torchrun stops them), which counts as a failure too.
+  (or torchrun stops them with SIGTERM), which counts as a failure too;
+* one error line per node: an error every process of a node knows (exchanged, or a lost
+  process) is printed by the node's first process still running; the others exit with the same
+  code and say nothing (the exception's `quiet`).  A lost process is named when it can be known:
+  a process on this host that is gone without having marked itself stopped in torchrun's store.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import datetime
 import os
 import re
 import signal
+import socket
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
@@ -159,6 +164,20 @@ class PeerFailed(WnaError):
         self.exit_code = exit_code
 
 
+class StoppedByLauncher(KeyboardInterrupt):
+    """torchrun stopped this process (SIGTERM), which it does to the others when one process ends
+    early.  An interrupt, so that staging is kept with every finished file journaled; the CLI
+    prints `message` (not "interrupted") and exits with `exit_code`."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_BAD_INPUT):
+        super().__init__(message)
+        self.message = message
+        self.exit_code = exit_code
+
+
+_STOPPING = False  # this process knows how it ends: a later SIGTERM must not cut its one line short
+
+
 def _first_sentence(e: BaseException) -> str:
     """gloo's messages start with a source location and go on for lines: keep what it says."""
     text = re.sub(r"^\[[^\]]*\]\s*", "", (str(e).splitlines() or [""])[0])
@@ -168,6 +187,8 @@ def _first_sentence(e: BaseException) -> str:
 def outcome_of(e: BaseException) -> tuple[int, str]:
     """(exit code, one-line message) of a failure, as the other processes are told it."""
     if isinstance(e, WnaError):
+        return e.exit_code, e.message
+    if isinstance(e, StoppedByLauncher):
         return e.exit_code, e.message
     if isinstance(e, KeyboardInterrupt):
         return 130, "interrupted"
@@ -180,6 +201,8 @@ class Group:
     def __init__(self, launch: Launch, members: list[Launch] | None = None):
         self.launch = launch
         self.members = members or [launch]  # every process's Launch, by rank
+        self.hosts: list[tuple[str, int]] = []  # every process's (host name, pid), by rank
+        self.store: Any = None  # torchrun's key-value store, where stopping processes mark themselves
 
     @property
     def rank(self) -> int:
@@ -199,9 +222,83 @@ class Group:
         try:
             dist.all_gather_object(out, obj)
         except Exception as e:  # gloo: a peer's connection closed, or the timeout
-            raise PeerFailed(f"process {self.rank}: lost contact with another process of the run ({_first_sentence(e)}); "
-                             f"it was killed or crashed, or took longer than ${TIMEOUT_ENV} seconds") from None
+            raise self.lost_contact(_first_sentence(e)) from None
         return out
+
+    # ---- one error line per node -------------------------------------------------------------------
+
+    def _stopping(self) -> None:
+        """Mark this process as one that stops knowingly (not a lost one), for the others to read."""
+        global _STOPPING
+        _STOPPING = True
+        if self.store is not None:
+            try:
+                self.store.set(f"wna16ctl/stopped/{self.rank}", "1")
+            except Exception:  # noqa: BLE001 - the store may be gone with its host: names stay unknown
+                self.store = None
+
+    def _lost(self) -> list[int]:
+        """The processes known to be lost: on this host, gone (or a zombie) without having marked
+        themselves stopped.  Processes on other hosts cannot be looked at: never listed."""
+        here = socket.gethostname()
+        lost = []
+        for rank, (host, pid) in enumerate(self.hosts):
+            if rank == self.rank or host != here or not _process_gone(pid):
+                continue
+            try:
+                marked = self.store is not None and self.store.check([f"wna16ctl/stopped/{rank}"])
+            except Exception:  # noqa: BLE001
+                marked = False
+            if not marked:
+                lost.append(rank)
+        return lost
+
+    def _speaks_after_loss(self, lost: list[int]) -> bool:
+        """Whether this process prints the node's one line: it is the node's first process not lost."""
+        running = [m for m in self.node_members(self.launch.node) if m.rank not in lost]
+        return min(running, key=lambda m: (m.local_rank, m.rank)).rank == self.rank
+
+    def lost_contact(self, detail: str) -> PeerFailed:
+        """The error of a process whose exchange with the others failed: names the lost process
+        when it can be known (the other one of two; a process on this host that is gone)."""
+        self._stopping()
+        lost = self._lost()
+        if not lost and self.world_size == 2:
+            lost = [1 - self.rank]
+        if len(lost) == 1:
+            error = PeerFailed(f"process {self.rank} lost contact with process {lost[0]}: it was killed or crashed "
+                               "(torchrun's report says how)")
+        else:
+            error = PeerFailed(f"process {self.rank} lost contact with another process of the run ({detail}): it was "
+                               f"killed or crashed, or took longer than ${TIMEOUT_ENV} seconds")
+        error.quiet = not self._speaks_after_loss(lost)
+        return error
+
+    def stopped_by_launcher(self) -> StoppedByLauncher:
+        """The interrupt of a process torchrun stopped (SIGTERM) before it noticed a loss itself."""
+        self._stopping()
+        lost = self._lost()
+        if not lost and self.world_size == 2:
+            lost = [1 - self.rank]
+        if len(lost) == 1:
+            message = (f"process {self.rank} lost contact with process {lost[0]}: it was killed or crashed, and "
+                       "torchrun stopped the others (its report says how)")
+        else:
+            message = (f"process {self.rank} was stopped by torchrun (SIGTERM): another process of the run ended "
+                       "early, or the job was cancelled (torchrun's report says which)")
+        stop = StoppedByLauncher(message)
+        stop.quiet = not self._speaks_after_loss(lost)
+        return stop
+
+    def shared(self, error: BaseException) -> BaseException:
+        """`error`, which every process of this node knows (exchanged): the node's first process
+        prints it, the others stay quiet.  Alone, it is simply this process's error."""
+        global _STOPPING
+        if self.world_size == 1:
+            return error
+        _STOPPING = True
+        error.quiet = self.rank != self.node_owner(self.launch.node)  # type: ignore[attr-defined]
+        return error
 
     def together(self, step: str, fn: Callable[[], T]) -> T:
         """Run `fn` here, then learn every process's outcome: raise this process's own error, or
@@ -221,11 +318,11 @@ class Group:
                 raise error from None
             raise
         if error is not None:
-            raise error
+            raise self.shared(error)
         for process, outcome in enumerate(outcomes):
             if outcome is not None:
                 code, message = outcome
-                raise PeerFailed(f"process {process} failed while {step}: {message}", code)
+                raise self.shared(PeerFailed(f"process {process} failed while {step}: {message}", code))
         return value
 
     def node_members(self, node: int) -> list[Launch]:
@@ -266,17 +363,42 @@ def init_group(launch: Launch | None = None) -> Group:
         raise UsageError(f"process {launch.rank}: cannot join the process group at {os.environ.get('MASTER_ADDR')}:"
                          f"{os.environ.get('MASTER_PORT')} ({_first_sentence(e)}); "
                          "check torchrun's --master-addr/--master-port or --rdzv-endpoint") from None
-    _stop_on_sigterm()
     group = Group(launch)
-    group.members = group.all_gather(launch)
+    try:
+        group.store = dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - a private accessor: without it lost processes go unnamed
+        group.store = None
+    _stop_on_sigterm(group)
+    everyone = group.all_gather((launch, socket.gethostname(), os.getpid()))
+    group.members = [m for m, _, _ in everyone]
+    group.hosts = [(host, pid) for _, host, pid in everyone]
     return group
 
 
-def _stop_on_sigterm() -> None:
+def _process_gone(pid: int) -> bool:
+    """Whether process `pid` of this host has ended (a zombie counts: its parent has not reaped it yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError):  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            return False
+        return False
+
+
+def _stop_on_sigterm(group: Group) -> None:
     """torchrun stops the other processes with SIGTERM when one fails: make that an interrupt,
-    so staging is kept and the journal records every finished file."""
+    so staging is kept and the journal records every finished file, which says what was lost.
+    Once this process knows how it ends, a SIGTERM changes nothing (its one line is printed whole)."""
     def handler(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
+        if not _STOPPING:
+            raise group.stopped_by_launcher()
 
     try:
         signal.signal(signal.SIGTERM, handler)

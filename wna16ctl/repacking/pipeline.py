@@ -568,10 +568,10 @@ def run_repack(
         else:
             raise
     if error is not None:
-        raise error
+        raise group.shared(error)
     if outcomes[owner] is not None:
         code, message = outcomes[owner]
-        raise distributed.PeerFailed(f"process {owner} failed while committing {out_path}: {message}", code)
+        raise group.shared(distributed.PeerFailed(f"process {owner} failed while committing {out_path}: {message}", code))
     processes = [{k: r[k] for k in ("process", "node", "ranks", "files_written", "files_reused", "bytes_written", "simd")}
                  for r in ours]
     return RepackResult(staged.out, sum(r["files_written"] for r in ours), sum(r["files_reused"] for r in ours),
