@@ -552,7 +552,7 @@ def run_repack(
             for r in ours:
                 staged.done.update(r["done"])
                 staged.sources.update(r["sources"])
-            manifest = build_manifest(plan, staged.done, staged.stage, staged.sources)
+            manifest = build_manifest(plan, staged.done, staged.stage)
             if not complete:
                 manifest["part"] = {"ranks": out_ranks}
             staged.commit(manifest, name)
@@ -1142,13 +1142,12 @@ def marlin_repacker(device: str) -> Callable[..., Any]:
     return repack
 
 
-def build_manifest(plan: RepackPlan, hashes: dict[str, str], root: Path,
-                   sources: dict[str, str] | None = None) -> dict[str, Any]:
+def build_manifest(plan: RepackPlan, hashes: dict[str, str], root: Path) -> dict[str, Any]:
+    """The manifest of a finished output: the same whichever data path wrote it.  The source
+    digests the torch path keys `--resume` on stay in the staging journal (what resumes read)."""
     out_files: dict[str, dict[str, Any]] = {}
     for rel, digest in sorted(hashes.items()):
         out_files[rel] = {FILE_HASH: digest, "bytes": (root / rel).stat().st_size}
-        if sources and rel in sources:
-            out_files[rel][f"source_{FILE_HASH}"] = sources[rel]
     return {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
