@@ -149,6 +149,27 @@ def test_each_process_uses_the_gpu_of_its_local_rank():
         distributed.select_device("cuda", Launch(), cuda_usable=lambda: False)
 
 
+def test_a_lost_process_is_named_and_the_first_running_process_of_the_node_says_so():
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()  # reaped: its pid names no process now
+    here, me = socket.gethostname(), os.getpid()
+    members = [Launch(rank=r, world_size=3, local_rank=r, local_world_size=3) for r in range(3)]
+
+    def seen_by(rank: int) -> PeerFailed:
+        group = Group(members[rank], members)
+        group.hosts = [(here, ended.pid), (here, me), (here, me)]  # process 0 ended, 1 and 2 run
+        return group.lost_contact("Connection closed by peer")
+
+    one, two = seen_by(1), seen_by(2)
+    assert one.message.startswith("process 1 lost contact with process 0: it was killed or crashed")
+    assert not one.quiet and two.quiet  # process 0 is gone: process 1 speaks for the node, 2 is quiet
+    # nothing known to have ended (a peer past the timeout, say): the node's first process speaks
+    group = Group(members[1], members)
+    group.hosts = [(here, me)] * 3
+    err = group.lost_contact("Timed out")
+    assert "another process of the run (Timed out)" in err.message and err.quiet
+
+
 def test_a_joining_process_refuses_a_staging_directory_of_another_run(ckpt, tmp_path):
     plan = plan_repack(ckpt, SETTINGS)
     out = tmp_path / "out"

@@ -28,6 +28,7 @@ import os
 import re
 import signal
 import socket
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
@@ -253,33 +254,50 @@ class Group:
                 lost.append(rank)
         return lost
 
+    def _lost_soon(self, wait_s: float = 2.0) -> list[int]:
+        """`_lost`, looked at again for up to `wait_s` while it finds nothing: a killed process's
+        connections close while it is still exiting, a moment before it shows as ended."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            lost = self._lost()
+            here = socket.gethostname()
+            if lost or time.monotonic() >= deadline or not any(
+                    host == here for rank, (host, _) in enumerate(self.hosts) if rank != self.rank):
+                return lost
+            time.sleep(0.05)
+
     def _speaks_after_loss(self, lost: list[int]) -> bool:
         """Whether this process prints the node's one line: it is the node's first process not lost."""
         running = [m for m in self.node_members(self.launch.node) if m.rank not in lost]
         return min(running, key=lambda m: (m.local_rank, m.rank)).rank == self.rank
 
+    def _other_of_two(self) -> list[int]:
+        """Of two processes on different hosts, the other one: the only one that can be lost."""
+        other = 1 - self.rank
+        if self.world_size == 2 and len(self.hosts) == 2 and self.hosts[other][0] != socket.gethostname():
+            return [other]
+        return []
+
     def lost_contact(self, detail: str) -> PeerFailed:
         """The error of a process whose exchange with the others failed: names the lost process
-        when it can be known (the other one of two; a process on this host that is gone)."""
+        when it can be known (a process of this host that ended; the other one of two)."""
         self._stopping()
-        lost = self._lost()
-        if not lost and self.world_size == 2:
-            lost = [1 - self.rank]
-        if len(lost) == 1:
-            error = PeerFailed(f"process {self.rank} lost contact with process {lost[0]}: it was killed or crashed "
+        gone = self._lost_soon()
+        lost = gone or self._other_of_two()
+        if len(gone) == 1:
+            error = PeerFailed(f"process {self.rank} lost contact with process {gone[0]}: it was killed or crashed "
                                "(torchrun's report says how)")
         else:
-            error = PeerFailed(f"process {self.rank} lost contact with another process of the run ({detail}): it was "
-                               f"killed or crashed, or took longer than ${TIMEOUT_ENV} seconds")
+            whom = f"process {lost[0]}" if len(lost) == 1 else "another process of the run"
+            error = PeerFailed(f"process {self.rank} lost contact with {whom} ({detail}): it was killed or crashed, "
+                               f"or took longer than ${TIMEOUT_ENV} seconds")
         error.quiet = not self._speaks_after_loss(lost)
         return error
 
     def stopped_by_launcher(self) -> StoppedByLauncher:
         """The interrupt of a process torchrun stopped (SIGTERM) before it noticed a loss itself."""
         self._stopping()
-        lost = self._lost()
-        if not lost and self.world_size == 2:
-            lost = [1 - self.rank]
+        lost = self._lost_soon()
         if len(lost) == 1:
             message = (f"process {self.rank} lost contact with process {lost[0]}: it was killed or crashed, and "
                        "torchrun stopped the others (its report says how)")
@@ -363,6 +381,8 @@ def init_group(launch: Launch | None = None) -> Group:
         raise UsageError(f"process {launch.rank}: cannot join the process group at {os.environ.get('MASTER_ADDR')}:"
                          f"{os.environ.get('MASTER_PORT')} ({_first_sentence(e)}); "
                          "check torchrun's --master-addr/--master-port or --rdzv-endpoint") from None
+    global _STOPPING
+    _STOPPING = False  # a new run: a SIGTERM stops it again
     group = Group(launch)
     try:
         group.store = dist.distributed_c10d._get_default_store()
