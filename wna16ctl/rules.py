@@ -356,6 +356,14 @@ VLLM_STATE_KEYS: tuple[StateKey, ...] = (
     StateKey("layer", f"{_ATTN}.attn._v_scale", (), "F32", "const 1.0"),
     StateKey("layer", f"{_ATTN}.attn._q_scale", (), "F32", "const 1.0"),
     StateKey("layer", f"{_ATTN}.attn._prob_scale", (), "F32", "const 1.0"),
+    # compressed-tensors' KV-cache method creates per-tensor q/k/v scales and zero points on every
+    # attention layer, whether or not the checkpoint quantizes the KV cache
+    StateKey("layer", f"{_ATTN}.attn.k_scale", ("1",), "F32", "const 1.0"),
+    StateKey("layer", f"{_ATTN}.attn.v_scale", ("1",), "F32", "const 1.0"),
+    StateKey("layer", f"{_ATTN}.attn.q_scale", ("1",), "F32", "const 1.0"),
+    StateKey("layer", f"{_ATTN}.attn.k_zero_point", ("1",), "model", "const 0"),
+    StateKey("layer", f"{_ATTN}.attn.v_zero_point", ("1",), "model", "const 0"),
+    StateKey("layer", f"{_ATTN}.attn.q_zero_point", ("1",), "model", "const 0"),
     # routed experts: the router (registered under the MoE runner too: the smaller key is kept)
     StateKey("moe", "model.layers.{L}.{B}.experts.gate.weight", ("E", "H"), "model", "copy model.layers.{L}.{B}.gate.weight"),
     StateKey("moe", "model.layers.{L}.{B}.experts.routed_experts.w13_weight_packed", ("E", "2*In", "Hp"), "I32",

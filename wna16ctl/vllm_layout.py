@@ -185,6 +185,10 @@ def _check_supported(ck: Checkpoint, version: str) -> None:
         first = ck.linear_layers[0].modules[0] if ck.linear_layers else ck.unplaced_linear[0]
         raise UsageError(f"--layout vllm: {ck.root}: quantized non-expert layer {first} is not supported by the vllm "
                          "layout yet; use --layout marlin or transposed")
+    kv_scheme = (ck.config.raw.get("quantization_config") or {}).get("kv_cache_scheme")
+    if kv_scheme:
+        raise UsageError(f"--layout vllm: {ck.config.path}: a kv_cache_scheme changes the attention scales vLLM "
+                         "creates; the vllm layout does not support it yet")
     if ck.mtp_layers:
         raise UsageError(f"--layout vllm: {ck.root}: multi-token-prediction layers are not supported by the vllm layout")
     for lay in ck.layers:

@@ -46,22 +46,52 @@ def _patch_loader_base(module):
 def _patch_wna16_oracle(module):
     if os.environ.get("WNA16CTL_TEST_MOE_BACKEND") != "emulation":
         return
-    original = module.select_wna16_moe_backend
 
-    def select_emulation(config, *args, **kwargs):
-        emulation = module.WNA16MoEBackend.EMULATION
-        experts = module.backend_to_kernel_cls(emulation) if hasattr(module, "backend_to_kernel_cls") else None
-        if experts is None:
-            return original(config, *args, **kwargs)
-        if isinstance(experts, list):
-            experts = experts[0]
-        return emulation, experts
+    # the oracle then runs its own checks (compatibility, is_supported_config) on EMULATION alone
+    def emulation_only():
+        return [module.WNA16MoEBackend.EMULATION]
 
-    module.select_wna16_moe_backend = select_emulation
+    module._get_priority_backends = emulation_only
+
+
+def _patch_emulation_experts(module):
+    """EMULATION dequantizes the experts to the model dtype in vLLM's own processing and then runs
+    Triton, which has no CPU backend: on the CPU the same computation runs as a loop over experts."""
+    if os.environ.get("WNA16CTL_TEST_MOE_BACKEND") != "emulation":
+        return
+    import torch
+
+    experts_cls = module.Int4EmulationTritonExperts
+    experts_cls._supports_current_device = staticmethod(lambda: True)
+
+    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+              expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
+              apply_router_weight_on_input):
+        ids = topk_ids.long()
+        if expert_map is not None:
+            ids = expert_map[ids].long()
+        out = torch.zeros(output.shape, dtype=torch.float32, device=output.device)
+        n = w1.shape[1]
+        for e in torch.unique(ids).tolist():
+            if e < 0:
+                continue
+            tok, slot = (ids == e).nonzero(as_tuple=True)
+            gate_up = hidden_states[tok] @ w1[e].t()
+            act = torch.empty((gate_up.shape[0], self.adjust_N_for_activation(n, activation)),
+                              dtype=gate_up.dtype, device=gate_up.device)
+            self.activation(activation, act, gate_up)
+            down = (act @ w2[e].t()).float()
+            if not apply_router_weight_on_input:
+                down = down * topk_weights[tok, slot].float().unsqueeze(1)
+            out.index_add_(0, tok, down)
+        output.copy_(out.to(output.dtype))
+
+    experts_cls.apply = apply
 
 
 _PATCHES["vllm.model_executor.model_loader.base_loader"] = _patch_loader_base
 _PATCHES["vllm.model_executor.layers.fused_moe.oracle.int_wna16"] = _patch_wna16_oracle
+_PATCHES["vllm.model_executor.layers.fused_moe.experts.int4_emulation_moe"] = _patch_emulation_experts
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
