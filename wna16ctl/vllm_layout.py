@@ -650,7 +650,7 @@ def repack_vllm_command(sink: Any, source: str, settings: Any, out: str | None, 
     def render_plan(console: Any) -> None:
         for r in plan.to_json()["ranks"]:
             console.print(f"rank {r['rank']}: {r['keys']} keys, {r['bytes']} bytes in {len(r['files'])} file(s)")
-        console.print(f"serve with: {serve_command(out or 'OUT', plan.tp)}")
+        console.print(f"serve with: {serve_command(out or 'OUT', plan.tp)}", soft_wrap=True)
 
     if dry_run:
         sink.result({**plan.to_json(), "loadable": True, "serve": serve_command(out or "OUT", plan.tp)}, render_plan)
@@ -661,7 +661,7 @@ def repack_vllm_command(sink: Any, source: str, settings: Any, out: str | None, 
     def render_result(console: Any) -> None:
         files = [f for r in manifest["ranks"] for f in r["files"]]
         console.print(f"wrote {len(files)} file(s) for {plan.tp} rank(s) of vLLM {plan.vllm} into {Path(out).resolve()}")
-        console.print(f"serve with: {manifest['serve']}")
+        console.print(f"serve with: {manifest['serve']}", soft_wrap=True)
 
     sink.result({"output": str(Path(out).resolve()), "layout": LAYOUT, "tp": plan.tp, "vllm": plan.vllm,
                  "ranks": manifest["ranks"], "serve": manifest["serve"]}, render_result)
@@ -684,4 +684,4 @@ def render_vllm_report(console: Any, report: VllmStateReport) -> None:
     if report.ok:
         console.print(f"PASS {report.keys_checked} keys on {report.tp} rank(s) match vLLM {report.vllm}'s sharded_state "
                       f"contract; {report.tensors_round_tripped} tensors round-trip to the checkpoint bit for bit")
-    console.print(f"serve with: {report.serve}")
+    console.print(f"serve with: {report.serve}", soft_wrap=True)
