@@ -315,7 +315,8 @@ def resolve_engine(spec: str | None) -> Engine:
 #        w13/w2 SUFFIX (routed experts, N-first as stored), shape13/shape2, const VALUE;
 # when: a property of the checkpoint the row needs ("asym": asymmetric experts, "untied": an
 #        lm_head of its own, "qkv_bias": q/k/v biases, "qk_norm": per-head q/k RMSNorm);
-# rule: a Change key that must be in force for the row ("!key": must not be).
+# rule: a Change key that must be in force for the row ("!key": must not be);
+# archs: the model_types the row is for (None: every known one).
 
 VLLM_STATE_SYMBOLS = {
     "H": "hidden_size", "Vn": "vocabulary padded to 64, per rank", "n": "TP size", "Qn": "query rows per rank",
@@ -335,6 +336,7 @@ class StateKey:
     fill: str
     when: str | None = None
     rule: str | None = None
+    archs: tuple[str, ...] | None = None
 
 
 _ATTN = "model.layers.{L}.self_attn"
@@ -365,7 +367,11 @@ VLLM_STATE_KEYS: tuple[StateKey, ...] = (
     StateKey("layer", f"{_ATTN}.attn.v_zero_point", ("1",), "model", "const 0"),
     StateKey("layer", f"{_ATTN}.attn.q_zero_point", ("1",), "model", "const 0"),
     # routed experts: the router (registered under the MoE runner too: the smaller key is kept)
-    StateKey("moe", "model.layers.{L}.{B}.experts.gate.weight", ("E", "H"), "model", "copy model.layers.{L}.{B}.gate.weight"),
+    StateKey("moe", "model.layers.{L}.{B}.experts.gate.weight", ("E", "H"), "model", "copy model.layers.{L}.{B}.gate.weight",
+             archs=("qwen3_moe",)),
+    # where the model does not hand its router to the MoE layer, it keeps the block's own name
+    StateKey("moe", "model.layers.{L}.{B}.gate.weight", ("E", "H"), "model", "copy model.layers.{L}.{B}.gate.weight",
+             archs=("mixtral", "qwen2_moe")),
     StateKey("moe", "model.layers.{L}.{B}.experts.routed_experts.w13_weight_packed", ("E", "2*In", "Hp"), "I32",
              "w13 weight_packed"),
     StateKey("moe", "model.layers.{L}.{B}.experts.routed_experts.w2_weight_packed", ("E", "H", "Inp"), "I32",
@@ -385,7 +391,8 @@ VLLM_STATE_KEYS: tuple[StateKey, ...] = (
              "merged model.layers.{L}.{B}.shared_expert.{G}.weight model.layers.{L}.{B}.shared_expert.{U}.weight"),
     StateKey("shared", "model.layers.{L}.{B}.experts.shared_experts.down_proj.weight", ("H", "Sn"), "model",
              "row model.layers.{L}.{B}.shared_expert.{D}.weight"),
-    StateKey("shared", "model.layers.{L}.{B}.experts.shared_expert_gate.weight", ("1", "H"), "model",
+    # the shared expert's gate is registered three times (block, shared expert, MoE layer's copy)
+    StateKey("shared", "model.layers.{L}.{B}.experts.shared_experts.expert_gate.weight", ("1", "H"), "model",
              "copy model.layers.{L}.{B}.shared_expert_gate.weight"),
 )
 

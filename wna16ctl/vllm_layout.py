@@ -170,7 +170,9 @@ def _rows_for(scope: str) -> list[rules.StateKey]:
     return [row for row in rules.VLLM_STATE_KEYS if row.scope == scope]
 
 
-def _in_force(row: rules.StateKey, version: str) -> bool:
+def _in_force(row: rules.StateKey, version: str, arch: str) -> bool:
+    if row.archs is not None and arch not in row.archs:
+        return False
     if row.rule is None:
         return True
     neg = row.rule.startswith("!")
@@ -210,6 +212,7 @@ def plan_vllm_state(ckpt: str | os.PathLike[str] | Checkpoint, tp: int, vllm: st
         raise BadInput(f"{ck.config.path}: torch_dtype {dtype_name!r} is not bfloat16, float16 or float32")
     model_st = _ST_DTYPES[dtype_name]
     moe_by_layer = {lay.layer_index: lay for lay in ck.layers}
+    arch = ck.config.model_type
     n_layers = ck.config.num_hidden_layers or 0
 
     def resolved(row: rules.StateKey, layer: int | None, moe: MoELayer | None, sizes: dict[str, int]) -> StateTensor:
@@ -219,7 +222,7 @@ def plan_vllm_state(ckpt: str | os.PathLike[str] | Checkpoint, tp: int, vllm: st
 
     keys: list[StateTensor] = []
     base = _sizes(ck, tp, None, None)
-    model_rows = [r for r in _rows_for("model") if _in_force(r, vllm) and _when(ck, r.when, None, None)]
+    model_rows = [r for r in _rows_for("model") if _in_force(r, vllm, arch) and _when(ck, r.when, None, None)]
     keys += [resolved(r, None, None, base) for r in model_rows if r.key.startswith("model.embed")]
     for layer in range(n_layers):
         moe = moe_by_layer.get(layer)
@@ -227,7 +230,7 @@ def plan_vllm_state(ckpt: str | os.PathLike[str] | Checkpoint, tp: int, vllm: st
         scopes = ["layer"] + (["moe"] + (["shared"] if "Sn" in sizes else []) if moe is not None else ["dense"])
         for scope in scopes:
             for row in _rows_for(scope):
-                if _in_force(row, vllm) and _when(ck, row.when, layer, moe):
+                if _in_force(row, vllm, arch) and _when(ck, row.when, layer, moe):
                     keys.append(resolved(row, layer, moe, sizes))
     keys += [resolved(r, None, None, base) for r in model_rows if not r.key.startswith("model.embed")]
     _check_sources(ck, keys)

