@@ -180,7 +180,7 @@ def test_other_architectures_round_trip(make_ckpt, tmp_path, arch):
     assert res.exit_code == 0, res.output
     keys = _keys(out / "model-rank-0-part-0.safetensors")
     if arch == "qwen2_moe":
-        assert "model.layers.0.mlp.experts.shared_experts.gate_up_proj.weight" in keys
+        assert "model.layers.0.mlp.experts._shared_experts._layer.gate_up_proj.weight" in keys
         assert "model.layers.0.self_attn.qkv_proj.bias" in keys
     else:
         assert "model.layers.0.block_sparse_moe.experts.routed_experts.w13_weight_packed" in keys

@@ -387,12 +387,12 @@ VLLM_STATE_KEYS: tuple[StateKey, ...] = (
     StateKey("moe", "model.layers.{L}.{B}.experts.routed_experts.w2_weight_shape", ("E", "2"), "model", "shape2"),
     StateKey("moe", "model.layers.{L}.{B}.experts.routed_experts.w13_weight_shape", ("E", "2"), "model", "shape13"),
     # a shared expert (Qwen2-MoE) beside the routed ones, and its sigmoid gate
-    StateKey("shared", "model.layers.{L}.{B}.experts.shared_experts.gate_up_proj.weight", ("2*Sn", "H"), "model",
+    StateKey("shared", "model.layers.{L}.{B}.experts._shared_experts._layer.gate_up_proj.weight", ("2*Sn", "H"), "model",
              "merged model.layers.{L}.{B}.shared_expert.{G}.weight model.layers.{L}.{B}.shared_expert.{U}.weight"),
-    StateKey("shared", "model.layers.{L}.{B}.experts.shared_experts.down_proj.weight", ("H", "Sn"), "model",
+    StateKey("shared", "model.layers.{L}.{B}.experts._shared_experts._layer.down_proj.weight", ("H", "Sn"), "model",
              "row model.layers.{L}.{B}.shared_expert.{D}.weight"),
-    # the shared expert's gate is registered three times (block, shared expert, MoE layer's copy)
-    StateKey("shared", "model.layers.{L}.{B}.experts.shared_experts.expert_gate.weight", ("1", "H"), "model",
+    # the MoE runner wraps the shared expert (and the gate it holds): that copy has the smallest keys
+    StateKey("shared", "model.layers.{L}.{B}.experts._shared_experts._layer.expert_gate.weight", ("1", "H"), "model",
              "copy model.layers.{L}.{B}.shared_expert_gate.weight"),
 )
 

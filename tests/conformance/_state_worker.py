@@ -8,6 +8,10 @@ on the meta device (no memory, no weights).  On the meta device every tensor has
 address, so `ShardedStateLoader._filter_subtensors` cannot tell them apart: a key registered twice
 is found by identity instead, keeping the smaller key as that function does.
 
+With `--tree TREE` (a release's extracted sources, tests/conformance/vllm_release.py), that
+release's Python code is imported instead of the installed one, with the stand-ins of _stubs.py
+for its compiled modules, on vLLM's CPU platform.
+
 Prints one JSON object: {"vllm": version, "keys": {key: [shape, dtype]}}.
 """
 
@@ -16,8 +20,27 @@ import os
 import sys
 
 
-def main(ckpt: str, tp: int, rank: int, init_file: str) -> None:
+def _use_release_tree(tree: str) -> None:
+    import glob
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _stubs
+
+    root = os.path.dirname(tree.rstrip("/"))
+    with open(os.path.join(root, "extensions.txt")) as f:
+        extensions = [line.strip() for line in f if line.strip()]
+    meta = glob.glob(os.path.join(tree, "vllm-*.dist-info", "METADATA"))
+    _stubs.install(tree, [os.path.join(root, "ct")], extensions, open(meta[0]).read() if meta else "")
+    import vllm.platforms as platforms
+    from vllm.platforms.cpu import CpuPlatform
+
+    platforms._current_platform = CpuPlatform()
+
+
+def main(ckpt: str, tp: int, rank: int, init_file: str, tree: str | None = None) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    if tree:
+        _use_release_tree(tree)
     import torch
 
     import vllm
@@ -47,4 +70,8 @@ def main(ckpt: str, tp: int, rank: int, init_file: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    args = sys.argv[1:]
+    tree = None
+    if args[0] == "--tree":
+        tree, args = args[1], args[2:]
+    main(args[0], int(args[1]), int(args[2]), args[3], tree)
