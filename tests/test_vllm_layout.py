@@ -212,3 +212,15 @@ def test_unknown_architecture_is_refused_naming_release_and_architecture(make_ck
                                                    "--layout", "vllm", "--vllm", "0.33.0", "-o", str(tmp_path / "o")])
     assert res.exit_code == 2 and one_line(res.stderr)
     assert "vLLM 0.33.0 with architecture deepseek_v3" in res.stderr
+
+
+def test_python_api_writes_and_verifies_the_vllm_layout(make_ckpt, tmp_path):
+    import wna16ctl
+
+    ck = make_ckpt()
+    plan = wna16ctl.repack(ck, None, 2, layout="vllm", vllm="0.33.0", dry_run=True)
+    assert len(plan.keys[0]) == 49
+    manifest = wna16ctl.repack(ck, tmp_path / "o", 2, layout="vllm", vllm="0.33.0")
+    assert manifest["serve"].endswith("--load-format sharded_state --tensor-parallel-size 2")
+    report = wna16ctl.verify(ck, tmp_path / "o")
+    assert report.ok and report.tensors_round_tripped == 98
