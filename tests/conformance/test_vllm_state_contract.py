@@ -10,6 +10,7 @@ of _stubs.py for its compiled modules; offline and uncached, that one skips with
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -25,7 +26,9 @@ _DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "I32": "int32
 
 def vllm_contract(python: Path, ckpt: Path, tp: int, tmp_path: Path, tree: Path | None = None) -> tuple[str, list[dict]]:
     init = tmp_path / f"init-{tp}"
-    env = _engine_env(1) | {"WNA16CTL_CONFORMANCE_ABSENT": "torchcodec,torchvision,torchaudio"}
+    # the CPU communicator names its shared-memory group after VLLM_DIST_IDENT (the engine sets it)
+    env = _engine_env(1) | {"WNA16CTL_CONFORMANCE_ABSENT": "torchcodec,torchvision,torchaudio",
+                            "VLLM_DIST_IDENT": f"wna16ctl-contract-{os.getpid()}-{tmp_path.name}"}
     release = ["--tree", str(tree)] if tree else []
     procs = [subprocess.Popen([str(python), str(WORKER), *release, str(ckpt), str(tp), str(r), str(init)],
                               stdout=subprocess.PIPE,
