@@ -224,3 +224,13 @@ def test_python_api_writes_and_verifies_the_vllm_layout(make_ckpt, tmp_path):
     assert manifest["serve"].endswith("--load-format sharded_state --tensor-parallel-size 2")
     report = wna16ctl.verify(ck, tmp_path / "o")
     assert report.ok and report.tensors_round_tripped == 98
+
+
+def test_inspect_says_how_to_serve_pre_sharded(make_ckpt):
+    ck = make_ckpt()
+    res = invoke("inspect", ck, "--tp", "1,2", "--vllm", "0.32.0")
+    text = " ".join(res.output.split())
+    assert f"wna16ctl repack {ck} --tp 2 --layout vllm --vllm 0.32.0 -o OUT" in text
+    assert "vllm serve OUT --load-format sharded_state --tensor-parallel-size 2" in text
+    older = " ".join(invoke("inspect", ck, "--tp", "2", "--vllm", "0.29.0").output.split())
+    assert "--layout vllm" not in older  # no known contract for that release

@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.markup import escape
 
+from wna16ctl import rules
 from wna16ctl.inspection import Inspection
 from wna16ctl.output import human_bytes, plural, simple_table
 
@@ -120,6 +121,20 @@ def render_inspection(console: Console, insp: Inspection) -> None:
     render_model_section(console, insp)
     verdict = "[bold green]loads[/] at every requested TP size" if insp.loadable else "[bold red]does not load[/] everywhere (see above)"
     console.print(f"verdict: {verdict}")
+    _render_serving(console, insp)
+
+
+def _render_serving(console: Console, insp: Inspection) -> None:
+    """Which repack layout stock vLLM serves pre-sharded, and how (only where the rulebook has the
+    release's sharded_state contract for this architecture)."""
+    ck = insp.checkpoint
+    if (insp.ep or insp.engine.version not in rules.VLLM_STATE_RELEASES
+            or ck.config.model_type not in rules.VLLM_STATE_ARCHITECTURES or not insp.loadable):
+        return
+    tp = insp.tps[-1]
+    console.print(f"serve pre-sharded with vLLM {insp.engine.version}: wna16ctl repack {escape(str(ck.root))} --tp {tp} "
+                  f"--layout vllm --vllm {insp.engine.version} -o OUT, then vllm serve OUT --load-format sharded_state "
+                  f"--tensor-parallel-size {tp}", soft_wrap=True)
 
 
 def _span_of_ints(ids: list[int]) -> str:
