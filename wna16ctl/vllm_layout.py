@@ -322,27 +322,28 @@ def _expert_tensor(plan: VllmStatePlan, reader: Any, moe: MoELayer, verb: str, s
 
     tp = plan.tp
     channel = moe.scheme.group_size == -1
-    per_expert = []
-    for e in range(moe.num_experts):
-        if verb in ("shape13", "shape2"):
-            role = "gate" if verb == "shape13" else "down"
+    if verb in ("shape13", "shape2"):
+        # vLLM writes the checkpoint's weight_shape of each projection into the expert's row; of
+        # gate and up (the same values in a valid checkpoint) up's is loaded last and kept
+        role = "up" if verb == "shape13" else "down"
+        rows = []
+        for e in range(moe.num_experts):
             name = moe.tensor_name(e, role, "weight_shape")
             if name not in reader.files:
                 raise reader.files.missing(name)
-            per_expert.append(reader.read(name))
-            continue
+            rows.append(reader.read(name))
+        return vs.weight_shape_rows(rows, dtype)
+    per_expert = []
+    for e in range(moe.num_experts):
         if verb == "w13":
             gate, up = (_expert_read(reader, moe, e, role, suffix) for role in ("gate", "up"))
             per_expert.append(vs.w13_shard(gate, up, tp, rank))
         else:
             down = _expert_read(reader, moe, e, "down", suffix)
             per_expert.append(vs.w2_shard(down, tp, rank, whole=channel and suffix == "weight_scale"))
-    if verb in ("shape13", "shape2"):
-        if verb == "shape13":  # the up projection's row is written after the gate's: it is the one kept
-            per_expert = [reader.read(moe.tensor_name(e, "up", "weight_shape")) for e in range(moe.num_experts)]
-        return vs.weight_shape_rows(per_expert, dtype)
-    return vs.stack_experts(per_expert) if per_expert[0].dtype == torch.int32 else vs.stack_experts(
-        [p.to(dtype) for p in per_expert])
+    if per_expert[0].dtype != torch.int32:  # scales: converted to the parameter's dtype
+        per_expert = [p.to(dtype) for p in per_expert]
+    return vs.stack_experts(per_expert)
 
 
 def _expert_read(reader: Any, moe: MoELayer, e: int, role: str, suffix: str) -> Any:
