@@ -234,3 +234,16 @@ def test_inspect_says_how_to_serve_pre_sharded(make_ckpt):
     assert "vllm serve OUT --load-format sharded_state --tensor-parallel-size 2" in text
     older = " ".join(invoke("inspect", ck, "--tp", "2", "--vllm", "0.29.0").output.split())
     assert "--layout vllm" not in older  # no known contract for that release
+
+
+def test_vllm_layout_json_keys_are_documented(make_ckpt, tmp_path):
+    from tests.test_json_docs import documented
+
+    ck = make_ckpt()
+    doc = documented("repack-json.md")
+    run = json.loads(invoke("repack", ck, "--tp", 2, "--layout", "vllm", "-o", tmp_path / "o", "--json").stdout)
+    dry = json.loads(invoke("repack", ck, "--tp", 2, "--layout", "vllm", "--dry-run", "--json").stdout)
+    for obj in (run, run["ranks"][0], dry, dry["ranks"][0]):
+        assert set(obj) <= doc, set(obj) - doc
+    report = json.loads(invoke("verify", ck, tmp_path / "o", "--json").stdout)
+    assert set(report) <= documented("verify-json.md")
