@@ -44,7 +44,11 @@ conformance: $(BIN)/.installed
 		$(BIN)/python -m pytest -q -rs -m conformance tests/conformance
 
 # The optional engine tier: vLLM's CPU build in its own venv (it pins its own torch, the same
-# 2.13.0 CPU wheel), used by tests marked `engine` to compare greedy tokens with a real engine.
+# 2.13.0 CPU wheel), used by tests marked `engine`: greedy tokens of a real engine, `repack
+# --layout vllm` served with load_format="sharded_state" against a normal load (TP 1 and 2), and
+# the vllm layout's key contract against vLLM's model code on the meta device.  On a CPU without
+# AMX the tests switch vLLM to its EMULATION MoE backend through tests/engine_hooks (test-only).
+# Tens of minutes on a 2-core machine: not part of `make test`.
 ENGINE_VENV ?= build/engine-venv
 $(ENGINE_VENV)/bin/.installed:
 	$(PYTHON) -m venv $(ENGINE_VENV)

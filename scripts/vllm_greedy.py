@@ -2,8 +2,12 @@
 
     python scripts/vllm_greedy.py REQUEST.json RESULT.json
 
-REQUEST: {"model": DIR, "prompts": [[token ids], ...], "max_tokens": N, "dtype": "bfloat16"}.
-RESULT: {"tokens": [[generated ids], ...], "vllm": version, "seconds": load + generate time}.
+REQUEST: {"model": DIR, "prompts": [[token ids], ...], "max_tokens": N, "dtype": "bfloat16"}, optionally
+"load_format" (e.g. "sharded_state"), "tensor_parallel_size", "logprobs" (how many top logprobs per step),
+"save_sharded_state" (a directory: vLLM's own save_sharded_state of the loaded model goes there, then
+the script ends without generating).
+RESULT: {"tokens": [[generated ids], ...], "logprobs": [[{token id: logprob} per step], ...] (with
+"logprobs"), "vllm": version, "seconds": load + generate time}.
 Only vLLM and the standard library are imported: the engine venv does not have wna16ctl.
 """
 
@@ -24,12 +28,23 @@ def main(request_path: str, result_path: str) -> None:
     # demo model needs a sliver of it
     llm = LLM(model=req["model"], dtype=req.get("dtype", "auto"), max_model_len=req.get("max_model_len", 2048),
               gpu_memory_utilization=req.get("memory_fraction", 0.05), enforce_eager=True, seed=0,
-              skip_tokenizer_init=True)
-    params = SamplingParams(temperature=0.0, max_tokens=req["max_tokens"], detokenize=False)
+              skip_tokenizer_init=True, load_format=req.get("load_format", "auto"),
+              tensor_parallel_size=req.get("tensor_parallel_size", 1))
+    if req.get("save_sharded_state"):
+        llm.llm_engine.engine_core.save_sharded_state(path=req["save_sharded_state"])
+        with open(result_path, "w") as f:
+            json.dump({"saved": req["save_sharded_state"], "vllm": vllm.__version__}, f)
+        return
+    params = SamplingParams(temperature=0.0, max_tokens=req["max_tokens"], detokenize=False,
+                            logprobs=req.get("logprobs"))
     outs = llm.generate([{"prompt_token_ids": ids} for ids in req["prompts"]], params, use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
+    result = {"tokens": tokens, "vllm": vllm.__version__, "seconds": time.monotonic() - started}
+    if req.get("logprobs"):
+        result["logprobs"] = [[{str(t): lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs or []]
+                              for o in outs]
     with open(result_path, "w") as f:
-        json.dump({"tokens": tokens, "vllm": vllm.__version__, "seconds": time.monotonic() - started}, f)
+        json.dump(result, f)
 
 
 if __name__ == "__main__":

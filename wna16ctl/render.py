@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.markup import escape
 
+from wna16ctl.planning import rules
 from wna16ctl.planning.inspection import Inspection
 from wna16ctl.sink import human_bytes, plural, simple_table
 
@@ -130,6 +131,7 @@ def render_inspection(console: Console, insp: Inspection) -> None:
         verdict = "[bold green]loads[/] at every requested TP size"
     console.print(f"verdict: {verdict}")
     console.print(f"summary: {escape(insp.summary()['text'])}")
+    _render_serving(console, insp)
     render_suggestions(console, insp)
 
 
@@ -182,6 +184,20 @@ def _tp_loads(insp: Inspection, i: int) -> bool:
     return (all(insp.plans[lay.prefix][i].loadable for lay in ck.quantized_layers)
             and all(p[i].loadable for p in insp.linear_plans.values())
             and all(c.ok for c in insp.checks if c.fatal and c.tp == tp))
+
+
+
+def _render_serving(console: Console, insp: Inspection) -> None:
+    """Which repack layout stock vLLM serves pre-sharded, and how (only where the rulebook has the
+    release's sharded_state contract for this architecture)."""
+    ck = insp.checkpoint
+    if (insp.ep or insp.engine.version not in rules.VLLM_STATE_RELEASES
+            or ck.config.model_type not in rules.VLLM_STATE_ARCHITECTURES or not insp.loadable):
+        return
+    tp = insp.tps[-1]
+    console.print(f"serve pre-sharded with vLLM {insp.engine.version}: wna16ctl repack {escape(str(ck.root))} --tp {tp} "
+                  f"--layout vllm --vllm {insp.engine.version} -o OUT, then vllm serve OUT --load-format sharded_state "
+                  f"--tensor-parallel-size {tp}", soft_wrap=True)
 
 
 def _span_of_ints(ids: list[int]) -> str:

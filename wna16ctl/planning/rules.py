@@ -307,3 +307,106 @@ def resolve_engine(spec: str | None) -> Engine:
     except ValueError:
         raise ValueError(f"--vllm {spec!r} is not a vLLM version (e.g. 0.33.0), 'installed', 'latest' or 'all'") from None
     return match_release(spec, "flag")
+
+
+# -- the sharded_state contract: what `repack --layout vllm` writes ----------------------------------
+# `vllm serve --load-format sharded_state` copies each rank's file into the parameters a fresh
+# model holds before `process_weights_after_loading`: the key set is
+# `ShardedStateLoader._filter_subtensors(model.state_dict())`, where a module registered twice
+# keeps its smaller key (the router as `mlp.experts.gate`), and a missing or extra key fails the
+# load.  One row per key; `repack --layout vllm` builds exactly these and `verify` checks them.
+#
+# scope: "model" (once), "layer" (every decoder layer), "moe" (layers with routed experts),
+#        "shared" (MoE layers with a shared expert), "dense" (decoder layers with a dense MLP);
+# key / fill: {L} = layer index, {B} = the checkpoint's MoE block name (mlp, block_sparse_moe),
+#        {G}/{U}/{D} = the checkpoint's gate/up/down projection names (gate_proj or w1, ...);
+# shape: expressions over the sizes in VLLM_STATE_SYMBOLS;
+# dtype: "model" (config.json torch_dtype), "I32", "F32";
+# fill: how the tensor is made (wna16ctl/repacking/vllm_layout.py): vocab/copy/column/row/qkv/merged NAME,
+#        w13/w2 SUFFIX (routed experts, N-first as stored), shape13/shape2, const VALUE;
+# when: a property of the checkpoint the row needs ("asym": asymmetric experts, "untied": an
+#        lm_head of its own, "qkv_bias": q/k/v biases, "qk_norm": per-head q/k RMSNorm);
+# rule: a Change key that must be in force for the row ("!key": must not be);
+# archs: the model_types the row is for (None: every known one).
+
+VLLM_STATE_SYMBOLS = {
+    "H": "hidden_size", "Vn": "vocabulary padded to 64, per rank", "n": "TP size", "Qn": "query rows per rank",
+    "KVn": "key (or value) rows per rank", "hd": "head dim", "E": "routed experts", "In": "expert intermediate per rank",
+    "Hp": "H / pack factor", "Inp": "In / pack factor", "Hpz": "H / pack factor (zero-point rows of w2)",
+    "I2np": "2 In / pack factor", "G13": "w13 scale groups", "G2": "w2 scale groups per rank",
+    "Sn": "shared-expert intermediate per rank", "Dn": "dense MLP intermediate per rank",
+}
+
+
+@dataclass(frozen=True)
+class StateKey:
+    scope: str
+    key: str
+    shape: tuple[str, ...]
+    dtype: str
+    fill: str
+    when: str | None = None
+    rule: str | None = None
+    archs: tuple[str, ...] | None = None
+
+
+_ATTN = "model.layers.{L}.self_attn"
+VLLM_STATE_KEYS: tuple[StateKey, ...] = (
+    StateKey("model", "model.embed_tokens.weight", ("Vn", "H"), "model", "vocab model.embed_tokens.weight"),
+    StateKey("model", "model.norm.weight", ("H",), "model", "copy model.norm.weight"),
+    StateKey("model", "lm_head.weight", ("Vn", "H"), "model", "vocab lm_head.weight", when="untied"),
+    StateKey("layer", "model.layers.{L}.input_layernorm.weight", ("H",), "model", "copy model.layers.{L}.input_layernorm.weight"),
+    StateKey("layer", "model.layers.{L}.post_attention_layernorm.weight", ("H",), "model",
+             "copy model.layers.{L}.post_attention_layernorm.weight"),
+    StateKey("layer", f"{_ATTN}.qkv_proj.weight", ("Qn+2*KVn", "H"), "model", f"qkv {_ATTN}.q_proj.weight"),
+    StateKey("layer", f"{_ATTN}.qkv_proj.bias", ("Qn+2*KVn",), "model", f"qkv {_ATTN}.q_proj.bias", when="qkv_bias"),
+    StateKey("layer", f"{_ATTN}.o_proj.weight", ("H", "Qn"), "model", f"row {_ATTN}.o_proj.weight"),
+    StateKey("layer", f"{_ATTN}.q_norm.weight", ("hd",), "model", f"copy {_ATTN}.q_norm.weight", when="qk_norm"),
+    StateKey("layer", f"{_ATTN}.k_norm.weight", ("hd",), "model", f"copy {_ATTN}.k_norm.weight", when="qk_norm"),
+    # tensors the attention layer creates itself (no checkpoint counterpart): the values a fresh
+    # layer holds, which its processing turns into the KV-cache scales
+    StateKey("layer", f"{_ATTN}.attn._k_scale", (), "F32", "const 1.0"),
+    StateKey("layer", f"{_ATTN}.attn._v_scale", (), "F32", "const 1.0"),
+    StateKey("layer", f"{_ATTN}.attn._q_scale", (), "F32", "const 1.0"),
+    StateKey("layer", f"{_ATTN}.attn._prob_scale", (), "F32", "const 1.0"),
+    # compressed-tensors' KV-cache method creates per-tensor q/k/v scales and zero points on every
+    # attention layer, whether or not the checkpoint quantizes the KV cache
+    StateKey("layer", f"{_ATTN}.attn.k_scale", ("1",), "F32", "const 1.0"),
+    StateKey("layer", f"{_ATTN}.attn.v_scale", ("1",), "F32", "const 1.0"),
+    StateKey("layer", f"{_ATTN}.attn.q_scale", ("1",), "F32", "const 1.0"),
+    StateKey("layer", f"{_ATTN}.attn.k_zero_point", ("1",), "model", "const 0"),
+    StateKey("layer", f"{_ATTN}.attn.v_zero_point", ("1",), "model", "const 0"),
+    StateKey("layer", f"{_ATTN}.attn.q_zero_point", ("1",), "model", "const 0"),
+    # routed experts: the router (registered under the MoE runner too: the smaller key is kept)
+    StateKey("moe", "model.layers.{L}.{B}.experts.gate.weight", ("E", "H"), "model", "copy model.layers.{L}.{B}.gate.weight",
+             archs=("qwen3_moe",)),
+    # where the model does not hand its router to the MoE layer, it keeps the block's own name
+    StateKey("moe", "model.layers.{L}.{B}.gate.weight", ("E", "H"), "model", "copy model.layers.{L}.{B}.gate.weight",
+             archs=("mixtral", "qwen2_moe")),
+    StateKey("moe", "model.layers.{L}.{B}.experts.routed_experts.w13_weight_packed", ("E", "2*In", "Hp"), "I32",
+             "w13 weight_packed"),
+    StateKey("moe", "model.layers.{L}.{B}.experts.routed_experts.w2_weight_packed", ("E", "H", "Inp"), "I32",
+             "w2 weight_packed"),
+    StateKey("moe", "model.layers.{L}.{B}.experts.routed_experts.w13_weight_scale", ("E", "2*In", "G13"), "model",
+             "w13 weight_scale"),
+    StateKey("moe", "model.layers.{L}.{B}.experts.routed_experts.w2_weight_scale", ("E", "H", "G2"), "model",
+             "w2 weight_scale"),
+    StateKey("moe", "model.layers.{L}.{B}.experts.routed_experts.w13_weight_zero_point", ("E", "I2np", "G13"), "I32",
+             "w13 weight_zero_point", when="asym"),
+    StateKey("moe", "model.layers.{L}.{B}.experts.routed_experts.w2_weight_zero_point", ("E", "Hpz", "G2"), "I32",
+             "w2 weight_zero_point", when="asym"),
+    StateKey("moe", "model.layers.{L}.{B}.experts.routed_experts.w2_weight_shape", ("E", "2"), "model", "shape2"),
+    StateKey("moe", "model.layers.{L}.{B}.experts.routed_experts.w13_weight_shape", ("E", "2"), "model", "shape13"),
+    # a shared expert (Qwen2-MoE) beside the routed ones, and its sigmoid gate
+    StateKey("shared", "model.layers.{L}.{B}.experts._shared_experts._layer.gate_up_proj.weight", ("2*Sn", "H"), "model",
+             "merged model.layers.{L}.{B}.shared_expert.{G}.weight model.layers.{L}.{B}.shared_expert.{U}.weight"),
+    StateKey("shared", "model.layers.{L}.{B}.experts._shared_experts._layer.down_proj.weight", ("H", "Sn"), "model",
+             "row model.layers.{L}.{B}.shared_expert.{D}.weight"),
+    # the MoE runner wraps the shared expert (and the gate it holds): that copy has the smallest keys
+    StateKey("shared", "model.layers.{L}.{B}.experts._shared_experts._layer.expert_gate.weight", ("1", "H"), "model",
+             "copy model.layers.{L}.{B}.shared_expert_gate.weight"),
+)
+
+# (release, model_type) pairs whose contract was read in the release and checked against its code
+VLLM_STATE_RELEASES = ("0.32.0", "0.33.0")
+VLLM_STATE_ARCHITECTURES = ("qwen3_moe", "mixtral", "qwen2_moe")

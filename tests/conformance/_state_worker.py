@@ -1,0 +1,77 @@
+"""Builds a model with an installed vLLM's own model and layer code on the meta device and prints
+the sharded_state key contract of one TP rank: `python _state_worker.py CKPT TP RANK INIT_FILE`.
+
+Runs in an environment where vLLM is installed (the engine venv).  Every rank of a TP size is one
+process; they form a real gloo group (vLLM's own `init_distributed_environment` and
+`initialize_model_parallel`), so each layer sees its true TP rank and size.  Parameters are created
+on the meta device (no memory, no weights).  On the meta device every tensor has the same storage
+address, so `ShardedStateLoader._filter_subtensors` cannot tell them apart: a key registered twice
+is found by identity instead, keeping the smaller key as that function does.
+
+With `--tree TREE` (a release's extracted sources, tests/conformance/vllm_release.py), that
+release's Python code is imported instead of the installed one, with the stand-ins of _stubs.py
+for its compiled modules, on vLLM's CPU platform.
+
+Prints one JSON object: {"vllm": version, "keys": {key: [shape, dtype]}}.
+"""
+
+import json
+import os
+import sys
+
+
+def _use_release_tree(tree: str) -> None:
+    import glob
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _stubs
+
+    root = os.path.dirname(tree.rstrip("/"))
+    with open(os.path.join(root, "extensions.txt")) as f:
+        extensions = [line.strip() for line in f if line.strip()]
+    meta = glob.glob(os.path.join(tree, "vllm-*.dist-info", "METADATA"))
+    _stubs.install(tree, [os.path.join(root, "ct")], extensions, open(meta[0]).read() if meta else "")
+    import vllm.platforms as platforms
+    from vllm.platforms.cpu import CpuPlatform
+
+    platforms._current_platform = CpuPlatform()
+
+
+def main(ckpt: str, tp: int, rank: int, init_file: str, tree: str | None = None) -> None:
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    if tree:
+        _use_release_tree(tree)
+    import torch
+
+    import vllm
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader.utils import initialize_model
+
+    config = EngineArgs(model=ckpt, tensor_parallel_size=tp, dtype="bfloat16", enforce_eager=True,
+                        skip_tokenizer_init=True, max_model_len=256).create_engine_config()
+    with set_current_vllm_config(config):
+        init_distributed_environment(world_size=tp, rank=rank, local_rank=rank,
+                                     distributed_init_method=f"file://{init_file}", backend="gloo")
+        initialize_model_parallel(tensor_model_parallel_size=tp)
+        torch.set_default_dtype(config.model_config.dtype)  # as vLLM's loader does around model creation
+        with torch.device("meta"):
+            model = initialize_model(vllm_config=config)
+    kept = {}
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        if tensor.numel() == 0:
+            continue  # the filter skips empty tensors
+        ident = id(tensor)
+        if ident not in kept or key < kept[ident][0]:
+            kept[ident] = (key, tensor)
+    keys = {key: [list(t.shape), str(t.dtype).replace("torch.", "")] for key, t in kept.values()}
+    sys.stdout.write(json.dumps({"vllm": vllm.__version__, "keys": keys}) + "\n")
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    tree = None
+    if args[0] == "--tree":
+        tree, args = args[1], args[2:]
+    main(args[0], int(args[1]), int(args[2]), args[3], tree)

@@ -1,0 +1,249 @@
+"""`repack --layout vllm` and `verify` on its output: the sharded_state contract, the tensor math
+and its inverse, and the one-line refusals.  The engine itself is exercised by the engine tier
+(tests/test_engine.py); the key contract against vLLM's model code by tests/conformance."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from wna16ctl.cli import cli
+from wna16ctl.layout import vllm_state as vs
+from wna16ctl.output.writer import FILE_HASH, MANIFEST_NAME, hash_file
+
+
+def invoke(*args: object):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def one_line(text: str) -> bool:
+    return len(text.strip().splitlines()) == 1
+
+
+# -- the tensor math and its inverse ------------------------------------------------------------------
+
+def test_vocab_is_padded_to_64_then_split():
+    w = torch.arange(100 * 3, dtype=torch.float32).reshape(100, 3)
+    parts = [vs.vocab_shard(w, 2, r) for r in range(2)]
+    assert [p.shape[0] for p in parts] == [64, 64]  # 100 -> 128 rows, 64 per rank
+    assert torch.equal(parts[0], w[:64]) and torch.equal(parts[1][:36], w[64:])
+    assert not parts[1][36:].any()
+    rows, pad = vs.vocab_unshard(parts, 100)
+    assert torch.equal(rows, w) and pad.shape[0] == 28 and not pad.any()
+
+
+@pytest.mark.parametrize("heads,kv,tp", [(8, 4, 2), (8, 2, 4), (4, 1, 4), (4, 2, 4), (6, 6, 3)])
+def test_qkv_round_trip_with_replicated_kv_heads(heads, kv, tp):
+    hd, h = 4, 5
+    gen = torch.Generator().manual_seed(heads * 31 + kv * 7 + tp)
+    q, k, v = (torch.randn(n * hd, h, generator=gen) for n in (heads, kv, kv))
+    parts = [vs.qkv_shard(q, k, v, heads, kv, hd, tp, r) for r in range(tp)]
+    per_kv = max(1, kv // tp) * hd
+    for r, p in enumerate(parts):
+        assert p.shape[0] == heads // tp * hd + 2 * per_kv
+        head = r * kv // tp if kv >= tp else r // (tp // kv)  # first KV head of the rank
+        assert torch.equal(p[heads // tp * hd:heads // tp * hd + hd], k[head * hd:(head + 1) * hd])
+    q2, k2, v2, replicas = vs.qkv_unshard(parts, heads, kv, hd)
+    assert torch.equal(q2, q) and torch.equal(k2, k) and torch.equal(v2, v)
+    assert len(replicas) == (tp - kv if kv < tp else 0)
+
+
+def test_experts_n_first_round_trip():
+    gen = torch.Generator().manual_seed(1)
+    gate, up = (torch.randint(-2**31, 2**31 - 1, (16, 4), generator=gen, dtype=torch.int64).to(torch.int32)
+                for _ in range(2))
+    down = torch.randint(-2**31, 2**31 - 1, (8, 4), generator=gen, dtype=torch.int64).to(torch.int32)
+    w13 = [vs.w13_shard(gate, up, 2, r) for r in range(2)]
+    assert torch.equal(w13[1][:8], gate[8:]) and torch.equal(w13[1][8:], up[8:])  # gate rows, then up rows
+    g2, u2 = vs.w13_unshard(w13)
+    assert torch.equal(g2, gate) and torch.equal(u2, up)
+    w2 = [vs.w2_shard(down, 2, r) for r in range(2)]
+    assert torch.equal(vs.w2_unshard(w2)[0], down)
+    scale = torch.randn(8, 1)
+    whole = [vs.w2_shard(scale, 2, r, whole=True) for r in range(2)]
+    assert vs.w2_unshard(whole, whole=True) == (whole[0], [])
+
+
+def test_weight_shape_rows_take_the_model_dtype():
+    rows = vs.weight_shape_rows([torch.tensor([768, 2048]), torch.tensor([768, 2048])], torch.bfloat16)
+    assert rows.dtype == torch.bfloat16 and rows.shape == (2, 2) and rows[0].tolist() == [768.0, 2048.0]
+
+
+# -- repack --layout vllm + verify ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def q3_tp2(make_ckpt, tmp_path_factory):
+    ck = make_ckpt(tokenizer=True)
+    out = tmp_path_factory.mktemp("vllm") / "q3-tp2"
+    res = invoke("repack", ck, "--tp", 2, "--layout", "vllm", "--vllm", "0.32.0", "-o", out, "-q")
+    assert res.exit_code == 0, res.output
+    return ck, out, res.output
+
+
+def _keys(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    with safe_open(str(path), framework="pt") as f:
+        return {k: (tuple(f.get_slice(k).get_shape()), f.get_tensor(k).dtype) for k in f.keys()}
+
+
+def test_repack_writes_vllms_default_pattern_and_prints_the_serve_command(q3_tp2):
+    ck, out, output = q3_tp2
+    names = sorted(p.name for p in out.iterdir())
+    assert "model-rank-0-part-0.safetensors" in names and "model-rank-1-part-0.safetensors" in names
+    assert {"config.json", "tokenizer.json", MANIFEST_NAME} <= set(names)
+    assert f"vllm serve {out} --load-format sharded_state --tensor-parallel-size 2" in output.replace("\n", "")
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    assert manifest["layout"] == "vllm" and manifest["engine"]["load_format"] == "sharded_state"
+
+
+def test_demo_state_has_the_contract_keys(q3_tp2):
+    """The demo (Qwen3-MoE, 2 layers, 8 experts, H=256, I=256, vocab 512, 4 heads / 2 KV heads of 64,
+    W4A16 group 128) at TP 2, as vLLM 0.32.0 creates it (same set as the engine tier's dump)."""
+    _, out, _ = q3_tp2
+    keys = _keys(out / "model-rank-1-part-0.safetensors")
+    assert len(keys) == 49
+    exp = "model.layers.1.mlp.experts.routed_experts."
+    assert keys[exp + "w13_weight_packed"] == ((8, 256, 32), torch.int32)  # 2 * 256/2 rows, 256/8 words
+    assert keys[exp + "w2_weight_packed"] == ((8, 256, 16), torch.int32)
+    assert keys[exp + "w13_weight_scale"] == ((8, 256, 2), torch.bfloat16)
+    assert keys[exp + "w2_weight_scale"] == ((8, 256, 1), torch.bfloat16)
+    assert keys[exp + "w13_weight_shape"] == ((8, 2), torch.bfloat16)
+    assert keys["model.layers.0.mlp.experts.gate.weight"] == ((8, 256), torch.bfloat16)
+    assert keys["model.layers.0.self_attn.qkv_proj.weight"] == ((64 * 2 + 2 * 64, 256), torch.bfloat16)
+    assert keys["model.embed_tokens.weight"] == ((256, 256), torch.bfloat16)
+    assert keys["model.layers.0.self_attn.attn._k_scale"] == ((), torch.float32)
+    assert keys["model.layers.0.self_attn.attn.k_scale"] == ((1,), torch.float32)
+    assert "model.layers.0.mlp.gate.weight" not in keys  # the router's larger key is filtered by vLLM
+
+
+def test_verify_passes_and_prints_the_serve_command(q3_tp2):
+    ck, out, _ = q3_tp2
+    res = invoke("verify", ck, out)
+    assert res.exit_code == 0, res.output
+    assert "PASS 98 keys" in res.output and "round-trip" in res.output
+    assert "--load-format sharded_state --tensor-parallel-size 2" in res.output
+
+
+def _tamper(src: Path, dst: Path, change) -> Path:  # noqa: ANN001
+    """A copy of the output with rank 1's file changed by `change(dict)`, manifest hash updated, so
+    that only the contract can catch it."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    path = dst / "model-rank-1-part-0.safetensors"
+    with safe_open(str(path), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    change(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    manifest = json.loads((dst / MANIFEST_NAME).read_text())
+    manifest["files"][path.name] = {FILE_HASH: hash_file(path), "bytes": path.stat().st_size}
+    (dst / MANIFEST_NAME).write_text(json.dumps(manifest))
+    return dst
+
+
+_EXP = "model.layers.0.mlp.experts.routed_experts."
+
+
+@pytest.mark.parametrize("what,change,expect", [
+    ("missing", lambda t: t.pop(_EXP + "w2_weight_scale"), f"rank 1: key {_EXP}w2_weight_scale is missing"),
+    ("extra", lambda t: t.__setitem__("model.layers.0.mlp.gate.weight", t["model.layers.0.mlp.experts.gate.weight"].clone()),
+     "extra key model.layers.0.mlp.gate.weight"),
+    ("int64 shape", lambda t: t.__setitem__(_EXP + "w13_weight_shape", t[_EXP + "w13_weight_shape"].to(torch.int64)),
+     f"{_EXP}w13_weight_shape is I64, vLLM 0.32.0 creates it as BF16"),
+    ("unpadded vocab", lambda t: t.__setitem__("lm_head.weight", t["lm_head.weight"][:250].clone()),
+     "(the vocabulary is not padded to a multiple of 64)"),
+    ("wrong value", lambda t: t[_EXP + "w13_weight_packed"].__setitem__((3, 0, 0), 12345),
+     f"{_EXP}w13_weight_packed: expert 3: differs from"),
+])
+def test_verify_names_each_contract_violation_in_one_line(q3_tp2, tmp_path, what, change, expect):
+    ck, out, _ = q3_tp2
+    bad = _tamper(out, tmp_path / "bad", change)
+    res = invoke("verify", ck, bad)
+    assert res.exit_code == 1, res.output
+    fails = [line for line in res.output.replace("\n ", " ").splitlines() if line.startswith("FAIL")]
+    assert len(fails) == 1, res.output
+    assert expect in " ".join(res.output.split()), res.output
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_other_architectures_round_trip(make_ckpt, tmp_path, arch):
+    ck = make_ckpt(arch=arch)
+    out = tmp_path / arch
+    res = invoke("repack", ck, "--tp", 2, "--layout", "vllm", "--vllm", "0.33.0", "-o", out, "-q")
+    assert res.exit_code == 0, res.output
+    res = invoke("verify", ck, out)
+    assert res.exit_code == 0, res.output
+    keys = _keys(out / "model-rank-0-part-0.safetensors")
+    if arch == "qwen2_moe":
+        assert "model.layers.0.mlp.experts._shared_experts._layer.gate_up_proj.weight" in keys
+        assert "model.layers.0.self_attn.qkv_proj.bias" in keys
+    else:
+        assert "model.layers.0.block_sparse_moe.experts.routed_experts.w13_weight_packed" in keys
+
+
+def test_asymmetric_experts_carry_zero_points(make_ckpt, tmp_path):
+    ck = make_ckpt(symmetric=False)
+    out = tmp_path / "asym"
+    assert invoke("repack", ck, "--tp", 2, "--layout", "vllm", "--vllm", "0.32.0", "-o", out, "-q").exit_code == 0
+    keys = _keys(out / "model-rank-0-part-0.safetensors")
+    assert keys[_EXP + "w13_weight_zero_point"] == ((8, 256 // 8, 2), torch.int32)
+    assert keys[_EXP + "w2_weight_zero_point"] == ((8, 256 // 8, 1), torch.int32)
+    assert invoke("verify", ck, out).exit_code == 0
+
+
+@pytest.mark.parametrize("args,expect", [
+    (("--ep",), "--layout vllm does not support --ep"),
+    (("--vllm", "0.29.0"), "vLLM 0.29.0 with architecture qwen3_moe has no known sharded_state contract"),
+])
+def test_refusals_are_one_line(make_ckpt, tmp_path, args, expect):
+    res = CliRunner().invoke(cli, ["repack", str(make_ckpt()), "--tp", "2", "--layout", "vllm",
+                                                   "-o", str(tmp_path / "o"), *args])
+    assert res.exit_code == 2, res.output
+    assert one_line(res.stderr) and expect in res.stderr, res.stderr
+
+
+def test_unknown_architecture_is_refused_naming_release_and_architecture(make_ckpt, tmp_path):
+    res = CliRunner().invoke(cli, ["repack", str(make_ckpt(arch="deepseek_v3")), "--tp", "2",
+                                                   "--layout", "vllm", "--vllm", "0.33.0", "-o", str(tmp_path / "o")])
+    assert res.exit_code == 2 and one_line(res.stderr)
+    assert "vLLM 0.33.0 with architecture deepseek_v3" in res.stderr
+
+
+def test_python_api_writes_and_verifies_the_vllm_layout(make_ckpt, tmp_path):
+    import wna16ctl
+
+    ck = make_ckpt()
+    plan = wna16ctl.repack(ck, None, 2, layout="vllm", vllm="0.33.0", dry_run=True)
+    assert len(plan.keys[0]) == 49
+    manifest = wna16ctl.repack(ck, tmp_path / "o", 2, layout="vllm", vllm="0.33.0")
+    assert manifest["serve"].endswith("--load-format sharded_state --tensor-parallel-size 2")
+    report = wna16ctl.verify(ck, tmp_path / "o")
+    assert report.ok and report.tensors_round_tripped == 98
+
+
+def test_inspect_says_how_to_serve_pre_sharded(make_ckpt):
+    ck = make_ckpt()
+    res = invoke("inspect", ck, "--tp", "1,2", "--vllm", "0.32.0")
+    text = " ".join(res.output.split())
+    assert f"wna16ctl repack {ck} --tp 2 --layout vllm --vllm 0.32.0 -o OUT" in text
+    assert "vllm serve OUT --load-format sharded_state --tensor-parallel-size 2" in text
+    older = " ".join(invoke("inspect", ck, "--tp", "2", "--vllm", "0.29.0").output.split())
+    assert "--layout vllm" not in older  # no known contract for that release
+
+
+def test_vllm_layout_json_keys_are_documented(make_ckpt, tmp_path):
+    from tests.test_json_docs import documented
+
+    ck = make_ckpt()
+    doc = documented("repack-json.md")
+    run = json.loads(invoke("repack", ck, "--tp", 2, "--layout", "vllm", "-o", tmp_path / "o", "--json").stdout)
+    dry = json.loads(invoke("repack", ck, "--tp", 2, "--layout", "vllm", "--dry-run", "--json").stdout)
+    for obj in (run, run["ranks"][0], dry, dry["ranks"][0]):
+        assert set(obj) <= doc, set(obj) - doc
+    report = json.loads(invoke("verify", ck, tmp_path / "o", "--json").stdout)
+    assert set(report) <= documented("verify-json.md")
