@@ -34,6 +34,7 @@ pytest.importorskip("transformers")
 SMALL = dict(num_layers=1, num_experts=4, hidden_size=128, intermediate_size=128, group_size=32,
              vocab_size=320, tokenizer=True)
 OPTS = E2EOptions(prompts=2, max_new_tokens=8)
+FAST = E2EOptions(prompts=1, max_new_tokens=4)  # a fault is judged at every block call: one short prompt shows it
 H, I = 128, 128
 
 
@@ -179,7 +180,7 @@ def test_flipped_nibble_in_frequently_routed_expert_w13(outputs, tmp_path, monke
     w13[expert] = bad["w13_weight_packed"]
     patch(out, 0, "w13_weight_packed", w13)
     rehash(out)
-    assert_caught(e2e(ck, out))
+    assert_caught(e2e(ck, out, FAST))
 
 
 def test_swapped_w2_scale_groups(outputs, tmp_path):
@@ -190,7 +191,7 @@ def test_swapped_w2_scale_groups(outputs, tmp_path):
     s[:, [0, 1]] = s[:, [1, 0]].clone()
     patch(out, 1, "w2_weight_scale", s)
     rehash(out)
-    assert_caught(e2e(ck, out))
+    assert_caught(e2e(ck, out, FAST))
 
 
 def test_w13_scales_with_engine_size_k_quirk(outputs, tmp_path):
@@ -206,12 +207,11 @@ def test_w13_scales_with_engine_size_k_quirk(outputs, tmp_path):
         assert not quirk.equal(s)
         patch(out, r, "w13_weight_scale", quirk)
     rehash(out)
-    assert_caught(e2e(ck, out))
+    assert_caught(e2e(ck, out, FAST))
 
 
 # ---- the four faults a fixed bound missed: each fails e2e by itself ------------------------------------------
 
-FAST = E2EOptions(prompts=1, max_new_tokens=4)
 
 
 def test_zero_point_off_by_one_asymmetric_mixtral(outputs, tmp_path):
