@@ -198,13 +198,64 @@ def test_asymmetric_experts_carry_zero_points(make_ckpt, tmp_path):
 
 @pytest.mark.parametrize("args,expect", [
     (("--ep",), "--layout vllm does not support --ep"),
-    (("--vllm", "0.29.0"), "vLLM 0.29.0 with architecture qwen3_moe has no known sharded_state contract"),
+    (("--vllm", "0.29.0", "--env", "VLLM_NOT_A_SWITCH=1"), "VLLM_NOT_A_SWITCH"),
 ])
 def test_refusals_are_one_line(make_ckpt, tmp_path, args, expect):
     res = CliRunner().invoke(cli, ["repack", str(make_ckpt()), "--tp", "2", "--layout", "vllm",
                                                    "-o", str(tmp_path / "o"), *args])
     assert res.exit_code == 2, res.output
     assert one_line(res.stderr) and expect in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("release,backend,k_first", [("0.29.0", None, True), ("0.27.0", None, True),
+                                                     ("0.30.0", "humming", False), ("0.31.0", None, False)])
+def test_expert_buffers_follow_the_planned_backend_before_0_31(make_ckpt, tmp_path, release, backend, k_first):
+    """0.27-0.30 create the expert buffers K-first (the loader transposes) unless the backend reads the
+    checkpoint's N-first form; 0.27-0.29 also create the act-order index buffers.  Each written state
+    round-trips, and the chosen backend is named."""
+    ck = make_ckpt()
+    out = tmp_path / "o"
+    extra = ["--moe-backend", backend] if backend else []
+    res = invoke("repack", ck, "--tp", 2, "--layout", "vllm", "--vllm", release, "-o", out, *extra)
+    assert res.exit_code == 0, res.output
+    keys = _keys(out / "model-rank-1-part-0.safetensors")
+    want13 = (8, 256 // 8, 256) if k_first else (8, 256, 256 // 8)  # H/8 words x 2*I/2 rows, or the reverse
+    assert keys[_EXP + "w13_weight_packed"] == (want13, torch.int32)
+    assert keys[_EXP + "w2_weight_scale"] == (((8, 1, 256) if k_first else (8, 256, 1)), torch.bfloat16)
+    assert (_EXP + "w13_weight_g_idx" in keys) == (release in ("0.27.0", "0.29.0"))
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    assert manifest["experts"]["orientation"] == ("k_first" if k_first else "n_first")
+    if release != "0.31.0":
+        assert manifest["experts"]["backends"]["0"] == (backend or "marlin")
+        assert f"planned {backend or 'marlin'} on sm90" in " ".join(res.output.split())
+    else:
+        assert not manifest["experts"]["backend_decides"]
+    res = invoke("verify", ck, out)
+    assert res.exit_code == 0 and "PASS" in res.output, res.output
+
+
+def test_k_first_zero_points_round_trip_and_a_transposed_fault_is_caught(make_ckpt, tmp_path):
+    ck = make_ckpt(arch="mixtral", symmetric=False)
+    out = tmp_path / "o"
+    assert invoke("repack", ck, "--tp", 2, "--layout", "vllm", "--vllm", "0.28.0", "-o", out, "-q").exit_code == 0
+    exp = "model.layers.1.block_sparse_moe.experts.routed_experts."
+    keys = _keys(out / "model-rank-0-part-0.safetensors")
+    assert keys[exp + "w13_weight_zero_point"] == ((8, 2, 256 // 8), torch.int32)  # [groups, 2*I/2 / 8]
+    assert keys[exp + "w2_weight_zero_point"] == ((8, 1, 256 // 8), torch.int32)
+    assert invoke("verify", ck, out).exit_code == 0
+    # the right shape, wrong orientation: square per-rank scale blocks would pass a shape check alone
+    bad = _tamper(out, tmp_path / "bad", lambda t: t.__setitem__(
+        exp + "w2_weight_packed", t[exp + "w2_weight_packed"].flip(2).contiguous()))
+    res = invoke("verify", ck, bad)
+    assert res.exit_code == 1 and f"{exp}w2_weight_packed: expert 0: differs from" in " ".join(res.output.split())
+
+
+def test_act_order_group_is_refused_in_one_line(make_ckpt, tmp_path):
+    ck = make_ckpt(actorder="group")
+    res = CliRunner().invoke(cli, ["repack", str(ck), "--tp", "2", "--layout", "vllm", "--vllm", "0.29.0",
+                                   "-o", str(tmp_path / "o")])
+    assert res.exit_code == 2 and one_line(res.stderr), res.output
+    assert "actorder 'group'" in res.stderr and "--layout marlin" in res.stderr
 
 
 def test_unknown_architecture_is_refused_naming_release_and_architecture(make_ckpt, tmp_path):

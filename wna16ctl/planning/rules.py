@@ -156,6 +156,22 @@ CHANGES: tuple[Change, ...] = (
            "this rulebook plans)",
            "kernels/linear/mixed_precision/marlin.py: can_implement; quantization/utils/marlin_utils.py: "
            "marlin_padded_nk"),
+    # -- the parameters a fresh model holds (the sharded_state contract, VLLM_STATE_KEYS below) --
+    Change("state.experts_k_first", "0.27.0", "0.31.0",
+           "the WNA16 MoE method creates its expert buffers K-first ([E, K/pack, N] words, [E, groups, N] scales, "
+           "[E, groups, N/pack] zero points) and the weight loader transposes each checkpoint tensor into them; "
+           "only a backend that reads the checkpoint's own N-first form (FlashInfer TRT-LLM, and Humming where "
+           "state.humming_n_first is in force) gets N-first buffers.  From 0.31.0 the buffers are N-first whatever "
+           "the backend, so the planned backend decides the key shapes only before that",
+           f"{_WNA16}: get_weight_shape, is_transposed; fused_moe/routed_experts.py: weight_loader"),
+    Change("state.humming_n_first", "0.29.0", "0.31.0",
+           "Humming is one of the backends created with the checkpoint's N-first expert buffers",
+           f"{_WNA16}: __init__ (is_transposed excludes HUMMING)"),
+    Change("state.expert_g_idx", "0.27.0", "0.30.0",
+           "every WNA16 MoE layer also creates int32 w13_weight_g_idx / w13_g_idx_sort_indices [E, H] and "
+           "w2_weight_g_idx / w2_g_idx_sort_indices [E, I/TP], act-order or not; processing resets them unless "
+           "actorder is 'group', so a fresh layer's (uninitialised) values are never read",
+           f"{_WNA16}: create_weights; {_ORACLE}: _process_weights_marlin"),
     Change("process.w13_scales_size_k_quirk", "0.27.0", None,
            "Marlin processing permutes w13 scales with size_k = intermediate_size_per_partition instead of "
            "hidden_size: with I_p <= group_size the grouped scales get the channel-wise permutation",
@@ -323,9 +339,12 @@ def resolve_engine(spec: str | None) -> Engine:
 # shape: expressions over the sizes in VLLM_STATE_SYMBOLS;
 # dtype: "model" (config.json torch_dtype), "I32", "F32";
 # fill: how the tensor is made (wna16ctl/repacking/vllm_layout.py): vocab/copy/column/row/qkv/merged NAME,
-#        w13/w2 SUFFIX (routed experts, N-first as stored), shape13/shape2, const VALUE;
-# when: a property of the checkpoint the row needs ("asym": asymmetric experts, "untied": an
-#        lm_head of its own, "qkv_bias": q/k/v biases, "qk_norm": per-head q/k RMSNorm);
+#        w13/w2 SUFFIX (routed experts, N-first as stored), w13t/w2t SUFFIX (the same, each expert
+#        transposed: K-first), shape13/shape2, const VALUE;
+# when: properties of the checkpoint (and of the planned backend) the row needs, all of them
+#        (space-separated): "asym" asymmetric experts, "untied" an lm_head of its own, "qkv_bias"
+#        q/k/v biases, "qk_norm" per-head q/k RMSNorm, "k_first" / "n_first" the expert buffers'
+#        orientation (state.experts_k_first with the backend planned for the layer);
 # rule: a Change key that must be in force for the row ("!key": must not be);
 # archs: the model_types the row is for (None: every known one).
 
@@ -351,6 +370,7 @@ class StateKey:
 
 
 _ATTN = "model.layers.{L}.self_attn"
+_EXP = "model.layers.{L}.{B}.experts.routed_experts."
 VLLM_STATE_KEYS: tuple[StateKey, ...] = (
     StateKey("model", "model.embed_tokens.weight", ("Vn", "H"), "model", "vocab model.embed_tokens.weight"),
     StateKey("model", "model.norm.weight", ("H",), "model", "copy model.norm.weight"),
@@ -383,20 +403,32 @@ VLLM_STATE_KEYS: tuple[StateKey, ...] = (
     # where the model does not hand its router to the MoE layer, it keeps the block's own name
     StateKey("moe", "model.layers.{L}.{B}.gate.weight", ("E", "H"), "model", "copy model.layers.{L}.{B}.gate.weight",
              archs=("mixtral", "qwen2_moe")),
-    StateKey("moe", "model.layers.{L}.{B}.experts.routed_experts.w13_weight_packed", ("E", "2*In", "Hp"), "I32",
-             "w13 weight_packed"),
-    StateKey("moe", "model.layers.{L}.{B}.experts.routed_experts.w2_weight_packed", ("E", "H", "Inp"), "I32",
-             "w2 weight_packed"),
-    StateKey("moe", "model.layers.{L}.{B}.experts.routed_experts.w13_weight_scale", ("E", "2*In", "G13"), "model",
-             "w13 weight_scale"),
-    StateKey("moe", "model.layers.{L}.{B}.experts.routed_experts.w2_weight_scale", ("E", "H", "G2"), "model",
-             "w2 weight_scale"),
-    StateKey("moe", "model.layers.{L}.{B}.experts.routed_experts.w13_weight_zero_point", ("E", "I2np", "G13"), "I32",
-             "w13 weight_zero_point", when="asym"),
-    StateKey("moe", "model.layers.{L}.{B}.experts.routed_experts.w2_weight_zero_point", ("E", "Hpz", "G2"), "I32",
-             "w2 weight_zero_point", when="asym"),
-    StateKey("moe", "model.layers.{L}.{B}.experts.routed_experts.w2_weight_shape", ("E", "2"), "model", "shape2"),
-    StateKey("moe", "model.layers.{L}.{B}.experts.routed_experts.w13_weight_shape", ("E", "2"), "model", "shape13"),
+    # the expert buffers in the checkpoint's N-first form (every backend from 0.31.0; FlashInfer
+    # TRT-LLM and Humming before)
+    StateKey("moe", _EXP + "w13_weight_packed", ("E", "2*In", "Hp"), "I32", "w13 weight_packed", when="n_first"),
+    StateKey("moe", _EXP + "w2_weight_packed", ("E", "H", "Inp"), "I32", "w2 weight_packed", when="n_first"),
+    StateKey("moe", _EXP + "w13_weight_scale", ("E", "2*In", "G13"), "model", "w13 weight_scale", when="n_first"),
+    StateKey("moe", _EXP + "w2_weight_scale", ("E", "H", "G2"), "model", "w2 weight_scale", when="n_first"),
+    StateKey("moe", _EXP + "w13_weight_zero_point", ("E", "I2np", "G13"), "I32", "w13 weight_zero_point",
+             when="asym n_first"),
+    StateKey("moe", _EXP + "w2_weight_zero_point", ("E", "Hpz", "G2"), "I32", "w2 weight_zero_point",
+             when="asym n_first"),
+    # the same tensors K-first: each N-first rank slice transposed (state.experts_k_first)
+    StateKey("moe", _EXP + "w13_weight_packed", ("E", "Hp", "2*In"), "I32", "w13t weight_packed", when="k_first"),
+    StateKey("moe", _EXP + "w2_weight_packed", ("E", "Inp", "H"), "I32", "w2t weight_packed", when="k_first"),
+    StateKey("moe", _EXP + "w13_weight_scale", ("E", "G13", "2*In"), "model", "w13t weight_scale", when="k_first"),
+    StateKey("moe", _EXP + "w2_weight_scale", ("E", "G2", "H"), "model", "w2t weight_scale", when="k_first"),
+    StateKey("moe", _EXP + "w13_weight_zero_point", ("E", "G13", "I2np"), "I32", "w13t weight_zero_point",
+             when="asym k_first"),
+    StateKey("moe", _EXP + "w2_weight_zero_point", ("E", "G2", "Hpz"), "I32", "w2t weight_zero_point",
+             when="asym k_first"),
+    # act-order index buffers every layer creates (state.expert_g_idx); unused without act-order
+    StateKey("moe", _EXP + "w13_weight_g_idx", ("E", "H"), "I32", "const 0", rule="state.expert_g_idx"),
+    StateKey("moe", _EXP + "w2_weight_g_idx", ("E", "In"), "I32", "const 0", rule="state.expert_g_idx"),
+    StateKey("moe", _EXP + "w13_g_idx_sort_indices", ("E", "H"), "I32", "const 0", rule="state.expert_g_idx"),
+    StateKey("moe", _EXP + "w2_g_idx_sort_indices", ("E", "In"), "I32", "const 0", rule="state.expert_g_idx"),
+    StateKey("moe", _EXP + "w2_weight_shape", ("E", "2"), "model", "shape2"),
+    StateKey("moe", _EXP + "w13_weight_shape", ("E", "2"), "model", "shape13"),
     # a shared expert (Qwen2-MoE) beside the routed ones, and its sigmoid gate
     StateKey("shared", "model.layers.{L}.{B}.experts._shared_experts._layer.gate_up_proj.weight", ("2*Sn", "H"), "model",
              "merged model.layers.{L}.{B}.shared_expert.{G}.weight model.layers.{L}.{B}.shared_expert.{U}.weight"),
@@ -408,5 +440,5 @@ VLLM_STATE_KEYS: tuple[StateKey, ...] = (
 )
 
 # (release, model_type) pairs whose contract was read in the release and checked against its code
-VLLM_STATE_RELEASES = ("0.32.0", "0.33.0")
+VLLM_STATE_RELEASES = RELEASES
 VLLM_STATE_ARCHITECTURES = ("qwen3_moe", "mixtral", "qwen2_moe")

@@ -63,6 +63,12 @@ class VllmStatePlan:
     keys: list[list[StateTensor]]  # per rank, in file order
     parts: list[list[list[StateTensor]]]  # per rank, per file
     moe_layers: dict[int, MoELayer] = field(default_factory=dict)
+    gpu: str = rules.DEFAULT_GPU
+    # the backend planned for each MoE layer where the release's expert buffers depend on it
+    # (rules state.experts_k_first), with the orientation it implies
+    backends: dict[int, str] = field(default_factory=dict)
+    k_first: dict[int, bool] = field(default_factory=dict)
+    switches: Any = None  # planning.engine_env.EngineSwitches (None: the engine's defaults)
 
     def files(self, rank: int) -> list[str]:
         return [PATTERN.format(rank=rank, part=p) for p in range(len(self.parts[rank]))]
@@ -70,10 +76,17 @@ class VllmStatePlan:
     def serve_command(self, out: str | os.PathLike[str]) -> str:
         return serve_command(out, self.tp)
 
+    def experts_json(self) -> dict[str, Any]:
+        """How the expert buffers are laid out, and the backend that decided it (where one did)."""
+        k_first = sorted({self.k_first.get(layer, False) for layer in self.moe_layers})
+        return {"orientation": "k_first" if k_first == [True] else "n_first" if k_first in ([False], []) else "mixed",
+                "backend_decides": bool(self.backends),
+                "backends": {str(layer): b for layer, b in sorted(self.backends.items())}}
+
     def to_json(self) -> dict[str, Any]:
         return {
             "checkpoint": str(self.checkpoint.root), "layout": LAYOUT, "tp": self.tp, "vllm": self.vllm,
-            "load_format": "sharded_state", "pattern": PATTERN,
+            "load_format": "sharded_state", "pattern": PATTERN, "gpu": self.gpu, "experts": self.experts_json(),
             "ranks": [{"rank": r, "files": self.files(r), "keys": len(self.keys[r]),
                        "bytes": sum(t.nbytes for t in self.keys[r])} for r in range(self.tp)],
         }
@@ -98,9 +111,15 @@ def _layer_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _when(ck: Checkpoint, cond: str | None, layer: int | None, moe: MoELayer | None) -> bool:
+def _when(ck: Checkpoint, cond: str | None, layer: int | None, moe: MoELayer | None,
+          k_first: dict[int, bool] | None = None) -> bool:
     if cond is None:
         return True
+    if " " in cond:
+        return all(_when(ck, c, layer, moe, k_first) for c in cond.split())
+    if cond in ("k_first", "n_first"):
+        first = bool((k_first or {}).get(layer, False))
+        return first if cond == "k_first" else not first
     names = ck.files
     tied = bool(ck.config.raw.get("tie_word_embeddings", False)) or "lm_head.weight" not in names
     if cond == "untied":
@@ -202,12 +221,41 @@ def _check_supported(ck: Checkpoint, version: str) -> None:
                              "with expert 0's scheme, so there is no faithful state to write")
         if lay.scheme.act_order and rules.release(version).has("config.refuse_group_actorder"):
             raise NotLoadable(f"{lay.prefix}: actorder {lay.scheme.actorder!r}: vLLM {version} refuses the checkpoint")
+        if lay.scheme.act_order:
+            raise UsageError(f"--layout vllm: {lay.prefix}: actorder {lay.scheme.actorder!r} (g_idx and whole w2 "
+                             f"scales per rank) is not supported by the vllm layout; use --layout marlin")
+
+
+def _expert_orientation(ck: Checkpoint, tp: int, vllm: str, gpu: str, switches: Any
+                        ) -> tuple[dict[int, str], dict[int, bool]]:
+    """(backend per MoE layer, K-first per MoE layer) where the release's expert buffers depend on
+    the backend (state.experts_k_first); empty where they do not."""
+    from wna16ctl.planning.moe import Backend, plan_layer
+
+    rel = rules.release(vllm)
+    if not rel.has("state.experts_k_first"):
+        return {}, {}
+    n_first = {Backend.FLASHINFER_TRTLLM.value} | ({Backend.HUMMING.value} if rel.has("state.humming_n_first") else set())
+    backends: dict[int, str] = {}
+    k_first: dict[int, bool] = {}
+    for lay in ck.layers:
+        lp = plan_layer(lay, tp, False, vllm, gpu, switches) if switches is not None else plan_layer(lay, tp, False, vllm, gpu)
+        if not lp.loadable or lp.backend is None:
+            reason = (lp.errors or ["no backend loads it"])[0]
+            raise NotLoadable(f"{lay.prefix}: vLLM {vllm} on {gpu} does not load this layer at --tp {tp}: {reason}")
+        backends[lay.layer_index] = lp.backend.value
+        k_first[lay.layer_index] = lp.backend.value not in n_first
+    return backends, k_first
 
 
 def plan_vllm_state(ckpt: str | os.PathLike[str] | Checkpoint, tp: int, vllm: str, *,
-                    max_shard_bytes: int = 4 << 30) -> VllmStatePlan:
+                    max_shard_bytes: int = 4 << 30, gpu: str = rules.DEFAULT_GPU,
+                    switches: Any = None) -> VllmStatePlan:
+    """The exact tensors of every rank.  `gpu` and `switches` (planning.engine_env.EngineSwitches)
+    matter only for releases whose expert buffers follow the backend (state.experts_k_first)."""
     ck = ckpt if isinstance(ckpt, Checkpoint) else open_checkpoint(ckpt)
     _check_supported(ck, vllm)
+    backends, k_first = _expert_orientation(ck, tp, vllm, gpu, switches)
     dtype_name = ck.config.torch_dtype
     if dtype_name not in _ST_DTYPES:
         raise BadInput(f"{ck.config.path}: torch_dtype {dtype_name!r} is not bfloat16, float16 or float32")
@@ -231,13 +279,13 @@ def plan_vllm_state(ckpt: str | os.PathLike[str] | Checkpoint, tp: int, vllm: st
         scopes = ["layer"] + (["moe"] + (["shared"] if "Sn" in sizes else []) if moe is not None else ["dense"])
         for scope in scopes:
             for row in _rows_for(scope):
-                if _in_force(row, vllm, arch) and _when(ck, row.when, layer, moe):
+                if _in_force(row, vllm, arch) and _when(ck, row.when, layer, moe, k_first):
                     keys.append(resolved(row, layer, moe, sizes))
     keys += [resolved(r, None, None, base) for r in model_rows if not r.key.startswith("model.embed")]
     _check_sources(ck, keys)
     per_rank = [list(keys) for _ in range(tp)]  # every rank holds the same keys and shapes
     parts = [_split_parts(k, max_shard_bytes) for k in per_rank]
-    return VllmStatePlan(ck, tp, vllm, dtype_name, per_rank, parts, moe_by_layer)
+    return VllmStatePlan(ck, tp, vllm, dtype_name, per_rank, parts, moe_by_layer, gpu, backends, k_first, switches)
 
 
 def _check_sources(ck: Checkpoint, keys: list[StateTensor]) -> None:
@@ -303,7 +351,7 @@ def build_tensor(plan: VllmStatePlan, reader: Any, t: StateTensor, rank: int) ->
         dims = plan.checkpoint.dims
         q, k, v = (reader.read(arg.replace(".q_proj.", f".{p}_proj.")) for p in "qkv")
         out = vs.qkv_shard(q, k, v, dims.num_attention_heads, dims.num_key_value_heads, dims.head_dim, tp, rank)
-    elif verb in ("w13", "w2", "shape13", "shape2"):
+    elif verb in ("w13", "w2", "w13t", "w2t", "shape13", "shape2"):
         out = _expert_tensor(plan, reader, plan.moe_layers[t.layer], verb, arg, rank, dtype)
     else:
         raise AssertionError(f"unknown fill {t.fill}")
@@ -335,6 +383,8 @@ def _expert_tensor(plan: VllmStatePlan, reader: Any, moe: MoELayer, verb: str, s
             rows.append(reader.read(name))
         return vs.weight_shape_rows(rows, dtype)
     per_expert = []
+    transposed = verb.endswith("t")  # K-first buffers: the loader transposes each checkpoint tensor
+    verb = verb.rstrip("t")
     for e in range(moe.num_experts):
         if verb == "w13":
             gate, up = (_expert_read(reader, moe, e, role, suffix) for role in ("gate", "up"))
@@ -344,6 +394,8 @@ def _expert_tensor(plan: VllmStatePlan, reader: Any, moe: MoELayer, verb: str, s
             per_expert.append(vs.w2_shard(down, tp, rank, whole=channel and suffix == "weight_scale"))
     if per_expert[0].dtype != torch.int32:  # scales: converted to the parameter's dtype
         per_expert = [p.to(dtype) for p in per_expert]
+    if transposed:
+        per_expert = [p.t() for p in per_expert]
     return vs.stack_experts(per_expert)
 
 
@@ -413,6 +465,18 @@ def write_vllm_state(plan: VllmStatePlan, out: str | os.PathLike[str], *, force:
     return manifest
 
 
+def _switches_json(switches: Any) -> dict[str, Any]:
+    """The engine switches a plan followed, recorded only when given (verify plans with them again)."""
+    if switches is None:
+        return {}
+    out: dict[str, Any] = {}
+    if switches.env:
+        out["env"] = dict(switches.env)
+    if switches.moe_backend != "auto":
+        out["moe_backend"] = switches.moe_backend
+    return out
+
+
 def build_manifest(plan: VllmStatePlan, hashes: dict[str, str], root: Path, ident: dict[str, Any],
                    out: Path) -> dict[str, Any]:
     from wna16ctl.output.writer import FILE_HASH
@@ -422,7 +486,9 @@ def build_manifest(plan: VllmStatePlan, hashes: dict[str, str], root: Path, iden
         "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "tool_version": __version__, "identity": ident,
         "source": {"path": os.path.abspath(ck.root), "fingerprint": ident["source_fingerprint"],
                    "architecture": (ck.config.architectures or ("",))[0]},
-        "engine": {"name": "vllm", "version": plan.vllm, "load_format": "sharded_state", "pattern": PATTERN},
+        "engine": {"name": "vllm", "version": plan.vllm, "load_format": "sharded_state", "pattern": PATTERN,
+                   "gpu": plan.gpu, **_switches_json(plan.switches)},
+        "experts": plan.experts_json(),
         "tp": plan.tp, "ep": False, "layout": LAYOUT, "model_dtype": plan.model_dtype,
         "ranks": [{"rank": r, "files": plan.files(r), "keys": len(plan.keys[r]),
                    "bytes": sum(t.nbytes for t in plan.keys[r])} for r in range(plan.tp)],
@@ -468,8 +534,14 @@ def verify_vllm_state(ckpt: str | os.PathLike[str] | Checkpoint, out: str | os.P
     manifest, and every tensor inverted back to the checkpoint bit for bit."""
     out_path = Path(out)
     manifest = read_manifest(out_path)
-    tp, vllm = int(manifest["tp"]), str(manifest["engine"]["version"])
-    plan = plan_vllm_state(ckpt, tp, vllm)
+    engine = manifest["engine"]
+    tp, vllm = int(manifest["tp"]), str(engine["version"])
+    switches = None
+    if engine.get("env") or engine.get("moe_backend"):
+        from wna16ctl.planning.engine_env import make_switches
+
+        switches = make_switches(engine.get("env"), engine.get("moe_backend"))
+    plan = plan_vllm_state(ckpt, tp, vllm, gpu=str(engine.get("gpu", rules.DEFAULT_GPU)), switches=switches)
     report = VllmStateReport(out_path, tp, vllm, [], serve=serve_command(out_path, tp))
     headers = _check_files(plan, out_path, manifest, report)
     if report.problems:
@@ -611,6 +683,9 @@ def _expert_round_trip(plan: VllmStatePlan, reader: Any, moe: MoELayer, verb: st
     from wna16ctl.layout import vllm_state as vs
 
     dtype = parts[0].dtype
+    if verb in ("w13t", "w2t"):  # K-first: back to the N-first form first
+        parts = [p.transpose(1, 2) for p in parts]
+        verb = verb[:-1]
     for e in range(moe.num_experts):
         if verb in ("shape13", "shape2"):
             roles = ("gate", "up") if verb == "shape13" else ("down",)
@@ -650,11 +725,16 @@ def repack_vllm_command(sink: Any, source: str, settings: Any, out: str | None, 
                          "--node-local (pipeline parallelism is not supported either)")
     if resume:
         raise UsageError("--layout vllm has no --resume: rerun with --force")
-    plan = plan_vllm_state(source, settings.tp, settings.vllm, max_shard_bytes=settings.max_shard_bytes)
+    from wna16ctl.planning.engine_env import EngineSwitches, parse_env
+
+    switches = EngineSwitches(parse_env(dict(settings.env)), settings.moe_backend)
+    plan = plan_vllm_state(source, settings.tp, settings.vllm, max_shard_bytes=settings.max_shard_bytes,
+                           gpu=settings.gpu, switches=switches)
 
     def render_plan(console: Any) -> None:
         for r in plan.to_json()["ranks"]:
             console.print(f"rank {r['rank']}: {r['keys']} keys, {r['bytes']} bytes in {len(r['files'])} file(s)")
+        _print_backends(console, plan)
         console.print(f"serve with: {serve_command(out or 'OUT', plan.tp)}", soft_wrap=True)
 
     if dry_run:
@@ -666,11 +746,24 @@ def repack_vllm_command(sink: Any, source: str, settings: Any, out: str | None, 
     def render_result(console: Any) -> None:
         files = [f for r in manifest["ranks"] for f in r["files"]]
         console.print(f"wrote {len(files)} file(s) for {plan.tp} rank(s) of vLLM {plan.vllm} into {Path(out).resolve()}")
+        _print_backends(console, plan)
         console.print(f"serve with: {manifest['serve']}", soft_wrap=True)
 
     sink.result({"output": str(Path(out).resolve()), "layout": LAYOUT, "tp": plan.tp, "vllm": plan.vllm,
                  "ranks": manifest["ranks"], "serve": manifest["serve"]}, render_result)
     return 0
+
+
+def _print_backends(console: Any, plan: VllmStatePlan) -> None:
+    """Where the release's expert buffers follow the backend, which one was planned: the files load
+    only into an engine that picks the same one."""
+    if not plan.backends:
+        return
+    chosen = sorted(set(plan.backends.values()))
+    orient = plan.experts_json()["orientation"]
+    console.print(f"expert buffers {orient.replace('_', '-')}: vLLM {plan.vllm} shapes them by the MoE backend, "
+                  f"planned {', '.join(chosen)} on {plan.gpu}; serve where vLLM picks the same backend "
+                  f"(or pass --moe-backend {chosen[0]})", soft_wrap=True)
 
 
 def is_vllm_output(out: str | os.PathLike[str]) -> bool:
