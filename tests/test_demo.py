@@ -90,12 +90,14 @@ def test_tensor_names_and_dtypes_follow_the_architecture(make_ckpt: MakeCheckpoi
     for layer in range(spec.num_layers):
         prefix = f"model.layers.{layer}."
         expected |= {prefix + "input_layernorm.weight", prefix + "post_attention_layernorm.weight"}
-        if arch == "deepseek_v3":
+        if arch in ("deepseek_v3", "kimi_k2"):
             attention = ["q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"]
+        elif arch == "deepseek_v2":  # no query LoRA
+            attention = ["q_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"]
         else:
             attention = ["q_proj", "k_proj", "v_proj", "o_proj"] + (["q_norm", "k_norm"] if arch == "qwen3_moe" else [])
         expected |= {f"{prefix}self_attn.{name}.weight" for name in attention}
-        if arch == "qwen2_moe":
+        if arch in ("qwen2_moe", "glm4_moe"):
             expected |= {f"{prefix}self_attn.{p}.bias" for p in ("q_proj", "k_proj", "v_proj")}
         if layer not in moe_layer_indices(spec):
             expected |= {f"{prefix}mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
@@ -104,9 +106,10 @@ def test_tensor_names_and_dtypes_follow_the_architecture(make_ckpt: MakeCheckpoi
         if arch == "qwen2_moe":
             expected |= {f"{prefix}mlp.shared_expert.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
             expected.add(f"{prefix}mlp.shared_expert_gate.weight")
-        if arch == "deepseek_v3":
+        if arch in ("deepseek_v3", "deepseek_v2", "kimi_k2", "glm4_moe"):
             expected |= {f"{prefix}mlp.shared_experts.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
-            expected.add(f"{prefix}mlp.gate.e_score_correction_bias")
+            if arch != "deepseek_v2":  # greedy softmax routing has no correction bias
+                expected.add(f"{prefix}mlp.gate.e_score_correction_bias")
     for module in expert_modules(spec):
         expected |= {f"{module}.{suffix}" for suffix in ("weight_packed", "weight_scale", "weight_shape")}
     assert set(tensors) == expected
@@ -133,7 +136,8 @@ def test_config_is_the_real_architecture_plus_the_library_quantization_config(ma
     assert config["torch_dtype"] == "bfloat16" and config["tie_word_embeddings"] is False
     assert config["num_experts_per_tok"] == spec.top_k
     expert_count_key = {"qwen3_moe": "num_experts", "qwen2_moe": "num_experts", "mixtral": "num_local_experts",
-                        "deepseek_v3": "n_routed_experts"}[arch]
+                        "deepseek_v3": "n_routed_experts", "deepseek_v2": "n_routed_experts",
+                        "kimi_k2": "n_routed_experts", "glm4_moe": "n_routed_experts"}[arch]
     assert config[expert_count_key] == spec.num_experts
     expert_size_key = "intermediate_size" if arch == "mixtral" else "moe_intermediate_size"
     assert config[expert_size_key] == spec.intermediate_size
@@ -141,6 +145,8 @@ def test_config_is_the_real_architecture_plus_the_library_quantization_config(ma
         assert config["mlp_only_layers"] == [] and config["decoder_sparse_step"] == 1 and "head_dim" in config
     if arch == "qwen2_moe":
         assert config["shared_expert_intermediate_size"] > 0
+    if arch in ("deepseek_v2", "kimi_k2", "glm4_moe"):
+        assert config["first_k_dense_replace"] == 1 and config["n_shared_experts"] >= 1
     if arch == "deepseek_v3":
         assert config["first_k_dense_replace"] == 1 and config["scoring_func"] == "sigmoid"
         assert config["num_experts_per_tok"] <= config["topk_group"] * config["n_routed_experts"] // config["n_group"]

@@ -1,7 +1,7 @@
 """Small but authentic compressed-tensors WNA16 MoE checkpoints, written by the library itself.
 
 `write_demo_checkpoint` builds a random bf16 model with the tensor names of a real
-architecture (Qwen3-MoE, Mixtral, Qwen2-MoE or DeepSeek-V3), quantizes the routed experts
+architecture (Qwen3-MoE, Mixtral, Qwen2-MoE, DeepSeek-V2/V3, Kimi-K2 or GLM-4.5), quantizes the routed experts
 with compressed-tensors (`apply_quantization_config`, `calculate_qparams`, `ModelCompressor`)
 and saves it the way `save_pretrained` does: sharded safetensors, an index, and a
 `config.json` whose `quantization_config` is the library's own output.  It is the `demo`
@@ -40,7 +40,12 @@ from wna16ctl.verification.samples import DEMO_QUESTIONS
 if TYPE_CHECKING:
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
-ARCHITECTURES = ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3")
+ARCHITECTURES = ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "deepseek_v2", "kimi_k2", "glm4_moe")
+# multi-head latent attention (DeepSeek-V2 without a query LoRA, like V2-Lite; V3 and Kimi-K2 with one)
+MLA_ARCHITECTURES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
+# families whose first layer keeps a dense MLP (first_k_dense_replace = 1) and whose MoE layers
+# carry shared experts under `mlp.shared_experts`
+DENSE_FIRST_ARCHITECTURES = ("deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe")
 ACTORDERS = (None, "weight", "static", "group")
 MIXED_MODES = (None, "layer", "expert")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -53,18 +58,25 @@ SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>")  # ids 0 and 1 = bos/e
 TOKENIZER_TRAINING_LINES = 400
 
 # per architecture: (MoE block name, expert projection names in module registration order)
-_MOE_BLOCK = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe", "qwen2_moe": "mlp", "deepseek_v3": "mlp"}
+_MOE_BLOCK = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe", "qwen2_moe": "mlp", "deepseek_v3": "mlp",
+              "deepseek_v2": "mlp", "kimi_k2": "mlp", "glm4_moe": "mlp"}
 _EXPERT_PROJECTIONS = {
     "qwen3_moe": ("gate_proj", "up_proj", "down_proj"),
     "mixtral": ("w1", "w2", "w3"),
     "qwen2_moe": ("gate_proj", "up_proj", "down_proj"),
     "deepseek_v3": ("gate_proj", "up_proj", "down_proj"),
+    "deepseek_v2": ("gate_proj", "up_proj", "down_proj"),
+    "kimi_k2": ("gate_proj", "up_proj", "down_proj"),
+    "glm4_moe": ("gate_proj", "up_proj", "down_proj"),
 }
 _ARCHITECTURE_CLASS = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "kimi_k2": "DeepseekV3ForCausalLM",  # Kimi-K2 is the DeepSeek-V3 architecture
+    "glm4_moe": "Glm4MoeForCausalLM",
 }
 # DeepSeek-V3 MLA dimensions (small, fixed; the real model uses 512/1536/64/128/128)
 _MLA_QK_ROPE_HEAD_DIM = 16
@@ -76,7 +88,7 @@ _MLA_V_HEAD_DIM = 32
 class DemoSpec:
     """What demo checkpoint to write.  Every field combination is deterministic in `seed`."""
 
-    arch: str = "qwen3_moe"  # "qwen3_moe" | "mixtral" | "qwen2_moe" | "deepseek_v3"
+    arch: str = "qwen3_moe"  # one of ARCHITECTURES
     num_layers: int = 2
     hidden_size: int = 256
     intermediate_size: int = 256  # the routed expert's intermediate size
@@ -101,7 +113,7 @@ class DemoSpec:
 
 def moe_layer_indices(spec: DemoSpec) -> list[int]:
     """Layers that have routed experts (DeepSeek-V3's first layer is dense)."""
-    first = 1 if spec.arch == "deepseek_v3" else 0
+    first = 1 if spec.arch in DENSE_FIRST_ARCHITECTURES else 0
     return list(range(first, spec.num_layers))
 
 
@@ -142,8 +154,8 @@ def _check_spec(spec: DemoSpec) -> None:
         raise bad("mixed 'expert' needs at least 2 experts")
     if spec.dtype not in DTYPES:
         raise bad(f"dtype {spec.dtype!r} is not one of {tuple(DTYPES)}")
-    if spec.num_layers < 1 or (spec.arch == "deepseek_v3" and spec.num_layers < 2):
-        raise bad("num_layers too small to have an MoE layer (deepseek_v3 layer 0 is dense)")
+    if spec.num_layers < 1 or (spec.arch in DENSE_FIRST_ARCHITECTURES and spec.num_layers < 2):
+        raise bad(f"num_layers too small to have an MoE layer ({spec.arch} layer 0 is dense)")
     if spec.num_experts < 1 or not 1 <= spec.top_k <= spec.num_experts:
         raise bad(f"need 1 <= top_k <= num_experts, got top_k {spec.top_k}, num_experts {spec.num_experts}")
     if spec.hidden_size < 16 or spec.intermediate_size < 1:
@@ -251,27 +263,47 @@ def model_config(spec: DemoSpec) -> dict[str, Any]:
             "max_window_layers": spec.num_layers,
         }
     n_group, topk_group = _deepseek_groups(spec.num_experts, spec.top_k)
-    mla = _mla_dims(spec.hidden_size)
-    return common | mla | {
-        "num_key_value_heads": heads,  # MLA: every head has its own k/v
-        "head_dim": mla["qk_rope_head_dim"],
-        "attention_bias": False,
+    routed = {
         "n_routed_experts": spec.num_experts,
-        "n_shared_experts": 1,
+        "n_shared_experts": _n_shared_experts(spec),
         "moe_intermediate_size": spec.intermediate_size,
         "intermediate_size": _dense_mlp_size(spec),
         "first_k_dense_replace": 1,
-        "moe_layer_freq": 1,
         "n_group": n_group,
         "topk_group": topk_group,
         "topk_method": "noaux_tc",
         "routed_scaling_factor": 2.5,
-        "scoring_func": "sigmoid",
         "norm_topk_prob": True,
-        "ep_size": 1,
         "num_nextn_predict_layers": 0,  # no MTP layer is written
+    }
+    if spec.arch == "glm4_moe":  # grouped-query attention with q/k/v biases and half-rotary heads
+        return common | routed | {
+            "head_dim": head_dim,
+            "attention_bias": True,
+            "partial_rotary_factor": 0.5,
+            "use_qk_norm": False,
+            "rope_theta": 10000.0,
+        }
+    mla = _mla_dims(spec.hidden_size)
+    if spec.arch == "deepseek_v2":  # V2-Lite's shape: no query LoRA, softmax top-k without groups
+        mla["q_lora_rank"] = None
+        routed |= {"n_group": 1, "topk_group": 1, "topk_method": "greedy", "routed_scaling_factor": 1.0,
+                   "norm_topk_prob": False}
+    if spec.arch == "kimi_k2":  # one expert group, like the real model
+        routed |= {"n_group": 1, "topk_group": 1}
+    return common | mla | routed | {
+        "num_key_value_heads": heads,  # MLA: every head has its own k/v
+        "head_dim": mla["qk_rope_head_dim"],
+        "attention_bias": False,
+        "moe_layer_freq": 1,
+        "scoring_func": "softmax" if spec.arch == "deepseek_v2" else "sigmoid",
+        "ep_size": 1,
         "rope_theta": 10000.0,
     }
+
+
+def _n_shared_experts(spec: DemoSpec) -> int:
+    return 2 if spec.arch == "deepseek_v2" else 1  # V2-Lite has two
 
 
 def _shared_expert_size(spec: DemoSpec) -> int:
@@ -328,13 +360,15 @@ def demo_source_weights(spec: DemoSpec = DemoSpec()) -> dict[str, torch.Tensor]:
 def _attention_tensors(spec: DemoSpec, make: _TensorMaker) -> dict[str, torch.Tensor]:
     hidden = spec.hidden_size
     heads, kv_heads, head_dim = _attention_heads(hidden)
-    if spec.arch == "deepseek_v3":
+    if spec.arch in MLA_ARCHITECTURES:
         mla = _mla_dims(hidden)
         qk_head_dim = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
-        return {
+        query = {
             "self_attn.q_a_proj.weight": make.normal(mla["q_lora_rank"], hidden),
             "self_attn.q_a_layernorm.weight": make.norm(mla["q_lora_rank"]),
             "self_attn.q_b_proj.weight": make.normal(heads * qk_head_dim, mla["q_lora_rank"]),
+        } if spec.arch != "deepseek_v2" else {"self_attn.q_proj.weight": make.normal(heads * qk_head_dim, hidden)}
+        return query | {
             "self_attn.kv_a_proj_with_mqa.weight": make.normal(mla["kv_lora_rank"] + mla["qk_rope_head_dim"], hidden),
             "self_attn.kv_a_layernorm.weight": make.norm(mla["kv_lora_rank"]),
             "self_attn.kv_b_proj.weight": make.normal(
@@ -344,13 +378,14 @@ def _attention_tensors(spec: DemoSpec, make: _TensorMaker) -> dict[str, torch.Te
         }
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
     tensors = {"self_attn.q_proj.weight": make.normal(q_size, hidden)}
-    if spec.arch == "qwen2_moe":  # Qwen2 attention has q/k/v biases
+    biased = spec.arch in ("qwen2_moe", "glm4_moe")  # Qwen2 and GLM-4.5 attention have q/k/v biases
+    if biased:
         tensors["self_attn.q_proj.bias"] = make.normal(q_size)
     tensors["self_attn.k_proj.weight"] = make.normal(kv_size, hidden)
-    if spec.arch == "qwen2_moe":
+    if biased:
         tensors["self_attn.k_proj.bias"] = make.normal(kv_size)
     tensors["self_attn.v_proj.weight"] = make.normal(kv_size, hidden)
-    if spec.arch == "qwen2_moe":
+    if biased:
         tensors["self_attn.v_proj.bias"] = make.normal(kv_size)
     tensors["self_attn.o_proj.weight"] = make.normal(hidden, q_size)
     if spec.arch == "qwen3_moe":
@@ -379,10 +414,12 @@ def _mlp_tensors(spec: DemoSpec, make: _TensorMaker, layer: int) -> dict[str, to
     experts: dict[str, torch.Tensor] = {}
     for expert in range(spec.num_experts):
         experts |= _swiglu_tensors(f"{block}.experts.{expert}.", gate_up_down, hidden, inner, make)
-    if spec.arch == "deepseek_v3":
-        # DeepseekV3MoE registers experts, gate (weight + fp32 correction bias), shared_experts
-        router[f"{block}.gate.e_score_correction_bias"] = make.normal(spec.num_experts, std=0.01, dtype=torch.float32)
-        shared = _swiglu_tensors("mlp.shared_experts.", gate_up_down, hidden, inner, make)
+    if spec.arch in DENSE_FIRST_ARCHITECTURES:
+        # DeepseekV3MoE (and GLM-4.5's) registers experts, gate (weight + fp32 correction bias under
+        # noaux_tc routing), shared_experts
+        if spec.arch != "deepseek_v2":
+            router[f"{block}.gate.e_score_correction_bias"] = make.normal(spec.num_experts, std=0.01, dtype=torch.float32)
+        shared = _swiglu_tensors("mlp.shared_experts.", gate_up_down, hidden, inner * _n_shared_experts(spec), make)
         return experts | router | shared
     tensors = router | experts
     if spec.arch == "qwen2_moe":

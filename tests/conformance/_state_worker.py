@@ -1,5 +1,5 @@
 """Builds a model with an installed vLLM's own model and layer code on the meta device and prints
-the sharded_state key contract of one TP rank: `python _state_worker.py CKPT TP RANK INIT_FILE`.
+the sharded_state key contract of one TP rank: `python _state_worker.py CKPT[,CKPT...] TP RANK INIT_FILE`.
 
 Runs in an environment where vLLM is installed (the engine venv).  Every rank of a TP size is one
 process; they form a real gloo group (vLLM's own `init_distributed_environment` and
@@ -12,7 +12,11 @@ With `--tree TREE` (a release's extracted sources, tests/conformance/vllm_releas
 release's Python code is imported instead of the installed one, with the stand-ins of _stubs.py
 for its compiled modules, on vLLM's CPU platform.
 
-Prints one JSON object: {"vllm": version, "keys": {key: [shape, dtype]}}.
+Several checkpoints (comma-separated) are built one after the other in the same process and group:
+importing a release costs far more than building a meta model, so one worker per release and rank
+serves every architecture.
+
+Prints one JSON line per checkpoint: {"vllm": version, "ckpt": path, "keys": {key: [shape, dtype]}}.
 """
 
 import json
@@ -37,7 +41,14 @@ def _use_release_tree(tree: str) -> None:
     platforms._current_platform = CpuPlatform()
 
 
-def main(ckpt: str, tp: int, rank: int, init_file: str, tree: str | None = None) -> None:
+def _engine_config(ckpt: str, tp: int):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=ckpt, tensor_parallel_size=tp, dtype="bfloat16", enforce_eager=True,
+                      skip_tokenizer_init=True, max_model_len=256).create_engine_config()
+
+
+def main(ckpts: list[str], tp: int, rank: int, init_file: str, tree: str | None = None) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     if tree:
         _use_release_tree(tree)
@@ -46,27 +57,30 @@ def main(ckpt: str, tp: int, rank: int, init_file: str, tree: str | None = None)
     import vllm
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader.utils import initialize_model
 
-    config = EngineArgs(model=ckpt, tensor_parallel_size=tp, dtype="bfloat16", enforce_eager=True,
-                        skip_tokenizer_init=True, max_model_len=256).create_engine_config()
-    with set_current_vllm_config(config):
+    first = _engine_config(ckpts[0], tp)
+    with set_current_vllm_config(first):
         init_distributed_environment(world_size=tp, rank=rank, local_rank=rank,
                                      distributed_init_method=f"file://{init_file}", backend="gloo")
         initialize_model_parallel(tensor_model_parallel_size=tp)
-        torch.set_default_dtype(config.model_config.dtype)  # as vLLM's loader does around model creation
-        with torch.device("meta"):
-            model = initialize_model(vllm_config=config)
-    kept = {}
-    for key, tensor in model.state_dict(keep_vars=True).items():
-        if tensor.numel() == 0:
-            continue  # the filter skips empty tensors
-        ident = id(tensor)
-        if ident not in kept or key < kept[ident][0]:
-            kept[ident] = (key, tensor)
-    keys = {key: [list(t.shape), str(t.dtype).replace("torch.", "")] for key, t in kept.values()}
-    sys.stdout.write(json.dumps({"vllm": vllm.__version__, "keys": keys}) + "\n")
+    for i, ckpt in enumerate(ckpts):
+        config = first if i == 0 else _engine_config(ckpt, tp)
+        with set_current_vllm_config(config):
+            torch.set_default_dtype(config.model_config.dtype)  # as vLLM's loader does around model creation
+            with torch.device("meta"):
+                model = initialize_model(vllm_config=config)
+        kept = {}
+        for key, tensor in model.state_dict(keep_vars=True).items():
+            if tensor.numel() == 0:
+                continue  # the filter skips empty tensors
+            ident = id(tensor)
+            if ident not in kept or key < kept[ident][0]:
+                kept[ident] = (key, tensor)
+        keys = {key: [list(t.shape), str(t.dtype).replace("torch.", "")] for key, t in kept.values()}
+        sys.stdout.write(json.dumps({"vllm": vllm.__version__, "ckpt": ckpt, "keys": keys}) + "\n")
+        sys.stdout.flush()
+        del model
 
 
 if __name__ == "__main__":
@@ -74,4 +88,4 @@ if __name__ == "__main__":
     tree = None
     if args[0] == "--tree":
         tree, args = args[1], args[2:]
-    main(args[0], int(args[1]), int(args[2]), args[3], tree)
+    main(args[0].split(","), int(args[1]), int(args[2]), args[3], tree)
