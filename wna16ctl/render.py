@@ -191,8 +191,7 @@ def _render_serving(console: Console, insp: Inspection) -> None:
     """Which repack layout stock vLLM serves pre-sharded, and how (only where the rulebook has the
     release's sharded_state contract for this architecture)."""
     ck = insp.checkpoint
-    if (insp.ep or insp.engine.version not in rules.VLLM_STATE_RELEASES
-            or ck.config.model_type not in rules.VLLM_STATE_ARCHITECTURES or not insp.loadable):
+    if (insp.ep or not rules.vllm_state_known(insp.engine.version, ck.config.model_type) or not insp.loadable):
         return
     tp = insp.tps[-1]
     console.print(f"serve pre-sharded with vLLM {insp.engine.version}: wna16ctl repack {escape(str(ck.root))} --tp {tp} "

@@ -235,10 +235,10 @@ def test_expert_buffers_follow_the_planned_backend_before_0_31(make_ckpt, tmp_pa
 
 
 def test_k_first_zero_points_round_trip_and_a_transposed_fault_is_caught(make_ckpt, tmp_path):
-    ck = make_ckpt(arch="mixtral", symmetric=False)
+    ck = make_ckpt(symmetric=False)
     out = tmp_path / "o"
     assert invoke("repack", ck, "--tp", 2, "--layout", "vllm", "--vllm", "0.28.0", "-o", out, "-q").exit_code == 0
-    exp = "model.layers.1.block_sparse_moe.experts.routed_experts."
+    exp = "model.layers.1.mlp.experts.routed_experts."
     keys = _keys(out / "model-rank-0-part-0.safetensors")
     assert keys[exp + "w13_weight_zero_point"] == ((8, 2, 256 // 8), torch.int32)  # [groups, 2*I/2 / 8]
     assert keys[exp + "w2_weight_zero_point"] == ((8, 1, 256 // 8), torch.int32)
@@ -248,6 +248,15 @@ def test_k_first_zero_points_round_trip_and_a_transposed_fault_is_caught(make_ck
         exp + "w2_weight_packed", t[exp + "w2_weight_packed"].flip(2).contiguous()))
     res = invoke("verify", ck, bad)
     assert res.exit_code == 1 and f"{exp}w2_weight_packed: expert 0: differs from" in " ".join(res.output.split())
+
+
+def test_mixtral_before_0_32_is_refused_where_vllm_would_not_quantize_its_experts(make_ckpt, tmp_path):
+    """Before 0.32.0 vLLM looks up expert 0's scheme as gate_proj/up_proj/down_proj; the demo's
+    config targets Mixtral's w1/w3/w2 by name, so vLLM would build unquantized experts."""
+    res = CliRunner().invoke(cli, ["repack", str(make_ckpt(arch="mixtral")), "--tp", "2", "--layout", "vllm",
+                                   "--vllm", "0.31.0", "-o", str(tmp_path / "o")])
+    assert res.exit_code == 1 and one_line(res.stderr), res.output
+    assert "vLLM 0.31.0 looks up expert 0's scheme under gate_proj/up_proj/down_proj" in res.stderr
 
 
 def test_act_order_group_is_refused_in_one_line(make_ckpt, tmp_path):
@@ -284,7 +293,7 @@ def test_inspect_says_how_to_serve_pre_sharded(make_ckpt):
     assert f"wna16ctl repack {ck} --tp 2 --layout vllm --vllm 0.32.0 -o OUT" in text
     assert "vllm serve OUT --load-format sharded_state --tensor-parallel-size 2" in text
     older = " ".join(invoke("inspect", ck, "--tp", "2", "--vllm", "0.29.0").output.split())
-    assert "--layout vllm" not in older  # no known contract for that release
+    assert "--layout vllm --vllm 0.29.0" in older  # every release has a contract for Qwen3-MoE
 
 
 def test_vllm_layout_json_keys_are_documented(make_ckpt, tmp_path):

@@ -439,6 +439,16 @@ VLLM_STATE_KEYS: tuple[StateKey, ...] = (
              "copy model.layers.{L}.{B}.shared_expert_gate.weight"),
 )
 
-# (release, model_type) pairs whose contract was read in the release and checked against its code
-VLLM_STATE_RELEASES = RELEASES
-VLLM_STATE_ARCHITECTURES = ("qwen3_moe", "mixtral", "qwen2_moe")
+# model_type -> the releases whose contract for it was read in the release and checked against its
+# model code (tests/conformance/test_vllm_state_contract.py); any other pair is refused
+VLLM_STATE_SUPPORT: dict[str, tuple[str, ...]] = {
+    "qwen3_moe": RELEASES,
+    "mixtral": RELEASES,
+    "qwen2_moe": RELEASES,
+}
+VLLM_STATE_ARCHITECTURES = tuple(VLLM_STATE_SUPPORT)
+
+
+def vllm_state_known(version: str, model_type: str) -> bool:
+    """Whether `repack --layout vllm` has a checked key contract for this release and architecture."""
+    return version in VLLM_STATE_SUPPORT.get(model_type, ())

@@ -99,11 +99,10 @@ def serve_command(out: str | os.PathLike[str], tp: int) -> str:
 # -- planning (torch-free) ------------------------------------------------------------------------
 
 def _refuse_unknown(version: str, arch: str) -> None:
-    if version not in rules.VLLM_STATE_RELEASES or arch not in rules.VLLM_STATE_ARCHITECTURES:
-        raise UsageError(
-            f"--layout vllm: vLLM {version} with architecture {arch} has no known sharded_state contract "
-            f"(known: releases {', '.join(rules.VLLM_STATE_RELEASES)} x architectures "
-            f"{', '.join(rules.VLLM_STATE_ARCHITECTURES)})")
+    if not rules.vllm_state_known(version, arch):
+        known = ", ".join(f"{a} ({rules.span(list(v))})" for a, v in rules.VLLM_STATE_SUPPORT.items())
+        raise UsageError(f"--layout vllm: vLLM {version} with architecture {arch} has no known sharded_state contract "
+                         f"(known: {known})")
 
 
 def _layer_of(name: str) -> int | None:
@@ -136,8 +135,24 @@ def _when(ck: Checkpoint, cond: str | None, layer: int | None, moe: MoELayer | N
 
 
 def _shared_size(ck: Checkpoint, layer: int, block: str, gate: str) -> int | None:
-    name = f"model.layers.{layer}.{block}.shared_expert.{gate}.weight"
-    return ck.files.info(name).shape[0] if name in ck.files else None
+    """The shared expert's intermediate size (Qwen2-MoE `shared_expert`, DeepSeek/GLM `shared_experts`)."""
+    for module in ("shared_expert", "shared_experts"):
+        name = f"model.layers.{layer}.{block}.{module}.{gate}.weight"
+        if name in ck.files:
+            return ck.files.info(name).shape[0]
+    return None
+
+
+def _mla_sizes(ck: Checkpoint, split: Callable[[int, str], int]) -> dict[str, int]:
+    """Multi-head latent attention: the per-rank rows of q_b_proj / q_proj, kv_b_proj and the
+    columns of o_proj, and the replicated latent sizes (DeepSeek-V2/V3, Kimi-K2)."""
+    raw = ck.config.raw
+    heads = ck.dims.num_attention_heads or 1
+    nope, rope, v = (int(raw.get(k) or 0) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+    heads_n = split(heads, "num_attention_heads")
+    q_lora = raw.get("q_lora_rank")
+    return {"KVL": int(raw["kv_lora_rank"]), "R": rope, "QL": int(q_lora or 0),
+            "QHn": heads_n * (nope + rope), "KVBn": heads_n * (nope + v), "On": heads_n * v}
 
 
 def _sizes(ck: Checkpoint, tp: int, moe: MoELayer | None, layer: int | None) -> dict[str, int]:
@@ -155,11 +170,17 @@ def _sizes(ck: Checkpoint, tp: int, moe: MoELayer | None, layer: int | None) -> 
         return size // tp
 
     try:
-        kv_rank = kv_heads_per_rank(kv, tp)
+        kv_rank = 1 if dims.mla else kv_heads_per_rank(kv, tp)
     except ValueError as e:
         raise NotLoadable(f"{ck.root}: {e}") from None
     s: dict[str, int] = {"H": h, "n": tp, "hd": hd, "Qn": split(heads, "num_attention_heads") * hd,
                          "KVn": kv_rank * hd, "Vn": split(padded_vocab(vocab), "padded vocabulary")}
+    if dims.mla:
+        s |= _mla_sizes(ck, split)
+    if layer is not None and moe is None:  # a dense MLP layer (DeepSeek / GLM first_k_dense_replace)
+        name = f"model.layers.{layer}.mlp.gate_proj.weight"
+        if name in ck.files:
+            s["Dn"] = split(ck.files.info(name).shape[0], f"model.layers.{layer}.mlp intermediate size")
     if moe is not None and moe.scheme is not None:
         pf = 32 // moe.scheme.num_bits
         i_n = split(moe.intermediate_size, f"{moe.prefix}: intermediate size")
@@ -221,6 +242,13 @@ def _check_supported(ck: Checkpoint, version: str) -> None:
                              "with expert 0's scheme, so there is no faithful state to write")
         if lay.scheme.act_order and rules.release(version).has("config.refuse_group_actorder"):
             raise NotLoadable(f"{lay.prefix}: actorder {lay.scheme.actorder!r}: vLLM {version} refuses the checkpoint")
+        if (lay.family != "gate_up_down" and not rules.release(version).has("method.checkpoint_proj_names")
+                and ck.config.quant is not None
+                and all(ck.config.quant.scheme_for(f"{lay.prefix}.0.{p}") is None
+                        for p in ("gate_proj", "up_proj", "down_proj"))):
+            raise NotLoadable(f"{lay.prefix}: vLLM {version} looks up expert 0's scheme under gate_proj/up_proj/down_proj, "
+                              "which this config does not target (its experts are w1/w3/w2): it creates unquantized "
+                              "experts and cannot load these; plan for vLLM 0.32.0 or later")
         if lay.scheme.act_order:
             raise UsageError(f"--layout vllm: {lay.prefix}: actorder {lay.scheme.actorder!r} (g_idx and whole w2 "
                              f"scales per rank) is not supported by the vllm layout; use --layout marlin")
@@ -296,7 +324,7 @@ def _check_sources(ck: Checkpoint, keys: list[StateTensor]) -> None:
             names = [arg]
         elif verb == "qkv":
             names = [arg.replace(".q_proj.", f".{p}_proj.") for p in "qkv"]
-        elif verb == "merged":
+        elif verb in ("merged", "cat"):
             names = arg.split()
         else:
             continue
@@ -347,6 +375,8 @@ def build_tensor(plan: VllmStatePlan, reader: Any, t: StateTensor, rank: int) ->
         out = vs.row_shard(reader.read(arg), tp, rank)
     elif verb == "merged":
         out = vs.merged_column_shard([reader.read(n) for n in arg.split()], tp, rank)
+    elif verb == "cat":  # a replicated layer fused from several checkpoint ones (fused_qkv_a_proj)
+        out = torch.cat([reader.read(n).to(dtype) for n in arg.split()], 0)
     elif verb == "qkv":
         dims = plan.checkpoint.dims
         q, k, v = (reader.read(arg.replace(".q_proj.", f".{p}_proj.")) for p in "qkv")
@@ -660,6 +690,13 @@ def _round_trip(plan: VllmStatePlan, out: Path, found: dict[int, dict[str, tuple
                 for name, s, got in zip(names, sources, vs.merged_column_unshard(parts, [s.shape[0] for s in sources])):
                     if not same(got, s):
                         bad = f"the {name} rows differ"
+            elif verb == "cat":
+                names = arg.split()
+                sources = [src(n, dtype) for n in names]
+                for r, p in enumerate(parts):
+                    for name, s_, got in zip(names, sources, p.split([x.shape[0] for x in sources], 0)):
+                        if not same(got, s_):
+                            bad = f"rank {r}: the {name} rows differ"
             elif verb == "qkv":
                 q, k, v, replicas = vs.qkv_unshard(parts, dims.num_attention_heads, dims.num_key_value_heads, dims.head_dim)
                 for got, p in zip((q, k, v), "qkv"):
