@@ -186,6 +186,61 @@ def test_other_architectures_round_trip(make_ckpt, tmp_path, arch):
         assert "model.layers.0.block_sparse_moe.experts.routed_experts.w13_weight_packed" in keys
 
 
+# (arch, keys that only that architecture's contract has, with their rank-0 shape and dtype at TP 2)
+_MLA = "model.layers.1.self_attn."
+_NEW_ARCHS = [
+    ("deepseek_v3", {_MLA + "fused_qkv_a_proj.weight": ((128 + 64 + 16, 256), torch.bfloat16),  # q_a + kv_a rows, replicated
+                     _MLA + "mla_attn.q_b_proj.weight": ((2 * (32 + 16), 128), torch.bfloat16),
+                     _MLA + "kv_b_proj.weight": ((2 * (32 + 32), 64), torch.bfloat16),
+                     _MLA + "mla_attn.o_proj.weight": ((256, 2 * 32), torch.bfloat16),
+                     _MLA + "mla_attn.mla_attn._k_scale": ((), torch.float32),
+                     "model.layers.1.mlp.experts.gate.e_score_correction_bias": ((8,), torch.float32),
+                     "model.layers.1.mlp.experts._shared_experts._layer.gate_up_proj.weight": ((256, 256), torch.bfloat16),
+                     "model.layers.0.mlp.gate_up_proj.weight": ((512, 256), torch.bfloat16)}),  # the dense first layer
+    ("deepseek_v2", {_MLA + "kv_a_proj_with_mqa.weight": ((64 + 16, 256), torch.bfloat16),
+                     _MLA + "mla_attn.q_proj.weight": ((2 * (32 + 16), 256), torch.bfloat16),
+                     "model.layers.1.mlp.experts._shared_experts._layer.down_proj.weight": ((256, 256), torch.bfloat16)}),
+    ("kimi_k2", {_MLA + "fused_qkv_a_proj.weight": ((208, 256), torch.bfloat16),
+                 "model.layers.1.mlp.experts.gate.weight": ((8, 256), torch.bfloat16)}),
+    ("glm4_moe", {"model.layers.1.self_attn.qkv_proj.bias": ((256,), torch.bfloat16),
+                  "model.layers.1.mlp.gate.weight": ((8, 256), torch.float32),  # GLM's router stays fp32
+                  "model.layers.1.mlp.experts.routed_experts.e_score_correction_bias": ((8,), torch.float32),
+                  "model.layers.0.mlp.down_proj.weight": ((256, 256), torch.bfloat16)}),
+]
+_ABSENT = {"deepseek_v3": [_MLA + "qkv_proj.weight", _MLA + "attn.k_scale", "model.layers.1.mlp.gate.weight"],
+           "deepseek_v2": [_MLA + "fused_qkv_a_proj.weight", "model.layers.1.mlp.experts.gate.e_score_correction_bias"],
+           "kimi_k2": [_MLA + "kv_a_proj_with_mqa.weight"],
+           "glm4_moe": ["model.layers.1.mlp.experts.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias"]}
+
+
+@pytest.mark.parametrize("arch,expect", _NEW_ARCHS, ids=[a for a, _ in _NEW_ARCHS])
+def test_mla_and_glm_architectures_write_their_contract_and_round_trip(make_ckpt, tmp_path, arch, expect):
+    """DeepSeek-V2 (MLA without a query LoRA), V3 and Kimi-K2 (MLA with one, correction bias),
+    GLM-4.5 (biased GQA, fp32 router): each key as vLLM 0.32.0 creates it, and the round trip."""
+    ck = make_ckpt(arch=arch)
+    out = tmp_path / arch
+    res = invoke("repack", ck, "--tp", 2, "--layout", "vllm", "--vllm", "0.32.0", "-o", out, "-q")
+    assert res.exit_code == 0, res.output
+    keys = _keys(out / "model-rank-0-part-0.safetensors")
+    for key, want in expect.items():
+        assert keys.get(key) == want, (key, keys.get(key))
+    for key in _ABSENT[arch]:
+        assert key not in keys
+    res = invoke("verify", ck, out)
+    assert res.exit_code == 0 and "PASS" in res.output, res.output
+
+
+def test_a_fused_latent_projection_fault_is_caught(make_ckpt, tmp_path):
+    ck = make_ckpt(arch="deepseek_v3")
+    out = tmp_path / "o"
+    assert invoke("repack", ck, "--tp", 2, "--layout", "vllm", "--vllm", "0.32.0", "-o", out, "-q").exit_code == 0
+    key = _MLA + "fused_qkv_a_proj.weight"
+    # kv_a rows first, q_a rows second: the right shape, the wrong order
+    bad = _tamper(out, tmp_path / "bad", lambda t: t.__setitem__(key, torch.cat([t[key][128:], t[key][:128]]).contiguous()))
+    res = invoke("verify", ck, bad)
+    assert res.exit_code == 1 and f"{key}: rank 1: the {_MLA}q_a_proj.weight rows differ" in " ".join(res.output.split())
+
+
 def test_asymmetric_experts_carry_zero_points(make_ckpt, tmp_path):
     ck = make_ckpt(symmetric=False)
     out = tmp_path / "asym"

@@ -344,7 +344,9 @@ def resolve_engine(spec: str | None) -> Engine:
 # when: properties of the checkpoint (and of the planned backend) the row needs, all of them
 #        (space-separated): "asym" asymmetric experts, "untied" an lm_head of its own, "qkv_bias"
 #        q/k/v biases, "qk_norm" per-head q/k RMSNorm, "k_first" / "n_first" the expert buffers'
-#        orientation (state.experts_k_first with the backend planned for the layer);
+#        orientation (state.experts_k_first with the backend planned for the layer), "mla" / "gqa"
+#        multi-head latent attention or not, "q_lora" / "no_q_lora" MLA with a query LoRA or not,
+#        "noaux_tc" DeepSeek routing with a correction bias (config topk_method);
 # rule: a Change key that must be in force for the row ("!key": must not be);
 # archs: the model_types the row is for (None: every known one).
 
@@ -354,6 +356,9 @@ VLLM_STATE_SYMBOLS = {
     "Hp": "H / pack factor", "Inp": "In / pack factor", "Hpz": "H / pack factor (zero-point rows of w2)",
     "I2np": "2 In / pack factor", "G13": "w13 scale groups", "G2": "w2 scale groups per rank",
     "Sn": "shared-expert intermediate per rank", "Dn": "dense MLP intermediate per rank",
+    "QL": "q_lora_rank", "KVL": "kv_lora_rank", "R": "qk_rope_head_dim",
+    "QHn": "query heads per rank x (qk_nope_head_dim + qk_rope_head_dim)",
+    "KVBn": "heads per rank x (qk_nope_head_dim + v_head_dim)", "On": "heads per rank x v_head_dim",
 }
 
 
@@ -371,6 +376,7 @@ class StateKey:
 
 _ATTN = "model.layers.{L}.self_attn"
 _EXP = "model.layers.{L}.{B}.experts.routed_experts."
+_SHARED_EXPERTS = ("deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe")
 VLLM_STATE_KEYS: tuple[StateKey, ...] = (
     StateKey("model", "model.embed_tokens.weight", ("Vn", "H"), "model", "vocab model.embed_tokens.weight"),
     StateKey("model", "model.norm.weight", ("H",), "model", "copy model.norm.weight"),
@@ -378,28 +384,66 @@ VLLM_STATE_KEYS: tuple[StateKey, ...] = (
     StateKey("layer", "model.layers.{L}.input_layernorm.weight", ("H",), "model", "copy model.layers.{L}.input_layernorm.weight"),
     StateKey("layer", "model.layers.{L}.post_attention_layernorm.weight", ("H",), "model",
              "copy model.layers.{L}.post_attention_layernorm.weight"),
-    StateKey("layer", f"{_ATTN}.qkv_proj.weight", ("Qn+2*KVn", "H"), "model", f"qkv {_ATTN}.q_proj.weight"),
-    StateKey("layer", f"{_ATTN}.qkv_proj.bias", ("Qn+2*KVn",), "model", f"qkv {_ATTN}.q_proj.bias", when="qkv_bias"),
-    StateKey("layer", f"{_ATTN}.o_proj.weight", ("H", "Qn"), "model", f"row {_ATTN}.o_proj.weight"),
+    StateKey("layer", f"{_ATTN}.qkv_proj.weight", ("Qn+2*KVn", "H"), "model", f"qkv {_ATTN}.q_proj.weight", when="gqa"),
+    StateKey("layer", f"{_ATTN}.qkv_proj.bias", ("Qn+2*KVn",), "model", f"qkv {_ATTN}.q_proj.bias", when="gqa qkv_bias"),
+    StateKey("layer", f"{_ATTN}.o_proj.weight", ("H", "Qn"), "model", f"row {_ATTN}.o_proj.weight", when="gqa"),
     StateKey("layer", f"{_ATTN}.q_norm.weight", ("hd",), "model", f"copy {_ATTN}.q_norm.weight", when="qk_norm"),
     StateKey("layer", f"{_ATTN}.k_norm.weight", ("hd",), "model", f"copy {_ATTN}.k_norm.weight", when="qk_norm"),
     # tensors the attention layer creates itself (no checkpoint counterpart): the values a fresh
     # layer holds, which its processing turns into the KV-cache scales
-    StateKey("layer", f"{_ATTN}.attn._k_scale", (), "F32", "const 1.0"),
-    StateKey("layer", f"{_ATTN}.attn._v_scale", (), "F32", "const 1.0"),
-    StateKey("layer", f"{_ATTN}.attn._q_scale", (), "F32", "const 1.0"),
-    StateKey("layer", f"{_ATTN}.attn._prob_scale", (), "F32", "const 1.0"),
+    StateKey("layer", f"{_ATTN}.attn._k_scale", (), "F32", "const 1.0", when="gqa"),
+    StateKey("layer", f"{_ATTN}.attn._v_scale", (), "F32", "const 1.0", when="gqa"),
+    StateKey("layer", f"{_ATTN}.attn._q_scale", (), "F32", "const 1.0", when="gqa"),
+    StateKey("layer", f"{_ATTN}.attn._prob_scale", (), "F32", "const 1.0", when="gqa"),
     # compressed-tensors' KV-cache method creates per-tensor q/k/v scales and zero points on every
     # attention layer, whether or not the checkpoint quantizes the KV cache
-    StateKey("layer", f"{_ATTN}.attn.k_scale", ("1",), "F32", "const 1.0"),
-    StateKey("layer", f"{_ATTN}.attn.v_scale", ("1",), "F32", "const 1.0"),
-    StateKey("layer", f"{_ATTN}.attn.q_scale", ("1",), "F32", "const 1.0"),
-    StateKey("layer", f"{_ATTN}.attn.k_zero_point", ("1",), "model", "const 0"),
-    StateKey("layer", f"{_ATTN}.attn.v_zero_point", ("1",), "model", "const 0"),
-    StateKey("layer", f"{_ATTN}.attn.q_zero_point", ("1",), "model", "const 0"),
+    StateKey("layer", f"{_ATTN}.attn.k_scale", ("1",), "F32", "const 1.0", when="gqa"),
+    StateKey("layer", f"{_ATTN}.attn.v_scale", ("1",), "F32", "const 1.0", when="gqa"),
+    StateKey("layer", f"{_ATTN}.attn.q_scale", ("1",), "F32", "const 1.0", when="gqa"),
+    StateKey("layer", f"{_ATTN}.attn.k_zero_point", ("1",), "model", "const 0", when="gqa"),
+    StateKey("layer", f"{_ATTN}.attn.v_zero_point", ("1",), "model", "const 0", when="gqa"),
+    StateKey("layer", f"{_ATTN}.attn.q_zero_point", ("1",), "model", "const 0", when="gqa"),
+    # multi-head latent attention (DeepSeek-V2/V3, Kimi-K2).  The MLA wrapper registers the same
+    # modules again under `mla_attn`; the smaller key of each pair is kept, so o_proj, q_b_proj,
+    # q_proj and q_a_layernorm appear under `mla_attn.` and the others under `self_attn.`.  With a
+    # query LoRA, q_a_proj and kv_a_proj_with_mqa are one replicated layer, fused_qkv_a_proj.
+    StateKey("layer", f"{_ATTN}.fused_qkv_a_proj.weight", ("QL+KVL+R", "H"), "model",
+             f"cat {_ATTN}.q_a_proj.weight {_ATTN}.kv_a_proj_with_mqa.weight", when="mla q_lora"),
+    StateKey("layer", f"{_ATTN}.mla_attn.q_a_layernorm.weight", ("QL",), "model", f"copy {_ATTN}.q_a_layernorm.weight",
+             when="mla q_lora"),
+    StateKey("layer", f"{_ATTN}.mla_attn.q_b_proj.weight", ("QHn", "QL"), "model", f"column {_ATTN}.q_b_proj.weight",
+             when="mla q_lora"),
+    StateKey("layer", f"{_ATTN}.kv_a_proj_with_mqa.weight", ("KVL+R", "H"), "model",
+             f"copy {_ATTN}.kv_a_proj_with_mqa.weight", when="mla no_q_lora"),
+    StateKey("layer", f"{_ATTN}.mla_attn.q_proj.weight", ("QHn", "H"), "model", f"column {_ATTN}.q_proj.weight",
+             when="mla no_q_lora"),
+    StateKey("layer", f"{_ATTN}.kv_a_layernorm.weight", ("KVL",), "model", f"copy {_ATTN}.kv_a_layernorm.weight",
+             when="mla"),
+    StateKey("layer", f"{_ATTN}.kv_b_proj.weight", ("KVBn", "KVL"), "model", f"column {_ATTN}.kv_b_proj.weight",
+             when="mla"),
+    StateKey("layer", f"{_ATTN}.mla_attn.o_proj.weight", ("H", "On"), "model", f"row {_ATTN}.o_proj.weight", when="mla"),
+    # the MLA attention layer's own scales (compressed-tensors adds no KV-cache scales to it)
+    StateKey("layer", f"{_ATTN}.mla_attn.mla_attn._k_scale", (), "F32", "const 1.0", when="mla"),
+    StateKey("layer", f"{_ATTN}.mla_attn.mla_attn._v_scale", (), "F32", "const 1.0", when="mla"),
+    StateKey("layer", f"{_ATTN}.mla_attn.mla_attn._q_scale", (), "F32", "const 1.0", when="mla"),
+    StateKey("layer", f"{_ATTN}.mla_attn.mla_attn._prob_scale", (), "F32", "const 1.0", when="mla"),
+    # a dense MLP (the first_k_dense_replace layers of DeepSeek, Kimi-K2 and GLM-4.5)
+    StateKey("dense", "model.layers.{L}.mlp.gate_up_proj.weight", ("2*Dn", "H"), "model",
+             "merged model.layers.{L}.mlp.gate_proj.weight model.layers.{L}.mlp.up_proj.weight"),
+    StateKey("dense", "model.layers.{L}.mlp.down_proj.weight", ("H", "Dn"), "model", "row model.layers.{L}.mlp.down_proj.weight"),
     # routed experts: the router (registered under the MoE runner too: the smaller key is kept)
     StateKey("moe", "model.layers.{L}.{B}.experts.gate.weight", ("E", "H"), "model", "copy model.layers.{L}.{B}.gate.weight",
-             archs=("qwen3_moe",)),
+             archs=("qwen3_moe", "deepseek_v2", "deepseek_v3", "kimi_k2")),
+    # noaux_tc routing's correction bias, an fp32 parameter of the router (DeepSeek-V3, Kimi-K2)
+    StateKey("moe", "model.layers.{L}.{B}.experts.gate.e_score_correction_bias", ("E",), "F32",
+             "copy model.layers.{L}.{B}.gate.e_score_correction_bias", when="noaux_tc",
+             archs=("deepseek_v2", "deepseek_v3", "kimi_k2")),
+    # GLM-4.5 keeps its fp32 router to itself; the correction bias it hands to the MoE layer is kept
+    # under the routed experts (the smaller key)
+    StateKey("moe", "model.layers.{L}.{B}.gate.weight", ("E", "H"), "F32", "copy model.layers.{L}.{B}.gate.weight",
+             archs=("glm4_moe",)),
+    StateKey("moe", _EXP + "e_score_correction_bias", ("E",), "F32",
+             "copy model.layers.{L}.{B}.gate.e_score_correction_bias", archs=("glm4_moe",)),
     # where the model does not hand its router to the MoE layer, it keeps the block's own name
     StateKey("moe", "model.layers.{L}.{B}.gate.weight", ("E", "H"), "model", "copy model.layers.{L}.{B}.gate.weight",
              archs=("mixtral", "qwen2_moe")),
@@ -431,12 +475,19 @@ VLLM_STATE_KEYS: tuple[StateKey, ...] = (
     StateKey("moe", _EXP + "w13_weight_shape", ("E", "2"), "model", "shape13"),
     # a shared expert (Qwen2-MoE) beside the routed ones, and its sigmoid gate
     StateKey("shared", "model.layers.{L}.{B}.experts._shared_experts._layer.gate_up_proj.weight", ("2*Sn", "H"), "model",
-             "merged model.layers.{L}.{B}.shared_expert.{G}.weight model.layers.{L}.{B}.shared_expert.{U}.weight"),
+             "merged model.layers.{L}.{B}.shared_expert.{G}.weight model.layers.{L}.{B}.shared_expert.{U}.weight",
+             archs=("qwen2_moe",)),
     StateKey("shared", "model.layers.{L}.{B}.experts._shared_experts._layer.down_proj.weight", ("H", "Sn"), "model",
-             "row model.layers.{L}.{B}.shared_expert.{D}.weight"),
+             "row model.layers.{L}.{B}.shared_expert.{D}.weight", archs=("qwen2_moe",)),
     # the MoE runner wraps the shared expert (and the gate it holds): that copy has the smallest keys
     StateKey("shared", "model.layers.{L}.{B}.experts._shared_experts._layer.expert_gate.weight", ("1", "H"), "model",
-             "copy model.layers.{L}.{B}.shared_expert_gate.weight"),
+             "copy model.layers.{L}.{B}.shared_expert_gate.weight", archs=("qwen2_moe",)),
+    # DeepSeek / Kimi-K2 / GLM-4.5 `shared_experts` (n_shared_experts of them, one MLP)
+    StateKey("shared", "model.layers.{L}.{B}.experts._shared_experts._layer.gate_up_proj.weight", ("2*Sn", "H"), "model",
+             "merged model.layers.{L}.{B}.shared_experts.{G}.weight model.layers.{L}.{B}.shared_experts.{U}.weight",
+             archs=_SHARED_EXPERTS),
+    StateKey("shared", "model.layers.{L}.{B}.experts._shared_experts._layer.down_proj.weight", ("H", "Sn"), "model",
+             "row model.layers.{L}.{B}.shared_experts.{D}.weight", archs=_SHARED_EXPERTS),
 )
 
 # model_type -> the releases whose contract for it was read in the release and checked against its
@@ -445,6 +496,10 @@ VLLM_STATE_SUPPORT: dict[str, tuple[str, ...]] = {
     "qwen3_moe": RELEASES,
     "mixtral": RELEASES,
     "qwen2_moe": RELEASES,
+    "deepseek_v2": ("0.32.0",),
+    "deepseek_v3": ("0.32.0",),
+    "kimi_k2": ("0.32.0",),
+    "glm4_moe": ("0.32.0",),
 }
 VLLM_STATE_ARCHITECTURES = tuple(VLLM_STATE_SUPPORT)
 

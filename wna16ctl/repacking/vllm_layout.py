@@ -131,6 +131,12 @@ def _when(ck: Checkpoint, cond: str | None, layer: int | None, moe: MoELayer | N
         return f"model.layers.{layer}.self_attn.q_proj.bias" in names
     if cond == "qk_norm":
         return f"model.layers.{layer}.self_attn.q_norm.weight" in names
+    if cond in ("mla", "gqa"):
+        return ck.dims.mla == (cond == "mla")
+    if cond in ("q_lora", "no_q_lora"):
+        return bool(ck.config.raw.get("q_lora_rank")) == (cond == "q_lora")
+    if cond == "noaux_tc":
+        return ck.config.raw.get("topk_method") == "noaux_tc"
     raise AssertionError(f"unknown contract condition {cond}")
 
 
@@ -693,9 +699,9 @@ def _round_trip(plan: VllmStatePlan, out: Path, found: dict[int, dict[str, tuple
             elif verb == "cat":
                 names = arg.split()
                 sources = [src(n, dtype) for n in names]
-                for r, p in enumerate(parts):
+                for r, p in enumerate(parts):  # replicated: every rank holds the whole concatenation
                     for name, s_, got in zip(names, sources, p.split([x.shape[0] for x in sources], 0)):
-                        if not same(got, s_):
+                        if bad is None and not same(got, s_):
                             bad = f"rank {r}: the {name} rows differ"
             elif verb == "qkv":
                 q, k, v, replicas = vs.qkv_unshard(parts, dims.num_attention_heads, dims.num_key_value_heads, dims.head_dim)
