@@ -22,6 +22,7 @@ Prints one JSON line per checkpoint: {"vllm": version, "ckpt": path, "keys": {ke
 import json
 import os
 import sys
+import traceback
 
 
 def _use_release_tree(tree: str) -> None:
@@ -39,6 +40,22 @@ def _use_release_tree(tree: str) -> None:
     from vllm.platforms.cpu import CpuPlatform
 
     platforms._current_platform = CpuPlatform()
+
+
+def _mla_prefill_stand_in() -> None:
+    """A CUDA wheel's MLA layer picks its prefill kernel wrapper (FlashAttention) while it is built;
+    on the CPU platform that module does not import.  The wrapper is a plain object holding no
+    parameter or buffer, so a stand-in leaves the key set unchanged."""
+    try:
+        import vllm.model_executor.layers.attention.mla_attention as mla
+    except ImportError:
+        return
+
+    class PrefillStandIn:
+        def __init__(self, *args, **kwargs):
+            pass
+
+    mla.get_mla_prefill_backend = lambda *args, **kwargs: PrefillStandIn
 
 
 def _engine_config(ckpt: str, tp: int):
@@ -59,28 +76,40 @@ def main(ckpts: list[str], tp: int, rank: int, init_file: str, tree: str | None 
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.model_executor.model_loader.utils import initialize_model
 
+    if tree:
+        _mla_prefill_stand_in()
     first = _engine_config(ckpts[0], tp)
     with set_current_vllm_config(first):
         init_distributed_environment(world_size=tp, rank=rank, local_rank=rank,
                                      distributed_init_method=f"file://{init_file}", backend="gloo")
         initialize_model_parallel(tensor_model_parallel_size=tp)
     for i, ckpt in enumerate(ckpts):
-        config = first if i == 0 else _engine_config(ckpt, tp)
-        with set_current_vllm_config(config):
-            torch.set_default_dtype(config.model_config.dtype)  # as vLLM's loader does around model creation
-            with torch.device("meta"):
-                model = initialize_model(vllm_config=config)
-        kept = {}
-        for key, tensor in model.state_dict(keep_vars=True).items():
-            if tensor.numel() == 0:
-                continue  # the filter skips empty tensors
-            ident = id(tensor)
-            if ident not in kept or key < kept[ident][0]:
-                kept[ident] = (key, tensor)
-        keys = {key: [list(t.shape), str(t.dtype).replace("torch.", "")] for key, t in kept.values()}
+        try:
+            keys = _model_keys(first if i == 0 else _engine_config(ckpt, tp), set_current_vllm_config, initialize_model)
+        except Exception:  # noqa: BLE001 - one architecture that does not build must not hide the others
+            sys.stdout.write(json.dumps({"vllm": vllm.__version__, "ckpt": ckpt, "keys": None,
+                                         "error": traceback.format_exc()[-2500:]}) + "\n")
+            sys.stdout.flush()
+            continue
         sys.stdout.write(json.dumps({"vllm": vllm.__version__, "ckpt": ckpt, "keys": keys}) + "\n")
         sys.stdout.flush()
-        del model
+
+
+def _model_keys(config, set_current_vllm_config, initialize_model) -> dict:
+    import torch
+
+    with set_current_vllm_config(config):
+        torch.set_default_dtype(config.model_config.dtype)  # as vLLM's loader does around model creation
+        with torch.device("meta"):
+            model = initialize_model(vllm_config=config)
+    kept = {}
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        if tensor.numel() == 0:
+            continue  # the filter skips empty tensors
+        ident = id(tensor)
+        if ident not in kept or key < kept[ident][0]:
+            kept[ident] = (key, tensor)
+    return {key: [list(t.shape), str(t.dtype).replace("torch.", "")] for key, t in kept.values()}
 
 
 if __name__ == "__main__":
