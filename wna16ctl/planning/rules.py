@@ -496,10 +496,10 @@ VLLM_STATE_SUPPORT: dict[str, tuple[str, ...]] = {
     "qwen3_moe": RELEASES,
     "mixtral": RELEASES,
     "qwen2_moe": RELEASES,
-    "deepseek_v2": ("0.32.0",),
-    "deepseek_v3": ("0.32.0",),
-    "kimi_k2": ("0.32.0",),
-    "glm4_moe": ("0.32.0",),
+    "deepseek_v2": ("0.28.0", "0.32.0"),
+    "deepseek_v3": ("0.28.0", "0.32.0"),
+    "kimi_k2": ("0.28.0", "0.32.0"),
+    "glm4_moe": ("0.28.0", "0.32.0"),
 }
 VLLM_STATE_ARCHITECTURES = tuple(VLLM_STATE_SUPPORT)
 
