@@ -493,13 +493,13 @@ VLLM_STATE_KEYS: tuple[StateKey, ...] = (
 # model_type -> the releases whose contract for it was read in the release and checked against its
 # model code (tests/conformance/test_vllm_state_contract.py); any other pair is refused
 VLLM_STATE_SUPPORT: dict[str, tuple[str, ...]] = {
-    "qwen3_moe": RELEASES,
-    "mixtral": RELEASES,
-    "qwen2_moe": RELEASES,
-    "deepseek_v2": ("0.28.0", "0.32.0"),
-    "deepseek_v3": ("0.28.0", "0.32.0"),
-    "kimi_k2": ("0.28.0", "0.32.0"),
-    "glm4_moe": ("0.28.0", "0.32.0"),
+    "qwen3_moe": ("0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0"),
+    "mixtral": ("0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0"),  # refused before 0.32.0 (w1/w3/w2 targets)
+    "qwen2_moe": ("0.28.0", "0.29.0", "0.30.0", "0.32.0", "0.33.0"),
+    "deepseek_v2": ("0.28.0", "0.32.0", "0.33.0"),
+    "deepseek_v3": ("0.28.0", "0.32.0", "0.33.0"),
+    "kimi_k2": ("0.28.0", "0.32.0", "0.33.0"),
+    "glm4_moe": ("0.28.0", "0.32.0", "0.33.0"),
 }
 VLLM_STATE_ARCHITECTURES = tuple(VLLM_STATE_SUPPORT)
 
