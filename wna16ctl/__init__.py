@@ -105,7 +105,8 @@ def repack(path: PathLike, out: PathLike | None, tp: int | str, *, ep: bool = Fa
 
         if ep or ranks is not None or resume:
             raise UsageError("layout 'vllm' writes every TP rank in one process: no ep, ranks or resume")
-        vplan = plan_vllm_state(path, n_ranks, engine.version, max_shard_bytes=parse_size(max_shard_size))
+        vplan = plan_vllm_state(path, n_ranks, engine.version, max_shard_bytes=parse_size(max_shard_size),
+                                gpu=gpu, switches=switches)
         if dry_run:
             return vplan  # type: ignore[return-value]
         if out is None:
