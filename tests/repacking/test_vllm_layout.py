@@ -314,6 +314,13 @@ def test_mixtral_before_0_32_is_refused_where_vllm_would_not_quantize_its_expert
     assert "vLLM 0.31.0 looks up expert 0's scheme under gate_proj/up_proj/down_proj" in res.stderr
 
 
+def test_mla_on_a_release_outside_the_contract_is_refused_naming_both(make_ckpt, tmp_path):
+    res = CliRunner().invoke(cli, ["repack", str(make_ckpt(arch="kimi_k2")), "--tp", "2", "--layout", "vllm",
+                                   "--vllm", "0.27.1", "-o", str(tmp_path / "o")])
+    assert res.exit_code == 2 and one_line(res.stderr), res.output
+    assert "vLLM 0.27.1 with architecture kimi_k2 has no known sharded_state contract" in res.stderr
+
+
 def test_act_order_group_is_refused_in_one_line(make_ckpt, tmp_path):
     ck = make_ckpt(actorder="group")
     res = CliRunner().invoke(cli, ["repack", str(ck), "--tp", "2", "--layout", "vllm", "--vllm", "0.29.0",
