@@ -498,10 +498,10 @@ VLLM_STATE_SUPPORT: dict[str, tuple[str, ...]] = {
     "qwen3_moe": RELEASES,
     "mixtral": RELEASES,  # w1/w3/w2-targeted configs refused before 0.32.0 (method.checkpoint_proj_names)
     "qwen2_moe": RELEASES,
-    "deepseek_v2": ("0.28.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0"),
-    "deepseek_v3": ("0.28.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0"),
-    "kimi_k2": ("0.28.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0"),
-    "glm4_moe": ("0.27.0", "0.27.1", "0.28.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0"),
+    "deepseek_v2": RELEASES[2:],  # 0.28.0 on
+    "deepseek_v3": RELEASES[2:],  # 0.28.0 on
+    "kimi_k2": RELEASES[2:],  # 0.28.0 on
+    "glm4_moe": RELEASES,
 }
 VLLM_STATE_ARCHITECTURES = tuple(VLLM_STATE_SUPPORT)
 
