@@ -191,7 +191,8 @@ def _render_serving(console: Console, insp: Inspection) -> None:
     """Which repack layout stock vLLM serves pre-sharded, and how (only where the rulebook has the
     release's sharded_state contract for this architecture)."""
     ck = insp.checkpoint
-    if (insp.ep or not rules.vllm_state_known(insp.engine.version, ck.config.model_type) or not insp.loadable):
+    # not where outputs would be wrong: the pre-sharded state goes through the same processing
+    if (insp.ep or not rules.vllm_state_known(insp.engine.version, ck.config.model_type) or not insp.ok):
         return
     tp = insp.tps[-1]
     console.print(f"serve pre-sharded with vLLM {insp.engine.version}: wna16ctl repack {escape(str(ck.root))} --tp {tp} "
