@@ -38,6 +38,9 @@ test-kernels: $(BIN)/.installed
 
 # The planner against the real decision code of every supported vLLM release (fetches each
 # release's sources once into ~/.cache/wna16ctl; `make test` runs only the oldest and newest).
+# It includes the `repack --layout vllm` key contract of every release x architecture, built
+# by vLLM's model code in the engine venv (`make engine-venv`; skipped with one line without
+# it; minutes per release on a 2-core machine, so not part of `make test`).
 CONFORMANCE_EXAMPLES ?= 2000
 conformance: $(BIN)/.installed
 	WNA16CTL_CONFORMANCE_RELEASES=all WNA16CTL_CONFORMANCE_EXAMPLES=$(CONFORMANCE_EXAMPLES) \
