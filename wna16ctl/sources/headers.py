@@ -8,7 +8,6 @@ demo.  Every path named by the index must stay inside the checkpoint directory.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import math
 import os
@@ -16,7 +15,7 @@ import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 from wna16ctl.errors import BadInput
 
@@ -399,9 +398,9 @@ class ShardList:
     root: Path
     paths: list[Path]
     index_path: Path | None = None
-    index_blob: bytes | None = None
-    # shard file name -> digest of the sorted tensor names the index puts there (see assemble)
-    index_digests: dict[str, str] | None = None
+    # the index's weight_map (tensor name -> file as the index names it), parsed and checked once;
+    # `paths` are its files, in the order of their first mention
+    weight_map: dict[str, str] | None = None
 
 
 def locate_shards(root: Path) -> ShardList:
@@ -416,7 +415,7 @@ def locate_shards(root: Path) -> ShardList:
             raise BadInput(f"{index_path}: is a dangling symbolic link; restore the index") from None
         # Parsed exactly (json.loads), never pattern-matched: what the JSON says is what counts.
         wm, files = _index_weight_map(index_path, blob)
-        return ShardList(root, list(files.values()), index_path, blob, _names_digests(wm))
+        return ShardList(root, list(files.values()), index_path, wm)
     single = root / SINGLE_NAME
     if os.path.lexists(single):
         return ShardList(root, [single])
@@ -431,16 +430,21 @@ def assemble(where: ShardList, shards: list[ShardHeader]) -> CheckpointFiles:
     ckpt = CheckpointFiles(where.root, shards, where.index_path)
     if where.index_path is None:
         return ckpt
-    if where.index_digests is not None and where.index_digests == {
-            sh.path.name: _names_digest(sh.entries) for sh in shards} and len(where.index_digests) == len(shards):
-        # the index was parsed where the shard list was made (possibly the worker process): the same
-        # names in the same files, compared by digest; anything else is checked name by name below
+    wm = where.weight_map
+    if wm is not None:
+        rel_of = dict(zip(where.paths, dict.fromkeys(wm.values())))
+    else:
+        wm, files = _index_weight_map(where.index_path,
+                                      read_regular_file(where.index_path, "shard index", limit=MAX_INDEX))
+        rel_of = {p: rel for rel, p in files.items()}
+    # what the shards hold, as the index would say it (built and compared in C: 10^5 names)
+    held: dict[str, str | None] = {}
+    for sh in shards:
+        held.update(dict.fromkeys(sh.entries, rel_of.get(sh.path)))
+    if held == wm:
         return ckpt
-    blob = where.index_blob if where.index_blob is not None else read_regular_file(
-        where.index_path, "shard index", limit=MAX_INDEX)
-    wm, files = _index_weight_map(where.index_path, blob)
     by_path = {sh.path: sh for sh in shards}
-    file_of = {rel: by_path.get(p) for rel, p in files.items()}
+    file_of = {rel: by_path.get(p) for p, rel in rel_of.items()}
     for name, rel in wm.items():
         sh = file_of[rel]
         if sh is None or name not in sh.entries:
@@ -449,17 +453,6 @@ def assemble(where: ShardList, shards: list[ShardHeader]) -> CheckpointFiles:
         extra = next(n for n in ckpt.names() if n not in wm)
         raise BadInput(f"{ckpt.shard_of(extra).path}: holds tensor {extra}, which the index does not name")
     return ckpt
-
-
-def _names_digest(names: Iterable[str]) -> str:
-    return hashlib.sha256("\0".join(sorted(names)).encode()).hexdigest()
-
-
-def _names_digests(wm: dict[str, str]) -> dict[str, str]:
-    by_file: dict[str, list[str]] = {}
-    for name, rel in wm.items():
-        by_file.setdefault(rel, []).append(name)
-    return {Path(rel).name: _names_digest(names) for rel, names in by_file.items()}
 
 
 def _index_weight_map(index_path: Path, blob: bytes) -> tuple[dict[str, str], dict[str, Path]]:
