@@ -285,12 +285,9 @@ def _decode_header(path: Path, blob: bytes) -> dict:
 
 
 def _parse_json(path: Path, text: str, hook: Any) -> Any:
-    # NaN / Infinity are refused through parse_constant, which costs a quarter of the parse: pass
-    # it only when such a token can be there at all
-    strict = "NaN" in text or "Infinity" in text
+    # NaN / Infinity are refused through parse_constant, which the C scanner calls only for such a
+    # token: it costs nothing otherwise (measured: the same time as a plain json.loads)
     try:
-        if not strict:
-            return json.loads(text, object_pairs_hook=hook)
         return json.loads(text, object_pairs_hook=hook, parse_constant=_refuse_constant)
     except RecursionError:
         raise BadInput(f"{path}: header JSON is nested too deeply; the file is corrupt") from None
