@@ -126,11 +126,12 @@ def _scan_checkpoint(root: Path, config: ModelConfig, intermediate: int,
     scans = None
     if guess:
         try:
-            # this process reads the index after its part: the worker takes more than half of the shards
-            scans, _ = split_map(scan, guess, use_marshal=True, child_share=0.6)
+            # this process reads the index after its part, while the worker is still at work: the
+            # worker takes 60% of the shards
+            scans, where = split_map(scan, guess, use_marshal=True, child_share=0.6,
+                                     extra=lambda: locate_shards(root), extra_in_parent=True)
         except BadInput:
-            pass  # maybe a stray file: redo from the index
-        where = locate_shards(root)
+            where = locate_shards(root)  # maybe a stray file: redo from the index
         if scans is not None and {p.resolve() for p in where.paths} != {p.resolve() for p in guess}:
             scans = None
     else:
