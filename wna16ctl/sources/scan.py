@@ -127,7 +127,9 @@ def _scan_grouped(path: str, sh: ShardHeader, config: ModelConfig,
     spans: list[tuple[str, str, list[str]]] = []  # (prefix, proj, expert strings of its modules)
     modules: list[str] = []
     for (prefix, proj), sgroups in by_module.items():
-        experts = list(dict.fromkeys(chain.from_iterable(g[1] for g in sgroups)))
+        experts = sgroups[0][1]
+        if any(g[1] != experts for g in sgroups[1:]):  # usually every suffix has the same experts
+            experts = list(dict.fromkeys(chain.from_iterable(g[1] for g in sgroups)))
         spans.append((prefix, proj, experts))
         modules += [f"{prefix}.{x}.{proj}" for x in experts]
     schemes = quant.schemes_for(modules) if quant is not None else [None] * len(modules)
@@ -164,19 +166,16 @@ def _scan_grouped(path: str, sh: ShardHeader, config: ModelConfig,
             expected[key] = expected_shapes(scheme, role, H, intermediate) if checks_packed(scheme) else None
         exp = expected[key]
         pres = present[prefix]
+        numbers = list(map(int, experts))
         for suffix, experts_of, names in sgroups:
-            ids = list(map(int, experts_of))
+            ids = numbers if experts_of == experts else list(map(int, experts_of))
             pres.setdefault((role, suffix), []).extend(ids)
             if suffix == "weight_packed" or suffix == "weight":
                 lay["schemes"].setdefault(role, []).extend(zip(ids, repeat(sid)))
-            if exp is None or suffix == "weight":
+            if (exp is None or suffix == "weight" or (suffix == "weight_zero_point" and scheme.symmetric)
+                    or (suffix == "weight_g_idx" and not scheme.act_order)):
                 continue
-            if suffix == "weight_zero_point":
-                if scheme.symmetric:
-                    continue
-                pass  # the packed form here; the unpacked one (int8, older writers) goes tensor by tensor
-            elif suffix == "weight_g_idx" and not scheme.act_order:
-                continue
+            # zero points: the packed form here; the unpacked one (int8, older writers) goes tensor by tensor
             es = list(map(entries.__getitem__, names))
             dtypes = set(map(_DTYPE, es))
             allowed, shape = exp[suffix]
