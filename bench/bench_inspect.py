@@ -66,7 +66,8 @@ def vs_bare(d: Path, rounds: int, baseline: list[str] | None = None, baseline_sr
         rs = [getattr(x, key) / getattr(y, key) for x, y in zip(a, b)]
         return f"**{med(rs):.2f}** ({min(rs):.2f}–{max(rs):.2f})"
 
-    for key, label in (("wall", "wall"), ("cpu", "CPU (user + system, the worker process included)")):
+    for key, label in (("wall", "wall"), ("cpu", "CPU (user + system, the worker process included)"),
+                       ("user", "user CPU alone")):
         cells = [f"{med([getattr(r, key) for r in runs[n]]):.2f} s" for n in cols + ["bare"]]
         rcells = [ratio(runs[n], runs["bare"], key) for n in cols]
         if baseline:
