@@ -443,7 +443,7 @@ def assemble(where: ShardList, shards: list[ShardHeader]) -> CheckpointFiles:
                                     for sh in shards):
         return ckpt
     by_path = {sh.path: sh for sh in shards}
-    file_of = {rel: by_path.get(p) for p, rel in rel_of.items()}
+    file_of = {rel: by_path.get(p) for rel, p in files.items()}
     for name, rel in wm.items():
         sh = file_of[rel]
         if sh is None or name not in sh.entries:
