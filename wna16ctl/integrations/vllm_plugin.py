@@ -193,13 +193,10 @@ def force_marlin_backend(vllm_config: Any) -> None:
             kernel.moe_backend = "marlin"
 
 
-def _parallel(vllm_config: Any) -> tuple[int, int, bool, int]:
-    """(tp, pp, ep, this rank's TP rank)."""
-    from vllm.distributed import get_tensor_model_parallel_rank
-
+def _parallel(vllm_config: Any) -> tuple[int, int, bool]:
+    """(tensor parallel size, pipeline stages, expert parallelism) of the engine."""
     p = vllm_config.parallel_config
-    return (p.tensor_parallel_size, p.pipeline_parallel_size, bool(p.enable_expert_parallel),
-            get_tensor_model_parallel_rank())
+    return p.tensor_parallel_size, p.pipeline_parallel_size, bool(p.enable_expert_parallel)
 
 
 @functools.cache
@@ -215,16 +212,17 @@ def marlin_loader_class() -> type:
 
         def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> Any:
             import vllm
+            from vllm.distributed import get_tensor_model_parallel_rank
 
             out = read_marlin_output(model_config.model)
-            tp, pp, ep, rank = _parallel(vllm_config)
+            tp, pp, ep = _parallel(vllm_config)
             check_engine(out, vllm_version=vllm.__version__, capability=_cuda_capability(),
                          moe_backend=vllm_config.kernel_config.moe_backend, tp=tp, pp=pp, ep=ep)
             force_marlin_backend(vllm_config)
             self._output = out
             # builds the model, calls load_weights below, then vLLM's own processing
             model = super().load_model(vllm_config, model_config, prefix)
-            copy_expert_tensors(model, out, rank)
+            copy_expert_tensors(model, out, get_tensor_model_parallel_rank())
             return model
 
         def load_weights(self, model: Any, model_config: Any) -> None:
