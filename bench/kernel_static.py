@@ -102,11 +102,11 @@ def find_cuobjdump() -> tuple[str | None, dict[str, str]]:
 def describe(kernel: str, mangled: str) -> tuple[str, int, int]:
     """(readable name, num_bits, NT) of a kernel instance from its mangled name."""
     if kernel == "v3":
-        m = re.search(r"moe_gemm_v3_kernelILi(\d)ELi(\d)ELi(\d)ELi(\d)E", mangled)
+        m = re.search(r"moe_gemm_v3_kernelILi(\d)ELi(\d)ELi(\d)ELi(\d)ELb([01])E", mangled)
         if not m:
             return mangled, 0, 0
-        dt, nb, mt, nt = (int(x) for x in m.groups())
-        return f"{'bf16' if dt else 'fp16'} {nb}-bit {16 * mt}x{64 * nt} fast", nb, nt
+        dt, nb, mt, nt, zp = (int(x) for x in m.groups())
+        return f"{'bf16' if dt else 'fp16'} {nb}-bit {16 * mt}x{64 * nt} fast{' zp' if zp else ''}", nb, nt
     if kernel == "v2":
         m = re.search(r"moe_gemm_v2_kernelILi(\d)ELi(\d)ELi(\d)ELi(\d)ELi(\d)E", mangled)
         if not m:

@@ -124,6 +124,11 @@ V3_DESIGN = (
 )
 
 
+# bench/kernel_static.py's sm_90 figures of the v3 fast instances without zero points (the bench
+# shape's), nvcc 13.0: see docs/performance.md "GEMM kernel"
+RECORDED_SM90_V3: tuple[Instance, ...] = ()
+
+
 def plan_constants(header: Path = PLAN_HEADER) -> dict[str, int]:
     """The tile constants of kernels/moe_gemm_v2.cuh (kThreads, kStages, kStageK, ...)."""
     text = header.read_text()
@@ -199,7 +204,7 @@ class PlanV3(Plan):
     def smem(self) -> int:
         pipe = self.stages * self.stage_bytes
         red = 4 * self.bm * (self.bn + self.red_pad) * 4
-        fixed = max(pipe, red) + self.bm * 4 + self.bm * 8 + 16 + 4 * 8  # + the prefix's warp totals
+        fixed = max(pipe, red) + self.bm * 4 + self.bm * 8 + 16 + 4 * 8 + 16  # + warp totals, unit positions
         return fixed + (4 * (self.experts + 1) + 15) // 16 * 16
 
 
@@ -396,6 +401,8 @@ def instances_from_static(path: Path, kernel: str = "v2") -> list[Instance]:
     for k in data["kernels"]:
         if k["kernel"] != kernel or k["arch"] != "90" or "fast" not in k["name"] or not k["loop_instructions"]:
             continue
+        if k["name"].endswith(" zp"):  # v3's zero-point instances: the bench shape has none
+            continue
         m = re.search(r"(\d+)x(\d+)", k["name"])
         if not m:
             continue
@@ -473,6 +480,11 @@ def main(argv: list[str] | None = None) -> int:
     rows, costs = model(instances, gpus)
     print(f"static figures: {instances[0].source}")
     print(render(rows, gpus, costs))
+    v3 = instances_from_static(args.static, "v3") if args.static else list(RECORDED_SM90_V3)
+    if v3:
+        rows3, costs3 = model(v3, gpus)
+        print(f"\nv3 kernel (kernels/moe_gemm_v3.cu), static figures: {v3[0].source}")
+        print(render(rows3, gpus, costs3))
     print("\nv3 design (assumed figures, not a kernel: warps over N, scales in registers, one launch, "
           "4 blocks per SM), share of HBM peak at M = 1 / 16 / 64:")
     shape = Shape()
@@ -487,6 +499,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {g.name}, one warp issues {ipc:g}/clk: " + " / ".join(f"{100 * r.fraction:.0f} %" for r in alt))
     if args.json:
         args.json.write_text(json.dumps({"expectations": [asdict(r) for r in rows],
+                                         "v3_expectations": [asdict(r) for r in rows3] if v3 else [],
                                          "gpus": [asdict(g) for g in gpus]}, indent=2) + "\n")
     return 0
 

@@ -375,14 +375,16 @@ struct Gemm {
   // accumulators, the scale pairs and the loader's pointers live across the loop: the tile's
   // place is looked up again after it.
   static WNA16_KDEV void run_tile(const Args& p, unsigned char* smem, const int32_t* prefix,
-                                  int64_t tile, int ks0, int ks1) {
+                                  int64_t tile, int ks0, int ks1, int64_t u, int64_t u_next,
+                                  int64_t* sh_u) {
     const int tid = (int)threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int kw = warp % kWarpsK, nw = warp / kWarpsK;
     int32_t* sh_slot = reinterpret_cast<int32_t*>(smem + P::SLOT_OFF);
     int64_t* sh_aoff = reinterpret_cast<int64_t*>(smem + P::AOFF_OFF);
     const Tile t = locate(p, prefix, tile);
 
-    wna16_syncthreads();  // the previous tile is done with shared memory
+    wna16_syncthreads();  // the previous tile is done with shared memory (and with sh_u)
+    if (tid == 0) sh_u[0] = u, sh_u[1] = u_next;
     for (int i = tid; i < BM; i += kThreads) {
       int32_t s = -1;
       if (i < t.rows) {
@@ -569,20 +571,24 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) moe_gemm_v3_kernel(con
   int32_t* prefix = reinterpret_cast<int32_t*>(smem + P::PREFIX_OFF);
   block_tile_prefix(p, G::BM, prefix, reinterpret_cast<int32_t*>(smem + P::FLAG_OFF + 16),
                     (int)threadIdx.x);
-  const int64_t self = blockIdx.x;
   Schedule s = schedule<G::BN>(p, prefix);
-  if (self >= s.blocks) return;  // block-uniform
-  int64_t u = unit_start(self, s.units, s.blocks);
+  if ((int64_t)blockIdx.x >= s.blocks) return;  // block-uniform
+  // the block's place in its unit range lives in shared memory, not in registers held through
+  // the main loop: sh_u[1] where the next tile's units start, sh_u[0] where the current one's
+  // did (run_tile writes both after its first barrier; the barriers order them)
+  int64_t* sh_u = reinterpret_cast<int64_t*>(smem + P::U_OFF);
+  if (threadIdx.x == 0) sh_u[1] = unit_start(blockIdx.x, s.units, s.blocks);
   for (;;) {
+    wna16_syncthreads();  // publishes sh_u[1]
     s = schedule<G::BN>(p, prefix);
-    if (u >= unit_start(self + 1, s.units, s.blocks)) break;
+    const int64_t u = sh_u[1], u_end = unit_start(blockIdx.x + 1, s.units, s.blocks);
+    if (u >= u_end) break;  // block-uniform
     const int64_t tile = u / s.kstages;
     const int ks0 = (int)(u % s.kstages);
-    const int ks1 = (int)min64(s.kstages, ks0 + (unit_start(self + 1, s.units, s.blocks) - u));
-    G::run_tile(p, smem, prefix, tile, ks0, ks1);
+    const int ks1 = (int)min64(s.kstages, ks0 + (u_end - u));
+    G::run_tile(p, smem, prefix, tile, ks0, ks1, u, u + (ks1 - ks0), sh_u);
     s = schedule<G::BN>(p, prefix);
-    G::epilogue(p, smem, prefix, tile, s.kstages, s.units, s.blocks, self);
-    u += ks1 - ks0;
+    G::epilogue(p, smem, prefix, sh_u[0] / s.kstages, s.kstages, s.units, s.blocks, blockIdx.x);
   }
 }
 

@@ -34,7 +34,8 @@ struct Plan {
   static constexpr int SLOT_OFF = MAIN;              // sorted slot of each tile row
   static constexpr int AOFF_OFF = SLOT_OFF + BM * 4; // its activation row offset (elements), -1: none
   static constexpr int FLAG_OFF = AOFF_OFF + BM * 8; // election flag, then the warp totals of the prefix
-  static constexpr int PREFIX_OFF = FLAG_OFF + 16 + 4 * kWarpsK * kWarpsN;
+  static constexpr int U_OFF = FLAG_OFF + 16 + 4 * kWarpsK * kWarpsN;  // the block's two unit positions
+  static constexpr int PREFIX_OFF = U_OFF + 16;
   static constexpr int FIXED = PREFIX_OFF;
   static_assert(STAGE % 16 == 0 && MAIN % 16 == 0 && PREFIX_OFF % 16 == 0, "16-byte aligned regions");
 };
