@@ -309,7 +309,7 @@ def count_ptx(kernel: str, lines: list[str]) -> tuple[int, int] | None:
 # ----------------------------------------------------------------------------------------------
 
 
-def measure(archs: list[str]) -> tuple[list[KernelFigures], list[str]]:
+def measure(archs: list[str], kernels: list[str] | None = None) -> tuple[list[KernelFigures], list[str]]:
     notes: list[str] = []
     nvcc = find_nvcc()
     if nvcc is None:
@@ -321,7 +321,7 @@ def measure(archs: list[str]) -> tuple[list[KernelFigures], list[str]]:
     figures: list[KernelFigures] = []
     with tempfile.TemporaryDirectory(prefix="wna16-static-") as tmp:
         out = Path(tmp)
-        jobs = [(k, a) for a in archs for k in SOURCES]
+        jobs = [(k, a) for a in archs for k in (kernels or list(SOURCES))]
         with ThreadPoolExecutor(max_workers=2) as pool:
             built = dict(zip(jobs, pool.map(lambda job: compile_cubin(nvcc, job[0], job[1], out), jobs)))
         smem, smem3 = dynamic_smem(out), dynamic_smem_v3(out)
@@ -385,9 +385,10 @@ def render(figures: list[KernelFigures], notes: list[str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", action="append", help="sm arch number (repeatable; default 90 and 80)")
+    ap.add_argument("--kernel", action="append", choices=sorted(SOURCES), help="repeatable; default all")
     ap.add_argument("--json", type=Path, help="also write the figures as JSON here")
     args = ap.parse_args(argv)
-    figures, notes = measure(args.arch or ["90", "80"])
+    figures, notes = measure(args.arch or ["90", "80"], args.kernel)
     if not figures:
         print(f"kernel_static: skipped: {'; '.join(notes)}")
         return 0

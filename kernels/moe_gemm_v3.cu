@@ -224,18 +224,17 @@ struct Gemm {
         const int row = a_row0 + A_ROWS_PER_PASS * i;
         if (row < mcount * 16) {
           const int64_t off = sh_aoff[row];
-          const bool ok = off >= 0 && kk < p.size_k;
+          const bool ok = off >= 0;  // every stage lies inside K (K % kStageK == 0)
           wna16_cp_async16(st + P::A_OFF + row * 128 + ((a_ch ^ (row & 7)) << 4),
                            ok ? (const void*)(a + off) : p.a, ok);
         }
       }
       const uint64_t policy = wna16_l2_evict_first_policy();  // one instruction: no register kept
-      const int ktiles = (int)(p.size_k / 16);
       WNA16_UNROLL
       for (int i = 0; i < B_PER_THREAD; ++i) {  // chunk tid + 256 i: k-tile row, chunk in row
         const int c = tid + kThreads * i, ktl = c / ROW_CHUNKS, rest = c % ROW_CHUNKS;
         if (B_CHUNKS % kThreads == 0 || c < B_CHUNKS) {
-          const bool ok = rest / CPT < nvalid && ks * kWarpsK + ktl < ktiles;
+          const bool ok = rest / CPT < nvalid;  // n-tile inside N (every k-tile is inside K)
           wna16_cp_async16_hint(st + P::B_OFF + (ktl * NT * WPT + rest * 4) * 4,
                                 ok ? (const void*)(b + ktl * bcols(p) + rest * 4) : p.b, ok, policy);
         }
@@ -311,11 +310,9 @@ struct Gemm {
   }
 
   // One stage of one warp: its k-tile against its columns and the tile's 16-row slices.
-  static WNA16_KDEV void compute_stage(const Args& p, int mcount, int nvalid, const unsigned char* st,
-                                       int ks, int kw, int nw, int lane,
+  static WNA16_KDEV void compute_stage(int mcount, int nvalid, const unsigned char* st, int kw, int nw,
+                                       int lane,
                                        const uint32_t sz[NSUB][2], float acc[MT][NSUB][2][4]) {
-    const int64_t kt = (int64_t)ks * kWarpsK + kw;
-    if (kt >= p.size_k / 16) return;  // warp-uniform: past K in the last stage
     uint32_t af[MT][4];
     WNA16_UNROLL
     for (int mi = 0; mi < MT; ++mi) {
@@ -425,13 +422,13 @@ struct Gemm {
       wna16_cp_async_commit();
       const unsigned char* st = smem + (ks % kStages) * P::STAGE;
       refill(p, st, nw, lane, sz);
-      compute_stage(p, mcount, nvalid, st, ks, kw, nw, lane, sz, acc);
+      compute_stage(mcount, nvalid, st, kw, nw, lane, sz, acc);
       for (++ks; ks < run_end; ++ks) {
         wna16_cp_async_wait<kStages - 2>();  // this thread's copies of stage ks have landed
         wna16_syncthreads();                 // everyone's have; stage ks - 1 is consumed
         if (ks + kStages - 1 < ks1) ld.load(p, mcount, nvalid, smem, sh_aoff, ks + kStages - 1);
         wna16_cp_async_commit();
-        compute_stage(p, mcount, nvalid, smem + (ks % kStages) * P::STAGE, ks, kw, nw, lane, sz, acc);
+        compute_stage(mcount, nvalid, smem + (ks % kStages) * P::STAGE, kw, nw, lane, sz, acc);
       }
     }
     wna16_cp_async_wait<0>();
@@ -640,7 +637,7 @@ int check_mode(int64_t size_k, int64_t num_groups, int has_perm) {
   const int64_t group_rows = num_groups > 1 ? size_k / num_groups : size_k;
   if (has_perm)
     return wna16_fail(WNA16_ENOTSUP, "the v3 GEMM has no act-order mode (use the v2 kernel)");
-  if (size_k && group_rows % kStageK)
+  if (size_k % kStageK || group_rows % kStageK)
     return wna16_fail(WNA16_ENOTSUP, "the v3 GEMM needs scale groups of a multiple of %d rows "
                       "(size_k %lld / %lld groups); use the v2 kernel", kStageK,
                       (long long)size_k, (long long)num_groups);
