@@ -204,7 +204,8 @@ class PlanV3(Plan):
     def smem(self) -> int:
         pipe = self.stages * self.stage_bytes
         red = 4 * self.bm * (self.bn + self.red_pad) * 4
-        fixed = max(pipe, red) + self.bm * 4 + self.bm * 8 + 16 + 4 * 8 + 16  # + warp totals, unit positions
+        # + the flag, the prefix's warp totals, the unit positions, the scale copies' pointers
+        fixed = max(pipe, red) + self.bm * 4 + self.bm * 8 + 16 + 4 * 8 + 16 + 8 * 64
         return fixed + (4 * (self.experts + 1) + 15) // 16 * 16
 
 

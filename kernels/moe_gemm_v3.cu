@@ -183,20 +183,26 @@ struct Gemm {
     static constexpr int A_ROWS_PER_PASS = kThreads / 8;
     static constexpr int A_PASSES = (BM + A_ROWS_PER_PASS - 1) / A_ROWS_PER_PASS;
     static constexpr int S_CHUNKS = BN / 8, Z_CHUNKS = BN / PF / 4;
-    static_assert(S_CHUNKS + Z_CHUNKS <= kThreads, "one scale chunk per thread");
+    static_assert(S_CHUNKS + Z_CHUNKS <= kScaleThreads, "one scale chunk per thread");
     const uint32_t* b;       // the block's weights at k-tile 0 of the next stage
-    const unsigned char* s;  // this thread's scale (or zero-point) chunk of the next group, or null
+    // (this thread's scale or zero-point chunk of the next group, or null, waits in its own
+    // shared-memory slot: used once per group, it need not hold two registers through the loop)
     int left;                // stages before the next group's first
     int first_run;           // stages of the range's first group run (no division in the loop)
 
     static WNA16_KDEV int bcols(const Args& p) { return (int)(p.size_n * 16 / PF); }
 
-    WNA16_KDEV Loader(const Args& p, int64_t e, int64_t n0, int nvalid, int ks_first) {
+    static WNA16_KDEV const unsigned char** scale_slot(unsigned char* smem, int tid) {
+      return reinterpret_cast<const unsigned char**>(smem + P::SPTR_OFF) + tid;
+    }
+
+    WNA16_KDEV Loader(const Args& p, unsigned char* smem, int64_t e, int64_t n0, int nvalid,
+                      int ks_first) {
       const int tid = (int)threadIdx.x;
       b = p.b + e * (p.size_k / 16) * bcols(p) + (n0 / 64) * WPT +
           (int64_t)ks_first * kWarpsK * bcols(p);
       const int64_t g = (int64_t)ks_first / (p.group_rows / kStageK);
-      s = nullptr;
+      const unsigned char* s = nullptr;
       if (tid < S_CHUNKS) {
         if (8 * tid < nvalid * 64)
           s = reinterpret_cast<const unsigned char*>(
@@ -207,6 +213,7 @@ struct Gemm {
           s = reinterpret_cast<const unsigned char*>(
               p.zp + ((e * p.num_groups + g) * (p.size_n / PF) + n0 / PF + 4 * ch));
       }
+      if (tid < kScaleThreads) *scale_slot(smem, tid) = s;
       left = 0;  // the range's first stage brings its group's row, wherever the group starts
       first_run = p.group_rows / kStageK - ks_first % (p.group_rows / kStageK);
     }
@@ -245,8 +252,9 @@ struct Gemm {
         const bool scale = tid < S_CHUNKS, zero = !scale && ZP && tid < S_CHUNKS + Z_CHUNKS;
         if (scale || zero) {
           const int dst = scale ? P::S_OFF + 16 * tid : P::Z_OFF + 16 * (tid - S_CHUNKS);
+          const unsigned char* s = *scale_slot(smem, tid);
           wna16_cp_async16(st + dst, s ? (const void*)s : p.scales, s != nullptr);
-          if (s) s += scale ? p.size_n * 2 : p.size_n / PF * 4;
+          if (s) *scale_slot(smem, tid) = s + (scale ? p.size_n * 2 : p.size_n / PF * 4);
         }
         left = first_run ? first_run : spg;
         first_run = 0;
@@ -406,7 +414,7 @@ struct Gemm {
     const int mcount = t.mcount, nvalid = t.nvalid;
 
     // prologue: kStages - 1 stages in flight (empty groups keep the wait arithmetic uniform)
-    Loader ld(p, t.e, t.n0, nvalid, ks0);
+    Loader ld(p, smem, t.e, t.n0, nvalid, ks0);
     WNA16_UNROLL
     for (int i = 0; i < kStages - 1; ++i) {
       if (ks0 + i < ks1) ld.load(p, mcount, nvalid, smem, sh_aoff, ks0 + i);

@@ -11,6 +11,7 @@ constexpr int kStages = 4;       // cp.async pipeline depth
 constexpr int kStageK = 64;      // K rows per pipeline stage (kWarpsK k-tiles of 16)
 constexpr int kBlocksPerSm = 2;  // grid = SMs * this (registers and shared memory allow it)
 constexpr int kRedPad = 8;       // fp32 row padding of the reduction buffer (bank spread)
+constexpr int kScaleThreads = 64;  // threads that copy a scale or zero-point chunk (at most)
 
 // Shared-memory plan of one kernel instance (fast mode: one scale group per stage at most, so a
 // stage carries at most one scale / zero-point row). The tile prefix over the experts follows
@@ -35,7 +36,8 @@ struct Plan {
   static constexpr int AOFF_OFF = SLOT_OFF + BM * 4; // its activation row offset (elements), -1: none
   static constexpr int FLAG_OFF = AOFF_OFF + BM * 8; // election flag, then the warp totals of the prefix
   static constexpr int U_OFF = FLAG_OFF + 16 + 4 * kWarpsK * kWarpsN;  // the block's two unit positions
-  static constexpr int PREFIX_OFF = U_OFF + 16;
+  static constexpr int SPTR_OFF = U_OFF + 16;       // the scale-copying threads' source pointers
+  static constexpr int PREFIX_OFF = SPTR_OFF + 8 * kScaleThreads;
   static constexpr int FIXED = PREFIX_OFF;
   static_assert(STAGE % 16 == 0 && MAIN % 16 == 0 && PREFIX_OFF % 16 == 0, "16-byte aligned regions");
 };

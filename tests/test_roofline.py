@@ -128,10 +128,10 @@ def test_v3_plan_twin_matches_the_header(tmp_path: Path) -> None:
     assert got == want
     # by hand, 4-bit 16x256, 64 experts: the reduction buffer (4 x 16 x 264 fp32 = 67,584 B) is
     # larger than the pipeline (4 x 10,880 B); + slots, row offsets, flag, warp totals, unit
-    # positions, and the tile prefix (65 words, 272 B)
-    assert want[1] == 67_584 + 64 + 128 + 16 + 32 + 16 + 272
+    # positions, 64 scale-copy pointers, and the tile prefix (65 words, 272 B)
+    assert want[1] == 67_584 + 64 + 128 + 16 + 32 + 16 + 512 + 272
     # 8-bit 16x256: the pipeline (4 x 19,200 B) sets it: two blocks per SM on an H200
-    assert want[10] == 4 * 19_200 + 64 + 128 + 16 + 32 + 16 + 272
+    assert want[10] == 4 * 19_200 + 64 + 128 + 16 + 32 + 16 + 512 + 272
 
 
 def test_v3_accounting_by_hand() -> None:

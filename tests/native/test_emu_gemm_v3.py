@@ -156,3 +156,10 @@ def test_emulated_gemm_v3_catches_a_counter_left_set(plain: Path) -> None:  # no
     r, _ = run_gemm_op(plain, "gemm_v3", prob, 0, {"sms": 4},
                        ints={"calls": 1, "flag_words": counter_words(prob, "auto", 4) + 64 * 256})
     assert r.returncode == 0 and r.rc == 99 and "not reset" in r.stderr
+
+
+def test_v3_is_selected_on_request_only(monkeypatch) -> None:
+    monkeypatch.setenv("WNA16CTL_GEMM_KERNEL", "v3")
+    assert K.gemm_kernel() == "v3"
+    monkeypatch.delenv("WNA16CTL_GEMM_KERNEL")
+    assert K.gemm_kernel() == "auto"  # auto stays v2 (ops.GEMM_KERNELS says why)
