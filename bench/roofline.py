@@ -124,9 +124,6 @@ V3_DESIGN = (
 )
 
 
-# bench/kernel_static.py's sm_90 figures of the v3 fast instances without zero points (the bench
-# shape's), nvcc 13.0: see docs/performance.md "GEMM kernel"
-RECORDED_SM90_V3: tuple[Instance, ...] = ()
 
 
 def plan_constants(header: Path = PLAN_HEADER) -> dict[str, int]:
@@ -426,6 +423,25 @@ def v3_instance(name: str, num_bits: int, mt: int, nt: int, registers: int, loop
     return Instance("v3 " + name, num_bits, mt, nt, registers, loop_sass, loop_mma, source=source,
                     lane_table=False, warps_over_n=False, launches=1, grid_blocks_per_sm=2, warps_n=2,
                     kernel="v3")
+
+
+# bench/kernel_static.py's sm_90 figures of the v3 fast instances without zero points (the bench
+# shape has none), as recorded in docs/performance.md ("GEMM kernel")
+_V3_SOURCE = "recorded sm_90, nvcc 13.0 (docs/performance.md)"
+RECORDED_SM90_V3: tuple[Instance, ...] = (
+    v3_instance("4-bit fp16 16x256", 4, 1, 4, 128, 272, 16, _V3_SOURCE),
+    v3_instance("4-bit fp16 32x128", 4, 2, 2, 126, 211, 16, _V3_SOURCE),
+    v3_instance("4-bit fp16 64x64", 4, 4, 1, 126, 213, 16, _V3_SOURCE),
+    v3_instance("8-bit fp16 16x256", 8, 1, 4, 128, 289, 16, _V3_SOURCE),
+    v3_instance("8-bit fp16 32x128", 8, 2, 2, 128, 217, 16, _V3_SOURCE),
+    v3_instance("8-bit fp16 64x64", 8, 4, 1, 126, 203, 16, _V3_SOURCE),
+    v3_instance("4-bit bf16 16x256", 4, 1, 4, 128, 275, 16, _V3_SOURCE),
+    v3_instance("4-bit bf16 32x128", 4, 2, 2, 126, 212, 16, _V3_SOURCE),
+    v3_instance("4-bit bf16 64x64", 4, 4, 1, 126, 214, 16, _V3_SOURCE),
+    v3_instance("8-bit bf16 16x256", 8, 1, 4, 128, 419, 16, _V3_SOURCE),
+    v3_instance("8-bit bf16 32x128", 8, 2, 2, 128, 283, 16, _V3_SOURCE),
+    v3_instance("8-bit bf16 64x64", 8, 4, 1, 124, 237, 16, _V3_SOURCE),
+)
 
 
 def pick_instance(instances, shape: Shape, m: int, num_bits: int = 4) -> Instance:
