@@ -66,7 +66,7 @@ GEMM_VARIANTS = {"auto": 0, "fma": 1, "mma": 2}
 # the v2 kernel also takes a forced tile height (rows of sorted slots per tile)
 GEMM_V2_TILES = {"tile16": 16, "tile32": 32, "tile64": 64}
 # auto = v2 where it applies, else v1. v3 runs on request only: the roofline model has it ahead of
-# v2 at M = 1, 16, 64, but six of its 24 sm_90 instances still spill (the bench shape's bf16 4-bit
+# v2 at M = 1, 16, 64, but five of its 24 sm_90 instances still spill (the bench shape's bf16 4-bit
 # 16 x 256 among them, 8 bytes) and no GPU has run it (docs/performance.md, "GEMM kernel")
 GEMM_KERNELS = ("auto", "v1", "v2", "v3")
 WNA16_ENOTSUP = 3
