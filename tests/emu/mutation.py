@@ -94,7 +94,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("V5-n-half-words", "v3's second n-warp reads the first n-warp's weight words",
            (("(kw * NT + sub0 / 4) * WPT", "(kw * NT + (sub0 - nw * NSUB) / 4) * WPT"),), file="moe_gemm_v3.cu"),
     Mutant("V6-scale-columns-hoisted", "v3's refill reads the scales of the lane's first n-warp columns",
-           (("(uint32_t)(16 * nw * NSUB + (lane >> 2))", "(uint32_t)(lane >> 2)"),), file="moe_gemm_v3.cu"),
+           (("(uint32_t)(16 * nw * NSUB + (lane >> 2))", "(uint32_t)(16 * (nw & 0) * NSUB + (lane >> 2))"),), file="moe_gemm_v3.cu"),
 )
 
 
