@@ -39,6 +39,7 @@ test: $(BIN)/.installed
 # ThreadSanitizer cases catch each one (exit 1 if one survives).
 test-kernels: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -rs -m 'mutants or not mutants' tests/native/test_emu_mutants.py
+	$(BIN)/python -m pytest -q -rs -m 'kernels or not kernels' tests/native/test_emu_gemm_v3.py
 	$(BIN)/python -m tests.emu.mutation
 
 # The planner against the real decision code of every supported vLLM release (fetches each
