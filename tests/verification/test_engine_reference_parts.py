@@ -1,0 +1,111 @@
+"""The pure-Python parts of the reference-vs-engine tier (fast, default suite): the dequantised
+checkpoint, the tolerance derivation, the judgement and the reading of the engine's captures."""
+
+from __future__ import annotations
+
+import json
+from statistics import NormalDist
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from wna16ctl.verification.engine_reference import (
+    ReferenceRuns, dequantized_expert_weights, engine_layer_outputs, gaussian_multiplier, judge_engine,
+    logit_tolerance, write_dequantized_checkpoint)
+
+
+def test_dequantized_checkpoint_holds_the_references_expert_weights(make_ckpt, tmp_path):
+    from wna16ctl.demo import library_dequantize
+    from wna16ctl.repacking.pipeline import RepackSettings, plan_repack
+    from wna16ctl.sources import open_checkpoint
+    from wna16ctl.sources.tensors import TensorReader
+    from wna16ctl.verification.e2e import _ReferenceExperts
+
+    ck = make_ckpt()
+    out = write_dequantized_checkpoint(ck, tmp_path / "dense")
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert config["architectures"] == json.loads((ck / "config.json").read_text())["architectures"]
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        written = {k: f.get_tensor(k) for k in f.keys()}
+    assert not [k for k in written if "weight_packed" in k or "weight_scale" in k or "weight_shape" in k]
+    # bit-identical to what the e2e reference multiplies by (its per-rank w13 | w2 at TP 1) ...
+    source = open_checkpoint(ck)
+    job = plan_repack(ck, RepackSettings(tp=1)).jobs[0]
+    with TensorReader(source.files) as reader:
+        reference = _ReferenceExperts(source, reader, job, torch.bfloat16, torch.device("cpu"))
+    layer = job.layer
+    inner = layer.intermediate_size
+    for e, (w13, w2) in reference.ranks[0][1].items():
+        assert torch.equal(written[layer.tensor_name(e, "gate", "weight")], w13[:, :inner].T)
+        assert torch.equal(written[layer.tensor_name(e, "up", "weight")], w13[:, inner:].T)
+        assert torch.equal(written[layer.tensor_name(e, "down", "weight")], w2.T)
+    # ... and to compressed-tensors' own decompression of the same modules, rounded to bf16
+    library = library_dequantize(ck)
+    assert set(library) == set(dequantized_expert_weights(ck))
+    name = layer.tensor_name(3, "down", "weight")
+    assert torch.equal(written[name], library[name].to(torch.bfloat16))
+    # every other tensor as stored
+    with safe_open(str(next(ck.glob("*.safetensors"))), framework="pt") as f:
+        other = next(k for k in f.keys() if k.endswith("input_layernorm.weight"))
+        assert torch.equal(written[other], f.get_tensor(other))
+    with pytest.raises(FileExistsError):
+        write_dequantized_checkpoint(ck, out)
+
+
+def test_gaussian_multiplier_is_the_union_bound_quantile():
+    assert gaussian_multiplier(1, 0.05) == pytest.approx(1.959964, abs=1e-5)
+    z = gaussian_multiplier(16384, 1e-3)
+    # P(|N(0,1)| > z) · comparisons = false alarm
+    assert 2 * (1 - NormalDist().cdf(z)) * 16384 == pytest.approx(1e-3, rel=1e-6)
+    assert gaussian_multiplier(100) < gaussian_multiplier(10_000)
+    with pytest.raises(ValueError):
+        gaussian_multiplier(0)
+
+
+def test_logit_tolerance_is_z_times_the_rms_rounding_of_each_step():
+    ref = [torch.zeros(3, 4)]
+    low = [torch.tensor([[0.01, -0.01, 0.01, -0.01], [0.0, 0.0, 0.0, 0.02], [0.0, 0.0, 0.0, 0.0]])]
+    tol, z = logit_tolerance(ref, low)
+    assert z == pytest.approx(gaussian_multiplier(12))
+    assert tol[0].tolist() == pytest.approx([z * 0.01, z * 0.01, 0.0])
+
+
+def _runs(logits: torch.Tensor, tokens: list[int]) -> ReferenceRuns:
+    return ReferenceRuns(prompts=[[1, 2]], tokens=[tokens], logits=[logits], model_dtype_logits=[logits])
+
+
+def test_judge_engine_accepts_rounding_and_near_ties_only():
+    ref = torch.tensor([[1.0, 0.0, -1.0], [0.50, 0.49, 0.0]])  # step 1: a near-tie (margin 0.01)
+    runs = _runs(ref, [0, 0])
+    tol = [torch.tensor([0.02, 0.02])]
+    small = ref + torch.tensor([[0.01, -0.01, 0.0], [-0.006, 0.006, 0.0]])  # step 1 flips: a near-tie
+    [ok] = judge_engine(runs, [small], [[0, 1]], tol)
+    assert ok.passed and ok.worst_ratio == pytest.approx(0.5, rel=1e-4)
+    assert [d["step"] for d in ok.teacher_forced_divergences] == [1] and ok.teacher_forced_divergences[0]["near_tie"]
+    assert ok.greedy_first_divergence == 1
+    [far] = judge_engine(runs, [ref + torch.tensor([[0.0, 0.05, 0.0], [0.0, 0.0, 0.0]])], [[0, 0]], tol)
+    assert not far.passed and far.worst_ratio == pytest.approx(2.5, rel=1e-4)
+    # a flip at a clear preference (margin 0.1 against a tolerance of 0.02) is no near-tie
+    clear = torch.tensor([[1.0, 0.9, 0.0], [0.5, 0.49, 0.0]])
+    [flip] = judge_engine(_runs(clear, [0, 0]), [clear + torch.tensor([[0.0, 0.11, 0.0], [0.0, 0.0, 0.0]])],
+                          [[1, 0]], tol)
+    assert not flip.passed and not flip.teacher_forced_divergences[0]["near_tie"]
+    # the engine's own greedy run may diverge only where its teacher-forced argmax does
+    [late] = judge_engine(runs, [ref], [[0, 2]], tol)
+    assert not late.passed
+    with pytest.raises(ValueError):
+        judge_engine(runs, [ref[:1]], [[0, 0]], tol)
+
+
+def test_engine_layer_outputs_sum_the_residual_of_a_vllm_decoder_layer(tmp_path):
+    h, r = torch.randn(3, 4), torch.randn(3, 4)
+    torch.save({"output": h, "residual": r}, tmp_path / "model.layers.0.pt")
+    torch.save({"output": h}, tmp_path / "model.layers.0.self_attn.pt")
+    torch.save({"output": r}, tmp_path / "model.layers.0.block_sparse_moe.pt")
+    torch.save({"output": h, "residual": r}, tmp_path / "model.norm.pt")
+    got = engine_layer_outputs(tmp_path)
+    assert set(got) == {"layers.0.stream", "layers.0.attention", "layers.0.moe", "norm"}
+    assert torch.equal(got["layers.0.stream"], h + r)
+    assert torch.equal(got["layers.0.moe"], r) and torch.equal(got["norm"], h)
