@@ -8,8 +8,8 @@ REQUEST: {"model": DIR, "prompts": [[token ids], ...], "max_tokens": N, "dtype":
 the script ends without generating), "prompt_logits" (the vocabulary size V) with "forced_prompts"
 (token id lists: after the greedy run, each is run teacher-forced and the raw logits at each of its
 positions are returned), "capture" (a directory: each
-decoder layer's attention output, MoE block output and residual stream of the first prompt's
-prefill are saved there with torch.save, one file per module, for a layer-by-layer comparison).
+decoder layer's attention output, MoE block output, router logits and residual stream of the
+first prompt's prefill are saved there with torch.save, one file per module, for a layer-by-layer comparison).
 RESULT: {"tokens": [[generated ids], ...], "logprobs": [[{token id: logprob} per step], ...] (with
 "logprobs"), "prompt_logits": [[[V floats] per position 1.. of the forced prompt], ...] (with "prompt_logits"), "vllm": version, "seconds": load + generate time}.
 Only vLLM and the standard library are imported: the engine venv does not have wna16ctl.
@@ -95,7 +95,7 @@ def capture_layers(llm, req: dict, result_path: str) -> None:
             return hook
 
         for name, module in model.named_modules():
-            if re.search(r"layers\.\d+(\.(self_attn|mlp|block_sparse_moe))?$", name) or name.endswith("model.norm"):
+            if re.search(r"layers\.\d+(\.(self_attn|mlp|block_sparse_moe)(\.gate)?)?$", name) or name.endswith("model.norm"):
                 handles.append(module.register_forward_hook(saver(name)))
         return len(handles)
 

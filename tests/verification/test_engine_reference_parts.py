@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from wna16ctl.verification.engine_reference import (
     ReferenceRuns, dequantized_expert_weights, engine_layer_outputs, gaussian_multiplier, judge_engine,
-    logit_tolerance, write_dequantized_checkpoint)
+    logit_tolerance, routing_margin, routing_ties, write_dequantized_checkpoint)
 
 
 def test_dequantized_checkpoint_holds_the_references_expert_weights(make_ckpt, tmp_path):
@@ -99,13 +99,61 @@ def test_judge_engine_accepts_rounding_and_near_ties_only():
         judge_engine(runs, [ref[:1]], [[0, 0]], tol)
 
 
+def test_a_step_at_a_routing_near_tie_is_reported_not_judged():
+    ref = torch.tensor([[1.0, 0.9, 0.0], [1.0, 0.0, 0.0]])
+    runs = _runs(ref, [0, 0])
+    jump = ref + torch.tensor([[0.0, 0.2, 0.0], [0.0, 0.0, 0.0]])  # another expert at step 0
+    tol = [torch.tensor([0.02, 0.02])]
+    [judged] = judge_engine(runs, [jump], [[1, 0]], tol)
+    assert not judged.passed
+    [tie] = judge_engine(runs, [jump], [[1, 0]], tol, [{0: [1]}])
+    assert tie.passed and tie.routing_tie_steps[0]["layers"] == [1]
+    assert tie.routing_tie_steps[0]["max_abs_dlogit"] == pytest.approx(0.2, rel=1e-4)
+    assert tie.teacher_forced_divergences[0]["routing_tie"] and tie.max_abs_dlogit == 0.0
+    # the other steps are still judged
+    [still] = judge_engine(runs, [jump + torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.05, 0.0]])], [[1, 0]], tol, [{0: [1]}])
+    assert not still.passed and still.worst_step == 1
+
+
+class _Router(torch.nn.Module):
+    pass
+
+
+def test_routing_margin_of_softmax_and_grouped_sigmoid_routers():
+    logits = torch.tensor([[3.0, 2.0, 1.9, 0.0], [1.0, 1.0, 0.0, -1.0]])
+    chosen = torch.tensor([[0, 1], [1, 0]])
+    assert routing_margin(_Router(), logits, chosen).tolist() == pytest.approx([0.1, 1.0])
+    # measured against a selection the scores no longer make: negative
+    assert float(routing_margin(_Router(), logits, torch.tensor([[0, 2], [0, 1]]))[0]) == pytest.approx(-0.1)
+    # DeepSeek-V3: sigmoid + bias, two groups of two, one group chosen
+    grouped = _Router()
+    grouped.e_score_correction_bias = torch.zeros(4)
+    grouped.num_group = 2
+    logits = torch.tensor([[2.0, 1.0, 0.0, -2.0]])
+    margin = routing_margin(grouped, logits, torch.tensor([[0, 1]]))
+    s = logits.sigmoid()[0]
+    # only the chosen group's experts are selected, so the group margin decides
+    assert float(margin) == pytest.approx(float((s[0] + s[1]) - (s[2] + s[3])))
+
+
+def test_routing_ties_threshold_from_the_model_dtype_run():
+    margins = torch.tensor([[0.5, 0.0005, 0.3, 0.2]])  # one layer, four steps
+    moved = margins + torch.tensor([[0.0002, -0.0002, 0.0002, -0.0002]])
+    runs = ReferenceRuns(prompts=[[1]], tokens=[[0, 0, 0, 0]], logits=[torch.zeros(4, 3)],
+                         model_dtype_logits=[torch.zeros(4, 3)], margins=[margins], model_dtype_margins=[moved])
+    ties, z = routing_ties(runs)
+    assert z == pytest.approx(gaussian_multiplier(4))
+    assert ties == [{1: [0]}]  # 0.0005 < z · 0.0002 (z = 3.66); 0.2 is not
+
+
 def test_engine_layer_outputs_sum_the_residual_of_a_vllm_decoder_layer(tmp_path):
     h, r = torch.randn(3, 4), torch.randn(3, 4)
     torch.save({"output": h, "residual": r}, tmp_path / "model.layers.0.pt")
     torch.save({"output": h}, tmp_path / "model.layers.0.self_attn.pt")
     torch.save({"output": r}, tmp_path / "model.layers.0.block_sparse_moe.pt")
     torch.save({"output": h, "residual": r}, tmp_path / "model.norm.pt")
+    torch.save({"output": h[:, :2]}, tmp_path / "model.layers.0.block_sparse_moe.gate.pt")
     got = engine_layer_outputs(tmp_path)
-    assert set(got) == {"layers.0.stream", "layers.0.attention", "layers.0.moe", "norm"}
+    assert set(got) == {"layers.0.stream", "layers.0.attention", "layers.0.moe", "layers.0.router", "norm"}
     assert torch.equal(got["layers.0.stream"], h + r)
     assert torch.equal(got["layers.0.moe"], r) and torch.equal(got["norm"], h)

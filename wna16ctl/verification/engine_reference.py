@@ -100,13 +100,61 @@ def write_dequantized_checkpoint(ckpt: str | os.PathLike[str], out_dir: str | os
 class ReferenceRuns:
     """Per prompt: the reference's greedy tokens, and its logits at each generation step
     ([steps, vocab]) teacher-forced on those tokens, in fp32 and with the non-expert layers in the
-    model dtype."""
+    model dtype; per MoE layer the routing margin of the token each step is computed from
+    ([steps]: `routing_margin`, the fp32 run's and the model-dtype run's scores measured against
+    the fp32 run's selection)."""
 
     prompts: list[list[int]]
     tokens: list[list[int]]
     logits: list[torch.Tensor]
     model_dtype_logits: list[torch.Tensor]
     model: str = ""
+    margins: list[torch.Tensor] = field(default_factory=list)  # per prompt [layers, steps], fp32 run
+    model_dtype_margins: list[torch.Tensor] = field(default_factory=list)
+
+
+def routing_margin(gate: torch.nn.Module, logits: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+    """Per token, how far the router's scores are from choosing other experts than SELECTED ([T, k]):
+    the lowest selected score minus the highest unselected one (in the scores the choice is made
+    on: the router logits, or DeepSeek-V3's sigmoid + correction bias, where the margin of the
+    chosen groups over the others counts too). Negative: the scores choose otherwise."""
+    logits = logits.float().reshape(-1, logits.shape[-1])
+    experts = logits.shape[1]
+    if selected.shape[1] >= experts:
+        return torch.full((logits.shape[0],), float("inf"))
+    mask = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, selected.long(), True)
+    bias = getattr(gate, "e_score_correction_bias", None)
+    if bias is None:
+        scores = logits
+        allowed = torch.ones_like(mask)
+        group_margin = torch.full((logits.shape[0],), float("inf"))
+    else:  # DeepSeek-V3: group-limited choice on sigmoid scores + bias
+        scores = logits.sigmoid() + bias.float()
+        groups = gate.num_group
+        per_group = scores.view(-1, groups, experts // groups)
+        group_scores = per_group.topk(min(2, experts // groups), dim=-1).values.sum(-1)
+        chosen = mask.view(-1, groups, experts // groups).any(-1)
+        if bool(chosen.all()):
+            group_margin = torch.full((logits.shape[0],), float("inf"))
+        else:
+            group_margin = (group_scores.masked_fill(~chosen, float("inf")).amin(-1)
+                            - group_scores.masked_fill(chosen, float("-inf")).amax(-1))
+        allowed = chosen.unsqueeze(-1).expand(-1, groups, experts // groups).reshape(-1, experts)
+    low = scores.masked_fill(~mask, float("inf")).amin(-1)
+    high = scores.masked_fill(mask | ~allowed, float("-inf")).amax(-1)
+    return torch.minimum(low - high, group_margin)
+
+
+def _routing_recorder(blocks: dict[str, torch.nn.Module]):  # noqa: ANN202
+    """Forward hooks on every MoE block's router that keep (router, logits, selection) per call."""
+    records: dict[str, list] = {p: [] for p in blocks}
+    handles = []
+    for prefix, block in blocks.items():
+        def hook(module, args, output, prefix=prefix):  # noqa: ANN001
+            logits, _, selected = output
+            records[prefix].append((module, logits.detach(), selected.detach()))
+        handles.append(block.gate.register_forward_hook(hook))
+    return records, handles
 
 
 def reference_runs(ckpt: str | os.PathLike[str], prompts: list[list[int]], max_new_tokens: int,
@@ -126,10 +174,50 @@ def reference_runs(ckpt: str | os.PathLike[str], prompts: list[list[int]], max_n
         _install(blocks, {j.layer.prefix: _ExpertsModule(_ReferenceExperts(ck, reader, j, dtype, device), dtype)
                           for j in plan.jobs})
     tokens = [_greedy(model, ids, max_new_tokens, set(), device)[0] for ids in prompts]
-    logits = [_teacher_forced(model, ids, toks, device) for ids, toks in zip(prompts, tokens)]
+
+    def forced_with_routing() -> tuple[list[torch.Tensor], list[list]]:
+        logits, routing = [], []
+        for ids, toks in zip(prompts, tokens):
+            records, handles = _routing_recorder(blocks)
+            try:
+                logits.append(_teacher_forced(model, ids, toks, device))
+            finally:
+                for h in handles:
+                    h.remove()
+            routing.append([records[p][0] for p in blocks])  # one teacher-forced call per prompt
+        return logits, routing
+
+    logits, routing = forced_with_routing()
     model.to(dtype)
-    low = [_teacher_forced(model, ids, toks, device) for ids, toks in zip(prompts, tokens)]
-    return ReferenceRuns([list(p) for p in prompts], tokens, logits, low, type(model).__name__)
+    low, low_routing = forced_with_routing()
+    margins, low_margins = [], []
+    for ids, per_layer, low_per_layer in zip(prompts, routing, low_routing):
+        steps = slice(len(ids) - 1, None)  # the token each step's logits are computed from
+        margins.append(torch.stack([routing_margin(g, x, sel)[steps] for g, x, sel in per_layer]))
+        low_margins.append(torch.stack([routing_margin(g, y, sel)[steps]
+                                        for (g, _, sel), (_, y, _) in zip(per_layer, low_per_layer)]))
+    return ReferenceRuns([list(p) for p in prompts], tokens, logits, low, type(model).__name__, margins, low_margins)
+
+
+def routing_ties(runs: ReferenceRuns, false_alarm: float = FALSE_ALARM) -> tuple[list[dict[int, list[int]]], float]:
+    """Steps whose token the router of some MoE layer assigns at a near-tie: its margin (see
+    `routing_margin`) below z·σ, σ the RMS change of the margin in the model-dtype run (per layer,
+    over every step of every prompt), z from `gaussian_multiplier` over every (layer, step). A
+    correct model-dtype engine may route such a token to the other expert; the step's logits then
+    move by that expert's share, far beyond rounding. Returns per prompt {step: [layers]} and z."""
+    if not runs.margins:
+        return [{} for _ in runs.prompts], 0.0
+    both = [(m, lo) for m, lo in zip(runs.margins, runs.model_dtype_margins)]
+    count = sum(m.numel() for m, _ in both)
+    z = gaussian_multiplier(count, false_alarm)
+    finite = [torch.where(torch.isfinite(m), lo - m, torch.zeros_like(m)) for m, lo in both]
+    sigma = torch.cat(finite, dim=1).double().pow(2).mean(-1).sqrt()  # per layer
+    ties = []
+    for m, _ in both:
+        near = m.double() < z * sigma.unsqueeze(1)
+        ties.append({int(t): [int(i) for i in near[:, t].nonzero().flatten()] for t in range(m.shape[1])
+                     if bool(near[:, t].any())})
+    return ties, z
 
 
 # ---- the tolerance ---------------------------------------------------------------------------------------
@@ -166,37 +254,46 @@ def logit_tolerance(logits: list[torch.Tensor], model_dtype_logits: list[torch.T
 class PromptAgreement:
     index: int
     steps: int
-    max_abs_dlogit: float  # over every step and vocabulary entry
-    worst_ratio: float  # max over steps of max |Δlogit| / tolerance
+    max_abs_dlogit: float  # over every judged step (routing near-ties excluded) and vocabulary entry
+    worst_ratio: float  # max over judged steps of max |Δlogit| / tolerance
     worst_step: int
     tolerance_at_worst: float
     tokens_equal: bool  # the engine's own greedy tokens equal the reference's
     teacher_forced_divergences: list[dict[str, Any]] = field(default_factory=list)  # argmax ≠ reference token
     greedy_first_divergence: int | None = None
+    routing_tie_steps: dict[int, dict[str, Any]] = field(default_factory=dict)  # step: layers, max |Δlogit|
 
     @property
     def passed(self) -> bool:
-        return self.worst_ratio <= 1.0 and all(d["near_tie"] for d in self.teacher_forced_divergences) and (
-            self.tokens_equal or self.greedy_first_divergence in {d["step"] for d in self.teacher_forced_divergences})
+        allowed = {d["step"] for d in self.teacher_forced_divergences}
+        return self.worst_ratio <= 1.0 and all(d["near_tie"] or d["routing_tie"]
+                                               for d in self.teacher_forced_divergences) and (
+            self.tokens_equal or self.greedy_first_divergence in allowed)
 
 
 def judge_engine(runs: ReferenceRuns, engine_logits: list[torch.Tensor], engine_tokens: list[list[int]],
-                 tolerances: list[torch.Tensor]) -> list[PromptAgreement]:
+                 tolerances: list[torch.Tensor], ties: list[dict[int, list[int]]] | None = None) -> list[PromptAgreement]:
     """Every step's logits within the tolerance; the engine's teacher-forced argmax equal to the
     reference's token except at a near-tie (reference top-2 margin below twice the tolerance); its
     own greedy tokens equal to the reference's, or diverging first where its teacher-forced argmax
-    does (that near-tie)."""
+    does. Steps at a routing near-tie (TIES, from `routing_ties`) are reported, not judged: there a
+    correct engine may choose the other expert."""
+    ties = ties or [{} for _ in runs.logits]
     out = []
     for i, (ref, got, tol) in enumerate(zip(runs.logits, engine_logits, tolerances)):
         if got.shape != ref.shape:
             raise ValueError(f"prompt {i}: engine logits {tuple(got.shape)}, reference {tuple(ref.shape)}")
         d = (got.double() - ref.double()).abs().amax(-1)
-        ratio = d / tol.double()
+        judged = torch.tensor([t not in ties[i] for t in range(ref.shape[0])])
+        ratio = torch.where(judged, d / tol.double(), torch.zeros_like(d))
         worst = int(ratio.argmax())
-        agreement = PromptAgreement(index=i, steps=ref.shape[0], max_abs_dlogit=float(d.max()),
+        agreement = PromptAgreement(index=i, steps=ref.shape[0], max_abs_dlogit=float(torch.where(judged, d, 0).max()),
                                     worst_ratio=float(ratio[worst]), worst_step=worst,
                                     tolerance_at_worst=float(tol[worst]),
-                                    tokens_equal=list(engine_tokens[i]) == list(runs.tokens[i]))
+                                    tokens_equal=list(engine_tokens[i]) == list(runs.tokens[i]),
+                                    routing_tie_steps={t: {"layers": layers, "max_abs_dlogit": float(d[t]),
+                                                           "tolerance": float(tol[t])}
+                                                       for t, layers in ties[i].items()})
         choice = got.argmax(-1).tolist()
         for t, (c, r) in enumerate(zip(choice, runs.tokens[i])):
             if c != r:
@@ -205,7 +302,7 @@ def judge_engine(runs: ReferenceRuns, engine_logits: list[torch.Tensor], engine_
                 agreement.teacher_forced_divergences.append(
                     {"step": t, "reference": r, "engine": c, "reference_top2_margin": margin,
                      "reference_margin": float(ref[t, r] - ref[t, c]), "tolerance": float(tol[t]),
-                     "near_tie": margin < NEAR_TIE_FACTOR * float(tol[t])})
+                     "near_tie": margin < NEAR_TIE_FACTOR * float(tol[t]), "routing_tie": t in ties[i]})
         if not agreement.tokens_equal:
             agreement.greedy_first_divergence = next(
                 (t for t, (a, b) in enumerate(zip(engine_tokens[i], runs.tokens[i])) if a != b),
@@ -216,13 +313,18 @@ def judge_engine(runs: ReferenceRuns, engine_logits: list[torch.Tensor], engine_
 
 def agreement_line(arch: str, results: list[PromptAgreement], z: float) -> str:
     worst = max(results, key=lambda r: r.worst_ratio)
-    ties = [d | {"prompt": r.index} for r in results for d in r.teacher_forced_divergences]
-    return (f"{arch}: max |Δlogit| {max(r.max_abs_dlogit for r in results):.4g}; worst step {worst.worst_ratio:.3g} × "
-            f"its tolerance ({worst.tolerance_at_worst:.4g}, z = {z:.2f}; prompt {worst.index} step {worst.worst_step}); "
-            f"greedy tokens equal in {sum(r.tokens_equal for r in results)}/{len(results)} prompts; "
-            f"teacher-forced argmax divergences {[(d['prompt'], d['step'], round(d['reference_top2_margin'], 4), d['near_tie']) for d in ties]}"
-            + ("" if all(r.passed for r in results) else "; FAIL"))
-
+    flips = [(r.index, d["step"], round(d["reference_top2_margin"], 4),
+              "near-tie" if d["near_tie"] else "routing near-tie" if d["routing_tie"] else "CLEAR")
+             for r in results for d in r.teacher_forced_divergences]
+    routed = [(r.index, t, v["layers"], round(v["max_abs_dlogit"], 4)) for r in results
+              for t, v in r.routing_tie_steps.items()]
+    steps = sum(r.steps for r in results)
+    return (f"{arch}: max |Δlogit| {max(r.max_abs_dlogit for r in results):.4g} over {steps - len(routed)}/{steps} "
+            f"judged steps; worst step {worst.worst_ratio:.3g} × its tolerance ({worst.tolerance_at_worst:.4g}, "
+            f"z = {z:.2f}; prompt {worst.index} step {worst.worst_step}); greedy tokens equal in "
+            f"{sum(r.tokens_equal for r in results)}/{len(results)} prompts; teacher-forced argmax divergences "
+            f"(prompt, step, reference top-2 margin, kind) {flips}; routing near-tie steps (prompt, step, layers, "
+            f"max |Δlogit|) {routed}" + ("" if all(r.passed for r in results) else "; FAIL"))
 
 
 # ---- layer by layer --------------------------------------------------------------------------------------
@@ -232,7 +334,8 @@ def reference_layer_outputs(ckpt: str | os.PathLike[str], ids: list[int], model_
                             device: torch.device = torch.device("cpu")) -> dict[str, torch.Tensor]:
     """The reference's prefill of IDS, module by module ([tokens, hidden] fp32 each):
     `layers.{i}.attention` (attention output), `layers.{i}.moe` (the MoE or MLP block's output),
-    `layers.{i}.stream` (the residual stream after the layer) and `norm` (the final norm's output).
+    `layers.{i}.stream` (the residual stream after the layer), `layers.{i}.router` (the router
+    logits) and `norm` (the final norm's output).
     With MODEL_DTYPE the non-expert layers run in the model dtype (one sample of its rounding)."""
     from wna16ctl.repacking.pipeline import RepackSettings, plan_repack
     from wna16ctl.sources import open_checkpoint
@@ -261,6 +364,8 @@ def reference_layer_outputs(ckpt: str | os.PathLike[str], ids: list[int], model_
         handles += [layer.self_attn.register_forward_hook(keep(f"layers.{i}.attention")),
                     layer.mlp.register_forward_hook(keep(f"layers.{i}.moe")),
                     layer.register_forward_hook(keep(f"layers.{i}.stream"))]
+        if hasattr(layer.mlp, "gate"):
+            handles.append(layer.mlp.gate.register_forward_hook(keep(f"layers.{i}.router")))
     handles.append(model.model.norm.register_forward_hook(keep("norm")))
     try:
         with torch.no_grad():
@@ -281,7 +386,7 @@ def engine_layer_outputs(capture_dir: str | os.PathLike[str]) -> dict[str, torch
     for path in sorted(Path(capture_dir).glob("*.pt")):
         saved = torch.load(path, weights_only=True)
         name = path.stem
-        m = re.search(r"layers\.(\d+)(?:\.(\w+))?$", name)
+        m = re.search(r"layers\.(\d+)(?:\.(\w+(?:\.gate)?))?$", name)
         if m is None:
             if name.endswith("norm"):
                 out["norm"] = saved["output"]
@@ -289,6 +394,8 @@ def engine_layer_outputs(capture_dir: str | os.PathLike[str]) -> dict[str, torch
         i, part = m.group(1), m.group(2)
         if part is None:
             out[f"layers.{i}.stream"] = saved["output"] + saved.get("residual", 0)
+        elif part.endswith(".gate"):
+            out[f"layers.{i}.router"] = saved["output"]
         elif part == "self_attn":
             out[f"layers.{i}.attention"] = saved["output"]
         else:  # mlp / block_sparse_moe
