@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from wna16ctl.verification.engine_reference import (
-    ReferenceRuns, dequantized_expert_weights, engine_layer_outputs, gaussian_multiplier, judge_engine,
+    ReferenceRuns, engine_layer_outputs, gaussian_multiplier, judge_engine,
     logit_tolerance, routing_margin, routing_ties, write_dequantized_checkpoint)
 
 
@@ -32,7 +32,8 @@ def test_dequantized_checkpoint_holds_the_references_expert_weights(make_ckpt, t
     assert not [k for k in written if "weight_packed" in k or "weight_scale" in k or "weight_shape" in k]
     # bit-identical to what the e2e reference multiplies by (its per-rank w13 | w2 at TP 1) ...
     source = open_checkpoint(ck)
-    job = plan_repack(ck, RepackSettings(tp=1)).jobs[0]
+    jobs = plan_repack(ck, RepackSettings(tp=1)).jobs
+    job = jobs[0]
     with TensorReader(source.files) as reader:
         reference = _ReferenceExperts(source, reader, job, torch.bfloat16, torch.device("cpu"))
     layer = job.layer
@@ -43,7 +44,7 @@ def test_dequantized_checkpoint_holds_the_references_expert_weights(make_ckpt, t
         assert torch.equal(written[layer.tensor_name(e, "down", "weight")], w2.T)
     # ... and to compressed-tensors' own decompression of the same modules, rounded to bf16
     library = library_dequantize(ck)
-    assert set(library) == set(dequantized_expert_weights(ck))
+    assert set(library) <= set(written) and len(library) == 3 * layer.num_experts * len(jobs)
     name = layer.tensor_name(3, "down", "weight")
     assert torch.equal(written[name], library[name].to(torch.bfloat16))
     # every other tensor as stored
