@@ -111,6 +111,12 @@ def test_a_step_at_a_routing_near_tie_is_reported_not_judged():
     assert tie.passed and tie.routing_tie_steps[0]["layers"] == [1]
     assert tie.routing_tie_steps[0]["max_abs_dlogit"] == pytest.approx(0.2, rel=1e-4)
     assert tie.teacher_forced_divergences[0]["routing_tie"] and tie.max_abs_dlogit == 0.0
+    # with the reference's other routing outcome of that step, the step is judged against it
+    [alt] = judge_engine(runs, [jump], [[1, 0]], tol, [{0: [1]}], [{0: [jump[0] + 0.01]}])
+    assert alt.passed and alt.routing_tie_steps[0]["closest_outcome_dlogit"] == pytest.approx(0.01, rel=1e-3)
+    assert alt.worst_step == 0 and alt.worst_ratio == pytest.approx(0.5, rel=1e-3)
+    [wrong] = judge_engine(runs, [jump], [[1, 0]], tol, [{0: [1]}], [{0: [jump[0] + 0.1]}])
+    assert not wrong.passed
     # the other steps are still judged
     [still] = judge_engine(runs, [jump + torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.05, 0.0]])], [[1, 0]], tol, [{0: [1]}])
     assert not still.passed and still.worst_step == 1
@@ -135,6 +141,29 @@ def test_routing_margin_of_softmax_and_grouped_sigmoid_routers():
     s = logits.sigmoid()[0]
     # only the chosen group's experts are selected, so the group margin decides
     assert float(margin) == pytest.approx(float((s[0] + s[1]) - (s[2] + s[3])))
+
+
+def test_the_other_routing_of_a_tied_token():
+    from wna16ctl.verification.engine_reference import _swapped_routing
+
+    router = _Router()
+    logits = torch.tensor([3.0, 2.0, 1.99, 0.0])
+    selected, weights = _swapped_routing(router, logits, torch.zeros(2), torch.tensor([0, 1]))
+    assert selected.tolist() == [0, 2]
+    p = logits.softmax(-1)
+    assert weights.tolist() == pytest.approx((p[[0, 2]] / p[[0, 2]].sum()).tolist())  # renormalised (Mixtral)
+    router.norm_topk_prob = False  # Qwen2-MoE: the raw softmax share
+    _, weights = _swapped_routing(router, logits, torch.zeros(2), torch.tensor([0, 1]))
+    assert weights.tolist() == pytest.approx(p[[0, 2]].tolist())
+    grouped = _Router()
+    grouped.e_score_correction_bias = torch.zeros(4)
+    grouped.num_group, grouped.norm_topk_prob, grouped.routed_scaling_factor = 2, True, 2.5
+    # top-2 fills its one chosen group: the tie can only be between groups, which is not recomputed
+    assert _swapped_routing(grouped, torch.tensor([2.0, 1.0, 0.0, -2.0]), torch.zeros(2), torch.tensor([0, 1])) is None
+    grouped.num_group = 1
+    selected, weights = _swapped_routing(grouped, torch.tensor([2.0, 1.0, 0.99, -2.0]), torch.zeros(2), torch.tensor([0, 1]))
+    s = torch.tensor([2.0, 0.99]).sigmoid()
+    assert selected.tolist() == [0, 2] and weights.tolist() == pytest.approx((2.5 * s / s.sum()).tolist())
 
 
 def test_routing_ties_threshold_from_the_model_dtype_run():

@@ -220,6 +220,90 @@ def routing_ties(runs: ReferenceRuns, false_alarm: float = FALSE_ALARM) -> tuple
     return ties, z
 
 
+def _swapped_routing(gate: torch.nn.Module, logits: torch.Tensor, weights: torch.Tensor,
+                     selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One token's other routing at a near-tie: its lowest-scoring chosen expert replaced by the
+    best unchosen one (within the chosen groups for DeepSeek-V3), with the weights the router
+    would give that choice. None where the tie is between expert groups (not recomputed here)."""
+    logits = logits.float()
+    bias = getattr(gate, "e_score_correction_bias", None)
+    scores = logits if bias is None else logits.sigmoid() + bias.float()
+    chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(0, selected.long(), True)
+    allowed = torch.ones_like(chosen)
+    if bias is not None:
+        groups = gate.num_group
+        in_group = chosen.view(groups, -1).any(-1)
+        allowed = in_group.unsqueeze(-1).expand(groups, scores.numel() // groups).reshape(-1)
+    if not bool((allowed & ~chosen).any()):
+        return None
+    low = int(selected[scores[selected.long()].argmin()])
+    best = int(scores.masked_fill(chosen | ~allowed, float("-inf")).argmax())
+    new = selected.clone()
+    new[new == low] = best
+    if bias is None:
+        w = logits.softmax(-1)[new.long()]
+        if getattr(gate, "norm_topk_prob", True):  # Mixtral always renormalises
+            w = w / w.sum()
+    else:
+        w = logits.sigmoid()[new.long()]
+        if gate.norm_topk_prob:
+            w = w / (w.sum() + 1e-20)
+        w = w * gate.routed_scaling_factor
+    return new, w.to(weights.dtype)
+
+
+def routing_alternatives(ckpt: str | os.PathLike[str], runs: ReferenceRuns, ties: list[dict[int, list[int]]],
+                         device: torch.device = torch.device("cpu")) -> list[dict[int, list[torch.Tensor]]]:
+    """Per prompt and routing near-tie step: the fp32 reference's logits of that step ([vocab] each)
+    with the step's token routed the other way in each non-empty subset of the tied layers (the
+    other correct outcomes of the step). Steps whose tie is between DeepSeek-V3 expert groups get
+    no alternative."""
+    from itertools import combinations
+
+    from wna16ctl.repacking.pipeline import RepackSettings, plan_repack
+    from wna16ctl.sources import open_checkpoint
+    from wna16ctl.sources.tensors import TensorReader, dtype_from_name
+    from wna16ctl.verification.e2e import _build_model, _ExpertsModule, _install, _ReferenceExperts, _teacher_forced
+
+    ck = open_checkpoint(ckpt)
+    plan = plan_repack(ck.root, RepackSettings(tp=1))
+    dtype = dtype_from_name(ck.config.torch_dtype or "bfloat16")
+    model, blocks = _build_model(ck, device)
+    with TensorReader(ck.files) as reader:
+        _install(blocks, {j.layer.prefix: _ExpertsModule(_ReferenceExperts(ck, reader, j, dtype, device), dtype)
+                          for j in plan.jobs})
+    gates = [block.gate for block in blocks.values()]
+    out: list[dict[int, list[torch.Tensor]]] = []
+    for ids, toks, tied in zip(runs.prompts, runs.tokens, ties):
+        found: dict[int, list[torch.Tensor]] = {}
+        for step, layers in tied.items():
+            position = len(ids) - 1 + step
+            for n in range(1, len(layers) + 1):
+                for subset in combinations(layers, n):
+                    missing = []
+
+                    def swap(module, args, output):  # noqa: ANN001
+                        logits, weights, selected = output
+                        other = _swapped_routing(module, logits[position], weights[position], selected[position])
+                        if other is None:
+                            missing.append(True)
+                            return output
+                        selected, weights = selected.clone(), weights.clone()
+                        selected[position], weights[position] = other
+                        return logits, weights, selected
+
+                    handles = [gates[i].register_forward_hook(swap) for i in subset]
+                    try:
+                        logits = _teacher_forced(model, ids, toks, device)
+                    finally:
+                        for h in handles:
+                            h.remove()
+                    if not missing:
+                        found.setdefault(step, []).append(logits[step])
+        out.append(found)
+    return out
+
+
 # ---- the tolerance ---------------------------------------------------------------------------------------
 
 
@@ -272,26 +356,35 @@ class PromptAgreement:
 
 
 def judge_engine(runs: ReferenceRuns, engine_logits: list[torch.Tensor], engine_tokens: list[list[int]],
-                 tolerances: list[torch.Tensor], ties: list[dict[int, list[int]]] | None = None) -> list[PromptAgreement]:
+                 tolerances: list[torch.Tensor], ties: list[dict[int, list[int]]] | None = None,
+                 alternatives: list[dict[int, list[torch.Tensor]]] | None = None) -> list[PromptAgreement]:
     """Every step's logits within the tolerance; the engine's teacher-forced argmax equal to the
     reference's token except at a near-tie (reference top-2 margin below twice the tolerance); its
     own greedy tokens equal to the reference's, or diverging first where its teacher-forced argmax
-    does. Steps at a routing near-tie (TIES, from `routing_ties`) are reported, not judged: there a
-    correct engine may choose the other expert."""
+    does. At a routing near-tie (TIES, from `routing_ties`) a correct engine may choose the other
+    expert: such a step is judged against the closest of the reference's outcomes (its own and the
+    ALTERNATIVES of `routing_alternatives`) and passes within the tolerance of one of them; a tie
+    step without alternatives is reported, not judged."""
     ties = ties or [{} for _ in runs.logits]
+    alternatives = alternatives or [{} for _ in runs.logits]
     out = []
     for i, (ref, got, tol) in enumerate(zip(runs.logits, engine_logits, tolerances)):
         if got.shape != ref.shape:
             raise ValueError(f"prompt {i}: engine logits {tuple(got.shape)}, reference {tuple(ref.shape)}")
         d = (got.double() - ref.double()).abs().amax(-1)
-        judged = torch.tensor([t not in ties[i] for t in range(ref.shape[0])])
+        plain_d = d.clone()
+        for t, others in alternatives[i].items():  # the closest correct outcome of a routing near-tie
+            d[t] = min([float(d[t])] + [float((got[t].double() - o.double()).abs().max()) for o in others])
+        judged = torch.tensor([t not in ties[i] or t in alternatives[i] for t in range(ref.shape[0])])
         ratio = torch.where(judged, d / tol.double(), torch.zeros_like(d))
         worst = int(ratio.argmax())
         agreement = PromptAgreement(index=i, steps=ref.shape[0], max_abs_dlogit=float(torch.where(judged, d, 0).max()),
                                     worst_ratio=float(ratio[worst]), worst_step=worst,
                                     tolerance_at_worst=float(tol[worst]),
                                     tokens_equal=list(engine_tokens[i]) == list(runs.tokens[i]),
-                                    routing_tie_steps={t: {"layers": layers, "max_abs_dlogit": float(d[t]),
+                                    routing_tie_steps={t: {"layers": layers, "max_abs_dlogit": float(plain_d[t]),
+                                                           "closest_outcome_dlogit": float(d[t]),
+                                                           "alternatives": len(alternatives[i].get(t, [])),
                                                            "tolerance": float(tol[t])}
                                                        for t, layers in ties[i].items()})
         choice = got.argmax(-1).tolist()
@@ -316,15 +409,16 @@ def agreement_line(arch: str, results: list[PromptAgreement], z: float) -> str:
     flips = [(r.index, d["step"], round(d["reference_top2_margin"], 4),
               "near-tie" if d["near_tie"] else "routing near-tie" if d["routing_tie"] else "CLEAR")
              for r in results for d in r.teacher_forced_divergences]
-    routed = [(r.index, t, v["layers"], round(v["max_abs_dlogit"], 4)) for r in results
-              for t, v in r.routing_tie_steps.items()]
+    routed = [(r.index, t, v["layers"], round(v["max_abs_dlogit"], 4), round(v["closest_outcome_dlogit"], 4))
+              for r in results for t, v in r.routing_tie_steps.items()]
+    unjudged = sum(1 for r in results for v in r.routing_tie_steps.values() if not v["alternatives"])
     steps = sum(r.steps for r in results)
-    return (f"{arch}: max |Δlogit| {max(r.max_abs_dlogit for r in results):.4g} over {steps - len(routed)}/{steps} "
+    return (f"{arch}: max |Δlogit| {max(r.max_abs_dlogit for r in results):.4g} over {steps - unjudged}/{steps} "
             f"judged steps; worst step {worst.worst_ratio:.3g} × its tolerance ({worst.tolerance_at_worst:.4g}, "
             f"z = {z:.2f}; prompt {worst.index} step {worst.worst_step}); greedy tokens equal in "
             f"{sum(r.tokens_equal for r in results)}/{len(results)} prompts; teacher-forced argmax divergences "
             f"(prompt, step, reference top-2 margin, kind) {flips}; routing near-tie steps (prompt, step, layers, "
-            f"max |Δlogit|) {routed}" + ("" if all(r.passed for r in results) else "; FAIL"))
+            f"max |Δlogit| to the reference, to its closest routing outcome) {routed}" + ("" if all(r.passed for r in results) else "; FAIL"))
 
 
 # ---- layer by layer --------------------------------------------------------------------------------------
