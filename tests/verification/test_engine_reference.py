@@ -30,7 +30,9 @@ PROMPTS = [[5, 6, 7, 8, 9, 10], [20, 30, 40, 50], [300, 301, 2, 77, 128, 9, 9], 
 NEW_TOKENS = 8
 # per architecture, the demo fields that differ from the default demo checkpoint: vLLM 0.32.0's CPU
 # MLA backend (CPUMLABackend, its decode kernel compiled for one latent size) runs only
-# kv_lora_rank + qk_rope_head_dim = 576, the real DeepSeek-V3's 512 + 64; the default demo has 64 + 16
+# kv_lora_rank + qk_rope_head_dim = 576, the real DeepSeek-V3's 512 + 64; the default demo has 64 + 16.
+# The real model's YaRN rope too: with plain rope vLLM's CPU rotary op rotates MLA's strided query and
+# key rows by the wrong positions (docs/verify.md, "DeepSeek-V3: the MLA size vLLM's CPU build runs")
 ENGINE_SPEC = {"deepseek_v3": {"mla_kv_lora_rank": 512, "mla_qk_rope_head_dim": 64, "mla_yarn_rope": True}}
 
 
