@@ -44,7 +44,8 @@ def main(request_path: str, result_path: str) -> None:
     # on the CPU backend gpu_memory_utilization is the share of host memory vLLM reserves: a
     # demo model needs a sliver of it
     vocab = req.get("prompt_logits")
-    extra = {"max_logprobs": vocab, "logprobs_mode": "raw_logits"} if vocab else {}
+    if vocab:
+        extra.update(max_logprobs=vocab, logprobs_mode="raw_logits")
     llm = LLM(model=req["model"], dtype=req.get("dtype", "auto"), max_model_len=req.get("max_model_len", 2048),
               gpu_memory_utilization=req.get("memory_fraction", 0.05), enforce_eager=True, seed=0,
               skip_tokenizer_init=True, load_format=req.get("load_format", "auto"),
