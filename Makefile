@@ -26,14 +26,20 @@ demo: $(BIN)/.installed
 	$(BIN)/wna16ctl repack $(DEMO_DIR)/ckpt --tp $(TP) -o $(DEMO_DIR)/tp$(TP) --force
 	$(BIN)/wna16ctl verify $(DEMO_DIR)/ckpt $(DEMO_DIR)/tp$(TP)
 
+# Two test processes per run (files stay whole on one worker, so module fixtures are built once):
+# most tests are single-threaded (one torch thread, subprocess start-up, fsync, a kernel emulation
+# whose threads take turns), so on a 2-core machine the second core is otherwise mostly idle.
+# TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= logical
 test: $(BIN)/.installed
-	$(BIN)/python -m pytest -q -rs
+	$(BIN)/python -m pytest -q -rs -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile
 
 # The kernels in depth: every GEMM mutant must be caught by the emulated tests (each one a
 # recompile of the GEMM source; `make test` runs two of them), then how many of the plain and
 # ThreadSanitizer cases catch each one (exit 1 if one survives).
 test-kernels: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -rs -m 'mutants or not mutants' tests/native/test_emu_mutants.py
+	$(BIN)/python -m pytest -q -rs -m 'kernels or not kernels' tests/native/test_emu_gemm_v3.py
 	$(BIN)/python -m tests.emu.mutation
 
 # The planner against the real decision code of every supported vLLM release (fetches each

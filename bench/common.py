@@ -21,6 +21,7 @@ class Run:
     max_rss_kib: int
     returncode: int
     cpu: float = 0.0  # user + system seconds of the process and the children it waited for
+    user: float = 0.0  # the user part alone (system time swings with the host's load)
 
 
 def run_once(cmd: list[str], env: dict[str, str] | None = None) -> Run:
@@ -33,7 +34,7 @@ def run_once(cmd: list[str], env: dict[str, str] | None = None) -> Run:
     err = proc.stderr.read().decode() if proc.stderr else ""
     if proc.returncode not in (0, 1):
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {err[-2000:]}")
-    return Run(wall, usage.ru_maxrss, proc.returncode, usage.ru_utime + usage.ru_stime)
+    return Run(wall, usage.ru_maxrss, proc.returncode, usage.ru_utime + usage.ru_stime, usage.ru_utime)
 
 
 def median_runs(cmd: list[str], runs: int, warmup: int = 1, env: dict[str, str] | None = None) -> list[Run]:

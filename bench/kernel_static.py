@@ -2,17 +2,20 @@
 
     python bench/kernel_static.py [--arch 90 --arch 80] [--json FILE]
 
-For the simple reference kernel (kernels/moe_gemm.cu) and the fast one (kernels/moe_gemm_v2.cu),
-per kernel instance and architecture:
+For the simple reference kernel (kernels/moe_gemm.cu) and the fast ones (kernels/moe_gemm_v2.cu,
+kernels/moe_gemm_v3.cu), per kernel instance and architecture:
 
 * registers, spill stores / loads, stack frame and static shared memory, from `ptxas -v`
-  (the v2 kernels' dynamic shared memory comes from their plan in kernels/moe_gemm_v2.cuh; v1's
-  is dynamic too, sizeof its MoeTile::Shared, and not read here);
+  (the v2 / v3 kernels' dynamic shared memory comes from their plans in kernels/moe_gemm_v2.cuh
+  and kernels/moe_gemm_v3.cuh -- v3's for 64 experts, its tile prefix grows with E; v1's is
+  dynamic too, sizeof its MoeTile::Shared, and not read here);
 * instructions per weight code in the loop that turns weight codes into mma operands, counted
   in the SASS (`cuobjdump --dump-sass`):
     - v2: the innermost loop holding the mma instructions (the streaming K loop). Its whole body
       counts once per iteration -- copies, barrier, dequantisation, mma -- and one iteration
       covers 32 * NT codes per thread (one 16-row k-tile of NT 64-column n-tiles);
+    - v3: the same loop; its warps split the block's columns in two, so one iteration covers
+      16 * NT codes per thread (one k-tile of half the block's columns);
     - v1: the innermost loop holding the 16-bit shared stores of decoded weights (the decode
       loop). One iteration decodes one word, 32 / num_bits codes; its mma loop is extra.
   Without cuobjdump the same loops are counted in the PTX (`nvcc -ptx`) instead.
@@ -43,13 +46,14 @@ sys.path.insert(0, str(ROOT))
 
 from wna16ctl.native.ops import find_cxx, find_nvcc, kernels_dir  # noqa: E402
 
-SOURCES = {"v1": "moe_gemm.cu", "v2": "moe_gemm_v2.cu"}
+SOURCES = {"v1": "moe_gemm.cu", "v2": "moe_gemm_v2.cu", "v3": "moe_gemm_v3.cu"}
+V3_PLAN_EXPERTS = 64  # the experts v3's dynamic shared memory is reported for (bench shape)
 TARGET_SASS_PER_4BIT_CODE = 4.0
 
 
 @dataclass
 class KernelFigures:
-    kernel: str        # v1 / v2
+    kernel: str        # v1 / v2 / v3
     arch: str
     name: str          # readable instance name
     mangled: str
@@ -97,6 +101,12 @@ def find_cuobjdump() -> tuple[str | None, dict[str, str]]:
 
 def describe(kernel: str, mangled: str) -> tuple[str, int, int]:
     """(readable name, num_bits, NT) of a kernel instance from its mangled name."""
+    if kernel == "v3":
+        m = re.search(r"moe_gemm_v3_kernelILi(\d)ELi(\d)ELi(\d)ELi(\d)ELb([01])E", mangled)
+        if not m:
+            return mangled, 0, 0
+        dt, nb, mt, nt, zp = (int(x) for x in m.groups())
+        return f"{'bf16' if dt else 'fp16'} {nb}-bit {16 * mt}x{64 * nt} fast{' zp' if zp else ''}", nb, nt
     if kernel == "v2":
         m = re.search(r"moe_gemm_v2_kernelILi(\d)ELi(\d)ELi(\d)ELi(\d)ELi(\d)E", mangled)
         if not m:
@@ -115,7 +125,9 @@ def describe(kernel: str, mangled: str) -> tuple[str, int, int]:
 
 
 def is_gemm(kernel: str, mangled: str) -> bool:
-    return ("moe_gemm_v2_kernel" in mangled) if kernel == "v2" else ("moe_wna16_kernel" in mangled)
+    if kernel in ("v2", "v3"):
+        return f"moe_gemm_{kernel}_kernel" in mangled
+    return "moe_wna16_kernel" in mangled
 
 
 # ----------------------------------------------------------------------------------------------
@@ -184,6 +196,25 @@ def dynamic_smem(out: Path) -> dict[tuple[int, int, int, int], int]:
     return sizes
 
 
+def dynamic_smem_v3(out: Path, experts: int = V3_PLAN_EXPERTS) -> dict[tuple[int, int, int], int]:
+    """The v3 plan's shared-memory bytes per (num_bits, MT, NT) for `experts` experts."""
+    cxx = find_cxx()
+    if not cxx:
+        return {}
+    prog = out / "plan3.cpp"
+    variants = [(nb, mt, nt) for nb in (4, 8) for mt, nt in ((1, 4), (2, 2), (4, 1))]
+    lines = [f'  std::printf("{nb} {mt} {nt} %lld\\n", wna16v3::smem_bytes<{nb}, {mt}, {nt}>({experts}));'
+             for nb, mt, nt in variants]
+    prog.write_text('#include <cstdio>\n#include "moe_gemm_v3.cuh"\nint main() {\n' + "\n".join(lines) + "\n}\n")
+    exe = out / "plan3"
+    subprocess.run([cxx, "-std=c++17", "-I", str(kernels_dir()), str(prog), "-o", str(exe)], check=True)
+    sizes = {}
+    for line in subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.splitlines():
+        nb, mt, nt, size = (int(x) for x in line.split())
+        sizes[(nb, mt, nt)] = size
+    return sizes
+
+
 # ----------------------------------------------------------------------------------------------
 # loops
 
@@ -232,7 +263,7 @@ def innermost_loop(ops: list[str], loops: list[tuple[int, int]], marker) -> tupl
 def count_sass(kernel: str, ins: list[tuple[int, str]]) -> tuple[int, int] | None:
     """(instructions, mma instructions) of the kernel's main loop body."""
     ops = [_opcode(t) for _, t in ins]
-    if kernel == "v2":
+    if kernel in ("v2", "v3"):
         loop = innermost_loop(ops, sass_loops(ins), lambda op: op.startswith("HMMA"))
     else:
         loop = innermost_loop(ops, sass_loops(ins), lambda op: op.startswith("STS.U16"))
@@ -264,7 +295,7 @@ def count_ptx(kernel: str, lines: list[str]) -> tuple[int, int] | None:
         m = re.search(r"\bbra(?:\.uni)?\s+([\w$]+);", ln)
         if m and m.group(1) in labels and labels[m.group(1)] <= i:
             loops.append((labels[m.group(1)], i))
-    marker = (lambda s: "mma.sync" in s) if kernel == "v2" else (lambda s: s.startswith(("st.shared.u16", "st.shared.b16")))
+    marker = (lambda s: "mma.sync" in s) if kernel in ("v2", "v3") else (lambda s: s.startswith(("st.shared.u16", "st.shared.b16")))
     best = None
     for lo, hi in loops:
         if any(marker(s) for s in body[lo:hi + 1]) and (best is None or hi - lo < best[1] - best[0]):
@@ -278,7 +309,7 @@ def count_ptx(kernel: str, lines: list[str]) -> tuple[int, int] | None:
 # ----------------------------------------------------------------------------------------------
 
 
-def measure(archs: list[str]) -> tuple[list[KernelFigures], list[str]]:
+def measure(archs: list[str], kernels: list[str] | None = None) -> tuple[list[KernelFigures], list[str]]:
     notes: list[str] = []
     nvcc = find_nvcc()
     if nvcc is None:
@@ -290,10 +321,10 @@ def measure(archs: list[str]) -> tuple[list[KernelFigures], list[str]]:
     figures: list[KernelFigures] = []
     with tempfile.TemporaryDirectory(prefix="wna16-static-") as tmp:
         out = Path(tmp)
-        jobs = [(k, a) for a in archs for k in SOURCES]
+        jobs = [(k, a) for a in archs for k in (kernels or list(SOURCES))]
         with ThreadPoolExecutor(max_workers=2) as pool:
             built = dict(zip(jobs, pool.map(lambda job: compile_cubin(nvcc, job[0], job[1], out), jobs)))
-        smem = dynamic_smem(out)
+        smem, smem3 = dynamic_smem(out), dynamic_smem_v3(out)
         for (kernel, arch), (cubin, log) in built.items():
             usage = parse_ptxas(log)
             if cuobjdump:
@@ -312,10 +343,13 @@ def measure(archs: list[str]) -> tuple[list[KernelFigures], list[str]]:
                     m = re.search(r"moe_gemm_v2_kernelILi\d+ELi\d+ELi(\d+)ELi(\d+)ELi(\d+)E", mangled)
                     mt, nt_, mode = (int(x) for x in m.groups()) if m else (0, 0, 0)
                     f.smem_dynamic = smem.get((nb, mt, nt_, int(mode == 2)), 0)
+                if kernel == "v3":
+                    m = re.search(r"moe_gemm_v3_kernelILi\d+ELi\d+ELi(\d+)ELi(\d+)E", mangled)
+                    f.smem_dynamic = smem3.get((nb, int(m.group(1)), int(m.group(2))), 0) if m else 0
                 counted = counter(kernel, bodies[mangled]) if mangled in bodies else None
                 if counted:
                     f.loop_instructions, f.loop_mma = counted
-                    f.codes_per_iteration = 32 * nt if kernel == "v2" else 32 // max(nb, 1)
+                    f.codes_per_iteration = {"v2": 32 * nt, "v3": 16 * nt}.get(kernel, 32 // max(nb, 1))
                     f.per_code = f.loop_instructions / f.codes_per_iteration
                     f.per_code_without_mma = (f.loop_instructions - f.loop_mma) / f.codes_per_iteration
                     f.counted_in = where
@@ -335,8 +369,10 @@ def render(figures: list[KernelFigures], notes: list[str]) -> str:
     if figures:
         where = {f.counted_in for f in figures if f.counted_in}
         spills = sum(f.spill_stores + f.spill_loads for f in figures if f.kernel == "v2")
+        spills3 = sum(f.spill_stores + f.spill_loads for f in figures if f.kernel == "v3")
         fast4 = [f.per_code for f in figures if f.kernel == "v2" and f.num_bits == 4 and "16x256 fast" in f.name]
-        text += f"\n\ncounted in: {', '.join(sorted(where)) or 'nothing'}; v2 spill bytes (all instances): {spills}"
+        text += (f"\n\ncounted in: {', '.join(sorted(where)) or 'nothing'}; spill bytes (all instances): "
+                 f"v2 {spills}, v3 {spills3}")
         if fast4:
             verdict = "meets" if max(fast4) <= TARGET_SASS_PER_4BIT_CODE else "misses"
             text += (f"; v2 4-bit 16x256 loop: {max(fast4):.2f} instructions per code ({verdict} the "
@@ -349,9 +385,10 @@ def render(figures: list[KernelFigures], notes: list[str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", action="append", help="sm arch number (repeatable; default 90 and 80)")
+    ap.add_argument("--kernel", action="append", choices=sorted(SOURCES), help="repeatable; default all")
     ap.add_argument("--json", type=Path, help="also write the figures as JSON here")
     args = ap.parse_args(argv)
-    figures, notes = measure(args.arch or ["90", "80"])
+    figures, notes = measure(args.arch or ["90", "80"], args.kernel)
     if not figures:
         print(f"kernel_static: skipped: {'; '.join(notes)}")
         return 0

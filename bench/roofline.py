@@ -1,4 +1,4 @@
-"""A roofline model of the fast MoE GEMM (kernels/moe_gemm_v2.cu) on H100 / H200, in code.
+"""A roofline model of the fast MoE GEMMs (kernels/moe_gemm_v2.cu, moe_gemm_v3.cu) on H100 / H200.
 
     python bench/roofline.py [--static FILE.json] [--gpu h200 --gpu h100] [--json FILE]
 
@@ -40,6 +40,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAN_HEADER = ROOT / "kernels" / "moe_gemm_v2.cuh"
+PLAN_HEADER_V3 = ROOT / "kernels" / "moe_gemm_v3.cuh"
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,12 @@ class Instance:
     warps_over_n: bool = False  # each warp takes an n-slice and all k-tiles of a stage (no reduction)
     launches: int = 3  # workspace reset, tile prefix, main kernel
     grid_blocks_per_sm: int = 2
+    warps_n: int = 1  # v3: the k-warps' columns split over this many warps (8 warps per block)
+    kernel: str = "v2"  # whose shared-memory plan (v2, v3)
+
+    @property
+    def warps(self) -> int:
+        return 4 * self.warps_n
 
 
 # bench/kernel_static.py's sm_90 figures of the fast instances, as recorded in docs/performance.md
@@ -115,6 +122,8 @@ V3_DESIGN = (
     Instance("v3 design 8-bit bf16 16x256", 8, 1, 4, 128, 785 - 16, 32, source="design assumption",
              lane_table=False, warps_over_n=True, launches=1, grid_blocks_per_sm=4),
 )
+
+
 
 
 def plan_constants(header: Path = PLAN_HEADER) -> dict[str, int]:
@@ -177,17 +186,41 @@ class Plan:
         return max(pipe, red) + lane + self.bm * 4 + self.bm * 8 + 16
 
 
-def plan_of(inst: Instance, consts: dict[str, int] | None = None) -> Plan:
+@dataclass(frozen=True)
+class PlanV3(Plan):
+    """Python twin of kernels/moe_gemm_v3.cuh's Plan<NB, MT, NT> and smem_bytes(E): one scale and
+    one zero-point row per stage, no g_idx or lane table, the tile prefix of E experts."""
+    experts: int = 64
+
+    @property
+    def stage_bytes(self) -> int:
+        raw = self.a_bytes + self.b_bytes + self.bn * 2 + (self.bn // self.pf) * 4
+        return (raw + 15) // 16 * 16
+
+    @property
+    def smem(self) -> int:
+        pipe = self.stages * self.stage_bytes
+        red = 4 * self.bm * (self.bn + self.red_pad) * 4
+        # + the flag, the prefix's warp totals, the unit positions, the scale copies' pointers
+        fixed = max(pipe, red) + self.bm * 4 + self.bm * 8 + 16 + 4 * 8 + 16 + 8 * 64
+        return fixed + (4 * (self.experts + 1) + 15) // 16 * 16
+
+
+def plan_of(inst: Instance, consts: dict[str, int] | None = None, experts: int = 64) -> Plan:
     c = consts or plan_constants()
+    if inst.kernel == "v3":
+        c3 = plan_constants(PLAN_HEADER_V3)
+        return PlanV3(inst.num_bits, inst.mt, inst.nt, c3["kStages"], c3["kStageK"], c3["kRedPad"],
+                      lane_table=False, reduction=True, experts=experts)
     return Plan(inst.num_bits, inst.mt, inst.nt, c["kStages"], c["kStageK"], c["kRedPad"],
                 lane_table=inst.lane_table, reduction=not inst.warps_over_n)
 
 
-def blocks_per_sm(inst: Instance, plan: Plan, gpu: Gpu, threads: int = 128) -> tuple[int, str]:
+def blocks_per_sm(inst: Instance, plan: Plan, gpu: Gpu) -> tuple[int, str]:
     """Resident blocks per SM and what limits them (registers, shared memory, or the grid's own
     blocks per SM)."""
     launch_cap = inst.grid_blocks_per_sm
-    warps = threads // 32
+    warps = inst.warps
     regs_per_warp = math.ceil(inst.registers * 32 / 256) * 256  # allocated in 256-register units
     by_regs = gpu.regs_per_sm // (regs_per_warp * warps)
     by_smem = gpu.smem_bytes_per_sm // (plan.smem + gpu.smem_reserved_per_block)
@@ -227,7 +260,7 @@ def refill_sass(plan: Plan) -> int:
 
 def stage_cost(inst: Instance, gpu: Gpu, shape: Shape, rows: int, consts: dict[str, int] | None = None) -> StageCost:
     """The per-stage cost of `inst` when its tiles hold `rows` sorted rows (1 .. 16 * mt)."""
-    plan = plan_of(inst, consts)
+    plan = plan_of(inst, consts, shape.experts)
     mcount = max(1, min(inst.mt, math.ceil(rows / 16)))
     stages_per_group = max(1, shape.group_size // plan.stage_k)
     # HBM: the stage's weights and (once per group) its scale / zero-point rows; the activation
@@ -241,8 +274,8 @@ def stage_cost(inst: Instance, gpu: Gpu, shape: Shape, rows: int, consts: dict[s
     w = gpu.smem_bytes_per_clk
     words_per_lane = plan.wpt * 4 // 32 // 16  # 16-byte weight loads per lane and n-tile
     # per warp and 16-row slice one x4 ldmatrix (4 wavefronts) per k-tile it computes: v2's warp
-    # one k-tile, a warp split over N all four
-    a_loads = 4 * mcount * 4 * (4 if inst.warps_over_n else 1)
+    # one k-tile, a warp split over N all four; v3's n-warps each load their k-tile's fragments
+    a_loads = 4 * mcount * 4 * (4 if inst.warps_over_n else inst.warps_n)
     smem = {
         "cp.async writes": (mcount * 16 * 128 + plan.b_bytes) / w,
         "ldmatrix A": a_loads,
@@ -251,17 +284,26 @@ def stage_cost(inst: Instance, gpu: Gpu, shape: Shape, rows: int, consts: dict[s
     if inst.lane_table:
         smem["lane table reads"] = 4 * plan.nt * 4 * 4  # per warp, n-tile, sub-tile one 16-byte load
         per_group = 4 * plan.nt * 4 * (2 * 2 + 4)  # refill: 4 narrow loads + one 16-byte store, per warp
-    else:  # the group's scale / zero row read into registers: one narrow load per pair and warp
+    elif inst.warps_over_n:  # the group's scale / zero row read into registers: one narrow load per pair and warp
         per_group = 4 * plan.nt * 4 * 2 // 4
+    else:  # v3: every warp reads the scale (and zero point) of its lane's two columns per sub-tile
+        per_group = 4 * plan.nt * 4 * 2 * (2 if shape.zero_points else 1)
     smem["scale refill"] = per_group / stages_per_group
     smem_cycles = sum(smem.values())
 
     blocks, why = blocks_per_sm(inst, plan, gpu)
-    warps_per_scheduler = blocks * 4 / gpu.schedulers
+    warps_per_scheduler = blocks * inst.warps / gpu.schedulers
     issue_rate = min(1.0, warps_per_scheduler * gpu.single_warp_ipc)
-    # one warp of each block per scheduler: a block-stage costs every scheduler the loop's SASS
-    refill = refill_sass(plan) if inst.lane_table else refill_sass(plan) // 4  # a quarter: own n-slice only
-    issue = (inst.loop_sass + refill / stages_per_group) / issue_rate
+    # a block's warps spread over the schedulers: a block-stage costs every scheduler the loop's
+    # SASS once per warp of the block it holds (v2: one, v3: two)
+    per_scheduler = inst.warps / gpu.schedulers
+    if inst.lane_table:
+        refill = refill_sass(plan)
+    elif inst.warps_over_n:
+        refill = refill_sass(plan) // 4  # a quarter: own n-slice only
+    else:
+        refill = refill_sass(plan) // inst.warps_n  # v3: its n-half, into registers
+    issue = per_scheduler * (inst.loop_sass + refill / stages_per_group) / issue_rate
     mma = 4 * plan.nt * 8 * mcount / gpu.mma_per_clk
     hbm_per_clk = gpu.hbm_bytes_per_s / gpu.sms / gpu.clock_hz
     latency_clk = gpu.latency_s * gpu.clock_hz
@@ -311,7 +353,7 @@ class Expectation:
 def expect(inst: Instance, gpu: Gpu, shape: Shape, m: int, consts: dict[str, int] | None = None) -> Expectation:
     """The modelled call at M tokens: streaming time on the busiest SM plus what does not stream."""
     c = consts or plan_constants()
-    plan = plan_of(inst, c)
+    plan = plan_of(inst, c, shape.experts)
     e = experts_reached(shape, m)
     slots_per_expert = m * shape.top_k / e
     rows = max(1, min(plan.bm, math.ceil(slots_per_expert)))
@@ -350,21 +392,56 @@ def expect(inst: Instance, gpu: Gpu, shape: Shape, m: int, consts: dict[str, int
                        cost.warps_per_scheduler)
 
 
-def instances_from_static(path: Path) -> list[Instance]:
-    """The sm_90 fast instances of a `bench/kernel_static.py --json` file."""
+def instances_from_static(path: Path, kernel: str = "v2") -> list[Instance]:
+    """The sm_90 fast instances of `kernel` (v2 or v3) in a `bench/kernel_static.py --json` file."""
     data = json.loads(path.read_text())
     out = []
     for k in data["kernels"]:
-        if k["kernel"] != "v2" or k["arch"] != "90" or "fast" not in k["name"] or not k["loop_instructions"]:
+        if k["kernel"] != kernel or k["arch"] != "90" or "fast" not in k["name"] or not k["loop_instructions"]:
+            continue
+        if k["name"].endswith(" zp"):  # v3's zero-point instances: the bench shape has none
             continue
         m = re.search(r"(\d+)x(\d+)", k["name"])
         if not m:
             continue
         bm, bn = int(m.group(1)), int(m.group(2))
         dt = " bf16" if "bf16" in k["name"] else " fp16" if "fp16" in k["name"] else ""
-        out.append(Instance(f"{k['num_bits']}-bit{dt} {bm}x{bn}", k["num_bits"], bm // 16, bn // 64, k["registers"],
-                            k["loop_instructions"], k["loop_mma"], source=f"{path} ({k.get('counted_in') or '?'})"))
+        where = f"{path} ({k.get('counted_in') or '?'})"
+        if kernel == "v3":
+            out.append(v3_instance(f"{k['num_bits']}-bit{dt} {bm}x{bn}", k["num_bits"], bm // 16, bn // 64,
+                                   k["registers"], k["loop_instructions"], k["loop_mma"], where))
+        else:
+            out.append(Instance(f"{k['num_bits']}-bit{dt} {bm}x{bn}", k["num_bits"], bm // 16, bn // 64,
+                                k["registers"], k["loop_instructions"], k["loop_mma"], source=where))
     return out
+
+
+def v3_instance(name: str, num_bits: int, mt: int, nt: int, registers: int, loop_sass: int, loop_mma: int,
+                source: str) -> Instance:
+    """A v3 kernel instance (kernels/moe_gemm_v3.cu): eight warps (four over K, two over N), scale
+    pairs in registers (no lane table), the k-warps' reduction kept, one launch, two blocks per SM."""
+    return Instance("v3 " + name, num_bits, mt, nt, registers, loop_sass, loop_mma, source=source,
+                    lane_table=False, warps_over_n=False, launches=1, grid_blocks_per_sm=2, warps_n=2,
+                    kernel="v3")
+
+
+# bench/kernel_static.py's sm_90 figures of the v3 fast instances without zero points (the bench
+# shape has none), as recorded in docs/performance.md ("GEMM kernel")
+_V3_SOURCE = "recorded sm_90, nvcc 13.0 (docs/performance.md)"
+RECORDED_SM90_V3: tuple[Instance, ...] = (
+    v3_instance("4-bit fp16 16x256", 4, 1, 4, 128, 272, 16, _V3_SOURCE),
+    v3_instance("4-bit fp16 32x128", 4, 2, 2, 126, 211, 16, _V3_SOURCE),
+    v3_instance("4-bit fp16 64x64", 4, 4, 1, 126, 213, 16, _V3_SOURCE),
+    v3_instance("8-bit fp16 16x256", 8, 1, 4, 128, 289, 16, _V3_SOURCE),
+    v3_instance("8-bit fp16 32x128", 8, 2, 2, 128, 217, 16, _V3_SOURCE),
+    v3_instance("8-bit fp16 64x64", 8, 4, 1, 126, 203, 16, _V3_SOURCE),
+    v3_instance("4-bit bf16 16x256", 4, 1, 4, 128, 275, 16, _V3_SOURCE),
+    v3_instance("4-bit bf16 32x128", 4, 2, 2, 126, 212, 16, _V3_SOURCE),
+    v3_instance("4-bit bf16 64x64", 4, 4, 1, 126, 214, 16, _V3_SOURCE),
+    v3_instance("8-bit bf16 16x256", 8, 1, 4, 128, 419, 16, _V3_SOURCE),
+    v3_instance("8-bit bf16 32x128", 8, 2, 2, 128, 283, 16, _V3_SOURCE),
+    v3_instance("8-bit bf16 64x64", 8, 4, 1, 124, 237, 16, _V3_SOURCE),
+)
 
 
 def pick_instance(instances, shape: Shape, m: int, num_bits: int = 4) -> Instance:
@@ -413,13 +490,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="also write the expectations as JSON here")
     args = ap.parse_args(argv)
     instances = instances_from_static(args.static) if args.static else list(RECORDED_SM90)
-    if not instances:
-        print(f"roofline: no sm_90 fast v2 instances in {args.static}", file=sys.stderr)
+    v3 = instances_from_static(args.static, "v3") if args.static else list(RECORDED_SM90_V3)
+    if not instances and not v3:
+        print(f"roofline: no sm_90 fast v2 or v3 instances in {args.static}", file=sys.stderr)
         return 2
+    instances = instances or list(RECORDED_SM90)  # a file of v3 figures only: v2's recorded ones
     gpus = [GPUS[g] for g in (args.gpu or ["h200", "h100"])]
     rows, costs = model(instances, gpus)
     print(f"static figures: {instances[0].source}")
     print(render(rows, gpus, costs))
+    if v3:
+        rows3, costs3 = model(v3, gpus)
+        print(f"\nv3 kernel (kernels/moe_gemm_v3.cu), static figures: {v3[0].source}")
+        print(render(rows3, gpus, costs3))
     print("\nv3 design (assumed figures, not a kernel: warps over N, scales in registers, one launch, "
           "4 blocks per SM), share of HBM peak at M = 1 / 16 / 64:")
     shape = Shape()
@@ -434,6 +517,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {g.name}, one warp issues {ipc:g}/clk: " + " / ".join(f"{100 * r.fraction:.0f} %" for r in alt))
     if args.json:
         args.json.write_text(json.dumps({"expectations": [asdict(r) for r in rows],
+                                         "v3_expectations": [asdict(r) for r in rows3] if v3 else [],
                                          "gpus": [asdict(g) for g in gpus]}, indent=2) + "\n")
     return 0
 

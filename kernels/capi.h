@@ -2,7 +2,7 @@
  *
  * Two shared libraries are built from kernels/:
  *   libwna16_host  (g++:  host.cpp, error.cpp)                -- CPU Marlin repack, index queries
- *   libwna16_cuda  (nvcc: repack.cu, moe_gemm.cu, moe_gemm_v2.cu, error.cpp)  -- CUDA kernels
+ *   libwna16_cuda  (nvcc: repack.cu, moe_gemm.cu, moe_gemm_v2.cu, moe_gemm_v3.cu, error.cpp)  -- CUDA kernels
  * The tests also build the CUDA sources with g++ against the CPU emulation of intrinsics.cuh
  * (kernels/emu/), where the wna16_cuda_* functions below run on host memory.
  *
@@ -169,6 +169,27 @@ WNA16_API int wna16_cuda_moe_gemm_v2_workspace(int64_t num_sorted, int64_t num_e
                                                int num_bits, int has_perm, int variant,
                                                int64_t* words);
 WNA16_API int wna16_cuda_moe_gemm_v2(const void* a, const int32_t* b, const void* scales,
+                                     const int32_t* zp, const int32_t* g_idx, const int32_t* perm,
+                                     const int32_t* sorted_ids, const int32_t* offsets,
+                                     const float* topk_weights, void* c, int32_t* workspace,
+                                     int64_t num_slots, int64_t num_sorted, int64_t num_experts,
+                                     int64_t size_n, int64_t size_k, int64_t num_groups,
+                                     int top_k, int num_bits, int dtype, int is_k_full,
+                                     int variant, void* stream);
+
+/* The v3 MoE GEMM (moe_gemm_v3.cu): one launch, eight warps split over K and N, scale pairs in
+ * registers, an evict-first weight stream; the fast mode only: act-order (perm) or scale groups
+ * that are not a multiple of 64 rows -> WNA16_ENOTSUP (nothing launched), as are FMA and a tile
+ * whose shared memory (it grows with num_experts: the tile prefix) exceeds the device's. Its
+ * output equals wna16_cuda_moe_gemm_v2's bit for bit. The workspace (size in int32 words from
+ * wna16_cuda_moe_gemm_v3_workspace) holds stream-K counters that must be ZERO before the first
+ * call (allocate it zeroed); every call leaves them zero, so a workspace kept between calls on
+ * one stream needs no reset. */
+WNA16_API int wna16_cuda_moe_gemm_v3_workspace(int64_t num_sorted, int64_t num_experts,
+                                               int64_t size_n, int64_t size_k, int64_t num_groups,
+                                               int num_bits, int has_perm, int variant,
+                                               int64_t* words);
+WNA16_API int wna16_cuda_moe_gemm_v3(const void* a, const int32_t* b, const void* scales,
                                      const int32_t* zp, const int32_t* g_idx, const int32_t* perm,
                                      const int32_t* sorted_ids, const int32_t* offsets,
                                      const float* topk_weights, void* c, int32_t* workspace,

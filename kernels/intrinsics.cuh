@@ -76,6 +76,22 @@ WNA16_DEV void wna16_cp_async16(void* smem, const void* gmem, bool pred = true) 
                :: "r"(wna16_smem_addr(smem)), "l"(gmem), "r"(pred ? 16 : 0));
 }
 
+// An L2 cache policy that marks the lines it is attached to for eviction first: data read once
+// (a weight stream) then leaves the L2 to data that is read again (activations, partials).
+// createpolicy.fractional.L2::evict_first.b64 policy, 1.0
+WNA16_DEV uint64_t wna16_l2_evict_first_policy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+
+// wna16_cp_async16 with an L2 cache policy (wna16_l2_evict_first_policy) on the global read.
+// cp.async.cg.shared.global.L2::cache_hint [dst], [src], 16, src_size, policy
+WNA16_DEV void wna16_cp_async16_hint(void* smem, const void* gmem, bool pred, uint64_t policy) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n"
+               :: "r"(wna16_smem_addr(smem)), "l"(gmem), "r"(pred ? 16 : 0), "l"(policy));
+}
+
 // cp.async.commit_group
 WNA16_DEV void wna16_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
@@ -147,6 +163,14 @@ WNA16_DEV uint32_t wna16_shfl(uint32_t v, int src_lane) {
   return __shfl_sync(0xffffffffu, v, src_lane);
 }
 WNA16_DEV uint32_t wna16_ballot(bool pred) { return __ballot_sync(0xffffffffu, pred); }
+
+// x, as a value the compiler cannot see through: computations from it stay where they are
+// written instead of being hoisted out of a loop into registers held across it (a code that runs
+// once per scale group must not keep its addresses live through the streaming loop).
+WNA16_DEV uint32_t wna16_opaque(uint32_t x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
 
 // Block and warp barriers.
 WNA16_DEV void wna16_syncthreads() { __syncthreads(); }

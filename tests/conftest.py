@@ -44,7 +44,23 @@ def _write_questions() -> Path:
     return path
 
 
+def _questions_alone(questions: Path) -> Path:
+    """The same questions in a folder with no train.jsonl beside them: --e2e prompts without worked
+    examples, about a quarter of the tokens. The e2e tests use them because every token of a prompt
+    goes through the emulated kernel (each CUDA thread a host thread), so prompt length is their
+    cost; a layout fault shows at the first block call whatever the prompt."""
+    import atexit
+    import shutil
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="wna16ctl-questions-alone-"))
+    atexit.register(shutil.rmtree, folder, True)
+    shutil.copyfile(questions, folder / "test.jsonl")
+    return folder / "test.jsonl"
+
+
 QUESTIONS = _write_questions()
+QUESTIONS_ALONE = _questions_alone(QUESTIONS)
 
 
 @pytest.fixture(scope="session")
@@ -73,6 +89,15 @@ def make_ckpt(tmp_path_factory: pytest.TempPathFactory) -> MakeCheckpoint:
         return written[spec]
 
     return make
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _output_width_of_a_pipe():
+    """Tables render at the width of a pipe (no $COLUMNS), as in a plain pytest process: pytest-xdist
+    sets COLUMNS=80 in its workers, and tests that need a width set it themselves."""
+    saved = {k: os.environ.pop(k) for k in ("COLUMNS", "LINES") if k in os.environ}
+    yield
+    os.environ.update(saved)
 
 
 @pytest.fixture(autouse=True, scope="session")

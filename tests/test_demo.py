@@ -14,6 +14,7 @@ from safetensors import safe_open
 from tests.conftest import MakeCheckpoint
 from wna16ctl.demo import (
     ARCHITECTURES,
+    DEEPSEEK_V3_YARN,
     DemoSpec,
     demo_source_weights,
     expert_projection_names,
@@ -321,6 +322,21 @@ def test_source_weights_do_not_depend_on_quantization_options() -> None:
     assert all(torch.equal(plain[name], other[name]) for name in plain)
 
 
+def test_deepseek_mla_sizes_and_yarn_rope_are_asked_for_else_the_small_defaults() -> None:
+    from wna16ctl.demo import model_config
+
+    default = model_config(DemoSpec(arch="deepseek_v3"))
+    assert (default["kv_lora_rank"], default["qk_rope_head_dim"], default["rope_scaling"]) == (64, 16, None)
+    spec = DemoSpec(arch="deepseek_v3", mla_kv_lora_rank=512, mla_qk_rope_head_dim=64, mla_yarn_rope=True)
+    config = model_config(spec)
+    assert (config["kv_lora_rank"], config["qk_rope_head_dim"], config["head_dim"]) == (512, 64, 64)
+    assert config["rope_scaling"] == DEEPSEEK_V3_YARN and config["max_position_embeddings"] == 4096 * 40
+    weights = demo_source_weights(spec)
+    assert weights["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"].shape == (512 + 64, 256)
+    assert weights["model.layers.0.self_attn.kv_b_proj.weight"].shape[1] == 512
+    assert weights["model.layers.0.self_attn.q_b_proj.weight"].shape[0] == 4 * (32 + 64)
+
+
 def test_single_shard_is_one_model_safetensors(make_ckpt: MakeCheckpoint) -> None:
     ckpt = make_ckpt(**SMALL, num_shards=1)
     assert sorted(p.name for p in ckpt.iterdir()) == ["config.json", "model.safetensors"]
@@ -374,6 +390,8 @@ def test_tokenizer_on_gsm8k(make_ckpt: MakeCheckpoint, gsm8k_test) -> None:
         (dict(channel_group_size_null=True), "channel_group_size_null"),
         (dict(top_k=9), "top_k"),
         (dict(num_bits=3), "num_bits"),
+        (dict(arch="deepseek_v3", mla_qk_rope_head_dim=15), "mla_qk_rope_head_dim"),
+        (dict(arch="deepseek_v3", mla_kv_lora_rank=0), "mla_kv_lora_rank"),
     ],
 )
 def test_bad_specs_are_refused(tmp_path: Path, fields: dict, message: str) -> None:

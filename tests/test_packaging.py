@@ -216,9 +216,8 @@ def test_wheel_install_runs_demo_inspect_repack_verify(tmp_path):
     res = run("repack", "ck", "--tp", "2", "-o", "tp2")
     if shutil.which(os.environ.get("CXX") or "g++"):
         assert res.stderr == "", res.stderr  # the native host build from the wheel's sources: no fallback notice
-    res = run("verify", "ck", "tp2", "--samples", QUESTIONS, "--num-samples", "8")
-    assert res.stderr == "" and "verified" in res.stdout and "NOT" not in res.stdout, res.stdout
     # without --samples a wheel install has no shared/ folder: the demo's own questions, after one line
+    # (the only line on stderr: the emulated kernel builds from the wheel's sources without a word)
     env["HF_HUB_OFFLINE"] = "1"
     res = run("verify", "ck", "tp2", "--num-samples", "8")
     assert res.stderr.startswith("warning: GSM8K not found") and res.stderr.count("\n") == 1, res.stderr

@@ -45,7 +45,7 @@ def _run(ctx: click.Context, sink: Sink, body: Callable[[], int], *, interrupted
             sink.error(f"internal error: {type(e).__name__}: {e}",
                        None if debug else "rerun with --debug for the traceback and report it")
         code = EXIT_BAD_INPUT
-    if fast_exit and ctx.find_root().info_name == "wna16ctl" and sys.argv[0].endswith(("wna16ctl", "__main__.py")):
+    if fast_exit and _own_process(ctx):
         # A real process (not a test runner): skip freeing ~10^6 header objects at interpreter
         # exit (0.3 s on the largest checkpoints); nothing is left to flush but the streams.
         sys.stdout.flush()
@@ -53,6 +53,12 @@ def _run(ctx: click.Context, sink: Sink, body: Callable[[], int], *, interrupted
         os._exit(code)
     ctx.exit(code)
     raise AssertionError("unreachable")
+
+
+def _own_process(ctx: click.Context) -> bool:
+    """Whether this command is the whole process (`wna16ctl ...`, `python -m wna16ctl ...`), not a
+    call from a test runner or another program."""
+    return ctx.find_root().info_name == "wna16ctl" and sys.argv[0].endswith(("wna16ctl", "__main__.py"))
 
 
 def _traceback(debug: bool) -> None:
@@ -162,8 +168,14 @@ def inspect(ctx: click.Context, ckpt: str, tp: str, ep: bool, vllm: str, gpu: st
     sink = Sink(json_mode=json_mode)
 
     def body() -> int:
+        if _own_process(ctx):
+            # Reading the headers allocates ~10^6 containers and frees none of them in cycles: the
+            # cyclic collector would only walk them (a full pass when it is switched back on).
+            # The process ends with os._exit, so it never has to run.
+            import gc
+
+            gc.disable()
         from wna16ctl.planning.inspection import inspect_checkpoint
-        from wna16ctl.render import render_inspection, render_release_matrix
         from wna16ctl.sources.recipe import make_proposal
 
         proposal = make_proposal(scheme, recipe, group_size, actorder, list(ignore))
@@ -177,8 +189,12 @@ def inspect(ctx: click.Context, ckpt: str, tp: str, ep: bool, vllm: str, gpu: st
             sink.warn(insp.engine.note)
         for w in insp.checkpoint.warnings:
             sink.warn(w)
-        render = render_release_matrix if insp.versions else render_inspection
-        sink.result(insp.to_json(), lambda console: render(console, insp))
+        def render(console) -> None:  # noqa: ANN001 - rich is imported only to print for people
+            from wna16ctl.render import render_inspection, render_release_matrix
+
+            (render_release_matrix if insp.versions else render_inspection)(console, insp)
+
+        sink.result(insp.to_json(), render)
         return EXIT_OK if insp.ok else EXIT_FAILED  # a correctness hazard fails like a refusal
 
     _run(ctx, sink, body, interrupted="nothing was written", fast_exit=True)

@@ -78,10 +78,17 @@ _ARCHITECTURE_CLASS = {
     "kimi_k2": "DeepseekV3ForCausalLM",  # Kimi-K2 is the DeepSeek-V3 architecture
     "glm4_moe": "Glm4MoeForCausalLM",
 }
-# DeepSeek-V3 MLA dimensions (small, fixed; the real model uses 512/1536/64/128/128)
+# DeepSeek-V3 MLA dimensions (small; the real model uses 512/1536/64/128/128). kv_lora_rank and
+# qk_rope_head_dim are DemoSpec fields (an engine's MLA kernel may accept only the real sizes)
 _MLA_QK_ROPE_HEAD_DIM = 16
 _MLA_QK_NOPE_HEAD_DIM = 32
 _MLA_V_HEAD_DIM = 32
+
+
+# the rope scaling of the released DeepSeek-V3 (its config.json): YaRN stretching a 4096-position
+# rope 40-fold, with the attention scale corrected by mscale_all_dim
+DEEPSEEK_V3_YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                    "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
 
 
 @dataclass(frozen=True)
@@ -105,6 +112,13 @@ class DemoSpec:
     num_shards: int = 2  # 1 = a single model.safetensors without index, like save_pretrained
     seed: int = 0
     tokenizer: bool = False  # also write tokenizer.json (byte-level BPE trained on generated word problems)
+    # DeepSeek-V3 only: the MLA latent width (None = max(16, hidden_size // 4)) and the rotary part of
+    # each query/key head. vLLM's CPU MLA kernel takes only kv_lora_rank + qk_rope_head_dim = 576
+    # (the real model's 512 + 64)
+    mla_kv_lora_rank: int | None = None
+    mla_qk_rope_head_dim: int = _MLA_QK_ROPE_HEAD_DIM
+    # DeepSeek-V3 only: the real model's YaRN rope scaling (DEEPSEEK_V3_YARN) instead of plain rope
+    mla_yarn_rope: bool = False
 
 
 # ----------------------------------------------------------------------------------------------
@@ -166,6 +180,10 @@ def _check_spec(spec: DemoSpec) -> None:
         raise bad("a byte-level tokenizer needs vocab_size >= 259")
     if spec.vocab_size < len(SPECIAL_TOKENS):
         raise bad("vocab_size too small")
+    if spec.mla_kv_lora_rank is not None and spec.mla_kv_lora_rank < 1:
+        raise bad(f"mla_kv_lora_rank must be positive, got {spec.mla_kv_lora_rank}")
+    if spec.mla_qk_rope_head_dim < 2 or spec.mla_qk_rope_head_dim % 2:
+        raise bad(f"mla_qk_rope_head_dim must be even and >= 2 (rotary pairs), got {spec.mla_qk_rope_head_dim}")
 
 
 def _attention_heads(hidden_size: int) -> tuple[int, int, int]:
@@ -184,11 +202,11 @@ def _deepseek_groups(num_experts: int, top_k: int) -> tuple[int, int]:
     return n_group, min(n_group, max(1, math.ceil(top_k / per_group)))
 
 
-def _mla_dims(hidden_size: int) -> dict[str, int]:
+def _mla_dims(spec: DemoSpec) -> dict[str, int]:
     return {
-        "q_lora_rank": max(16, hidden_size // 2),
-        "kv_lora_rank": max(16, hidden_size // 4),
-        "qk_rope_head_dim": _MLA_QK_ROPE_HEAD_DIM,
+        "q_lora_rank": max(16, spec.hidden_size // 2),
+        "kv_lora_rank": spec.mla_kv_lora_rank or max(16, spec.hidden_size // 4),
+        "qk_rope_head_dim": spec.mla_qk_rope_head_dim,
         "qk_nope_head_dim": _MLA_QK_NOPE_HEAD_DIM,
         "v_head_dim": _MLA_V_HEAD_DIM,
     }
@@ -284,7 +302,7 @@ def model_config(spec: DemoSpec) -> dict[str, Any]:
             "use_qk_norm": False,
             "rope_theta": 10000.0,
         }
-    mla = _mla_dims(spec.hidden_size)
+    mla = _mla_dims(spec)
     if spec.arch == "deepseek_v2":  # V2-Lite's shape: no query LoRA, softmax top-k without groups
         mla["q_lora_rank"] = None
         routed |= {"n_group": 1, "topk_group": 1, "topk_method": "greedy", "routed_scaling_factor": 1.0,
@@ -299,7 +317,9 @@ def model_config(spec: DemoSpec) -> dict[str, Any]:
         "scoring_func": "softmax" if spec.arch == "deepseek_v2" else "sigmoid",
         "ep_size": 1,
         "rope_theta": 10000.0,
-    }
+    } | ({"rope_scaling": dict(DEEPSEEK_V3_YARN),
+          "max_position_embeddings": DEEPSEEK_V3_YARN["original_max_position_embeddings"] * DEEPSEEK_V3_YARN["factor"]}
+         if spec.mla_yarn_rope else {})
 
 
 def _n_shared_experts(spec: DemoSpec) -> int:
@@ -361,7 +381,7 @@ def _attention_tensors(spec: DemoSpec, make: _TensorMaker) -> dict[str, torch.Te
     hidden = spec.hidden_size
     heads, kv_heads, head_dim = _attention_heads(hidden)
     if spec.arch in MLA_ARCHITECTURES:
-        mla = _mla_dims(hidden)
+        mla = _mla_dims(spec)
         qk_head_dim = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
         query = {
             "self_attn.q_a_proj.weight": make.normal(mla["q_lora_rank"], hidden),

@@ -733,6 +733,16 @@ WNA16_DEV void wna16_cp_async16(void* smem, const void* gmem, bool pred = true) 
   poison(dst, 16, (size_t)(dst - self().team->smem));
   self().copies.push_back(c);
 }
+// L2 cache policies change where lines stay in the L2, never what a read returns: the emulated
+// policy is an opaque token, and the hinted copy is the plain one (its checks included).
+constexpr uint64_t kEmuEvictFirstPolicy = 0xE51C7F1257ull;
+WNA16_DEV uint64_t wna16_l2_evict_first_policy() { return kEmuEvictFirstPolicy; }
+WNA16_DEV void wna16_cp_async16_hint(void* smem, const void* gmem, bool pred, uint64_t policy) {
+  if (policy != kEmuEvictFirstPolicy)
+    wna16::emu::fatal("%s: the cache policy was not made by wna16_l2_evict_first_policy",
+                      "cp.async with a cache hint");
+  wna16_cp_async16(smem, gmem, pred);
+}
 WNA16_DEV void wna16_cp_async_commit() {
   using namespace wna16::emu;
   ThreadState& s = self();
@@ -844,6 +854,9 @@ WNA16_DEV uint32_t wna16_ballot(bool pred) {
   for (int l = 0; l < self().warp->bar.expected; ++l) m |= (s[l].r[0] ? 1u : 0u) << l;
   return m;
 }
+
+// The emulation has no register allocation to protect: the value itself.
+WNA16_DEV uint32_t wna16_opaque(uint32_t x) { return x; }
 
 WNA16_DEV void wna16_syncthreads() {
   using namespace wna16::emu;

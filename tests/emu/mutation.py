@@ -1,10 +1,11 @@
-"""Mutation testing of the fast GEMM (kernels/moe_gemm_v2.cu): realistic bugs, each applied to a
-copy of kernels/, must be caught by the emulated tests -- wrong output, an emulator abort, or a
+"""Mutation testing of the fast GEMMs (kernels/moe_gemm_v2.cu, moe_gemm_v3.cu): realistic bugs,
+each applied to a copy of kernels/, must be caught by the emulated tests -- wrong output (for v3
+also any difference from v2's output, or a counter word left set), an emulator abort, or a
 sanitizer report.
 
-Each mutant names the builds whose cases must catch it: the plain build runs the v2 test grid
-(seeded block schedules, several blocks side by side), the ThreadSanitizer build the sanitizer
-grid. `python -m tests.emu.mutation` runs every case against every mutant and prints how many
+Each mutant names the builds whose cases must catch it: the plain build runs its kernel's test
+grid (seeded block schedules, several blocks side by side), the ThreadSanitizer build the
+sanitizer grid. `python -m tests.emu.mutation` runs every case against every mutant and prints how many
 cases catch each; the test-suite (tests/native/test_emu_mutants.py) stops at the first catch.
 """
 
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
+import torch
+
 from tests.emu import harness as H
 from wna16ctl.native import ops as K
 
@@ -32,6 +35,10 @@ class Mutant:
     builds: tuple[str, ...] = ("plain",)  # the builds whose cases must catch it
     fast: bool = False  # part of the default test run (the rest: `make test-kernels`)
     file: str = "moe_gemm_v2.cu"
+
+    @property
+    def kernel(self) -> str:
+        return "v3" if self.file == "moe_gemm_v3.cu" else "v2"
 
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -66,6 +73,28 @@ MUTANTS: tuple[Mutant, ...] = (
            builds=("tsan",)),
     Mutant("M9-expert-stride", "the expert's weight offset strides by the packed width N / PF, not the Marlin row",
            (("b = p.b + t.e * (int64_t)ktiles * bcols +", "b = p.b + t.e * (int64_t)ktiles * (p.size_n / PF) +"),)),
+    # v3 (kernels/moe_gemm_v3.cu): its own protocol and its register-held scales
+    Mutant("V1-no-acquire-spin", "v3's stream-K consumer trusts the relaxed counter, no acquire of the ready flags",
+           (("            while (wna16_load_acquire(p.ready + slot_of(b)) == 0) {\n            }",
+             "            (void)slot_of(b);"),),
+           builds=("tsan",), file="moe_gemm_v3.cu"),
+    Mutant("V2-barrier-after-issue", "v3's streaming stage barrier after the next stage's cp.async issue",
+           (("        wna16_syncthreads();                 // everyone's have; stage ks - 1 is consumed\n"
+             "        if (ks + kStages - 1 < ks1) ld.load(p, mcount, nvalid, smem, sh_aoff, ks + kStages - 1);\n",
+             "        if (ks + kStages - 1 < ks1) ld.load(p, mcount, nvalid, smem, sh_aoff, ks + kStages - 1);\n"
+             "        wna16_syncthreads();\n"),),
+           builds=("tsan",), file="moe_gemm_v3.cu"),
+    Mutant("V3-no-counter-reset", "v3 leaves the tile counters set after a call (the next call elects no last block)",
+           (("        wna16_atomic_add(p.counters + tile, -(int)(b_hi - b_lo + 1));\n", ""),),
+           file="moe_gemm_v3.cu"),
+    Mutant("V4-zero-halves-swapped", "v3's zero pairs of columns c and c + 8 swapped at use",
+           (("          z[0] = z[1] = wna16_prmt(sz[s][1], 0u, 0x1010u);\n          z[2] = z[3] = wna16_prmt(sz[s][1], 0u, 0x3232u);",
+             "          z[0] = z[1] = wna16_prmt(sz[s][1], 0u, 0x3232u);\n          z[2] = z[3] = wna16_prmt(sz[s][1], 0u, 0x1010u);"),),
+           file="moe_gemm_v3.cu"),
+    Mutant("V5-n-half-words", "v3's second n-warp reads the first n-warp's weight words",
+           (("(kw * NT + sub0 / 4) * WPT", "(kw * NT + (sub0 - nw * NSUB) / 4) * WPT"),), file="moe_gemm_v3.cu"),
+    Mutant("V6-scale-columns-hoisted", "v3's refill reads the scales of the lane's first n-warp columns",
+           (("(uint32_t)(16 * nw * NSUB + (lane >> 2))", "(uint32_t)(16 * (nw & 0) * NSUB + (lane >> 2))"),), file="moe_gemm_v3.cu"),
 )
 
 
@@ -87,9 +116,12 @@ def mutated_tree(tmp: Path, mutant: Mutant) -> Path:
     return dst
 
 
-def cases(build: str) -> list[tuple[str, str, dict, dict]]:
+def cases(build: str, kernel: str = "v2") -> list[tuple[str, str, dict, dict]]:
     """(id, tile variant, problem, emulated device) of the cases that run in `build`."""
-    from tests.native.test_emu_gemm_v2 import GRID, SAN_GRID, _id, seeded_devices
+    if kernel == "v3":
+        from tests.native.test_emu_gemm_v3 import GRID, SAN_GRID, _id, seeded_devices
+    else:
+        from tests.native.test_emu_gemm_v2 import GRID, SAN_GRID, _id, seeded_devices
 
     grid = GRID if build == "plain" else SAN_GRID
     out = []
@@ -100,14 +132,23 @@ def cases(build: str) -> list[tuple[str, str, dict, dict]]:
     return out
 
 
-def verdict(exe: Path, variant: str, case: dict, dev: dict) -> Optional[str]:
+def verdict(exe: Path, variant: str, case: dict, dev: dict, kernel: str = "v2") -> Optional[str]:
     """Why the case catches the kernel in `exe` (None: it passes)."""
     from tests.native.test_emu import check_gemm, grid_problem
     from tests.native.test_emu_gemm_v2 import run_gemm_v2
+    from tests.native.test_emu_gemm_v3 import run_gemm_v3
 
     prob = grid_problem(**case)
     try:
-        r, got = run_gemm_v2(exe, prob, variant, dev)
+        if kernel == "v3":  # two calls on one workspace, v2's output as the reference too
+            r, got = run_gemm_v3(exe, prob, variant, dev, sms=dev["sms"])
+            if r.returncode == 0 and r.rc == 99:
+                return "counter words left set: " + r.stderr.strip()[-100:]
+            _, want = run_gemm_v2(exe, prob, variant, dev)
+            if r.returncode == 0 and r.rc == 0 and not torch.equal(got.view(torch.int16), want.view(torch.int16)):
+                return "differs from v2's output"
+        else:
+            r, got = run_gemm_v2(exe, prob, variant, dev)
     except subprocess.TimeoutExpired:
         return "timeout"
     if r.returncode == 66:
@@ -125,8 +166,8 @@ def verdict(exe: Path, variant: str, case: dict, dev: dict) -> Optional[str]:
 
 def verdicts(mutant: Mutant, build: str, tmp: Path, stop_at_first: bool) -> Iterator[tuple[str, Optional[str]]]:
     exe = H.build(build, mutated_tree(tmp, mutant))
-    for cid, variant, case, dev in cases(build):
-        why = verdict(exe, variant, case, dev)
+    for cid, variant, case, dev in cases(build, mutant.kernel):
+        why = verdict(exe, variant, case, dev, mutant.kernel)
         yield cid, why
         if why and stop_at_first:
             return

@@ -113,6 +113,33 @@ int run(const std::string& op) {
     free(ws);
     return rc;
   }
+  if (op == "gemm_v3") {  // a zeroed workspace of the size the kernel's query gives, exactly;
+                          // "int calls N": N calls on it, the last one's output is kept, and
+                          // the counter words are checked to be zero again after each
+    int64_t words = 0;
+    int rc = wna16_cuda_moe_gemm_v3_workspace(I("num_sorted"), I("num_experts"), I("size_n"),
+                                              I("size_k"), I("num_groups"), (int)I("num_bits"),
+                                              B("perm") != nullptr, (int)I("variant"), &words);
+    if (rc) return rc;
+    int32_t* ws = static_cast<int32_t*>(calloc((size_t)(words > 0 ? words : 1), sizeof(int32_t)));
+    const long long calls = g_ints.count("calls") ? I("calls") : 1;
+    const long long flag_words = g_ints.count("flag_words") ? I("flag_words") : 0;
+    for (long long call = 0; call < calls && rc == 0; ++call) {
+      rc = wna16_cuda_moe_gemm_v3(
+          B("a"), B<int32_t>("b"), B("scales"), B<int32_t>("zp"), B<int32_t>("g_idx"),
+          B<int32_t>("perm"), B<int32_t>("sorted_ids"), B<int32_t>("offsets"), B<float>("topk"),
+          B("c"), ws, I("num_slots"), I("num_sorted"), I("num_experts"), I("size_n"), I("size_k"),
+          I("num_groups"), (int)I("top_k"), (int)I("num_bits"), (int)I("dtype"),
+          (int)I("is_k_full"), (int)I("variant"), nullptr);
+      for (long long w = 0; rc == 0 && w < flag_words && w < words; ++w)
+        if (ws[w]) {
+          fprintf(stderr, "workspace word %lld is %d after call %lld (not reset)\n", w, ws[w], call);
+          rc = 99;
+        }
+    }
+    free(ws);
+    return rc;
+  }
   if (op == "repack")
     return wna16_cuda_marlin_repack(B<int32_t>("packed"), B<int32_t>("perm"), B<int32_t>("out"),
                                     I("num_experts"), I("size_k"), I("size_n"),

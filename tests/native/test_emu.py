@@ -611,9 +611,9 @@ def grid_problem(*, pad: int = 0, empty_ends: bool = False, **case) -> dict:
 
 
 def run_gemm_op(exe: Path, op: str, prob: dict, variant_code: int, dev: Optional[dict] = None,
-                extra: Optional[dict] = None) -> tuple[H.Result, torch.Tensor]:
-    """Run the driver's GEMM op `op` ("gemm": v1, "gemm_v2") on `prob`; the output starts as
-    MARKER everywhere, so rows the kernel must not touch show."""
+                extra: Optional[dict] = None, ints: Optional[dict] = None) -> tuple[H.Result, torch.Tensor]:
+    """Run the driver's GEMM op `op` ("gemm": v1, "gemm_v2", "gemm_v3") on `prob`; the output
+    starts as MARKER everywhere, so rows the kernel must not touch show."""
     a, b_q, scales, zp, g_idx, perm, ids, offs, tw, top_k, num_bits, k_full = prob["args"]
     experts, size_k, size_n = b_q.shape[0], b_q.shape[1] * 16, scales.shape[2]
     num_slots = a.shape[0] * top_k
@@ -627,7 +627,8 @@ def run_gemm_op(exe: Path, op: str, prob: dict, variant_code: int, dev: Optional
                "c": c, **(extra or {})},
               {"num_slots": num_slots, "num_sorted": ids.numel(), "num_experts": experts, "size_n": size_n,
                "size_k": size_k, "num_groups": scales.shape[1], "top_k": top_k, "num_bits": num_bits,
-               "dtype": K.DTYPE_CODES[a.dtype], "is_k_full": int(k_full), "variant": variant_code},
+               "dtype": K.DTYPE_CODES[a.dtype], "is_k_full": int(k_full), "variant": variant_code,
+               **(ints or {})},
               ("c",), dev or {})
     out = r.tensor("c", a.dtype, (num_slots, size_n)) if "c" in r.outputs else c
     return r, out

@@ -26,7 +26,7 @@ log = logging.getLogger("wna16ctl.native.ops")  # one logger for the notices of 
 ABI_VERSION = 1  # must equal WNA16_ABI_VERSION in kernels/capi.h
 
 HOST_SOURCES = ("host.cpp", "host_simd.cpp", "error.cpp")
-CUDA_SOURCES = ("repack.cu", "moe_gemm.cu", "moe_gemm_v2.cu", "error.cpp")
+CUDA_SOURCES = ("repack.cu", "moe_gemm.cu", "moe_gemm_v2.cu", "moe_gemm_v3.cu", "error.cpp")
 _HOST_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-pthread", "-fvisibility=hidden")
 _HOST_FILE_FLAGS: dict[str, tuple[str, ...]] = {}
 _CUDA_FLAGS = ("-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden")
@@ -327,6 +327,8 @@ _CUDA_PROTOS = {
     "wna16_cuda_moe_gemm": (_I32, [_P] * 11 + [_I64] * 6 + [_I32] * 5 + [_P]),
     "wna16_cuda_moe_gemm_v2": (_I32, [_P] * 11 + [_I64] * 6 + [_I32] * 5 + [_P]),
     "wna16_cuda_moe_gemm_v2_workspace": (_I32, [_I64] * 5 + [_I32] * 3 + [_P]),
+    "wna16_cuda_moe_gemm_v3_workspace": (_I32, [_I64] * 5 + [_I32] * 3 + [_P]),
+    "wna16_cuda_moe_gemm_v3": (_I32, [_P] * 11 + [_I64] * 6 + [_I32] * 5 + [_P]),
 }
 
 

@@ -42,7 +42,7 @@ from wna16ctl.native.build import (
 from wna16ctl.native.ops import DTYPE_CODES, GEMM_VARIANTS, WNA16_ENOTSUP, _check_gemm_extras, _gemm_dims
 
 # the kernels and their launchers, the error store, the emulated device's settings
-EMULATED_SOURCES = ("moe_gemm_v2.cu", "moe_gemm.cu", "error.cpp", "emu_capi.cpp")
+EMULATED_SOURCES = ("moe_gemm_v3.cu", "moe_gemm_v2.cu", "moe_gemm.cu", "error.cpp", "emu_capi.cpp")
 _FLAGS = ("-O2", "-std=c++17", "-fPIC", "-pthread", "-fvisibility=hidden")
 # Few emulated SMs: the stream-K grid of v2 is sized by the SM count, and every block is a team of
 # host threads; 2 SMs still make stream-K cut tiles between blocks on larger problems.
@@ -56,6 +56,8 @@ _PROTOS = {
     "wna16_cuda_moe_gemm": (_I32, [_P] * 11 + [_I64] * 6 + [_I32] * 5 + [_P]),
     "wna16_cuda_moe_gemm_v2": (_I32, [_P] * 11 + [_I64] * 6 + [_I32] * 5 + [_P]),
     "wna16_cuda_moe_gemm_v2_workspace": (_I32, [_I64] * 5 + [_I32] * 3 + [_P]),
+    "wna16_cuda_moe_gemm_v3_workspace": (_I32, [_I64] * 5 + [_I32] * 3 + [_P]),
+    "wna16_cuda_moe_gemm_v3": (_I32, [_P] * 11 + [_I64] * 6 + [_I32] * 5 + [_P]),
 }
 
 _lock = threading.Lock()

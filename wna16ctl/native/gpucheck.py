@@ -23,6 +23,10 @@ Checks:
 * compute-sanitizer memcheck, racecheck and synccheck on three tiny GEMM cases (v2 with tiles
   cut between blocks, v2 with g_idx, v1), when compute-sanitizer is installed; a tool that
   refuses the device ("Device not supported") is "not run" with its reason, never a failure;
+* the vLLM load format `wna16ctl` (wna16ctl/integrations/vllm_plugin.py): a `repack --layout marlin`
+  output of the demo checkpoint served with `--load-format wna16ctl` against vLLM's default load of
+  the checkpoint (both on the Marlin backend), greedy tokens and logprobs on the same prompts; "not
+  run" with the reason without vLLM ($WNA16CTL_VLLM_PYTHON or this python) or a served release/GPU;
 * the test-suite's `gpu` tests when pytest is importable.
 Benchmarks (CUDA events around the bare library calls: no host synchronisation inside the timed
 region): repack throughput, plain and act-order, as a share of the GPU's peak memory bandwidth;
@@ -629,6 +633,29 @@ def step_sanitizer(report: Report, budget: Budget) -> Optional[bool]:
     return ok
 
 
+def step_vllm_plugin(report: dict, budget: Budget, repo: Path) -> Optional[bool]:
+    """The vLLM load format's check (wna16ctl/integrations/plugin_check.py), run as its own process
+    (it starts vLLM twice); its JSON goes into the report as `vllm_plugin`."""
+    if budget.left() < 60:
+        report["vllm_plugin"] = {"not_run": "no time left"}
+        return None
+    out = Path(str(report.path) + ".vllm_plugin.json") if isinstance(report, Report) else repo / "vllm_plugin.json"
+    cmd = [sys.executable, "-m", "wna16ctl.integrations.plugin_check", "--out", str(out),
+           "--budget", str(int(budget.left() - 20))]
+    try:
+        proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=max(30.0, budget.left() - 10))
+        result = json.loads(out.read_text())
+    except (subprocess.TimeoutExpired, OSError, ValueError) as exc:
+        report["vllm_plugin"] = {"ok": False, "error": f"the check did not finish ({type(exc).__name__})"}
+        return False
+    report["vllm_plugin"] = result
+    if result.get("not_run"):
+        return None
+    if proc.returncode not in (0, 1):
+        result.setdefault("error", f"exit {proc.returncode}")
+    return bool(result.get("ok"))
+
+
 def step_pytest(report: dict, budget: Budget, repo: Path) -> Optional[bool]:
     try:
         import pytest  # noqa: F401
@@ -682,6 +709,17 @@ def summary(report: dict) -> str:
         state = san.get("skipped") or (f"not run ({san['not_run']})" if san.get("not_run") else ", ".join(
             f"{t} {tool_state(t)}" for t in SANITIZER_TOOLS if t in san))
         lines.append(f"  compute-sanitizer: {state}")
+    if "vllm_plugin" in report:
+        v = report["vllm_plugin"]
+        if v.get("not_run"):
+            state = f"not run ({v['not_run']})"
+        elif "same_tokens" in v:
+            state = (f"{'ok' if v['ok'] else 'FAILED'} (vLLM {v.get('vllm')}, greedy tokens "
+                     f"{'equal' if v['same_tokens'] else 'DIFFER'}, max logprob diff {v['max_logprob_diff']:.3g} "
+                     f"over {v['logprobs_compared']})")
+        else:
+            state = f"FAILED ({v.get('error')})"
+        lines.append(f"  --load-format wna16ctl vs default load: {state}")
     if "pytest_gpu" in report:
         p = report["pytest_gpu"]
         state = p.get("skipped") or ("ok" if p.get("ok") else ("not run" if p.get("note") else "FAILED"))
@@ -706,7 +744,7 @@ def summary(report: dict) -> str:
 
 
 def run(out: Path, budget_s: float, gemm_count: int, with_pytest: bool, with_sanitizer: bool = True,
-        build_only: bool = False) -> int:
+        build_only: bool = False, with_vllm_plugin: bool = True) -> int:
     budget = Budget(budget_s, REPORT_RESERVE_S)
     report = Report(out)
     report.update(status="running", started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), steps_done=[])
@@ -766,6 +804,9 @@ def run(out: Path, budget_s: float, gemm_count: int, with_pytest: bool, with_san
             else:
                 report[name] = {"skipped": "no time left"}
         report["goals"] = goals(report)
+        if with_vllm_plugin:
+            step("vllm_plugin")
+            ok &= step_vllm_plugin(report, budget, repo) is not False
         if with_sanitizer:
             step("sanitizer")
             ok &= step_sanitizer(report, budget) is not False
@@ -796,11 +837,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--gemm-cases", type=int, default=24, help="GEMM grid cases to run (default 24)")
     parser.add_argument("--no-pytest", action="store_true", help="skip the test-suite's gpu tests")
     parser.add_argument("--no-sanitizer", action="store_true", help="skip the compute-sanitizer runs")
+    parser.add_argument("--no-vllm-plugin", action="store_true",
+                        help="skip --load-format wna16ctl against vLLM's default load (needs vLLM)")
     parser.add_argument("--sanitizer-cases", action="store_true", help=argparse.SUPPRESS)  # run inside the tool
     args = parser.parse_args(argv)
     if args.sanitizer_cases:
         return sanitizer_cases()
-    return run(args.out, args.budget, args.gemm_cases, not args.no_pytest, not args.no_sanitizer, args.build_only)
+    return run(args.out, args.budget, args.gemm_cases, not args.no_pytest, not args.no_sanitizer, args.build_only,
+               not args.no_vllm_plugin)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ safe), and loaded with ctypes:
 * the host library (g++): the fast multi-threaded CPU Marlin repack and index queries;
 * the CUDA library (nvcc): repack, scale / zero-point permutation and the MoE GEMM (the fast
   Marlin-style kernel of `moe_gemm_v2.cu`, with the simple kernel of `moe_gemm.cu` kept as the
-  reference and for what the fast one does not take; `$WNA16CTL_GEMM_KERNEL` picks one).
+  reference and for what the fast one does not take, and the one-launch kernel of
+  `moe_gemm_v3.cu` on request; `$WNA16CTL_GEMM_KERNEL` picks one).
 
 Nothing here is required: without g++ / nvcc / a GPU, or with `WNA16CTL_NO_NATIVE=1`, every
 entry point falls back to the torch code of `wna16ctl.layout` after one logged notice. The CPU
@@ -64,7 +65,10 @@ DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
 GEMM_VARIANTS = {"auto": 0, "fma": 1, "mma": 2}
 # the v2 kernel also takes a forced tile height (rows of sorted slots per tile)
 GEMM_V2_TILES = {"tile16": 16, "tile32": 32, "tile64": 64}
-GEMM_KERNELS = ("auto", "v1", "v2")
+# auto = v2 where it applies, else v1. v3 runs on request only: the roofline model has it ahead of
+# v2 at M = 1, 16, 64, but five of its 24 sm_90 instances still spill (the bench shape's bf16 4-bit
+# 16 x 256 among them, 8 bytes) and no GPU has run it (docs/performance.md, "GEMM kernel")
+GEMM_KERNELS = ("auto", "v1", "v2", "v3")
 WNA16_ENOTSUP = 3
 
 
@@ -388,7 +392,9 @@ def gemm_variant() -> int:
 
 def gemm_kernel() -> str:
     """$WNA16CTL_GEMM_KERNEL: auto (the fast v2 kernel where it applies, else v1), v1 (the simple
-    reference kernel) or v2 (the fast kernel; errors instead of falling back)."""
+    reference kernel), v2 (the fast kernel; errors instead of falling back) or v3 (the one-launch
+    kernel of the fast mode; what it declines -- act-order, groups of 16 / 32 rows -- goes to v2,
+    then v1)."""
     name = os.environ.get("WNA16CTL_GEMM_KERNEL", "auto").strip().lower() or "auto"
     if name not in GEMM_KERNELS:
         raise ValueError(f"WNA16CTL_GEMM_KERNEL={name!r}: expected one of {list(GEMM_KERNELS)}")
@@ -405,6 +411,21 @@ def _aligned16(t: Optional[Tensor]) -> Optional[Tensor]:
         return None
     t = t.contiguous()
     return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+# v3's workspace per (device, stream): its counters must be zero before a call and every call
+# leaves them zero, so one zeroed buffer serves every later call on that stream with no reset
+# launch; it is replaced (zeroed again) only when a call needs more words.
+_V3_WORKSPACES: dict[tuple[int, int], Tensor] = {}
+
+
+def _v3_workspace(dev: torch.device, stream: int, words: int) -> Tensor:
+    key = (dev.index if dev.index is not None else torch.cuda.current_device(), stream)
+    ws = _V3_WORKSPACES.get(key)
+    if ws is None or ws.numel() < words:
+        ws = torch.zeros(max(words, 1), dtype=torch.int32, device=dev)
+        _V3_WORKSPACES[key] = ws
+    return ws
 
 
 def _gemm_cuda(
@@ -435,6 +456,18 @@ def _gemm_cuda(
     sizes = (num_slots, ids.numel(), experts, size_n, size_k, groups, top_k, num_bits, DTYPE_CODES[a.dtype],
              int(is_k_full), variant, _stream(a_c))
     with torch.cuda.device(dev):
+        if which == "v3" and variant != GEMM_VARIANTS["fma"]:
+            try:
+                words = ctypes.c_int64(0)
+                lib.call("wna16_cuda_moe_gemm_v3_workspace", ids.numel(), experts, size_n, size_k, groups,
+                         num_bits, int(perm is not None), variant, ctypes.byref(words))
+                ws = _v3_workspace(dev, sizes[-1] or 0, words.value)
+                lib.call("wna16_cuda_moe_gemm_v3", *tail, _ptr(ws), *sizes)
+                return out
+            except KernelError as exc:
+                if exc.code != WNA16_ENOTSUP:
+                    raise
+                log.debug("v3 GEMM declined (%s): trying the v2 kernel", exc)
         if which != "v1" and variant != GEMM_VARIANTS["fma"]:
             try:
                 words = ctypes.c_int64(0)
@@ -448,7 +481,7 @@ def _gemm_cuda(
                     raise
                 log.debug("v2 GEMM declined (%s): using the v1 kernel", exc)
         if variant in GEMM_V2_TILES.values():
-            raise ValueError("WNA16CTL_GEMM_VARIANT=tile16/32/64 applies to the v2 kernel only")
+            raise ValueError("WNA16CTL_GEMM_VARIANT=tile16/32/64 applies to the v2 / v3 kernels only")
         ws = torch.empty(experts + 1, dtype=torch.int32, device=dev)
         lib.call("wna16_cuda_moe_gemm", *tail, _ptr(ws), *sizes)
     return out

@@ -352,14 +352,17 @@ def inspect_checkpoint(path: str | os.PathLike[str], tps: tuple[int, ...] = (1,)
     every = vllm == "all"
     engine = resolve(vllm, gpu)
     switches = resolve_switches(env, moe_backend)
-    from wna16ctl.sources.hub import open_hub_checkpoint, parse_ref
-
-    ref = parse_ref(str(path), revision)
     if proposal is not None:
         from wna16ctl.sources.proposed import open_proposed
 
         ck = open_proposed(path, proposal, revision)
+    elif revision is None and os.path.exists(path):  # a local checkpoint: no need of the Hub module
+        ck = open_checkpoint(path)
+        ck.require_wna16_moe()
     else:
+        from wna16ctl.sources.hub import open_hub_checkpoint, parse_ref
+
+        ref = parse_ref(str(path), revision)
         ck = open_checkpoint(path) if ref is None else open_hub_checkpoint(ref)
         ck.require_wna16_moe()
     check_tp_sizes(ck.quantized_layers, tps, ep)

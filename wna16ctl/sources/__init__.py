@@ -111,10 +111,10 @@ def _scan_checkpoint(root: Path, config: ModelConfig, intermediate: int,
                      headers: HeaderSource) -> tuple[CheckpointFiles, list[MoELayer]]:
     """Map: decode and check each shard's header; reduce: per MoE layer.
 
-    On large checkpoints half of the shards (and the index) are handled by a second process,
-    which sends back names and per-layer summaries only.  The split starts from the directory's
-    `*.safetensors` files so that it need not wait for the index; if the index turns out to name
-    other files, everything is redone from the index's list.
+    On large checkpoints more than half of the shards are handled by a second process, which
+    sends back names and per-layer summaries only; this one reads the index meanwhile.  The split
+    starts from the directory's `*.safetensors` files so that it need not wait for the index; if
+    the index turns out to name other files, everything is redone from the index's list.
     """
     parent = os.getpid()
 
@@ -123,30 +123,24 @@ def _scan_checkpoint(root: Path, config: ModelConfig, intermediate: int,
 
     local = headers is LOCAL_FILES
     guess = sorted(root.glob("*.safetensors")) if local and (root / INDEX_NAME).is_file() else None
+    scans = None
     if guess:
         try:
-            # the worker also reads the index: give it a little less than half of the shards
-            scans, located = split_map(scan, guess, use_marshal=True, extra=lambda: _located(root), child_share=0.45)
-            where = ShardList(root, [Path(p) for p in located[0]], located[1] and Path(located[1]),
-                              index_digests=located[2])
+            # this process reads the index after its part, while the worker is still at work: the
+            # worker takes 60% of the shards
+            scans, where = split_map(scan, guess, use_marshal=True, child_share=0.6,
+                                     extra=lambda: locate_shards(root), extra_in_parent=True)
         except BadInput:
-            scans, where = None, locate_shards(root)  # maybe a stray file: redo from the index
+            where = locate_shards(root)  # maybe a stray file: redo from the index
         if scans is not None and {p.resolve() for p in where.paths} != {p.resolve() for p in guess}:
             scans = None
     else:
-        scans, where = None, headers.locate(root)
+        where = headers.locate(root)
     if scans is None:
         scans, _ = split_map(scan, where.paths, use_marshal=True)
     files = assemble(where, [shard_header(s) for s in scans])
     files.reread = headers.read
     return files, find_moe_layers(files, config, scans, intermediate)
-
-
-def _located(root: Path) -> tuple[list[str], str | None, dict[str, str] | None]:
-    """`locate_shards` as plain data (it may travel back from the worker process): the shard
-    paths, the index and its per-file name digests (so the parent need not parse the index again)."""
-    w = locate_shards(root)
-    return [str(p) for p in w.paths], (str(w.index_path) if w.index_path else None), w.index_digests
 
 
 def open_checkpoint(path: str | os.PathLike[str], headers: HeaderSource = LOCAL_FILES,

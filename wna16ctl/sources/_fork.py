@@ -32,9 +32,11 @@ def _can_fork() -> bool:
 
 
 def split_map(fn: Callable[[T], R], items: Sequence[T], *, min_items: int = 8, use_marshal: bool = False,
-              extra: Callable[[], Any] | None = None, child_share: float = 0.5) -> tuple[list[R], Any]:
+              extra: Callable[[], Any] | None = None, child_share: float = 0.5,
+              extra_in_parent: bool = False) -> tuple[list[R], Any]:
     """`([fn(x) for x in items], extra())`, the second half and `extra` computed in a forked child
-    when possible.
+    when possible (`extra_in_parent`: `extra` runs in this process, after its own half, while the
+    child is still at work).
 
     Worth it when results are small compared with the work (a shard's summary from its decoded
     header), not for bulky results (the decoded header itself: sending it costs as much).
@@ -50,7 +52,7 @@ def split_map(fn: Callable[[T], R], items: Sequence[T], *, min_items: int = 8, u
         os.close(rfd)
         try:
             try:
-                side = extra() if extra is not None else None
+                side = extra() if extra is not None and not extra_in_parent else None
                 payload = ("ok", [[fn(x) for x in items[half:]], side])
             except BadInput as e:
                 payload = ("bad", e.message)
@@ -67,8 +69,11 @@ def split_map(fn: Callable[[T], R], items: Sequence[T], *, min_items: int = 8, u
     os.close(wfd)
     first_error: BadInput | None = None
     try:
+        own_side = None
         try:
             first = [fn(x) for x in items[:half]]
+            if extra is not None and extra_in_parent:
+                own_side = extra()
         except BadInput as e:
             first, first_error = [], e
         with os.fdopen(rfd, "rb") as r:
@@ -88,4 +93,4 @@ def split_map(fn: Callable[[T], R], items: Sequence[T], *, min_items: int = 8, u
         raise BadInput(value)
     if status == "err":
         raise RuntimeError(value)
-    return first + list(value[0]), value[1]
+    return first + list(value[0]), own_side if extra_in_parent else value[1]

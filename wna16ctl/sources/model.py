@@ -191,7 +191,7 @@ def find_linear_layers(files: CheckpointFiles, config: ModelConfig) -> tuple[lis
         return [], []
     dims = model_dims(config)
     modules = [n[: -len(".weight_packed")] for n in files.names()
-               if n.endswith(".weight_packed") and ".experts." not in n]
+               if ".experts." not in n and n.endswith(".weight_packed")]
     modules = [m for m in modules if not is_mtp(m, dims.num_hidden_layers)]
     schemes = dict(zip(modules, quant.schemes_for(modules)))
     layers: dict[str, LinearLayer] = {}

@@ -177,16 +177,24 @@ def _describe_layer(ckpt: CheckpointFiles, config: ModelConfig, prefix: str, m: 
         if lacking:
             raise ckpt.missing(f"{prefix}.{lacking[0]}.{names[role]}.weight_packed")
         per_role[role] = [schemes[e] for e in range(num)]
-        packed = {e for e, s in schemes.items() if checks_packed(s)}
+        # the predicates once per distinct scheme (schemes are shared objects), not per expert
+        distinct = {id(s): s for s in schemes.values()}
+        if len(distinct) == 1:  # the usual case: one scheme for every expert of the role
+            only = next(iter(distinct.values()))
+            packed = set(schemes) if checks_packed(only) else set()
+            asym = packed if packed and not only.symmetric else set()
+            act = packed if packed and only.act_order else set()
+        else:
+            packed = {e for e, s in schemes.items() if checks_packed(s)}
+            asym = {e for e in packed if not schemes[e].symmetric}
+            act = {e for e in packed if schemes[e].act_order}
         if packed:
             for suffix in ("weight_packed", "weight_scale"):
                 lacking = sorted(packed - present.get(f"{role}.{suffix}", set()))
                 if lacking:
                     raise ckpt.missing(f"{prefix}.{lacking[0]}.{names[role]}.{suffix}")
-            asym = {e for e in packed if not schemes[e].symmetric}
             if asym - present.get(f"{role}.weight_zero_point", set()):
                 zp_forms.add("missing")
-            act = {e for e in packed if schemes[e].act_order}
             if act:
                 have = act & present.get(f"{role}.weight_g_idx", set())
                 if have:

@@ -11,6 +11,9 @@ Kimi-K2-sized checkpoint (2×10^5 tensors) spends its time here.
 from __future__ import annotations
 
 from dataclasses import astuple
+from collections import defaultdict
+from itertools import chain, repeat
+from operator import itemgetter, methodcaller
 from pathlib import Path
 from typing import Any
 
@@ -65,17 +68,139 @@ def scan_shard(path: str, config: ModelConfig, intermediate: int, *, keep_entrie
     experts it holds, the schemes of those projections, zero-point forms and scale dtypes.
     """
     sh = header if header is not None else read_shard_header(Path(path))
+    found = _scan_grouped(path, sh, config, intermediate)
+    layers, table = found if found is not None else _scan_each(path, sh, config, intermediate)
+    dense: dict[str, dict] = {}  # non-expert quantized tensors (the linear planner reads their shapes)
+    if not keep_entries:
+        # dtype, shape and extent of every entry were checked by read_shard_header
+        entries = sh.entries
+        dense = {n: entries[n] for n in entries if n.endswith(_DENSE_SUFFIXES) and ".experts." not in n}
+    return {
+        "path": path, "size": sh.size, "data_start": sh.data_start, "metadata": sh.metadata,
+        "entries": sh.entries if keep_entries else list(sh.entries),
+        "layers": layers, "schemes": table, "dense": dense,
+    }
+
+
+def _expert_groups(entries: dict[str, dict]) -> dict[tuple[str, str, str], list[str]] | None:
+    """The names under `.experts.` (but `.weight_shape`), grouped by their (prefix, proj, suffix)
+    when split as `<prefix>.<expert>.<proj>.<suffix>`, in header order.  Nothing is judged here.
+    None when some such name has fewer parts."""
+    groups: defaultdict[tuple[str, str, str], list[str]] = defaultdict(list)
+    names = [n for n in entries if ".experts." in n and not n.endswith(".weight_shape")]
+    try:
+        for name, (prefix, _, proj, suffix) in zip(names, map(_SPLIT, names)):
+            groups[(prefix, proj, suffix)].append(name)
+    except ValueError:
+        return None
+    return groups
+
+
+_SPLIT = methodcaller("rsplit", ".", 3)
+_DTYPE = itemgetter("dtype")
+_SHAPE = itemgetter("shape")
+
+
+def _scan_grouped(path: str, sh: ShardHeader, config: ModelConfig,
+                  intermediate: int) -> tuple[dict[str, dict[str, Any]], list[tuple | None]] | None:
+    """`_scan_each`'s result, computed per group of tensors that share (experts prefix, projection,
+    suffix) rather than per tensor: one comparison of the group's dtypes and shapes against the
+    expected ones.  None when anything is out of the ordinary (a name that is not an expert
+    tensor's, per-expert schemes within a projection, a tensor that does not match, a scheme
+    that refuses): `_scan_each` then decides, and names the tensor at fault."""
+    quant = config.quant
+    entries = sh.entries
+    groups = _expert_groups(entries)
+    if groups is None:
+        return None
+    # per (prefix, proj): its suffix groups, and the union of its experts (each module once)
+    by_module: dict[tuple[str, str], list[tuple[str, list[str], list[str]]]] = {}
+    for (prefix, proj, suffix), names in groups.items():
+        if proj not in PROJECTION_ROLES or suffix not in SUFFIXES or not prefix.endswith(".experts"):
+            continue  # not an expert projection's tensor
+        first, last = len(prefix) + 1, -len(proj) - len(suffix) - 2
+        experts = [n[first:last] for n in names]
+        digits = "".join(experts)
+        if not (all(experts) and digits.isdigit() and digits.isascii()):
+            return None  # some expert numbers are not numbers
+        by_module.setdefault((prefix, proj), []).append((suffix, experts, names))
+    spans: list[tuple[str, str, list[str]]] = []  # (prefix, proj, expert strings of its modules)
+    modules: list[str] = []
+    for (prefix, proj), sgroups in by_module.items():
+        experts = sgroups[0][1]
+        if any(g[1] != experts for g in sgroups[1:]):  # usually every suffix has the same experts
+            experts = list(dict.fromkeys(chain.from_iterable(g[1] for g in sgroups)))
+        spans.append((prefix, proj, experts))
+        modules += [f"{prefix}.{x}.{proj}" for x in experts]
+    schemes = quant.schemes_for(modules) if quant is not None else [None] * len(modules)
+    H = config.hidden_size
+    table: list[tuple | None] = []
+    sid_of: dict[int, int] = {}
+    expected: dict[tuple[str, int], dict | None] = {}
+    layers: dict[str, dict[str, Any]] = {}
+    present: dict[str, dict[tuple[str, str], list[int]]] = {}
+    pos = 0
+    for (prefix, proj, experts), sgroups in zip(spans, by_module.values()):
+        mine = schemes[pos:pos + len(experts)]
+        pos += len(experts)
+        scheme = mine[0]
+        if len(set(map(id, mine))) != 1:
+            return None  # per-expert schemes within one projection: checked tensor by tensor
+        if scheme is None:
+            if any(g[0] == "weight_packed" for g in sgroups):
+                return None  # refused tensor by tensor, with the name
+        elif scheme.format not in KNOWN_FORMATS:
+            return None
+        role = PROJECTION_ROLES[proj]
+        lay = layers.get(prefix)
+        if lay is None:
+            lay = layers[prefix] = {"family": "w1_w3_w2" if proj.startswith("w") else "gate_up_down",
+                                    "present": {}, "schemes": {}, "zp": {}, "scales": {}}
+            present[prefix] = {}
+        sid = sid_of.get(id(scheme))
+        if sid is None:
+            sid = sid_of[id(scheme)] = len(table)
+            table.append(None if scheme is None else astuple(scheme))
+        key = (role, sid)
+        if key not in expected:
+            expected[key] = expected_shapes(scheme, role, H, intermediate) if checks_packed(scheme) else None
+        exp = expected[key]
+        pres = present[prefix]
+        numbers = list(map(int, experts))
+        for suffix, experts_of, names in sgroups:
+            ids = numbers if experts_of == experts else list(map(int, experts_of))
+            pres.setdefault((role, suffix), []).extend(ids)
+            if suffix == "weight_packed" or suffix == "weight":
+                lay["schemes"].setdefault(role, []).extend(zip(ids, repeat(sid)))
+            if (exp is None or suffix == "weight" or (suffix == "weight_zero_point" and scheme.symmetric)
+                    or (suffix == "weight_g_idx" and not scheme.act_order)):
+                continue
+            # zero points: the packed form here; the unpacked one (int8, older writers) goes tensor by tensor
+            es = list(map(entries.__getitem__, names))
+            dtypes = set(map(_DTYPE, es))
+            allowed, shape = exp[suffix]
+            if not dtypes.issubset(allowed) or list(map(_SHAPE, es)).count(shape) != len(es):
+                return None
+            if suffix == "weight_zero_point":
+                lay["zp"]["packed"] = 1
+            elif suffix == "weight_scale":
+                lay["scales"].update(dict.fromkeys(sorted(dtypes), 1))
+    for prefix, lay in layers.items():
+        lay["present"] = {f"{r}.{sfx}": experts for (r, sfx), experts in present[prefix].items()}
+    return layers, table
+
+
+def _scan_each(path: str, sh: ShardHeader, config: ModelConfig,
+               intermediate: int) -> tuple[dict[str, dict[str, Any]], list[tuple | None]]:
+    """The expert tensors of one shard, tensor by tensor: the definition of what `scan_shard`
+    accepts, and the errors that name the tensor at fault."""
     quant = config.quant
     H = config.hidden_size
     # 1. group this shard's expert tensors by projection module
     modules: dict[str, tuple[str, int, str]] = {}  # module -> (prefix, expert, proj)
     tensors: list[tuple[str, str, str, dict]] = []  # (name, module, suffix, entry)
-    dense: dict[str, dict] = {}  # non-expert quantized tensors (the linear planner reads their shapes)
     for name, e in sh.entries.items():
         if ".experts." not in name:
-            # dtype, shape and extent of every entry were checked by read_shard_header
-            if not keep_entries and name.endswith(_DENSE_SUFFIXES):
-                dense[name] = e
             continue
         if name.endswith(".weight_shape"):
             continue  # a third of all expert tensors, never read (shapes come from the config)
@@ -154,11 +279,7 @@ def scan_shard(path: str, config: ModelConfig, intermediate: int, *, keep_entrie
             lay["scales"][dtype] = 1
     for prefix, lay in layers.items():
         lay["present"] = {f"{r}.{sfx}": experts for (r, sfx), experts in present[prefix].items()}
-    return {
-        "path": path, "size": sh.size, "data_start": sh.data_start, "metadata": sh.metadata,
-        "entries": sh.entries if keep_entries else list(sh.entries),
-        "layers": layers, "schemes": table, "dense": dense,
-    }
+    return layers, table
 
 
 def _check_entry(path: str, name: str, e: dict, exp: dict, suffix: str) -> str:
