@@ -10,6 +10,7 @@ Inputs go to the driver as raw files; outputs come back as tensors.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -45,8 +46,26 @@ SAN_ENV = {
 }
 
 
-def _headers(kernels: Path) -> list[Path]:
-    return sorted([*kernels.glob("*.h"), *kernels.glob("*.cuh"), *(kernels / "emu").glob("*.h")])
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"', re.M)
+
+
+def _included_headers(src: Path, kernels: Path) -> list[Path]:
+    """The headers of ours that `src` includes, directly or through another, in any #if branch
+    (a superset of what one build reads). An object is keyed on these alone, so that a mutant of one
+    header recompiles the sources that include it, not every kernel of the library."""
+    found: set[Path] = set()
+    todo = [src]
+    while todo:
+        current = todo.pop()
+        for name in _INCLUDE.findall(current.read_text()):
+            for base in (current.parent, kernels):
+                path = (base / name).resolve()
+                if path.is_file():
+                    if path not in found:
+                        found.add(path)
+                        todo.append(path)
+                    break
+    return sorted(found)
 
 
 def build(flavour: str, kernels: Optional[Path] = None) -> Path:
@@ -57,13 +76,13 @@ def build(flavour: str, kernels: Optional[Path] = None) -> Path:
     kernels = kernels or K.kernels_dir()
     flags = [*_COMMON, *FLAVOURS[flavour]]
     version = K._tool_version(cxx)
-    headers = [p.name.encode() + p.read_bytes() for p in _headers(kernels)]
     out = K._build_dir() / "emu"
     out.mkdir(parents=True, exist_ok=True)
     sources = kernel_sources(kernels) + [EMU_DIR / s for s in TEST_SOURCES]
     objs: list[Path] = []
     cmds: list[list[str]] = []
     for src in sources:
+        headers = [p.name.encode() + p.read_bytes() for p in _included_headers(src, kernels)]
         key = K._digest([src.name, src.read_bytes(), *headers, version, *flags])
         obj = out / f"{src.stem}-{flavour}-{key}.o"
         objs.append(obj)
