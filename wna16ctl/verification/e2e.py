@@ -642,10 +642,9 @@ def _verdict(result: E2EResult, failure: str) -> tuple[str, str]:
     return "pass", ""
 
 
-def reference_generation(ckpt: str | os.PathLike[str], samples: Path, options: E2EOptions,
-                         device: torch.device = torch.device("cpu")) -> tuple[list[list[int]], list[list[int]], list[torch.Tensor]]:
-    """The reference run alone at TP 1 (prompt ids, greedy tokens, step logits per prompt): what an
-    engine that loads CKPT itself should generate for the same prompt ids."""
+def reference_model(ckpt: str | os.PathLike[str], device: torch.device = torch.device("cpu")):  # noqa: ANN201
+    """(checkpoint, model, MoE blocks by prefix, expert dtype): the TP-1 reference model of CKPT with
+    the reference experts installed in every MoE block, for runs of the reference alone."""
     from wna16ctl.sources import open_checkpoint
     from wna16ctl.sources.tensors import TensorReader, dtype_from_name
     from wna16ctl.repacking.pipeline import RepackSettings, plan_repack
@@ -653,13 +652,21 @@ def reference_generation(ckpt: str | os.PathLike[str], samples: Path, options: E
     ck = open_checkpoint(ckpt)
     plan = plan_repack(ck.root, RepackSettings(tp=1))
     dtype = dtype_from_name(ck.config.torch_dtype or "bfloat16")
-    prompts = _build_prompts(ck.root, samples, options.prompts, int(ck.config.raw.get("vocab_size") or 0))
-    eos_cfg = ck.config.raw.get("eos_token_id")
-    eos = set(eos_cfg if isinstance(eos_cfg, list) else [eos_cfg] if eos_cfg is not None else [])
     model, blocks = _build_model(ck, device)
     with TensorReader(ck.files) as reader:
         _install(blocks, {j.layer.prefix: _ExpertsModule(_ReferenceExperts(ck, reader, j, dtype, device), dtype)
                           for j in plan.jobs})
+    return ck, model, blocks, dtype
+
+
+def reference_generation(ckpt: str | os.PathLike[str], samples: Path, options: E2EOptions,
+                         device: torch.device = torch.device("cpu")) -> tuple[list[list[int]], list[list[int]], list[torch.Tensor]]:
+    """The reference run alone at TP 1 (prompt ids, greedy tokens, step logits per prompt): what an
+    engine that loads CKPT itself should generate for the same prompt ids."""
+    ck, model, _, _ = reference_model(ckpt, device)
+    prompts = _build_prompts(ck.root, samples, options.prompts, int(ck.config.raw.get("vocab_size") or 0))
+    eos_cfg = ck.config.raw.get("eos_token_id")
+    eos = set(eos_cfg if isinstance(eos_cfg, list) else [eos_cfg] if eos_cfg is not None else [])
     runs = [_greedy(model, ids, options.max_new_tokens, eos, device) for ids in prompts.ids]
     return prompts.ids, [r[0] for r in runs], [r[1] for r in runs]
 
@@ -669,17 +676,7 @@ def model_dtype_logit_change(ckpt: str | os.PathLike[str], prompts: list[list[in
     """Per prompt and step, max |Δlogit| between the TP-1 reference run teacher-forced in fp32 and
     the same run with the non-expert layers in the model dtype: how far an engine that computes
     them in that dtype may legitimately move the logits (one sample of its rounding)."""
-    from wna16ctl.sources import open_checkpoint
-    from wna16ctl.sources.tensors import TensorReader, dtype_from_name
-    from wna16ctl.repacking.pipeline import RepackSettings, plan_repack
-
-    ck = open_checkpoint(ckpt)
-    plan = plan_repack(ck.root, RepackSettings(tp=1))
-    dtype = dtype_from_name(ck.config.torch_dtype or "bfloat16")
-    model, blocks = _build_model(ck, device)
-    with TensorReader(ck.files) as reader:
-        _install(blocks, {j.layer.prefix: _ExpertsModule(_ReferenceExperts(ck, reader, j, dtype, device), dtype)
-                          for j in plan.jobs})
+    _, model, _, dtype = reference_model(ckpt, device)
     full = [_teacher_forced(model, p, t, device) for p, t in zip(prompts, tokens)]
     model.to(dtype)
     low = [_teacher_forced(model, p, t, device) for p, t in zip(prompts, tokens)]

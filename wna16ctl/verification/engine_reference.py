@@ -161,18 +161,9 @@ def reference_runs(ckpt: str | os.PathLike[str], prompts: list[list[int]], max_n
                    device: torch.device = torch.device("cpu")) -> ReferenceRuns:
     """The e2e reference model of CKPT (TP 1) on PROMPTS; no end-of-sequence stop, so every prompt
     has MAX_NEW_TOKENS steps."""
-    from wna16ctl.repacking.pipeline import RepackSettings, plan_repack
-    from wna16ctl.sources import open_checkpoint
-    from wna16ctl.sources.tensors import TensorReader, dtype_from_name
-    from wna16ctl.verification.e2e import _build_model, _ExpertsModule, _greedy, _install, _ReferenceExperts, _teacher_forced
+    from wna16ctl.verification.e2e import _greedy, _teacher_forced, reference_model
 
-    ck = open_checkpoint(ckpt)
-    plan = plan_repack(ck.root, RepackSettings(tp=1))
-    dtype = dtype_from_name(ck.config.torch_dtype or "bfloat16")
-    model, blocks = _build_model(ck, device)
-    with TensorReader(ck.files) as reader:
-        _install(blocks, {j.layer.prefix: _ExpertsModule(_ReferenceExperts(ck, reader, j, dtype, device), dtype)
-                          for j in plan.jobs})
+    _, model, blocks, dtype = reference_model(ckpt, device)
     tokens = [_greedy(model, ids, max_new_tokens, set(), device)[0] for ids in prompts]
 
     def forced_with_routing() -> tuple[list[torch.Tensor], list[list]]:
@@ -260,18 +251,9 @@ def routing_alternatives(ckpt: str | os.PathLike[str], runs: ReferenceRuns, ties
     no alternative."""
     from itertools import combinations
 
-    from wna16ctl.repacking.pipeline import RepackSettings, plan_repack
-    from wna16ctl.sources import open_checkpoint
-    from wna16ctl.sources.tensors import TensorReader, dtype_from_name
-    from wna16ctl.verification.e2e import _build_model, _ExpertsModule, _install, _ReferenceExperts, _teacher_forced
+    from wna16ctl.verification.e2e import _teacher_forced, reference_model
 
-    ck = open_checkpoint(ckpt)
-    plan = plan_repack(ck.root, RepackSettings(tp=1))
-    dtype = dtype_from_name(ck.config.torch_dtype or "bfloat16")
-    model, blocks = _build_model(ck, device)
-    with TensorReader(ck.files) as reader:
-        _install(blocks, {j.layer.prefix: _ExpertsModule(_ReferenceExperts(ck, reader, j, dtype, device), dtype)
-                          for j in plan.jobs})
+    _, model, blocks, _ = reference_model(ckpt, device)
     gates = [block.gate for block in blocks.values()]
     out: list[dict[int, list[torch.Tensor]]] = []
     for ids, toks, tied in zip(runs.prompts, runs.tokens, ties):
