@@ -430,18 +430,9 @@ def reference_layer_outputs(ckpt: str | os.PathLike[str], ids: list[int], model_
     `layers.{i}.stream` (the residual stream after the layer), `layers.{i}.router` (the router
     logits) and `norm` (the final norm's output).
     With MODEL_DTYPE the non-expert layers run in the model dtype (one sample of its rounding)."""
-    from wna16ctl.repacking.pipeline import RepackSettings, plan_repack
-    from wna16ctl.sources import open_checkpoint
-    from wna16ctl.sources.tensors import TensorReader, dtype_from_name
-    from wna16ctl.verification.e2e import _build_model, _ExpertsModule, _install, _ReferenceExperts
+    from wna16ctl.verification.e2e import reference_model
 
-    ck = open_checkpoint(ckpt)
-    plan = plan_repack(ck.root, RepackSettings(tp=1))
-    dtype = dtype_from_name(ck.config.torch_dtype or "bfloat16")
-    model, blocks = _build_model(ck, device)
-    with TensorReader(ck.files) as reader:
-        _install(blocks, {j.layer.prefix: _ExpertsModule(_ReferenceExperts(ck, reader, j, dtype, device), dtype)
-                          for j in plan.jobs})
+    _, model, _, dtype = reference_model(ckpt, device)
     if model_dtype:
         model.to(dtype)
     captured: dict[str, torch.Tensor] = {}
