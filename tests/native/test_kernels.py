@@ -114,11 +114,13 @@ def test_gemm_v2_compiles_without_warnings_or_spills(tmp_path: Path) -> None:
 
 
 def test_host_sources_compile_without_warnings() -> None:
+    from wna16ctl.native.build import HEADER_SCAN_SOURCES
+
     cxx = K.find_cxx()
     if cxx is None:
         pytest.skip("no g++ on PATH")
     src = K.kernels_dir()
-    cmd = [cxx, "-std=c++17", "-fsyntax-only", *_WERROR_HOST, "-Wpedantic", *(str(src / f) for f in K.HOST_SOURCES)]
+    cmd = [cxx, "-std=c++17", "-fsyntax-only", *_WERROR_HOST, "-Wpedantic", *(str(src / f) for f in (*K.HOST_SOURCES, *HEADER_SCAN_SOURCES))]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
 

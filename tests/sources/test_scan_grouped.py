@@ -15,7 +15,7 @@ import pytest
 from wna16ctl.errors import BadInput
 from wna16ctl.sources.config import read_model_config
 from wna16ctl.sources.headers import ShardHeader
-from wna16ctl.sources.scan import _scan_each, _scan_grouped, scan_shard
+from wna16ctl.sources.scan import _expert_groups, _scan_each, _scan_grouped, scan_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import synthetic_headers  # noqa: E402
@@ -54,7 +54,8 @@ def _facts(result):  # noqa: ANN001, ANN202 - scheme ids as the schemes they sta
 
 
 def _both(cfg, sh):  # noqa: ANN001, ANN202
-    return _scan_grouped("/x/model.safetensors", sh, cfg, I), _scan_each("/x/model.safetensors", sh, cfg, I)
+    return (_scan_grouped("/x/model.safetensors", _expert_groups(sh.entries), cfg, I),
+            _scan_each("/x/model.safetensors", sh, cfg, I))
 
 
 def test_grouped_equals_each_on_an_ordinary_shard(config):
@@ -84,7 +85,7 @@ def test_a_wrong_tensor_is_left_to_the_tensor_by_tensor_pass(config):
 
     cfg = _config(config)
     sh = _header(shrink)
-    assert _scan_grouped("/x/model.safetensors", sh, cfg, I) is None
+    assert _scan_grouped("/x/model.safetensors", _expert_groups(sh.entries), cfg, I) is None
     with pytest.raises(BadInput, match=f"tensor {bad} is BF16"):
         scan_shard("/x/model.safetensors", cfg, I, keep_entries=True, header=sh)
 

@@ -26,6 +26,10 @@ log = logging.getLogger("wna16ctl.native.ops")  # one logger for the notices of 
 ABI_VERSION = 1  # must equal WNA16_ABI_VERSION in kernels/capi.h
 
 HOST_SOURCES = ("host.cpp", "host_simd.cpp", "error.cpp")
+# inspect's checking header reader: its own small library, so that a first `inspect` compiles one
+# file (about a second) and never waits for the repack kernels
+HEADER_SCAN_SOURCES = ("header_scan.cpp",)
+_HEADER_SCAN_FLAGS = ("-O2", "-std=c++17", "-fPIC", "-fvisibility=hidden")
 CUDA_SOURCES = ("repack.cu", "moe_gemm.cu", "moe_gemm_v2.cu", "moe_gemm_v3.cu", "error.cpp")
 _HOST_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-pthread", "-fvisibility=hidden")
 _HOST_FILE_FLAGS: dict[str, tuple[str, ...]] = {}
@@ -201,6 +205,28 @@ def build_host(extra_flags: Sequence[str] = (), out_dir: Optional[Path] = None) 
         return _compile_and_link(target, cmds, link, Path(tmp))
 
 
+def build_header_scan(out_dir: Optional[Path] = None) -> Path:
+    """Build (or find in the cache) the header-scan library, keyed on its own sources only."""
+    cxx = find_cxx()
+    if not cxx:
+        raise KernelBuildError("no C++ compiler (g++) on PATH")
+    src = kernels_dir()
+    if not (src / "capi.h").is_file():
+        raise KernelBuildError(f"kernel sources not found in {src} (set WNA16CTL_KERNELS_DIR)")
+    flags = list(_HEADER_SCAN_FLAGS)
+    key = _digest([*((src / n).read_bytes() for n in ("capi.h", *HEADER_SCAN_SOURCES)), _tool_identity(cxx), *flags])
+    out_dir = out_dir or _build_dir()
+    target = out_dir / f"libwna16_headers-{key}.so"
+    if target.exists():
+        return target
+    with tempfile.TemporaryDirectory(dir=out_dir, prefix=".build-") as tmp:
+        built = Path(tmp) / "lib.so"
+        _run([cxx, *flags, "-shared", "-I", str(src), *(str(src / s) for s in HEADER_SCAN_SOURCES), "-o", str(built)],
+             "compile")
+        os.replace(built, target)  # atomic: readers see the old file or the complete new one
+        return target
+
+
 def _normalise_arch(arch: str | int) -> str:
     a = str(arch).lower().replace("sm_", "").replace("compute_", "").replace(".", "")
     if not a.isdigit():
@@ -317,6 +343,12 @@ _HOST_PROTOS = {
     "wna16_unmap_file": (_I32, [_P, _I64]),
 }
 
+_HEADER_SCAN_PROTOS = {
+    "wna16_abi_version": (_I32, []),
+    "wna16_header_scan": (_I32, [ctypes.c_char_p, _I64, _I64, _P, _I64, _P]),
+    "wna16_index_scan": (_I32, [ctypes.c_char_p, _I64, _P, _I64, _P]),
+}
+
 _CUDA_PROTOS = {
     "wna16_abi_version": (_I32, []),
     "wna16_last_error": (ctypes.c_char_p, []),
@@ -372,12 +404,15 @@ def _load(kind: str) -> Optional[NativeLib]:
         try:
             if kind == "host":
                 lib = NativeLib(build_host(), _HOST_PROTOS)
+            elif kind == "headers":
+                lib = NativeLib(build_header_scan(), _HEADER_SCAN_PROTOS)
             elif _torch_sees_cuda():
                 lib = NativeLib(build_cuda(), _CUDA_PROTOS)
             else:  # nothing runs on a GPU here, so there is nothing to fall back from
                 log.debug("torch sees no CUDA device: CUDA kernels not built")
         except (KernelBuildError, OSError, ValueError) as exc:
-            _notice(f"wna16ctl native {kind} kernels unavailable ({str(exc).splitlines()[0]})")
+            if kind != "headers":  # the Python header reader gives the same answers: nothing to tell
+                _notice(f"wna16ctl native {kind} kernels unavailable ({str(exc).splitlines()[0]})")
             log.debug("native %s build/load failure:\n%s", kind, exc)
         _libs[kind] = lib
         return lib
@@ -385,6 +420,11 @@ def _load(kind: str) -> Optional[NativeLib]:
 
 def host_lib() -> Optional[NativeLib]:
     return _load("host")
+
+
+def header_scan_lib() -> Optional[NativeLib]:
+    """The checking header reader (kernels/header_scan.cpp), or None: inspect then reads in Python."""
+    return _load("headers")
 
 
 def cuda_lib() -> Optional[NativeLib]:

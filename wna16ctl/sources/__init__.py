@@ -23,11 +23,13 @@ from typing import Callable
 from wna16ctl.sources.config import ModelConfig, QuantConfig, WeightScheme, read_model_config
 from wna16ctl.sources._fork import split_map
 from wna16ctl.sources.headers import (
-    INDEX_NAME, CheckpointFiles, ShardHeader, ShardList, TensorInfo, assemble, locate_shards, read_shard_header,
+    INDEX_NAME, CheckpointFiles, ShardHeader, ShardList, TensorInfo, assemble, locate_shards, read_shard_bytes,
+    read_shard_header, shard_header_from_bytes,
 )
 from wna16ctl.sources.model import LinearLayer, ModelDims, find_linear_layers, is_mtp, model_dims
 from wna16ctl.sources.moe import MoELayer, find_moe_layers
-from wna16ctl.sources.scan import scan_shard, shard_header
+from wna16ctl.sources.header_digest import digest_header, native_header_scan_available
+from wna16ctl.sources.scan import scan_digest, scan_shard, shard_header
 from wna16ctl.errors import BadInput
 
 __all__ = [
@@ -117,11 +119,23 @@ def _scan_checkpoint(root: Path, config: ModelConfig, intermediate: int,
     the index turns out to name other files, everything is redone from the index's list.
     """
     parent = os.getpid()
+    local = headers is LOCAL_FILES
+    # local shards go through the native checking reader when there is one (header_digest); what
+    # it does not accept, and every header from another source, through the Python reader
+    native = local and native_header_scan_available()
 
     def scan(p: Path) -> dict:
-        return scan_shard(str(p), config, intermediate, keep_entries=os.getpid() == parent, header=headers.read(p))
+        keep = os.getpid() == parent
+        if not native:
+            return scan_shard(str(p), config, intermediate, keep_entries=keep, header=headers.read(p))
+        size, blob = read_shard_bytes(p)
+        digest = digest_header(size, blob)
+        if digest is not None:
+            found = scan_digest(str(p), size, 8 + len(blob), digest, config, intermediate)
+            if found is not None:
+                return found
+        return scan_shard(str(p), config, intermediate, keep_entries=keep, header=shard_header_from_bytes(p, size, blob))
 
-    local = headers is LOCAL_FILES
     guess = sorted(root.glob("*.safetensors")) if local and (root / INDEX_NAME).is_file() else None
     scans = None
     if guess:

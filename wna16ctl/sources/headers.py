@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from wna16ctl.errors import BadInput
+from wna16ctl.sources.header_digest import digest_index
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -56,6 +57,9 @@ class ShardHeader:
     data_start: int  # 8 + header length
     entries: dict[str, dict]  # the raw header entries (without "__metadata__")
     metadata: dict[str, str]
+    # the names sorted bytewise and joined by "\n", when the native reader checked the header
+    # (header_digest): `assemble` compares them with the index's in one step
+    sorted_names: bytes | None = None
 
 
 class CheckpointFiles:
@@ -209,6 +213,13 @@ def read_shard_header(path: Path) -> ShardHeader:
     count equal to its dtype and shape.  Duplicate names, which the library silently collapses,
     are refused too.
     """
+    size, blob = read_shard_bytes(path)
+    return shard_header_from_bytes(path, size, blob)
+
+
+def read_shard_bytes(path: Path) -> tuple[int, bytes]:
+    """A shard's file size and header bytes (the JSON after the 8-byte length), read with the
+    checks that need only the length; BadInput naming the file otherwise."""
     try:
         fd = open_regular(path, "safetensors shard")
     except FileNotFoundError:
@@ -232,7 +243,7 @@ def read_shard_header(path: Path) -> ShardHeader:
         raise BadInput(f"{path}: permission denied") from None
     except OSError as e:
         raise BadInput(f"{path}: cannot read ({e.strerror})") from None
-    return shard_header_from_bytes(path, size, blob)
+    return size, blob
 
 
 def shard_header_from_bytes(path: Path, size: int, blob: bytes) -> ShardHeader:
@@ -402,6 +413,9 @@ class ShardList:
     # -> the path in `paths`), parsed and checked once
     weight_map: dict[str, str] | None = None
     index_files: dict[str, Path] | None = None
+    # from the native index reader instead of `weight_map`: per file as the index names it, the
+    # names it assigns to that file, sorted bytewise and joined by "\n"
+    index_names: dict[str, bytes] | None = None
 
 
 def locate_shards(root: Path) -> ShardList:
@@ -414,7 +428,12 @@ def locate_shards(root: Path) -> ShardList:
             blob = read_regular_file(index_path, "shard index", limit=MAX_INDEX)
         except FileNotFoundError:
             raise BadInput(f"{index_path}: is a dangling symbolic link; restore the index") from None
-        # Parsed exactly (json.loads), never pattern-matched: what the JSON says is what counts.
+        # Parsed exactly (natively, else json.loads), never pattern-matched: what the JSON says
+        # is what counts.
+        names = digest_index(blob)
+        if names is not None:
+            files = {rel: _safe_child(root, rel, index_path) for rel in names}
+            return ShardList(root, list(files.values()), index_path, None, files, names)
         wm, files = _index_weight_map(index_path, blob)
         return ShardList(root, list(files.values()), index_path, wm, files)
     single = root / SINGLE_NAME
@@ -432,6 +451,13 @@ def assemble(where: ShardList, shards: list[ShardHeader]) -> CheckpointFiles:
     if where.index_path is None:
         return ckpt
     wm, files = where.weight_map, where.index_files
+    index_names = where.index_names
+    if (index_names is not None and files is not None and len(shards) == len(files)
+            and all(sh.sorted_names is not None for sh in shards)):
+        # both sides read natively: each shard holds exactly the names the index assigns to it
+        rel_of = {p: rel for rel, p in files.items()}
+        if all(index_names.get(rel_of.get(sh.path, "")) == sh.sorted_names for sh in shards):
+            return ckpt
     if wm is None or files is None:
         wm, files = _index_weight_map(where.index_path,
                                       read_regular_file(where.index_path, "shard index", limit=MAX_INDEX))

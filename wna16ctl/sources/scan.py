@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from wna16ctl.sources.config import PACK_QUANTIZED, ModelConfig, WeightScheme
+from wna16ctl.sources.header_digest import Group, HeaderDigest
 from wna16ctl.sources.headers import ShardHeader, read_shard_header
 from wna16ctl.errors import BadInput
 
@@ -68,7 +69,7 @@ def scan_shard(path: str, config: ModelConfig, intermediate: int, *, keep_entrie
     experts it holds, the schemes of those projections, zero-point forms and scale dtypes.
     """
     sh = header if header is not None else read_shard_header(Path(path))
-    found = _scan_grouped(path, sh, config, intermediate)
+    found = _scan_grouped(path, _expert_groups(sh.entries), config, intermediate)
     layers, table = found if found is not None else _scan_each(path, sh, config, intermediate)
     dense: dict[str, dict] = {}  # non-expert quantized tensors (the linear planner reads their shapes)
     if not keep_entries:
@@ -82,10 +83,28 @@ def scan_shard(path: str, config: ModelConfig, intermediate: int, *, keep_entrie
     }
 
 
-def _expert_groups(entries: dict[str, dict]) -> dict[tuple[str, str, str], list[str]] | None:
+def scan_digest(path: str, size: int, data_start: int, digest: HeaderDigest, config: ModelConfig,
+                intermediate: int) -> dict[str, Any] | None:
+    """`scan_shard`'s result from a natively checked header (`header_digest`), in the form a worker
+    process sends back: the names, the non-expert entries in full, the per-layer summaries.  None
+    when the groups are out of the ordinary: `scan_shard` on the full header then decides."""
+    found = _scan_grouped(path, digest.groups, config, intermediate)
+    if found is None:
+        return None
+    layers, table = found
+    return {
+        "path": path, "size": size, "data_start": data_start, "metadata": digest.metadata,
+        "entries": digest.names, "layers": layers, "schemes": table, "dense": digest.plain,
+        "sorted_names": digest.sorted_names,
+    }
+
+
+def _expert_groups(entries: dict[str, dict]) -> list[Group] | None:
     """The names under `.experts.` (but `.weight_shape`), grouped by their (prefix, proj, suffix)
-    when split as `<prefix>.<expert>.<proj>.<suffix>`, in header order.  Nothing is judged here.
-    None when some such name has fewer parts."""
+    when split as `<prefix>.<expert>.<proj>.<suffix>`, in header order, each group with its expert
+    numbers as written, its distinct dtypes and the shape its tensors share (None if they differ).
+    Nothing is judged here.  None when some such name has fewer parts.  (The native reader,
+    `header_digest`, computes the same groups.)"""
     groups: defaultdict[tuple[str, str, str], list[str]] = defaultdict(list)
     names = [n for n in entries if ".experts." in n and not n.endswith(".weight_shape")]
     try:
@@ -93,7 +112,14 @@ def _expert_groups(entries: dict[str, dict]) -> dict[tuple[str, str, str], list[
             groups[(prefix, proj, suffix)].append(name)
     except ValueError:
         return None
-    return groups
+    out: list[Group] = []
+    for (prefix, proj, suffix), members in groups.items():
+        first, last = len(prefix) + 1, -len(proj) - len(suffix) - 2
+        es = list(map(entries.__getitem__, members))
+        shape = es[0]["shape"]
+        out.append((prefix, proj, suffix, [n[first:last] for n in members], list(dict.fromkeys(map(_DTYPE, es))),
+                    shape if list(map(_SHAPE, es)).count(shape) == len(es) else None))
+    return out
 
 
 _SPLIT = methodcaller("rsplit", ".", 3)
@@ -101,29 +127,25 @@ _DTYPE = itemgetter("dtype")
 _SHAPE = itemgetter("shape")
 
 
-def _scan_grouped(path: str, sh: ShardHeader, config: ModelConfig,
+def _scan_grouped(path: str, groups: list[Group] | None, config: ModelConfig,
                   intermediate: int) -> tuple[dict[str, dict[str, Any]], list[tuple | None]] | None:
     """`_scan_each`'s result, computed per group of tensors that share (experts prefix, projection,
-    suffix) rather than per tensor: one comparison of the group's dtypes and shapes against the
+    suffix) rather than per tensor: one comparison of the group's dtypes and shape against the
     expected ones.  None when anything is out of the ordinary (a name that is not an expert
     tensor's, per-expert schemes within a projection, a tensor that does not match, a scheme
     that refuses): `_scan_each` then decides, and names the tensor at fault."""
-    quant = config.quant
-    entries = sh.entries
-    groups = _expert_groups(entries)
     if groups is None:
         return None
+    quant = config.quant
     # per (prefix, proj): its suffix groups, and the union of its experts (each module once)
-    by_module: dict[tuple[str, str], list[tuple[str, list[str], list[str]]]] = {}
-    for (prefix, proj, suffix), names in groups.items():
+    by_module: dict[tuple[str, str], list[tuple[str, list[str], list[str], list | None]]] = {}
+    for prefix, proj, suffix, experts, dtypes, shape in groups:
         if proj not in PROJECTION_ROLES or suffix not in SUFFIXES or not prefix.endswith(".experts"):
             continue  # not an expert projection's tensor
-        first, last = len(prefix) + 1, -len(proj) - len(suffix) - 2
-        experts = [n[first:last] for n in names]
         digits = "".join(experts)
         if not (all(experts) and digits.isdigit() and digits.isascii()):
             return None  # some expert numbers are not numbers
-        by_module.setdefault((prefix, proj), []).append((suffix, experts, names))
+        by_module.setdefault((prefix, proj), []).append((suffix, experts, dtypes, shape))
     spans: list[tuple[str, str, list[str]]] = []  # (prefix, proj, expert strings of its modules)
     modules: list[str] = []
     for (prefix, proj), sgroups in by_module.items():
@@ -167,7 +189,7 @@ def _scan_grouped(path: str, sh: ShardHeader, config: ModelConfig,
         exp = expected[key]
         pres = present[prefix]
         numbers = list(map(int, experts))
-        for suffix, experts_of, names in sgroups:
+        for suffix, experts_of, dtypes, shape in sgroups:
             ids = numbers if experts_of == experts else list(map(int, experts_of))
             pres.setdefault((role, suffix), []).extend(ids)
             if suffix == "weight_packed" or suffix == "weight":
@@ -176,10 +198,8 @@ def _scan_grouped(path: str, sh: ShardHeader, config: ModelConfig,
                     or (suffix == "weight_g_idx" and not scheme.act_order)):
                 continue
             # zero points: the packed form here; the unpacked one (int8, older writers) goes tensor by tensor
-            es = list(map(entries.__getitem__, names))
-            dtypes = set(map(_DTYPE, es))
-            allowed, shape = exp[suffix]
-            if not dtypes.issubset(allowed) or list(map(_SHAPE, es)).count(shape) != len(es):
+            allowed, expected_shape = exp[suffix]
+            if not set(dtypes).issubset(allowed) or shape != expected_shape:
                 return None
             if suffix == "weight_zero_point":
                 lay["zp"]["packed"] = 1
@@ -299,4 +319,5 @@ def shard_header(scan: dict[str, Any]) -> ShardHeader:
     if isinstance(entries, list):  # scanned in a worker process: only the names came back
         entries = dict.fromkeys(entries)
         entries.update(scan.get("dense") or {})
-    return ShardHeader(Path(scan["path"]), scan["size"], scan["data_start"], entries, scan["metadata"])
+    return ShardHeader(Path(scan["path"]), scan["size"], scan["data_start"], entries, scan["metadata"],
+                       scan.get("sorted_names"))
