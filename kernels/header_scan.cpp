@@ -112,18 +112,27 @@ struct Reader {
     if (p < end && *p == c) { ++p; return true; }
     return false;
   }
-  // A string without escapes or control characters; `out` is its content.
+  // A string without escapes or control characters; `out` is its content.  The closing quote is
+  // found with memchr, then the content is checked eight bytes at a time.
   bool plain_string(std::string_view& out) {
     ws();
     if (p >= end || *p != '"') return false;
-    const unsigned char* s = ++p;
-    while (p < end && *p != '"') {
-      if (*p == '\\' || *p < 0x20) return false;
-      ++p;
+    const unsigned char* s = p + 1;
+    const unsigned char* q = static_cast<const unsigned char*>(memchr(s, '"', end - s));
+    if (q == nullptr) return false;
+    const unsigned char* t = s;
+    constexpr uint64_t ones = 0x0101010101010101ull, highs = 0x8080808080808080ull;
+    for (; t + 8 <= q; t += 8) {
+      uint64_t w;
+      memcpy(&w, t, 8);
+      uint64_t bs = w ^ (ones * '\\');
+      // a zero byte in `bs` is a backslash; a byte below 0x20 is a control character
+      if (((bs - ones) & ~bs & highs) | ((w - ones * 0x20) & ~w & highs)) return false;
     }
-    if (p >= end) return false;
-    out = std::string_view(reinterpret_cast<const char*>(s), p - s);
-    ++p;
+    for (; t < q; ++t)
+      if (*t == '\\' || *t < 0x20) return false;
+    out = std::string_view(reinterpret_cast<const char*>(s), q - s);
+    p = q + 1;
     return true;
   }
   // Any JSON string (escapes checked for form only: Python decodes them later).

@@ -176,9 +176,12 @@ def inspect(ctx: click.Context, ckpt: str, tp: str, ep: bool, vllm: str, gpu: st
 
             gc.disable()
         from wna16ctl.planning.inspection import inspect_checkpoint
-        from wna16ctl.sources.recipe import make_proposal
 
-        proposal = make_proposal(scheme, recipe, group_size, actorder, list(ignore))
+        proposal = None
+        if scheme is not None or recipe is not None or group_size is not None or actorder is not None or ignore:
+            from wna16ctl.sources.recipe import make_proposal  # with compressed-tensors' presets: only when asked
+
+            proposal = make_proposal(scheme, recipe, group_size, actorder, list(ignore))
         insp = inspect_checkpoint(ckpt, _tps(tp), ep, vllm=vllm, gpu=gpu, revision=revision, env=list(env),
                                   moe_backend=moe_backend, proposal=proposal)
         if suggest:

@@ -15,6 +15,8 @@ fast; repack and verify call the same function.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -631,9 +633,9 @@ def layout_w2_sharding(s: WeightScheme, i_p: int, i: int, rel: rules.Release) ->
 
 
 def _pack_factor_text(num_bits: int) -> str:
-    from fractions import Fraction
-
-    return str(Fraction(32, num_bits))
+    """32 / num_bits as a reduced fraction ("8", "16/3")."""
+    g = math.gcd(32, num_bits)
+    return f"{32 // g}" if g == num_bits else f"{32 // g}/{num_bits // g}"
 
 
 def _scale_bytes(dtype: str | None) -> int:

@@ -113,32 +113,41 @@ def _scan_checkpoint(root: Path, config: ModelConfig, intermediate: int,
                      headers: HeaderSource) -> tuple[CheckpointFiles, list[MoELayer]]:
     """Map: decode and check each shard's header; reduce: per MoE layer.
 
-    On large checkpoints more than half of the shards are handled by a second process, which
-    sends back names and per-layer summaries only; this one reads the index meanwhile.  The split
-    starts from the directory's `*.safetensors` files so that it need not wait for the index; if
-    the index turns out to name other files, everything is redone from the index's list.
+    Local shards go through the native checking reader when there is one (`header_digest`), one
+    after another: it leaves too little work to be worth a second process (measured).  Without it
+    (and for headers from another source, e.g. the Hub), the Python reader runs, and on large
+    checkpoints more than half of the shards are handled by a forked worker, which sends back
+    names and per-layer summaries only while this process reads the index.  That split starts
+    from the directory's `*.safetensors` files so that it need not wait for the index; if the
+    index turns out to name other files, everything is redone from the index's list.
     """
     parent = os.getpid()
     local = headers is LOCAL_FILES
-    # local shards go through the native checking reader when there is one (header_digest); what
-    # it does not accept, and every header from another source, through the Python reader
     native = local and native_header_scan_available()
 
     def scan(p: Path) -> dict:
-        keep = os.getpid() == parent
-        if not native:
-            return scan_shard(str(p), config, intermediate, keep_entries=keep, header=headers.read(p))
+        return scan_shard(str(p), config, intermediate, keep_entries=os.getpid() == parent, header=headers.read(p))
+
+    def scan_native(p: Path) -> dict:
         size, blob = read_shard_bytes(p)
         digest = digest_header(size, blob)
         if digest is not None:
             found = scan_digest(str(p), size, 8 + len(blob), digest, config, intermediate)
             if found is not None:
                 return found
-        return scan_shard(str(p), config, intermediate, keep_entries=keep, header=shard_header_from_bytes(p, size, blob))
+        # not accepted natively, or out of the ordinary: the Python reader decides and says why
+        return scan_shard(str(p), config, intermediate, keep_entries=True, header=shard_header_from_bytes(p, size, blob))
 
-    guess = sorted(root.glob("*.safetensors")) if local and (root / INDEX_NAME).is_file() else None
+    guess = sorted(root.glob("*.safetensors")) if local and not native and (root / INDEX_NAME).is_file() else None
     scans = None
-    if guess:
+    if native:
+        where = locate_shards(root)
+        # the shards in the order the forked scan gives them (the directory's, when it holds just
+        # the index's files): the order of `files.names()`, and so of repack's output, stays put
+        listed = sorted(root.glob("*.safetensors"))
+        same = {p.resolve() for p in where.paths} == {p.resolve() for p in listed}
+        scans = [scan_native(p) for p in (listed if same else where.paths)]
+    elif guess:
         try:
             # this process reads the index after its part, while the worker is still at work: the
             # worker takes 60% of the shards

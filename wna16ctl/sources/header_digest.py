@@ -46,39 +46,37 @@ def native_header_scan_available() -> bool:
     return os.environ.get("WNA16CTL_NO_NATIVE", "").strip() in ("", "0") and _library() is not None
 
 
-def _call(fn_name: str, blob: bytes, *args: int) -> bytes | None:
-    """The output of a native scan of `blob`, or None (no library, or not accepted)."""
+def _call(fn_name: str, blob: bytes, *args: int, cap: int) -> memoryview | None:
+    """The output of a native scan of `blob` (a view of the written bytes), or None (no library,
+    or not accepted)."""
     lib = _library() if os.environ.get("WNA16CTL_NO_NATIVE", "").strip() in ("", "0") else None
     if lib is None:
         return None
     fn = getattr(lib, fn_name)
-    cap = 4 * len(blob) + 4096
     out_len = ctypes.c_int64(0)
     while True:
         # a bytearray's zeroed pages are only touched where the library writes (a ctypes buffer
-        # would be cleared in full), and only the written part is copied out
+        # would be cleared in full)
         out = bytearray(cap)
         rc = fn(blob, len(blob), *args, (ctypes.c_char * cap).from_buffer(out), cap, ctypes.byref(out_len))
         if rc != 2:
             break
-        cap *= 2  # not reached for real headers: the output is at most about three times the input
-    if rc != 0:
-        return None
-    del out[out_len.value:]
-    return bytes(out)
+        cap *= 2  # not reached for real inputs: the bounds below hold
+    return memoryview(out)[: out_len.value] if rc == 0 else None
 
 
 def digest_header(size: int, blob: bytes) -> HeaderDigest | None:
     """The digest of a header (`blob`: the JSON after the 8-byte length, of a file of `size`
     bytes), or None when the native reader is unavailable or does not accept it."""
-    raw = _call("wna16_header_scan", blob, size - 8 - len(blob))
+    # output: the names twice (≤ 2 × input), the non-expert entries and the groups (≤ input each)
+    raw = _call("wna16_header_scan", blob, size - 8 - len(blob), cap=4 * len(blob) + 4096)
     if raw is None:
         return None
     n = int.from_bytes(raw[:8], "little")
-    text = raw[8:8 + n].decode("utf-8")
+    text = str(raw[8:8 + n], "utf-8")
     at = 16 + n
-    sorted_names = raw[at:at + n]
-    info = json.loads(raw[at + n:])
+    sorted_names = bytes(raw[at:at + n])
+    info = json.loads(bytes(raw[at + n:]))
     meta = info["metadata"]
     return HeaderDigest(
         names=text.split("\n") if text else [],
@@ -93,7 +91,8 @@ def digest_index(blob: bytes) -> dict[str, bytes] | None:
     """A shard index's files, in first-seen order, each with the names the index assigns to it
     (sorted bytewise, joined by "\n"); None when the native reader is unavailable or does not
     accept the index (the Python reader then decides)."""
-    raw = _call("wna16_index_scan", blob)
+    # output: each name once plus 8 bytes and the file name per file, less than the input
+    raw = _call("wna16_index_scan", blob, cap=len(blob) + 4096)
     if raw is None:
         return None
     count = int.from_bytes(raw[:8], "little")
@@ -101,9 +100,9 @@ def digest_index(blob: bytes) -> dict[str, bytes] | None:
     files: dict[str, bytes] = {}
     for _ in range(count):
         n = int.from_bytes(raw[at:at + 8], "little")
-        rel = raw[at + 8:at + 8 + n].decode("utf-8")
+        rel = str(raw[at + 8:at + 8 + n], "utf-8")
         at += 8 + n
         m = int.from_bytes(raw[at:at + 8], "little")
-        files[rel] = raw[at + 8:at + 8 + m]
+        files[rel] = bytes(raw[at + 8:at + 8 + m])
         at += 8 + m
     return files
