@@ -145,7 +145,10 @@ def _scan_checkpoint(root: Path, config: ModelConfig, intermediate: int,
         # the shards in the order the forked scan gives them (the directory's, when it holds just
         # the index's files): the order of `files.names()`, and so of repack's output, stays put
         listed = sorted(root.glob("*.safetensors"))
-        same = {p.resolve() for p in where.paths} == {p.resolve() for p in listed}
+        try:
+            same = {p.resolve() for p in where.paths} == {p.resolve() for p in listed}
+        except (OSError, RuntimeError):  # a link loop: reading the shard says so, with its name
+            same = False
         scans = [scan_native(p) for p in (listed if same else where.paths)]
     elif guess:
         try:
