@@ -54,7 +54,9 @@ def vs_bare(d: Path, rounds: int, baseline: list[str] | None = None, baseline_sr
     runs: dict[str, list] = {n: [] for n in names}
     for i in range(rounds + 1):  # the first round is a warm-up (page cache, bytecode)
         for name in names[i % len(names):] + names[:i % len(names)]:
-            r = run_once(*cmds[name])
+            # in the checkpoint directory: `python -m` would import a wna16ctl found in the working
+            # directory before the one PYTHONPATH names
+            r = run_once(*cmds[name], cwd=d)
             if i:
                 runs[name].append(r)
         load = max(load, os.getloadavg()[0])

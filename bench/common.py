@@ -24,10 +24,11 @@ class Run:
     user: float = 0.0  # the user part alone (system time swings with the host's load)
 
 
-def run_once(cmd: list[str], env: dict[str, str] | None = None) -> Run:
-    """Run `cmd` in a fresh process (via fork+wait4 so its own peak RSS is measured)."""
+def run_once(cmd: list[str], env: dict[str, str] | None = None, cwd: Path | None = None) -> Run:
+    """Run `cmd` in a fresh process (via fork+wait4 so its own peak RSS is measured).  `cwd`: where
+    it runs (`python -m` puts the working directory first on sys.path, before PYTHONPATH)."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=cwd)
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
     proc.returncode = os.waitstatus_to_exitcode(status)
