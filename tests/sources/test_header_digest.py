@@ -350,3 +350,17 @@ def test_inspect_is_the_same_with_and_without_the_native_reader(case, tmp_path, 
     # json.loads keeps the last of a repeated name, here the right file
     loads_fine = ("ordinary", "an escaped name (Python reads that shard)", "index gives a name to two files")
     assert results[0][0] in ((0, 1) if case in loads_fine else (2,)), results[0]
+
+
+def test_a_repeated_name_whose_first_copy_lacks_keys_is_refused(tmp_path):
+    """`{"a": {}, "a": {...}}`: json.loads keeps the second, the safetensors library refuses the file."""
+    blob = b'{"a": {}, "a": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}}'
+    path = tmp_path / "m.safetensors"
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + b"xy")
+    with pytest.raises(BadInput, match="names 'a' twice"):
+        shard_header_from_bytes(path, 8 + len(blob) + 2, blob)
+    assert header_digest.digest_header(8 + len(blob) + 2, blob) is None
+    safetensors = pytest.importorskip("safetensors")
+    with pytest.raises(Exception):
+        with safetensors.safe_open(str(path), "numpy"):
+            pass
