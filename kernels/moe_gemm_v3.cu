@@ -180,6 +180,8 @@ struct Gemm {
     static constexpr int ROW_CHUNKS = NT * CPT;    // chunks of one k-tile row of the block
     static constexpr int B_CHUNKS = kWarpsK * ROW_CHUNKS;
     static constexpr int B_PER_THREAD = (B_CHUNKS + kThreads - 1) / kThreads;
+    static constexpr int KT_STEP = kThreads / ROW_CHUNKS;  // k-tile rows between a thread's chunks
+    static_assert(kThreads % ROW_CHUNKS == 0, "a k-tile row's chunks divide the block's threads");
     static constexpr int A_ROWS_PER_PASS = kThreads / 8;
     static constexpr int A_PASSES = (BM + A_ROWS_PER_PASS - 1) / A_ROWS_PER_PASS;
     static constexpr int S_CHUNKS = BN / 8, Z_CHUNKS = BN / PF / 4;
@@ -221,9 +223,13 @@ struct Gemm {
     // Copies of stage ks (the stage after the previous call's).
     WNA16_KDEV void load(const Args& p, int mcount, int nvalid, unsigned char* smem,
                          const int64_t* sh_aoff, int ks) {
-      const int tid = (int)threadIdx.x;
-      unsigned char* st = smem + (ks % kStages) * P::STAGE;
-      const int a_ch = tid & 7, a_row0 = tid >> 3;
+      // opaque: the thread's chunk offsets are recomputed per stage (a few integer ops) instead
+      // of hoisted out of the main loop, where their B_PER_THREAD 64-bit source offsets,
+      // destinations and predicates would take registers the accumulators need (or spill)
+      // (unsigned: the chunk and row divisions are shifts and masks)
+      const uint32_t tid = wna16_opaque(threadIdx.x);
+      unsigned char* st = smem + (ks & (kStages - 1)) * P::STAGE;
+      const int a_ch = (int)(tid & 7), a_row0 = (int)(tid >> 3);
       const int64_t kk = (int64_t)ks * kStageK + 8 * a_ch;
       const uint16_t* a = static_cast<const uint16_t*>(p.a) + kk;
       WNA16_UNROLL
@@ -236,25 +242,30 @@ struct Gemm {
                            ok ? (const void*)(a + off) : p.a, ok);
         }
       }
-      const uint64_t policy = wna16_l2_evict_first_policy();  // one instruction: no register kept
+      const uint64_t policy = wna16_l2_evict_first_policy();  // made once, in a uniform register pair
+      // chunk tid + 256 i: k-tile row ktl0 + KT_STEP i, the same chunk `rest` of every row it
+      // copies (a row's chunks divide the block's threads), so one predicate, one source and one
+      // destination address, stepped by constant strides
+      const int ktl0 = (int)(tid / ROW_CHUNKS), rest = (int)(tid % ROW_CHUNKS);
+      const bool ok = rest / CPT < nvalid;  // n-tile inside N (every k-tile is inside K)
+      const uint32_t* src = b + ktl0 * bcols(p) + rest * 4;
+      unsigned char* dst = st + P::B_OFF + (ktl0 * NT * WPT + rest * 4) * 4;
       WNA16_UNROLL
-      for (int i = 0; i < B_PER_THREAD; ++i) {  // chunk tid + 256 i: k-tile row, chunk in row
-        const int c = tid + kThreads * i, ktl = c / ROW_CHUNKS, rest = c % ROW_CHUNKS;
-        if (B_CHUNKS % kThreads == 0 || c < B_CHUNKS) {
-          const bool ok = rest / CPT < nvalid;  // n-tile inside N (every k-tile is inside K)
-          wna16_cp_async16_hint(st + P::B_OFF + (ktl * NT * WPT + rest * 4) * 4,
-                                ok ? (const void*)(b + ktl * bcols(p) + rest * 4) : p.b, ok, policy);
-        }
+      for (int i = 0; i < B_PER_THREAD; ++i) {
+        if (B_CHUNKS % kThreads == 0 || ktl0 + KT_STEP * i < kWarpsK)
+          wna16_cp_async16_hint(dst + KT_STEP * i * NT * WPT * 4,
+                                ok ? (const void*)(src + KT_STEP * i * bcols(p)) : p.b, ok, policy);
       }
       b += kWarpsK * bcols(p);
       if (left == 0) {  // the group's row: at the range's first stage and each group's first
         const int spg = p.group_rows / kStageK;
-        const bool scale = tid < S_CHUNKS, zero = !scale && ZP && tid < S_CHUNKS + Z_CHUNKS;
+        const int t = (int)tid;
+        const bool scale = t < S_CHUNKS, zero = !scale && ZP && t < S_CHUNKS + Z_CHUNKS;
         if (scale || zero) {
-          const int dst = scale ? P::S_OFF + 16 * tid : P::Z_OFF + 16 * (tid - S_CHUNKS);
-          const unsigned char* s = *scale_slot(smem, tid);
+          const int dst = scale ? P::S_OFF + 16 * t : P::Z_OFF + 16 * (t - S_CHUNKS);
+          const unsigned char* s = *scale_slot(smem, t);
           wna16_cp_async16(st + dst, s ? (const void*)s : p.scales, s != nullptr);
-          if (s) *scale_slot(smem, tid) = s + (scale ? p.size_n * 2 : p.size_n / PF * 4);
+          if (s) *scale_slot(smem, t) = s + (scale ? p.size_n * 2 : p.size_n / PF * 4);
         }
         left = first_run ? first_run : spg;
         first_run = 0;
@@ -428,7 +439,7 @@ struct Gemm {
       wna16_syncthreads();
       if (ks + kStages - 1 < ks1) ld.load(p, mcount, nvalid, smem, sh_aoff, ks + kStages - 1);
       wna16_cp_async_commit();
-      const unsigned char* st = smem + (ks % kStages) * P::STAGE;
+      const unsigned char* st = smem + (ks & (kStages - 1)) * P::STAGE;
       refill(p, st, nw, lane, sz);
       compute_stage(mcount, nvalid, st, kw, nw, lane, sz, acc);
       for (++ks; ks < run_end; ++ks) {
@@ -436,7 +447,7 @@ struct Gemm {
         wna16_syncthreads();                 // everyone's have; stage ks - 1 is consumed
         if (ks + kStages - 1 < ks1) ld.load(p, mcount, nvalid, smem, sh_aoff, ks + kStages - 1);
         wna16_cp_async_commit();
-        compute_stage(mcount, nvalid, smem + (ks % kStages) * P::STAGE, kw, nw, lane, sz, acc);
+        compute_stage(mcount, nvalid, smem + (ks & (kStages - 1)) * P::STAGE, kw, nw, lane, sz, acc);
       }
     }
     wna16_cp_async_wait<0>();
