@@ -274,6 +274,32 @@ struct Gemm {
     }
   };
 
+  // wna16_scale_pos (layout.cuh) for a column of the block, 0 <= col < 2^31: its chunk split
+  // with a mask instead of an int64 division by a run-time chunk width (a call to the division
+  // routine per column).
+  static WNA16_KDEV int scale_pos(int grouped, int col) {
+    const int ch = wna16_scale_chunk(grouped);  // 32 or 64
+    return (col & ~(ch - 1)) + wna16_scale_dst(grouped, col & (ch - 1));
+  }
+
+  // The stored positions of a lane's columns col0 + 8 j (j = 2 s + h, the warp's 2 * NSUB column
+  // groups) lie at constant offsets from col0's: wna16_scale_dst keeps a column's group index in
+  // its low bits (grouped: (J & 7) + 8 (J & ~7) for column group J, ungrouped: 2 (J & 3) +
+  // 8 (J & ~3)), and a warp's first group J0 = col0 / 8 is a multiple of 8 -- of 4 where a warp
+  // has only 4 groups -- so adding j carries nothing. One position per refill, then loads at
+  // immediate offsets.
+  static_assert(NSUB % 4 == 0 || NSUB == 2, "the warp's column groups start at a multiple of 8 (or 4 for 4 groups)");
+  template <bool GROUPED>
+  static WNA16_KDEV void load_scales(const uint16_t* s0, uint32_t sv[NSUB][2]) {
+    WNA16_UNROLL
+    for (int s = 0; s < NSUB; ++s)
+      WNA16_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        const int j = 2 * s + h;
+        sv[s][h] = s0[GROUPED ? (j & 7) + 8 * (j & ~7) : 2 * (j & 3) + 8 * (j & ~3)];
+      }
+  }
+
   // The warp's scales and zero points, from the stage's scale row, two registers per sub-tile (16
   // for the 16 x 256 tile), c = this lane's column. Without zero points: the scale pairs of c and
   // of c + 8 (one value in both halves, as the dequantisation takes them). With zero points: the
@@ -287,22 +313,20 @@ struct Gemm {
     // the lane's columns, recomputed per refill: hoisted, their 2 * NSUB positions would be held
     // in registers (or spilled) through the whole loop
     const int col0 = (int)wna16_opaque((uint32_t)(16 * nw * NSUB + (lane >> 2)));
+    uint32_t sv[NSUB][2];
+    if (grouped) load_scales<true>(srow + scale_pos(1, col0), sv);
+    else load_scales<false>(srow + scale_pos(0, col0), sv);
     WNA16_UNROLL
     for (int s = 0; s < NSUB; ++s) {
-      uint32_t sv[2];
-      int z[2];
-      WNA16_UNROLL
-      for (int h = 0; h < 2; ++h) {
-        const int col = col0 + 16 * s + 8 * h;
-        sv[h] = srow[wna16_scale_pos(grouped, col)];
-        z[h] = ZP ? (int)wna16_zp_code(zrow, NB, col) : (1 << (NB - 1));
-      }
       if (ZP) {
-        sz[s][0] = sv[0] | (sv[1] << 16);
+        int z[2];
+        WNA16_UNROLL
+        for (int h = 0; h < 2; ++h) z[h] = (int)wna16_zp_code(zrow, NB, col0 + 16 * s + 8 * h);
+        sz[s][0] = sv[s][0] | (sv[s][1] << 16);
         sz[s][1] = Q::zero_pair(z[0], z[1]);
       } else {
-        sz[s][0] = sv[0] | (sv[0] << 16);
-        sz[s][1] = sv[1] | (sv[1] << 16);
+        sz[s][0] = sv[s][0] | (sv[s][0] << 16);
+        sz[s][1] = sv[s][1] | (sv[s][1] << 16);
       }
     }
   }
@@ -453,7 +477,10 @@ struct Gemm {
     wna16_cp_async_wait<0>();
     wna16_syncthreads();  // the pipeline buffers become the reduction buffer
 
-    // the four k-warps' partial sums, row-major per k-warp (each n-warp writes its columns)
+    // the four k-warps' partial sums, row-major per k-warp (each n-warp writes its columns), of
+    // the rows that have a slot: the epilogue reads no other (a decode tile holds one or a few
+    // rows of its 16, and the stores of the empty ones would be most of the epilogue's
+    // shared-memory traffic)
     float* red = reinterpret_cast<float*>(smem);
     {
       float* mine = red + kw * BM * P::RED_LD;
@@ -461,15 +488,21 @@ struct Gemm {
       WNA16_UNROLL
       for (int mi = 0; mi < MT; ++mi) {
         if (mi >= mcount) continue;
+        const int row = 16 * mi + g;
+        const bool lo = sh_slot[row] >= 0, hi = sh_slot[row + 8] >= 0;
         WNA16_UNROLL
         for (int s = 0; s < NSUB; ++s)
           WNA16_UNROLL
           for (int h = 0; h < 2; ++h) {
-            const int col = 16 * (nw * NSUB + s) + 8 * h + 2 * tig, row = 16 * mi + g;
-            mine[row * P::RED_LD + col] = acc[mi][s][h][0];
-            mine[row * P::RED_LD + col + 1] = acc[mi][s][h][1];
-            mine[(row + 8) * P::RED_LD + col] = acc[mi][s][h][2];
-            mine[(row + 8) * P::RED_LD + col + 1] = acc[mi][s][h][3];
+            const int col = 16 * (nw * NSUB + s) + 8 * h + 2 * tig;
+            if (lo) {
+              mine[row * P::RED_LD + col] = acc[mi][s][h][0];
+              mine[row * P::RED_LD + col + 1] = acc[mi][s][h][1];
+            }
+            if (hi) {
+              mine[(row + 8) * P::RED_LD + col] = acc[mi][s][h][2];
+              mine[(row + 8) * P::RED_LD + col + 1] = acc[mi][s][h][3];
+            }
           }
       }
     }
@@ -501,7 +534,8 @@ struct Gemm {
       float* part = p.partials + slot_of(self) * tile_floats;
       for (int c = tid; c < nchunks; c += kThreads) {
         const int row = c / CH, col = 8 * (c % CH);
-        if (col >= t.nvalid * 64 || row >= t.rows) continue;
+        // rows without a slot (past the tile's rows, or sentinel padding): not reduced, not read
+        if (col >= t.nvalid * 64 || sh_slot[row] < 0) continue;
         WNA16_UNROLL
         for (int i = 0; i < 8; ++i) {
           const int o = row * P::RED_LD + col + i;
