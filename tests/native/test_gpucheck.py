@@ -107,12 +107,13 @@ def test_goal_verdicts() -> None:
     assert g["repack_pct_of_peak"]["met"] is False  # act-order below 70 %
     assert g["gemm_pct_of_peak_m_le_16"] == {"goal": ">= 50.0", "kernel": "v2", "worst": 51.0, "met": True}
     assert g["gemm_vs_bf16_m_ge_64"]["worst"] == 1.7 and g["gemm_vs_bf16_m_ge_64"]["met"] is False
-    # with v3 measured, the goals judge v3 (the automatic choice for the bench shape), not v2
-    for row, (pct, ratio) in zip(report["bench_gemm"]["rows"], ((48.0, 0.3), (60.0, 0.4), (62.0, 1.1), (30.0, 1.4))):
-        row["v3"], row["v3_over_bf16"] = {"pct_of_peak": pct}, ratio
+    # with v3 measured, each row is judged on what auto runs there: v3, v2 for the 64-row tile (m = 512)
+    for row, (pct, ratio, auto) in zip(report["bench_gemm"]["rows"], ((48.0, 0.3, "v3"), (60.0, 0.4, "v3"),
+                                                                      (62.0, 1.1, "v3"), (30.0, 1.9, "v2"))):
+        row["v3"], row["v3_over_bf16"], row["auto_kernel"] = {"pct_of_peak": pct}, ratio, auto
     g = gpucheck.goals(report)
     assert g["gemm_pct_of_peak_m_le_16"] == {"goal": ">= 50.0", "kernel": "v3", "worst": 48.0, "met": False}
-    assert g["gemm_vs_bf16_m_ge_64"] == {"goal": "<= 1.5x", "kernel": "v3", "worst": 1.4, "met": True}
+    assert g["gemm_vs_bf16_m_ge_64"] == {"goal": "<= 1.5x", "kernel": "v3/v2", "worst": 1.7, "met": False}
 
 
 def test_v3_runs_only_its_fast_mode() -> None:

@@ -39,8 +39,8 @@ from wna16ctl.native.build import (
     kernels_dir,
     native_disabled,
 )
-from wna16ctl.native.ops import (DTYPE_CODES, FAST_GEMM_ORDER, GEMM_VARIANTS, WNA16_ENOTSUP, _check_gemm_extras,
-                                 _gemm_dims)
+from wna16ctl.native.ops import (DTYPE_CODES, GEMM_VARIANTS, WNA16_ENOTSUP, _check_gemm_extras, _gemm_dims,
+                                 fast_gemm_order)
 
 # the kernels and their launchers, the error store, the emulated device's settings
 EMULATED_SOURCES = ("moe_gemm_v3.cu", "moe_gemm_v2.cu", "moe_gemm.cu", "error.cpp", "emu_capi.cpp")
@@ -133,7 +133,8 @@ def emulated_moe_gemm(
 ) -> tuple[Tensor, str]:
     """The MoE GEMM (the contract of `ops.moe_wna16_gemm`) executed by the real kernel source on
     the CPU emulation: v3, or v2 where v3 declines, or v1 where v2 declines (WNA16_ENOTSUP), the
-    order of `ops.moe_wna16_gemm`'s auto choice. Returns (output, kernel name).
+    order of `ops.moe_wna16_gemm`'s auto choice (`ops.fast_gemm_order`: v2 first for 64-row
+    tiles). Returns (output, kernel name).
     Raises KernelBuildError when the library is unavailable, KernelError when a kernel refuses."""
     lib = emulated_gemm_lib()
     if lib is None:
@@ -153,7 +154,7 @@ def emulated_moe_gemm(
     ptrs = [_p(x) for x in keep] + [_p(out)]
     sizes = (num_slots, ids.numel(), experts, size_n, size_k, groups, top_k, num_bits, DTYPE_CODES[a.dtype],
              int(is_k_full), GEMM_VARIANTS["auto"], None)
-    for kernel in FAST_GEMM_ORDER["auto"]:  # as ops.moe_wna16_gemm picks them on a GPU
+    for kernel in fast_gemm_order("auto", ids.numel(), experts, GEMM_VARIANTS["auto"]):  # as on a GPU
         words = ctypes.c_int64(0)
         rc = getattr(lib, f"wna16_cuda_moe_gemm_{kernel}_workspace")(
             ids.numel(), experts, size_n, size_k, groups, num_bits, int(perm is not None), GEMM_VARIANTS["auto"],
