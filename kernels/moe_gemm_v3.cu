@@ -148,7 +148,9 @@ struct Gemm {
     int nvalid;  // 64-column n-tiles inside N
   };
 
-  static WNA16_KDEV Tile locate(const Args& p, const int32_t* prefix, int64_t tile) {
+  // The tile's expert and columns, from the block's tile prefix alone (shared memory): what its
+  // weight copies need, known before any global read.
+  static WNA16_KDEV Tile locate_weights(const Args& p, const int32_t* prefix, int64_t tile) {
     const int64_t nblk = (p.size_n + BN - 1) / BN;
     const int64_t mt = tile / nblk;
     int64_t lo = 0, hi = p.num_experts - 1;  // owner: the last e with prefix[e] <= mt
@@ -158,14 +160,26 @@ struct Gemm {
       else hi = mid - 1;
     }
     Tile t;
-    int64_t begin, end;
-    expert_range(p.offsets, p.num_sorted, lo, &begin, &end);
     t.e = lo;
-    t.m0 = begin + (mt - prefix[lo]) * BM;
-    t.rows = (int)min64(BM, end - t.m0);
-    t.mcount = (t.rows + 15) / 16;
+    t.m0 = mt - prefix[lo];  // the expert's m-tile, until locate_rows
+    t.rows = t.mcount = 0;
     t.n0 = (tile % nblk) * BN;
     t.nvalid = (int)min64(NT, (p.size_n - t.n0) / 64);
+    return t;
+  }
+
+  // ... and its rows, from the expert's slice of sorted_ids (a global read of the offsets).
+  static WNA16_KDEV void locate_rows(const Args& p, Tile* t) {
+    int64_t begin, end;
+    expert_range(p.offsets, p.num_sorted, t->e, &begin, &end);
+    t->m0 = begin + t->m0 * BM;
+    t->rows = (int)min64(BM, end - t->m0);
+    t->mcount = (t->rows + 15) / 16;
+  }
+
+  static WNA16_KDEV Tile locate(const Args& p, const int32_t* prefix, int64_t tile) {
+    Tile t = locate_weights(p, prefix, tile);
+    locate_rows(p, &t);
     return t;
   }
 
@@ -220,9 +234,17 @@ struct Gemm {
       first_run = p.group_rows / kStageK - ks_first % (p.group_rows / kStageK);
     }
 
-    // Copies of stage ks (the stage after the previous call's).
+    // Copies of stage ks (the stage after the previous call's): activations, then weights and
+    // (at a group's first stage) its scale row.
     WNA16_KDEV void load(const Args& p, int mcount, int nvalid, unsigned char* smem,
                          const int64_t* sh_aoff, int ks) {
+      load_a(p, mcount, smem, sh_aoff, ks);
+      load_b(p, nvalid, smem, ks);
+    }
+
+    // The activation rows of stage ks (the tile's row offsets in sh_aoff).
+    static WNA16_KDEV void load_a(const Args& p, int mcount, unsigned char* smem, const int64_t* sh_aoff,
+                                  int ks) {
       // opaque: the thread's chunk offsets are recomputed per stage (a few integer ops) instead
       // of hoisted out of the main loop, where their B_PER_THREAD 64-bit source offsets,
       // destinations and predicates would take registers the accumulators need (or spill)
@@ -242,6 +264,13 @@ struct Gemm {
                            ok ? (const void*)(a + off) : p.a, ok);
         }
       }
+    }
+
+    // The weights of stage ks, and its group's scale / zero-point row at a group's first stage
+    // (the range's first stage included). Stages in order: each call advances to the next.
+    WNA16_KDEV void load_b(const Args& p, int nvalid, unsigned char* smem, int ks) {
+      const uint32_t tid = wna16_opaque(threadIdx.x);  // as in load_a
+      unsigned char* st = smem + (ks & (kStages - 1)) * P::STAGE;
       const uint64_t policy = wna16_l2_evict_first_policy();  // made once, in a uniform register pair
       // chunk tid + 256 i: k-tile row ktl0 + KT_STEP i, the same chunk `rest` of every row it
       // copies (a row's chunks divide the block's threads), so one predicate, one source and one
@@ -421,9 +450,19 @@ struct Gemm {
     const int kw = warp % kWarpsK, nw = warp / kWarpsK;
     int32_t* sh_slot = reinterpret_cast<int32_t*>(smem + P::SLOT_OFF);
     int64_t* sh_aoff = reinterpret_cast<int64_t*>(smem + P::AOFF_OFF);
-    const Tile t = locate(p, prefix, tile);
+    Tile t = locate_weights(p, prefix, tile);
 
     wna16_syncthreads();  // the previous tile is done with shared memory (and with sh_u)
+    // prologue, weights first: kStages - 1 stages of weights (and the first group's scale row)
+    // are requested before the tile's rows are looked up, so the two dependent global reads that
+    // find them (the expert's offsets, its sorted ids) wait behind the weights' memory latency
+    // instead of ahead of it; the activation copies follow, each stage's in its own group (the
+    // first group then holds every prologue weight copy: the first wait is for all of them)
+    Loader ld(p, smem, t.e, t.n0, t.nvalid, ks0);
+    WNA16_UNROLL
+    for (int i = 0; i < kStages - 1; ++i)
+      if (ks0 + i < ks1) ld.load_b(p, t.nvalid, smem, ks0 + i);
+    locate_rows(p, &t);
     if (tid == 0) sh_u[0] = u, sh_u[1] = u_next;
     for (int i = tid; i < BM; i += kThreads) {
       int32_t s = -1;
@@ -448,11 +487,11 @@ struct Gemm {
     uint32_t sz[NSUB][2];
     const int mcount = t.mcount, nvalid = t.nvalid;
 
-    // prologue: kStages - 1 stages in flight (empty groups keep the wait arithmetic uniform)
-    Loader ld(p, smem, t.e, t.n0, nvalid, ks0);
+    // the prologue's activations: kStages - 1 groups in flight (empty groups keep the wait
+    // arithmetic uniform)
     WNA16_UNROLL
     for (int i = 0; i < kStages - 1; ++i) {
-      if (ks0 + i < ks1) ld.load(p, mcount, nvalid, smem, sh_aoff, ks0 + i);
+      if (ks0 + i < ks1) Loader::load_a(p, mcount, smem, sh_aoff, ks0 + i);
       wna16_cp_async_commit();
     }
     const int spg = p.group_rows / kStageK;  // stages per group
