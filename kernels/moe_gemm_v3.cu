@@ -345,12 +345,21 @@ struct Gemm {
     uint32_t sv[NSUB][2];
     if (grouped) load_scales<true>(srow + scale_pos(1, col0), sv);
     else load_scales<false>(srow + scale_pos(0, col0), sv);
+    // zero points likewise (wna16_zp_code): the packed position of column col0 + 8 j is col0's
+    // plus that of column 8 j -- word and code index add without carry for the same reason --,
+    // so one run-time position and the rest constants
+    const int zq0 = (col0 >> 6) * 64 + wna16_zp_dst(NB, col0 & 63);
+    const uint32_t* zw = zrow + zq0 / PF;
+    const int zi0 = zq0 % PF;
     WNA16_UNROLL
     for (int s = 0; s < NSUB; ++s) {
       if (ZP) {
         int z[2];
         WNA16_UNROLL
-        for (int h = 0; h < 2; ++h) z[h] = (int)wna16_zp_code(zrow, NB, col0 + 16 * s + 8 * h);
+        for (int h = 0; h < 2; ++h) {
+          const int c = 16 * s + 8 * h, q = (c >> 6) * 64 + wna16_zp_dst(NB, c & 63);
+          z[h] = (int)wna16_code(zw[q / PF], zi0 + q % PF, NB);
+        }
         sz[s][0] = sv[s][0] | (sv[s][1] << 16);
         sz[s][1] = Q::zero_pair(z[0], z[1]);
       } else {
