@@ -460,13 +460,13 @@ RECORDED_SM90_V3: tuple[Instance, ...] = (
     v3_instance("4-bit fp16 32x128", 4, 2, 2, 116, 209, 16, _V3_SOURCE, group_sass=85),
     v3_instance("4-bit fp16 64x64", 4, 4, 1, 116, 208, 16, _V3_SOURCE, group_sass=71),
     v3_instance("8-bit fp16 16x256", 8, 1, 4, 126, 262, 16, _V3_SOURCE, group_sass=121),
-    v3_instance("8-bit fp16 32x128", 8, 2, 2, 117, 206, 16, _V3_SOURCE, group_sass=86),
+    v3_instance("8-bit fp16 32x128", 8, 2, 2, 117, 206, 16, _V3_SOURCE, group_sass=85),
     v3_instance("8-bit fp16 64x64", 8, 4, 1, 118, 199, 16, _V3_SOURCE, group_sass=69),
     v3_instance("4-bit bf16 16x256", 4, 1, 4, 124, 273, 16, _V3_SOURCE, group_sass=119),
     v3_instance("4-bit bf16 32x128", 4, 2, 2, 117, 210, 16, _V3_SOURCE, group_sass=85),
     v3_instance("4-bit bf16 64x64", 4, 4, 1, 118, 209, 16, _V3_SOURCE, group_sass=71),
     v3_instance("8-bit bf16 16x256", 8, 1, 4, 128, 394, 16, _V3_SOURCE, group_sass=121),
-    v3_instance("8-bit bf16 32x128", 8, 2, 2, 121, 272, 16, _V3_SOURCE, group_sass=86),
+    v3_instance("8-bit bf16 32x128", 8, 2, 2, 121, 272, 16, _V3_SOURCE, group_sass=85),
     v3_instance("8-bit bf16 64x64", 8, 4, 1, 122, 233, 16, _V3_SOURCE, group_sass=69),
 )
 
