@@ -35,11 +35,13 @@ test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -rs -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile
 
 # The kernels in depth: every GEMM mutant must be caught by the emulated tests (each one a
-# recompile of the GEMM source; `make test` runs two of them), then how many of the plain and
-# ThreadSanitizer cases catch each one (exit 1 if one survives).
+# recompile of the GEMM source; `make test` runs two of them), the whole v3 grid and v3's nvcc
+# spill check, then how many of the plain and ThreadSanitizer cases catch each mutant (exit 1 if
+# one survives).
 test-kernels: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -rs -m 'mutants or not mutants' tests/native/test_emu_mutants.py
 	$(BIN)/python -m pytest -q -rs -m 'kernels or not kernels' tests/native/test_emu_gemm_v3.py
+	WNA16CTL_NVCC_TESTS=1 $(BIN)/python -m pytest -q -rs -m kernels tests/native/test_kernels.py
 	$(BIN)/python -m tests.emu.mutation
 
 # The planner against the real decision code of every supported vLLM release (fetches each

@@ -15,7 +15,9 @@ kernels/moe_gemm_v3.cu), per kernel instance and architecture:
       counts once per iteration -- copies, barrier, dequantisation, mma -- and one iteration
       covers 32 * NT codes per thread (one 16-row k-tile of NT 64-column n-tiles);
     - v3: the same loop; its warps split the block's columns in two, so one iteration covers
-      16 * NT codes per thread (one k-tile of half the block's columns);
+      16 * NT codes per thread (one k-tile of half the block's columns); and what a scale
+      group's first stage adds to it ("group extra": the enclosing loop less the streaming loop
+      and one iteration of it -- the scale-pair refill and the group's bookkeeping);
     - v1: the innermost loop holding the 16-bit shared stores of decoded weights (the decode
       loop). One iteration decodes one word, 32 / num_bits codes; its mma loop is extra.
   Without cuobjdump the same loops are counted in the PTX (`nvcc -ptx`) instead.
@@ -69,6 +71,10 @@ class KernelFigures:
     codes_per_iteration: int = 0
     per_code: float = 0.0
     per_code_without_mma: float = 0.0
+    # v3: what a scale group's first stage issues on top of a streaming iteration (the scale-pair
+    # refill, the group's bookkeeping): the loop around the streaming loop, less the streaming
+    # loop, less one iteration of it (that stage's own copies, dequantisation and mma)
+    group_sass: int = 0
     counted_in: str = ""  # "sass" / "ptx" / ""
     notes: list[str] = field(default_factory=list)
 
@@ -273,6 +279,23 @@ def count_sass(kernel: str, ins: list[tuple[int, str]]) -> tuple[int, int] | Non
     return len(body), sum(op.startswith("HMMA") for op in body)
 
 
+def group_sass(ins: list[tuple[int, str]]) -> int:
+    """v3: the instructions of the smallest loop that encloses the streaming loop (one scale
+    group's run of stages), less the streaming loop's, less one more streaming iteration (the
+    group's first stage, peeled before the streaming loop). 0 without such a loop."""
+    ops = [_opcode(t) for _, t in ins]
+    loops = sass_loops(ins)
+    inner = innermost_loop(ops, loops, lambda op: op.startswith("HMMA"))
+    if inner is None:
+        return 0
+    outer = [(lo, hi) for lo, hi in loops if lo <= inner[0] and inner[1] <= hi and (lo, hi) != inner]
+    if not outer:
+        return 0
+    lo, hi = min(outer, key=lambda l: l[1] - l[0])
+    n_inner = inner[1] - inner[0] + 1
+    return max(0, (hi - lo + 1) - 2 * n_inner)
+
+
 def ptx_functions(text: str) -> dict[str, list[str]]:
     funcs = {}
     for m in re.finditer(r"\.entry\s+([\w$]+)\s*\((.*?)\n\}\n", text, re.S):
@@ -353,18 +376,21 @@ def measure(archs: list[str], kernels: list[str] | None = None) -> tuple[list[Ke
                     f.per_code = f.loop_instructions / f.codes_per_iteration
                     f.per_code_without_mma = (f.loop_instructions - f.loop_mma) / f.codes_per_iteration
                     f.counted_in = where
+                    if kernel == "v3" and where == "sass":
+                        f.group_sass = group_sass(bodies[mangled])
                 figures.append(f)
     return figures, notes
 
 
 def render(figures: list[KernelFigures], notes: list[str]) -> str:
     rows = ["| kernel | arch | instance | regs | spill st/ld (B) | stack (B) | smem static + dynamic (B) "
-            "| loop instr. | mma | codes / iter. | per code | per code w/o mma |",
-            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "| loop instr. | mma | codes / iter. | per code | per code w/o mma | group extra |",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for f in figures:
         rows.append(f"| {f.kernel} | sm_{f.arch} | {f.name} | {f.registers} | {f.spill_stores} / {f.spill_loads} "
                     f"| {f.stack} | {f.smem_static} + {f.smem_dynamic} | {f.loop_instructions} | {f.loop_mma} "
-                    f"| {f.codes_per_iteration} | {f.per_code:.2f} | {f.per_code_without_mma:.2f} |")
+                    f"| {f.codes_per_iteration} | {f.per_code:.2f} | {f.per_code_without_mma:.2f} "
+                    f"| {f.group_sass or '-'} |")
     text = "\n".join(rows)
     if figures:
         where = {f.counted_in for f in figures if f.counted_in}

@@ -97,6 +97,8 @@ class Instance:
     grid_blocks_per_sm: int = 2
     warps_n: int = 1  # v3: the k-warps' columns split over this many warps (8 warps per block)
     kernel: str = "v2"  # whose shared-memory plan (v2, v3)
+    reduces_empty_rows: bool = True  # v2: the epilogue's reduction moves every row of a slice
+    group_sass: int | None = None  # SASS a scale group's first stage adds, counted (v3); None: estimated
 
     @property
     def warps(self) -> int:
@@ -297,7 +299,9 @@ def stage_cost(inst: Instance, gpu: Gpu, shape: Shape, rows: int, consts: dict[s
     # a block's warps spread over the schedulers: a block-stage costs every scheduler the loop's
     # SASS once per warp of the block it holds (v2: one, v3: two)
     per_scheduler = inst.warps / gpu.schedulers
-    if inst.lane_table:
+    if inst.group_sass is not None:  # counted in the kernel's SASS (bench/kernel_static.py)
+        refill = inst.group_sass
+    elif inst.lane_table:
         refill = refill_sass(plan)
     elif inst.warps_over_n:
         refill = refill_sass(plan) // 4  # a quarter: own n-slice only
@@ -319,6 +323,25 @@ def stage_cost(inst: Instance, gpu: Gpu, shape: Shape, rows: int, consts: dict[s
         "tensor cores": mma,
     }
     return cost
+
+
+def epilogue_wavefronts(inst: Instance, plan: Plan, rows: int) -> float:
+    """Shared-memory wavefronts of one tile's epilogue: the four k-warps' partial sums stored and
+    read back for the sum. v2 moves every row of the 16-row slices that hold rows (bytes / 128).
+    v3 stores only the rows that have a slot: per warp, 16-row slice and half (rows g and g + 8 of
+    the mma fragment) one 8-byte store per lane and column pair -- 4 * NT instructions of which
+    each covers 4 rows per wavefront (32 bytes a row) -- and reads back 4 * BN * 4 bytes per row."""
+    slices = max(1, min(plan.mt, math.ceil(rows / 16)))
+    if inst.reduces_empty_rows:
+        return 4 * 16 * slices * plan.bn * 4 * 2 / 128
+    stores = 0
+    for i in range(slices):
+        held = max(0, min(16, rows - 16 * i))
+        for half in (min(8, held), max(0, held - 8)):
+            if half:
+                stores += inst.warps * (plan.bn // 16 // inst.warps_n) * 2 * math.ceil(half / 4)
+    reads = min(rows, 16 * slices) * plan.bn * 4 * 4 / 128
+    return stores + reads
 
 
 def experts_reached(shape: Shape, m: int) -> float:
@@ -377,8 +400,8 @@ def expect(inst: Instance, gpu: Gpu, shape: Shape, m: int, consts: dict[str, int
     steady_s = per_sm * longest * cost.cycles[cost.limit] / clk
     fill_s = tiles * gpu.latency_s
     fixup_s = gpu.latency_s if cut else 0.0  # publish, flag, acquire, read the partials (L2)
-    red = (4 * 16 * min(plan.mt, math.ceil(rows / 16)) * plan.bn * 4) * 2  # warp partials out and back
-    epilogue_s = tiles * red / gpu.smem_bytes_per_clk / clk if plan.reduction else 0.0
+    # the k-warps' partials out and back through shared memory, one wavefront per clock
+    epilogue_s = tiles * epilogue_wavefronts(inst, plan, rows) / clk if plan.reduction else 0.0
     launch_s = (inst.launches - 1) * gpu.launch_gap_s
     parts = {"streaming": steady_s, "pipeline fills": fill_s, "stream-K fix-up": fixup_s,
              "epilogue": epilogue_s, "other launches": launch_s}
@@ -409,7 +432,8 @@ def instances_from_static(path: Path, kernel: str = "v2") -> list[Instance]:
         where = f"{path} ({k.get('counted_in') or '?'})"
         if kernel == "v3":
             out.append(v3_instance(f"{k['num_bits']}-bit{dt} {bm}x{bn}", k["num_bits"], bm // 16, bn // 64,
-                                   k["registers"], k["loop_instructions"], k["loop_mma"], where))
+                                   k["registers"], k["loop_instructions"], k["loop_mma"], where,
+                                   group_sass=k.get("group_sass") or None))
         else:
             out.append(Instance(f"{k['num_bits']}-bit{dt} {bm}x{bn}", k["num_bits"], bm // 16, bn // 64,
                                 k["registers"], k["loop_instructions"], k["loop_mma"], source=where))
@@ -417,30 +441,33 @@ def instances_from_static(path: Path, kernel: str = "v2") -> list[Instance]:
 
 
 def v3_instance(name: str, num_bits: int, mt: int, nt: int, registers: int, loop_sass: int, loop_mma: int,
-                source: str) -> Instance:
+                source: str, group_sass: int | None = None) -> Instance:
     """A v3 kernel instance (kernels/moe_gemm_v3.cu): eight warps (four over K, two over N), scale
-    pairs in registers (no lane table), the k-warps' reduction kept, one launch, two blocks per SM."""
+    pairs in registers (no lane table), the k-warps' reduction kept for the rows that have a slot,
+    one launch, two blocks per SM; group_sass: what a scale group's first stage issues on top of a
+    streaming iteration, counted by bench/kernel_static.py (None: refill_sass's estimate)."""
     return Instance("v3 " + name, num_bits, mt, nt, registers, loop_sass, loop_mma, source=source,
                     lane_table=False, warps_over_n=False, launches=1, grid_blocks_per_sm=2, warps_n=2,
-                    kernel="v3")
+                    kernel="v3", reduces_empty_rows=False, group_sass=group_sass)
 
 
 # bench/kernel_static.py's sm_90 figures of the v3 fast instances without zero points (the bench
-# shape has none), as recorded in docs/performance.md ("GEMM kernel")
+# shape has none), as recorded in docs/performance.md ("GEMM kernel"): registers, the streaming
+# loop's SASS, its mma, and the SASS a scale group's first stage adds ("group extra")
 _V3_SOURCE = "recorded sm_90, nvcc 13.0 (docs/performance.md)"
 RECORDED_SM90_V3: tuple[Instance, ...] = (
-    v3_instance("4-bit fp16 16x256", 4, 1, 4, 128, 272, 16, _V3_SOURCE),
-    v3_instance("4-bit fp16 32x128", 4, 2, 2, 126, 211, 16, _V3_SOURCE),
-    v3_instance("4-bit fp16 64x64", 4, 4, 1, 126, 213, 16, _V3_SOURCE),
-    v3_instance("8-bit fp16 16x256", 8, 1, 4, 128, 289, 16, _V3_SOURCE),
-    v3_instance("8-bit fp16 32x128", 8, 2, 2, 128, 217, 16, _V3_SOURCE),
-    v3_instance("8-bit fp16 64x64", 8, 4, 1, 126, 203, 16, _V3_SOURCE),
-    v3_instance("4-bit bf16 16x256", 4, 1, 4, 128, 275, 16, _V3_SOURCE),
-    v3_instance("4-bit bf16 32x128", 4, 2, 2, 126, 212, 16, _V3_SOURCE),
-    v3_instance("4-bit bf16 64x64", 4, 4, 1, 126, 214, 16, _V3_SOURCE),
-    v3_instance("8-bit bf16 16x256", 8, 1, 4, 128, 419, 16, _V3_SOURCE),
-    v3_instance("8-bit bf16 32x128", 8, 2, 2, 128, 283, 16, _V3_SOURCE),
-    v3_instance("8-bit bf16 64x64", 8, 4, 1, 124, 237, 16, _V3_SOURCE),
+    v3_instance("4-bit fp16 16x256", 4, 1, 4, 126, 271, 16, _V3_SOURCE, group_sass=119),
+    v3_instance("4-bit fp16 32x128", 4, 2, 2, 116, 209, 16, _V3_SOURCE, group_sass=85),
+    v3_instance("4-bit fp16 64x64", 4, 4, 1, 116, 208, 16, _V3_SOURCE, group_sass=71),
+    v3_instance("8-bit fp16 16x256", 8, 1, 4, 126, 262, 16, _V3_SOURCE, group_sass=121),
+    v3_instance("8-bit fp16 32x128", 8, 2, 2, 117, 206, 16, _V3_SOURCE, group_sass=85),
+    v3_instance("8-bit fp16 64x64", 8, 4, 1, 118, 199, 16, _V3_SOURCE, group_sass=69),
+    v3_instance("4-bit bf16 16x256", 4, 1, 4, 124, 273, 16, _V3_SOURCE, group_sass=119),
+    v3_instance("4-bit bf16 32x128", 4, 2, 2, 117, 210, 16, _V3_SOURCE, group_sass=85),
+    v3_instance("4-bit bf16 64x64", 4, 4, 1, 118, 209, 16, _V3_SOURCE, group_sass=71),
+    v3_instance("8-bit bf16 16x256", 8, 1, 4, 128, 394, 16, _V3_SOURCE, group_sass=121),
+    v3_instance("8-bit bf16 32x128", 8, 2, 2, 121, 272, 16, _V3_SOURCE, group_sass=85),
+    v3_instance("8-bit bf16 64x64", 8, 4, 1, 122, 233, 16, _V3_SOURCE, group_sass=69),
 )
 
 

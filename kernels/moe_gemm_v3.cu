@@ -148,7 +148,9 @@ struct Gemm {
     int nvalid;  // 64-column n-tiles inside N
   };
 
-  static WNA16_KDEV Tile locate(const Args& p, const int32_t* prefix, int64_t tile) {
+  // The tile's expert and columns, from the block's tile prefix alone (shared memory): what its
+  // weight copies need, known before any global read.
+  static WNA16_KDEV Tile locate_weights(const Args& p, const int32_t* prefix, int64_t tile) {
     const int64_t nblk = (p.size_n + BN - 1) / BN;
     const int64_t mt = tile / nblk;
     int64_t lo = 0, hi = p.num_experts - 1;  // owner: the last e with prefix[e] <= mt
@@ -158,14 +160,26 @@ struct Gemm {
       else hi = mid - 1;
     }
     Tile t;
-    int64_t begin, end;
-    expert_range(p.offsets, p.num_sorted, lo, &begin, &end);
     t.e = lo;
-    t.m0 = begin + (mt - prefix[lo]) * BM;
-    t.rows = (int)min64(BM, end - t.m0);
-    t.mcount = (t.rows + 15) / 16;
+    t.m0 = mt - prefix[lo];  // the expert's m-tile, until locate_rows
+    t.rows = t.mcount = 0;
     t.n0 = (tile % nblk) * BN;
     t.nvalid = (int)min64(NT, (p.size_n - t.n0) / 64);
+    return t;
+  }
+
+  // ... and its rows, from the expert's slice of sorted_ids (a global read of the offsets).
+  static WNA16_KDEV void locate_rows(const Args& p, Tile* t) {
+    int64_t begin, end;
+    expert_range(p.offsets, p.num_sorted, t->e, &begin, &end);
+    t->m0 = begin + t->m0 * BM;
+    t->rows = (int)min64(BM, end - t->m0);
+    t->mcount = (t->rows + 15) / 16;
+  }
+
+  static WNA16_KDEV Tile locate(const Args& p, const int32_t* prefix, int64_t tile) {
+    Tile t = locate_weights(p, prefix, tile);
+    locate_rows(p, &t);
     return t;
   }
 
@@ -180,6 +194,8 @@ struct Gemm {
     static constexpr int ROW_CHUNKS = NT * CPT;    // chunks of one k-tile row of the block
     static constexpr int B_CHUNKS = kWarpsK * ROW_CHUNKS;
     static constexpr int B_PER_THREAD = (B_CHUNKS + kThreads - 1) / kThreads;
+    static constexpr int KT_STEP = kThreads / ROW_CHUNKS;  // k-tile rows between a thread's chunks
+    static_assert(kThreads % ROW_CHUNKS == 0, "a k-tile row's chunks divide the block's threads");
     static constexpr int A_ROWS_PER_PASS = kThreads / 8;
     static constexpr int A_PASSES = (BM + A_ROWS_PER_PASS - 1) / A_ROWS_PER_PASS;
     static constexpr int S_CHUNKS = BN / 8, Z_CHUNKS = BN / PF / 4;
@@ -218,12 +234,24 @@ struct Gemm {
       first_run = p.group_rows / kStageK - ks_first % (p.group_rows / kStageK);
     }
 
-    // Copies of stage ks (the stage after the previous call's).
+    // Copies of stage ks (the stage after the previous call's): activations, then weights and
+    // (at a group's first stage) its scale row.
     WNA16_KDEV void load(const Args& p, int mcount, int nvalid, unsigned char* smem,
                          const int64_t* sh_aoff, int ks) {
-      const int tid = (int)threadIdx.x;
-      unsigned char* st = smem + (ks % kStages) * P::STAGE;
-      const int a_ch = tid & 7, a_row0 = tid >> 3;
+      load_a(p, mcount, smem, sh_aoff, ks);
+      load_b(p, nvalid, smem, ks);
+    }
+
+    // The activation rows of stage ks (the tile's row offsets in sh_aoff).
+    static WNA16_KDEV void load_a(const Args& p, int mcount, unsigned char* smem, const int64_t* sh_aoff,
+                                  int ks) {
+      // opaque: the thread's chunk offsets are recomputed per stage (a few integer ops) instead
+      // of hoisted out of the main loop, where their B_PER_THREAD 64-bit source offsets,
+      // destinations and predicates would take registers the accumulators need (or spill)
+      // (unsigned: the chunk and row divisions are shifts and masks)
+      const uint32_t tid = wna16_opaque(threadIdx.x);
+      unsigned char* st = smem + (ks & (kStages - 1)) * P::STAGE;
+      const int a_ch = (int)(tid & 7), a_row0 = (int)(tid >> 3);
       const int64_t kk = (int64_t)ks * kStageK + 8 * a_ch;
       const uint16_t* a = static_cast<const uint16_t*>(p.a) + kk;
       WNA16_UNROLL
@@ -236,25 +264,37 @@ struct Gemm {
                            ok ? (const void*)(a + off) : p.a, ok);
         }
       }
-      const uint64_t policy = wna16_l2_evict_first_policy();  // one instruction: no register kept
+    }
+
+    // The weights of stage ks, and its group's scale / zero-point row at a group's first stage
+    // (the range's first stage included). Stages in order: each call advances to the next.
+    WNA16_KDEV void load_b(const Args& p, int nvalid, unsigned char* smem, int ks) {
+      const uint32_t tid = wna16_opaque(threadIdx.x);  // as in load_a
+      unsigned char* st = smem + (ks & (kStages - 1)) * P::STAGE;
+      const uint64_t policy = wna16_l2_evict_first_policy();  // made once, in a uniform register pair
+      // chunk tid + 256 i: k-tile row ktl0 + KT_STEP i, the same chunk `rest` of every row it
+      // copies (a row's chunks divide the block's threads), so one predicate, one source and one
+      // destination address, stepped by constant strides
+      const int ktl0 = (int)(tid / ROW_CHUNKS), rest = (int)(tid % ROW_CHUNKS);
+      const bool ok = rest / CPT < nvalid;  // n-tile inside N (every k-tile is inside K)
+      const uint32_t* src = b + ktl0 * bcols(p) + rest * 4;
+      unsigned char* dst = st + P::B_OFF + (ktl0 * NT * WPT + rest * 4) * 4;
       WNA16_UNROLL
-      for (int i = 0; i < B_PER_THREAD; ++i) {  // chunk tid + 256 i: k-tile row, chunk in row
-        const int c = tid + kThreads * i, ktl = c / ROW_CHUNKS, rest = c % ROW_CHUNKS;
-        if (B_CHUNKS % kThreads == 0 || c < B_CHUNKS) {
-          const bool ok = rest / CPT < nvalid;  // n-tile inside N (every k-tile is inside K)
-          wna16_cp_async16_hint(st + P::B_OFF + (ktl * NT * WPT + rest * 4) * 4,
-                                ok ? (const void*)(b + ktl * bcols(p) + rest * 4) : p.b, ok, policy);
-        }
+      for (int i = 0; i < B_PER_THREAD; ++i) {
+        if (B_CHUNKS % kThreads == 0 || ktl0 + KT_STEP * i < kWarpsK)
+          wna16_cp_async16_hint(dst + KT_STEP * i * NT * WPT * 4,
+                                ok ? (const void*)(src + KT_STEP * i * bcols(p)) : p.b, ok, policy);
       }
       b += kWarpsK * bcols(p);
       if (left == 0) {  // the group's row: at the range's first stage and each group's first
         const int spg = p.group_rows / kStageK;
-        const bool scale = tid < S_CHUNKS, zero = !scale && ZP && tid < S_CHUNKS + Z_CHUNKS;
+        const int t = (int)tid;
+        const bool scale = t < S_CHUNKS, zero = !scale && ZP && t < S_CHUNKS + Z_CHUNKS;
         if (scale || zero) {
-          const int dst = scale ? P::S_OFF + 16 * tid : P::Z_OFF + 16 * (tid - S_CHUNKS);
-          const unsigned char* s = *scale_slot(smem, tid);
+          const int dst = scale ? P::S_OFF + 16 * t : P::Z_OFF + 16 * (t - S_CHUNKS);
+          const unsigned char* s = *scale_slot(smem, t);
           wna16_cp_async16(st + dst, s ? (const void*)s : p.scales, s != nullptr);
-          if (s) *scale_slot(smem, tid) = s + (scale ? p.size_n * 2 : p.size_n / PF * 4);
+          if (s) *scale_slot(smem, t) = s + (scale ? p.size_n * 2 : p.size_n / PF * 4);
         }
         left = first_run ? first_run : spg;
         first_run = 0;
@@ -262,6 +302,32 @@ struct Gemm {
       --left;
     }
   };
+
+  // wna16_scale_pos (layout.cuh) for a column of the block, 0 <= col < 2^31: its chunk split
+  // with a mask instead of an int64 division by a run-time chunk width (a call to the division
+  // routine per column).
+  static WNA16_KDEV int scale_pos(int grouped, int col) {
+    const int ch = wna16_scale_chunk(grouped);  // 32 or 64
+    return (col & ~(ch - 1)) + wna16_scale_dst(grouped, col & (ch - 1));
+  }
+
+  // The stored positions of a lane's columns col0 + 8 j (j = 2 s + h, the warp's 2 * NSUB column
+  // groups) lie at constant offsets from col0's: wna16_scale_dst keeps a column's group index in
+  // its low bits (grouped: (J & 7) + 8 (J & ~7) for column group J, ungrouped: 2 (J & 3) +
+  // 8 (J & ~3)), and a warp's first group J0 = col0 / 8 is a multiple of 8 -- of 4 where a warp
+  // has only 4 groups -- so adding j carries nothing. One position per refill, then loads at
+  // immediate offsets.
+  static_assert(NSUB % 4 == 0 || NSUB == 2, "the warp's column groups start at a multiple of 8 (or 4 for 4 groups)");
+  template <bool GROUPED>
+  static WNA16_KDEV void load_scales(const uint16_t* s0, uint32_t sv[NSUB][2]) {
+    WNA16_UNROLL
+    for (int s = 0; s < NSUB; ++s)
+      WNA16_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        const int j = 2 * s + h;
+        sv[s][h] = s0[GROUPED ? (j & 7) + 8 * (j & ~7) : 2 * (j & 3) + 8 * (j & ~3)];
+      }
+  }
 
   // The warp's scales and zero points, from the stage's scale row, two registers per sub-tile (16
   // for the 16 x 256 tile), c = this lane's column. Without zero points: the scale pairs of c and
@@ -276,22 +342,29 @@ struct Gemm {
     // the lane's columns, recomputed per refill: hoisted, their 2 * NSUB positions would be held
     // in registers (or spilled) through the whole loop
     const int col0 = (int)wna16_opaque((uint32_t)(16 * nw * NSUB + (lane >> 2)));
+    uint32_t sv[NSUB][2];
+    if (grouped) load_scales<true>(srow + scale_pos(1, col0), sv);
+    else load_scales<false>(srow + scale_pos(0, col0), sv);
+    // zero points likewise (wna16_zp_code): the packed position of column col0 + 8 j is col0's
+    // plus that of column 8 j -- word and code index add without carry for the same reason --,
+    // so one run-time position and the rest constants
+    const int zq0 = (col0 >> 6) * 64 + wna16_zp_dst(NB, col0 & 63);
+    const uint32_t* zw = zrow + zq0 / PF;
+    const int zi0 = zq0 % PF;
     WNA16_UNROLL
     for (int s = 0; s < NSUB; ++s) {
-      uint32_t sv[2];
-      int z[2];
-      WNA16_UNROLL
-      for (int h = 0; h < 2; ++h) {
-        const int col = col0 + 16 * s + 8 * h;
-        sv[h] = srow[wna16_scale_pos(grouped, col)];
-        z[h] = ZP ? (int)wna16_zp_code(zrow, NB, col) : (1 << (NB - 1));
-      }
       if (ZP) {
-        sz[s][0] = sv[0] | (sv[1] << 16);
+        int z[2];
+        WNA16_UNROLL
+        for (int h = 0; h < 2; ++h) {
+          const int c = 16 * s + 8 * h, q = (c >> 6) * 64 + wna16_zp_dst(NB, c & 63);
+          z[h] = (int)wna16_code(zw[q / PF], zi0 + q % PF, NB);
+        }
+        sz[s][0] = sv[s][0] | (sv[s][1] << 16);
         sz[s][1] = Q::zero_pair(z[0], z[1]);
       } else {
-        sz[s][0] = sv[0] | (sv[0] << 16);
-        sz[s][1] = sv[1] | (sv[1] << 16);
+        sz[s][0] = sv[s][0] | (sv[s][0] << 16);
+        sz[s][1] = sv[s][1] | (sv[s][1] << 16);
       }
     }
   }
@@ -386,9 +459,19 @@ struct Gemm {
     const int kw = warp % kWarpsK, nw = warp / kWarpsK;
     int32_t* sh_slot = reinterpret_cast<int32_t*>(smem + P::SLOT_OFF);
     int64_t* sh_aoff = reinterpret_cast<int64_t*>(smem + P::AOFF_OFF);
-    const Tile t = locate(p, prefix, tile);
+    Tile t = locate_weights(p, prefix, tile);
 
     wna16_syncthreads();  // the previous tile is done with shared memory (and with sh_u)
+    // prologue, weights first: kStages - 1 stages of weights (and the first group's scale row)
+    // are requested before the tile's rows are looked up, so the two dependent global reads that
+    // find them (the expert's offsets, its sorted ids) wait behind the weights' memory latency
+    // instead of ahead of it; the activation copies follow, each stage's in its own group (the
+    // first group then holds every prologue weight copy: the first wait is for all of them)
+    Loader ld(p, smem, t.e, t.n0, t.nvalid, ks0);
+    WNA16_UNROLL
+    for (int i = 0; i < kStages - 1; ++i)
+      if (ks0 + i < ks1) ld.load_b(p, t.nvalid, smem, ks0 + i);
+    locate_rows(p, &t);
     if (tid == 0) sh_u[0] = u, sh_u[1] = u_next;
     for (int i = tid; i < BM; i += kThreads) {
       int32_t s = -1;
@@ -413,11 +496,11 @@ struct Gemm {
     uint32_t sz[NSUB][2];
     const int mcount = t.mcount, nvalid = t.nvalid;
 
-    // prologue: kStages - 1 stages in flight (empty groups keep the wait arithmetic uniform)
-    Loader ld(p, smem, t.e, t.n0, nvalid, ks0);
+    // the prologue's activations: kStages - 1 groups in flight (empty groups keep the wait
+    // arithmetic uniform)
     WNA16_UNROLL
     for (int i = 0; i < kStages - 1; ++i) {
-      if (ks0 + i < ks1) ld.load(p, mcount, nvalid, smem, sh_aoff, ks0 + i);
+      if (ks0 + i < ks1) Loader::load_a(p, mcount, smem, sh_aoff, ks0 + i);
       wna16_cp_async_commit();
     }
     const int spg = p.group_rows / kStageK;  // stages per group
@@ -428,7 +511,7 @@ struct Gemm {
       wna16_syncthreads();
       if (ks + kStages - 1 < ks1) ld.load(p, mcount, nvalid, smem, sh_aoff, ks + kStages - 1);
       wna16_cp_async_commit();
-      const unsigned char* st = smem + (ks % kStages) * P::STAGE;
+      const unsigned char* st = smem + (ks & (kStages - 1)) * P::STAGE;
       refill(p, st, nw, lane, sz);
       compute_stage(mcount, nvalid, st, kw, nw, lane, sz, acc);
       for (++ks; ks < run_end; ++ks) {
@@ -436,13 +519,16 @@ struct Gemm {
         wna16_syncthreads();                 // everyone's have; stage ks - 1 is consumed
         if (ks + kStages - 1 < ks1) ld.load(p, mcount, nvalid, smem, sh_aoff, ks + kStages - 1);
         wna16_cp_async_commit();
-        compute_stage(mcount, nvalid, smem + (ks % kStages) * P::STAGE, kw, nw, lane, sz, acc);
+        compute_stage(mcount, nvalid, smem + (ks & (kStages - 1)) * P::STAGE, kw, nw, lane, sz, acc);
       }
     }
     wna16_cp_async_wait<0>();
     wna16_syncthreads();  // the pipeline buffers become the reduction buffer
 
-    // the four k-warps' partial sums, row-major per k-warp (each n-warp writes its columns)
+    // the four k-warps' partial sums, row-major per k-warp (each n-warp writes its columns), of
+    // the rows that have a slot: the epilogue reads no other (a decode tile holds one or a few
+    // rows of its 16, and the stores of the empty ones would be most of the epilogue's
+    // shared-memory traffic)
     float* red = reinterpret_cast<float*>(smem);
     {
       float* mine = red + kw * BM * P::RED_LD;
@@ -450,15 +536,21 @@ struct Gemm {
       WNA16_UNROLL
       for (int mi = 0; mi < MT; ++mi) {
         if (mi >= mcount) continue;
+        const int row = 16 * mi + g;
+        const bool lo = sh_slot[row] >= 0, hi = sh_slot[row + 8] >= 0;
         WNA16_UNROLL
         for (int s = 0; s < NSUB; ++s)
           WNA16_UNROLL
           for (int h = 0; h < 2; ++h) {
-            const int col = 16 * (nw * NSUB + s) + 8 * h + 2 * tig, row = 16 * mi + g;
-            mine[row * P::RED_LD + col] = acc[mi][s][h][0];
-            mine[row * P::RED_LD + col + 1] = acc[mi][s][h][1];
-            mine[(row + 8) * P::RED_LD + col] = acc[mi][s][h][2];
-            mine[(row + 8) * P::RED_LD + col + 1] = acc[mi][s][h][3];
+            const int col = 16 * (nw * NSUB + s) + 8 * h + 2 * tig;
+            if (lo) {
+              mine[row * P::RED_LD + col] = acc[mi][s][h][0];
+              mine[row * P::RED_LD + col + 1] = acc[mi][s][h][1];
+            }
+            if (hi) {
+              mine[(row + 8) * P::RED_LD + col] = acc[mi][s][h][2];
+              mine[(row + 8) * P::RED_LD + col + 1] = acc[mi][s][h][3];
+            }
           }
       }
     }
@@ -490,7 +582,8 @@ struct Gemm {
       float* part = p.partials + slot_of(self) * tile_floats;
       for (int c = tid; c < nchunks; c += kThreads) {
         const int row = c / CH, col = 8 * (c % CH);
-        if (col >= t.nvalid * 64 || row >= t.rows) continue;
+        // rows without a slot (past the tile's rows, or sentinel padding): not reduced, not read
+        if (col >= t.nvalid * 64 || sh_slot[row] < 0) continue;
         WNA16_UNROLL
         for (int i = 0; i < 8; ++i) {
           const int o = row * P::RED_LD + col + i;

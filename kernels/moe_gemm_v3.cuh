@@ -8,6 +8,7 @@ constexpr int kWarpsK = 4;       // warps over K: warp (kw, nw) computes k-tile 
 constexpr int kWarpsN = 2;       // warps over N: ... for the n-half nw of the block's columns
 constexpr int kThreads = 32 * kWarpsK * kWarpsN;  // 8 warps
 constexpr int kStages = 4;       // cp.async pipeline depth
+static_assert((kStages & (kStages - 1)) == 0, "a power of two: the ring slot is ks & (kStages - 1)");
 constexpr int kStageK = 64;      // K rows per pipeline stage (kWarpsK k-tiles of 16)
 constexpr int kBlocksPerSm = 2;  // grid = SMs * this (registers and shared memory allow it)
 constexpr int kRedPad = 8;       // fp32 row padding of the reduction buffer (bank spread)

@@ -154,15 +154,49 @@ def test_v3_accounting_by_hand() -> None:
 
 
 def test_recorded_v3_figures_against_v2() -> None:
-    """docs/performance.md's claim, from the recorded static figures: the model puts v3's bench
-    instance ahead of v2's at M = 1, 16, 64 on both GPUs, at >= 50 % of an H200's peak at M = 16
-    but not at M = 1 (pipeline fills, fix-up and epilogue: fixed costs of ~3.4 us)."""
+    """docs/performance.md's claim and the premise of ops.fast_gemm_order, from the recorded
+    static figures: the model puts v3's bench instance ahead of v2's at M = 1, 16, 64 on both GPUs
+    (the 16 x 256 tile) and at M = 256 (32 x 128), behind it at M = 512 (64 x 64: auto keeps v2);
+    at >= 50 % of an H200's peak at M = 16 but not at M = 1 (two pipeline fills and the stream-K
+    fix-up of v2's partition: 2.4 us of fixed costs on 4.0 us of streaming)."""
     shape = R.Shape()
     for gpu in R.GPUS.values():
         for m in (1, 16, 64):
             v2 = R.expect(R.pick_instance(R.RECORDED_SM90, shape, m), gpu, shape, m)
             v3 = R.expect(R.pick_instance(R.RECORDED_SM90_V3, shape, m), gpu, shape, m)
             assert v3.instance == "v3 4-bit bf16 16x256" and v3.fraction > v2.fraction
+        for m, ahead in ((256, True), (512, False)):
+            v2 = R.expect(R.pick_instance(R.RECORDED_SM90, shape, m), gpu, shape, m)
+            v3 = R.expect(R.pick_instance(R.RECORDED_SM90_V3, shape, m), gpu, shape, m)
+            assert (v3.fraction > v2.fraction) == ahead, (gpu.name, m)
     h200 = R.GPUS["h200"]
     at = {m: R.expect(R.pick_instance(R.RECORDED_SM90_V3, shape, m), h200, shape, m).fraction for m in (1, 16)}
     assert at[16] >= 0.5 > at[1]
+
+
+def test_v3_group_sass_and_epilogue_from_the_kernel() -> None:
+    """v3 counted: the refill comes from kernel_static's group figure instead of the estimate, and
+    its epilogue moves only the rows that have a slot (M = 1: one row of the 16 per tile)."""
+    counted = R.v3_instance("4-bit 16x256", 4, 1, 4, registers=128, loop_sass=300, loop_mma=16, source="test",
+                            group_sass=120)
+    c = R.stage_cost(counted, H200, R.Shape(), rows=1)
+    # group 128 = 2 stages: 2 warps of the block per scheduler x (300 + 120 / 2)
+    assert c.cycles["issue"] == pytest.approx(2 * (300 + 60))
+    plan = R.plan_of(counted)
+    # one row: per warp 4 * NT = 16 stores of the low half, one wavefront each (4 lanes x 8 bytes),
+    # 8 warps; read back 4 k-warps x 256 columns x 4 bytes = 32 wavefronts
+    assert R.epilogue_wavefronts(counted, plan, 1) == 8 * 16 + 32
+    # a full 16-row slice moves what v2's formula says: 2 x 4 x 16 x 256 x 4 bytes / 128
+    assert R.epilogue_wavefronts(counted, plan, 16) == R.epilogue_wavefronts(INST, R.plan_of(INST), 16) == 1024
+    assert R.epilogue_wavefronts(INST, R.plan_of(INST), 1) == 1024  # v2 moves the whole slice
+
+
+def test_kernel_static_group_sass_on_a_synthetic_listing() -> None:
+    import kernel_static as KS
+
+    # a group loop at 0..9 around a streaming loop at 4..7 (4 instructions, one HMMA)
+    text = ["NOP", "NOP", "NOP", "NOP", "HMMA.16816.F32 R0, R1, R2, R0", "NOP", "NOP", "BRA 0x40", "NOP",
+            "BRA 0x0"]
+    ins = [(16 * i, t) for i, t in enumerate(text)]
+    assert KS.count_sass("v3", ins) == (4, 1)
+    assert KS.group_sass(ins) == 10 - 2 * 4

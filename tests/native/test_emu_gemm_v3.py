@@ -164,8 +164,15 @@ def test_emulated_gemm_v3_catches_a_counter_left_set(plain: Path) -> None:  # no
     assert r.returncode == 0 and r.rc == 99 and "not reset" in r.stderr
 
 
-def test_v3_is_selected_on_request_only(monkeypatch) -> None:
+def test_v3_is_the_automatic_choice_and_v2_stays_selectable(monkeypatch) -> None:
     monkeypatch.setenv("WNA16CTL_GEMM_KERNEL", "v3")
     assert K.gemm_kernel() == "v3"
     monkeypatch.delenv("WNA16CTL_GEMM_KERNEL")
-    assert K.gemm_kernel() == "auto"  # auto stays v2 (ops.GEMM_KERNELS says why)
+    assert K.gemm_kernel() == "auto"
+    # auto: v3 first, v2 for what v3 declines (ops.GEMM_KERNELS says why), v2 alone for the 64-row
+    # tile (the model has v2 ahead there); v2 on request skips v3
+    assert K.fast_gemm_order("auto", 8, 64, 0) == ("v3", "v2")          # decode: 16 x 256
+    assert K.fast_gemm_order("auto", 64 * 24, 64, 0) == ("v3", "v2")    # 24 rows per expert: 32 x 128
+    assert K.fast_gemm_order("auto", 64 * 40, 64, 0) == ("v2",)         # 40 rows per expert: 64 x 64
+    assert K.fast_gemm_order("auto", 8, 64, 64) == ("v2",)              # tile64 forced
+    assert K.fast_gemm_order("v3", 64 * 40, 64, 0) == ("v3", "v2") and K.fast_gemm_order("v2", 8, 64, 0) == ("v2",)

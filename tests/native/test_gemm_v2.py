@@ -3,7 +3,9 @@
 * its register dequantisation (kernels/dequant.cuh), compiled for the host (the emulated
   intrinsics) and checked exhaustively against the plain conversion (tests/native/dequant_test.cpp);
 * the kernel selection switches;
-* gpu: the v2 kernel against the torch op and the v1 kernel for every tile variant and mode.
+* gpu: the v2 kernel against the torch op and the v1 kernel for every tile variant and mode; the
+  v3 kernel (the automatic choice in its fast mode) equal to v2 bit for bit, twice on one
+  workspace.
 """
 
 from __future__ import annotations
@@ -83,3 +85,25 @@ def test_cuda_gemm_v2_matches_cpu_and_v1(case: dict, variant: str, monkeypatch: 
     assert _rel_err(got, expected.float()) < TOL[prob["dtype"]]
     assert _rel_err(got, v1.float()) < TOL[prob["dtype"]]
     assert _rel_err(got, prob["expected"]) < TOL[prob["dtype"]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["auto", "tile16", "tile32", "tile64"])
+@pytest.mark.parametrize("case", V2_CASES, ids=_case_id)
+def test_cuda_gemm_v3_equals_v2(case: dict, variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """v3 adds in v2's order: the same output bit for bit, on the second call on its workspace too
+    (its counters return to zero); what it declines (act-order, small groups) v2 computes."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU visible to torch")
+    if not K.cuda_available():
+        pytest.skip("CUDA library unavailable (nvcc missing or build failed; see the log)")
+    prob = make_problem(**case)
+    cuda_args = [x.cuda() if isinstance(x, torch.Tensor) else x for x in prob["args"]]
+    monkeypatch.setenv("WNA16CTL_GEMM_VARIANT", variant)
+    monkeypatch.setenv("WNA16CTL_GEMM_KERNEL", "v2")
+    v2 = torch.ops.wna16ctl.moe_wna16_gemm(*cuda_args).cpu()
+    monkeypatch.setenv("WNA16CTL_GEMM_KERNEL", "v3")
+    for _ in range(2):
+        assert torch.equal(torch.ops.wna16ctl.moe_wna16_gemm(*cuda_args).cpu(), v2)
+    monkeypatch.delenv("WNA16CTL_GEMM_KERNEL")  # auto: v3 first
+    assert torch.equal(torch.ops.wna16ctl.moe_wna16_gemm(*cuda_args).cpu(), v2)

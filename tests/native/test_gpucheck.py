@@ -105,8 +105,24 @@ def test_goal_verdicts() -> None:
     ]}
     g = gpucheck.goals(report)
     assert g["repack_pct_of_peak"]["met"] is False  # act-order below 70 %
-    assert g["gemm_pct_of_peak_m_le_16"] == {"goal": ">= 50.0", "worst": 51.0, "met": True}
+    assert g["gemm_pct_of_peak_m_le_16"] == {"goal": ">= 50.0", "kernel": "v2", "worst": 51.0, "met": True}
     assert g["gemm_vs_bf16_m_ge_64"]["worst"] == 1.7 and g["gemm_vs_bf16_m_ge_64"]["met"] is False
+    # with v3 measured, each row is judged on what auto runs there: v3, v2 for the 64-row tile (m = 512)
+    for row, (pct, ratio, auto) in zip(report["bench_gemm"]["rows"], ((48.0, 0.3, "v3"), (60.0, 0.4, "v3"),
+                                                                      (62.0, 1.1, "v3"), (30.0, 1.9, "v2"))):
+        row["v3"], row["v3_over_bf16"], row["auto_kernel"] = {"pct_of_peak": pct}, ratio, auto
+    g = gpucheck.goals(report)
+    assert g["gemm_pct_of_peak_m_le_16"] == {"goal": ">= 50.0", "kernel": "v3", "worst": 48.0, "met": False}
+    assert g["gemm_vs_bf16_m_ge_64"] == {"goal": "<= 1.5x", "kernel": "v3/v2", "worst": 1.7, "met": False}
+
+
+def test_v3_runs_only_its_fast_mode() -> None:
+    case = dict(m=1, n=128, k=256, e=8, topk=2, bits=4, gs=128, zp=False, act=False, k_full=True)
+    assert gpucheck.v3_runs(case) and gpucheck.v3_runs({**case, "gs": -1})
+    assert not gpucheck.v3_runs({**case, "gs": 32})  # groups of fewer rows than a stage
+    assert not gpucheck.v3_runs({**case, "act": True})
+    assert list(gpucheck.KERNELS) == ["v3", "v2", "v1"]
+    assert [k for k, _ in gpucheck.SANITIZER_CASES].count("v3") == 1
 
 
 def test_gemm_case_grid_spans_m_1_to_512_and_every_feature() -> None:
@@ -191,6 +207,24 @@ def test_gemm_rows_carry_the_model_expectation() -> None:
     got = gpucheck.model_expectation(report, 1)
     assert got["gpu"] == "H200 SXM" and got["instance"] == "4-bit 16x256"
     assert 20 < got["expected_pct_of_peak"] < 30 and got["limit"].startswith("fixed costs")
+    v3 = gpucheck.model_expectation(report, 1, "v3")
+    assert v3["instance"] == "v3 4-bit bf16 16x256" and v3["expected_pct_of_peak"] > got["expected_pct_of_peak"]
     other = gpucheck.model_expectation({"env": {"device": "NVIDIA L40S"}, "device": {"sm_count": 142,
                                                                                       "peak_gbps": 864.0}}, 16)
     assert other["gpu"] == "NVIDIA L40S" and other["expected_pct_of_peak"] > 0
+
+
+def test_summary_states_v3_v2_v1_against_bf16_and_the_model() -> None:
+    row = {"m": 1, "v3": {"ms": 0.01, "weight_gbps": 1300.0, "pct_of_peak": 27.1},
+           "v2": {"ms": 0.012, "weight_gbps": 1080.0, "pct_of_peak": 22.5}, "v1": {"ms": 0.05},
+           "torch_bf16_bmm": {"ms": 0.02}, "v3_over_bf16": 0.5, "v2_over_bf16": 0.6, "v1_over_bf16": 2.5,
+           "v3_equals_v2": True,
+           "model": {"expected_pct_of_peak": 24.0, "limit": "fixed costs"},
+           "model_v3": {"expected_pct_of_peak": 36.0, "limit": "issue"}}
+    checks = {"ok": True, "cases": [{"v3": {"rel_err": 1e-3}, "v2": {"rel_err": 1e-3}, "v1": {"rel_err": 2e-3},
+                                     "v3_vs_v2": {"v3_ran": True, "bit_equal": True, "ok": True}}]}
+    text = gpucheck.summary({"status": "passed", "gemm_checks": checks, "bench_gemm": {"rows": [row]}})
+    assert "v3 == v2 bit for bit in 1 of 1, 1 run by v3 itself" in text
+    line = next(ln for ln in text.splitlines() if "GEMM m=  1" in ln)
+    assert "v3 0.01 ms" in line and "model 36.0% (issue)" in line and "/ bf16 = 0.5" in line
+    assert "v2 0.012 ms" in line and "model 24.0% (fixed costs)" in line and "v3 == v2 yes" in line

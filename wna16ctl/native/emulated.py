@@ -1,5 +1,5 @@
 """The CUDA MoE GEMM kernels run on the CPU: a library of the real kernel sources
-(`kernels/moe_gemm_v2.cu`, `kernels/moe_gemm.cu`) compiled with g++ against the CPU emulation of
+(`kernels/moe_gemm_v3.cu`, `kernels/moe_gemm_v2.cu`, `kernels/moe_gemm.cu`) compiled with g++ against the CPU emulation of
 `kernels/intrinsics.cuh` (`kernels/emu/intrinsics_host.h`, docs/kernel-emulation.md).
 
 What it is for: `verify` judges the repacked per-rank tensors with the kernel a GPU would run, its
@@ -39,7 +39,8 @@ from wna16ctl.native.build import (
     kernels_dir,
     native_disabled,
 )
-from wna16ctl.native.ops import DTYPE_CODES, GEMM_VARIANTS, WNA16_ENOTSUP, _check_gemm_extras, _gemm_dims
+from wna16ctl.native.ops import (DTYPE_CODES, GEMM_VARIANTS, WNA16_ENOTSUP, _check_gemm_extras, _gemm_dims,
+                                 fast_gemm_order)
 
 # the kernels and their launchers, the error store, the emulated device's settings
 EMULATED_SOURCES = ("moe_gemm_v3.cu", "moe_gemm_v2.cu", "moe_gemm.cu", "error.cpp", "emu_capi.cpp")
@@ -131,7 +132,9 @@ def emulated_moe_gemm(
     perm: Optional[Tensor] = None, topk_weights: Optional[Tensor] = None, is_k_full: bool = True,
 ) -> tuple[Tensor, str]:
     """The MoE GEMM (the contract of `ops.moe_wna16_gemm`) executed by the real kernel source on
-    the CPU emulation: v2, or v1 where v2 declines (WNA16_ENOTSUP). Returns (output, kernel name).
+    the CPU emulation: v3, or v2 where v3 declines, or v1 where v2 declines (WNA16_ENOTSUP), the
+    order of `ops.moe_wna16_gemm`'s auto choice (`ops.fast_gemm_order`: v2 first for 64-row
+    tiles). Returns (output, kernel name).
     Raises KernelBuildError when the library is unavailable, KernelError when a kernel refuses."""
     lib = emulated_gemm_lib()
     if lib is None:
@@ -151,16 +154,19 @@ def emulated_moe_gemm(
     ptrs = [_p(x) for x in keep] + [_p(out)]
     sizes = (num_slots, ids.numel(), experts, size_n, size_k, groups, top_k, num_bits, DTYPE_CODES[a.dtype],
              int(is_k_full), GEMM_VARIANTS["auto"], None)
-    words = ctypes.c_int64(0)
-    rc = lib.wna16_cuda_moe_gemm_v2_workspace(ids.numel(), experts, size_n, size_k, groups, num_bits,
-                                               int(perm is not None), GEMM_VARIANTS["auto"], ctypes.byref(words))
-    if rc == WNA16_OK:
-        ws = torch.zeros(max(words.value, 1), dtype=torch.int32)
-        rc = lib.wna16_cuda_moe_gemm_v2(*ptrs, _p(ws), *sizes)
+    for kernel in fast_gemm_order("auto", ids.numel(), experts, GEMM_VARIANTS["auto"]):  # as on a GPU
+        words = ctypes.c_int64(0)
+        rc = getattr(lib, f"wna16_cuda_moe_gemm_{kernel}_workspace")(
+            ids.numel(), experts, size_n, size_k, groups, num_bits, int(perm is not None), GEMM_VARIANTS["auto"],
+            ctypes.byref(words))
         if rc == WNA16_OK:
-            return out, "v2"
-    if rc != WNA16_ENOTSUP:
-        raise KernelError(f"wna16_cuda_moe_gemm_v2 (emulated): {(lib.wna16_last_error() or b'').decode()} (code {rc})", rc)
+            ws = torch.zeros(max(words.value, 1), dtype=torch.int32)  # v3: its counters zero before the call
+            rc = getattr(lib, f"wna16_cuda_moe_gemm_{kernel}")(*ptrs, _p(ws), *sizes)
+            if rc == WNA16_OK:
+                return out, kernel
+        if rc != WNA16_ENOTSUP:
+            raise KernelError(f"wna16_cuda_moe_gemm_{kernel} (emulated): "
+                              f"{(lib.wna16_last_error() or b'').decode()} (code {rc})", rc)
     ws = torch.zeros(experts + 1, dtype=torch.int32)
     lib.call("wna16_cuda_moe_gemm", *ptrs, _p(ws), *sizes)
     return out, "v1"

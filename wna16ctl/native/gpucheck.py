@@ -15,13 +15,14 @@ CUDA / build failure).
 Checks:
 * repack, scale and zero-point permutation: CUDA == torch CPU path bit for bit (§9.3 shapes,
   4/8 bit, with and without act-order);
-* MoE GEMM, the fast kernel (v2) and the simple reference kernel (v1, mma.sync): against an fp32
-  reference from the logical (unpacked, unpermuted) dequantised weights and against each other,
+* MoE GEMM, the fast kernels (v3 -- falling back to v2 where it declines --, v2) and the simple
+  reference kernel (v1, mma.sync): against an fp32 reference from the logical (unpacked,
+  unpermuted) dequantised weights and against each other (v3 equal to v2 bit for bit),
   over a seeded subsample of m ∈ {1,7,16,64,123,512}, n ∈ {128,1024}, k ∈ {256,2048},
   e ∈ {8,64}, top-k ∈ {2,6}, 4/8 bit, group size -1/32/128, zero points, act-order (full and
   partial K); plus a few small cases against the CPU op;
-* compute-sanitizer memcheck, racecheck and synccheck on three tiny GEMM cases (v2 with tiles
-  cut between blocks, v2 with g_idx, v1), when compute-sanitizer is installed; a tool that
+* compute-sanitizer memcheck, racecheck and synccheck on four tiny GEMM cases (v3 and v2 with
+  tiles cut between blocks, v2 with g_idx, v1), when compute-sanitizer is installed; a tool that
   refuses the device ("Device not supported") is "not run" with its reason, never a failure;
 * the vLLM load format `wna16ctl` (wna16ctl/integrations/vllm_plugin.py): a `repack --layout marlin`
   output of the demo checkpoint served with `--load-format wna16ctl` against vLLM's default load of
@@ -30,10 +31,11 @@ Checks:
 * the test-suite's `gpu` tests when pytest is importable.
 Benchmarks (CUDA events around the bare library calls: no host synchronisation inside the timed
 region): repack throughput, plain and act-order, as a share of the GPU's peak memory bandwidth;
-GEMM time and weight bandwidth of v2 and v1 against torch bf16 matmuls of the dequantised
+GEMM time and weight bandwidth of v3, v2 and v1 against torch bf16 matmuls of the dequantised
 weights, batch 1-512, each row with the share of the HBM peak that bench/roofline.py's model
-expects for it; the goals (repack >= 70% of peak, v2 >= 50% at m <= 16, v2 within 1.5x of
-bf16 at m >= 64) are reported as met or not, apart from the pass/fail of the checks.
+expects for v3 and v2; the goals (repack >= 70% of peak, the automatic kernel -- v3, v2 for the
+64-row tile -- >= 50% at m <= 16 and within 1.5x of bf16 at m >= 64) are reported as met or not,
+apart from the pass/fail of the checks.
 """
 
 from __future__ import annotations
@@ -315,7 +317,15 @@ def step_repack(report: dict, budget: Budget) -> bool:
     return ok
 
 
-KERNELS = {"v2": ("v2", "auto"), "v1": ("v1", "mma")}  # WNA16CTL_GEMM_KERNEL, WNA16CTL_GEMM_VARIANT
+# WNA16CTL_GEMM_KERNEL, WNA16CTL_GEMM_VARIANT; "v3" falls back to v2 where it declines (v3_runs)
+KERNELS = {"v3": ("v3", "auto"), "v2": ("v2", "auto"), "v1": ("v1", "mma")}
+
+
+def v3_runs(case: dict) -> bool:
+    """Whether the v3 kernel takes this case itself (its fast mode: no act-order, K and the scale
+    groups whole 64-row stages; moe_gemm_v3.cu check_mode) rather than handing it to v2."""
+    k, gs = case["k"], case["gs"]
+    return not case["act"] and k % 64 == 0 and (gs == -1 or gs % 64 == 0)
 
 
 def _use_kernel(name: str) -> None:
@@ -352,10 +362,14 @@ def step_gemm(report: Report, budget: Budget, count: int) -> bool:
                 passed = False
                 entry[kernel] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:500]}
             ok &= passed
-        if len(outs) == 2:  # the two kernels against each other
+        if "v2" in outs and "v1" in outs:  # the kernels against each other
             err = _rel_err(outs["v2"], outs["v1"].float())
             entry["v2_vs_v1"] = {"rel_err": float(f"{err:.3g}"), "ok": err < TOL[prob["dtype"]]}
             ok &= entry["v2_vs_v1"]["ok"]
+        if "v3" in outs and "v2" in outs:  # v3 adds in v2's order: equal bit for bit
+            entry["v3_vs_v2"] = {"v3_ran": v3_runs(case), "bit_equal": bool(torch.equal(outs["v3"], outs["v2"]))}
+            entry["v3_vs_v2"]["ok"] = entry["v3_vs_v2"]["bit_equal"]
+            ok &= entry["v3_vs_v2"]["ok"]
         results.append(entry)
         report["gemm_checks"] = {"ok": ok, "partial": True, "cases": results}
         report.save()
@@ -421,11 +435,13 @@ def _gemm_call(kernel: str, args: tuple) -> tuple[Callable[[], None], torch.Tens
     e, k, n, groups = b_q.shape[0], b_q.shape[1] * 16, scales.shape[2], scales.shape[1]
     slots = a.shape[0] * top_k
     c = torch.zeros(slots, n, dtype=a.dtype, device=a.device)
-    if kernel == "v2":
+    if kernel in ("v2", "v3"):
         words = ctypes.c_int64(0)
-        lib.call("wna16_cuda_moe_gemm_v2_workspace", ids.numel(), e, n, k, groups, bits, int(perm is not None), 0,
-                 ctypes.byref(words))
-        ws, name, variant = torch.empty(words.value, dtype=torch.int32, device=a.device), "wna16_cuda_moe_gemm_v2", 0
+        lib.call(f"wna16_cuda_moe_gemm_{kernel}_workspace", ids.numel(), e, n, k, groups, bits,
+                 int(perm is not None), 0, ctypes.byref(words))
+        # v3: zeroed once, every call leaves its counters zero again (no reset in the timed region)
+        ws = torch.zeros(max(words.value, 1), dtype=torch.int32, device=a.device)
+        name, variant = f"wna16_cuda_moe_gemm_{kernel}", 0
     else:
         ws, name, variant = torch.empty(e + 1, dtype=torch.int32, device=a.device), "wna16_cuda_moe_gemm", 2
 
@@ -441,9 +457,11 @@ def _gemm_call(kernel: str, args: tuple) -> tuple[Callable[[], None], torch.Tens
 
 def bench_gemm(report: Report, budget: Budget) -> None:
     """Decode- to prefill-sized MoE GEMM: E 64, K 2048, N 1536 (a w13 projection), top-8, int4 g128,
-    bf16; v2 and v1 against one torch bf16 bmm over the active experts' dequantised weights."""
+    bf16; v3, v2 and v1 against one torch bf16 bmm over the active experts' dequantised weights,
+    each fast kernel also against the model's expectation."""
     from wna16ctl.layout.marlin import marlin_permute_scales, marlin_repack
     from wna16ctl.layout.packing import pack_codes
+    from wna16ctl.native import ops as K
 
     e, k, n, topk, bits, gs = 64, 2048, 1536, 8, 4, 128
     dtype = torch.bfloat16
@@ -484,27 +502,31 @@ def bench_gemm(report: Report, budget: Budget) -> None:
         bf16_bytes = n_active * k * n * 2
         args = (a, b_q, m_scales, None, None, None, sorted_ids, offsets, None, topk, bits, True)
         outs = {}
-        for kernel in ("v2", "v1"):
+        for kernel in ("v3", "v2", "v1"):
             call, c = _gemm_call(kernel, args)
             ms = _time_cuda(call, reps=10)
             outs[kernel] = c
             gbps = int_bytes / ms / 1e6
             entry[kernel] = {"ms": round(ms, 4), "weight_gbps": round(gbps, 1), "pct_of_peak": round(100 * gbps / peak, 1)}
         entry["v2_vs_v1_rel_err"] = float(f"{_rel_err(outs['v2'], outs['v1'].float()):.3g}")
+        entry["v3_equals_v2"] = bool(torch.equal(outs["v3"], outs["v2"]))
+        entry["auto_kernel"] = K.fast_gemm_order("auto", sorted_ids.numel(), e, 0)[0]  # what auto runs here
         ms = _time_cuda(lambda: torch.bmm(a_pad, w_act), reps=10)
         entry["torch_bf16_bmm"] = {"ms": round(ms, 4), "weight_gbps": round(bf16_bytes / ms / 1e6, 1)}
-        entry["v2_over_bf16"] = round(entry["v2"]["ms"] / ms, 2)
-        entry["v1_over_bf16"] = round(entry["v1"]["ms"] / ms, 2)
+        for kernel in ("v3", "v2", "v1"):
+            entry[f"{kernel}_over_bf16"] = round(entry[kernel]["ms"] / ms, 2)
         entry["model"] = model_expectation(report, m)
-        if "expected_pct_of_peak" in entry["model"]:
-            entry["v2_over_model"] = round(entry["v2"]["pct_of_peak"] / entry["model"]["expected_pct_of_peak"], 2)
+        entry["model_v3"] = model_expectation(report, m, "v3")
+        for kernel, model in (("v2", entry["model"]), ("v3", entry["model_v3"])):
+            if "expected_pct_of_peak" in model:
+                entry[f"{kernel}_over_model"] = round(entry[kernel]["pct_of_peak"] / model["expected_pct_of_peak"], 2)
         rows.append(entry)
         report.save()
 
 
-def model_expectation(report: dict, m: int) -> dict:
-    """bench/roofline.py's expected share of the HBM peak for v2 at this M on this device (the
-    checkout's bench/; the recorded sm_90 static figures)."""
+def model_expectation(report: dict, m: int, kernel: str = "v2") -> dict:
+    """bench/roofline.py's expected share of the HBM peak for `kernel` (v2 or v3) at this M on this
+    device (the checkout's bench/; the recorded sm_90 static figures)."""
     # the checkout's bench/, however deep this module sits in the package
     bench = next((d / "bench" for d in Path(__file__).resolve().parents if (d / "bench" / "roofline.py").is_file()),
                  None)
@@ -522,21 +544,29 @@ def model_expectation(report: dict, m: int) -> dict:
             return {"not_run": f"no model for {name or 'this device'}"}
         gpu = R.Gpu(name or "this GPU", dev["peak_gbps"] * 1e9, dev["sm_count"], 1.98e9)
     shape = R.Shape()
-    e = R.expect(R.pick_instance(list(R.RECORDED_SM90), shape, m), gpu, shape, m)
+    recorded = R.RECORDED_SM90_V3 if kernel == "v3" else R.RECORDED_SM90
+    e = R.expect(R.pick_instance(list(recorded), shape, m), gpu, shape, m)
     return {"gpu": gpu.name, "instance": e.instance, "expected_pct_of_peak": round(100 * e.fraction, 1),
             "modelled_us": round(e.modelled_us, 1), "limit": e.limit}
 
 
 def goals(report: Report) -> dict:
-    """The performance goals, met or not (None: not measured)."""
+    """The performance goals, met or not (None: not measured). The GEMM goals are judged, per row,
+    on the kernel the automatic choice runs there (`auto_kernel`: v3, or v2 for the 64-row tile;
+    v2 in a report without v3)."""
     br, rows = report.get("bench_repack", {}), report.get("bench_gemm", {}).get("rows", [])
-    low = [r["v2"]["pct_of_peak"] for r in rows if r["m"] <= 16]
-    high = [r["v2_over_bf16"] for r in rows if r["m"] >= 64]
+    auto = {r["m"]: r.get("auto_kernel", "v2") if r.get("auto_kernel", "v2") in r else "v2" for r in rows}
+    low = [r[auto[r["m"]]]["pct_of_peak"] for r in rows if r["m"] <= 16]
+    high = [r[f"{auto[r['m']]}_over_bf16"] for r in rows if r["m"] >= 64]
+    def kernels(pick) -> Optional[str]:  # the kernels a goal's rows were judged on
+        return "/".join(sorted({k for m, k in auto.items() if pick(m)}, reverse=True)) or None
     out = {
         "repack_pct_of_peak": {"goal": f">= {GOALS['repack_pct_of_peak']}", "plain": br.get("plain", {}).get("pct_of_peak"),
                                "act_order": br.get("act_order", {}).get("pct_of_peak")},
-        "gemm_pct_of_peak_m_le_16": {"goal": f">= {GOALS['gemm_pct_of_peak_m_le_16']}", "worst": min(low) if low else None},
-        "gemm_vs_bf16_m_ge_64": {"goal": f"<= {GOALS['gemm_vs_bf16_m_ge_64']}x", "worst": max(high) if high else None},
+        "gemm_pct_of_peak_m_le_16": {"goal": f">= {GOALS['gemm_pct_of_peak_m_le_16']}",
+                                     "kernel": kernels(lambda m: m <= 16), "worst": min(low) if low else None},
+        "gemm_vs_bf16_m_ge_64": {"goal": f"<= {GOALS['gemm_vs_bf16_m_ge_64']}x",
+                                 "kernel": kernels(lambda m: m >= 64), "worst": max(high) if high else None},
     }
     rp = [v for v in (out["repack_pct_of_peak"]["plain"], out["repack_pct_of_peak"]["act_order"]) if v is not None]
     out["repack_pct_of_peak"]["met"] = min(rp) >= GOALS["repack_pct_of_peak"] if rp else None
@@ -552,6 +582,7 @@ def goals(report: Report) -> dict:
 
 SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck")
 SANITIZER_CASES = [  # (kernel, build_problem arguments)
+    ("v3", dict(m=3, n=256, k=320, e=4, topk=2, bits=4, gs=64, zp=True, act=False)),
     ("v2", dict(m=3, n=256, k=320, e=4, topk=2, bits=4, gs=64, zp=True, act=False)),
     ("v2", dict(m=2, n=128, k=192, e=3, topk=2, bits=8, gs=32, zp=False, act=True, k_full=False)),
     ("v1", dict(m=3, n=128, k=128, e=3, topk=2, bits=4, gs=32, zp=True, act=True)),
@@ -572,8 +603,9 @@ def find_compute_sanitizer() -> Optional[str]:
 
 
 def sanitizer_cases() -> int:
-    """The three tiny cases, each checked against the CPU op (run inside compute-sanitizer).
-    Few blocks (v2: one tile cut between blocks) so that the tools see the inter-block paths."""
+    """The four tiny cases, each checked against the fp32 reference (run inside compute-sanitizer).
+    Few blocks (v3 and v2: one tile cut between blocks) so that the tools see the inter-block
+    paths."""
     bad = 0
     for kernel, case in SANITIZER_CASES:
         prob = build_problem(**case, seed=7)
@@ -695,9 +727,12 @@ def summary(report: dict) -> str:
     if "gemm_checks" in report:
         gch = report["gemm_checks"]
         worst = {v: max((c[v].get("rel_err", float("inf")) for c in gch["cases"] if v in c), default=None)
-                 for v in ("v2", "v1")}
+                 for v in ("v3", "v2", "v1")}
+        v3_cases = [c["v3_vs_v2"] for c in gch["cases"] if "v3_vs_v2" in c]
         lines.append(f"  GEMM vs fp32 reference: {'ok' if gch['ok'] else 'FAILED'} ({len(gch['cases'])} cases, "
-                     f"worst rel err v2 {worst['v2']}, v1 {worst['v1']})")
+                     f"worst rel err v3 {worst['v3']}, v2 {worst['v2']}, v1 {worst['v1']}; v3 == v2 bit for bit "
+                     f"in {sum(c['bit_equal'] for c in v3_cases)} of {len(v3_cases)}, "
+                     f"{sum(c['v3_ran'] for c in v3_cases)} run by v3 itself)")
     if "sanitizer" in report:
         san = report["sanitizer"]
 
@@ -730,16 +765,20 @@ def summary(report: dict) -> str:
                      f"({br['plain']['pct_of_peak']}% of peak {report.get('device', {}).get('peak_gbps')} GB/s), "
                      f"act-order {br['act_order']['gbps_read_write']} GB/s")
     for row in report.get("bench_gemm", {}).get("rows", []):
-        model = row.get("model", {})
-        expected = (f", model {model['expected_pct_of_peak']}% ({model['limit']})"
-                    if "expected_pct_of_peak" in model else "")
-        lines.append(f"  GEMM m={row['m']:>3}: v2 {row['v2']['ms']} ms ({row['v2']['weight_gbps']} GB/s, "
-                     f"{row['v2']['pct_of_peak']}% of peak{expected}), v1 {row['v1']['ms']} ms, torch bf16 "
-                     f"{row['torch_bf16_bmm']['ms']} ms (v2 / bf16 = {row['v2_over_bf16']}, "
-                     f"v1 / bf16 = {row.get('v1_over_bf16')})")
+        parts = []
+        for kernel, model in (("v3", row.get("model_v3", {})), ("v2", row.get("model", {}))):
+            if kernel not in row:
+                continue
+            expected = (f", model {model['expected_pct_of_peak']}% ({model['limit']})"
+                        if "expected_pct_of_peak" in model else "")
+            parts.append(f"{kernel} {row[kernel]['ms']} ms ({row[kernel]['weight_gbps']} GB/s, "
+                         f"{row[kernel]['pct_of_peak']}% of peak{expected}, / bf16 = {row.get(f'{kernel}_over_bf16')})")
+        same = "" if "v3_equals_v2" not in row else f", v3 == v2 {'yes' if row['v3_equals_v2'] else 'NO'}"
+        lines.append(f"  GEMM m={row['m']:>3}: " + "; ".join(parts) + f"; v1 {row['v1']['ms']} ms "
+                     f"(/ bf16 = {row.get('v1_over_bf16')}); torch bf16 {row['torch_bf16_bmm']['ms']} ms{same}")
     for name, g in report.get("goals", {}).items():
         state = "not measured" if g.get("met") is None else ("met" if g["met"] else "NOT met")
-        lines.append(f"  goal {name} {g['goal']}: {state}")
+        lines.append(f"  goal {name} {g['goal']}" + (f" ({g['kernel']})" if g.get("kernel") else "") + f": {state}")
     return "\n".join(lines)
 
 

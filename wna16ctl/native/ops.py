@@ -9,8 +9,8 @@ safe), and loaded with ctypes:
 * the host library (g++): the fast multi-threaded CPU Marlin repack and index queries;
 * the CUDA library (nvcc): repack, scale / zero-point permutation and the MoE GEMM (the fast
   Marlin-style kernel of `moe_gemm_v2.cu`, with the simple kernel of `moe_gemm.cu` kept as the
-  reference and for what the fast one does not take, and the one-launch kernel of
-  `moe_gemm_v3.cu` on request; `$WNA16CTL_GEMM_KERNEL` picks one).
+  reference and for what the fast ones do not take, and the one-launch kernel of `moe_gemm_v3.cu`,
+  the first choice in its fast mode; `$WNA16CTL_GEMM_KERNEL` picks one).
 
 Nothing here is required: without g++ / nvcc / a GPU, or with `WNA16CTL_NO_NATIVE=1`, every
 entry point falls back to the torch code of `wna16ctl.layout` after one logged notice. The CPU
@@ -65,10 +65,30 @@ DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
 GEMM_VARIANTS = {"auto": 0, "fma": 1, "mma": 2}
 # the v2 kernel also takes a forced tile height (rows of sorted slots per tile)
 GEMM_V2_TILES = {"tile16": 16, "tile32": 32, "tile64": 64}
-# auto = v2 where it applies, else v1. v3 runs on request only: the roofline model has it ahead of
-# v2 at M = 1, 16, 64, but five of its 24 sm_90 instances still spill (the bench shape's bf16 4-bit
-# 16 x 256 among them, 8 bytes) and no GPU has run it (docs/performance.md, "GEMM kernel")
+# auto = v3 where it applies (the fast mode: no act-order, scale groups of whole 64-row stages)
+# and its tile is not the 64 x 64 one, else v2, else v1. v3 is first because none of its sm_80 /
+# sm_90 instances spills (tests/native/test_kernels.py) and the roofline model has it ahead of v2
+# at M = 1, 16 and 64 on H100 and H200 -- the 16 x 256 tile -- and with the 32 x 128 tile
+# (bench/roofline.py, tests/test_roofline.py); with the 64 x 64 tile (more than 32 sorted rows per
+# expert) the model has v2 ahead, so auto keeps v2 there. v3's output equals v2's bit for bit
+# (tests/native/test_emu_gemm_v3.py). No GPU has measured it yet (docs/performance.md, "GEMM
+# kernel"); WNA16CTL_GEMM_KERNEL=v2 keeps v2 everywhere.
 GEMM_KERNELS = ("auto", "v1", "v2", "v3")
+FAST_GEMM_ORDER = {"v3": ("v3", "v2"), "v2": ("v2",), "v1": ()}
+
+
+def fast_gemm_order(which: str, num_sorted: int, num_experts: int, variant: int) -> tuple[str, ...]:
+    """The fast kernels to try in order for WNA16CTL_GEMM_KERNEL=`which` (v1 follows them). auto:
+    v3 then v2, except where the tile has 64 rows (forced, or the launchers' choice for more than
+    32 sorted rows per expert: kernels/moe_gemm_v3.cu make_config), where only v2."""
+    if which != "auto":
+        return FAST_GEMM_ORDER[which]
+    if variant in GEMM_V2_TILES.values():
+        rows = variant
+    else:
+        per_expert = -(-num_sorted // num_experts) if num_experts else 0
+        rows = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
+    return ("v2",) if rows == 64 else ("v3", "v2")
 WNA16_ENOTSUP = 3
 
 
@@ -391,7 +411,8 @@ def gemm_variant() -> int:
 
 
 def gemm_kernel() -> str:
-    """$WNA16CTL_GEMM_KERNEL: auto (the fast v2 kernel where it applies, else v1), v1 (the simple
+    """$WNA16CTL_GEMM_KERNEL: auto (v3 where it applies and is ahead, else v2, else v1; see
+    fast_gemm_order), v1 (the simple
     reference kernel), v2 (the fast kernel; errors instead of falling back) or v3 (the one-launch
     kernel of the fast mode; what it declines -- act-order, groups of 16 / 32 rows -- goes to v2,
     then v1)."""
@@ -451,12 +472,13 @@ def _gemm_cuda(
     zp_c, gi, pm, offs = (_aligned16(_i32(zero_points, dev)), _aligned16(_i32(g_idx, dev)), _i32(perm, dev),
                           _i32(expert_offsets, dev))
     variant, which = gemm_variant(), gemm_kernel()
+    order = fast_gemm_order(which, ids.numel(), experts, variant)
     tail = (_ptr(a_c), _ptr(b_c), _ptr(s_c), _ptr(zp_c), _ptr(gi), _ptr(pm), _ptr(ids), _ptr(offs), _ptr(tw),
             _ptr(out))
     sizes = (num_slots, ids.numel(), experts, size_n, size_k, groups, top_k, num_bits, DTYPE_CODES[a.dtype],
              int(is_k_full), variant, _stream(a_c))
     with torch.cuda.device(dev):
-        if which == "v3" and variant != GEMM_VARIANTS["fma"]:
+        if "v3" in order and variant != GEMM_VARIANTS["fma"]:
             try:
                 words = ctypes.c_int64(0)
                 lib.call("wna16_cuda_moe_gemm_v3_workspace", ids.numel(), experts, size_n, size_k, groups,

@@ -657,7 +657,7 @@ def _numerics_gemm(device: torch.device):  # noqa: ANN202
 
     if emulated_gemm_lib() is None:
         return None, f"torch twin of the kernel (layout inverses; {emulated_unavailable_reason()})"
-    return EmulatedGemm(), "moe_gemm_v2.cu (v1 where v2 declines) on the CPU emulation"
+    return EmulatedGemm(), "moe_gemm_v3.cu (v2, then v1 where it declines) on the CPU emulation"
 
 
 def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: dict[int, RankFiles],

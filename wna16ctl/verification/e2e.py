@@ -8,8 +8,8 @@ router, attention, norms, shared experts and residual stream stay transformers')
 * reference — experts dequantised from the SOURCE checkpoint files ((q − z)·s in the model dtype,
   one rounding), sliced per rank the way the all-reduce sums them, fp32 accumulation;
 * candidate — each rank's REPACKED tensors as written, through the MoE GEMM kernel: on a GPU the
-  CUDA kernels, on the CPU the same kernel sources (`moe_gemm_v2.cu`, `moe_gemm.cu` where v2
-  declines) executed by the CPU emulation (`wna16ctl.native.emulated`) -- never the layout's own
+  CUDA kernels, on the CPU the same kernel sources (`moe_gemm_v3.cu`, `moe_gemm_v2.cu` and
+  `moe_gemm.cu` where the faster one declines) executed by the CPU emulation (`wna16ctl.native.emulated`) -- never the layout's own
   inverse functions; EP ranks compute their local experts; rank outputs summed as the all-reduce.
 
 Criterion (docs/verify.md, "e2e"), all deterministic:
@@ -495,13 +495,13 @@ def _candidate_gemm(device: torch.device) -> tuple[Callable | None, str, str]:
     """(gemm, description, why not) for the candidate: the CUDA kernels on a GPU, the emulated
     kernel sources on the CPU; no gemm (and the reason) when neither can run."""
     if device.type == "cuda":
-        return None, "CUDA kernels (moe_gemm_v2.cu, v1 where v2 declines)", ""
+        return None, "CUDA kernels (moe_gemm_v3.cu, v2 where v3 declines, v1 where v2 declines)", ""
     from wna16ctl.native.emulated import emulated_gemm_lib, emulated_unavailable_reason
     from wna16ctl.verification.rank_gemm import EmulatedGemm
 
     if emulated_gemm_lib() is None:
         return None, "", emulated_unavailable_reason()
-    return EmulatedGemm(), "moe_gemm_v2.cu (v1 where v2 declines) on the CPU emulation", ""
+    return EmulatedGemm(), "moe_gemm_v3.cu (v2, then v1 where it declines) on the CPU emulation", ""
 
 
 def _run_e2e(ck, out: Path, plan, samples: Path, options: E2EOptions, device: torch.device,  # noqa: ANN001
