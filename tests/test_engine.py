@@ -14,27 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import QUESTIONS, REPO_ROOT
+from tests.conftest import ENGINE_DRIVER, QUESTIONS, REPO_ROOT, engine_python
 
 pytestmark = pytest.mark.engine
-
-ENGINE_PYTHON = Path(os.environ.get("WNA16CTL_ENGINE_PYTHON", REPO_ROOT / "build" / "engine-venv" / "bin" / "python"))
-DRIVER = REPO_ROOT / "scripts" / "vllm_greedy.py"
-
-
-def _engine_python() -> Path:
-    if not ENGINE_PYTHON.is_file():
-        pytest.skip(f"engine tier: no engine venv at {ENGINE_PYTHON} (make engine-venv)")
-    probe = subprocess.run([str(ENGINE_PYTHON), "-c", "import vllm"], capture_output=True, text=True)
-    if probe.returncode:
-        pytest.skip(f"engine tier: vllm does not import in {ENGINE_PYTHON} (make engine-venv)")
-    return ENGINE_PYTHON
 
 
 def test_reference_tokens_agree_with_vllm(make_ckpt, tmp_path):
     from wna16ctl.verification.e2e import E2EOptions, model_dtype_logit_change, reference_generation
 
-    python = _engine_python()
+    python = engine_python()
     ck = make_ckpt(tokenizer=True)  # the `wna16ctl demo` default: Qwen3-MoE, 2 layers, 8 experts
     opts = E2EOptions(prompts=8, max_new_tokens=32)
     prompts, ref_tokens, ref_logits = reference_generation(ck, QUESTIONS, opts)
@@ -42,7 +30,7 @@ def test_reference_tokens_agree_with_vllm(make_ckpt, tmp_path):
     result = tmp_path / "result.json"
     request.write_text(json.dumps({"model": str(ck), "prompts": prompts, "max_tokens": opts.max_new_tokens,
                                    "dtype": "bfloat16"}))
-    run = subprocess.run([str(python), str(DRIVER), str(request), str(result)], capture_output=True, text=True,
+    run = subprocess.run([str(python), str(ENGINE_DRIVER), str(request), str(result)], capture_output=True, text=True,
                          env=_engine_env(1), cwd=tmp_path, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     engine = json.loads(result.read_text())
@@ -104,7 +92,7 @@ def _engine_run(python: Path, request: dict, tmp_path: Path, name: str, tp: int,
                 expect_ok: bool = True) -> tuple[dict | None, str]:
     req, res = tmp_path / f"{name}.request.json", tmp_path / f"{name}.result.json"
     req.write_text(json.dumps(request | {"tensor_parallel_size": tp, "memory_fraction": 0.15}))
-    run = subprocess.run([str(python), str(DRIVER), str(req), str(res)], capture_output=True, text=True,
+    run = subprocess.run([str(python), str(ENGINE_DRIVER), str(req), str(res)], capture_output=True, text=True,
                          env=_engine_env(tp, dump), cwd=tmp_path, timeout=1500)
     if expect_ok:
         assert run.returncode == 0, run.stderr[-3000:]
@@ -151,7 +139,7 @@ def test_sharded_state_of_vllm_layout_matches_a_normal_load(make_ckpt, tmp_path,
 
     from wna16ctl.cli import cli
 
-    python = _engine_python()
+    python = engine_python()
     ck = make_ckpt(arch=arch, tokenizer=True)
     out = tmp_path / "state"
     res = CliRunner().invoke(cli, ["repack", str(ck), "--tp", str(tp), "--layout", "vllm", "--vllm", ENGINE_RELEASE,
@@ -183,7 +171,7 @@ def test_vllms_own_saved_state_does_not_load_back(make_ckpt, tmp_path):
     sharded_state loader cannot load into the fresh parameters of a WNA16 MoE model."""
     import shutil
 
-    python = _engine_python()
+    python = engine_python()
     ck = make_ckpt(tokenizer=True)
     saved = tmp_path / "saved"
     saved.mkdir()

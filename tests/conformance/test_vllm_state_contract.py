@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_engine import _engine_env, _engine_python
+from tests.conftest import engine_python
+from tests.test_engine import _engine_env
 from wna16ctl.planning import rules
 
 pytestmark = [pytest.mark.engine, pytest.mark.conformance]
@@ -80,7 +81,7 @@ def release_keys(make_ckpt, tmp_path_factory):
         if release not in done:
             from tests.conformance.vllm_release import ReleaseUnavailable, fetch_hint, release_sources
 
-            python = _engine_python()
+            python = engine_python()
             tree = None
             if release != "installed":
                 try:

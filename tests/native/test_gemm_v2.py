@@ -65,16 +65,21 @@ V2_CASES = GEMM_CASES + [
 ]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["auto", "tile16", "tile32", "tile64"])
-@pytest.mark.parametrize("case", V2_CASES, ids=_case_id)
-def test_cuda_gemm_v2_matches_cpu_and_v1(case: dict, variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def _cuda_problem(case: dict) -> tuple[dict, list]:
+    """The problem of `case` and its arguments on the GPU, or a skip saying why there is none."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU visible to torch")
     if not K.cuda_available():
         pytest.skip("CUDA library unavailable (nvcc missing or build failed; see the log)")
     prob = make_problem(**case)
-    cuda_args = [x.cuda() if isinstance(x, torch.Tensor) else x for x in prob["args"]]
+    return prob, [x.cuda() if isinstance(x, torch.Tensor) else x for x in prob["args"]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["auto", "tile16", "tile32", "tile64"])
+@pytest.mark.parametrize("case", V2_CASES, ids=_case_id)
+def test_cuda_gemm_v2_matches_cpu_and_v1(case: dict, variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    prob, cuda_args = _cuda_problem(case)
     monkeypatch.setenv("WNA16CTL_GEMM_KERNEL", "v2")
     monkeypatch.setenv("WNA16CTL_GEMM_VARIANT", variant)
     got = torch.ops.wna16ctl.moe_wna16_gemm(*cuda_args).cpu()
@@ -93,12 +98,7 @@ def test_cuda_gemm_v2_matches_cpu_and_v1(case: dict, variant: str, monkeypatch: 
 def test_cuda_gemm_v3_equals_v2(case: dict, variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """v3 adds in v2's order: the same output bit for bit, on the second call on its workspace too
     (its counters return to zero); what it declines (act-order, small groups) v2 computes."""
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU visible to torch")
-    if not K.cuda_available():
-        pytest.skip("CUDA library unavailable (nvcc missing or build failed; see the log)")
-    prob = make_problem(**case)
-    cuda_args = [x.cuda() if isinstance(x, torch.Tensor) else x for x in prob["args"]]
+    prob, cuda_args = _cuda_problem(case)
     monkeypatch.setenv("WNA16CTL_GEMM_VARIANT", variant)
     monkeypatch.setenv("WNA16CTL_GEMM_KERNEL", "v2")
     v2 = torch.ops.wna16ctl.moe_wna16_gemm(*cuda_args).cpu()

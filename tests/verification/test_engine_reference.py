@@ -21,11 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import ENGINE_DRIVER, REPO_ROOT, engine_python
 from wna16ctl.demo import ARCHITECTURES
 
-ENGINE_PYTHON = Path(os.environ.get("WNA16CTL_ENGINE_PYTHON", REPO_ROOT / "build" / "engine-venv" / "bin" / "python"))
-DRIVER = REPO_ROOT / "scripts" / "vllm_greedy.py"
 PROMPTS = [[5, 6, 7, 8, 9, 10], [20, 30, 40, 50], [300, 301, 2, 77, 128, 9, 9], [100, 200, 300, 400, 500, 3]]
 NEW_TOKENS = 8
 # per architecture, the demo fields that differ from the default demo checkpoint: vLLM 0.32.0's CPU
@@ -34,15 +32,6 @@ NEW_TOKENS = 8
 # The real model's YaRN rope too: with plain rope vLLM's CPU rotary op rotates MLA's strided query and
 # key rows by the wrong positions (docs/verify.md, "DeepSeek-V3: the MLA size vLLM's CPU build runs")
 ENGINE_SPEC = {"deepseek_v3": {"mla_kv_lora_rank": 512, "mla_qk_rope_head_dim": 64, "mla_yarn_rope": True}}
-
-
-def engine_python() -> Path:
-    if not ENGINE_PYTHON.is_file():
-        pytest.skip(f"engine tier: no engine venv at {ENGINE_PYTHON} (make engine-venv)")
-    probe = subprocess.run([str(ENGINE_PYTHON), "-c", "import vllm"], capture_output=True, text=True)
-    if probe.returncode:
-        pytest.skip(f"engine tier: vllm does not import in {ENGINE_PYTHON} (make engine-venv)")
-    return ENGINE_PYTHON
 
 
 def engine_env(**extra: str) -> dict[str, str]:
@@ -54,7 +43,7 @@ def engine_env(**extra: str) -> dict[str, str]:
 def run_engine(request: dict, tmp_path: Path, name: str, **env: str) -> dict:
     req, res = tmp_path / f"{name}.request.json", tmp_path / f"{name}.result.json"
     req.write_text(json.dumps(request | {"memory_fraction": 0.15}))
-    run = subprocess.run([str(engine_python()), str(DRIVER), str(req), str(res)], capture_output=True, text=True,
+    run = subprocess.run([str(engine_python()), str(ENGINE_DRIVER), str(req), str(res)], capture_output=True, text=True,
                          env=engine_env(**env), cwd=tmp_path, timeout=1500)
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(res.read_text())

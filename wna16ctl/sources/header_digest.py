@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import os
 from dataclasses import dataclass
 
 # (prefix, projection, suffix, expert numbers as written, distinct dtypes, the shape all share or None)
@@ -31,25 +30,22 @@ class HeaderDigest:
     groups: list[Group] | None  # None: some expert tensor's name does not split in four parts
 
 
-_lib_state: list = []  # [library or None], filled on first use
-
-
 def _library():
-    if not _lib_state:
-        from wna16ctl.native.build import header_scan_lib
+    """The header-scan library, or None (no compiler, or WNA16CTL_NO_NATIVE set: read per call,
+    so the switch works at any time); `native.build` builds it on first use and keeps it."""
+    from wna16ctl.native.build import header_scan_lib
 
-        _lib_state.append(header_scan_lib())
-    return _lib_state[0]
+    return header_scan_lib()
 
 
 def native_header_scan_available() -> bool:
-    return os.environ.get("WNA16CTL_NO_NATIVE", "").strip() in ("", "0") and _library() is not None
+    return _library() is not None
 
 
 def _call(fn_name: str, blob: bytes, *args: int, cap: int) -> memoryview | None:
     """The output of a native scan of `blob` (a view of the written bytes), or None (no library,
     or not accepted)."""
-    lib = _library() if os.environ.get("WNA16CTL_NO_NATIVE", "").strip() in ("", "0") else None
+    lib = _library()
     if lib is None:
         return None
     fn = getattr(lib, fn_name)
