@@ -286,11 +286,6 @@ def repack(ctx: click.Context, ckpt: str, tp: str, ep: bool, layout: str, out: s
 
             render(console, plan)
 
-        def render_repack_result(console, plan, result):  # noqa: ANN001, ANN202
-            from wna16ctl.render import render_repack_result as render
-
-            render(console, plan, result)
-
         from wna16ctl.planning.inspection import resolve, resolve_switches
 
         engine = resolve(vllm, gpu)
@@ -331,7 +326,9 @@ def repack(ctx: click.Context, ckpt: str, tp: str, ep: bool, layout: str, out: s
         finally:
             group.close()
         if result.committed:  # one result per output directory (one per node with --node-local)
-            sink.result(result.to_json(), lambda console: render_repack_result(console, plan, result))
+            from wna16ctl.summary import repack_result_lines
+
+            sink.result_lines(result.to_json(), lambda: repack_result_lines(plan, result))
         return EXIT_OK
 
     _run(ctx, sink, body, interrupted="no output was committed; the staging directory is kept for --resume")
@@ -352,10 +349,10 @@ def assemble(ctx: click.Context, out: str, json_mode: bool, debug: bool) -> None
 
     def body() -> int:
         from wna16ctl.repacking.parts import assemble as assemble_parts
-        from wna16ctl.render import render_assemble
+        from wna16ctl.summary import assemble_result_lines
 
         result = assemble_parts(out)
-        sink.result(result.to_json(), lambda console: render_assemble(console, result))
+        sink.result_lines(result.to_json(), lambda: assemble_result_lines(result))
         return EXIT_OK
 
     _run(ctx, sink, body, interrupted="run assemble again")

@@ -236,27 +236,6 @@ def render_repack_plan(console: Console, plan) -> None:  # noqa: ANN001 - Repack
                   f"fingerprint {plan.fingerprint[:16]}…")
 
 
-def render_repack_result(console: Console, plan, result) -> None:  # noqa: ANN001
-    console.print(
-        f"wrote [bold]{escape(str(result.out))}[/]: {plural(result.files_written, 'file')} written"
-        + (f", {result.files_reused} reused" if result.files_reused else "")
-        + f", {human_bytes(sum(plan.rank_bytes()[r] for r in result.ranks))} in "
-        + plural(len(result.ranks), 'rank directory', 'rank directories')
-    )
-    if len(result.ranks) != plan.settings.tp:
-        console.print(f"ranks {', '.join(map(str, result.ranks))} of {plan.settings.tp}: a part (join the parts with "
-                      "`wna16ctl assemble`, docs/user-guide.md)")
-    if len(result.processes) > 1:
-        console.print(f"written by {plural(len(result.processes), 'process', 'processes')}")
-    console.print(f"manifest: {escape(str(result.out / result.manifest_name))}")
-
-
-def render_assemble(console: Console, result) -> None:  # noqa: ANN001 - parts.AssembleResult
-    console.print(f"assembled [bold]{escape(str(result.out))}[/]: {plural(len(result.parts), 'part')}, "
-                  f"ranks {', '.join(map(str, result.ranks))}, {plural(result.files, 'file')}")
-    console.print(f"manifest: {escape(str(result.out / result.to_json()['manifest_name']))} (check it with `wna16ctl verify`)")
-
-
 _STATUS_MARKUP = {"pass": "[green]pass[/]", "FAIL": "[bold red]FAIL[/]", "not run": "[bold yellow]not run[/]"}
 
 

@@ -44,6 +44,15 @@ class Sink:
         else:
             render(self.out)
 
+    def result_lines(self, data: dict[str, Any], lines: Callable[[], list[str]]) -> None:
+        """A result that people read as a few plain lines (repack's, assemble's): printed as they
+        are, never wrapped, without importing rich (tens of milliseconds at the end of a run)."""
+        if self.json_mode:
+            self.result(data, lambda console: None)
+        else:
+            sys.stdout.write("".join(line + "\n" for line in lines()))
+            sys.stdout.flush()
+
     # diagnostics ---------------------------------------------------------------------------
     def warn(self, message: str, *, always: bool = False) -> None:
         """A warning on stderr; `--quiet` hides it unless `always` (something was deleted, ...)."""

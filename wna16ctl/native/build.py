@@ -14,8 +14,6 @@ import hashlib
 import logging
 import os
 import shutil
-import subprocess
-import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -113,6 +111,8 @@ def _digest(parts: Sequence[bytes | str]) -> str:
 
 
 def _tool_version(exe: str) -> str:
+    import subprocess
+
     try:
         out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError) as exc:
@@ -153,6 +153,8 @@ def find_nvcc() -> Optional[str]:
 
 
 def _run(cmd: list[str], what: str) -> None:
+    import subprocess  # only when something is built: a run that finds its libraries never starts one
+
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         tail = (proc.stdout + proc.stderr).strip()[-4000:]
@@ -172,7 +174,16 @@ def _compile_and_link(
     return target
 
 
+def _fallback_dir() -> Path:
+    """Where libraries are built when the cache directory cannot be written."""
+    import tempfile
+
+    return Path(tempfile.gettempdir()) / f"wna16ctl-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
+
+
 def _build_dir() -> Path:
+    import tempfile
+
     d = cache_dir()
     try:
         d.mkdir(parents=True, exist_ok=True)
@@ -180,9 +191,21 @@ def _build_dir() -> Path:
         probe.close()
         return d
     except OSError:
-        fallback = Path(tempfile.gettempdir()) / f"wna16ctl-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
+        fallback = _fallback_dir()
         fallback.mkdir(parents=True, exist_ok=True)
         return fallback
+
+
+def _built(name: str, out_dir: Optional[Path]) -> tuple[Path, bool]:
+    """(path, whether it exists) of the library file `name`: in `out_dir` when given, else in the
+    cache directory or, where an earlier build had to use it, the fallback directory.  A library
+    that is already built is found without writing anything (no probe of the cache directory)."""
+    if out_dir is None:
+        for where in (cache_dir, _fallback_dir):
+            if (where() / name).exists():
+                return where() / name, True
+        out_dir = _build_dir()
+    return out_dir / name, (out_dir / name).exists()
 
 
 def build_host(extra_flags: Sequence[str] = (), out_dir: Optional[Path] = None) -> Path:
@@ -193,10 +216,11 @@ def build_host(extra_flags: Sequence[str] = (), out_dir: Optional[Path] = None) 
     src = kernels_dir()
     flags = [*_HOST_FLAGS, *extra_flags]
     key = _build_key(cxx, flags)
-    out_dir = out_dir or _build_dir()
-    target = out_dir / f"libwna16_host-{key}.so"
-    if target.exists():
+    target, done = _built(f"libwna16_host-{key}.so", out_dir)
+    if done:
         return target
+    import tempfile
+
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=".build-") as tmp:
         objs = [Path(tmp) / f"{Path(s).stem}.o" for s in HOST_SOURCES]
         cmds = [[cxx, *flags, *_HOST_FILE_FLAGS.get(s, ()), "-I", str(src), "-c", str(src / s), "-o", str(o)]
@@ -215,10 +239,11 @@ def build_header_scan(out_dir: Optional[Path] = None) -> Path:
         raise KernelBuildError(f"kernel sources not found in {src} (set WNA16CTL_KERNELS_DIR)")
     flags = list(_HEADER_SCAN_FLAGS)
     key = _digest([*((src / n).read_bytes() for n in ("capi.h", *HEADER_SCAN_SOURCES)), _tool_identity(cxx), *flags])
-    out_dir = out_dir or _build_dir()
-    target = out_dir / f"libwna16_headers-{key}.so"
-    if target.exists():
+    target, done = _built(f"libwna16_headers-{key}.so", out_dir)
+    if done:
         return target
+    import tempfile
+
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=".build-") as tmp:
         built = Path(tmp) / "lib.so"
         _run([cxx, *flags, "-shared", "-I", str(src), *(str(src / s) for s in HEADER_SCAN_SOURCES), "-o", str(built)],
@@ -247,6 +272,8 @@ def detect_archs() -> list[str]:
     except Exception as exc:  # a broken driver must not stop the build
         log.debug("torch.cuda capability query failed: %s", exc)
     if not archs and shutil.which("nvidia-smi"):
+        import subprocess
+
         try:
             out = subprocess.run(
                 ["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
@@ -259,6 +286,8 @@ def detect_archs() -> list[str]:
 
 
 def _nvcc_archs(nvcc: str) -> list[int]:
+    import subprocess
+
     try:
         out = subprocess.run([nvcc, "--list-gpu-arch"], capture_output=True, text=True, timeout=30)
         return sorted({int(x.split("_")[1]) for x in out.stdout.split() if x.startswith("compute_")})
@@ -304,10 +333,11 @@ def build_cuda(
     src = kernels_dir()
     flags = [*_CUDA_FLAGS, *_gencode(archs, _nvcc_archs(nvcc)), *extra_flags]
     key = _build_key(nvcc, flags)
-    out_dir = out_dir or _build_dir()
-    target = out_dir / f"libwna16_cuda-{'-'.join(archs)}-{key}.so"
-    if target.exists():
+    target, done = _built(f"libwna16_cuda-{'-'.join(archs)}-{key}.so", out_dir)
+    if done:
         return target
+    import tempfile
+
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=".build-") as tmp:
         objs = [Path(tmp) / f"{Path(s).stem}.o" for s in CUDA_SOURCES]
         cmds = [[nvcc, *flags, "-I", str(src), "-c", str(src / s), "-o", str(o)] for s, o in zip(CUDA_SOURCES, objs)]

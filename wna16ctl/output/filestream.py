@@ -26,11 +26,20 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 _PAGE = 4096  # O_DIRECT wants offsets, sizes and addresses aligned to the logical block size (<= 4 KiB)
-# One write of 1 MiB, up to four of them in flight per file: small enough that a block is still in
-# the cache when it is hashed and written, deep enough that a disk slow at one write at a time is
-# kept busy (bench/bench_repack.py measured 1, 4 and 8 MiB blocks here: 1 MiB was fastest).
+# One write of 1 MiB (or one reservation, when larger), up to three of them in flight per file:
+# small enough that a block is still in the cache when it is hashed and written, deep enough that
+# a disk slow at one write at a time is kept busy (bench/bench_repack.py measured 1, 4 and 8 MiB
+# blocks here: 1 MiB was fastest).  Four in flight per file measured the same time with 12 MiB
+# more peak memory: the write pool runs four writes at once for all files together.
 BLOCK_BYTES = 1 << 20
-DEPTH = 4
+DEPTH = 3
+
+
+def depth_for(max_reserve: int) -> int:
+    """Blocks in flight for a stream whose largest reservation is `max_reserve`.  One of small
+    pieces (a layer's scales: a few KiB a chunk) fills a block over many chunks, so its writes are
+    rare and two blocks keep it going; its other blocks would only hold memory for the whole run."""
+    return 2 if max_reserve * 4 <= BLOCK_BYTES else DEPTH
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 

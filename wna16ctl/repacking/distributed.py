@@ -23,11 +23,9 @@ The decisions made here:
 
 from __future__ import annotations
 
-import datetime
 import os
 import re
 import signal
-import socket
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence, TypeVar
@@ -55,6 +53,12 @@ class Launch:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+
+def _hostname() -> str:
+    import socket  # only a run of several processes asks (a single process imports nothing for it)
+
+    return socket.gethostname()
 
 
 def _int_env(env: Mapping[str, str], name: str, default: int | None = None) -> int:
@@ -241,7 +245,7 @@ class Group:
     def _lost(self) -> list[int]:
         """The processes known to be lost: on this host, gone (or a zombie) without having marked
         themselves stopped.  Processes on other hosts cannot be looked at: never listed."""
-        here = socket.gethostname()
+        here = _hostname()
         lost = []
         for rank, (host, pid) in enumerate(self.hosts):
             if rank == self.rank or host != here or not _process_gone(pid):
@@ -260,7 +264,7 @@ class Group:
         deadline = time.monotonic() + wait_s
         while True:
             lost = self._lost()
-            here = socket.gethostname()
+            here = _hostname()
             if lost or time.monotonic() >= deadline or not any(
                     host == here for rank, (host, _) in enumerate(self.hosts) if rank != self.rank):
                 return lost
@@ -274,7 +278,7 @@ class Group:
     def _other_of_two(self) -> list[int]:
         """Of two processes on different hosts, the other one: the only one that can be lost."""
         other = 1 - self.rank
-        if self.world_size == 2 and len(self.hosts) == 2 and self.hosts[other][0] != socket.gethostname():
+        if self.world_size == 2 and len(self.hosts) == 2 and self.hosts[other][0] != _hostname():
             return [other]
         return []
 
@@ -375,6 +379,8 @@ def init_group(launch: Launch | None = None) -> Group:
     except ValueError:
         raise UsageError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
     try:
+        import datetime
+
         dist.init_process_group("gloo", rank=launch.rank, world_size=launch.world_size,
                                 timeout=datetime.timedelta(seconds=timeout))
     except Exception as e:  # noqa: BLE001 - the rendezvous failed: one line
@@ -389,7 +395,7 @@ def init_group(launch: Launch | None = None) -> Group:
     except Exception:  # noqa: BLE001 - a private accessor: without it lost processes go unnamed
         group.store = None
     _stop_on_sigterm(group)
-    everyone = group.all_gather((launch, socket.gethostname(), os.getpid()))
+    everyone = group.all_gather((launch, _hostname(), os.getpid()))
     group.members = [m for m, _, _ in everyone]
     group.hosts = [(host, pid) for _, host, pid in everyone]
     return group

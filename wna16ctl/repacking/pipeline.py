@@ -43,7 +43,7 @@ from wna16ctl.planning.config_parse import config_refusal
 from wna16ctl.planning.engine_env import EngineSwitches, parse_env
 from wna16ctl.planning.moe import Backend, LayerPlan, plan_layer
 from wna16ctl.planning.tpsizes import check_tp_sizes, parse_tp_list
-from wna16ctl.output.filestream import DEPTH, FileStream
+from wna16ctl.output.filestream import DEPTH, FileStream, depth_for
 from wna16ctl.sink import TaskStarter, no_progress
 from wna16ctl.output.writer import (
     FILE_HASH, JOURNAL_NAME, MANIFEST_NAME, PlannedFile, PlannedTensor, ReusedBuffer, StagedOutput, new_hasher,
@@ -65,8 +65,11 @@ SIDE_FILES = (
 )
 # Packed input per expert chunk: a chunk and its outputs stay in the CPU caches from the read to
 # the write and the hash (64 MiB chunks measured ~2x the system time: every stage went to DRAM).
+# 8 MiB (3 experts of a Qwen3-30B-A3B layer) against 4 MiB (1): each chunk is mapped, built by
+# both ranks' threads and unmapped once (an unmap interrupts the other core to flush its TLB), so
+# fewer chunks measured 10 % less CPU time per run (bench/bench_repack.py, docs/performance.md).
 _COPY_PIECE = 16 << 20  # non-expert tensors are copied (and re-digested) in pieces of this size
-_CHUNK_BYTES = 4 << 20
+_CHUNK_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -958,7 +961,8 @@ def _produce_streamed(plan: RepackPlan, files: dict[str, PlannedFile], reader: R
             for by_name in targets.values():
                 for name, f in by_name.items():
                     if f.relpath not in streams:  # a file's first unit opens it
-                        streams[f.relpath] = open_stream(f, builder.per_expert[name] * builder.max_experts)
+                        reserve = builder.per_expert[name] * builder.max_experts
+                        streams[f.relpath] = open_stream(f, reserve, depth_for(reserve))
             layer = job.layer
             wanted = [job.expert_ranges[r] for r in targets]
             for chunk in (c for c in _expert_chunks(job) if any(c.start in rng for rng in wanted)):  # EP: skip others

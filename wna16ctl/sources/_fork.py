@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import marshal
 import os
-import pickle
 import signal
 import sys
 import threading
@@ -61,6 +60,8 @@ def split_map(fn: Callable[[T], R], items: Sequence[T], *, min_items: int = 8, u
             if use_marshal and payload[0] == "ok":
                 data = b"M" + marshal.dumps(payload)
             else:
+                import pickle  # only what marshal cannot carry
+
                 data = b"P" + pickle.dumps(payload, protocol=5)
             with os.fdopen(wfd, "wb") as w:
                 w.write(data)
@@ -88,7 +89,12 @@ def split_map(fn: Callable[[T], R], items: Sequence[T], *, min_items: int = 8, u
         raise first_error
     if not data:
         raise RuntimeError("worker process died")
-    status, value = marshal.loads(data[1:]) if data[:1] == b"M" else pickle.loads(data[1:])
+    if data[:1] == b"M":
+        status, value = marshal.loads(data[1:])
+    else:
+        import pickle
+
+        status, value = pickle.loads(data[1:])
     if status == "bad":
         raise BadInput(value)
     if status == "err":

@@ -22,7 +22,6 @@ import json
 import os
 import re
 import struct
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -238,6 +237,8 @@ def _read_cached(path: Path) -> tuple[int, bytes] | None:
 
 def _write_cached(path: Path, size: int, raw: bytes) -> None:
     """Atomically (a reader never sees half a header); a cache that cannot be written is skipped."""
+    import tempfile  # only the Hub's header cache writes (a local checkpoint never does)
+
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
