@@ -221,7 +221,7 @@ def build_host(extra_flags: Sequence[str] = (), out_dir: Optional[Path] = None) 
         return target
     import tempfile
 
-    with tempfile.TemporaryDirectory(dir=out_dir, prefix=".build-") as tmp:
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
         objs = [Path(tmp) / f"{Path(s).stem}.o" for s in HOST_SOURCES]
         cmds = [[cxx, *flags, *_HOST_FILE_FLAGS.get(s, ()), "-I", str(src), "-c", str(src / s), "-o", str(o)]
                 for s, o in zip(HOST_SOURCES, objs)]
@@ -244,7 +244,7 @@ def build_header_scan(out_dir: Optional[Path] = None) -> Path:
         return target
     import tempfile
 
-    with tempfile.TemporaryDirectory(dir=out_dir, prefix=".build-") as tmp:
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
         built = Path(tmp) / "lib.so"
         _run([cxx, *flags, "-shared", "-I", str(src), *(str(src / s) for s in HEADER_SCAN_SOURCES), "-o", str(built)],
              "compile")
@@ -338,7 +338,7 @@ def build_cuda(
         return target
     import tempfile
 
-    with tempfile.TemporaryDirectory(dir=out_dir, prefix=".build-") as tmp:
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
         objs = [Path(tmp) / f"{Path(s).stem}.o" for s in CUDA_SOURCES]
         cmds = [[nvcc, *flags, "-I", str(src), "-c", str(src / s), "-o", str(o)] for s, o in zip(CUDA_SOURCES, objs)]
         link = [nvcc, *flags, "-shared", *map(str, objs), "-o", str(Path(tmp) / "lib.so")]

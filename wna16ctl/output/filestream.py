@@ -41,6 +41,7 @@ def depth_for(max_reserve: int) -> int:
     rare and two blocks keep it going; its other blocks would only hold memory for the whole run."""
     return 2 if max_reserve * 4 <= BLOCK_BYTES else DEPTH
 
+
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
