@@ -164,6 +164,19 @@ def test_pristine_outputs_pass(outputs, name):
     assert report.layers_checked == 1 and report.experts_checked == 4
 
 
+def test_the_numerics_check_names_the_questions_it_ran_on(outputs, tmp_path):
+    """The demo's generated questions (verify's last fallback) or a user's file are never reported
+    as GSM8K."""
+    ck, out = outputs("g128")
+    for name, said in (("demo_questions.jsonl", "the demo's generated questions"), ("mine.jsonl", "mine.jsonl"),
+                       ("gsm8k-test.jsonl", "GSM8K")):
+        samples = tmp_path / name
+        shutil.copyfile(QUESTIONS, samples)
+        report = verify_output(ck, out, samples=samples, num_samples=2)
+        assert report.passed
+        assert report.check("numerics").description.startswith(f"activations of {said} through"), name
+
+
 # ---- weight faults ---------------------------------------------------------------------------------------
 
 

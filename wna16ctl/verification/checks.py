@@ -10,7 +10,7 @@ is missing stays `not run` with the reason, and the verdict needs every required
    slice of the checkpoint's codes, scales, zero points and g_idx bit for bit, and the ranks
    re-assemble into the checkpoint; every rank holds exactly the planned tensors, the non-expert
    ones byte-equal to the checkpoint's;
-3. numerics — per MoE layer, GSM8K-derived activations through the repacked per-rank weights
+3. numerics — per MoE layer, activations of the samples (GSM8K by default) through the repacked per-rank weights
    (model dtype, fp32 accumulation, partial sums added across ranks like the all-reduce)
    against the dequantized checkpoint in fp32, within an element-wise bound derived from the
    dtype's rounding (docs/verify.md).
@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from wna16ctl.repacking import parts
 from wna16ctl.output import outdir
 from wna16ctl.verification.activations import embed, load_questions, resolve_samples, route, tokenize
+from wna16ctl.verification.samples import samples_label
 from wna16ctl.sources import Checkpoint, open_checkpoint
 from wna16ctl.sources.tensors import TensorReader, dtype_from_name, writable_view
 from wna16ctl.errors import BadInput, LayoutMismatch, NotLoadable, UsageError
@@ -118,7 +119,7 @@ def _default_checks() -> list[Check]:
     return [
         Check("manifest", "fingerprint, file hashes, settings and plan"),
         Check("round_trip", "every expert of every rank undone and compared bit for bit"),
-        Check("numerics", "GSM8K-derived activations through the repacked layers against the fp32 reference"),
+        Check("numerics", "activations of the samples through the repacked layers against the fp32 reference"),
     ]
 
 
@@ -538,13 +539,14 @@ def verify_output(
 
         why = "needs every rank; this output is a part" if plan is not None else \
             "no plan to run: see the manifest check"
-        report.checks.append(Check("e2e", "greedy generation on GSM8K prompts with the source and the repacked experts",
-                                   reason=why))
+        report.checks.append(Check("e2e", f"greedy generation on prompts of {samples_label(samples_path)} with the source "
+                                   "and the repacked experts", reason=why))
         report.e2e = e2e_mod.not_run(why)
     elif e2e is not None:
         from wna16ctl.verification import e2e as e2e_mod
 
-        check = Check("e2e", "greedy generation on GSM8K prompts with the source and the repacked experts")
+        check = Check("e2e", f"greedy generation on prompts of {samples_label(samples_path)} with the source and the "
+                      "repacked experts")
         report.checks.append(check)
         dtype = dtype_from_name(manifest.get("scale_dtype") or ck.config.torch_dtype)
         report.e2e = e2e_mod.run_e2e(ck, out_path, plan, Path(samples_path), e2e, gemm_device, dtype)
@@ -559,6 +561,8 @@ def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], sam
     device = gemm_device.type
     questions = load_questions(samples, num_samples)
     report = VerifyReport(str(ck.root), str(out_path), device, tokenizer="", samples=len(questions))
+    report.check("numerics").description = (f"activations of {samples_label(samples)} through the repacked layers "
+                                            "against the fp32 reference")
     plan = _check_manifest(ck, out_path, manifest, report, progress)
     report.conclude("manifest")
     if plan is None:

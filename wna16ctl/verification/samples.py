@@ -46,6 +46,17 @@ def repository_shared_dir() -> Path | None:
     return shared if shared.is_dir() else None
 
 
+def samples_label(path: str | os.PathLike[str]) -> str:
+    """What the report calls the questions in `path`: the demo's own, GSM8K's, or the file's name
+    (a user's file that is not GSM8K must not be reported as GSM8K)."""
+    p = Path(path)
+    if p.name == DEMO_QUESTIONS:
+        return "the demo's generated questions"
+    if "gsm8k" in str(p).lower():
+        return "GSM8K"
+    return p.name
+
+
 def resolve_samples(samples: str | os.PathLike[str] | None, checkpoint: str | os.PathLike[str] | None = None,
                     notice: Callable[[str], None] | None = None) -> str | os.PathLike[str]:
     """Where verify's questions come from: SAMPLE_SEARCH_ORDER, first match wins.
