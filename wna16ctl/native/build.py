@@ -201,9 +201,10 @@ def _built(name: str, out_dir: Optional[Path]) -> tuple[Path, bool]:
     cache directory or, where an earlier build had to use it, the fallback directory.  A library
     that is already built is found without writing anything (no probe of the cache directory)."""
     if out_dir is None:
-        for where in (cache_dir, _fallback_dir):
-            if (where() / name).exists():
-                return where() / name, True
+        for where in (cache_dir, _fallback_dir):  # called in turn: the fallback's look-up imports tempfile
+            found = where() / name
+            if found.exists():
+                return found, True
         out_dir = _build_dir()
     return out_dir / name, (out_dir / name).exists()
 
