@@ -148,7 +148,7 @@ def test_native_runs_are_byte_identical_and_verify(make_ckpt, tmp_path):
     run_repack(plan_repack(ck, RepackSettings(tp=2)), tmp_path / "a")
     run_repack(plan_repack(ck, RepackSettings(tp=2)), tmp_path / "b")
     assert _tree(tmp_path / "a") == _tree(tmp_path / "b")
-    report = verify_output(ck, tmp_path / "a", num_samples=4)
+    report = verify_output(ck, tmp_path / "a", samples=QUESTIONS, num_samples=4)
     assert report.passed, [f.message for f in report.findings]
 
 
@@ -206,11 +206,11 @@ def test_verify_reads_sha256_manifests_and_blake3_ones(make_ckpt, tmp_path):
     for rel, meta in m["files"].items():
         m["files"][rel] = {"sha256": sha256_file(out / rel), "bytes": meta["bytes"]}
     (out / MANIFEST_NAME).write_text(json.dumps(m, indent=2) + "\n")
-    assert verify_output(ck, out, num_samples=4).passed
+    assert verify_output(ck, out, samples=QUESTIONS, num_samples=4).passed
     rel = "rank-1/model.safetensors.index.json"
     m["files"][rel]["sha256"] = "0" * 64
     (out / MANIFEST_NAME).write_text(json.dumps(m, indent=2) + "\n")
-    report = verify_output(ck, out, num_samples=4)
+    report = verify_output(ck, out, samples=QUESTIONS, num_samples=4)
     assert not report.passed and any(f"{rel}: sha256 differs" in f.message for f in report.findings)
 
 
