@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 DEMO_DIR ?= build/demo
 TP ?= 2
 
-.PHONY: install demo test test-kernels conformance test-engine engine-venv bench clean
+.PHONY: install lint demo test test-kernels conformance test-engine engine-venv bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +16,11 @@ $(BIN)/.installed: pyproject.toml
 	touch $@
 
 install: $(BIN)/.installed
+
+# ruff with the rule set in pyproject.toml (pinned in the `lint` extra)
+lint: $(BIN)/.installed
+	@$(BIN)/python -c 'import ruff' 2>/dev/null || $(BIN)/pip install -q -e '.[lint]'
+	$(BIN)/python -m ruff check wna16ctl tests bench scripts
 
 # The main job on the embedded default: a Qwen3-MoE W4A16 demo checkpoint written by
 # compressed-tensors, inspected, repacked for TP=$(TP), and verified.

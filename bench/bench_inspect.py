@@ -152,7 +152,6 @@ def breakdown(d: Path, repeats: int) -> None:
         step("linear layers (find_linear_layers)", lambda: find_linear_layers(files, cfg))
         insp = step("inspect_checkpoint, all of it, serial", lambda: inspect_checkpoint(str(d), (8,), False))
         step("JSON output", lambda: json.dumps(insp.to_json()))
-        del shs, scans, files, insp, blobs
     print(f"inspect's steps in one process, CPU seconds, min of {repeats} (load average {os.getloadavg()[0]:.1f})")
     print()
     print("| step | CPU |")

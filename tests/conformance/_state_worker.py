@@ -69,7 +69,7 @@ def main(ckpts: list[str], tp: int, rank: int, init_file: str, tree: str | None 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     if tree:
         _use_release_tree(tree)
-    import torch
+    import torch  # noqa: F401 - torch first, as vLLM's own entry points import it
 
     import vllm
     from vllm.config import set_current_vllm_config

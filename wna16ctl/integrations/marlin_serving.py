@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from wna16ctl.dtypes import FLOAT_ST_OF_CONFIG
 from wna16ctl.errors import UsageError
 from wna16ctl.layout.spec import MARLIN, RankLayout, expert_shapes
 from wna16ctl.planning import rules
@@ -63,9 +64,6 @@ class MarlinOutput:
         return {f"{layer.name}.{t}" for layer in self.layers for t in layer.tensors}
 
 
-_ST_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
-
-
 def _manifest_error(root: Path, what: str) -> UsageError:
     return UsageError(f"{root / MANIFEST}: {what}; serve an output of `wna16ctl repack --layout marlin` "
                       f"(verify it with `wna16ctl verify`)")
@@ -97,7 +95,7 @@ def _parse_manifest(root: Path, m: dict[str, Any]) -> MarlinOutput:
         raise UsageError(f"{root}: layout {layout!r}, but --load-format {LOAD_FORMAT} serves the marlin layout"
                          + (f"; {hint}" if hint else ""))
     engine = m["engine"]
-    scale_dtype = _ST_DTYPES.get(m["scale_dtype"])
+    scale_dtype = FLOAT_ST_OF_CONFIG.get(m["scale_dtype"])
     if scale_dtype is None:
         raise _manifest_error(root, f"scale dtype {m['scale_dtype']!r} is not one vLLM's Marlin MoE takes")
     tp = int(m["tp"])

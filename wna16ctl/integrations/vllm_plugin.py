@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from wna16ctl.dtypes import st_dtype
 from wna16ctl.errors import UsageError
 from wna16ctl.integrations.marlin_serving import (
     LOAD_FORMAT,
@@ -43,7 +44,6 @@ from wna16ctl.integrations.marlin_serving import (
     served_layer_tensors,
 )
 
-_ST_OF_TORCH = {"torch.int32": "I32", "torch.bfloat16": "BF16", "torch.float16": "F16", "torch.float32": "F32"}
 
 
 def register() -> None:
@@ -54,7 +54,10 @@ def register() -> None:
 
 
 def _st_dtype(t: Any) -> str:
-    return _ST_OF_TORCH.get(str(t.dtype), str(t.dtype))
+    try:
+        return st_dtype(t.dtype)
+    except KeyError:
+        return str(t.dtype)
 
 
 def _platform() -> Any:

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import Tensor
 
+from wna16ctl.dtypes import st_dtype, torch_dtype
 from wna16ctl.errors import LayoutMismatch
 from wna16ctl.layout._mismatch import first_difference
 from wna16ctl.layout.marlin import (
@@ -68,10 +69,8 @@ def expected_rank_shapes(spec: RankLayout, num_local_experts: int, scale_dtype: 
 
 def expected_expert_shapes(spec: RankLayout, scale_dtype: torch.dtype) -> dict[str, ShapeAndDtype]:
     """name -> (shape, dtype) of one expert's slice of the rank tensors (`spec.expert_shapes`)."""
-    from wna16ctl.sources.tensors import SAFETENSORS_DTYPES, torch_dtype
-
     return {name: (shape, torch_dtype(dt)) for name, (shape, dt) in
-            expert_shapes(spec, SAFETENSORS_DTYPES[scale_dtype]).items()}
+            expert_shapes(spec, st_dtype(scale_dtype)).items()}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -776,8 +776,3 @@ def _hash_range(fd: int, hasher: Any, pos: list[int], end: int, buf: ReusedBuffe
         pos[0] += n
 
 
-def st_dtype(dtype: Any) -> str:
-    """The safetensors name of a torch dtype."""
-    from wna16ctl.sources.tensors import SAFETENSORS_DTYPES
-
-    return SAFETENSORS_DTYPES[dtype]

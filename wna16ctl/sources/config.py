@@ -22,6 +22,7 @@ from itertools import compress
 from pathlib import Path
 from typing import Any, Iterator
 
+from wna16ctl.dtypes import FLOAT_ST_OF_CONFIG
 from wna16ctl.errors import BadInput
 
 PACK_QUANTIZED = "pack-quantized"
@@ -366,7 +367,7 @@ _MAX_DIM = 1 << 40  # no model dimension or count comes near this; larger is a c
 # is accepted (the Triton kernel and the checkpoint allow it) but the Marlin kernels and
 # verify's MoE GEMM run float16/bfloat16 only.
 SCALE_DTYPES = ("float16", "bfloat16", "float32")
-SCALE_ST_DTYPES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}  # as safetensors names them
+SCALE_ST_DTYPES = FLOAT_ST_OF_CONFIG  # as safetensors names them
 _DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32", "fp32": "float32"}
 
 # Model families whose `intermediate_size` is the dense MLP's width and whose experts' width is

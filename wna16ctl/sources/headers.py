@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from wna16ctl.dtypes import ST_BITS, ST_SIZES
 from wna16ctl.errors import BadInput
 from wna16ctl.sources.header_digest import digest_index
 
@@ -26,14 +27,8 @@ MAX_HEADER = 100_000_000  # the safetensors library refuses larger headers (Head
 MAX_INDEX = 1 << 30  # a 10^6-tensor index is ~100 MB
 _U64 = 1 << 64
 
-DTYPE_SIZES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
-    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4,
-    "I64": 8, "U64": 8, "F64": 8, "C64": 8,
-}
-# every dtype the safetensors library reads, in bits (the sub-byte ones have no byte size)
-DTYPE_BITS = {**{k: 8 * v for k, v in DTYPE_SIZES.items()}, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
+DTYPE_SIZES = ST_SIZES
+DTYPE_BITS = ST_BITS
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,6 @@ huggingface_hub honours `HF_TOKEN`, `HF_ENDPOINT`, `HF_HOME`/`HF_HUB_CACHE`, `HF
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import struct

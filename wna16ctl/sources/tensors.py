@@ -17,17 +17,7 @@ from wna16ctl.sources.raw import RawReader
 from wna16ctl.sources.moe import ROLE_ORDER, MoELayer
 from wna16ctl.errors import BadInput
 
-_TORCH_DTYPES = {
-    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
-    "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
-    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
-SAFETENSORS_DTYPES = {v: k for k, v in _TORCH_DTYPES.items()}
-
-
-def torch_dtype(st_dtype: str) -> torch.dtype:
-    return _TORCH_DTYPES[st_dtype]
+from wna16ctl.dtypes import torch_dtype  # noqa: F401  (re-exported: the readers' name for it)
 
 
 def writable_view(t: torch.Tensor) -> memoryview:

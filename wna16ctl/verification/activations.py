@@ -21,13 +21,11 @@ import torch
 from wna16ctl.sources import Checkpoint, MoELayer
 from wna16ctl.sources.tensors import TensorReader
 from wna16ctl.errors import BadInput
-
-MAX_TOKENS_PER_SAMPLE = 64
-
-
-from wna16ctl.verification.samples import (  # noqa: F401 - the sample sources live in a torch-free module
+from wna16ctl.verification.samples import (  # noqa: F401 - re-exported: the sample sources live in a torch-free module
     DEMO_QUESTIONS, GSM8K_TEST, SAMPLE_SEARCH_ORDER, SAMPLES_ENV, SHARED_ENV, repository_shared_dir, resolve_samples,
 )
+
+MAX_TOKENS_PER_SAMPLE = 64
 
 _DATASET_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
