@@ -141,3 +141,26 @@ def test_no_engine_installed_is_answered_without_searching_metadata(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**env, "PYTHONPATH": str(site)}, check=True).stdout
     assert out.split() == ["0.32.0", "True"]
+
+
+def test_the_sharded_state_contract_lists_exactly_its_checked_releases():
+    """A release appended to RELEASES must not mark the vllm layout's key contract as checked for
+    it: the checked releases are written out, each a known release."""
+    import ast
+    import inspect as pyinspect
+
+    tree = ast.parse(pyinspect.getsource(rules))
+    literal_tuples = {}
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            target = node.targets[0] if isinstance(node, ast.Assign) else node.target
+            if isinstance(target, ast.Name) and isinstance(node.value, ast.Tuple) and all(
+                    isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.value.elts):
+                literal_tuples[target.id] = node.value
+    support = next(n.value for n in tree.body if isinstance(n, ast.AnnAssign)
+                   and getattr(n.target, "id", "") == "VLLM_STATE_SUPPORT")
+    for key, value in zip(support.keys, support.values):
+        assert isinstance(value, ast.Name) and value.id in literal_tuples and value.id != "RELEASES", \
+            f"VLLM_STATE_SUPPORT[{ast.literal_eval(key)!r}] is not a written-out tuple of releases"
+    for arch, versions in rules.VLLM_STATE_SUPPORT.items():
+        assert set(versions) <= set(rules.RELEASES), arch
