@@ -1,4 +1,4 @@
-// A checking reader of safetensors headers: inspect's fast path (wna16ctl/sources/native_headers.py).
+// A checking reader of safetensors headers: inspect's fast path (wna16ctl/sources/header_digest.py).
 //
 // It accepts only headers it can prove valid under the rules wna16ctl/sources/headers.py enforces
 // (the safetensors library's rules plus "no repeated name"), in the form every writer produces:

@@ -112,7 +112,7 @@ def no_progress(description: str, total: int, *, unit: str = "bytes") -> Callabl
 class _AmountColumn:
     """'12.0/40.0 MiB 8.1 MiB/s' for bytes, '3/16 experts' otherwise: binary units throughout."""
 
-    def __new__(cls):  # a rich ProgressColumn, built lazily so that importing output.py stays cheap
+    def __new__(cls):  # a rich ProgressColumn, built lazily so that importing sink.py stays cheap
         from rich.progress import ProgressColumn
         from rich.text import Text
 

@@ -68,7 +68,7 @@ def test_marlin_gate_cases(h, i, gs, pad, ok):
     (4, 64, True, "group", 2, False), (4, 32, True, None, 4, True), (4, -1, True, None, 1, False),
 ])
 def test_rank_bytes_equal_the_layout_shapes(bits, gs, sym, actorder, tp, ep):
-    """plan.py sizes ranks without torch (inspect's path); they must equal the layout's shapes."""
+    """planning/moe.py sizes ranks without torch (inspect's path); they must equal the layout's shapes."""
     import torch
 
     from wna16ctl.sources.config import WeightScheme

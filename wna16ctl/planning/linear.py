@@ -6,7 +6,7 @@ model-level tensor-parallel checks, for one vLLM release on one CUDA GPU archite
 divisibility asserts), `choose_mp_linear_kernel` walks the release's CUDA kernel list and takes
 the first kernel whose `can_implement` accepts the per-rank shape, and the scales are then
 checked for groups straddling ranks.  `model_checks` are the checks that stop the engine before
-any weight (attention heads, KV heads, vocabulary, experts).  A sibling of `plan.py` (the MoE
+any weight (attention heads, KV heads, vocabulary, experts).  A sibling of `moe.py` (the MoE
 planner): the same rulebook, the same shape of result, no files read and no torch.
 """
 

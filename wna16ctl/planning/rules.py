@@ -1,6 +1,6 @@
 """The rulebook: what changed between vLLM releases for compressed-tensors WNA16 MoE layers.
 
-The planner (`plan.py`) is written once; everything that differs between releases is a
+The planners (`moe.py`, `linear.py`) are written once; everything that differs between releases is a
 `Change` here, keyed by the first release that has it (and, for a rule that was later
 removed, the first release without it).  `Release.has(key)` is the only question the planner
 asks, so this file is the changelog a reader opens to see what moved from 0.27.0 to 0.33.0,

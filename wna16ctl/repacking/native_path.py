@@ -167,7 +167,7 @@ class LayerBuilder:
         return [path for _, _, path in self._maps.get(slot, [])]
 
     def check_scales(self, slot: int) -> None:
-        """Scales must be finite (the same rule and message as `checkpoint.tensors.check_scales`)."""
+        """Scales must be finite (the same rule and message as `sources.tensors.check_scales`)."""
         scales = self._scales[slot]
         ptrs, counts = (ctypes.c_void_p * len(scales))(), (ctypes.c_int64 * len(scales))()
         for t, (info, addr) in enumerate(scales):

@@ -224,7 +224,7 @@ def _choose_layout(layer: MoELayer, plan: LayerPlan, requested: str) -> str:
 
 def _check_shared_g_idx(ck: Checkpoint, jobs: list[LayerJob]) -> None:
     """Act-order: every g_idx a valid group assignment, and gate and up carrying the same one (the
-    engine keeps one copy for w13; checkpoint/gidx.py).  Part of the validation pass, so a bad
+    engine keeps one copy for w13; sources/gidx.py).  Part of the validation pass, so a bad
     checkpoint is refused before anything is written; it reads only the small g_idx vectors.
     """
     act = [j for j in jobs if j.layer.scheme is not None and j.layer.scheme.act_order]

@@ -7,7 +7,7 @@ vLLM does not build one layer per checkpoint module: it fuses `q_proj/k_proj/v_p
 into `in_proj_ba`, and each fused layer has one tensor-parallel role (column, row, replicated,
 vocabulary).  `find_linear_layers` groups the checkpoint's quantized non-expert modules the way
 the engine does, with each shard's output size read from the headers; planning them is
-`plan_linear` (linear_plan.py).  Headers and config only: no tensor data.
+`plan_linear` (planning/linear.py).  Headers and config only: no tensor data.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Positioned reads of tensor bytes into a caller's buffer, without torch (one open descriptor
-per shard).  `checkpoint.tensors.TensorReader` builds torch tensors on it; repack's native data
+per shard).  `sources.tensors.TensorReader` builds torch tensors on it; repack's native data
 path reads whole chunks of experts into reused buffers with it."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ class RawReader:
     def __init__(self, files: CheckpointFiles):
         self.files = files
         self._fds: dict[Path, int] = {}
-        # when set, every byte read is fed to it in read order (repack's resume key, see repack.py)
+        # when set, every byte read is fed to it in read order (repack's resume key, see repacking/pipeline.py)
         self.hasher: Any = None
 
     def __enter__(self) -> "RawReader":

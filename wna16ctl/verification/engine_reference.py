@@ -3,7 +3,7 @@
 `verify --e2e` judges repacked experts against a reference model (transformers' model of the
 checkpoint's config, non-expert layers in fp32, experts dequantised from the source files in the
 model dtype). That reference is only worth something if it is the model an engine runs. This
-module gives the pieces of the comparison (the engine tier, tests/test_engine_reference.py):
+module gives the pieces of the comparison (the engine tier, tests/verification/test_engine_reference.py):
 
 * `write_dequantized_checkpoint` -- the same checkpoint with every routed expert stored as the
   dense model-dtype weight the reference computes with ((q - z)·s, one rounding): an unquantized
