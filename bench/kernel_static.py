@@ -296,6 +296,135 @@ def group_sass(ins: list[tuple[int, str]]) -> int:
     return max(0, (hi - lo + 1) - 2 * n_inner)
 
 
+# ----------------------------------------------------------------------------------------------
+# the streaming path of a loop, and its instructions by class
+
+# instruction classes of the per-chunk table, in the order they are printed; the first class
+# whose opcode prefixes match names an instruction, the rest is "other" (moves, predicates,
+# float arithmetic outside the dequantisation, special registers)
+SASS_CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("global (LDG/LDGSTS/STG/RED/ATOM)", ("LDGSTS", "LDG", "STG", "RED", "ATOM")),
+    ("shared (LDS/LDSM/STS)", ("LDSM", "LDS", "STS")),
+    ("mma (HMMA)", ("HMMA",)),
+    ("dequant (LOP3/PRMT/SHF/I2F/F2F/HFMA2/HADD2/HMUL2)", ("LOP3", "PRMT", "SHF", "I2F", "F2F", "HFMA2",
+                                                           "HADD2", "HMUL2")),
+    ("address (IMAD/IADD3/LEA/ISETP/SEL)", ("IMAD", "IADD3", "LEA", "ISETP", "SEL", "IABS", "IMNMX", "SHL")),
+    ("barrier (BAR/DEPBAR)", ("BAR", "DEPBAR", "LDGDEPBAR", "MEMBAR", "WARPSYNC")),
+    ("branch (BRA/BSSY/BSYNC)", ("BRA", "BSSY", "BSYNC", "EXIT", "RET", "CALL", "JMP", "BRX")),
+)
+OTHER_CLASS = "other"
+CLASS_KEYS = {name: name.split(" ", 1)[0] for name, _ in SASS_CLASSES} | {OTHER_CLASS: OTHER_CLASS}
+
+
+def sass_class(opcode: str) -> str:
+    """The class of one SASS opcode (`LDGSTS.E.BYPASS.128` -> global); the first match wins, so
+    LDGDEPBAR is a barrier only because no global prefix matches it ("LDG" does: checked first)."""
+    if opcode.startswith(("LDGDEPBAR", "DEPBAR")):
+        return "barrier (BAR/DEPBAR)"
+    for name, prefixes in SASS_CLASSES:
+        if opcode.startswith(prefixes):
+            return name
+    return OTHER_CLASS
+
+
+def _branch(text: str) -> tuple[int | None, bool]:
+    """(target address, conditional) of a BRA; (None, False) for anything else. `@PT` always
+    branches, `@!PT` never; any other guard makes it conditional."""
+    parts = text.split()
+    if _opcode(text) != "BRA" and not _opcode(text).startswith("BRA."):
+        return None, False
+    guard = parts[0] if parts[0].startswith("@") else ""
+    if guard == "@!PT":
+        return None, False
+    m = re.findall(r"0x[0-9a-f]+", text)
+    return (int(m[-1], 16) if m else None), guard not in ("", "@PT")
+
+
+def streaming_path(ins: list[tuple[int, str]], loop: tuple[int, int]) -> list[int]:
+    """Indices of the instructions one iteration of `loop` executes when it streams: the
+    shortest way (in instructions) through the loop's control flow from its head back to its
+    back branch that passes every basic block holding an HMMA, and every block holding a weight
+    copy (LDGSTS / LDG) laid out before the last HMMA. Branches that leave the streaming -- the end
+    of a slice or tile, its reduction and output -- are not taken; a copy or scale load behind a
+    per-stage condition is counted as taken (an upper bound). Falls back to the whole body when
+    the blocks cannot be chained."""
+    lo, hi = loop
+    index = {a: i for i, (a, _) in enumerate(ins)}
+    ops = [_opcode(t) for _, t in ins]
+    leaders = {lo}
+    for i in range(lo, hi + 1):
+        target, _ = _branch(ins[i][1])
+        if target is not None and target in index and lo <= index[target] <= hi:
+            leaders.add(index[target])
+        if ops[i].startswith(("BRA", "EXIT", "RET", "BRX", "JMP")) and i + 1 <= hi:
+            leaders.add(i + 1)
+    starts = sorted(leaders)
+    blocks = [(s, (starts[k + 1] - 1) if k + 1 < len(starts) else hi) for k, s in enumerate(starts)]
+    block_of = {s: k for k, (s, _) in enumerate(blocks)}
+    succ: list[list[int]] = []
+    for s, e in blocks:
+        nxt: list[int] = []
+        target, cond = _branch(ins[e][1])
+        op = ops[e]
+        falls = not op.startswith(("BRA", "EXIT", "RET", "BRX", "JMP")) or cond or ins[e][1].startswith("@!PT") \
+            or (op.startswith(("EXIT", "RET")) and ins[e][1].startswith("@"))
+        if target is not None and target in index and index[target] in block_of and index[target] != lo:
+            nxt.append(block_of[index[target]])
+        if falls and e + 1 <= hi:
+            nxt.append(block_of[e + 1])
+        succ.append(nxt)
+    size = [e - s + 1 for s, e in blocks]
+    last_mma = max((i for i in range(lo, hi + 1) if ops[i].startswith("HMMA")), default=None)
+    if last_mma is None:
+        return list(range(lo, hi + 1))
+    must = [k for k, (s, e) in enumerate(blocks)
+            if any(ops[i].startswith("HMMA") or (ops[i].startswith(("LDGSTS", "LDG")) and i <= last_mma)
+                   for i in range(s, e + 1))]
+    end = block_of[max(starts)] if blocks[-1][1] == hi else None
+    waypoints = [0] + [k for k in must if k != 0] + ([len(blocks) - 1] if end is not None else [])
+    path = [0]
+    for a, b in zip(waypoints, waypoints[1:]):
+        if a == b:
+            continue
+        way = _shortest(a, b, succ, size)
+        if way is None:
+            return list(range(lo, hi + 1))
+        path += way[1:]
+    return [i for k in path for i in range(blocks[k][0], blocks[k][1] + 1)]
+
+
+def _shortest(a: int, b: int, succ: list[list[int]], size: list[int]) -> list[int] | None:
+    """Blocks of the cheapest walk a -> b (Dijkstra on block sizes), or None."""
+    import heapq
+
+    best = {a: 0}
+    prev: dict[int, int] = {}
+    heap = [(0, a)]
+    while heap:
+        d, k = heapq.heappop(heap)
+        if k == b:
+            out = [b]
+            while out[-1] != a:
+                out.append(prev[out[-1]])
+            return out[::-1]
+        if d > best.get(k, 1 << 60):
+            continue
+        for n in succ[k]:
+            nd = d + size[n]
+            if nd < best.get(n, 1 << 60):
+                best[n], prev[n] = nd, k
+                heapq.heappush(heap, (nd, n))
+    return None
+
+
+def class_counts(ins: list[tuple[int, str]], indices: list[int]) -> dict[str, int]:
+    """Instructions of `indices` per class (every class present, zeros included)."""
+    out = {name: 0 for name, _ in SASS_CLASSES} | {OTHER_CLASS: 0}
+    for i in indices:
+        out[sass_class(_opcode(ins[i][1]))] += 1
+    return out
+
+
 def ptx_functions(text: str) -> dict[str, list[str]]:
     funcs = {}
     for m in re.finditer(r"\.entry\s+([\w$]+)\s*\((.*?)\n\}\n", text, re.S):
