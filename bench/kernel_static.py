@@ -45,6 +45,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))  # roofline: the shapes, launch choices and loop records
 
 from wna16ctl.native.ops import find_cxx, find_nvcc, kernels_dir  # noqa: E402
 
@@ -86,8 +87,13 @@ def _find_tool(name: str) -> str | None:
     nvcc = find_nvcc()
     if nvcc and (Path(nvcc).parent / name).is_file():
         return str(Path(nvcc).parent / name)
-    site = Path(sysconfig.get_paths()["purelib"]) / "nvidia"
-    for cand in sorted(site.glob(f"cu*/bin/{name}")) + sorted(site.glob(f"cuda_{name}/bin/{name}")):
+    for d in filter(None, [os.environ.get("WNA16CTL_CUDA_BIN")]):  # a directory holding the tools
+        if (Path(d) / name).is_file():
+            return str(Path(d) / name)
+    site = Path(sysconfig.get_paths()["purelib"])
+    # the nvidia-cuda-* wheels, or the copies a triton wheel carries
+    for cand in (sorted((site / "nvidia").glob(f"cu*/bin/{name}")) + sorted((site / "nvidia").glob(f"cuda_{name}/bin/{name}"))
+                 + sorted(site.glob(f"triton/backends/nvidia/bin/{name}"))):
         return str(cand)
     return None
 
@@ -459,6 +465,210 @@ def count_ptx(kernel: str, lines: list[str]) -> tuple[int, int] | None:
 
 
 # ----------------------------------------------------------------------------------------------
+# vLLM's Marlin MoE kernel beside v3 (--vs-marlin)
+
+VLLM_VERSION = "0.33.0"
+MOE_LIBRARY = "vllm/_moe_C_stable_libtorch.abi3.so"
+# vLLM ScalarType ids (exponent, mantissa, signed, bias, ... packed into an int64) as they appear in
+# the Marlin instances' mangled names
+SCALAR_ID = {"bf16": 1125899906909960, "u4b8": 1125899907892224, "u8b128": 1125899923621888}
+
+
+def marlin_cache(version: str = VLLM_VERSION) -> Path:
+    from wna16ctl.native.build import cache_dir
+
+    base = os.environ.get("WNA16CTL_CACHE")
+    return (Path(base) if base else cache_dir()) / "marlin-sass" / version
+
+
+def vllm_moe_library(wheel: Path | None, download: bool, version: str = VLLM_VERSION) -> Path:
+    """vLLM's compiled MoE library: taken from `wheel`, else the cached copy, else (download) from
+    `pip download vllm==version` into the cache (the wheel is deleted after the library is taken)."""
+    import zipfile
+
+    cache = marlin_cache(version)
+    lib = cache / Path(MOE_LIBRARY).name
+    if lib.is_file():
+        return lib
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="vllm-wheel-", dir=cache) as tmp:
+        if wheel is None:
+            if not download:
+                raise FileNotFoundError(f"no vLLM {version} MoE library in {cache}: give --vllm-wheel PATH or --download")
+            proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+                                   "--disable-pip-version-check", "-q", "-d", tmp, f"vllm=={version}"],
+                                  capture_output=True, text=True)
+            found = sorted(Path(tmp).glob("vllm-*.whl"))
+            if proc.returncode or not found:
+                raise FileNotFoundError(f"pip download vllm=={version} failed: {proc.stderr.strip()[-300:]}")
+            wheel = found[0]
+        with zipfile.ZipFile(wheel) as zf:
+            if MOE_LIBRARY not in zf.namelist():
+                raise FileNotFoundError(f"{wheel}: no {MOE_LIBRARY} in this wheel")
+            part = Path(tmp) / "lib.so"
+            part.write_bytes(zf.read(MOE_LIBRARY))
+            part.replace(lib)  # complete or absent, never half-written
+    return lib
+
+
+def marlin_entry(num_bits: int, group_size: int, threads: int, block_size: int, tile_n: int, tile_k: int) -> str:
+    """The part of a Marlin MoE instance's mangled name that identifies it (bf16 activations and
+    output, symmetric int4 (u4b8) or int8 (u8b128) weights, 4 stages, no float zero points)."""
+    b = SCALAR_ID["u4b8" if num_bits == 4 else "u8b128"]
+    bf = SCALAR_ID["bf16"]
+    groups = "n1" if group_size < 0 else str(group_size // 16)
+    m_blocks, m8 = max(1, block_size // 16), int(block_size == 8)
+    return (f"MarlinILl{bf}ELl{b}ELl{bf}ELl{bf}ELi{threads}ELi{m_blocks}ELi{tile_n // 16}ELi{tile_k // 16}"
+            f"ELb{m8}ELi4ELi{groups}ELb0E")
+
+
+def marlin_ptx_files(lib: Path, cuobjdump: str, env: dict[str, str]) -> list[Path]:
+    """The library's PTX files, extracted once into the cache. The wheel holds Marlin MoE cubins
+    for sm_80 / sm_89 / sm_120 and PTX for sm_80 only: on an H200 the driver compiles that PTX."""
+    out = lib.parent / "ptx"
+    done = out / ".complete"
+    if not done.is_file():
+        out.mkdir(exist_ok=True)
+        subprocess.run([cuobjdump, "--extract-ptx", "all", str(lib)], cwd=out, capture_output=True, check=True,
+                       env={**os.environ, **env})
+        done.write_text("")
+    return sorted(out.glob("*.ptx"))
+
+
+def marlin_sm90_cubin(lib: Path, fragment: str, cuobjdump: str, env: dict[str, str]) -> tuple[Path, str]:
+    """The instance whose name holds `fragment`, cut from the library's PTX (the file's header and
+    that one entry) and compiled for sm_90 with ptxas -v, as the driver's compiler would: (cubin,
+    ptxas log), cached."""
+    cubin = lib.parent / "sm90" / f"{fragment}.cubin"
+    log = cubin.with_suffix(".log")
+    if cubin.is_file() and log.is_file():
+        return cubin, log.read_text()
+    cubin.parent.mkdir(exist_ok=True)
+    for ptx in marlin_ptx_files(lib, cuobjdump, env):
+        text = ptx.read_text()
+        if fragment not in text:
+            continue
+        starts = [m.start() for m in re.finditer(r"^\.visible \.entry ", text, re.M)] + [len(text)]
+        for s, e in zip(starts, starts[1:]):
+            if fragment in text[s:text.index("(", s)]:
+                src = cubin.with_suffix(".ptx")
+                src.write_text(text[:starts[0]] + text[s:e])
+                ptxas = str(Path(find_nvcc()).parent / "ptxas")
+                proc = subprocess.run([ptxas, "-arch=sm_90", "-O3", "-v", str(src), "-o", str(cubin) + ".part"],
+                                      capture_output=True, text=True)
+                if proc.returncode:
+                    raise RuntimeError(f"ptxas failed on {fragment}: {proc.stderr[-2000:]}")
+                Path(str(cubin) + ".part").replace(cubin)
+                log.write_text(proc.stdout + proc.stderr)
+                src.unlink()
+                return cubin, log.read_text()
+    raise FileNotFoundError(f"no Marlin instance {fragment} in {lib}")
+
+
+def loop_counts(name: str, ins: list[tuple[int, str]], registers: int, chunks_per_iteration: int,
+                extra: int = 0):
+    """roofline.LoopCounts of a kernel's streaming loop (the innermost loop holding HMMA)."""
+    import roofline as R
+
+    ops = [_opcode(t) for _, t in ins]
+    loop = innermost_loop(ops, sass_loops(ins), lambda op: op.startswith("HMMA"))
+    if loop is None:
+        raise RuntimeError(f"{name}: no loop with an HMMA in its SASS")
+    counts = class_counts(ins, streaming_path(ins, loop))
+    return R.LoopCounts(name, registers, {CLASS_KEYS[k]: v for k, v in counts.items()}, chunks_per_iteration, extra)
+
+
+def measure_vs_marlin(wheel: Path | None, download: bool) -> tuple[dict, list[str]]:
+    """Fresh LoopCounts of every v3 and Marlin instance the model's launch choices can pick, keyed
+    as roofline.RECORDED_LOOPS."""
+    import roofline as R
+
+    nvcc = find_nvcc()
+    cuobjdump, env = find_cuobjdump()
+    if nvcc is None or cuobjdump is None:
+        return {}, ["nvcc, cuobjdump or nvdisasm not found: nothing counted"]
+    lib = vllm_moe_library(wheel, download)
+    loops: dict[tuple, object] = {}
+    for key in R.RECORDED_LOOPS:
+        if key[0] != "marlin":
+            continue
+        _, bits, size, threads, tn, tk = key
+        group = -1 if bits == 8 else 128
+        cubin, log = marlin_sm90_cubin(lib, marlin_entry(bits, group, threads, size, tn, tk), cuobjdump, env)
+        sass = subprocess.run([cuobjdump, "--dump-sass", str(cubin)], capture_output=True, text=True, check=True,
+                              env={**os.environ, **env}).stdout
+        usage = next(iter(parse_ptxas(log).values()))
+        chunks = MARLIN_STAGES_PER_LOOP * tk * tn * bits // 8 // 16 // (threads // 32)
+        name = (f"Marlin bf16 {'u4b8 g128' if bits == 4 else 'u8b128 channel'} m{size} {tn}x{tk}, "
+                f"{threads} threads")
+        loops[key] = loop_counts(name, next(iter(sass_functions(sass).values())), usage["registers"], chunks)
+    with tempfile.TemporaryDirectory(prefix="wna16-static-") as tmp:
+        cubin, log = compile_cubin(nvcc, "v3", "90", Path(tmp))
+        usage = parse_ptxas(log)
+        sass = sass_functions(subprocess.run([cuobjdump, "--dump-sass", str(cubin)], capture_output=True, text=True,
+                                             check=True, env={**os.environ, **env}).stdout)
+    for mangled, ins in sass.items():
+        m = re.search(r"moe_gemm_v3_kernelILi1ELi(\d)ELi(\d)ELi(\d)ELb0E", mangled)  # bf16, no zero points
+        if not m or mangled not in usage:
+            continue
+        bits, mt, nt = (int(x) for x in m.groups())
+        name = f"v3 bf16 {bits}-bit {16 * mt}x{64 * nt}"
+        # one iteration: one 16-row k-tile of half the block's columns per warp
+        loops[("v3", bits, 16 * mt)] = loop_counts(name, ins, usage[mangled]["registers"], 16 * 32 * nt * bits // 16 // 8,
+                                                   group_sass(ins))
+    return loops, [f"Marlin: vLLM {VLLM_VERSION} {MOE_LIBRARY} ({lib}), sm_80 PTX compiled for sm_90 by "
+                   f"{Path(find_nvcc()).parent / 'ptxas'}; v3: kernels/moe_gemm_v3.cu, nvcc for sm_90"]
+
+
+MARLIN_STAGES_PER_LOOP = 4  # Marlin's main loop runs its 4 pipeline stages per iteration
+
+
+def vs_marlin_rows(loops: dict) -> list[dict]:
+    """Per measured shape and M: each kernel's instance, registers, shared memory, blocks per SM and
+    instructions per 16-byte weight chunk by class."""
+    import roofline as R
+
+    rows = []
+    for row in R.MEASURED_H200:
+        shape = R.H200_SHAPES[row.shape]
+        for launch in (R.marlin_launch(shape, row.m, loops=loops), R.v3_launch(shape, row.m, loops=loops)):
+            loop = launch.loop
+            if launch.kernel == "marlin":
+                smem = R.H200_SMEM_OPTIN // launch.blocks_per_sm - 1024 if launch.blocks_per_sm > 1 \
+                    else R.H200_SMEM_OPTIN
+                needs = R.marlin_smem(shape, max(1, launch.tile_m // 16), launch.unit_k, launch.tile_n)
+                extra = 0.0
+            else:
+                inst = R.v3_instance("x", shape.num_bits, launch.tile_m // 16, launch.tile_n // 64, loop.registers,
+                                     loop.instructions, loop.classes["mma"], "fresh")
+                smem = needs = R.plan_of(inst, experts=shape.experts).smem
+                group_rows = shape.size_k if shape.group_size < 0 else shape.group_size
+                # the group extra, per chunk: once per group per warp; a warp runs one iteration
+                # per 64-row stage (its k-tile of it), so a group is group_rows / 64 iterations
+                extra = loop.group_extra / (group_rows / launch.unit_k * loop.chunks_per_iteration)
+            per_chunk = {k: v / loop.chunks_per_iteration for k, v in loop.classes.items()}
+            rows.append({"shape": row.shape, "m": row.m, "kernel": launch.kernel, "instance": loop.name,
+                         "choice": launch.why, "registers": loop.registers, "smem_bytes": smem,
+                         "smem_needed": needs, "blocks_per_sm": launch.blocks_per_sm, "grid": launch.grid,
+                         "per_chunk": per_chunk, "group_extra_per_chunk": extra,
+                         "total_per_chunk": sum(per_chunk.values()) + extra})
+    return rows
+
+
+def render_vs_marlin(rows: list[dict]) -> str:
+    keys = ["global", "shared", "mma", "dequant", "address", "barrier", "branch", "other"]
+    out = ["| shape | M | kernel: instance | regs | smem (B) | blocks/SM | " + " | ".join(keys)
+           + " | group extra | **total** |",
+           "|---|---:|---|---:|---:|---:|" + "---:|" * (len(keys) + 2)]
+    for r in rows:
+        pc = r["per_chunk"]
+        out.append(f"| {r['shape']} | {r['m']} | {r['kernel']}: {r['instance']} | {r['registers']} | "
+                   f"{r['smem_bytes']:,} | {r['blocks_per_sm']} | " + " | ".join(f"{pc[k]:.2f}" for k in keys)
+                   + f" | {r['group_extra_per_chunk']:.2f} | **{r['total_per_chunk']:.2f}** |")
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------------------------
 
 
 def measure(archs: list[str], kernels: list[str] | None = None) -> tuple[list[KernelFigures], list[str]]:
@@ -542,7 +752,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arch", action="append", help="sm arch number (repeatable; default 90 and 80)")
     ap.add_argument("--kernel", action="append", choices=sorted(SOURCES), help="repeatable; default all")
     ap.add_argument("--json", type=Path, help="also write the figures as JSON here")
+    ap.add_argument("--vs-marlin", action="store_true",
+                    help="v3 against vLLM's Marlin MoE for the measured H200 shapes: instructions per 16-byte "
+                         "weight chunk by class, registers, shared memory, blocks per SM")
+    ap.add_argument("--vllm-wheel", type=Path, help=f"a vllm=={VLLM_VERSION} wheel (default: the cached library)")
+    ap.add_argument("--download", action="store_true",
+                    help=f"pip download vllm=={VLLM_VERSION} into the cache when no library is cached")
     args = ap.parse_args(argv)
+    if args.vs_marlin:
+        try:
+            loops, notes = measure_vs_marlin(args.vllm_wheel, args.download)
+        except FileNotFoundError as exc:
+            print(f"kernel_static: {exc}", file=sys.stderr)
+            return 2
+        if not loops:
+            print(f"kernel_static: skipped: {'; '.join(notes)}")
+            return 0
+        rows = vs_marlin_rows(loops)
+        print(render_vs_marlin(rows))
+        for n in notes:
+            print(f"note: {n}")
+        if args.json:
+            args.json.write_text(json.dumps({"loops": [{"key": list(k), **asdict(v)} for k, v in loops.items()],
+                                             "rows": rows, "notes": notes}, indent=2) + "\n")
+        return 0
     figures, notes = measure(args.arch or ["90", "80"], args.kernel)
     if not figures:
         print(f"kernel_static: skipped: {'; '.join(notes)}")

@@ -515,7 +515,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--static", type=Path, help="bench/kernel_static.py --json output (default: recorded sm_90)")
     ap.add_argument("--gpu", action="append", choices=sorted(GPUS), help="repeatable; default h200 and h100")
     ap.add_argument("--json", type=Path, help="also write the expectations as JSON here")
+    ap.add_argument("--fitted", action="store_true",
+                    help="the model fitted to the measured H200 rows: per row measured, model, leave-one-out")
     args = ap.parse_args(argv)
+    if args.fitted:
+        print(f"measured: {MEASURED_PROVENANCE}\nloop counts: {LOOP_SOURCE}\n")
+        print(render_fitted(check_rows(), fitted_params()))
+        return 0
     instances = instances_from_static(args.static) if args.static else list(RECORDED_SM90)
     v3 = instances_from_static(args.static, "v3") if args.static else list(RECORDED_SM90_V3)
     if not instances and not v3:
@@ -548,9 +554,6 @@ def main(argv: list[str] | None = None) -> int:
                                          "gpus": [asdict(g) for g in gpus]}, indent=2) + "\n")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
 
 
 # ==============================================================================================
@@ -1009,3 +1012,36 @@ def check_rows(with_leave_one_out: bool = True) -> list[RowCheck]:
         loo = fit(points[:i] + points[i + 1:]) if with_leave_one_out else full
         out.append(RowCheck(k, s, m, us, model_us(k, s, m, full), model_us(k, s, m, loo)))
     return out
+
+
+# The rows the fitted model does not predict within +-25 %, and why (checked both ways by
+# tests/test_roofline.py: these miss, every other row lands).
+UNPREDICTED = {
+    ("marlin", "deepseek-w13-tp8", 1):
+        "M = 1 with K 7168: Marlin's stripes cut each output tile into 12 slices whose serial "
+        "reduction the model counts as 3 round trips a link (acquire, read the running sum, fenced "
+        "release); the measured call (17.0 us) says a link costs about a third of that",
+    ("v3", "qwen3-w2", 1):
+        "M = 1: the model's single latency is pulled down by Marlin's cheap slice links, while v3's "
+        "consumer pays more per part (flag acquire, release reset, part read back, one part at a time) "
+        "than the same latency gives it",
+}
+FIT_TOLERANCE = 0.25
+
+
+def render_fitted(rows: list[RowCheck], params: FittedParams) -> str:
+    out = ["| kernel | shape | M | measured µs | model µs | measured / model | left-one-out model µs | "
+           "measured / left-one-out |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        flag = "" if abs(r.ratio - 1) <= FIT_TOLERANCE else " (outside ±25 %)"
+        out.append(f"| {r.kernel} | {r.shape} | {r.m} | {r.measured_us:.1f} | {r.model_us:.1f} | "
+                   f"{r.ratio:.2f}{flag} | {r.loo_us:.1f} | {r.loo_ratio:.2f} |")
+    out.append(f"\nfitted on {len(rows)} rows, {len(FittedParams.NAMES)} parameters: fixed "
+               f"{params.fixed_s * 1e6:.2f} µs, round trip {params.round_trip_s * 1e6:.2f} µs, issue cap "
+               f"{params.issue_cap:.2f} warp-instructions / SM / clock, {params.warp_ipc:.3f} per resident warp, "
+               f"weight stream at {100 * params.hbm_share:.0f} % of {H200_HBM / 1e12:.1f} TB/s")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
