@@ -39,6 +39,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -502,7 +503,11 @@ def vllm_moe_library(wheel: Path | None, download: bool, version: str = VLLM_VER
             if proc.returncode or not found:
                 raise FileNotFoundError(f"pip download vllm=={version} failed: {proc.stderr.strip()[-300:]}")
             wheel = found[0]
-        with zipfile.ZipFile(wheel) as zf:
+        try:
+            zf = zipfile.ZipFile(wheel)
+        except (OSError, zipfile.BadZipFile) as exc:
+            raise FileNotFoundError(f"{wheel}: not a readable wheel ({exc}); give a vllm=={version} wheel") from exc
+        with zf:
             if MOE_LIBRARY not in zf.namelist():
                 raise FileNotFoundError(f"{wheel}: no {MOE_LIBRARY} in this wheel")
             part = Path(tmp) / "lib.so"
@@ -762,7 +767,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.vs_marlin:
         try:
             loops, notes = measure_vs_marlin(args.vllm_wheel, args.download)
-        except FileNotFoundError as exc:
+        except (OSError, zipfile.BadZipFile, RuntimeError) as exc:  # a missing or broken wheel, a failed compile
             print(f"kernel_static: {exc}", file=sys.stderr)
             return 2
         if not loops:
