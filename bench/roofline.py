@@ -1,6 +1,16 @@
-"""A roofline model of the fast MoE GEMMs (kernels/moe_gemm_v2.cu, moe_gemm_v3.cu) on H100 / H200.
+"""Models of the fast MoE GEMMs (kernels/moe_gemm_v2.cu, moe_gemm_v3.cu) on H100 / H200.
 
+    python bench/roofline.py --fitted
     python bench/roofline.py [--static FILE.json] [--gpu h200 --gpu h100] [--json FILE]
+
+`--fitted` is the model that judges a kernel: fitted to the measured H200 rows of v3 and of vLLM's
+Marlin MoE kernel (MEASURED_H200), from the SASS counts of both kernels' streaming loops
+(RECORDED_LOOPS, bench/kernel_static.py --vs-marlin), their launch choices and unit partitions;
+it prints measured, model and leave-one-out per row. `measured_over_model()` rates a fresh
+measurement. See "The model fitted to measured H200 figures" below.
+
+Without `--fitted`: the earlier roofline of assumed machine fields, superseded (1.6-4x optimistic
+against the H200 measurements); kept for its hand-checked arithmetic and its callers.
 
 For each kernel instance it takes what the hardware has to do per pipeline stage of one block:
 

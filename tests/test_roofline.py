@@ -1,5 +1,7 @@
-"""bench/roofline.py's arithmetic on one case computed by hand: the v2 4-bit 16x256 fast tile on
-an H200 at M = 1 (bench shape: E 64, K 2048, N 1536, top-8, int4 group 128, bf16)."""
+"""bench/roofline.py: the superseded roofline's arithmetic on cases computed by hand (the v2 4-bit
+16x256 fast tile on an H200 at M = 1; bench shape: E 64, K 2048, N 1536, top-8, int4 group 128,
+bf16); bench/kernel_static.py's SASS classifier and streaming path on a listing written for these
+tests; the launch choices against ncu; and the fitted model against the measured H200 rows."""
 
 from __future__ import annotations
 
