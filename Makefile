@@ -47,6 +47,7 @@ test-kernels: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -rs -m 'mutants or not mutants' tests/native/test_emu_mutants.py
 	$(BIN)/python -m pytest -q -rs -m 'kernels or not kernels' tests/native/test_emu_gemm_v3.py
 	WNA16CTL_NVCC_TESTS=1 $(BIN)/python -m pytest -q -rs -m kernels tests/native/test_kernels.py
+	$(BIN)/python -m pytest -q -rs -m kernels tests/test_roofline.py
 	$(BIN)/python -m tests.emu.mutation
 
 # The planner against the real decision code of every supported vLLM release (fetches each

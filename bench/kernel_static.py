@@ -39,12 +39,14 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))  # roofline: the shapes, launch choices and loop records
 
 from wna16ctl.native.ops import find_cxx, find_nvcc, kernels_dir  # noqa: E402
 
@@ -86,8 +88,13 @@ def _find_tool(name: str) -> str | None:
     nvcc = find_nvcc()
     if nvcc and (Path(nvcc).parent / name).is_file():
         return str(Path(nvcc).parent / name)
-    site = Path(sysconfig.get_paths()["purelib"]) / "nvidia"
-    for cand in sorted(site.glob(f"cu*/bin/{name}")) + sorted(site.glob(f"cuda_{name}/bin/{name}")):
+    for d in filter(None, [os.environ.get("WNA16CTL_CUDA_BIN")]):  # a directory holding the tools
+        if (Path(d) / name).is_file():
+            return str(Path(d) / name)
+    site = Path(sysconfig.get_paths()["purelib"])
+    # the nvidia-cuda-* wheels, or the copies a triton wheel carries
+    for cand in (sorted((site / "nvidia").glob(f"cu*/bin/{name}")) + sorted((site / "nvidia").glob(f"cuda_{name}/bin/{name}"))
+                 + sorted(site.glob(f"triton/backends/nvidia/bin/{name}"))):
         return str(cand)
     return None
 
@@ -296,6 +303,135 @@ def group_sass(ins: list[tuple[int, str]]) -> int:
     return max(0, (hi - lo + 1) - 2 * n_inner)
 
 
+# ----------------------------------------------------------------------------------------------
+# the streaming path of a loop, and its instructions by class
+
+# instruction classes of the per-chunk table, in the order they are printed; the first class
+# whose opcode prefixes match names an instruction, the rest is "other" (moves, predicates,
+# float arithmetic outside the dequantisation, special registers)
+SASS_CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("global (LDG/LDGSTS/STG/RED/ATOM)", ("LDGSTS", "LDG", "STG", "RED", "ATOM")),
+    ("shared (LDS/LDSM/STS)", ("LDSM", "LDS", "STS")),
+    ("mma (HMMA)", ("HMMA",)),
+    ("dequant (LOP3/PRMT/SHF/I2F/F2F/HFMA2/HADD2/HMUL2)", ("LOP3", "PRMT", "SHF", "I2F", "F2F", "HFMA2",
+                                                           "HADD2", "HMUL2")),
+    ("address (IMAD/IADD3/LEA/ISETP/SEL)", ("IMAD", "IADD3", "LEA", "ISETP", "SEL", "IABS", "IMNMX", "SHL")),
+    ("barrier (BAR/DEPBAR)", ("BAR", "DEPBAR", "LDGDEPBAR", "MEMBAR", "WARPSYNC")),
+    ("branch (BRA/BSSY/BSYNC)", ("BRA", "BSSY", "BSYNC", "EXIT", "RET", "CALL", "JMP", "BRX")),
+)
+OTHER_CLASS = "other"
+CLASS_KEYS = {name: name.split(" ", 1)[0] for name, _ in SASS_CLASSES} | {OTHER_CLASS: OTHER_CLASS}
+
+
+def sass_class(opcode: str) -> str:
+    """The class of one SASS opcode (`LDGSTS.E.BYPASS.128` -> global); the first match wins, so
+    LDGDEPBAR is a barrier only because no global prefix matches it ("LDG" does: checked first)."""
+    if opcode.startswith(("LDGDEPBAR", "DEPBAR")):
+        return "barrier (BAR/DEPBAR)"
+    for name, prefixes in SASS_CLASSES:
+        if opcode.startswith(prefixes):
+            return name
+    return OTHER_CLASS
+
+
+def _branch(text: str) -> tuple[int | None, bool]:
+    """(target address, conditional) of a BRA; (None, False) for anything else. `@PT` always
+    branches, `@!PT` never; any other guard makes it conditional."""
+    parts = text.split()
+    if _opcode(text) != "BRA" and not _opcode(text).startswith("BRA."):
+        return None, False
+    guard = parts[0] if parts[0].startswith("@") else ""
+    if guard == "@!PT":
+        return None, False
+    m = re.findall(r"0x[0-9a-f]+", text)
+    return (int(m[-1], 16) if m else None), guard not in ("", "@PT")
+
+
+def streaming_path(ins: list[tuple[int, str]], loop: tuple[int, int]) -> list[int]:
+    """Indices of the instructions one iteration of `loop` executes when it streams: the
+    shortest way (in instructions) through the loop's control flow from its head back to its
+    back branch that passes every basic block holding an HMMA, and every block holding a weight
+    copy (LDGSTS / LDG) laid out before the last HMMA. Branches that leave the streaming -- the end
+    of a slice or tile, its reduction and output -- are not taken; a copy or scale load behind a
+    per-stage condition is counted as taken (an upper bound). Falls back to the whole body when
+    the blocks cannot be chained."""
+    lo, hi = loop
+    index = {a: i for i, (a, _) in enumerate(ins)}
+    ops = [_opcode(t) for _, t in ins]
+    leaders = {lo}
+    for i in range(lo, hi + 1):
+        target, _ = _branch(ins[i][1])
+        if target is not None and target in index and lo <= index[target] <= hi:
+            leaders.add(index[target])
+        if ops[i].startswith(("BRA", "EXIT", "RET", "BRX", "JMP")) and i + 1 <= hi:
+            leaders.add(i + 1)
+    starts = sorted(leaders)
+    blocks = [(s, (starts[k + 1] - 1) if k + 1 < len(starts) else hi) for k, s in enumerate(starts)]
+    block_of = {s: k for k, (s, _) in enumerate(blocks)}
+    succ: list[list[int]] = []
+    for s, e in blocks:
+        nxt: list[int] = []
+        target, cond = _branch(ins[e][1])
+        op = ops[e]
+        falls = not op.startswith(("BRA", "EXIT", "RET", "BRX", "JMP")) or cond or ins[e][1].startswith("@!PT") \
+            or (op.startswith(("EXIT", "RET")) and ins[e][1].startswith("@"))
+        if target is not None and target in index and index[target] in block_of and index[target] != lo:
+            nxt.append(block_of[index[target]])
+        if falls and e + 1 <= hi:
+            nxt.append(block_of[e + 1])
+        succ.append(nxt)
+    size = [e - s + 1 for s, e in blocks]
+    last_mma = max((i for i in range(lo, hi + 1) if ops[i].startswith("HMMA")), default=None)
+    if last_mma is None:
+        return list(range(lo, hi + 1))
+    must = [k for k, (s, e) in enumerate(blocks)
+            if any(ops[i].startswith("HMMA") or (ops[i].startswith(("LDGSTS", "LDG")) and i <= last_mma)
+                   for i in range(s, e + 1))]
+    end = block_of[max(starts)] if blocks[-1][1] == hi else None
+    waypoints = [0] + [k for k in must if k != 0] + ([len(blocks) - 1] if end is not None else [])
+    path = [0]
+    for a, b in zip(waypoints, waypoints[1:]):
+        if a == b:
+            continue
+        way = _shortest(a, b, succ, size)
+        if way is None:
+            return list(range(lo, hi + 1))
+        path += way[1:]
+    return [i for k in path for i in range(blocks[k][0], blocks[k][1] + 1)]
+
+
+def _shortest(a: int, b: int, succ: list[list[int]], size: list[int]) -> list[int] | None:
+    """Blocks of the cheapest walk a -> b (Dijkstra on block sizes), or None."""
+    import heapq
+
+    best = {a: 0}
+    prev: dict[int, int] = {}
+    heap = [(0, a)]
+    while heap:
+        d, k = heapq.heappop(heap)
+        if k == b:
+            out = [b]
+            while out[-1] != a:
+                out.append(prev[out[-1]])
+            return out[::-1]
+        if d > best.get(k, 1 << 60):
+            continue
+        for n in succ[k]:
+            nd = d + size[n]
+            if nd < best.get(n, 1 << 60):
+                best[n], prev[n] = nd, k
+                heapq.heappush(heap, (nd, n))
+    return None
+
+
+def class_counts(ins: list[tuple[int, str]], indices: list[int]) -> dict[str, int]:
+    """Instructions of `indices` per class (every class present, zeros included)."""
+    out = {name: 0 for name, _ in SASS_CLASSES} | {OTHER_CLASS: 0}
+    for i in indices:
+        out[sass_class(_opcode(ins[i][1]))] += 1
+    return out
+
+
 def ptx_functions(text: str) -> dict[str, list[str]]:
     funcs = {}
     for m in re.finditer(r"\.entry\s+([\w$]+)\s*\((.*?)\n\}\n", text, re.S):
@@ -327,6 +463,214 @@ def count_ptx(kernel: str, lines: list[str]) -> tuple[int, int] | None:
         return None
     seg = [s for s in body[best[0]:best[1] + 1] if not s.endswith(":")]
     return len(seg), sum("mma.sync" in s for s in seg)
+
+
+# ----------------------------------------------------------------------------------------------
+# vLLM's Marlin MoE kernel beside v3 (--vs-marlin)
+
+VLLM_VERSION = "0.33.0"
+MOE_LIBRARY = "vllm/_moe_C_stable_libtorch.abi3.so"
+# vLLM ScalarType ids (exponent, mantissa, signed, bias, ... packed into an int64) as they appear in
+# the Marlin instances' mangled names
+SCALAR_ID = {"bf16": 1125899906909960, "u4b8": 1125899907892224, "u8b128": 1125899923621888}
+
+
+def marlin_cache(version: str = VLLM_VERSION) -> Path:
+    from wna16ctl.native.build import cache_dir
+
+    base = os.environ.get("WNA16CTL_CACHE")
+    return (Path(base) if base else cache_dir()) / "marlin-sass" / version
+
+
+def vllm_moe_library(wheel: Path | None, download: bool, version: str = VLLM_VERSION) -> Path:
+    """vLLM's compiled MoE library: taken from `wheel`, else the cached copy, else (download) from
+    `pip download vllm==version` into the cache (the wheel is deleted after the library is taken)."""
+    import zipfile
+
+    cache = marlin_cache(version)
+    lib = cache / Path(MOE_LIBRARY).name
+    if lib.is_file():
+        return lib
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="vllm-wheel-", dir=cache) as tmp:
+        if wheel is None:
+            if not download:
+                raise FileNotFoundError(f"no vLLM {version} MoE library in {cache}: give --vllm-wheel PATH or --download")
+            proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+                                   "--disable-pip-version-check", "-q", "-d", tmp, f"vllm=={version}"],
+                                  capture_output=True, text=True)
+            found = sorted(Path(tmp).glob("vllm-*.whl"))
+            if proc.returncode or not found:
+                raise FileNotFoundError(f"pip download vllm=={version} failed: {proc.stderr.strip()[-300:]}")
+            wheel = found[0]
+        try:
+            zf = zipfile.ZipFile(wheel)
+        except (OSError, zipfile.BadZipFile) as exc:
+            raise FileNotFoundError(f"{wheel}: not a readable wheel ({exc}); give a vllm=={version} wheel") from exc
+        with zf:
+            if MOE_LIBRARY not in zf.namelist():
+                raise FileNotFoundError(f"{wheel}: no {MOE_LIBRARY} in this wheel")
+            part = Path(tmp) / "lib.so"
+            part.write_bytes(zf.read(MOE_LIBRARY))
+            part.replace(lib)  # complete or absent, never half-written
+    return lib
+
+
+def marlin_entry(num_bits: int, group_size: int, threads: int, block_size: int, tile_n: int, tile_k: int) -> str:
+    """The part of a Marlin MoE instance's mangled name that identifies it (bf16 activations and
+    output, symmetric int4 (u4b8) or int8 (u8b128) weights, 4 stages, no float zero points)."""
+    b = SCALAR_ID["u4b8" if num_bits == 4 else "u8b128"]
+    bf = SCALAR_ID["bf16"]
+    groups = "n1" if group_size < 0 else str(group_size // 16)
+    m_blocks, m8 = max(1, block_size // 16), int(block_size == 8)
+    return (f"MarlinILl{bf}ELl{b}ELl{bf}ELl{bf}ELi{threads}ELi{m_blocks}ELi{tile_n // 16}ELi{tile_k // 16}"
+            f"ELb{m8}ELi4ELi{groups}ELb0E")
+
+
+def marlin_ptx_files(lib: Path, cuobjdump: str, env: dict[str, str]) -> list[Path]:
+    """The library's PTX files, extracted once into the cache. The wheel holds Marlin MoE cubins
+    for sm_80 / sm_89 / sm_120 and PTX for sm_80 only: on an H200 the driver compiles that PTX."""
+    out = lib.parent / "ptx"
+    done = out / ".complete"
+    if not done.is_file():
+        out.mkdir(exist_ok=True)
+        subprocess.run([cuobjdump, "--extract-ptx", "all", str(lib)], cwd=out, capture_output=True, check=True,
+                       env={**os.environ, **env})
+        done.write_text("")
+    return sorted(out.glob("*.ptx"))
+
+
+def marlin_sm90_cubin(lib: Path, fragment: str, cuobjdump: str, env: dict[str, str]) -> tuple[Path, str]:
+    """The instance whose name holds `fragment`, cut from the library's PTX (the file's header and
+    that one entry) and compiled for sm_90 with ptxas -v, as the driver's compiler would: (cubin,
+    ptxas log), cached."""
+    cubin = lib.parent / "sm90" / f"{fragment}.cubin"
+    log = cubin.with_suffix(".log")
+    if cubin.is_file() and log.is_file():
+        return cubin, log.read_text()
+    cubin.parent.mkdir(exist_ok=True)
+    for ptx in marlin_ptx_files(lib, cuobjdump, env):
+        text = ptx.read_text()
+        if fragment not in text:
+            continue
+        starts = [m.start() for m in re.finditer(r"^\.visible \.entry ", text, re.M)] + [len(text)]
+        for s, e in zip(starts, starts[1:]):
+            if fragment in text[s:text.index("(", s)]:
+                src = cubin.with_suffix(".ptx")
+                src.write_text(text[:starts[0]] + text[s:e])
+                ptxas = str(Path(find_nvcc()).parent / "ptxas")
+                proc = subprocess.run([ptxas, "-arch=sm_90", "-O3", "-v", str(src), "-o", str(cubin) + ".part"],
+                                      capture_output=True, text=True)
+                if proc.returncode:
+                    raise RuntimeError(f"ptxas failed on {fragment}: {proc.stderr[-2000:]}")
+                Path(str(cubin) + ".part").replace(cubin)
+                log.write_text(proc.stdout + proc.stderr)
+                src.unlink()
+                return cubin, log.read_text()
+    raise FileNotFoundError(f"no Marlin instance {fragment} in {lib}")
+
+
+def loop_counts(name: str, ins: list[tuple[int, str]], registers: int, chunks_per_iteration: int,
+                extra: int = 0):
+    """roofline.LoopCounts of a kernel's streaming loop (the innermost loop holding HMMA)."""
+    import roofline as R
+
+    ops = [_opcode(t) for _, t in ins]
+    loop = innermost_loop(ops, sass_loops(ins), lambda op: op.startswith("HMMA"))
+    if loop is None:
+        raise RuntimeError(f"{name}: no loop with an HMMA in its SASS")
+    counts = class_counts(ins, streaming_path(ins, loop))
+    return R.LoopCounts(name, registers, {CLASS_KEYS[k]: v for k, v in counts.items()}, chunks_per_iteration, extra)
+
+
+def measure_vs_marlin(wheel: Path | None, download: bool) -> tuple[dict, list[str]]:
+    """Fresh LoopCounts of every v3 and Marlin instance the model's launch choices can pick, keyed
+    as roofline.RECORDED_LOOPS."""
+    import roofline as R
+
+    nvcc = find_nvcc()
+    cuobjdump, env = find_cuobjdump()
+    if nvcc is None or cuobjdump is None:
+        return {}, ["nvcc, cuobjdump or nvdisasm not found: nothing counted"]
+    lib = vllm_moe_library(wheel, download)
+    loops: dict[tuple, object] = {}
+    for key in R.RECORDED_LOOPS:
+        if key[0] != "marlin":
+            continue
+        _, bits, size, threads, tn, tk = key
+        group = -1 if bits == 8 else 128
+        cubin, log = marlin_sm90_cubin(lib, marlin_entry(bits, group, threads, size, tn, tk), cuobjdump, env)
+        sass = subprocess.run([cuobjdump, "--dump-sass", str(cubin)], capture_output=True, text=True, check=True,
+                              env={**os.environ, **env}).stdout
+        usage = next(iter(parse_ptxas(log).values()))
+        chunks = MARLIN_STAGES_PER_LOOP * tk * tn * bits // 8 // 16 // (threads // 32)
+        name = (f"Marlin bf16 {'u4b8 g128' if bits == 4 else 'u8b128 channel'} m{size} {tn}x{tk}, "
+                f"{threads} threads")
+        loops[key] = loop_counts(name, next(iter(sass_functions(sass).values())), usage["registers"], chunks)
+    with tempfile.TemporaryDirectory(prefix="wna16-static-") as tmp:
+        cubin, log = compile_cubin(nvcc, "v3", "90", Path(tmp))
+        usage = parse_ptxas(log)
+        sass = sass_functions(subprocess.run([cuobjdump, "--dump-sass", str(cubin)], capture_output=True, text=True,
+                                             check=True, env={**os.environ, **env}).stdout)
+    for mangled, ins in sass.items():
+        m = re.search(r"moe_gemm_v3_kernelILi1ELi(\d)ELi(\d)ELi(\d)ELb0E", mangled)  # bf16, no zero points
+        if not m or mangled not in usage:
+            continue
+        bits, mt, nt = (int(x) for x in m.groups())
+        name = f"v3 bf16 {bits}-bit {16 * mt}x{64 * nt}"
+        # one iteration: one 16-row k-tile of half the block's columns per warp
+        loops[("v3", bits, 16 * mt)] = loop_counts(name, ins, usage[mangled]["registers"], 16 * 32 * nt * bits // 16 // 8,
+                                                   group_sass(ins))
+    return loops, [f"Marlin: vLLM {VLLM_VERSION} {MOE_LIBRARY} ({lib}), sm_80 PTX compiled for sm_90 by "
+                   f"{Path(find_nvcc()).parent / 'ptxas'}; v3: kernels/moe_gemm_v3.cu, nvcc for sm_90"]
+
+
+MARLIN_STAGES_PER_LOOP = 4  # Marlin's main loop runs its 4 pipeline stages per iteration
+
+
+def vs_marlin_rows(loops: dict) -> list[dict]:
+    """Per measured shape and M: each kernel's instance, registers, shared memory, blocks per SM and
+    instructions per 16-byte weight chunk by class."""
+    import roofline as R
+
+    rows = []
+    for row in R.MEASURED_H200:
+        shape = R.H200_SHAPES[row.shape]
+        for launch in (R.marlin_launch(shape, row.m, loops=loops), R.v3_launch(shape, row.m, loops=loops)):
+            loop = launch.loop
+            if launch.kernel == "marlin":
+                smem = R.H200_SMEM_OPTIN // launch.blocks_per_sm - 1024 if launch.blocks_per_sm > 1 \
+                    else R.H200_SMEM_OPTIN
+                needs = R.marlin_smem(shape, max(1, launch.tile_m // 16), launch.unit_k, launch.tile_n)
+                extra = 0.0
+            else:
+                inst = R.v3_instance("x", shape.num_bits, launch.tile_m // 16, launch.tile_n // 64, loop.registers,
+                                     loop.instructions, loop.classes["mma"], "fresh")
+                smem = needs = R.plan_of(inst, experts=shape.experts).smem
+                group_rows = shape.size_k if shape.group_size < 0 else shape.group_size
+                # the group extra, per chunk: once per group per warp; a warp runs one iteration
+                # per 64-row stage (its k-tile of it), so a group is group_rows / 64 iterations
+                extra = loop.group_extra / (group_rows / launch.unit_k * loop.chunks_per_iteration)
+            per_chunk = {k: v / loop.chunks_per_iteration for k, v in loop.classes.items()}
+            rows.append({"shape": row.shape, "m": row.m, "kernel": launch.kernel, "instance": loop.name,
+                         "choice": launch.why, "registers": loop.registers, "smem_bytes": smem,
+                         "smem_needed": needs, "blocks_per_sm": launch.blocks_per_sm, "grid": launch.grid,
+                         "per_chunk": per_chunk, "group_extra_per_chunk": extra,
+                         "total_per_chunk": sum(per_chunk.values()) + extra})
+    return rows
+
+
+def render_vs_marlin(rows: list[dict]) -> str:
+    keys = ["global", "shared", "mma", "dequant", "address", "barrier", "branch", "other"]
+    out = ["| shape | M | kernel: instance | regs | smem (B) | blocks/SM | " + " | ".join(keys)
+           + " | group extra | **total** |",
+           "|---|---:|---|---:|---:|---:|" + "---:|" * (len(keys) + 2)]
+    for r in rows:
+        pc = r["per_chunk"]
+        out.append(f"| {r['shape']} | {r['m']} | {r['kernel']}: {r['instance']} | {r['registers']} | "
+                   f"{r['smem_bytes']:,} | {r['blocks_per_sm']} | " + " | ".join(f"{pc[k]:.2f}" for k in keys)
+                   + f" | {r['group_extra_per_chunk']:.2f} | **{r['total_per_chunk']:.2f}** |")
+    return "\n".join(out)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -413,7 +757,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arch", action="append", help="sm arch number (repeatable; default 90 and 80)")
     ap.add_argument("--kernel", action="append", choices=sorted(SOURCES), help="repeatable; default all")
     ap.add_argument("--json", type=Path, help="also write the figures as JSON here")
+    ap.add_argument("--vs-marlin", action="store_true",
+                    help="v3 against vLLM's Marlin MoE for the measured H200 shapes: instructions per 16-byte "
+                         "weight chunk by class, registers, shared memory, blocks per SM")
+    ap.add_argument("--vllm-wheel", type=Path, help=f"a vllm=={VLLM_VERSION} wheel (default: the cached library)")
+    ap.add_argument("--download", action="store_true",
+                    help=f"pip download vllm=={VLLM_VERSION} into the cache when no library is cached")
     args = ap.parse_args(argv)
+    if args.vs_marlin:
+        try:
+            loops, notes = measure_vs_marlin(args.vllm_wheel, args.download)
+        except (OSError, zipfile.BadZipFile, RuntimeError) as exc:  # a missing or broken wheel, a failed compile
+            print(f"kernel_static: {exc}", file=sys.stderr)
+            return 2
+        if not loops:
+            print(f"kernel_static: skipped: {'; '.join(notes)}")
+            return 0
+        rows = vs_marlin_rows(loops)
+        print(render_vs_marlin(rows))
+        for n in notes:
+            print(f"note: {n}")
+        if args.json:
+            args.json.write_text(json.dumps({"loops": [{"key": list(k), **asdict(v)} for k, v in loops.items()],
+                                             "rows": rows, "notes": notes}, indent=2) + "\n")
+        return 0
     figures, notes = measure(args.arch or ["90", "80"], args.kernel)
     if not figures:
         print(f"kernel_static: skipped: {'; '.join(notes)}")
