@@ -228,3 +228,36 @@ def test_summary_states_v3_v2_v1_against_bf16_and_the_model() -> None:
     line = next(ln for ln in text.splitlines() if "GEMM m=  1" in ln)
     assert "v3 0.01 ms" in line and "model 36.0% (issue)" in line and "/ bf16 = 0.5" in line
     assert "v2 0.012 ms" in line and "model 24.0% (fixed costs)" in line and "v3 == v2 yes" in line
+
+
+def test_sanitizer_cases_without_a_gpu_end_in_one_no_gpu_line() -> None:
+    """The process compute-sanitizer runs: without a GPU it says so (exit 2), never an
+    AttributeError from an op that was not registered."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the cases would run")
+    proc = subprocess.run([sys.executable, "-m", "wna16ctl.native.gpucheck", "--sanitizer-cases"], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
+    output = (proc.stdout + proc.stderr).strip().splitlines()
+    assert proc.returncode == 2, output
+    assert output[-1] == "sanitizer cases: not run: no GPU (torch sees no CUDA device)"
+    assert not any("Error" in line or "Traceback" in line for line in output)
+
+
+def test_sanitizer_cases_that_cannot_start_are_not_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    text = "sanitizer cases: not run: no GPU (torch sees no CUDA device)\n========= ERROR SUMMARY: 0 errors"
+    monkeypatch.setattr(gpucheck, "find_compute_sanitizer", lambda: _fake_sanitizer(tmp_path, text, 2))
+    report = gpucheck.Report(tmp_path / "r.json")
+    assert gpucheck.step_sanitizer(report, gpucheck.Budget(600)) is None
+    assert report["sanitizer"]["memcheck"]["not_run"] == "no GPU (torch sees no CUDA device)"
+    assert "FAILED" not in gpucheck.summary({**report, "status": "passed"})
+
+
+def test_every_test_path_gpu_check_names_exists() -> None:
+    import re
+
+    named = set()
+    for source in (ROOT / "wna16ctl" / "native" / "gpucheck.py", ROOT / "scripts" / "gpu_check.sh"):
+        named |= set(re.findall(r"tests/[\w/]+\.py", source.read_text()))
+    assert {"tests/native/test_kernels.py", "tests/native/test_gemm_v2.py"} <= named
+    assert sorted(p for p in named if not (ROOT / p).is_file()) == []
+    assert set(gpucheck.GPU_TEST_FILES) <= named

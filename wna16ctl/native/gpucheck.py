@@ -606,6 +606,14 @@ def sanitizer_cases() -> int:
     """The four tiny cases, each checked against the fp32 reference (run inside compute-sanitizer).
     Few blocks (v3 and v2: one tile cut between blocks) so that the tools see the inter-block
     paths."""
+    if not torch.cuda.is_available():
+        print("sanitizer cases: not run: no GPU (torch sees no CUDA device)")
+        return 2
+    from wna16ctl.native import ops as K  # registers torch.ops.wna16ctl.*
+
+    if K.cuda_lib() is None:
+        print("sanitizer cases: not run: the CUDA kernel library is not available (nvcc, the build)")
+        return 2
     bad = 0
     for kernel, case in SANITIZER_CASES:
         prob = build_problem(**case, seed=7)
@@ -650,6 +658,11 @@ def step_sanitizer(report: Report, budget: Budget) -> Optional[bool]:
                                  "returncode": proc.returncode, "seconds": round(_now() - t0, 1), "tail": tail}
                 report.save()
                 continue
+            harness = next((ln for ln in tail if "sanitizer cases: not run:" in ln), None)
+            if proc.returncode == 2 and harness:  # the cases could not start: says nothing about the kernels
+                results[tool] = {"not_run": harness.split("not run:", 1)[1].strip(), "returncode": 2, "tail": tail}
+                report.save()
+                continue
             passed = proc.returncode == 0
             results[tool] = {"ok": passed, "returncode": proc.returncode, "seconds": round(_now() - t0, 1), "tail": tail}
         except subprocess.TimeoutExpired:
@@ -688,17 +701,23 @@ def step_vllm_plugin(report: dict, budget: Budget, repo: Path) -> Optional[bool]
     return bool(result.get("ok"))
 
 
+# the test files whose `gpu` tests the pytest step runs (tests/native/test_gpucheck.py checks
+# that every tests/ path this module names exists)
+GPU_TEST_FILES = ("tests/native/test_kernels.py", "tests/native/test_gemm_v2.py")
+
+
 def step_pytest(report: dict, budget: Budget, repo: Path) -> Optional[bool]:
     try:
         import pytest  # noqa: F401
     except ImportError:
         report["pytest_gpu"] = {"skipped": "pytest not importable"}
         return None
-    if not (repo / "tests" / "test_kernels.py").is_file() or budget.left() < 45:
-        report["pytest_gpu"] = {"skipped": "tests/ not present or no time left"}
+    missing = [p for p in GPU_TEST_FILES if not (repo / p).is_file()]
+    if missing or budget.left() < 45:
+        report["pytest_gpu"] = {"skipped": f"{', '.join(missing)} not in this checkout" if missing else "no time left"}
         return None
     cmd = [sys.executable, "-m", "pytest", "--noconftest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-           "tests/native/test_kernels.py", "tests/native/test_gemm_v2.py"]
+           *GPU_TEST_FILES]
     try:
         proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=max(30, budget.left() - 15))
     except subprocess.TimeoutExpired:
