@@ -569,7 +569,6 @@ def bench_gemm(report: Report, budget: Budget, marlin_op: Any = None) -> None:
             bf = gputiming.shares(n_active * k * n * 2, t["ms"], peak, copy)
             entry["torch_bf16_bmm"] = {"ms": round(t["ms"], 4), "weight_gbps": bf["gbps"],
                                        "pct_of_copy": bf["pct_of_copy"]}
-            del w_act, a_pad
             for kernel in ("v3", "v2", "marlin"):
                 if "ms" in entry.get(kernel, {}):
                     entry[f"{kernel}_over_bf16"] = round(entry[kernel]["ms"] / t["ms"], 2)
@@ -816,11 +815,14 @@ def goals(report: Report) -> dict:
     on the kernel the automatic choice runs there (`auto_kernel`: v3, or v2 for the 64-row tile;
     v2 in a report without v3)."""
     br, rows = report.get("bench_repack", {}), report.get("bench_gemm", {}).get("rows", [])
-    auto = {r["m"]: r.get("auto_kernel", "v2") if r.get("auto_kernel", "v2") in r else "v2" for r in rows}
-    low = [r[auto[r["m"]]]["pct_of_peak"] for r in rows if r["m"] <= 16]
-    high = [r[f"{auto[r['m']]}_over_bf16"] for r in rows if r["m"] >= 64]
+    def auto(r: dict) -> str:  # the kernel the automatic choice runs on this row
+        kernel = r.get("auto_kernel", "v2")
+        return kernel if kernel in r else "v2"
+    low = [v for r in rows if r["m"] <= 16 and (v := r.get(auto(r), {}).get("pct_of_peak")) is not None]
+    high = [v for r in rows if r["m"] >= 64 and (v := r.get(f"{auto(r)}_over_bf16")) is not None]
+
     def kernels(pick) -> Optional[str]:  # the kernels a goal's rows were judged on
-        return "/".join(sorted({k for m, k in auto.items() if pick(m)}, reverse=True)) or None
+        return "/".join(sorted({auto(r) for r in rows if pick(r["m"])}, reverse=True)) or None
     out = {
         "repack_pct_of_peak": {"goal": f">= {GOALS['repack_pct_of_peak']}", "plain": br.get("plain", {}).get("pct_of_peak"),
                                "act_order": br.get("act_order", {}).get("pct_of_peak")},
@@ -1096,7 +1098,11 @@ def summary(report: dict) -> str:
     for name, g in report.get("goals", {}).items():
         state = "not measured" if g.get("met") is None else ("met" if g["met"] else "NOT met")
         lines.append(f"  goal {name} {g['goal']}" + (f" ({g['kernel']})" if g.get("kernel") else "") + f": {state}")
-    if report.get("steps"):
+    reasons = {(st["state"], st.get("reason")) for st in report.get("steps", {}).values()}
+    if len(reasons) == 1 and len(report["steps"]) > 1:  # one state for all (e.g. no GPU): one line
+        state, why = reasons.pop()
+        lines.append(f"  steps: all {len(report['steps'])} {state}" + (f" ({why})" if why else ""))
+    elif report.get("steps"):
         lines.append("  steps: " + "; ".join(
             f"{name} {st['state']}" + (f" ({st['reason']})" if st.get("reason") else "")
             for name, st in report["steps"].items()))
