@@ -31,3 +31,23 @@ def test_auto_repacks_on_the_cpu_where_a_gpu_is_usable(monkeypatch: pytest.Monke
 def test_help_says_auto_never_picks_the_gpu() -> None:
     text = " ".join(CliRunner().invoke(cli, ["repack", "--help"]).output.split())
     assert "auto = the CPU" in text and "never picks the GPU" in text
+
+
+def test_cuda_repack_moves_transposed_sources_as_they_lie(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--device cuda: a K-first source that is a transposed view of N-first words reaches the GPU
+    without a transposing copy on the host; the result is the CPU path's. Here the "GPU" is the
+    CPU (`.cuda()` records what it is given and returns the tensor itself)."""
+    monkeypatch.setattr(kernels, "cuda_available", lambda: True)
+    moved: list[bool] = []
+
+    def record(t: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        moved.append(t.is_contiguous())
+        return t
+    monkeypatch.setattr(torch.Tensor, "cuda", record)
+    q = torch.randint(0, 16, (256, 128), generator=torch.Generator().manual_seed(2), dtype=torch.int32)
+    n_first = pack_codes(q, 4, dim=0).transpose(0, 1).contiguous()  # as the checkpoint stores it
+    k_first = n_first.transpose(0, 1)
+    out = torch.zeros(2, 256 // 16, 2 * 128 * 16 // 8, dtype=torch.int32)  # room for two N = 128 blocks
+    pipeline.marlin_repacker("cuda")(k_first, 4, out=out[1, :, 256:])  # a column block of a wider output
+    assert moved == [True]
+    assert torch.equal(out[1, :, 256:], marlin_repack(k_first.contiguous(), 4)) and not out[0].any() and not out[1, :, :256].any()

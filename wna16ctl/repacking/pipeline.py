@@ -1145,11 +1145,21 @@ def marlin_repacker(device: str) -> Callable[..., Any]:
 
     def repack(packed: Any, num_bits: int, perm: Any = None, *, out: Any) -> Any:
         if use_cuda:
-            result = kernels.marlin_repack_fast(packed.cuda(), num_bits, None if perm is None else perm.cuda()).cpu()
-            return out.copy_(result)
+            src = _to_gpu(packed)
+            result = kernels.marlin_repack_fast(src, num_bits, None if perm is None else perm.to(src.device))
+            return out.copy_(result)  # one device-to-host copy, straight into the output's columns
         return kernels.marlin_repack_fast(packed, num_bits, perm, out=out)
 
     return repack
+
+
+def _to_gpu(t: Any) -> Any:
+    """`t` on the current GPU. A K-first source is a transposed view of the checkpoint's N-first
+    words: it is moved as it lies in memory and transposed on the GPU (`.cuda()` of the view would
+    first make a transposing copy on the host)."""
+    if not t.is_contiguous() and t.ndim >= 2 and t.transpose(-1, -2).is_contiguous():
+        return t.transpose(-1, -2).cuda().transpose(-1, -2)
+    return t.cuda()
 
 
 def build_manifest(plan: RepackPlan, hashes: dict[str, str], root: Path) -> dict[str, Any]:
