@@ -276,3 +276,37 @@ def test_repack_timing_runs_the_cli_on_both_devices(tmp_path: Path, monkeypatch:
     assert timing["cuda_over_cpu"] == 1.0 and timing["ok"] is True
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]  # the work directory is removed
     assert "repack wall time: synthetic" in gpucheck.summary({**report, "status": "passed"})
+
+
+def test_a_step_that_raises_is_failed_and_the_next_steps_still_run(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpucheck, "step_env", lambda report: None)
+    monkeypatch.setattr(gpucheck, "step_build", lambda report: report.update(build={"ok": True}))
+    monkeypatch.setattr(gpucheck, "_load_marlin", lambda path: (None, "no vLLM"))
+    ran: list[str] = []
+
+    def boom(report, budget):
+        raise RuntimeError("kernel fault")
+    monkeypatch.setattr(gpucheck, "step_repack", boom)
+    monkeypatch.setattr(gpucheck, "step_gemm", lambda report, budget, count: ran.append("gemm") or True)
+    for name in ("step_repack_timing", "step_product"):
+        monkeypatch.setattr(gpucheck, name, lambda report, budget, repo, name=name: ran.append(name) or None)
+    for name in ("bench_copy", "bench_repack"):
+        monkeypatch.setattr(gpucheck, name, lambda report, name=name: ran.append(name))
+    monkeypatch.setattr(gpucheck, "bench_gemm", lambda report, budget, op: ran.append("bench_gemm"))
+    out = tmp_path / "gpu_check.json"
+    assert gpucheck.run(out, 600, 1, False, False, with_vllm_plugin=False) == 1
+    data = json.loads(out.read_text())
+    assert data["status"] == "failed"
+    assert data["repack_checks"]["error"] == "RuntimeError: kernel fault"
+    assert ran == ["gemm", "step_repack_timing", "bench_copy", "bench_repack", "bench_gemm", "step_product"]
+    steps = data["steps"]
+    assert steps["repack_checks"] == {"state": "failed"} and steps["gemm_checks"] == {"state": "passed"}
+    assert steps["vllm_marlin_check"] == {"state": "not run", "reason": "no vLLM"}
+    assert steps["sanitizer"]["reason"].startswith("not asked for")
+
+
+def test_a_cli_that_cannot_start_for_a_missing_module_is_not_run() -> None:
+    run = {"ok": False, "tail": ["Traceback (most recent call last):", "ModuleNotFoundError: No module named 'click'"]}
+    assert gpucheck._missing_dependency(run) == "the CLI cannot start here: ModuleNotFoundError: No module named 'click'"
+    assert gpucheck._missing_dependency({"ok": False, "tail": ["error: bad input"]}) is None

@@ -686,6 +686,13 @@ PRODUCT_TP = 2
 TIMING_CHECKPOINT = {"layers": 2}
 
 
+def _missing_dependency(run: dict) -> Optional[str]:
+    """The reason a CLI run could not start for a module this python lacks (the CLI's own
+    dependencies are not gpu_check's), or None."""
+    line = next((ln for ln in run.get("tail", []) if "ModuleNotFoundError" in ln), None)
+    return f"the CLI cannot start here: {line.strip()}" if line and not run.get("ok") else None
+
+
 def _cli(args: list[str], timeout: float, cwd: Path) -> dict:
     t0 = _now()
     try:
@@ -698,12 +705,14 @@ def _cli(args: list[str], timeout: float, cwd: Path) -> dict:
             "command": "wna16ctl " + " ".join(args), "tail": tail}
 
 
-def _manifest_files(out: Path) -> Optional[dict]:
-    from wna16ctl.repacking.pipeline import MANIFEST_NAME
-
+def _manifest_files(run: dict) -> Optional[dict]:
+    """The output files' digests from the manifest a `repack` run printed ("manifest: PATH")."""
+    path = next((ln.split(":", 1)[1].strip() for ln in run.get("tail", []) if ln.startswith("manifest: ")), None)
     try:
-        files = json.loads((out / MANIFEST_NAME).read_text())["files"]
+        files = json.loads(Path(path).read_text())["files"] if path else None
     except (OSError, ValueError, KeyError):
+        return None
+    if not isinstance(files, dict):
         return None
     return {rel: {k: v for k, v in f.items() if k != "bytes"} for rel, f in files.items()}
 
@@ -716,16 +725,15 @@ def step_product(report: Report, budget: Budget, repo: Path, device: str = "cuda
 
     steps: dict[str, dict] = {}
     report["product"] = steps
-    try:
-        import wna16ctl.cli  # noqa: F401 - the CLI's own dependencies (click, safetensors, ...)
-    except ImportError as exc:
-        steps["demo"] = {"not_run": f"the CLI does not import here: {exc}"}
-        return None
     work = Path(tempfile.mkdtemp(prefix="wna16ctl-gpu-check-", dir=str(report.path.parent)))
     ckpt, cuda_out, cpu_out = work / "demo", work / f"tp{PRODUCT_TP}-cuda", work / f"tp{PRODUCT_TP}-cpu"
     ok = True
     try:
         steps["demo"] = _cli(["demo", str(ckpt), "--force"], min(90.0, budget.left() - 10), repo)
+        missing = _missing_dependency(steps["demo"])
+        if missing:
+            steps["demo"] = {"not_run": missing}
+            return None
         if not steps["demo"]["ok"]:
             return False
         for name, dev, out in (("repack_cuda", device, cuda_out), ("repack_cpu", "cpu", cpu_out)):
@@ -734,7 +742,7 @@ def step_product(report: Report, budget: Budget, repo: Path, device: str = "cuda
             ok &= steps[name]["ok"]
             report.save()
         if steps["repack_cuda"]["ok"] and steps["repack_cpu"]["ok"]:
-            on_gpu, on_cpu = _manifest_files(cuda_out), _manifest_files(cpu_out)
+            on_gpu, on_cpu = _manifest_files(steps["repack_cuda"]), _manifest_files(steps["repack_cpu"])
             steps["cuda_equals_cpu"] = {"ok": bool(on_cpu) and on_gpu == on_cpu,
                                         "what": "every output file's digest, --device cuda against --device cpu"}
             ok &= steps["cuda_equals_cpu"]["ok"]
@@ -766,11 +774,6 @@ def step_repack_timing(report: Report, budget: Budget, repo: Path, device: str =
     if not bench.is_file():
         report["repack_timing"] = {"not_run": "bench/synthetic_checkpoint.py not in this checkout"}
         return None
-    try:
-        import wna16ctl.cli  # noqa: F401 - the CLI's own dependencies
-    except ImportError as exc:
-        report["repack_timing"] = {"not_run": f"the CLI does not import here: {exc}"}
-        return None
     work = Path(tempfile.mkdtemp(prefix="wna16ctl-gpu-check-", dir=str(report.path.parent)))
     try:
         return _time_repack_devices(report, budget, work, repo, device)
@@ -782,6 +785,9 @@ def _time_repack_devices(report: Report, budget: Budget, work: Path, repo: Path,
     sys.path.insert(0, str(repo / "bench"))
     try:
         import synthetic_checkpoint
+    except ImportError as exc:  # safetensors missing from this python
+        report["repack_timing"] = {"not_run": f"bench/synthetic_checkpoint.py cannot run here: {exc}"}
+        return None
     finally:
         sys.path.remove(str(repo / "bench"))
     ckpt = work / "synthetic"
@@ -799,6 +805,10 @@ def _time_repack_devices(report: Report, budget: Budget, work: Path, repo: Path,
                 break
             run = _cli(["repack", str(ckpt), "--tp", str(PRODUCT_TP), "-o", str(work / f"timed-{dev}"), "--device",
                         dev, "--force", "-q"], min(120.0, budget.left() - 10), repo)
+            missing = _missing_dependency(run)
+            if missing:
+                report["repack_timing"] = {"not_run": missing}
+                return None
             ok &= run["ok"]
             timing[dev].append(run["seconds"] if run["ok"] else run)
             report.save()
@@ -1216,8 +1226,17 @@ def run(out: Path, budget_s: float, gemm_count: int, with_pytest: bool, with_san
                 record_step(report, name, None, "no time left")
                 continue
             step(name)
-            result = fn()
-            if name.startswith("bench_"):
+            try:
+                result = fn()
+            except BudgetSpent:
+                raise
+            except Exception as exc:  # one step's fault must not cost the steps after it
+                report.setdefault(name, {})
+                if isinstance(report[name], dict):
+                    report[name]["error"] = f"{type(exc).__name__}: {exc}"[:500]
+                    report[name]["traceback"] = traceback.format_exc()[-3000:]
+                result = False
+            if name.startswith("bench_") and result is not False:
                 result = True  # a benchmark that returned measured; its figures are judged in goals
             record_step(report, name, result)
             ok &= result is not False
