@@ -1,41 +1,42 @@
 """One unattended GPU check: build the kernels, check them against the CPU path, benchmark them.
 
-    python -m wna16ctl.native.gpucheck [--out FILE] [--budget SECONDS] [--no-pytest] [--no-sanitizer]
+    python -m wna16ctl.native.gpucheck [--out FILE] [--budget SECONDS] [--vllm-moe-lib PATH]
+                                       [--no-pytest] [--no-sanitizer] [--no-vllm-plugin]
     python -m wna16ctl.native.gpucheck --build-only
 
 Builds the CUDA library first (cached: a second run finds it), outside the time budget; the
-budget (default 480 s) then covers the checks, which stop REPORT_RESERVE_S (60 s) before it ends
-so that the report is always written. Needs nothing prepared but a python with torch (CUDA
-build) and nvcc. Writes one JSON file ($OUT/gpu_check.json when $OUT is set, else
-./gpu_check.json) and rewrites it after every step and case (atomically), so a time limit or a
-hung kernel leaves what was measured; prints a short summary. Exit status: 0 all checks passed,
-1 a check failed (or the run was stopped), 2 the check could not run (no GPU / torch without
-CUDA / build failure).
+budget (default 480 s; scripts/gpu_check.sh passes what the build left of its 480 s) then covers
+the checks, which stop REPORT_RESERVE_S before it ends so that the report is always written.
+Needs nothing prepared but a python with torch (CUDA build) and nvcc. Writes one JSON file
+($OUT/gpu_check.json when $OUT is set, else ./gpu_check.json) and rewrites it after every step and
+case (atomically), so a time limit or a hung kernel leaves what was measured; prints a short
+summary with every step passed, failed or not run (and why: without a GPU every step is "not run:
+no GPU"). Exit status: 0 all checks passed, 1 a check failed (or the run was stopped), 2 the check
+could not run (no GPU / torch without CUDA / build failure).
 
-Checks:
-* repack, scale and zero-point permutation: CUDA == torch CPU path bit for bit (§9.3 shapes,
-  4/8 bit, with and without act-order);
+The steps, in run order (STEPS):
+* repack, scale and zero-point permutation: CUDA == torch CPU path bit for bit (4/8 bit, with and
+  without act-order);
 * MoE GEMM, the fast kernels (v3 -- falling back to v2 where it declines --, v2) and the simple
   reference kernel (v1, mma.sync): against an fp32 reference from the logical (unpacked,
-  unpermuted) dequantised weights and against each other (v3 equal to v2 bit for bit),
-  over a seeded subsample of m ∈ {1,7,16,64,123,512}, n ∈ {128,1024}, k ∈ {256,2048},
-  e ∈ {8,64}, top-k ∈ {2,6}, 4/8 bit, group size -1/32/128, zero points, act-order (full and
-  partial K); plus a few small cases against the CPU op;
-* compute-sanitizer memcheck, racecheck and synccheck on four tiny GEMM cases (v3 and v2 with
-  tiles cut between blocks, v2 with g_idx, v1), when compute-sanitizer is installed; a tool that
-  refuses the device ("Device not supported") is "not run" with its reason, never a failure;
-* the vLLM load format `wna16ctl` (wna16ctl/integrations/vllm_plugin.py): a `repack --layout marlin`
-  output of the demo checkpoint served with `--load-format wna16ctl` against vLLM's default load of
-  the checkpoint (both on the Marlin backend), greedy tokens and logprobs on the same prompts; "not
-  run" with the reason without vLLM ($WNA16CTL_VLLM_PYTHON or this python) or a served release/GPU;
-* the test-suite's `gpu` tests when pytest is importable.
-Benchmarks (CUDA events around the bare library calls: no host synchronisation inside the timed
-region): repack throughput, plain and act-order, as a share of the GPU's peak memory bandwidth;
-GEMM time and weight bandwidth of v3, v2 and v1 against torch bf16 matmuls of the dequantised
-weights, batch 1-512, each row with the share of the HBM peak that bench/roofline.py's model
-expects for v3 and v2; the goals (repack >= 70% of peak, the automatic kernel -- v3, v2 for the
-64-row tile -- >= 50% at m <= 16 and within 1.5x of bf16 at m >= 64) are reported as met or not,
-apart from the pass/fail of the checks.
+  unpermuted) dequantised weights and against each other (v3 equal to v2 bit for bit), over a
+  seeded subsample of m ∈ {1,7,16,64,123,512}, n, k, e, top-k, 4/8 bit, group size -1/32/128,
+  zero points, act-order (full and partial K); plus a few small cases against the CPU op;
+* vLLM's compiled Marlin MoE GEMM on our layout against the same fp32 reference
+  (wna16ctl/native/vllm_marlin.py; an installed vLLM's library or --vllm-moe-lib);
+* `repack --tp 2 --device cpu` and `--device cuda` of one synthetic checkpoint, wall time;
+* benchmarks (wna16ctl/native/gputiming.py: GPU time with the L2 flushed and the launch hidden,
+  median of 15): the device copy ceiling, the repack kernel, the GEMM of v3, v2, vLLM's Marlin and
+  a torch bf16 bmm on three model shapes at M 1-1024, each with its share of the peak and of the
+  copy ceiling and, for v3 and v2, measured / bench/roofline.py's model; the goals (repack >= 70%
+  of peak, the automatic kernel >= 50% at m <= 16 and within 1.5x of bf16 at m >= 64) are reported
+  as met or not, apart from the pass/fail of the checks;
+* the product: demo -> repack --device cuda (equal to --device cpu) -> verify --e2e;
+* the vLLM load format `wna16ctl` (wna16ctl/integrations/plugin_check.py) against vLLM's default
+  load, "not run" with the reason without vLLM;
+* compute-sanitizer memcheck, racecheck and synccheck on four tiny GEMM cases, when installed; a
+  tool that refuses the device is "not run" with its reason, never a failure;
+* the test-suite's `gpu` tests (GPU_TEST_FILES) when pytest is importable.
 """
 
 from __future__ import annotations
