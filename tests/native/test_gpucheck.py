@@ -310,3 +310,123 @@ def test_a_cli_that_cannot_start_for_a_missing_module_is_not_run() -> None:
     run = {"ok": False, "tail": ["Traceback (most recent call last):", "ModuleNotFoundError: No module named 'click'"]}
     assert gpucheck._missing_dependency(run) == "the CLI cannot start here: ModuleNotFoundError: No module named 'click'"
     assert gpucheck._missing_dependency({"ok": False, "tail": ["error: bad input"]}) is None
+
+
+# ---- the Marlin check's and the GEMM benchmark's plumbing on the CPU -----------------------------
+# vLLM's op stood in for by its documented semantics over our CPU GEMM; the kernels' timing by a
+# clock that returns fixed times
+
+
+class _FakeMarlinOp:
+    """moe_wna16_marlin_gemm as its arguments describe it: blocks of `moe_block_size` sorted slots,
+    one expert per block, entries >= M * top_k padding; computed by our CPU op."""
+
+    def __init__(self, swap_experts: bool = False):
+        from tests.native.test_vllm_marlin import VLLM_0_33_SCHEMA
+
+        self.default = type("Overload", (), {"_schema": torch._C.parse_schema(VLLM_0_33_SCHEMA)})()
+        self.swap_experts = swap_experts
+
+    def __call__(self, *values):
+        from wna16ctl.native import ops, vllm_marlin  # noqa: F401 - ops registers torch.ops.wna16ctl
+
+        args = dict(zip(vllm_marlin.ARG_NAMES, values))
+        block, top_k, m = args["moe_block_size"], args["top_k"], args["size_m"]
+        experts = args["b_q_weight"].shape[0]
+        post = int(args["num_tokens_past_padded"][0])
+        ids, block_experts = args["sorted_token_ids"].tolist()[:post], args["expert_ids"].tolist()[:post // block]
+        mine: dict[int, list[int]] = {e: [] for e in range(experts)}
+        for b, e in enumerate(block_experts):
+            e = experts - 1 - e if self.swap_experts else e
+            mine[e] += [s for s in ids[b * block:(b + 1) * block] if s < m * top_k]
+        order = [s for e in range(experts) for s in mine[e]]
+        offsets = [0]
+        for e in range(experts):
+            offsets.append(offsets[-1] + len(mine[e]))
+        bits = (args["b_type_id"] >> 8) & 0xFF
+        out = torch.ops.wna16ctl.moe_wna16_gemm(
+            args["a"], args["b_q_weight"], args["b_scales"], args["b_zeros_or_none"], None, None,
+            torch.tensor(order, dtype=torch.int32), torch.tensor(offsets, dtype=torch.int32),
+            args["topk_weights"].reshape(-1) if args["mul_topk_weights"] else None, top_k, bits, True)
+        if args["c_or_none"] is not None:
+            return args["c_or_none"].copy_(out)
+        return out
+
+
+def _on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from wna16ctl.native import vllm_marlin
+
+    monkeypatch.setattr(gpucheck, "DEVICE", "cpu")
+    monkeypatch.setattr(vllm_marlin, "new_workspace", lambda device: torch.zeros(8, dtype=torch.int32))
+    monkeypatch.setattr(gpucheck, "MARLIN_CHECK_SHAPE", dict(n=64, k=128, e=3, topk=2))
+
+
+def test_the_marlin_check_on_the_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _on_the_cpu(monkeypatch)
+    report = gpucheck.Report(tmp_path / "r.json")
+    assert gpucheck.step_vllm_marlin_check(report, gpucheck.Budget(600), _FakeMarlinOp(), "stand-in") is True
+    cases = report["vllm_marlin_check"]["cases"]
+    assert len(cases) == 24 and sum("rel_err" in c for c in cases) == 18
+    assert {c["not_run"] for c in cases if "not_run" in c} == {"vLLM's Marlin MoE has no 8-bit type with zero points"}
+    assert "vLLM Marlin MoE on our layout vs fp32 reference: ok (18 cases" in gpucheck.summary({**report,
+                                                                                             "status": "passed"})
+    # a kernel that reads the blocks' experts wrongly is caught
+    monkeypatch.setattr(gpucheck, "MARLIN_CHECK_CASES", [(4, True, 32)])
+    report = gpucheck.Report(tmp_path / "r2.json")
+    assert gpucheck.step_vllm_marlin_check(report, gpucheck.Budget(600), _FakeMarlinOp(swap_experts=True), "x") is False
+    assert gpucheck.step_vllm_marlin_check(report, gpucheck.Budget(600), None, "no vLLM installed") is None
+    assert report["vllm_marlin_check"] == {"not_run": "no vLLM installed"}
+
+
+class _FixedClock:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def event(self):
+        clock = self
+
+        class Event:
+            def record(self) -> None:
+                pass
+
+            def elapsed_time(self, other) -> float:
+                clock.calls += 1
+                return 0.02
+        return Event()
+
+    def flush(self) -> None:
+        pass
+
+    def busy(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+def test_the_gemm_benchmark_on_the_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _on_the_cpu(monkeypatch)
+    monkeypatch.setattr(gpucheck, "BENCH_SHAPES", (("tiny w13", 8, 256, 128, 4, 128, (1, 4)),
+                                                   ("tiny int8 channel-wise", 8, 256, 128, 8, -1, (4,))))
+    clock = _FixedClock()
+    monkeypatch.setattr(gpucheck, "_clock", lambda report: clock)
+
+    def cpu_call(kernel, args):
+        c = torch.zeros(args[0].shape[0] * args[9], args[2].shape[-1], dtype=args[0].dtype)
+        return (lambda: c.copy_(torch.ops.wna16ctl.moe_wna16_gemm(*args))), c
+    monkeypatch.setattr(gpucheck, "_gemm_call", cpu_call)
+    report = gpucheck.Report(tmp_path / "r.json")
+    report.update(env={"device": "NVIDIA H200"}, device={"sm_count": 132, "peak_gbps": 4800.0},
+                  copy_ceiling={"gbps": 4000.0})
+    gpucheck.bench_gemm(report, gpucheck.Budget(600), _FakeMarlinOp())
+    rows = report["bench_gemm"]["rows"]
+    assert [(r["shape"], r["m"]) for r in rows] == [("tiny w13", 1), ("tiny w13", 4), ("tiny int8 channel-wise", 4)]
+    assert clock.calls == 4 * 15 * 3  # v3, v2, Marlin and bf16, 15 timed calls each, per row
+    for r in rows:
+        assert r["v3"]["ms"] == r["marlin"]["ms"] == r["torch_bf16_bmm"]["ms"] == 0.02
+        assert r["v3_over_marlin"] == 1.0 and r["v3_equals_v2"] is True
+        assert r["marlin_vs_v3_rel_err"] < 2 ** -6  # the stand-in computes what v3 computes
+        assert r["v3"]["pct_of_copy"] == round(100 * r["v3"]["weight_gbps"] / 4000.0, 1)
+    assert "v3_over_model" in rows[0] and "model_v3" not in rows[2]  # the model covers int4 only
+    text = gpucheck.summary({**report, "status": "passed"})
+    assert "GEMM tiny w13 m=   1: v3 20.0 us" in text and "v3 / marlin = 1.0" in text

@@ -487,13 +487,23 @@ BENCH_SHAPES = (
 BENCH_TOP_K = 8
 
 
+# where the benchmark and the Marlin check put their tensors (tests/native/test_gpucheck.py runs
+# their plumbing on the CPU with stand-ins for the kernels)
+DEVICE = "cuda"
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
 def _routing(m: int, e: int, topk: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """topk_ids [m, topk] (distinct experts per token), our sorted slots and expert offsets."""
     g = torch.Generator().manual_seed(seed)
-    top = torch.stack([torch.randperm(e, generator=g)[:topk] for _ in range(m)]).cuda()
+    top = torch.stack([torch.randperm(e, generator=g)[:topk] for _ in range(m)]).to(DEVICE)
     flat = top.reshape(-1)
     sorted_ids = torch.argsort(flat, stable=True).to(torch.int32)
-    offsets = torch.zeros(e + 1, dtype=torch.int32, device="cuda")
+    offsets = torch.zeros(e + 1, dtype=torch.int32, device=DEVICE)
     offsets[1:] = torch.cumsum(torch.bincount(flat, minlength=e), 0)
     return top, sorted_ids, offsets
 
@@ -521,14 +531,14 @@ def bench_gemm(report: Report, budget: Budget, marlin_op: Any = None) -> None:
             report["bench_gemm"]["truncated"] = f"stopped before {shape_name} (time budget)"
             break
         groups = 1 if gs == -1 else k // gs
-        q = torch.randint(0, 1 << bits, (e, k, n), dtype=torch.int32, device="cuda")
-        scales = (torch.rand(e, groups, n, device="cuda") * 0.02 + 1e-3).to(dtype)
+        q = torch.randint(0, 1 << bits, (e, k, n), dtype=torch.int32, device=DEVICE)
+        scales = (torch.rand(e, groups, n, device=DEVICE) * 0.02 + 1e-3).to(dtype)
         b_q = marlin_repack(pack_codes(q, bits, dim=-2), bits)
         m_scales = marlin_permute_scales(scales, k, n, gs)
-        grp = torch.arange(k, device="cuda") // (k // groups)
+        grp = torch.arange(k, device=DEVICE) // (k // groups)
         w_deq = torch.stack([(q[i] - (1 << (bits - 1))).to(dtype) * scales[i][grp] for i in range(e)])
         del q
-        workspace = vllm_marlin.new_workspace(torch.device("cuda")) if marlin_op is not None else None
+        workspace = vllm_marlin.new_workspace(torch.device(DEVICE)) if marlin_op is not None else None
         for m in ms:
             if budget.left() < 20:
                 report["bench_gemm"]["truncated"] = f"stopped at {shape_name} m = {m} (time budget)"
@@ -537,7 +547,7 @@ def bench_gemm(report: Report, budget: Budget, marlin_op: Any = None) -> None:
             counts = torch.bincount(top.reshape(-1), minlength=e)
             active = torch.nonzero(counts).flatten()
             n_active, max_rows = int(active.numel()), int(counts.max())
-            a = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(device="cuda", dtype=dtype)
+            a = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(device=DEVICE, dtype=dtype)
             entry: dict[str, Any] = {"shape": shape_name, "experts": e, "k": k, "n": n, "bits": bits,
                                      "group_size": gs, "m": m, "active_experts": n_active}
             q_bytes = n_active * (k * n * bits // 8 + groups * n * 2)
@@ -547,7 +557,7 @@ def bench_gemm(report: Report, budget: Budget, marlin_op: Any = None) -> None:
             if marlin_op is not None:
                 margs = vllm_marlin.call_args(a=a, b_q=b_q, scales=m_scales, zero_points=None, topk_ids=top,
                                               topk_weights=None, bits=bits, workspace=workspace,
-                                              out=torch.empty(m * BENCH_TOP_K, n, dtype=dtype, device="cuda"))
+                                              out=torch.empty(m * BENCH_TOP_K, n, dtype=dtype, device=DEVICE))
                 why = vllm_marlin.schema_mismatch(marlin_op.default._schema, margs)
                 if why:
                     entry["marlin"] = {"not_run": why}
@@ -565,7 +575,7 @@ def bench_gemm(report: Report, budget: Budget, marlin_op: Any = None) -> None:
                 entry[kernel] = {"ms": round(t["ms"], 4), "weight_gbps": s["gbps"], "pct_of_peak": s["pct_of_peak"],
                                  "pct_of_copy": s["pct_of_copy"]}
             w_act = w_deq[active].contiguous()
-            a_pad = torch.zeros(n_active, max_rows, k, dtype=dtype, device="cuda")
+            a_pad = torch.zeros(n_active, max_rows, k, dtype=dtype, device=DEVICE)
             t = gputiming.time_calls(lambda: torch.bmm(a_pad, w_act), clock)
             bf = gputiming.shares(n_active * k * n * 2, t["ms"], peak, copy)
             entry["torch_bf16_bmm"] = {"ms": round(t["ms"], 4), "weight_gbps": bf["gbps"],
@@ -638,7 +648,7 @@ def step_vllm_marlin_check(report: Report, budget: Budget, op: Any, why: str) ->
         return None
     results: list[dict] = []
     report["vllm_marlin_check"] = {"library": why, "cases": results}
-    workspace = vllm_marlin.new_workspace(torch.device("cuda"))
+    workspace = vllm_marlin.new_workspace(torch.device(DEVICE))
     ok, ran = True, 0
     for i, (bits, zp, gs) in enumerate(MARLIN_CHECK_CASES):
         for m in (1, 33):
@@ -650,20 +660,21 @@ def step_vllm_marlin_check(report: Report, budget: Budget, op: Any, why: str) ->
             if budget.left() < 20:
                 entry["not_run"] = "no time left"
                 continue
-            prob = build_problem(m=m, bits=bits, gs=gs, zp=zp, act=False, seed=500 + i, **MARLIN_CHECK_SHAPE)
+            prob = build_problem(m=m, bits=bits, gs=gs, zp=zp, act=False, seed=500 + i, device=DEVICE,
+                                 **MARLIN_CHECK_SHAPE)
             a, b_q, m_scales, m_zeros = prob["args"][:4]
             tw = prob["args"][8]
             args = vllm_marlin.call_args(a=a, b_q=b_q, scales=m_scales, zero_points=m_zeros, topk_ids=prob["topk_ids"],
                                          topk_weights=tw.reshape(m, -1), bits=bits, workspace=workspace)
             try:
                 got = vllm_marlin.call(op, args)
-                torch.cuda.synchronize()
+                _sync()
             except ValueError as exc:  # the schema differs: a check that cannot run, not a layout fault
                 entry["not_run"] = str(exc)
                 continue
             except Exception as exc:
                 entry.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
-                ok = False
+                ok, ran = False, ran + 1
                 continue
             err = _rel_err(got, prob["expected"])
             entry.update(rel_err=float(f"{err:.3g}"), ok=err < TOL[prob["dtype"]])
