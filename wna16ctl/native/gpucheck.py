@@ -103,23 +103,6 @@ class BudgetSpent(Exception):
     """The checks reached the end of their budget (the report reserve is what remains)."""
 
 
-def _time_cuda(fn: Callable[[], Any], reps: int = 20, warmup: int = 3) -> float:
-    """Median milliseconds per call, CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
-
-
 # ----------------------------------------------------------------------------------------------
 # problems
 
@@ -737,7 +720,7 @@ def step_product(report: Report, budget: Budget, repo: Path, device: str = "cuda
 
     steps: dict[str, dict] = {}
     report["product"] = steps
-    work = Path(tempfile.mkdtemp(prefix="wna16ctl-gpu-check-", dir=str(report.path.parent)))
+    work = Path(tempfile.mkdtemp(prefix="wna16ctl-gpu-check-"))
     ckpt, cuda_out, cpu_out = work / "demo", work / f"tp{PRODUCT_TP}-cuda", work / f"tp{PRODUCT_TP}-cpu"
     ok = True
     try:
@@ -786,7 +769,9 @@ def step_repack_timing(report: Report, budget: Budget, repo: Path, device: str =
     if not bench.is_file():
         report["repack_timing"] = {"not_run": "bench/synthetic_checkpoint.py not in this checkout"}
         return None
-    work = Path(tempfile.mkdtemp(prefix="wna16ctl-gpu-check-", dir=str(report.path.parent)))
+    # the system's temporary directory, not the report's: a run stopped here must not leave a
+    # checkpoint among the files that come back with the report
+    work = Path(tempfile.mkdtemp(prefix="wna16ctl-gpu-check-"))
     try:
         return _time_repack_devices(report, budget, work, repo, device)
     finally:
