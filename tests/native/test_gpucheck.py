@@ -379,6 +379,12 @@ def test_the_marlin_check_on_the_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(gpucheck, "MARLIN_CHECK_CASES", [(4, True, 32)])
     report = gpucheck.Report(tmp_path / "r2.json")
     assert gpucheck.step_vllm_marlin_check(report, gpucheck.Budget(600), _FakeMarlinOp(swap_experts=True), "x") is False
+    # a library whose op takes other arguments: not run, with the difference named
+    other = _FakeMarlinOp()
+    other.default._schema = torch._C.parse_schema("_moe_C::moe_wna16_marlin_gemm(Tensor a, Tensor b) -> Tensor")
+    report = gpucheck.Report(tmp_path / "r3.json")
+    assert gpucheck.step_vllm_marlin_check(report, gpucheck.Budget(600), other, "x") is None
+    assert report["vllm_marlin_check"]["cases"][0]["not_run"].startswith("the library's _moe_C::moe_wna16_marlin_gemm")
     assert gpucheck.step_vllm_marlin_check(report, gpucheck.Budget(600), None, "no vLLM installed") is None
     assert report["vllm_marlin_check"] == {"not_run": "no vLLM installed"}
 

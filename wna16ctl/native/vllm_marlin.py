@@ -185,11 +185,3 @@ def load(explicit: Optional[str] = None) -> tuple[Optional[Any], str]:
         first = (str(exc).splitlines() or [type(exc).__name__])[0]
         return None, f"{path} ({origin}) did not load: {first[:300]}"
     return op, f"{path} ({origin})"
-
-
-def call(op: Any, args: Sequence[tuple[str, Any]]) -> Tensor:
-    """Call the loaded op with `args`, refusing (ValueError) arguments its schema does not take."""
-    why = schema_mismatch(op.default._schema, args)
-    if why:
-        raise ValueError(why)
-    return op(*(value for _, value in args))
