@@ -4,11 +4,18 @@
 # (no network, no install: the package runs from this checkout). Writes $OUT/gpu_check.json (or
 # ./gpu_check.json) and prints a short summary. Exit: 0 passed, 1 a check failed, 2 could not run.
 #
-#   scripts/gpu_check.sh [--budget SECONDS] [--gemm-cases N] [--no-pytest] [--no-sanitizer]
-# The CUDA library is built first (cached by digest: a second run only loads it), under its own
-# limit; the budget (default 480 s) covers the checks, which stop 60 s before it ends to write the
-# report. The JSON is rewritten after every step and case, so the hard stop (budget + 15 s) keeps
-# what was measured.
+#   scripts/gpu_check.sh [--vllm-moe-lib PATH] [--budget SECONDS] [--gemm-cases N] [--no-pytest] [--no-sanitizer]
+#
+# The whole run, the build included, fits $WNA16_GPU_CHECK_TOTAL seconds (default 480: 8 minutes).
+# The plan: the CUDA library is built first (cached by digest: a second run only loads it) under
+# at most WNA16_GPU_CHECK_BUILD_LIMIT seconds (default 300); what is left, less 25 s for the hard
+# stop, is the checks' budget (--budget overrides it). The checks run in order of what the run is
+# for (wna16ctl/native/gpucheck.py STEPS): kernels against the CPU path and the fp32 reference,
+# vLLM's Marlin on our layout, the repack wall time on both devices, the benchmarks, the product
+# (demo -> repack --device cuda -> verify --e2e), vLLM's load format, compute-sanitizer, pytest;
+# a step that finds too little time left is reported "not run: no time left". They stop 20 s
+# before the budget ends to write the report. The JSON is rewritten after every step and case,
+# so the hard stop keeps what was measured.
 set -u
 cd "$(dirname "$0")/.." || exit 2
 REPO=$PWD
@@ -47,28 +54,32 @@ command -v nvcc >/dev/null 2>&1 || echo "note: nvcc not found; the check will re
 
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-BUDGET=480
+TOTAL=${WNA16_GPU_CHECK_TOTAL:-480}
+BUILD_LIMIT=${WNA16_GPU_CHECK_BUILD_LIMIT:-300}
+[ "$BUILD_LIMIT" -gt $(( TOTAL - 60 )) ] && BUILD_LIMIT=$(( TOTAL - 60 ))
+BUDGET=""
 prev=""
-for a in "$@"; do  # the budget the python side will use, for the hard stop below
+for a in "$@"; do  # an explicit checks' budget, for the hard stop below
   case "$a" in --budget=*) BUDGET=${a#--budget=} ;; esac
   [ "$prev" = "--budget" ] && BUDGET=$a
   prev=$a
 done
-BUDGET=${BUDGET%.*}
-BUILD_LIMIT=${WNA16_GPU_CHECK_BUILD_LIMIT:-420}
 
-# the build, outside the checks' budget (a failure here is reported by the check run below)
+# the build (a failure here is reported by the check run below)
 t0=$(date +%s)
 timeout --signal=TERM --kill-after=10 "$BUILD_LIMIT" "$PY" -m wna16ctl.native.gpucheck --out "$JSON" --build-only >/dev/null
 rc=$?
 if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
   not_run "the CUDA build took longer than ${BUILD_LIMIT} s"
 fi
-[ $rc -eq 0 ] && echo "build: $(( $(date +%s) - t0 )) s (outside the ${BUDGET} s budget)"
+built=$(( $(date +%s) - t0 ))
+[ -n "$BUDGET" ] || BUDGET=$(( TOTAL - built - 25 ))
+BUDGET=${BUDGET%.*}
+[ $rc -eq 0 ] && echo "build: ${built} s; the checks get ${BUDGET} s (whole run: ${TOTAL} s)"
 
 # hard stop a little above the python budget, so a hung kernel still leaves a report behind
 LIMIT=$(( BUDGET + 15 ))
-timeout --signal=TERM --kill-after=10 "$LIMIT" "$PY" -m wna16ctl.native.gpucheck --out "$JSON" "$@"
+timeout --signal=TERM --kill-after=10 "$LIMIT" "$PY" -m wna16ctl.native.gpucheck --out "$JSON" --budget "$BUDGET" "$@"
 rc=$?
 if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
   [ -s "$JSON" ] || not_run "timed out after ${LIMIT} s before writing a report"

@@ -225,9 +225,9 @@ def _parse_size(value: str) -> int:
 @click.option("--force", is_flag=True, help="Replace a non-empty output directory.")
 @click.option("--max-shard-size", default="4GiB", show_default=True, help="Largest output file (a layer never straddles files).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
-              help="Where the Marlin repack runs (auto: the native CPU path where it applies, else a GPU if "
-                   "there is one; cuda needs a GPU and nvcc). Under torchrun each process uses the GPU of its "
-                   "LOCAL_RANK.")
+              help="Where the Marlin repack runs. auto = the CPU (the native path where it applies, else torch); "
+                   "it never picks the GPU, which measured slower than the CPU path. cuda = the GPU kernel for "
+                   "every layer (needs a GPU and nvcc; under torchrun each process uses the GPU of its LOCAL_RANK).")
 @click.option("--ranks", "ranks", default=None, metavar="R,R,...",
               help="Write only these TP ranks: OUT becomes a part with a manifest part (join parts with assemble).")
 @click.option("--node-local", is_flag=True,

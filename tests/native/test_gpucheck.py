@@ -91,6 +91,10 @@ def test_without_a_gpu_the_report_says_not_run(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     assert data["status"] == "not-run" and "no CUDA device" in data["reason"]
     assert "bench_gemm" not in data and "goals" not in data
+    # every GPU step says it did not run, and why
+    assert list(data["steps"]) == list(gpucheck.STEPS)
+    assert {s["state"] for s in data["steps"].values()} == {"not run"}
+    assert all(s["reason"].startswith("no GPU: torch sees no CUDA device") for s in data["steps"].values())
 
 
 def test_goal_verdicts() -> None:
@@ -189,13 +193,14 @@ def test_the_budget_starts_after_the_build_and_keeps_the_report_reserve(tmp_path
     monkeypatch.setattr(gpucheck, "step_repack", hang)
     out = tmp_path / "gpu_check.json"
     t0 = time.monotonic()
-    # 61 s of budget less the 60 s reserve: one second for the checks, then the report
+    # the reserve plus one second of budget: one second for the checks, then the report
     assert gpucheck.run(out, gpucheck.REPORT_RESERVE_S + 1.0, 1, False, False) == 1
     assert time.monotonic() - t0 < 10
     data = json.loads(out.read_text())
     assert data["status"] == "stopped" and "budget" in data["reason"] and "repack_checks" in data["reason"]
     assert 0.5 < data["repack_started_with"] <= 1.0  # the 1.5 s build was not charged
-    assert data["budget"] == {"seconds": 61.0, "report_reserve": 60.0, "build_seconds_outside": 1.5}
+    assert data["budget"] == {"seconds": gpucheck.REPORT_RESERVE_S + 1.0, "report_reserve": gpucheck.REPORT_RESERVE_S,
+                              "build_seconds_outside": 1.5}
     # --build-only stops after the build
     assert gpucheck.run(out, 480, 1, False, False, build_only=True) == 0
     assert json.loads(out.read_text())["status"] == "built" and len(built) == 2
@@ -214,17 +219,225 @@ def test_gemm_rows_carry_the_model_expectation() -> None:
     assert other["gpu"] == "NVIDIA L40S" and other["expected_pct_of_peak"] > 0
 
 
-def test_summary_states_v3_v2_v1_against_bf16_and_the_model() -> None:
-    row = {"m": 1, "v3": {"ms": 0.01, "weight_gbps": 1300.0, "pct_of_peak": 27.1},
-           "v2": {"ms": 0.012, "weight_gbps": 1080.0, "pct_of_peak": 22.5}, "v1": {"ms": 0.05},
-           "torch_bf16_bmm": {"ms": 0.02}, "v3_over_bf16": 0.5, "v2_over_bf16": 0.6, "v1_over_bf16": 2.5,
-           "v3_equals_v2": True,
+def test_summary_states_each_kernel_against_bf16_marlin_and_the_model() -> None:
+    row = {"shape": "Qwen3-30B-A3B w13", "m": 1,
+           "v3": {"ms": 0.0293, "weight_gbps": 1300.0, "pct_of_peak": 27.1, "pct_of_copy": 33.0},
+           "v2": {"ms": 0.031, "weight_gbps": 1080.0, "pct_of_peak": 22.5, "pct_of_copy": 27.0},
+           "marlin": {"ms": 0.0135, "weight_gbps": 2800.0, "pct_of_peak": 58.0, "pct_of_copy": 70.0},
+           "torch_bf16_bmm": {"ms": 0.05}, "v3_over_bf16": 0.59, "v2_over_bf16": 0.62, "marlin_over_bf16": 0.27,
+           "v3_over_marlin": 2.17, "v2_over_marlin": 2.3, "v3_equals_v2": True, "v3_over_model": 0.66,
            "model": {"expected_pct_of_peak": 24.0, "limit": "fixed costs"},
-           "model_v3": {"expected_pct_of_peak": 36.0, "limit": "issue"}}
+           "model_v3": {"expected_pct_of_peak": 41.1, "limit": "issue"}}
     checks = {"ok": True, "cases": [{"v3": {"rel_err": 1e-3}, "v2": {"rel_err": 1e-3}, "v1": {"rel_err": 2e-3},
                                      "v3_vs_v2": {"v3_ran": True, "bit_equal": True, "ok": True}}]}
-    text = gpucheck.summary({"status": "passed", "gemm_checks": checks, "bench_gemm": {"rows": [row]}})
+    text = gpucheck.summary({"status": "passed", "gemm_checks": checks, "bench_gemm": {"rows": [row]},
+                             "steps": {"build": {"state": "passed"},
+                                       "vllm_plugin": {"state": "not run", "reason": "no vLLM"}}})
     assert "v3 == v2 bit for bit in 1 of 1, 1 run by v3 itself" in text
-    line = next(ln for ln in text.splitlines() if "GEMM m=  1" in ln)
-    assert "v3 0.01 ms" in line and "model 36.0% (issue)" in line and "/ bf16 = 0.5" in line
-    assert "v2 0.012 ms" in line and "model 24.0% (fixed costs)" in line and "v3 == v2 yes" in line
+    line = next(ln for ln in text.splitlines() if "GEMM Qwen3-30B-A3B w13 m=   1" in ln)
+    assert "v3 29.3 us (27.1% of peak, 33.0% of copy, model 41.1% (issue), measured / model 0.66" in line
+    assert "v3 / marlin = 2.17" in line and "marlin 13.5 us" in line and "v3 == v2 yes" in line
+    assert "steps: build passed; vllm_plugin not run (no vLLM)" in text
+
+
+def test_every_step_is_passed_failed_or_not_run_with_its_reason() -> None:
+    report: dict = {"vllm_marlin_check": {"not_run": "no vLLM installed"}}
+    gpucheck.record_step(report, "repack_checks", True)
+    gpucheck.record_step(report, "gemm_checks", False)
+    gpucheck.record_step(report, "vllm_marlin_check", None)
+    gpucheck.record_step(report, "sanitizer", None, "not asked for")
+    assert report["steps"] == {"repack_checks": {"state": "passed"}, "gemm_checks": {"state": "failed"},
+                               "vllm_marlin_check": {"state": "not run", "reason": "no vLLM installed"},
+                               "sanitizer": {"state": "not run", "reason": "not asked for"}}
+
+
+def test_steps_that_found_no_time_are_not_reported_as_failures() -> None:
+    report: dict = {"status": "passed"}
+    for name in gpucheck.STEPS[1:]:
+        report[name] = {"not_run": "no time left"}
+        gpucheck.record_step(report, name, None)
+    text = gpucheck.summary(report)
+    assert "FAILED" not in text and "ok" not in text.replace("(no time left)", "")
+    # once for all steps on the steps line, and on the lines of the sanitizer, vLLM plugin, pytest,
+    # Marlin, product and repack timing
+    assert f"steps: all {len(gpucheck.STEPS) - 1} not run (no time left)" in text
+    assert text.count("not run (no time left)") == 1 + 6
+
+
+def test_repack_timing_runs_the_cli_on_both_devices(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wall-time comparison's mechanics on a tiny checkpoint, --device cpu standing in for cuda
+    (without a GPU `repack --device cuda` refuses to start)."""
+    monkeypatch.setattr(gpucheck, "TIMING_CHECKPOINT", {"layers": 1, "experts": 8, "hidden": 256,
+                                                         "intermediate": 256, "vocab": 256})
+    import tempfile
+
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    report = gpucheck.Report(tmp_path / "r.json")
+    assert gpucheck.step_repack_timing(report, gpucheck.Budget(600), ROOT, device="cpu") is True
+    timing = report["repack_timing"]
+    assert len(timing["cpu"]) == 4 and all(isinstance(t, float) for t in timing["cpu"])  # both devices' runs
+    assert timing["cuda_over_cpu"] == 1.0 and timing["ok"] is True
+    assert list(scratch.iterdir()) == []  # the work directory (the system's temporary one) is removed
+    assert "repack wall time: synthetic" in gpucheck.summary({**report, "status": "passed"})
+
+
+def test_a_step_that_raises_is_failed_and_the_next_steps_still_run(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpucheck, "step_env", lambda report: None)
+    monkeypatch.setattr(gpucheck, "step_build", lambda report: report.update(build={"ok": True}))
+    monkeypatch.setattr(gpucheck, "_load_marlin", lambda path: (None, "no vLLM"))
+    ran: list[str] = []
+
+    def boom(report, budget):
+        raise RuntimeError("kernel fault")
+    monkeypatch.setattr(gpucheck, "step_repack", boom)
+    monkeypatch.setattr(gpucheck, "step_gemm", lambda report, budget, count: ran.append("gemm") or True)
+    for name in ("step_repack_timing", "step_product"):
+        monkeypatch.setattr(gpucheck, name, lambda report, budget, repo, name=name: ran.append(name) or None)
+    for name in ("bench_copy", "bench_repack"):
+        monkeypatch.setattr(gpucheck, name, lambda report, name=name: ran.append(name))
+    monkeypatch.setattr(gpucheck, "bench_gemm", lambda report, budget, op: ran.append("bench_gemm"))
+    out = tmp_path / "gpu_check.json"
+    assert gpucheck.run(out, 600, 1, False, False, with_vllm_plugin=False) == 1
+    data = json.loads(out.read_text())
+    assert data["status"] == "failed"
+    assert data["repack_checks"]["error"] == "RuntimeError: kernel fault"
+    assert ran == ["gemm", "step_repack_timing", "bench_copy", "bench_repack", "bench_gemm", "step_product"]
+    steps = data["steps"]
+    assert steps["repack_checks"] == {"state": "failed"} and steps["gemm_checks"] == {"state": "passed"}
+    assert steps["vllm_marlin_check"] == {"state": "not run", "reason": "no vLLM"}
+    assert steps["sanitizer"]["reason"].startswith("not asked for")
+
+
+def test_a_cli_that_cannot_start_for_a_missing_module_is_not_run() -> None:
+    run = {"ok": False, "tail": ["Traceback (most recent call last):", "ModuleNotFoundError: No module named 'click'"]}
+    assert gpucheck._missing_dependency(run) == "the CLI cannot start here: ModuleNotFoundError: No module named 'click'"
+    assert gpucheck._missing_dependency({"ok": False, "tail": ["error: bad input"]}) is None
+
+
+# ---- the Marlin check's and the GEMM benchmark's plumbing on the CPU -----------------------------
+# vLLM's op stood in for by its documented semantics over our CPU GEMM; the kernels' timing by a
+# clock that returns fixed times
+
+
+class _FakeMarlinOp:
+    """moe_wna16_marlin_gemm as its arguments describe it: blocks of `moe_block_size` sorted slots,
+    one expert per block, entries >= M * top_k padding; computed by our CPU op."""
+
+    def __init__(self, swap_experts: bool = False):
+        from tests.native.test_vllm_marlin import VLLM_0_33_SCHEMA
+
+        self.default = type("Overload", (), {"_schema": torch._C.parse_schema(VLLM_0_33_SCHEMA)})()
+        self.swap_experts = swap_experts
+
+    def __call__(self, *values):
+        from wna16ctl.native import ops, vllm_marlin  # noqa: F401 - ops registers torch.ops.wna16ctl
+
+        args = dict(zip(vllm_marlin.ARG_NAMES, values))
+        block, top_k, m = args["moe_block_size"], args["top_k"], args["size_m"]
+        experts = args["b_q_weight"].shape[0]
+        post = int(args["num_tokens_past_padded"][0])
+        ids, block_experts = args["sorted_token_ids"].tolist()[:post], args["expert_ids"].tolist()[:post // block]
+        mine: dict[int, list[int]] = {e: [] for e in range(experts)}
+        for b, e in enumerate(block_experts):
+            e = experts - 1 - e if self.swap_experts else e
+            mine[e] += [s for s in ids[b * block:(b + 1) * block] if s < m * top_k]
+        order = [s for e in range(experts) for s in mine[e]]
+        offsets = [0]
+        for e in range(experts):
+            offsets.append(offsets[-1] + len(mine[e]))
+        bits = (args["b_type_id"] >> 8) & 0xFF
+        out = torch.ops.wna16ctl.moe_wna16_gemm(
+            args["a"], args["b_q_weight"], args["b_scales"], args["b_zeros_or_none"], None, None,
+            torch.tensor(order, dtype=torch.int32), torch.tensor(offsets, dtype=torch.int32),
+            args["topk_weights"].reshape(-1) if args["mul_topk_weights"] else None, top_k, bits, True)
+        if args["c_or_none"] is not None:
+            return args["c_or_none"].copy_(out)
+        return out
+
+
+def _on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from wna16ctl.native import vllm_marlin
+
+    monkeypatch.setattr(gpucheck, "DEVICE", "cpu")
+    monkeypatch.setattr(vllm_marlin, "new_workspace", lambda device: torch.zeros(8, dtype=torch.int32))
+    monkeypatch.setattr(gpucheck, "MARLIN_CHECK_SHAPE", dict(n=64, k=128, e=3, topk=2))
+
+
+def test_the_marlin_check_on_the_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _on_the_cpu(monkeypatch)
+    report = gpucheck.Report(tmp_path / "r.json")
+    assert gpucheck.step_vllm_marlin_check(report, gpucheck.Budget(600), _FakeMarlinOp(), "stand-in") is True
+    cases = report["vllm_marlin_check"]["cases"]
+    assert len(cases) == 24 and sum("rel_err" in c for c in cases) == 18
+    assert {c["not_run"] for c in cases if "not_run" in c} == {"vLLM's Marlin MoE has no 8-bit type with zero points"}
+    assert "vLLM Marlin MoE on our layout vs fp32 reference: ok (18 cases" in gpucheck.summary({**report,
+                                                                                             "status": "passed"})
+    # a kernel that reads the blocks' experts wrongly is caught
+    monkeypatch.setattr(gpucheck, "MARLIN_CHECK_CASES", [(4, True, 32)])
+    report = gpucheck.Report(tmp_path / "r2.json")
+    assert gpucheck.step_vllm_marlin_check(report, gpucheck.Budget(600), _FakeMarlinOp(swap_experts=True), "x") is False
+    # a library whose op takes other arguments: not run, with the difference named
+    other = _FakeMarlinOp()
+    other.default._schema = torch._C.parse_schema("_moe_C::moe_wna16_marlin_gemm(Tensor a, Tensor b) -> Tensor")
+    report = gpucheck.Report(tmp_path / "r3.json")
+    assert gpucheck.step_vllm_marlin_check(report, gpucheck.Budget(600), other, "x") is None
+    assert report["vllm_marlin_check"]["cases"][0]["not_run"].startswith("the library's _moe_C::moe_wna16_marlin_gemm")
+    assert gpucheck.step_vllm_marlin_check(report, gpucheck.Budget(600), None, "no vLLM installed") is None
+    assert report["vllm_marlin_check"] == {"not_run": "no vLLM installed"}
+
+
+class _FixedClock:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def event(self):
+        clock = self
+
+        class Event:
+            def record(self) -> None:
+                pass
+
+            def elapsed_time(self, other) -> float:
+                clock.calls += 1
+                return 0.02
+        return Event()
+
+    def flush(self) -> None:
+        pass
+
+    def busy(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+def test_the_gemm_benchmark_on_the_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _on_the_cpu(monkeypatch)
+    monkeypatch.setattr(gpucheck, "BENCH_SHAPES", (("tiny w13", 8, 256, 128, 4, 128, (1, 4)),
+                                                   ("tiny int8 channel-wise", 8, 256, 128, 8, -1, (4,))))
+    clock = _FixedClock()
+    monkeypatch.setattr(gpucheck, "_clock", lambda report: clock)
+
+    def cpu_call(kernel, args):
+        c = torch.zeros(args[0].shape[0] * args[9], args[2].shape[-1], dtype=args[0].dtype)
+        return (lambda: c.copy_(torch.ops.wna16ctl.moe_wna16_gemm(*args))), c
+    monkeypatch.setattr(gpucheck, "_gemm_call", cpu_call)
+    report = gpucheck.Report(tmp_path / "r.json")
+    report.update(env={"device": "NVIDIA H200"}, device={"sm_count": 132, "peak_gbps": 4800.0},
+                  copy_ceiling={"gbps": 4000.0})
+    gpucheck.bench_gemm(report, gpucheck.Budget(600), _FakeMarlinOp())
+    rows = report["bench_gemm"]["rows"]
+    assert [(r["shape"], r["m"]) for r in rows] == [("tiny w13", 1), ("tiny w13", 4), ("tiny int8 channel-wise", 4)]
+    assert clock.calls == 4 * 15 * 3  # v3, v2, Marlin and bf16, 15 timed calls each, per row
+    for r in rows:
+        assert r["v3"]["ms"] == r["marlin"]["ms"] == r["torch_bf16_bmm"]["ms"] == 0.02
+        assert r["v3_over_marlin"] == 1.0 and r["v3_equals_v2"] is True
+        assert r["marlin_vs_v3_rel_err"] < 2 ** -6  # the stand-in computes what v3 computes
+        assert r["v3"]["pct_of_copy"] == round(100 * r["v3"]["weight_gbps"] / 4000.0, 1)
+    assert "v3_over_model" in rows[0] and "model_v3" not in rows[2]  # the model covers int4 only
+    text = gpucheck.summary({**report, "status": "passed"})
+    assert "GEMM tiny w13 m=   1: v3 20.0 us" in text and "v3 / marlin = 1.0" in text

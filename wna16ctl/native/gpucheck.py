@@ -1,41 +1,42 @@
 """One unattended GPU check: build the kernels, check them against the CPU path, benchmark them.
 
-    python -m wna16ctl.native.gpucheck [--out FILE] [--budget SECONDS] [--no-pytest] [--no-sanitizer]
+    python -m wna16ctl.native.gpucheck [--out FILE] [--budget SECONDS] [--vllm-moe-lib PATH]
+                                       [--no-pytest] [--no-sanitizer] [--no-vllm-plugin]
     python -m wna16ctl.native.gpucheck --build-only
 
 Builds the CUDA library first (cached: a second run finds it), outside the time budget; the
-budget (default 480 s) then covers the checks, which stop REPORT_RESERVE_S (60 s) before it ends
-so that the report is always written. Needs nothing prepared but a python with torch (CUDA
-build) and nvcc. Writes one JSON file ($OUT/gpu_check.json when $OUT is set, else
-./gpu_check.json) and rewrites it after every step and case (atomically), so a time limit or a
-hung kernel leaves what was measured; prints a short summary. Exit status: 0 all checks passed,
-1 a check failed (or the run was stopped), 2 the check could not run (no GPU / torch without
-CUDA / build failure).
+budget (default 480 s; scripts/gpu_check.sh passes what the build left of its 480 s) then covers
+the checks, which stop REPORT_RESERVE_S before it ends so that the report is always written.
+Needs nothing prepared but a python with torch (CUDA build) and nvcc. Writes one JSON file
+($OUT/gpu_check.json when $OUT is set, else ./gpu_check.json) and rewrites it after every step and
+case (atomically), so a time limit or a hung kernel leaves what was measured; prints a short
+summary with every step passed, failed or not run (and why: without a GPU every step is "not run:
+no GPU"). Exit status: 0 all checks passed, 1 a check failed (or the run was stopped), 2 the check
+could not run (no GPU / torch without CUDA / build failure).
 
-Checks:
-* repack, scale and zero-point permutation: CUDA == torch CPU path bit for bit (§9.3 shapes,
-  4/8 bit, with and without act-order);
+The steps, in run order (STEPS):
+* repack, scale and zero-point permutation: CUDA == torch CPU path bit for bit (4/8 bit, with and
+  without act-order);
 * MoE GEMM, the fast kernels (v3 -- falling back to v2 where it declines --, v2) and the simple
   reference kernel (v1, mma.sync): against an fp32 reference from the logical (unpacked,
-  unpermuted) dequantised weights and against each other (v3 equal to v2 bit for bit),
-  over a seeded subsample of m ∈ {1,7,16,64,123,512}, n ∈ {128,1024}, k ∈ {256,2048},
-  e ∈ {8,64}, top-k ∈ {2,6}, 4/8 bit, group size -1/32/128, zero points, act-order (full and
-  partial K); plus a few small cases against the CPU op;
-* compute-sanitizer memcheck, racecheck and synccheck on four tiny GEMM cases (v3 and v2 with
-  tiles cut between blocks, v2 with g_idx, v1), when compute-sanitizer is installed; a tool that
-  refuses the device ("Device not supported") is "not run" with its reason, never a failure;
-* the vLLM load format `wna16ctl` (wna16ctl/integrations/vllm_plugin.py): a `repack --layout marlin`
-  output of the demo checkpoint served with `--load-format wna16ctl` against vLLM's default load of
-  the checkpoint (both on the Marlin backend), greedy tokens and logprobs on the same prompts; "not
-  run" with the reason without vLLM ($WNA16CTL_VLLM_PYTHON or this python) or a served release/GPU;
-* the test-suite's `gpu` tests when pytest is importable.
-Benchmarks (CUDA events around the bare library calls: no host synchronisation inside the timed
-region): repack throughput, plain and act-order, as a share of the GPU's peak memory bandwidth;
-GEMM time and weight bandwidth of v3, v2 and v1 against torch bf16 matmuls of the dequantised
-weights, batch 1-512, each row with the share of the HBM peak that bench/roofline.py's model
-expects for v3 and v2; the goals (repack >= 70% of peak, the automatic kernel -- v3, v2 for the
-64-row tile -- >= 50% at m <= 16 and within 1.5x of bf16 at m >= 64) are reported as met or not,
-apart from the pass/fail of the checks.
+  unpermuted) dequantised weights and against each other (v3 equal to v2 bit for bit), over a
+  seeded subsample of m ∈ {1,7,16,64,123,512}, n, k, e, top-k, 4/8 bit, group size -1/32/128,
+  zero points, act-order (full and partial K); plus a few small cases against the CPU op;
+* vLLM's compiled Marlin MoE GEMM on our layout against the same fp32 reference
+  (wna16ctl/native/vllm_marlin.py; an installed vLLM's library or --vllm-moe-lib);
+* `repack --tp 2 --device cpu` and `--device cuda` of one synthetic checkpoint, wall time;
+* benchmarks (wna16ctl/native/gputiming.py: GPU time with the L2 flushed and the launch hidden,
+  median of 15): the device copy ceiling, the repack kernel, the GEMM of v3, v2, vLLM's Marlin and
+  a torch bf16 bmm on three model shapes at M 1-1024, each with its share of the peak and of the
+  copy ceiling and, for v3 and v2, measured / bench/roofline.py's model; the goals (repack >= 70%
+  of peak, the automatic kernel >= 50% at m <= 16 and within 1.5x of bf16 at m >= 64) are reported
+  as met or not, apart from the pass/fail of the checks;
+* the product: demo -> repack --device cuda (equal to --device cpu) -> verify --e2e;
+* the vLLM load format `wna16ctl` (wna16ctl/integrations/plugin_check.py) against vLLM's default
+  load, "not run" with the reason without vLLM;
+* compute-sanitizer memcheck, racecheck and synccheck on four tiny GEMM cases, when installed; a
+  tool that refuses the device is "not run" with its reason, never a failure;
+* the test-suite's `gpu` tests (GPU_TEST_FILES) when pytest is importable.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ import torch
 TOL = {torch.float16: 2.0 ** -9, torch.bfloat16: 2.0 ** -6}  # of max |ref|; output rounding dominates
 GOALS = {"repack_pct_of_peak": 70.0, "gemm_pct_of_peak_m_le_16": 50.0, "gemm_vs_bf16_m_ge_64": 1.5}
 DEFAULT_BUDGET_S = 480.0
-REPORT_RESERVE_S = 60.0  # the checks stop this long before the budget ends: the report is written
+REPORT_RESERVE_S = 20.0  # the checks stop this long before the budget ends: the report is written
 # what compute-sanitizer prints when it cannot attach to the GPU (a runtime / driver it does not
 # support): the tool did not run, which says nothing about the kernels
 SANITIZER_REFUSED = re.compile(r"(?i)device not supported|unsupported (gpu|device)|not supported on this (gpu|device)")
@@ -100,23 +101,6 @@ class Budget:
 
 class BudgetSpent(Exception):
     """The checks reached the end of their budget (the report reserve is what remains)."""
-
-
-def _time_cuda(fn: Callable[[], Any], reps: int = 20, warmup: int = 3) -> float:
-    """Median milliseconds per call, CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -177,7 +161,7 @@ def build_problem(*, m: int, n: int, k: int, e: int, topk: int, bits: int, gs: i
     m_zeros = marlin_zero_points(pack_codes(zeros, bits), groups, n, bits) if zeros is not None else None
     args = (a, b_q, m_scales, m_zeros, sorted_g, perm, sorted_ids, offsets, tw, topk, bits, k_full)
     return {"args": args, "expected": expected, "dtype": dtype, "q": q, "scales": scales, "zeros": zeros,
-            "g_idx": g_idx}
+            "g_idx": g_idx, "topk_ids": top}
 
 
 def _rel_err(got: torch.Tensor, expected: torch.Tensor) -> float:
@@ -401,26 +385,43 @@ def _stream() -> int:
     return torch.cuda.current_stream().cuda_stream
 
 
+def _clock(report: dict):
+    from wna16ctl.native import gputiming
+
+    return gputiming.CudaClock(report.get("device", {}).get("l2_bytes") or (64 << 20))
+
+
+def bench_copy(report: Report) -> None:
+    """The device-to-device copy bandwidth: the ceiling the kernels' bandwidths are also stated
+    against (beside the datasheet peak)."""
+    from wna16ctl.native import gputiming
+
+    report["copy_ceiling"] = gputiming.copy_ceiling(_clock(report))
+
+
 def bench_repack(report: Report) -> None:
     """The bare launcher in the timed region (the torch op validates perm on the host first)."""
+    from wna16ctl.native import gputiming
     from wna16ctl.native import ops as K
 
     lib = K.cuda_lib()
+    clock = _clock(report)
     e, k, n, bits = 16, 7168, 4096, 4
     packed = torch.randint(-2 ** 31, 2 ** 31 - 1, (e, k // 8, n), dtype=torch.int32, device="cuda")
     perm = torch.stack([torch.randperm(k, device="cuda") for _ in range(e)]).to(torch.int32)
     out_t = torch.empty(e, k // 16, n * 16 // 8, dtype=torch.int32, device="cuda")
-    peak = report.get("device", {}).get("peak_gbps") or float("nan")
-    out: dict[str, Any] = {"timed": "CUDA events around wna16_cuda_marlin_repack alone (no host syncs)"}
+    peak = report.get("device", {}).get("peak_gbps")
+    copy = report.get("copy_ceiling", {}).get("gbps")
+    out: dict[str, Any] = {"timed": TIMED}
     for name, p in (("plain", None), ("act_order", perm)):
         def call(p=p) -> None:
             lib.call("wna16_cuda_marlin_repack", packed.data_ptr(), None if p is None else p.data_ptr(),
                      out_t.data_ptr(), e, k, n, bits, _stream())
-        ms = _time_cuda(call, reps=10)
+        t = gputiming.time_calls(call, clock)
         moved = 2 * packed.numel() * 4 + (p.numel() * 4 if p is not None else 0)  # read + write
-        gbps = moved / ms / 1e6
-        out[name] = {"ms": round(ms, 3), "gbps_read_write": round(gbps, 1),
-                     "pct_of_peak": round(100 * gbps / peak, 1)}
+        s = gputiming.shares(moved, t["ms"], peak, copy)
+        out[name] = {"ms": round(t["ms"], 4), "gbps_read_write": s["gbps"], "pct_of_peak": s["pct_of_peak"],
+                     "pct_of_copy": s["pct_of_copy"]}
     out["shape"] = {"experts": e, "k": k, "n": n, "bits": bits, "packed_mb": round(packed.numel() * 4 / 1e6, 1)}
     report["bench_repack"] = out
 
@@ -455,78 +456,140 @@ def _gemm_call(kernel: str, args: tuple) -> tuple[Callable[[], None], torch.Tens
     return call, c
 
 
-def bench_gemm(report: Report, budget: Budget) -> None:
-    """Decode- to prefill-sized MoE GEMM: E 64, K 2048, N 1536 (a w13 projection), top-8, int4 g128,
-    bf16; v3, v2 and v1 against one torch bf16 bmm over the active experts' dequantised weights,
-    each fast kernel also against the model's expectation."""
+TIMED = ("GPU time: CUDA events around the bare call, the L2 flushed before each call (outside the events), "
+         "a sleep kernel queued before the start event (launch latency hidden), median of 15 "
+         "(wna16ctl/native/gputiming.py)")
+# the benchmark's MoE shapes: (name, experts, size_k, size_n, bits, group size, M values); top-8, bf16
+BENCH_M = (1, 4, 16, 64, 256, 1024)
+BENCH_SHAPES = (
+    ("Qwen3-30B-A3B w13", 128, 2048, 1536, 4, 128, BENCH_M),
+    ("Qwen3-30B-A3B w2", 128, 768, 2048, 4, 128, BENCH_M),
+    ("DeepSeek-V3 w13 at TP 8", 256, 7168, 512, 4, 128, BENCH_M),
+    ("Qwen3-30B-A3B w13 int8 channel-wise", 128, 2048, 1536, 8, -1, (16,)),
+)
+BENCH_TOP_K = 8
+
+
+# where the benchmark and the Marlin check put their tensors (tests/native/test_gpucheck.py runs
+# their plumbing on the CPU with stand-ins for the kernels)
+DEVICE = "cuda"
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _routing(m: int, e: int, topk: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """topk_ids [m, topk] (distinct experts per token), our sorted slots and expert offsets."""
+    g = torch.Generator().manual_seed(seed)
+    top = torch.stack([torch.randperm(e, generator=g)[:topk] for _ in range(m)]).to(DEVICE)
+    flat = top.reshape(-1)
+    sorted_ids = torch.argsort(flat, stable=True).to(torch.int32)
+    offsets = torch.zeros(e + 1, dtype=torch.int32, device=DEVICE)
+    offsets[1:] = torch.cumsum(torch.bincount(flat, minlength=e), 0)
+    return top, sorted_ids, offsets
+
+
+def bench_gemm(report: Report, budget: Budget, marlin_op: Any = None) -> None:
+    """v3, v2, vLLM's Marlin (when its library loaded) and a torch bf16 bmm over the active experts'
+    dequantised weights, on the model shapes of BENCH_SHAPES at M = 1 ... 1024, top-8."""
     from wna16ctl.layout.marlin import marlin_permute_scales, marlin_repack
     from wna16ctl.layout.packing import pack_codes
+    from wna16ctl.native import gputiming, vllm_marlin
     from wna16ctl.native import ops as K
 
-    e, k, n, topk, bits, gs = 64, 2048, 1536, 8, 4, 128
     dtype = torch.bfloat16
-    peak = report.get("device", {}).get("peak_gbps") or float("nan")
-    q = torch.randint(0, 16, (e, k, n), dtype=torch.int32, device="cuda")
-    scales = (torch.rand(e, k // gs, n, device="cuda") * 0.02).to(dtype)
-    b_q = marlin_repack(pack_codes(q, bits, dim=-2), bits)
-    m_scales = marlin_permute_scales(scales, k, n, gs)
-    grp = torch.arange(k, device="cuda") // gs
-    w_deq = torch.stack([(q[i] - 8).to(dtype) * scales[i][grp] for i in range(e)])  # [E, K, N] bf16
-    del q
+    clock = _clock(report)
+    peak = report.get("device", {}).get("peak_gbps")
+    copy = report.get("copy_ceiling", {}).get("gbps")
     rows: list[dict] = []
-    report["bench_gemm"] = {"shape": {"experts": e, "k": k, "n": n, "top_k": topk, "bits": bits, "group_size": gs,
-                                      "dtype": "bfloat16"}, "rows": rows,
-                            "timed": "CUDA events around the bare library call (no host syncs)",
-                            "note": "weight_gbps = bytes of the active experts' int4 weights + scales / time; "
-                                    "torch baseline = one bmm over the active experts' dequantised bf16 weights "
-                                    "(tokens padded per expert), i.e. 4x the int4 bytes"}
-    for m in (1, 4, 16, 64, 128, 256, 512):
-        if budget.left() < 20:
-            report["bench_gemm"]["truncated"] = f"stopped before m = {m} (time budget)"
+    report["bench_gemm"] = {"rows": rows, "timed": TIMED, "top_k": BENCH_TOP_K, "dtype": "bfloat16",
+                            "marlin": "vLLM moe_wna16_marlin_gemm" if marlin_op is not None else None,
+                            "note": "gbps = bytes of the active experts' quantised weights + scales / time; "
+                                    "the torch baseline is one bmm over the active experts' dequantised bf16 "
+                                    "weights (tokens padded per expert), i.e. 4x (int4) the bytes"}
+    for shape_name, e, k, n, bits, gs, ms in BENCH_SHAPES:
+        if budget.left() < 25:
+            report["bench_gemm"]["truncated"] = f"stopped before {shape_name} (time budget)"
             break
-        g = torch.Generator().manual_seed(m)
-        a = torch.randn(m, k, generator=g).to(device="cuda", dtype=dtype)
-        top = torch.stack([torch.randperm(e, generator=g)[:topk] for _ in range(m)]).cuda()
-        flat = top.reshape(-1)
-        sorted_ids = torch.argsort(flat, stable=True).to(torch.int32)
-        counts = torch.bincount(flat, minlength=e)
-        offsets = torch.zeros(e + 1, dtype=torch.int32, device="cuda")
-        offsets[1:] = torch.cumsum(counts, 0)
-        active = torch.nonzero(counts).flatten()
-        n_active = int(active.numel())
-        max_rows = int(counts.max())
-        w_act = w_deq[active].contiguous()
-        a_pad = torch.zeros(n_active, max_rows, k, dtype=dtype, device="cuda")
-        entry: dict[str, Any] = {"m": m, "active_experts": n_active}
-        int_bytes = n_active * (k * n * bits // 8 + (k // gs) * n * 2)
-        bf16_bytes = n_active * k * n * 2
-        args = (a, b_q, m_scales, None, None, None, sorted_ids, offsets, None, topk, bits, True)
-        outs = {}
-        for kernel in ("v3", "v2", "v1"):
-            call, c = _gemm_call(kernel, args)
-            ms = _time_cuda(call, reps=10)
-            outs[kernel] = c
-            gbps = int_bytes / ms / 1e6
-            entry[kernel] = {"ms": round(ms, 4), "weight_gbps": round(gbps, 1), "pct_of_peak": round(100 * gbps / peak, 1)}
-        entry["v2_vs_v1_rel_err"] = float(f"{_rel_err(outs['v2'], outs['v1'].float()):.3g}")
-        entry["v3_equals_v2"] = bool(torch.equal(outs["v3"], outs["v2"]))
-        entry["auto_kernel"] = K.fast_gemm_order("auto", sorted_ids.numel(), e, 0)[0]  # what auto runs here
-        ms = _time_cuda(lambda: torch.bmm(a_pad, w_act), reps=10)
-        entry["torch_bf16_bmm"] = {"ms": round(ms, 4), "weight_gbps": round(bf16_bytes / ms / 1e6, 1)}
-        for kernel in ("v3", "v2", "v1"):
-            entry[f"{kernel}_over_bf16"] = round(entry[kernel]["ms"] / ms, 2)
-        entry["model"] = model_expectation(report, m)
-        entry["model_v3"] = model_expectation(report, m, "v3")
-        for kernel, model in (("v2", entry["model"]), ("v3", entry["model_v3"])):
-            if "expected_pct_of_peak" in model:
-                entry[f"{kernel}_over_model"] = round(entry[kernel]["pct_of_peak"] / model["expected_pct_of_peak"], 2)
-        rows.append(entry)
-        report.save()
+        groups = 1 if gs == -1 else k // gs
+        q = torch.randint(0, 1 << bits, (e, k, n), dtype=torch.int32, device=DEVICE)
+        scales = (torch.rand(e, groups, n, device=DEVICE) * 0.02 + 1e-3).to(dtype)
+        b_q = marlin_repack(pack_codes(q, bits, dim=-2), bits)
+        m_scales = marlin_permute_scales(scales, k, n, gs)
+        grp = torch.arange(k, device=DEVICE) // (k // groups)
+        w_deq = torch.stack([(q[i] - (1 << (bits - 1))).to(dtype) * scales[i][grp] for i in range(e)])
+        del q
+        workspace = vllm_marlin.new_workspace(torch.device(DEVICE)) if marlin_op is not None else None
+        for m in ms:
+            if budget.left() < 20:
+                report["bench_gemm"]["truncated"] = f"stopped at {shape_name} m = {m} (time budget)"
+                break
+            top, sorted_ids, offsets = _routing(m, e, BENCH_TOP_K, seed=m + e)
+            counts = torch.bincount(top.reshape(-1), minlength=e)
+            active = torch.nonzero(counts).flatten()
+            n_active, max_rows = int(active.numel()), int(counts.max())
+            a = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(device=DEVICE, dtype=dtype)
+            entry: dict[str, Any] = {"shape": shape_name, "experts": e, "k": k, "n": n, "bits": bits,
+                                     "group_size": gs, "m": m, "active_experts": n_active}
+            q_bytes = n_active * (k * n * bits // 8 + groups * n * 2)
+            args = (a, b_q, m_scales, None, None, None, sorted_ids, offsets, None, BENCH_TOP_K, bits, True)
+            outs = {}
+            calls = {kernel: _gemm_call(kernel, args) for kernel in ("v3", "v2")}
+            if marlin_op is not None:
+                margs = vllm_marlin.call_args(a=a, b_q=b_q, scales=m_scales, zero_points=None, topk_ids=top,
+                                              topk_weights=None, bits=bits, workspace=workspace,
+                                              out=torch.empty(m * BENCH_TOP_K, n, dtype=dtype, device=DEVICE))
+                why = vllm_marlin.schema_mismatch(marlin_op.default._schema, margs)
+                if why:
+                    entry["marlin"] = {"not_run": why}
+                else:
+                    values = [v for _, v in margs]
+                    calls["marlin"] = (lambda values=values: marlin_op(*values), values[1])
+            for kernel, (call, c) in calls.items():
+                try:
+                    t = gputiming.time_calls(call, clock)
+                except Exception as exc:  # one kernel refusing a shape must not hide the others
+                    entry[kernel] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+                    continue
+                outs[kernel] = c
+                s = gputiming.shares(q_bytes, t["ms"], peak, copy)
+                entry[kernel] = {"ms": round(t["ms"], 4), "weight_gbps": s["gbps"], "pct_of_peak": s["pct_of_peak"],
+                                 "pct_of_copy": s["pct_of_copy"]}
+            w_act = w_deq[active].contiguous()
+            a_pad = torch.zeros(n_active, max_rows, k, dtype=dtype, device=DEVICE)
+            t = gputiming.time_calls(lambda: torch.bmm(a_pad, w_act), clock)
+            bf = gputiming.shares(n_active * k * n * 2, t["ms"], peak, copy)
+            entry["torch_bf16_bmm"] = {"ms": round(t["ms"], 4), "weight_gbps": bf["gbps"],
+                                       "pct_of_copy": bf["pct_of_copy"]}
+            for kernel in ("v3", "v2", "marlin"):
+                if "ms" in entry.get(kernel, {}):
+                    entry[f"{kernel}_over_bf16"] = round(entry[kernel]["ms"] / t["ms"], 2)
+                    if kernel != "marlin" and "ms" in entry.get("marlin", {}):
+                        entry[f"{kernel}_over_marlin"] = round(entry[kernel]["ms"] / entry["marlin"]["ms"], 2)
+            if "v3" in outs and "v2" in outs:
+                entry["v3_equals_v2"] = bool(torch.equal(outs["v3"], outs["v2"]))
+            if "v3" in outs and "marlin" in outs:
+                entry["marlin_vs_v3_rel_err"] = float(f"{_rel_err(outs['marlin'], outs['v3'].float()):.3g}")
+            entry["auto_kernel"] = K.fast_gemm_order("auto", sorted_ids.numel(), e, 0)[0]  # what auto runs here
+            if bits == 4:
+                model_shape = {"experts": e, "size_k": k, "size_n": n, "top_k": BENCH_TOP_K, "group_size": gs}
+                entry["model"] = model_expectation(report, m, "v2", model_shape)
+                entry["model_v3"] = model_expectation(report, m, "v3", model_shape)
+                for kernel, model in (("v2", entry["model"]), ("v3", entry["model_v3"])):
+                    if "expected_pct_of_peak" in model and entry.get(kernel, {}).get("pct_of_peak"):
+                        entry[f"{kernel}_over_model"] = round(entry[kernel]["pct_of_peak"] /
+                                                              model["expected_pct_of_peak"], 2)
+            rows.append(entry)
+            report.save()
+        del w_deq, b_q
 
 
-def model_expectation(report: dict, m: int, kernel: str = "v2") -> dict:
+def model_expectation(report: dict, m: int, kernel: str = "v2", shape: Optional[dict] = None) -> dict:
     """bench/roofline.py's expected share of the HBM peak for `kernel` (v2 or v3) at this M on this
-    device (the checkout's bench/; the recorded sm_90 static figures)."""
+    device (the checkout's bench/; the recorded sm_90 static figures), on `shape` (Shape's fields;
+    default its bench shape)."""
     # the checkout's bench/, however deep this module sits in the package
     bench = next((d / "bench" for d in Path(__file__).resolve().parents if (d / "bench" / "roofline.py").is_file()),
                  None)
@@ -543,11 +606,216 @@ def model_expectation(report: dict, m: int, kernel: str = "v2") -> dict:
         if not dev.get("peak_gbps") or not dev.get("sm_count"):
             return {"not_run": f"no model for {name or 'this device'}"}
         gpu = R.Gpu(name or "this GPU", dev["peak_gbps"] * 1e9, dev["sm_count"], 1.98e9)
-    shape = R.Shape()
+    model_shape = R.Shape(**shape) if shape else R.Shape()
     recorded = R.RECORDED_SM90_V3 if kernel == "v3" else R.RECORDED_SM90
-    e = R.expect(R.pick_instance(list(recorded), shape, m), gpu, shape, m)
+    try:
+        e = R.expect(R.pick_instance(list(recorded), model_shape, m), gpu, model_shape, m)
+    except Exception as exc:  # a shape the model does not cover
+        return {"not_run": f"the model does not cover this row ({type(exc).__name__}: {exc})"[:200]}
     return {"gpu": gpu.name, "instance": e.instance, "expected_pct_of_peak": round(100 * e.fraction, 1),
             "modelled_us": round(e.modelled_us, 1), "limit": e.limit}
+
+
+# vLLM's Marlin MoE kernel on our layout against the fp32 reference: (bits, zero points, group size)
+MARLIN_CHECK_CASES = [(bits, zp, gs) for bits in (4, 8) for zp in (False, True) for gs in (32, 128, -1)]
+MARLIN_CHECK_SHAPE = dict(n=512, k=1024, e=8, topk=2)
+
+
+def step_vllm_marlin_check(report: Report, budget: Budget, op: Any, why: str) -> Optional[bool]:
+    """The layout proof: vLLM's compiled Marlin MoE GEMM, given the weights, scales and zero points
+    that wna16ctl.layout.marlin writes, matches the fp32 reference from the logical codes."""
+    from wna16ctl.native import vllm_marlin
+
+    if op is None:
+        report["vllm_marlin_check"] = {"not_run": why}
+        return None
+    results: list[dict] = []
+    report["vllm_marlin_check"] = {"library": why, "cases": results}
+    workspace = vllm_marlin.new_workspace(torch.device(DEVICE))
+    ok, ran = True, 0
+    for i, (bits, zp, gs) in enumerate(MARLIN_CHECK_CASES):
+        for m in (1, 33):
+            entry: dict[str, Any] = {"bits": bits, "zero_points": zp, "group_size": gs, "m": m}
+            results.append(entry)
+            if vllm_marlin.weight_type_id(bits, zp) is None:
+                entry["not_run"] = f"vLLM's Marlin MoE has no {bits}-bit type with zero points"
+                continue
+            if budget.left() < 20:
+                entry["not_run"] = "no time left"
+                continue
+            prob = build_problem(m=m, bits=bits, gs=gs, zp=zp, act=False, seed=500 + i, device=DEVICE,
+                                 **MARLIN_CHECK_SHAPE)
+            a, b_q, m_scales, m_zeros = prob["args"][:4]
+            tw = prob["args"][8]
+            args = vllm_marlin.call_args(a=a, b_q=b_q, scales=m_scales, zero_points=m_zeros, topk_ids=prob["topk_ids"],
+                                         topk_weights=tw.reshape(m, -1), bits=bits, workspace=workspace)
+            why = vllm_marlin.schema_mismatch(op.default._schema, args)
+            if why:  # the library takes other arguments: a check that cannot run, not a layout fault
+                entry["not_run"] = why
+                continue
+            try:
+                got = op(*(value for _, value in args))
+                _sync()
+            except Exception as exc:
+                entry.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
+                ok, ran = False, ran + 1
+                continue
+            err = _rel_err(got, prob["expected"])
+            entry.update(rel_err=float(f"{err:.3g}"), ok=err < TOL[prob["dtype"]])
+            ok &= entry["ok"]
+            ran += 1
+        report.save()
+    report["vllm_marlin_check"]["ok"] = ok
+    if not ran:
+        report["vllm_marlin_check"]["not_run"] = "no case ran"
+        return None
+    return ok
+
+
+# ----------------------------------------------------------------------------------------------
+# the product on this GPU: demo -> repack --device cuda (and cpu, timed on the same checkpoint) ->
+# verify --e2e
+
+PRODUCT_TP = 2
+# the synthetic checkpoint both repacks time: two Qwen3-30B-A3B-shaped layers (128 experts, hidden
+# 2048, intermediate 768; about 0.6 GiB)
+TIMING_CHECKPOINT = {"layers": 2}
+
+
+def _missing_dependency(run: dict) -> Optional[str]:
+    """The reason a CLI run could not start for a module this python lacks (the CLI's own
+    dependencies are not gpu_check's), or None."""
+    line = next((ln for ln in run.get("tail", []) if "ModuleNotFoundError" in ln), None)
+    return f"the CLI cannot start here: {line.strip()}" if line and not run.get("ok") else None
+
+
+def _cli(args: list[str], timeout: float, cwd: Path) -> dict:
+    t0 = _now()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "wna16ctl", *args], cwd=cwd, capture_output=True, text=True,
+                              timeout=max(5.0, timeout))
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "error": f"timed out after {timeout:.0f} s", "command": "wna16ctl " + " ".join(args)}
+    tail = (proc.stdout + proc.stderr).strip().splitlines()[-8:]
+    return {"ok": proc.returncode == 0, "returncode": proc.returncode, "seconds": round(_now() - t0, 2),
+            "command": "wna16ctl " + " ".join(args), "tail": tail}
+
+
+def _manifest_files(run: dict) -> Optional[dict]:
+    """The output files' digests from the manifest a `repack` run printed ("manifest: PATH")."""
+    path = next((ln.split(":", 1)[1].strip() for ln in run.get("tail", []) if ln.startswith("manifest: ")), None)
+    try:
+        files = json.loads(Path(path).read_text())["files"] if path else None
+    except (OSError, ValueError, KeyError):
+        return None
+    if not isinstance(files, dict):
+        return None
+    return {rel: {k: v for k, v in f.items() if k != "bytes"} for rel, f in files.items()}
+
+
+def step_product(report: Report, budget: Budget, repo: Path, device: str = "cuda") -> Optional[bool]:
+    """The CLI as a user runs it on a GPU machine, each step passed / failed / not run (`device`:
+    what the GPU steps pass to --device; the CPU tests of this step pass cpu)."""
+    import importlib.util
+    import tempfile
+
+    steps: dict[str, dict] = {}
+    report["product"] = steps
+    work = Path(tempfile.mkdtemp(prefix="wna16ctl-gpu-check-"))
+    ckpt, cuda_out, cpu_out = work / "demo", work / f"tp{PRODUCT_TP}-cuda", work / f"tp{PRODUCT_TP}-cpu"
+    ok = True
+    try:
+        steps["demo"] = _cli(["demo", str(ckpt), "--force"], min(90.0, budget.left() - 10), repo)
+        missing = _missing_dependency(steps["demo"])
+        if missing:
+            steps["demo"] = {"not_run": missing}
+            return None
+        if not steps["demo"]["ok"]:
+            return False
+        for name, dev, out in (("repack_cuda", device, cuda_out), ("repack_cpu", "cpu", cpu_out)):
+            steps[name] = _cli(["repack", str(ckpt), "--tp", str(PRODUCT_TP), "-o", str(out), "--device", dev,
+                                "--force", "-q"], min(90.0, budget.left() - 10), repo)
+            ok &= steps[name]["ok"]
+            report.save()
+        if steps["repack_cuda"]["ok"] and steps["repack_cpu"]["ok"]:
+            on_gpu, on_cpu = _manifest_files(steps["repack_cuda"]), _manifest_files(steps["repack_cpu"])
+            steps["cuda_equals_cpu"] = {"ok": bool(on_cpu) and on_gpu == on_cpu,
+                                        "what": "every output file's digest, --device cuda against --device cpu"}
+            ok &= steps["cuda_equals_cpu"]["ok"]
+        if not steps["repack_cuda"]["ok"]:
+            steps["verify_e2e"] = {"not_run": "repack --device cuda failed"}
+        elif importlib.util.find_spec("transformers") is None:
+            steps["verify"] = _cli(["verify", str(ckpt), str(cuda_out), "--device", device],
+                                   min(90.0, budget.left() - 10), repo)
+            ok &= steps["verify"]["ok"]
+            steps["verify_e2e"] = {"not_run": "transformers is not importable (wna16ctl[e2e])"}
+        elif budget.left() < 40:
+            steps["verify_e2e"] = {"not_run": "no time left"}
+        else:
+            steps["verify_e2e"] = _cli(["verify", str(ckpt), str(cuda_out), "--device", device, "--e2e"],
+                                       min(150.0, budget.left() - 10), repo)
+            ok &= steps["verify_e2e"]["ok"]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return ok
+
+
+def step_repack_timing(report: Report, budget: Budget, repo: Path, device: str = "cuda") -> Optional[bool]:
+    """`repack --tp 2` of one synthetic Qwen3-30B-A3B-shaped checkpoint with --device cpu and
+    --device cuda, alternated, wall time of the whole command each (what `--device auto` choosing
+    the CPU rests on)."""
+    import tempfile
+
+    bench = repo / "bench" / "synthetic_checkpoint.py"
+    if not bench.is_file():
+        report["repack_timing"] = {"not_run": "bench/synthetic_checkpoint.py not in this checkout"}
+        return None
+    # the system's temporary directory, not the report's: a run stopped here must not leave a
+    # checkpoint among the files that come back with the report
+    work = Path(tempfile.mkdtemp(prefix="wna16ctl-gpu-check-"))
+    try:
+        return _time_repack_devices(report, budget, work, repo, device)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _time_repack_devices(report: Report, budget: Budget, work: Path, repo: Path, device: str) -> Optional[bool]:
+    sys.path.insert(0, str(repo / "bench"))
+    try:
+        import synthetic_checkpoint
+    except ImportError as exc:  # safetensors missing from this python
+        report["repack_timing"] = {"not_run": f"bench/synthetic_checkpoint.py cannot run here: {exc}"}
+        return None
+    finally:
+        sys.path.remove(str(repo / "bench"))
+    ckpt = work / "synthetic"
+    t0 = _now()
+    synthetic_checkpoint.write(ckpt, **TIMING_CHECKPOINT)
+    size = sum(f.stat().st_size for f in ckpt.iterdir())
+    timing: dict[str, Any] = {"checkpoint": f"synthetic {TIMING_CHECKPOINT}",
+                              "bytes": size, "written_in_s": round(_now() - t0, 1), "cpu": [], device: []}
+    report["repack_timing"] = timing
+    ok = True
+    for _ in range(2):
+        for dev in ("cpu", device):
+            if budget.left() < 40:
+                timing["truncated"] = "no time left"
+                break
+            run = _cli(["repack", str(ckpt), "--tp", str(PRODUCT_TP), "-o", str(work / f"timed-{dev}"), "--device",
+                        dev, "--force", "-q"], min(120.0, budget.left() - 10), repo)
+            missing = _missing_dependency(run)
+            if missing:
+                report["repack_timing"] = {"not_run": missing}
+                return None
+            ok &= run["ok"]
+            timing[dev].append(run["seconds"] if run["ok"] else run)
+            report.save()
+    cpu = [t for t in timing["cpu"] if isinstance(t, float)]
+    cuda = [t for t in timing.get(device, []) if isinstance(t, float)]
+    if cpu and cuda:
+        timing["cuda_over_cpu"] = round(min(cuda) / min(cpu), 2)  # best of each
+    timing["ok"] = ok
+    return ok
 
 
 def goals(report: Report) -> dict:
@@ -555,11 +823,14 @@ def goals(report: Report) -> dict:
     on the kernel the automatic choice runs there (`auto_kernel`: v3, or v2 for the 64-row tile;
     v2 in a report without v3)."""
     br, rows = report.get("bench_repack", {}), report.get("bench_gemm", {}).get("rows", [])
-    auto = {r["m"]: r.get("auto_kernel", "v2") if r.get("auto_kernel", "v2") in r else "v2" for r in rows}
-    low = [r[auto[r["m"]]]["pct_of_peak"] for r in rows if r["m"] <= 16]
-    high = [r[f"{auto[r['m']]}_over_bf16"] for r in rows if r["m"] >= 64]
+    def auto(r: dict) -> str:  # the kernel the automatic choice runs on this row
+        kernel = r.get("auto_kernel", "v2")
+        return kernel if kernel in r else "v2"
+    low = [v for r in rows if r["m"] <= 16 and (v := r.get(auto(r), {}).get("pct_of_peak")) is not None]
+    high = [v for r in rows if r["m"] >= 64 and (v := r.get(f"{auto(r)}_over_bf16")) is not None]
+
     def kernels(pick) -> Optional[str]:  # the kernels a goal's rows were judged on
-        return "/".join(sorted({k for m, k in auto.items() if pick(m)}, reverse=True)) or None
+        return "/".join(sorted({auto(r) for r in rows if pick(r["m"])}, reverse=True)) or None
     out = {
         "repack_pct_of_peak": {"goal": f">= {GOALS['repack_pct_of_peak']}", "plain": br.get("plain", {}).get("pct_of_peak"),
                                "act_order": br.get("act_order", {}).get("pct_of_peak")},
@@ -606,6 +877,14 @@ def sanitizer_cases() -> int:
     """The four tiny cases, each checked against the fp32 reference (run inside compute-sanitizer).
     Few blocks (v3 and v2: one tile cut between blocks) so that the tools see the inter-block
     paths."""
+    if not torch.cuda.is_available():
+        print("sanitizer cases: not run: no GPU (torch sees no CUDA device)")
+        return 2
+    from wna16ctl.native import ops as K  # registers torch.ops.wna16ctl.*
+
+    if K.cuda_lib() is None:
+        print("sanitizer cases: not run: the CUDA kernel library is not available (nvcc, the build)")
+        return 2
     bad = 0
     for kernel, case in SANITIZER_CASES:
         prob = build_problem(**case, seed=7)
@@ -650,6 +929,11 @@ def step_sanitizer(report: Report, budget: Budget) -> Optional[bool]:
                                  "returncode": proc.returncode, "seconds": round(_now() - t0, 1), "tail": tail}
                 report.save()
                 continue
+            harness = next((ln for ln in tail if "sanitizer cases: not run:" in ln), None)
+            if proc.returncode == 2 and harness:  # the cases could not start: says nothing about the kernels
+                results[tool] = {"not_run": harness.split("not run:", 1)[1].strip(), "returncode": 2, "tail": tail}
+                report.save()
+                continue
             passed = proc.returncode == 0
             results[tool] = {"ok": passed, "returncode": proc.returncode, "seconds": round(_now() - t0, 1), "tail": tail}
         except subprocess.TimeoutExpired:
@@ -688,17 +972,23 @@ def step_vllm_plugin(report: dict, budget: Budget, repo: Path) -> Optional[bool]
     return bool(result.get("ok"))
 
 
+# the test files whose `gpu` tests the pytest step runs (tests/native/test_gpucheck.py checks
+# that every tests/ path this module names exists)
+GPU_TEST_FILES = ("tests/native/test_kernels.py", "tests/native/test_gemm_v2.py")
+
+
 def step_pytest(report: dict, budget: Budget, repo: Path) -> Optional[bool]:
     try:
         import pytest  # noqa: F401
     except ImportError:
         report["pytest_gpu"] = {"skipped": "pytest not importable"}
         return None
-    if not (repo / "tests" / "test_kernels.py").is_file() or budget.left() < 45:
-        report["pytest_gpu"] = {"skipped": "tests/ not present or no time left"}
+    missing = [p for p in GPU_TEST_FILES if not (repo / p).is_file()]
+    if missing or budget.left() < 45:
+        report["pytest_gpu"] = {"skipped": f"{', '.join(missing)} not in this checkout" if missing else "no time left"}
         return None
     cmd = [sys.executable, "-m", "pytest", "--noconftest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-           "tests/native/test_kernels.py", "tests/native/test_gemm_v2.py"]
+           *GPU_TEST_FILES]
     try:
         proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=max(30, budget.left() - 15))
     except subprocess.TimeoutExpired:
@@ -721,10 +1011,10 @@ def summary(report: dict) -> str:
     if "build" in report:
         b = report["build"]
         lines.append(f"  build: {'ok' if b.get('ok') else 'FAILED'}" + (f" in {b.get('seconds')} s" if b.get("ok") else ""))
-    if "repack_checks" in report:
+    if "cases" in report.get("repack_checks", {}):
         r = report["repack_checks"]
         lines.append(f"  repack/scales/zp bit-exact vs CPU: {'ok' if r['ok'] else 'FAILED'} ({len(r['cases'])} cases)")
-    if "gemm_checks" in report:
+    if "cases" in report.get("gemm_checks", {}):
         gch = report["gemm_checks"]
         worst = {v: max((c[v].get("rel_err", float("inf")) for c in gch["cases"] if v in c), default=None)
                  for v in ("v3", "v2", "v1")}
@@ -757,33 +1047,104 @@ def summary(report: dict) -> str:
         lines.append(f"  --load-format wna16ctl vs default load: {state}")
     if "pytest_gpu" in report:
         p = report["pytest_gpu"]
-        state = p.get("skipped") or ("ok" if p.get("ok") else ("not run" if p.get("note") else "FAILED"))
+        state = (p.get("skipped") or (f"not run ({p['not_run']})" if p.get("not_run") else None)
+                 or ("ok" if p.get("ok") else ("not run" if p.get("note") else "FAILED")))
         lines.append(f"  pytest -m gpu: {state}")
-    if "bench_repack" in report:
+    if "vllm_marlin_check" in report:
+        v = report["vllm_marlin_check"]
+        cases = [c for c in v.get("cases", []) if "ok" in c]
+        if not cases:
+            state = f"not run ({v.get('not_run', 'no case ran')})"
+        else:
+            worst = max((c.get("rel_err", float("inf")) for c in cases), default=None)
+            state = (f"{'ok' if all(c['ok'] for c in cases) else 'FAILED'} ({len(cases)} cases, worst rel err "
+                     f"{worst}; {sum('not_run' in c for c in v['cases'])} not run)")
+        lines.append(f"  vLLM Marlin MoE on our layout vs fp32 reference: {state}")
+    product = report.get("product", {})
+    if isinstance(product.get("not_run"), str):
+        product = {"all steps": {"not_run": product["not_run"]}}
+    for name, p in product.items():
+        if p.get("not_run"):
+            state = f"not run ({p['not_run']})"
+        else:
+            state = ("ok" if p.get("ok") else "FAILED") + (f" in {p['seconds']} s" if "seconds" in p else "")
+            if not p.get("ok") and (p.get("error") or p.get("tail")):
+                state += f" ({p.get('error') or p['tail'][-1][:200]})"
+        lines.append(f"  product {name}: {state}")
+    rt = report.get("repack_timing", {})
+    if rt:
+        state = f"not run ({rt['not_run']})" if rt.get("not_run") else (
+            f"{rt.get('checkpoint')}, {rt.get('bytes', 0) / 2 ** 30:.2f} GiB, --tp 2: --device cpu {rt.get('cpu')} s, "
+            f"--device cuda {rt.get('cuda')} s; cuda / cpu (best of each) {rt.get('cuda_over_cpu')}")
+        lines.append(f"  repack wall time: {state}")
+    copy = report.get("copy_ceiling", {}).get("gbps")
+    if copy:
+        lines.append(f"  device-to-device copy: {copy} GB/s (peak {report.get('device', {}).get('peak_gbps')} GB/s)")
+    if "plain" in report.get("bench_repack", {}):
         br = report["bench_repack"]
         lines.append(f"  repack {br['shape']['packed_mb']} MB int4: {br['plain']['gbps_read_write']} GB/s "
-                     f"({br['plain']['pct_of_peak']}% of peak {report.get('device', {}).get('peak_gbps')} GB/s), "
+                     f"({br['plain']['pct_of_peak']}% of peak, {br['plain'].get('pct_of_copy')}% of copy), "
                      f"act-order {br['act_order']['gbps_read_write']} GB/s")
     for row in report.get("bench_gemm", {}).get("rows", []):
         parts = []
-        for kernel, model in (("v3", row.get("model_v3", {})), ("v2", row.get("model", {}))):
-            if kernel not in row:
+        for kernel, model in (("v3", row.get("model_v3", {})), ("v2", row.get("model", {})), ("marlin", {})):
+            k = row.get(kernel, {})
+            if "ms" not in k:
+                if k:
+                    parts.append(f"{kernel} {k.get('not_run') or k.get('error')}")
                 continue
-            expected = (f", model {model['expected_pct_of_peak']}% ({model['limit']})"
-                        if "expected_pct_of_peak" in model else "")
-            parts.append(f"{kernel} {row[kernel]['ms']} ms ({row[kernel]['weight_gbps']} GB/s, "
-                         f"{row[kernel]['pct_of_peak']}% of peak{expected}, / bf16 = {row.get(f'{kernel}_over_bf16')})")
-        same = "" if "v3_equals_v2" not in row else f", v3 == v2 {'yes' if row['v3_equals_v2'] else 'NO'}"
-        lines.append(f"  GEMM m={row['m']:>3}: " + "; ".join(parts) + f"; v1 {row['v1']['ms']} ms "
-                     f"(/ bf16 = {row.get('v1_over_bf16')}); torch bf16 {row['torch_bf16_bmm']['ms']} ms{same}")
+            expected = (f", model {model['expected_pct_of_peak']}% ({model['limit']}), measured / model "
+                        f"{row.get(f'{kernel}_over_model')}" if "expected_pct_of_peak" in model else "")
+            parts.append(f"{kernel} {k['ms'] * 1e3:.1f} us ({k['pct_of_peak']}% of peak, {k.get('pct_of_copy')}% of "
+                         f"copy{expected}, / bf16 = {row.get(f'{kernel}_over_bf16')})")
+        ratios = ", ".join(f"{kr} / marlin = {row[f'{kr}_over_marlin']}" for kr in ("v3", "v2")
+                           if f"{kr}_over_marlin" in row)
+        same = "" if "v3_equals_v2" not in row else f"; v3 == v2 {'yes' if row['v3_equals_v2'] else 'NO'}"
+        lines.append(f"  GEMM {row.get('shape', '')} m={row['m']:>4}: " + "; ".join(parts)
+                     + (f"; {ratios}" if ratios else "")
+                     + f"; torch bf16 {row['torch_bf16_bmm']['ms'] * 1e3:.1f} us{same}")
     for name, g in report.get("goals", {}).items():
         state = "not measured" if g.get("met") is None else ("met" if g["met"] else "NOT met")
         lines.append(f"  goal {name} {g['goal']}" + (f" ({g['kernel']})" if g.get("kernel") else "") + f": {state}")
+    reasons = {(st["state"], st.get("reason")) for st in report.get("steps", {}).values()}
+    if len(reasons) == 1 and len(report["steps"]) > 1:  # one state for all (e.g. no GPU): one line
+        state, why = reasons.pop()
+        lines.append(f"  steps: all {len(report['steps'])} {state}" + (f" ({why})" if why else ""))
+    elif report.get("steps"):
+        lines.append("  steps: " + "; ".join(
+            f"{name} {st['state']}" + (f" ({st['reason']})" if st.get("reason") else "")
+            for name, st in report["steps"].items()))
     return "\n".join(lines)
 
 
+# the steps in run order; the checks first, the benchmarks after them, then the slow tools
+# (the order is the plan of gpu_check.sh's 480 s: what the run is for first, the slow tools last;
+# a step that finds too little of the budget left is "not run: no time left")
+STEPS = ("build", "repack_checks", "gemm_checks", "vllm_marlin_check", "repack_timing", "bench_copy", "bench_repack",
+         "bench_gemm", "product", "vllm_plugin", "sanitizer", "pytest_gpu")
+# seconds a step needs left of the budget to start
+STEP_MIN_S = {"repack_checks": 0, "gemm_checks": 60, "repack_timing": 90, "bench_gemm": 30, "product": 60,
+              "vllm_plugin": 60, "sanitizer": 50, "pytest_gpu": 45}
+
+
+def record_step(report: dict, name: str, result: Optional[bool], reason: Optional[str] = None) -> None:
+    """The step's state in report["steps"]: passed, failed or not run with the reason (given, or
+    what the step wrote into its own entry)."""
+    entry: dict[str, Any] = {"state": "passed" if result is True else "failed" if result is False else "not run"}
+    if result is None:
+        own = report.get(name) if isinstance(report.get(name), dict) else {}
+        entry["reason"] = reason or own.get("not_run") or own.get("skipped") or "no reason recorded"
+    report.setdefault("steps", {})[name] = entry
+
+
+def _load_marlin(path: Optional[str]) -> tuple[Any, str]:
+    from wna16ctl.native import vllm_marlin
+
+    return vllm_marlin.load(path)
+
+
 def run(out: Path, budget_s: float, gemm_count: int, with_pytest: bool, with_sanitizer: bool = True,
-        build_only: bool = False, with_vllm_plugin: bool = True) -> int:
+        build_only: bool = False, with_vllm_plugin: bool = True, vllm_moe_lib: Optional[str] = None) -> int:
     budget = Budget(budget_s, REPORT_RESERVE_S)
     report = Report(out)
     report.update(status="running", started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), steps_done=[])
@@ -817,11 +1178,19 @@ def run(out: Path, budget_s: float, gemm_count: int, with_pytest: bool, with_san
         step("env")
         reason = step_env(report)
         if reason:
+            if not report.get("env", {}).get("cuda_available"):
+                reason = f"no GPU: {reason}"
+            for name in STEPS:
+                record_step(report, name, None, reason)
             return finish("not-run", reason, 2)
         step("build")
         reason = step_build(report)
         if reason:
+            for name in STEPS:
+                record_step(report, name, False if name == "build" else None,
+                            None if name == "build" else f"the build: {reason}")
             return finish("not-run", reason, 2)
+        record_step(report, "build", True)
         if build_only:
             return finish("built")
         # the budget covers the checks: it starts now, after the (cached) build, and a timer
@@ -831,27 +1200,46 @@ def run(out: Path, budget_s: float, gemm_count: int, with_pytest: bool, with_san
                             "build_seconds_outside": report["build"].get("seconds")}
         signal.signal(signal.SIGALRM, spent)
         signal.setitimer(signal.ITIMER_REAL, max(1.0, budget.left()))
-        step("repack_checks")
-        ok = step_repack(report, budget)
-        step("gemm_checks")
-        ok &= step_gemm(report, budget, gemm_count)
-        for name, fn in (("bench_repack", lambda: bench_repack(report)),
-                         ("bench_gemm", lambda: bench_gemm(report, budget))):
-            if budget.left() > 30:
-                step(name)
-                fn()
-            else:
-                report[name] = {"skipped": "no time left"}
-        report["goals"] = goals(report)
-        if with_vllm_plugin:
-            step("vllm_plugin")
-            ok &= step_vllm_plugin(report, budget, repo) is not False
-        if with_sanitizer:
-            step("sanitizer")
-            ok &= step_sanitizer(report, budget) is not False
-        if with_pytest:
-            step("pytest_gpu")
-            ok &= step_pytest(report, budget, repo) is not False
+        marlin_op, marlin_why = _load_marlin(vllm_moe_lib)
+        plan = [
+            ("repack_checks", lambda: step_repack(report, budget)),
+            ("gemm_checks", lambda: step_gemm(report, budget, gemm_count)),
+            ("vllm_marlin_check", lambda: step_vllm_marlin_check(report, budget, marlin_op, marlin_why)),
+            ("repack_timing", lambda: step_repack_timing(report, budget, repo)),
+            ("bench_copy", lambda: bench_copy(report)),
+            ("bench_repack", lambda: bench_repack(report)),
+            ("bench_gemm", lambda: bench_gemm(report, budget, marlin_op)),
+            ("product", lambda: step_product(report, budget, repo)),
+            ("vllm_plugin", (lambda: step_vllm_plugin(report, budget, repo)) if with_vllm_plugin else None),
+            ("sanitizer", (lambda: step_sanitizer(report, budget)) if with_sanitizer else None),
+            ("pytest_gpu", (lambda: step_pytest(report, budget, repo)) if with_pytest else None),
+        ]
+        ok = True
+        for name, fn in plan:
+            if fn is None:
+                record_step(report, name, None, "not asked for (--no-...)")
+                continue
+            if budget.left() < STEP_MIN_S.get(name, 20):
+                report.setdefault(name, {"not_run": "no time left"})
+                record_step(report, name, None, "no time left")
+                continue
+            step(name)
+            try:
+                result = fn()
+            except BudgetSpent:
+                raise
+            except Exception as exc:  # one step's fault must not cost the steps after it
+                report.setdefault(name, {})
+                if isinstance(report[name], dict):
+                    report[name]["error"] = f"{type(exc).__name__}: {exc}"[:500]
+                    report[name]["traceback"] = traceback.format_exc()[-3000:]
+                result = False
+            if name.startswith("bench_") and result is not False:
+                result = True  # a benchmark that returned measured; its figures are judged in goals
+            record_step(report, name, result)
+            ok &= result is not False
+            if name == "bench_gemm":
+                report["goals"] = goals(report)
         step("done")
     except BudgetSpent:
         return finish("stopped", f"the checks' budget ({budget_s:g} s less {REPORT_RESERVE_S:g} s for the report) "
@@ -878,12 +1266,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--no-sanitizer", action="store_true", help="skip the compute-sanitizer runs")
     parser.add_argument("--no-vllm-plugin", action="store_true",
                         help="skip --load-format wna16ctl against vLLM's default load (needs vLLM)")
+    parser.add_argument("--vllm-moe-lib", metavar="PATH", default=None,
+                        help="vLLM's compiled MoE library (vllm/_moe_C_stable_libtorch.abi3.so from a vLLM wheel, "
+                             "or its directory) for the Marlin check and benchmark; default: an installed vLLM's")
     parser.add_argument("--sanitizer-cases", action="store_true", help=argparse.SUPPRESS)  # run inside the tool
     args = parser.parse_args(argv)
     if args.sanitizer_cases:
         return sanitizer_cases()
     return run(args.out, args.budget, args.gemm_cases, not args.no_pytest, not args.no_sanitizer, args.build_only,
-               not args.no_vllm_plugin)
+               not args.no_vllm_plugin, args.vllm_moe_lib)
 
 
 if __name__ == "__main__":

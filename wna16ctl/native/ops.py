@@ -210,7 +210,7 @@ def _cpu_fallback(op_name: str, tensors: Sequence[Optional[Tensor]], fn, device:
     return fn(*moved).to(device)
 
 
-def _repack_cpu(packed: Tensor, num_bits: int, perm: Optional[Tensor]) -> Tensor:
+def _repack_cpu(packed: Tensor, num_bits: int, perm: Optional[Tensor] = None) -> Tensor:
     from wna16ctl.layout.marlin import marlin_repack
 
     return marlin_repack(packed, num_bits, perm)
@@ -350,7 +350,7 @@ def _gemm_cpu(
     return out
 
 
-def _repack_cuda(packed: Tensor, num_bits: int, perm: Optional[Tensor]) -> Tensor:
+def _repack_cuda(packed: Tensor, num_bits: int, perm: Optional[Tensor] = None) -> Tensor:
     lib = cuda_lib()
     if lib is None:
         return _cpu_fallback("marlin_repack", [packed, perm], lambda p, q: _repack_cpu(p, num_bits, q), packed.device)
@@ -510,6 +510,9 @@ def _gemm_cuda(
 
 
 def _register_ops() -> None:
+    # torch calls a kernel with only the arguments its caller passed: an argument the schema
+    # gives a default must have that default in the CPU and the CUDA function alike
+    # (tests/native/test_op_signatures.py)
     lib = "wna16ctl"
 
     repack = torch.library.custom_op(

@@ -492,9 +492,7 @@ def run_repack(
     held: list[StagedOutput] = []
 
     def prepare() -> tuple[str, str | None]:
-        # `auto` on layers the native CPU path covers needs no GPU (and no torch import to look for one)
-        native_only = device == "auto" and _all_native(plan)
-        dev = distributed.select_device("cpu" if native_only else device, me)
+        dev = distributed.select_device(repack_device(device), me)
         if not is_owner:
             return dev, None
         discarded = _check_previous_run(plan, out_path, resume=resume)
@@ -1126,6 +1124,14 @@ class _BackgroundWrites:
             self._pool.shutdown(wait=True, cancel_futures=True)
 
 
+def repack_device(device: str) -> str:
+    """Where `--device DEVICE` runs the repack: `auto` is the CPU. The GPU path repacks tensor by
+    tensor through the torch data path (a host copy of each transposed source, a synchronous
+    transfer each way, an allocation per result) and measured slower than the CPU path on the one
+    GPU it ran on (docs/performance.md, "GPU harness"); it runs only when asked for by name."""
+    return "cpu" if device == "auto" else device
+
+
 def marlin_repacker(device: str) -> Callable[..., Any]:
     """The Marlin weight repack for `device`: the CUDA kernel, the native CPU library, or torch.
 
@@ -1135,15 +1141,25 @@ def marlin_repacker(device: str) -> Callable[..., Any]:
 
     if device == "cuda" and not kernels.cuda_available():
         raise UsageError("--device cuda: no usable CUDA GPU and kernel library here; use --device cpu")
-    use_cuda = device == "cuda" or (device == "auto" and kernels.cuda_available())
+    use_cuda = device == "cuda"  # `auto` never picks the GPU (repack_device)
 
     def repack(packed: Any, num_bits: int, perm: Any = None, *, out: Any) -> Any:
         if use_cuda:
-            result = kernels.marlin_repack_fast(packed.cuda(), num_bits, None if perm is None else perm.cuda()).cpu()
-            return out.copy_(result)
+            src = _to_gpu(packed)
+            result = kernels.marlin_repack_fast(src, num_bits, None if perm is None else perm.to(src.device))
+            return out.copy_(result)  # one device-to-host copy, straight into the output's columns
         return kernels.marlin_repack_fast(packed, num_bits, perm, out=out)
 
     return repack
+
+
+def _to_gpu(t: Any) -> Any:
+    """`t` on the current GPU. A K-first source is a transposed view of the checkpoint's N-first
+    words: it is moved as it lies in memory and transposed on the GPU (`.cuda()` of the view would
+    first make a transposing copy on the host)."""
+    if not t.is_contiguous() and t.ndim >= 2 and t.transpose(-1, -2).is_contiguous():
+        return t.transpose(-1, -2).cuda().transpose(-1, -2)
+    return t.cuda()
 
 
 def build_manifest(plan: RepackPlan, hashes: dict[str, str], root: Path) -> dict[str, Any]:

@@ -1,0 +1,96 @@
+"""The torch ops' CPU and CUDA functions agree on their signatures, defaults included.
+
+torch calls a registered kernel with only the arguments its caller passed, so a CUDA function
+without the default the schema (and the CPU function) has fails only on a GPU. Both checks here
+run without one: the signatures are compared, and the CUDA functions are called with every
+optional argument omitted while the CUDA library is absent (they then run the CPU code)."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from wna16ctl.layout.marlin import marlin_permute_scales, marlin_repack
+from wna16ctl.layout.packing import pack_codes
+from wna16ctl.native import ops
+
+
+def _wna16ctl_ops() -> dict[str, Any]:
+    from torch._library import custom_ops
+
+    return {name: d for name, d in custom_ops.OPDEFS.items() if name.startswith("wna16ctl::")}
+
+
+def _cuda_ops() -> dict[str, Any]:
+    return {name: d for name, d in _wna16ctl_ops().items() if "cuda" in d._backend_fns}
+
+
+def _defined(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The function a kernel was registered with, under torch's wrappers (which take *args)."""
+    todo = [fn]
+    while todo:
+        f = todo.pop(0)
+        if getattr(f, "__module__", "").startswith("wna16ctl."):
+            return f
+        todo.extend(c.cell_contents for c in (getattr(f, "__closure__", None) or []) if callable(c.cell_contents))
+    raise AssertionError(f"no wna16ctl function under {fn}")
+
+
+def test_every_op_has_its_cuda_kernel() -> None:
+    assert set(_cuda_ops()) == {"wna16ctl::marlin_repack", "wna16ctl::marlin_permute_scales",
+                                "wna16ctl::marlin_zero_points", "wna16ctl::moe_wna16_gemm"}
+
+
+@pytest.mark.parametrize("name", sorted(_cuda_ops()))
+def test_cuda_and_cpu_functions_have_the_same_signature(name: str) -> None:
+    opdef = _cuda_ops()[name]
+    cpu = inspect.signature(_defined(opdef._init_fn))
+    cuda = inspect.signature(_defined(opdef._backend_fns["cuda"]))
+    assert [(p.name, p.kind, p.default) for p in cuda.parameters.values()] == \
+        [(p.name, p.kind, p.default) for p in cpu.parameters.values()], name
+    # every default of the schema is the functions' default
+    for arg in opdef._opoverload._schema.arguments:
+        if arg.has_default_value():
+            assert cpu.parameters[arg.name].default == arg.default_value, (name, arg.name)
+
+
+def _required_args() -> dict[str, dict[str, Any]]:
+    """For each op, values of the arguments that have no default (optional tensors without a
+    default get None: the caller must name them)."""
+    g = torch.Generator().manual_seed(0)
+    k, n, bits, e = 128, 64, 4, 2
+    q = torch.randint(0, 16, (e, k, n), generator=g, dtype=torch.int32)
+    packed = pack_codes(q, bits, dim=-2)
+    scales = torch.rand(e, k // 64, n, generator=g).to(torch.bfloat16)
+    zp = pack_codes(torch.randint(0, 16, (e, k // 64, n), generator=g, dtype=torch.int32), bits)
+    a = torch.randn(3, k, generator=g).to(torch.bfloat16)
+    gemm = dict(a=a, b_q=marlin_repack(packed, bits), scales=marlin_permute_scales(scales, k, n, 64),
+                zero_points=None, g_idx=None, perm=None,
+                sorted_token_ids=torch.tensor([0, 2, 4, 1, 3, 5], dtype=torch.int32),
+                expert_offsets=torch.tensor([0, 3, 6], dtype=torch.int32), topk_weights=None,
+                top_k=2, num_bits=bits, is_k_full=True)
+    return {
+        "wna16ctl::marlin_repack": dict(packed=packed, num_bits=bits),
+        "wna16ctl::marlin_permute_scales": dict(s=scales, size_k=k, size_n=n, group_size=64),
+        "wna16ctl::marlin_zero_points": dict(zp=zp, size_k=k // 64, size_n=n, num_bits=bits),
+        "wna16ctl::moe_wna16_gemm": gemm,
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_cuda_ops()))
+def test_op_and_cuda_function_called_with_every_optional_omitted(name: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    opdef = _cuda_ops()[name]
+    args = _required_args()[name]
+    schema_args = [a.name for a in opdef._opoverload._schema.arguments]
+    assert not any(opdef._opoverload._schema.arguments[schema_args.index(a)].has_default_value() for a in args)
+    op: Callable[..., torch.Tensor] = getattr(torch.ops.wna16ctl, name.split("::")[1])
+    via_op = op(*args.values())
+    # the CUDA function as torch would call it, without the library (it then runs the CPU code)
+    monkeypatch.setattr(ops, "cuda_lib", lambda: None)
+    monkeypatch.setattr(ops, "_notice", lambda message: None)
+    via_cuda = _defined(opdef._backend_fns["cuda"])(*args.values())
+    assert torch.equal(via_op, via_cuda)
