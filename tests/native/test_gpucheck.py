@@ -441,3 +441,26 @@ def test_the_gemm_benchmark_on_the_cpu(tmp_path: Path, monkeypatch: pytest.Monke
     assert "v3_over_model" in rows[0] and "model_v3" not in rows[2]  # the model covers int4 only
     text = gpucheck.summary({**report, "status": "passed"})
     assert "GEMM tiny w13 m=   1: v3 20.0 us" in text and "v3 / marlin = 1.0" in text
+
+
+def test_benchmark_rows_carry_measured_over_the_fitted_model() -> None:
+    """On an H200 a row of the fitted model's shapes gets measured / model for v3 and Marlin: a row
+    measured at exactly the model's time reads 1.0, a row twice as slow 2.0; elsewhere not run."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    try:
+        import roofline as R
+    finally:
+        sys.path.pop(0)
+    shape = R.H200_SHAPES["qwen3-w13"]
+    modelled_ms = {k: R.model_us(k, shape, 16) / 1e3 for k in ("v3", "marlin")}
+    row = {"shape": shape.name, "experts": shape.experts, "k": shape.size_k, "n": shape.size_n, "bits": 4,
+           "group_size": 128, "m": 16, "v3": {"ms": modelled_ms["v3"]}, "marlin": {"ms": 2 * modelled_ms["marlin"]}}
+    assert gpucheck.fitted_model_ratios(row, "NVIDIA H200") == {"v3": 1.0, "marlin": 2.0}
+    assert "not_run" in gpucheck.fitted_model_ratios(row, "NVIDIA A100-SXM4-80GB")
+    row["measured_over_fitted_model"] = {"v3": 1.0, "marlin": 2.0}
+    row.update(torch_bf16_bmm={"ms": 0.1}, v3={"ms": modelled_ms["v3"], "pct_of_peak": 1, "pct_of_copy": 1},
+               marlin={"ms": 2 * modelled_ms["marlin"], "pct_of_peak": 1, "pct_of_copy": 1})
+    text = gpucheck.summary({"status": "passed", "bench_gemm": {"rows": [row]}})
+    assert "measured / fitted model 1.0" in text and "measured / fitted model 2.0" in text

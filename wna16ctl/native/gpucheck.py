@@ -573,6 +573,7 @@ def bench_gemm(report: Report, budget: Budget, marlin_op: Any = None) -> None:
             if "v3" in outs and "marlin" in outs:
                 entry["marlin_vs_v3_rel_err"] = float(f"{_rel_err(outs['marlin'], outs['v3'].float()):.3g}")
             entry["auto_kernel"] = K.fast_gemm_order("auto", sorted_ids.numel(), e, 0)[0]  # what auto runs here
+            entry["measured_over_fitted_model"] = fitted_model_ratios(entry, report.get("env", {}).get("device", ""))
             if bits == 4:
                 model_shape = {"experts": e, "size_k": k, "size_n": n, "top_k": BENCH_TOP_K, "group_size": gs}
                 entry["model"] = model_expectation(report, m, "v2", model_shape)
@@ -586,20 +587,48 @@ def bench_gemm(report: Report, budget: Budget, marlin_op: Any = None) -> None:
         del w_deq, b_q
 
 
-def model_expectation(report: dict, m: int, kernel: str = "v2", shape: Optional[dict] = None) -> dict:
-    """bench/roofline.py's expected share of the HBM peak for `kernel` (v2 or v3) at this M on this
-    device (the checkout's bench/; the recorded sm_90 static figures), on `shape` (Shape's fields;
-    default its bench shape)."""
+def _roofline() -> Any:
+    """The checkout's bench/roofline.py as a module, or None where this is not a checkout."""
     # the checkout's bench/, however deep this module sits in the package
     bench = next((d / "bench" for d in Path(__file__).resolve().parents if (d / "bench" / "roofline.py").is_file()),
                  None)
     if bench is None:
-        return {"not_run": "bench/roofline.py not in this checkout"}
+        return None
     sys.path.insert(0, str(bench))
     try:
         import roofline as R
     finally:
         sys.path.remove(str(bench))
+    return R
+
+
+def fitted_model_ratios(entry: dict, device_name: str) -> dict:
+    """measured / the fitted model (bench/roofline.py, fitted on H200 rows) for v3 and vLLM's Marlin
+    on this benchmark row: 1.0 is as modelled, > 1 slower. The fit holds for an H200 alone."""
+    R = _roofline()
+    if R is None:
+        return {"not_run": "bench/roofline.py not in this checkout"}
+    if "h200" not in device_name.lower().replace(" ", ""):
+        return {"not_run": f"the fitted model is fitted on an H200, not {device_name or 'this device'}"}
+    shape = R.MoeShape(entry["shape"], entry["experts"], entry["k"], entry["n"], top_k=BENCH_TOP_K,
+                       num_bits=entry["bits"], group_size=entry["group_size"])
+    out: dict[str, Any] = {}
+    for kernel in ("v3", "marlin"):
+        if "ms" in entry.get(kernel, {}):
+            try:
+                out[kernel] = round(R.measured_over_model(kernel, shape, entry["m"], entry[kernel]["ms"] * 1e3), 2)
+            except Exception as exc:  # a shape the model does not cover
+                out[kernel] = {"not_run": f"{type(exc).__name__}: {exc}"[:200]}
+    return out
+
+
+def model_expectation(report: dict, m: int, kernel: str = "v2", shape: Optional[dict] = None) -> dict:
+    """bench/roofline.py's expected share of the HBM peak for `kernel` (v2 or v3) at this M on this
+    device (the checkout's bench/; the recorded sm_90 static figures), on `shape` (Shape's fields;
+    default its bench shape). Superseded by the fitted model (fitted_model_ratios) where that applies."""
+    R = _roofline()
+    if R is None:
+        return {"not_run": "bench/roofline.py not in this checkout"}
     dev, name = report.get("device", {}), report.get("env", {}).get("device", "")
     gpu = next((g for key, g in R.GPUS.items() if key in name.lower().replace(" ", "")), None)
     if gpu is None or dev.get("sm_count") not in (None, gpu.sms):
@@ -1095,6 +1124,9 @@ def summary(report: dict) -> str:
                 continue
             expected = (f", model {model['expected_pct_of_peak']}% ({model['limit']}), measured / model "
                         f"{row.get(f'{kernel}_over_model')}" if "expected_pct_of_peak" in model else "")
+            fitted = row.get("measured_over_fitted_model", {}).get(kernel)
+            if isinstance(fitted, float):
+                expected += f", measured / fitted model {fitted}"
             parts.append(f"{kernel} {k['ms'] * 1e3:.1f} us ({k['pct_of_peak']}% of peak, {k.get('pct_of_copy')}% of "
                          f"copy{expected}, / bf16 = {row.get(f'{kernel}_over_bf16')})")
         ratios = ", ".join(f"{kr} / marlin = {row[f'{kr}_over_marlin']}" for kr in ("v3", "v2")
