@@ -447,8 +447,6 @@ def _tree(root: Path) -> dict[str, bytes]:
 
 
 def test_demo_force_replaces_only_a_demo_checkpoint(tmp_path: Path) -> None:
-    from wna16ctl.output.outdir import DEMO_MARKER
-
     victim = tmp_path / "victim"
     (victim / "sub").mkdir(parents=True)
     (victim / "sub" / "thesis.tex").write_text("x")
@@ -459,6 +457,8 @@ def test_demo_force_replaces_only_a_demo_checkpoint(tmp_path: Path) -> None:
     a_file.write_text("mine")
     _one_line(_demo(a_file, "--force", *TINY))
     assert a_file.read_text() == "mine"
+
+    from wna16ctl.output.outdir import DEMO_MARKER
 
     ck = tmp_path / "ck"
     assert _demo(ck, *TINY).exit_code == 0
