@@ -96,7 +96,7 @@ def test_interrupt_message_belongs_to_the_command(make_ckpt, tmp_path, monkeypat
         raise KeyboardInterrupt
 
     target = {"inspect": (wna16ctl.planning.inspection, "inspect_checkpoint"), "verify": (wna16ctl.verification.checks, "verify_output"),
-              "repack": (wna16ctl.repacking.pipeline, "run_repack"), "demo": (wna16ctl.demo, "write_demo_checkpoint")}[command]
+              "repack": (wna16ctl.repacking.pipeline, "run_repack"), "demo": (wna16ctl.demo, "write_demo_output")}[command]
     monkeypatch.setattr(*target, interrupt)
     ck = make_ckpt(**SMALL)
     args = {"inspect": ["inspect", ck], "verify": ["verify", ck, tmp_path, "--samples", QUESTIONS],
