@@ -771,7 +771,8 @@ def test_sigkill_leaves_nothing_complete(two_layer_ckpt, tmp_path):
     out = tmp_path / "out"
     marker = tmp_path / "writing"
     proc = subprocess.Popen([sys.executable, "-c", _SLOW_CHILD, str(marker), "repack", str(two_layer_ckpt),
-                             "--tp", "2", "-o", str(out), "--max-shard-size", "300000", "-q"],
+                             "--vllm", ACT_ORDER_RELEASE, "--tp", "2", "-o", str(out), "--max-shard-size", "300000",
+                             "-q"],  # RESUME_SETTINGS, which resume below
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=single_thread_env())
     try:
         deadline = time.monotonic() + 90
