@@ -700,7 +700,7 @@ def write_demo_output(out_dir: str | os.PathLike[str], spec: DemoSpec = DemoSpec
         if foreign is not None:
             raise UsageError(f"{out}: holds files the demo did not write (first: {foreign}); --force replaces only "
                              "an earlier demo checkpoint; choose a new or empty folder")
-        if any(os.scandir(out)) and not force:
+        if any(out.iterdir()) and not force:
             raise UsageError(f"{out}: holds an earlier demo checkpoint; pass --force to replace it")
     files = demo_file_names(spec)
     try:
@@ -710,10 +710,10 @@ def write_demo_output(out_dir: str | os.PathLike[str], spec: DemoSpec = DemoSpec
         outdir.write_file(out / outdir.DEMO_MARKER, outdir.demo_marker(files))
         return _write_files(out, spec, progress)
     except OSError as e:
-        if outdir.is_real_dir(out) and outdir.foreign_demo_entry(out) is None:
-            outdir.clear_dir(out)
-            if st is None:
-                with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError):  # a read-only filesystem may refuse the clean-up too
+            if outdir.is_real_dir(out) and outdir.foreign_demo_entry(out) is None:
+                outdir.clear_dir(out)
+                if st is None:
                     out.rmdir()
         raise OutputError(f"{e.filename or out}: cannot write the demo checkpoint ({e.strerror or e}); choose a "
                           "writable folder with free space") from None
