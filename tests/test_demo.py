@@ -420,3 +420,120 @@ def test_demo_files_get_the_umask_mode(tmp_path) -> None:
         os.umask(old)
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in ck.iterdir()}
     assert modes and set(modes.values()) == {0o644}, modes
+
+
+# ---- `demo OUT --force`: what it may replace --------------------------------------------------------
+
+TINY = ["--layers", "1", "--experts", "2", "--hidden", "128", "--intermediate", "128", "--no-tokenizer"]
+
+
+def _demo(*args: object):
+    from click.testing import CliRunner
+
+    from wna16ctl.cli import cli
+
+    return CliRunner().invoke(cli, ["demo", *map(str, args)])
+
+
+def _one_line(res, code: int = 2) -> str:
+    assert res.exit_code == code, (res.exit_code, res.output)
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "internal error" not in lines[0], res.stderr
+    return lines[0]
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_demo_force_replaces_only_a_demo_checkpoint(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    (victim / "sub").mkdir(parents=True)
+    (victim / "sub" / "thesis.tex").write_text("x")
+    line = _one_line(_demo(victim, "--force", *TINY))
+    assert "victim" in line and "sub" in line and "--force" in line
+    assert _tree(victim) == {"sub/thesis.tex": b"x"}
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    _one_line(_demo(a_file, "--force", *TINY))
+    assert a_file.read_text() == "mine"
+
+    from wna16ctl.output.outdir import DEMO_MARKER
+
+    ck = tmp_path / "ck"
+    assert _demo(ck, *TINY).exit_code == 0
+    marker = json.loads((ck / DEMO_MARKER).read_bytes())
+    assert sorted(p.name for p in ck.iterdir()) == sorted([*marker["files"], DEMO_MARKER])
+    assert "--force" in _one_line(_demo(ck, *TINY))
+    # an earlier demo checkpoint (of another spec) is replaced with --force
+    res = _demo(ck, "--force", *TINY[:-1])
+    assert res.exit_code == 0, res.output
+    assert "tokenizer.json" in {p.name for p in ck.iterdir()}
+    # ... unless something else was put there since
+    (ck / "notes.md").write_text("mine")
+    before = _tree(ck)
+    assert "notes.md" in _one_line(_demo(ck, "--force", *TINY))
+    assert _tree(ck) == before
+
+
+def test_demo_links_devices_and_unwritable_places_get_one_line(tmp_path: Path, monkeypatch) -> None:
+    import errno
+    import os
+    import stat
+
+    ck = tmp_path / "ck"
+    assert _demo(ck, *TINY).exit_code == 0
+    before = _tree(ck)
+    link = tmp_path / "link"
+    link.symlink_to(ck)
+    assert "symbolic link" in _one_line(_demo(link, "--force", *TINY))
+    assert _tree(ck) == before and link.is_symlink()
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "nowhere")
+    assert "symbolic link" in _one_line(_demo(dangling, *TINY))
+    assert not (tmp_path / "nowhere").exists()
+    # a device node (a stand-in for /dev/full: the same major/minor, in a folder of the test's own)
+    device = tmp_path / "full"
+    try:
+        os.mknod(device, stat.S_IFCHR | 0o666, os.makedev(1, 7))
+    except (PermissionError, OSError) as e:
+        pytest.skip(f"cannot make a device node here ({e}); the rest of this test needs one")
+    assert "not a folder" in _one_line(_demo(device, "--force", *TINY))
+    assert stat.S_ISCHR(os.lstat(device).st_mode)
+    assert "Not a directory" in _one_line(_demo(device / "sub", *TINY))
+
+    # a read-only filesystem (simulated: root writes through permission bits, and a mount needs privileges)
+    real_mkdir = Path.mkdir
+
+    def read_only_mkdir(self, *a, **kw):
+        if self.name == "ro":
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+        return real_mkdir(self, *a, **kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(Path, "mkdir", read_only_mkdir)
+        assert "Read-only file system" in _one_line(_demo(tmp_path / "ro", *TINY))
+    assert not (tmp_path / "ro").exists()
+
+    # the disk fills up half way: one line, and nothing of the demo is left behind
+    def full(*a, **kw):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "model.safetensors")
+
+    with monkeypatch.context() as m:
+        m.setattr("wna16ctl.demo.save_file", full)
+        assert "No space left on device" in _one_line(_demo(tmp_path / "full-disk", *TINY))
+    assert not (tmp_path / "full-disk").exists()
+
+
+def test_a_result_stdout_cannot_take_is_one_line(make_ckpt: MakeCheckpoint) -> None:
+    import subprocess
+    import sys
+
+    ck = make_ckpt(**SMALL)
+    for args in (["inspect", str(ck)], ["inspect", str(ck), "--json"]):
+        with open("/dev/full", "w") as full:
+            res = subprocess.run([sys.executable, "-m", "wna16ctl", *args], stdout=full, stderr=subprocess.PIPE,
+                                 text=True, timeout=120)
+        lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+        assert res.returncode == 2 and len(lines) == 1, res.stderr
+        assert lines[0].startswith("error: stdout:") and "No space left on device" in lines[0], res.stderr

@@ -7,7 +7,6 @@ that `inspect` starts in a fraction of a second.
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 from pathlib import Path
 from typing import Callable, NoReturn
@@ -372,7 +371,7 @@ def assemble(ctx: click.Context, out: str, json_mode: bool, debug: bool) -> None
 @click.option("--hidden", type=click.IntRange(min=16), default=256, show_default=True)
 @click.option("--intermediate", type=click.IntRange(min=8), default=256, show_default=True)
 @click.option("--tokenizer/--no-tokenizer", default=True, show_default=True, help="Also write a small tokenizer.json.")
-@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--force", is_flag=True, help="Replace an earlier demo checkpoint in OUT (nothing else is removed).")
 @_debug_option
 @click.pass_context
 def demo(ctx: click.Context, out: str, arch: str, bits: str, group_size: str, asym: bool, actorder: str, mixed: str,
@@ -381,7 +380,7 @@ def demo(ctx: click.Context, out: str, arch: str, bits: str, group_size: str, as
     sink = Sink()
 
     def body() -> int:
-        from wna16ctl.demo import DemoSpec, write_demo_checkpoint
+        from wna16ctl.demo import DemoSpec, write_demo_output
 
         spec = DemoSpec(
             arch=arch, num_layers=layers, num_experts=experts, hidden_size=hidden, intermediate_size=intermediate,
@@ -389,14 +388,9 @@ def demo(ctx: click.Context, out: str, arch: str, bits: str, group_size: str, as
             actorder=None if actorder == "none" else actorder, mixed=None if mixed == "none" else mixed,
             top_k=min(2, experts), tokenizer=tokenizer,
         )
-        target = Path(out)
-        if target.exists() and (not target.is_dir() or any(target.iterdir())):
-            if not force:
-                raise UsageError(f"{target}: exists and is not empty; pass --force to replace it")
-            shutil.rmtree(target) if target.is_dir() else target.unlink()
         try:
             with sink.tasks() as progress:
-                path = write_demo_checkpoint(target, spec, progress=progress)
+                path = write_demo_output(out, spec, force=force, progress=progress)
         except ValueError as e:  # an impossible combination of options
             raise UsageError(str(e).removeprefix("DemoSpec: ")) from None
         sink.result({"checkpoint": str(path), "spec": spec.__dict__}, lambda console: console.print(f"wrote {path}"))

@@ -26,6 +26,7 @@ import json
 import math
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -654,6 +655,71 @@ def write_demo_checkpoint(out_dir: str | os.PathLike[str], spec: DemoSpec = Demo
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out}: the demo checkpoint needs a new or empty folder")
+    return _write_files(out, spec, progress)
+
+
+def demo_file_names(spec: DemoSpec) -> list[str]:
+    """The files `write_demo_checkpoint` writes for `spec`, by name."""
+    if spec.num_shards == 1:
+        shards = ["model.safetensors"]
+    else:
+        shards = [f"model-{i + 1:05d}-of-{spec.num_shards:05d}.safetensors" for i in range(spec.num_shards)]
+        shards.append("model.safetensors.index.json")
+    tokenizer = ["tokenizer.json", "tokenizer_config.json", DEMO_QUESTIONS] if spec.tokenizer else []
+    return ["config.json", *shards, *tokenizer]
+
+
+def write_demo_output(out_dir: str | os.PathLike[str], spec: DemoSpec = DemoSpec(), *, force: bool = False,
+                      progress: TaskStarter | None = None) -> Path:
+    """`wna16ctl demo OUT`: write the checkpoint of `spec` into a new or empty OUT, or with `force`
+    over a demo checkpoint written there before, and nothing else.
+
+    OUT gets a marker (`outdir.DEMO_MARKER`) listing the demo's files before any of them, so a
+    later `--force` can prove every entry is the demo's; a directory holding anything else, a
+    file, a device or a symbolic link is refused.  When writing fails (read-only or full
+    filesystem), what this call wrote is removed again."""
+    from wna16ctl.errors import OutputError, UsageError
+    from wna16ctl.output import outdir
+
+    _check_spec(spec)
+    out = Path(out_dir)
+    try:
+        st = os.lstat(out)
+    except FileNotFoundError:
+        st = None
+    except OSError as e:  # a parent that is a file, a loop of links, ...
+        raise OutputError(f"{out}: cannot be used for the demo checkpoint ({e.strerror or e}); choose another folder") from None
+    if st is not None:
+        if stat.S_ISLNK(st.st_mode):
+            raise UsageError(f"{out}: is a symbolic link; the demo is never written through one (name the folder "
+                             "itself, or choose another)")
+        if not stat.S_ISDIR(st.st_mode):
+            raise UsageError(f"{out}: exists and is not a folder; the demo writes a new or empty folder, or with "
+                             "--force one holding an earlier demo checkpoint; choose another name")
+        foreign = outdir.foreign_demo_entry(out)
+        if foreign is not None:
+            raise UsageError(f"{out}: holds files the demo did not write (first: {foreign}); --force replaces only "
+                             "an earlier demo checkpoint; choose a new or empty folder")
+        if any(out.iterdir()) and not force:
+            raise UsageError(f"{out}: holds an earlier demo checkpoint; pass --force to replace it")
+    files = demo_file_names(spec)
+    try:
+        if st is not None:
+            outdir.clear_dir(out)
+        out.mkdir(parents=True, exist_ok=True)
+        outdir.write_file(out / outdir.DEMO_MARKER, outdir.demo_marker(files))
+        return _write_files(out, spec, progress)
+    except OSError as e:
+        with contextlib.suppress(OSError):  # a read-only filesystem may refuse the clean-up too
+            if outdir.is_real_dir(out) and outdir.foreign_demo_entry(out) is None:
+                outdir.clear_dir(out)
+                if st is None:
+                    out.rmdir()
+        raise OutputError(f"{e.filename or out}: cannot write the demo checkpoint ({e.strerror or e}); choose a "
+                          "writable folder with free space") from None
+
+
+def _write_files(out: Path, spec: DemoSpec, progress: TaskStarter | None) -> Path:
     step = (progress or no_progress)("writing the demo checkpoint", 4, unit="steps")
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, apply_quantization_config

@@ -38,11 +38,12 @@ class Sink:
 
     # results -------------------------------------------------------------------------------
     def result(self, data: dict[str, Any], render: Callable[[Console], None]) -> None:
-        if self.json_mode:
-            sys.stdout.write(json.dumps(data, indent=2, sort_keys=False) + "\n")
-            sys.stdout.flush()
-        else:
-            render(self.out)
+        with _stdout_result():
+            if self.json_mode:
+                sys.stdout.write(json.dumps(data, indent=2, sort_keys=False) + "\n")
+                sys.stdout.flush()
+            else:
+                render(self.out)
 
     def result_lines(self, data: dict[str, Any], lines: Callable[[], list[str]]) -> None:
         """A result that people read as a few plain lines (repack's, assemble's): printed as they
@@ -50,8 +51,9 @@ class Sink:
         if self.json_mode:
             self.result(data, lambda console: None)
         else:
-            sys.stdout.write("".join(line + "\n" for line in lines()))
-            sys.stdout.flush()
+            with _stdout_result():
+                sys.stdout.write("".join(line + "\n" for line in lines()))
+                sys.stdout.flush()
 
     # diagnostics ---------------------------------------------------------------------------
     def warn(self, message: str, *, always: bool = False) -> None:
@@ -99,6 +101,27 @@ class Sink:
                 return lambda n: bar.advance(task, n)
 
             yield start
+
+
+@contextmanager
+def _stdout_result() -> Iterator[None]:
+    """A result that stdout cannot take (a full disk, /dev/full, an I/O error) is one line naming
+    stdout.  A closed pipe (`| head`) stays what it is: the reader has what it wanted."""
+    try:
+        yield
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        from wna16ctl.errors import OutputError
+
+        try:  # the unwritten rest would fail again when the interpreter flushes stdout at exit
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (AttributeError, OSError, ValueError):  # not a real file (a test runner's buffer)
+            pass
+        raise OutputError(f"stdout: cannot write the result ({e.strerror or e}); send it to a file or pipe "
+                          "that can take it") from None
 
 
 TaskStarter = Callable[..., Callable[[int], None]]  # start(description, total, unit="bytes") -> advance(n)

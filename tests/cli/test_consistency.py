@@ -96,7 +96,7 @@ def test_interrupt_message_belongs_to_the_command(make_ckpt, tmp_path, monkeypat
         raise KeyboardInterrupt
 
     target = {"inspect": (wna16ctl.planning.inspection, "inspect_checkpoint"), "verify": (wna16ctl.verification.checks, "verify_output"),
-              "repack": (wna16ctl.repacking.pipeline, "run_repack"), "demo": (wna16ctl.demo, "write_demo_checkpoint")}[command]
+              "repack": (wna16ctl.repacking.pipeline, "run_repack"), "demo": (wna16ctl.demo, "write_demo_output")}[command]
     monkeypatch.setattr(*target, interrupt)
     ck = make_ckpt(**SMALL)
     args = {"inspect": ["inspect", ck], "verify": ["verify", ck, tmp_path, "--samples", QUESTIONS],
@@ -361,3 +361,53 @@ def test_progress_bars_draw_on_a_terminal(monkeypatch):
     text = buffer.getvalue()
     assert "hashing output files" in text and "MiB" in text and "experts" in text
     assert " MB" not in text and "MB/s" not in text.replace("MiB/s", "")
+
+
+# ---- repack and verify refuse what inspect refuses ---------------------------------------------------------
+
+HEADS = "Total number of attention heads (4) must be divisible by tensor parallel size (8)"
+
+
+@pytest.mark.parametrize("ep", [False, True], ids=["tp", "ep"])
+def test_repack_refuses_the_model_checks_inspect_refuses(make_ckpt, tmp_path, ep):
+    """The demo's 4 attention heads do not split over 8 ranks: the experts alone would load
+    (group size 32 splits at TP 8), the model does not, and every command says so alike."""
+    ck = make_ckpt(num_layers=1, num_experts=8, group_size=32, vocab_size=64)
+    flags = ["--ep"] if ep else []
+    res = invoke("inspect", ck, "--tp", "8", *flags)
+    assert res.exit_code == 1 and HEADS in " ".join(res.stdout.split()), res.stdout
+    out = tmp_path / "o"
+    for args in (["-o", out], ["--dry-run"]):
+        line = one_error_line(invoke("repack", ck, "--tp", "8", *flags, *args), 1)
+        assert HEADS in line and "no known vLLM release loads it" in line, line
+    assert not out.exists() and not any(tmp_path.iterdir())
+    dry = invoke("repack", ck, "--tp", "8", *flags, "--dry-run", "--json")
+    assert dry.exit_code == 1 and json.loads(dry.stdout)["loadable"] is False and HEADS in json.loads(dry.stdout)["error"]
+
+
+def test_verify_fails_an_output_the_release_does_not_load(make_ckpt, tmp_path, monkeypatch):
+    """An output written without the model-level checks (as earlier versions did) is not verified."""
+    ck = make_ckpt(num_layers=1, num_experts=8, group_size=32, vocab_size=64)
+    out = tmp_path / "o"
+    with monkeypatch.context() as m:
+        m.setattr("wna16ctl.repacking.pipeline.model_refusal", lambda *a, **k: None, raising=False)
+        assert invoke("repack", ck, "--tp", "8", "-o", out, "-q").exit_code == 0
+    res = invoke("verify", ck, out, "--samples", QUESTIONS, "--num-samples", "4", "--json")
+    assert res.exit_code == 1, res.output
+    report = json.loads(res.stdout)
+    assert report["passed"] is False
+    assert any(HEADS in f["message"] for f in report["findings"]), report["findings"]
+
+
+# ---- verify checks its inputs in the documented order -------------------------------------------------------
+
+
+def test_verify_refuses_an_unquantized_checkpoint_before_looking_for_samples(make_ckpt, tmp_path):
+    """docs/verify.md: checkpoint, output, device, samples.  A bf16 MoE is named as such even where
+    no samples can be found."""
+    ck = _unquantized_checkpoint(tmp_path / "ck")
+    out = tmp_path / "o"
+    assert invoke("repack", make_ckpt(**SMALL), "--tp", "1", "-o", out, "-q").exit_code == 0
+    res = invoke("verify", ck, out, env={"WNA16CTL_SAMPLES": str(tmp_path / "missing.jsonl")})
+    line = one_error_line(res, 2)
+    assert f"{ck}: not a WNA16 MoE checkpoint: its routed experts are not quantized" in line, line

@@ -300,8 +300,12 @@ MATRIX = [
 
 
 @pytest.mark.parametrize("case", MATRIX, ids=lambda c: c.id)
-def test_round_trip_matrix(ckpt, tmp_path, case):
+def test_round_trip_matrix(ckpt, tmp_path, case, monkeypatch):
     ck = case.ckpt(ckpt)
+    if case.tp == 3 and not case.refuse:
+        # vLLM refuses the demo model at TP 3 (4 attention heads, a vocabulary padded to 64): this
+        # case is about 4 experts placed unevenly on 3 ranks, so the model-level check is set aside
+        monkeypatch.setattr("wna16ctl.repacking.pipeline.model_refusal", lambda *a, **k: None)
     if case.refuse:
         with pytest.raises(NotLoadable, match=re.escape(case.refuse)):
             plan_repack(ck, case.settings())
@@ -691,6 +695,56 @@ def test_resume_refuses_other_settings(two_layer_ckpt, tmp_path):
     assert file_digests(out) == before and leftovers(out) == []
 
 
+def _interrupted_run(ck, out, settings, monkeypatch):
+    """Leave the staging directory of a run interrupted after its first layer (journal included)."""
+    first_layer = plan_repack(ck, settings).jobs[0].layer.prefix
+    real_build, real_native_build = repack_mod.build_rank_tensors, repack_native.LayerBuilder.build_into
+    calls = []
+
+    def build(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:  # layer 0 on both ranks, layer 1 under way
+            raise KeyboardInterrupt
+        return real_build(*a, **kw)
+
+    def native_build(self, *a, **kw):
+        if self.layer.prefix != first_layer:
+            raise KeyboardInterrupt
+        return real_native_build(self, *a, **kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(repack_mod, "build_rank_tensors", build)
+        m.setattr(repack_native.LayerBuilder, "build_into", native_build)
+        with pytest.raises(KeyboardInterrupt):
+            run_repack(plan_repack(ck, settings), out)
+    stage = out.parent / f".{out.name}.wna16ctl-partial"
+    assert stage.is_dir() and not out.exists()
+    return stage
+
+
+def test_resume_of_an_interrupted_run_with_other_settings_is_refused(two_layer_ckpt, tmp_path, monkeypatch):
+    """--resume continues a run or says why it cannot; only --force throws the partial run away."""
+    out = tmp_path / "out"
+    stage = _interrupted_run(two_layer_ckpt, out, RESUME_SETTINGS, monkeypatch)
+    before = file_digests(stage)
+    other = RepackSettings(vllm=ACT_ORDER_RELEASE, tp=1, max_shard_bytes=200_000)
+    with pytest.raises(UsageError) as refused:
+        run_repack(plan_repack(two_layer_ckpt, other), out, resume=True)
+    message = refused.value.message
+    assert "tp: 2 there, 1 now" in message and "max_shard_bytes: 300000 there, 200000 now" in message, message
+    assert "--force" in message and "\n" not in message
+    assert file_digests(stage) == before and not out.exists()
+    # through the command line: one line, exit 2, the staging directory untouched
+    res = _repack_cli(str(two_layer_ckpt), "--tp", "1", "--max-shard-size", "200000", "-o", str(out), "--resume")
+    assert res.exit_code == 2, res.output
+    errors = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(errors) == 1 and errors[0].startswith("error:") and "tp: 2 there, 1 now" in errors[0], res.stderr
+    assert file_digests(stage) == before and not out.exists()
+    # --force starts over with the new settings
+    res = run_repack(plan_repack(two_layer_ckpt, other), out, force=True)
+    assert res.files_reused == 0 and res.manifest["tp"] == 1 and not stage.exists()
+
+
 _SLOW_CHILD = """
 import sys, time, pathlib
 import wna16ctl.repacking.pipeline as r
@@ -717,7 +771,8 @@ def test_sigkill_leaves_nothing_complete(two_layer_ckpt, tmp_path):
     out = tmp_path / "out"
     marker = tmp_path / "writing"
     proc = subprocess.Popen([sys.executable, "-c", _SLOW_CHILD, str(marker), "repack", str(two_layer_ckpt),
-                             "--tp", "2", "-o", str(out), "--max-shard-size", "300000", "-q"],
+                             "--vllm", ACT_ORDER_RELEASE, "--tp", "2", "-o", str(out), "--max-shard-size", "300000",
+                             "-q"],  # RESUME_SETTINGS, which resume below
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=single_thread_env())
     try:
         deadline = time.monotonic() + 90
@@ -790,6 +845,9 @@ def test_output_dot_and_ep_rank_without_experts(make_ckpt, tmp_path, monkeypatch
     out = tmp_path / "here"
     out.mkdir()
     monkeypatch.chdir(out)
+    # vLLM refuses the demo model at TP 3 (4 attention heads): this test is about a rank without
+    # experts and OUT given as ".", so the model-level check is set aside
+    monkeypatch.setattr("wna16ctl.repacking.pipeline.model_refusal", lambda *a, **k: None)
     run_repack(plan_repack(ck, RepackSettings(vllm=ACT_ORDER_RELEASE, tp=3, ep=True)), ".")  # rank 2 holds no expert
     assert (out / "wna16ctl.json").is_file() and (out / "rank-2").is_dir()
     report = verify_output(ck, out, samples=QUESTIONS, num_samples=4)

@@ -290,3 +290,60 @@ def test_single_file_repo_without_index(hub, tmp_path):
     (tmp_path / "empty-repo" / "config.json").write_text((ck / "config.json").read_text())
     line = one_error_line(wna16ctl(hub, tmp_path / "hf", "inspect", "acme/empty", "--json"))
     assert "acme/empty" in line and "neither model.safetensors.index.json nor model.safetensors" in line
+
+
+# ---- huggingface_hub: its public API, at both ends of the range pyproject.toml allows --------------------------
+
+
+def test_repack_a_hub_repo_quietly(hub, make_ckpt, tmp_path):
+    """`-q` turns huggingface_hub's progress bars off through its public `utils` module."""
+    ck = make_ckpt(num_layers=1, num_experts=4, vocab_size=64)
+    hub.add("acme/quiet-moe", ck)
+    out = tmp_path / "tp1"
+    res = wna16ctl(hub, tmp_path / "hf", "repack", "acme/quiet-moe", "--tp", "1", "-o", str(out), "-q")
+    assert res.returncode == 0, res.stderr
+    assert res.stderr == "" and (out / "wna16ctl.json").is_file()
+
+
+# huggingface_hub>=1.0,<3: the oldest release and the newest one, each installed with pip into a
+# folder of its own that goes before the venv's copy on PYTHONPATH.  1.x talks HTTP through httpx
+# (2.x through httpx2, which the venv has), so the oldest brings the httpx it needs.
+HUB_CLIENTS = {"oldest": ("1.0.0", ["huggingface_hub==1.0.0", "httpx<1", "httpcore", "certifi"]),
+               "newest": (None, ["huggingface_hub>=1.0,<3"])}
+
+
+@pytest.fixture(scope="module", params=sorted(HUB_CLIENTS))
+def hub_client(request, tmp_path_factory) -> tuple[Path, str | None]:
+    version, specs = HUB_CLIENTS[request.param]
+    target = tmp_path_factory.mktemp(f"huggingface_hub-{request.param}")
+    try:
+        res = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps",
+                              "--retries", "0", "--timeout", "15", "--target", str(target), *specs],
+                             capture_output=True, text=True, timeout=180)
+    except subprocess.TimeoutExpired:
+        res = None
+    if res is None or res.returncode != 0:
+        why = "timed out" if res is None else (res.stderr.strip().splitlines() or ["pip failed"])[-1]
+        pytest.skip(f"huggingface_hub ({request.param} of the range) not installable here, the package index is "
+                    f"not reachable: {why}")
+    return target, version
+
+
+def test_hub_code_works_with_each_end_of_the_huggingface_hub_range(hub, hub_client, make_ckpt, tmp_path):
+    client, version = hub_client
+    ck = make_ckpt(num_layers=1, num_experts=4, vocab_size=64)
+    hub.add("acme/range-moe", ck)
+    pythonpath = f"{client}{os.pathsep}{REPO_ROOT}"
+    env = {"PYTHONPATH": pythonpath}
+    probe = subprocess.run([sys.executable, "-c", "import huggingface_hub as h; print(h.__version__, h.__file__)"],
+                           capture_output=True, text=True, env={**os.environ, **env}, timeout=60)
+    got, where = probe.stdout.split()
+    assert where.startswith(str(client)) and (version is None or got == version), probe.stdout
+    hf_home = tmp_path / "hf"
+    res = wna16ctl(hub, hf_home, "inspect", "acme/range-moe", "--tp", "1", "--json", env=env)  # headers: byte ranges
+    assert res.returncode == 0, (got, res.stderr)
+    out = tmp_path / "tp1"
+    res = wna16ctl(hub, hf_home, "repack", "acme/range-moe", "--tp", "1", "-o", str(out), "-q", env=env)  # a snapshot
+    assert res.returncode == 0 and (out / "wna16ctl.json").is_file(), (got, res.stderr)
+    line = one_error_line(wna16ctl(hub, hf_home, "inspect", "acme/no-such-repo", env=env))  # the errors module
+    assert "acme/no-such-repo: no such repository on the Hub" in line, (got, line)

@@ -186,6 +186,16 @@ def _entries(root: Path) -> list[tuple[str, bool]]:
     return sorted(out)
 
 
+def _unlisted_entry(entries: list[tuple[str, bool]], listed: set[str]) -> str | None:
+    """The first of `entries` (`_entries`) that is neither a file `listed` nor a directory holding one."""
+    parents = {p.as_posix() for rel in listed for p in Path(rel).parents if p.as_posix() != "."}
+    for rel, is_dir in entries:
+        if (is_dir and rel in parents) or (not is_dir and rel in listed):
+            continue
+        return rel
+    return None
+
+
 def foreign_entry(path: Path, out: Path) -> str | None:
     """The first entry of directory `path` that no wna16ctl run wrote, or None if all are ours.
 
@@ -200,12 +210,32 @@ def foreign_entry(path: Path, out: Path) -> str | None:
         return entries[0][0]
     # the marker too: a commit killed between its rename and the marker's removal leaves it
     listed = {str(k) for k in manifest["files"]} | {MANIFEST_NAME, STAGE_MARKER, *part_manifest_names(path)}
-    parents = {p.as_posix() for rel in listed for p in Path(rel).parents if p.as_posix() != "."}
-    for rel, is_dir in entries:
-        if (is_dir and rel in parents) or (not is_dir and rel in listed):
-            continue
-        return rel
-    return None
+    return _unlisted_entry(entries, listed)
+
+
+# The demo checkpoint (`wna16ctl demo OUT`) follows the same rule: its marker, written before any
+# other file, lists every file the demo writes there, so `demo --force` replaces a directory only
+# when each of its entries is one of them (an interrupted demo included).
+DEMO_MARKER = ".wna16ctl-demo.json"
+DEMO_FORMAT = "wna16ctl-demo"
+
+
+def demo_marker(files: list[str]) -> bytes:
+    """The marker of a demo checkpoint holding `files` (deterministic: same files, same bytes)."""
+    return json.dumps({"format": DEMO_FORMAT, "files": sorted(files)}, sort_keys=True).encode()
+
+
+def foreign_demo_entry(path: Path) -> str | None:
+    """The first entry of directory `path` that no demo wrote, or None: an empty directory, or a
+    demo checkpoint whose marker lists every entry."""
+    entries = _entries(path)
+    if not entries:
+        return None
+    marker = read_json_file(path / DEMO_MARKER)
+    if not (isinstance(marker, dict) and marker.get("format") == DEMO_FORMAT and isinstance(marker.get("files"), list)
+            and all(isinstance(f, str) for f in marker["files"])):
+        return entries[0][0]
+    return _unlisted_entry(entries, {*marker["files"], DEMO_MARKER})
 
 
 def remove_ours(path: Path, out: Path, what: str) -> None:

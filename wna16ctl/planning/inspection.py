@@ -334,6 +334,32 @@ def _params_dtype(torch_dtype: str) -> str:
     return {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32", "fp32": "float32"}.get(t, t)
 
 
+def checkpoint_model_checks(ck: Checkpoint, tp: int, ep: bool, version: str) -> list[ModelCheck]:
+    """The engine's checks on the model's sizes (heads, KV heads, vocabulary, ...) for `ck` at `tp` ranks."""
+    dims = ck.dims
+    has_attention = any(lay.tp_role == QKV for lay in ck.linear_layers) or dims.num_attention_heads is not None
+    return model_checks(dims, tp, ep, version, attention=has_attention)
+
+
+def model_refusal(ck: Checkpoint, tp: int, ep: bool, version: str, gpu: str,
+                  switches: EngineSwitches = DEFAULT_SWITCHES) -> str | None:
+    """What stops release `version` at `tp` outside the routed experts, as the engine says it: the
+    first fatal model check (engine arguments before model construction), else the first quantized
+    linear layer no kernel takes.  None when the model around the experts loads.  These are the
+    checks behind inspect's verdict, for the commands that write or certify an output."""
+    failed = sorted((c for c in checkpoint_model_checks(ck, tp, ep, version) if c.fatal and not c.ok),
+                    key=lambda c: c.stage != "config")
+    if failed:
+        return f"{failed[0].rule}: {(failed[0].error or '').rstrip('.')}"
+    linear = plan_all_linear(ck.linear_layers, (tp,), version, gpu, _params_dtype(ck.config.torch_dtype),
+                             with_differences=False, switches=switches)
+    for name, (plan,) in linear.items():
+        if not plan.loadable:
+            why = plan.errors[0] if plan.errors else "no kernel takes it"
+            return why if name in why else f"{name}: {why}"
+    return None
+
+
 def inspect_checkpoint(path: str | os.PathLike[str], tps: tuple[int, ...] = (1,), ep: bool = False,
                        vllm: str | None = "installed", gpu: str = rules.DEFAULT_GPU,
                        revision: str | None = None, env: list[str] | dict[str, str] | None = None,
@@ -384,9 +410,7 @@ def inspect_checkpoint(path: str | os.PathLike[str], tps: tuple[int, ...] = (1,)
                            plan_all_linear(ck.linear_layers, tps, v, gpu, dtype, with_differences=False,
                                            switches=switches, refusal=refusals[v]))
                        for v in rules.RELEASES} if every else {}
-    dims = ck.dims
-    has_attention = any(lay.tp_role == QKV for lay in ck.linear_layers) or dims.num_attention_heads is not None
-    checks = [c for tp in tps for c in model_checks(dims, tp, ep, engine.version, attention=has_attention)]
+    checks = [c for tp in tps for c in checkpoint_model_checks(ck, tp, ep, engine.version)]
     return Inspection(checkpoint=ck, tps=tuple(tps), ep=ep, engine=engine, gpu=gpu, plans=plans, versions=versions,
                       linear_plans=linear, linear_versions=linear_versions, checks=checks, problems=problems,
                       proposal=proposal, switches=switches, refusals=refusals)

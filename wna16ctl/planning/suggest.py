@@ -22,10 +22,9 @@ from typing import Any, Callable
 from wna16ctl.planning import rules
 from wna16ctl.planning.config_parse import config_refusal
 from wna16ctl.planning.engine_env import MOE_BACKEND_SINCE
-from wna16ctl.planning.inspection import Inspection, _params_dtype, plan_all, plan_all_linear
-from wna16ctl.planning.linear import model_checks
+from wna16ctl.planning.inspection import Inspection, _params_dtype, checkpoint_model_checks, plan_all, plan_all_linear
 from wna16ctl.sources.config import QuantConfig, WeightScheme
-from wna16ctl.sources.model import QKV, LinearLayer
+from wna16ctl.sources.model import LinearLayer
 from wna16ctl.sources.moe import MoELayer
 
 TP_CANDIDATES = (1, 2, 4, 8, 16)
@@ -113,9 +112,7 @@ def loads(insp: Inspection, tp: int, ep: bool, version: str, gpu: str, change: S
                              with_differences=False, switches=switches)
     if not all(p.loadable for plans_ in linear.values() for p in plans_):
         return False
-    dims = ck.dims
-    attention = any(lay.tp_role == QKV for lay in ck.linear_layers) or dims.num_attention_heads is not None
-    return all(c.ok for c in model_checks(dims, tp, ep, version, attention=attention) if c.fatal)
+    return all(c.ok for c in checkpoint_model_checks(ck, tp, ep, version) if c.fatal)
 
 
 def _refused_rules(insp: Inspection, i: int) -> tuple[str, ...]:

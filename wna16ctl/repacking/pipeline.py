@@ -41,6 +41,7 @@ from wna16ctl.errors import NotLoadable, UsageError
 from wna16ctl.layout.spec import RankLayout, expert_shapes
 from wna16ctl.planning.config_parse import config_refusal
 from wna16ctl.planning.engine_env import EngineSwitches, parse_env
+from wna16ctl.planning.inspection import model_refusal
 from wna16ctl.planning.moe import Backend, LayerPlan, plan_layer
 from wna16ctl.planning.tpsizes import check_tp_sizes, parse_tp_list
 from wna16ctl.output.filestream import DEPTH, FileStream, depth_for
@@ -246,6 +247,17 @@ def _check_shared_g_idx(ck: Checkpoint, jobs: list[LayerJob]) -> None:
             raise NotLoadable(problem)
 
 
+def _releases_that_load(ck: Checkpoint, layers: list[MoELayer], settings: RepackSettings,
+                        switches: EngineSwitches) -> str:
+    """'loads on vLLM 0.29.0–0.33.0' (or 'no known vLLM release loads it'): the releases that parse
+    the config and load every repacked MoE layer and the model around them at these settings."""
+    tp, ep, gpu = settings.tp, settings.ep, settings.gpu
+    loads = [v for v in rules.RELEASES if config_refusal(ck.config.quant, v) is None
+             and all(plan_layer(lay, tp, ep, v, gpu, switches).loadable for lay in layers)
+             and model_refusal(ck, tp, ep, v, gpu, switches) is None]
+    return f"loads on vLLM {rules.span(loads)}" if loads else "no known vLLM release loads it"
+
+
 def plan_repack(ckpt_path: str | os.PathLike[str], settings: RepackSettings) -> RepackPlan:
     """Validate everything and lay out every output file; writes nothing."""
     if settings.layout not in LAYOUTS:
@@ -263,10 +275,8 @@ def plan_repack(ckpt_path: str | os.PathLike[str], settings: RepackSettings) -> 
     layers = ck.quantized_layers + ck.quantized_mtp_layers  # MTP experts are repacked like the decoder's
     refusal = config_refusal(ck.config.quant, settings.vllm)
     if refusal is not None:
-        loads = [v for v in rules.RELEASES if config_refusal(ck.config.quant, v) is None
-                 and all(plan_layer(lay, settings.tp, settings.ep, v, settings.gpu, switches).loadable for lay in layers)]
         raise NotLoadable(f"vLLM {settings.vllm} refuses {ck.root} at config parse: {refusal.text()}; "
-                          + (f"loads on vLLM {rules.span(loads)}" if loads else "no known vLLM release loads it"))
+                          + _releases_that_load(ck, layers, settings, switches))
     if not layers:
         ck.require_wna16_moe()
     check_tp_sizes(layers, (settings.tp,), settings.ep)
@@ -298,6 +308,12 @@ def plan_repack(ckpt_path: str | os.PathLike[str], settings: RepackSettings) -> 
         names = list(expert_shapes(specs[0], scale_dtype))
         jobs.append(LayerJob(layer, plan, layout, specs, ranges, names))
 
+    # the model around the experts (heads, KV heads, vocabulary, quantized linear layers): what
+    # inspect refuses, repack refuses, so no output is written for a model the release does not load
+    refused = model_refusal(ck, settings.tp, settings.ep, settings.vllm, settings.gpu, switches)
+    if refused is not None:
+        raise NotLoadable(f"vLLM {settings.vllm} refuses {ck.root} at TP {settings.tp}{' EP' if settings.ep else ''}: "
+                          f"{refused}; " + _releases_that_load(ck, layers, settings, switches))
     _check_shared_g_idx(ck, jobs)  # also checks every act-order g_idx is a valid group assignment
     repacked = {
         layer.tensor_name(e, role, suffix)
@@ -430,10 +446,15 @@ def _check_previous_run(plan: RepackPlan, out_path: Path, *, resume: bool) -> st
                 + "; ".join(_identity_differences(manifest.get("identity") or {}, plan.identity))
                 + "); repeat the original settings, or use --force to replace it"
             )
+    if resume and journal is not None and not journal_matches:
+        # --resume asks to continue that run: throwing it away is --force's to ask for
+        raise UsageError(
+            f"{stage}: the interrupted run there was made from another source or with other settings, so --resume "
+            "cannot continue it (" + "; ".join(_identity_differences(journal.get("identity") or {}, plan.identity))
+            + "); repeat the original settings, or use --force to start over"
+        )
     if stage.is_dir() and not (resume and journal_matches):
-        why = ("it was made with other settings ("
-               + "; ".join(_identity_differences((journal or {}).get("identity") or {}, plan.identity)) + ")"
-               if resume and journal is not None else "this run does not --resume it")
+        why = "it records no finished file" if resume else "this run does not --resume it"
         return f"discarded {stage}, the staging directory of an interrupted run: {why}"
     return None
 

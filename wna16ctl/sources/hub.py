@@ -81,7 +81,11 @@ def parse_ref(arg: str, revision: str | None = None) -> HubRef | None:
 # -- errors --------------------------------------------------------------------------------------
 
 def _hf() -> Any:
-    """huggingface_hub, imported on first use (a few tenths of a second a local `inspect` need not pay)."""
+    """huggingface_hub, imported on first use (a few tenths of a second a local `inspect` need not pay).
+
+    Only its top-level functions are reached through the package: it loads submodules lazily, so
+    `errors`, `constants` and `utils` are imported by name where they are used, never read as
+    attributes of the package (which they are not until something else imports them)."""
     import huggingface_hub
 
     _quiet_retries()
@@ -109,7 +113,8 @@ def _quiet_retries() -> None:
 
 
 def _offline() -> bool:
-    c = _hf().constants
+    _hf()
+    from huggingface_hub import constants as c
     check = getattr(c, "is_offline_mode", None)
     return bool(check() if callable(check) else c.HF_HUB_OFFLINE)
 
@@ -136,8 +141,9 @@ def _status(e: BaseException) -> int | None:
 def hub_error(e: BaseException, what: str, filename: str | None = None, *, model_arg: bool = False) -> BadInput:
     """The one-line error for a failure of huggingface_hub while getting `filename` of the
     repository `what` (`model_arg`: `what` came from a command's CKPT argument)."""
-    hf = _hf()
-    errs = hf.errors
+    _hf()
+    from huggingface_hub import constants
+    from huggingface_hub import errors as errs
     token_hint = "set HF_TOKEN to a token that can read it"
     if isinstance(e, errs.GatedRepoError):
         return BadInput(f"{what}: gated repository; accept its conditions on the Hub and {token_hint}")
@@ -160,7 +166,7 @@ def hub_error(e: BaseException, what: str, filename: str | None = None, *, model
             return BadInput(f"{what}: the Hub did not answer in time; check the connection or raise "
                             "HF_HUB_ETAG_TIMEOUT / HF_HUB_DOWNLOAD_TIMEOUT (seconds)")
         if _is_a(cause, "ConnectError", "NetworkError", "ProxyError"):
-            return BadInput(f"{what}: cannot reach {hf.constants.ENDPOINT} ({cause}); check the connection or "
+            return BadInput(f"{what}: cannot reach {constants.ENDPOINT} ({cause}); check the connection or "
                             "HF_ENDPOINT, or set HF_HUB_OFFLINE=1 to use the local cache")
     status = next((st for st in map(_status, _causes(e)) if st is not None), None)
     if status in (401, 403):
@@ -178,9 +184,11 @@ def _hub_errors(what: str, filename: str | None = None, *, model_arg: bool = Fal
     except BadInput:
         raise
     except Exception as e:
-        hf = _hf()
-        known = (hf.errors.HfHubHTTPError, hf.errors.LocalEntryNotFoundError, hf.errors.OfflineModeIsEnabled,
-                 getattr(hf.errors, "HFValidationError", ValueError), OSError)
+        _hf()
+        from huggingface_hub import errors as errs
+
+        known = (errs.HfHubHTTPError, errs.LocalEntryNotFoundError, errs.OfflineModeIsEnabled,
+                 getattr(errs, "HFValidationError", ValueError), OSError)
         if isinstance(e, known) or type(e).__module__.split(".")[0] in ("httpx", "httpx2", "httpcore", "httpcore2"):
             raise hub_error(e, what, filename, model_arg=model_arg) from None
         raise
@@ -212,7 +220,10 @@ def _has_index(ref: HubRef, commit: str) -> bool:
 
 def header_cache_dir() -> Path:
     """Where fetched headers are kept: beside huggingface_hub's cache (`$HF_HOME/wna16ctl/headers`)."""
-    return Path(_hf().constants.HF_HOME) / "wna16ctl" / "headers"
+    _hf()
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HOME) / "wna16ctl" / "headers"
 
 
 def _cache_path(repo_id: str, commit: str, filename: str) -> Path:
@@ -254,11 +265,13 @@ def _get_range(url: str, start: int, end: int, headers: dict[str, str], timeout:
     session (proxies, user agent, redirects to the CDN).  The body is streamed and cut at `end`,
     so a server that ignores Range costs one header's worth of bytes, not the shard."""
     hf = _hf()
-    session = hf.utils.get_session()
+    from huggingface_hub.utils import get_session, hf_raise_for_status
+
+    session = get_session()
     with session.stream("GET", url, headers={**headers, "Range": f"bytes={start}-{end}"}, timeout=timeout) as r:
         if r.status_code >= 400:
             r.read()
-            hf.utils.hf_raise_for_status(r)
+            hf_raise_for_status(r)
         total = None
         skip = 0
         if r.status_code == 206:
@@ -290,8 +303,11 @@ def _fetch_header(repo_id: str, commit: str, filename: str) -> tuple[int, bytes]
     hf = _hf()
     what = f"{repo_id}: {filename}"
     url = hf.hf_hub_url(repo_id, filename, revision=commit)
-    headers = hf.utils.build_hf_headers()
-    timeout = hf.constants.HF_HUB_DOWNLOAD_TIMEOUT
+    from huggingface_hub import constants
+    from huggingface_hub.utils import build_hf_headers
+
+    headers = build_hf_headers()
+    timeout = constants.HF_HUB_DOWNLOAD_TIMEOUT
     with _hub_errors(repo_id, filename, model_arg=True):
         raw, size = _get_range(url, 0, _FIRST_RANGE - 1, headers, timeout, what)
         if len(raw) < 8:
@@ -396,7 +412,9 @@ def download_checkpoint(ref: HubRef, *, quiet: bool = False) -> Path:
     Progress bars are huggingface_hub's, on stderr."""
     hf = _hf()
     if quiet:
-        hf.utils.disable_progress_bars()
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
     with _hub_errors(str(ref), model_arg=True):
         path = Path(hf.snapshot_download(ref.repo_id, revision=ref.revision, ignore_patterns=_SNAPSHOT_IGNORE))
     if not (path / "config.json").is_file():

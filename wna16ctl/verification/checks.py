@@ -529,6 +529,8 @@ def verify_output(
     raises a WnaError; a failing or skipped check is recorded in the returned report, never raised."""
     progress = progress or no_progress
     ck = open_checkpoint(ckpt)
+    if not (ck.quantized_layers or ck.quantized_mtp_layers):  # nothing repack would have written from it
+        ck.require_wna16_moe()
     out_path = Path(out)
     manifest = _read_manifest(out_path)
     gemm_device = _gemm_device(device)
