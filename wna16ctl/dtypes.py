@@ -21,7 +21,9 @@ ST_SIZES = {
 ST_BITS = {**{k: 8 * v for k, v in ST_SIZES.items()}, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
 # the floating-point dtypes a WNA16 scale (and a model) may have, as config.json and safetensors name them
 FLOAT_ST_OF_CONFIG = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
-FLOAT_ST = tuple(FLOAT_ST_OF_CONFIG.values())
+FLOAT_ST = ("BF16", "F16", "F32")
+# the integer dtypes a g_idx may have, as the `array` module's typecodes (read without torch)
+ARRAY_TYPECODES = {"I32": "i", "I64": "q"}
 
 # safetensors name -> torch attribute name (resolved lazily: see torch_dtype)
 _TORCH_NAMES = {

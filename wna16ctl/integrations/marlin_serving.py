@@ -14,10 +14,11 @@ from typing import Any
 
 from wna16ctl.dtypes import FLOAT_ST_OF_CONFIG
 from wna16ctl.errors import UsageError
+from wna16ctl.output.manifest import FORMAT_NAME, MANIFEST_NAME
 from wna16ctl.layout.spec import MARLIN, RankLayout, expert_shapes
 from wna16ctl.planning import rules
 
-MANIFEST = "wna16ctl.json"
+MANIFEST = MANIFEST_NAME
 LOAD_FORMAT = "wna16ctl"
 # The releases whose weight processing of compressed-tensors WNA16 MoE layers was read for this
 # plugin (vLLM's `CompressedTensorsWNA16MoEMethod` and `_process_weights_marlin`; identical in both).
@@ -86,7 +87,7 @@ def read_marlin_output(root: str | Path) -> MarlinOutput:
 
 
 def _parse_manifest(root: Path, m: dict[str, Any]) -> MarlinOutput:
-    if m.get("format") != "wna16ctl-repack":
+    if m.get("format") != FORMAT_NAME:
         raise _manifest_error(root, "not a wna16ctl repack manifest")
     layout = m.get("layout")
     if layout != MARLIN:

@@ -32,8 +32,8 @@ from typing import Any
 
 from wna16ctl.errors import UsageError
 
-MANIFEST_NAME = "wna16ctl.json"
-OUTPUT_FORMAT = "wna16ctl-repack"
+from wna16ctl.output.manifest import FORMAT_NAME as OUTPUT_FORMAT, MANIFEST_NAME  # noqa: F401 - re-exported
+
 STAGE_MARKER = ".wna16ctl-stage.json"
 STAGE_FORMAT = "wna16ctl-stage"
 JOURNAL_NAME = ".wna16ctl-journal.json"  # written by the process that owns the staging directory

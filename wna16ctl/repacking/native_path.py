@@ -27,11 +27,11 @@ from wna16ctl.native import build as native
 from wna16ctl.sources.headers import CheckpointFiles, TensorInfo
 from wna16ctl.sources.moe import ROLE_ORDER
 from wna16ctl.sources.raw import RawReader
+from wna16ctl.dtypes import ST_SIZES
 from wna16ctl.errors import BadInput
 from wna16ctl.layout.spec import MARLIN, RankLayout, expert_shapes, marlin_scales_grouped, w2_scale_size_k
 
 _SCALE_KIND = {"F16": 0, "BF16": 1, "F32": 2}  # wna16_first_nonfinite's kinds
-_SCALE_BYTES = {"F16": 2, "BF16": 2, "F32": 4}
 _SUFFIXES = ("weight_packed", "weight_scale")
 _MAP_GAP = 1 << 20  # tensors at most this far apart share a mapped window
 _OUT_ORDER = ("w13_weight_packed", "w2_weight_packed", "w13_weight_scale", "w2_weight_scale")  # the builder's outputs  # per projection, in TensorReader.read_projection's order
@@ -171,7 +171,7 @@ class LayerBuilder:
         scales = self._scales[slot]
         ptrs, counts = (ctypes.c_void_p * len(scales))(), (ctypes.c_int64 * len(scales))()
         for t, (info, addr) in enumerate(scales):
-            ptrs[t], counts[t] = addr, info.nbytes // _SCALE_BYTES[info.dtype]
+            ptrs[t], counts[t] = addr, info.nbytes // ST_SIZES[info.dtype]
         at = ctypes.c_int64(-1)
         bad = native.host_lib().wna16_first_nonfinite_many(ptrs, counts, len(scales), _SCALE_KIND[self.scale_dtype],
                                                            ctypes.byref(at))
@@ -179,7 +179,7 @@ class LayerBuilder:
             raise _truncated(self.mapped_files(slot)[0])
         if bad >= 0:
             info, addr = scales[bad]
-            i, width = at.value, _SCALE_BYTES[info.dtype]
+            i, width = at.value, ST_SIZES[info.dtype]
             cols = info.shape[-1] if len(info.shape) > 1 else counts[bad]
             where = [i // cols, i % cols] if len(info.shape) > 1 else [i]
             value = _scale_value(ctypes.string_at(addr + i * width, width), info.dtype)
@@ -216,7 +216,7 @@ class LayerBuilder:
             native.host_lib().call(
                 "wna16_marlin_rank_host", self._src[slot], n_experts, spec.hidden_size, spec.intermediate_size,
                 spec.tp, spec.rank, spec.num_bits, spec.group_size, int(spec.load_full_w2),
-                _SCALE_BYTES[self.scale_dtype], int(marlin_scales_grouped(spec.hidden_size, spec.group_size)),
+                ST_SIZES[self.scale_dtype], int(marlin_scales_grouped(spec.hidden_size, spec.group_size)),
                 int(marlin_scales_grouped(w2_scale_size_k(spec), spec.group_size)), *out, self.simd_level,
                 1 if mapped else 0,
             )
@@ -232,7 +232,7 @@ def _truncated(path: Any) -> BadInput:
 
 
 def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
-    n = _SCALE_BYTES.get(dtype) or {"I32": 4, "U8": 1}[dtype]
+    n = ST_SIZES[dtype]
     for d in shape:
         n *= d
     return n

@@ -30,6 +30,7 @@ from wna16ctl.version import __version__
 from wna16ctl.native import simd
 from wna16ctl.repacking import distributed
 from wna16ctl.output import outdir
+from wna16ctl.output.manifest import FORMAT_NAME, FORMAT_VERSION, SIDE_FILES
 from wna16ctl.planning import rules
 from wna16ctl.sources import Checkpoint, MoELayer, open_checkpoint
 from wna16ctl.sources.config import SCALE_ST_DTYPES
@@ -54,16 +55,8 @@ from wna16ctl.output.writer import (
 # torch is imported only where a layer takes the torch data path (wna16ctl.repacking.native_path covers
 # the common layers without it): its import alone costs longer than repacking a gigabyte.
 
-FORMAT_NAME = "wna16ctl-repack"
-FORMAT_VERSION = 1
 LAYOUTS = ("auto", "marlin", "transposed")
 _SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape")
-# Files copied beside the rank directories (tokenizer, generation and chat-template files).
-SIDE_FILES = (
-    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
-    "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
-    "added_tokens.json", "preprocessor_config.json",
-)
 # Packed input per expert chunk: a chunk and its outputs stay in the CPU caches from the read to
 # the write and the hash (64 MiB chunks measured ~2x the system time: every stage went to DRAM).
 # 8 MiB (3 experts of a Qwen3-30B-A3B layer) against 4 MiB (1): each chunk is mapped, built by

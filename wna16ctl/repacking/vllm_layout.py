@@ -27,13 +27,12 @@ from wna16ctl.version import __version__
 from wna16ctl.planning import rules
 from wna16ctl.sources import Checkpoint, MoELayer, open_checkpoint
 from wna16ctl.sources.moe import _FAMILY_NAMES
+from wna16ctl.dtypes import FLOAT_ST_OF_CONFIG, ST_SIZES, torch_dtype
 from wna16ctl.errors import BadInput, NotLoadable, UsageError
+from wna16ctl.output.manifest import FORMAT_NAME, FORMAT_VERSION, SIDE_FILES
 
 LAYOUT = "vllm"
-FORMAT_NAME = "wna16ctl-repack"
-FORMAT_VERSION = 1
 PATTERN = "model-rank-{rank}-part-{part}.safetensors"  # vLLM's default sharded_state file pattern
-_ST_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 
 
 @dataclass(frozen=True)
@@ -48,7 +47,7 @@ class StateTensor:
 
     @property
     def nbytes(self) -> int:
-        n = {"BF16": 2, "F16": 2, "F32": 4, "I32": 4}[self.dtype]
+        n = ST_SIZES[self.dtype]
         for d in self.shape:
             n *= d
         return n
@@ -291,9 +290,9 @@ def plan_vllm_state(ckpt: str | os.PathLike[str] | Checkpoint, tp: int, vllm: st
     _check_supported(ck, vllm)
     backends, k_first = _expert_orientation(ck, tp, vllm, gpu, switches)
     dtype_name = ck.config.torch_dtype
-    if dtype_name not in _ST_DTYPES:
+    if dtype_name not in FLOAT_ST_OF_CONFIG:
         raise BadInput(f"{ck.config.path}: torch_dtype {dtype_name!r} is not bfloat16, float16 or float32")
-    model_st = _ST_DTYPES[dtype_name]
+    model_st = FLOAT_ST_OF_CONFIG[dtype_name]
     moe_by_layer = {lay.layer_index: lay for lay in ck.layers}
     arch = ck.config.model_type
     n_layers = ck.config.num_hidden_layers or 0
@@ -355,9 +354,7 @@ def _split_parts(keys: list[StateTensor], max_bytes: int) -> list[list[StateTens
 # -- building (torch) ------------------------------------------------------------------------------
 
 def _torch_dtype(st: str) -> Any:
-    import torch
-
-    return {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I32": torch.int32}[st]
+    return torch_dtype(st)
 
 
 def build_tensor(plan: VllmStatePlan, reader: Any, t: StateTensor, rank: int) -> Any:
@@ -452,13 +449,6 @@ def _expert_read(reader: Any, moe: MoELayer, e: int, role: str, suffix: str) -> 
 
 
 # -- writing ----------------------------------------------------------------------------------------
-
-SIDE_FILES = (
-    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
-    "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
-    "added_tokens.json",
-)
-
 
 def identity(plan: VllmStatePlan) -> dict[str, Any]:
     from wna16ctl.repacking.pipeline import source_fingerprint

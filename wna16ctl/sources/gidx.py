@@ -14,9 +14,10 @@ from array import array
 
 from wna16ctl.sources.headers import CheckpointFiles, TensorInfo
 from wna16ctl.sources.moe import MoELayer
+from wna16ctl.dtypes import ARRAY_TYPECODES
 from wna16ctl.errors import BadInput
 
-_TYPECODE = {"I32": "i", "I64": "q"}
+_TYPECODE = ARRAY_TYPECODES
 
 
 def _read(fds: dict[str, int], info: TensorInfo) -> bytes:

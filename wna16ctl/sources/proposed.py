@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from wna16ctl.dtypes import FLOAT_ST
 from wna16ctl.errors import BadInput, UsageError
 from wna16ctl.sources.config import PACK_QUANTIZED, parse_quantization_config
 
@@ -37,7 +38,7 @@ DEFAULT_IGNORE = (
 # 2-D `.weight` tensors that are not Linear layers
 _EMBEDDINGS = ("embed_tokens", "wte", "wpe", "word_embeddings", "tok_embeddings", "embed_positions", "embeddings",
                "position_embedding", "patch_embedding")
-_FLOATS = ("BF16", "F16", "F32")
+_FLOATS = FLOAT_ST
 
 
 def preset_weights(name: str, where: str = "--scheme") -> dict[str, Any]:

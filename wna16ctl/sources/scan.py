@@ -20,11 +20,12 @@ from typing import Any
 from wna16ctl.sources.config import PACK_QUANTIZED, ModelConfig, WeightScheme
 from wna16ctl.sources.header_digest import Group, HeaderDigest
 from wna16ctl.sources.headers import ShardHeader, read_shard_header
+from wna16ctl.dtypes import FLOAT_ST
 from wna16ctl.errors import BadInput
 
 PROJECTION_ROLES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape", "weight")
-_FLOAT_DTYPES = ("BF16", "F16", "F32")
+_FLOAT_DTYPES = FLOAT_ST
 # Header entries of non-expert tensors that a worker process sends back in full (not only their
 # names): the packed weights and scales of quantized linear layers, whose shapes are planned.
 _DENSE_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_zero_point", ".weight_g_idx")

@@ -45,8 +45,9 @@ from wna16ctl.layout._mismatch import first_difference
 from wna16ctl.sources.config import SCALE_DTYPES
 from wna16ctl.sources.headers import INDEX_NAME, read_shard_header
 from wna16ctl.sink import TaskStarter, no_progress
+from wna16ctl.output.manifest import FORMAT_NAME, SIDE_FILES
 from wna16ctl.repacking.pipeline import (
-    FORMAT_NAME, SIDE_FILES, LayerJob, RepackPlan, RepackSettings, plan_repack, rank_index_bytes, source_fingerprint,
+    LayerJob, RepackPlan, RepackSettings, plan_repack, rank_index_bytes, source_fingerprint,
 )
 from wna16ctl.verification.bounds import Interval, block_interval, judge
 from wna16ctl.verification.rank_gemm import GEMM_DTYPES, ROUNDINGS, UNIT_ROUNDOFF, EmulatedGemm, RankFiles, rank_moe_output  # noqa: F401

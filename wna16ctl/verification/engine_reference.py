@@ -28,10 +28,11 @@ from typing import Any
 
 import torch
 
+from wna16ctl.output.manifest import SIDE_FILES
+
 # the chance that a correct engine fails the comparison somewhere (all compared logits together)
 FALSE_ALARM = 1e-3
 NEAR_TIE_FACTOR = 2.0  # two logits each within the tolerance: their difference moves by twice it
-_COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
 
 
 # ---- the dequantised checkpoint -----------------------------------------------------------------------
@@ -87,7 +88,9 @@ def write_dequantized_checkpoint(ckpt: str | os.PathLike[str], out_dir: str | os
     config = json.loads((src / "config.json").read_text())
     config.pop("quantization_config", None)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    for name in _COPIED_FILES:
+    for name in SIDE_FILES:  # config.json is written above, without its quantization
+        if name == "config.json":
+            continue
         if (src / name).is_file():
             shutil.copy(src / name, out / name)
     return out
