@@ -381,7 +381,7 @@ class Release:
         import torch
 
         bits, H, I = case["num_bits"], case["hidden_size"], case["intermediate_size"]
-        pf = 32 // bits
+        packing = case.get("packing", "dense")
         par = moe.moe_parallel_config
         tp = par.tp_size
         rank = tp - 1
@@ -390,13 +390,7 @@ class Release:
         except Exception as exc:  # noqa: BLE001
             return f"harness: cannot set tp_rank ({exc})"
         codes = (torch.arange(H * I, dtype=torch.int64).reshape(H, I) * 7 + 3) % (1 << bits)
-        words = -(-I // pf)
-        padded = torch.zeros(H, words * pf, dtype=torch.int64)
-        padded[:, :I] = codes
-        packed = torch.zeros(H, words, dtype=torch.int64)
-        for j in range(pf):  # LSB-first, as compressed-tensors packs
-            packed |= padded[:, j::pf] << (bits * j)
-        packed = packed.to(torch.int32)  # the int32 bit pattern of the words
+        packed = ckptcase.pack_rows(codes, bits, packing)
         param = layer.w2_weight_packed
         param.data.zero_()
         layer.quant_method = method
@@ -413,8 +407,10 @@ class Release:
         data = param.data[0]
         if data.shape[0] != H:  # K-first parameter: words along dim 0
             data = data.t()
-        got = torch.stack([(data.to(torch.int64) >> (bits * j)) & ((1 << bits) - 1) for j in range(pf)], dim=-1)
-        got = got.reshape(H, -1)
+        # the parameter's words as the release reads them: ceil(n * bits / 32) words per row, the
+        # codes back to back (its _packed_dim); releases before 0.29 take only 4 and 8 bits, where
+        # every packing is the same
+        got = ckptcase.unpack_rows(data, bits, "dense")
         i_p = I // tp
         want = codes[:, rank * i_p:(rank + 1) * i_p]
         if got.shape[1] < i_p:

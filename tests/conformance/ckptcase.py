@@ -51,13 +51,63 @@ def expert_scheme(case: dict[str, Any]) -> dict[str, Any]:
     return {**case, **chosen}
 
 
+def packed_words(codes: int, bits: int, packing: str) -> int:
+    """int32 words holding `codes` codes of `bits` bits: dense (compressed-tensors >= 0.20) or
+    32 // bits whole codes per word (older releases)."""
+    return -(-codes * bits // 32) if packing == "dense" else -(-codes // (32 // bits))
+
+
+def pack_rows(codes, bits: int, packing: str):
+    """int32 words of each row of `codes` (int64 tensor of unsigned codes), LSB first, in a packing."""
+    import torch
+
+    rows, n = codes.shape
+    if packing == "dense":
+        words = packed_words(n, bits, "dense")
+        acc = torch.zeros(rows, words + 1, dtype=torch.int64)
+        for j in range(n):  # code j occupies bits [j*bits, (j+1)*bits) of the row's bit string
+            w, off = divmod(j * bits, 32)
+            acc[:, w] |= (codes[:, j] << off) & 0xFFFFFFFF
+            if off + bits > 32:
+                acc[:, w + 1] |= codes[:, j] >> (32 - off)
+        acc = acc[:, :words]
+    else:
+        pf = 32 // bits
+        words = packed_words(n, bits, "word")
+        padded = torch.zeros(rows, words * pf, dtype=torch.int64)
+        padded[:, :n] = codes
+        acc = torch.zeros(rows, words, dtype=torch.int64)
+        for j in range(pf):
+            acc |= padded[:, j::pf] << (bits * j)
+    return ((acc + (1 << 31)) % (1 << 32) - (1 << 31)).to(torch.int32)  # the int32 bit pattern
+
+
+def unpack_rows(words, bits: int, packing: str):
+    """The codes `pack_rows` wrote (every code the words can hold), as an int64 tensor."""
+    import torch
+
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    rows, nw = w.shape
+    mask = (1 << bits) - 1
+    if packing == "word":
+        pf = 32 // bits
+        return torch.stack([(w >> (bits * j)) & mask for j in range(pf)], dim=-1).reshape(rows, -1)
+    n = nw * 32 // bits
+    ext = torch.cat([w, torch.zeros(rows, 1, dtype=torch.int64)], dim=1)
+    out = torch.empty(rows, n, dtype=torch.int64)
+    for j in range(n):
+        i, off = divmod(j * bits, 32)
+        out[:, j] = ((ext[:, i] >> off) | (ext[:, i + 1] << (32 - off))) & mask
+    return out
+
+
 def _projection(name: str, n: int, k: int, s: dict[str, Any]) -> list[tuple[str, str, list[int]]]:
-    pf = 32 // s["num_bits"]
+    bits, packing = s["num_bits"], s.get("packing", "dense")
     groups = -(-k // s["group_size"]) if s["strategy"] == "group" else 1
-    out = [(f"{name}.weight_packed", "I32", [n, -(-k // pf)]), (f"{name}.weight_scale", "BF16", [n, groups]),
-           (f"{name}.weight_shape", "I64", [2])]
+    out = [(f"{name}.weight_packed", "I32", [n, packed_words(k, bits, packing)]),
+           (f"{name}.weight_scale", "BF16", [n, groups]), (f"{name}.weight_shape", "I64", [2])]
     if not s["symmetric"]:
-        out.append((f"{name}.weight_zero_point", "I32", [-(-n // pf), groups]))
+        out.append((f"{name}.weight_zero_point", "I32", [packed_words(n, bits, packing), groups]))
     if s["strategy"] == "group" and s["actorder"] in ("group", "dynamic", True):  # true: the old form of group
         out.append((f"{name}.weight_g_idx", "I32", [k]))
     return out

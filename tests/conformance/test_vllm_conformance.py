@@ -124,6 +124,7 @@ def layer_of_case(case: dict[str, Any]) -> MoELayer:
         scale_dtype="BF16", scheme_sets={(scheme, scheme, scheme): list(range(E))},
         zero_point_form="none" if case["symmetric"] else "packed",
         g_idx_form="present" if scheme.act_order else "none",
+        packing=case.get("packing", "dense") if 32 % case["num_bits"] else "same",
     )
 
 

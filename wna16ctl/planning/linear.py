@@ -300,8 +300,10 @@ def plan_linear(layer: LinearLayer, tp: int, engine: str = rules.NEWEST, gpu: st
         return plan
     if layer.refused:
         plan.fail("load", "built unquantized", (
-            f"{layer.name}: vLLM builds {layer.refused} unquantized (quant_config=None), so its weight_packed/"
-            "weight_scale tensors have no parameter to load into; keep it in quantization_config.ignore"))
+            f"{layer.name}: vLLM builds {layer.refused} unquantized, so its weight_packed/weight_scale tensors have "
+            f"no parameter to load into (There is no module or parameter named '{layer.modules[0]}.weight_packed'); "
+            "keep it in quantization_config.ignore" + ("" if layer.kind != "lm_head" else
+                                                       ", or add a target 'lm_head' to the config group that quantized it")))
         return plan
     refused = scheme_refusal(s, rel)
     if refused is not None:
@@ -315,6 +317,10 @@ def plan_linear(layer: LinearLayer, tp: int, engine: str = rules.NEWEST, gpu: st
     if not 2 <= s.num_bits <= 8:
         plan.fail("config", "bits", f"Unsupported num_bits = {s.num_bits}. Supported num_bits = [2, 3, 4, 5, 6, 7, 8]")
         return plan
+    if not s.symmetric and s.num_bits not in (4, 8) and not rel.has("method.zp_types_all_widths"):
+        plan.fail("config", "asym bits", (
+            f"Asymmetric quantization not supported for num_bits = {s.num_bits}. Supported: [4, 8]"))
+        return plan
     shape = per_rank_shape(layer, tp, plan)
     if shape is None:
         return plan
@@ -322,14 +328,10 @@ def plan_linear(layer: LinearLayer, tp: int, engine: str = rules.NEWEST, gpu: st
     plan.k, plan.n = k_p, n_p
     c = KernelConfig(k=k, n=n, k_p=k_p, n_p=n_p, weight_type=weight_type(s), bits=s.num_bits, act_type=dtype,
                      group_size=s.group_size, zero_points=not s.symmetric,
-                     # the scheme compares the actorder string with "group" as written: "dynamic" is not
-                     has_g_idx=s.actorder == "group")
-    if s.actorder == "dynamic" and rel.has("linear.g_idx_kernels"):
-        plan.hazards.append(
-            "actorder 'dynamic' is the alias of 'group', but vLLM's linear scheme compares the string with 'group': "
-            "it plans this layer without act-order and registers no g_idx parameter, so the checkpoint's "
-            "weight_g_idx cannot load (or the groups are applied unpermuted). Rewrite the config's actorder as "
-            "'group' (the tensors are the same)")
+                     # vLLM 0.27-0.29 compressed_tensors_wNa16.py sets has_g_idx from `actorder ==
+                     # ActivationOrdering.GROUP`; the enum member's alias-aware __eq__ (compressed-tensors
+                     # 0.17, which those releases pin) answers True for the string 'dynamic' too
+                     has_g_idx=s.act_order)
     # -- create_weights: choose_mp_linear_kernel ------------------------------------------------
     disabled = switches.names("VLLM_DISABLED_KERNELS", engine)
     if switches.flag("VLLM_BATCH_INVARIANT", engine):
@@ -368,11 +370,11 @@ def plan_linear(layer: LinearLayer, tp: int, engine: str = rules.NEWEST, gpu: st
             plan.hazards.append(
                 f"Marlin pads this layer's per-rank (N, K) from ({n_p}, {k_p}) to {padded} (thread tiles): activations "
                 "and outputs are padded and sliced on every forward, and vLLM warns that performance may be degraded")
-    if not s.symmetric and layer.tp_role == COLUMN and any((size // tp) % (32 // s.num_bits)
+    if not s.symmetric and layer.tp_role == COLUMN and any((size // tp) * s.num_bits % 32
                                                             for size in layer.output_sizes if size):
         plan.hazards.append(
-            f"zero points are packed along N ({32 // s.num_bits} per int32): an output shard whose per-rank size is "
-            "not a multiple of that starts inside a packed word when the fused layer is loaded")
+            f"zero points are packed along N ({s.num_bits}-bit codes in int32 words): an output shard whose per-rank "
+            "size does not fill whole words starts inside a packed word when the fused layer is loaded")
     return plan
 
 

@@ -73,13 +73,20 @@ CHANGES: tuple[Change, ...] = (
            f"{_CT}/compressed_tensors_moe/compressed_tensors_moe.py: get_moe_method"),
     Change("method.checkpoint_proj_names", "0.32.0", None,
            "the expert-0 scheme lookup uses the layer's checkpoint projection names (w1/w3/w2 for Mixtral) "
-           "instead of always gate_proj/up_proj/down_proj",
+           "instead of always gate_proj/up_proj/down_proj; before, a config whose targets name w1/w3/w2 (and "
+           "not the gate_proj names, as the class target Linear does) gets UnquantizedFusedMoEMethod and the "
+           "packed expert tensors fail to load ('RoutedExperts' object has no attribute 'w13_weight_packed')",
            f"{_CT}/compressed_tensors_moe/compressed_tensors_moe.py: get_moe_method"),
     Change("method.asymmetric_marlin_moe", "0.23.0", None,
            "asymmetric (zero-point) compressed-tensors MoE layers are accepted by the Marlin MoE method; older "
            "releases assert symmetric weights (in every release this rulebook plans)",
            f"{_CT}/compressed_tensors_moe/compressed_tensors_moe_wna16_marlin.py (0.23.0-0.26.x), merged method after",
            "vllm PR #44025"),
+    Change("method.zp_types_all_widths", "0.31.0", None,
+           "the zero-point type table (WNA16_ZP_SUPPORTED_TYPES_MAP) names every width from 2 to 8 bits; before, "
+           "only 4 and 8, so an asymmetric 2/3/5/6/7-bit MoE layer raises KeyError(bits) in the method constructor",
+           f"{_CT}/schemes/compressed_tensors_wNa16.py: WNA16_ZP_SUPPORTED_TYPES_MAP; "
+           f"{_WNA16}: CompressedTensorsWNA16MoEMethod.__init__"),
     # -- constructor ----------------------------------------------------------------------
     Change("ctor.int8_channel_only", "0.27.0", "0.29.0",
            "grouped int8 experts fail a bare `assert group_size == -1` in the method constructor",
