@@ -31,14 +31,27 @@ def _weights(case: dict[str, Any]) -> dict[str, Any]:
             "block_structure": None}
 
 
+# group_0's targets: the class Linear (llm-compressor's default), or patterns that name the
+# checkpoint's own expert projections only (w1/w3/w2 for Mixtral names), plus `lm_head` by name
+# where the case asks for it
+EXPERT_NAME_TARGETS = {"gate_up_down": r"re:.*experts\.\d+\.(gate_proj|up_proj|down_proj)$",
+                       "w1_w3_w2": r"re:.*experts\.\d+\.w[123]$"}
+PROJ_NAMES = {"gate_up_down": ("gate_proj", "up_proj", "down_proj"), "w1_w3_w2": ("w1", "w3", "w2")}
+
+
 def quantization_config(case: dict[str, Any]) -> dict[str, Any]:
-    groups = {"group_0": {"targets": ["Linear"], "weights": _weights(case), "input_activations": None,
+    names = case.get("names", "gate_up_down")
+    targets = ["Linear"] if case.get("targets", "Linear") == "Linear" else [EXPERT_NAME_TARGETS[names]]
+    head = case.get("lm_head")  # None: lm_head is unquantized and ignored; "packed" / "packed+target"
+    if head == "packed+target":
+        targets.append("lm_head")
+    groups = {"group_0": {"targets": targets, "weights": _weights(case), "input_activations": None,
                           "output_activations": None, "format": "pack-quantized"}}
     for i, extra in enumerate(case.get("extra_groups") or (), start=1):
         groups[f"group_{i}"] = {"targets": list(extra["targets"]), "weights": _weights({**case, **extra["weights"]}),
                                 "input_activations": None, "output_activations": None, "format": "pack-quantized"}
     return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
-            "config_groups": groups, "ignore": ["lm_head"], "kv_cache_scheme": None}
+            "config_groups": groups, "ignore": [] if head else ["lm_head"], "kv_cache_scheme": None}
 
 
 def expert_scheme(case: dict[str, Any]) -> dict[str, Any]:
@@ -116,14 +129,17 @@ def _projection(name: str, n: int, k: int, s: dict[str, Any]) -> list[tuple[str,
 def write_case(case: dict[str, Any], out: Path) -> Path:
     H, I, E = case["hidden_size"], case["intermediate_size"], case["num_experts"]
     s = expert_scheme(case)
+    head = (_projection("lm_head", 64, H, {**case, "actorder": None}) if case.get("lm_head")
+            else [("lm_head.weight", "BF16", [64, H])])
     tensors: list[tuple[str, str, list[int]]] = [
         ("model.embed_tokens.weight", "BF16", [64, H]), ("model.norm.weight", "BF16", [H]),
-        ("lm_head.weight", "BF16", [64, H]), ("model.layers.0.mlp.gate.weight", "BF16", [E, H]),
+        *head, ("model.layers.0.mlp.gate.weight", "BF16", [E, H]),
         ("model.layers.0.input_layernorm.weight", "BF16", [H]),
         ("model.layers.0.post_attention_layernorm.weight", "BF16", [H]),
     ]
     for e in range(E):
-        for proj, (n, k) in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+        gate, up, down = PROJ_NAMES[case.get("names", "gate_up_down")]
+        for proj, (n, k) in ((gate, (I, H)), (up, (I, H)), (down, (H, I))):
             tensors += _projection(f"{PREFIX}.{e}.{proj}", n, k, s)
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     off = 0
