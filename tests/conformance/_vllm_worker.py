@@ -222,7 +222,7 @@ class Release:
         }
         return _build_dataclass(m.FusedMoEConfig, values)
 
-    def layer(self, moe_config):
+    def layer(self, moe_config, case: dict[str, Any] | None = None):
         """A routed-experts module as far as the quantization code looks at it."""
         import torch
 
@@ -236,9 +236,8 @@ class Release:
         layer.local_num_experts = moe_config.num_local_experts
         layer.params_dtype = torch.bfloat16
         # what the layer constructor stores before asking for the quant method
-        layer.ckpt_gate_proj_name = "gate_proj"
-        layer.ckpt_up_proj_name = "up_proj"
-        layer.ckpt_down_proj_name = "down_proj"
+        names = ckptcase.PROJ_NAMES[(case or {}).get("names", "gate_up_down")]
+        layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name, layer.ckpt_down_proj_name = names
         layer.is_fused_checkpoint_transposed = False
         layer.quant_config = None
         layer.top_k = moe_config.experts_per_token
@@ -286,15 +285,27 @@ class Release:
         except Exception as exc:  # noqa: BLE001 - the first failure is the outcome
             return fail("config", exc)
 
+        if case.get("lm_head"):
+            out["head_quantized"] = self._head_quantized(qc)
         # 2./3. the layer's MoE config, method dispatch, method constructor (with the oracle)
         self.oracle_calls.clear()
         method = None
         try:
             moe = self.moe_config(case)
-            layer = self.layer(moe)
+            layer = self.layer(moe, case)
             method = qc.get_quant_method(layer, PREFIX)
         except Exception as exc:  # noqa: BLE001
-            in_oracle = any(fr.name == "select_wna16_moe_backend" for fr in traceback.extract_tb(exc.__traceback__))
+            frames = traceback.extract_tb(exc.__traceback__)
+            if any(fr.filename.endswith("unquantized_fused_moe_method.py") for fr in frames):
+                # get_moe_method chose UnquantizedFusedMoEMethod (a CustomOp, whose constructor
+                # needs the engine's config context, which this harness does not set up): the
+                # layer gets unquantized 16-bit parameters, and the checkpoint's packed expert
+                # tensors then have none to load into
+                ops_called()
+                out.update(stage="load", method_class="UnquantizedFusedMoEMethod", error_type="UnquantizedFusedMoEMethod",
+                           error="the release builds UnquantizedFusedMoEMethod: no parameter takes the packed experts")
+                return out
+            in_oracle = any(fr.name == "select_wna16_moe_backend" for fr in frames)
             fail("oracle" if in_oracle else "method", exc)
             self._oracle_fields(out)
             return out
@@ -340,6 +351,22 @@ class Release:
         if out["stage"] is None and out["backend"] in ("marlin", "batched_marlin"):
             self._process_until_first_op(method, layer, out)
         return out
+
+    def _head_quantized(self, qc) -> bool | str:
+        """Whether the release gives the output projection (a ParallelLMHead named `lm_head`) a
+        quantized method: what its get_quant_method returns for a stand-in of that class."""
+        import importlib
+
+        import torch
+
+        vpe = importlib.import_module("vllm.model_executor.layers.vocab_parallel_embedding")
+        head = vpe.ParallelLMHead.__new__(vpe.ParallelLMHead)
+        torch.nn.Module.__init__(head)
+        try:
+            method = qc.get_quant_method(head, "lm_head")
+        except Exception as exc:  # noqa: BLE001
+            return f"raises {type(exc).__name__}: {_exception_text(exc)}"
+        return type(method).__name__ == "CompressedTensorsLinearMethod"
 
     def linear_outcome(self, case: dict[str, Any]) -> dict[str, Any]:
         """`choose_mp_linear_kernel` for one linear layer's per-rank shape on the case's GPU: the

@@ -180,3 +180,16 @@ def planner_via_reader(case: dict[str, Any], version: str):
             return refusal, None
         switches = make_switches(case.get("env") or {}, case.get("moe_backend", "auto"))
         return None, plan_layer(layer, case["tp"], case["ep"], version, case.get("gpu", "sm90"), switches)
+
+
+def planner_head_quantized(case: dict[str, Any], version: str) -> bool:
+    """Whether wna16ctl plans the case's packed lm_head as vLLM `version`'s quantized output
+    projection (the reader's layer, then the linear planner's verdict for that release)."""
+    from wna16ctl.planning.linear import plan_linear
+    from wna16ctl.sources import open_checkpoint
+
+    with tempfile.TemporaryDirectory(prefix="wna16ctl-case-") as tmp:
+        ck = open_checkpoint(write_case(case, Path(tmp) / "ckpt"))
+        (head,) = [lay for lay in ck.linear_layers if lay.kind == "lm_head"]
+        plan = plan_linear(head, 1, version, case.get("gpu", "sm90"), "bfloat16")
+        return plan.failure_rule != "built unquantized"

@@ -85,3 +85,13 @@ def test_packed_lm_head_needs_a_target_that_names_it(tmp_path):
     named = _open(tmp_path / "b", lm_head="packed+target")
     (head,) = [lay for lay in named.linear_layers if lay.kind == "lm_head"]
     assert plan_linear(head, 1, "0.33.0", "sm90", "bfloat16").loadable
+
+
+def test_demo_bits_writes_what_the_reader_plans(make_ckpt):
+    """`demo --bits 5 --asym`: compressed-tensors packs the codes densely; the reader takes that
+    packing and the newest release plans the layers on Humming."""
+    ck = open_checkpoint(make_ckpt(hidden_size=128, intermediate_size=128, num_experts=4, vocab_size=320, num_bits=5,
+                                   symmetric=False))
+    for layer in ck.layers:
+        assert layer.packing == "dense" and layer.scheme.num_bits == 5
+        assert plan_layer(layer, 1, engine="0.33.0", gpu="sm90").backend.value == "humming"

@@ -318,8 +318,17 @@ def plan_linear(layer: LinearLayer, tp: int, engine: str = rules.NEWEST, gpu: st
         plan.fail("config", "bits", f"Unsupported num_bits = {s.num_bits}. Supported num_bits = [2, 3, 4, 5, 6, 7, 8]")
         return plan
     if not s.symmetric and s.num_bits not in (4, 8) and not rel.has("method.zp_types_all_widths"):
-        plan.fail("config", "asym bits", (
-            f"Asymmetric quantization not supported for num_bits = {s.num_bits}. Supported: [4, 8]"))
+        error = f"Asymmetric quantization not supported for num_bits = {s.num_bits}. Supported: [4, 8]"
+        if layer.kind == "lm_head":
+            # get_quant_method catches the scheme's ValueError for a ParallelLMHead and builds it
+            # unquantized (vLLM 0.27-0.30 compressed_tensors.py): the packed tensors do not load
+            plan.fail("load", "built unquantized", (
+                f"{layer.name}: vLLM {engine} cannot build its scheme ({error}) and builds the output projection "
+                f"unquantized, so its weight_packed/weight_scale tensors have no parameter to load into (There is "
+                f"no module or parameter named '{layer.modules[0]}.weight_packed'); use vLLM 0.31.0 or later, or "
+                "keep it in quantization_config.ignore"))
+        else:
+            plan.fail("config", "asym bits", error)
         return plan
     shape = per_rank_shape(layer, tp, plan)
     if shape is None:

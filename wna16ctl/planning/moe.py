@@ -482,6 +482,24 @@ def plan_layer(layer: MoELayer, tp: int, ep: bool = False, engine: str = rules.N
                 if reason is not None:
                     plan.rejected[rest.value] = reason
             return plan
+        if (b is Backend.HUMMING and s.group_size_null and s.num_bits not in SUPPORTED_BITS
+                and rel.has("ctor.group_size_none_crash") and rules.GPUS[gpu] >= 75):
+            # the method builds a scale group shape (1, None) for the widths without a fixed scale
+            # descriptor, and Humming's weight-key check compares that column with 0 (vLLM 0.29
+            # fused_humming_moe.py: _is_supported_wna16_weight_key)
+            crash = "TypeError: '>' not supported between instances of 'NoneType' and 'int'"
+            if plan.backend is not None:  # the oracle stopped at the winner: Humming is never asked
+                plan.rejected[b.value] = f"raises {crash}"
+                continue
+            plan.fail("oracle", "group_size null", (
+                f"{crash} (Humming's weight-key check receives the scale group size None of a channel-wise scheme "
+                "written with group_size null; fixed in vLLM 0.30.0)"))
+            for rest in order[order.index(b):]:
+                reason = (f"raises {crash}" if rest is Backend.HUMMING
+                          else _backend_reason(rest, rel, gpu, s, H, i_p, allow_tile_padding, switches))
+                if reason is not None:
+                    plan.rejected[rest.value] = reason
+            return plan
         own[b] = _backend_reason(b, rel, gpu, s, H, i_p, allow_tile_padding, switches)
         if own[b] is None and plan.backend is None:
             plan.backend = b

@@ -84,7 +84,9 @@ CHANGES: tuple[Change, ...] = (
            "vllm PR #44025"),
     Change("method.zp_types_all_widths", "0.31.0", None,
            "the zero-point type table (WNA16_ZP_SUPPORTED_TYPES_MAP) names every width from 2 to 8 bits; before, "
-           "only 4 and 8, so an asymmetric 2/3/5/6/7-bit MoE layer raises KeyError(bits) in the method constructor",
+           "only 4 and 8, so an asymmetric 2/3/5/6/7-bit MoE layer raises KeyError(bits) in the method constructor "
+           "and a linear layer's scheme raises ValueError (an lm_head then falls back to unquantized: "
+           "get_quant_method catches the ValueError)",
            f"{_CT}/schemes/compressed_tensors_wNa16.py: WNA16_ZP_SUPPORTED_TYPES_MAP; "
            f"{_WNA16}: CompressedTensorsWNA16MoEMethod.__init__"),
     # -- constructor ----------------------------------------------------------------------
@@ -93,8 +95,10 @@ CHANGES: tuple[Change, ...] = (
            f"{_WNA16}: CompressedTensorsWNA16MoEMethod.__init__", "vllm PR #52002"),
     Change("ctor.group_size_none_crash", "0.27.0", "0.30.0",
            "a channel-wise scheme written with group_size null reaches the Marlin gate as None and crashes "
-           "comparing None with an int (TypeError)",
-           f"{_WNA16}: __init__ and {_ORACLE}: _backend_incompatibility_reason", "vllm PR #53163"),
+           "comparing None with an int (TypeError); at 0.29, where widths other than 4 and 8 reach the oracle, "
+           "their scale group shape (1, None) crashes Humming's weight-key check the same way",
+           f"{_WNA16}: __init__ and {_ORACLE}: _backend_incompatibility_reason; "
+           "fused_moe/experts/fused_humming_moe.py: _is_supported_wna16_weight_key", "vllm PR #53163"),
     Change("ctor.actorder_strict_tiles", "0.27.0", "0.30.0",
            "act-order layers are planned without Marlin tile padding (allow_tile_padding = not act-order): "
            "the intermediate size per partition must be a multiple of max(64, group_size)",
