@@ -383,13 +383,35 @@ class Release:
         from vllm.scalar_type import scalar_types
 
         bits, sym = case["num_bits"], case["symmetric"]
-        wtype = getattr(scalar_types, f"uint{bits}b{2 ** (bits - 1)}" if sym else f"uint{bits}")
+        # (releases before 0.31 have no uint2/3/5/6/7 scalar type: their scheme refuses those below)
+        wtype = getattr(scalar_types, f"uint{bits}b{2 ** (bits - 1)}" if sym else f"uint{bits}", None)
+        has_g_idx = case.get("has_g_idx", False)
+        out: dict[str, Any] = {"kernel": None, "error": None}
+        if "actorder" in case:
+            # the release's own linear scheme, built from the weights as its config parse validates
+            # them: its quant type and its act-order answer (has_g_idx where it has one)
+            scheme_mod = importlib.import_module(
+                "vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_wNa16")
+            from compressed_tensors.quantization import QuantizationArgs
+
+            strategy = "channel" if case["group_size"] == -1 else "group"
+            args = QuantizationArgs(num_bits=bits, strategy=strategy, symmetric=sym, actorder=case["actorder"],
+                                    group_size=None if strategy == "channel" else case["group_size"])
+            try:
+                scheme = _call_with(scheme_mod.CompressedTensorsWNA16, {
+                    "strategy": args.strategy, "num_bits": bits, "group_size": args.group_size, "symmetric": sym,
+                    "actorder": args.actorder, "layer_name": "model.layers.0.self_attn.o_proj"})
+            except ValueError as exc:
+                out["error"] = f"scheme ValueError: {_exception_text(exc)}"
+                out["ops_called"] = list(_stubs.OPS_CALLED)
+                return out
+            wtype, has_g_idx = scheme.quant_type, bool(getattr(scheme, "has_g_idx", False))
+            out["has_g_idx"] = has_g_idx
         config = _build_dataclass(mp.MPLinearLayerConfig, {
             "full_weight_shape": (case["k"], case["n"]), "partition_weight_shape": (case["k_p"], case["n_p"]),
             "weight_type": wtype, "act_type": getattr(torch, case.get("act_type", "bfloat16")),
-            "group_size": case["group_size"], "zero_points": not sym, "has_g_idx": case["has_g_idx"]})
+            "group_size": case["group_size"], "zero_points": not sym, "has_g_idx": has_g_idx})
         (major, minor), _, _ = GPUS[_GPU["name"]]
-        out: dict[str, Any] = {"kernel": None, "error": None}
         try:
             out["kernel"] = lin.choose_mp_linear_kernel(config, compute_capability=major * 10 + minor).__name__
         except Exception as exc:  # noqa: BLE001

@@ -62,6 +62,23 @@ def weight_type(s: WeightScheme) -> str:
     return f"uint{s.num_bits}"
 
 
+def linear_has_g_idx(s: WeightScheme) -> bool:
+    """Whether the release's linear scheme treats the layer as act-order (has_g_idx): vLLM 0.27-0.29
+    compressed_tensors_wNa16.py compares the weights' actorder with the enum member
+    ActivationOrdering.GROUP, whose alias-aware equality (compressed-tensors 0.17, which those
+    releases pin) also takes 'dynamic'.  Later releases refuse both at config parse."""
+    return s.act_order
+
+
+def linear_scheme_error(s: WeightScheme, rel: rules.Release) -> str | None:
+    """The ValueError the release's linear scheme raises while it is built (None: it builds)."""
+    if not 2 <= s.num_bits <= 8:
+        return f"Unsupported num_bits = {s.num_bits}. Supported num_bits = [2, 3, 4, 5, 6, 7, 8]"
+    if not s.symmetric and s.num_bits not in (4, 8) and not rel.has("method.zp_types_all_widths"):
+        return f"Asymmetric quantization not supported for num_bits = {s.num_bits}. Supported: [4, 8]"
+    return None
+
+
 def _padded_nk(n: int, k: int, group_size: int) -> tuple[int, int]:
     """Marlin's thread-tile padding of (N, K): the cheaper of (n%64, k%lcm(128,g)) and (n%128, k%lcm(64,g))."""
     import math
@@ -314,11 +331,8 @@ def plan_linear(layer: LinearLayer, tp: int, engine: str = rules.NEWEST, gpu: st
             f"{layer.name}: scheme {s.describe()} format {s.format} is not a pack-quantized weight-only integer "
             "scheme; the WNA16 linear planner does not cover it"))
         return plan
-    if not 2 <= s.num_bits <= 8:
-        plan.fail("config", "bits", f"Unsupported num_bits = {s.num_bits}. Supported num_bits = [2, 3, 4, 5, 6, 7, 8]")
-        return plan
-    if not s.symmetric and s.num_bits not in (4, 8) and not rel.has("method.zp_types_all_widths"):
-        error = f"Asymmetric quantization not supported for num_bits = {s.num_bits}. Supported: [4, 8]"
+    error = linear_scheme_error(s, rel)
+    if error is not None:
         if layer.kind == "lm_head":
             # get_quant_method catches the scheme's ValueError for a ParallelLMHead and builds it
             # unquantized (vLLM 0.27-0.30 compressed_tensors.py): the packed tensors do not load
@@ -328,7 +342,7 @@ def plan_linear(layer: LinearLayer, tp: int, engine: str = rules.NEWEST, gpu: st
                 f"no module or parameter named '{layer.modules[0]}.weight_packed'); use vLLM 0.31.0 or later, or "
                 "keep it in quantization_config.ignore"))
         else:
-            plan.fail("config", "asym bits", error)
+            plan.fail("config", "bits" if error.startswith("Unsupported") else "asym bits", error)
         return plan
     shape = per_rank_shape(layer, tp, plan)
     if shape is None:
@@ -337,10 +351,7 @@ def plan_linear(layer: LinearLayer, tp: int, engine: str = rules.NEWEST, gpu: st
     plan.k, plan.n = k_p, n_p
     c = KernelConfig(k=k, n=n, k_p=k_p, n_p=n_p, weight_type=weight_type(s), bits=s.num_bits, act_type=dtype,
                      group_size=s.group_size, zero_points=not s.symmetric,
-                     # vLLM 0.27-0.29 compressed_tensors_wNa16.py sets has_g_idx from `actorder ==
-                     # ActivationOrdering.GROUP`; the enum member's alias-aware __eq__ (compressed-tensors
-                     # 0.17, which those releases pin) answers True for the string 'dynamic' too
-                     has_g_idx=s.act_order)
+                     has_g_idx=linear_has_g_idx(s))
     # -- create_weights: choose_mp_linear_kernel ------------------------------------------------
     disabled = switches.names("VLLM_DISABLED_KERNELS", engine)
     if switches.flag("VLLM_BATCH_INVARIANT", engine):
