@@ -95,3 +95,12 @@ def test_demo_bits_writes_what_the_reader_plans(make_ckpt):
     for layer in ck.layers:
         assert layer.packing == "dense" and layer.scheme.num_bits == 5
         assert plan_layer(layer, 1, engine="0.33.0", gpu="sm90").backend.value == "humming"
+
+
+def test_vllm_layout_refuses_widths_whose_words_straddle_ranks(make_ckpt, tmp_path):
+    ck = make_ckpt(hidden_size=128, intermediate_size=128, num_experts=4, vocab_size=320, num_bits=3, group_size=32)
+    out = tmp_path / "out"
+    res = CliRunner().invoke(cli, ["repack", str(ck), "--tp", "2", "--layout", "vllm", "--vllm", "0.33.0", "-o", str(out)])
+    assert res.exit_code == 2 and "3-bit experts" in res.output and not out.exists(), res.output
+    shown = CliRunner().invoke(cli, ["inspect", str(ck), "--tp", "2", "--vllm", "0.33.0", "--gpu", "sm90"])
+    assert shown.exit_code == 0 and "humming" in shown.output and "--layout vllm" not in shown.output, shown.output

@@ -349,7 +349,7 @@ def unquantized_lookup_error(layer: MoELayer, rel: rules.Release) -> str | None:
     looked = looked_up_schemes(layer, rel)
     if looked is None or any(x is not None for x in looked) or layer.scheme is None:
         return None
-    return (f"vLLM {rel} looks expert 0's scheme up under gate_proj/up_proj/down_proj, which this config does not "
+    return (f"vLLM {rel} looks up expert 0's scheme under gate_proj/up_proj/down_proj, which this config does not "
             f"target (its experts are {'/'.join(layer.proj_names)}): "
             "it builds UnquantizedFusedMoEMethod and the packed expert tensors do not load ('RoutedExperts' object has "
             "no attribute 'w13_weight_packed'); target the experts with the class Linear or a pattern that also "

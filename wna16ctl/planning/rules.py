@@ -517,6 +517,11 @@ VLLM_STATE_SUPPORT: dict[str, tuple[str, ...]] = {
 VLLM_STATE_ARCHITECTURES = tuple(VLLM_STATE_SUPPORT)
 
 
+# bit widths whose packed expert words the vllm layout splits by rank (32 // bits whole codes per
+# word, the same in either packing); 3, 5, 6 and 7 bits straddle words and are not written
+VLLM_STATE_BITS = (2, 4, 8)
+
+
 def vllm_state_known(version: str, model_type: str) -> bool:
     """Whether `repack --layout vllm` has a checked key contract for this release and architecture."""
     return version in VLLM_STATE_SUPPORT.get(model_type, ())

@@ -247,6 +247,9 @@ def _check_supported(ck: Checkpoint, version: str) -> None:
         if len(lay.scheme_sets) > 1:
             raise UsageError(f"--layout vllm: {lay.prefix}: experts of mixed precision; vLLM loads every expert "
                              "with expert 0's scheme, so there is no faithful state to write")
+        if lay.scheme.num_bits not in rules.VLLM_STATE_BITS:
+            raise UsageError(f"--layout vllm: {lay.prefix}: {lay.scheme.num_bits}-bit experts pack codes across int32 "
+                             "words, which the vllm layout does not split by rank; vLLM loads the checkpoint itself")
         if lay.scheme.act_order and rules.release(version).has("config.refuse_group_actorder"):
             raise NotLoadable(f"{lay.prefix}: actorder {lay.scheme.actorder!r}: vLLM {version} refuses the checkpoint")
         unquantized = unquantized_lookup_error(lay, rules.release(version))  # rule method.checkpoint_proj_names
