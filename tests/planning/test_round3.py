@@ -104,3 +104,20 @@ def test_vllm_layout_refuses_widths_whose_words_straddle_ranks(make_ckpt, tmp_pa
     assert res.exit_code == 2 and "3-bit experts" in res.output and not out.exists(), res.output
     shown = CliRunner().invoke(cli, ["inspect", str(ck), "--tp", "2", "--vllm", "0.33.0", "--gpu", "sm90"])
     assert shown.exit_code == 0 and "humming" in shown.output and "--layout vllm" not in shown.output, shown.output
+
+
+def test_actorder_dynamic_linear_layers_load_without_a_hazard(tmp_path):
+    """vLLM 0.27-0.29 treat 'dynamic' as act-order in the linear scheme: o_proj (K split at TP 2) goes
+    to Marlin, and nothing about the checkpoint is wrong (exit 0)."""
+    import tests.modelckpt as m
+
+    config = m.qwen3_30b_a3b(layers=1)
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["actorder"] = "dynamic"
+    ck = m.write(tmp_path / "ckpt", config, m.qwen3_moe(config, config["quantization_config"]))
+    for version in ("0.27.1", "0.29.0"):
+        res = CliRunner().invoke(cli, ["inspect", str(ck), "--tp", "2", "--ep", "--vllm", version, "--gpu", "sm90",
+                                       "--json"])
+        assert res.exit_code == 0, res.output
+        doc = json.loads(res.stdout)
+        (o_proj,) = [lay for lay in doc["linear_layers"] if lay["name"].endswith("self_attn.o_proj")]
+        assert o_proj["plans"][0]["kernel"] == "MarlinLinearKernel", o_proj["plans"][0]
