@@ -129,6 +129,9 @@ def _one_torch_thread():
 # The newest vLLM release that still loads act-order (actorder: group) checkpoints: the layout
 # tests run against its rules, since they exercise g_idx, load_full_w2 and is_k_full.
 ACT_ORDER_RELEASE = "0.29.0"
+# The oldest release that loads the demo's Mixtral checkpoints: their config targets the experts by
+# their own names w1/w3/w2, which vLLM looks up only from 0.32.0 (rule method.checkpoint_proj_names).
+MIXTRAL_NAMES_RELEASE = "0.32.0"
 
 
 @pytest.fixture(scope="session")

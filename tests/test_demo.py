@@ -175,6 +175,11 @@ VARIANTS = {
     "int4-g128-actorder-static": dict(actorder="static"),
     "mixtral-int4-g64-asym-fp16": dict(arch="mixtral", group_size=64, symmetric=False, dtype="float16"),
     "deepseek-int4-channel-fp32": dict(arch="deepseek_v3", group_size=-1, dtype="float32"),
+    # the other widths vLLM names, packed densely by compressed-tensors (codes straddle words)
+    "int3-g64": dict(num_bits=3, group_size=64),
+    "mixtral-int6-g32-asym": dict(arch="mixtral", num_bits=6, group_size=32, symmetric=False),
+    "int2-channel": dict(num_bits=2, group_size=-1),
+    "int5-g32-actorder-group": dict(num_bits=5, group_size=32, actorder="group"),
 }
 
 
@@ -389,7 +394,8 @@ def test_tokenizer_on_gsm8k(make_ckpt: MakeCheckpoint, gsm8k_test) -> None:
         (dict(arch="deepseek_v3", num_layers=1), "num_layers"),
         (dict(channel_group_size_null=True), "channel_group_size_null"),
         (dict(top_k=9), "top_k"),
-        (dict(num_bits=3), "num_bits"),
+        (dict(num_bits=9), "num_bits"),
+        (dict(num_bits=1), "num_bits"),
         (dict(arch="deepseek_v3", mla_qk_rope_head_dim=15), "mla_qk_rope_head_dim"),
         (dict(arch="deepseek_v3", mla_kv_lora_rank=0), "mla_kv_lora_rank"),
     ],

@@ -359,7 +359,8 @@ def assemble(ctx: click.Context, out: str, json_mode: bool, debug: bool) -> None
 @cli.command(short_help="Write a small demo checkpoint quantized by compressed-tensors.")
 @click.argument("out", type=click.Path(path_type=str))
 @click.option("--arch", type=click.Choice(["qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "deepseek_v2", "kimi_k2", "glm4_moe"]), default="qwen3_moe", show_default=True)
-@click.option("--bits", type=click.Choice(["4", "8"]), default="4", show_default=True)
+@click.option("--bits", type=click.Choice([str(b) for b in range(2, 9)]), default="4", show_default=True,
+              help="Weight bit width (2-8; compressed-tensors packs the codes densely into int32 words).")
 @click.option("--group-size", type=click.Choice(["-1", "32", "64", "128"]), default="128", show_default=True)
 @click.option("--asym", is_flag=True, help="Asymmetric quantization (zero points).")
 @click.option("--actorder", type=click.Choice(["none", "weight", "static", "group"]), default="none", show_default=True)

@@ -143,8 +143,8 @@ def _check_spec(spec: DemoSpec) -> None:
 
     if spec.arch not in ARCHITECTURES:
         raise bad(f"arch {spec.arch!r} is not one of {ARCHITECTURES}")
-    if spec.num_bits not in (4, 8):
-        raise bad(f"num_bits must be 4 or 8, got {spec.num_bits}")
+    if not 2 <= spec.num_bits <= 8:  # the widths vLLM's WNA16 schemes name
+        raise bad(f"num_bits must be 2 to 8, got {spec.num_bits}")
     if spec.group_size != -1 and spec.group_size <= 0:
         raise bad(f"group_size must be -1 (channel) or positive, got {spec.group_size}")
     if spec.group_size > 0:

@@ -192,7 +192,8 @@ def _render_serving(console: Console, insp: Inspection) -> None:
     release's sharded_state contract for this architecture)."""
     ck = insp.checkpoint
     # not where outputs would be wrong: the pre-sharded state goes through the same processing
-    if (insp.ep or not rules.vllm_state_known(insp.engine.version, ck.config.model_type) or not insp.ok):
+    if (insp.ep or not rules.vllm_state_known(insp.engine.version, ck.config.model_type) or not insp.ok
+            or any(lay.scheme.num_bits not in rules.VLLM_STATE_BITS for lay in ck.quantized_layers)):
         return
     tp = insp.tps[-1]
     console.print(f"serve pre-sharded with vLLM {insp.engine.version}: wna16ctl repack {escape(str(ck.root))} --tp {tp} "

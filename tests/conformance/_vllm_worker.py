@@ -222,7 +222,7 @@ class Release:
         }
         return _build_dataclass(m.FusedMoEConfig, values)
 
-    def layer(self, moe_config):
+    def layer(self, moe_config, case: dict[str, Any] | None = None):
         """A routed-experts module as far as the quantization code looks at it."""
         import torch
 
@@ -236,9 +236,8 @@ class Release:
         layer.local_num_experts = moe_config.num_local_experts
         layer.params_dtype = torch.bfloat16
         # what the layer constructor stores before asking for the quant method
-        layer.ckpt_gate_proj_name = "gate_proj"
-        layer.ckpt_up_proj_name = "up_proj"
-        layer.ckpt_down_proj_name = "down_proj"
+        names = ckptcase.PROJ_NAMES[(case or {}).get("names", "gate_up_down")]
+        layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name, layer.ckpt_down_proj_name = names
         layer.is_fused_checkpoint_transposed = False
         layer.quant_config = None
         layer.top_k = moe_config.experts_per_token
@@ -286,15 +285,27 @@ class Release:
         except Exception as exc:  # noqa: BLE001 - the first failure is the outcome
             return fail("config", exc)
 
+        if case.get("lm_head"):
+            out["head_quantized"] = self._head_quantized(qc)
         # 2./3. the layer's MoE config, method dispatch, method constructor (with the oracle)
         self.oracle_calls.clear()
         method = None
         try:
             moe = self.moe_config(case)
-            layer = self.layer(moe)
+            layer = self.layer(moe, case)
             method = qc.get_quant_method(layer, PREFIX)
         except Exception as exc:  # noqa: BLE001
-            in_oracle = any(fr.name == "select_wna16_moe_backend" for fr in traceback.extract_tb(exc.__traceback__))
+            frames = traceback.extract_tb(exc.__traceback__)
+            if any(fr.filename.endswith("unquantized_fused_moe_method.py") for fr in frames):
+                # get_moe_method chose UnquantizedFusedMoEMethod (a CustomOp, whose constructor
+                # needs the engine's config context, which this harness does not set up): the
+                # layer gets unquantized 16-bit parameters, and the checkpoint's packed expert
+                # tensors then have none to load into
+                ops_called()
+                out.update(stage="load", method_class="UnquantizedFusedMoEMethod", error_type="UnquantizedFusedMoEMethod",
+                           error="the release builds UnquantizedFusedMoEMethod: no parameter takes the packed experts")
+                return out
+            in_oracle = any(fr.name == "select_wna16_moe_backend" for fr in frames)
             fail("oracle" if in_oracle else "method", exc)
             self._oracle_fields(out)
             return out
@@ -341,6 +352,22 @@ class Release:
             self._process_until_first_op(method, layer, out)
         return out
 
+    def _head_quantized(self, qc) -> bool | str:
+        """Whether the release gives the output projection (a ParallelLMHead named `lm_head`) a
+        quantized method: what its get_quant_method returns for a stand-in of that class."""
+        import importlib
+
+        import torch
+
+        vpe = importlib.import_module("vllm.model_executor.layers.vocab_parallel_embedding")
+        head = vpe.ParallelLMHead.__new__(vpe.ParallelLMHead)
+        torch.nn.Module.__init__(head)
+        try:
+            method = qc.get_quant_method(head, "lm_head")
+        except Exception as exc:  # noqa: BLE001
+            return f"raises {type(exc).__name__}: {_exception_text(exc)}"
+        return type(method).__name__ == "CompressedTensorsLinearMethod"
+
     def linear_outcome(self, case: dict[str, Any]) -> dict[str, Any]:
         """`choose_mp_linear_kernel` for one linear layer's per-rank shape on the case's GPU: the
         kernel class it returns, or its ValueError (every kernel's reason)."""
@@ -356,13 +383,35 @@ class Release:
         from vllm.scalar_type import scalar_types
 
         bits, sym = case["num_bits"], case["symmetric"]
-        wtype = getattr(scalar_types, f"uint{bits}b{2 ** (bits - 1)}" if sym else f"uint{bits}")
+        # (releases before 0.31 have no uint2/3/5/6/7 scalar type: their scheme refuses those below)
+        wtype = getattr(scalar_types, f"uint{bits}b{2 ** (bits - 1)}" if sym else f"uint{bits}", None)
+        has_g_idx = case.get("has_g_idx", False)
+        out: dict[str, Any] = {"kernel": None, "error": None}
+        if "actorder" in case:
+            # the release's own linear scheme, built from the weights as its config parse validates
+            # them: its quant type and its act-order answer (has_g_idx where it has one)
+            scheme_mod = importlib.import_module(
+                "vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_wNa16")
+            from compressed_tensors.quantization import QuantizationArgs
+
+            strategy = "channel" if case["group_size"] == -1 else "group"
+            args = QuantizationArgs(num_bits=bits, strategy=strategy, symmetric=sym, actorder=case["actorder"],
+                                    group_size=None if strategy == "channel" else case["group_size"])
+            try:
+                scheme = _call_with(scheme_mod.CompressedTensorsWNA16, {
+                    "strategy": args.strategy, "num_bits": bits, "group_size": args.group_size, "symmetric": sym,
+                    "actorder": args.actorder, "layer_name": "model.layers.0.self_attn.o_proj"})
+            except ValueError as exc:
+                out["error"] = f"scheme ValueError: {_exception_text(exc)}"
+                out["ops_called"] = list(_stubs.OPS_CALLED)
+                return out
+            wtype, has_g_idx = scheme.quant_type, bool(getattr(scheme, "has_g_idx", False))
+            out["has_g_idx"] = has_g_idx
         config = _build_dataclass(mp.MPLinearLayerConfig, {
             "full_weight_shape": (case["k"], case["n"]), "partition_weight_shape": (case["k_p"], case["n_p"]),
             "weight_type": wtype, "act_type": getattr(torch, case.get("act_type", "bfloat16")),
-            "group_size": case["group_size"], "zero_points": not sym, "has_g_idx": case["has_g_idx"]})
+            "group_size": case["group_size"], "zero_points": not sym, "has_g_idx": has_g_idx})
         (major, minor), _, _ = GPUS[_GPU["name"]]
-        out: dict[str, Any] = {"kernel": None, "error": None}
         try:
             out["kernel"] = lin.choose_mp_linear_kernel(config, compute_capability=major * 10 + minor).__name__
         except Exception as exc:  # noqa: BLE001
@@ -381,7 +430,7 @@ class Release:
         import torch
 
         bits, H, I = case["num_bits"], case["hidden_size"], case["intermediate_size"]
-        pf = 32 // bits
+        packing = case.get("packing", "dense")
         par = moe.moe_parallel_config
         tp = par.tp_size
         rank = tp - 1
@@ -390,13 +439,7 @@ class Release:
         except Exception as exc:  # noqa: BLE001
             return f"harness: cannot set tp_rank ({exc})"
         codes = (torch.arange(H * I, dtype=torch.int64).reshape(H, I) * 7 + 3) % (1 << bits)
-        words = -(-I // pf)
-        padded = torch.zeros(H, words * pf, dtype=torch.int64)
-        padded[:, :I] = codes
-        packed = torch.zeros(H, words, dtype=torch.int64)
-        for j in range(pf):  # LSB-first, as compressed-tensors packs
-            packed |= padded[:, j::pf] << (bits * j)
-        packed = packed.to(torch.int32)  # the int32 bit pattern of the words
+        packed = ckptcase.pack_rows(codes, bits, packing)
         param = layer.w2_weight_packed
         param.data.zero_()
         layer.quant_method = method
@@ -413,8 +456,10 @@ class Release:
         data = param.data[0]
         if data.shape[0] != H:  # K-first parameter: words along dim 0
             data = data.t()
-        got = torch.stack([(data.to(torch.int64) >> (bits * j)) & ((1 << bits) - 1) for j in range(pf)], dim=-1)
-        got = got.reshape(H, -1)
+        # the parameter's words as the release reads them: ceil(n * bits / 32) words per row, the
+        # codes back to back (its _packed_dim); releases before 0.29 take only 4 and 8 bits, where
+        # every packing is the same
+        got = ckptcase.unpack_rows(data, bits, "dense")
         i_p = I // tp
         want = codes[:, rank * i_p:(rank + 1) * i_p]
         if got.shape[1] < i_p:

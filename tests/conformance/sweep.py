@@ -19,7 +19,8 @@ from typing import Any
 from tests.conformance import cases as case_space
 from tests.conformance import vllm_release
 from tests.conformance.known_differences import known_cause
-from tests.conformance.test_vllm_conformance import disagreements, outcome_of_plan, run_planner, vllm_outcome_for
+from tests.conformance.test_vllm_conformance import (disagreements, head_disagreement, outcome_of_plan, run_planner,
+                                                     vllm_outcome_for)
 
 
 def _blank_numbers(text: str | None) -> str | None:
@@ -63,6 +64,8 @@ def sweep(version: str, n: int, seed: int, gpus: list[str] | None = None) -> dic
         if vllm.get("ops_called"):
             ops_called += 1
         diffs = disagreements(vllm, plan)
+        if case.get("lm_head"):
+            diffs += head_disagreement(version, case, vllm)
         if not diffs:
             agree += 1
             continue

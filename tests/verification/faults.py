@@ -10,6 +10,7 @@ check reports for each fault and for correct repacks of every demo architecture:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shutil
 import time
 from pathlib import Path
@@ -129,7 +130,7 @@ def _row(name: str, what: str, report, seconds: float) -> str:  # noqa: ANN001
 
 
 def main() -> None:
-    from tests.conftest import ACT_ORDER_RELEASE, QUESTIONS
+    from tests.conftest import ACT_ORDER_RELEASE, MIXTRAL_NAMES_RELEASE, QUESTIONS
     from wna16ctl.demo import DemoSpec, write_demo_checkpoint
     from wna16ctl.repacking.pipeline import run_repack
     from wna16ctl.verification.checks import verify_output
@@ -154,7 +155,8 @@ def main() -> None:
                 write_demo_checkpoint(ck, DemoSpec(**{**SMALL, **spec}))
             if not (out / "manifest.json").exists():
                 shutil.rmtree(out, ignore_errors=True)
-                run_repack(plan_repack(ck, settings), out)
+                chosen = settings if spec.get("arch") != "mixtral" else dataclasses.replace(settings, vllm=MIXTRAL_NAMES_RELEASE)
+                run_repack(plan_repack(ck, chosen), out)
             made[name] = (ck, out)
         return made[name]
 
@@ -182,7 +184,8 @@ def main() -> None:
             report = verify_output(ck, out, samples=QUESTIONS, num_samples=4, e2e=opts)
         print(_row(f"correct {name}", "repack --tp 2", report, time.monotonic() - t0), flush=True)
     faults = [
-        ("zero-point", "mixtral-asym", lambda ck, out: zero_point_off_by_one(ck, out, settings)),
+        ("zero-point", "mixtral-asym", lambda ck, out: zero_point_off_by_one(
+            ck, out, dataclasses.replace(settings, vllm=MIXTRAL_NAMES_RELEASE))),
         ("flipped-code", "qwen3_moe-16e", None),
         ("scale-columns", "qwen3_moe", lambda ck, out: swapped_scale_columns(ck, out, settings)),
         ("gate-up", "qwen3_moe", lambda ck, out: gate_up_swapped(ck, out, settings)),

@@ -62,6 +62,23 @@ def weight_type(s: WeightScheme) -> str:
     return f"uint{s.num_bits}"
 
 
+def linear_has_g_idx(s: WeightScheme) -> bool:
+    """Whether the release's linear scheme treats the layer as act-order (has_g_idx): vLLM 0.27-0.29
+    compressed_tensors_wNa16.py compares the weights' actorder with the enum member
+    ActivationOrdering.GROUP, whose alias-aware equality (compressed-tensors 0.17, which those
+    releases pin) also takes 'dynamic'.  Later releases refuse both at config parse."""
+    return s.act_order
+
+
+def linear_scheme_error(s: WeightScheme, rel: rules.Release) -> str | None:
+    """The ValueError the release's linear scheme raises while it is built (None: it builds)."""
+    if not 2 <= s.num_bits <= 8:
+        return f"Unsupported num_bits = {s.num_bits}. Supported num_bits = [2, 3, 4, 5, 6, 7, 8]"
+    if not s.symmetric and s.num_bits not in (4, 8) and not rel.has("method.zp_types_all_widths"):
+        return f"Asymmetric quantization not supported for num_bits = {s.num_bits}. Supported: [4, 8]"
+    return None
+
+
 def _padded_nk(n: int, k: int, group_size: int) -> tuple[int, int]:
     """Marlin's thread-tile padding of (N, K): the cheaper of (n%64, k%lcm(128,g)) and (n%128, k%lcm(64,g))."""
     import math
@@ -300,8 +317,10 @@ def plan_linear(layer: LinearLayer, tp: int, engine: str = rules.NEWEST, gpu: st
         return plan
     if layer.refused:
         plan.fail("load", "built unquantized", (
-            f"{layer.name}: vLLM builds {layer.refused} unquantized (quant_config=None), so its weight_packed/"
-            "weight_scale tensors have no parameter to load into; keep it in quantization_config.ignore"))
+            f"{layer.name}: vLLM builds {layer.refused} unquantized, so its weight_packed/weight_scale tensors have "
+            f"no parameter to load into (There is no module or parameter named '{layer.modules[0]}.weight_packed'); "
+            "keep it in quantization_config.ignore" + ("" if layer.kind != "lm_head" else
+                                                       ", or add a target 'lm_head' to the config group that quantized it")))
         return plan
     refused = scheme_refusal(s, rel)
     if refused is not None:
@@ -312,8 +331,18 @@ def plan_linear(layer: LinearLayer, tp: int, engine: str = rules.NEWEST, gpu: st
             f"{layer.name}: scheme {s.describe()} format {s.format} is not a pack-quantized weight-only integer "
             "scheme; the WNA16 linear planner does not cover it"))
         return plan
-    if not 2 <= s.num_bits <= 8:
-        plan.fail("config", "bits", f"Unsupported num_bits = {s.num_bits}. Supported num_bits = [2, 3, 4, 5, 6, 7, 8]")
+    error = linear_scheme_error(s, rel)
+    if error is not None:
+        if layer.kind == "lm_head":
+            # get_quant_method catches the scheme's ValueError for a ParallelLMHead and builds it
+            # unquantized (vLLM 0.27-0.30 compressed_tensors.py): the packed tensors do not load
+            plan.fail("load", "built unquantized", (
+                f"{layer.name}: vLLM {engine} cannot build its scheme ({error}) and builds the output projection "
+                f"unquantized, so its weight_packed/weight_scale tensors have no parameter to load into (There is "
+                f"no module or parameter named '{layer.modules[0]}.weight_packed'); use vLLM 0.31.0 or later, or "
+                "keep it in quantization_config.ignore"))
+        else:
+            plan.fail("config", "bits" if error.startswith("Unsupported") else "asym bits", error)
         return plan
     shape = per_rank_shape(layer, tp, plan)
     if shape is None:
@@ -322,14 +351,7 @@ def plan_linear(layer: LinearLayer, tp: int, engine: str = rules.NEWEST, gpu: st
     plan.k, plan.n = k_p, n_p
     c = KernelConfig(k=k, n=n, k_p=k_p, n_p=n_p, weight_type=weight_type(s), bits=s.num_bits, act_type=dtype,
                      group_size=s.group_size, zero_points=not s.symmetric,
-                     # the scheme compares the actorder string with "group" as written: "dynamic" is not
-                     has_g_idx=s.actorder == "group")
-    if s.actorder == "dynamic" and rel.has("linear.g_idx_kernels"):
-        plan.hazards.append(
-            "actorder 'dynamic' is the alias of 'group', but vLLM's linear scheme compares the string with 'group': "
-            "it plans this layer without act-order and registers no g_idx parameter, so the checkpoint's "
-            "weight_g_idx cannot load (or the groups are applied unpermuted). Rewrite the config's actorder as "
-            "'group' (the tensors are the same)")
+                     has_g_idx=linear_has_g_idx(s))
     # -- create_weights: choose_mp_linear_kernel ------------------------------------------------
     disabled = switches.names("VLLM_DISABLED_KERNELS", engine)
     if switches.flag("VLLM_BATCH_INVARIANT", engine):
@@ -368,11 +390,11 @@ def plan_linear(layer: LinearLayer, tp: int, engine: str = rules.NEWEST, gpu: st
             plan.hazards.append(
                 f"Marlin pads this layer's per-rank (N, K) from ({n_p}, {k_p}) to {padded} (thread tiles): activations "
                 "and outputs are padded and sliced on every forward, and vLLM warns that performance may be degraded")
-    if not s.symmetric and layer.tp_role == COLUMN and any((size // tp) % (32 // s.num_bits)
+    if not s.symmetric and layer.tp_role == COLUMN and any((size // tp) * s.num_bits % 32
                                                             for size in layer.output_sizes if size):
         plan.hazards.append(
-            f"zero points are packed along N ({32 // s.num_bits} per int32): an output shard whose per-rank size is "
-            "not a multiple of that starts inside a packed word when the fused layer is loaded")
+            f"zero points are packed along N ({s.num_bits}-bit codes in int32 words): an output shard whose per-rank "
+            "size does not fill whole words starts inside a packed word when the fused layer is loaded")
     return plan
 
 

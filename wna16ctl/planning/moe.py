@@ -111,8 +111,10 @@ def marlin_support_reason(hidden: int, i_p: int, group_size: int, allow_tile_pad
 
 def quant_type(scheme: WeightScheme) -> str:
     """Marlin scalar type name of the scheme (`uint4b8` = symmetric int4 with bias 8, ...)."""
+    # vLLM's WNA16_SUPPORTED_TYPES_MAP: a symmetric b-bit code is stored unsigned with bias 2^(b-1)
+    # (uint2b2 ... uint8b128); with zero points it is the plain unsigned type
     if scheme.symmetric:
-        return {4: "uint4b8", 8: "uint8b128"}.get(scheme.num_bits, f"int{scheme.num_bits}")
+        return f"uint{scheme.num_bits}b{1 << (scheme.num_bits - 1)}"
     return f"uint{scheme.num_bits}"
 
 
@@ -332,6 +334,28 @@ def _format_bits_error(rel: rules.Release, s: WeightScheme) -> str:
             f"{PACK_QUANTIZED} and bits: {s.num_bits}")
 
 
+def looked_up_schemes(layer: MoELayer, rel: rules.Release) -> tuple[WeightScheme | None, ...] | None:
+    """The gate/up/down schemes the release's get_moe_method finds for expert 0 when they are not
+    the checkpoint's own (method.checkpoint_proj_names not yet in force and the layer named
+    w1/w3/w2); None when the release looks the checkpoint's own names up."""
+    if layer.default_name_schemes is None or rel.has("method.checkpoint_proj_names"):
+        return None
+    return layer.default_name_schemes
+
+
+def unquantized_lookup_error(layer: MoELayer, rel: rules.Release) -> str | None:
+    """The load failure of a w1/w3/w2 layer whose gate_proj/up_proj/down_proj names the config does
+    not quantize, in releases that look those names up (None: not this case)."""
+    looked = looked_up_schemes(layer, rel)
+    if looked is None or any(x is not None for x in looked) or layer.scheme is None:
+        return None
+    return (f"vLLM {rel} looks up expert 0's scheme under gate_proj/up_proj/down_proj, which this config does not "
+            f"target (its experts are {'/'.join(layer.proj_names)}): "
+            "it builds UnquantizedFusedMoEMethod and the packed expert tensors do not load ('RoutedExperts' object has "
+            "no attribute 'w13_weight_packed'); target the experts with the class Linear or a pattern that also "
+            "matches gate_proj/up_proj/down_proj, or use vLLM 0.32.0 or later")
+
+
 def plan_layer(layer: MoELayer, tp: int, ep: bool = False, engine: str = rules.NEWEST,
                gpu: str = rules.DEFAULT_GPU, switches: EngineSwitches = DEFAULT_SWITCHES) -> LayerPlan:
     """The one decision function: what vLLM `engine` does with `layer` on `tp` ranks (EP if `ep`)
@@ -372,6 +396,17 @@ def plan_layer(layer: MoELayer, tp: int, ep: bool = False, engine: str = rules.N
             f"AssertionError (assert intermediate_size % tp_size == 0: intermediate_size {I} is not divisible by the "
             f"MoE tensor-parallel size {moe_tp}; FusedMoEConfig)"))
         return plan
+    looked = looked_up_schemes(layer, rel)
+    if looked is not None:
+        # releases before 0.32 (vLLM 0.31 compressed_tensors_moe.py get_moe_method) look expert 0
+        # up under gate_proj/up_proj/down_proj whatever the checkpoint calls its projections
+        if len(set(looked)) > 1:
+            plan.fail("method", "mixed schemes", "All MoE projections need to have same quantization scheme but found multiple")
+            return plan
+        error = unquantized_lookup_error(layer, rel)
+        if error is not None:
+            plan.fail("load", "unquantized method", error)
+            return plan
     mixed_experts = None
     if len(layer.scheme_sets) > 1:
         first_key = next(iter(layer.scheme_sets))
@@ -403,6 +438,11 @@ def plan_layer(layer: MoELayer, tp: int, ep: bool = False, engine: str = rules.N
     plan.quant_type = quant_type(s)
 
     # -- method constructor: the backend oracle ------------------------------------------------
+    if not s.symmetric and s.num_bits not in SUPPORTED_BITS and not rel.has("method.zp_types_all_widths"):
+        plan.fail("method", "zp type", (
+            f"KeyError: {s.num_bits} (the release's zero-point type table has int4 and int8 only: an asymmetric "
+            f"{s.num_bits}-bit MoE layer cannot be built)"))
+        return plan
     if s.num_bits not in SUPPORTED_BITS and not rel.has("oracle.humming_group32_keys"):
         plan.fail("method", "bits", "CompressedTensorsWNA16MoEMethod only supports int4 and int8 now.")
         return plan
@@ -438,6 +478,24 @@ def plan_layer(layer: MoELayer, tp: int, ep: bool = False, engine: str = rules.N
             # what each remaining backend would say, for the report (the engine stops at the crash)
             for rest in order[order.index(b):]:
                 reason = (f"crashes the Marlin gate: {crash}" if rest in (Backend.MARLIN, Backend.BATCHED_MARLIN)
+                          else _backend_reason(rest, rel, gpu, s, H, i_p, allow_tile_padding, switches))
+                if reason is not None:
+                    plan.rejected[rest.value] = reason
+            return plan
+        if (b is Backend.HUMMING and s.group_size_null and s.num_bits not in SUPPORTED_BITS
+                and rel.has("ctor.group_size_none_crash") and rules.GPUS[gpu] >= 75):
+            # the method builds a scale group shape (1, None) for the widths without a fixed scale
+            # descriptor, and Humming's weight-key check compares that column with 0 (vLLM 0.29
+            # fused_humming_moe.py: _is_supported_wna16_weight_key)
+            crash = "TypeError: '>' not supported between instances of 'NoneType' and 'int'"
+            if plan.backend is not None:  # the oracle stopped at the winner: Humming is never asked
+                plan.rejected[b.value] = f"raises {crash}"
+                continue
+            plan.fail("oracle", "group_size null", (
+                f"{crash} (Humming's weight-key check receives the scale group size None of a channel-wise scheme "
+                "written with group_size null; fixed in vLLM 0.30.0)"))
+            for rest in order[order.index(b):]:
+                reason = (f"raises {crash}" if rest is Backend.HUMMING
                           else _backend_reason(rest, rel, gpu, s, H, i_p, allow_tile_padding, switches))
                 if reason is not None:
                     plan.rejected[rest.value] = reason
@@ -534,6 +592,15 @@ def plan_layer(layer: MoELayer, tp: int, ep: bool = False, engine: str = rules.N
         plan.fail("load", "I_p % pf", (
             f"intermediate size per partition ({i_p}) is not a multiple of the pack factor "
             f"({_pack_factor_text(s.num_bits)}): each rank's slice of the packed down_proj would start inside an int32 word"))
+    if layer.packing != "same" and layer.packing != "dense":
+        # vLLM sizes every packed expert parameter as ceil(size * bits / 32) words (the dense
+        # packing of compressed-tensors >= 0.20; compressed_tensors_moe_wna16.py: _packed_dim):
+        # words that hold 32 // bits whole codes have another extent and another bit layout
+        plan.fail("load", "word packing", (
+            f"the expert tensors hold {32 // s.num_bits} whole {s.num_bits}-bit codes per int32 word (compressed-tensors "
+            f"<= 0.19); vLLM reads {s.num_bits}-bit codes densely packed (ceil(n * {s.num_bits} / 32) words, "
+            "compressed-tensors >= 0.20): the weight loader's copy fails or reads other codes. Re-save the checkpoint "
+            "with compressed-tensors 0.20 or later"))
     if s.act_order and not s.symmetric and moe_tp > 1:
         # g_idx of a rank's K slice names groups of the whole row, but zero points (unlike w2
         # scales) are never loaded in full: the rank would dequantize with other groups' zeros.

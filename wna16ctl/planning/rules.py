@@ -73,21 +73,32 @@ CHANGES: tuple[Change, ...] = (
            f"{_CT}/compressed_tensors_moe/compressed_tensors_moe.py: get_moe_method"),
     Change("method.checkpoint_proj_names", "0.32.0", None,
            "the expert-0 scheme lookup uses the layer's checkpoint projection names (w1/w3/w2 for Mixtral) "
-           "instead of always gate_proj/up_proj/down_proj",
+           "instead of always gate_proj/up_proj/down_proj; before, a config whose targets name w1/w3/w2 (and "
+           "not the gate_proj names, as the class target Linear does) gets UnquantizedFusedMoEMethod and the "
+           "packed expert tensors fail to load ('RoutedExperts' object has no attribute 'w13_weight_packed')",
            f"{_CT}/compressed_tensors_moe/compressed_tensors_moe.py: get_moe_method"),
     Change("method.asymmetric_marlin_moe", "0.23.0", None,
            "asymmetric (zero-point) compressed-tensors MoE layers are accepted by the Marlin MoE method; older "
            "releases assert symmetric weights (in every release this rulebook plans)",
            f"{_CT}/compressed_tensors_moe/compressed_tensors_moe_wna16_marlin.py (0.23.0-0.26.x), merged method after",
            "vllm PR #44025"),
+    Change("method.zp_types_all_widths", "0.31.0", None,
+           "the zero-point type table (WNA16_ZP_SUPPORTED_TYPES_MAP) names every width from 2 to 8 bits; before, "
+           "only 4 and 8, so an asymmetric 2/3/5/6/7-bit MoE layer raises KeyError(bits) in the method constructor "
+           "and a linear layer's scheme raises ValueError (an lm_head then falls back to unquantized: "
+           "get_quant_method catches the ValueError)",
+           f"{_CT}/schemes/compressed_tensors_wNa16.py: WNA16_ZP_SUPPORTED_TYPES_MAP; "
+           f"{_WNA16}: CompressedTensorsWNA16MoEMethod.__init__"),
     # -- constructor ----------------------------------------------------------------------
     Change("ctor.int8_channel_only", "0.27.0", "0.29.0",
            "grouped int8 experts fail a bare `assert group_size == -1` in the method constructor",
            f"{_WNA16}: CompressedTensorsWNA16MoEMethod.__init__", "vllm PR #52002"),
     Change("ctor.group_size_none_crash", "0.27.0", "0.30.0",
            "a channel-wise scheme written with group_size null reaches the Marlin gate as None and crashes "
-           "comparing None with an int (TypeError)",
-           f"{_WNA16}: __init__ and {_ORACLE}: _backend_incompatibility_reason", "vllm PR #53163"),
+           "comparing None with an int (TypeError); at 0.29, where widths other than 4 and 8 reach the oracle, "
+           "their scale group shape (1, None) crashes Humming's weight-key check the same way",
+           f"{_WNA16}: __init__ and {_ORACLE}: _backend_incompatibility_reason; "
+           "fused_moe/experts/fused_humming_moe.py: _is_supported_wna16_weight_key", "vllm PR #53163"),
     Change("ctor.actorder_strict_tiles", "0.27.0", "0.30.0",
            "act-order layers are planned without Marlin tile padding (allow_tile_padding = not act-order): "
            "the intermediate size per partition must be a multiple of max(64, group_size)",
@@ -508,6 +519,11 @@ VLLM_STATE_SUPPORT: dict[str, tuple[str, ...]] = {
     "glm4_moe": _STATE_CHECKED,
 }
 VLLM_STATE_ARCHITECTURES = tuple(VLLM_STATE_SUPPORT)
+
+
+# bit widths whose packed expert words the vllm layout splits by rank (32 // bits whole codes per
+# word, the same in either packing); 3, 5, 6 and 7 bits straddle words and are not written
+VLLM_STATE_BITS = (2, 4, 8)
 
 
 def vllm_state_known(version: str, model_type: str) -> bool:

@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 from wna16ctl.version import __version__
 from wna16ctl.planning import rules
+from wna16ctl.planning.moe import unquantized_lookup_error
 from wna16ctl.sources import Checkpoint, MoELayer, open_checkpoint
 from wna16ctl.sources.moe import _FAMILY_NAMES
 from wna16ctl.dtypes import FLOAT_ST_OF_CONFIG, ST_SIZES, torch_dtype
@@ -245,15 +246,14 @@ def _check_supported(ck: Checkpoint, version: str) -> None:
         if len(lay.scheme_sets) > 1:
             raise UsageError(f"--layout vllm: {lay.prefix}: experts of mixed precision; vLLM loads every expert "
                              "with expert 0's scheme, so there is no faithful state to write")
+        if lay.scheme.num_bits not in rules.VLLM_STATE_BITS:
+            raise UsageError(f"--layout vllm: {lay.prefix}: {lay.scheme.num_bits}-bit experts pack codes across int32 "
+                             "words, which the vllm layout does not split by rank; vLLM loads the checkpoint itself")
         if lay.scheme.act_order and rules.release(version).has("config.refuse_group_actorder"):
             raise NotLoadable(f"{lay.prefix}: actorder {lay.scheme.actorder!r}: vLLM {version} refuses the checkpoint")
-        if (lay.family != "gate_up_down" and not rules.release(version).has("method.checkpoint_proj_names")
-                and ck.config.quant is not None
-                and all(ck.config.quant.scheme_for(f"{lay.prefix}.0.{p}") is None
-                        for p in ("gate_proj", "up_proj", "down_proj"))):
-            raise NotLoadable(f"{lay.prefix}: vLLM {version} looks up expert 0's scheme under gate_proj/up_proj/down_proj, "
-                              "which this config does not target (its experts are w1/w3/w2): it creates unquantized "
-                              "experts and cannot load these; plan for vLLM 0.32.0 or later")
+        unquantized = unquantized_lookup_error(lay, rules.release(version))  # rule method.checkpoint_proj_names
+        if unquantized is not None:
+            raise NotLoadable(f"{lay.prefix}: {unquantized}")
         if lay.scheme.act_order:
             raise UsageError(f"--layout vllm: {lay.prefix}: actorder {lay.scheme.actorder!r} (g_idx and whole w2 "
                              f"scales per rank) is not supported by the vllm layout; use --layout marlin")

@@ -110,6 +110,28 @@ class QuantConfig:
         with _regex_budget(self.source):
             return _resolve(self, module_name)
 
+    def vllm_head_scheme(self, module_name: str) -> WeightScheme | None:
+        """The scheme vLLM gives the output projection (`lm_head`, a ParallelLMHead, not a
+        LinearBase): a target must name it exactly or by regex, or be a substring of the class
+        name "ParallelLMHead" (case-insensitive); the class target "Linear" is not one, so the
+        usual `targets: ["Linear"]` leaves lm_head unquantized.  Ignore entries match exactly or
+        by regex.  (vLLM 0.27-0.33 compressed_tensors.py: get_quant_method's ParallelLMHead branch
+        and get_scheme_dict; compressed_tensors/utils.py: find_matched_target, should_ignore_layer.)"""
+        for t in self.ignore:
+            if t == module_name or (t.startswith("re:") and _regex(t[3:]).match(module_name)):
+                return None
+        targets: dict[str, WeightScheme | None] = {}
+        for g in self.groups:  # later groups win for a repeated target, which keeps its first position
+            for t in g.targets:
+                targets[t] = g.scheme
+        for t, scheme in targets.items():
+            if t == module_name or (t.startswith("re:") and _regex(t[3:]).match(module_name)):
+                return scheme
+        for t, scheme in targets.items():
+            if not t.startswith("re:") and t.lower() in "parallellmhead":
+                return scheme
+        return None
+
     def schemes_for(self, module_names: list[str]) -> list[WeightScheme | None]:
         """`scheme_for` of many names at once (each regex runs once over all names)."""
         with _regex_budget(self.source):

@@ -169,6 +169,8 @@ _FUSED_SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("g
                  "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"), "in_proj_ba": ("in_proj_b", "in_proj_a"),
                  "in_proj_qkvz": ("in_proj_qkv", "in_proj_z")}
 _UNQUANTIZED = {"gate": "the MoE router", "shared_expert_gate": "the shared-expert gate"}
+_UNQUANTIZED_HEAD = ("the output projection (a ParallelLMHead is quantized only when a target names it: 'lm_head', "
+                     "a regex matching it, or part of the class name; the class target 'Linear' is not)")
 # model files whose router (GateLinear, a ReplicatedLinear) receives the quant config; the others
 # (Qwen2-MoE, Qwen3-Next/3.5, Mixtral, DeepSeek, GLM-4.5) build it unquantized
 _ROUTER_TAKES_QUANT = frozenset({"qwen3_moe"})
@@ -217,7 +219,9 @@ def find_linear_layers(files: CheckpointFiles, config: ModelConfig) -> tuple[lis
         block = parent.rpartition(".")[2]
         kind_of = (lambda fused: f"{block}.{fused}") if block else (lambda fused: fused)
         if m == "lm_head" or leaf == "lm_head":
-            add(m, "lm_head", VOCAB, k, 0, LinearShard(m, (n,), s))
+            head = quant.vllm_head_scheme(m)
+            add(m, "lm_head", VOCAB, k, 0, LinearShard(m, (n,), s),
+                refused=None if head is not None else _UNQUANTIZED_HEAD)
         elif leaf in _UNQUANTIZED:
             quantizable = leaf == "gate" and dims.model_type in _ROUTER_TAKES_QUANT
             add(m, kind_of(leaf), REPLICATED, k, 0, LinearShard(m, (n,), s),

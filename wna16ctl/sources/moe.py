@@ -42,6 +42,13 @@ class MoELayer:
     scheme_sets: dict[tuple[WeightScheme | None, ...], list[int]] = field(default_factory=dict)
     zero_point_form: str = "none"
     g_idx_form: str = "none"
+    # how the packed int32 words are filled (sources/scan.py PACKINGS): "dense", "word", "same"
+    # (the bit width packs alike either way: 2, 4, 8 bits), or "mixed:dense,word"
+    packing: str = "same"
+    # the schemes quantization_config gives expert 0 under the names gate_proj/up_proj/down_proj,
+    # for a layer whose checkpoint names are others (Mixtral's w1/w3/w2): what releases without
+    # the rule method.checkpoint_proj_names look up (None: the names are the checkpoint's own)
+    default_name_schemes: tuple[WeightScheme | None, ...] | None = None
     router: str | None = None  # router weight tensor name
     router_bias: str | None = None  # DeepSeek-V3 e_score_correction_bias
     norm: str | None = None  # post-attention RMSNorm weight
@@ -50,6 +57,12 @@ class MoELayer:
     @property
     def quantized(self) -> bool:
         return self.scheme is not None
+
+    @property
+    def proj_names(self) -> tuple[str, str, str]:
+        """The checkpoint's gate, up and down projection names (gate_proj/up_proj/down_proj or w1/w3/w2)."""
+        names = _FAMILY_NAMES[self.family]
+        return names["gate"], names["up"], names["down"]
 
     def tensor_name(self, expert: int, role: str, suffix: str) -> str:
         return f"{self.prefix}.{expert}.{_FAMILY_NAMES[self.family][role]}.{suffix}"
@@ -81,13 +94,15 @@ def find_moe_layers(ckpt: CheckpointFiles, config: ModelConfig, scans: list[dict
     for scan in scans:
         table = [None if t is None else _scheme(t) for t in scan["schemes"]]
         for prefix, lay in scan["layers"].items():
-            m = merged.setdefault(prefix, {"family": lay["family"], "present": {}, "schemes": {}, "zp": set(), "scales": set()})
+            m = merged.setdefault(prefix, {"family": lay["family"], "present": {}, "schemes": {}, "zp": set(), "scales": set(),
+                                               "packing": set()})
             for key, experts in lay["present"].items():
                 m["present"].setdefault(key, set()).update(experts)
             for role, pairs in lay["schemes"].items():
                 m["schemes"].setdefault(role, {}).update((e, table[sid]) for e, sid in pairs)
             m["zp"].update(lay["zp"])
             m["scales"].update(lay["scales"])
+            m["packing"].update(lay.get("packing", ()))
     layers = [_describe_layer(ckpt, config, prefix, m, intermediate) for prefix, m in merged.items()]
     layers.sort(key=lambda lay: (lay.layer_index if lay.layer_index is not None else 1 << 30, lay.prefix))
     return layers
@@ -216,6 +231,10 @@ def _describe_layer(ckpt: CheckpointFiles, config: ModelConfig, prefix: str, m: 
     layer.scale_dtype = min(scale_dtypes) if len(scale_dtypes) == 1 else (",".join(sorted(scale_dtypes)) or None)
     layer.zero_point_form = _one_form(zp_forms or {"none"})
     layer.g_idx_form = _one_form(gidx_forms or {"none"})
+    layer.packing = _one_form(m["packing"] or {"same"})
+    if family != "gate_up_down" and config.quant is not None:
+        layer.default_name_schemes = tuple(config.quant.schemes_for(
+            [f"{prefix}.0.{p}" for p in _FAMILY_NAMES["gate_up_down"].values()]))
     if "unpacked" in zp_forms:
         layer.warnings.append(f"{prefix}: zero points are stored unpacked (int8, compressed-tensors <= 0.9.3); read as packed")
     if "missing" in zp_forms:

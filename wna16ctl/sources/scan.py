@@ -43,22 +43,55 @@ def checks_packed(scheme: WeightScheme | None) -> bool:
             and 1 <= scheme.num_bits <= 8)
 
 
+def packed_words(codes: int, num_bits: int, packing: str) -> int:
+    """int32 words that hold `codes` codes of `num_bits` bits in a packing (PACKINGS)."""
+    if packing == "dense":
+        return -(-codes * num_bits // 32)
+    return -(-codes // (32 // num_bits))
+
+
+# How `pack-quantized` fills its int32 words: "dense" (compressed-tensors >= 0.20: codes back to
+# back, a code may straddle two words; ceil(n * bits / 32) words) or "word" (earlier releases:
+# 32 // bits whole codes per word, the rest of each word unused).  For 1, 2, 4 and 8 bits the two
+# are the same words; for 3, 5, 6 and 7 bits they differ in extent and in content.
+PACKINGS = ("dense", "word")
+
+
+def packings_differ(num_bits: int) -> bool:
+    return 32 % num_bits != 0
+
+
 def expected_shapes(scheme: WeightScheme, role: str, H: int, I: int) -> dict[str, tuple]:
-    """suffix -> (allowed dtypes, shape) of a `pack-quantized` projection's tensors."""
+    """suffix -> (allowed dtypes, shape) of a `pack-quantized` projection's tensors; the packed
+    tensors in the dense packing, and under `<suffix>@word` in the word packing where it differs."""
     N, K = (I, H) if role in ("gate", "up") else (H, I)
-    pf = scheme.pack_factor
+    bits = scheme.num_bits
     # ceil: writers older than compressed-tensors 0.20 accepted a partial last group; the planner
     # reports vLLM's divisibility errors for such layers instead of rejecting the file.
     G = -(-K // scheme.group_size) if scheme.group_size > 0 else 1
-    return {
-        "weight_packed": (("I32",), [N, -(-K // pf)]),
+    out = {
+        "weight_packed": (("I32",), [N, packed_words(K, bits, "dense")]),
         "weight_scale": (_FLOAT_DTYPES, [N, G]),
-        "weight_zero_point": (("I32",), [-(-N // pf), G]),
+        "weight_zero_point": (("I32",), [packed_words(N, bits, "dense"), G]),
         "weight_zero_point@unpacked": (("I8", "U8", "I32"), [N, G]),
         "weight_g_idx": (("I32", "I64"), [K]),
         "weight_shape": (("I64", "I32"), [2]),
         "@NK": (N, K),
     }
+    if packings_differ(bits):
+        out["weight_packed@word"] = (("I32",), [N, packed_words(K, bits, "word")])
+        out["weight_zero_point@word"] = (("I32",), [packed_words(N, bits, "word"), G])
+    return out
+
+
+def _packing_of(exp: dict, suffix: str, shape: list | None) -> str | None:
+    """Which packing a packed tensor's shape is in ("dense", "word"), "same" where the two
+    packings coincide, None where it is neither."""
+    if f"{suffix}@word" not in exp:
+        return "same" if shape == exp[suffix][1] else None
+    if shape == exp[suffix][1]:
+        return "dense"
+    return "word" if shape == exp[f"{suffix}@word"][1] else None
 
 
 def scan_shard(path: str, config: ModelConfig, intermediate: int, *, keep_entries: bool,
@@ -178,7 +211,8 @@ def _scan_grouped(path: str, groups: list[Group] | None, config: ModelConfig,
         lay = layers.get(prefix)
         if lay is None:
             lay = layers[prefix] = {"family": "w1_w3_w2" if proj.startswith("w") else "gate_up_down",
-                                    "present": {}, "schemes": {}, "zp": {}, "scales": {}}
+                                    "present": {}, "schemes": {}, "zp": {}, "scales": {},
+                                    "packing": {}}
             present[prefix] = {}
         sid = sid_of.get(id(scheme))
         if sid is None:
@@ -200,7 +234,13 @@ def _scan_grouped(path: str, groups: list[Group] | None, config: ModelConfig,
                 continue
             # zero points: the packed form here; the unpacked one (int8, older writers) goes tensor by tensor
             allowed, expected_shape = exp[suffix]
-            if not set(dtypes).issubset(allowed) or shape != expected_shape:
+            if suffix in ("weight_packed", "weight_zero_point"):
+                packing = _packing_of(exp, suffix, shape)
+                if packing is None or not set(dtypes).issubset(allowed):
+                    return None
+                if packing != "same":
+                    lay["packing"][packing] = 1
+            elif not set(dtypes).issubset(allowed) or shape != expected_shape:
                 return None
             if suffix == "weight_zero_point":
                 lay["zp"]["packed"] = 1
@@ -249,7 +289,8 @@ def _scan_each(path: str, sh: ShardHeader, config: ModelConfig,
         lay = layers.get(prefix)
         if lay is None:
             lay = layers[prefix] = {"family": "w1_w3_w2" if proj.startswith("w") else "gate_up_down",
-                                    "present": {}, "schemes": {}, "zp": {}, "scales": {}}
+                                    "present": {}, "schemes": {}, "zp": {}, "scales": {},
+                                    "packing": {}}
             present[prefix] = {}
         sid = sid_of.get(id(scheme))
         if sid is None:
@@ -289,12 +330,21 @@ def _scan_each(path: str, sh: ShardHeader, config: ModelConfig,
         if suffix == "weight_zero_point":
             if scheme.symmetric:
                 continue
-            form = "packed" if e["dtype"] == "I32" and e["shape"] == exp["weight_zero_point"][1] else "unpacked"
+            packing = _packing_of(exp, "weight_zero_point", e["shape"]) if e["dtype"] == "I32" else None
+            form = "packed" if packing is not None else "unpacked"
             _check_entry(path, name, e, exp, "weight_zero_point" if form == "packed" else "weight_zero_point@unpacked")
             lay["zp"][form] = 1
+            if packing not in (None, "same"):
+                lay["packing"][packing] = 1
             continue
         if suffix == "weight_g_idx" and not scheme.act_order:
             continue
+        if suffix == "weight_packed":
+            packing = _packing_of(exp, suffix, e["shape"])
+            if packing == "word":
+                suffix = "weight_packed@word"
+            if packing not in (None, "same"):
+                lay["packing"][packing] = 1
         dtype = _check_entry(path, name, e, exp, suffix)
         if suffix == "weight_scale":
             lay["scales"][dtype] = 1
@@ -308,8 +358,10 @@ def _check_entry(path: str, name: str, e: dict, exp: dict, suffix: str) -> str:
     dt = e["dtype"]
     if dt not in dtypes or e["shape"] != shape:
         N, K = exp["@NK"]
+        word = exp.get(suffix + "@word")
+        alt = f" (dense packing; {word[1]} with whole codes per word)" if word else ""
         raise BadInput(
-            f"{path}: tensor {name} is {dt}{list(e['shape'])}, expected {'/'.join(dtypes)}{shape} for a "
+            f"{path}: tensor {name} is {dt}{list(e['shape'])}, expected {'/'.join(dtypes)}{shape}{alt} for a "
             f"[{N}, {K}] projection; the tensors contradict config.json"
         )
     return dt
