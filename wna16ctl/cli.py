@@ -326,9 +326,9 @@ def repack(ctx: click.Context, ckpt: str, tp: str, ep: bool, layout: str, out: s
         finally:
             group.close()
         if result.committed:  # one result per output directory (one per node with --node-local)
-            from wna16ctl.summary import repack_result_lines
+            from wna16ctl.summary import next_step_lines, repack_result_lines
 
-            sink.result_lines(result.to_json(), lambda: repack_result_lines(plan, result))
+            sink.result_lines(result.to_json(), lambda: repack_result_lines(plan, result) + next_step_lines(result.next_steps))
         return EXIT_OK
 
     _run(ctx, sink, body, interrupted="no output was committed; the staging directory is kept for --resume")

@@ -109,11 +109,11 @@ def render_inspection(console: Console, insp: Inspection) -> None:
                 human_bytes(max(p.rank_bytes) * len(members)) if p.loadable and p.rank_bytes and max(p.rank_bytes) else "—",
                 status,
             )
-            texts = [f"[red]error[/] {escape(e)}" for e in p.errors]
+            texts = [f"{REFUSAL_LABEL} {escape(e)}" for e in p.errors]
             texts += [_hazard_note(h) for h in p.hazards]
             if not p.loadable:
                 # backends that never serve this deployment (another device, batched formats) are in --json
-                texts += [f"[dim]{name} rejected:[/] {escape(reason)}" for name, reason in p.rejected.items()
+                texts += [f"{NOTE_LABEL} [dim]{name} rejected:[/] {escape(reason)}" for name, reason in p.rejected.items()
                           if not reason.startswith(("lower priority", "kernel does not support the current device",
                                                     "kernel does not support the standard activation format"))]
             for text in texts:
@@ -131,25 +131,30 @@ def render_inspection(console: Console, insp: Inspection) -> None:
         verdict = "[bold green]loads[/] at every requested TP size"
     console.print(f"verdict: {verdict}")
     console.print(f"summary: {escape(insp.summary()['text'])}")
-    _render_serving(console, insp)
     render_suggestions(console, insp)
+    render_next_steps(console, insp.next_steps())
+
+
+# The three kinds of note under an inspect table, each with its label: the engine computes wrong
+# outputs; the engine refuses to load; anything else worth knowing (other releases, padding, ...).
+CORRECTNESS_LABEL = "[bold red]correctness hazard[/]"
+REFUSAL_LABEL = "[red]engine refusal[/]"
+NOTE_LABEL = "[yellow]note[/]"
 
 
 def _hazard_status(hazards: list[str]) -> str:
-    """The status cell's hazard count; correctness hazards (wrong outputs) apart, in red."""
+    """The status cell's counts: correctness hazards (wrong outputs) in red, other notes apart."""
     from wna16ctl.planning.inspection import CORRECTNESS, hazard_severity
 
     wrong = sum(hazard_severity(h) == CORRECTNESS for h in hazards)
-    out = f" [bold red]{plural(wrong, 'correctness hazard')}[/]" if wrong else ""
-    return out + (f" [yellow]{plural(len(hazards) - wrong, 'hazard')}[/]" if len(hazards) > wrong else "")
+    out = f", [bold red]{plural(wrong, 'correctness hazard')}[/]" if wrong else ""
+    return out + (f", [yellow]{plural(len(hazards) - wrong, 'note')}[/]" if len(hazards) > wrong else "")
 
 
 def _hazard_note(text: str) -> str:
     from wna16ctl.planning.inspection import CORRECTNESS, hazard_severity
 
-    if hazard_severity(text) == CORRECTNESS:
-        return f"[bold red]correctness hazard[/] {escape(text)}"
-    return f"[yellow]hazard[/] {escape(text)}"
+    return f"{CORRECTNESS_LABEL if hazard_severity(text) == CORRECTNESS else NOTE_LABEL} {escape(text)}"
 
 
 def _proposal_line(console: Console, insp: Inspection) -> None:
@@ -166,11 +171,12 @@ def render_suggestions(console: Console, insp: Inspection, shown: int = 2) -> No
     by_tp: dict[int, list] = {}
     for s in insp.suggestions:
         by_tp.setdefault(s.for_tp, []).append(s)
-    refused = [tp for i, tp in enumerate(insp.tps) if tp not in by_tp and not _tp_loads(insp, i)]
+    refused = [tp for i, tp in enumerate(insp.tps) if tp not in by_tp and not insp.tp_loads(i)]
     for tp, found in by_tp.items():
         for s in found[:shown]:
             how = escape(s.flags) + (f"; vLLM: {escape(s.vllm_flags)}" if s.vllm_flags else "")
-            console.print(f"  TP {tp}: [cyan]suggest[/] {escape(s.change)} ({how}): re-planned, [green]loads[/]")
+            outcome = "[green]outputs right[/]" if s.kind == "load_format" else "re-planned, [green]loads[/]"
+            console.print(f"  TP {tp}: [cyan]suggest[/] {escape(s.change)} ({how}): {outcome}", soft_wrap=True)
         if len(found) > shown:
             console.print(f"  TP {tp}: {len(found) - shown} more suggestion{'s' if len(found) - shown > 1 else ''} in --json")
     for tp in refused:
@@ -178,26 +184,25 @@ def render_suggestions(console: Console, insp: Inspection, shown: int = 2) -> No
                       "GPU, group size, act-order, symmetric weights)")
 
 
-def _tp_loads(insp: Inspection, i: int) -> bool:
-    ck = insp.checkpoint
-    tp = insp.tps[i]
-    return (all(insp.plans[lay.prefix][i].loadable for lay in ck.quantized_layers)
-            and all(p[i].loadable for p in insp.linear_plans.values())
-            and all(c.ok for c in insp.checks if c.fatal and c.tp == tp))
-
-
-
-def _render_serving(console: Console, insp: Inspection) -> None:
-    """Which repack layout stock vLLM serves pre-sharded, and how (only where the rulebook has the
-    release's sharded_state contract for this architecture)."""
-    ck = insp.checkpoint
-    # not where outputs would be wrong: the pre-sharded state goes through the same processing
-    if (insp.ep or not rules.vllm_state_known(insp.engine.version, ck.config.model_type) or not insp.ok):
+def render_next_steps(console: Console, steps: list) -> None:
+    """What to run next, per TP size: the layout, then the commands, broken between words with a
+    trailing backslash where they are wider than the console (so they still paste as they are)."""
+    if not steps:
         return
-    tp = insp.tps[-1]
-    console.print(f"serve pre-sharded with vLLM {insp.engine.version}: wna16ctl repack {escape(str(ck.root))} --tp {tp} "
-                  f"--layout vllm --vllm {insp.engine.version} -o OUT, then vllm serve OUT --load-format sharded_state "
-                  f"--tensor-parallel-size {tp}", soft_wrap=True)
+    import textwrap
+
+    from wna16ctl.summary import shell_lines
+
+    console.print("next steps:")
+    for s in steps:
+        what = f"{s.layout} layout" if s.layout else "the checkpoint as it is"
+        head = f"TP {s.tp}{' EP' if s.ep else ''}:"
+        for line in textwrap.wrap(f"{what}: {s.why}", max(console.width - len(head) - 3, 20)) or [""]:
+            console.print(f"  {head} {line}", markup=False, highlight=False, soft_wrap=True)
+            head = " " * len(head)
+        for command in s.lines():
+            for line in shell_lines(command, console.width, indent=4):
+                console.print(f"    {line}", markup=False, soft_wrap=True, highlight=False)
 
 
 def _span_of_ints(ids: list[int]) -> str:
@@ -284,6 +289,10 @@ def render_verify(console: Console, report) -> None:  # noqa: ANN001 - VerifyRep
     part = (f" (ranks {', '.join(map(str, report.ranks_checked))} only; ranks "
             f"{', '.join(map(str, report.ranks_not_checked))} not checked)" if report.ranks_not_checked else "")
     console.print("verdict: " + ("[bold green]verified[/]" if report.passed else "[bold red]NOT verified[/]") + part)
+    from wna16ctl.summary import next_step_lines
+
+    for line in next_step_lines(report.next_steps):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 def _engine_source(engine) -> str:  # noqa: ANN001 - rules.Engine
@@ -380,11 +389,8 @@ def render_model_section(console: Console, insp: Inspection) -> None:
     """The model around the experts: engine-level TP checks, quantized linear layers (layers with
     identical plans collapsed into one row group), MTP layers and modules that were not planned."""
     ck = insp.checkpoint
-    bad = [c for c in insp.checks if not c.ok]
-    for c in bad:
-        colour = "red" if c.fatal else "yellow"
-        console.print(f"  model TP {c.tp}: [{colour}]{'error' if c.fatal else 'note'}[/] {escape(c.rule)}: "
-                      f"{escape(c.error or c.detail)}")
+    _notes_grid(console, [(f"model TP {c.tp}:", f"{REFUSAL_LABEL if c.fatal else NOTE_LABEL} {escape(c.rule)}: "
+                                                f"{escape(c.error or c.detail)}") for c in insp.checks if not c.ok])
     if ck.linear_layers:
         groups: dict[str, list] = {}
         for lay in ck.linear_layers:
@@ -405,7 +411,7 @@ def render_model_section(console: Console, insp: Inspection) -> None:
                               escape(p.kernel.removesuffix("LinearKernel")) if p.kernel else "[red]none[/]", status)
                 where = f"{span} {lay.kind}"
                 for e in p.errors:
-                    notes.append((where, f"TP {p.tp}", f"[red]error[/] {escape(e)}"))
+                    notes.append((where, f"TP {p.tp}", f"{REFUSAL_LABEL} {escape(e)}"))
                 for h in p.hazards:
                     notes.append((where, f"TP {p.tp}", _hazard_note(h)))
                 if not p.loadable or p.hazards:
@@ -413,7 +419,7 @@ def render_model_section(console: Console, insp: Inspection) -> None:
                     for name, reason in p.rejected.items():
                         if reason.startswith("lower priority"):
                             break
-                        notes.append((where, f"TP {p.tp}", f"[dim]{name} rejected:[/] {escape(reason)}"))
+                        notes.append((where, f"TP {p.tp}", f"{NOTE_LABEL} [dim]{name} rejected:[/] {escape(reason)}"))
         console.print(table)
         # per layer group: errors, hazards, rejected kernels, each with the TP sizes it applies to; a
         # note that more than two layer groups share is printed once (every plan keeps it in --json)

@@ -382,7 +382,16 @@ class RepackResult:
             "manifest_name": self.manifest_name,
             "processes": self.processes,
             "manifest": self.manifest,
+            "next_steps": [s.to_json() for s in self.next_steps],
         }
+
+    @property
+    def next_steps(self) -> list[Any]:
+        """How to serve what was written (planning.next_steps); none for a part (assemble it first)."""
+        from wna16ctl.planning.next_steps import manifest_next_step
+
+        step = manifest_next_step(self.manifest, self.out) if self.committed else None
+        return [] if step is None else [step]
 
 
 def _expert_chunks(job: LayerJob) -> list[range]:

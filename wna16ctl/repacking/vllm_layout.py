@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -28,6 +27,7 @@ from wna16ctl.planning import rules
 from wna16ctl.sources import Checkpoint, MoELayer, open_checkpoint
 from wna16ctl.sources.moe import _FAMILY_NAMES
 from wna16ctl.errors import BadInput, NotLoadable, UsageError
+from wna16ctl.sink import human_bytes, plural
 
 LAYOUT = "vllm"
 FORMAT_NAME = "wna16ctl-repack"
@@ -93,7 +93,9 @@ class VllmStatePlan:
 
 
 def serve_command(out: str | os.PathLike[str], tp: int) -> str:
-    return f"vllm serve {shlex.quote(str(out))} --load-format sharded_state --tensor-parallel-size {tp}"
+    from wna16ctl.planning.next_steps import VLLM_LAYOUT, serve_command as serve
+
+    return serve(out, VLLM_LAYOUT, tp)
 
 
 # -- planning (torch-free) ------------------------------------------------------------------------
@@ -227,7 +229,7 @@ def _in_force(row: rules.StateKey, version: str, arch: str) -> bool:
     return has != neg
 
 
-def _check_supported(ck: Checkpoint, version: str) -> None:
+def check_supported(ck: Checkpoint, version: str) -> None:
     arch = ck.config.model_type
     _refuse_unknown(version, arch)
     if ck.linear_layers or ck.unplaced_linear:
@@ -288,7 +290,7 @@ def plan_vllm_state(ckpt: str | os.PathLike[str] | Checkpoint, tp: int, vllm: st
     """The exact tensors of every rank.  `gpu` and `switches` (planning.engine_env.EngineSwitches)
     matter only for releases whose expert buffers follow the backend (state.experts_k_first)."""
     ck = ckpt if isinstance(ckpt, Checkpoint) else open_checkpoint(ckpt)
-    _check_supported(ck, vllm)
+    check_supported(ck, vllm)
     backends, k_first = _expert_orientation(ck, tp, vllm, gpu, switches)
     dtype_name = ck.config.torch_dtype
     if dtype_name not in _ST_DTYPES:
@@ -549,10 +551,21 @@ class VllmStateReport:
     def ok(self) -> bool:
         return not self.problems
 
+    @property
+    def passed(self) -> bool:
+        """The output is proved (the name every verify result answers to)."""
+        return self.ok
+
+    @property
+    def next_steps(self) -> list[Any]:
+        """The serve command, once the output is proved."""
+        return [_next_step(self.out, self.tp)] if self.passed else []
+
     def to_json(self) -> dict[str, Any]:
         return {"output": str(self.out), "layout": LAYOUT, "tp": self.tp, "vllm": self.vllm, "ok": self.ok,
-                "keys_checked": self.keys_checked, "tensors_round_tripped": self.tensors_round_tripped,
-                "problems": self.problems, "serve": self.serve}
+                "passed": self.passed, "keys_checked": self.keys_checked,
+                "tensors_round_tripped": self.tensors_round_tripped, "problems": self.problems, "serve": self.serve,
+                "next_steps": [s.to_json() for s in self.next_steps]}
 
 
 def read_manifest(out: Path) -> dict[str, Any]:
@@ -776,9 +789,9 @@ def repack_vllm_command(sink: Any, source: str, settings: Any, out: str | None, 
 
     def render_plan(console: Any) -> None:
         for r in plan.to_json()["ranks"]:
-            console.print(f"rank {r['rank']}: {r['keys']} keys, {r['bytes']} bytes in {len(r['files'])} file(s)")
+            console.print(f"rank {r['rank']}: {r['keys']} keys, {human_bytes(r['bytes'])} in {plural(len(r['files']), 'file')}")
         _print_backends(console, plan)
-        console.print(f"serve with: {serve_command(out or 'OUT', plan.tp)}", soft_wrap=True)
+        console.print(f"then serve with: {serve_command(out or 'OUT', plan.tp)}", soft_wrap=True, markup=False)
 
     if dry_run:
         sink.result({**plan.to_json(), "loadable": True, "serve": serve_command(out or "OUT", plan.tp)}, render_plan)
@@ -788,13 +801,27 @@ def repack_vllm_command(sink: Any, source: str, settings: Any, out: str | None, 
 
     def render_result(console: Any) -> None:
         files = [f for r in manifest["ranks"] for f in r["files"]]
-        console.print(f"wrote {len(files)} file(s) for {plan.tp} rank(s) of vLLM {plan.vllm} into {Path(out).resolve()}")
+        console.print(f"wrote {plural(len(files), 'file')} for {plural(plan.tp, 'rank')} of vLLM {plan.vllm} into "
+                      f"{Path(out).resolve()}", soft_wrap=True)
         _print_backends(console, plan)
-        console.print(f"serve with: {manifest['serve']}", soft_wrap=True)
+        _print_next_step(console, manifest["serve"])
 
     sink.result({"output": str(Path(out).resolve()), "layout": LAYOUT, "tp": plan.tp, "vllm": plan.vllm,
-                 "ranks": manifest["ranks"], "serve": manifest["serve"]}, render_result)
+                 "ranks": manifest["ranks"], "serve": manifest["serve"],
+                 "next_steps": [_next_step(Path(out).resolve(), plan.tp).to_json()]}, render_result)
     return 0
+
+
+def _next_step(out: Path, tp: int) -> Any:
+    from wna16ctl.planning.next_steps import VLLM_LAYOUT, NextStep
+
+    return NextStep(tp, False, VLLM_LAYOUT, None, serve_command(out, tp),
+                    "stock vLLM reads each rank's files with its sharded_state loader")
+
+
+def _print_next_step(console: Any, serve: str) -> None:
+    console.print("next: serve it with stock vLLM", soft_wrap=True)
+    console.print(f"  {serve}", soft_wrap=True, markup=False, highlight=False)
 
 
 def _print_backends(console: Any, plan: VllmStatePlan) -> None:
@@ -823,6 +850,7 @@ def render_vllm_report(console: Any, report: VllmStateReport) -> None:
     for line in report.problems:
         console.print(f"FAIL {line}")
     if report.ok:
-        console.print(f"PASS {report.keys_checked} keys on {report.tp} rank(s) match vLLM {report.vllm}'s sharded_state "
+        console.print(f"PASS {report.keys_checked} keys on {plural(report.tp, 'rank')} match vLLM {report.vllm}'s sharded_state "
                       f"contract; {report.tensors_round_tripped} tensors round-trip to the checkpoint bit for bit")
-    console.print(f"serve with: {report.serve}", soft_wrap=True)
+    if report.passed:
+        _print_next_step(console, report.serve)

@@ -139,6 +139,12 @@ class VerifyReport:
     findings: list[Finding] = field(default_factory=list)
     numerics: list[LayerNumerics] = field(default_factory=list)
     e2e: Any = None  # wna16ctl.verification.e2e.E2EResult when --e2e was asked
+    serve_step: Any = None  # how to serve the output (planning.next_steps.NextStep); None for a part
+
+    @property
+    def next_steps(self) -> list[Any]:
+        """The serve command of what was proved: only once it is proved."""
+        return [self.serve_step] if self.passed and self.serve_step is not None else []
 
     @property
     def passed(self) -> bool:
@@ -187,6 +193,7 @@ class VerifyReport:
             "findings": [f.to_json() for f in self.findings],
             "numerics": [n.to_json() for n in self.numerics],
             "e2e": self.e2e.to_json() if self.e2e is not None else None,
+            "next_steps": [s.to_json() for s in self.next_steps],
         }
 
 
@@ -552,6 +559,10 @@ def verify_output(
         report.e2e = e2e_mod.run_e2e(ck, out_path, plan, Path(samples_path), e2e, gemm_device, dtype)
         check.status = {"pass": PASS, "FAIL": FAIL}.get(report.e2e.status, NOT_RUN)
         check.reason = report.e2e.reason or ""
+    if "tp" in manifest:
+        from wna16ctl.planning.next_steps import manifest_next_step
+
+        report.serve_step = manifest_next_step(manifest, out_path, ck.root)
     return report
 
 
