@@ -77,7 +77,7 @@ def render_inspection(console: Console, insp: Inspection) -> None:
     table = simple_table(
         f"plan per TP size{' (expert parallel)' if insp.ep else ''}",
         ["layers", "scheme", "TP", "I/rank", "backend", "w2 scales", "k full", "bytes/rank", "status"],
-        console,
+        console, drop=("k full", "w2 scales", "bytes/rank", "I/rank"), wrap=("status",),
     )
     table.columns[0].overflow = "fold"
     for col in table.columns[2:-1]:  # the status wraps between its words
@@ -99,8 +99,10 @@ def render_inspection(console: Console, insp: Inspection) -> None:
                 k_full = "yes" if p.w2.is_k_full else "no"
                 status = "[green]ok[/]"
             else:
-                # a failing row has no backend: showing the one the oracle would pick contradicts the error
-                backend, w2, k_full, status = "[red]none[/]", "—", "—", "[bold red]fails[/]"
+                # the backend the release selected before the refusal, as --json says (none: refused before
+                # or at the selection); the refusal is in the notes
+                backend = p.backend.value if p.backend is not None else "[red]none[/]"
+                w2, k_full, status = "—", "—", "[bold red]fails[/]"
             status += _hazard_status(p.hazards)
             table.add_row(
                 escape(span) if i == 0 else "",
@@ -272,18 +274,27 @@ def render_verify(console: Console, report) -> None:  # noqa: ANN001 - VerifyRep
             grid.add_row("", "…", f"{len(bad) - 10} more (see --json)")
     console.print(grid)
     if report.numerics:
+        # "exact": elements whose rounding interval is one value (the output must equal it);
+        # "off-centre": over the others, the largest distance from the interval's midpoint as a
+        # fraction of its half-width (at most 1 inside the interval)
         table = simple_table("numerics per MoE layer (candidate vs fp32 dequantized reference)",
-                             ["layer", "tokens", "experts", "max |err|", "rel L2", "cosine", "err/bound", "result"],
-                             console)
+                             ["layer", "tokens", "experts", "max |err|", "rel L2", "cosine", "exact", "off-centre",
+                              "result"], console,
+                             drop=("rel L2", "tokens", "cosine", "experts", "exact", "max |err|"))
+        reasons: list[tuple[str, str]] = []  # under the table, wrapped under themselves: the result stays one word
         for n in report.numerics:
-            result = _STATUS_MARKUP.get(n.status, n.status) + (f" ({escape(n.reason)})" if n.reason else "")
+            result = _STATUS_MARKUP.get(n.status, n.status) + ("*" if n.reason else "")
+            if n.reason:
+                reasons.append((f"* {n.layer}:", escape(n.reason)))
+            exact = "—" if n.exact_elements is None else str(n.exact_elements)
             table.add_row(escape(n.layer), f"{n.tokens} (+{n.forced_tokens} forced)" if n.forced_tokens else str(n.tokens),
                           f"{n.experts_exercised}/{n.num_experts}", _num(n.max_abs_error, ".3g"), _num(n.rel_l2_error, ".3g"),
-                          _num(n.cosine, ".6f"), _num(n.max_error_over_bound, ".3f"), result)
+                          _num(n.cosine, ".6f"), exact, _num(n.max_offset, ".3f"), result)
         table.columns[0].overflow = "fold"  # a layer name is the key of the row: wrap it, never cut it
-        for col in table.columns[1:7]:
+        for col in table.columns[1:]:
             col.no_wrap = True
         console.print(table)
+        _notes_grid(console, reasons)
     if report.e2e is not None:
         render_e2e(console, report.e2e)
     part = (f" (ranks {', '.join(map(str, report.ranks_checked))} only; ranks "
@@ -360,14 +371,15 @@ def render_e2e(console: Console, res) -> None:  # noqa: ANN001 - E2EResult, impo
     if res.layers:
         table = simple_table("MoE block outputs against the rounding interval",
                              ["layer", "calls", "elements", "exact", "outside", "max err / bound", "experts routed",
-                              "forced"], console)
+                              "forced"], console, drop=("calls", "forced", "experts routed", "elements", "max err / bound"))
         for lay in res.layers:
             table.add_row(escape(lay.layer), str(lay.calls), str(lay.elements), str(lay.exact_elements),
                           "0" if not lay.violations else f"[bold red]{lay.violations}[/]", f"{lay.max_ratio:.3g}",
                           f"{len(lay.routed)}/{lay.num_experts}", str(len(lay.forced)))
         console.print(table)
     table = simple_table("greedy generation: source experts vs repacked experts",
-                         ["prompt", "agree", "first diff", "top-2 margin", "bound", "max |Δlogit|", "result"], console)
+                         ["prompt", "agree", "first diff", "top-2 margin", "bound", "max |Δlogit|", "result"], console,
+                         drop=("max |Δlogit|", "bound", "top-2 margin"))
     for c in res.prompts:
         j = c.to_json()
         table.add_row(str(c.index), f"{c.agree_prefix}/{len(c.reference_tokens)}",
@@ -397,7 +409,8 @@ def render_model_section(console: Console, insp: Inspection) -> None:
             key = repr((lay.kind, lay.tp_role, lay.scheme, _unnamed(lay.name, insp.linear_plans[lay.name])))
             groups.setdefault(key, []).append(lay)
         table = simple_table("quantized linear layers per TP size",
-                             ["layers", "layer", "role", "scheme", "TP", "K/rank", "N/rank", "kernel", "status"], console)
+                             ["layers", "layer", "role", "scheme", "TP", "K/rank", "N/rank", "kernel", "status"], console,
+                             drop=("role", "K/rank", "N/rank", "scheme"), wrap=("status",))
         notes: list[tuple[str, str, str]] = []
         for members in groups.values():
             lay = members[0]

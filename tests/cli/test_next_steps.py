@@ -41,9 +41,33 @@ def test_inspect_gives_a_step_for_each_tp_size_that_loads_even_when_others_do_no
         assert s["layout"] == "vllm" and f"--tp {s['tp']} --layout vllm --vllm 0.33.0" in s["repack"]
         assert s["serve"].startswith("vllm serve ") and f"--tensor-parallel-size {s['tp']}" in s["serve"]
     human = invoke("inspect", ck, "--tp", "1,2,4,8").stdout
-    assert "next steps:" in human
-    for s in steps:  # the same lines, whole (never wrapped)
-        assert f"    {s['repack']}" in human.splitlines() and f"    {s['serve']}" in human.splitlines()
+    commands = pasted(human.split("next steps:")[1])
+    assert [shlex.split(c) for c in commands if c.startswith(("wna16ctl", "vllm"))] == \
+        [shlex.split(line) for s in steps for line in (s["repack"], s["serve"])]
+
+
+def pasted(text: str) -> list[str]:
+    """The commands in printed lines as a shell reads them: a trailing backslash continues a line."""
+    out, current = [], ""
+    for line in text.splitlines():
+        current += line.strip()
+        if current.endswith("\\"):
+            current = current[:-1]
+            continue
+        out.append(current)
+        current = ""
+    return out
+
+
+def test_commands_wider_than_the_terminal_are_continued_not_cut(make_ckpt, tmp_path):
+    ck = make_ckpt(**DEMO)
+    for width in ("60", "80"):
+        res = CliRunner().invoke(cli, ["inspect", str(ck), "--tp", "2"], env={"COLUMNS": width})
+        tail = res.stdout.split("next steps:")[1]
+        assert all(len(line) <= int(width) for line in tail.splitlines()), tail
+        (step,) = json.loads(invoke("inspect", ck, "--tp", "2", "--json").stdout)["next_steps"]
+        assert [shlex.split(step["repack"]), shlex.split(step["serve"])] == \
+            [shlex.split(c) for c in pasted(tail) if c.startswith(("wna16ctl", "vllm"))]
 
 
 def test_the_printed_repack_line_runs_and_its_serve_line_names_the_output(make_ckpt, tmp_path):
@@ -82,7 +106,7 @@ def test_repack_and_verify_end_with_the_serve_command(make_ckpt, tmp_path):
     res = invoke("repack", ck, "--tp", "1", "--layout", "marlin", "--vllm", "0.32.0", "-o", out, "-q")
     assert res.exit_code == 0, res.output
     serve = f"vllm serve {out} --load-format wna16ctl --tensor-parallel-size 1 --moe-backend marlin"
-    assert f"  {serve}" in res.stdout.splitlines()
+    assert serve in pasted(res.stdout)
     j = json.loads(invoke("repack", ck, "--tp", "1", "--layout", "marlin", "--vllm", "0.32.0", "-o", out,
                           "--force", "--json").stdout)
     assert [s["serve"] for s in j["next_steps"]] == [serve]

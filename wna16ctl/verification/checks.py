@@ -105,6 +105,8 @@ class LayerNumerics:
     rel_l2_limit: float | None = None  # no longer a criterion: the interval of `bounds` is (kept for readers)
     elements: int | None = None
     exact_elements: int | None = None  # elements whose interval is one value: equality required
+    # over the other elements: max distance from the interval's midpoint / its half-width (≤ 1 passes)
+    max_offset: float | None = None
     kernel: str = ""  # what computed the candidate (the kernel source, emulated on the CPU)
 
     @property
@@ -807,6 +809,7 @@ def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: di
     row.max_abs_error, row.rel_l2_error, row.cosine = verdict.max_abs_error, rel, cos
     row.max_error_over_bound, row.violations = verdict.max_ratio, verdict.violations
     row.elements, row.exact_elements = verdict.elements, verdict.exact_elements
+    row.max_offset = verdict.max_offset
     if row.violations:
         row.status, row.reason = FAIL, (f"{row.violations} of {row.elements} elements outside the rounding interval "
                                         f"(max error {row.max_error_over_bound:.3g} × the bound)")
