@@ -446,11 +446,9 @@ def render_model_section(console: Console, insp: Inspection) -> None:
                 tps = by_where.setdefault(where, {}).setdefault(text, [])
                 if tp not in tps:
                     tps.append(tp)
-        for where, texts in by_where.items():
-            for text, tps in texts.items():
-                console.print(f"  {escape(where)} TP {','.join(t.removeprefix('TP ') for t in tps)}: {text}")
-        for text in (t for t in groups_of if t in shared):
-            console.print(f"  {len(groups_of[text])} layer groups: {text}")
+        _notes_grid(console, [(f"{where} TP {','.join(t.removeprefix('TP ') for t in tps)}:", text)
+                              for where, texts in by_where.items() for text, tps in texts.items()]
+                    + [(f"{len(groups_of[text])} layer groups:", text) for text in groups_of if text in shared])
     for lay in ck.mtp_layers:
         scheme = lay.scheme.describe() if lay.scheme else "unquantized"
         console.print(f"  MTP layer {escape(lay.prefix)} ({lay.num_experts} experts, {escape(scheme)}): not a decoder "
