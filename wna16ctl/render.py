@@ -299,11 +299,21 @@ def render_verify(console: Console, report) -> None:  # noqa: ANN001 - VerifyRep
         render_e2e(console, report.e2e)
     part = (f" (ranks {', '.join(map(str, report.ranks_checked))} only; ranks "
             f"{', '.join(map(str, report.ranks_not_checked))} not checked)" if report.ranks_not_checked else "")
-    console.print("verdict: " + ("[bold green]verified[/]" if report.passed else "[bold red]NOT verified[/]") + part)
+    if report.layers_not_checked:
+        part += (f" (partial: MoE {_plural_layers(report.layers_selected or [])} only; "
+                 f"{_plural_layers(report.layers_not_checked)} not checked)")
+    good = "[bold yellow]verified in part[/]" if report.partial else "[bold green]verified[/]"
+    console.print("verdict: " + (good if report.passed else "[bold red]NOT verified[/]") + part)
     from wna16ctl.summary import next_step_lines
 
     for line in next_step_lines(report.next_steps):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def _plural_layers(indices: list[int]) -> str:
+    from wna16ctl.planning.moe import _ranges
+
+    return f"layer{'s' if len(indices) != 1 else ''} {_ranges(indices)}"
 
 
 def _engine_source(engine) -> str:  # noqa: ANN001 - rules.Engine

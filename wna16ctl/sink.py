@@ -85,10 +85,13 @@ class Sink:
         if not self.progress_enabled():
             yield no_progress
             return
-        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+        from rich.progress import BarColumn, Progress, TextColumn
+        from rich.table import Column
 
-        with Progress(TextColumn("{task.description}"), BarColumn(), _AmountColumn(), TimeRemainingColumn(),
-                      console=self.err, transient=True) as bar:
+        # the bar gives way on a narrow terminal; the amount and the time left stay on one line each
+        with Progress(TextColumn("{task.description}", table_column=Column(no_wrap=True, overflow="ellipsis", ratio=2)),
+                      BarColumn(bar_width=None, table_column=Column(ratio=1)), _AmountColumn(),
+                      _EtaColumn(), console=self.err, transient=True, expand=True) as bar:
             current: list[Any] = []
 
             def start(description: str, total: int, *, unit: str = "bytes") -> Callable[[int], None]:
@@ -125,7 +128,37 @@ class _AmountColumn:
                 rate = f" {human_bytes(int(speed))}/s" if speed else ""
                 return Text(f"{human_bytes(int(task.completed))}/{human_bytes(int(task.total or 0))}{rate}")
 
-        return AmountColumn()
+        from rich.table import Column
+
+        return AmountColumn(table_column=Column(no_wrap=True))
+
+
+def time_left(completed: float, total: float, elapsed: float | None) -> float | None:
+    """Seconds left at the throughput measured since the step started (None before any progress).
+    Over the whole step, not a recent window: verify's steps advance in uneven jumps (one expert,
+    one layer), and a window's rate swings with them."""
+    if not elapsed or completed <= 0 or total <= 0:
+        return None
+    return max(total - completed, 0) * elapsed / completed
+
+
+class _EtaColumn:
+    """'0:01:23 left' from `time_left`; '-:--:-- left' until the step has advanced."""
+
+    def __new__(cls):
+        from rich.progress import ProgressColumn
+        from rich.table import Column
+        from rich.text import Text
+
+        class EtaColumn(ProgressColumn):
+            def render(self, task):  # noqa: ANN001, ANN202
+                left = time_left(task.completed, task.total or 0, task.elapsed)
+                if left is None:
+                    return Text("-:--:-- left")
+                s = int(left + 0.5)
+                return Text(f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d} left")
+
+        return EtaColumn(table_column=Column(no_wrap=True))
 
 
 def output_width(stream: Any) -> int | None:

@@ -132,3 +132,20 @@ def test_the_summary_promises_ep_only_where_the_ep_replan_loads(make_ckpt):
     assert "TP 8 does not load" in doc["summary"]["text"] and "TP 4 needs --ep" in doc["summary"]["text"]
     ep = invoke("inspect", ck, "--tp", "4", "--ep", "--json")
     assert ep.exit_code == 0, ep.output
+
+
+def test_verify_of_some_layers_is_partial_never_a_full_pass(make_ckpt, tmp_path):
+    ck = make_ckpt(num_layers=2, num_experts=2, top_k=1, vocab_size=64)
+    out = tmp_path / "o"
+    assert invoke("repack", ck, "--tp", "1", "-o", out, "-q").exit_code == 0
+    res = invoke("verify", ck, out, "--samples", QUESTIONS, "--num-samples", "2", "--layers", "1", "--json")
+    doc = json.loads(res.stdout)
+    assert doc["partial"] and doc["layers_selected"] == [1] and doc["layers_not_checked"] == [0], res.output
+    assert [n["layer"] for n in doc["numerics"]] == ["model.layers.1.mlp.experts"]
+    assert {c["name"]: c["status"] for c in doc["checks"]}["all_layers"] == "not run"
+    assert doc["next_steps"] == []  # nothing is offered to serve on a partial proof
+    human = invoke("verify", ck, out, "--samples", QUESTIONS, "--num-samples", "2", "--layers", "1").stdout
+    verdict = next(ln for ln in human.splitlines() if ln.startswith("verdict:"))
+    assert "verified in part" in verdict and "layer 0 not checked" in verdict, human
+    bad = invoke("verify", ck, out, "--layers", "5")
+    assert bad.exit_code == 2 and "no MoE layer 5" in bad.output

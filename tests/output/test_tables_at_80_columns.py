@@ -14,7 +14,7 @@ from tests import modelckpt as m
 from wna16ctl.render import render_inspection, render_verify
 from wna16ctl.verification.checks import FAIL, PASS, LayerNumerics, VerifyReport
 
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
 def render(draw, terminal: bool, width: int = 80) -> list[str]:
@@ -93,3 +93,29 @@ def test_inspect_tables_keep_the_status(with_linear, terminal):
         rows = [r for r in table_rows(lines, title, first) if re.search(r"\b(1|2|4|8)\b", r)]
         assert rows, "\n".join(lines)
         assert all(re.search(r"\b(ok|fails)\b", r) for r in rows), (title, "\n".join(rows))
+
+
+def test_time_left_comes_from_the_throughput_measured_over_the_step():
+    from wna16ctl.sink import time_left
+
+    assert time_left(0, 100, 5.0) is None and time_left(10, 100, None) is None
+    # 1.5 experts/s measured over 20 s: 90 experts left take 60 s, whatever the last jump was
+    assert time_left(30, 120, 20.0) == pytest.approx(60.0)
+
+
+@pytest.mark.parametrize("width", [60, 80])
+def test_a_progress_line_stays_one_line(width, monkeypatch):
+    """The amount ("1.0 GiB/3.0 GiB 8.0 MiB/s") and the time left never wrap onto a line of their own."""
+    from wna16ctl.sink import Sink
+
+    monkeypatch.setenv("COLUMNS", str(width))
+    sink = Sink()
+    buf = io.StringIO()
+    sink.err = Console(file=buf, width=width, force_terminal=True, color_system=None)
+    monkeypatch.setattr(sink, "progress_enabled", lambda: True)
+    with sink.tasks() as start:
+        advance = start("round trip and numerics of every expert", 3 << 30)
+        advance(1 << 30)
+    frames = [f for f in re.split(r"\r|\n", ANSI.sub("", buf.getvalue())) if f.strip()]
+    assert frames and all(len(f) <= width for f in frames), frames
+    assert any("GiB/3.0 GiB" in f and " left" in f for f in frames), frames
