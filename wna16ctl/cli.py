@@ -399,7 +399,15 @@ def demo(ctx: click.Context, out: str, arch: str, bits: str, group_size: str, as
                 path = write_demo_checkpoint(target, spec, progress=progress)
         except ValueError as e:  # an impossible combination of options
             raise UsageError(str(e).removeprefix("DemoSpec: ")) from None
-        sink.result({"checkpoint": str(path), "spec": spec.__dict__}, lambda console: console.print(f"wrote {path}"))
+        import shlex
+
+        step = shlex.join(["wna16ctl", "inspect", str(path), "--tp", "1,2"])
+
+        def render(console) -> None:  # noqa: ANN001
+            console.print(f"wrote {path}", markup=False, highlight=False, soft_wrap=True)
+            console.print(f"next: see how it loads per TP size\n  {step}", markup=False, highlight=False, soft_wrap=True)
+
+        sink.result({"checkpoint": str(path), "spec": spec.__dict__, "next_steps": [step]}, render)
         return EXIT_OK
 
     _run(ctx, sink, body, interrupted=f"{out} is incomplete; run the command again with --force")

@@ -14,7 +14,6 @@ from click.testing import CliRunner
 
 from tests.conftest import QUESTIONS
 from wna16ctl.cli import cli
-from wna16ctl.planning.next_steps import checkpoint_ref, serve_command
 
 DEMO = dict(num_layers=2, num_experts=8, top_k=2)  # hidden 256, intermediate 256, int4 g128, 4 heads
 
@@ -116,6 +115,8 @@ def test_repack_and_verify_end_with_the_serve_command(make_ckpt, tmp_path):
 
 
 def test_a_hub_checkpoint_is_named_by_its_repo_id_not_the_cache_snapshot():
+    from wna16ctl.planning.next_steps import checkpoint_ref, serve_command
+
     ck = SimpleNamespace(root=Path("/cache/models--org--m/snapshots/abc"),
                          source={"repo_id": "org/m", "revision": "main", "commit": "abc"})
     assert checkpoint_ref(ck) == ("org/m", None)
@@ -149,3 +150,13 @@ def test_verify_of_some_layers_is_partial_never_a_full_pass(make_ckpt, tmp_path)
     assert "verified in part" in verdict and "layer 0 not checked" in verdict, human
     bad = invoke("verify", ck, out, "--layers", "5")
     assert bad.exit_code == 2 and "no MoE layer 5" in bad.output
+
+
+def test_demo_ends_with_the_inspect_line_and_it_runs(tmp_path):
+    out = tmp_path / "demo ckpt"
+    res = invoke("demo", out, "--layers", "1", "--experts", "2", "--no-tokenizer")
+    assert res.exit_code == 0, res.output
+    line = res.stdout.splitlines()[-1].strip()
+    assert line == shlex.join(["wna16ctl", "inspect", str(out), "--tp", "1,2"])
+    ran = CliRunner().invoke(cli, shlex.split(line)[1:])
+    assert ran.exit_code in (0, 1) and "next steps:" in ran.stdout, ran.output
