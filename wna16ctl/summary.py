@@ -27,7 +27,8 @@ def assemble_result_lines(result: Any) -> list[str]:
     """What `assemble` joined (a repacking.parts.AssembleResult)."""
     return [f"assembled {result.out}: {plural(len(result.parts), 'part')}, "
             f"ranks {', '.join(map(str, result.ranks))}, {plural(result.files, 'file')}",
-            f"manifest: {result.out / result.to_json()['manifest_name']} (check it with `wna16ctl verify`)"]
+            f"manifest: {result.out / result.to_json()['manifest_name']}"] + \
+        [f"next: check the contents\n  {line}" for line in result.next_steps[:1]]
 
 
 def next_step_lines(steps: list[Any]) -> list[str]:

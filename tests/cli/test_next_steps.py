@@ -160,3 +160,17 @@ def test_demo_ends_with_the_inspect_line_and_it_runs(tmp_path):
     assert line == shlex.join(["wna16ctl", "inspect", str(out), "--tp", "1,2"])
     ran = CliRunner().invoke(cli, shlex.split(line)[1:])
     assert ran.exit_code in (0, 1) and "next steps:" in ran.stdout, ran.output
+
+
+def test_assemble_ends_with_the_verify_line_and_it_passes(make_ckpt, tmp_path):
+    ck = make_ckpt(num_layers=1, num_experts=2, top_k=1, vocab_size=64)
+    for r in (0, 1):
+        res = invoke("repack", ck, "--tp", "2", "--ranks", r, "-o", tmp_path / f"p{r}", "-q")
+        assert res.exit_code == 0, res.output
+        shutil.copytree(tmp_path / f"p{r}", tmp_path / "all", dirs_exist_ok=True)
+    res = invoke("assemble", tmp_path / "all")
+    assert res.exit_code == 0, res.output
+    line = res.stdout.splitlines()[-1].strip()
+    assert shlex.split(line) == ["wna16ctl", "verify", str(ck), str(tmp_path / "all")]
+    ran = CliRunner().invoke(cli, shlex.split(line)[1:] + ["--samples", str(QUESTIONS), "--num-samples", "2"])
+    assert ran.exit_code == 0 and "verdict: verified" in ran.stdout, ran.output
