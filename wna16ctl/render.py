@@ -5,7 +5,6 @@ from __future__ import annotations
 from rich.console import Console
 from rich.markup import escape
 
-from wna16ctl.planning import rules
 from wna16ctl.planning.inspection import Inspection
 from wna16ctl.sink import human_bytes, plural, simple_table
 
@@ -412,7 +411,7 @@ def render_model_section(console: Console, insp: Inspection) -> None:
     identical plans collapsed into one row group), MTP layers and modules that were not planned."""
     ck = insp.checkpoint
     _notes_grid(console, [(f"model TP {c.tp}:", f"{REFUSAL_LABEL if c.fatal else NOTE_LABEL} {escape(c.rule)}: "
-                                                f"{escape(c.error or c.detail)}") for c in insp.checks if not c.ok])
+                           + escape(c.error or c.detail)) for c in insp.checks if not c.ok])
     if ck.linear_layers:
         groups: dict[str, list] = {}
         for lay in ck.linear_layers:

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-
 VLLM_LAYOUT = "vllm"
 MARLIN_LAYOUT = "marlin"
 PLUGIN_LOAD_FORMAT = "wna16ctl"  # the load format the `wna16ctl[vllm]` plugin registers

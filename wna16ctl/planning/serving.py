@@ -19,8 +19,17 @@ from typing import Any
 
 from wna16ctl.planning import rules
 from wna16ctl.planning.next_steps import (
-    MARLIN_LAYOUT, PLUGIN_INSTALL, VLLM_LAYOUT, W13_SCALE_HAZARD, NextStep, checkpoint_ref, output_name,
-    has_w13_scale_hazard, plugin_serves, repack_command, serve_command,
+    MARLIN_LAYOUT,
+    PLUGIN_INSTALL,
+    VLLM_LAYOUT,
+    W13_SCALE_HAZARD,
+    NextStep,
+    checkpoint_ref,
+    has_w13_scale_hazard,
+    output_name,
+    plugin_serves,
+    repack_command,
+    serve_command,
 )
 
 CORRECTNESS = "correctness"  # planning.inspection's severity of a hazard that makes outputs wrong
