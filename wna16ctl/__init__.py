@@ -16,6 +16,7 @@ stays cheap.  See docs/python-api.md.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from wna16ctl.version import __version__
@@ -74,7 +75,8 @@ def repack(path: PathLike, out: PathLike | None, tp: int | str, *, ep: bool = Fa
            device: str = "auto", vllm: str = "installed", gpu: str = "sm90",
            env: dict[str, str] | Iterable[str] | None = None, moe_backend: str = "auto",
            progress: Callable[..., Callable[[int], None]] | None = None,
-           notice: Callable[[str], None] | None = None, ranks: list[int] | None = None) -> RepackResult | RepackPlan:
+           notice: Callable[[str], None] | None = None, ranks: list[int] | str | None = None,
+           node_local: bool = False, revision: str | None = None) -> RepackResult | RepackPlan:
     """Write the checkpoint's experts per rank in the kernel layout into `out`, with a manifest.
 
     Same options and defaults as `wna16ctl repack` (`layout` auto|marlin|transposed|vllm, `device`
@@ -83,9 +85,12 @@ def repack(path: PathLike, out: PathLike | None, tp: int | str, *, ep: bool = Fa
     `RepackResult` (`to_json()` = `repack --json`, docs/repack-json.md).  `vllm` and `gpu` as for
     `inspect` (not `"all"`), and so are `env` and `moe_backend`: the plan follows that release and the manifest records it.  `progress` and `notice`
     receive what the CLI shows on stderr (see `wna16ctl.sink.Sink.tasks`).  A layer that cannot
-    be produced raises `NotLoadable` before anything is written.  `ranks` (e.g. [0, 3]) writes only
-    those TP ranks: `out` is then a part with a manifest part (`wna16ctl.repacking.parts`).  `layout="vllm"`
-    returns the `VllmStatePlan` (dry run) or the manifest dict (`wna16ctl.repacking.vllm_layout`).
+    be produced raises `NotLoadable` before anything is written.  `ranks` (e.g. [0, 3] or "0,3") writes
+    only those TP ranks: `out` is then a part with a manifest part (`wna16ctl.repacking.parts`);
+    `node_local` as `--node-local` under torchrun.  `revision`: the branch, tag or commit of a Hub
+    repo id `path` (downloaded into the Hugging Face cache first).  `layout="vllm"` returns the
+    `VllmStatePlan` on a dry run, else a `RepackResult` like every other layout.  Every result's
+    `next_steps` holds the serve command of what was written.
     """
     from wna16ctl.errors import UsageError
     from wna16ctl.planning.inspection import resolve, resolve_switches
@@ -98,6 +103,11 @@ def repack(path: PathLike, out: PathLike | None, tp: int | str, *, ep: bool = Fa
         raise UsageError("force and resume exclude each other")
     engine = resolve(vllm, gpu)
     switches = resolve_switches(env, moe_backend)
+    path = _local(path, revision)
+    if isinstance(ranks, str):
+        from wna16ctl.repacking.distributed import parse_ranks
+
+        ranks = parse_ranks(ranks, n_ranks)
     if vllm == "all":
         raise UsageError("repack plans for one vLLM release: pass a version, 'installed' or 'latest'")
     if layout == "vllm":  # the whole model per rank for vLLM's sharded_state loader (wna16ctl.repacking.vllm_layout)
@@ -111,7 +121,12 @@ def repack(path: PathLike, out: PathLike | None, tp: int | str, *, ep: bool = Fa
             return vplan  # type: ignore[return-value]
         if out is None:
             raise UsageError("an output directory is required (or pass dry_run=True)")
-        return write_vllm_state(vplan, out, force=force, progress=progress)  # type: ignore[return-value]
+        from wna16ctl.repacking.pipeline import RepackResult
+
+        manifest = write_vllm_state(vplan, out, force=force, progress=progress)
+        return RepackResult(out=Path(out).resolve(), files_written=sum(len(r["files"]) for r in manifest["ranks"]),
+                            files_reused=0, bytes_written=sum(int(r["bytes"]) for r in manifest["ranks"]),
+                            manifest=manifest, ranks=list(range(n_ranks)))
     plan = plan_repack(path, RepackSettings(tp=n_ranks, ep=ep, layout=layout, max_shard_bytes=parse_size(max_shard_size),
                                             vllm=engine.version, gpu=gpu, env=switches.env,
                                             moe_backend=switches.moe_backend))
@@ -120,27 +135,57 @@ def repack(path: PathLike, out: PathLike | None, tp: int | str, *, ep: bool = Fa
     if out is None:
         raise UsageError("an output directory is required (or pass dry_run=True)")
     return run_repack(plan, out, force=force, resume=resume, progress=progress, device=device, notice=notice,
-                      ranks=ranks)
+                      ranks=ranks, node_local=node_local)
 
 
 def verify(path: PathLike, out: PathLike, *, samples: PathLike | None = None, num_samples: int = 64, device: str = "auto",
-           progress: Callable[..., Callable[[int], None]] | None = None,
+           e2e: bool = False, prompts: int = 8, max_new_tokens: int = 32, score: bool = False,
+           layers: str | Iterable[int] | None = None, revision: str | None = None, progress: Callable[..., Callable[[int], None]] | None = None,
            notice: Callable[[str], None] | None = None) -> VerifyReport:
     """Prove that `out` (a repack output) equals the checkpoint at `path`.
 
     `samples`: a .jsonl or .parquet file with a 'question' field; when None, the first source of
     `wna16ctl.verification.samples.SAMPLE_SEARCH_ORDER` that exists (docs/verify.md).  `notice`
     receives the one line given when a demo checkpoint's own questions stand in for GSM8K.
-    Returns the `VerifyReport` (`to_json()` = `verify --json`, docs/verify-json.md); `.passed`
-    is true only when every required check ran and passed.  Raises `BadInput` on unusable input.
+    `e2e` adds greedy generation with `prompts`, `max_new_tokens` and `score` as `verify --e2e`
+    (needs wna16ctl[e2e]; not for a `layout="vllm"` output).  `layers` ("0-3,7" or indices) checks
+    only those MoE layers' experts: a partial verify (`.partial`, the verdict says so, no
+    `next_steps`).  `revision` as for `repack`.
+    Returns the `VerifyReport` (`to_json()` = `verify --json`, docs/verify-json.md); a
+    `layout="vllm"` output gives its `VllmStateReport`, with the same `.passed`, `.next_steps` and
+    `.to_json()`.  `.passed` is true only when every required check ran and passed.  Raises
+    `BadInput` on unusable input.
     """
+    from wna16ctl.errors import UsageError
     from wna16ctl.repacking.vllm_layout import is_vllm_output, verify_vllm_state
     from wna16ctl.verification.checks import verify_output
 
-    if is_vllm_output(out):  # a layout 'vllm' output: its VllmStateReport (`.ok`, `.problems`)
+    if not e2e and (prompts, max_new_tokens, score) != (8, 32, False):
+        raise UsageError("prompts, max_new_tokens and score only apply with e2e=True")
+    path = _local(path, revision)
+    if is_vllm_output(out):  # a layout 'vllm' output: contract and round trip
+        if e2e or layers is not None:
+            raise UsageError("e2e and layers do not apply to a layout 'vllm' output: it is checked whole")
         return verify_vllm_state(path, out)  # type: ignore[return-value]
+    options = None
+    if e2e:
+        from wna16ctl.verification.e2e import E2EOptions, require_transformers
+
+        require_transformers()
+        options = E2EOptions(prompts=prompts, max_new_tokens=max_new_tokens, score=score)
     return verify_output(path, out, samples=samples, num_samples=num_samples, device=device, progress=progress,
-                         notice=notice)
+                         e2e=options, notice=notice, layers=layers)
+
+
+def _local(path: PathLike, revision: str | None) -> str:
+    """A Hub repo id (`ORG/NAME[@REV]`, or with `revision`) as its downloaded snapshot; a directory as itself."""
+    from wna16ctl.sources.hub import parse_ref, resolve_local
+
+    if revision is None and os.path.exists(path):
+        return os.fspath(path)
+    if parse_ref(os.fspath(path), revision) is None:
+        return os.fspath(path)
+    return resolve_local(os.fspath(path), revision, quiet=True)[0]
 
 
 _TYPES = {"Inspection": "wna16ctl.planning.inspection", "RepackPlan": "wna16ctl.repacking.pipeline",

@@ -324,9 +324,9 @@ def repack(ctx: click.Context, ckpt: str, tp: str, ep: bool, layout: str, out: s
         finally:
             group.close()
         if result.committed:  # one result per output directory (one per node with --node-local)
-            from wna16ctl.summary import repack_result_lines
+            from wna16ctl.summary import next_step_lines, repack_result_lines
 
-            sink.result_lines(result.to_json(), lambda: repack_result_lines(plan, result))
+            sink.result_lines(result.to_json(), lambda: repack_result_lines(plan, result) + next_step_lines(result.next_steps))
         return EXIT_OK
 
     _run(ctx, sink, body, interrupted="no output was committed; the staging directory is kept for --resume")
@@ -393,7 +393,15 @@ def demo(ctx: click.Context, out: str, arch: str, bits: str, group_size: str, as
                 path = write_demo_output(out, spec, force=force, progress=progress)
         except ValueError as e:  # an impossible combination of options
             raise UsageError(str(e).removeprefix("DemoSpec: ")) from None
-        sink.result({"checkpoint": str(path), "spec": spec.__dict__}, lambda console: console.print(f"wrote {path}"))
+        import shlex
+
+        step = shlex.join(["wna16ctl", "inspect", str(path), "--tp", "1,2"])
+
+        def render(console) -> None:  # noqa: ANN001
+            console.print(f"wrote {path}", markup=False, highlight=False, soft_wrap=True)
+            console.print(f"next: see how it loads per TP size\n  {step}", markup=False, highlight=False, soft_wrap=True)
+
+        sink.result({"checkpoint": str(path), "spec": spec.__dict__, "next_steps": [step]}, render)
         return EXIT_OK
 
     _run(ctx, sink, body, interrupted=f"{out} is incomplete; run the command again with --force")
@@ -420,12 +428,16 @@ def _samples_order_help() -> str:
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=32, show_default=True,
               help="--e2e: tokens generated per prompt.")
 @click.option("--score", is_flag=True, help="--e2e: extract the final numbers and report GSM8K exact match.")
+@click.option("--layers", "layers", default=None, metavar="I,J-K",
+              help="Check only these MoE layers' experts (layer indices, e.g. 0-3,7): a partial verify, reported "
+                   "as such.")
 @click.option("--json", "json_mode", is_flag=True, help="Print the report as one JSON object (docs/verify-json.md).")
 @_REVISION
 @_debug_option
 @click.pass_context
 def verify(ctx: click.Context, ckpt: str, out: str, samples: str | None, num_samples: int, device: str, e2e: bool,
-           prompts: int, max_new_tokens: int, score: bool, json_mode: bool, revision: str | None, debug: bool) -> None:
+           prompts: int, max_new_tokens: int, score: bool, layers: str | None, json_mode: bool, revision: str | None,
+           debug: bool) -> None:
     """Prove OUT (a repack output) equals CKPT: manifest, bit-exact round trip, numerics (and --e2e).
 
     CKPT may be a Hub repo id ORG/NAME[@REVISION] (downloaded into the Hugging Face cache)."""
@@ -449,6 +461,8 @@ def verify(ctx: click.Context, ckpt: str, out: str, samples: str | None, num_sam
         from wna16ctl.repacking.vllm_layout import is_vllm_output, render_vllm_report, verify_vllm_state
 
         if is_vllm_output(out):  # a whole-model sharded_state output: contract + round trip
+            if layers is not None:
+                raise UsageError("--layers does not apply to a --layout vllm output: it is checked whole")
             if e2e:
                 raise UsageError("--e2e does not apply to a --layout vllm output: serve it with vLLM instead")
             vreport = verify_vllm_state(source, out)
@@ -456,7 +470,8 @@ def verify(ctx: click.Context, ckpt: str, out: str, samples: str | None, num_sam
             return EXIT_OK if vreport.ok else EXIT_FAILED
         with sink.tasks() as progress:
             report = verify_output(source, out, samples=samples, num_samples=num_samples, device=device,
-                                   progress=progress, e2e=options, notice=lambda m: sink.warn(m, always=True))
+                                   progress=progress, e2e=options, notice=lambda m: sink.warn(m, always=True),
+                                   layers=layers)
         sink.result(report.to_json(), lambda console: render_verify(console, report))
         return EXIT_OK if report.passed else EXIT_FAILED
 

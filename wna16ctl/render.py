@@ -5,7 +5,6 @@ from __future__ import annotations
 from rich.console import Console
 from rich.markup import escape
 
-from wna16ctl.planning import rules
 from wna16ctl.planning.inspection import Inspection
 from wna16ctl.sink import human_bytes, plural, simple_table
 
@@ -77,7 +76,7 @@ def render_inspection(console: Console, insp: Inspection) -> None:
     table = simple_table(
         f"plan per TP size{' (expert parallel)' if insp.ep else ''}",
         ["layers", "scheme", "TP", "I/rank", "backend", "w2 scales", "k full", "bytes/rank", "status"],
-        console,
+        console, drop=("k full", "w2 scales", "bytes/rank", "I/rank"), wrap=("status",),
     )
     table.columns[0].overflow = "fold"
     for col in table.columns[2:-1]:  # the status wraps between its words
@@ -99,8 +98,10 @@ def render_inspection(console: Console, insp: Inspection) -> None:
                 k_full = "yes" if p.w2.is_k_full else "no"
                 status = "[green]ok[/]"
             else:
-                # a failing row has no backend: showing the one the oracle would pick contradicts the error
-                backend, w2, k_full, status = "[red]none[/]", "—", "—", "[bold red]fails[/]"
+                # the backend the release selected before the refusal, as --json says (none: refused before
+                # or at the selection); the refusal is in the notes
+                backend = p.backend.value if p.backend is not None else "[red]none[/]"
+                w2, k_full, status = "—", "—", "[bold red]fails[/]"
             status += _hazard_status(p.hazards)
             table.add_row(
                 escape(span) if i == 0 else "",
@@ -109,11 +110,11 @@ def render_inspection(console: Console, insp: Inspection) -> None:
                 human_bytes(max(p.rank_bytes) * len(members)) if p.loadable and p.rank_bytes and max(p.rank_bytes) else "—",
                 status,
             )
-            texts = [f"[red]error[/] {escape(e)}" for e in p.errors]
+            texts = [f"{REFUSAL_LABEL} {escape(e)}" for e in p.errors]
             texts += [_hazard_note(h) for h in p.hazards]
             if not p.loadable:
                 # backends that never serve this deployment (another device, batched formats) are in --json
-                texts += [f"[dim]{name} rejected:[/] {escape(reason)}" for name, reason in p.rejected.items()
+                texts += [f"{NOTE_LABEL} [dim]{name} rejected:[/] {escape(reason)}" for name, reason in p.rejected.items()
                           if not reason.startswith(("lower priority", "kernel does not support the current device",
                                                     "kernel does not support the standard activation format"))]
             for text in texts:
@@ -131,25 +132,30 @@ def render_inspection(console: Console, insp: Inspection) -> None:
         verdict = "[bold green]loads[/] at every requested TP size"
     console.print(f"verdict: {verdict}")
     console.print(f"summary: {escape(insp.summary()['text'])}")
-    _render_serving(console, insp)
     render_suggestions(console, insp)
+    render_next_steps(console, insp.next_steps())
+
+
+# The three kinds of note under an inspect table, each with its label: the engine computes wrong
+# outputs; the engine refuses to load; anything else worth knowing (other releases, padding, ...).
+CORRECTNESS_LABEL = "[bold red]correctness hazard[/]"
+REFUSAL_LABEL = "[red]engine refusal[/]"
+NOTE_LABEL = "[yellow]note[/]"
 
 
 def _hazard_status(hazards: list[str]) -> str:
-    """The status cell's hazard count; correctness hazards (wrong outputs) apart, in red."""
+    """The status cell's counts: correctness hazards (wrong outputs) in red, other notes apart."""
     from wna16ctl.planning.inspection import CORRECTNESS, hazard_severity
 
     wrong = sum(hazard_severity(h) == CORRECTNESS for h in hazards)
-    out = f" [bold red]{plural(wrong, 'correctness hazard')}[/]" if wrong else ""
-    return out + (f" [yellow]{plural(len(hazards) - wrong, 'hazard')}[/]" if len(hazards) > wrong else "")
+    out = f", [bold red]{plural(wrong, 'correctness hazard')}[/]" if wrong else ""
+    return out + (f", [yellow]{plural(len(hazards) - wrong, 'note')}[/]" if len(hazards) > wrong else "")
 
 
 def _hazard_note(text: str) -> str:
     from wna16ctl.planning.inspection import CORRECTNESS, hazard_severity
 
-    if hazard_severity(text) == CORRECTNESS:
-        return f"[bold red]correctness hazard[/] {escape(text)}"
-    return f"[yellow]hazard[/] {escape(text)}"
+    return f"{CORRECTNESS_LABEL if hazard_severity(text) == CORRECTNESS else NOTE_LABEL} {escape(text)}"
 
 
 def _proposal_line(console: Console, insp: Inspection) -> None:
@@ -166,11 +172,12 @@ def render_suggestions(console: Console, insp: Inspection, shown: int = 2) -> No
     by_tp: dict[int, list] = {}
     for s in insp.suggestions:
         by_tp.setdefault(s.for_tp, []).append(s)
-    refused = [tp for i, tp in enumerate(insp.tps) if tp not in by_tp and not _tp_loads(insp, i)]
+    refused = [tp for i, tp in enumerate(insp.tps) if tp not in by_tp and not insp.tp_loads(i)]
     for tp, found in by_tp.items():
         for s in found[:shown]:
             how = escape(s.flags) + (f"; vLLM: {escape(s.vllm_flags)}" if s.vllm_flags else "")
-            console.print(f"  TP {tp}: [cyan]suggest[/] {escape(s.change)} ({how}): re-planned, [green]loads[/]")
+            outcome = "[green]outputs right[/]" if s.kind == "load_format" else "re-planned, [green]loads[/]"
+            console.print(f"  TP {tp}: [cyan]suggest[/] {escape(s.change)} ({how}): {outcome}", soft_wrap=True)
         if len(found) > shown:
             console.print(f"  TP {tp}: {len(found) - shown} more suggestion{'s' if len(found) - shown > 1 else ''} in --json")
     for tp in refused:
@@ -178,27 +185,25 @@ def render_suggestions(console: Console, insp: Inspection, shown: int = 2) -> No
                       "GPU, group size, act-order, symmetric weights)")
 
 
-def _tp_loads(insp: Inspection, i: int) -> bool:
-    ck = insp.checkpoint
-    tp = insp.tps[i]
-    return (all(insp.plans[lay.prefix][i].loadable for lay in ck.quantized_layers)
-            and all(p[i].loadable for p in insp.linear_plans.values())
-            and all(c.ok for c in insp.checks if c.fatal and c.tp == tp))
-
-
-
-def _render_serving(console: Console, insp: Inspection) -> None:
-    """Which repack layout stock vLLM serves pre-sharded, and how (only where the rulebook has the
-    release's sharded_state contract for this architecture)."""
-    ck = insp.checkpoint
-    # not where outputs would be wrong: the pre-sharded state goes through the same processing
-    if (insp.ep or not rules.vllm_state_known(insp.engine.version, ck.config.model_type) or not insp.ok
-            or any(lay.scheme.num_bits not in rules.VLLM_STATE_BITS for lay in ck.quantized_layers)):
+def render_next_steps(console: Console, steps: list) -> None:
+    """What to run next, per TP size: the layout, then the commands, broken between words with a
+    trailing backslash where they are wider than the console (so they still paste as they are)."""
+    if not steps:
         return
-    tp = insp.tps[-1]
-    console.print(f"serve pre-sharded with vLLM {insp.engine.version}: wna16ctl repack {escape(str(ck.root))} --tp {tp} "
-                  f"--layout vllm --vllm {insp.engine.version} -o OUT, then vllm serve OUT --load-format sharded_state "
-                  f"--tensor-parallel-size {tp}", soft_wrap=True)
+    import textwrap
+
+    from wna16ctl.summary import shell_lines
+
+    console.print("next steps:")
+    for s in steps:
+        what = f"{s.layout} layout" if s.layout else "the checkpoint as it is"
+        head = f"TP {s.tp}{' EP' if s.ep else ''}:"
+        for line in textwrap.wrap(f"{what}: {s.why}", max(console.width - len(head) - 3, 20)) or [""]:
+            console.print(f"  {head} {line}", markup=False, highlight=False, soft_wrap=True)
+            head = " " * len(head)
+        for command in s.lines():
+            for line in shell_lines(command, console.width, indent=4):
+                console.print(f"    {line}", markup=False, soft_wrap=True, highlight=False)
 
 
 def _span_of_ints(ids: list[int]) -> str:
@@ -268,23 +273,46 @@ def render_verify(console: Console, report) -> None:  # noqa: ANN001 - VerifyRep
             grid.add_row("", "…", f"{len(bad) - 10} more (see --json)")
     console.print(grid)
     if report.numerics:
+        # "exact": elements whose rounding interval is one value (the output must equal it);
+        # "off-centre": over the others, the largest distance from the interval's midpoint as a
+        # fraction of its half-width (at most 1 inside the interval)
         table = simple_table("numerics per MoE layer (candidate vs fp32 dequantized reference)",
-                             ["layer", "tokens", "experts", "max |err|", "rel L2", "cosine", "err/bound", "result"],
-                             console)
+                             ["layer", "tokens", "experts", "max |err|", "rel L2", "cosine", "exact", "off-centre",
+                              "result"], console,
+                             drop=("rel L2", "tokens", "cosine", "experts", "exact", "max |err|"))
+        reasons: list[tuple[str, str]] = []  # under the table, wrapped under themselves: the result stays one word
         for n in report.numerics:
-            result = _STATUS_MARKUP.get(n.status, n.status) + (f" ({escape(n.reason)})" if n.reason else "")
+            result = _STATUS_MARKUP.get(n.status, n.status) + ("*" if n.reason else "")
+            if n.reason:
+                reasons.append((f"* {n.layer}:", escape(n.reason)))
+            exact = "—" if n.exact_elements is None else str(n.exact_elements)
             table.add_row(escape(n.layer), f"{n.tokens} (+{n.forced_tokens} forced)" if n.forced_tokens else str(n.tokens),
                           f"{n.experts_exercised}/{n.num_experts}", _num(n.max_abs_error, ".3g"), _num(n.rel_l2_error, ".3g"),
-                          _num(n.cosine, ".6f"), _num(n.max_error_over_bound, ".3f"), result)
+                          _num(n.cosine, ".6f"), exact, _num(n.max_offset, ".3f"), result)
         table.columns[0].overflow = "fold"  # a layer name is the key of the row: wrap it, never cut it
-        for col in table.columns[1:7]:
+        for col in table.columns[1:]:
             col.no_wrap = True
         console.print(table)
+        _notes_grid(console, reasons)
     if report.e2e is not None:
         render_e2e(console, report.e2e)
     part = (f" (ranks {', '.join(map(str, report.ranks_checked))} only; ranks "
             f"{', '.join(map(str, report.ranks_not_checked))} not checked)" if report.ranks_not_checked else "")
-    console.print("verdict: " + ("[bold green]verified[/]" if report.passed else "[bold red]NOT verified[/]") + part)
+    if report.layers_not_checked:
+        part += (f" (partial: MoE {_plural_layers(report.layers_selected or [])} only; "
+                 f"{_plural_layers(report.layers_not_checked)} not checked)")
+    good = "[bold yellow]verified in part[/]" if report.partial else "[bold green]verified[/]"
+    console.print("verdict: " + (good if report.passed else "[bold red]NOT verified[/]") + part)
+    from wna16ctl.summary import next_step_lines
+
+    for line in next_step_lines(report.next_steps):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def _plural_layers(indices: list[int]) -> str:
+    from wna16ctl.planning.moe import _ranges
+
+    return f"layer{'s' if len(indices) != 1 else ''} {_ranges(indices)}"
 
 
 def _engine_source(engine) -> str:  # noqa: ANN001 - rules.Engine
@@ -352,14 +380,15 @@ def render_e2e(console: Console, res) -> None:  # noqa: ANN001 - E2EResult, impo
     if res.layers:
         table = simple_table("MoE block outputs against the rounding interval",
                              ["layer", "calls", "elements", "exact", "outside", "max err / bound", "experts routed",
-                              "forced"], console)
+                              "forced"], console, drop=("calls", "forced", "experts routed", "elements", "max err / bound"))
         for lay in res.layers:
             table.add_row(escape(lay.layer), str(lay.calls), str(lay.elements), str(lay.exact_elements),
                           "0" if not lay.violations else f"[bold red]{lay.violations}[/]", f"{lay.max_ratio:.3g}",
                           f"{len(lay.routed)}/{lay.num_experts}", str(len(lay.forced)))
         console.print(table)
     table = simple_table("greedy generation: source experts vs repacked experts",
-                         ["prompt", "agree", "first diff", "top-2 margin", "bound", "max |Δlogit|", "result"], console)
+                         ["prompt", "agree", "first diff", "top-2 margin", "bound", "max |Δlogit|", "result"], console,
+                         drop=("max |Δlogit|", "bound", "top-2 margin"))
     for c in res.prompts:
         j = c.to_json()
         table.add_row(str(c.index), f"{c.agree_prefix}/{len(c.reference_tokens)}",
@@ -381,18 +410,16 @@ def render_model_section(console: Console, insp: Inspection) -> None:
     """The model around the experts: engine-level TP checks, quantized linear layers (layers with
     identical plans collapsed into one row group), MTP layers and modules that were not planned."""
     ck = insp.checkpoint
-    bad = [c for c in insp.checks if not c.ok]
-    for c in bad:
-        colour = "red" if c.fatal else "yellow"
-        console.print(f"  model TP {c.tp}: [{colour}]{'error' if c.fatal else 'note'}[/] {escape(c.rule)}: "
-                      f"{escape(c.error or c.detail)}")
+    _notes_grid(console, [(f"model TP {c.tp}:", f"{REFUSAL_LABEL if c.fatal else NOTE_LABEL} {escape(c.rule)}: "
+                           + escape(c.error or c.detail)) for c in insp.checks if not c.ok])
     if ck.linear_layers:
         groups: dict[str, list] = {}
         for lay in ck.linear_layers:
             key = repr((lay.kind, lay.tp_role, lay.scheme, _unnamed(lay.name, insp.linear_plans[lay.name])))
             groups.setdefault(key, []).append(lay)
         table = simple_table("quantized linear layers per TP size",
-                             ["layers", "layer", "role", "scheme", "TP", "K/rank", "N/rank", "kernel", "status"], console)
+                             ["layers", "layer", "role", "scheme", "TP", "K/rank", "N/rank", "kernel", "status"], console,
+                             drop=("role", "K/rank", "N/rank", "scheme"), wrap=("status",))
         notes: list[tuple[str, str, str]] = []
         for members in groups.values():
             lay = members[0]
@@ -406,7 +433,7 @@ def render_model_section(console: Console, insp: Inspection) -> None:
                               escape(p.kernel.removesuffix("LinearKernel")) if p.kernel else "[red]none[/]", status)
                 where = f"{span} {lay.kind}"
                 for e in p.errors:
-                    notes.append((where, f"TP {p.tp}", f"[red]error[/] {escape(e)}"))
+                    notes.append((where, f"TP {p.tp}", f"{REFUSAL_LABEL} {escape(e)}"))
                 for h in p.hazards:
                     notes.append((where, f"TP {p.tp}", _hazard_note(h)))
                 if not p.loadable or p.hazards:
@@ -414,7 +441,7 @@ def render_model_section(console: Console, insp: Inspection) -> None:
                     for name, reason in p.rejected.items():
                         if reason.startswith("lower priority"):
                             break
-                        notes.append((where, f"TP {p.tp}", f"[dim]{name} rejected:[/] {escape(reason)}"))
+                        notes.append((where, f"TP {p.tp}", f"{NOTE_LABEL} [dim]{name} rejected:[/] {escape(reason)}"))
         console.print(table)
         # per layer group: errors, hazards, rejected kernels, each with the TP sizes it applies to; a
         # note that more than two layer groups share is printed once (every plan keeps it in --json)
@@ -428,11 +455,9 @@ def render_model_section(console: Console, insp: Inspection) -> None:
                 tps = by_where.setdefault(where, {}).setdefault(text, [])
                 if tp not in tps:
                     tps.append(tp)
-        for where, texts in by_where.items():
-            for text, tps in texts.items():
-                console.print(f"  {escape(where)} TP {','.join(t.removeprefix('TP ') for t in tps)}: {text}")
-        for text in (t for t in groups_of if t in shared):
-            console.print(f"  {len(groups_of[text])} layer groups: {text}")
+        _notes_grid(console, [(f"{where} TP {','.join(t.removeprefix('TP ') for t in tps)}:", text)
+                              for where, texts in by_where.items() for text, tps in texts.items()]
+                    + [(f"{len(groups_of[text])} layer groups:", text) for text in groups_of if text in shared])
     for lay in ck.mtp_layers:
         scheme = lay.scheme.describe() if lay.scheme else "unquantized"
         console.print(f"  MTP layer {escape(lay.prefix)} ({lay.num_experts} experts, {escape(scheme)}): not a decoder "

@@ -87,10 +87,13 @@ class Sink:
         if not self.progress_enabled():
             yield no_progress
             return
-        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+        from rich.progress import BarColumn, Progress, TextColumn
+        from rich.table import Column
 
-        with Progress(TextColumn("{task.description}"), BarColumn(), _AmountColumn(), TimeRemainingColumn(),
-                      console=self.err, transient=True) as bar:
+        # the bar gives way on a narrow terminal; the amount and the time left stay on one line each
+        with Progress(TextColumn("{task.description}", table_column=Column(no_wrap=True, overflow="ellipsis", ratio=2)),
+                      BarColumn(bar_width=None, table_column=Column(ratio=1)), _AmountColumn(),
+                      _EtaColumn(), console=self.err, transient=True, expand=True) as bar:
             current: list[Any] = []
 
             def start(description: str, total: int, *, unit: str = "bytes") -> Callable[[int], None]:
@@ -148,7 +151,37 @@ class _AmountColumn:
                 rate = f" {human_bytes(int(speed))}/s" if speed else ""
                 return Text(f"{human_bytes(int(task.completed))}/{human_bytes(int(task.total or 0))}{rate}")
 
-        return AmountColumn()
+        from rich.table import Column
+
+        return AmountColumn(table_column=Column(no_wrap=True))
+
+
+def time_left(completed: float, total: float, elapsed: float | None) -> float | None:
+    """Seconds left at the throughput measured since the step started (None before any progress).
+    Over the whole step, not a recent window: verify's steps advance in uneven jumps (one expert,
+    one layer), and a window's rate swings with them."""
+    if not elapsed or completed <= 0 or total <= 0:
+        return None
+    return max(total - completed, 0) * elapsed / completed
+
+
+class _EtaColumn:
+    """'0:01:23 left' from `time_left`; '-:--:-- left' until the step has advanced."""
+
+    def __new__(cls):
+        from rich.progress import ProgressColumn
+        from rich.table import Column
+        from rich.text import Text
+
+        class EtaColumn(ProgressColumn):
+            def render(self, task):  # noqa: ANN001, ANN202
+                left = time_left(task.completed, task.total or 0, task.elapsed)
+                if left is None:
+                    return Text("-:--:-- left")
+                s = int(left + 0.5)
+                return Text(f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d} left")
+
+        return EtaColumn(table_column=Column(no_wrap=True))
 
 
 def output_width(stream: Any) -> int | None:
@@ -236,10 +269,15 @@ def plural(n: int, word: str, plural_form: str | None = None) -> str:
     return f"{n} {word if n == 1 else (plural_form or word + 's')}"
 
 
-def simple_table(title: str, columns: list[str], console: "Console | None" = None) -> "Table":
+def simple_table(title: str, columns: list[str], console: "Console | None" = None, *,
+                 drop: tuple[str, ...] = (), wrap: tuple[str, ...] = ()) -> "Table":
     """A table with box drawing on a terminal, plain aligned columns in a pipe or a log.  No column
     is narrower than its longest word, so narrow terminals wrap cells between words ("layers
-    0-1", never "laye/rs")."""
+    0-1", never "laye/rs").
+
+    `drop`: headers of columns that may be left out, in that order, while the table is wider than
+    the console (a caption names them); the columns not named, the verdict among them, always stay.
+    `wrap`: columns whose cells may wrap between words (their longest word is their need)."""
     from rich import box
     from rich.table import Table
     from rich.text import Text
@@ -251,17 +289,44 @@ def simple_table(title: str, columns: list[str], console: "Console | None" = Non
                 words = [w for c in cells if isinstance(c, str) for w in Text.from_markup(c).plain.split()]
                 column.min_width = max([column.min_width or 0, *map(len, words)])
 
+        def _need(self) -> int:
+            """Columns wide enough for every cell on one line (the `wrap` ones: their longest word)."""
+            widths = []
+            for column in self.columns:
+                texts = [Text.from_markup(c).plain if isinstance(c, str) else "" for c in [column.header, *column._cells]]
+                if column.header in wrap:
+                    texts = [w for t in texts for w in t.split()]
+                widths.append(max([len(line) for t in texts for line in t.splitlines() or [""]] or [0]))
+            return sum(widths) + 2 * (len(widths) - 1)
+
+        def _drop_to(self, width: int) -> None:
+            dropped = []
+            for header in drop:
+                if self._need() <= width:
+                    break
+                index = next((i for i, c in enumerate(self.columns) if c.header == header), None)
+                if index is not None:
+                    del self.columns[index]
+                    for i, column in enumerate(self.columns):
+                        column._index = i  # rich pads and places a column by its index
+                    dropped.append(header)
+            if dropped:
+                self.caption = f"not shown at {width} columns: {', '.join(dropped)} (every field is in --json)"
+
         def __rich_measure__(self, console, options):  # noqa: ANN001, ANN204
+            self._drop_to(options.max_width)
             self._fit_words()
             return super().__rich_measure__(console, options)
 
         def __rich_console__(self, console, options):  # noqa: ANN001, ANN204
+            self._drop_to(options.max_width)
             self._fit_words()
             return super().__rich_console__(console, options)
 
     plain = console is not None and not console.is_terminal
     table = WordTable(title=title, title_justify="left", show_lines=False, header_style="bold",
-                      box=None if plain else box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=not plain)
+                      box=None if plain else box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=not plain,
+                      caption_justify="left", caption_style="dim")
     for c in columns:
         table.add_column(c)
     return table

@@ -27,4 +27,39 @@ def assemble_result_lines(result: Any) -> list[str]:
     """What `assemble` joined (a repacking.parts.AssembleResult)."""
     return [f"assembled {result.out}: {plural(len(result.parts), 'part')}, "
             f"ranks {', '.join(map(str, result.ranks))}, {plural(result.files, 'file')}",
-            f"manifest: {result.out / result.to_json()['manifest_name']} (check it with `wna16ctl verify`)"]
+            f"manifest: {result.out / result.to_json()['manifest_name']}"] + \
+        [f"next: check the contents\n  {line}" for line in result.next_steps[:1]]
+
+
+def next_step_lines(steps: list[Any]) -> list[str]:
+    """What to run next (planning.next_steps.NextStep), each command on its own line."""
+    import shutil
+    import textwrap
+
+    width = shutil.get_terminal_size((100, 24)).columns  # $COLUMNS first, as for every table
+    out: list[str] = []
+    for s in steps:
+        head = f"next: {s.why}" if s.layout is None else f"next: serve the {s.layout} layout ({s.why})"
+        out += textwrap.wrap(head, width, subsequent_indent="      ")
+        out += [f"  {line}" for command in s.lines() for line in shell_lines(command, width, 2)]
+    return out
+
+
+def shell_lines(command: str, width: int | None, indent: int = 0) -> list[str]:
+    """`command` as lines of at most `width` columns (None: one line), broken between shell words
+    with a trailing backslash, so that the lines paste and run as the one command."""
+    import shlex
+
+    if width is None or indent + len(command) <= width:
+        return [command]
+    lines: list[str] = []
+    current = ""
+    for w in (shlex.quote(x) for x in shlex.split(command)):
+        room = width - indent - (4 if lines else 0) - 2
+        if current and len(current) + 1 + len(w) > room:
+            lines.append(current + " \\")
+            current = w
+        else:
+            current = f"{current} {w}" if current else w
+    lines.append(current)
+    return [lines[0]] + ["    " + ln for ln in lines[1:]]

@@ -51,7 +51,9 @@ def test_summary_line_ends_every_table(make_ckpt):
     res = invoke("inspect", ck, "--tp", "1,2,4")
     assert res.exit_code == 1
     line = "summary: loads at TP 1, 2; TP 4 needs --ep (I_p % group without it)"
-    assert res.stdout.splitlines()[-1] == line, res.stdout
+    lines = res.stdout.splitlines()
+    # the summary ends the tables; only the next steps (what to run) follow it
+    assert lines[lines.index("next steps:") - 1] == line, res.stdout
     doc = json.loads(invoke("inspect", ck, "--tp", "1,2,4", "--json").stdout)
     assert doc["summary"] == {"loads": [1, 2], "wrong_outputs": [], "fails": {"4": ["I_p % group"]},
                               "loads_with_ep": [4], "text": line.removeprefix("summary: ")}

@@ -347,18 +347,23 @@ def test_python_api_writes_and_verifies_the_vllm_layout(make_ckpt, tmp_path):
     ck = make_ckpt()
     plan = wna16ctl.repack(ck, None, 2, layout="vllm", vllm="0.33.0", dry_run=True)
     assert len(plan.keys[0]) == 49
-    manifest = wna16ctl.repack(ck, tmp_path / "o", 2, layout="vllm", vllm="0.33.0")
-    assert manifest["serve"].endswith("--load-format sharded_state --tensor-parallel-size 2")
+    result = wna16ctl.repack(ck, tmp_path / "o", 2, layout="vllm", vllm="0.33.0")
+    assert isinstance(result, wna16ctl.RepackResult)  # one result type, whatever the layout
+    assert result.manifest["serve"].endswith("--load-format sharded_state --tensor-parallel-size 2")
+    assert [s.serve for s in result.next_steps] == [result.manifest["serve"]]
+    assert result.to_json()["next_steps"][0]["layout"] == "vllm" and result.files_written == 2
     report = wna16ctl.verify(ck, tmp_path / "o")
-    assert report.ok and report.tensors_round_tripped == 98
+    assert report.ok and report.passed and report.tensors_round_tripped == 98
+    assert report.to_json()["passed"] and [s.serve for s in report.next_steps] == [result.manifest["serve"]]
 
 
 def test_inspect_says_how_to_serve_pre_sharded(make_ckpt):
     ck = make_ckpt()
-    res = invoke("inspect", ck, "--tp", "1,2", "--vllm", "0.32.0")
-    text = " ".join(res.output.split())
-    assert f"wna16ctl repack {ck} --tp 2 --layout vllm --vllm 0.32.0 -o OUT" in text
-    assert "vllm serve OUT --load-format sharded_state --tensor-parallel-size 2" in text
+    res = invoke("inspect", ck, "--tp", "1,2", "--vllm", "0.32.0", "--json")
+    step = json.loads(res.stdout)["next_steps"][1]
+    out = f"{ck.name}-vllm-tp2"
+    assert step["repack"] == f"wna16ctl repack {ck} --tp 2 --layout vllm --vllm 0.32.0 --gpu sm90 -o {out}"
+    assert step["serve"] == f"vllm serve {out} --load-format sharded_state --tensor-parallel-size 2"
     older = " ".join(invoke("inspect", ck, "--tp", "1", "--vllm", "0.29.0").output.split())
     assert "--layout vllm --vllm 0.29.0" in older  # every release has a contract for Qwen3-MoE
     # at TP 2 0.29.0's Marlin processing permutes the w13 scales wrongly: no serving advice then

@@ -64,6 +64,8 @@ class Inspection:
     switches: EngineSwitches = DEFAULT_SWITCHES  # --env overrides and --moe-backend
     # the config-parse refusal of each planned release (None: quantization_config parses)
     refusals: dict[str, ConfigRefusal | None] = field(default_factory=dict)
+    # TP size -> whether the model loads there with expert parallelism (re-planned on first need)
+    _ep_replans: dict[int, bool] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def config_refusal(self) -> ConfigRefusal | None:
@@ -107,6 +109,31 @@ class Inspection:
                     h["tp"].append(p.tp)
         return sorted(grouped.values(), key=lambda h: h["severity"] != CORRECTNESS)
 
+    def loads_with_ep(self, tp: int) -> bool:
+        """Whether the whole model loads at `tp` with expert parallelism (re-planned, as `--suggest`
+        does); False when EP was inspected already or the release refuses the config."""
+        if self.ep or self.config_refusal is not None or not self.checkpoint.quantized_layers:
+            return False
+        if tp not in self._ep_replans:
+            self._ep_replans[tp] = replan_loads(self, tp, True, self.engine.version, self.gpu, problems=self.problems)
+        return self._ep_replans[tp]
+
+    def tp_loads(self, i: int) -> bool:
+        """Whether the i-th requested TP size loads: every MoE layer, every linear layer, every fatal
+        model check (correctness hazards aside)."""
+        tp = self.tps[i]
+        return (self.config_refusal is None and bool(self.checkpoint.quantized_layers)
+                and all(self.plans[lay.prefix][i].loadable for lay in self.checkpoint.quantized_layers)
+                and all(p[i].loadable for p in self.linear_plans.values())
+                and all(c.ok for c in self.checks if c.fatal and c.tp == tp))
+
+    def next_steps(self) -> list[Any]:
+        """Per loadable TP size, the layout to write and the `repack` and `vllm serve` lines
+        (`planning.next_steps`)."""
+        from wna16ctl.planning.serving import inspect_next_steps
+
+        return inspect_next_steps(self)
+
     def summary(self) -> dict[str, Any]:
         """Per TP size: loads, loads with wrong outputs, or fails (the rules, and whether --ep helps);
         `text` is the line that ends every inspect table."""
@@ -118,7 +145,7 @@ class Inspection:
                                               + ([fatal[tp]] if tp in fatal else [])))
             if rules_failed or not self.checkpoint.quantized_layers:
                 fails[tp] = rules_failed
-                if any(h.startswith("with expert parallelism") for p in plans for h in p.hazards):
+                if self.loads_with_ep(tp):
                     with_ep.append(tp)
             elif any(hazard_severity(h) == CORRECTNESS for p in plans for h in p.hazards):
                 wrong.append(tp)
@@ -208,6 +235,7 @@ class Inspection:
             out["proposal"] = self.proposal.to_json()
         if self.suggestions is not None:
             out["suggestions"] = [s.to_json() for s in self.suggestions]
+        out["next_steps"] = [s.to_json() for s in self.next_steps()]
         if self.versions:
             out["versions"] = [
                 {"vllm": v, "loadable": self.loadable_in(v),
@@ -326,6 +354,30 @@ def plan_all_linear(layers: list[LinearLayer], tps: tuple[int, ...], version: st
                                  hazards=[t.replace(first, lay.name) for t in p.hazards])
                          for p in plans]
     return out
+
+
+def replan_loads(insp: Inspection, tp: int, ep: bool, version: str, gpu: str, *,
+                 layers: list[MoELayer] | None = None, linear_layers: list[LinearLayer] | None = None,
+                 problems: dict[str, str | None] | None = None, switches: EngineSwitches | None = None) -> bool:
+    """Whether the inspected model loads at `tp` (EP if `ep`) in `version` on `gpu`, re-planned with
+    the planners `inspect` uses over every MoE layer, every linear layer and the engine's model
+    checks.  `layers`/`linear_layers`: the layers with a changed scheme (default: the checkpoint's);
+    `problems`: the data-level errors that still apply; `switches`: the engine's (default: inspected).
+    `--suggest` and the summary's "needs --ep" both ask this one question."""
+    ck = insp.checkpoint
+    layers = ck.layers if layers is None else layers
+    quantized = [lay for lay in layers if lay.quantized]
+    if not quantized or (not ep and any(tp > lay.intermediate_size for lay in quantized)):
+        return False  # a rank would hold no column (inspect refuses such a size outright)
+    switches = insp.switches if switches is None else switches
+    plans = plan_all(layers, (tp,), ep, version, gpu, problems, with_differences=False, switches=switches)
+    if not all(plans[lay.prefix][0].loadable for lay in quantized):
+        return False
+    linear = plan_all_linear(ck.linear_layers if linear_layers is None else linear_layers, (tp,), version, gpu,
+                             _params_dtype(ck.config.torch_dtype), with_differences=False, switches=switches)
+    if not all(p.loadable for plans_ in linear.values() for p in plans_):
+        return False
+    return all(c.ok for c in checkpoint_model_checks(ck, tp, ep, version) if c.fatal)
 
 
 def _params_dtype(torch_dtype: str) -> str:

@@ -22,7 +22,9 @@ from typing import Any, Callable
 from wna16ctl.planning import rules
 from wna16ctl.planning.config_parse import config_refusal
 from wna16ctl.planning.engine_env import MOE_BACKEND_SINCE
-from wna16ctl.planning.inspection import Inspection, _params_dtype, checkpoint_model_checks, plan_all, plan_all_linear
+from wna16ctl.planning.inspection import Inspection, replan_loads
+from wna16ctl.planning.next_steps import PLUGIN_INSTALL, PLUGIN_LOAD_FORMAT
+from wna16ctl.planning.serving import plugin_fix
 from wna16ctl.sources.config import QuantConfig, WeightScheme
 from wna16ctl.sources.model import LinearLayer
 from wna16ctl.sources.moe import MoELayer
@@ -40,7 +42,7 @@ class Suggestion:
     """One change under which the model loads at `for_tp`'s place, re-planned."""
 
     for_tp: int  # the requested TP size that is refused
-    kind: str  # ep | tp | vllm | gpu | actorder | group_size | symmetric
+    kind: str  # ep | tp | vllm | gpu | actorder | group_size | symmetric | moe_backend | load_format
     change: str  # what changes, in words
     flags: str  # the exact change: inspect options for serving and proposal changes, the recipe line to requantize
     tp: int  # the deployment re-planned
@@ -50,7 +52,7 @@ class Suggestion:
     vllm_flags: str | None = None  # what `vllm serve` takes for it, where it is a serving change
     recipe: str | None = None  # the recipe line, where it is a change of the weights
     requantize: bool = False  # the checkpoint must be quantized again
-    refused: tuple[str, ...] = ()  # the rules that refuse the requested configuration
+    refused: tuple[str, ...] = ()  # the rules that refuse the requested configuration (or its correctness hazard)
     loads: bool = True  # re-planned and loads (only such suggestions are listed)
     cost: float = 0.0  # nearness (lower first); not part of the JSON
 
@@ -92,8 +94,6 @@ def loads(insp: Inspection, tp: int, ep: bool, version: str, gpu: str, change: S
     """Whether the inspected model loads at `tp` (EP if `ep`) in `version` on `gpu`, with every
     quantized layer's scheme changed by `change`: the same planners as `inspect`, every layer."""
     ck = insp.checkpoint
-    if not ep and any(tp > lay.intermediate_size for lay in ck.quantized_layers):
-        return False  # a rank would hold no column (inspect refuses such a size outright)
     # the release parses every config group first: a refused group stops the model at any TP
     if _config_refusal(ck.config.quant, version, change) is not None:
         return False
@@ -103,16 +103,9 @@ def loads(insp: Inspection, tp: int, ep: bool, version: str, gpu: str, change: S
     switches = insp.switches if moe_backend is None else replace(insp.switches, moe_backend=moe_backend)
     if not backend_known(switches.moe_backend, version):
         return False
-    plans = plan_all(layers, (tp,), ep, version, gpu, problems, with_differences=False, switches=switches)
-    quantized = [lay for lay in layers if lay.quantized]
-    if not quantized or not all(plans[lay.prefix][0].loadable for lay in quantized):
-        return False
     linear_layers = ck.linear_layers if change is None else [_rescheme_linear(lay, change) for lay in ck.linear_layers]
-    linear = plan_all_linear(linear_layers, (tp,), version, gpu, _params_dtype(ck.config.torch_dtype),
-                             with_differences=False, switches=switches)
-    if not all(p.loadable for plans_ in linear.values() for p in plans_):
-        return False
-    return all(c.ok for c in checkpoint_model_checks(ck, tp, ep, version) if c.fatal)
+    return replan_loads(insp, tp, ep, version, gpu, layers=layers, linear_layers=linear_layers, problems=problems,
+                        switches=switches)
 
 
 def _refused_rules(insp: Inspection, i: int) -> tuple[str, ...]:
@@ -329,6 +322,15 @@ def suggest(insp: Inspection) -> list[Suggestion]:
     for i, tp in enumerate(insp.tps):
         refused = _refused_rules(insp, i)
         if not refused:
+            fix = plugin_fix(insp, i)
+            if fix is not None:  # loads with wrong outputs, and the Marlin output served by the plugin is right
+                out.append(Suggestion(
+                    for_tp=tp, kind="load_format",
+                    change="write the Marlin layout and serve it with the wna16ctl load format: it carries the "
+                           "corrected w13 scale permutation, where vLLM's own processing gives wrong outputs",
+                    flags=fix.repack or "", tp=tp, ep=False, vllm=insp.engine.version, gpu=insp.gpu,
+                    vllm_flags=f"--load-format {PLUGIN_LOAD_FORMAT} --moe-backend marlin (after {PLUGIN_INSTALL})",
+                    refused=("correctness: w13 scales (PR #50196)",)))
             continue
         options = _options(insp, tp, weight_cost)
         found: list[Suggestion] = []

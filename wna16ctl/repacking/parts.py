@@ -121,9 +121,18 @@ class AssembleResult:
     files: int
     manifest: dict[str, Any]
 
+    @property
+    def next_steps(self) -> list[str]:
+        """The verify line that checks the joined output against its checkpoint (the source path
+        its manifest records), shell-quoted."""
+        import shlex
+
+        source = (self.manifest.get("source") or {}).get("path")
+        return [shlex.join(["wna16ctl", "verify", str(source), str(self.out)])] if source else []
+
     def to_json(self) -> dict[str, Any]:
         return {"output": str(self.out), "parts": self.parts, "ranks": self.ranks, "files": self.files,
-                "manifest_name": MANIFEST_NAME, "manifest": self.manifest}
+                "manifest_name": MANIFEST_NAME, "manifest": self.manifest, "next_steps": self.next_steps}
 
 
 def assemble(out: str | os.PathLike[str]) -> AssembleResult:

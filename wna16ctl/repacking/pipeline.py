@@ -203,7 +203,8 @@ def _choose_layout(layer: MoELayer, plan: LayerPlan, requested: str) -> str:
             why.append(", ".join(f"{b}: {r}" for b, r in plan.rejected.items()))
         loads = [v for v in rules.RELEASES if plan_layer(layer, plan.tp, plan.ep, v, plan.gpu).loadable]
         why.append(f"loads on vLLM {rules.span(loads)}" if loads else "no known vLLM release loads it")
-        raise NotLoadable(f"vLLM {plan.vllm} refuses {where}: " + "; ".join(why))
+        # the engine's sentences end with a full stop: joined by semicolons, without it
+        raise NotLoadable(f"vLLM {plan.vllm} refuses {where}: " + "; ".join(w.rstrip(".") for w in why))
     if plan.layout is None:
         raise NotLoadable(f"{where}: vLLM {plan.vllm} runs it on {plan.backend.value}, and neither the Marlin nor "
                           "the Triton layout applies to it, so there is nothing wna16ctl can write")
@@ -391,7 +392,16 @@ class RepackResult:
             "manifest_name": self.manifest_name,
             "processes": self.processes,
             "manifest": self.manifest,
+            "next_steps": [s.to_json() for s in self.next_steps],
         }
+
+    @property
+    def next_steps(self) -> list[Any]:
+        """How to serve what was written (planning.next_steps); none for a part (assemble it first)."""
+        from wna16ctl.planning.next_steps import manifest_next_step
+
+        step = manifest_next_step(self.manifest, self.out) if self.committed else None
+        return [] if step is None else [step]
 
 
 def _expert_chunks(job: LayerJob) -> list[range]:

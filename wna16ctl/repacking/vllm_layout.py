@@ -18,19 +18,19 @@ from __future__ import annotations
 import json
 import os
 import re
-import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from wna16ctl.version import __version__
 from wna16ctl.planning import rules
-from wna16ctl.planning.moe import unquantized_lookup_error
+from wna16ctl.planning.vllm_state import check_supported
 from wna16ctl.sources import Checkpoint, MoELayer, open_checkpoint
 from wna16ctl.sources.moe import _FAMILY_NAMES
 from wna16ctl.dtypes import FLOAT_ST_OF_CONFIG, ST_SIZES, torch_dtype
 from wna16ctl.errors import BadInput, NotLoadable, UsageError
 from wna16ctl.output.manifest import FORMAT_NAME, FORMAT_VERSION, SIDE_FILES
+from wna16ctl.sink import human_bytes, plural
 
 LAYOUT = "vllm"
 PATTERN = "model-rank-{rank}-part-{part}.safetensors"  # vLLM's default sharded_state file pattern
@@ -93,17 +93,12 @@ class VllmStatePlan:
 
 
 def serve_command(out: str | os.PathLike[str], tp: int) -> str:
-    return f"vllm serve {shlex.quote(str(out))} --load-format sharded_state --tensor-parallel-size {tp}"
+    from wna16ctl.planning.next_steps import VLLM_LAYOUT, serve_command as serve
+
+    return serve(out, VLLM_LAYOUT, tp)
 
 
 # -- planning (torch-free) ------------------------------------------------------------------------
-
-def _refuse_unknown(version: str, arch: str) -> None:
-    if not rules.vllm_state_known(version, arch):
-        known = ", ".join(f"{a} ({rules.span(list(v))})" for a, v in rules.VLLM_STATE_SUPPORT.items())
-        raise UsageError(f"--layout vllm: vLLM {version} with architecture {arch} has no known sharded_state contract "
-                         f"(known: {known})")
-
 
 def _layer_of(name: str) -> int | None:
     m = re.match(r"model\.layers\.(\d+)\.", name)
@@ -227,38 +222,6 @@ def _in_force(row: rules.StateKey, version: str, arch: str) -> bool:
     return has != neg
 
 
-def _check_supported(ck: Checkpoint, version: str) -> None:
-    arch = ck.config.model_type
-    _refuse_unknown(version, arch)
-    if ck.linear_layers or ck.unplaced_linear:
-        first = ck.linear_layers[0].modules[0] if ck.linear_layers else ck.unplaced_linear[0]
-        raise UsageError(f"--layout vllm: {ck.root}: quantized non-expert layer {first} is not supported by the vllm "
-                         "layout yet; use --layout marlin or transposed")
-    kv_scheme = (ck.config.raw.get("quantization_config") or {}).get("kv_cache_scheme")
-    if kv_scheme:
-        raise UsageError(f"--layout vllm: {ck.config.path}: a kv_cache_scheme changes the attention scales vLLM "
-                         "creates; the vllm layout does not support it yet")
-    if ck.mtp_layers:
-        raise UsageError(f"--layout vllm: {ck.root}: multi-token-prediction layers are not supported by the vllm layout")
-    for lay in ck.layers:
-        if lay.scheme is None:
-            raise UsageError(f"--layout vllm: {lay.prefix}: unquantized experts are not supported by the vllm layout")
-        if len(lay.scheme_sets) > 1:
-            raise UsageError(f"--layout vllm: {lay.prefix}: experts of mixed precision; vLLM loads every expert "
-                             "with expert 0's scheme, so there is no faithful state to write")
-        if lay.scheme.num_bits not in rules.VLLM_STATE_BITS:
-            raise UsageError(f"--layout vllm: {lay.prefix}: {lay.scheme.num_bits}-bit experts pack codes across int32 "
-                             "words, which the vllm layout does not split by rank; vLLM loads the checkpoint itself")
-        if lay.scheme.act_order and rules.release(version).has("config.refuse_group_actorder"):
-            raise NotLoadable(f"{lay.prefix}: actorder {lay.scheme.actorder!r}: vLLM {version} refuses the checkpoint")
-        unquantized = unquantized_lookup_error(lay, rules.release(version))  # rule method.checkpoint_proj_names
-        if unquantized is not None:
-            raise NotLoadable(f"{lay.prefix}: {unquantized}")
-        if lay.scheme.act_order:
-            raise UsageError(f"--layout vllm: {lay.prefix}: actorder {lay.scheme.actorder!r} (g_idx and whole w2 "
-                             f"scales per rank) is not supported by the vllm layout; use --layout marlin")
-
-
 def _expert_orientation(ck: Checkpoint, tp: int, vllm: str, gpu: str, switches: Any
                         ) -> tuple[dict[int, str], dict[int, bool]]:
     """(backend per MoE layer, K-first per MoE layer) where the release's expert buffers depend on
@@ -287,7 +250,7 @@ def plan_vllm_state(ckpt: str | os.PathLike[str] | Checkpoint, tp: int, vllm: st
     """The exact tensors of every rank.  `gpu` and `switches` (planning.engine_env.EngineSwitches)
     matter only for releases whose expert buffers follow the backend (state.experts_k_first)."""
     ck = ckpt if isinstance(ckpt, Checkpoint) else open_checkpoint(ckpt)
-    _check_supported(ck, vllm)
+    check_supported(ck, vllm)
     backends, k_first = _expert_orientation(ck, tp, vllm, gpu, switches)
     dtype_name = ck.config.torch_dtype
     if dtype_name not in FLOAT_ST_OF_CONFIG:
@@ -539,10 +502,21 @@ class VllmStateReport:
     def ok(self) -> bool:
         return not self.problems
 
+    @property
+    def passed(self) -> bool:
+        """The output is proved (the name every verify result answers to)."""
+        return self.ok
+
+    @property
+    def next_steps(self) -> list[Any]:
+        """The serve command, once the output is proved."""
+        return [_next_step(self.out, self.tp)] if self.passed else []
+
     def to_json(self) -> dict[str, Any]:
         return {"output": str(self.out), "layout": LAYOUT, "tp": self.tp, "vllm": self.vllm, "ok": self.ok,
-                "keys_checked": self.keys_checked, "tensors_round_tripped": self.tensors_round_tripped,
-                "problems": self.problems, "serve": self.serve}
+                "passed": self.passed, "keys_checked": self.keys_checked,
+                "tensors_round_tripped": self.tensors_round_tripped, "problems": self.problems, "serve": self.serve,
+                "next_steps": [s.to_json() for s in self.next_steps]}
 
 
 def read_manifest(out: Path) -> dict[str, Any]:
@@ -766,9 +740,9 @@ def repack_vllm_command(sink: Any, source: str, settings: Any, out: str | None, 
 
     def render_plan(console: Any) -> None:
         for r in plan.to_json()["ranks"]:
-            console.print(f"rank {r['rank']}: {r['keys']} keys, {r['bytes']} bytes in {len(r['files'])} file(s)")
+            console.print(f"rank {r['rank']}: {r['keys']} keys, {human_bytes(r['bytes'])} in {plural(len(r['files']), 'file')}")
         _print_backends(console, plan)
-        console.print(f"serve with: {serve_command(out or 'OUT', plan.tp)}", soft_wrap=True)
+        console.print(f"then serve with: {serve_command(out or 'OUT', plan.tp)}", soft_wrap=True, markup=False)
 
     if dry_run:
         sink.result({**plan.to_json(), "loadable": True, "serve": serve_command(out or "OUT", plan.tp)}, render_plan)
@@ -778,13 +752,27 @@ def repack_vllm_command(sink: Any, source: str, settings: Any, out: str | None, 
 
     def render_result(console: Any) -> None:
         files = [f for r in manifest["ranks"] for f in r["files"]]
-        console.print(f"wrote {len(files)} file(s) for {plan.tp} rank(s) of vLLM {plan.vllm} into {Path(out).resolve()}")
+        console.print(f"wrote {plural(len(files), 'file')} for {plural(plan.tp, 'rank')} of vLLM {plan.vllm} into "
+                      f"{Path(out).resolve()}", soft_wrap=True)
         _print_backends(console, plan)
-        console.print(f"serve with: {manifest['serve']}", soft_wrap=True)
+        _print_next_step(console, manifest["serve"])
 
     sink.result({"output": str(Path(out).resolve()), "layout": LAYOUT, "tp": plan.tp, "vllm": plan.vllm,
-                 "ranks": manifest["ranks"], "serve": manifest["serve"]}, render_result)
+                 "ranks": manifest["ranks"], "serve": manifest["serve"],
+                 "next_steps": [_next_step(Path(out).resolve(), plan.tp).to_json()]}, render_result)
     return 0
+
+
+def _next_step(out: Path, tp: int) -> Any:
+    from wna16ctl.planning.next_steps import VLLM_LAYOUT, NextStep
+
+    return NextStep(tp, False, VLLM_LAYOUT, None, serve_command(out, tp),
+                    "stock vLLM reads each rank's files with its sharded_state loader")
+
+
+def _print_next_step(console: Any, serve: str) -> None:
+    console.print("next: serve it with stock vLLM", soft_wrap=True)
+    console.print(f"  {serve}", soft_wrap=True, markup=False, highlight=False)
 
 
 def _print_backends(console: Any, plan: VllmStatePlan) -> None:
@@ -813,6 +801,7 @@ def render_vllm_report(console: Any, report: VllmStateReport) -> None:
     for line in report.problems:
         console.print(f"FAIL {line}")
     if report.ok:
-        console.print(f"PASS {report.keys_checked} keys on {report.tp} rank(s) match vLLM {report.vllm}'s sharded_state "
+        console.print(f"PASS {report.keys_checked} keys on {plural(report.tp, 'rank')} match vLLM {report.vllm}'s sharded_state "
                       f"contract; {report.tensors_round_tripped} tensors round-trip to the checkpoint bit for bit")
-    console.print(f"serve with: {report.serve}", soft_wrap=True)
+    if report.passed:
+        _print_next_step(console, report.serve)

@@ -149,7 +149,8 @@ def make_proposal(scheme: str | None, recipe: str | Path | None, group_size: int
         given = [name for name, v in (("--group-size", group_size), ("--actorder", actorder), ("--ignore", ignore))
                  if v]
         if given:
-            raise UsageError(f"{', '.join(given)} apply to a proposed quantization: add --scheme or --recipe")
+            verb = "applies" if len(given) == 1 else "apply"
+            raise UsageError(f"{', '.join(given)} {verb} only to a proposed quantization: add --scheme or --recipe")
         return None
     if scheme is not None:
         return proposal_from_flags(scheme, group_size, actorder, ignore)

@@ -89,6 +89,8 @@ def load_questions(samples: str | os.PathLike[str], num_samples: int) -> list[st
         except Exception as e:  # offline, unknown id, ...
             raise BadInput(f"{samples}: cannot load as a dataset ({type(e).__name__}: {e})") from None
         return [r["question"] for r in ds.select(range(min(num_samples, len(ds))))]
+    if path.is_dir():
+        raise BadInput(f"{samples}: is a directory; pass a .jsonl or .parquet file in it with a 'question' field")
     raise BadInput(f"{samples}: no such file; pass a .jsonl or .parquet file with a 'question' field")
 
 

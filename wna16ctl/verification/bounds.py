@@ -149,16 +149,22 @@ class Verdict:
     exact_elements: int  # elements whose interval is one value (the candidate must equal it)
     max_ratio: float  # max |candidate − centre| / max(|lo − centre|, |hi − centre|): ≤ 1 when inside
     max_abs_error: float  # max |candidate − centre|
+    # over the elements whose interval is wider than one value: the largest distance of the candidate
+    # from the interval's midpoint as a fraction of its half-width (≤ 1 inside; None: every element exact).
+    # Exact elements are left out: they sit at 0 by construction and say nothing about the margin.
+    max_offset: float | None = None
 
     def merged(self, other: "Verdict") -> "Verdict":
         """Both judgements as one (the elements of each counted)."""
+        offsets = [o for o in (self.max_offset, other.max_offset) if o is not None]
         return Verdict(self.violations + other.violations, self.elements + other.elements,
                        self.exact_elements + other.exact_elements, max(self.max_ratio, other.max_ratio),
-                       max(self.max_abs_error, other.max_abs_error))
+                       max(self.max_abs_error, other.max_abs_error), max(offsets) if offsets else None)
 
     def to_json(self) -> dict[str, float | int]:
         return {"violations": self.violations, "elements": self.elements, "exact_elements": self.exact_elements,
-                "max_error_over_bound": self.max_ratio, "max_abs_error": self.max_abs_error}
+                "max_error_over_bound": self.max_ratio, "max_abs_error": self.max_abs_error,
+                "max_offset": self.max_offset}
 
 
 def judge(candidate: torch.Tensor, iv: Interval) -> Verdict:
@@ -167,7 +173,13 @@ def judge(candidate: torch.Tensor, iv: Interval) -> Verdict:
     err = torch.where(torch.isnan(c), torch.inf, (c - iv.centre).abs())
     allowed = torch.maximum((iv.lo - iv.centre).abs(), (iv.hi - iv.centre).abs()).clamp_min(1e-300)
     exact = iv.lo == iv.hi
+    spread = ~exact
+    max_offset = None
+    if bool(spread.any()):
+        mid, half = (iv.lo[spread] + iv.hi[spread]) / 2, (iv.hi[spread] - iv.lo[spread]) / 2
+        cs = c[spread]
+        max_offset = float(torch.where(torch.isnan(cs), torch.inf, (cs - mid).abs() / half).max())
     return Verdict(
         violations=int(outside.sum()), elements=c.numel(), exact_elements=int(exact.sum()),
         max_ratio=float((err / allowed).max()) if c.numel() else 0.0,
-        max_abs_error=float(err.max()) if c.numel() else 0.0)
+        max_abs_error=float(err.max()) if c.numel() else 0.0, max_offset=max_offset)

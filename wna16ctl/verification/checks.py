@@ -26,7 +26,7 @@ import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -106,6 +106,8 @@ class LayerNumerics:
     rel_l2_limit: float | None = None  # no longer a criterion: the interval of `bounds` is (kept for readers)
     elements: int | None = None
     exact_elements: int | None = None  # elements whose interval is one value: equality required
+    # over the other elements: max distance from the interval's midpoint / its half-width (≤ 1 passes)
+    max_offset: float | None = None
     kernel: str = ""  # what computed the candidate (the kernel source, emulated on the CPU)
 
     @property
@@ -140,6 +142,20 @@ class VerifyReport:
     findings: list[Finding] = field(default_factory=list)
     numerics: list[LayerNumerics] = field(default_factory=list)
     e2e: Any = None  # wna16ctl.verification.e2e.E2EResult when --e2e was asked
+    serve_step: Any = None  # how to serve the output (planning.next_steps.NextStep); None for a part
+    # `--layers`: the MoE layer indices checked, and those of the output left out (a partial verify)
+    layers_selected: list[int] | None = None
+    layers_not_checked: list[int] = field(default_factory=list)
+
+    @property
+    def partial(self) -> bool:
+        """Some ranks or some layers were not checked: the verdict speaks for the rest only."""
+        return bool(self.ranks_not_checked or self.layers_not_checked)
+
+    @property
+    def next_steps(self) -> list[Any]:
+        """The serve command of what was proved: only once it is proved."""
+        return [self.serve_step] if self.passed and not self.partial and self.serve_step is not None else []
 
     @property
     def passed(self) -> bool:
@@ -185,9 +201,12 @@ class VerifyReport:
             "layers_checked": self.layers_checked, "experts_checked": self.experts_checked,
             "files_checked": self.files_checked,
             "ranks_checked": self.ranks_checked, "ranks_not_checked": self.ranks_not_checked,
+            "layers_selected": self.layers_selected, "layers_not_checked": self.layers_not_checked,
+            "partial": self.partial,
             "findings": [f.to_json() for f in self.findings],
             "numerics": [n.to_json() for n in self.numerics],
             "e2e": self.e2e.to_json() if self.e2e is not None else None,
+            "next_steps": [s.to_json() for s in self.next_steps],
         }
 
 
@@ -524,10 +543,12 @@ def verify_output(
     progress: TaskStarter | None = None,
     e2e: Any = None,
     notice: Callable[[str], None] | None = None,
+    layers: str | Iterable[int] | None = None,
 ) -> VerifyReport:
     """Run every check of OUT against CKPT; see the module doc.  With `e2e` (a
     wna16ctl.verification.e2e.E2EOptions) also the end-to-end generation, a required check then.  Bad input
-    raises a WnaError; a failing or skipped check is recorded in the returned report, never raised."""
+    raises a WnaError; a failing or skipped check is recorded in the returned report, never raised.
+    `layers` ("0-3,7" or indices): check only those MoE layers' experts (a partial verify, said so)."""
     progress = progress or no_progress
     ck = open_checkpoint(ckpt)
     if not (ck.quantized_layers or ck.quantized_mtp_layers):  # nothing repack would have written from it
@@ -536,12 +557,14 @@ def verify_output(
     manifest = _read_manifest(out_path)
     gemm_device = _gemm_device(device)
     samples_path = resolve_samples(samples, ck.root, notice)  # inputs in the order a user fixes them: checkpoint, output, device, samples
-    report, plan = _verify_checks(ck, out_path, manifest, samples_path, num_samples, gemm_device, progress)
-    if e2e is not None and (report.ranks_not_checked or plan is None):
+    wanted = None if layers is None else parse_layers(layers)
+    report, plan = _verify_checks(ck, out_path, manifest, samples_path, num_samples, gemm_device, progress, wanted)
+    if e2e is not None and (report.partial or plan is None):
         from wna16ctl.verification import e2e as e2e_mod
 
-        why = "needs every rank; this output is a part" if plan is not None else \
-            "no plan to run: see the manifest check"
+        why = ("no plan to run: see the manifest check" if plan is None else
+               "needs every layer; --layers checks some" if report.layers_not_checked else
+               "needs every rank; this output is a part")
         report.checks.append(Check("e2e", f"greedy generation on prompts of {samples_label(samples_path)} with the source "
                                    "and the repacked experts", reason=why))
         report.e2e = e2e_mod.not_run(why)
@@ -555,12 +578,16 @@ def verify_output(
         report.e2e = e2e_mod.run_e2e(ck, out_path, plan, Path(samples_path), e2e, gemm_device, dtype)
         check.status = {"pass": PASS, "FAIL": FAIL}.get(report.e2e.status, NOT_RUN)
         check.reason = report.e2e.reason or ""
+    if "tp" in manifest:
+        from wna16ctl.planning.next_steps import manifest_next_step
+
+        report.serve_step = manifest_next_step(manifest, out_path, ck.root)
     return report
 
 
 def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], samples: str | os.PathLike[str],
                    num_samples: int, gemm_device: torch.device,
-                   progress: TaskStarter) -> tuple[VerifyReport, RepackPlan | None]:
+                   progress: TaskStarter, layers: list[int] | None = None) -> tuple[VerifyReport, RepackPlan | None]:
     device = gemm_device.type
     questions = load_questions(samples, num_samples)
     report = VerifyReport(str(ck.root), str(out_path), device, tokenizer="", samples=len(questions))
@@ -571,6 +598,8 @@ def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], sam
     if plan is None:
         return report, plan
     jobs = plan.jobs
+    if layers is not None:
+        jobs = _select_layers(jobs, layers, report)
     present = _present_ranks(manifest, len(plan.files))
     report.ranks_checked = present
     report.ranks_not_checked = [r for r in range(len(plan.files)) if r not in present]
@@ -624,6 +653,45 @@ def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], sam
         incomplete="; ".join(f"{n.layer}: {n.reason}" for n in skipped) or None,
     )
     return report, plan
+
+
+def parse_layers(value: str | Iterable[int]) -> list[int]:
+    """`--layers 0-3,7` (or indices) -> [0, 1, 2, 3, 7]."""
+    if not isinstance(value, str):
+        return sorted({int(v) for v in value})
+    out: set[int] = set()
+    for part in value.split(","):
+        a, _, b = part.strip().partition("-")
+        if not a.isdigit() or (b and not b.isdigit()) or (b and int(b) < int(a)):
+            raise UsageError(f"--layers {value!r}: {part.strip()!r} is not a layer index or range; pass e.g. "
+                             "--layers 0-3,7 (MoE layer indices)")
+        out.update(range(int(a), int(b or a) + 1))
+    return sorted(out)
+
+
+def _layers_text(indices: list[int]) -> str:
+    from wna16ctl.planning.moe import _ranges
+
+    return f"layer{'s' if len(indices) != 1 else ''} {_ranges(indices)}"
+
+
+def _select_layers(jobs: list[LayerJob], layers: list[int], report: VerifyReport) -> list[LayerJob]:
+    """The jobs of the asked layers; the others are recorded as not checked (a partial verify)."""
+    from wna16ctl.planning.moe import _ranges
+
+    known = [j.layer.layer_index for j in jobs if j.layer.layer_index is not None]
+    unknown = [i for i in layers if i not in known]
+    if unknown:
+        raise UsageError(f"--layers: no MoE layer {_ranges(unknown)} in this output (its MoE layers: "
+                         f"{_ranges(sorted(known))})")
+    report.layers_selected = list(layers)
+    report.layers_not_checked = sorted(i for i in known if i not in layers)
+    if report.layers_not_checked:
+        report.checks.append(Check(
+            "all_layers", "every MoE layer's experts round-tripped and run", required=False,
+            reason=f"--layers {_ranges(layers)}: {_layers_text(report.layers_not_checked)} not checked "
+                   "(a partial verify: run without --layers for a full one)"))
+    return [j for j in jobs if j.layer.layer_index in layers]
 
 
 def _gemm_rank_candidate(job: LayerJob, r: int, rank: RankFiles, a: torch.Tensor, routing, dtype: torch.dtype,
@@ -799,6 +867,7 @@ def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: di
     row.max_abs_error, row.rel_l2_error, row.cosine = verdict.max_abs_error, rel, cos
     row.max_error_over_bound, row.violations = verdict.max_ratio, verdict.violations
     row.elements, row.exact_elements = verdict.elements, verdict.exact_elements
+    row.max_offset = verdict.max_offset
     if row.violations:
         row.status, row.reason = FAIL, (f"{row.violations} of {row.elements} elements outside the rounding interval "
                                         f"(max error {row.max_error_over_bound:.3g} × the bound)")

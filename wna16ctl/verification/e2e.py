@@ -201,7 +201,8 @@ class _Prompts:
 
 def _build_prompts(ck_root: Path, samples: Path, n: int, vocab: int) -> _Prompts:
     if not samples.is_file():
-        raise BadInput(f"{samples}: no such file; --e2e needs GSM8K records (JSON lines with 'question'/'answer')")
+        what = "is a directory" if samples.is_dir() else "no such file"
+        raise BadInput(f"{samples}: {what}; --e2e needs a file of GSM8K records (JSON lines with 'question'/'answer')")
     records = read_records(samples, n)
     if not records:
         raise BadInput(f"{samples}: no samples")
@@ -229,7 +230,8 @@ def _build_prompts(ck_root: Path, samples: Path, n: int, vocab: int) -> _Prompts
         shots = read_records(train, FEW_SHOT) if train.is_file() else []
         prefix = "".join(f"Question: {s['question']}\nAnswer: {s.get('answer', '')}\n\n" for s in shots)
         texts = [f"{prefix}Question: {r['question']}\nAnswer:" for r in records]
-        form = f"few-shot ({len(shots)} worked examples)"
+        form = (f"few-shot ({len(shots)} worked example{'s' if len(shots) != 1 else ''})" if shots
+                else "zero-shot (no train.jsonl beside the samples for worked examples)")
         if tokenizer is not None:
             ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
         else:
