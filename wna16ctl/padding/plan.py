@@ -245,6 +245,10 @@ def plan_padding(insp: Inspection, tp: int | None, to: int | None = None, source
             model.bare[kind] = mods[0][2]
         if kind == ROUTED and mods and all(s is None for *_, s in mods) and not any(lay.quantized for lay in ck.layers):
             model.bare[kind] = mods[0][2]
+    refusal = insp.config_refusal if tp is not None else None
+    if refusal is not None:
+        raise NotLoadable(f"{ck.root}: vLLM {insp.engine.version} refuses its quantization_config ({refusal.rule}) "
+                          "at any size; padding the intermediate sizes cannot fix it")
     original = model.failures(tp) if tp is not None else []
     if tp is not None:
         fatal = [f for f in original if f.startswith("model: ")]
@@ -275,8 +279,14 @@ def plan_padding(insp: Inspection, tp: int | None, to: int | None = None, source
         else:
             names = tuple(kind for kind, _ in kinds)
             target = None
+            # a width that is a multiple of tp × (unit and the Marlin tiles) splits every way a
+            # width can: past the next one, no larger width loads where it does not
+            whole = tp * math.lcm(unit, 256)
+            limit = -(-base // whole) * whole + whole
             for step in range(MAX_STEPS):
                 cand = base + step * unit
+                if cand > limit:
+                    break
                 _apply(model, ck, kinds, base, cand)
                 if not model.failures(tp, names):
                     target = cand
@@ -284,7 +294,7 @@ def plan_padding(insp: Inspection, tp: int | None, to: int | None = None, source
             if target is None:
                 _apply(model, ck, kinds, base, base)
                 why = model.failures(tp, names)
-                raise NotLoadable(f"{ck.root}: no padded {key} up to {base + (MAX_STEPS - 1) * unit} loads at TP {tp}: "
+                raise NotLoadable(f"{ck.root}: no padded {key} up to {limit} loads at TP {tp}: "
                                   f"{why[0] if why else 'refused'}; padding the intermediate size cannot fix this rule")
         _apply(model, ck, kinds, base, target)
         if target != base:

@@ -50,7 +50,7 @@ def pad_tensor(m: PaddedModule, suffix: str, t: torch.Tensor, n_rows: int) -> to
     if tuple(t.shape) == shape:
         return t
     rows = m.role in ("gate", "up")
-    dim = 0 if rows else 1
+    dim = 0 if rows or t.ndim == 1 else 1  # 1-d: a gate/up bias or the down projection's g_idx
     extra = shape[dim] - t.shape[dim]
     if suffix in ("weight", "bias"):
         return _cat(t, torch.zeros(_with(t.shape, dim, extra), dtype=t.dtype), dim)
