@@ -127,7 +127,7 @@ def repack(path: PathLike, out: PathLike | None, tp: int | str, *, ep: bool = Fa
 def verify(path: PathLike, out: PathLike, *, samples: PathLike | None = None, num_samples: int = 64, device: str = "auto",
            progress: Callable[..., Callable[[int], None]] | None = None,
            notice: Callable[[str], None] | None = None) -> VerifyReport:
-    """Prove that `out` (a repack output) equals the checkpoint at `path`.
+    """Prove that `out` (a repack output, or a `pad` output) equals the checkpoint at `path`.
 
     `samples`: a .jsonl or .parquet file with a 'question' field; when None, the first source of
     `wna16ctl.verification.samples.SAMPLE_SEARCH_ORDER` that exists (docs/verify.md).  `notice`
@@ -135,8 +135,12 @@ def verify(path: PathLike, out: PathLike, *, samples: PathLike | None = None, nu
     Returns the `VerifyReport` (`to_json()` = `verify --json`, docs/verify-json.md); `.passed`
     is true only when every required check ran and passed.  Raises `BadInput` on unusable input.
     """
+    from wna16ctl.padding.proof import is_padded_output, verify_padding
     from wna16ctl.repacking.vllm_layout import is_vllm_output, verify_vllm_state
     from wna16ctl.verification.checks import verify_output
+
+    if is_padded_output(out):  # a `pad` output: its PadProof (`.passed`, `.problems`)
+        return verify_padding(path, out)  # type: ignore[return-value]
 
     if is_vllm_output(out):  # a layout 'vllm' output: its VllmStateReport (`.ok`, `.problems`)
         return verify_vllm_state(path, out)  # type: ignore[return-value]

@@ -442,6 +442,7 @@ def verify(ctx: click.Context, ckpt: str, out: str, samples: str | None, num_sam
         raise click.UsageError(f"{', '.join(given)} only apply with --e2e")
 
     def body() -> int:
+        from wna16ctl import verify as wna16ctl_verify
         from wna16ctl.render import render_verify
         from wna16ctl.verification.checks import verify_output
 
@@ -452,6 +453,14 @@ def verify(ctx: click.Context, ckpt: str, out: str, samples: str | None, num_sam
             require_transformers()
             options = E2EOptions(prompts=prompts, max_new_tokens=max_new_tokens, score=score)
         source = _local_checkpoint(sink, ckpt, revision)
+        from wna16ctl.padding.proof import is_padded_output
+
+        if is_padded_output(out):  # a `pad` output: the padding proof (wna16ctl.padding.proof)
+            if e2e:
+                raise UsageError("--e2e does not apply to a pad output: verify its repack, or serve it")
+            proof = wna16ctl_verify(source, out)
+            sink.result_lines(proof.to_json(), proof.lines)
+            return EXIT_OK if proof.passed else EXIT_FAILED
         from wna16ctl.repacking.vllm_layout import is_vllm_output, render_vllm_report, verify_vllm_state
 
         if is_vllm_output(out):  # a whole-model sharded_state output: contract + round trip
