@@ -49,9 +49,8 @@ def test_padded_checkpoint_loads_at_tp2_and_generates_as_the_original(make_ckpt,
     assert not insp.loadable
     predicted = [p for plans in insp.plans.values() for p in plans if not p.loadable][0]
     _, log = _engine_run(python, REQUEST | {"model": str(ck)}, tmp_path, "original-tp2", 2, expect_ok=False)
-    assert "ERROR" in log or "Error" in log, log[-2000:]
-    key = "is not divisible by" if "divisible" in " ".join(predicted.errors) else str(predicted.errors[0])[:40]
-    assert any(key in line for line in log.splitlines()), (predicted.errors, log[-3000:])
+    # the engine raises the very error inspect quotes for this release
+    assert predicted.errors[0] in log, (predicted.errors, log[-3000:])
 
     padded = tmp_path / "padded"
     wna16ctl.pad(ck, padded, tp=2, vllm=ENGINE_RELEASE)

@@ -51,3 +51,17 @@ def test_inspect_of_the_padded_checkpoint_says_marlin_at_tp4(tmp_path):
     assert after["loadable"] is True
     rows = _moe_rows(after)
     assert rows and all(p["backend"] == "marlin" and p["intermediate_size_per_partition"] == 256 for p in rows)
+
+
+def test_suggest_lists_pad_with_its_size_cost_and_verdict_in_cost_order(tmp_path):
+    config = {**m.qwen3_30b_a3b(layers=1), "num_experts": 8, "vocab_size": 1024}
+    src = m.write(tmp_path / "q", config, m.qwen3_moe(config, config["quantization_config"]))
+    j = _inspect(src, "--tp", "4", "--vllm", "0.31.0", "--suggest")
+    kinds = [s["kind"] for s in j["suggestions"]]
+    pad = next(s for s in j["suggestions"] if s["kind"] == "pad")
+    assert pad["pad"]["fields"] == {"moe_intermediate_size": {"from": 768, "to": 1024}}
+    assert pad["pad"]["verdict"]["loads"] and pad["pad"]["verdict"]["moe_backends"] == ["marlin"]
+    assert pad["pad"]["extra_bytes"] > 0 and "768 -> 1024" in pad["change"] and "33%" in pad["change"]
+    assert pad["flags"] == "wna16ctl pad CKPT --tp 4 --vllm 0.31.0 --gpu sm90 -o OUT"
+    # cheaper than requantizing, dearer than serving with expert parallelism
+    assert kinds.index("ep") < kinds.index("pad") < kinds.index("group_size"), kinds
