@@ -107,3 +107,20 @@ def _pad_zero_point(t: torch.Tensor, m: PaddedModule, shape: tuple[int, ...], n_
     # unused codes stay zero bits, as the packer leaves them)
     added = pack_codes(torch.full((n_rows, shape[1] - t.shape[1]), code, dtype=torch.int32), s.num_bits, dim=0)
     return _cat(t, added, 1)
+
+
+def append_dim(m: PaddedModule, suffix: str, shape: tuple[int, ...], dtype: torch.dtype, n_rows: int) -> int | None:
+    """The dimension along which padding only appends to the stored tensor, the original values
+    staying one block at its start (the added block then depends on the sizes alone, not on the
+    values: the writer makes it once per shape); None where the tensor is rewritten (weight_shape,
+    zero points packed along the rows that grow, codes that end in a partial int32 word)."""
+    if suffix == "weight_shape" or padded_shape(m, suffix, shape) == shape:
+        return None
+    if len(shape) == 1:
+        return 0
+    if m.role in ("gate", "up"):
+        packed_zp = suffix == "weight_zero_point" and dtype == torch.int32 and shape[0] != n_rows
+        return None if packed_zp else 0
+    if suffix == "weight_packed" and m.scheme is not None and m.width % pack_factor(m.scheme.num_bits):
+        return None
+    return 1

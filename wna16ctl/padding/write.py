@@ -87,8 +87,10 @@ def write_padded(plan: PadPlan, out: str | os.PathLike[str], *, force: bool = Fa
                  progress: Callable[..., Callable[[int], None]] | None = None) -> dict[str, Any]:
     """Write the padded checkpoint to `out` and commit it with a manifest; returns the manifest."""
     from wna16ctl.output.writer import FILE_HASH, StagedOutput
-    from wna16ctl.padding.tensors import pad_tensor
-    from wna16ctl.sources.tensors import TensorReader
+    import torch
+
+    from wna16ctl.padding.tensors import append_dim, pad_tensor
+    from wna16ctl.sources.tensors import TensorReader, as_tensor, torch_dtype, writable_view
 
     ck = plan.checkpoint
     out_path = Path(out).resolve()
@@ -97,6 +99,10 @@ def write_padded(plan: PadPlan, out: str | os.PathLike[str], *, force: bool = Fa
     staged = StagedOutput(out_path, force=force, resume=False, identity=ident, checkpoint=ck.root)
     total = sum(f.size for _, f in files)
     advance = progress("padding", total, unit="bytes") if progress else (lambda n: None)
+    # per tensor shape: its padded form, whose added block is written as it is (every expert of a
+    # layer has the same shapes, so memory stays at one projection's tensors), and a read buffer
+    blocks: dict[tuple, Any] = {}
+    reads: dict[int, Any] = {}
     try:
         staged.check_space(total)
         with TensorReader(ck.files) as reader:
@@ -126,10 +132,28 @@ def write_padded(plan: PadPlan, out: str | os.PathLike[str], *, force: bool = Fa
                             run.extend((dst, src, nbytes))
                         continue
                     flush()
-                    data = pad_tensor(m, suffix, reader.read(t.name), _rows(ck, module))
-                    if tuple(data.shape) != t.shape:
-                        raise AssertionError(f"{t.name}: padded to {tuple(data.shape)}, planned {t.shape}")
-                    staged.pwrite(f, dst, data)
+                    info = ck.files.info(t.name)
+                    n_rows = _rows(ck, module)
+                    dim = append_dim(m, suffix, info.shape, torch_dtype(info.dtype), n_rows)
+                    if dim is None:  # rewritten whole (small: zero points, weight_shape)
+                        data = pad_tensor(m, suffix, reader.read(t.name), n_rows)
+                        if tuple(data.shape) != t.shape:
+                            raise AssertionError(f"{t.name}: padded to {tuple(data.shape)}, planned {t.shape}")
+                        staged.pwrite(f, dst, data)
+                    else:
+                        key = (m.role, suffix, info.shape, info.dtype, m.width, m.padded, n_rows)
+                        if key not in blocks:  # the padded form of a zero tensor: its added block is the one
+                            blocks[key] = pad_tensor(m, suffix, torch.zeros(info.shape, dtype=torch_dtype(info.dtype)),
+                                                     n_rows).contiguous()
+                        padded = blocks[key]
+                        if dim == 0:  # the original bytes, then the added ones
+                            staged.copy_range(f, dst, src_fd, info.start, info.nbytes, source=sh.path)
+                            staged.pwrite(f, dst + info.nbytes, writable_view(padded).cast("B")[info.nbytes:])
+                        else:  # each row grows: the original block into the reused padded buffer
+                            raw = reads.setdefault(info.nbytes, torch.empty(info.nbytes, dtype=torch.uint8))
+                            reader.read_into(info, writable_view(raw))
+                            padded.narrow(1, 0, info.shape[1]).copy_(as_tensor(raw, info.dtype, info.shape))
+                            staged.pwrite(f, dst, padded)
                     advance(t.nbytes)
                 flush()
                 staged.finish(f, "")
