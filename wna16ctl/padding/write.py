@@ -90,7 +90,7 @@ def write_padded(plan: PadPlan, out: str | os.PathLike[str], *, force: bool = Fa
     import torch
 
     from wna16ctl.padding.tensors import append_dim, pad_tensor
-    from wna16ctl.sources.tensors import TensorReader, as_tensor, torch_dtype, writable_view
+    from wna16ctl.sources.tensors import TensorReader, torch_dtype, writable_view
 
     ck = plan.checkpoint
     out_path = Path(out).resolve()
@@ -102,7 +102,6 @@ def write_padded(plan: PadPlan, out: str | os.PathLike[str], *, force: bool = Fa
     # per tensor shape: its padded form, whose added block is written as it is (every expert of a
     # layer has the same shapes, so memory stays at one projection's tensors), and a read buffer
     blocks: dict[tuple, Any] = {}
-    reads: dict[int, Any] = {}
     try:
         staged.check_space(total)
         with TensorReader(ck.files) as reader:
@@ -149,10 +148,9 @@ def write_padded(plan: PadPlan, out: str | os.PathLike[str], *, force: bool = Fa
                         if dim == 0:  # the original bytes, then the added ones
                             staged.copy_range(f, dst, src_fd, info.start, info.nbytes, source=sh.path)
                             staged.pwrite(f, dst + info.nbytes, writable_view(padded).cast("B")[info.nbytes:])
-                        else:  # each row grows: the original block into the reused padded buffer
-                            raw = reads.setdefault(info.nbytes, torch.empty(info.nbytes, dtype=torch.uint8))
-                            reader.read_into(info, writable_view(raw))
-                            padded.narrow(1, 0, info.shape[1]).copy_(as_tensor(raw, info.dtype, info.shape))
+                        else:  # each row grows: its original bytes are read straight into the row's start
+                            _read_rows_into(src_fd, info, writable_view(padded), padded.shape[1] * padded.element_size(),
+                                            sh.path)
                             staged.pwrite(f, dst, padded)
                     advance(t.nbytes)
                 flush()
@@ -171,6 +169,25 @@ def write_padded(plan: PadPlan, out: str | os.PathLike[str], *, force: bool = Fa
         staged.abort(keep_for_resume=False)
         raise
     return manifest
+
+
+_IOV_MAX = 1024  # Linux's limit on the buffers of one preadv
+
+
+def _read_rows_into(fd: int, info: Any, out: memoryview, out_row: int, path: Path) -> None:
+    """Read the 2-d tensor `info` (rows stored back to back) so that row r lands at r·out_row of
+    `out`: one scattered read per 1024 rows, no copy in this process."""
+    rows = info.shape[0]
+    row = info.nbytes // rows
+    offset = info.start
+    for first in range(0, rows, _IOV_MAX):
+        views = [out[r * out_row: r * out_row + row] for r in range(first, min(rows, first + _IOV_MAX))]
+        want = row * len(views)
+        got = os.preadv(fd, views, offset)
+        if got != want:  # a regular file returns all of it unless it ends first
+            raise BadInput(f"{path}: ends before tensor {info.name} does (the shard was truncated or replaced "
+                           "after planning); restore the file and run again; nothing was left behind")
+        offset += want
 
 
 def _relpath(root: Path, path: Path) -> str:
