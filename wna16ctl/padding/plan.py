@@ -195,10 +195,8 @@ class _Model:
         plans_ = plan_all_linear(linear, (tp,), version, gpu, _params_dtype(insp.checkpoint.config.torch_dtype),
                                  with_differences=False, switches=insp.switches)
         out += [f"{name}: {p[0].failure_rule or 'refused'}" for name, p in plans_.items() if not p[0].loadable]
-        for kind, width in self.bare.items():
-            if (kinds is None or kind in kinds) and not ep and width % tp:
-                out.append(f"{kind} MLP width {width} % TP {tp}")
-            elif (kinds is None or kind in kinds) and ep and kind != ROUTED and width % tp:
+        for kind, width in self.bare.items():  # under EP the routed experts stay whole
+            if (kinds is None or kind in kinds) and not (ep and kind == ROUTED) and width % tp:
                 out.append(f"{kind} MLP width {width} % TP {tp}")
         if kinds is None:
             dims = insp.checkpoint.dims
@@ -253,9 +251,8 @@ def plan_padding(insp: Inspection, tp: int | None, to: int | None = None, source
     if tp is not None:
         fatal = [f for f in original if f.startswith("model: ")]
         if fatal:
-            raise NotLoadable(f"{ck.root}: at TP {tp} {fatal[0].removeprefix('model: ')} refuses the model; padding "
-                              "the intermediate sizes cannot fix it (only attention heads, KV heads and the vocabulary "
-                              "decide this rule)")
+            raise NotLoadable(f"{ck.root}: at TP {tp} the rule '{fatal[0].removeprefix('model: ')}' refuses the "
+                              "model; padding the intermediate sizes cannot fix it")
     sizes: dict[str, tuple[int, int]] = {}
     for key, kinds in by_field.items():
         width_of = {kind: next(w for _, _, w, _ in found[kind]) for kind, _ in kinds}
