@@ -140,7 +140,7 @@ def verify(path: PathLike, out: PathLike, *, samples: PathLike | None = None, nu
     from wna16ctl.verification.checks import verify_output
 
     if is_padded_output(out):  # a `pad` output: its PadProof (`.passed`, `.problems`)
-        return verify_padding(path, out)  # type: ignore[return-value]
+        return verify_padding(path, out, samples=samples, num_samples=num_samples)  # type: ignore[return-value]
 
     if is_vllm_output(out):  # a layout 'vllm' output: its VllmStateReport (`.ok`, `.problems`)
         return verify_vllm_state(path, out)  # type: ignore[return-value]

@@ -458,7 +458,7 @@ def verify(ctx: click.Context, ckpt: str, out: str, samples: str | None, num_sam
         if is_padded_output(out):  # a `pad` output: the padding proof (wna16ctl.padding.proof)
             if e2e:
                 raise UsageError("--e2e does not apply to a pad output: verify its repack, or serve it")
-            proof = wna16ctl_verify(source, out)
+            proof = wna16ctl_verify(source, out, samples=samples, num_samples=num_samples)
             sink.result_lines(proof.to_json(), proof.lines)
             return EXIT_OK if proof.passed else EXIT_FAILED
         from wna16ctl.repacking.vllm_layout import is_vllm_output, render_vllm_report, verify_vllm_state

@@ -6,8 +6,9 @@
    added zero point too), a finite scale, or (act-order) the g_idx of a whole new group after the
    last; `weight_shape` says the padded size; unquantized weights gain exact zeros.
 2. Numerics, per routed MoE layer: the padded layer split over the TP ranks it was padded for and
-   the original at TP 1 get the same activations in the model dtype (seeded, one token per expert
-   pair at least) and routing; each is computed as an engine computes it (fp32 accumulation, the
+   the original at TP 1 get the same activations in the model dtype and routing (verify's own:
+   GSM8K questions embedded, normalised and routed by the layer's router, every expert exercised;
+   seeded random activations where there are no questions or no router to use); each is computed as an engine computes it (fp32 accumulation, the
    model dtype between stages, per-rank partials all-reduced in fp32) and must lie in its own
    derived rounding interval (`verification.bounds`); the two intervals share their float64
    centre, since the added products are exact zeros, so the two outputs differ by at most the two
@@ -42,6 +43,7 @@ class PadProof:
     tensors_checked: int = 0
     tensors_padded: int = 0
     layers: list[dict[str, Any]] = field(default_factory=list)  # numerics per routed layer
+    activations: str = ""  # where the numerics' activations came from
 
     @property
     def passed(self) -> bool:
@@ -50,7 +52,8 @@ class PadProof:
     def to_json(self) -> dict[str, Any]:
         return {"original": str(self.original), "padded": str(self.padded), "layout": LAYOUT, "tp": self.tp,
                 "passed": self.passed, "tensors_checked": self.tensors_checked,
-                "tensors_padded": self.tensors_padded, "numerics": self.layers, "problems": self.problems}
+                "tensors_padded": self.tensors_padded, "activations": self.activations, "numerics": self.layers,
+                "problems": self.problems}
 
     def lines(self) -> list[str]:
         out = [f"FAIL {p}" for p in self.problems[:20]]
@@ -58,10 +61,15 @@ class PadProof:
             out.append(f"... and {len(self.problems) - 20} more")
         out.append(f"{'PASS' if not self.problems else 'FAIL'} tensors: {self.tensors_checked} checked, "
                    f"{self.tensors_padded} padded (originals unchanged, additions the zero code)")
+        if self.layers:
+            out.append(f"numerics on {self.activations}")
         for lay in self.layers:
             out.append(f"{'PASS' if lay['ok'] else 'FAIL'} numerics {lay['layer']}: padded at TP {lay['tp']} vs original "
-                       f"at TP 1, max |difference| {lay['max_abs_difference']:.3g} within the rounding bound "
-                       f"(largest ratio {lay['max_ratio']:.3g}; {lay['violations']} outside)")
+                       f"at TP 1 on {lay['tokens']} tokens, max |difference| {lay['max_abs_difference']:.3g}; "
+                       f"{lay['violations']} outputs outside the rounding interval (largest error/bound "
+                       f"{lay['max_ratio']:.3g})")
+        if not self.layers and not self.problems:
+            out.append("numerics not run: no padded quantized MoE layer to compare")
         return out
 
 
@@ -72,7 +80,8 @@ def is_padded_output(path: str | os.PathLike[str]) -> bool:
     return isinstance(m, dict) and m.get("layout") == LAYOUT
 
 
-def verify_padding(original: str | os.PathLike[str], padded: str | os.PathLike[str], numerics: bool = True) -> PadProof:
+def verify_padding(original: str | os.PathLike[str], padded: str | os.PathLike[str], numerics: bool = True,
+                   samples: str | os.PathLike[str] | None = None, num_samples: int = 16) -> PadProof:
     from wna16ctl.output.outdir import MANIFEST_NAME, read_json_file
     from wna16ctl.output.writer import hash_file, recorded_hash
     from wna16ctl.repacking.pipeline import source_fingerprint
@@ -91,7 +100,7 @@ def verify_padding(original: str | os.PathLike[str], padded: str | os.PathLike[s
             proof.problems.append(f"{path}: missing or changed since it was written (its digest differs)")
     _check_tensors(a, b, proof)
     if numerics and not proof.problems:
-        _check_numerics(a, b, proof)
+        _check_numerics(a, b, proof, samples, num_samples)
     return proof
 
 
@@ -242,26 +251,56 @@ def _rank_weights(ck: Checkpoint, layer: Any, experts: list[int], tp: int, dtype
     return ranks
 
 
-def _check_numerics(a: Checkpoint, b: Checkpoint, proof: PadProof) -> None:
-    from wna16ctl.sources.tensors import dtype_from_name
+def _activations(a: Checkpoint, samples: Any, num_samples: int) -> tuple[torch.Tensor | None, str]:
+    """Embedded question tokens (fp32 [T, H]), and where they came from; None: none to use."""
+    from wna16ctl.errors import WnaError
+    from wna16ctl.sources.tensors import TensorReader
+    from wna16ctl.verification.activations import embed, load_questions, tokenize
+    from wna16ctl.verification.samples import resolve_samples, samples_label
+
+    try:
+        path = resolve_samples(samples, a.root)
+        questions = load_questions(path, num_samples)
+        with TensorReader(a.files) as reader:
+            ids, _ = tokenize(a, questions, int(a.config.raw.get("vocab_size") or 1 << 30))
+            return embed(a, reader, ids), f"{samples_label(path)}, {len(questions)} questions"
+    except WnaError as e:
+        return None, f"seeded random activations ({e.message})"
+
+
+def _check_numerics(a: Checkpoint, b: Checkpoint, proof: PadProof, samples: Any = None, num_samples: int = 16) -> None:
+    from wna16ctl.errors import WnaError
+    from wna16ctl.sources.tensors import TensorReader, dtype_from_name
+    from wna16ctl.verification.activations import route
     from wna16ctl.verification.bounds import block_interval, judge
 
     dtype = dtype_from_name(a.config.torch_dtype or "bfloat16")
     if dtype not in (torch.bfloat16, torch.float16):
         return
     tp = proof.tp or 1
+    hidden, proof.activations = _activations(a, samples, num_samples)
     padded_layers = {lay.prefix: lay for lay in b.quantized_layers}
     for lay in a.quantized_layers:
         lay_b = padded_layers.get(lay.prefix)
         if lay_b is None or lay_b.intermediate_size == lay.intermediate_size or lay_b.intermediate_size % tp:
             continue
-        gen = torch.Generator().manual_seed(lay.layer_index or 0)
-        k = min(2, lay.num_experts)
-        tokens = max(TOKENS, lay.num_experts)
-        x = torch.randn(tokens, lay.hidden_size, generator=gen).to(dtype)
-        ids = torch.stack([torch.randperm(lay.num_experts, generator=gen)[:k] for _ in range(tokens)])
-        weights = torch.rand(tokens, k, generator=gen).float()
-        experts = sorted({int(e) for e in ids.reshape(-1)})
+        routing = None
+        if hidden is not None:
+            try:
+                with TensorReader(a.files) as reader:
+                    routing = route(a, reader, lay, hidden)
+            except WnaError as e:
+                proof.activations += f"; {lay.prefix}: seeded random activations ({e.message})"
+        if routing is not None:
+            x, ids, weights = routing.x.to(dtype), routing.topk_ids, routing.topk_weights.float()
+        else:
+            gen = torch.Generator().manual_seed(lay.layer_index or 0)
+            k = min(2, lay.num_experts)
+            x = torch.randn(max(TOKENS, lay.num_experts), lay.hidden_size, generator=gen).to(dtype)
+            ids = torch.stack([torch.randperm(lay.num_experts, generator=gen)[:k] for _ in range(x.shape[0])])
+            weights = torch.rand(x.shape[0], k, generator=gen).float()
+        tokens = x.shape[0]
+        experts = sorted({int(e) for e in ids.reshape(-1) if int(e) >= 0})
         ref_ranks = _rank_weights(a, lay, experts, 1, dtype)
         pad_ranks = _rank_weights(b, lay_b, experts, tp, dtype)
         iv_ref = block_interval(ref_ranks, x, ids, weights, dtype)

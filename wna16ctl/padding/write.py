@@ -102,6 +102,7 @@ def write_padded(plan: PadPlan, out: str | os.PathLike[str], *, force: bool = Fa
     # per tensor shape: its padded form, whose added block is written as it is (every expert of a
     # layer has the same shapes, so memory stays at one projection's tensors), and a read buffer
     blocks: dict[tuple, Any] = {}
+    rows_of: dict[tuple, list[list[memoryview]]] = {}  # per padded buffer: where each original row goes
     try:
         staged.check_space(total)
         with TensorReader(ck.files) as reader:
@@ -149,8 +150,9 @@ def write_padded(plan: PadPlan, out: str | os.PathLike[str], *, force: bool = Fa
                             staged.copy_range(f, dst, src_fd, info.start, info.nbytes, source=sh.path)
                             staged.pwrite(f, dst + info.nbytes, writable_view(padded).cast("B")[info.nbytes:])
                         else:  # each row grows: its original bytes are read straight into the row's start
-                            _read_rows_into(src_fd, info, writable_view(padded), padded.shape[1] * padded.element_size(),
-                                            sh.path)
+                            if key not in rows_of:
+                                rows_of[key] = _row_views(writable_view(padded), info, padded.shape[1] * padded.element_size())
+                            _read_rows_into(src_fd, info, rows_of[key], sh.path)
                             staged.pwrite(f, dst, padded)
                     advance(t.nbytes)
                 flush()
@@ -174,15 +176,21 @@ def write_padded(plan: PadPlan, out: str | os.PathLike[str], *, force: bool = Fa
 _IOV_MAX = 1024  # Linux's limit on the buffers of one preadv
 
 
-def _read_rows_into(fd: int, info: Any, out: memoryview, out_row: int, path: Path) -> None:
-    """Read the 2-d tensor `info` (rows stored back to back) so that row r lands at r·out_row of
-    `out`: one scattered read per 1024 rows, no copy in this process."""
+def _row_views(out: memoryview, info: Any, out_row: int) -> list[list[memoryview]]:
+    """Where each row of the 2-d tensor `info` goes in `out` (row r at r·out_row), in batches of
+    at most 1024 (Linux's limit on the buffers of one preadv)."""
     rows = info.shape[0]
     row = info.nbytes // rows
+    return [[out[r * out_row: r * out_row + row] for r in range(first, min(rows, first + _IOV_MAX))]
+            for first in range(0, rows, _IOV_MAX)]
+
+
+def _read_rows_into(fd: int, info: Any, batches: list[list[memoryview]], path: Path) -> None:
+    """Read the tensor `info` (rows stored back to back) into the rows' places: one scattered read
+    per batch, no copy in this process."""
     offset = info.start
-    for first in range(0, rows, _IOV_MAX):
-        views = [out[r * out_row: r * out_row + row] for r in range(first, min(rows, first + _IOV_MAX))]
-        want = row * len(views)
+    for views in batches:
+        want = sum(v.nbytes for v in views)
         got = os.preadv(fd, views, offset)
         if got != want:  # a regular file returns all of it unless it ends first
             raise BadInput(f"{path}: ends before tensor {info.name} does (the shard was truncated or replaced "
