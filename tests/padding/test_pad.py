@@ -203,7 +203,7 @@ def test_unquantized_base_is_padded_for_a_proposed_scheme(make_ckpt, tmp_path):
     from wna16ctl.verification.engine_reference import write_dequantized_checkpoint
 
     base = write_dequantized_checkpoint(make_ckpt(**WIDER), tmp_path / "bf16")
-    with pytest.raises(Exception):  # a bf16 MoE splits at TP 2 without a scheme's groups: nothing to pad
+    with pytest.raises(UsageError, match="nothing to pad"):  # bf16 experts split at TP 2 without groups
         wna16ctl.pad(base, tmp_path / "x", tp=2)
     plan = wna16ctl.pad(base, None, tp=2, scheme="W4A16", vllm="0.32.0", dry_run=True).to_json()
     assert plan["fields"] == {"moe_intermediate_size": {"from": 128, "to": 256}}
