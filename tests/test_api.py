@@ -26,7 +26,7 @@ def test_import_is_cheap():
 
 
 def test_public_names_have_docstrings():
-    for name in ("inspect", "repack", "verify"):
+    for name in ("inspect", "repack", "verify", "pad"):
         fn = getattr(wna16ctl, name)
         assert fn.__doc__ and len(fn.__doc__.split()) > 20, name
     assert wna16ctl.VerifyReport.__name__ == "VerifyReport" and wna16ctl.Inspection.__name__ == "Inspection"
@@ -45,6 +45,8 @@ def _cli_defaults(command: str) -> dict[str, object]:
     ("repack", {"ep": "ep", "layout": "layout", "max_shard_size": "max_shard_size", "dry_run": "dry_run",
                 "resume": "resume", "force": "force", "device": "device", "vllm": "vllm", "gpu": "gpu"}),
     ("verify", {"samples": "samples", "num_samples": "num_samples", "device": "device"}),
+    ("pad", {"tp": "tp", "to": "to", "ep": "ep", "vllm": "vllm", "gpu": "gpu", "moe_backend": "moe_backend",
+             "dry_run": "dry_run", "force": "force"}),
 ])
 def test_defaults_equal_the_cli(command, mapping):
     api = pyinspect.signature(getattr(wna16ctl, command)).parameters

@@ -7,6 +7,7 @@ The Python API mirrors the commands, with the same defaults:
     insp = wna16ctl.inspect("/models/ckpt", tp="1,2,4")     # -> Inspection (insp.to_json() = inspect --json)
     result = wna16ctl.repack("/models/ckpt", "/fast/tp2", tp=2)   # -> RepackResult
     report = wna16ctl.verify("/models/ckpt", "/fast/tp2")    # -> VerifyReport (report.passed)
+    manifest = wna16ctl.pad("/models/ckpt", "/models/ckpt-tp4", tp=4)   # zero-padded to load at TP 4
 
 Errors are `wna16ctl.errors.WnaError` subclasses carrying the one-line message the CLI prints.
 Everything heavy (torch, compressed-tensors) is imported on the first call, so `import wna16ctl`
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
     from wna16ctl.repacking.pipeline import RepackPlan, RepackResult
     from wna16ctl.verification.checks import VerifyReport
 
-__all__ = ["inspect", "repack", "verify", "__version__", "Inspection", "RepackPlan", "RepackResult", "VerifyReport"]
+__all__ = ["inspect", "repack", "verify", "pad", "__version__", "Inspection", "RepackPlan", "RepackResult", "VerifyReport"]
 
 PathLike = str | os.PathLike  # a checkpoint or output directory
 TpSizes = int | str | Iterable[int]
@@ -142,7 +143,7 @@ def verify(path: PathLike, out: PathLike, *, samples: PathLike | None = None, nu
            e2e: bool = False, prompts: int = 8, max_new_tokens: int = 32, score: bool = False,
            layers: str | Iterable[int] | None = None, revision: str | None = None, progress: Callable[..., Callable[[int], None]] | None = None,
            notice: Callable[[str], None] | None = None) -> VerifyReport:
-    """Prove that `out` (a repack output) equals the checkpoint at `path`.
+    """Prove that `out` (a repack output, or a `pad` output) equals the checkpoint at `path`.
 
     `samples`: a .jsonl or .parquet file with a 'question' field; when None, the first source of
     `wna16ctl.verification.samples.SAMPLE_SEARCH_ORDER` that exists (docs/verify.md).  `notice`
@@ -157,12 +158,17 @@ def verify(path: PathLike, out: PathLike, *, samples: PathLike | None = None, nu
     `BadInput` on unusable input.
     """
     from wna16ctl.errors import UsageError
+    from wna16ctl.padding.proof import is_padded_output, verify_padding
     from wna16ctl.repacking.vllm_layout import is_vllm_output, verify_vllm_state
     from wna16ctl.verification.checks import verify_output
 
     if not e2e and (prompts, max_new_tokens, score) != (8, 32, False):
         raise UsageError("prompts, max_new_tokens and score only apply with e2e=True")
     path = _local(path, revision)
+    if is_padded_output(out):  # a `pad` output: its PadProof (`.passed`, `.problems`)
+        if e2e or layers is not None:
+            raise UsageError("e2e and layers do not apply to a pad output: its padding is checked whole")
+        return verify_padding(path, out, samples=samples, num_samples=num_samples)  # type: ignore[return-value]
     if is_vllm_output(out):  # a layout 'vllm' output: contract and round trip
         if e2e or layers is not None:
             raise UsageError("e2e and layers do not apply to a layout 'vllm' output: it is checked whole")
@@ -186,6 +192,45 @@ def _local(path: PathLike, revision: str | None) -> str:
     if parse_ref(os.fspath(path), revision) is None:
         return os.fspath(path)
     return resolve_local(os.fspath(path), revision, quiet=True)[0]
+
+
+def pad(path: PathLike, out: PathLike | None, tp: int | str | None = None, *, to: int | None = None, ep: bool = False,
+        vllm: str = "installed", gpu: str = "sm90", env: dict[str, str] | Iterable[str] | None = None,
+        moe_backend: str = "auto", scheme: str | None = None, group_size: int | None = None,
+        actorder: str | None = None, dry_run: bool = False, force: bool = False,
+        progress: Callable[..., Callable[[int], None]] | None = None) -> Any:
+    """Zero-pad the MLP intermediate sizes of the checkpoint at `path` so that it loads at TP `tp`.
+
+    The padded sizes are the smallest that load at `tp` under the release's rules (`vllm`, `gpu`,
+    `ep`, `env`, `moe_backend` as for `inspect`), for the routed experts, shared experts and dense
+    MLPs, each only where needed; `to` sets the routed experts' size instead.  An unquantized base
+    is planned as `scheme` (with `group_size`, `actorder`) would quantize it.  Writes the same format
+    to `out` (atomically, with a manifest) and returns the manifest; with `dry_run` returns the
+    `PadPlan` and writes nothing.  Raises `NotLoadable` for what padding cannot fix (heads, KV heads,
+    vocabulary, hidden size) and `BadInput`/`UsageError` on unusable input.
+    """
+    from wna16ctl.errors import UsageError
+    from wna16ctl.padding.plan import open_for_padding, plan_padding
+    from wna16ctl.padding.write import write_padded
+    from wna16ctl.planning.tpsizes import parse_tp_list
+    from wna16ctl.sources.recipe import make_proposal
+
+    if tp is None and to is None:
+        raise UsageError("pad needs --tp (the size to load at) or --to (the routed experts' padded size)")
+    if vllm == "all":
+        raise UsageError("pad plans for one vLLM release: pass a version, 'installed' or 'latest'")
+    n = None if tp is None else parse_tp_list(tp, single=True)[0]
+    proposal = make_proposal(scheme, None, group_size, actorder, None) \
+        if scheme is not None or group_size is not None or actorder is not None else None
+    insp, source = open_for_padding(os.fspath(path), n, ep, vllm, gpu, env, moe_backend, proposal)
+    plan = plan_padding(insp, n, to, source)
+    if dry_run:
+        return plan
+    if out is None:
+        raise UsageError("an output directory is required (or pass dry_run=True)")
+    if not plan.fields:
+        raise UsageError(f"{path}: loads at TP {n} as it is; nothing to pad (pass --to to pad anyway)")
+    return write_padded(plan, out, force=force, progress=progress)
 
 
 _TYPES = {"Inspection": "wna16ctl.planning.inspection", "RepackPlan": "wna16ctl.repacking.pipeline",

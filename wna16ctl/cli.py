@@ -448,6 +448,7 @@ def verify(ctx: click.Context, ckpt: str, out: str, samples: str | None, num_sam
         raise click.UsageError(f"{', '.join(given)} only apply with --e2e")
 
     def body() -> int:
+        from wna16ctl import verify as wna16ctl_verify
         from wna16ctl.render import render_verify
         from wna16ctl.verification.checks import verify_output
 
@@ -458,6 +459,14 @@ def verify(ctx: click.Context, ckpt: str, out: str, samples: str | None, num_sam
             require_transformers()
             options = E2EOptions(prompts=prompts, max_new_tokens=max_new_tokens, score=score)
         source = _local_checkpoint(sink, ckpt, revision)
+        from wna16ctl.padding.proof import is_padded_output
+
+        if is_padded_output(out):  # a `pad` output: the padding proof (wna16ctl.padding.proof)
+            if e2e:
+                raise UsageError("--e2e does not apply to a pad output: verify its repack, or serve it")
+            proof = wna16ctl_verify(source, out, samples=samples, num_samples=num_samples)
+            sink.result_lines(proof.to_json(), proof.lines)
+            return EXIT_OK if proof.passed else EXIT_FAILED
         from wna16ctl.repacking.vllm_layout import is_vllm_output, render_vllm_report, verify_vllm_state
 
         if is_vllm_output(out):  # a whole-model sharded_state output: contract + round trip
@@ -476,6 +485,56 @@ def verify(ctx: click.Context, ckpt: str, out: str, samples: str | None, num_sam
         return EXIT_OK if report.passed else EXIT_FAILED
 
     _run(ctx, sink, body, interrupted="nothing was verified")
+
+
+# -- pad -------------------------------------------------------------------------------------------
+
+@cli.command(short_help="Zero-pad CKPT's MLP intermediate sizes so that it loads at a TP size.")
+@click.argument("ckpt", type=click.Path(file_okay=False, path_type=str))
+@click.option("-o", "--output", "out", type=click.Path(path_type=str), help="Output directory (required unless --dry-run).")
+@click.option("--tp", "tp", default=None, help="The TP size the padded checkpoint must load at.")
+@click.option("--to", "to", type=click.IntRange(min=1), default=None,
+              help="The routed experts' padded intermediate size (instead of the smallest that loads).")
+@click.option("--ep", is_flag=True, help="Plan for expert parallelism (experts whole; shared and dense MLPs split).")
+@_vllm_option(allow_all=False)
+@_gpu_option()
+@_engine_options
+@click.option("--scheme", default=None, type=click.Choice(["W4A16", "W4A16_ASYM", "W8A16"], case_sensitive=False),
+              help="CKPT is unquantized: pad for the checkpoint this preset would quantize it into.")
+@click.option("--group-size", "group_size", type=int, default=None, help="With --scheme: the group size (-1 = channel-wise).")
+@click.option("--actorder", type=click.Choice(["none", "weight", "static", "group"]), default=None,
+              help="With --scheme: the activation ordering.")
+@click.option("--dry-run", is_flag=True, help="Print the padded sizes, the cost and the verdict; write nothing.")
+@click.option("--force", is_flag=True, help="Replace an earlier wna16ctl output at OUT.")
+@click.option("--json", "json_mode", is_flag=True, help="Print the result as one JSON object.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@_debug_option
+@click.pass_context
+def pad(ctx: click.Context, ckpt: str, out: str | None, tp: str | None, to: int | None, ep: bool, vllm: str, gpu: str,
+        env: tuple[str, ...], moe_backend: str, scheme: str | None, group_size: int | None, actorder: str | None,
+        dry_run: bool, force: bool, json_mode: bool, quiet: bool, debug: bool) -> None:
+    """Write CKPT with its MLP intermediate sizes zero-padded (exactly: the added weights are zeros)
+    to the smallest sizes that load at --tp under the release's rules; same format, new config sizes."""
+    sink = Sink(json_mode=json_mode, quiet=quiet)
+    if out is None and not dry_run:
+        raise click.UsageError("-o/--output is required (or pass --dry-run)")
+
+    def body() -> int:
+        import wna16ctl
+        from wna16ctl.padding.plan import summary_lines
+
+        options = dict(tp=tp, to=to, ep=ep, vllm=vllm, gpu=gpu, env=list(env), moe_backend=moe_backend,
+                       scheme=scheme, group_size=group_size, actorder=actorder)
+        if dry_run:
+            plan_json = wna16ctl.pad(ckpt, None, dry_run=True, **options).to_json()
+            sink.result_lines(plan_json, lambda: summary_lines(plan_json))
+            return EXIT_OK
+        with sink.tasks() as progress:
+            manifest = wna16ctl.pad(ckpt, out, force=force, progress=progress, **options)
+        sink.result_lines(manifest, lambda: summary_lines(manifest["padding"], out))
+        return EXIT_OK
+
+    _run(ctx, sink, body, interrupted="no output was committed")
 
 
 @cli.command("env", short_help="Versions and hardware, for bug reports.")

@@ -120,6 +120,9 @@ class DemoSpec:
     mla_qk_rope_head_dim: int = _MLA_QK_ROPE_HEAD_DIM
     # DeepSeek-V3 only: the real model's YaRN rope scaling (DEEPSEEK_V3_YARN) instead of plain rope
     mla_yarn_rope: bool = False
+    # also quantize the shared experts and dense MLPs (with the routed experts' scheme), as a
+    # recipe without an ignore entry for them does
+    quantize_mlp: bool = False
 
 
 # ----------------------------------------------------------------------------------------------
@@ -459,6 +462,12 @@ def _expert_target(spec: DemoSpec, layer_pattern: str = r"\d+", expert_pattern: 
     return rf"re:model\.layers\.{layer_pattern}\.{block}\.experts\.{expert_pattern}\.({projections})$"
 
 
+def _mlp_target(spec: DemoSpec) -> str:
+    """The shared experts' and dense MLPs' projections (not the routed experts)."""
+    projections = "|".join(expert_projection_names(spec.arch))
+    return rf"re:model\.layers\.\d+\.{_MOE_BLOCK[spec.arch]}\.(shared_experts?\.)?({projections})$"
+
+
 def _weight_args(spec: DemoSpec, num_bits: int, actorder: str | None) -> "QuantizationArgs":
     from compressed_tensors.quantization import QuantizationArgs
 
@@ -482,7 +491,8 @@ def _expert_schemes(spec: DemoSpec) -> dict[str, "QuantizationScheme"]:
     actorder = None if spec.actorder == "group" else spec.actorder
     base = _weight_args(spec, spec.num_bits, actorder)
     if spec.mixed is None:
-        return {"group_0": QuantizationScheme(targets=[_expert_target(spec)], weights=base)}
+        targets = [_expert_target(spec)] + ([_mlp_target(spec)] if spec.quantize_mlp else [])
+        return {"group_0": QuantizationScheme(targets=targets, weights=base)}
     wide = _weight_args(spec, 8, actorder)
     even, odd = r"\d*[02468]", r"\d*[13579]"
     if spec.mixed == "layer":

@@ -78,6 +78,12 @@ def test_base_with_w4a16_g128_gives_the_real_checkpoints_verdicts(qwen3):
 def _recheck(path: Path, s: dict, base_args: list[str]) -> bool:
     """Inspect the configuration a suggestion names, from scratch: its TP/EP, release, GPU and, for
     a proposal, the flags it gives (which replace the proposal's own)."""
+    if s["kind"] == "pad":  # `wna16ctl pad CKPT --tp N ... -o OUT`: the padding planner, from scratch
+        flags = shlex.split(s["flags"])
+        assert flags[:3] == ["wna16ctl", "pad", "CKPT"] and flags[-2:] == ["-o", "OUT"], flags
+        kw = {k: v for k, v in _api([f for f in flags[3:-2] if f != "--ep"]).items() if k not in ("tp", "vllm", "gpu")}
+        plan = wna16ctl.pad(path, None, tp=s["tp"], ep=s["ep"], vllm=s["vllm"], gpu=s["gpu"], dry_run=True, **kw)
+        return plan.verdict["loads"] and plan.to_json()["fields"] == s["pad"]["fields"]
     args = [str(path), "--tp", str(s["tp"]), "--vllm", s["vllm"], "--gpu", s["gpu"]] + (["--ep"] if s["ep"] else [])
     flags = shlex.split(s["flags"])
     if "--moe-backend" in flags:  # the backend it tells the engine to use
@@ -144,7 +150,7 @@ def small(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 # refusal kind -> (base, inspect options, the rule that refuses, suggestion kinds expected, a text of the refusal)
 REFUSALS = {
-    "group straddles a shard": ("b768", ["--scheme", "W4A16", "--tp", "4"], "I_p % group", {"ep", "tp", "group_size"},
+    "group straddles a shard": ("b768", ["--scheme", "W4A16", "--tp", "4"], "I_p % group", {"ep", "tp", "group_size", "pad"},
                                 "would otherwise cross TP shard boundaries"),
     "Marlin tile (act-order)": ("b768", ["--scheme", "W4A16", "--group-size", "32", "--actorder", "group", "--tp", "8",
                                          "--vllm", "0.29.0"], "actorder assert", {"ep", "tp", "actorder"},

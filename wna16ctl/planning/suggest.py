@@ -55,12 +55,13 @@ class Suggestion:
     refused: tuple[str, ...] = ()  # the rules that refuse the requested configuration (or its correctness hazard)
     loads: bool = True  # re-planned and loads (only such suggestions are listed)
     cost: float = 0.0  # nearness (lower first); not part of the JSON
+    pad: dict[str, Any] | None = None  # kind "pad": the padded sizes, the extra bytes, the re-planned verdict
 
     def to_json(self) -> dict[str, Any]:
         return {"for_tp": self.for_tp, "kind": self.kind, "change": self.change, "flags": self.flags,
                 "vllm_flags": self.vllm_flags, "recipe": self.recipe, "requantize": self.requantize,
                 "tp": self.tp, "ep": self.ep, "vllm": self.vllm, "gpu": self.gpu, "refused": list(self.refused),
-                "loads": self.loads}
+                "loads": self.loads, "pad": self.pad}
 
 
 # -- re-planning ------------------------------------------------------------------------------------
@@ -355,6 +356,45 @@ def suggest(insp: Inspection) -> list[Suggestion]:
                 if where is not None:
                     kinds_taken.add((a.kind, b.kind))
                     found.append(_suggestion(insp, tp, refused, (a, b), where, best_release=False))
+        padded = _pad_suggestion(insp, tp, refused)
+        if padded is not None:
+            found.append(padded)
         found.sort(key=lambda s: s.cost)
         out += found
     return out
+
+
+# Padding costs memory and bandwidth in proportion to the bytes it adds: a third more expert bytes
+# ranks after expert parallelism and a backend switch, beside another TP size; doubling them ranks
+# with requantizing a checkpoint.
+PAD_BASE_COST, PAD_COST_PER_GROWTH = 1.0, 10.0
+
+
+def _pad_suggestion(insp: Inspection, tp: int, refused: tuple[str, ...]) -> Suggestion | None:
+    """`wna16ctl pad --tp N`: the smallest exact zero-padding under which the model loads at `tp`,
+    re-planned by the padding planner (None where padding does not fix the refusal)."""
+    from wna16ctl.errors import WnaError
+    from wna16ctl.padding.plan import plan_padding
+    from wna16ctl.sink import human_bytes
+
+    try:
+        plan = plan_padding(insp, tp)
+    except WnaError:
+        return None
+    if not plan.fields or not plan.verdict.get("loads"):
+        return None
+    j = plan.to_json()
+    growth = max((b - a) / a for a, b in plan.fields.values())
+    sizes = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in plan.fields.items())
+    where = f"--tp {tp}" + (" --ep" if insp.ep else "") + f" --vllm {insp.engine.version} --gpu {insp.gpu}"
+    proposal = f" {insp.proposal.command_flags()}" if insp.proposal is not None else ""
+    return Suggestion(
+        for_tp=tp, kind="pad",
+        change=(f"zero-pad the MLP intermediate sizes ({sizes}): exact; {human_bytes(j['extra_bytes'])} more "
+                f"({j['extra_percent']}% of the checkpoint): the padded MLPs grow {growth:.0%}, and their memory and "
+                "bandwidth per token with them"),
+        flags=f"wna16ctl pad CKPT {where}{proposal} -o OUT", tp=tp, ep=insp.ep, vllm=insp.engine.version, gpu=insp.gpu,
+        vllm_flags=f"--tensor-parallel-size {tp}" + (" --enable-expert-parallel" if insp.ep else ""),
+        refused=refused, cost=PAD_BASE_COST + PAD_COST_PER_GROWTH * growth,
+        pad={"fields": j["fields"], "extra_bytes": j["extra_bytes"], "extra_percent": j["extra_percent"],
+             "verdict": j["verdict"]})

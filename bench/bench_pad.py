@@ -1,0 +1,76 @@
+"""`pad` against `cp -r` of the same checkpoint, both ending in `sync`, in one run, and peak RSS.
+
+The random-code Qwen3-30B-A3B-shaped checkpoint of bench_repack.py (H 2048, I 768, 128 experts,
+int4 g128; `--layers` MoE layers, 2 = 0.64 GB) is copied with `cp -r SRC DST` and padded with
+`wna16ctl pad SRC --tp 4 --vllm 0.31.0 -o OUT -q` (I 768 -> 1024: every expert projection is
+rewritten a third larger, everything else copied in the kernel); each command is followed by
+`sync` (timed with it) and starts from a missing destination.  A pair is one of each, in
+alternating order; after one warm-up pair (page cache) the median of `--pairs` pairs of the ratio
+cp / pad is printed with its min-max, beside the bytes each writes.  Peak RSS (wait4) of pad is
+given at a second size to show it does not grow with the checkpoint.
+
+    python bench/bench_pad.py [--layers 2] [--small-layers 1] [--pairs 3] [--dir /tmp/wna16ctl-bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_repack import _ENV, _ckpt, _dir_bytes, _timed, cpu_simd  # noqa: E402
+from common import med, wna16ctl  # noqa: E402
+
+PAD_ARGS = ("--tp", "4", "--vllm", "0.31.0", "-q")
+
+
+def pairs_at(root: Path, layers: int, pairs: int) -> tuple[str, int]:
+    ck = _ckpt(root, layers)
+    copy, out = root / "copy", root / "padded"
+    cmds = [("cp", ["cp", "-r", str(ck), str(copy)], copy), ("pad", wna16ctl("pad", str(ck), *PAD_ARGS, "-o", str(out)), out)]
+    runs: dict[str, list] = {"cp": [], "pad": []}
+    load = os.getloadavg()[0]
+    written = 0
+    for i in range(pairs + 1):  # the first pair is a warm-up
+        for name, cmd, dst in (cmds if i % 2 == 0 else cmds[::-1]):
+            r = _timed(cmd, dst, _ENV)
+            if r.returncode != 0:
+                raise SystemExit(f"{name}: exit {r.returncode}")
+            if name == "pad":
+                written = _dir_bytes(out)
+            if i:
+                runs[name].append(r)
+        load = max(load, os.getloadavg()[0])
+    for _, _, dst in cmds:
+        shutil.rmtree(dst, ignore_errors=True)
+    ratios = [c.wall / p.wall for c, p in zip(runs["cp"], runs["pad"])]
+    size = _dir_bytes(ck)
+    rss = max(r.max_rss_kib for r in runs["pad"])
+    row = (f"| {layers} layers, {size / 1e9:.2f} GB -> {written / 1e9:.2f} GB | {med([c.wall for c in runs['cp']]):.2f} s | "
+           f"{med([p.wall for p in runs['pad']]):.2f} s | **{med(ratios):.2f}** ({min(ratios):.2f}–{max(ratios):.2f}) | "
+           f"{rss / 1024:.0f} MiB | {load:.1f} |")
+    return row, rss
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--small-layers", type=int, default=1)
+    ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--dir", type=Path, default=Path("/tmp/wna16ctl-bench"))
+    args = ap.parse_args()
+    args.dir.mkdir(parents=True, exist_ok=True)
+    print(f"CPU: {cpu_simd()}; {os.cpu_count()} CPUs; command: wna16ctl pad SRC {' '.join(PAD_ARGS)} -o OUT")
+    print("| checkpoint (in -> out) | cp -r + sync | pad + sync | cp / pad (median, min–max) | pad peak RSS | load avg |")
+    print("|---|---|---|---|---|---|")
+    for layers in (args.layers, args.small_layers):
+        row, _ = pairs_at(args.dir, layers, args.pairs if layers == args.layers else 1)
+        print(row, flush=True)
+
+
+if __name__ == "__main__":
+    main()

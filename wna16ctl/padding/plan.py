@@ -1,0 +1,431 @@
+"""Which intermediate sizes to pad, and to what: the planner re-run with padded sizes.
+
+An architecture reads its MLP widths from a few config fields (`WIDTH_FIELDS`): the routed
+experts' width, the shared experts' (their own field, or a multiple of the routed width), the
+dense MLPs'.  For each field whose MLPs do not load at TP N, the padded value is the smallest
+that does under the release's rules (`--vllm`, `--gpu`, `--ep`), found by planning the padded
+layers with the same planners `inspect` uses.  Sizes move in whole units: whole scale groups (so
+the down projection gains whole groups) and whole int32 words of codes.
+
+What padding cannot change (attention heads, KV heads, the vocabulary, the hidden size, a
+refused scheme) is refused in one line naming the rule.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from wna16ctl.errors import NotLoadable, UsageError
+from wna16ctl.planning.inspection import Inspection, _params_dtype, plan_all, plan_all_linear
+from wna16ctl.planning.linear import model_checks
+from wna16ctl.sources import Checkpoint
+from wna16ctl.sources.config import WeightScheme
+from wna16ctl.sources.model import QKV, LinearLayer
+from wna16ctl.sources.moe import MoELayer
+
+ROUTED, SHARED, DENSE = "routed", "shared", "dense"
+
+# model_type -> {kind: (config field, multiplier field)}: the width of that kind's MLPs is
+# config[field] * config[multiplier] (multiplier None: 1).  DeepSeek-style shared experts are
+# one MLP of n_shared_experts × the routed width, so they follow the routed field.
+_ROUTED_SEPARATE = {ROUTED: ("moe_intermediate_size", None), DENSE: ("intermediate_size", None)}
+_DEEPSEEK = {**_ROUTED_SEPARATE, SHARED: ("moe_intermediate_size", "n_shared_experts")}
+WIDTH_FIELDS: dict[str, dict[str, tuple[str, str | None]]] = {
+    "qwen3_moe": _ROUTED_SEPARATE,
+    "qwen2_moe": {**_ROUTED_SEPARATE, SHARED: ("shared_expert_intermediate_size", None)},
+    "mixtral": {ROUTED: ("intermediate_size", None)},
+    "deepseek_v2": _DEEPSEEK,
+    "deepseek_v3": _DEEPSEEK,
+    "kimi_k2": _DEEPSEEK,
+    "glm4_moe": _DEEPSEEK,
+}
+MLP_LEAVES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+MAX_STEPS = 4096  # padded sizes tried per field, in whole units
+
+
+@dataclass
+class PaddedModule:
+    """One projection module to pad: gate/up gain rows, down gains input columns."""
+
+    module: str  # e.g. model.layers.1.mlp.experts.3.down_proj
+    role: str  # gate | up | down
+    kind: str  # routed | shared | dense
+    width: int  # the intermediate size it has
+    padded: int  # the intermediate size it gets
+    scheme: WeightScheme | None  # None: stored unquantized (a `.weight`)
+
+
+@dataclass
+class PadPlan:
+    checkpoint: Checkpoint
+    tp: int | None
+    ep: bool
+    vllm: str
+    gpu: str
+    fields: dict[str, tuple[int, int]]  # config field -> (original, padded), padded fields only
+    modules: dict[str, PaddedModule] = field(default_factory=dict)  # module name -> what it gets
+    verdict: dict[str, Any] = field(default_factory=dict)  # the re-planned model at tp
+    original_verdict: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def extra_bytes(self) -> int:
+        """Bytes the padding adds (codes, scales, zero points, g_idx of the padded modules)."""
+        return sum(_module_bytes(self.checkpoint, m, padded=True) - _module_bytes(self.checkpoint, m, padded=False)
+                   for m in self.modules.values())
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(sh.size for sh in self.checkpoint.files.shards)
+
+    def to_json(self) -> dict[str, Any]:
+        extra = self.extra_bytes
+        kinds: dict[str, dict[str, int]] = {}
+        for m in self.modules.values():
+            kinds.setdefault(m.kind, {"from": m.width, "to": m.padded, "modules": 0})["modules"] += 1
+        return {"checkpoint": str(self.checkpoint.root), "tp": self.tp, "ep": self.ep, "vllm": self.vllm,
+                "gpu": self.gpu, "fields": {k: {"from": a, "to": b} for k, (a, b) in self.fields.items()},
+                "padded": kinds, "extra_bytes": extra,
+                "extra_percent": round(100.0 * extra / max(1, self.total_bytes), 2),
+                "original": self.original_verdict, "verdict": self.verdict}
+
+
+# -- finding the MLP modules ---------------------------------------------------------------------------
+
+def _module_scheme(ck: Checkpoint, module: str) -> WeightScheme | None:
+    if f"{module}.weight_packed" not in ck.files:
+        return None
+    quant = ck.config.quant
+    return quant.schemes_for([module])[0] if quant is not None else None
+
+
+def _width_of(ck: Checkpoint, module: str, role: str, scheme: WeightScheme | None) -> int:
+    info = ck.files.info(f"{module}.weight_packed" if scheme is not None else f"{module}.weight")
+    if role != "down":
+        return int(info.shape[0])
+    return int(info.shape[1]) * (32 // scheme.num_bits) if scheme is not None else int(info.shape[1])
+
+
+def find_mlp_modules(ck: Checkpoint) -> dict[str, list[tuple[str, str, int, WeightScheme | None]]]:
+    """kind -> [(module, role, width, scheme)] of every routed expert, shared expert and dense MLP."""
+    out: dict[str, list[tuple[str, str, int, WeightScheme | None]]] = {ROUTED: [], SHARED: [], DENSE: []}
+    for lay in [*ck.layers, *ck.mtp_layers]:
+        for e in range(lay.num_experts):
+            for role in ("gate", "up", "down"):
+                module = lay.tensor_name(e, role, "weight").removesuffix(".weight")
+                scheme = _module_scheme(ck, module)
+                if scheme is None and f"{module}.weight" not in ck.files:
+                    raise UsageError(f"{ck.root}: {module} has neither weight_packed nor weight; "
+                                     "pad rewrites per-expert projections only")
+                out[ROUTED].append((module, role, lay.intermediate_size, scheme))
+    seen: set[str] = set()
+    for name in ck.files.names():
+        if ".experts." in name:
+            continue
+        module, _, suffix = name.rpartition(".")
+        if suffix not in ("weight", "weight_packed") or module in seen:
+            continue
+        parent, _, leaf = module.rpartition(".")
+        if leaf not in MLP_LEAVES or not parent.endswith(("mlp", ".shared_expert", ".shared_experts")):
+            continue
+        seen.add(module)
+        scheme = _module_scheme(ck, module)
+        kind = SHARED if parent.endswith(("shared_expert", "shared_experts")) else DENSE
+        out[kind].append((module, MLP_LEAVES[leaf], _width_of(ck, module, MLP_LEAVES[leaf], scheme), scheme))
+    return out
+
+
+# -- planning ----------------------------------------------------------------------------------------------
+
+def _unit(schemes: list[WeightScheme | None]) -> int:
+    """The step a width moves in: whole scale groups and whole int32 words of codes."""
+    unit = 1
+    for s in schemes:
+        if s is None:
+            continue
+        unit = math.lcm(unit, 32 // s.num_bits)
+        if s.group_size > 0:
+            unit = math.lcm(unit, s.group_size)
+    return unit
+
+
+def _resize_moe(lay: MoELayer, width: int) -> MoELayer:
+    return replace(lay, intermediate_size=width)
+
+
+def _resize_linear(lay: LinearLayer, old: int, new: int) -> LinearLayer:
+    """A fused gate_up (column) or down (row) layer with its intermediate width changed."""
+    if lay.kind.endswith("down_proj"):
+        return replace(lay, input_size=new)
+    shards = [replace(sh, output_sizes=tuple(new if n == old else n for n in sh.output_sizes)) for sh in lay.shards]
+    return replace(lay, shards=shards)
+
+
+def _mlp_linear(lay: LinearLayer, kind: str) -> bool:
+    shared = ".shared_expert." in f".{lay.name}." or ".shared_experts." in f".{lay.name}."
+    mlp = lay.kind.endswith(("gate_up_proj", "down_proj"))
+    return mlp and (shared if kind == SHARED else not shared)
+
+
+@dataclass
+class _Model:
+    """The model as planned: its MoE and linear layers, some with padded widths."""
+
+    insp: Inspection
+    moe: list[MoELayer]
+    linear: list[LinearLayer]
+    bare: dict[str, int]  # unquantized MLP kind -> width (no quantized plan: vLLM needs width % TP)
+
+    def failures(self, tp: int, kinds: tuple[str, ...] | None = None) -> list[str]:
+        """Why the model (or the MLPs of `kinds`) does not load at tp: rule names, empty = loads."""
+        insp = self.insp
+        version, gpu, ep = insp.engine.version, insp.gpu, insp.ep
+        out: list[str] = []
+        if kinds is None or ROUTED in kinds:
+            moe = [lay for lay in self.moe if lay.quantized]
+            if not ep and any(tp > lay.intermediate_size for lay in moe):
+                out.append("TP > intermediate size")
+            else:
+                plans = plan_all(moe, (tp,), ep, version, gpu, insp.problems, with_differences=False,
+                                 switches=insp.switches)
+                out += [f"{lay.prefix}: {plans[lay.prefix][0].failure_rule or 'refused'}" for lay in moe
+                        if not plans[lay.prefix][0].loadable]
+        linear = [lay for lay in self.linear if kinds is None or any(_mlp_linear(lay, k) for k in kinds)]
+        plans_ = plan_all_linear(linear, (tp,), version, gpu, _params_dtype(insp.checkpoint.config.torch_dtype),
+                                 with_differences=False, switches=insp.switches)
+        out += [f"{name}: {p[0].failure_rule or 'refused'}" for name, p in plans_.items() if not p[0].loadable]
+        for kind, width in self.bare.items():  # under EP the routed experts stay whole
+            if (kinds is None or kind in kinds) and not (ep and kind == ROUTED) and width % tp:
+                out.append(f"{kind} MLP width {width} % TP {tp}")
+        if kinds is None:
+            dims = insp.checkpoint.dims
+            attention = any(lay.tp_role == QKV for lay in insp.checkpoint.linear_layers) or dims.num_attention_heads
+            out += [f"model: {c.rule}" for c in model_checks(dims, tp, ep, version, attention=bool(attention))
+                    if c.fatal and not c.ok]
+        return out
+
+
+def _fields_of(ck: Checkpoint) -> dict[str, tuple[str, str | None]]:
+    mt = ck.dims.text_model_type or ck.config.model_type
+    fields = WIDTH_FIELDS.get(mt) or WIDTH_FIELDS.get(ck.config.model_type)
+    if fields is None:
+        raise UsageError(f"{ck.config.path}: pad knows which config fields set the MLP widths of "
+                         f"{', '.join(WIDTH_FIELDS)}, not of model_type {mt!r}")
+    return fields
+
+
+def _config_int(ck: Checkpoint, key: str) -> int | None:
+    v = ck.config.raw.get(key)
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def plan_padding(insp: Inspection, tp: int | None, to: int | None = None, source: Checkpoint | None = None) -> PadPlan:
+    """The padded sizes for the inspected checkpoint at `tp` (or the routed width `to`).
+
+    `source`: the checkpoint that is written, where it is not the one planned (an unquantized base
+    planned as its proposed quantization)."""
+    ck = insp.checkpoint
+    fields = _fields_of(ck)
+    found = find_mlp_modules(ck)
+    by_field: dict[str, list[tuple[str, int]]] = {}  # config field -> [(kind, multiplier)]
+    for kind, (key, mult) in fields.items():
+        if not found[kind]:
+            continue
+        m = 1 if mult is None else (_config_int(ck, mult) or 1)
+        by_field.setdefault(key, []).append((kind, m))
+    if not found[ROUTED]:
+        raise UsageError(f"{ck.root}: no routed experts found; pad rewrites MoE checkpoints")
+    model = _Model(insp, list(ck.layers), list(ck.linear_layers), {})
+    quantized_linear = {mod for lay in ck.linear_layers for mod in lay.modules}
+    for kind, mods in found.items():
+        if kind != ROUTED and mods and not any(m in quantized_linear for m, *_ in mods):
+            model.bare[kind] = mods[0][2]
+        if kind == ROUTED and mods and all(s is None for *_, s in mods) and not any(lay.quantized for lay in ck.layers):
+            model.bare[kind] = mods[0][2]
+    refusal = insp.config_refusal if tp is not None else None
+    if refusal is not None:
+        raise NotLoadable(f"{ck.root}: vLLM {insp.engine.version} refuses its quantization_config ({refusal.rule}) "
+                          "at any size; padding the intermediate sizes cannot fix it")
+    original = model.failures(tp) if tp is not None else []
+    if tp is not None:
+        fatal = [f for f in original if f.startswith("model: ")]
+        if fatal:
+            raise NotLoadable(f"{ck.root}: at TP {tp} the rule '{fatal[0].removeprefix('model: ')}' refuses the "
+                              "model; padding the intermediate sizes cannot fix it")
+    sizes: dict[str, tuple[int, int]] = {}
+    for key, kinds in by_field.items():
+        width_of = {kind: next(w for _, _, w, _ in found[kind]) for kind, _ in kinds}
+        value = _config_int(ck, key)
+        base = width_of[kinds[0][0]] // kinds[0][1]
+        if value is not None and value != base:
+            raise UsageError(f"{ck.config.path}: {key} = {value} but the {kinds[0][0]} MLP tensors are {base} wide; "
+                             "fix config.json")
+        unit = _unit([s for kind, _ in kinds for *_, s in found[kind]])
+        if any(w % unit for w in width_of.values()):
+            raise UsageError(f"{ck.root}: the {kinds[0][0]} width {base} is not a multiple of {unit} (whole scale "
+                             "groups and int32 words); pad adds whole groups only")
+        routed_field = fields[ROUTED][0] == key
+        if to is not None and routed_field:
+            if to < base or (to - base) % unit:
+                raise UsageError(f"--to {to}: must be at least {base} and {base} plus a multiple of {unit} "
+                                 "(whole scale groups)")
+            target = to
+        elif tp is None:
+            continue
+        else:
+            names = tuple(kind for kind, _ in kinds)
+            target = None
+            # a width that is a multiple of tp × (unit and the Marlin tiles) splits every way a
+            # width can: past the next one, no larger width loads where it does not
+            whole = tp * math.lcm(unit, 256)
+            limit = -(-base // whole) * whole + whole
+            for step in range(MAX_STEPS):
+                cand = base + step * unit
+                if cand > limit:
+                    break
+                _apply(model, ck, kinds, base, cand)
+                if not model.failures(tp, names):
+                    target = cand
+                    break
+            if target is None:
+                _apply(model, ck, kinds, base, base)
+                why = model.failures(tp, names)
+                raise NotLoadable(f"{ck.root}: no padded {key} up to {limit} loads at TP {tp}: "
+                                  f"{why[0] if why else 'refused'}; padding the intermediate size cannot fix this rule")
+        _apply(model, ck, kinds, base, target)
+        if target != base:
+            sizes[key] = (base, target)
+    src = source or ck
+    written = found if src is ck else find_mlp_modules(src)
+    plan = PadPlan(src, tp, insp.ep, insp.engine.version, insp.gpu, sizes)
+    for key, (base, target) in sizes.items():
+        for kind, m in by_field[key]:
+            for module, role, width, scheme in written[kind]:
+                plan.modules[module] = PaddedModule(module, role, kind, width, target * m, scheme)
+    if tp is not None:
+        left = model.failures(tp)
+        plan.original_verdict = {"loads": not original, "refused": original[:8]}
+        plan.verdict = {"loads": not left, "refused": left[:8], **_backends(model, tp)}
+        if left:
+            raise NotLoadable(f"{ck.root}: padded, it still does not load at TP {tp}: {left[0]}; padding the "
+                              "intermediate sizes cannot fix this rule")
+    return plan
+
+
+def _apply(model: _Model, ck: Checkpoint, kinds: list[tuple[str, int]], base: int, value: int) -> None:
+    """Give the model's layers of `kinds` the width value × multiplier (from their originals)."""
+    for kind, m in kinds:
+        old, new = base * m, value * m
+        if kind == ROUTED:
+            model.moe = [_resize_moe(lay, new) if orig.intermediate_size == old else lay
+                         for lay, orig in zip(model.moe, ck.layers)]
+        model.linear = [_resize_linear(orig, old, new) if _mlp_linear(orig, kind) else lay
+                        for lay, orig in zip(model.linear, ck.linear_layers)]
+        if kind in model.bare:
+            model.bare[kind] = new
+
+
+def _backends(model: _Model, tp: int) -> dict[str, Any]:
+    insp = model.insp
+    moe = [lay for lay in model.moe if lay.quantized]
+    if not moe:
+        return {}
+    plans = plan_all(moe, (tp,), insp.ep, insp.engine.version, insp.gpu, insp.problems, with_differences=False,
+                     switches=insp.switches)
+    backends = sorted({plans[lay.prefix][0].backend.value for lay in moe if plans[lay.prefix][0].backend is not None})
+    return {"moe_backends": backends}
+
+
+def _module_bytes(ck: Checkpoint, m: PaddedModule, padded: bool) -> int:
+    """Bytes of one module's tensors at its original or padded width (from the headers)."""
+    total = 0
+    for suffix in ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx", "weight", "bias"):
+        name = f"{m.module}.{suffix}"
+        if name not in ck.files:
+            continue
+        info = ck.files.info(name)
+        nbytes = info.nbytes
+        if padded and info.shape:
+            shape = padded_shape(m, suffix, tuple(info.shape))
+            n = 1
+            for d in shape:
+                n *= d
+            per = nbytes // max(1, math.prod(info.shape))
+            nbytes = n * per
+        total += nbytes
+    return total
+
+
+def padded_shape(m: PaddedModule, suffix: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A module tensor's shape once padded (the one statement of it: header planning and tensor math agree)."""
+    s = m.scheme
+    if suffix == "weight_shape" or len(shape) == 0:
+        return shape
+    if m.role in ("gate", "up"):  # rows: [I, ...]
+        if suffix == "weight_zero_point" and s is not None and shape[0] != m.width:
+            pf = 32 // s.num_bits
+            return (-(-m.padded // pf), *shape[1:])
+        if suffix in ("weight_g_idx",):
+            return shape
+        return (m.padded, *shape[1:])
+    # down: columns [H, I]
+    if suffix == "weight_g_idx":
+        return (m.padded,)
+    if suffix == "bias":
+        return shape
+    if suffix == "weight_packed":
+        return (shape[0], m.padded * s.num_bits // 32) if s is not None else shape
+    if suffix in ("weight_scale", "weight_zero_point"):
+        if s is not None and s.group_size > 0:
+            return (shape[0], -(-m.padded // s.group_size))
+        return shape
+    if suffix == "weight":
+        return (shape[0], m.padded)
+    return shape
+
+
+def open_for_padding(path: str, tp: int | None, ep: bool, vllm: str, gpu: str, env: Any = None,
+                     moe_backend: str | None = None, proposal: Any = None) -> tuple[Inspection, Checkpoint]:
+    """The checkpoint planned (a quantized checkpoint, or an unquantized base as `proposal` would
+    quantize it) and the checkpoint written."""
+    from wna16ctl.planning.inspection import inspect_checkpoint, resolve, resolve_switches
+    from wna16ctl.sources import open_checkpoint
+
+    tps = (tp,) if tp is not None else (1,)
+    if proposal is not None:
+        insp = inspect_checkpoint(path, tps, ep, vllm=vllm, gpu=gpu, env=env, moe_backend=moe_backend,
+                                  proposal=proposal)
+        return insp, open_checkpoint(path)
+    ck = open_checkpoint(path)
+    if ck.quantized_layers:
+        return inspect_checkpoint(path, tps, ep, vllm=vllm, gpu=gpu, env=env, moe_backend=moe_backend), ck
+    if not ck.layers:
+        raise UsageError(f"{ck.root}: no routed-expert MoE layers found; pad rewrites MoE checkpoints")
+    # an unquantized MoE without a proposed scheme: widths only need to split over the ranks
+    insp = Inspection(checkpoint=ck, tps=tps, ep=ep, engine=resolve(vllm, gpu), gpu=gpu, plans={},
+                      switches=resolve_switches(env, moe_backend))
+    return insp, ck
+
+
+def summary_lines(plan_json: dict[str, Any], out: str | None = None) -> list[str]:
+    """What `pad` did (or would do, without `out`), for people."""
+    from wna16ctl.sink import human_bytes
+
+    lines = []
+    for key, v in plan_json["fields"].items():
+        lines.append(f"{key}: {v['from']} -> {v['to']}")
+    for kind, v in plan_json["padded"].items():
+        lines.append(f"  {kind}: {v['modules']} projections, intermediate {v['from']} -> {v['to']}")
+    lines.append(f"cost: {human_bytes(plan_json['extra_bytes'])} more ({plan_json['extra_percent']}% of the checkpoint); "
+                 "MoE memory and bandwidth per token grow by the same share of the padded projections")
+    tp, verdict = plan_json["tp"], plan_json["verdict"]
+    if tp is not None:
+        was = "loads" if plan_json["original"].get("loads") else "refused (" + "; ".join(plan_json["original"]["refused"][:2]) + ")"
+        backends = ", ".join(verdict.get("moe_backends", [])) or "-"
+        lines.append(f"at TP {tp}{' EP' if plan_json['ep'] else ''} on vLLM {plan_json['vllm']} {plan_json['gpu']}: "
+                     f"original {was}; padded {'loads' if verdict.get('loads') else 'refused'} (MoE backend {backends})")
+    if out is not None:
+        lines.append(f"wrote {out}; serve it as the original: vllm serve {out}"
+                     + (f" --tensor-parallel-size {tp}" if tp else ""))
+    return lines

@@ -1,0 +1,323 @@
+"""`verify ORIGINAL PADDED`: proof that a padded checkpoint is the original plus exact zeros.
+
+1. Tensors: the padded checkpoint holds the original's tensors and no others; a tensor of a module
+   that was not padded is byte for byte the original; a padded projection holds every original
+   code, scale, zero point and g_idx entry where it was, and every added one is the zero code (an
+   added zero point too), a finite scale, or (act-order) the g_idx of a whole new group after the
+   last; `weight_shape` says the padded size; unquantized weights gain exact zeros.
+2. Numerics, per routed MoE layer: the padded layer split over the TP ranks it was padded for and
+   the original at TP 1 get the same activations in the model dtype and routing (verify's own:
+   GSM8K questions embedded, normalised and routed by the layer's router, every expert exercised;
+   seeded random activations where there are no questions or no router to use); each is computed as an engine computes it (fp32 accumulation, the
+   model dtype between stages, per-rank partials all-reduced in fp32) and must lie in its own
+   derived rounding interval (`verification.bounds`); the two intervals share their float64
+   centre, since the added products are exact zeros, so the two outputs differ by at most the two
+   intervals' half-widths, which is checked too.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from wna16ctl.errors import BadInput
+from wna16ctl.layout.packing import unpack_codes
+from wna16ctl.padding.tensors import zero_code
+from wna16ctl.padding.write import LAYOUT
+from wna16ctl.sources import Checkpoint, open_checkpoint
+
+_ROLE = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+TOKENS = 32  # activations per layer in the numerics check
+
+
+@dataclass
+class PadProof:
+    original: Path
+    padded: Path
+    tp: int | None
+    problems: list[str] = field(default_factory=list)
+    tensors_checked: int = 0
+    tensors_padded: int = 0
+    layers: list[dict[str, Any]] = field(default_factory=list)  # numerics per routed layer
+    activations: str = ""  # where the numerics' activations came from
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems and bool(self.tensors_checked)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"original": str(self.original), "padded": str(self.padded), "layout": LAYOUT, "tp": self.tp,
+                "passed": self.passed, "tensors_checked": self.tensors_checked,
+                "tensors_padded": self.tensors_padded, "activations": self.activations, "numerics": self.layers,
+                "problems": self.problems}
+
+    def lines(self) -> list[str]:
+        out = [f"FAIL {p}" for p in self.problems[:20]]
+        if len(self.problems) > 20:
+            out.append(f"... and {len(self.problems) - 20} more")
+        out.append(f"{'PASS' if not self.problems else 'FAIL'} tensors: {self.tensors_checked} checked, "
+                   f"{self.tensors_padded} padded (originals unchanged, additions the zero code)")
+        if self.layers:
+            out.append(f"numerics on {self.activations}")
+        for lay in self.layers:
+            out.append(f"{'PASS' if lay['ok'] else 'FAIL'} numerics {lay['layer']}: padded at TP {lay['tp']} vs original "
+                       f"at TP 1 on {lay['tokens']} tokens, max |difference| {lay['max_abs_difference']:.3g}; "
+                       f"{lay['violations']} outputs outside the rounding interval (largest error/bound "
+                       f"{lay['max_ratio']:.3g})")
+        if not self.layers and not self.problems:
+            out.append("numerics not run: no padded quantized MoE layer to compare")
+        return out
+
+
+def is_padded_output(path: str | os.PathLike[str]) -> bool:
+    from wna16ctl.output.outdir import MANIFEST_NAME, read_json_file
+
+    m = read_json_file(Path(path) / MANIFEST_NAME)
+    return isinstance(m, dict) and m.get("layout") == LAYOUT
+
+
+def verify_padding(original: str | os.PathLike[str], padded: str | os.PathLike[str], numerics: bool = True,
+                   samples: str | os.PathLike[str] | None = None, num_samples: int = 16) -> PadProof:
+    from wna16ctl.output.outdir import MANIFEST_NAME, read_json_file
+    from wna16ctl.output.writer import hash_file, recorded_hash
+    from wna16ctl.repacking.pipeline import source_fingerprint
+
+    a, b = open_checkpoint(original), open_checkpoint(padded)
+    manifest = read_json_file(Path(padded) / MANIFEST_NAME)
+    tp = manifest.get("padding", {}).get("tp") if isinstance(manifest, dict) else None
+    proof = PadProof(Path(original), Path(padded), tp)
+    if manifest.get("identity", {}).get("source_fingerprint") != source_fingerprint(a):
+        proof.problems.append(f"{padded}: its manifest names another source than {original} (or the original changed "
+                              "since it was padded)")
+    for rel, meta in (manifest.get("files") or {}).items():
+        rec = recorded_hash(meta)
+        path = Path(padded) / rel
+        if rec is None or not path.is_file() or hash_file(path, rec[0]) != rec[1]:
+            proof.problems.append(f"{path}: missing or changed since it was written (its digest differs)")
+    _check_tensors(a, b, proof)
+    if numerics and not proof.problems:
+        _check_numerics(a, b, proof, samples, num_samples)
+    return proof
+
+
+# -- tensors ---------------------------------------------------------------------------------------------
+
+def _bits(ck: Checkpoint, module: str) -> int:
+    quant = ck.config.quant
+    s = quant.schemes_for([module])[0] if quant is not None else None
+    if s is None:
+        raise BadInput(f"{ck.root}: {module} is packed but no config group targets it")
+    return s.num_bits
+
+
+def _check_tensors(a: Checkpoint, b: Checkpoint, proof: PadProof) -> None:
+    from wna16ctl.sources.tensors import TensorReader
+
+    names_a, names_b = set(a.files.names()), set(b.files.names())
+    for n in sorted(names_a - names_b)[:5]:
+        proof.problems.append(f"{b.root}: tensor {n} of the original is missing")
+    for n in sorted(names_b - names_a)[:5]:
+        proof.problems.append(f"{b.root}: tensor {n} is not in the original")
+    with TensorReader(a.files) as ra, TensorReader(b.files) as rb:
+        for name in sorted(names_a & names_b):
+            ia, ib = a.files.info(name), b.files.info(name)
+            proof.tensors_checked += 1
+            module, _, suffix = name.rpartition(".")
+            leaf = module.rpartition(".")[2]
+            if ia.dtype != ib.dtype:
+                proof.problems.append(f"{name}: dtype {ib.dtype}, the original's is {ia.dtype}")
+                continue
+            if ia.shape == ib.shape and suffix != "weight_shape":
+                if not torch.equal(ra.read_bytes(ia), rb.read_bytes(ib)):
+                    proof.problems.append(f"{name}: differs from the original")
+                continue
+            if leaf not in _ROLE:
+                proof.problems.append(f"{name}: shape {list(ib.shape)} differs from the original's {list(ia.shape)}, "
+                                      "and it is not an MLP projection")
+                continue
+            proof.tensors_padded += ia.shape != ib.shape
+            why = _padded_tensor_problem(a, b, module, _ROLE[leaf], suffix, ra.read(name), rb.read(name))
+            if why:
+                proof.problems.append(f"{name}: {why}")
+
+
+def _padded_tensor_problem(a: Checkpoint, b: Checkpoint, module: str, role: str, suffix: str, old: torch.Tensor,
+                           new: torch.Tensor) -> str | None:
+    rows = role in ("gate", "up")
+    if suffix == "weight_shape":
+        (n, k), got = old.tolist(), new.tolist()
+        ok = (got[1] == k and got[0] >= n) if rows else (got[0] == n and got[1] >= k)
+        return None if ok else f"says {got}, the original {[n, k]}: only the intermediate dimension may grow"
+    if suffix in ("weight", "bias"):
+        kept, added = _split(old, new, 0 if rows or new.ndim == 1 else 1)
+        if kept is None:
+            return "does not start with the original"
+        return None if torch.count_nonzero(added) == 0 else "an added weight is not 0"
+    bits = _bits(a, module)
+    code = zero_code(bits)
+    if suffix == "weight_packed":
+        if rows:
+            kept, added = _split(old, new, 0)
+        else:
+            kept, added = _split(unpack_codes(old, bits, dim=1), unpack_codes(new, bits, dim=1), 1)
+        if kept is None:
+            return "an original code changed"
+        codes = unpack_codes(added, bits, dim=1) if rows else added
+        return None if bool((codes == code).all()) else "an added code is not the zero code"
+    if suffix == "weight_scale":
+        kept, added = _split(old, new, 0 if rows else 1)
+        if kept is None:
+            return "an original scale changed"
+        return None if bool(torch.isfinite(added).all()) else "an added scale is not finite"
+    if suffix == "weight_zero_point":
+        if rows:  # packed along the rows that grew: compare the codes of the original and the added rows
+            n, n_new = (ck.files.info(f"{module}.weight_packed").shape[0] for ck in (a, b))
+            kept, added = _split(unpack_codes(old, bits, dim=0, size=n), unpack_codes(new, bits, dim=0, size=n_new), 0)
+        else:
+            h = a.files.info(f"{module}.weight_packed").shape[0]
+            kept, added = _split(old, new, 1)
+            added = unpack_codes(added, bits, dim=0, size=h)
+        if kept is None:
+            return "an original zero point changed"
+        return None if bool((added == code).all()) else "an added zero point is not the zero code"
+    if suffix == "weight_g_idx":
+        if rows:
+            return None if torch.equal(old, new) else "g_idx of the input columns changed"
+        kept, added = _split(old, new, 0)
+        if kept is None:
+            return "an original g_idx entry changed"
+        group = int(torch.bincount(old.long()).max()) if old.numel() else 1
+        groups = int(old.max()) + 1 if old.numel() else 0
+        want = torch.arange(added.numel()) // group + groups
+        return None if torch.equal(added.long(), want) else "the added columns are not whole new groups after the last"
+    return f"a {suffix} tensor cannot be padded"
+
+
+def _split(old: torch.Tensor, new: torch.Tensor, dim: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(the original part if it equals `old`, else None; the added part) of `new` along `dim`."""
+    if new.ndim != old.ndim or any(new.shape[d] != old.shape[d] for d in range(old.ndim) if d != dim) \
+            or new.shape[dim] < old.shape[dim]:
+        return None, new
+    kept = new.narrow(dim, 0, old.shape[dim])
+    added = new.narrow(dim, old.shape[dim], new.shape[dim] - old.shape[dim])
+    return (kept if torch.equal(kept, old) else None), added
+
+
+# -- numerics ----------------------------------------------------------------------------------------------
+
+def _engine_block(ranks: list[Any], a: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """The block output as an engine computes it: fp32 GEMMs, the model dtype between stages,
+    per-slot outputs summed in fp32 per rank and rounded, the ranks' partials summed in fp32."""
+    T, k = topk_ids.shape
+    flat, wf = topk_ids.reshape(-1), topk_weights.reshape(-1).float()
+    partials = []
+    for rng, weights in ranks:
+        slots = torch.zeros(T * k, a.shape[1], dtype=torch.float32)
+        for e, (w13, w2) in weights.items():
+            idx = (flat == e).nonzero().squeeze(1)
+            if not idx.numel():
+                continue
+            x = a[idx // k].to(dtype).float()
+            g13 = (x @ w13.float()).to(dtype).float()
+            i = w2.shape[0]
+            h = (torch.nn.functional.silu(g13[:, :i]) * g13[:, i:]).to(dtype).float()
+            slots[idx] = ((h @ w2.float()) * wf[idx].unsqueeze(1)).to(dtype).float()
+        partials.append(slots.view(T, k, -1).sum(1).to(dtype).float())
+    return torch.stack(partials).sum(0).to(dtype)
+
+
+def _rank_weights(ck: Checkpoint, layer: Any, experts: list[int], tp: int, dtype: torch.dtype) -> list[Any]:
+    from wna16ctl.sources.tensors import TensorReader
+    from wna16ctl.verification.e2e import _dequantize_source
+
+    i, h = layer.intermediate_size, layer.hidden_size
+    full: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    with TensorReader(ck.files) as reader:
+        for e in experts:
+            p = reader.read_expert(layer, e)
+            full[e] = (_dequantize_source(p["gate"], h, dtype), _dequantize_source(p["up"], h, dtype),
+                       _dequantize_source(p["down"], i, dtype))
+    step = i // tp
+    ranks = []
+    for r in range(tp):
+        s = slice(r * step, (r + 1) * step)
+        ranks.append((range(layer.num_experts), {e: (torch.cat([g[s].T, u[s].T], 1), d[:, s].T.contiguous())
+                                                 for e, (g, u, d) in full.items()}))
+    return ranks
+
+
+def _activations(a: Checkpoint, samples: Any, num_samples: int) -> tuple[torch.Tensor | None, str]:
+    """Embedded question tokens (fp32 [T, H]), and where they came from; None: none to use."""
+    from wna16ctl.errors import WnaError
+    from wna16ctl.sources.tensors import TensorReader
+    from wna16ctl.verification.activations import embed, load_questions, tokenize
+    from wna16ctl.verification.samples import resolve_samples, samples_label
+
+    try:
+        path = resolve_samples(samples, a.root)
+        questions = load_questions(path, num_samples)
+        with TensorReader(a.files) as reader:
+            ids, _ = tokenize(a, questions, int(a.config.raw.get("vocab_size") or 1 << 30))
+            return embed(a, reader, ids), f"{samples_label(path)}, {len(questions)} questions"
+    except WnaError as e:
+        return None, f"seeded random activations ({e.message})"
+
+
+def _check_numerics(a: Checkpoint, b: Checkpoint, proof: PadProof, samples: Any = None, num_samples: int = 16) -> None:
+    from wna16ctl.errors import WnaError
+    from wna16ctl.sources.tensors import TensorReader, dtype_from_name
+    from wna16ctl.verification.activations import route
+    from wna16ctl.verification.bounds import block_interval, judge
+
+    dtype = dtype_from_name(a.config.torch_dtype or "bfloat16")
+    if dtype not in (torch.bfloat16, torch.float16):
+        return
+    tp = proof.tp or 1
+    hidden, proof.activations = _activations(a, samples, num_samples)
+    padded_layers = {lay.prefix: lay for lay in b.quantized_layers}
+    for lay in a.quantized_layers:
+        lay_b = padded_layers.get(lay.prefix)
+        if lay_b is None or lay_b.intermediate_size == lay.intermediate_size or lay_b.intermediate_size % tp:
+            continue
+        routing = None
+        if hidden is not None:
+            try:
+                with TensorReader(a.files) as reader:
+                    routing = route(a, reader, lay, hidden)
+            except WnaError as e:
+                proof.activations += f"; {lay.prefix}: seeded random activations ({e.message})"
+        if routing is not None:
+            x, ids, weights = routing.x.to(dtype), routing.topk_ids, routing.topk_weights.float()
+        else:
+            gen = torch.Generator().manual_seed(lay.layer_index or 0)
+            k = min(2, lay.num_experts)
+            x = torch.randn(max(TOKENS, lay.num_experts), lay.hidden_size, generator=gen).to(dtype)
+            ids = torch.stack([torch.randperm(lay.num_experts, generator=gen)[:k] for _ in range(x.shape[0])])
+            weights = torch.rand(x.shape[0], k, generator=gen).float()
+        tokens = x.shape[0]
+        experts = sorted({int(e) for e in ids.reshape(-1) if int(e) >= 0})
+        ref_ranks = _rank_weights(a, lay, experts, 1, dtype)
+        pad_ranks = _rank_weights(b, lay_b, experts, tp, dtype)
+        iv_ref = block_interval(ref_ranks, x, ids, weights, dtype)
+        iv_pad = block_interval(pad_ranks, x, ids, weights, dtype)
+        out_ref = _engine_block(ref_ranks, x, ids, weights, dtype)
+        out_pad = _engine_block(pad_ranks, x, ids, weights, dtype)
+        v_ref, v_pad = judge(out_ref, iv_ref), judge(out_pad, iv_pad)
+        centre_gap = float((iv_ref.centre - iv_pad.centre).abs().max())
+        half = lambda iv: torch.maximum((iv.hi - iv.centre).abs(), (iv.lo - iv.centre).abs())  # noqa: E731
+        bound = half(iv_ref) + half(iv_pad) + centre_gap
+        diff = (out_ref.double() - out_pad.double()).abs()
+        outside = int((diff > bound).sum())
+        ok = v_ref.violations == 0 and v_pad.violations == 0 and outside == 0
+        proof.layers.append({"layer": lay.prefix, "tp": tp, "tokens": tokens, "ok": ok,
+                             "max_abs_difference": float(diff.max()), "violations": outside + v_ref.violations
+                             + v_pad.violations, "max_ratio": max(v_ref.max_ratio, v_pad.max_ratio),
+                             "centre_difference": centre_gap})
+        if not ok:
+            proof.problems.append(f"{lay.prefix}: the padded layer at TP {tp} differs from the original beyond the "
+                                  f"rounding interval ({outside + v_ref.violations + v_pad.violations} outputs)")

@@ -1,0 +1,126 @@
+"""The tensor math of padding one projection module, per stored form.
+
+compressed-tensors `pack-quantized` stores a projection [N, K] as
+  weight_packed [N, K/pf] int32 (codes along K, offset by 2^(b-1)),
+  weight_scale [N, G] (G = K/group, or 1 channel-wise),
+  weight_zero_point [ceil(N/pf), G] int32 (asymmetric; offset codes packed along N),
+  weight_g_idx [K] int32 (act-order: the group of each input column),
+  weight_shape [2].
+Gate/up gain rows (N: I -> I'), down gains input columns (K: I -> I').  Every added weight code
+is 2^(b-1), which is the signed value 0; an added zero point is the same code, so an added row
+dequantises to (0 - 0)·s = 0 whatever its scale, and the added scales are 1 (finite).  The down
+projection's added columns are whole new groups (G -> I'/group) in order, so act-order g_idx
+names them G, G+1, ...; with act-order `group` vLLM loads every rank's w2 scales in full and
+finds the new groups there.  Unquantized weights gain zero rows / columns.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from wna16ctl.layout.packing import pack_codes, pack_factor, unpack_codes
+from wna16ctl.padding.plan import PaddedModule, padded_shape
+
+ADDED_SCALE = 1.0  # any finite scale gives 0 on the zero code; 1 keeps the tensor's range as it was
+
+
+def zero_code(num_bits: int) -> int:
+    """The stored (offset) code of the value 0."""
+    return 1 << (num_bits - 1)
+
+
+def zero_word(num_bits: int) -> int:
+    """An int32 word of zero codes, as a signed int32 value."""
+    code = zero_code(num_bits)
+    word = 0
+    for i in range(pack_factor(num_bits)):
+        word |= code << (num_bits * i)
+    return word - (1 << 32) if word >= 1 << 31 else word
+
+
+def pad_tensor(m: PaddedModule, suffix: str, t: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """`t` (the module's tensor `suffix`) padded from m.width to m.padded; `n_rows` is the
+    projection's N before padding (what a packed zero point's words stand for)."""
+    shape = padded_shape(m, suffix, tuple(t.shape))
+    s = m.scheme
+    if suffix == "weight_shape":
+        out = t.clone()
+        out[0 if m.role in ("gate", "up") else 1] = m.padded
+        return out
+    if tuple(t.shape) == shape:
+        return t
+    rows = m.role in ("gate", "up")
+    dim = 0 if rows or t.ndim == 1 else 1  # 1-d: a gate/up bias or the down projection's g_idx
+    extra = shape[dim] - t.shape[dim]
+    if suffix in ("weight", "bias"):
+        return _cat(t, torch.zeros(_with(t.shape, dim, extra), dtype=t.dtype), dim)
+    assert s is not None, f"{m.module}.{suffix}: a quantized tensor of an unquantized module"
+    if suffix == "weight_packed":
+        if rows:
+            return _cat(t, torch.full((extra, t.shape[1]), zero_word(s.num_bits), dtype=torch.int32), 0)
+        return _pad_packed_columns(t, m.width, m.padded, s.num_bits)
+    if suffix == "weight_scale":
+        return _cat(t, torch.full(_with(t.shape, dim, extra), ADDED_SCALE, dtype=t.dtype), dim)
+    if suffix == "weight_zero_point":
+        return _pad_zero_point(t, m, shape, n_rows)
+    if suffix == "weight_g_idx":  # down only: the added columns are whole groups after the last
+        groups = -(-m.width // s.group_size)
+        added = torch.arange(m.padded - m.width, dtype=torch.int64) // s.group_size + groups
+        return torch.cat([t, added.to(t.dtype)])
+    raise ValueError(f"{m.module}.{suffix}: no padding rule for this tensor")
+
+
+def _with(shape: torch.Size, dim: int, size: int) -> tuple[int, ...]:
+    out = list(shape)
+    out[dim] = size
+    return tuple(out)
+
+
+def _cat(t: torch.Tensor, added: torch.Tensor, dim: int) -> torch.Tensor:
+    return torch.cat([t, added], dim=dim)
+
+
+def _pad_packed_columns(t: torch.Tensor, width: int, padded: int, num_bits: int) -> torch.Tensor:
+    pf = pack_factor(num_bits)
+    if width % pf == 0:  # whole words: append words of zero codes
+        words = -(-padded // pf) - t.shape[1]
+        return _cat(t, torch.full((t.shape[0], words), zero_word(num_bits), dtype=torch.int32), 1)
+    codes = unpack_codes(t, num_bits, dim=1, size=width)
+    codes = _cat(codes, torch.full((t.shape[0], padded - width), zero_code(num_bits), dtype=codes.dtype), 1)
+    return pack_codes(codes, num_bits, dim=1)
+
+
+def _pad_zero_point(t: torch.Tensor, m: PaddedModule, shape: tuple[int, ...], n_rows: int) -> torch.Tensor:
+    s = m.scheme
+    assert s is not None
+    code = zero_code(s.num_bits)
+    rows = m.role in ("gate", "up")
+    if t.dtype != torch.int32 or t.shape[0] == n_rows != -(-n_rows // pack_factor(s.num_bits)):
+        # the legacy unpacked form [N, G] of signed zero points: the added ones are 0
+        dim = 0 if rows else 1
+        return _cat(t, torch.zeros(_with(t.shape, dim, shape[dim] - t.shape[dim]), dtype=t.dtype), dim)
+    if rows:  # packed along the rows being added: unpack, append, pack again
+        codes = unpack_codes(t, s.num_bits, dim=0, size=n_rows)
+        codes = _cat(codes, torch.full((m.padded - n_rows, t.shape[1]), code, dtype=codes.dtype), 0)
+        return pack_codes(codes, s.num_bits, dim=0)
+    # down: new group columns, each a packed column of N zero codes (a partial last word's
+    # unused codes stay zero bits, as the packer leaves them)
+    added = pack_codes(torch.full((n_rows, shape[1] - t.shape[1]), code, dtype=torch.int32), s.num_bits, dim=0)
+    return _cat(t, added, 1)
+
+
+def append_dim(m: PaddedModule, suffix: str, shape: tuple[int, ...], dtype: torch.dtype, n_rows: int) -> int | None:
+    """The dimension along which padding only appends to the stored tensor, the original values
+    staying one block at its start (the added block then depends on the sizes alone, not on the
+    values: the writer makes it once per shape); None where the tensor is rewritten (weight_shape,
+    zero points packed along the rows that grow, codes that end in a partial int32 word)."""
+    if suffix == "weight_shape" or padded_shape(m, suffix, shape) == shape:
+        return None
+    if len(shape) == 1:
+        return 0
+    if m.role in ("gate", "up"):
+        packed_zp = suffix == "weight_zero_point" and dtype == torch.int32 and shape[0] != n_rows
+        return None if packed_zp else 0
+    if suffix == "weight_packed" and m.scheme is not None and m.width % pack_factor(m.scheme.num_bits):
+        return None
+    return 1
