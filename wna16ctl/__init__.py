@@ -210,7 +210,7 @@ def pad(path: PathLike, out: PathLike | None, tp: int | str | None = None, *, to
     vocabulary, hidden size) and `BadInput`/`UsageError` on unusable input.
     """
     from wna16ctl.errors import UsageError
-    from wna16ctl.padding.plan import open_for_padding, plan_padding
+    from wna16ctl.planning.padding import open_for_padding, plan_padding
     from wna16ctl.padding.write import write_padded
     from wna16ctl.planning.tpsizes import parse_tp_list
     from wna16ctl.sources.recipe import make_proposal

@@ -521,7 +521,7 @@ def pad(ctx: click.Context, ckpt: str, out: str | None, tp: str | None, to: int 
 
     def body() -> int:
         import wna16ctl
-        from wna16ctl.padding.plan import summary_lines
+        from wna16ctl.planning.padding import summary_lines
 
         options = dict(tp=tp, to=to, ep=ep, vllm=vllm, gpu=gpu, env=list(env), moe_backend=moe_backend,
                        scheme=scheme, group_size=group_size, actorder=actorder)

@@ -6,8 +6,9 @@ with zeros makes it split, and changes nothing the model computes: the new gate/
 dequantise to 0, silu(0)·0 = 0, and the matching new down-projection columns multiply those
 zeros.
 
-* `plan`: the smallest I' per config field that loads at TP N under the release's rules (the
-  planner's, re-run with the padded sizes), or a one-line refusal naming what padding cannot fix.
+* the plan (`planning.padding`, beside the other planners that `--suggest` also asks): the smallest
+  I' per config field that loads at TP N under the release's rules (the planner's, re-run with the
+  padded sizes), or a one-line refusal naming what padding cannot fix.
 * `tensors`: the tensor math, per packed form (the zero code, new whole groups, g_idx, zero points).
 * `write`: the streaming, atomic rewrite through `wna16ctl.output` (same format, new sizes).
 * `proof`: `verify ORIGINAL PADDED`: originals unchanged, additions the zero code, same outputs.

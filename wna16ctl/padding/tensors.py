@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from wna16ctl.layout.packing import pack_codes, pack_factor, unpack_codes
-from wna16ctl.padding.plan import PaddedModule, padded_shape
+from wna16ctl.planning.padding import PaddedModule, padded_shape
 
 ADDED_SCALE = 1.0  # any finite scale gives 0 on the zero code; 1 keeps the tensor's range as it was
 

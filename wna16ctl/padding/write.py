@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from wna16ctl.errors import BadInput
 from wna16ctl.output.outdir import MANIFEST_NAME, OUTPUT_FORMAT
-from wna16ctl.padding.plan import PadPlan, padded_shape
+from wna16ctl.planning.padding import PadPlan, padded_shape
 from wna16ctl.version import __version__
 
 LAYOUT = "pad"  # the manifest's `layout`: a padded checkpoint, in the checkpoint's own format

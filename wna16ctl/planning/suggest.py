@@ -374,7 +374,7 @@ def _pad_suggestion(insp: Inspection, tp: int, refused: tuple[str, ...]) -> Sugg
     """`wna16ctl pad --tp N`: the smallest exact zero-padding under which the model loads at `tp`,
     re-planned by the padding planner (None where padding does not fix the refusal)."""
     from wna16ctl.errors import WnaError
-    from wna16ctl.padding.plan import plan_padding
+    from wna16ctl.planning.padding import plan_padding
     from wna16ctl.sink import human_bytes
 
     try:
