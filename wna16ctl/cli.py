@@ -534,9 +534,8 @@ def main() -> None:
     """The `wna16ctl` program: click's standalone mode, except that a Ctrl-C outside a command's
     body (while the options are read) exits 130 with one line like one inside it, not click's
     "Aborted!" and 1."""
-    import wna16ctl
-
-    if signal.getsignal(signal.SIGINT) is wna16ctl._interrupted_while_starting:  # the imports are done
+    starting = getattr(sys.modules.get("wna16ctl"), "_interrupted_while_starting", None)
+    if starting is not None and signal.getsignal(signal.SIGINT) is starting:  # the imports are done
         signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         code = cli.main(prog_name="wna16ctl", standalone_mode=False)
