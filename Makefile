@@ -36,7 +36,7 @@ test: $(BIN)/.installed
 
 # The reliability tests' long tiers: `repack` stopped by Ctrl-C in a terminal at 200 seeded
 # random moments on a larger checkpoint, each checked for exit 130 (or 0), one line, no crash or
-# hang, and a byte-identical `--resume` (`make test` runs a 12-moment slice; ~15 min on 2 cores).
+# hang, and a byte-identical `--resume` (`make test` runs a 12-moment slice; ~10 min on 2 busy cores).
 # WNA16CTL_CTRL_C_SEED and WNA16CTL_CTRL_C_TRIALS pick other moments.
 test-reliability: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -rs -s -m reliability tests/test_reliability.py
