@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 DEMO_DIR ?= build/demo
 TP ?= 2
 
-.PHONY: install lint demo test test-kernels conformance test-engine engine-venv bench clean
+.PHONY: install lint demo test test-reliability test-kernels conformance test-engine engine-venv bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,13 @@ demo: $(BIN)/.installed
 TEST_WORKERS ?= logical
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -rs -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile
+
+# The reliability tests' long tiers: `repack` stopped by Ctrl-C in a terminal at 200 seeded
+# random moments on a larger checkpoint, each checked for exit 130 (or 0), one line, no crash or
+# hang, and a byte-identical `--resume` (`make test` runs a 12-moment slice; ~10 min on 2 busy cores).
+# WNA16CTL_CTRL_C_SEED and WNA16CTL_CTRL_C_TRIALS pick other moments.
+test-reliability: $(BIN)/.installed
+	$(BIN)/python -m pytest -q -rs -s -m reliability tests/test_reliability.py
 
 # The kernels in depth: every GEMM mutant must be caught by the emulated tests (each one a
 # recompile of the GEMM source; `make test` runs two of them), the whole v3 grid and v3's nvcc

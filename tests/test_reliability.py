@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -837,3 +838,272 @@ def test_verify_names_a_non_finite_scale_of_the_source(make_ckpt, tmp_path):
     _poison(ck, name, _set(0, float("nan")))  # data only: the header fingerprint is unchanged
     one_line_error(invoke("verify", str(ck), str(out), "--num-samples", "2", "--samples", str(QUESTIONS)),
                    name, "not finite")
+
+
+# ---- Ctrl-C at any moment ------------------------------------------------------------------------------
+#
+# `repack` run in a terminal (a pseudo-terminal whose foreground process group it is) and stopped
+# by the Ctrl-C character typed into it at a random moment, from interpreter start-up to the last
+# rename.  Every stop must be clean (exit 130 with one line, or 0 when the run had finished), and
+# `--resume` must then give the bytes of an uninterrupted run.
+
+CTRL_C = b"\x03"
+BIG = dict(num_layers=4, num_experts=32, hidden_size=1024, intermediate_size=1024)  # the size users stopped
+
+
+def _cli_command() -> list[str]:
+    script = Path(sys.executable).parent / "wna16ctl"
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "wna16ctl"]
+
+
+def _in_terminal(argv: list[str], ctrl_c_after: float | None, timeout: float) -> tuple[int | None, str, float]:
+    """Run argv with a pseudo-terminal as its controlling terminal; type Ctrl-C after
+    `ctrl_c_after` seconds (None: never).  Returns (exit status, or None when it did not end
+    within `timeout` seconds of the Ctrl-C; the terminal's text; seconds it ran)."""
+    import fcntl
+    import termios
+    import threading
+    import time
+
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+
+    def controlling_terminal() -> None:  # in the child, after setsid: the pty becomes its terminal
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+        # as a shell starts a foreground job: Ctrl-C not ignored even when this test runs in the background
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+           "PYTHONFAULTHANDLER": "1", "TERM": "xterm"}
+    began = time.monotonic()
+    proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, start_new_session=True,
+                            preexec_fn=controlling_terminal, cwd=REPO_ROOT, env=env)
+    os.close(slave)
+    chunks: list[bytes] = []
+
+    def drain() -> None:  # a full terminal buffer would stop the child
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: every writer closed its end
+                return
+            if not data:
+                return
+            chunks.append(data)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        if ctrl_c_after is not None:
+            try:
+                proc.wait(timeout=ctrl_c_after)
+            except subprocess.TimeoutExpired:
+                os.write(master, CTRL_C)  # the line discipline signals the foreground process group
+        try:
+            status: int | None = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            status = None
+            os.killpg(proc.pid, signal.SIGABRT)  # faulthandler prints every thread's stack
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        ran = time.monotonic() - began
+        reader.join(timeout=5)
+    finally:
+        os.close(master)
+    return status, b"".join(chunks).decode(errors="replace"), ran
+
+
+def _plain_text(text: str) -> str:
+    import re
+
+    # escape sequences go; the terminal's echo of the Ctrl-C ("^C") ends a line
+    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07", "", text).replace("\r", "\n").replace("^C", "\n")
+
+
+def _in_interpreter_start_up(status: int | None, plain: str) -> bool:
+    """Whether the Ctrl-C stopped Python before any of wna16ctl's code ran (nothing a program
+    can answer: the interpreter itself stops, killed by the signal or failing to import `site`)."""
+    import re
+
+    frames = re.findall(r'File "([^"]+)"', plain)
+    ours = [f for f in frames if f"{os.sep}wna16ctl{os.sep}" in f and f.endswith(".py")]
+    return not ours and (status == -signal.SIGINT or (status == 1 and "init_import_site" in plain))
+
+
+def _stop_at_random_moments(ck: Path, work: Path, trials: int, seed: int, extra: list[str]) -> dict[str, list]:
+    """`trials` runs of `repack ck -o OUT` stopped by Ctrl-C at seeded random moments, each
+    followed by `--resume`; returns what each outcome was seen for (delay, text)."""
+    import random
+
+    out = work / "out"
+    argv = [*_cli_command(), "repack", str(ck), "--tp", "2", "-o", str(out), *extra]
+    status, text, _ = _in_terminal(argv, None, 600)  # the first run may build the native library
+    assert status == 0, text
+    want = file_digests(out)
+    # how long a run takes (the moments are drawn in it): the fastest of three, since on a busy
+    # machine one slow run would put most moments after the end
+    runs = []
+    for _ in range(3):
+        shutil.rmtree(out)
+        status, text, ran = _in_terminal(argv, None, 600)
+        assert status == 0 and file_digests(out) == want, text
+        runs.append(ran)
+    whole = min(runs)
+    rng = random.Random(seed)
+    seen: dict[str, list] = {"run": [whole]}
+    for _ in range(trials):
+        shutil.rmtree(out, ignore_errors=True)
+        assert leftovers(out) == []
+        delay = rng.uniform(0, whole * 1.1)
+        status, text, ran = _in_terminal(argv, delay, timeout=max(60.0, 10 * whole))
+        plain = _plain_text(text)
+        stage_kept = leftovers(out) == [f".{out.name}.wna16ctl-partial"]
+        problems = []
+        if status is None:
+            kind = "hang"
+        elif _in_interpreter_start_up(status, plain):
+            kind = "stopped in interpreter start-up"
+        elif status in (-signal.SIGSEGV, -signal.SIGBUS, -signal.SIGABRT) or "Fatal Python error" in plain:
+            kind = "crash"
+        elif status == 0:
+            kind = "exit 0"
+        elif status == 130:
+            kind = "exit 130"
+            errors = [ln for ln in plain.splitlines() if ln.startswith("error:")]
+            if len(errors) != 1 or "interrupted" not in errors[0]:
+                problems.append(f"not one 'error: interrupted' line: {errors}")
+            elif ("kept for --resume" in errors[0]) != stage_kept:
+                problems.append(f"says {errors[0]!r}, staging directory kept: {stage_kept}")
+        else:
+            kind = f"exit {status}"
+        for bad in ("Traceback", "Aborted!", "internal error", "Exception ignored"):
+            if bad in plain and kind != "stopped in interpreter start-up":
+                problems.append(f"printed {bad!r}")
+        if kind in ("exit 0", "exit 130", "stopped in interpreter start-up"):
+            res = invoke("repack", str(ck), "--tp", "2", "-o", str(out), *extra, "--resume")
+            if res.exit_code != 0:
+                problems.append(f"--resume exited {res.exit_code}: {res.output}")
+            elif file_digests(out) != want or leftovers(out) != []:
+                problems.append("--resume gave other bytes than an uninterrupted run")
+        seen.setdefault(kind, []).append((round(delay, 3), round(ran, 3), plain[-3000:] if kind != "exit 0" or problems else ""))
+        if problems:
+            seen.setdefault("problems", []).append((round(delay, 3), kind, problems, plain[-3000:]))
+    return seen
+
+
+def _summary(seen: dict[str, list], trials: int, seed: int) -> str:
+    counts = {k: len(v) for k, v in seen.items() if k != "run"}
+    # a run that exits 0 well after its Ctrl-C went on regardless (only the final renames may)
+    late = sum(1 for delay, ran, _ in seen.get("exit 0", []) if ran > delay + 0.5)
+    return (f"{trials} Ctrl-C trials (seed {seed}, a run takes {seen['run'][0]:.2f} s): {counts}; "
+            f"exit 0 more than 0.5 s after the Ctrl-C: {late}")
+
+
+def _require_clean(seen: dict[str, list], trials: int, seed: int) -> None:
+    summary = _summary(seen, trials, seed)
+    print(summary)
+    bad = {k: v for k, v in seen.items() if k not in ("run", "exit 0", "exit 130", "stopped in interpreter start-up")}
+    assert not bad, summary + "\n" + "\n---\n".join(repr(x) for v in bad.values() for x in v[:3])
+    # the moments fall inside a run (up to 10% after it): most of them must have stopped it
+    assert len(seen.get("exit 130", [])) >= trials // 2, summary
+
+
+def test_ctrl_c_at_random_moments_is_clean_and_resumable(make_ckpt, tmp_path):
+    # a short seeded slice on a small checkpoint (most moments fall in start-up and planning); the
+    # full run on the larger checkpoint below
+    seed = int(os.environ.get("WNA16CTL_CTRL_C_SEED", "38"))
+    trials = 12
+    seen = _stop_at_random_moments(make_ckpt(**TWO), tmp_path, trials, seed, ["--max-shard-size", "300000"])
+    _require_clean(seen, trials, seed)
+
+
+@pytest.mark.reliability
+def test_ctrl_c_at_random_moments_long(make_ckpt, tmp_path):
+    seed = int(os.environ.get("WNA16CTL_CTRL_C_SEED", "2026"))
+    trials = int(os.environ.get("WNA16CTL_CTRL_C_TRIALS", "200"))
+    seen = _stop_at_random_moments(make_ckpt(**BIG), tmp_path, trials, seed, ["--max-shard-size", "20MiB"])
+    _require_clean(seen, trials, seed)
+
+
+def test_ctrl_c_while_ranks_build_waits_for_every_build_under_way(make_ckpt, tmp_path, monkeypatch):
+    # Ctrl-C while the main thread waits for the other rank's native build: that build reads the
+    # mapped shard window and writes the output buffers, so neither may go before it returns
+    import threading
+    import time
+
+    ck = make_ckpt(**TWO)
+    out = tmp_path / "out"
+    real_build, real_unmap = repack_native.LayerBuilder.build_into, repack_native.LayerBuilder.unmap
+    lock, busy, busy_at_unmap, stale, pressed = threading.Lock(), [0], [], [], []
+
+    def build(self, rank, n, slot, addrs):
+        with lock:
+            busy[0] += 1
+        try:
+            if threading.current_thread() is threading.main_thread():
+                if not pressed:  # the first chunk: Ctrl-C once this thread waits for the other build
+                    pressed.append(threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT)))
+                    pressed[0].start()
+            else:
+                time.sleep(0.5)
+            if slot not in self._maps:  # unmapped meanwhile: building now would crash the process
+                stale.append(rank)
+                return None
+            return real_build(self, rank, n, slot, addrs)
+        finally:
+            with lock:
+                busy[0] -= 1
+
+    def unmap(self, slot):
+        with lock:
+            busy_at_unmap.append(busy[0])
+        return real_unmap(self, slot)
+
+    monkeypatch.setattr(repack_native.LayerBuilder, "build_into", build)
+    monkeypatch.setattr(repack_native.LayerBuilder, "unmap", unmap)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # a test runner's worker may ignore it
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_repack(plan_repack(ck, SPLIT), out)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if pressed:
+            pressed[0].join()
+    monkeypatch.undo()
+    assert busy_at_unmap and max(busy_at_unmap) == 0 and not stale, (busy_at_unmap, stale)
+    assert leftovers(out) == [".out.wna16ctl-partial"]
+    run_repack(plan_repack(ck, SPLIT), out, resume=True)
+    fresh = tmp_path / "fresh"
+    run_repack(plan_repack(ck, SPLIT), fresh)
+    assert file_digests(out) == file_digests(fresh)
+
+
+def _one_interrupted_line(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 130, (proc.returncode, proc.stderr)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: interrupted"), proc.stderr
+    return lines[0]
+
+
+def test_ctrl_c_while_the_options_are_read_is_130_not_aborted(make_ckpt, tmp_path):
+    # click turns a KeyboardInterrupt outside the command's body into "Aborted!" and exit 1
+    prelude = ("import wna16ctl.cli as c\n"
+               "def stop(value):\n    raise KeyboardInterrupt\n"
+               "c._parse_size = stop\n")
+    proc = run_cli("repack", str(make_ckpt(**SMALL)), "--tp", "1", "-o", str(tmp_path / "out"), prelude=prelude)
+    assert "nothing was done" in _one_interrupted_line(proc)
+    assert leftovers(tmp_path / "out") == [] and not (tmp_path / "out").exists()
+
+
+def test_ctrl_c_while_the_command_line_imports_is_130_not_a_traceback():
+    prelude = ("import builtins\n"
+               "real = builtins.__import__\n"
+               "def imp(name, *a, **kw):\n"
+               "    if name == 'click':\n        raise KeyboardInterrupt\n"
+               "    return real(name, *a, **kw)\n"
+               "builtins.__import__ = imp\n")
+    proc = run_cli("inspect", "x", prelude=prelude)
+    assert "nothing was done" in _one_interrupted_line(proc)

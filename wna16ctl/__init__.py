@@ -16,21 +16,41 @@ stays cheap.  See docs/python-api.md.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+import os  # loaded with the interpreter already
+import sys
 
-from wna16ctl.version import __version__
 
+def _interrupted_while_starting(signum: int, frame: object) -> None:
+    os.write(2, b"\nerror: interrupted; nothing was done\n")
+    os._exit(130)
+
+
+# The `wna16ctl` program answers a Ctrl-C from its first import on with one line and 130, as it
+# does later (wna16ctl.cli.main takes over); a program that merely imports the package keeps
+# Python's KeyboardInterrupt.
+if (os.path.basename(sys.argv[0] if sys.argv else "") == "wna16ctl"
+        and getattr(sys.modules.get("__main__"), "__file__", None) == sys.argv[0]):
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _interrupted_while_starting)
+
+from wna16ctl.version import __version__  # noqa: E402
+
+# `typing` is left unimported at run time: the command line imports this package first, and the
+# less it loads before it can answer a Ctrl-C (wna16ctl.cli) the better
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Any, Callable, Iterable
+
     from wna16ctl.planning.inspection import Inspection
     from wna16ctl.repacking.pipeline import RepackPlan, RepackResult
     from wna16ctl.verification.checks import VerifyReport
 
-__all__ = ["inspect", "repack", "verify", "pad", "__version__", "Inspection", "RepackPlan", "RepackResult", "VerifyReport"]
+    PathLike = str | os.PathLike  # a checkpoint or output directory
+    TpSizes = int | str | Iterable[int]
 
-PathLike = str | os.PathLike  # a checkpoint or output directory
-TpSizes = int | str | Iterable[int]
+__all__ = ["inspect", "repack", "verify", "pad", "__version__", "Inspection", "RepackPlan", "RepackResult", "VerifyReport"]
 
 
 def inspect(path: PathLike, tp: TpSizes = "1,2,4,8", ep: bool = False, *, vllm: str = "installed", gpu: str = "sm90",
@@ -125,6 +145,8 @@ def repack(path: PathLike, out: PathLike | None, tp: int | str, *, ep: bool = Fa
         from wna16ctl.repacking.pipeline import RepackResult
 
         manifest = write_vllm_state(vplan, out, force=force, progress=progress)
+        from pathlib import Path
+
         return RepackResult(out=Path(out).resolve(), files_written=sum(len(r["files"]) for r in manifest["ranks"]),
                             files_reused=0, bytes_written=sum(int(r["bytes"]) for r in manifest["ranks"]),
                             manifest=manifest, ranks=list(range(n_ranks)))

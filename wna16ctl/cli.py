@@ -8,21 +8,33 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Callable, NoReturn
 
-import click
+try:  # a Ctrl-C while the command line starts: one line and 130, as anywhere later
+    import errno
+    import signal
+    from pathlib import Path
+    from typing import Callable, NoReturn
 
-from wna16ctl.version import __version__
-from wna16ctl.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, UsageError, WnaError
-from wna16ctl.sink import Sink
+    import click
+
+    from wna16ctl.version import __version__
+    from wna16ctl.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, UsageError, WnaError
+    from wna16ctl.sink import Sink
+    # what the option decorators below read while this module loads
+    from wna16ctl.planning.engine_env import MOE_BACKENDS
+    from wna16ctl.planning.rules import DEFAULT_GPU, GPUS
+except KeyboardInterrupt:
+    sys.stderr.write("\nerror: interrupted; nothing was done\n")
+    raise SystemExit(130) from None
 
 
-def _run(ctx: click.Context, sink: Sink, body: Callable[[], int], *, interrupted: str,
+def _run(ctx: click.Context, sink: Sink, body: Callable[[], int], *, interrupted: str | Callable[[], str],
          fast_exit: bool = False) -> NoReturn:
     """Run a command body; map library errors to one stderr line and an exit code.
 
     `--debug` (before or after the sub-command) adds the traceback on stderr; the exit code is
-    the same with and without it.  `interrupted` is this command's Ctrl-C message."""
+    the same with and without it.  `interrupted` is this command's Ctrl-C message (or a function
+    that says it from what is on disk by then)."""
     debug = bool(ctx.find_root().params.get("debug") or ctx.params.get("debug"))
     # `quiet` on an error: another process of a torchrun launch prints the line every process shares
     try:
@@ -35,8 +47,9 @@ def _run(ctx: click.Context, sink: Sink, body: Callable[[], int], *, interrupted
     except KeyboardInterrupt as e:  # Ctrl-C, or torchrun stopping this process (a message of its own)
         _traceback(debug)
         if not getattr(e, "quiet", False):
-            sink.error(getattr(e, "message", None) or f"interrupted; {interrupted}")
-        code = getattr(e, "exit_code", 130)
+            said = interrupted if isinstance(interrupted, str) else interrupted()
+            sink.error(getattr(e, "message", None) or f"interrupted; {said}")
+        code = getattr(e, "exit_code", EXIT_INTERRUPTED)
     except Exception as e:  # a bug: say so in one line, full traceback only with --debug
         _traceback(debug)
         if not getattr(e, "quiet", False):
@@ -103,8 +116,6 @@ GPU_ALIASES = {
 
 
 def _gpu_option() -> Callable:
-    from wna16ctl.planning.rules import DEFAULT_GPU, GPUS
-
     def to_sm(ctx: click.Context, param: click.Parameter, value: str) -> str:
         return GPU_ALIASES.get(value.lower(), value.lower())
 
@@ -118,8 +129,6 @@ def _gpu_option() -> Callable:
 
 def _engine_options(f: Callable) -> Callable:
     """--env and --moe-backend: what the engine is told beyond its release (planning/engine_env.py)."""
-    from wna16ctl.planning.engine_env import MOE_BACKENDS
-
     f = click.option("--moe-backend", "moe_backend", type=click.Choice(list(MOE_BACKENDS)), default="auto",
                      show_default=True, help="The engine's --moe-backend (auto: the release's own choice).")(f)
     return click.option("--env", "env", multiple=True, metavar="NAME=VALUE",
@@ -262,6 +271,18 @@ def repack(ctx: click.Context, ckpt: str, tp: str, ep: bool, layout: str, out: s
         raise click.UsageError("--force and --resume exclude each other")
 
     group = distributed.SOLO
+    committed = False
+
+    def interrupted() -> str:
+        """What a Ctrl-C left behind, as it is on disk."""
+        if committed:
+            return f"{out} was complete and committed before it"
+        if out is not None and not dry_run:
+            from wna16ctl.output import outdir
+
+            if outdir.is_real_dir(outdir.stage_path(Path(out))):
+                return "no output was committed; the staging directory is kept for --resume"
+        return "no output was committed; nothing was left behind"
 
     def body() -> int:
         try:
@@ -275,7 +296,7 @@ def repack(ctx: click.Context, ckpt: str, tp: str, ep: bool, layout: str, out: s
             raise
 
     def repack_body() -> int:
-        nonlocal group
+        nonlocal group, committed
         from wna16ctl.errors import NotLoadable
         from wna16ctl.repacking.pipeline import RepackSettings, plan_repack, run_repack
 
@@ -321,6 +342,7 @@ def repack(ctx: click.Context, ckpt: str, tp: str, ep: bool, layout: str, out: s
                 result = run_repack(plan, out, force=force, resume=resume, progress=progress, device=device,
                                     notice=lambda message: sink.warn(message, always=True), ranks=subset,
                                     node_local=node_local, group=group)
+            committed = result.committed
         finally:
             group.close()
         if result.committed:  # one result per output directory (one per node with --node-local)
@@ -329,7 +351,7 @@ def repack(ctx: click.Context, ckpt: str, tp: str, ep: bool, layout: str, out: s
             sink.result_lines(result.to_json(), lambda: repack_result_lines(plan, result) + next_step_lines(result.next_steps))
         return EXIT_OK
 
-    _run(ctx, sink, body, interrupted="no output was committed; the staging directory is kept for --resume")
+    _run(ctx, sink, body, interrupted=interrupted)
 
 
 @cli.command(short_help="Join repack parts (--ranks, --node-local) copied into one directory.")
@@ -578,7 +600,31 @@ def _local_checkpoint(sink: Sink, ckpt: str, revision: str | None) -> str:
 
 
 def main() -> None:
-    cli(prog_name="wna16ctl")
+    """The `wna16ctl` program: click's standalone mode, except that a Ctrl-C outside a command's
+    body (while the options are read) exits 130 with one line like one inside it, not click's
+    "Aborted!" and 1."""
+    starting = getattr(sys.modules.get("wna16ctl"), "_interrupted_while_starting", None)
+    if starting is not None and signal.getsignal(signal.SIGINT) is starting:  # the imports are done
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        code = cli.main(prog_name="wna16ctl", standalone_mode=False)
+    except click.ClickException as e:
+        e.show()
+        code = e.exit_code
+    except (click.Abort, KeyboardInterrupt):
+        Sink().error("interrupted; nothing was done")
+        code = EXIT_INTERRUPTED
+    except OSError as e:
+        if e.errno != errno.EPIPE:
+            raise
+        # the reader of stdout went away (`| head`): exit quietly, as click does
+        sys.stdout = click.utils.PacifyFlushWrapper(sys.stdout)  # type: ignore[assignment]
+        sys.stderr = click.utils.PacifyFlushWrapper(sys.stderr)  # type: ignore[assignment]
+        code = 1
+    # The command is over and its exit status decided: a Ctrl-C while the interpreter shuts down
+    # would only turn that status into a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":  # pragma: no cover

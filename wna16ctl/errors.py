@@ -9,6 +9,7 @@ from __future__ import annotations
 EXIT_OK = 0
 EXIT_FAILED = 1  # the checkpoint would not load / the output did not verify
 EXIT_BAD_INPUT = 2  # unusable input or usage
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, as a shell reports a process stopped by it)
 
 
 class WnaError(Exception):

@@ -105,8 +105,8 @@ def test_interrupt_message_belongs_to_the_command(make_ckpt, tmp_path, monkeypat
     assert res.exit_code == 130
     line = one_error_line(res, 130)
     assert line.startswith("error: interrupted")
-    assert ("--resume" in line) == (command == "repack")
-    assert {"verify": "nothing was verified", "inspect": "nothing was written", "repack": "staging",
+    assert "--resume" not in line  # repack: stopped before a staging directory existed
+    assert {"verify": "nothing was verified", "inspect": "nothing was written", "repack": "nothing was left behind",
             "demo": "--force"}[command] in line
 
 
@@ -267,6 +267,7 @@ def test_discarded_staging_directory_is_announced(make_ckpt, tmp_path, monkeypat
     assert first.exit_code == 130, first.output
     stage = tmp_path / ".out.wna16ctl-partial"
     assert stage.is_dir()
+    assert "the staging directory is kept for --resume" in first.stderr
     monkeypatch.setattr(repack_mod, "build_rank_tensors", real)
     monkeypatch.setattr(repack_native.LayerBuilder, "build_into", real_native)
     res = invoke("repack", ck, "--tp", "1", "-o", out, "-q")  # announced even when quiet

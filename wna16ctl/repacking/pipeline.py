@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from wna16ctl.version import __version__
 from wna16ctl.native import simd
+from wna16ctl import interrupts
 from wna16ctl.repacking import distributed
 from wna16ctl.output import outdir
 from wna16ctl.output.manifest import FORMAT_NAME, FORMAT_VERSION, SIDE_FILES
@@ -548,9 +549,12 @@ def run_repack(
     exec_device = "cpu" if dev == "cpu" else ("cuda" if device == "cuda" else "auto")
 
     def write() -> tuple[int, int, int, str | None]:
-        simd_path = _native_simd(plan, exec_device)  # refuses a WNA16CTL_SIMD level the CPU lacks first
-        counts = _execute(plan, staged, start, exec_device, mine, side_files=is_owner, launch=me)
-        staged.collect_hashes() if is_owner else staged.close()  # hashed, synced, journaled
+        # worker threads build into mapped windows and output buffers this thread frees when it
+        # unwinds: a Ctrl-C is raised only between chunks (interrupts.check), never mid-build
+        with interrupts.deferred():
+            simd_path = _native_simd(plan, exec_device)  # refuses a WNA16CTL_SIMD level the CPU lacks first
+            counts = _execute(plan, staged, start, exec_device, mine, side_files=is_owner, launch=me)
+            staged.collect_hashes() if is_owner else staged.close()  # hashed, synced, journaled
         return (*counts, simd_path)
 
     try:
@@ -560,12 +564,14 @@ def run_repack(
             "files_reused": reused, "bytes_written": nbytes, "simd": simd_path, "done": staged.done,
             "sources": staged.sources})
     except KeyboardInterrupt:
-        staged.abort(keep_for_resume=True)
+        with interrupts.deferred():  # a second Ctrl-C waits until the pools are down and the journal written
+            staged.abort(keep_for_resume=True)
         raise
     except BaseException:
         # alone: a failure discards the staging directory; with other processes their finished
         # work is in it (and the failure may be theirs): keep it for --resume
-        staged.abort(keep_for_resume=group.world_size > 1)
+        with interrupts.deferred():
+            staged.abort(keep_for_resume=group.world_size > 1)
         raise
     ours = [r for r in reports if r["process"] in writers]
     complete = out_ranks == list(range(tp))
@@ -580,7 +586,11 @@ def run_repack(
             manifest = build_manifest(plan, staged.done, staged.stage)
             if not complete:
                 manifest["part"] = {"ranks": out_ranks}
-            staged.commit(manifest, name)
+            # OUT moves aside and the staging directory takes its place: both renames or neither.
+            # A Ctrl-C meanwhile comes too late to stop anything: the output is complete.
+            with interrupts.deferred() as held:
+                staged.commit(manifest, name)
+                held.forget()
         except BaseException as e:  # noqa: BLE001 - re-raised once the others know
             error = e
             if outdir.is_real_dir(staged.stage):  # not renamed: keep everything for --resume
@@ -662,6 +672,7 @@ def _copy_tensor(reader: RawReader, info: Any, targets: list[tuple[StagedOutput,
     """Copy one non-expert tensor into every target file (none: only digest it), digesting its
     bytes once."""
     for start in range(info.start, info.end, buf.size):
+        interrupts.check()
         n = min(buf.size, info.end - start)
         sub = type(info)(info.name, info.dtype, (), info.file, start, start + n)
         view = buf.view()[:n]
@@ -795,6 +806,7 @@ def _execute(plan: RepackPlan, staged: StagedOutput, start: TaskStarter, device:
         copy_units = [u for rel in sorted(pending) for u in plan.units[rel] if u[0] == "copy"]
         buf = ReusedBuffer(_COPY_PIECE)
         for u in dict.fromkeys(copy_units):
+            interrupts.check()
             for f in unit_file[u]:
                 staged.open(f)
             h = new_hasher()
@@ -821,6 +833,7 @@ def _execute(plan: RepackPlan, staged: StagedOutput, start: TaskStarter, device:
             pending_digests: list[tuple[range, Any]] = []
             chunks = [c for c in _expert_chunks(job) if any(c.start in rng for rng in wanted)]  # EP: skip others
             for i, chunk in enumerate(chunks):
+                interrupts.check()
                 nbytes = layer.packed_bytes * len(chunk) // layer.num_experts
                 writes: list[tuple[PlannedFile, int, Any]] = []
                 if builder is not None:
@@ -988,6 +1001,7 @@ def _produce_streamed(plan: RepackPlan, files: dict[str, PlannedFile], reader: R
             layer = job.layer
             wanted = [job.expert_ranges[r] for r in targets]
             for chunk in (c for c in _expert_chunks(job) if any(c.start in rng for rng in wanted)):  # EP: skip others
+                interrupts.check()
                 produced += _build_chunk(job, builder, reader, chunk, targets, streams, pool)
                 advance(layer.packed_bytes * len(chunk) // layer.num_experts)
             unit_done(u)
@@ -1026,14 +1040,17 @@ def _build_chunk(job: LayerJob, builder: Any, reader: RawReader, chunk: range,
                 addrs[name] = st.reserve(n)
                 commits.append((st, n))
             builds.append((r, addrs))
-        # the ranks' builds side by side (the native call releases the GIL)
-        futs = [build_pool.submit(builder.build_into, r, len(chunk), 0, addrs) for r, addrs in builds[1:]]
+        # the ranks' builds side by side (the native call releases the GIL); each reads the
+        # mapping and writes the streams' buffers, so every one that started has returned before
+        # anything unwinds (whatever failed, even a Ctrl-C)
+        futs: list[Future[None]] = []
         try:
+            for r, addrs in builds[1:]:
+                futs.append(build_pool.submit(builder.build_into, r, len(chunk), 0, addrs))
             if builds:
                 builder.build_into(builds[0][0], len(chunk), 0, builds[0][1])
         finally:
-            for fut in futs:  # all done before the mapping goes, whatever failed
-                fut.exception()
+            interrupts.wait_all(futs)
         for fut in futs:
             fut.result()
         for st, n in commits:
@@ -1049,6 +1066,7 @@ def _copy_into_streams(reader: RawReader, info: Any, targets: list[tuple[FileStr
     in pieces into the first target's memory, copied from there into the others."""
     first = targets[0][0]
     for start in range(info.start, info.end, first.block):
+        interrupts.check()
         n = min(first.block, info.end - start)
         for s, offset in targets:
             if s.position != offset + (start - info.start):
