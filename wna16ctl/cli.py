@@ -461,17 +461,6 @@ def verify(ctx: click.Context, ckpt: str, out: str, samples: str | None, num_sam
             require_transformers()
             options = E2EOptions(prompts=prompts, max_new_tokens=max_new_tokens, score=score)
         source = _local_checkpoint(sink, ckpt, revision)
-        from wna16ctl.repacking.vllm_layout import is_vllm_output, render_vllm_report, verify_vllm_state
-
-        if is_vllm_output(out):  # a whole-model sharded_state output: contract + round trip
-            if layers is not None or experts is not None:
-                raise UsageError(f"--{'layers' if layers is not None else 'experts'} does not apply to a --layout vllm "
-                                 "output: it is checked whole")
-            if e2e:
-                raise UsageError("--e2e does not apply to a --layout vllm output: serve it with vLLM instead")
-            vreport = verify_vllm_state(source, out)
-            sink.result(vreport.to_json(), lambda console: render_vllm_report(console, vreport))
-            return EXIT_OK if vreport.ok else EXIT_FAILED
         with sink.tasks() as progress:
             report = verify_output(source, out, samples=samples, num_samples=num_samples, device=device,
                                    progress=progress, e2e=options, notice=lambda m: sink.warn(m, always=True),

@@ -250,6 +250,11 @@ def _num(value: float | None, fmt: str) -> str:
 
 
 def render_verify(console: Console, report) -> None:  # noqa: ANN001 - VerifyReport, imported lazily
+    if report.layout_state is not None:  # a --layout vllm output: its contract and round trip
+        from wna16ctl.repacking.vllm_layout import render_vllm_report
+
+        render_vllm_report(console, report.layout_state)
+        return
     console.print(f"[bold]{escape(report.output)}[/] against [bold]{escape(report.checkpoint)}[/] "
                   f"({plural(report.samples, 'sample')}, tokens via {report.tokenizer or '—'}, device {report.device})")
     from rich.table import Table

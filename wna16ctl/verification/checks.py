@@ -149,6 +149,9 @@ class VerifyReport:
     # `--experts`: the expert indices checked in each checked layer, and those left out
     experts_selected: list[int] | None = None
     experts_not_checked: list[int] = field(default_factory=list)
+    # a `--layout vllm` output: its VllmStateReport (contract figures, problems, serve line), whose
+    # JSON object this report prints (docs/verify-json.md); None for the other layouts
+    layout_state: Any = None
 
     @property
     def partial(self) -> bool:
@@ -195,6 +198,10 @@ class VerifyReport:
         return None if status == NOT_RUN else status == PASS
 
     def to_json(self) -> dict[str, Any]:
+        if self.layout_state is not None:  # the --layout vllm object, with the checks every report has
+            return {**self.layout_state.to_json(), "passed": self.passed, "partial": self.partial,
+                    "checks": [c.to_json() for c in self.checks],
+                    "next_steps": [s.to_json() for s in self.next_steps]}
         return {
             "checkpoint": self.checkpoint, "output": self.output, "device": self.device, "tokenizer": self.tokenizer,
             "samples": self.samples, "passed": self.passed,
@@ -555,6 +562,15 @@ def verify_output(
     raises a WnaError; a failing or skipped check is recorded in the returned report, never raised.
     `layers` ("0-3,7" or indices): check only those MoE layers' experts; `experts` (the same form): only
     those experts of each layer checked.  Either makes a partial verify, said so."""
+    from wna16ctl.repacking.vllm_layout import is_vllm_output
+
+    if is_vllm_output(out):  # whole-model sharded_state files: contract and round trip
+        asked = [flag for flag, value in (("--e2e", e2e), ("--layers", layers), ("--experts", experts))
+                 if value is not None]
+        if asked:
+            raise UsageError(f"{', '.join(asked)} {'does' if len(asked) == 1 else 'do'} not apply to a --layout vllm "
+                             "output: it is checked whole (serve it with vLLM to run it)")
+        return verify_vllm_output(ckpt, out)
     progress = progress or no_progress
     ck = open_checkpoint(ckpt)
     if not (ck.quantized_layers or ck.quantized_mtp_layers):  # nothing repack would have written from it
@@ -591,6 +607,34 @@ def verify_output(
         from wna16ctl.planning.next_steps import manifest_next_step
 
         report.serve_step = manifest_next_step(manifest, out_path, ck.root)
+    return report
+
+
+def verify_vllm_output(ckpt: str | os.PathLike[str], out: str | os.PathLike[str]) -> VerifyReport:
+    """A `--layout vllm` output (repacking.vllm_layout checks it) as a report like every layout's: the
+    files against vLLM's contract and the manifest's hashes are its manifest check, every tensor
+    inverted back to the checkpoint bit for bit its round trip.  The numerics do not run (not
+    required, said so): the files hold vLLM's own parameters, which the round trip proves equal to
+    the checkpoint's, and vLLM's kernels compute with them."""
+    from wna16ctl.repacking.vllm_layout import verify_vllm_state
+
+    state = verify_vllm_state(ckpt, out)
+    report = VerifyReport(str(ckpt), str(out), "cpu", tokenizer="", samples=0, layout_state=state, checks=[
+        Check("manifest", f"files against vLLM {state.vllm}'s sharded_state contract (every key, shape and dtype) "
+                          "and the manifest's hashes"),
+        Check("round_trip", "every tensor of every rank inverted back to the checkpoint bit for bit"),
+        Check("numerics", "activations through the layers", required=False,
+              reason="a --layout vllm output holds vLLM's own parameters, proved equal to the checkpoint's by the "
+                     "round trip; vLLM's kernels compute with them"),
+    ])
+    check = "round_trip" if state.round_trip_ran else "manifest"
+    report.findings = [Finding(check, line) for line in state.problems]
+    report.conclude("manifest")
+    if state.round_trip_ran:
+        report.conclude("round_trip")
+    else:
+        report.not_run("round_trip", "not reached: the files break the contract (see manifest)")
+    report.serve_step = next(iter(state.next_steps), None)
     return report
 
 
@@ -734,11 +778,6 @@ def _layers_text(indices: list[int]) -> str:
     from wna16ctl.planning.moe import _ranges
 
     return f"layer{'s' if len(indices) != 1 else ''} {_ranges(indices)}"
-
-
-def parse_layers(value: str | Iterable[int]) -> list[int]:
-    """`--layers 0-3,7` (or indices) -> [0, 1, 2, 3, 7]."""
-    return parse_indices(value, "--layers", "MoE layer")
 
 
 def _select_layers(jobs: list[LayerJob], layers: list[int], report: VerifyReport) -> list[LayerJob]:
