@@ -752,14 +752,15 @@ def _select_experts(jobs: list[LayerJob], experts: list[int], report: VerifyRepo
     if report.experts_not_checked:
         report.checks.append(Check(
             "all_experts", "every expert of each layer checked round-tripped and run", required=False,
-            reason=f"--experts {_ranges(experts)}: {_experts_text(report.experts_not_checked)} not checked "
+            reason=f"--experts {_ranges(experts)}: {_indices_text('expert', report.experts_not_checked)} not checked "
                    "(a partial verify: run without --experts for a full one)"))
 
 
-def _experts_text(indices: list[int]) -> str:
+def _indices_text(noun: str, indices: list[int]) -> str:
+    """'layers 0-3,7' / 'expert 2'."""
     from wna16ctl.planning.moe import _ranges
 
-    return f"expert{'s' if len(indices) != 1 else ''} {_ranges(indices)}"
+    return f"{noun}{'s' if len(indices) != 1 else ''} {_ranges(indices)}"
 
 
 def _restricted(routing: Routing, experts: list[int]) -> Routing:
@@ -772,12 +773,6 @@ def _restricted(routing: Routing, experts: list[int]) -> Routing:
     first_forced = routing.x.shape[0] - routing.forced
     forced = int(rows[first_forced:].sum())
     return Routing(x=routing.x[rows], topk_ids=ids[rows], topk_weights=weights[rows], forced=forced)
-
-
-def _layers_text(indices: list[int]) -> str:
-    from wna16ctl.planning.moe import _ranges
-
-    return f"layer{'s' if len(indices) != 1 else ''} {_ranges(indices)}"
 
 
 def _select_layers(jobs: list[LayerJob], layers: list[int], report: VerifyReport) -> list[LayerJob]:
@@ -794,7 +789,7 @@ def _select_layers(jobs: list[LayerJob], layers: list[int], report: VerifyReport
     if report.layers_not_checked:
         report.checks.append(Check(
             "all_layers", "every MoE layer's experts round-tripped and run", required=False,
-            reason=f"--layers {_ranges(layers)}: {_layers_text(report.layers_not_checked)} not checked "
+            reason=f"--layers {_ranges(layers)}: {_indices_text('layer', report.layers_not_checked)} not checked "
                    "(a partial verify: run without --layers for a full one)"))
     return [j for j in jobs if j.layer.layer_index in layers]
 
