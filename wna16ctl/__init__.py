@@ -163,7 +163,7 @@ def repack(path: PathLike, out: PathLike | None, tp: int | str, *, ep: bool = Fa
 
 def verify(path: PathLike, out: PathLike, *, samples: PathLike | None = None, num_samples: int = 64, device: str = "auto",
            e2e: bool = False, prompts: int = 8, max_new_tokens: int = 32, score: bool = False,
-           layers: str | Iterable[int] | None = None, revision: str | None = None, progress: Callable[..., Callable[[int], None]] | None = None,
+           layers: str | Iterable[int] | None = None, experts: str | Iterable[int] | None = None, revision: str | None = None, progress: Callable[..., Callable[[int], None]] | None = None,
            notice: Callable[[str], None] | None = None) -> VerifyReport:
     """Prove that `out` (a repack output, or a `pad` output) equals the checkpoint at `path`.
 
@@ -173,28 +173,25 @@ def verify(path: PathLike, out: PathLike, *, samples: PathLike | None = None, nu
     `e2e` adds greedy generation with `prompts`, `max_new_tokens` and `score` as `verify --e2e`
     (needs wna16ctl[e2e]; not for a `layout="vllm"` output).  `layers` ("0-3,7" or indices) checks
     only those MoE layers' experts: a partial verify (`.partial`, the verdict says so, no
-    `next_steps`).  `revision` as for `repack`.
-    Returns the `VerifyReport` (`to_json()` = `verify --json`, docs/verify-json.md); a
-    `layout="vllm"` output gives its `VllmStateReport`, with the same `.passed`, `.next_steps` and
-    `.to_json()`.  `.passed` is true only when every required check ran and passed.  Raises
+    `next_steps`).  `experts` (the same form) checks only those experts of each layer checked, alone or
+    with `layers`: a partial verify too.  `revision` as for `repack`.
+    Returns the `VerifyReport` (`to_json()` = `verify --json`, docs/verify-json.md), whatever the
+    layout: for a `layout="vllm"` output its manifest check is the files against vLLM's contract,
+    its round trip every tensor, its numerics not run (`.layout_state` holds the contract figures).
+    `.passed` is true only when every required check ran and passed.  Raises
     `BadInput` on unusable input.
     """
     from wna16ctl.errors import UsageError
     from wna16ctl.padding.proof import is_padded_output, verify_padding
-    from wna16ctl.repacking.vllm_layout import is_vllm_output, verify_vllm_state
     from wna16ctl.verification.checks import verify_output
 
     if not e2e and (prompts, max_new_tokens, score) != (8, 32, False):
         raise UsageError("prompts, max_new_tokens and score only apply with e2e=True")
     path = _local(path, revision)
-    if is_padded_output(out):  # a `pad` output: its PadProof (`.passed`, `.problems`)
-        if e2e or layers is not None:
-            raise UsageError("e2e and layers do not apply to a pad output: its padding is checked whole")
+    if is_padded_output(out):  # a `pad` output: its PadProof (`.passed`, `.problems`, `.to_json()`)
+        if e2e or layers is not None or experts is not None:
+            raise UsageError("e2e, layers and experts do not apply to a pad output: its padding is checked whole")
         return verify_padding(path, out, samples=samples, num_samples=num_samples)  # type: ignore[return-value]
-    if is_vllm_output(out):  # a layout 'vllm' output: contract and round trip
-        if e2e or layers is not None:
-            raise UsageError("e2e and layers do not apply to a layout 'vllm' output: it is checked whole")
-        return verify_vllm_state(path, out)  # type: ignore[return-value]
     options = None
     if e2e:
         from wna16ctl.verification.e2e import E2EOptions, require_transformers
@@ -202,7 +199,7 @@ def verify(path: PathLike, out: PathLike, *, samples: PathLike | None = None, nu
         require_transformers()
         options = E2EOptions(prompts=prompts, max_new_tokens=max_new_tokens, score=score)
     return verify_output(path, out, samples=samples, num_samples=num_samples, device=device, progress=progress,
-                         e2e=options, notice=notice, layers=layers)
+                         e2e=options, notice=notice, layers=layers, experts=experts)
 
 
 def _local(path: PathLike, revision: str | None) -> str:

@@ -453,13 +453,16 @@ def _samples_order_help() -> str:
 @click.option("--layers", "layers", default=None, metavar="I,J-K",
               help="Check only these MoE layers' experts (layer indices, e.g. 0-3,7): a partial verify, reported "
                    "as such.")
+@click.option("--experts", "experts", default=None, metavar="I,J-K",
+              help="Check only these experts of each MoE layer checked (expert indices, e.g. 0-7): a partial "
+                   "verify, reported as such; combines with --layers.")
 @click.option("--json", "json_mode", is_flag=True, help="Print the report as one JSON object (docs/verify-json.md).")
 @_REVISION
 @_debug_option
 @click.pass_context
 def verify(ctx: click.Context, ckpt: str, out: str, samples: str | None, num_samples: int, device: str, e2e: bool,
-           prompts: int, max_new_tokens: int, score: bool, layers: str | None, json_mode: bool, revision: str | None,
-           debug: bool) -> None:
+           prompts: int, max_new_tokens: int, score: bool, layers: str | None, experts: str | None, json_mode: bool,
+           revision: str | None, debug: bool) -> None:
     """Prove OUT (a repack output) equals CKPT: manifest, bit-exact round trip, numerics (and --e2e).
 
     CKPT may be a Hub repo id ORG/NAME[@REVISION] (downloaded into the Hugging Face cache)."""
@@ -484,25 +487,15 @@ def verify(ctx: click.Context, ckpt: str, out: str, samples: str | None, num_sam
         from wna16ctl.padding.proof import is_padded_output
 
         if is_padded_output(out):  # a `pad` output: the padding proof (wna16ctl.padding.proof)
-            if e2e:
-                raise UsageError("--e2e does not apply to a pad output: verify its repack, or serve it")
+            if e2e or layers is not None or experts is not None:
+                raise UsageError("--e2e, --layers and --experts do not apply to a pad output: its padding is checked whole")
             proof = wna16ctl_verify(source, out, samples=samples, num_samples=num_samples)
             sink.result_lines(proof.to_json(), proof.lines)
             return EXIT_OK if proof.passed else EXIT_FAILED
-        from wna16ctl.repacking.vllm_layout import is_vllm_output, render_vllm_report, verify_vllm_state
-
-        if is_vllm_output(out):  # a whole-model sharded_state output: contract + round trip
-            if layers is not None:
-                raise UsageError("--layers does not apply to a --layout vllm output: it is checked whole")
-            if e2e:
-                raise UsageError("--e2e does not apply to a --layout vllm output: serve it with vLLM instead")
-            vreport = verify_vllm_state(source, out)
-            sink.result(vreport.to_json(), lambda console: render_vllm_report(console, vreport))
-            return EXIT_OK if vreport.ok else EXIT_FAILED
         with sink.tasks() as progress:
             report = verify_output(source, out, samples=samples, num_samples=num_samples, device=device,
                                    progress=progress, e2e=options, notice=lambda m: sink.warn(m, always=True),
-                                   layers=layers)
+                                   layers=layers, experts=experts)
         sink.result(report.to_json(), lambda console: render_verify(console, report))
         return EXIT_OK if report.passed else EXIT_FAILED
 

@@ -250,6 +250,11 @@ def _num(value: float | None, fmt: str) -> str:
 
 
 def render_verify(console: Console, report) -> None:  # noqa: ANN001 - VerifyReport, imported lazily
+    if report.layout_state is not None:  # a --layout vllm output: its contract and round trip
+        from wna16ctl.repacking.vllm_layout import render_vllm_report
+
+        render_vllm_report(console, report.layout_state)
+        return
     console.print(f"[bold]{escape(report.output)}[/] against [bold]{escape(report.checkpoint)}[/] "
                   f"({plural(report.samples, 'sample')}, tokens via {report.tokenizer or '—'}, device {report.device})")
     from rich.table import Table
@@ -301,6 +306,9 @@ def render_verify(console: Console, report) -> None:  # noqa: ANN001 - VerifyRep
     if report.layers_not_checked:
         part += (f" (partial: MoE {_plural_layers(report.layers_selected or [])} only; "
                  f"{_plural_layers(report.layers_not_checked)} not checked)")
+    if report.experts_not_checked:
+        part += (f" (partial: {_plural_indices('expert', report.experts_selected or [])} only; "
+                 f"{_plural_indices('expert', report.experts_not_checked)} not checked)")
     good = "[bold yellow]verified in part[/]" if report.partial else "[bold green]verified[/]"
     console.print("verdict: " + (good if report.passed else "[bold red]NOT verified[/]") + part)
     from wna16ctl.summary import next_step_lines
@@ -310,9 +318,13 @@ def render_verify(console: Console, report) -> None:  # noqa: ANN001 - VerifyRep
 
 
 def _plural_layers(indices: list[int]) -> str:
+    return _plural_indices("layer", indices)
+
+
+def _plural_indices(noun: str, indices: list[int]) -> str:
     from wna16ctl.planning.moe import _ranges
 
-    return f"layer{'s' if len(indices) != 1 else ''} {_ranges(indices)}"
+    return f"{noun}{'s' if len(indices) != 1 else ''} {_ranges(indices)}"
 
 
 def _engine_source(engine) -> str:  # noqa: ANN001 - rules.Engine

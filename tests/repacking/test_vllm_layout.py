@@ -353,8 +353,35 @@ def test_python_api_writes_and_verifies_the_vllm_layout(make_ckpt, tmp_path):
     assert [s.serve for s in result.next_steps] == [result.manifest["serve"]]
     assert result.to_json()["next_steps"][0]["layout"] == "vllm" and result.files_written == 2
     report = wna16ctl.verify(ck, tmp_path / "o")
-    assert report.ok and report.passed and report.tensors_round_tripped == 98
+    assert report.passed and report.layout_state.tensors_round_tripped == 98
     assert report.to_json()["passed"] and [s.serve for s in report.next_steps] == [result.manifest["serve"]]
+
+
+@pytest.mark.parametrize("what,change,failed,not_run", [
+    ("missing key", lambda t: t.pop(_EXP + "w2_weight_scale"), "manifest", "round_trip"),
+    ("wrong value", lambda t: t[_EXP + "w13_weight_packed"].__setitem__((3, 0, 0), 12345), "round_trip", None),
+])
+def test_verify_gives_one_report_type_whatever_the_layout(q3_tp2, tmp_path, what, change, failed, not_run):
+    """`wna16ctl.verify` of a --layout vllm output is a VerifyReport like every layout's: the contract
+    is its manifest check, the tensors its round trip, the numerics not run (not required)."""
+    import wna16ctl
+
+    ck, out, _ = q3_tp2
+    good = wna16ctl.verify(ck, out)
+    assert isinstance(good, wna16ctl.VerifyReport)
+    assert good.passed and not good.partial and good.next_steps  # the documented `assert report.passed`
+    assert [(c.name, c.status, c.required) for c in good.checks] == [
+        ("manifest", "pass", True), ("round_trip", "pass", True), ("numerics", "not run", False)]
+    bad = wna16ctl.verify(ck, _tamper(out, tmp_path / "bad", change))
+    assert isinstance(bad, wna16ctl.VerifyReport) and not bad.passed and bad.next_steps == []
+    assert bad.check(failed).status == "FAIL" and {f.check for f in bad.findings} == {failed}
+    if not_run:
+        assert bad.check(not_run).status == "not run"
+    cli = invoke("verify", ck, tmp_path / "bad", "--json")
+    assert cli.exit_code == 1 and json.loads(cli.stdout) == bad.to_json()  # to_json() is `verify --json`
+    for flag in ("--layers", "--experts"):
+        refused = invoke("verify", ck, out, flag, "0")
+        assert refused.exit_code == 2 and f"{flag} does not apply to a --layout vllm output" in refused.output
 
 
 def test_inspect_says_how_to_serve_pre_sharded(make_ckpt):

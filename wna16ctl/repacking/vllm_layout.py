@@ -497,6 +497,7 @@ class VllmStateReport:
     keys_checked: int = 0
     tensors_round_tripped: int = 0
     serve: str = ""
+    round_trip_ran: bool = False  # the files met the contract, so the tensors were compared
 
     @property
     def ok(self) -> bool:
@@ -546,6 +547,7 @@ def verify_vllm_state(ckpt: str | os.PathLike[str] | Checkpoint, out: str | os.P
     headers = _check_files(plan, out_path, manifest, report)
     if report.problems:
         return report
+    report.round_trip_ran = True
     _round_trip(plan, out_path, headers, report)
     return report
 

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from wna16ctl.repacking import parts
 from wna16ctl.output import outdir
-from wna16ctl.verification.activations import embed, load_questions, resolve_samples, route, tokenize
+from wna16ctl.verification.activations import Routing, embed, load_questions, resolve_samples, route, tokenize
 from wna16ctl.verification.samples import samples_label
 from wna16ctl.sources import Checkpoint, open_checkpoint
 from wna16ctl.sources.tensors import TensorReader, dtype_from_name, writable_view
@@ -146,11 +146,17 @@ class VerifyReport:
     # `--layers`: the MoE layer indices checked, and those of the output left out (a partial verify)
     layers_selected: list[int] | None = None
     layers_not_checked: list[int] = field(default_factory=list)
+    # `--experts`: the expert indices checked in each checked layer, and those left out
+    experts_selected: list[int] | None = None
+    experts_not_checked: list[int] = field(default_factory=list)
+    # a `--layout vllm` output: its VllmStateReport (contract figures, problems, serve line), whose
+    # JSON object this report prints (docs/verify-json.md); None for the other layouts
+    layout_state: Any = None
 
     @property
     def partial(self) -> bool:
-        """Some ranks or some layers were not checked: the verdict speaks for the rest only."""
-        return bool(self.ranks_not_checked or self.layers_not_checked)
+        """Some ranks, layers or experts were not checked: the verdict speaks for the rest only."""
+        return bool(self.ranks_not_checked or self.layers_not_checked or self.experts_not_checked)
 
     @property
     def next_steps(self) -> list[Any]:
@@ -192,6 +198,10 @@ class VerifyReport:
         return None if status == NOT_RUN else status == PASS
 
     def to_json(self) -> dict[str, Any]:
+        if self.layout_state is not None:  # the --layout vllm object, with the checks every report has
+            return {**self.layout_state.to_json(), "passed": self.passed, "partial": self.partial,
+                    "checks": [c.to_json() for c in self.checks],
+                    "next_steps": [s.to_json() for s in self.next_steps]}
         return {
             "checkpoint": self.checkpoint, "output": self.output, "device": self.device, "tokenizer": self.tokenizer,
             "samples": self.samples, "passed": self.passed,
@@ -202,6 +212,7 @@ class VerifyReport:
             "files_checked": self.files_checked,
             "ranks_checked": self.ranks_checked, "ranks_not_checked": self.ranks_not_checked,
             "layers_selected": self.layers_selected, "layers_not_checked": self.layers_not_checked,
+            "experts_selected": self.experts_selected, "experts_not_checked": self.experts_not_checked,
             "partial": self.partial,
             "findings": [f.to_json() for f in self.findings],
             "numerics": [n.to_json() for n in self.numerics],
@@ -544,11 +555,22 @@ def verify_output(
     e2e: Any = None,
     notice: Callable[[str], None] | None = None,
     layers: str | Iterable[int] | None = None,
+    experts: str | Iterable[int] | None = None,
 ) -> VerifyReport:
     """Run every check of OUT against CKPT; see the module doc.  With `e2e` (a
     wna16ctl.verification.e2e.E2EOptions) also the end-to-end generation, a required check then.  Bad input
     raises a WnaError; a failing or skipped check is recorded in the returned report, never raised.
-    `layers` ("0-3,7" or indices): check only those MoE layers' experts (a partial verify, said so)."""
+    `layers` ("0-3,7" or indices): check only those MoE layers' experts; `experts` (the same form): only
+    those experts of each layer checked.  Either makes a partial verify, said so."""
+    from wna16ctl.repacking.vllm_layout import is_vllm_output
+
+    if is_vllm_output(out):  # whole-model sharded_state files: contract and round trip
+        asked = [flag for flag, value in (("--e2e", e2e), ("--layers", layers), ("--experts", experts))
+                 if value is not None]
+        if asked:
+            raise UsageError(f"{', '.join(asked)} {'does' if len(asked) == 1 else 'do'} not apply to a --layout vllm "
+                             "output: it is checked whole (serve it with vLLM to run it)")
+        return verify_vllm_output(ckpt, out)
     progress = progress or no_progress
     ck = open_checkpoint(ckpt)
     if not (ck.quantized_layers or ck.quantized_mtp_layers):  # nothing repack would have written from it
@@ -557,13 +579,16 @@ def verify_output(
     manifest = _read_manifest(out_path)
     gemm_device = _gemm_device(device)
     samples_path = resolve_samples(samples, ck.root, notice)  # inputs in the order a user fixes them: checkpoint, output, device, samples
-    wanted = None if layers is None else parse_layers(layers)
-    report, plan = _verify_checks(ck, out_path, manifest, samples_path, num_samples, gemm_device, progress, wanted)
+    wanted = None if layers is None else parse_indices(layers, "--layers", "MoE layer")
+    wanted_experts = None if experts is None else parse_indices(experts, "--experts", "expert")
+    report, plan = _verify_checks(ck, out_path, manifest, samples_path, num_samples, gemm_device, progress, wanted,
+                                  wanted_experts)
     if e2e is not None and (report.partial or plan is None):
         from wna16ctl.verification import e2e as e2e_mod
 
         why = ("no plan to run: see the manifest check" if plan is None else
                "needs every layer; --layers checks some" if report.layers_not_checked else
+               "needs every expert; --experts checks some" if report.experts_not_checked else
                "needs every rank; this output is a part")
         report.checks.append(Check("e2e", f"greedy generation on prompts of {samples_label(samples_path)} with the source "
                                    "and the repacked experts", reason=why))
@@ -585,9 +610,38 @@ def verify_output(
     return report
 
 
+def verify_vllm_output(ckpt: str | os.PathLike[str], out: str | os.PathLike[str]) -> VerifyReport:
+    """A `--layout vllm` output (repacking.vllm_layout checks it) as a report like every layout's: the
+    files against vLLM's contract and the manifest's hashes are its manifest check, every tensor
+    inverted back to the checkpoint bit for bit its round trip.  The numerics do not run (not
+    required, said so): the files hold vLLM's own parameters, which the round trip proves equal to
+    the checkpoint's, and vLLM's kernels compute with them."""
+    from wna16ctl.repacking.vllm_layout import verify_vllm_state
+
+    state = verify_vllm_state(ckpt, out)
+    report = VerifyReport(str(ckpt), str(out), "cpu", tokenizer="", samples=0, layout_state=state, checks=[
+        Check("manifest", f"files against vLLM {state.vllm}'s sharded_state contract (every key, shape and dtype) "
+                          "and the manifest's hashes"),
+        Check("round_trip", "every tensor of every rank inverted back to the checkpoint bit for bit"),
+        Check("numerics", "activations through the layers", required=False,
+              reason="a --layout vllm output holds vLLM's own parameters, proved equal to the checkpoint's by the "
+                     "round trip; vLLM's kernels compute with them"),
+    ])
+    check = "round_trip" if state.round_trip_ran else "manifest"
+    report.findings = [Finding(check, line) for line in state.problems]
+    report.conclude("manifest")
+    if state.round_trip_ran:
+        report.conclude("round_trip")
+    else:
+        report.not_run("round_trip", "not reached: the files break the contract (see manifest)")
+    report.serve_step = next(iter(state.next_steps), None)
+    return report
+
+
 def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], samples: str | os.PathLike[str],
                    num_samples: int, gemm_device: torch.device,
-                   progress: TaskStarter, layers: list[int] | None = None) -> tuple[VerifyReport, RepackPlan | None]:
+                   progress: TaskStarter, layers: list[int] | None = None,
+                   experts: list[int] | None = None) -> tuple[VerifyReport, RepackPlan | None]:
     device = gemm_device.type
     questions = load_questions(samples, num_samples)
     report = VerifyReport(str(ck.root), str(out_path), device, tokenizer="", samples=len(questions))
@@ -600,6 +654,8 @@ def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], sam
     jobs = plan.jobs
     if layers is not None:
         jobs = _select_layers(jobs, layers, report)
+    if experts is not None:
+        _select_experts(jobs, experts, report)
     present = _present_ranks(manifest, len(plan.files))
     report.ranks_checked = present
     report.ranks_not_checked = [r for r in range(len(plan.files)) if r not in present]
@@ -637,9 +693,11 @@ def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], sam
             return report, plan
         try:
             _verify_rank_contents(ck, reader, plan, ranks, report)
-            advance = progress("round trip and numerics", sum(j.layer.num_experts for j in jobs), unit="experts")
+            chosen = {j.layer.prefix: _experts_of(j, experts) for j in jobs}
+            advance = progress("round trip and numerics", sum(len(c) for c in chosen.values()), unit="experts")
             for job in jobs:
-                _verify_layer(ck, reader, job, ranks, hidden, dtype, report, gemm_device, advance)
+                _verify_layer(ck, reader, job, ranks, hidden, dtype, report, gemm_device, advance,
+                              chosen[job.layer.prefix])
         finally:
             for rf in ranks.values():
                 rf.reader.close()
@@ -655,24 +713,66 @@ def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], sam
     return report, plan
 
 
-def parse_layers(value: str | Iterable[int]) -> list[int]:
-    """`--layers 0-3,7` (or indices) -> [0, 1, 2, 3, 7]."""
+def parse_indices(value: str | Iterable[int], option: str = "--layers", what: str = "MoE layer") -> list[int]:
+    """`--layers 0-3,7` / `--experts 0-3,7` (or indices) -> [0, 1, 2, 3, 7]."""
     if not isinstance(value, str):
-        return sorted({int(v) for v in value})
+        out_ints = sorted({int(v) for v in value})
+        if not out_ints or out_ints[0] < 0:
+            raise UsageError(f"{option} {out_ints}: give one or more {what} indices (0 or more)")
+        return out_ints
     out: set[int] = set()
     for part in value.split(","):
         a, _, b = part.strip().partition("-")
         if not a.isdigit() or (b and not b.isdigit()) or (b and int(b) < int(a)):
-            raise UsageError(f"--layers {value!r}: {part.strip()!r} is not a layer index or range; pass e.g. "
-                             "--layers 0-3,7 (MoE layer indices)")
+            raise UsageError(f"{option} {value!r}: {part.strip()!r} is not an index or range; pass e.g. "
+                             f"{option} 0-3,7 ({what} indices)")
         out.update(range(int(a), int(b or a) + 1))
     return sorted(out)
 
 
-def _layers_text(indices: list[int]) -> str:
+def _experts_of(job: LayerJob, experts: list[int] | None) -> list[int]:
+    """The experts of a layer the run checks: all, or the `--experts` ones."""
+    return list(range(job.layer.num_experts)) if experts is None else list(experts)
+
+
+def _select_experts(jobs: list[LayerJob], experts: list[int], report: VerifyReport) -> None:
+    """Check that every asked expert exists in the layers checked; record the others as not checked."""
     from wna16ctl.planning.moe import _ranges
 
-    return f"layer{'s' if len(indices) != 1 else ''} {_ranges(indices)}"
+    if not jobs:
+        return
+    fewest = min(j.layer.num_experts for j in jobs)
+    unknown = [e for e in experts if e >= fewest]
+    if unknown:
+        layer = next(j.layer.prefix for j in jobs if j.layer.num_experts == fewest)
+        raise UsageError(f"--experts: no expert {_ranges(unknown)} in {layer} (its experts: 0-{fewest - 1})")
+    report.experts_selected = list(experts)
+    most = max(j.layer.num_experts for j in jobs)
+    report.experts_not_checked = [e for e in range(most) if e not in experts]
+    if report.experts_not_checked:
+        report.checks.append(Check(
+            "all_experts", "every expert of each layer checked round-tripped and run", required=False,
+            reason=f"--experts {_ranges(experts)}: {_indices_text('expert', report.experts_not_checked)} not checked "
+                   "(a partial verify: run without --experts for a full one)"))
+
+
+def _indices_text(noun: str, indices: list[int]) -> str:
+    """'layers 0-3,7' / 'expert 2'."""
+    from wna16ctl.planning.moe import _ranges
+
+    return f"{noun}{'s' if len(indices) != 1 else ''} {_ranges(indices)}"
+
+
+def _restricted(routing: Routing, experts: list[int]) -> Routing:
+    """The routing with only the slots of `experts` (the others' ids -1, weight 0, as a padded slot),
+    and only the tokens left with one such slot: the numerics then compare those experts' sum."""
+    keep_slot = torch.isin(routing.topk_ids, torch.tensor(experts, dtype=routing.topk_ids.dtype))
+    ids = torch.where(keep_slot, routing.topk_ids, torch.full_like(routing.topk_ids, -1))
+    weights = torch.where(keep_slot, routing.topk_weights, torch.zeros_like(routing.topk_weights))
+    rows = keep_slot.any(1)
+    first_forced = routing.x.shape[0] - routing.forced
+    forced = int(rows[first_forced:].sum())
+    return Routing(x=routing.x[rows], topk_ids=ids[rows], topk_weights=weights[rows], forced=forced)
 
 
 def _select_layers(jobs: list[LayerJob], layers: list[int], report: VerifyReport) -> list[LayerJob]:
@@ -689,7 +789,7 @@ def _select_layers(jobs: list[LayerJob], layers: list[int], report: VerifyReport
     if report.layers_not_checked:
         report.checks.append(Check(
             "all_layers", "every MoE layer's experts round-tripped and run", required=False,
-            reason=f"--layers {_ranges(layers)}: {_layers_text(report.layers_not_checked)} not checked "
+            reason=f"--layers {_ranges(layers)}: {_indices_text('layer', report.layers_not_checked)} not checked "
                    "(a partial verify: run without --layers for a full one)"))
     return [j for j in jobs if j.layer.layer_index in layers]
 
@@ -738,9 +838,12 @@ def _numerics_gemm(device: torch.device):  # noqa: ANN202
 def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: dict[int, RankFiles],
                   hidden: torch.Tensor, dtype: torch.dtype, report: VerifyReport,
                   gemm_device: torch.device = torch.device("cpu"),
-                  advance: Callable[[int], None] = lambda n: None) -> None:
+                  advance: Callable[[int], None] = lambda n: None, experts: list[int] | None = None) -> None:
     layer = job.layer
     routing = route(ck, reader, layer, hidden)
+    selected = list(range(layer.num_experts)) if experts is None else experts
+    if len(selected) < layer.num_experts:  # --experts: only those experts' contributions are compared
+        routing = _restricted(routing, selected)
     x = routing.x
     T, H = x.shape
     x_c = x.to(dtype).float()  # the candidate's activations, rounded to the model dtype
@@ -755,7 +858,7 @@ def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: di
     # per rank present: its experts' weights dequantised from the checkpoint in the model dtype,
     # the reference of the rounding interval (verification.bounds)
     ref_ranks = {r: (job.expert_ranges[r], {}) for r in ranks}
-    for e in range(layer.num_experts):
+    for e in selected:
         tok, slot = (routing.topk_ids == e).nonzero(as_tuple=True)
         w = routing.topk_weights[tok, slot].unsqueeze(1)
         if tok.numel():
@@ -842,7 +945,7 @@ def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: di
                       + ", ".join(f"{k} × {v}" for k, v in sorted(emulated.launches.items()))
                       + " launches), the torch twin of the kernel on all")
     row = LayerNumerics(layer=layer.prefix, tokens=T, forced_tokens=routing.forced, experts_exercised=exercised,
-                        num_experts=layer.num_experts, kernel=kernel)
+                        num_experts=len(selected), kernel=kernel)
     report.numerics.append(row)
     if no_candidate:
         row.reason = "; ".join(no_candidate[:3]) + (f"; … {len(no_candidate) - 3} more" if len(no_candidate) > 3 else "")
@@ -871,8 +974,8 @@ def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: di
     if row.violations:
         row.status, row.reason = FAIL, (f"{row.violations} of {row.elements} elements outside the rounding interval "
                                         f"(max error {row.max_error_over_bound:.3g} × the bound)")
-    elif exercised < layer.num_experts:
-        missing = layer.num_experts - exercised
+    elif exercised < len(selected):
+        missing = len(selected) - exercised
         row.reason = f"{missing} expert{'s' if missing != 1 else ''} not exercised by any token"
     else:
         row.status = PASS
