@@ -286,7 +286,7 @@ def compare(args: argparse.Namespace) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     ck = checkpoint(work, args.layers, args.vocab)
     size = sum(p.stat().st_size for p in ck.glob("*.safetensors"))
-    out = work / f"vllm-tp{tp}"
+    out = work / f"{ck.name}-vllm-tp{tp}"
     repack_s = repack(ck, out, tp, release)
     print(f"repack --layout vllm --tp {tp}: {repack_s:.1f} s", file=sys.stderr, flush=True)
     files = model_files(ck, out)
