@@ -10,7 +10,8 @@ defaults.  It is repacked once (timed), then the engine is started alternately f
 checkpoint (load_format "auto") and from the repack ("sharded_state"), `--rounds` times each, in
 the order ABBA...  Each start is a fresh process (scripts: bench/_engine_load_driver.py) that
 reports when vLLM was imported, when the engine was ready and when the first token of a one-token
-request came back.  Meanwhile every rank's worker process is sampled (every 0.2 s):
+request came back (all from the launch of the process; "LLM() s" is the engine's construction
+alone, from the import to ready, which the load format changes).  Meanwhile every rank's worker process is sampled (every 0.2 s):
 
 * the .safetensors files it maps (/proc/PID/maps): the files that rank reads, and their bytes;
 * read_bytes of /proc/PID/io: what it read from storage (before each start the page cache of both
@@ -63,7 +64,7 @@ def cpu_flags() -> set[str]:
 
 def simd_level() -> str:
     flags = cpu_flags()
-    parts = [f for f in ("avx2", "avx512f", "avx512_vbmi", "amx_tile") if f in flags]
+    parts = [f for f in ("avx2", "avx512f", "avx512vbmi", "amx_tile") if f in flags]
     return ", ".join(parts) if parts else "unknown"
 
 
@@ -222,6 +223,7 @@ def one_start(python: Path, model: Path, mode: str, tp: int, device: str, work: 
             if line.startswith("ENGINE_LOAD "):
                 stamps = json.loads(line[len("ENGINE_LOAD "):])
                 break
+            err.write(line)  # vLLM logs to stdout
             if time.time() > deadline:
                 break
         sampler.stop()
@@ -234,13 +236,19 @@ def one_start(python: Path, model: Path, mode: str, tp: int, device: str, work: 
     if stamps is None:
         tail = log.read_text()[-2000:]
         raise RuntimeError(f"{mode} start failed (exit {proc.returncode}); the end of {log}:\n{tail}")
+    # vLLM's own account of each rank's weight loading (reading and copying, before its processing)
+    text = log.read_text()
+    loading = [float(x) for x in re.findall(r"Loading weights took ([\d.]+) seconds", text)]
+    model_loading = [float(x) for x in re.findall(r"Model loading took [\d.]+ GiB (?:memory )?and ([\d.]+) seconds", text)]
     sizes = {str(p): p.stat().st_size for p in all_files}
     ranks = {r: {"files": sorted(Path(f).name for f in rec["files"]),
                  "file_bytes": sum(sizes[f] for f in rec["files"]),
                  "read_bytes": rec["read_bytes"], "rchar": rec["rchar"], "peak_rss_bytes": rec["vm_hwm_kib"] * 1024}
              for r, rec in sorted(sampler.ranks.items())}
     return {"mode": mode, "ready_s": stamps["ready"] - launched, "first_token_s": stamps["first_token"] - launched,
-            "import_s": stamps["imported"] - launched, "token": stamps["token"], "vllm": stamps["vllm"], "ranks": ranks}
+            "import_s": stamps["imported"] - launched, "engine_s": stamps["ready"] - stamps["imported"],
+            "token": stamps["token"], "vllm": stamps["vllm"], "ranks": ranks, "load_average_1min": os.getloadavg()[0],
+            "vllm_loading_weights_s": loading, "vllm_model_loading_s": model_loading}
 
 
 # -- the comparison ----------------------------------------------------------------------------------
@@ -308,6 +316,7 @@ def compare(args: argparse.Namespace) -> dict:
         runs = [s for s in starts if s["mode"] == mode]
         summary[mode] = {"ready_s": statistics.median(s["ready_s"] for s in runs),
                          "first_token_s": statistics.median(s["first_token_s"] for s in runs),
+                         "engine_s": statistics.median(s["engine_s"] for s in runs),
                          "ranks": runs[-1]["ranks"]}
     d, s = summary["default"], summary["sharded_state"]
     saved = d["ready_s"] - s["ready_s"]
@@ -316,6 +325,7 @@ def compare(args: argparse.Namespace) -> dict:
             "vllm": info["vllm"], "tp": tp, "checkpoint_bytes": size, "repack_s": repack_s, "rounds": args.rounds,
             "page_cache": "warm" if args.warm else "dropped before each start", "starts": starts, "summary": summary,
             "ready_ratio": d["ready_s"] / s["ready_s"], "first_token_ratio": d["first_token_s"] / s["first_token_s"],
+            "engine_ratio": d["engine_s"] / s["engine_s"],
             "starts_to_pay_back_repack": repack_s / saved if saved > 0 else None, "same_first_token": tokens_agree}
 
 
@@ -324,14 +334,16 @@ def render(r: dict) -> str:
     lines = [(f"vLLM {r['vllm']} on {r['device']} ({r['gpu'] or 'CPU: ' + r['cpu_simd']}), TP {r['tp']}, "
               f"checkpoint {r['checkpoint_bytes'] / gib:.2f} GiB, {r['rounds']} start(s) each, alternated; page cache "
               f"{r['page_cache']}"),
-             f"{'':14} {'ready s':>8} {'1st token s':>11}   per rank: files read (GiB), storage read (GiB), peak RSS (GiB)"]
+             (f"{'':14} {'ready s':>8} {'1st token s':>11} {'LLM() s':>8}   per rank: files read (GiB), storage read "
+              "(GiB), peak RSS (GiB)")]
     for mode in MODES:
         m = r["summary"][mode]
         per_rank = "; ".join(f"rank {k}: {v['file_bytes'] / gib:.2f}, {v['read_bytes'] / gib:.2f}, "
                              f"{v['peak_rss_bytes'] / gib:.2f}" for k, v in m["ranks"].items())
-        lines.append(f"{mode:14} {m['ready_s']:8.1f} {m['first_token_s']:11.1f}   {per_rank}")
+        lines.append(f"{mode:14} {m['ready_s']:8.1f} {m['first_token_s']:11.1f} {m['engine_s']:8.1f}   {per_rank}")
     pay = r["starts_to_pay_back_repack"]
-    lines.append(f"default / sharded_state: ready {r['ready_ratio']:.2f}x, first token {r['first_token_ratio']:.2f}x; "
+    lines.append(f"default / sharded_state: ready {r['ready_ratio']:.2f}x, first token {r['first_token_ratio']:.2f}x, "
+                 f"LLM() after the import {r['engine_ratio']:.2f}x; "
                  f"repack --layout vllm {r['repack_s']:.1f} s, "
                  + (f"paid back after {pay:.1f} start(s)" if pay else "never paid back by start-up time (sharded_state not faster)")
                  + ("" if r["same_first_token"] else "; WARNING: the first tokens differ between starts"))
