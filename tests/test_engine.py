@@ -272,8 +272,8 @@ def _without_key(src: Path, dst: Path, key: str) -> None:
 
 @pytest.mark.engine_ci
 def test_ci_a_planted_missing_key_fails_the_tier_naming_it(served_tp2):
-    """Proves the tier catches a contract break: with one key taken out of the output, the contract
-    check names it, and vLLM refuses the sharded_state load naming it."""
+    """Proves the tier catches a contract break: with one key taken out of a copy of the output, the
+    tier's contract check fails with one difference, naming that key."""
     from safetensors import safe_open
 
     with safe_open(str(served_tp2["out"] / "model-rank-0-part-0.safetensors"), framework="pt") as f:
