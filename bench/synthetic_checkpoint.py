@@ -5,6 +5,11 @@ the benchmark checkpoint holds random codes and scales in the exact on-disk form
 dtypes, shapes, config) as a compressed-tensors W4A16 Qwen3-MoE checkpoint.
 
     python bench/synthetic_checkpoint.py OUT [--layers 4] [--experts 128] [--hidden 2048] [--intermediate 768]
+                                             [--vocab 4096] [--engine]
+
+--engine also writes what an engine needs to build and run the model (attention, the full
+Qwen3-MoE config with Qwen3-30B-A3B's head counts); without it the checkpoint holds the expert
+and router tensors a repack reads.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from safetensors.torch import save_file
 
 
 def write(out: Path, *, layers: int = 4, experts: int = 128, hidden: int = 2048, intermediate: int = 768,
-          num_bits: int = 4, group_size: int = 128, vocab: int = 4096, seed: int = 0) -> Path:
+          num_bits: int = 4, group_size: int = 128, vocab: int = 4096, seed: int = 0, engine: bool = False) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     pf = 32 // num_bits
     g = torch.Generator().manual_seed(seed)
@@ -37,6 +42,8 @@ def write(out: Path, *, layers: int = 4, experts: int = 128, hidden: int = 2048,
             tensors[f"{p}.input_layernorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
             tensors[f"{p}.post_attention_layernorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
             tensors[f"{p}.mlp.gate.weight"] = (torch.randn(experts, hidden, generator=g) * 0.02).to(torch.bfloat16)
+            if engine:
+                tensors |= _attention(p, hidden, g)
             for e in range(experts):
                 for proj, (n, k) in (("gate_proj", (intermediate, hidden)), ("up_proj", (intermediate, hidden)),
                                      ("down_proj", (hidden, intermediate))):
@@ -67,8 +74,36 @@ def write(out: Path, *, layers: int = 4, experts: int = 128, hidden: int = 2048,
             "ignore": ["lm_head"],
         },
     }
+    if engine:
+        config = _engine_config(config, layers=layers, experts=experts, hidden=hidden, intermediate=intermediate,
+                                vocab=vocab)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
+
+
+# Qwen3-30B-A3B's attention: 32 query heads, 4 key/value heads of 128
+HEADS, KV_HEADS, HEAD_DIM = 32, 4, 128
+
+
+def _attention(prefix: str, hidden: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    shapes = {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q)}
+    tensors = {f"{prefix}.self_attn.{name}.weight": (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
+               for name, shape in shapes.items()}
+    tensors[f"{prefix}.self_attn.q_norm.weight"] = torch.ones(HEAD_DIM, dtype=torch.bfloat16)
+    tensors[f"{prefix}.self_attn.k_norm.weight"] = torch.ones(HEAD_DIM, dtype=torch.bfloat16)
+    return tensors
+
+
+def _engine_config(config: dict, *, layers: int, experts: int, hidden: int, intermediate: int, vocab: int) -> dict:
+    """The full Qwen3-MoE config an engine builds the model from (the demo's, which owns the
+    architecture's fields), with this checkpoint's sizes and Qwen3-30B-A3B's attention."""
+    from wna16ctl.demo import DemoSpec, model_config
+
+    spec = DemoSpec(arch="qwen3_moe", num_layers=layers, hidden_size=hidden, intermediate_size=intermediate,
+                    num_experts=experts, top_k=config["num_experts_per_tok"], vocab_size=vocab)
+    return model_config(spec) | {"num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM,
+                                 "quantization_config": config["quantization_config"]}
 
 
 def main() -> None:
@@ -78,8 +113,11 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--intermediate", type=int, default=768)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--engine", action="store_true", help="also attention and the full config, for an engine")
     a = ap.parse_args()
-    p = write(a.out, layers=a.layers, experts=a.experts, hidden=a.hidden, intermediate=a.intermediate)
+    p = write(a.out, layers=a.layers, experts=a.experts, hidden=a.hidden, intermediate=a.intermediate, vocab=a.vocab,
+              engine=a.engine)
     size = sum(f.stat().st_size for f in p.iterdir())
     print(f"wrote {p}: {size / 2**30:.2f} GiB")
 

@@ -4,8 +4,8 @@
 
 REQUEST: {"model": DIR, "prompts": [[token ids], ...], "max_tokens": N, "dtype": "bfloat16"}, optionally
 "load_format" (e.g. "sharded_state"), "tensor_parallel_size", "logprobs" (how many top logprobs per step),
-"save_sharded_state" (a directory: vLLM's own save_sharded_state of the loaded model goes there, then
-the script ends without generating), "moe_backend" (e.g. "marlin"), "register_wna16ctl" (register the
+"save_sharded_state" (a directory: vLLM's own save_sharded_state of the loaded model goes there, after
+the generation; with no prompts the script ends without generating), "moe_backend" (e.g. "marlin"), "register_wna16ctl" (register the
 load format `wna16ctl` in this process, for a wna16ctl that is importable but not pip-installed: the
 engine then runs in this process, VLLM_ENABLE_V1_MULTIPROCESSING=0, so TP 1 only), "prompt_logits"
 (the vocabulary size V) with "forced_prompts" (token id lists: after the greedy run, each is run
@@ -50,7 +50,7 @@ def main(request_path: str, result_path: str) -> None:
               gpu_memory_utilization=req.get("memory_fraction", 0.05), enforce_eager=True, seed=0,
               skip_tokenizer_init=True, load_format=req.get("load_format", "auto"),
               tensor_parallel_size=req.get("tensor_parallel_size", 1), **extra)
-    if req.get("save_sharded_state"):
+    if req.get("save_sharded_state") and not req["prompts"]:
         llm.llm_engine.engine_core.save_sharded_state(path=req["save_sharded_state"])
         with open(result_path, "w") as f:
             json.dump({"saved": req["save_sharded_state"], "vllm": vllm.__version__}, f)
@@ -72,6 +72,9 @@ def main(request_path: str, result_path: str) -> None:
         outs = llm.generate([{"prompt_token_ids": ids} for ids in req["forced_prompts"]], forced, use_tqdm=False)
         result["prompt_logits"] = [[[pos[t].logprob for t in range(vocab)] for pos in o.prompt_logprobs[1:]]
                                    for o in outs]
+    if req.get("save_sharded_state"):
+        llm.llm_engine.engine_core.save_sharded_state(path=req["save_sharded_state"])
+        result["saved"] = req["save_sharded_state"]
     with open(result_path, "w") as f:
         json.dump(result, f)
 

@@ -16,15 +16,21 @@ ENGINE_PYTHON = Path(os.environ.get("WNA16CTL_ENGINE_PYTHON", REPO_ROOT / "build
 ENGINE_DRIVER = REPO_ROOT / "scripts" / "vllm_greedy.py"
 
 
+# set by scripts/engine_tier.sh (CI): the venv was built for the run, so a missing engine is a failure
+ENGINE_REQUIRED = os.environ.get("WNA16CTL_ENGINE_REQUIRED") == "1"
+
+
 def engine_python() -> Path:
-    """The engine venv's interpreter, or a skip that says how to make it."""
+    """The engine venv's interpreter, or a skip that says how to make it (a failure where the
+    engine is required)."""
     import subprocess
 
+    missing = pytest.fail if ENGINE_REQUIRED else pytest.skip
     if not ENGINE_PYTHON.is_file():
-        pytest.skip(f"engine tier: no engine venv at {ENGINE_PYTHON} (make engine-venv)")
+        missing(f"engine tier: no engine venv at {ENGINE_PYTHON} (make engine-venv)")
     probe = subprocess.run([str(ENGINE_PYTHON), "-c", "import vllm"], capture_output=True, text=True)
     if probe.returncode:
-        pytest.skip(f"engine tier: vllm does not import in {ENGINE_PYTHON} (make engine-venv)")
+        missing(f"engine tier: vllm does not import in {ENGINE_PYTHON} (make engine-venv): {probe.stderr[-500:]}")
     return ENGINE_PYTHON
 
 
