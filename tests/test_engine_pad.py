@@ -40,7 +40,8 @@ def _agreement(ck, reference: dict, candidate: dict) -> tuple[list[str], float, 
     return bad, _chosen_logprob_gap(reference, candidate), tolerance
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", pytest.param("mixtral", marks=pytest.mark.xfail(
+# the Qwen3-MoE case is one of the engine tier's CI cases (marker engine_ci): the rescue, proven on the engine
+@pytest.mark.parametrize("arch", [pytest.param("qwen3_moe", marks=pytest.mark.engine_ci), pytest.param("mixtral", marks=pytest.mark.xfail(
     reason="measured: padded at TP 2 loads and generates, but its chosen-token logprob gap to the original at TP 1 "
            "(0.073) exceeds this tolerance (0.017), which is derived from TP-1 bf16 rounding and does not include "
            "what TP 2's bf16 all-reduces change; verify proves the padded MoE layers exact against the original"))])
