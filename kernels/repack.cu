@@ -1,6 +1,7 @@
 // CUDA Marlin repack, scale permutation and zero-point conversion for many experts per launch.
 // The index math is layout.cuh's and the repack's block work is repack.cuh's; these kernels only
-// schedule it, so the output is bit-identical to the host library and to the torch path. Built by
+// schedule it (the path without act-order writes the same words through RepackTile::lane_tile),
+// so the output is bit-identical to the host library and to the torch path. Built by
 // nvcc for the GPU and by g++ against the CPU emulation (intrinsics.cuh, kernels/emu/).
 #include "capi.h"
 #include "checks.h"
@@ -49,6 +50,39 @@ __global__ void __launch_bounds__(kRepackThreads)
     wna16_syncthreads();
     Tile::emit(out, t, size_k, size_n, sh, threadIdx.x, blockDim.x);
     wna16_syncthreads();  // shared rows are rewritten by the next task
+  }
+}
+
+// Without act-order: one 16x64 tile per group of eight lanes (RepackTile::lane_tile), tiles
+// taken in output order (tile = row * ntiles + nt, row = expert * K/16 + k-tile), grid-stride.
+// The tile's (row, nt) is found by one division before the loop and then advanced by the
+// stride's quotient and remainder, so the loop itself carries no division; the source pointer
+// moves with it: a tile's packed rows start at row * ROWS * size_n + 64 * nt.
+template <int NB>
+__global__ void __launch_bounds__(kRepackThreads)
+    marlin_repack_tiles_kernel(const uint32_t* __restrict__ packed, uint32_t* __restrict__ out,
+                               int64_t rows, int64_t size_n) {
+  using Tile = RepackTile<NB>;
+  const int64_t ntiles = size_n / 64, tiles = rows * ntiles;
+  const int64_t lanes = (int64_t)gridDim.x * blockDim.x;
+  const int64_t first = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const int c = (int)(first % Tile::LANES);
+  int64_t tile = first / Tile::LANES;
+  const int64_t step = lanes / Tile::LANES;  // blockDim.x is a multiple of LANES
+  if (tile >= tiles) return;
+  const int64_t step_rows = step / ntiles, step_nt = step % ntiles;
+  int64_t nt = tile % ntiles;
+  const int64_t row_words = Tile::ROWS * size_n;           // source words per tile row
+  const int64_t wrap = row_words - ntiles * 64;            // column ntiles -> next row's 0
+  const uint32_t* src = packed + (tile / ntiles) * row_words + 64 * nt;
+  uint32_t* dst = out + tile * Tile::WPT + c * Tile::LANE_WORDS;
+  const int64_t src_step = step_rows * row_words + 64 * step_nt, dst_step = step * Tile::WPT;
+  for (; tile < tiles; tile += step) {
+    Tile::lane_tile(src, size_n, dst, c);
+    dst += dst_step;
+    src += src_step;
+    nt += step_nt;
+    if (nt >= ntiles) nt -= ntiles, src += wrap;
   }
 }
 
@@ -112,6 +146,20 @@ WNA16_API int wna16_cuda_marlin_repack(const int32_t* packed, const int32_t* per
   const int64_t tasks = repack_tasks(num_experts, size_k, size_n);
   if (tasks == 0) return WNA16_OK;
   const cudaStream_t s = (cudaStream_t)stream;
+  // lane_tile's 16-byte stores need a 16-byte aligned output; act-order needs the row gather
+  if (!perm && ((uintptr_t)out & 15) == 0) {
+    const int64_t rows = num_experts * (size_k / 16);
+    const int64_t blocks = (rows * (size_n / 64) * RepackTile<4>::LANES + kRepackThreads - 1) /
+                           kRepackThreads;
+    const int grid = grid_for(blocks, 8);
+    if (num_bits == 4)
+      WNA16_LAUNCH(grid, kRepackThreads, 0, s, marlin_repack_tiles_kernel<4>,
+                   (const uint32_t*)packed, (uint32_t*)out, rows, size_n);
+    else
+      WNA16_LAUNCH(grid, kRepackThreads, 0, s, marlin_repack_tiles_kernel<8>,
+                   (const uint32_t*)packed, (uint32_t*)out, rows, size_n);
+    return launch_status("marlin_repack_tiles_kernel");
+  }
   const int grid = grid_for(tasks, 8);
   if (num_bits == 4)
     WNA16_LAUNCH(grid, kRepackThreads, sizeof(RepackTile<4>::Shared), s, marlin_repack_kernel<4>,
