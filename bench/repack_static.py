@@ -6,13 +6,17 @@ A model counted from the SASS, not a measurement. For each instance of the repac
 counts, in the innermost loops that move global memory (a loop is the code between a backward
 branch and its target, as bench/kernel_static.py reads it):
 
-* instructions per loop pass and the global bytes the pass reads and writes (each LDG / STG by
-  its width: .128 = 16 bytes, .64 = 8, .U16 / .S16 = 2, .U8 / .S8 = 1, otherwise 4);
-* thread instructions per byte of traffic = the loops' instructions over their bytes, summed
-  over the loops of one path (without act-order the staged kernel runs a staging loop and an
-  emitting loop once per word each, the tile kernel one loop per tile lane). A loop that reads
-  shared memory and global memory is the act-order row gather (its source rows come from the
-  staged perm) and is left out: the model is of the path without act-order;
+* instructions per loop pass and the global bytes the pass stores (each STG by its width:
+  .128 = 16 bytes, .64 = 8, .U16 / .S16 = 2, .U8 / .S8 = 1, otherwise 4). A repack reads as many
+  bytes as it writes, so a pass's traffic is twice what it stores; loads are not counted
+  because the act-order gather loads a source word once per code it takes (from cache after
+  the first);
+* thread instructions per byte of traffic = the loops' instructions over their traffic, summed
+  over the loops of one path (the staged kernel runs a staging loop and an emitting loop once
+  per word each, the tile kernels one loop per tile lane). In the staged kernel a loop that
+  reads shared memory and global memory is the act-order row gather (its source rows come from
+  the staged perm) and is left out: its figure is of the path without act-order; the tile
+  kernel has one instance per path (GATHER = act-order);
 * the set-up: the instructions before the first counted loop, once per thread for a
   grid-stride kernel; "one pass per thread" adds it to a single pass (the worst case, a grid with
   one pass per thread; both division branches are counted, so it is an upper bound);
@@ -61,7 +65,7 @@ class LoopTraffic:
     start: int          # instruction index of the loop's first and last instruction
     end: int
     instructions: int
-    global_bytes: int   # read + written per pass
+    global_bytes: int   # traffic per pass: twice the bytes stored (read + written)
     gather: bool        # reads shared and global memory: the act-order row gather
 
 
@@ -95,10 +99,10 @@ def memory_loops(ins: list[tuple[int, str]]) -> list[LoopTraffic]:
     found = []
     for lo, hi in sass_loops(ins):
         body = ops[lo:hi + 1]
-        moved = sum(global_bytes(op) for op in body)
-        if moved:
+        if any(global_bytes(op) for op in body):
+            stored = sum(global_bytes(op) for op in body if op.startswith("STG"))
             gather = any(op.startswith("LDS") for op in body) and any(op.startswith("LDG") for op in body)
-            found.append(LoopTraffic(lo, hi, len(body), moved, gather))
+            found.append(LoopTraffic(lo, hi, len(body), 2 * stored, gather))
     return [a for a in found
             if not any(b is not a and a.start <= b.start and b.end <= a.end for b in found)]
 
@@ -129,8 +133,10 @@ def is_repack_kernel(mangled: str) -> bool:
 
 
 def readable(mangled: str) -> str:
-    m = re.search(r"(marlin_repack\w*?kernel)ILi(\d)E", mangled)
-    return f"{m.group(1)}<{m.group(2)}>" if m else mangled
+    m = re.search(r"(marlin_repack\w*?kernel)ILi(\d)E(Lb([01])E)?", mangled)
+    if not m:
+        return mangled
+    return f"{m.group(1)}<{m.group(2)}{', gather' if m.group(4) == '1' else ''}>"
 
 
 def compile_cubin(out: Path) -> Path:
@@ -162,7 +168,7 @@ def render(models: list[RepackModel], gpu: Gpu = H200) -> str:
     lines = [f"static issue model, {gpu.name}: {gpu.sms} SMs x {gpu.schedulers} schedulers x "
              f"{WARP} lanes x {gpu.clock_hz / 1e9:.2f} GHz = {thread_instructions_per_s(gpu):.3g} "
              f"thread instructions/s; HBM peak {gpu.hbm_bytes_per_s / 1e12:.1f} TB/s",
-             "kernel | loops (instructions / global bytes per pass; g = act-order gather, not counted) | "
+             "kernel | loops (instructions / traffic bytes per pass; g = act-order gather, not counted) | "
              "per byte | cap | % of peak | set-up | one pass per thread: per byte, cap"]
     for m in sorted(models, key=lambda x: x.kernel):
         loops = ", ".join(f"{lp.instructions}/{lp.global_bytes}{' g' if lp.gather else ''}" for lp in m.loops)

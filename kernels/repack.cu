@@ -1,7 +1,7 @@
 // CUDA Marlin repack, scale permutation and zero-point conversion for many experts per launch.
 // The index math is layout.cuh's and the repack's block work is repack.cuh's; these kernels only
-// schedule it (the path without act-order writes the same words through RepackTile::lane_tile),
-// so the output is bit-identical to the host library and to the torch path. Built by
+// schedule it (the tile kernel writes the same words through RepackTile::lane_tile and
+// lane_tile_gather), so the output is bit-identical to the host library and to the torch path. Built by
 // nvcc for the GPU and by g++ against the CPU emulation (intrinsics.cuh, kernels/emu/).
 #include "capi.h"
 #include "checks.h"
@@ -53,17 +53,21 @@ __global__ void __launch_bounds__(kRepackThreads)
   }
 }
 
-// Without act-order: one 16x64 tile per group of eight lanes (RepackTile::lane_tile), tiles
-// taken in output order (tile = row * ntiles + nt, row = expert * K/16 + k-tile), grid-stride.
-// The tile's (row, nt) is found by one division before the loop and then advanced by the
-// stride's quotient and remainder, so the loop itself carries no division; the source pointer
-// moves with it: a tile's packed rows start at row * ROWS * size_n + 64 * nt.
-template <int NB>
+// One 16x64 tile per group of eight lanes (RepackTile::lane_tile, or lane_tile_gather with
+// act-order), tiles taken in output order (tile = row * ntiles + nt, row = expert * K/16 +
+// k-tile), grid-stride. The tile's (row, nt) is found by one division before the loop and then
+// advanced by the stride's quotient and remainder, so the loop without act-order carries no
+// division; the source pointer moves with it: a tile's packed rows start at
+// row * ROWS * size_n + 64 * nt. With act-order a tile's perm entries are perm[16 * row ..] and
+// its source rows are the expert's (one division per tile for the expert); GATHER = act-order,
+// a template argument so that each loop holds one path.
+template <int NB, bool GATHER>
 __global__ void __launch_bounds__(kRepackThreads)
-    marlin_repack_tiles_kernel(const uint32_t* __restrict__ packed, uint32_t* __restrict__ out,
-                               int64_t rows, int64_t size_n) {
+    marlin_repack_tiles_kernel(const uint32_t* __restrict__ packed,
+                               const int32_t* __restrict__ perm, uint32_t* __restrict__ out,
+                               int64_t rows, int64_t size_k, int64_t size_n) {
   using Tile = RepackTile<NB>;
-  const int64_t ntiles = size_n / 64, tiles = rows * ntiles;
+  const int64_t ntiles = size_n / 64, tiles = rows * ntiles, ktiles = size_k / 16;
   const int64_t lanes = (int64_t)gridDim.x * blockDim.x;
   const int64_t first = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   const int c = (int)(first % Tile::LANES);
@@ -71,18 +75,25 @@ __global__ void __launch_bounds__(kRepackThreads)
   const int64_t step = lanes / Tile::LANES;  // blockDim.x is a multiple of LANES
   if (tile >= tiles) return;
   const int64_t step_rows = step / ntiles, step_nt = step % ntiles;
-  int64_t nt = tile % ntiles;
+  int64_t row = tile / ntiles, nt = tile % ntiles;
   const int64_t row_words = Tile::ROWS * size_n;           // source words per tile row
   const int64_t wrap = row_words - ntiles * 64;            // column ntiles -> next row's 0
-  const uint32_t* src = packed + (tile / ntiles) * row_words + 64 * nt;
+  const uint32_t* src = packed + row * row_words + 64 * nt;
   uint32_t* dst = out + tile * Tile::WPT + c * Tile::LANE_WORDS;
   const int64_t src_step = step_rows * row_words + 64 * step_nt, dst_step = step * Tile::WPT;
   for (; tile < tiles; tile += step) {
-    Tile::lane_tile(src, size_n, dst, c);
+    if (GATHER) {
+      const int64_t ex = row / ktiles;
+      Tile::lane_tile_gather(packed + ex * ktiles * row_words + 64 * nt, size_n, perm + 16 * row,
+                             size_k, dst, c);
+    } else {
+      Tile::lane_tile(src, size_n, dst, c);
+    }
     dst += dst_step;
     src += src_step;
+    row += step_rows;
     nt += step_nt;
-    if (nt >= ntiles) nt -= ntiles, src += wrap;
+    if (nt >= ntiles) nt -= ntiles, src += wrap, ++row;
   }
 }
 
@@ -146,18 +157,20 @@ WNA16_API int wna16_cuda_marlin_repack(const int32_t* packed, const int32_t* per
   const int64_t tasks = repack_tasks(num_experts, size_k, size_n);
   if (tasks == 0) return WNA16_OK;
   const cudaStream_t s = (cudaStream_t)stream;
-  // lane_tile's 16-byte stores need a 16-byte aligned output; act-order needs the row gather
-  if (!perm && ((uintptr_t)out & 15) == 0) {
+  // the tile kernel's 16-byte stores need a 16-byte aligned output
+  if (((uintptr_t)out & 15) == 0) {
     const int64_t rows = num_experts * (size_k / 16);
     const int64_t blocks = (rows * (size_n / 64) * RepackTile<4>::LANES + kRepackThreads - 1) /
                            kRepackThreads;
     const int grid = grid_for(blocks, 8);
     if (num_bits == 4)
-      WNA16_LAUNCH(grid, kRepackThreads, 0, s, marlin_repack_tiles_kernel<4>,
-                   (const uint32_t*)packed, (uint32_t*)out, rows, size_n);
+      WNA16_LAUNCH(grid, kRepackThreads, 0, s, (perm ? marlin_repack_tiles_kernel<4, true>
+                                                     : marlin_repack_tiles_kernel<4, false>),
+                   (const uint32_t*)packed, perm, (uint32_t*)out, rows, size_k, size_n);
     else
-      WNA16_LAUNCH(grid, kRepackThreads, 0, s, marlin_repack_tiles_kernel<8>,
-                   (const uint32_t*)packed, (uint32_t*)out, rows, size_n);
+      WNA16_LAUNCH(grid, kRepackThreads, 0, s, (perm ? marlin_repack_tiles_kernel<8, true>
+                                                     : marlin_repack_tiles_kernel<8, false>),
+                   (const uint32_t*)packed, perm, (uint32_t*)out, rows, size_k, size_n);
     return launch_status("marlin_repack_tiles_kernel");
   }
   const int grid = grid_for(tasks, 8);

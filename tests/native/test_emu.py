@@ -551,23 +551,25 @@ def test_emulated_repack_equals_torch(plain: Path, num_bits: int, size_n: int, s
 
 @pytest.mark.parametrize("num_bits", [4, 8])
 def test_emulated_repack_tile_path_strides_and_unaligned_output(plain: Path, num_bits: int) -> None:
-    """Without act-order the kernel takes whole tiles per lane group with 16-byte stores. On one
-    SM's worth of blocks its grid-stride loop wraps across tile rows (7 n-tiles, a stride of 256
-    tiles); an output 4 bytes off a 16-byte boundary takes the staged path instead. Both write
-    the torch words, and nothing outside the output."""
+    """The kernel takes whole tiles per lane group with 16-byte stores, with and without
+    act-order. On one SM's worth of blocks its grid-stride loop wraps across tile rows and
+    experts (7 n-tiles, a stride of 256 tiles); an output 4 bytes off a 16-byte boundary takes the
+    staged path instead. Both write the torch words, and nothing outside the output."""
     size_k, size_n, experts = 640, 448, 2
     q = torch.randint(0, 1 << num_bits, (experts, size_k, size_n), generator=_gen(5), dtype=torch.int32)
     packed = pack_codes(q, num_bits, dim=-2)
-    want = marlin_repack(packed, num_bits, None)
-    words = want.numel()
-    for shift in (0, 1):
-        out = torch.full((words + 4,), -7, dtype=torch.int32)
-        r = _ok(H.run(plain, "repack", {"packed": packed, "perm": None, "out": out},
-                      {"num_experts": experts, "size_k": size_k, "size_n": size_n, "num_bits": num_bits,
-                       "out_shift": shift}, ("out",), dev={"sms": 1}))
-        got = r.tensor("out", torch.int32)
-        assert torch.equal(got[shift:shift + words].reshape(want.shape), want)
-        assert torch.equal(torch.cat([got[:shift], got[shift + words:]]), torch.full((4,), -7, dtype=torch.int32))
+    _, perm = sort_g_idx(torch.stack([torch.randperm(size_k, generator=_gen(7 + e)) // 32 for e in range(experts)]))
+    for p in (None, perm.to(torch.int32)):
+        want = marlin_repack(packed, num_bits, p)
+        words = want.numel()
+        for shift in (0, 1):
+            out = torch.full((words + 4,), -7, dtype=torch.int32)
+            r = _ok(H.run(plain, "repack", {"packed": packed, "perm": p, "out": out},
+                          {"num_experts": experts, "size_k": size_k, "size_n": size_n, "num_bits": num_bits,
+                           "out_shift": shift}, ("out",), dev={"sms": 1}))
+            got = r.tensor("out", torch.int32)
+            assert torch.equal(got[shift:shift + words].reshape(want.shape), want)
+            assert torch.equal(torch.cat([got[:shift], got[shift + words:]]), torch.full((4,), -7, dtype=torch.int32))
 
 
 def test_emulated_scales_and_zero_points_equal_torch(plain: Path) -> None:
