@@ -570,6 +570,17 @@ def test_emulated_repack_tile_path_strides_and_unaligned_output(plain: Path, num
             got = r.tensor("out", torch.int32)
             assert torch.equal(got[shift:shift + words].reshape(want.shape), want)
             assert torch.equal(torch.cat([got[:shift], got[shift + words:]]), torch.full((4,), -7, dtype=torch.int32))
+    # perm entries outside [0, size_k) read as code 0 on both paths (the C API does not validate them)
+    bad = perm.to(torch.int32).clone()
+    bad[0, 3], bad[1, 100], bad[1, 639] = -1, size_k, 1 << 30
+    outs = []
+    for shift in (0, 1):
+        out = torch.zeros(words + 4, dtype=torch.int32)
+        r = _ok(H.run(plain, "repack", {"packed": packed, "perm": bad, "out": out},
+                      {"num_experts": experts, "size_k": size_k, "size_n": size_n, "num_bits": num_bits,
+                       "out_shift": shift}, ("out",), dev={"sms": 1}))
+        outs.append(r.tensor("out", torch.int32)[shift:shift + words])
+    assert torch.equal(outs[0], outs[1]) and not torch.equal(outs[0].reshape(want.shape), want)
 
 
 def test_emulated_scales_and_zero_points_equal_torch(plain: Path) -> None:
