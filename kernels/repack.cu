@@ -1,6 +1,7 @@
 // CUDA Marlin repack, scale permutation and zero-point conversion for many experts per launch.
 // The index math is layout.cuh's and the repack's block work is repack.cuh's; these kernels only
-// schedule it, so the output is bit-identical to the host library and to the torch path. Built by
+// schedule it (the tile kernel writes the same words through RepackTile::lane_tile and
+// lane_tile_gather), so the output is bit-identical to the host library and to the torch path. Built by
 // nvcc for the GPU and by g++ against the CPU emulation (intrinsics.cuh, kernels/emu/).
 #include "capi.h"
 #include "checks.h"
@@ -49,6 +50,50 @@ __global__ void __launch_bounds__(kRepackThreads)
     wna16_syncthreads();
     Tile::emit(out, t, size_k, size_n, sh, threadIdx.x, blockDim.x);
     wna16_syncthreads();  // shared rows are rewritten by the next task
+  }
+}
+
+// One 16x64 tile per group of eight lanes (RepackTile::lane_tile, or lane_tile_gather with
+// act-order), tiles taken in output order (tile = row * ntiles + nt, row = expert * K/16 +
+// k-tile), grid-stride. The tile's (row, nt) is found by one division before the loop and then
+// advanced by the stride's quotient and remainder, so the loop without act-order carries no
+// division; the source pointer moves with it: a tile's packed rows start at
+// row * ROWS * size_n + 64 * nt. With act-order a tile's perm entries are perm[16 * row ..] and
+// its source rows are the expert's (one division per tile for the expert); GATHER = act-order,
+// a template argument so that each loop holds one path.
+template <int NB, bool GATHER>
+__global__ void __launch_bounds__(kRepackThreads)
+    marlin_repack_tiles_kernel(const uint32_t* __restrict__ packed,
+                               const int32_t* __restrict__ perm, uint32_t* __restrict__ out,
+                               int64_t rows, int64_t size_k, int64_t size_n) {
+  using Tile = RepackTile<NB>;
+  const int64_t ntiles = size_n / 64, tiles = rows * ntiles, ktiles = size_k / 16;
+  const int64_t lanes = (int64_t)gridDim.x * blockDim.x;
+  const int64_t first = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const int c = (int)(first % Tile::LANES);
+  int64_t tile = first / Tile::LANES;
+  const int64_t step = lanes / Tile::LANES;  // blockDim.x is a multiple of LANES
+  if (tile >= tiles) return;
+  const int64_t step_rows = step / ntiles, step_nt = step % ntiles;
+  int64_t row = tile / ntiles, nt = tile % ntiles;
+  const int64_t row_words = Tile::ROWS * size_n;           // source words per tile row
+  const int64_t wrap = row_words - ntiles * 64;            // column ntiles -> next row's 0
+  const uint32_t* src = packed + row * row_words + 64 * nt;
+  uint32_t* dst = out + tile * Tile::WPT + c * Tile::LANE_WORDS;
+  const int64_t src_step = step_rows * row_words + 64 * step_nt, dst_step = step * Tile::WPT;
+  for (; tile < tiles; tile += step) {
+    if (GATHER) {
+      const int64_t ex = row / ktiles;
+      Tile::lane_tile_gather(packed + ex * ktiles * row_words + 64 * nt, size_n, perm + 16 * row,
+                             size_k, dst, c);
+    } else {
+      Tile::lane_tile(src, size_n, dst, c);
+    }
+    dst += dst_step;
+    src += src_step;
+    row += step_rows;
+    nt += step_nt;
+    if (nt >= ntiles) nt -= ntiles, src += wrap, ++row;
   }
 }
 
@@ -112,6 +157,22 @@ WNA16_API int wna16_cuda_marlin_repack(const int32_t* packed, const int32_t* per
   const int64_t tasks = repack_tasks(num_experts, size_k, size_n);
   if (tasks == 0) return WNA16_OK;
   const cudaStream_t s = (cudaStream_t)stream;
+  // the tile kernel's 16-byte stores need a 16-byte aligned output
+  if (((uintptr_t)out & 15) == 0) {
+    const int64_t rows = num_experts * (size_k / 16);
+    const int64_t blocks = (rows * (size_n / 64) * RepackTile<4>::LANES + kRepackThreads - 1) /
+                           kRepackThreads;
+    const int grid = grid_for(blocks, 8);
+    if (num_bits == 4)
+      WNA16_LAUNCH(grid, kRepackThreads, 0, s, (perm ? marlin_repack_tiles_kernel<4, true>
+                                                     : marlin_repack_tiles_kernel<4, false>),
+                   (const uint32_t*)packed, perm, (uint32_t*)out, rows, size_k, size_n);
+    else
+      WNA16_LAUNCH(grid, kRepackThreads, 0, s, (perm ? marlin_repack_tiles_kernel<8, true>
+                                                     : marlin_repack_tiles_kernel<8, false>),
+                   (const uint32_t*)packed, perm, (uint32_t*)out, rows, size_k, size_n);
+    return launch_status("marlin_repack_tiles_kernel");
+  }
   const int grid = grid_for(tasks, 8);
   if (num_bits == 4)
     WNA16_LAUNCH(grid, kRepackThreads, sizeof(RepackTile<4>::Shared), s, marlin_repack_kernel<4>,

@@ -140,8 +140,9 @@ int run(const std::string& op) {
     free(ws);
     return rc;
   }
-  if (op == "repack")
-    return wna16_cuda_marlin_repack(B<int32_t>("packed"), B<int32_t>("perm"), B<int32_t>("out"),
+  if (op == "repack")  // out_shift: write `out_shift` words into the buffer (a misaligned output)
+    return wna16_cuda_marlin_repack(B<int32_t>("packed"), B<int32_t>("perm"),
+                                    B<int32_t>("out") + (g_ints.count("out_shift") ? I("out_shift") : 0),
                                     I("num_experts"), I("size_k"), I("size_n"),
                                     (int)I("num_bits"), nullptr);
   if (op == "scales")

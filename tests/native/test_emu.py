@@ -549,6 +549,40 @@ def test_emulated_repack_equals_torch(plain: Path, num_bits: int, size_n: int, s
         assert torch.equal(got, marlin_repack(packed, num_bits, p))
 
 
+@pytest.mark.parametrize("num_bits", [4, 8])
+def test_emulated_repack_tile_path_strides_and_unaligned_output(plain: Path, num_bits: int) -> None:
+    """The kernel takes whole tiles per lane group with 16-byte stores, with and without
+    act-order. On one SM's worth of blocks its grid-stride loop wraps across tile rows and
+    experts (7 n-tiles, a stride of 256 tiles); an output 4 bytes off a 16-byte boundary takes the
+    staged path instead. Both write the torch words, and nothing outside the output."""
+    size_k, size_n, experts = 640, 448, 2
+    q = torch.randint(0, 1 << num_bits, (experts, size_k, size_n), generator=_gen(5), dtype=torch.int32)
+    packed = pack_codes(q, num_bits, dim=-2)
+    _, perm = sort_g_idx(torch.stack([torch.randperm(size_k, generator=_gen(7 + e)) // 32 for e in range(experts)]))
+    for p in (None, perm.to(torch.int32)):
+        want = marlin_repack(packed, num_bits, p)
+        words = want.numel()
+        for shift in (0, 1):
+            out = torch.full((words + 4,), -7, dtype=torch.int32)
+            r = _ok(H.run(plain, "repack", {"packed": packed, "perm": p, "out": out},
+                          {"num_experts": experts, "size_k": size_k, "size_n": size_n, "num_bits": num_bits,
+                           "out_shift": shift}, ("out",), dev={"sms": 1}))
+            got = r.tensor("out", torch.int32)
+            assert torch.equal(got[shift:shift + words].reshape(want.shape), want)
+            assert torch.equal(torch.cat([got[:shift], got[shift + words:]]), torch.full((4,), -7, dtype=torch.int32))
+    # perm entries outside [0, size_k) read as code 0 on both paths (the C API does not validate them)
+    bad = perm.to(torch.int32).clone()
+    bad[0, 3], bad[1, 100], bad[1, 639] = -1, size_k, 1 << 30
+    outs = []
+    for shift in (0, 1):
+        out = torch.zeros(words + 4, dtype=torch.int32)
+        r = _ok(H.run(plain, "repack", {"packed": packed, "perm": bad, "out": out},
+                      {"num_experts": experts, "size_k": size_k, "size_n": size_n, "num_bits": num_bits,
+                       "out_shift": shift}, ("out",), dev={"sms": 1}))
+        outs.append(r.tensor("out", torch.int32)[shift:shift + words])
+    assert torch.equal(outs[0], outs[1]) and not torch.equal(outs[0].reshape(want.shape), want)
+
+
 def test_emulated_scales_and_zero_points_equal_torch(plain: Path) -> None:
     for dtype in (torch.float16, torch.float32):
         s = torch.randn(3, 4, 256, generator=_gen(1)).to(dtype)
