@@ -322,9 +322,9 @@ def _plural_layers(indices: list[int]) -> str:
 
 
 def _plural_indices(noun: str, indices: list[int]) -> str:
-    from wna16ctl.planning.moe import _ranges
+    from wna16ctl.planning.moe import indices_text
 
-    return f"{noun}{'s' if len(indices) != 1 else ''} {_ranges(indices)}"
+    return indices_text(noun, indices)
 
 
 def _engine_source(engine) -> str:  # noqa: ANN001 - rules.Engine

@@ -722,6 +722,11 @@ def _ranges(ids: list[int]) -> str:
     return ",".join(out)
 
 
+def indices_text(noun: str, indices: list[int]) -> str:
+    """'layers 0-3,7' / 'expert 2': the noun, plural unless one, and the indices as ranges."""
+    return f"{noun}{'s' if len(indices) != 1 else ''} {_ranges(indices)}"
+
+
 def _outcome(p: LayerPlan) -> str:
     if p.loadable:
         return f"loads on {p.backend.value}"  # type: ignore[union-attr]

@@ -737,7 +737,7 @@ def _experts_of(job: LayerJob, experts: list[int] | None) -> list[int]:
 
 def _select_experts(jobs: list[LayerJob], experts: list[int], report: VerifyReport) -> None:
     """Check that every asked expert exists in the layers checked; record the others as not checked."""
-    from wna16ctl.planning.moe import _ranges
+    from wna16ctl.planning.moe import _ranges, indices_text
 
     if not jobs:
         return
@@ -752,15 +752,8 @@ def _select_experts(jobs: list[LayerJob], experts: list[int], report: VerifyRepo
     if report.experts_not_checked:
         report.checks.append(Check(
             "all_experts", "every expert of each layer checked round-tripped and run", required=False,
-            reason=f"--experts {_ranges(experts)}: {_indices_text('expert', report.experts_not_checked)} not checked "
+            reason=f"--experts {_ranges(experts)}: {indices_text('expert', report.experts_not_checked)} not checked "
                    "(a partial verify: run without --experts for a full one)"))
-
-
-def _indices_text(noun: str, indices: list[int]) -> str:
-    """'layers 0-3,7' / 'expert 2'."""
-    from wna16ctl.planning.moe import _ranges
-
-    return f"{noun}{'s' if len(indices) != 1 else ''} {_ranges(indices)}"
 
 
 def _restricted(routing: Routing, experts: list[int]) -> Routing:
@@ -777,7 +770,7 @@ def _restricted(routing: Routing, experts: list[int]) -> Routing:
 
 def _select_layers(jobs: list[LayerJob], layers: list[int], report: VerifyReport) -> list[LayerJob]:
     """The jobs of the asked layers; the others are recorded as not checked (a partial verify)."""
-    from wna16ctl.planning.moe import _ranges
+    from wna16ctl.planning.moe import _ranges, indices_text
 
     known = [j.layer.layer_index for j in jobs if j.layer.layer_index is not None]
     unknown = [i for i in layers if i not in known]
@@ -789,7 +782,7 @@ def _select_layers(jobs: list[LayerJob], layers: list[int], report: VerifyReport
     if report.layers_not_checked:
         report.checks.append(Check(
             "all_layers", "every MoE layer's experts round-tripped and run", required=False,
-            reason=f"--layers {_ranges(layers)}: {_indices_text('layer', report.layers_not_checked)} not checked "
+            reason=f"--layers {_ranges(layers)}: {indices_text('layer', report.layers_not_checked)} not checked "
                    "(a partial verify: run without --layers for a full one)"))
     return [j for j in jobs if j.layer.layer_index in layers]
 
