@@ -416,3 +416,20 @@ def test_verify_refuses_an_unquantized_checkpoint_before_looking_for_samples(mak
     res = invoke("verify", ck, out, env={"WNA16CTL_SAMPLES": str(tmp_path / "missing.jsonl")})
     line = one_error_line(res, 2)
     assert f"{ck}: not a WNA16 MoE checkpoint: its routed experts are not quantized" in line, line
+
+
+PAD_SMALL = dict(hidden_size=128, num_experts=4, num_layers=1, intermediate_size=128, num_shards=2)
+
+
+@pytest.mark.parametrize("command", ["repack", "pad"])
+def test_output_under_a_file_says_not_a_directory(make_ckpt, tmp_path, command):
+    """-o below something that is not a directory (a file here; /dev/full for a user) names that,
+    not mkdir's "File exists"."""
+    ck = make_ckpt(**PAD_SMALL)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    args = {"repack": ["repack", ck, "--tp", "1"], "pad": ["pad", ck, "--tp", "2", "--vllm", "0.32.0"]}[command]
+    res = invoke(*args, "-o", blocker / "out")
+    line = one_error_line(res, 2)
+    assert "not a directory" in line and "File exists" not in line, line
+    assert blocker.read_text() == "x"

@@ -146,7 +146,12 @@ def hash_file(path: Path, algorithm: str = FILE_HASH, bufsize: int = 16 << 20,
 
 def _os_error(e: OSError, path: Path | str) -> OutputError:
     what = e.strerror or str(e)
+    if e.errno in (errno.EEXIST, errno.ENOTDIR):
+        # mkdir(parents=True, exist_ok=True) says "File exists" when a parent is a file or a device
+        what = "a part of this path exists and is not a directory"
     hint = {
+        errno.EEXIST: "choose an -o inside a directory",
+        errno.ENOTDIR: "choose an -o inside a directory",
         28: "free space on the output filesystem or choose another -o",
         13: "choose an output directory you can write to",
         30: "choose a writable output location",
