@@ -12,7 +12,8 @@
 # stop, is the checks' budget (--budget overrides it). The checks run in order of what the run is
 # for (wna16ctl/native/gpucheck.py STEPS): kernels against the CPU path and the fp32 reference,
 # vLLM's Marlin on our layout, the repack wall time on both devices, the benchmarks, the product
-# (demo -> repack --device cuda -> verify --e2e), vLLM's load format, compute-sanitizer, pytest;
+# (demo -> repack --device cuda -> verify --e2e), vLLM's load format, engine start-up with a normal
+# load against sharded_state (bench/bench_engine_load.py --device cuda), compute-sanitizer, pytest;
 # a step that finds too little time left is reported "not run: no time left". They stop 20 s
 # before the budget ends to write the report. The JSON is rewritten after every step and case,
 # so the hard stop keeps what was measured.

@@ -259,9 +259,9 @@ def test_steps_that_found_no_time_are_not_reported_as_failures() -> None:
     text = gpucheck.summary(report)
     assert "FAILED" not in text and "ok" not in text.replace("(no time left)", "")
     # once for all steps on the steps line, and on the lines of the sanitizer, vLLM plugin, pytest,
-    # Marlin, product and repack timing
+    # Marlin, product, repack timing and engine start-up
     assert f"steps: all {len(gpucheck.STEPS) - 1} not run (no time left)" in text
-    assert text.count("not run (no time left)") == 1 + 6
+    assert text.count("not run (no time left)") == 1 + 7
 
 
 def test_repack_timing_runs_the_cli_on_both_devices(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -464,3 +464,45 @@ def test_benchmark_rows_carry_measured_over_the_fitted_model() -> None:
                marlin={"ms": 2 * modelled_ms["marlin"], "pct_of_peak": 1, "pct_of_copy": 1})
     text = gpucheck.summary({"status": "passed", "bench_gemm": {"rows": [row]}})
     assert "measured / fitted model 1.0" in text and "measured / fitted model 2.0" in text
+
+
+def test_engine_load_without_a_gpu_is_not_run(tmp_path: Path) -> None:
+    """The real benchmark, asked for --device cuda on a machine without a GPU or a CUDA vLLM:
+    "not run" with its reason, never a pass."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the benchmark would start vLLM")
+    report = gpucheck.Report(tmp_path / "r.json")
+    assert gpucheck.step_engine_load(report, gpucheck.Budget(600), ROOT) is None
+    assert report["engine_load"]["not_run"]
+    assert "engine start-up, default vs sharded_state: not run (" in gpucheck.summary({**report, "status": "x"})
+
+
+def _fake_bench(tmp_path: Path, result: dict, code: int) -> Path:
+    """A checkout whose bench/bench_engine_load.py writes `result` to --json and exits `code`."""
+    (tmp_path / "bench").mkdir(parents=True)
+    (tmp_path / "bench" / "bench_engine_load.py").write_text(
+        "import json, sys\n"
+        "out = sys.argv[sys.argv.index('--json') + 1]\n"
+        f"open(out, 'w').write(json.dumps({result!r}))\n"
+        f"sys.exit({code})\n")
+    return tmp_path
+
+
+@pytest.mark.parametrize("same_token, expected", [(True, True), (False, False)])
+def test_engine_load_measured_passes_only_with_the_same_token(tmp_path: Path, same_token: bool,
+                                                             expected: bool) -> None:
+    run = {"ready_s": 10.0, "first_token_s": 11.0, "engine_s": 8.0, "ranks": {}}
+    measured = {"status": "measured", "vllm": "0.33.0", "tp": 1, "ready_ratio": 1.25, "same_first_token": same_token,
+                "summary": {"default": {**run, "ready_s": 12.5}, "sharded_state": run}}
+    repo = _fake_bench(tmp_path / "repo", measured, 0)
+    report = gpucheck.Report(tmp_path / "r.json")
+    assert gpucheck.step_engine_load(report, gpucheck.Budget(600), repo) is expected
+    line = next(ln for ln in gpucheck.summary({**report, "status": "x"}).splitlines() if "engine start-up" in ln)
+    assert ("ok (vLLM 0.33.0" in line) is expected and "1.25x" in line, line
+
+
+def test_engine_load_that_fails_is_failed(tmp_path: Path) -> None:
+    repo = _fake_bench(tmp_path / "repo", {"status": "failed", "reason": "rank 1 died"}, 1)
+    report = gpucheck.Report(tmp_path / "r.json")
+    assert gpucheck.step_engine_load(report, gpucheck.Budget(600), repo) is False
+    assert "FAILED (rank 1 died)" in gpucheck.summary({**report, "status": "x"})

@@ -1001,6 +1001,38 @@ def step_vllm_plugin(report: dict, budget: Budget, repo: Path) -> Optional[bool]
     return bool(result.get("ok"))
 
 
+# bench/bench_engine_load.py --device cuda: one start of each load format (the checkpoint is small
+# so that two vLLM starts fit the budget); exit 2 and {"status": "not-run"} without a CUDA vLLM
+ENGINE_LOAD_ARGS = ("--device", "cuda", "--rounds", "1", "--layers", "1")
+
+
+def step_engine_load(report: dict, budget: Budget, repo: Path) -> Optional[bool]:
+    """Engine start-up with a normal load against `sharded_state` of `repack --layout vllm`, as its
+    own process; its JSON goes into the report as `engine_load`. A run that could not start vLLM is
+    "not run" with the bench's reason, never a pass."""
+    out = Path(str(report.path) + ".engine_load.json") if isinstance(report, Report) else repo / "engine_load.json"
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, str(repo / "bench" / "bench_engine_load.py"), *ENGINE_LOAD_ARGS, "--json", str(out),
+           "--timeout", str(max(30, int(budget.left() - 30)))]
+    try:
+        proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=max(30.0, budget.left() - 10))
+        result = json.loads(out.read_text())
+    except (subprocess.TimeoutExpired, OSError, ValueError) as exc:
+        report["engine_load"] = {"ok": False, "error": f"the benchmark did not finish ({type(exc).__name__})"}
+        return False
+    if proc.returncode == 2 or result.get("status") == "not-run":
+        report["engine_load"] = {"not_run": result.get("reason") or "the benchmark gave no reason"}
+        return None
+    report["engine_load"] = result
+    if proc.returncode != 0:
+        result.setdefault("error", result.get("reason") or f"exit {proc.returncode}")
+        return False
+    if not result.get("same_first_token", False):  # both formats must serve the same model
+        result["error"] = "the first greedy token differs between the load formats"
+        return False
+    return True
+
+
 # the test files whose `gpu` tests the pytest step runs (tests/native/test_gpucheck.py checks
 # that every tests/ path this module names exists)
 GPU_TEST_FILES = ("tests/native/test_kernels.py", "tests/native/test_gemm_v2.py")
@@ -1074,6 +1106,18 @@ def summary(report: dict) -> str:
         else:
             state = f"FAILED ({v.get('error')})"
         lines.append(f"  --load-format wna16ctl vs default load: {state}")
+    if "engine_load" in report:
+        e = report["engine_load"]
+        if e.get("not_run"):
+            state = f"not run ({e['not_run']})"
+        elif e.get("status") == "measured":
+            state = (f"{'ok' if not e.get('error') else 'FAILED (' + e['error'] + ')'} (vLLM {e.get('vllm')}, TP "
+                     f"{e.get('tp')}: ready {e['summary']['default']['ready_s']:.1f} s default, "
+                     f"{e['summary']['sharded_state']['ready_s']:.1f} s sharded_state, "
+                     f"default / sharded_state {e['ready_ratio']:.2f}x)")
+        else:
+            state = f"FAILED ({e.get('error')})"
+        lines.append(f"  engine start-up, default vs sharded_state: {state}")
     if "pytest_gpu" in report:
         p = report["pytest_gpu"]
         state = (p.get("skipped") or (f"not run ({p['not_run']})" if p.get("not_run") else None)
@@ -1153,10 +1197,10 @@ def summary(report: dict) -> str:
 # (the order is the plan of gpu_check.sh's 480 s: what the run is for first, the slow tools last;
 # a step that finds too little of the budget left is "not run: no time left")
 STEPS = ("build", "repack_checks", "gemm_checks", "vllm_marlin_check", "repack_timing", "bench_copy", "bench_repack",
-         "bench_gemm", "product", "vllm_plugin", "sanitizer", "pytest_gpu")
+         "bench_gemm", "product", "vllm_plugin", "engine_load", "sanitizer", "pytest_gpu")
 # seconds a step needs left of the budget to start
 STEP_MIN_S = {"repack_checks": 0, "gemm_checks": 60, "repack_timing": 90, "bench_gemm": 30, "product": 60,
-              "vllm_plugin": 60, "sanitizer": 50, "pytest_gpu": 45}
+              "vllm_plugin": 60, "engine_load": 120, "sanitizer": 50, "pytest_gpu": 45}
 
 
 def record_step(report: dict, name: str, result: Optional[bool], reason: Optional[str] = None) -> None:
@@ -1243,6 +1287,7 @@ def run(out: Path, budget_s: float, gemm_count: int, with_pytest: bool, with_san
             ("bench_gemm", lambda: bench_gemm(report, budget, marlin_op)),
             ("product", lambda: step_product(report, budget, repo)),
             ("vllm_plugin", (lambda: step_vllm_plugin(report, budget, repo)) if with_vllm_plugin else None),
+            ("engine_load", (lambda: step_engine_load(report, budget, repo)) if with_vllm_plugin else None),
             ("sanitizer", (lambda: step_sanitizer(report, budget)) if with_sanitizer else None),
             ("pytest_gpu", (lambda: step_pytest(report, budget, repo)) if with_pytest else None),
         ]
