@@ -6,6 +6,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from wna16ctl.planning.inspection import Inspection
+from wna16ctl.planning.suggest import KINDS_TRIED
 from wna16ctl.sink import human_bytes, plural, simple_table
 
 
@@ -181,8 +182,8 @@ def render_suggestions(console: Console, insp: Inspection, shown: int = 2) -> No
         if len(found) > shown:
             console.print(f"  TP {tp}: {len(found) - shown} more suggestion{'s' if len(found) - shown > 1 else ''} in --json")
     for tp in refused:
-        console.print(f"  TP {tp}: no change (or pair of changes) that was tried loads (TP/EP, TP size, vLLM release, "
-                      "GPU, group size, act-order, symmetric weights)")
+        console.print(f"  TP {tp}: no change (or pair of changes) that was tried loads "
+                      f"({', '.join(KINDS_TRIED.values())})")
 
 
 def render_next_steps(console: Console, steps: list) -> None:

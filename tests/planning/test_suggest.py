@@ -237,7 +237,13 @@ def test_the_table_says_when_no_change_loads(small):
     insp.suggestions = []  # a search that found nothing
     console = Console(record=True, width=200)
     render_suggestions(console, insp)
-    assert "TP 1: no change (or pair of changes) that was tried loads" in console.export_text()
+    text = console.export_text()
+    assert "TP 1: no change (or pair of changes) that was tried loads" in text
+    # the line names every kind of change the search tries, padding and vLLM's --moe-backend among them
+    from wna16ctl.planning import suggest
+
+    assert "padding (wna16ctl pad)" in text and "--moe-backend" in text
+    assert set(suggest.KINDS_TRIED) >= set(suggest.LIMITS) | {"pad"}
 
 
 def test_pairs_of_changes_when_no_single_one_loads(small):

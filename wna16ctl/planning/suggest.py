@@ -205,6 +205,10 @@ class _Option:
 
 
 LIMITS = {"moe_backend": 1, "ep": 1, "tp": MAX_PER_KIND, "vllm": 1, "gpu": 1, "actorder": 1, "group_size": MAX_PER_KIND, "symmetric": 1}
+# the kinds of change the search tries, as the table names them when none loads
+KINDS_TRIED = {"ep": "TP/EP", "tp": "TP size", "vllm": "vLLM release", "gpu": "GPU", "moe_backend": "--moe-backend",
+               "pad": "padding (wna16ctl pad)", "group_size": "group size", "actorder": "act-order",
+               "symmetric": "symmetric weights"}
 MAX_PAIRS = 4  # pairs of changes listed when no single change loads
 
 
