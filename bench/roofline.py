@@ -531,6 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.fitted:
         print(f"measured: {MEASURED_PROVENANCE}\nloop counts: {LOOP_SOURCE}\n")
         print(render_fitted(check_rows(), fitted_params()))
+        print(render_step_costs(m1_step_costs()))
         return 0
     instances = instances_from_static(args.static) if args.static else list(RECORDED_SM90)
     v3 = instances_from_static(args.static, "v3") if args.static else list(RECORDED_SM90_V3)
@@ -847,6 +848,7 @@ class CallCounts:
     warps_per_sm: int
     blocks: tuple[tuple[int, int], ...]  # (units, round trips)
     hbm_bytes: float
+    max_parts: int = 1  # the most blocks that share one output tile (1: no tile is cut)
 
 
 def call_counts(kernel: str, shape: MoeShape, m: int, sms: int = H200_SMS, loops=None) -> CallCounts:
@@ -892,7 +894,8 @@ def call_counts(kernel: str, shape: MoeShape, m: int, sms: int = H200_SMS, loops
     hbm = experts * shape.expert_bytes
     active = len(stripes)
     resident = min(launch.blocks_per_sm, math.ceil(active / sms))
-    return CallCounts(launch, units, instr, hbm / units, resident, resident * launch.warps, front, hbm)
+    return CallCounts(launch, units, instr, hbm / units, resident, resident * launch.warps, front, hbm,
+                      max(parts.values(), default=1))
 
 
 @dataclass(frozen=True)
@@ -1037,6 +1040,83 @@ UNPREDICTED = {
         "than the same latency gives it",
 }
 FIT_TOLERANCE = 0.25
+
+
+# ----------------------------------------------------------------------------------------------
+# What the M = 1 rows say about one step of each kernel's cross-block reduction.
+#
+# At M = 1 the call is a few units of streaming plus the reduction of the cut tiles. Take each
+# kernel's M = 1 rows, subtract the streaming of the slowest block (its units at the fitted rate)
+# and fit what is left as intercept + slope x steps, a step being one link of Marlin's serial slice
+# chain (slices - 1 on the longest chain) or one part that v3's consumer gathers (the parts of its
+# tile). Dividing the slope by the dependent cross-block memory operations that one step holds in
+# the code gives the latency each kernel's rows imply for one such operation -- a property of the
+# machine, the same for both kernels if the counts are complete.
+#
+# Dependent operations per step, from the sources and the sm_90 SASS (kernel_static.py's
+# compilation; Marlin's from vLLM 0.33.0's PTX):
+# * Marlin, one link of the lock chain (use_atomic_add off, fp32 reduce: what vllm_marlin.call_args
+#   passes): the waiting block's poll (LDG.E.STRONG.GPU + CCTL.IVALL) sees the release, its active
+#   threads read the running fp32 sum from C_tmp, write it back, and the release fences (MEMBAR.ALL.GPU,
+#   ERRBAR, CGAERRBAR) before the counting RED: 3.
+# * v3, one part at the tile's consumer: thread 0 acquires the part's ready flag (LDG.E.STRONG.GPU +
+#   CCTL.IVALL), resets it with a release store (MEMBAR.ALL.GPU, ERRBAR, CGAERRBAR, STG.E.STRONG.GPU:
+#   each waits for the previous store), and the tile's lanes read the part back (the loop over
+#   parts is unrolled by 4 in the SASS: a quarter of a round trip per part): 2.25. The
+#   64-bit divisions that find a part's slot take their 32-bit path at these sizes (~20
+#   instructions, no call).
+SYNC_OPS_PER_STEP = {"marlin": 3.0, "v3": 2.25}
+
+
+@dataclass(frozen=True)
+class StepCost:
+    kernel: str
+    intercept_us: float
+    slope_us: float  # per step
+    points: tuple[tuple[str, int, float], ...]  # (shape, steps, measured less streaming µs)
+
+    @property
+    def per_operation_us(self) -> float:
+        """The latency the rows imply for one dependent cross-block memory operation."""
+        return self.slope_us / SYNC_OPS_PER_STEP[self.kernel]
+
+
+def m1_step_costs(params: FittedParams | None = None, rows=MEASURED_H200) -> list[StepCost]:
+    """Per kernel, the least-squares line through its M = 1 rows of (reduction steps, measured
+    time less the slowest block's streaming at the fitted rate)."""
+    p = params or fitted_params()
+    out = []
+    for kernel in ("marlin", "v3"):
+        pts = []
+        for r in rows:
+            if r.m != 1:
+                continue
+            c = call_counts(kernel, H200_SHAPES[r.shape], r.m)
+            rate = min(p.issue_cap, c.warps_per_sm * p.warp_ipc)
+            per_unit = c.resident * max(c.unit_instructions / rate / SASS_CLOCK_HZ,
+                                        c.unit_bytes / (p.hbm_share * H200_HBM / H200_SMS))
+            units = max(u for u, _ in c.blocks)
+            steps = c.max_parts - 1 if kernel == "marlin" else c.max_parts
+            measured = r.marlin_us if kernel == "marlin" else r.v3_us
+            pts.append((r.shape, steps, measured - units * per_unit * 1e6))
+        n = len(pts)
+        sx, sy = sum(x for _, x, _ in pts), sum(y for _, _, y in pts)
+        sxx, sxy = sum(x * x for _, x, _ in pts), sum(x * y for _, x, y in pts)
+        slope = (n * sxy - sx * sy) / (n * sxx - sx * sx)
+        out.append(StepCost(kernel, (sy - slope * sx) / n, slope, tuple(pts)))
+    return out
+
+
+def render_step_costs(costs: list[StepCost]) -> str:
+    out = ["\nM = 1: measured less the slowest block's streaming, against the reduction's steps "
+           "(Marlin: links of the slice chain; v3: parts at the consumer):",
+           "| kernel | (shape, steps, µs) | intercept µs | µs per step | dependent operations per step | "
+           "implied µs per operation |", "|---|---|---:|---:|---:|---:|"]
+    for c in costs:
+        pts = "; ".join(f"{s} {x}, {y:.1f}" for s, x, y in c.points)
+        out.append(f"| {c.kernel} | {pts} | {c.intercept_us:.1f} | {c.slope_us:.2f} | "
+                   f"{SYNC_OPS_PER_STEP[c.kernel]:g} | {c.per_operation_us:.3f} |")
+    return "\n".join(out)
 
 
 def render_fitted(rows: list[RowCheck], params: FittedParams) -> str:
