@@ -366,6 +366,25 @@ def test_m1_rows_imply_different_latencies_for_one_sync_operation() -> None:
     assert costs["v3"].per_operation_us > 4 * costs["marlin"].per_operation_us
 
 
+def test_step_sweep_holds_the_streaming_and_varies_the_steps() -> None:
+    """gpu_check's sweep at M = 1: every shape gives the slowest block the same units (Marlin 10,
+    v3 7) while the blocks per output tile fall (Marlin 12 / 7 / 4 slices, v3 17 / 9 / 5 parts), so
+    the measured times' differences are the reduction's steps alone."""
+    from wna16ctl.native import gpucheck
+
+    bench = {(e, k, n) for _, e, k, n, _, _, ms in gpucheck.BENCH_SHAPES if 1 in ms}
+    parts = {"marlin": [], "v3": []}
+    for key in R.STEP_SWEEP:
+        shape = R.H200_SHAPES[key]
+        assert (shape.experts, shape.size_k, shape.size_n) in bench
+        assert shape.size_k * shape.size_n == 7168 * 512
+        for kernel, units in (("marlin", 10), ("v3", 7)):
+            c = R.call_counts(kernel, shape, 1)
+            assert max(u for u, _ in c.blocks) == units
+            parts[kernel].append(c.max_parts)
+    assert parts == {"marlin": [12, 7, 4], "v3": [17, 9, 5]}
+
+
 def test_measured_over_model() -> None:
     p = R.fitted_params()
     want = 100.0 / R.model_us("v3", "qwen3-w13", 16, p)
