@@ -1041,7 +1041,7 @@ UNPREDICTED = {
         "reduction the model charges 3 round trips a link at the one fitted latency; Marlin's M = 1 "
         "rows imply 0.23 us a link (m1_step_costs), a third of that",
     ("v3", "qwen3-w2", 1):
-        "M = 1: v3's M = 1 rows imply 1.38 us for each part its consumer gathers (m1_step_costs), 0.61 us "
+        "M = 1: v3's M = 1 rows imply 1.38 us for each part its consumer gathers (m1_step_costs), 0.46 us "
         "per counted dependent operation against Marlin's 0.08; the one fitted latency sits between "
         "and leaves v3's M = 1 rows short",
 }
@@ -1067,11 +1067,12 @@ FIT_TOLERANCE = 0.25
 #   ERRBAR, CGAERRBAR) before the counting RED: 3.
 # * v3, one part at the tile's consumer: thread 0 acquires the part's ready flag (LDG.E.STRONG.GPU +
 #   CCTL.IVALL), resets it with a release store (MEMBAR.ALL.GPU, ERRBAR, CGAERRBAR, STG.E.STRONG.GPU:
-#   each waits for the previous store), and the tile's lanes read the part back (the loop over
-#   parts is unrolled by 4 in the SASS: a quarter of a round trip per part): 2.25. The
-#   64-bit divisions that find a part's slot take their 32-bit path at these sizes (~20
-#   instructions, no call).
-SYNC_OPS_PER_STEP = {"marlin": 3.0, "v3": 2.25}
+#   each waits for the previous store), and the tile's lanes read the part back (eight LDG.E; the
+#   loop over parts is unrolled by 4, but each part's FADDs follow its loads before the next part's
+#   slot is computed: one round trip per part): 3. The 64-bit divisions that find a part's slot
+#   (one in each of the three loops) take their 32-bit path at these sizes (~20 instructions with
+#   I2F, MUFU.RCP and F2I, no call).
+SYNC_OPS_PER_STEP = {"marlin": 3.0, "v3": 3.0}
 
 
 @dataclass(frozen=True)
