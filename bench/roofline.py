@@ -1039,7 +1039,7 @@ UNPREDICTED = {
     ("marlin", "deepseek-w13-tp8", 1):
         "M = 1 with K 7168: Marlin's stripes cut each output tile into 12 slices whose serial "
         "reduction the model charges 3 round trips a link at the one fitted latency; Marlin's M = 1 "
-        "rows imply 0.23 us a link (m1_step_costs), a third of that",
+        "rows imply 0.23 us a link (m1_step_costs), a sixth of its 1.29",
     ("v3", "qwen3-w2", 1):
         "M = 1: v3's M = 1 rows imply 1.38 us for each part its consumer gathers (m1_step_costs), 0.46 us "
         "per counted dependent operation against Marlin's 0.08; the one fitted latency sits between "
