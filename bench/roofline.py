@@ -1061,8 +1061,8 @@ FIT_TOLERANCE = 0.25
 #
 # Dependent operations per step, from the sources and the sm_90 SASS (kernel_static.py's
 # compilation; Marlin's from vLLM 0.33.0's PTX):
-# * Marlin, one link of the lock chain (use_atomic_add off, fp32 reduce: what vllm_marlin.call_args
-#   passes): the waiting block's poll (LDG.E.STRONG.GPU + CCTL.IVALL) sees the release, its active
+# * Marlin, one link of the lock chain (use_atomic_add off, fp32 reduce: what vLLM 0.33.0's fused
+#   Marlin MoE and vllm_marlin.call_args pass): the waiting block's poll (LDG.E.STRONG.GPU + CCTL.IVALL) sees the release, its active
 #   threads read the running fp32 sum from C_tmp, write it back, and the release fences (MEMBAR.ALL.GPU,
 #   ERRBAR, CGAERRBAR) before the counting RED: 3.
 # * v3, one part at the tile's consumer: thread 0 acquires the part's ready flag (LDG.E.STRONG.GPU +
