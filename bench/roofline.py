@@ -531,6 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.fitted:
         print(f"measured: {MEASURED_PROVENANCE}\nloop counts: {LOOP_SOURCE}\n")
         print(render_fitted(check_rows(), fitted_params()))
+        print(render_step_costs(m1_step_costs()))
         return 0
     instances = instances_from_static(args.static) if args.static else list(RECORDED_SM90)
     v3 = instances_from_static(args.static, "v3") if args.static else list(RECORDED_SM90_V3)
@@ -620,8 +621,14 @@ QWEN3_W2 = MoeShape("Qwen3-30B-A3B w2 (E128 K768 N2048, int4 g128)", 128, 768, 2
 DEEPSEEK_W13_TP8 = MoeShape("DeepSeek-V3 w13 at TP 8 (E256 K7168 N512, int4 g128)", 256, 7168, 512)
 QWEN3_W13_INT8 = MoeShape("Qwen3-30B-A3B w13 (E128 K2048 N1536, int8 channel-wise)", 128, 2048, 1536,
                           num_bits=8, group_size=-1)
+# gpu_check's reduction-step sweep (with DeepSeek-V3 w13 at TP 8): K x N held at 7168 x 512, so a
+# block streams the same units at M = 1 while the blocks that share an output tile change
+STEP_SWEEP_K3584 = MoeShape("reduction-step sweep (E256 K3584 N1024, int4 g128)", 256, 3584, 1024)
+STEP_SWEEP_K1792 = MoeShape("reduction-step sweep (E256 K1792 N2048, int4 g128)", 256, 1792, 2048)
 H200_SHAPES = {"qwen3-w13": QWEN3_W13, "qwen3-w2": QWEN3_W2, "deepseek-w13-tp8": DEEPSEEK_W13_TP8,
-               "qwen3-w13-int8": QWEN3_W13_INT8}
+               "qwen3-w13-int8": QWEN3_W13_INT8, "sweep-k3584-n1024": STEP_SWEEP_K3584,
+               "sweep-k1792-n2048": STEP_SWEEP_K1792}
+STEP_SWEEP = ("deepseek-w13-tp8", "sweep-k3584-n1024", "sweep-k1792-n2048")
 
 
 @dataclass(frozen=True)
@@ -847,6 +854,7 @@ class CallCounts:
     warps_per_sm: int
     blocks: tuple[tuple[int, int], ...]  # (units, round trips)
     hbm_bytes: float
+    max_parts: int = 1  # the most blocks that share one output tile (1: no tile is cut)
 
 
 def call_counts(kernel: str, shape: MoeShape, m: int, sms: int = H200_SMS, loops=None) -> CallCounts:
@@ -892,7 +900,8 @@ def call_counts(kernel: str, shape: MoeShape, m: int, sms: int = H200_SMS, loops
     hbm = experts * shape.expert_bytes
     active = len(stripes)
     resident = min(launch.blocks_per_sm, math.ceil(active / sms))
-    return CallCounts(launch, units, instr, hbm / units, resident, resident * launch.warps, front, hbm)
+    return CallCounts(launch, units, instr, hbm / units, resident, resident * launch.warps, front, hbm,
+                      max(parts.values(), default=1))
 
 
 @dataclass(frozen=True)
@@ -1029,14 +1038,92 @@ def check_rows(with_leave_one_out: bool = True) -> list[RowCheck]:
 UNPREDICTED = {
     ("marlin", "deepseek-w13-tp8", 1):
         "M = 1 with K 7168: Marlin's stripes cut each output tile into 12 slices whose serial "
-        "reduction the model counts as 3 round trips a link (acquire, read the running sum, fenced "
-        "release); the measured call (17.0 us) says a link costs about a third of that",
+        "reduction the model charges 3 round trips a link at the one fitted latency; Marlin's M = 1 "
+        "rows imply 0.23 us a link (m1_step_costs), a sixth of its 1.29",
     ("v3", "qwen3-w2", 1):
-        "M = 1: the model's single latency is pulled down by Marlin's cheap slice links, while v3's "
-        "consumer pays more per part (flag acquire, release reset, part read back, one part at a time) "
-        "than the same latency gives it",
+        "M = 1: v3's M = 1 rows imply 1.38 us for each part its consumer gathers (m1_step_costs), 0.46 us "
+        "per counted dependent operation against Marlin's 0.08; the one fitted latency sits between "
+        "and leaves v3's M = 1 rows short",
 }
 FIT_TOLERANCE = 0.25
+
+
+# ----------------------------------------------------------------------------------------------
+# What the M = 1 rows say about one step of each kernel's cross-block reduction.
+#
+# At M = 1 the call is a few units of streaming plus the reduction of the cut tiles. Take each
+# kernel's M = 1 rows, subtract the streaming of the slowest block (its units at the fitted rate)
+# and fit what is left as intercept + slope x steps, a step being one link of Marlin's serial slice
+# chain (slices - 1 on the longest chain) or one part that v3's consumer gathers (the parts of its
+# tile). Dividing the slope by the dependent cross-block memory operations that one step holds in
+# the code gives the latency each kernel's rows imply for one such operation -- a property of the
+# machine, the same for both kernels if the counts are complete.
+#
+# Dependent operations per step, from the sources and the sm_90 SASS (kernel_static.py's
+# compilation; Marlin's from vLLM 0.33.0's PTX):
+# * Marlin, one link of the lock chain (use_atomic_add off, fp32 reduce: what vLLM 0.33.0's fused
+#   Marlin MoE and vllm_marlin.call_args pass): the waiting block's poll (LDG.E.STRONG.GPU + CCTL.IVALL) sees the release, its active
+#   threads read the running fp32 sum from C_tmp, write it back, and the release fences (MEMBAR.ALL.GPU,
+#   ERRBAR, CGAERRBAR) before the counting RED: 3.
+# * v3, one part at the tile's consumer: thread 0 acquires the part's ready flag (LDG.E.STRONG.GPU +
+#   CCTL.IVALL), resets it with a release store (MEMBAR.ALL.GPU, ERRBAR, CGAERRBAR, STG.E.STRONG.GPU:
+#   each waits for the previous store), and the tile's lanes read the part back (eight LDG.E; the
+#   loop over parts is unrolled by 4, but each part's FADDs follow its loads before the next part's
+#   slot is computed: one round trip per part): 3. The 64-bit divisions that find a part's slot
+#   (one in each of the three loops) take their 32-bit path at these sizes (~20 instructions with
+#   I2F, MUFU.RCP and F2I, no call).
+SYNC_OPS_PER_STEP = {"marlin": 3.0, "v3": 3.0}
+
+
+@dataclass(frozen=True)
+class StepCost:
+    kernel: str
+    intercept_us: float
+    slope_us: float  # per step
+    points: tuple[tuple[str, int, float], ...]  # (shape, steps, measured less streaming µs)
+
+    @property
+    def per_operation_us(self) -> float:
+        """The latency the rows imply for one dependent cross-block memory operation."""
+        return self.slope_us / SYNC_OPS_PER_STEP[self.kernel]
+
+
+def m1_step_costs(params: FittedParams | None = None, rows=MEASURED_H200) -> list[StepCost]:
+    """Per kernel, the least-squares line through its M = 1 rows of (reduction steps, measured
+    time less the slowest block's streaming at the fitted rate)."""
+    p = params or fitted_params()
+    out = []
+    for kernel in ("marlin", "v3"):
+        pts = []
+        for r in rows:
+            if r.m != 1:
+                continue
+            c = call_counts(kernel, H200_SHAPES[r.shape], r.m)
+            rate = min(p.issue_cap, c.warps_per_sm * p.warp_ipc)
+            per_unit = c.resident * max(c.unit_instructions / rate / SASS_CLOCK_HZ,
+                                        c.unit_bytes / (p.hbm_share * H200_HBM / H200_SMS))
+            units = max(u for u, _ in c.blocks)
+            steps = c.max_parts - 1 if kernel == "marlin" else c.max_parts
+            measured = r.marlin_us if kernel == "marlin" else r.v3_us
+            pts.append((r.shape, steps, measured - units * per_unit * 1e6))
+        n = len(pts)
+        sx, sy = sum(x for _, x, _ in pts), sum(y for _, _, y in pts)
+        sxx, sxy = sum(x * x for _, x, _ in pts), sum(x * y for _, x, y in pts)
+        slope = (n * sxy - sx * sy) / (n * sxx - sx * sx)
+        out.append(StepCost(kernel, (sy - slope * sx) / n, slope, tuple(pts)))
+    return out
+
+
+def render_step_costs(costs: list[StepCost]) -> str:
+    out = ["\nM = 1: measured less the slowest block's streaming, against the reduction's steps "
+           "(Marlin: links of the slice chain; v3: parts at the consumer):",
+           "| kernel | (shape, steps, µs) | intercept µs | µs per step | dependent operations per step | "
+           "implied µs per operation |", "|---|---|---:|---:|---:|---:|"]
+    for c in costs:
+        pts = "; ".join(f"{s} {x}, {y:.1f}" for s, x, y in c.points)
+        out.append(f"| {c.kernel} | {pts} | {c.intercept_us:.1f} | {c.slope_us:.2f} | "
+                   f"{SYNC_OPS_PER_STEP[c.kernel]:g} | {c.per_operation_us:.3f} |")
+    return "\n".join(out)
 
 
 def render_fitted(rows: list[RowCheck], params: FittedParams) -> str:

@@ -333,6 +333,58 @@ def test_leave_one_out_on_the_streaming_rows() -> None:
     assert {(r.kernel, r.shape, r.m) for r in streaming if _outside(r.loo_ratio)} == {("marlin", "qwen3-w13", 1024)}
 
 
+def test_m1_step_costs_recover_a_planted_line() -> None:
+    """Rows built as the slowest block's streaming plus 3 µs plus 0.5 µs per reduction step give
+    back that line, for both kernels."""
+    recorded = {c.kernel: c for c in R.m1_step_costs()}
+    streaming = {}
+    for kernel, c in recorded.items():
+        for (shape, steps, rest), row in zip(c.points, [r for r in R.MEASURED_H200 if r.m == 1]):
+            measured = row.marlin_us if kernel == "marlin" else row.v3_us
+            streaming[kernel, shape] = (measured - rest, steps)
+    planted = []
+    for row in R.MEASURED_H200:
+        if row.m != 1:
+            continue
+        (ms, msteps), (vs, vsteps) = streaming["marlin", row.shape], streaming["v3", row.shape]
+        planted.append(R.MeasuredRow(row.shape, 1, ms + 3.0 + 0.5 * msteps, vs + 3.0 + 0.5 * vsteps))
+    for c in R.m1_step_costs(rows=tuple(planted)):
+        assert c.intercept_us == pytest.approx(3.0)
+        assert c.slope_us == pytest.approx(0.5)
+        assert c.per_operation_us == pytest.approx(0.5 / R.SYNC_OPS_PER_STEP[c.kernel])
+
+
+def test_m1_rows_imply_different_latencies_for_one_sync_operation() -> None:
+    """Why no single latency predicts both kernels' M = 1 rows: per dependent cross-block memory
+    operation, v3's rows imply more than four times what Marlin's do. Steps by hand for
+    DeepSeek-V3 w13: Marlin's 10-unit stripes over 112 k-tiles cut a tile into 12 slices (11
+    links); v3's 1792 units over 264 blocks give blocks 0-16 a part of tile 0 (17 parts)."""
+    costs = {c.kernel: c for c in R.m1_step_costs()}
+    steps = {k: {s: x for s, x, _ in c.points} for k, c in costs.items()}
+    assert steps["marlin"]["deepseek-w13-tp8"] == 11
+    assert steps["v3"]["deepseek-w13-tp8"] == 17
+    assert costs["v3"].per_operation_us > 4 * costs["marlin"].per_operation_us
+
+
+def test_step_sweep_holds_the_streaming_and_varies_the_steps() -> None:
+    """gpu_check's sweep at M = 1: every shape gives the slowest block the same units (Marlin 10,
+    v3 7) while the blocks per output tile fall (Marlin 12 / 7 / 4 slices, v3 17 / 9 / 5 parts), so
+    the measured times' differences are the reduction's steps alone."""
+    from wna16ctl.native import gpucheck
+
+    bench = {(e, k, n) for _, e, k, n, _, _, ms in gpucheck.BENCH_SHAPES if 1 in ms}
+    parts = {"marlin": [], "v3": []}
+    for key in R.STEP_SWEEP:
+        shape = R.H200_SHAPES[key]
+        assert (shape.experts, shape.size_k, shape.size_n) in bench
+        assert shape.size_k * shape.size_n == 7168 * 512
+        for kernel, units in (("marlin", 10), ("v3", 7)):
+            c = R.call_counts(kernel, shape, 1)
+            assert max(u for u, _ in c.blocks) == units
+            parts[kernel].append(c.max_parts)
+    assert parts == {"marlin": [12, 7, 4], "v3": [17, 9, 5]}
+
+
 def test_measured_over_model() -> None:
     p = R.fitted_params()
     want = 100.0 / R.model_us("v3", "qwen3-w13", 16, p)

@@ -466,6 +466,12 @@ BENCH_SHAPES = (
     ("Qwen3-30B-A3B w2", 128, 768, 2048, 4, 128, BENCH_M),
     ("DeepSeek-V3 w13 at TP 8", 256, 7168, 512, 4, 128, BENCH_M),
     ("Qwen3-30B-A3B w13 int8 channel-wise", 128, 2048, 1536, 8, -1, (16,)),
+    # with DeepSeek-V3 w13 at TP 8 (K x N = 7168 x 512), a sweep at M = 1 that keeps each block's
+    # streaming the same while the blocks sharing an output tile change (v3: 17 / 9 / 5 parts;
+    # Marlin: 12 / 7 / 4 slices): the per-step cost of each kernel's cross-block reduction, measured
+    # (bench/roofline.py STEP_SWEEP)
+    ("reduction-step sweep E 256, K 3584, N 1024", 256, 3584, 1024, 4, 128, (1,)),
+    ("reduction-step sweep E 256, K 1792, N 2048", 256, 1792, 2048, 4, 128, (1,)),
 )
 BENCH_TOP_K = 8
 
