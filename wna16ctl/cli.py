@@ -297,58 +297,40 @@ def repack(ctx: click.Context, ckpt: str, tp: str, ep: bool, layout: str, out: s
 
     def repack_body() -> int:
         nonlocal group, committed
+        import wna16ctl
         from wna16ctl.errors import NotLoadable
-        from wna16ctl.repacking.pipeline import RepackSettings, plan_repack, run_repack
 
-        def render_repack_plan(console, plan):  # noqa: ANN001, ANN202 - rich is imported only to print
-            from wna16ctl.render import render_repack_plan as render
-
-            render(console, plan)
-
-        from wna16ctl.planning.inspection import resolve, resolve_switches
-
-        engine = resolve(vllm, gpu)
-        switches = resolve_switches(list(env), moe_backend)
         first = launch.rank == 0  # what every process would say alike is said once
-        if engine.note and engine.source != "default" and first:
-            sink.warn(engine.note)
-        (n_ranks,) = _tps(tp, single=True)
-        subset = distributed.parse_ranks(ranks, n_ranks) if ranks is not None else None
-        settings = RepackSettings(tp=n_ranks, ep=ep, layout=layout, max_shard_bytes=max_bytes, vllm=engine.version,
-                                  gpu=gpu, env=switches.env, moe_backend=switches.moe_backend)
-        if layout == "vllm":
-            from wna16ctl.repacking.vllm_layout import repack_vllm_command
-
-            return repack_vllm_command(sink, _local_checkpoint(sink, ckpt, revision), settings, out, launch=launch,
-                                       dry_run=dry_run, force=force, resume=resume, ranks=ranks, node_local=node_local)
         group = distributed.init_group(launch)
         try:
             source = group.together("opening the checkpoint", lambda: _local_checkpoint(sink, ckpt, revision))
             try:
-                # every process validates the whole plan before any of them writes a byte
-                plan = group.together("planning", lambda: plan_repack(source, settings))
+                with sink.tasks() as progress:
+                    outcome = wna16ctl.repack(
+                        source, out, tp, ep=ep, layout=layout, max_shard_size=max_bytes, dry_run=dry_run,
+                        resume=resume, force=force, device=device, vllm=vllm, gpu=gpu, env=list(env),
+                        moe_backend=moe_backend, progress=progress, ranks=ranks, node_local=node_local,
+                        notice=lambda message: sink.warn(message, always=True),
+                        warn=sink.warn if first else lambda message: None, group=group)
             except NotLoadable as e:
                 if dry_run and json_mode and first:  # the plan's answer is "no": still one JSON object on stdout
-                    sink.result({"checkpoint": ckpt, "settings": settings.to_json(), "loadable": False,
+                    sink.result({"checkpoint": ckpt, "settings": getattr(e, "settings", None), "loadable": False,
                                  "error": e.message}, lambda console: None)
                 raise
-            for w in plan.checkpoint.warnings if first else ():
-                sink.warn(w)
             if dry_run:
                 if first:
-                    sink.result({**plan.to_json(), "loadable": True}, lambda console: render_repack_plan(console, plan))
+                    from wna16ctl.render import render_repack_plan
+
+                    sink.result({**outcome.to_json(), "loadable": True},
+                                lambda console: render_repack_plan(console, outcome, out))
                 return EXIT_OK
-            with sink.tasks() as progress:
-                result = run_repack(plan, out, force=force, resume=resume, progress=progress, device=device,
-                                    notice=lambda message: sink.warn(message, always=True), ranks=subset,
-                                    node_local=node_local, group=group)
-            committed = result.committed
+            committed = outcome.committed
         finally:
             group.close()
-        if result.committed:  # one result per output directory (one per node with --node-local)
-            from wna16ctl.summary import next_step_lines, repack_result_lines
+        if outcome.committed:  # one result per output directory (one per node with --node-local)
+            from wna16ctl.summary import repack_result_lines
 
-            sink.result_lines(result.to_json(), lambda: repack_result_lines(plan, result) + next_step_lines(result.next_steps))
+            sink.result_lines(outcome.to_json(), lambda: repack_result_lines(outcome))
         return EXIT_OK
 
     _run(ctx, sink, body, interrupted=interrupted)
@@ -473,29 +455,16 @@ def verify(ctx: click.Context, ckpt: str, out: str, samples: str | None, num_sam
         raise click.UsageError(f"{', '.join(given)} only apply with --e2e")
 
     def body() -> int:
-        from wna16ctl import verify as wna16ctl_verify
-        from wna16ctl.render import render_verify
-        from wna16ctl.verification.checks import verify_output
+        import wna16ctl
 
-        options = None
-        if e2e:
-            from wna16ctl.verification.e2e import E2EOptions, require_transformers
-
-            require_transformers()
-            options = E2EOptions(prompts=prompts, max_new_tokens=max_new_tokens, score=score)
         source = _local_checkpoint(sink, ckpt, revision)
-        from wna16ctl.padding.proof import is_padded_output
-
-        if is_padded_output(out):  # a `pad` output: the padding proof (wna16ctl.padding.proof)
-            if e2e or layers is not None or experts is not None:
-                raise UsageError("--e2e, --layers and --experts do not apply to a pad output: its padding is checked whole")
-            proof = wna16ctl_verify(source, out, samples=samples, num_samples=num_samples)
-            sink.result_lines(proof.to_json(), proof.lines)
-            return EXIT_OK if proof.passed else EXIT_FAILED
         with sink.tasks() as progress:
-            report = verify_output(source, out, samples=samples, num_samples=num_samples, device=device,
-                                   progress=progress, e2e=options, notice=lambda m: sink.warn(m, always=True),
-                                   layers=layers, experts=experts)
+            report = wna16ctl.verify(source, out, samples=samples, num_samples=num_samples, device=device, e2e=e2e,
+                                     prompts=prompts, max_new_tokens=max_new_tokens, score=score, layers=layers,
+                                     experts=experts, progress=progress,
+                                     notice=lambda m: sink.warn(m, always=True))
+        from wna16ctl.render import render_verify
+
         sink.result(report.to_json(), lambda console: render_verify(console, report))
         return EXIT_OK if report.passed else EXIT_FAILED
 

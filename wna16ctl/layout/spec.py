@@ -26,9 +26,12 @@ def marlin_scales_grouped(size_k: int, group_size: int) -> bool:
     return group_size != -1 and group_size < size_k
 
 
+# The layout names, defined here once (the registry, `wna16ctl.layout.registry`, says what each is).
 MARLIN = "marlin"
 TRANSPOSED = "transposed"
-LAYOUTS = (MARLIN, TRANSPOSED)
+VLLM = "vllm"  # each rank's whole-model state for vLLM's sharded_state loader
+AUTO = "auto"  # not a layout: repack picks marlin or transposed per layer from the planned backend
+LAYOUTS = (MARLIN, TRANSPOSED)  # the layouts of a `RankLayout` (one rank's MoE tensors)
 
 
 @dataclass(frozen=True)

@@ -381,8 +381,12 @@ class RepackResult:
     processes: list[dict[str, Any]] = field(default_factory=list)  # per process that wrote into OUT
     committed: bool = True  # False in a process that wrote its ranks into another process's OUT
     simd: str | None = None  # this process's native tile loop (wna16ctl.native.simd); None: no layer took the native path
+    plan: Any = None  # what was executed: a RepackPlan, or the vllm layout's VllmStatePlan
+    layout_json: dict[str, Any] | None = None  # a layout's own JSON form of the result (the vllm layout's)
 
     def to_json(self) -> dict[str, Any]:
+        if self.layout_json is not None:
+            return self.layout_json
         return {
             "output": str(self.out),
             "files_written": self.files_written,

@@ -562,7 +562,7 @@ def verify_output(
     raises a WnaError; a failing or skipped check is recorded in the returned report, never raised.
     `layers` ("0-3,7" or indices): check only those MoE layers' experts; `experts` (the same form): only
     those experts of each layer checked.  Either makes a partial verify, said so."""
-    from wna16ctl.repacking.vllm_layout import is_vllm_output
+    from wna16ctl.verification.vllm_state import is_vllm_output
 
     if is_vllm_output(out):  # whole-model sharded_state files: contract and round trip
         asked = [flag for flag, value in (("--e2e", e2e), ("--layers", layers), ("--experts", experts))
@@ -611,12 +611,12 @@ def verify_output(
 
 
 def verify_vllm_output(ckpt: str | os.PathLike[str], out: str | os.PathLike[str]) -> VerifyReport:
-    """A `--layout vllm` output (repacking.vllm_layout checks it) as a report like every layout's: the
+    """A `--layout vllm` output (verification.vllm_state checks it) as a report like every layout's: the
     files against vLLM's contract and the manifest's hashes are its manifest check, every tensor
     inverted back to the checkpoint bit for bit its round trip.  The numerics do not run (not
     required, said so): the files hold vLLM's own parameters, which the round trip proves equal to
     the checkpoint's, and vLLM's kernels compute with them."""
-    from wna16ctl.repacking.vllm_layout import verify_vllm_state
+    from wna16ctl.verification.vllm_state import verify_vllm_state
 
     state = verify_vllm_state(ckpt, out)
     report = VerifyReport(str(ckpt), str(out), "cpu", tokenizer="", samples=0, layout_state=state, checks=[
