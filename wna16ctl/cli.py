@@ -23,6 +23,7 @@ try:  # a Ctrl-C while the command line starts: one line and 130, as anywhere la
     # what the option decorators below read while this module loads
     from wna16ctl.planning.engine_env import MOE_BACKENDS
     from wna16ctl.planning.rules import DEFAULT_GPU, GPUS
+    from wna16ctl.layout.spec import AUTO, MARLIN, TRANSPOSED, VLLM
 except KeyboardInterrupt:
     sys.stderr.write("\nerror: interrupted; nothing was done\n")
     raise SystemExit(130) from None
@@ -40,18 +41,18 @@ def _run(ctx: click.Context, sink: Sink, body: Callable[[], int], *, interrupted
     try:
         code = body()
     except WnaError as e:
-        _traceback(debug)
+        _traceback(sink, debug)
         if not getattr(e, "quiet", False):
             sink.error(e.message, e.hint)
         code = e.exit_code
     except KeyboardInterrupt as e:  # Ctrl-C, or torchrun stopping this process (a message of its own)
-        _traceback(debug)
+        _traceback(sink, debug)
         if not getattr(e, "quiet", False):
             said = interrupted if isinstance(interrupted, str) else interrupted()
             sink.error(getattr(e, "message", None) or f"interrupted; {said}")
         code = getattr(e, "exit_code", EXIT_INTERRUPTED)
     except Exception as e:  # a bug: say so in one line, full traceback only with --debug
-        _traceback(debug)
+        _traceback(sink, debug)
         if not getattr(e, "quiet", False):
             sink.error(f"internal error: {type(e).__name__}: {e}",
                        None if debug else "rerun with --debug for the traceback and report it")
@@ -72,12 +73,9 @@ def _own_process(ctx: click.Context) -> bool:
     return ctx.find_root().info_name == "wna16ctl" and sys.argv[0].endswith(("wna16ctl", "__main__.py"))
 
 
-def _traceback(debug: bool) -> None:
+def _traceback(sink: Sink, debug: bool) -> None:
     if debug:
-        import traceback
-
-        traceback.print_exc(file=sys.stderr)
-        sys.stderr.flush()
+        sink.traceback()
 
 
 def _debug_option(f: Callable) -> Callable:
@@ -223,7 +221,7 @@ def _parse_size(value: str) -> int:
 @click.argument("ckpt", type=click.Path(file_okay=False, path_type=str))
 @click.option("--tp", "tp", required=True, help="Number of ranks to write (one TP size).")
 @click.option("--ep", is_flag=True, help="Expert parallelism: MoE TP 1, experts split across the ranks.")
-@click.option("--layout", type=click.Choice(["auto", "marlin", "transposed", "vllm"]), default="auto", show_default=True,
+@click.option("--layout", type=click.Choice([AUTO, MARLIN, TRANSPOSED, VLLM]), default=AUTO, show_default=True,
               help="auto = the planner's backend per layer (Marlin, else the transposed Triton layout); vllm = each "
                    "rank's whole-model state for `vllm serve OUT --load-format sharded_state`.")
 @click.option("-o", "--output", "out", type=click.Path(path_type=str), help="Output directory (required unless --dry-run).")

@@ -14,8 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-VLLM_LAYOUT = "vllm"
-MARLIN_LAYOUT = "marlin"
+from wna16ctl.layout.spec import MARLIN, VLLM
+
+VLLM_LAYOUT = VLLM
+MARLIN_LAYOUT = MARLIN
 PLUGIN_LOAD_FORMAT = "wna16ctl"  # the load format the `wna16ctl[vllm]` plugin registers
 # The releases the plugin serves (integrations.marlin_serving checks the engine against the same list).
 PLUGIN_RELEASES = ("0.32.0", "0.33.0")

@@ -40,6 +40,7 @@ from wna16ctl.sources.tensors import TensorReader, dtype_from_name, writable_vie
 from wna16ctl.errors import BadInput, LayoutMismatch, NotLoadable, UsageError
 from wna16ctl.layout.packing import unpack_codes
 from wna16ctl.layout.rank import RankLayout, unbuild_expert_tensors
+from wna16ctl.layout.spec import MARLIN
 from wna16ctl.layout.shard import shard_expert, unshard_expert
 from wna16ctl.layout._mismatch import first_difference
 from wna16ctl.sources.config import SCALE_DTYPES
@@ -667,7 +668,7 @@ def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], sam
                    f"{len(plan.files)}: rank{'s' if len(report.ranks_not_checked) != 1 else ''} {missing} not checked, "
                    "nor the re-assembly across ranks (verify the parts copied together for that)"))
     dtype = dtype_from_name(manifest["scale_dtype"])
-    if dtype not in GEMM_DTYPES and any(j.layout == "marlin" for j in jobs):
+    if dtype not in GEMM_DTYPES and any(j.layout == MARLIN for j in jobs):
         raise UsageError(
             f"{out_path}: scales are {manifest['scale_dtype']} (torch_dtype of {ck.root.name}); the MoE GEMM verify "
             "runs, like vLLM's Marlin MoE kernels, takes float16/bfloat16 only, so this output cannot be verified"
