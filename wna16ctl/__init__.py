@@ -85,7 +85,7 @@ def inspect(path: PathLike, tp: TpSizes = "1,2,4,8", ep: bool = False, *, vllm: 
 
     proposal = make_proposal(scheme, None if recipe is None else os.fspath(recipe), group_size, actorder,
                              None if ignore is None else list(ignore))
-    insp = inspect_checkpoint(path, parse_tp_list(tp), ep, vllm=vllm, gpu=gpu, revision=revision, env=env,
+    insp = inspect_checkpoint(path, parse_tp_list(tp), ep, vllm=vllm, gpu=gpu, revision=revision, env=_env_list(env),
                               moe_backend=moe_backend, proposal=proposal)
     if suggest:
         from wna16ctl.planning.suggest import suggest as find_suggestions
@@ -142,7 +142,7 @@ def repack(path: PathLike, out: PathLike | None, tp: int | str, *, ep: bool = Fa
             check_vllm_options(ep=ep, ranks=ranks, resume=resume, node_local=node_local,
                                processes=group.launch.world_size)
         subset = distributed.parse_ranks(ranks, n_ranks) if isinstance(ranks, str) else ranks
-        return n_ranks, resolve(vllm, gpu), resolve_switches(env, moe_backend), subset
+        return n_ranks, resolve(vllm, gpu), resolve_switches(_env_list(env), moe_backend), subset
 
     # every process of a launch meets the same answer: said once per node
     n_ranks, engine, switches, subset = group.together("checking the options", check_options)
@@ -218,6 +218,11 @@ def verify(path: PathLike, out: PathLike, *, samples: PathLike | None = None, nu
         options = E2EOptions(prompts=prompts, max_new_tokens=max_new_tokens, score=score)
     return verify_output(path, out, samples=samples, num_samples=num_samples, device=device, progress=progress,
                          e2e=options, notice=notice, layers=layers, experts=experts)
+
+
+def _env_list(env: dict[str, str] | Iterable[str] | None) -> dict[str, str] | list[str] | None:
+    """The engine environment as the planner takes it: a mapping, or `NAME=VALUE` items in a list."""
+    return env if env is None or isinstance(env, dict) else list(env)
 
 
 def _local(path: PathLike, revision: str | None) -> str:

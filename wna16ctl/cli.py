@@ -13,7 +13,7 @@ try:  # a Ctrl-C while the command line starts: one line and 130, as anywhere la
     import errno
     import signal
     from pathlib import Path
-    from typing import Callable, NoReturn
+    from typing import Any, Callable, NoReturn
 
     import click
 
@@ -322,13 +322,17 @@ def repack(ctx: click.Context, ckpt: str, tp: str, ep: bool, layout: str, out: s
                     sink.result({**outcome.to_json(), "loadable": True},
                                 lambda console: render_repack_plan(console, outcome, out))
                 return EXIT_OK
-            committed = outcome.committed
+            from wna16ctl.repacking.pipeline import RepackResult
+
+            assert isinstance(outcome, RepackResult)  # not a dry run: what was written
+            result = outcome
+            committed = result.committed
         finally:
             group.close()
-        if outcome.committed:  # one result per output directory (one per node with --node-local)
+        if result.committed:  # one result per output directory (one per node with --node-local)
             from wna16ctl.summary import repack_result_lines
 
-            sink.result_lines(outcome.to_json(), lambda: repack_result_lines(outcome))
+            sink.result_lines(result.to_json(), lambda: repack_result_lines(result))
         return EXIT_OK
 
     _run(ctx, sink, body, interrupted=interrupted)
@@ -505,14 +509,16 @@ def pad(ctx: click.Context, ckpt: str, out: str | None, tp: str | None, to: int 
         import wna16ctl
         from wna16ctl.planning.padding import summary_lines
 
-        options = dict(tp=tp, to=to, ep=ep, vllm=vllm, gpu=gpu, env=list(env), moe_backend=moe_backend,
-                       scheme=scheme, group_size=group_size, actorder=actorder)
+        def padded(out: str | None, **run: Any) -> Any:
+            return wna16ctl.pad(ckpt, out, tp=tp, to=to, ep=ep, vllm=vllm, gpu=gpu, env=list(env),
+                                moe_backend=moe_backend, scheme=scheme, group_size=group_size, actorder=actorder, **run)
+
         if dry_run:
-            plan_json = wna16ctl.pad(ckpt, None, dry_run=True, **options).to_json()
+            plan_json = padded(None, dry_run=True).to_json()
             sink.result_lines(plan_json, lambda: summary_lines(plan_json))
             return EXIT_OK
         with sink.tasks() as progress:
-            manifest = wna16ctl.pad(ckpt, out, force=force, progress=progress, **options)
+            manifest = padded(out, force=force, progress=progress)
         sink.result_lines(manifest, lambda: summary_lines(manifest["padding"], out))
         return EXIT_OK
 
@@ -588,4 +594,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    main()

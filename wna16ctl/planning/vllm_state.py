@@ -155,7 +155,7 @@ def _when(ck: Checkpoint, cond: str | None, layer: int | None, moe: MoELayer | N
     if " " in cond:
         return all(_when(ck, c, layer, moe, k_first) for c in cond.split())
     if cond in ("k_first", "n_first"):
-        first = bool((k_first or {}).get(layer, False))
+        first = layer is not None and bool((k_first or {}).get(layer, False))
         return first if cond == "k_first" else not first
     names = ck.files
     tied = bool(ck.config.raw.get("tie_word_embeddings", False)) or "lm_head.weight" not in names
@@ -225,7 +225,7 @@ def _sizes(ck: Checkpoint, tp: int, moe: MoELayer | None, layer: int | None) -> 
         name = f"model.layers.{layer}.mlp.gate_proj.weight"
         if name in ck.files:
             s["Dn"] = split(ck.files.info(name).shape[0], f"model.layers.{layer}.mlp intermediate size")
-    if moe is not None and moe.scheme is not None:
+    if moe is not None and moe.scheme is not None and layer is not None:
         pf = 32 // moe.scheme.num_bits
         i_n = split(moe.intermediate_size, f"{moe.prefix}: intermediate size")
         g = moe.scheme.group_size
@@ -282,8 +282,9 @@ def _expert_orientation(ck: Checkpoint, tp: int, vllm: str, gpu: str, switches: 
         if not lp.loadable or lp.backend is None:
             reason = (lp.errors or ["no backend loads it"])[0]
             raise NotLoadable(f"{lay.prefix}: vLLM {vllm} on {gpu} does not load this layer at --tp {tp}: {reason}")
-        backends[lay.layer_index] = lp.backend.value
-        k_first[lay.layer_index] = lp.backend.value not in n_first
+        if lay.layer_index is not None:  # keyed by decoder layer, as the keys are
+            backends[lay.layer_index] = lp.backend.value
+            k_first[lay.layer_index] = lp.backend.value not in n_first
     return backends, k_first
 
 
@@ -299,7 +300,7 @@ def plan_vllm_state(ckpt: str | os.PathLike[str] | Checkpoint, tp: int, vllm: st
     if dtype_name not in FLOAT_ST_OF_CONFIG:
         raise BadInput(f"{ck.config.path}: torch_dtype {dtype_name!r} is not bfloat16, float16 or float32")
     model_st = FLOAT_ST_OF_CONFIG[dtype_name]
-    moe_by_layer = {lay.layer_index: lay for lay in ck.layers}
+    moe_by_layer = {lay.layer_index: lay for lay in ck.layers if lay.layer_index is not None}
     arch = ck.config.model_type
     n_layers = ck.config.num_hidden_layers or 0
 
