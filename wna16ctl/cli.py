@@ -23,10 +23,14 @@ try:  # a Ctrl-C while the command line starts: one line and 130, as anywhere la
     # what the option decorators below read while this module loads
     from wna16ctl.planning.engine_env import MOE_BACKENDS
     from wna16ctl.planning.rules import DEFAULT_GPU, GPUS
-    from wna16ctl.layout.spec import AUTO, MARLIN, TRANSPOSED, VLLM
+    from wna16ctl.layout.registry import names as layout_names
+    from wna16ctl.layout.spec import AUTO
 except KeyboardInterrupt:
     sys.stderr.write("\nerror: interrupted; nothing was done\n")
     raise SystemExit(130) from None
+
+
+LAYOUT_NAMES = layout_names()
 
 
 def _run(ctx: click.Context, sink: Sink, body: Callable[[], int], *, interrupted: str | Callable[[], str],
@@ -221,7 +225,7 @@ def _parse_size(value: str) -> int:
 @click.argument("ckpt", type=click.Path(file_okay=False, path_type=str))
 @click.option("--tp", "tp", required=True, help="Number of ranks to write (one TP size).")
 @click.option("--ep", is_flag=True, help="Expert parallelism: MoE TP 1, experts split across the ranks.")
-@click.option("--layout", type=click.Choice([AUTO, MARLIN, TRANSPOSED, VLLM]), default=AUTO, show_default=True,
+@click.option("--layout", type=click.Choice([AUTO, *LAYOUT_NAMES]), default=AUTO, show_default=True,
               help="auto = the planner's backend per layer (Marlin, else the transposed Triton layout); vllm = each "
                    "rank's whole-model state for `vllm serve OUT --load-format sharded_state`.")
 @click.option("-o", "--output", "out", type=click.Path(path_type=str), help="Output directory (required unless --dry-run).")

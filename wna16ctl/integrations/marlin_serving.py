@@ -15,11 +15,12 @@ from typing import Any
 from wna16ctl.dtypes import FLOAT_ST_OF_CONFIG
 from wna16ctl.errors import UsageError
 from wna16ctl.output.manifest import FORMAT_NAME, MANIFEST_NAME
-from wna16ctl.layout.spec import MARLIN, TRANSPOSED, VLLM, RankLayout, expert_shapes
+from wna16ctl.layout.registry import PLUGIN_LOAD_FORMAT, expert_shapes
+from wna16ctl.layout.spec import MARLIN, TRANSPOSED, VLLM, RankLayout
 from wna16ctl.planning import rules
 
 MANIFEST = MANIFEST_NAME
-LOAD_FORMAT = "wna16ctl"
+LOAD_FORMAT = PLUGIN_LOAD_FORMAT
 # The releases whose weight processing of compressed-tensors WNA16 MoE layers was read for this
 # plugin (vLLM's `CompressedTensorsWNA16MoEMethod` and `_process_weights_marlin`; identical in both).
 SERVED_RELEASES = ("0.32.0", "0.33.0")

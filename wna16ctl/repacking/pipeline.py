@@ -40,7 +40,8 @@ from wna16ctl.sources.headers import INDEX_NAME
 from wna16ctl.sources.moe import ROLE_ORDER
 from wna16ctl.sources.raw import RawReader
 from wna16ctl.errors import NotLoadable, UsageError
-from wna16ctl.layout.spec import AUTO, MARLIN, TRANSPOSED, RankLayout, expert_shapes
+from wna16ctl.layout.registry import EXPERTS, expert_shapes, names as layout_names
+from wna16ctl.layout.spec import AUTO, MARLIN, RankLayout
 from wna16ctl.planning.config_parse import config_refusal
 from wna16ctl.planning.engine_env import EngineSwitches, parse_env
 from wna16ctl.planning.inspection import model_refusal
@@ -56,7 +57,7 @@ from wna16ctl.output.writer import (
 # torch is imported only where a layer takes the torch data path (wna16ctl.repacking.native_path covers
 # the common layers without it): its import alone costs longer than repacking a gigabyte.
 
-LAYOUTS = (AUTO, MARLIN, TRANSPOSED)
+LAYOUTS = (AUTO, *layout_names(EXPERTS))
 _SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape")
 # Packed input per expert chunk: a chunk and its outputs stay in the CPU caches from the read to
 # the write and the hash (64 MiB chunks measured ~2x the system time: every stage went to DRAM).
