@@ -47,8 +47,8 @@ def second_definitions(modules: list[tuple[str, ast.AST]]) -> list[str]:
 
 
 _LAYOUT_NAMES = {"marlin", "transposed", "vllm"}
-# Functions whose bodies are split into smaller ones elsewhere at this time: their layout-name
-# literals move with that split and are then imported like everywhere else.
+# Functions that still spell layout names out (known, not yet replaced): an entry goes once its
+# function imports the names.
 _LAYOUT_NAME_PENDING = {("planning/moe.py", "plan_layer"), ("verification/checks.py", "_verify_layer")}
 
 

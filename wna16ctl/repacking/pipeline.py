@@ -45,7 +45,7 @@ from wna16ctl.layout.spec import AUTO, MARLIN, RankLayout
 from wna16ctl.planning.config_parse import config_refusal
 from wna16ctl.planning.engine_env import EngineSwitches, parse_env
 from wna16ctl.planning.inspection import model_refusal
-from wna16ctl.planning.moe import Backend, LayerPlan, plan_layer
+from wna16ctl.planning.moe import BACKEND_OF_LAYOUT, LayerPlan, plan_layer
 from wna16ctl.planning.tpsizes import check_tp_sizes, parse_tp_list
 from wna16ctl.output.filestream import DEPTH, FileStream, depth_for
 from wna16ctl.sink import TaskStarter, no_progress
@@ -212,7 +212,7 @@ def _choose_layout(layer: MoELayer, plan: LayerPlan, requested: str) -> str:
                           "the Triton layout applies to it, so there is nothing wna16ctl can write")
     if requested == AUTO:
         return plan.layout
-    backend = Backend.MARLIN if requested == MARLIN else Backend.TRITON
+    backend = BACKEND_OF_LAYOUT[requested]  # the backend that reads the requested layout
     reason = plan.rejected.get(backend.value)
     if reason and not reason.startswith("lower priority"):
         raise NotLoadable(f"{layer.prefix}: cannot write the {requested} layout: {reason}")
