@@ -21,6 +21,8 @@ CLI_ONLY = {
 API_ONLY = {
     "progress": "the progress bars the command line draws",
     "notice": "the warnings the command line prints",
+    "warn": "the warnings about the input the command line prints (hidden by --quiet)",
+    "group": "a torchrun launch: the command line reads it from the environment",
 }
 # The command's argument names as the functions spell them.
 RENAMED = {"ckpt": "path"}

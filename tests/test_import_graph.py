@@ -81,7 +81,8 @@ def test_the_cycle_finder_sees_a_cycle():
 
 # Which layer may import which: the command line on top, then the three jobs, then what they share.
 LAYERS = [
-    {"wna16ctl.cli", "wna16ctl.__main__", "wna16ctl", "wna16ctl.render", "wna16ctl.demo", "wna16ctl.envreport"},
+    {"wna16ctl.cli", "wna16ctl.__main__", "wna16ctl", "wna16ctl.render", "wna16ctl.summary", "wna16ctl.demo",
+     "wna16ctl.envreport"},
     {"planning", "repacking", "verification", "integrations", "padding"},
     {"sources", "output", "native", "layout"},
 ]

@@ -5,6 +5,7 @@ fails here with the place it stands.
 - the files copied beside the rank directories: the same module
 - dtype-name maps (safetensors' names to sizes, torch dtypes or config names): wna16ctl/dtypes.py
 - vLLM releases: wna16ctl/planning/rules.py
+- layout names (marlin, transposed, vllm): wna16ctl/layout/spec.py
 """
 
 from __future__ import annotations
@@ -43,6 +44,83 @@ def second_definitions(modules: list[tuple[str, ast.AST]]) -> list[str]:
                         and e.value.count(".") == 2 for e in node.elts) >= 3:
                 found.append(f"{rel}:{node.lineno}: a list of vLLM releases (planning/rules.py)")
     return found
+
+
+_LAYOUT_NAMES = {"marlin", "transposed", "vllm"}
+# Functions that still spell layout names out (known, not yet replaced): an entry goes once its
+# function imports the names.
+_LAYOUT_NAME_PENDING = {("planning/moe.py", "plan_layer"), ("verification/checks.py", "_verify_layer")}
+
+
+def _is_layout_name(node: ast.AST | None) -> bool:
+    return isinstance(node, ast.Constant) and node.value in _LAYOUT_NAMES
+
+
+def _says_layout(node: ast.AST) -> bool:
+    """A name or attribute that holds a layout (`layout`, `job.layout`, `VLLM_LAYOUT`, `requested_layout`)."""
+    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+    return "layout" in name.lower()
+
+
+def retyped_layout_names(modules: list[tuple[str, ast.AST]]) -> list[str]:
+    """Layout names written as string literals where the code means a layout: compared with or
+    assigned to something named for a layout, passed as `layout=` or after `--layout`, or listed
+    or keyed beside another layout name.  ("marlin" and "vllm" alone are also a backend and the
+    engine: only these places say they are the layout.)"""
+    found = []
+    for rel, tree in modules:
+        if rel == "layout/spec.py":
+            continue
+        pending = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
+                   and (rel, f.name) in _LAYOUT_NAME_PENDING for n in ast.walk(f)}
+        for node in ast.walk(tree):
+            if id(node) in pending:
+                continue
+            hit = None
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                if any(_is_layout_name(a) for a in sides) and any(_says_layout(a) for a in sides):
+                    hit = "compared with a layout"
+            elif isinstance(node, ast.keyword) and node.arg == "layout" and _is_layout_name(node.value):
+                hit = "passed as layout="
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)) and _is_layout_name(node.value):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                if any(_says_layout(t) for t in targets):
+                    hit = "assigned to a layout"
+            elif isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+                elts = node.elts
+                if sum(_is_layout_name(e) for e in elts) >= 2:
+                    hit = "listed with another layout name"
+                elif any(isinstance(a, ast.Constant) and a.value == "--layout" and _is_layout_name(b)
+                         for a, b in zip(elts, elts[1:])):
+                    hit = "after --layout"
+            elif isinstance(node, ast.Dict):
+                if sum(_is_layout_name(k) for k in node.keys) + sum(_is_layout_name(v) for v in node.values) >= 2:
+                    hit = "keyed or mapped beside another layout name"
+            if hit:
+                found.append(f"{rel}:{node.lineno}: a layout name {hit} (layout/spec.py)")
+    return found
+
+
+def test_layout_names_are_imported_not_retyped():
+    found = retyped_layout_names(_modules())
+    assert not found, "retyped:\n" + "\n".join(found)
+
+
+def test_a_retyped_layout_name_is_seen():
+    src = '''
+if job.layout == "marlin": pass
+plan(layout="vllm")
+VLLM_LAYOUT = "vllm"
+CHOICES = ["auto", "marlin", "transposed"]
+argv = ["repack", "--layout", "marlin"]
+HINT = {"vllm": "a", "transposed": "b"}
+MOE_BACKEND = "marlin"
+ENGINE = {"name": "vllm"}
+if backend == "marlin": pass
+'''
+    found = retyped_layout_names([("repacking/x.py", ast.parse(src))])
+    assert sorted(int(f.split(":")[1]) for f in found) == [2, 3, 4, 5, 6, 7], found
 
 
 def _assigned_name(tree: ast.AST, value: ast.AST) -> str | None:

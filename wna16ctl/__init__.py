@@ -44,6 +44,9 @@ if TYPE_CHECKING:
     from typing import Any, Callable, Iterable
 
     from wna16ctl.planning.inspection import Inspection
+    from wna16ctl.padding.proof import PadProof
+    from wna16ctl.planning.vllm_state import VllmStatePlan
+    from wna16ctl.repacking.distributed import Group
     from wna16ctl.repacking.pipeline import RepackPlan, RepackResult
     from wna16ctl.verification.checks import VerifyReport
 
@@ -82,7 +85,7 @@ def inspect(path: PathLike, tp: TpSizes = "1,2,4,8", ep: bool = False, *, vllm: 
 
     proposal = make_proposal(scheme, None if recipe is None else os.fspath(recipe), group_size, actorder,
                              None if ignore is None else list(ignore))
-    insp = inspect_checkpoint(path, parse_tp_list(tp), ep, vllm=vllm, gpu=gpu, revision=revision, env=env,
+    insp = inspect_checkpoint(path, parse_tp_list(tp), ep, vllm=vllm, gpu=gpu, revision=revision, env=_env_list(env),
                               moe_backend=moe_backend, proposal=proposal)
     if suggest:
         from wna16ctl.planning.suggest import suggest as find_suggestions
@@ -97,74 +100,89 @@ def repack(path: PathLike, out: PathLike | None, tp: int | str, *, ep: bool = Fa
            env: dict[str, str] | Iterable[str] | None = None, moe_backend: str = "auto",
            progress: Callable[..., Callable[[int], None]] | None = None,
            notice: Callable[[str], None] | None = None, ranks: list[int] | str | None = None,
-           node_local: bool = False, revision: str | None = None) -> RepackResult | RepackPlan:
+           node_local: bool = False, revision: str | None = None, warn: Callable[[str], None] | None = None,
+           group: Group | None = None) -> RepackResult | RepackPlan | VllmStatePlan:
     """Write the checkpoint's experts per rank in the kernel layout into `out`, with a manifest.
 
     Same options and defaults as `wna16ctl repack` (`layout` auto|marlin|transposed|vllm, `device`
     auto|cpu|cuda, `max_shard_size` bytes or "4GiB").  With `dry_run` nothing is written and the
-    `RepackPlan` is returned (`to_json()` = `repack --dry-run --json`); otherwise the
-    `RepackResult` (`to_json()` = `repack --json`, docs/repack-json.md).  `vllm` and `gpu` as for
+    plan is returned (`to_json()` = `repack --dry-run --json`): a `RepackPlan`, or for
+    `layout="vllm"` a `VllmStatePlan`; otherwise the `RepackResult` (`to_json()` = `repack --json`,
+    docs/repack-json.md), whatever the layout.  `vllm` and `gpu` as for
     `inspect` (not `"all"`), and so are `env` and `moe_backend`: the plan follows that release and the manifest records it.  `progress` and `notice`
-    receive what the CLI shows on stderr (see `wna16ctl.sink.Sink.tasks`).  A layer that cannot
+    receive what the CLI shows on stderr (see `wna16ctl.sink.Sink.tasks`), `warn` the warnings about
+    the input (the release chosen, the checkpoint's oddities).  A layer that cannot
     be produced raises `NotLoadable` before anything is written.  `ranks` (e.g. [0, 3] or "0,3") writes
     only those TP ranks: `out` is then a part with a manifest part (`wna16ctl.repacking.parts`);
-    `node_local` as `--node-local` under torchrun.  `revision`: the branch, tag or commit of a Hub
-    repo id `path` (downloaded into the Hugging Face cache first).  `layout="vllm"` returns the
-    `VllmStatePlan` on a dry run, else a `RepackResult` like every other layout.  Every result's
+    `node_local` as `--node-local` under torchrun, where `group` (`wna16ctl.repacking.distributed.Group`)
+    is this process's place in the launch.  `revision`: the branch, tag or commit of a Hub
+    repo id `path` (downloaded into the Hugging Face cache first).  Every result's
     `next_steps` holds the serve command of what was written.
     """
-    from wna16ctl.errors import UsageError
+    from wna16ctl.errors import NotLoadable, UsageError
+    from wna16ctl.layout.spec import VLLM
     from wna16ctl.planning.inspection import resolve, resolve_switches
     from wna16ctl.sink import parse_size
+    from wna16ctl.repacking import distributed
     from wna16ctl.repacking.pipeline import RepackSettings, plan_repack, run_repack
     from wna16ctl.planning.tpsizes import parse_tp_list
 
-    (n_ranks,) = parse_tp_list(tp, single=True)
-    if force and resume:
-        raise UsageError("force and resume exclude each other")
-    engine = resolve(vllm, gpu)
-    switches = resolve_switches(env, moe_backend)
-    path = _local(path, revision)
-    if isinstance(ranks, str):
-        from wna16ctl.repacking.distributed import parse_ranks
+    group = group or distributed.SOLO
+    warn = warn or (lambda message: None)
 
-        ranks = parse_ranks(ranks, n_ranks)
-    if vllm == "all":
-        raise UsageError("repack plans for one vLLM release: pass a version, 'installed' or 'latest'")
-    if layout == "vllm":  # the whole model per rank for vLLM's sharded_state loader (wna16ctl.repacking.vllm_layout)
-        from wna16ctl.repacking.vllm_layout import plan_vllm_state, write_vllm_state
+    def check_options() -> tuple[int, Any, Any, list[int] | None]:
+        (n_ranks,) = parse_tp_list(tp, single=True)
+        if force and resume:
+            raise UsageError("force and resume exclude each other")
+        if vllm == "all":
+            raise UsageError("repack plans for one vLLM release: pass a version, 'installed' or 'latest'")
+        if layout == VLLM:
+            from wna16ctl.repacking.vllm_state import check_options as check_vllm_options
 
-        if ep or ranks is not None or resume:
-            raise UsageError("layout 'vllm' writes every TP rank in one process: no ep, ranks or resume")
-        vplan = plan_vllm_state(path, n_ranks, engine.version, max_shard_bytes=parse_size(max_shard_size),
-                                gpu=gpu, switches=switches)
-        if dry_run:
-            return vplan  # type: ignore[return-value]
-        if out is None:
-            raise UsageError("an output directory is required (or pass dry_run=True)")
-        from wna16ctl.repacking.pipeline import RepackResult
+            check_vllm_options(ep=ep, ranks=ranks, resume=resume, node_local=node_local,
+                               processes=group.launch.world_size)
+        subset = distributed.parse_ranks(ranks, n_ranks) if isinstance(ranks, str) else ranks
+        return n_ranks, resolve(vllm, gpu), resolve_switches(_env_list(env), moe_backend), subset
 
-        manifest = write_vllm_state(vplan, out, force=force, progress=progress)
-        from pathlib import Path
-
-        return RepackResult(out=Path(out).resolve(), files_written=sum(len(r["files"]) for r in manifest["ranks"]),
-                            files_reused=0, bytes_written=sum(int(r["bytes"]) for r in manifest["ranks"]),
-                            manifest=manifest, ranks=list(range(n_ranks)))
-    plan = plan_repack(path, RepackSettings(tp=n_ranks, ep=ep, layout=layout, max_shard_bytes=parse_size(max_shard_size),
-                                            vllm=engine.version, gpu=gpu, env=switches.env,
-                                            moe_backend=switches.moe_backend))
-    if dry_run:
-        return plan
-    if out is None:
+    # every process of a launch meets the same answer: said once per node
+    n_ranks, engine, switches, subset = group.together("checking the options", check_options)
+    if engine.note and engine.source != "default":
+        warn(engine.note)
+    source = group.together("opening the checkpoint", lambda: _local(path, revision))
+    if not dry_run and out is None:
         raise UsageError("an output directory is required (or pass dry_run=True)")
-    return run_repack(plan, out, force=force, resume=resume, progress=progress, device=device, notice=notice,
-                      ranks=ranks, node_local=node_local)
+    if layout == VLLM:  # the whole model per rank for vLLM's sharded_state loader
+        from wna16ctl.planning.vllm_state import plan_vllm_state
+        from wna16ctl.repacking.vllm_state import write_vllm_state
+
+        vplan = plan_vllm_state(source, n_ranks, engine.version, max_shard_bytes=parse_size(max_shard_size),
+                                gpu=gpu, switches=switches)
+        vplan.out = None if out is None else os.fspath(out)
+        if dry_run or out is None:
+            return vplan
+        return write_vllm_state(vplan, out, force=force, progress=progress)
+    settings = RepackSettings(tp=n_ranks, ep=ep, layout=layout, max_shard_bytes=parse_size(max_shard_size),
+                              vllm=engine.version, gpu=gpu, env=switches.env, moe_backend=switches.moe_backend)
+    try:
+        # every process validates the whole plan before any of them writes a byte
+        plan = group.together("planning", lambda: plan_repack(source, settings))
+    except NotLoadable as e:
+        e.settings = settings.to_json()  # what was asked, for a dry run's answer "no"
+        raise
+    for w in plan.checkpoint.warnings:
+        warn(w)
+    if dry_run or out is None:
+        return plan
+    result = run_repack(plan, out, force=force, resume=resume, progress=progress, device=device, notice=notice,
+                        ranks=subset, node_local=node_local, group=group)
+    result.plan = plan
+    return result
 
 
 def verify(path: PathLike, out: PathLike, *, samples: PathLike | None = None, num_samples: int = 64, device: str = "auto",
            e2e: bool = False, prompts: int = 8, max_new_tokens: int = 32, score: bool = False,
            layers: str | Iterable[int] | None = None, experts: str | Iterable[int] | None = None, revision: str | None = None, progress: Callable[..., Callable[[int], None]] | None = None,
-           notice: Callable[[str], None] | None = None) -> VerifyReport:
+           notice: Callable[[str], None] | None = None) -> VerifyReport | PadProof:
     """Prove that `out` (a repack output, or a `pad` output) equals the checkpoint at `path`.
 
     `samples`: a .jsonl or .parquet file with a 'question' field; when None, the first source of
@@ -190,8 +208,8 @@ def verify(path: PathLike, out: PathLike, *, samples: PathLike | None = None, nu
     path = _local(path, revision)
     if is_padded_output(out):  # a `pad` output: its PadProof (`.passed`, `.problems`, `.to_json()`)
         if e2e or layers is not None or experts is not None:
-            raise UsageError("e2e, layers and experts do not apply to a pad output: its padding is checked whole")
-        return verify_padding(path, out, samples=samples, num_samples=num_samples)  # type: ignore[return-value]
+            raise UsageError("--e2e, --layers and --experts do not apply to a pad output: its padding is checked whole")
+        return verify_padding(path, out, samples=samples, num_samples=num_samples)
     options = None
     if e2e:
         from wna16ctl.verification.e2e import E2EOptions, require_transformers
@@ -200,6 +218,11 @@ def verify(path: PathLike, out: PathLike, *, samples: PathLike | None = None, nu
         options = E2EOptions(prompts=prompts, max_new_tokens=max_new_tokens, score=score)
     return verify_output(path, out, samples=samples, num_samples=num_samples, device=device, progress=progress,
                          e2e=options, notice=notice, layers=layers, experts=experts)
+
+
+def _env_list(env: dict[str, str] | Iterable[str] | None) -> dict[str, str] | list[str] | None:
+    """The engine environment as the planner takes it: a mapping, or `NAME=VALUE` items in a list."""
+    return env if env is None or isinstance(env, dict) else list(env)
 
 
 def _local(path: PathLike, revision: str | None) -> str:

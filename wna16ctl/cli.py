@@ -13,7 +13,7 @@ try:  # a Ctrl-C while the command line starts: one line and 130, as anywhere la
     import errno
     import signal
     from pathlib import Path
-    from typing import Callable, NoReturn
+    from typing import Any, Callable, NoReturn
 
     import click
 
@@ -23,9 +23,14 @@ try:  # a Ctrl-C while the command line starts: one line and 130, as anywhere la
     # what the option decorators below read while this module loads
     from wna16ctl.planning.engine_env import MOE_BACKENDS
     from wna16ctl.planning.rules import DEFAULT_GPU, GPUS
+    from wna16ctl.layout.registry import names as layout_names
+    from wna16ctl.layout.spec import AUTO
 except KeyboardInterrupt:
     sys.stderr.write("\nerror: interrupted; nothing was done\n")
     raise SystemExit(130) from None
+
+
+LAYOUT_NAMES = layout_names()
 
 
 def _run(ctx: click.Context, sink: Sink, body: Callable[[], int], *, interrupted: str | Callable[[], str],
@@ -40,18 +45,18 @@ def _run(ctx: click.Context, sink: Sink, body: Callable[[], int], *, interrupted
     try:
         code = body()
     except WnaError as e:
-        _traceback(debug)
+        _traceback(sink, debug)
         if not getattr(e, "quiet", False):
             sink.error(e.message, e.hint)
         code = e.exit_code
     except KeyboardInterrupt as e:  # Ctrl-C, or torchrun stopping this process (a message of its own)
-        _traceback(debug)
+        _traceback(sink, debug)
         if not getattr(e, "quiet", False):
             said = interrupted if isinstance(interrupted, str) else interrupted()
             sink.error(getattr(e, "message", None) or f"interrupted; {said}")
         code = getattr(e, "exit_code", EXIT_INTERRUPTED)
     except Exception as e:  # a bug: say so in one line, full traceback only with --debug
-        _traceback(debug)
+        _traceback(sink, debug)
         if not getattr(e, "quiet", False):
             sink.error(f"internal error: {type(e).__name__}: {e}",
                        None if debug else "rerun with --debug for the traceback and report it")
@@ -72,12 +77,9 @@ def _own_process(ctx: click.Context) -> bool:
     return ctx.find_root().info_name == "wna16ctl" and sys.argv[0].endswith(("wna16ctl", "__main__.py"))
 
 
-def _traceback(debug: bool) -> None:
+def _traceback(sink: Sink, debug: bool) -> None:
     if debug:
-        import traceback
-
-        traceback.print_exc(file=sys.stderr)
-        sys.stderr.flush()
+        sink.traceback()
 
 
 def _debug_option(f: Callable) -> Callable:
@@ -223,7 +225,7 @@ def _parse_size(value: str) -> int:
 @click.argument("ckpt", type=click.Path(file_okay=False, path_type=str))
 @click.option("--tp", "tp", required=True, help="Number of ranks to write (one TP size).")
 @click.option("--ep", is_flag=True, help="Expert parallelism: MoE TP 1, experts split across the ranks.")
-@click.option("--layout", type=click.Choice(["auto", "marlin", "transposed", "vllm"]), default="auto", show_default=True,
+@click.option("--layout", type=click.Choice([AUTO, *LAYOUT_NAMES]), default=AUTO, show_default=True,
               help="auto = the planner's backend per layer (Marlin, else the transposed Triton layout); vllm = each "
                    "rank's whole-model state for `vllm serve OUT --load-format sharded_state`.")
 @click.option("-o", "--output", "out", type=click.Path(path_type=str), help="Output directory (required unless --dry-run).")
@@ -297,58 +299,44 @@ def repack(ctx: click.Context, ckpt: str, tp: str, ep: bool, layout: str, out: s
 
     def repack_body() -> int:
         nonlocal group, committed
+        import wna16ctl
         from wna16ctl.errors import NotLoadable
-        from wna16ctl.repacking.pipeline import RepackSettings, plan_repack, run_repack
 
-        def render_repack_plan(console, plan):  # noqa: ANN001, ANN202 - rich is imported only to print
-            from wna16ctl.render import render_repack_plan as render
-
-            render(console, plan)
-
-        from wna16ctl.planning.inspection import resolve, resolve_switches
-
-        engine = resolve(vllm, gpu)
-        switches = resolve_switches(list(env), moe_backend)
         first = launch.rank == 0  # what every process would say alike is said once
-        if engine.note and engine.source != "default" and first:
-            sink.warn(engine.note)
-        (n_ranks,) = _tps(tp, single=True)
-        subset = distributed.parse_ranks(ranks, n_ranks) if ranks is not None else None
-        settings = RepackSettings(tp=n_ranks, ep=ep, layout=layout, max_shard_bytes=max_bytes, vllm=engine.version,
-                                  gpu=gpu, env=switches.env, moe_backend=switches.moe_backend)
-        if layout == "vllm":
-            from wna16ctl.repacking.vllm_layout import repack_vllm_command
-
-            return repack_vllm_command(sink, _local_checkpoint(sink, ckpt, revision), settings, out, launch=launch,
-                                       dry_run=dry_run, force=force, resume=resume, ranks=ranks, node_local=node_local)
         group = distributed.init_group(launch)
         try:
             source = group.together("opening the checkpoint", lambda: _local_checkpoint(sink, ckpt, revision))
             try:
-                # every process validates the whole plan before any of them writes a byte
-                plan = group.together("planning", lambda: plan_repack(source, settings))
+                with sink.tasks() as progress:
+                    outcome = wna16ctl.repack(
+                        source, out, tp, ep=ep, layout=layout, max_shard_size=max_bytes, dry_run=dry_run,
+                        resume=resume, force=force, device=device, vllm=vllm, gpu=gpu, env=list(env),
+                        moe_backend=moe_backend, progress=progress, ranks=ranks, node_local=node_local,
+                        notice=lambda message: sink.warn(message, always=True),
+                        warn=sink.warn if first else lambda message: None, group=group)
             except NotLoadable as e:
                 if dry_run and json_mode and first:  # the plan's answer is "no": still one JSON object on stdout
-                    sink.result({"checkpoint": ckpt, "settings": settings.to_json(), "loadable": False,
+                    sink.result({"checkpoint": ckpt, "settings": getattr(e, "settings", None), "loadable": False,
                                  "error": e.message}, lambda console: None)
                 raise
-            for w in plan.checkpoint.warnings if first else ():
-                sink.warn(w)
             if dry_run:
                 if first:
-                    sink.result({**plan.to_json(), "loadable": True}, lambda console: render_repack_plan(console, plan))
+                    from wna16ctl.render import render_repack_plan
+
+                    sink.result({**outcome.to_json(), "loadable": True},
+                                lambda console: render_repack_plan(console, outcome, out))
                 return EXIT_OK
-            with sink.tasks() as progress:
-                result = run_repack(plan, out, force=force, resume=resume, progress=progress, device=device,
-                                    notice=lambda message: sink.warn(message, always=True), ranks=subset,
-                                    node_local=node_local, group=group)
+            from wna16ctl.repacking.pipeline import RepackResult
+
+            assert isinstance(outcome, RepackResult)  # not a dry run: what was written
+            result = outcome
             committed = result.committed
         finally:
             group.close()
         if result.committed:  # one result per output directory (one per node with --node-local)
-            from wna16ctl.summary import next_step_lines, repack_result_lines
+            from wna16ctl.summary import repack_result_lines
 
-            sink.result_lines(result.to_json(), lambda: repack_result_lines(plan, result) + next_step_lines(result.next_steps))
+            sink.result_lines(result.to_json(), lambda: repack_result_lines(result))
         return EXIT_OK
 
     _run(ctx, sink, body, interrupted=interrupted)
@@ -473,29 +461,16 @@ def verify(ctx: click.Context, ckpt: str, out: str, samples: str | None, num_sam
         raise click.UsageError(f"{', '.join(given)} only apply with --e2e")
 
     def body() -> int:
-        from wna16ctl import verify as wna16ctl_verify
-        from wna16ctl.render import render_verify
-        from wna16ctl.verification.checks import verify_output
+        import wna16ctl
 
-        options = None
-        if e2e:
-            from wna16ctl.verification.e2e import E2EOptions, require_transformers
-
-            require_transformers()
-            options = E2EOptions(prompts=prompts, max_new_tokens=max_new_tokens, score=score)
         source = _local_checkpoint(sink, ckpt, revision)
-        from wna16ctl.padding.proof import is_padded_output
-
-        if is_padded_output(out):  # a `pad` output: the padding proof (wna16ctl.padding.proof)
-            if e2e or layers is not None or experts is not None:
-                raise UsageError("--e2e, --layers and --experts do not apply to a pad output: its padding is checked whole")
-            proof = wna16ctl_verify(source, out, samples=samples, num_samples=num_samples)
-            sink.result_lines(proof.to_json(), proof.lines)
-            return EXIT_OK if proof.passed else EXIT_FAILED
         with sink.tasks() as progress:
-            report = verify_output(source, out, samples=samples, num_samples=num_samples, device=device,
-                                   progress=progress, e2e=options, notice=lambda m: sink.warn(m, always=True),
-                                   layers=layers, experts=experts)
+            report = wna16ctl.verify(source, out, samples=samples, num_samples=num_samples, device=device, e2e=e2e,
+                                     prompts=prompts, max_new_tokens=max_new_tokens, score=score, layers=layers,
+                                     experts=experts, progress=progress,
+                                     notice=lambda m: sink.warn(m, always=True))
+        from wna16ctl.render import render_verify
+
         sink.result(report.to_json(), lambda console: render_verify(console, report))
         return EXIT_OK if report.passed else EXIT_FAILED
 
@@ -538,14 +513,16 @@ def pad(ctx: click.Context, ckpt: str, out: str | None, tp: str | None, to: int 
         import wna16ctl
         from wna16ctl.planning.padding import summary_lines
 
-        options = dict(tp=tp, to=to, ep=ep, vllm=vllm, gpu=gpu, env=list(env), moe_backend=moe_backend,
-                       scheme=scheme, group_size=group_size, actorder=actorder)
+        def padded(out: str | None, **run: Any) -> Any:
+            return wna16ctl.pad(ckpt, out, tp=tp, to=to, ep=ep, vllm=vllm, gpu=gpu, env=list(env),
+                                moe_backend=moe_backend, scheme=scheme, group_size=group_size, actorder=actorder, **run)
+
         if dry_run:
-            plan_json = wna16ctl.pad(ckpt, None, dry_run=True, **options).to_json()
+            plan_json = padded(None, dry_run=True).to_json()
             sink.result_lines(plan_json, lambda: summary_lines(plan_json))
             return EXIT_OK
         with sink.tasks() as progress:
-            manifest = wna16ctl.pad(ckpt, out, force=force, progress=progress, **options)
+            manifest = padded(out, force=force, progress=progress)
         sink.result_lines(manifest, lambda: summary_lines(manifest["padding"], out))
         return EXIT_OK
 
@@ -621,4 +598,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    main()

@@ -48,3 +48,4 @@ class NotLoadable(WnaError):
     """The planner says the checkpoint cannot be produced/loaded in the requested configuration."""
 
     exit_code = EXIT_FAILED
+    settings: dict | None = None  # the repack settings refused, when a repack plan refused them

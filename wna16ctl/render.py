@@ -8,6 +8,7 @@ from rich.markup import escape
 from wna16ctl.planning.inspection import Inspection
 from wna16ctl.planning.suggest import KINDS_TRIED
 from wna16ctl.sink import human_bytes, plural, simple_table
+from wna16ctl.summary import vllm_backend_lines, vllm_next_step_lines
 
 
 def _layer_span(indices: list[int | None], names: list[str]) -> str:
@@ -213,7 +214,13 @@ def _span_of_ints(ids: list[int]) -> str:
     return _ranges(ids)
 
 
-def render_repack_plan(console: Console, plan) -> None:  # noqa: ANN001 - RepackPlan, imported lazily
+def render_repack_plan(console: Console, plan, out: str | None = None) -> None:  # noqa: ANN001 - imported lazily
+    """`repack --dry-run`: a RepackPlan, or the vllm layout's VllmStatePlan (`out`: named in its serve command)."""
+    from wna16ctl.planning.vllm_state import VllmStatePlan
+
+    if isinstance(plan, VllmStatePlan):
+        _render_vllm_plan(console, plan, out)
+        return
     s = plan.settings
     console.print(f"[bold]{escape(str(plan.checkpoint.root))}[/] → {plural(s.tp, 'rank')}"
                   f"{' (expert parallel)' if s.ep else ''}, layout {s.layout}, for vLLM {s.vllm} on {s.gpu}")
@@ -250,10 +257,14 @@ def _num(value: float | None, fmt: str) -> str:
     return "—" if value is None else format(value, fmt)
 
 
-def render_verify(console: Console, report) -> None:  # noqa: ANN001 - VerifyReport, imported lazily
-    if report.layout_state is not None:  # a --layout vllm output: its contract and round trip
-        from wna16ctl.repacking.vllm_layout import render_vllm_report
+def render_verify(console: Console, report) -> None:  # noqa: ANN001 - VerifyReport or PadProof, imported lazily
+    from wna16ctl.padding.proof import PadProof
 
+    if isinstance(report, PadProof):  # a `pad` output: the padding proof's own lines
+        for line in report.lines():
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
+        return
+    if report.layout_state is not None:  # a --layout vllm output: its contract and round trip
         render_vllm_report(console, report.layout_state)
         return
     console.print(f"[bold]{escape(report.output)}[/] against [bold]{escape(report.checkpoint)}[/] "
@@ -516,3 +527,26 @@ def _unnamed(name: str, plans: list) -> str:
     import json
 
     return json.dumps([p.to_json() for p in plans]).replace(name, "<layer>")
+
+
+# -- the vllm layout (whole-model sharded_state files) -----------------------------------------------
+
+def _render_vllm_plan(console: Console, plan, out: str | None) -> None:  # noqa: ANN001 - VllmStatePlan
+    """`repack --layout vllm --dry-run`: per rank its keys, bytes and files, then the serve command."""
+    data = plan.to_json(out)
+    for r in data["ranks"]:
+        console.print(f"rank {r['rank']}: {r['keys']} keys, {human_bytes(r['bytes'])} in {plural(len(r['files']), 'file')}")
+    for line in vllm_backend_lines(plan):
+        console.print(line, soft_wrap=True)
+    console.print(f"then serve with: {data['serve']}", soft_wrap=True, markup=False)
+
+
+def render_vllm_report(console: Console, report) -> None:  # noqa: ANN001 - verification.vllm_state.VllmStateReport
+    for line in report.problems:
+        console.print(f"FAIL {line}")
+    if report.ok:
+        console.print(f"PASS {report.keys_checked} keys on {plural(report.tp, 'rank')} match vLLM {report.vllm}'s sharded_state "
+                      f"contract; {report.tensors_round_tripped} tensors round-trip to the checkpoint bit for bit")
+    if report.passed:
+        for line in vllm_next_step_lines(report.serve):
+            console.print(line, soft_wrap=True, markup=False, highlight=False)

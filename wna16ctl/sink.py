@@ -70,6 +70,13 @@ class Sink:
         if hint:
             self.err.print(f"[dim]hint:[/] {_escape(hint)}")
 
+    def traceback(self) -> None:
+        """The traceback of the exception being handled, on stderr (`--debug`)."""
+        import traceback
+
+        traceback.print_exc(file=sys.stderr)
+        sys.stderr.flush()
+
     def progress_enabled(self) -> bool:
         return not self.quiet and not self.json_mode and sys.stderr.isatty()
 

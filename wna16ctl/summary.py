@@ -5,11 +5,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from wna16ctl.layout.spec import VLLM
 from wna16ctl.sink import human_bytes, plural
 
 
-def repack_result_lines(plan: Any, result: Any) -> list[str]:
-    """What `repack` wrote (a RepackPlan and its RepackResult)."""
+def repack_result_lines(result: Any) -> list[str]:
+    """What `repack` wrote (a RepackResult and the plan it carries), then how to serve it."""
+    plan = result.plan
+    if result.manifest.get("layout") == VLLM:
+        files = [f for r in result.manifest["ranks"] for f in r["files"]]
+        return ([f"wrote {plural(len(files), 'file')} for {plural(plan.tp, 'rank')} of vLLM {plan.vllm} into {result.out}"]
+                + vllm_backend_lines(plan) + vllm_next_step_lines(result.manifest["serve"]))
     lines = [f"wrote {result.out}: {plural(result.files_written, 'file')} written"
              + (f", {result.files_reused} reused" if result.files_reused else "")
              + f", {human_bytes(sum(plan.rank_bytes()[r] for r in result.ranks))} in "
@@ -20,7 +26,24 @@ def repack_result_lines(plan: Any, result: Any) -> list[str]:
     if len(result.processes) > 1:
         lines.append(f"written by {plural(len(result.processes), 'process', 'processes')}")
     lines.append(f"manifest: {result.out / result.manifest_name}")
-    return lines
+    return lines + next_step_lines(result.next_steps)
+
+
+def vllm_backend_lines(plan: Any) -> list[str]:
+    """Where the release's expert buffers follow the backend (a VllmStatePlan), which one was
+    planned: the files load only into an engine that picks the same one."""
+    if not plan.backends:
+        return []
+    chosen = sorted(set(plan.backends.values()))
+    orient = plan.experts_json()["orientation"]
+    return [f"expert buffers {orient.replace('_', '-')}: vLLM {plan.vllm} shapes them by the MoE backend, "
+            f"planned {', '.join(chosen)} on {plan.gpu}; serve where vLLM picks the same backend "
+            f"(or pass --moe-backend {chosen[0]})"]
+
+
+def vllm_next_step_lines(serve: str) -> list[str]:
+    """How to serve a vllm layout output (its serve command)."""
+    return ["next: serve it with stock vLLM", f"  {serve}"]
 
 
 def assemble_result_lines(result: Any) -> list[str]:

@@ -101,7 +101,7 @@ def release_keys(make_ckpt, tmp_path_factory):
 @pytest.mark.parametrize("arch", list(ARCH_SPECS))
 def test_contract_equals_vllms_model(make_ckpt, release_keys, arch, release):
     from wna16ctl.errors import NotLoadable
-    from wna16ctl.repacking.vllm_layout import plan_vllm_state
+    from wna16ctl.planning.vllm_state import plan_vllm_state
 
     version, ranks, error = release_keys(release)[arch]
     planned = rules.match_release(version, "installed").version

@@ -15,11 +15,12 @@ from typing import Any
 from wna16ctl.dtypes import FLOAT_ST_OF_CONFIG
 from wna16ctl.errors import UsageError
 from wna16ctl.output.manifest import FORMAT_NAME, MANIFEST_NAME
-from wna16ctl.layout.spec import MARLIN, RankLayout, expert_shapes
+from wna16ctl.layout.registry import PLUGIN_LOAD_FORMAT, expert_shapes
+from wna16ctl.layout.spec import MARLIN, TRANSPOSED, VLLM, RankLayout
 from wna16ctl.planning import rules
 
 MANIFEST = MANIFEST_NAME
-LOAD_FORMAT = "wna16ctl"
+LOAD_FORMAT = PLUGIN_LOAD_FORMAT
 # The releases whose weight processing of compressed-tensors WNA16 MoE layers was read for this
 # plugin (vLLM's `CompressedTensorsWNA16MoEMethod` and `_process_weights_marlin`; identical in both).
 SERVED_RELEASES = ("0.32.0", "0.33.0")
@@ -91,8 +92,8 @@ def _parse_manifest(root: Path, m: dict[str, Any]) -> MarlinOutput:
         raise _manifest_error(root, "not a wna16ctl repack manifest")
     layout = m.get("layout")
     if layout != MARLIN:
-        hint = {"vllm": "serve it with --load-format sharded_state",
-                "transposed": "its layout is vLLM's Triton one; repack with --layout marlin"}.get(str(layout), "")
+        hint = {VLLM: "serve it with --load-format sharded_state",
+                TRANSPOSED: f"its layout is vLLM's Triton one; repack with --layout {MARLIN}"}.get(str(layout), "")
         raise UsageError(f"{root}: layout {layout!r}, but --load-format {LOAD_FORMAT} serves the marlin layout"
                          + (f"; {hint}" if hint else ""))
     engine = m["engine"]

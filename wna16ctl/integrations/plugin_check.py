@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from wna16ctl.integrations.marlin_serving import SERVED_RELEASES
+from wna16ctl.layout.spec import MARLIN
 from wna16ctl.planning import rules
 
 PLUGIN_PROMPTS, PLUGIN_TOKENS, PLUGIN_LOGPROBS = 4, 16, 5
@@ -89,7 +90,7 @@ def check(budget_s: float, workdir: Path) -> dict[str, Any]:
                                                    if os.environ.get("PYTHONPATH") else ""))
     ck, out = workdir / "ckpt", workdir / "marlin"
     for cmd in (["demo", str(ck), "--force"],
-                ["repack", str(ck), "-o", str(out), "--layout", "marlin", "--tp", "1", "--vllm", release,
+                ["repack", str(ck), "-o", str(out), "--layout", MARLIN, "--tp", "1", "--vllm", release,
                  "--gpu", gpu, "--force"]):
         proc = subprocess.run([sys.executable, "-m", "wna16ctl", *cmd], capture_output=True, text=True, env=env)
         if proc.returncode:

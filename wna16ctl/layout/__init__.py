@@ -5,8 +5,11 @@ kernels consume on each tensor-parallel rank, and back. No I/O happens here.
 * `shard`: the loader's per-rank K-first tensors of one expert, its inverse, expert placement.
 * `marlin`: Marlin padding, act-order sort, weight repack, scale and zero-point permutations.
 * `transposed`: the Triton N-first byte layout.
-* `spec`: `RankLayout` and the shapes it implies (no torch).
+* `spec`: the layout names, `RankLayout` and the shapes each layout implies (no torch).
+* `registry`: the layouts by name, each with its forward, inverse, per-rank shapes and serve hint
+  (no torch; the math is imported on first use).  Adding a layout is a change in this folder.
 * `rank`: the one entry point that chains the above for a rank.
+* `vllm_state`: vLLM's per-rank parameter state (the `vllm` layout) and its inverse.
 """
 
 # Names resolve on first use (PEP 562): `wna16ctl.layout.spec` is torch-free and importing it

@@ -18,6 +18,7 @@ words with 2×2 bit-field transposes (see `_transpose_fields`).
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor
@@ -25,8 +26,11 @@ from torch import Tensor
 from wna16ctl.layout._mismatch import require_zero
 from wna16ctl.layout.packing import pack_codes, pack_factor, unpack_codes
 
+from wna16ctl.errors import LayoutMismatch
 from wna16ctl.layout import spec
-from wna16ctl.layout.spec import TILE_K, TILE_N, marlin_scales_grouped  # noqa: F401
+from wna16ctl.layout._mismatch import first_difference
+from wna16ctl.layout.shard import G_IDX, PACKED, SCALE, ZERO_POINT, ExpertTensors, gate_up_g_idx, shard_down, shard_gate_up
+from wna16ctl.layout.spec import TILE_K, TILE_N, RankLayout, marlin_scales_grouped, w2_scale_size_k  # noqa: F401
 
 
 # ----------------------------------------------------------------------------------------------
@@ -443,3 +447,154 @@ __all__ = [
     "unpad_intermediate_halves",
     "unpad_intermediate_rows",
 ]
+
+
+# -- the layout (wna16ctl.layout.registry): one expert, forward and inverse ----------------------------
+
+def forward(
+    expert: ExpertTensors, spec: RankLayout, out: Mapping[str, Tensor], expert_id: int | None,
+    repack: Callable[..., Tensor] | None = None,
+) -> None:
+    """Fill `out` (one expert's slices, shaped as `spec.marlin_expert_shapes`) from the checkpoint
+    expert: shard, zero-pad to the tile multiple, act-order sort, repack, permute scales and zero
+    points.  `repack` replaces `marlin_repack` with a bit-identical implementation (the native ones)."""
+    repack = repack or marlin_repack
+    h, i_p, p, pf, nb, gs = (
+        spec.hidden_size,
+        spec.intermediate_per_partition,
+        spec.padded_intermediate,
+        spec.pack_factor,
+        spec.num_bits,
+        spec.group_size,
+    )
+    gate = shard_gate_up(expert["gate"], tp=spec.tp, rank=spec.rank, pack=pf)
+    up = shard_gate_up(expert["up"], tp=spec.tp, rank=spec.rank, pack=pf)
+    down = shard_down(expert["down"], tp=spec.tp, rank=spec.rank, pack=pf, load_full_w2=spec.load_full_w2)
+
+    w13_perm = w2_perm = None
+    if spec.act_order:
+        w13_sorted, w13_perm = sort_g_idx(gate_up_g_idx(expert, expert_id=expert_id))
+        w2_sorted, w2_perm = sort_g_idx(down[G_IDX])
+        out["w13_weight_g_idx"].copy_(w13_sorted)
+        out["w2_weight_g_idx"].copy_(w2_sorted)
+        out["w13_g_idx_sort_indices"].copy_(w13_perm)
+        out["w2_g_idx_sort_indices"].copy_(w2_perm)
+
+    # gate and up fill whole 64-wide n-tiles each (P % 64 == 0), so each half is repacked on its
+    # own into its columns of the output. Without padding the K-first sources are passed as
+    # transposed views of the checkpoint's N-first words (the native repack reads them in place);
+    # with padding a zero-padded contiguous copy is made.
+    w13_out = out["w13_weight_packed"]
+    half = w13_out.shape[-1] // 2
+    for h_index, part in enumerate((gate, up)):
+        source = part[PACKED]
+        if p != i_p:  # padding the K-first columns = padding the checkpoint's N-first rows
+            source = pad_intermediate_rows(source.transpose(0, 1), i_p, p).transpose(0, 1).contiguous()
+        repack(source, nb, w13_perm, out=w13_out[:, h_index * half : (h_index + 1) * half])
+    w2 = down[PACKED] if p == i_p else pad_intermediate_rows(down[PACKED].contiguous(), i_p // pf, p // pf)
+    repack(w2, nb, w2_perm, out=out["w2_weight_packed"])
+
+    w13_scale = pad_intermediate_halves(torch.cat([gate[SCALE], up[SCALE]], dim=-1), i_p, p)
+    out["w13_weight_scale"].copy_(marlin_permute_scales(w13_scale, h, 2 * p, gs))
+    w2_scale = down[SCALE]
+    if gs > 0 and not spec.load_full_w2:
+        w2_scale = pad_intermediate_rows(w2_scale, i_p // gs, p // gs)
+    out["w2_weight_scale"].copy_(marlin_permute_scales(w2_scale, w2_scale_size_k(spec), h, gs))
+
+    if not spec.symmetric:
+        w13_zp = torch.cat([gate[ZERO_POINT], up[ZERO_POINT]], dim=-1)
+        w13_zp = pad_intermediate_halves(w13_zp, i_p // pf, p // pf)
+        out["w13_weight_zero_point"].copy_(marlin_zero_points(w13_zp, spec.w13_groups, 2 * p, nb))
+        w2_zp = down[ZERO_POINT]
+        if gs > 0:
+            w2_zp = pad_intermediate_rows(w2_zp, i_p // gs, p // gs)
+        out["w2_weight_zero_point"].copy_(marlin_zero_points(w2_zp, spec.w2_zero_point_groups, h, nb))
+
+
+def inverse(tensors: Mapping[str, Tensor], spec: RankLayout, label: str) -> dict[str, Tensor]:
+    """The exact inverse of `forward` on one expert's slices: the loader's K-first tensors.
+    Raises LayoutMismatch where the tensors cannot come from `forward`."""
+    h, i_p, p, pf, nb, gs = (
+        spec.hidden_size,
+        spec.intermediate_per_partition,
+        spec.padded_intermediate,
+        spec.pack_factor,
+        spec.num_bits,
+        spec.group_size,
+    )
+    out: dict[str, Tensor] = {}
+    w13_perm = w2_perm = None
+    if spec.act_order:
+        out["w13_weight_g_idx"], w13_perm = _unsorted_g_idx(tensors, "w13", label)
+        out["w2_weight_g_idx"], w2_perm = _unsorted_g_idx(tensors, "w2", label)
+
+    def what(name: str, stage: str) -> str:
+        return f"{name} of {label} ({stage})"
+
+    w13 = marlin_unrepack(tensors["w13_weight_packed"], nb, h, 2 * p, w13_perm)
+    out["w13_weight_packed"] = unpad_intermediate_halves(
+        w13, i_p, p, what=what("w13_weight_packed", "K-first [H/pf, 2P] before repack")
+    ).contiguous()
+    w2 = marlin_unrepack(tensors["w2_weight_packed"], nb, p, h, w2_perm)
+    out["w2_weight_packed"] = unpad_intermediate_rows(
+        w2, i_p // pf, p // pf, what=what("w2_weight_packed", "K-first [P/pf, H] before repack")
+    ).contiguous()
+
+    w13_scale = marlin_unpermute_scales(tensors["w13_weight_scale"], h, 2 * p, gs)
+    out["w13_weight_scale"] = unpad_intermediate_halves(
+        w13_scale, i_p, p, what=what("w13_weight_scale", "before permutation")
+    ).contiguous()
+    w2_scale = marlin_unpermute_scales(tensors["w2_weight_scale"], w2_scale_size_k(spec), h, gs)
+    if gs > 0 and not spec.load_full_w2:
+        w2_scale = unpad_intermediate_rows(
+            w2_scale, i_p // gs, p // gs, what=what("w2_weight_scale", "before permutation")
+        )
+    out["w2_weight_scale"] = w2_scale.contiguous()
+
+    if not spec.symmetric:
+        w13_zp = marlin_zero_points_inverse(tensors["w13_weight_zero_point"], spec.w13_groups, 2 * p, nb)
+        out["w13_weight_zero_point"] = unpad_intermediate_halves(
+            w13_zp, i_p // pf, p // pf, what=what("w13_weight_zero_point", "packed along N before permutation")
+        ).contiguous()
+        w2_zp = marlin_zero_points_inverse(tensors["w2_weight_zero_point"], spec.w2_zero_point_groups, h, nb)
+        if gs > 0:
+            w2_zp = unpad_intermediate_rows(
+                w2_zp, i_p // gs, p // gs, what=what("w2_weight_zero_point", "before permutation")
+            )
+        out["w2_weight_zero_point"] = w2_zp.contiguous()
+    return out
+
+
+def _unsorted_g_idx(tensors: Mapping[str, Tensor], prefix: str, label: str) -> tuple[Tensor, Tensor]:
+    """(original g_idx, sort indices) from the stored sorted g_idx and sort indices, checking that
+    the sort indices are exactly the stable argsort of the g_idx they restore."""
+    sorted_name, perm_name = f"{prefix}_weight_g_idx", f"{prefix}_g_idx_sort_indices"
+    sorted_g_idx, perm = tensors[sorted_name], tensors[perm_name]
+    size = perm.shape[-1]
+    descending = torch.nonzero(sorted_g_idx[1:] < sorted_g_idx[:-1])
+    if descending.numel():
+        k = int(descending[0, 0]) + 1
+        raise LayoutMismatch(
+            f"{sorted_name} of {label} is not sorted: [{k}] = {int(sorted_g_idx[k])} < "
+            f"[{k - 1}] = {int(sorted_g_idx[k - 1])}"
+        )
+    seen = torch.zeros(size, dtype=torch.bool, device=perm.device)
+    in_range = (perm >= 0) & (perm < size)
+    if not bool(in_range.all()):
+        k = int(torch.nonzero(~in_range)[0, 0])
+        raise LayoutMismatch(f"{perm_name} of {label}: [{k}] = {int(perm[k])} is outside [0, {size})")
+    seen[perm.long()] = True
+    if not bool(seen.all()):
+        k = int(torch.nonzero(~seen)[0, 0])
+        raise LayoutMismatch(f"{perm_name} of {label} is not a permutation: row {k} is never used")
+    original = torch.empty_like(sorted_g_idx)
+    original[perm.long()] = sorted_g_idx
+    _, expected_perm = sort_g_idx(original)
+    where = first_difference(expected_perm, perm.to(torch.int32))
+    if where is not None:
+        k = where[0]
+        raise LayoutMismatch(
+            f"{perm_name} of {label}: [{k}] = {int(perm[k])}, but the stable argsort of the restored "
+            f"g_idx gives {int(expected_perm[k])}"
+        )
+    return original, perm

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 SUPPORTED_BITS = (4, 8)
 TILE_K = 16
@@ -26,9 +27,12 @@ def marlin_scales_grouped(size_k: int, group_size: int) -> bool:
     return group_size != -1 and group_size < size_k
 
 
+# The layout names, defined here once (the registry, `wna16ctl.layout.registry`, says what each is).
 MARLIN = "marlin"
 TRANSPOSED = "transposed"
-LAYOUTS = (MARLIN, TRANSPOSED)
+VLLM = "vllm"  # each rank's whole-model state for vLLM's sharded_state loader
+AUTO = "auto"  # not a layout: repack picks marlin or transposed per layer from the planned backend
+LAYOUTS = (MARLIN, TRANSPOSED)  # the layouts of a `RankLayout` (one rank's MoE tensors)
 
 
 @dataclass(frozen=True)
@@ -141,34 +145,48 @@ def _layout_problems(spec: RankLayout) -> list[str]:
 StShape = tuple[tuple[int, ...], str]
 
 
-def expert_shapes(spec: RankLayout, scale_dtype: str) -> dict[str, StShape]:
-    """name -> (shape, safetensors dtype) of one expert's slice of the rank tensors, in file order."""
-    h, pf, nb = spec.hidden_size, spec.pack_factor, spec.num_bits
+def marlin_expert_shapes(spec: RankLayout, scale_dtype: str) -> dict[str, StShape]:
+    """The marlin layout: name -> (shape, safetensors dtype) of one expert's slice of the rank
+    tensors, in file order (`wna16ctl.layout.registry.expert_shapes` asks the layout's own)."""
+    h, pf = spec.hidden_size, spec.pack_factor
     p, g13 = spec.padded_intermediate, spec.w13_groups
     g2, g2_zp = spec.w2_scale_groups, spec.w2_zero_point_groups
     shapes: dict[str, StShape] = {}
-    if spec.layout == MARLIN:
-        shapes["w13_weight_packed"] = ((h // TILE_K, 2 * p * TILE_K // pf), "I32")
-        shapes["w2_weight_packed"] = ((p // TILE_K, h * TILE_K // pf), "I32")
-        shapes["w13_weight_scale"] = ((g13, 2 * p), scale_dtype)
-        shapes["w2_weight_scale"] = ((g2, h), scale_dtype)
-        if not spec.symmetric:
-            shapes["w13_weight_zero_point"] = ((g13, 2 * p // pf), "I32")
-            shapes["w2_weight_zero_point"] = ((g2_zp, h // pf), "I32")
-        if spec.act_order:
-            shapes["w13_weight_g_idx"] = ((h,), "I32")
-            shapes["w2_weight_g_idx"] = ((p,), "I32")
-            shapes["w13_g_idx_sort_indices"] = ((h,), "I32")
-            shapes["w2_g_idx_sort_indices"] = ((p,), "I32")
-    else:
-        shapes["w13_weight_packed"] = ((2 * p, h * nb // 8), "U8")
-        shapes["w2_weight_packed"] = ((h, p * nb // 8), "U8")
-        shapes["w13_weight_scale"] = ((2 * p, g13), scale_dtype)
-        shapes["w2_weight_scale"] = ((h, g2), scale_dtype)
-        if not spec.symmetric:
-            shapes["w13_weight_zero_point"] = ((2 * p * nb // 8, g13), "U8")
-            shapes["w2_weight_zero_point"] = ((h * nb // 8, g2_zp), "U8")
+    shapes["w13_weight_packed"] = ((h // TILE_K, 2 * p * TILE_K // pf), "I32")
+    shapes["w2_weight_packed"] = ((p // TILE_K, h * TILE_K // pf), "I32")
+    shapes["w13_weight_scale"] = ((g13, 2 * p), scale_dtype)
+    shapes["w2_weight_scale"] = ((g2, h), scale_dtype)
+    if not spec.symmetric:
+        shapes["w13_weight_zero_point"] = ((g13, 2 * p // pf), "I32")
+        shapes["w2_weight_zero_point"] = ((g2_zp, h // pf), "I32")
+    if spec.act_order:
+        shapes["w13_weight_g_idx"] = ((h,), "I32")
+        shapes["w2_weight_g_idx"] = ((p,), "I32")
+        shapes["w13_g_idx_sort_indices"] = ((h,), "I32")
+        shapes["w2_g_idx_sort_indices"] = ((p,), "I32")
     return shapes
+
+
+def transposed_expert_shapes(spec: RankLayout, scale_dtype: str) -> dict[str, StShape]:
+    """The transposed layout: name -> (shape, safetensors dtype) of one expert's slice, in file order."""
+    h, nb = spec.hidden_size, spec.num_bits
+    p, g13 = spec.padded_intermediate, spec.w13_groups
+    g2, g2_zp = spec.w2_scale_groups, spec.w2_zero_point_groups
+    shapes: dict[str, StShape] = {}
+    shapes["w13_weight_packed"] = ((2 * p, h * nb // 8), "U8")
+    shapes["w2_weight_packed"] = ((h, p * nb // 8), "U8")
+    shapes["w13_weight_scale"] = ((2 * p, g13), scale_dtype)
+    shapes["w2_weight_scale"] = ((h, g2), scale_dtype)
+    if not spec.symmetric:
+        shapes["w13_weight_zero_point"] = ((2 * p * nb // 8, g13), "U8")
+        shapes["w2_weight_zero_point"] = ((h * nb // 8, g2_zp), "U8")
+    return shapes
+
+
+def vllm_rank_shapes(plan: Any, rank: int) -> dict[str, StShape]:
+    """The vllm layout: key -> (shape, safetensors dtype) of every tensor of `rank`, in file order
+    (`plan`: a `wna16ctl.planning.vllm_state.VllmStatePlan`)."""
+    return {t.key: (t.shape, t.dtype) for t in plan.keys[rank]}
 
 
 def w2_scale_size_k(spec: RankLayout) -> int:

@@ -13,11 +13,15 @@ reinterpretation of the int32 words as bytes.
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from wna16ctl.layout.packing import pack_factor
+from wna16ctl.layout.shard import ExpertTensors, shard_expert
+from wna16ctl.layout.spec import RankLayout
 
 
 def to_transposed_weight(packed_kfirst: Tensor) -> Tensor:
@@ -95,3 +99,43 @@ def _with_standard_strides(t: Tensor) -> Tensor:
     dense = torch.empty(t.shape, dtype=t.dtype, device=t.device)
     dense.copy_(t)
     return dense
+
+
+# -- the layout (wna16ctl.layout.registry): one expert, forward and inverse ----------------------------
+
+def forward(
+    expert: ExpertTensors, spec: RankLayout, out: Mapping[str, Tensor], expert_id: int | None,
+    repack: Any = None,
+) -> None:
+    """Fill `out` (one expert's slices, shaped as `spec.transposed_expert_shapes`) from the
+    checkpoint expert: shard, then the N-first bytes (`repack` is Marlin's only: unused here)."""
+    kfirst = shard_expert(expert, tp=spec.tp, rank=spec.rank, load_full_w2=spec.load_full_w2, expert_id=expert_id)
+    for name, tensor in _transposed_expert(kfirst, spec).items():
+        out[name].copy_(tensor)
+
+
+def _transposed_expert(kfirst: Mapping[str, Tensor], spec: RankLayout) -> dict[str, Tensor]:
+    out = {
+        "w13_weight_packed": to_transposed_weight(kfirst["w13_weight_packed"]),
+        "w2_weight_packed": to_transposed_weight(kfirst["w2_weight_packed"]),
+        "w13_weight_scale": to_transposed_scales(kfirst["w13_weight_scale"]),
+        "w2_weight_scale": to_transposed_scales(kfirst["w2_weight_scale"]),
+    }
+    if not spec.symmetric:
+        out["w13_weight_zero_point"] = to_transposed_zero_points(kfirst["w13_weight_zero_point"], spec.num_bits)
+        out["w2_weight_zero_point"] = to_transposed_zero_points(kfirst["w2_weight_zero_point"], spec.num_bits)
+    return out
+
+
+def inverse(tensors: Mapping[str, Tensor], spec: RankLayout, label: str) -> dict[str, Tensor]:
+    """The exact inverse of `forward` on one expert's slices: the loader's K-first tensors."""
+    out = {
+        "w13_weight_packed": from_transposed_weight(tensors["w13_weight_packed"]),
+        "w2_weight_packed": from_transposed_weight(tensors["w2_weight_packed"]),
+        "w13_weight_scale": from_transposed_scales(tensors["w13_weight_scale"]),
+        "w2_weight_scale": from_transposed_scales(tensors["w2_weight_scale"]),
+    }
+    if not spec.symmetric:
+        out["w13_weight_zero_point"] = from_transposed_zero_points(tensors["w13_weight_zero_point"], spec.num_bits)
+        out["w2_weight_zero_point"] = from_transposed_zero_points(tensors["w2_weight_zero_point"], spec.num_bits)
+    return out

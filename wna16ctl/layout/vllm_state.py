@@ -16,12 +16,19 @@ load is the checkpoint cut per rank the way vLLM's weight loaders cut it:
   channel-wise w2 scales are whole on every rank.
 
 Every function here is a pure function of tensors; `unshard_*` are the inverses `verify` uses to
-prove a written state is the checkpoint, bit for bit.  No I/O, no vLLM.
+prove a written state is the checkpoint, bit for bit.  `build_tensor` (forward) and `invert_key`
+(inverse) apply them to one key of a planned state (`wna16ctl.planning.vllm_state`), reading the
+checkpoint through the reader their caller opened.  No file is opened here, no vLLM.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+from wna16ctl.dtypes import torch_dtype
+from wna16ctl.errors import BadInput
 
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 
@@ -160,3 +167,181 @@ def weight_shape_rows(shapes: list[torch.Tensor], dtype: torch.dtype) -> torch.T
 
 def stack_experts(per_expert: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(per_expert, 0).contiguous()
+
+
+# -- one key of the state (forward) and back (inverse) ------------------------------------------------
+# `plan` is a `wna16ctl.planning.vllm_state.VllmStatePlan`, `key` one of its `StateTensor`s, `reader`
+# a `wna16ctl.sources.tensors.TensorReader` over the checkpoint: the caller reads, this code cuts.
+
+def build_tensor(plan: Any, reader: Any, t: Any, rank: int) -> torch.Tensor:
+    """The value of key `t` on `rank`, made from the checkpoint the way vLLM's loaders make it."""
+    dtype = torch_dtype(t.dtype)
+    tp = plan.tp
+    verb, _, arg = t.fill.partition(" ")
+    if verb == "const":
+        out = torch.full(t.shape, float(arg), dtype=dtype)
+    elif verb == "copy":
+        out = reader.read(arg)
+    elif verb == "vocab":
+        out = vocab_shard(reader.read(arg), tp, rank)
+    elif verb == "column":
+        out = column_shard(reader.read(arg), tp, rank)
+    elif verb == "row":
+        out = row_shard(reader.read(arg), tp, rank)
+    elif verb == "merged":
+        out = merged_column_shard([reader.read(n) for n in arg.split()], tp, rank)
+    elif verb == "cat":  # a replicated layer fused from several checkpoint ones (fused_qkv_a_proj)
+        out = torch.cat([reader.read(n).to(dtype) for n in arg.split()], 0)
+    elif verb == "qkv":
+        dims = plan.checkpoint.dims
+        q, k, v = (reader.read(arg.replace(".q_proj.", f".{p}_proj.")) for p in "qkv")
+        out = qkv_shard(q, k, v, dims.num_attention_heads, dims.num_key_value_heads, dims.head_dim, tp, rank)
+    elif verb in ("w13", "w2", "w13t", "w2t", "shape13", "shape2"):
+        out = _expert_tensor(plan, reader, plan.moe_layers[t.layer], verb, arg, rank, dtype)
+    else:
+        raise AssertionError(f"unknown fill {t.fill}")
+    # vLLM copies a loaded tensor into its parameter: a dtype conversion where they differ
+    out = out.to(dtype).contiguous()
+    if tuple(out.shape) != t.shape:
+        raise BadInput(f"{plan.checkpoint.root}: {t.key} came out {tuple(out.shape)}, the contract says {t.shape}; "
+                       "the checkpoint's tensors do not match its config.json")
+    return out
+
+
+def _expert_tensor(plan: Any, reader: Any, moe: Any, verb: str, suffix: str, rank: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+    tp = plan.tp
+    channel = moe.scheme.group_size == -1
+    if verb in ("shape13", "shape2"):
+        # vLLM writes the checkpoint's weight_shape of each projection into the expert's row; of
+        # gate and up (the same values in a valid checkpoint) up's is loaded last and kept
+        role = "up" if verb == "shape13" else "down"
+        rows = []
+        for e in range(moe.num_experts):
+            name = moe.tensor_name(e, role, "weight_shape")
+            if name not in reader.files:
+                raise reader.files.missing(name)
+            rows.append(reader.read(name))
+        return weight_shape_rows(rows, dtype)
+    per_expert = []
+    transposed = verb.endswith("t")  # K-first buffers: the loader transposes each checkpoint tensor
+    verb = verb.rstrip("t")
+    for e in range(moe.num_experts):
+        if verb == "w13":
+            gate, up = (_expert_read(reader, moe, e, role, suffix) for role in ("gate", "up"))
+            per_expert.append(w13_shard(gate, up, tp, rank))
+        else:
+            down = _expert_read(reader, moe, e, "down", suffix)
+            per_expert.append(w2_shard(down, tp, rank, whole=channel and suffix == "weight_scale"))
+    if per_expert[0].dtype != torch.int32:  # scales: converted to the parameter's dtype
+        per_expert = [p.to(dtype) for p in per_expert]
+    if transposed:
+        per_expert = [p.t() for p in per_expert]
+    return stack_experts(per_expert)
+
+
+def _expert_read(reader: Any, moe: Any, e: int, role: str, suffix: str) -> torch.Tensor:
+    name = moe.tensor_name(e, role, suffix)
+    if name not in reader.files:
+        if suffix == "weight_zero_point":
+            raise BadInput(f"{reader.files.root}: {name} is missing (an old writer's all-zero zero point); vLLM would "
+                           "load garbage codes there: rewrite the checkpoint with a current compressed-tensors")
+        raise reader.files.missing(name)
+    t = reader.read(name)
+    if suffix == "weight_zero_point" and t.dtype != torch.int32:
+        raise BadInput(f"{reader.files.root}: {name} is {t.dtype} (an unpacked legacy zero point); vLLM's sharded "
+                       "state needs the packed int32 form: rewrite the checkpoint with a current compressed-tensors")
+    return t
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal shape, dtype and bits (bf16 compared as bytes: -0.0 and NaN payloads count)."""
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
+        a.view(torch.uint8) if a.dtype == torch.bfloat16 else a, b.view(torch.uint8) if b.dtype == torch.bfloat16 else b)
+
+
+def invert_key(plan: Any, reader: Any, t: Any, parts: list[torch.Tensor]) -> str | None:
+    """Key `t` as every rank holds it (`parts`, rank order) inverted back to the checkpoint tensors
+    it was made from: None when they are equal bit for bit, else what differs (one phrase)."""
+    dims = plan.checkpoint.dims
+    dtype = parts[0].dtype
+    same = same_bits
+
+    def src(name: str) -> torch.Tensor:
+        return reader.read(name).to(dtype)
+
+    verb, _, arg = t.fill.partition(" ")
+    bad: str | None = None
+    if verb == "const":
+        if any(not torch.equal(p, torch.full(t.shape, float(arg), dtype=dtype)) for p in parts):
+            bad = f"does not hold the fresh parameter's value {arg}"
+    elif verb == "copy":
+        if any(not same(p, src(arg)) for p in parts):
+            bad = f"differs from {arg} on some rank"
+    elif verb == "vocab":
+        rows, pad = vocab_unshard(parts, dims.vocab_size)
+        if not same(rows, src(arg)):
+            bad = f"rows differ from {arg}"
+        elif bool(pad.any()):
+            bad = "padding rows are not zero"
+    elif verb in ("column", "row"):
+        whole = column_unshard(parts) if verb == "column" else row_unshard(parts)
+        if not same(whole, src(arg)):
+            bad = f"ranks joined differ from {arg}"
+    elif verb == "merged":
+        names = arg.split()
+        sources = [src(n) for n in names]
+        for name, s, got in zip(names, sources, merged_column_unshard(parts, [s.shape[0] for s in sources])):
+            if not same(got, s):
+                bad = f"the {name} rows differ"
+    elif verb == "cat":
+        names = arg.split()
+        sources = [src(n) for n in names]
+        for r, p in enumerate(parts):  # replicated: every rank holds the whole concatenation
+            for name, s_, got in zip(names, sources, p.split([x.shape[0] for x in sources], 0)):
+                if bad is None and not same(got, s_):
+                    bad = f"rank {r}: the {name} rows differ"
+    elif verb == "qkv":
+        q, k, v, replicas = qkv_unshard(parts, dims.num_attention_heads, dims.num_key_value_heads, dims.head_dim)
+        for got, p in zip((q, k, v), "qkv"):
+            name = arg.replace(".q_proj.", f".{p}_proj.")
+            if not same(got, src(name)):
+                bad = f"the {name} rows differ"
+        per_kv = kv_heads_per_rank(dims.num_key_value_heads, plan.tp) * dims.head_dim
+        for r, first in replicas:
+            if not torch.equal(parts[r][-2 * per_kv:], parts[first][-2 * per_kv:]):
+                bad = f"rank {r}'s replicated key/value heads differ from rank {first}'s"
+    else:
+        bad = _invert_experts(reader, plan.moe_layers[t.layer], verb, arg, parts)
+    return bad
+
+
+def _invert_experts(reader: Any, moe: Any, verb: str, suffix: str, parts: list[torch.Tensor]) -> str | None:
+    same = same_bits
+    dtype = parts[0].dtype
+    if verb in ("w13t", "w2t"):  # K-first: back to the N-first form first
+        parts = [p.transpose(1, 2) for p in parts]
+        verb = verb[:-1]
+    for e in range(moe.num_experts):
+        if verb in ("shape13", "shape2"):
+            roles = ("gate", "up") if verb == "shape13" else ("down",)
+            for role in roles:
+                want = weight_shape_rows([reader.read(moe.tensor_name(e, role, "weight_shape"))], dtype)[0]
+                if any(not same(p[e], want) for p in parts):
+                    return f"expert {e}: differs from {moe.tensor_name(e, role, 'weight_shape')}"
+            continue
+        if verb == "w13":
+            gate, up = w13_unshard([p[e] for p in parts])
+            for role, got in (("gate", gate), ("up", up)):
+                want = _expert_read(reader, moe, e, role, suffix)
+                if not same(got, want.to(got.dtype)):
+                    return f"expert {e}: differs from {moe.tensor_name(e, role, suffix)}"
+        else:
+            whole = moe.scheme.group_size == -1 and suffix == "weight_scale"
+            got, differing = w2_unshard([p[e] for p in parts], whole=whole)
+            if differing:
+                return f"expert {e}: ranks {differing} hold another copy than rank 0"
+            want = _expert_read(reader, moe, e, "down", suffix)
+            if not same(got, want.to(got.dtype)):
+                return f"expert {e}: differs from {moe.tensor_name(e, 'down', suffix)}"
+    return None

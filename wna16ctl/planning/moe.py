@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from wna16ctl.layout.spec import marlin_moe_padded_intermediate  # noqa: F401  (re-exported: the planner reports it)
+from wna16ctl.layout.spec import MARLIN, TRANSPOSED, marlin_moe_padded_intermediate  # noqa: F401  (re-exported: the planner reports it)
 from wna16ctl.planning import rules
 from wna16ctl.planning.config_parse import scheme_refusal
 from wna16ctl.planning.engine_env import DEFAULT as DEFAULT_SWITCHES, EngineSwitches, wna16_moe_backends
@@ -45,7 +45,7 @@ class Backend(str, Enum):
 
 
 # The layouts wna16ctl writes, and the backend that consumes each.
-LAYOUT_OF_BACKEND = {Backend.MARLIN: "marlin", Backend.TRITON: "transposed"}
+LAYOUT_OF_BACKEND = {Backend.MARLIN: MARLIN, Backend.TRITON: TRANSPOSED}
 BACKEND_OF_LAYOUT = {v: k for k, v in LAYOUT_OF_BACKEND.items()}
 # Where the engine raises: parsing quantization_config, the MoE method (dispatch and its
 # constructor's own asserts), the backend oracle inside the constructor, create_weights, or (our

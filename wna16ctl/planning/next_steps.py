@@ -14,9 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-VLLM_LAYOUT = "vllm"
-MARLIN_LAYOUT = "marlin"
-PLUGIN_LOAD_FORMAT = "wna16ctl"  # the load format the `wna16ctl[vllm]` plugin registers
+from wna16ctl.layout.registry import layout_of
+from wna16ctl.layout.spec import MARLIN, VLLM
+
+VLLM_LAYOUT = VLLM
+MARLIN_LAYOUT = MARLIN
 # The releases the plugin serves (integrations.marlin_serving checks the engine against the same list).
 PLUGIN_RELEASES = ("0.32.0", "0.33.0")
 PLUGIN_INSTALL = "pip install 'wna16ctl[vllm]'"
@@ -56,11 +58,10 @@ def serve_command(out: str | Path, layout: str | None, tp: int, *, ep: bool = Fa
     """The `vllm serve` line for `out`: a repack output of `layout`, or (layout None) a checkpoint
     vLLM loads itself (a local directory or a Hub repo id at `revision`)."""
     words = ["vllm", "serve", str(out)]
-    if layout == VLLM_LAYOUT:
-        words += ["--load-format", "sharded_state"]
-    elif layout == MARLIN_LAYOUT:
-        words += ["--load-format", PLUGIN_LOAD_FORMAT]
-        moe_backend = "marlin"  # the only backend that reads the Marlin layout (the loader pins it)
+    hint = None if layout is None else layout_of(layout).serve
+    if hint is not None and hint.load_format is not None:
+        words += ["--load-format", hint.load_format]
+        moe_backend = hint.moe_backend or moe_backend  # a loader that pins the backend reading its layout
     elif revision:
         words += ["--revision", revision]
     words += ["--tensor-parallel-size", str(tp)]

@@ -349,7 +349,7 @@ def resolve_engine(spec: str | None) -> Engine:
 #        {G}/{U}/{D} = the checkpoint's gate/up/down projection names (gate_proj or w1, ...);
 # shape: expressions over the sizes in VLLM_STATE_SYMBOLS;
 # dtype: "model" (config.json torch_dtype), "I32", "F32";
-# fill: how the tensor is made (wna16ctl/repacking/vllm_layout.py): vocab/copy/column/row/qkv/merged NAME,
+# fill: how the tensor is made (wna16ctl/layout/vllm_state.py build_tensor): vocab/copy/column/row/qkv/merged NAME,
 #        w13/w2 SUFFIX (routed experts, N-first as stored), w13t/w2t SUFFIX (the same, each expert
 #        transposed: K-first), shape13/shape2, const VALUE;
 # when: properties of the checkpoint (and of the planned backend) the row needs, all of them

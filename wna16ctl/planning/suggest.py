@@ -23,7 +23,8 @@ from wna16ctl.planning import rules
 from wna16ctl.planning.config_parse import config_refusal
 from wna16ctl.planning.engine_env import MOE_BACKEND_SINCE
 from wna16ctl.planning.inspection import Inspection, replan_loads
-from wna16ctl.planning.next_steps import PLUGIN_INSTALL, PLUGIN_LOAD_FORMAT
+from wna16ctl.layout.registry import PLUGIN_LOAD_FORMAT
+from wna16ctl.planning.next_steps import PLUGIN_INSTALL
 from wna16ctl.planning.serving import plugin_fix
 from wna16ctl.sources.config import QuantConfig, WeightScheme
 from wna16ctl.sources.model import LinearLayer

@@ -1,15 +1,34 @@
-"""Which checkpoints the `vllm` layout (vLLM's own `sharded_state` files) can be written for, per
-release: the rulebook's checked key contracts (`rules.VLLM_STATE_SUPPORT`) and what the layout does
-not split by rank. A planning fact, read by `repack --layout vllm` and by the next steps inspect
-offers, so that neither proposes what the other refuses.
+"""The `vllm` layout's plan: which checkpoints it can be written for, per release (the rulebook's
+checked key contracts, `rules.VLLM_STATE_SUPPORT`, and what the layout does not split by rank),
+and the exact tensors of every rank that a checkpoint, TP size and release resolve to.
+
+`vllm serve OUT --load-format sharded_state -tp N` reads `model-rank-{rank}-part-{part}.safetensors`
+from OUT and copies every tensor into the parameter of the same name of a freshly built model;
+only then does vLLM run its weight processing (the Marlin repack and the rest).  What must be in
+those files is therefore what a normal load would have put into the fresh parameters: the key
+set, shapes and dtypes of `rules.VLLM_STATE_KEYS` for the release, each with its fill (how
+`wna16ctl.layout.vllm_state` makes it from the checkpoint).  Torch-free.
+
+Read by `repack --layout vllm` (repacking.vllm_state writes the plan), by `verify` of such an
+output (verification.vllm_state) and by the next steps inspect offers, so that none of them
+proposes what another refuses.
 """
 
 from __future__ import annotations
 
-from wna16ctl.errors import NotLoadable, UsageError
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from wna16ctl.dtypes import FLOAT_ST_OF_CONFIG, ST_SIZES
+from wna16ctl.errors import BadInput, NotLoadable, UsageError
+from wna16ctl.layout.spec import VLLM
 from wna16ctl.planning import rules
 from wna16ctl.planning.moe import unquantized_lookup_error
-from wna16ctl.sources import Checkpoint
+from wna16ctl.planning.next_steps import NextStep, output_next_step
+from wna16ctl.sources import Checkpoint, MoELayer, open_checkpoint
+from wna16ctl.sources.moe import _FAMILY_NAMES
 
 
 def _refuse_unknown(version: str, arch: str) -> None:
@@ -49,3 +68,291 @@ def check_supported(ck: Checkpoint, version: str) -> None:
         if lay.scheme.act_order:
             raise UsageError(f"--layout vllm: {lay.prefix}: actorder {lay.scheme.actorder!r} (g_idx and whole w2 "
                              f"scales per rank) is not supported by the vllm layout; use --layout marlin")
+
+
+PATTERN = "model-rank-{rank}-part-{part}.safetensors"  # vLLM's default sharded_state file pattern
+
+
+@dataclass(frozen=True)
+class StateTensor:
+    """One key of one rank's state: its contract row resolved for a layer."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: str  # safetensors dtype: BF16 / F16 / F32 / I32
+    fill: str  # the row's fill with names resolved
+    layer: int | None  # decoder layer index (None: model-level)
+
+    @property
+    def nbytes(self) -> int:
+        n = ST_SIZES[self.dtype]
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass
+class VllmStatePlan:
+    checkpoint: Checkpoint
+    tp: int
+    vllm: str
+    model_dtype: str  # config.json torch_dtype
+    keys: list[list[StateTensor]]  # per rank, in file order
+    parts: list[list[list[StateTensor]]]  # per rank, per file
+    moe_layers: dict[int, MoELayer] = field(default_factory=dict)
+    gpu: str = rules.DEFAULT_GPU
+    # the backend planned for each MoE layer where the release's expert buffers depend on it
+    # (rules state.experts_k_first), with the orientation it implies
+    backends: dict[int, str] = field(default_factory=dict)
+    k_first: dict[int, bool] = field(default_factory=dict)
+    switches: Any = None  # planning.engine_env.EngineSwitches (None: the engine's defaults)
+    out: str | None = None  # where it is to be written (named in the serve command; None: OUT)
+
+    def files(self, rank: int) -> list[str]:
+        return [PATTERN.format(rank=rank, part=p) for p in range(len(self.parts[rank]))]
+
+    def serve_command(self, out: str | os.PathLike[str]) -> str:
+        return serve_command(out, self.tp)
+
+    def experts_json(self) -> dict[str, Any]:
+        """How the expert buffers are laid out, and the backend that decided it (where one did)."""
+        k_first = sorted({self.k_first.get(layer, False) for layer in self.moe_layers})
+        return {"orientation": "k_first" if k_first == [True] else "n_first" if k_first in ([False], []) else "mixed",
+                "backend_decides": bool(self.backends),
+                "backends": {str(layer): b for layer, b in sorted(self.backends.items())}}
+
+    def to_json(self, out: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+        """The plan (`repack --layout vllm --dry-run --json`); `serve` names `out`, or OUT."""
+        return {
+            "checkpoint": str(self.checkpoint.root), "layout": VLLM, "tp": self.tp, "vllm": self.vllm,
+            "load_format": "sharded_state", "pattern": PATTERN, "gpu": self.gpu, "experts": self.experts_json(),
+            "ranks": [{"rank": r, "files": self.files(r), "keys": len(self.keys[r]),
+                       "bytes": sum(t.nbytes for t in self.keys[r])} for r in range(self.tp)],
+            "serve": serve_command(out or self.out or "OUT", self.tp),
+        }
+
+    def result_json(self, out: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+        """What `repack --layout vllm --json` prints once `out` is written with `manifest`."""
+        return {"output": str(out), "layout": VLLM, "tp": self.tp, "vllm": self.vllm, "ranks": manifest["ranks"],
+                "serve": manifest["serve"], "next_steps": [next_step(out, self.tp).to_json()]}
+
+
+def next_step(out: str | os.PathLike[str], tp: int) -> NextStep:
+    """How to serve a `vllm` layout output: stock vLLM's sharded_state loader."""
+    return output_next_step(os.fspath(out), os.fspath(out), VLLM, tp, False, "")
+
+
+def serve_command(out: str | os.PathLike[str], tp: int) -> str:
+    return next_step(out, tp).serve
+
+
+# -- planning (torch-free) ------------------------------------------------------------------------
+
+def _when(ck: Checkpoint, cond: str | None, layer: int | None, moe: MoELayer | None,
+          k_first: dict[int, bool] | None = None) -> bool:
+    if cond is None:
+        return True
+    if " " in cond:
+        return all(_when(ck, c, layer, moe, k_first) for c in cond.split())
+    if cond in ("k_first", "n_first"):
+        first = layer is not None and bool((k_first or {}).get(layer, False))
+        return first if cond == "k_first" else not first
+    names = ck.files
+    tied = bool(ck.config.raw.get("tie_word_embeddings", False)) or "lm_head.weight" not in names
+    if cond == "untied":
+        return not tied
+    if cond == "tied":
+        return tied
+    if cond == "asym":
+        return moe is not None and moe.scheme is not None and not moe.scheme.symmetric
+    if cond == "qkv_bias":
+        return f"model.layers.{layer}.self_attn.q_proj.bias" in names
+    if cond == "qk_norm":
+        return f"model.layers.{layer}.self_attn.q_norm.weight" in names
+    if cond in ("mla", "gqa"):
+        return ck.dims.mla == (cond == "mla")
+    if cond in ("q_lora", "no_q_lora"):
+        return bool(ck.config.raw.get("q_lora_rank")) == (cond == "q_lora")
+    if cond == "noaux_tc":
+        return ck.config.raw.get("topk_method") == "noaux_tc"
+    raise AssertionError(f"unknown contract condition {cond}")
+
+
+def _shared_size(ck: Checkpoint, layer: int, block: str, gate: str) -> int | None:
+    """The shared expert's intermediate size (Qwen2-MoE `shared_expert`, DeepSeek/GLM `shared_experts`)."""
+    for module in ("shared_expert", "shared_experts"):
+        name = f"model.layers.{layer}.{block}.{module}.{gate}.weight"
+        if name in ck.files:
+            return ck.files.info(name).shape[0]
+    return None
+
+
+def _mla_sizes(ck: Checkpoint, split: Callable[[int, str], int]) -> dict[str, int]:
+    """Multi-head latent attention: the per-rank rows of q_b_proj / q_proj, kv_b_proj and the
+    columns of o_proj, and the replicated latent sizes (DeepSeek-V2/V3, Kimi-K2)."""
+    raw = ck.config.raw
+    heads = ck.dims.num_attention_heads or 1
+    nope, rope, v = (int(raw.get(k) or 0) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+    heads_n = split(heads, "num_attention_heads")
+    q_lora = raw.get("q_lora_rank")
+    return {"KVL": int(raw["kv_lora_rank"]), "R": rope, "QL": int(q_lora or 0),
+            "QHn": heads_n * (nope + rope), "KVBn": heads_n * (nope + v), "On": heads_n * v}
+
+
+def _sizes(ck: Checkpoint, tp: int, moe: MoELayer | None, layer: int | None) -> dict[str, int]:
+    from wna16ctl.layout.vllm_state import kv_heads_per_rank, padded_vocab
+
+    dims = ck.dims
+    cfg = ck.config
+    h = cfg.hidden_size
+    heads, kv, hd = dims.num_attention_heads or 1, dims.num_key_value_heads or 1, dims.head_dim or 1
+    vocab = dims.vocab_size or 0
+
+    def split(size: int, what: str) -> int:
+        if size % tp:
+            raise NotLoadable(f"{ck.root}: {what} {size} is not a multiple of --tp {tp}; vLLM refuses this TP size")
+        return size // tp
+
+    try:
+        kv_rank = 1 if dims.mla else kv_heads_per_rank(kv, tp)
+    except ValueError as e:
+        raise NotLoadable(f"{ck.root}: {e}") from None
+    s: dict[str, int] = {"H": h, "n": tp, "hd": hd, "Qn": split(heads, "num_attention_heads") * hd,
+                         "KVn": kv_rank * hd, "Vn": split(padded_vocab(vocab), "padded vocabulary")}
+    if dims.mla:
+        s |= _mla_sizes(ck, split)
+    if layer is not None and moe is None:  # a dense MLP layer (DeepSeek / GLM first_k_dense_replace)
+        name = f"model.layers.{layer}.mlp.gate_proj.weight"
+        if name in ck.files:
+            s["Dn"] = split(ck.files.info(name).shape[0], f"model.layers.{layer}.mlp intermediate size")
+    if moe is not None and moe.scheme is not None and layer is not None:
+        pf = 32 // moe.scheme.num_bits
+        i_n = split(moe.intermediate_size, f"{moe.prefix}: intermediate size")
+        g = moe.scheme.group_size
+        s |= {"E": moe.num_experts, "In": i_n, "Hp": h // pf, "Inp": i_n // pf, "I2np": 2 * i_n // pf,
+              "Hpz": h // pf, "G13": 1 if g == -1 else h // g, "G2": 1 if g == -1 else i_n // g}
+        if g != -1 and (h % g or i_n % g):
+            raise NotLoadable(f"{moe.prefix}: intermediate size per rank {i_n} or hidden size {h} is not a multiple "
+                              f"of group_size {g}; vLLM refuses --tp {tp}")
+        shared = _shared_size(ck, layer, moe.block.rsplit(".", 1)[-1], _FAMILY_NAMES[moe.family]["gate"])
+        if shared is not None:
+            s["Sn"] = split(shared, "shared_expert intermediate size")
+    return s
+
+
+def _resolve(text: str, layer: int | None, moe: MoELayer | None) -> str:
+    names = _FAMILY_NAMES[moe.family] if moe is not None else _FAMILY_NAMES["gate_up_down"]
+    block = moe.block.rsplit(".", 1)[-1] if moe is not None else "mlp"
+    return text.format(L=layer, B=block, G=names["gate"], U=names["up"], D=names["down"])
+
+
+def _eval_shape(shape: tuple[str, ...], sizes: dict[str, int]) -> tuple[int, ...]:
+    # the expressions are the rulebook's own (a few symbols and + and *)
+    return tuple(int(eval(expr, {"__builtins__": {}}, sizes)) for expr in shape)  # noqa: S307
+
+
+def _rows_for(scope: str) -> list[rules.StateKey]:
+    return [row for row in rules.VLLM_STATE_KEYS if row.scope == scope]
+
+
+def _in_force(row: rules.StateKey, version: str, arch: str) -> bool:
+    if row.archs is not None and arch not in row.archs:
+        return False
+    if row.rule is None:
+        return True
+    neg = row.rule.startswith("!")
+    has = rules.release(version).has(row.rule.lstrip("!"))
+    return has != neg
+
+
+def _expert_orientation(ck: Checkpoint, tp: int, vllm: str, gpu: str, switches: Any
+                        ) -> tuple[dict[int, str], dict[int, bool]]:
+    """(backend per MoE layer, K-first per MoE layer) where the release's expert buffers depend on
+    the backend (state.experts_k_first); empty where they do not."""
+    from wna16ctl.planning.moe import Backend, plan_layer
+
+    rel = rules.release(vllm)
+    if not rel.has("state.experts_k_first"):
+        return {}, {}
+    n_first = {Backend.FLASHINFER_TRTLLM.value} | ({Backend.HUMMING.value} if rel.has("state.humming_n_first") else set())
+    backends: dict[int, str] = {}
+    k_first: dict[int, bool] = {}
+    for lay in ck.layers:
+        lp = plan_layer(lay, tp, False, vllm, gpu, switches) if switches is not None else plan_layer(lay, tp, False, vllm, gpu)
+        if not lp.loadable or lp.backend is None:
+            reason = (lp.errors or ["no backend loads it"])[0]
+            raise NotLoadable(f"{lay.prefix}: vLLM {vllm} on {gpu} does not load this layer at --tp {tp}: {reason}")
+        if lay.layer_index is not None:  # keyed by decoder layer, as the keys are
+            backends[lay.layer_index] = lp.backend.value
+            k_first[lay.layer_index] = lp.backend.value not in n_first
+    return backends, k_first
+
+
+def plan_vllm_state(ckpt: str | os.PathLike[str] | Checkpoint, tp: int, vllm: str, *,
+                    max_shard_bytes: int = 4 << 30, gpu: str = rules.DEFAULT_GPU,
+                    switches: Any = None) -> VllmStatePlan:
+    """The exact tensors of every rank.  `gpu` and `switches` (planning.engine_env.EngineSwitches)
+    matter only for releases whose expert buffers follow the backend (state.experts_k_first)."""
+    ck = ckpt if isinstance(ckpt, Checkpoint) else open_checkpoint(ckpt)
+    check_supported(ck, vllm)
+    backends, k_first = _expert_orientation(ck, tp, vllm, gpu, switches)
+    dtype_name = ck.config.torch_dtype
+    if dtype_name not in FLOAT_ST_OF_CONFIG:
+        raise BadInput(f"{ck.config.path}: torch_dtype {dtype_name!r} is not bfloat16, float16 or float32")
+    model_st = FLOAT_ST_OF_CONFIG[dtype_name]
+    moe_by_layer = {lay.layer_index: lay for lay in ck.layers if lay.layer_index is not None}
+    arch = ck.config.model_type
+    n_layers = ck.config.num_hidden_layers or 0
+
+    def resolved(row: rules.StateKey, layer: int | None, moe: MoELayer | None, sizes: dict[str, int]) -> StateTensor:
+        dtype = model_st if row.dtype == "model" else row.dtype
+        return StateTensor(_resolve(row.key, layer, moe), _eval_shape(row.shape, sizes), dtype,
+                           _resolve(row.fill, layer, moe), layer)
+
+    keys: list[StateTensor] = []
+    base = _sizes(ck, tp, None, None)
+    model_rows = [r for r in _rows_for("model") if _in_force(r, vllm, arch) and _when(ck, r.when, None, None)]
+    keys += [resolved(r, None, None, base) for r in model_rows if r.key.startswith("model.embed")]
+    for layer in range(n_layers):
+        moe = moe_by_layer.get(layer)
+        sizes = _sizes(ck, tp, moe, layer)
+        scopes = ["layer"] + (["moe"] + (["shared"] if "Sn" in sizes else []) if moe is not None else ["dense"])
+        for scope in scopes:
+            for row in _rows_for(scope):
+                if _in_force(row, vllm, arch) and _when(ck, row.when, layer, moe, k_first):
+                    keys.append(resolved(row, layer, moe, sizes))
+    keys += [resolved(r, None, None, base) for r in model_rows if not r.key.startswith("model.embed")]
+    _check_sources(ck, keys)
+    per_rank = [list(keys) for _ in range(tp)]  # every rank holds the same keys and shapes
+    parts = [_split_parts(k, max_shard_bytes) for k in per_rank]
+    return VllmStatePlan(ck, tp, vllm, dtype_name, per_rank, parts, moe_by_layer, gpu, backends, k_first, switches)
+
+
+def _check_sources(ck: Checkpoint, keys: list[StateTensor]) -> None:
+    """Every checkpoint tensor a key is made from exists: one line naming the first that does not."""
+    for t in keys:
+        verb, _, arg = t.fill.partition(" ")
+        if verb in ("copy", "vocab", "column", "row"):
+            names = [arg]
+        elif verb == "qkv":
+            names = [arg.replace(".q_proj.", f".{p}_proj.") for p in "qkv"]
+        elif verb in ("merged", "cat"):
+            names = arg.split()
+        else:
+            continue
+        for name in names:
+            if name not in ck.files:
+                raise ck.files.missing(name)
+
+
+def _split_parts(keys: list[StateTensor], max_bytes: int) -> list[list[StateTensor]]:
+    """Files of at most `max_bytes` (a tensor larger than that gets a file of its own), keys in order."""
+    parts: list[list[StateTensor]] = [[]]
+    size = 0
+    for t in keys:
+        if parts[-1] and size + t.nbytes > max_bytes:
+            parts.append([])
+            size = 0
+        parts[-1].append(t)
+        size += t.nbytes
+    return parts

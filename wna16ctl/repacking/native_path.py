@@ -29,7 +29,8 @@ from wna16ctl.sources.moe import ROLE_ORDER
 from wna16ctl.sources.raw import RawReader
 from wna16ctl.dtypes import ST_SIZES
 from wna16ctl.errors import BadInput
-from wna16ctl.layout.spec import MARLIN, RankLayout, expert_shapes, marlin_scales_grouped, w2_scale_size_k
+from wna16ctl.layout.registry import expert_shapes
+from wna16ctl.layout.spec import MARLIN, RankLayout, marlin_scales_grouped, w2_scale_size_k
 
 _SCALE_KIND = {"F16": 0, "BF16": 1, "F32": 2}  # wna16_first_nonfinite's kinds
 _SUFFIXES = ("weight_packed", "weight_scale")

@@ -40,11 +40,12 @@ from wna16ctl.sources.headers import INDEX_NAME
 from wna16ctl.sources.moe import ROLE_ORDER
 from wna16ctl.sources.raw import RawReader
 from wna16ctl.errors import NotLoadable, UsageError
-from wna16ctl.layout.spec import RankLayout, expert_shapes
+from wna16ctl.layout.registry import EXPERTS, expert_shapes, names as layout_names
+from wna16ctl.layout.spec import AUTO, MARLIN, RankLayout
 from wna16ctl.planning.config_parse import config_refusal
 from wna16ctl.planning.engine_env import EngineSwitches, parse_env
 from wna16ctl.planning.inspection import model_refusal
-from wna16ctl.planning.moe import Backend, LayerPlan, plan_layer
+from wna16ctl.planning.moe import BACKEND_OF_LAYOUT, LayerPlan, plan_layer
 from wna16ctl.planning.tpsizes import check_tp_sizes, parse_tp_list
 from wna16ctl.output.filestream import DEPTH, FileStream, depth_for
 from wna16ctl.sink import TaskStarter, no_progress
@@ -56,7 +57,7 @@ from wna16ctl.output.writer import (
 # torch is imported only where a layer takes the torch data path (wna16ctl.repacking.native_path covers
 # the common layers without it): its import alone costs longer than repacking a gigabyte.
 
-LAYOUTS = ("auto", "marlin", "transposed")
+LAYOUTS = (AUTO, *layout_names(EXPERTS))
 _SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape")
 # Packed input per expert chunk: a chunk and its outputs stay in the CPU caches from the read to
 # the write and the hash (64 MiB chunks measured ~2x the system time: every stage went to DRAM).
@@ -209,9 +210,9 @@ def _choose_layout(layer: MoELayer, plan: LayerPlan, requested: str) -> str:
     if plan.layout is None:
         raise NotLoadable(f"{where}: vLLM {plan.vllm} runs it on {plan.backend.value}, and neither the Marlin nor "
                           "the Triton layout applies to it, so there is nothing wna16ctl can write")
-    if requested == "auto":
+    if requested == AUTO:
         return plan.layout
-    backend = Backend.MARLIN if requested == "marlin" else Backend.TRITON
+    backend = BACKEND_OF_LAYOUT[requested]  # the backend that reads the requested layout
     reason = plan.rejected.get(backend.value)
     if reason and not reason.startswith("lower priority"):
         raise NotLoadable(f"{layer.prefix}: cannot write the {requested} layout: {reason}")
@@ -281,7 +282,7 @@ def plan_repack(ckpt_path: str | os.PathLike[str], settings: RepackSettings) -> 
     for layer in layers:
         plan = plan_layer(layer, settings.tp, settings.ep, settings.vllm, settings.gpu, switches)
         layout = _choose_layout(layer, plan, settings.layout)
-        pad = plan.padded_intermediate if layout == "marlin" else plan.intermediate_size_per_partition
+        pad = plan.padded_intermediate if layout == MARLIN else plan.intermediate_size_per_partition
         assert layer.scheme is not None
         if settings.ep:
             counts = plan.local_experts
@@ -381,8 +382,12 @@ class RepackResult:
     processes: list[dict[str, Any]] = field(default_factory=list)  # per process that wrote into OUT
     committed: bool = True  # False in a process that wrote its ranks into another process's OUT
     simd: str | None = None  # this process's native tile loop (wna16ctl.native.simd); None: no layer took the native path
+    plan: Any = None  # what was executed: a RepackPlan, or the vllm layout's VllmStatePlan
+    layout_json: dict[str, Any] | None = None  # a layout's own JSON form of the result (the vllm layout's)
 
     def to_json(self) -> dict[str, Any]:
+        if self.layout_json is not None:
+            return self.layout_json
         return {
             "output": str(self.out),
             "files_written": self.files_written,

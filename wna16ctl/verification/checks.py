@@ -40,6 +40,7 @@ from wna16ctl.sources.tensors import TensorReader, dtype_from_name, writable_vie
 from wna16ctl.errors import BadInput, LayoutMismatch, NotLoadable, UsageError
 from wna16ctl.layout.packing import unpack_codes
 from wna16ctl.layout.rank import RankLayout, unbuild_expert_tensors
+from wna16ctl.layout.spec import MARLIN
 from wna16ctl.layout.shard import shard_expert, unshard_expert
 from wna16ctl.layout._mismatch import first_difference
 from wna16ctl.sources.config import SCALE_DTYPES
@@ -562,7 +563,7 @@ def verify_output(
     raises a WnaError; a failing or skipped check is recorded in the returned report, never raised.
     `layers` ("0-3,7" or indices): check only those MoE layers' experts; `experts` (the same form): only
     those experts of each layer checked.  Either makes a partial verify, said so."""
-    from wna16ctl.repacking.vllm_layout import is_vllm_output
+    from wna16ctl.verification.vllm_state import is_vllm_output
 
     if is_vllm_output(out):  # whole-model sharded_state files: contract and round trip
         asked = [flag for flag, value in (("--e2e", e2e), ("--layers", layers), ("--experts", experts))
@@ -611,12 +612,12 @@ def verify_output(
 
 
 def verify_vllm_output(ckpt: str | os.PathLike[str], out: str | os.PathLike[str]) -> VerifyReport:
-    """A `--layout vllm` output (repacking.vllm_layout checks it) as a report like every layout's: the
+    """A `--layout vllm` output (verification.vllm_state checks it) as a report like every layout's: the
     files against vLLM's contract and the manifest's hashes are its manifest check, every tensor
     inverted back to the checkpoint bit for bit its round trip.  The numerics do not run (not
     required, said so): the files hold vLLM's own parameters, which the round trip proves equal to
     the checkpoint's, and vLLM's kernels compute with them."""
-    from wna16ctl.repacking.vllm_layout import verify_vllm_state
+    from wna16ctl.verification.vllm_state import verify_vllm_state
 
     state = verify_vllm_state(ckpt, out)
     report = VerifyReport(str(ckpt), str(out), "cpu", tokenizer="", samples=0, layout_state=state, checks=[
@@ -667,7 +668,7 @@ def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], sam
                    f"{len(plan.files)}: rank{'s' if len(report.ranks_not_checked) != 1 else ''} {missing} not checked, "
                    "nor the re-assembly across ranks (verify the parts copied together for that)"))
     dtype = dtype_from_name(manifest["scale_dtype"])
-    if dtype not in GEMM_DTYPES and any(j.layout == "marlin" for j in jobs):
+    if dtype not in GEMM_DTYPES and any(j.layout == MARLIN for j in jobs):
         raise UsageError(
             f"{out_path}: scales are {manifest['scale_dtype']} (torch_dtype of {ck.root.name}); the MoE GEMM verify "
             "runs, like vLLM's Marlin MoE kernels, takes float16/bfloat16 only, so this output cannot be verified"

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from wna16ctl.verification.activations import read_records
 from wna16ctl.errors import BadInput
+from wna16ctl.layout.spec import MARLIN
 
 SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
 FEW_SHOT = 2  # worked GSM8K examples before the question when the checkpoint has no chat template
@@ -526,7 +527,7 @@ def _run_e2e(ck, out: Path, plan, samples: Path, options: E2EOptions, device: to
     missing = [lay.prefix for lay in ck.layers if lay.prefix not in jobs]
     if missing:
         return not_run(f"{missing[0]}: routed experts that were not repacked (unquantized); --e2e needs every MoE block repacked")
-    other = next((j for j in plan.jobs if j.layout != "marlin"), None)
+    other = next((j for j in plan.jobs if j.layout != MARLIN), None)
     if other is not None:
         return not_run(f"{other.layer.prefix}: layout {other.layout!r}; the MoE GEMM kernels read the Marlin layout only")
     if dtype not in UNIT_ROUNDOFF or dtype == torch.float32:
