@@ -19,6 +19,7 @@ from typing import Any
 from wna16ctl.planning import rules
 from wna16ctl.planning.config_parse import scheme_refusal
 from wna16ctl.planning.engine_env import DEFAULT as DEFAULT_SWITCHES, EngineSwitches
+from wna16ctl.sources.architectures import model_types
 from wna16ctl.sources.config import PACK_QUANTIZED, WeightScheme
 from wna16ctl.sources.model import COLUMN, QKV, REPLICATED, ROW, VOCAB, LinearLayer, ModelDims
 
@@ -456,7 +457,7 @@ class ModelCheck:
                 "stage": self.stage, "fatal": self.fatal}
 
 
-_EXPERTS_GT_TP = ("qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
+_EXPERTS_GT_TP = model_types(experts_at_least_tp=True)
 
 
 def model_checks(dims: ModelDims, tp: int, ep: bool, engine: str = rules.NEWEST,
