@@ -529,6 +529,12 @@ VLLM_STATE_SUPPORT: dict[str, tuple[str, ...]] = {
 }
 VLLM_STATE_ARCHITECTURES = tuple(VLLM_STATE_SUPPORT)
 
+# The releases the `wna16ctl` load format serves (integrations/marlin_serving.py): those whose weight
+# processing of compressed-tensors WNA16 MoE layers (`CompressedTensorsWNA16MoEMethod`,
+# `_process_weights_marlin`) was read for it.  Written out like the contract's: a release added to
+# RELEASES is served once its processing is read and it is listed here.
+PLUGIN_RELEASES = ("0.32.0", "0.33.0")
+
 
 # bit widths whose packed expert words the vllm layout splits by rank (32 // bits whole codes per
 # word, the same in either packing); 3, 5, 6 and 7 bits straddle words and are not written
