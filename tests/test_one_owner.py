@@ -6,6 +6,8 @@ fails here with the place it stands.
 - dtype-name maps (safetensors' names to sizes, torch dtypes or config names): wna16ctl/dtypes.py
 - vLLM releases: wna16ctl/planning/rules.py
 - layout names (marlin, transposed, vllm): wna16ctl/layout/spec.py
+- architectures (config.json's model_type) and their facts: wna16ctl/sources/architectures.py; a
+  model_type is named elsewhere only by the demo's writer of each family's config.json
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import ast
 from pathlib import Path
 
 import wna16ctl
+from wna16ctl.sources.architectures import ARCHITECTURES, DEMO_ARCHITECTURES, model_types
 
 PACKAGE = Path(wna16ctl.__file__).resolve().parent
 _ST_NAMES = {"BF16", "F16", "F32", "I32", "I8", "U8", "I64"}
@@ -41,7 +44,7 @@ def second_definitions(modules: list[tuple[str, ast.AST]]) -> list[str]:
                     found.append(f"{rel}:{node.lineno}: a dtype-name map (dtypes.py)")
             if isinstance(node, ast.Tuple) and rel != "planning/rules.py" and \
                     sum(isinstance(e, ast.Constant) and isinstance(e.value, str) and e.value.startswith("0.")
-                        and e.value.count(".") == 2 for e in node.elts) >= 3:
+                        and e.value.count(".") == 2 for e in node.elts) >= 2:
                 found.append(f"{rel}:{node.lineno}: a list of vLLM releases (planning/rules.py)")
     return found
 
@@ -49,7 +52,7 @@ def second_definitions(modules: list[tuple[str, ast.AST]]) -> list[str]:
 _LAYOUT_NAMES = {"marlin", "transposed", "vllm"}
 # Functions that still spell layout names out (known, not yet replaced): an entry goes once its
 # function imports the names.
-_LAYOUT_NAME_PENDING = {("planning/moe.py", "plan_layer"), ("verification/checks.py", "_verify_layer")}
+_LAYOUT_NAME_PENDING: set[tuple[str, str]] = set()
 
 
 def _is_layout_name(node: ast.AST | None) -> bool:
@@ -123,6 +126,40 @@ if backend == "marlin": pass
     assert sorted(int(f.split(":")[1]) for f in found) == [2, 3, 4, 5, 6, 7], found
 
 
+# where a model_type may be written besides the table: the demo writes each family's config.json;
+# the rulebook's checked (architecture, releases) pairs of the sharded_state contract, a written-out
+# literal (tests/planning/test_rules.py), whose keys are checked against the table below; the
+# demo command's --arch choices and default, checked against the table below
+_ARCH_NAMES_ALLOWED = {"sources/architectures.py", "demo.py", "cli.py"}
+_ARCH_TABLES_ALLOWED = {("planning/rules.py", "VLLM_STATE_SUPPORT"), ("cli.py", None)}
+
+
+def architecture_facts_elsewhere(modules: list[tuple[str, ast.AST]]) -> list[str]:
+    """Where a module other than the table names an architecture: a collection (tuple, list, set,
+    dict keys) of model types anywhere, or one model type outside the demo's config writer."""
+    found = []
+    for rel, tree in modules:
+        if rel == "sources/architectures.py":
+            continue
+        docstrings = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr)}
+        in_tables: set[int] = set()
+        for node in ast.walk(tree):
+            elts = node.keys if isinstance(node, ast.Dict) else getattr(node, "elts", None)
+            if not isinstance(node, (ast.Tuple, ast.List, ast.Set, ast.Dict)) or elts is None:
+                continue
+            named = [e for e in elts if isinstance(e, ast.Constant) and e.value in ARCHITECTURES]
+            if named and (rel, _assigned_name(tree, node)) not in _ARCH_TABLES_ALLOWED:
+                found.append(f"{rel}:{node.lineno}: a list of architectures (sources/architectures.py)")
+            in_tables.update(id(e) for e in named)
+        if rel in _ARCH_NAMES_ALLOWED:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and node.value in ARCHITECTURES and id(node) not in docstrings \
+                    and id(node) not in in_tables:
+                found.append(f"{rel}:{node.lineno}: the architecture {node.value!r} (sources/architectures.py)")
+    return found
+
+
 def _assigned_name(tree: ast.AST, value: ast.AST) -> str | None:
     for node in ast.walk(tree):
         if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is value:
@@ -134,6 +171,38 @@ def _assigned_name(tree: ast.AST, value: ast.AST) -> str | None:
 def test_each_concept_is_defined_once():
     found = second_definitions(_modules())
     assert not found, "defined again:\n" + "\n".join(found)
+
+
+def test_each_architecture_is_described_once():
+    found = architecture_facts_elsewhere(_modules())
+    assert not found, "named outside the architecture table:\n" + "\n".join(found)
+
+
+def test_the_lists_of_architectures_left_outside_the_table_follow_it():
+    """The written-out lists the check lets stand name the architectures the table says."""
+    from wna16ctl.planning import rules
+
+    assert sorted(rules.VLLM_STATE_SUPPORT) == sorted(model_types(sharded_state=True))
+    from wna16ctl.cli import cli
+
+    (arch,) = [p for p in cli.commands["demo"].params if p.name == "arch"]
+    assert tuple(arch.type.choices) == DEMO_ARCHITECTURES and arch.default in DEMO_ARCHITECTURES
+
+
+def test_an_architecture_named_again_is_seen():
+    src = '''
+SHARED = ("deepseek_v3", "kimi_k2")
+WIDTHS = {"mixtral": "intermediate_size"}
+def renorm(model_type):
+    return model_type == "qwen3_moe"
+'''
+    found = architecture_facts_elsewhere([("verification/x.py", ast.parse(src))])
+    assert [f.split(": ", 1)[1] for f in found] == [
+        "a list of architectures (sources/architectures.py)", "a list of architectures (sources/architectures.py)",
+        "the architecture 'qwen3_moe' (sources/architectures.py)"]
+    # the demo's config writer may compare with a model type, never list them
+    assert [f.split(": ", 1)[1] for f in architecture_facts_elsewhere([("demo.py", ast.parse(src))])] == [
+        "a list of architectures (sources/architectures.py)", "a list of architectures (sources/architectures.py)"]
 
 
 def test_a_second_definition_is_seen():

@@ -36,17 +36,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from wna16ctl.sink import TaskStarter, no_progress
+from wna16ctl.sources.architectures import ARCHITECTURES as _FACTS, DEMO_ARCHITECTURES, SHARED_EXPERT, SHARED_EXPERTS
 from wna16ctl.verification.samples import DEMO_QUESTIONS
 
 if TYPE_CHECKING:
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
-ARCHITECTURES = ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "deepseek_v2", "kimi_k2", "glm4_moe")
-# multi-head latent attention (DeepSeek-V2 without a query LoRA, like V2-Lite; V3 and Kimi-K2 with one)
-MLA_ARCHITECTURES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
-# families whose first layer keeps a dense MLP (first_k_dense_replace = 1) and whose MoE layers
-# carry shared experts under `mlp.shared_experts`
-DENSE_FIRST_ARCHITECTURES = ("deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe")
+# the families the demo writes, with their facts (module names, config fields, attention kind)
+# from the architecture table
+ARCHITECTURES = DEMO_ARCHITECTURES
 ACTORDERS = (None, "weight", "static", "group")
 MIXED_MODES = (None, "layer", "expert")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -58,27 +56,6 @@ WEIGHT_STD = 0.02
 SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>")  # ids 0 and 1 = bos/eos in config.json
 TOKENIZER_TRAINING_LINES = 400
 
-# per architecture: (MoE block name, expert projection names in module registration order)
-_MOE_BLOCK = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe", "qwen2_moe": "mlp", "deepseek_v3": "mlp",
-              "deepseek_v2": "mlp", "kimi_k2": "mlp", "glm4_moe": "mlp"}
-_EXPERT_PROJECTIONS = {
-    "qwen3_moe": ("gate_proj", "up_proj", "down_proj"),
-    "mixtral": ("w1", "w2", "w3"),
-    "qwen2_moe": ("gate_proj", "up_proj", "down_proj"),
-    "deepseek_v3": ("gate_proj", "up_proj", "down_proj"),
-    "deepseek_v2": ("gate_proj", "up_proj", "down_proj"),
-    "kimi_k2": ("gate_proj", "up_proj", "down_proj"),
-    "glm4_moe": ("gate_proj", "up_proj", "down_proj"),
-}
-_ARCHITECTURE_CLASS = {
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-    "deepseek_v3": "DeepseekV3ForCausalLM",
-    "deepseek_v2": "DeepseekV2ForCausalLM",
-    "kimi_k2": "DeepseekV3ForCausalLM",  # Kimi-K2 is the DeepSeek-V3 architecture
-    "glm4_moe": "Glm4MoeForCausalLM",
-}
 # DeepSeek-V3 MLA dimensions (small; the real model uses 512/1536/64/128/128). kv_lora_rank and
 # qk_rope_head_dim are DemoSpec fields (an engine's MLA kernel may accept only the real sizes)
 _MLA_QK_ROPE_HEAD_DIM = 16
@@ -131,13 +108,13 @@ class DemoSpec:
 
 def moe_layer_indices(spec: DemoSpec) -> list[int]:
     """Layers that have routed experts (DeepSeek-V3's first layer is dense)."""
-    first = 1 if spec.arch in DENSE_FIRST_ARCHITECTURES else 0
+    first = 1 if _FACTS[spec.arch].dense_first else 0
     return list(range(first, spec.num_layers))
 
 
 def expert_projection_names(arch: str) -> tuple[str, ...]:
     """Expert projection module names of `arch`, in module registration order (Mixtral: w1, w2, w3)."""
-    return _EXPERT_PROJECTIONS[arch]
+    return _FACTS[arch].registration_order
 
 
 def _check_spec(spec: DemoSpec) -> None:
@@ -172,7 +149,7 @@ def _check_spec(spec: DemoSpec) -> None:
         raise bad("mixed 'expert' needs at least 2 experts")
     if spec.dtype not in DTYPES:
         raise bad(f"dtype {spec.dtype!r} is not one of {tuple(DTYPES)}")
-    if spec.num_layers < 1 or (spec.arch in DENSE_FIRST_ARCHITECTURES and spec.num_layers < 2):
+    if spec.num_layers < 1 or (_FACTS[spec.arch].dense_first and spec.num_layers < 2):
         raise bad(f"num_layers too small to have an MoE layer ({spec.arch} layer 0 is dense)")
     if spec.num_experts < 1 or not 1 <= spec.top_k <= spec.num_experts:
         raise bad(f"need 1 <= top_k <= num_experts, got top_k {spec.top_k}, num_experts {spec.num_experts}")
@@ -225,7 +202,7 @@ def model_config(spec: DemoSpec) -> dict[str, Any]:
     _check_spec(spec)
     heads, kv_heads, head_dim = _attention_heads(spec.hidden_size)
     common: dict[str, Any] = {
-        "architectures": [_ARCHITECTURE_CLASS[spec.arch]],
+        "architectures": [_FACTS[spec.arch].model_class],
         "model_type": spec.arch,
         "hidden_size": spec.hidden_size,
         "num_hidden_layers": spec.num_layers,
@@ -384,7 +361,7 @@ def demo_source_weights(spec: DemoSpec = DemoSpec()) -> dict[str, torch.Tensor]:
 def _attention_tensors(spec: DemoSpec, make: _TensorMaker) -> dict[str, torch.Tensor]:
     hidden = spec.hidden_size
     heads, kv_heads, head_dim = _attention_heads(hidden)
-    if spec.arch in MLA_ARCHITECTURES:
+    if _FACTS[spec.arch].mla:
         mla = _mla_dims(spec)
         qk_head_dim = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
         query = {
@@ -402,7 +379,7 @@ def _attention_tensors(spec: DemoSpec, make: _TensorMaker) -> dict[str, torch.Te
         }
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
     tensors = {"self_attn.q_proj.weight": make.normal(q_size, hidden)}
-    biased = spec.arch in ("qwen2_moe", "glm4_moe")  # Qwen2 and GLM-4.5 attention have q/k/v biases
+    biased = _FACTS[spec.arch].qkv_bias
     if biased:
         tensors["self_attn.q_proj.bias"] = make.normal(q_size)
     tensors["self_attn.k_proj.weight"] = make.normal(kv_size, hidden)
@@ -412,7 +389,7 @@ def _attention_tensors(spec: DemoSpec, make: _TensorMaker) -> dict[str, torch.Te
     if biased:
         tensors["self_attn.v_proj.bias"] = make.normal(kv_size)
     tensors["self_attn.o_proj.weight"] = make.normal(hidden, q_size)
-    if spec.arch == "qwen3_moe":
+    if _FACTS[spec.arch].qk_norm:
         tensors["self_attn.q_norm.weight"] = make.norm(head_dim)
         tensors["self_attn.k_norm.weight"] = make.norm(head_dim)
     return tensors
@@ -429,8 +406,8 @@ def _swiglu_tensors(prefix: str, names: tuple[str, str, str], hidden: int, inner
 
 def _mlp_tensors(spec: DemoSpec, make: _TensorMaker, layer: int) -> dict[str, torch.Tensor]:
     hidden, inner = spec.hidden_size, spec.intermediate_size
-    block = _MOE_BLOCK[spec.arch]
-    gate_up_down = ("w1", "w3", "w2") if spec.arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    block = _FACTS[spec.arch].moe_block
+    gate_up_down = _FACTS[spec.arch].gate_up_down
     if layer not in moe_layer_indices(spec):  # DeepSeek-V3 dense layer
         return _swiglu_tensors("mlp.", gate_up_down, hidden, _dense_mlp_size(spec), make)
 
@@ -438,7 +415,7 @@ def _mlp_tensors(spec: DemoSpec, make: _TensorMaker, layer: int) -> dict[str, to
     experts: dict[str, torch.Tensor] = {}
     for expert in range(spec.num_experts):
         experts |= _swiglu_tensors(f"{block}.experts.{expert}.", gate_up_down, hidden, inner, make)
-    if spec.arch in DENSE_FIRST_ARCHITECTURES:
+    if _FACTS[spec.arch].shared_experts == SHARED_EXPERTS:
         # DeepseekV3MoE (and GLM-4.5's) registers experts, gate (weight + fp32 correction bias under
         # noaux_tc routing), shared_experts
         if spec.arch != "deepseek_v2":
@@ -446,7 +423,7 @@ def _mlp_tensors(spec: DemoSpec, make: _TensorMaker, layer: int) -> dict[str, to
         shared = _swiglu_tensors("mlp.shared_experts.", gate_up_down, hidden, inner * _n_shared_experts(spec), make)
         return experts | router | shared
     tensors = router | experts
-    if spec.arch == "qwen2_moe":
+    if _FACTS[spec.arch].shared_experts == SHARED_EXPERT:
         tensors |= _swiglu_tensors("mlp.shared_expert.", gate_up_down, hidden, _shared_expert_size(spec), make)
         tensors["mlp.shared_expert_gate.weight"] = make.normal(1, hidden)
     return tensors
@@ -458,14 +435,14 @@ def _mlp_tensors(spec: DemoSpec, make: _TensorMaker, layer: int) -> dict[str, to
 
 def _expert_target(spec: DemoSpec, layer_pattern: str = r"\d+", expert_pattern: str = r"\d+") -> str:
     projections = "|".join(expert_projection_names(spec.arch))
-    block = _MOE_BLOCK[spec.arch]
+    block = _FACTS[spec.arch].moe_block
     return rf"re:model\.layers\.{layer_pattern}\.{block}\.experts\.{expert_pattern}\.({projections})$"
 
 
 def _mlp_target(spec: DemoSpec) -> str:
     """The shared experts' and dense MLPs' projections (not the routed experts)."""
     projections = "|".join(expert_projection_names(spec.arch))
-    return rf"re:model\.layers\.\d+\.{_MOE_BLOCK[spec.arch]}\.(shared_experts?\.)?({projections})$"
+    return rf"re:model\.layers\.\d+\.{_FACTS[spec.arch].moe_block}\.(shared_experts?\.)?({projections})$"
 
 
 def _weight_args(spec: DemoSpec, num_bits: int, actorder: str | None) -> "QuantizationArgs":

@@ -14,6 +14,7 @@ from click.testing import CliRunner
 
 from tests.conftest import QUESTIONS
 from wna16ctl.cli import cli
+from wna16ctl.planning import rules
 
 DEMO = dict(num_layers=2, num_experts=8, top_k=2)  # hidden 256, intermediate 256, int4 g128, 4 heads
 
@@ -37,7 +38,7 @@ def test_inspect_gives_a_step_for_each_tp_size_that_loads_even_when_others_do_no
     steps = json.loads(res.stdout)["next_steps"]
     assert [s["tp"] for s in steps] == [1, 2]
     for s in steps:
-        assert s["layout"] == "vllm" and f"--tp {s['tp']} --layout vllm --vllm 0.33.0" in s["repack"]
+        assert s["layout"] == "vllm" and f"--tp {s['tp']} --layout vllm --vllm {rules.NEWEST}" in s["repack"]
         assert s["serve"].startswith("vllm serve ") and f"--tensor-parallel-size {s['tp']}" in s["serve"]
     human = invoke("inspect", ck, "--tp", "1,2,4,8").stdout
     commands = pasted(human.split("next steps:")[1])

@@ -26,8 +26,10 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-RELEASES = ("0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")
-DEFAULT_CI_RELEASES = ("0.27.0", "0.33.0")
+from wna16ctl.planning import rules
+
+RELEASES = rules.RELEASES  # the releases the rulebook plans, each compared with its own sources
+DEFAULT_CI_RELEASES = (rules.OLDEST, rules.NEWEST)  # what `make test` compares
 _DONE = ".complete"
 
 

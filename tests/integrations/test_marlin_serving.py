@@ -40,7 +40,7 @@ def test_the_output_is_read_and_a_matching_engine_passes(marlin_out):
 
 @pytest.mark.parametrize("change,needle", [
     ({"vllm_version": "0.33.0"}, "repacked for vLLM 0.32.0, this is vLLM 0.33.0; repack with --vllm 0.33.0"),
-    ({"vllm_version": "0.31.0"}, "serves vLLM 0.32.0, 0.33.0; this is vLLM 0.31.0"),
+    ({"vllm_version": "0.31.0"}, f"serves vLLM {', '.join(ms.SERVED_RELEASES)}; this is vLLM 0.31.0"),
     ({"capability": 80}, "repacked for sm90, this GPU is sm80 (compute capability 8.0); repack with --gpu sm80"),
     ({"capability": None}, "no CUDA GPU here"),
     ({"moe_backend": "humming"}, "--moe-backend humming cannot read the Marlin layout; serve with --moe-backend marlin"),

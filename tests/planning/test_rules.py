@@ -100,7 +100,8 @@ def test_differences_are_computed_from_the_rules():
     from wna16ctl.planning.moe import release_differences
 
     diff = release_differences(lay, 2, False, "0.29.0", "sm80")
-    assert diff == ["vLLM 0.30.0–0.33.0: refused at config parse: " + plan_layer(lay, 2, engine="0.33.0").errors[0]]
+    assert diff == [f"vLLM 0.30.0–{rules.NEWEST}: refused at config parse: "
+                    + plan_layer(lay, 2, engine=rules.NEWEST).errors[0]]
     assert p.loadable
 
 
@@ -164,3 +165,16 @@ def test_the_sharded_state_contract_lists_exactly_its_checked_releases():
             f"VLLM_STATE_SUPPORT[{ast.literal_eval(key)!r}] is not a written-out tuple of releases"
     for arch, versions in rules.VLLM_STATE_SUPPORT.items():
         assert set(versions) <= set(rules.RELEASES), arch
+
+
+def test_the_release_notes_list_every_known_release():
+    """docs/vllm-releases.md, the changelog of the rulebook, names the releases it plans and has a
+    row per release: a release added to RELEASES without its row fails here."""
+    import re
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "vllm-releases.md").read_text()
+    known = re.search(r"Known releases: \*\*([^*]+)\*\*", doc)
+    assert known is not None and known.group(1).split(", ") == list(rules.RELEASES)
+    assert f"a newer one as {rules.NEWEST}" in doc.replace("\n", " ")
+    changes = doc.split("| release | what changed for WNA16 MoE |", 1)[1].split("\n\n", 1)[0]
+    assert re.findall(r"^\| (\d+\.\d+\.\d+) \| ", changes, re.M) == list(rules.RELEASES)

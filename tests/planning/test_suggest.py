@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from tests import modelckpt as m
 import wna16ctl
 from wna16ctl.cli import cli
+from wna16ctl.planning import rules
 
 IGNORE = list(m.RECIPE_IGNORE)
 RECIPE = """
@@ -189,7 +190,7 @@ def test_suggestions_per_refusal_kind_each_replanned_and_loading(small, kind):
         assert _recheck(small[base], x, proposal_args), x
     if kind == "grouped int8 at 0.27":
         v = next(x for x in s if x["kind"] == "vllm")
-        assert v["vllm"] == "0.33.0" and v["flags"] == "--vllm 0.33.0"  # the newest that loads
+        assert v["vllm"] == rules.NEWEST and v["flags"] == f"--vllm {rules.NEWEST}"  # the newest that loads
     if kind == "channel-wise on sm90 with 0.33":
         g = next(x for x in s if x["kind"] == "gpu")
         assert g["gpu"] == "sm89"  # the nearest architecture whose backend order puts Marlin first

@@ -22,8 +22,8 @@ from wna16ctl.planning import rules
 MANIFEST = MANIFEST_NAME
 LOAD_FORMAT = PLUGIN_LOAD_FORMAT
 # The releases whose weight processing of compressed-tensors WNA16 MoE layers was read for this
-# plugin (vLLM's `CompressedTensorsWNA16MoEMethod` and `_process_weights_marlin`; identical in both).
-SERVED_RELEASES = ("0.32.0", "0.33.0")
+# plugin (the rulebook's list).
+SERVED_RELEASES = rules.PLUGIN_RELEASES
 # The parameters vLLM's processed Marlin MoE layer holds, by what the output may carry.
 SERVED_TENSORS = ("w13_weight_packed", "w2_weight_packed", "w13_weight_scale", "w2_weight_scale",
                   "w13_weight_zero_point", "w2_weight_zero_point")

@@ -1101,29 +1101,7 @@ def summary(report: dict) -> str:
         state = san.get("skipped") or (f"not run ({san['not_run']})" if san.get("not_run") else ", ".join(
             f"{t} {tool_state(t)}" for t in SANITIZER_TOOLS if t in san))
         lines.append(f"  compute-sanitizer: {state}")
-    if "vllm_plugin" in report:
-        v = report["vllm_plugin"]
-        if v.get("not_run"):
-            state = f"not run ({v['not_run']})"
-        elif "same_tokens" in v:
-            state = (f"{'ok' if v['ok'] else 'FAILED'} (vLLM {v.get('vllm')}, greedy tokens "
-                     f"{'equal' if v['same_tokens'] else 'DIFFER'}, max logprob diff {v['max_logprob_diff']:.3g} "
-                     f"over {v['logprobs_compared']})")
-        else:
-            state = f"FAILED ({v.get('error')})"
-        lines.append(f"  --load-format wna16ctl vs default load: {state}")
-    if "engine_load" in report:
-        e = report["engine_load"]
-        if e.get("not_run"):
-            state = f"not run ({e['not_run']})"
-        elif e.get("status") == "measured":
-            state = (f"{'ok' if not e.get('error') else 'FAILED (' + e['error'] + ')'} (vLLM {e.get('vllm')}, TP "
-                     f"{e.get('tp')}: ready {e['summary']['default']['ready_s']:.1f} s default, "
-                     f"{e['summary']['sharded_state']['ready_s']:.1f} s sharded_state, "
-                     f"default / sharded_state {e['ready_ratio']:.2f}x)")
-        else:
-            state = f"FAILED ({e.get('error')})"
-        lines.append(f"  engine start-up, default vs sharded_state: {state}")
+    lines += _engine_lines(report)
     if "pytest_gpu" in report:
         p = report["pytest_gpu"]
         state = (p.get("skipped") or (f"not run ({p['not_run']})" if p.get("not_run") else None)
@@ -1164,27 +1142,7 @@ def summary(report: dict) -> str:
         lines.append(f"  repack {br['shape']['packed_mb']} MB int4: {br['plain']['gbps_read_write']} GB/s "
                      f"({br['plain']['pct_of_peak']}% of peak, {br['plain'].get('pct_of_copy')}% of copy), "
                      f"act-order {br['act_order']['gbps_read_write']} GB/s")
-    for row in report.get("bench_gemm", {}).get("rows", []):
-        parts = []
-        for kernel, model in (("v3", row.get("model_v3", {})), ("v2", row.get("model", {})), ("marlin", {})):
-            k = row.get(kernel, {})
-            if "ms" not in k:
-                if k:
-                    parts.append(f"{kernel} {k.get('not_run') or k.get('error')}")
-                continue
-            expected = (f", model {model['expected_pct_of_peak']}% ({model['limit']}), measured / model "
-                        f"{row.get(f'{kernel}_over_model')}" if "expected_pct_of_peak" in model else "")
-            fitted = row.get("measured_over_fitted_model", {}).get(kernel)
-            if isinstance(fitted, float):
-                expected += f", measured / fitted model {fitted}"
-            parts.append(f"{kernel} {k['ms'] * 1e3:.1f} us ({k['pct_of_peak']}% of peak, {k.get('pct_of_copy')}% of "
-                         f"copy{expected}, / bf16 = {row.get(f'{kernel}_over_bf16')})")
-        ratios = ", ".join(f"{kr} / marlin = {row[f'{kr}_over_marlin']}" for kr in ("v3", "v2")
-                           if f"{kr}_over_marlin" in row)
-        same = "" if "v3_equals_v2" not in row else f"; v3 == v2 {'yes' if row['v3_equals_v2'] else 'NO'}"
-        lines.append(f"  GEMM {row.get('shape', '')} m={row['m']:>4}: " + "; ".join(parts)
-                     + (f"; {ratios}" if ratios else "")
-                     + f"; torch bf16 {row['torch_bf16_bmm']['ms'] * 1e3:.1f} us{same}")
+    lines += [_gemm_row_line(row) for row in report.get("bench_gemm", {}).get("rows", [])]
     for name, g in report.get("goals", {}).items():
         state = "not measured" if g.get("met") is None else ("met" if g["met"] else "NOT met")
         lines.append(f"  goal {name} {g['goal']}" + (f" ({g['kernel']})" if g.get("kernel") else "") + f": {state}")
@@ -1197,6 +1155,59 @@ def summary(report: dict) -> str:
             f"{name} {st['state']}" + (f" ({st['reason']})" if st.get("reason") else "")
             for name, st in report["steps"].items()))
     return "\n".join(lines)
+
+
+def _gemm_row_line(row: dict) -> str:
+    """One benchmark row: each kernel's time, share of the peak and of the copy, the models, the ratios."""
+    parts = []
+    for kernel, model in (("v3", row.get("model_v3", {})), ("v2", row.get("model", {})), ("marlin", {})):
+        k = row.get(kernel, {})
+        if "ms" not in k:
+            if k:
+                parts.append(f"{kernel} {k.get('not_run') or k.get('error')}")
+            continue
+        expected = (f", model {model['expected_pct_of_peak']}% ({model['limit']}), measured / model "
+                    f"{row.get(f'{kernel}_over_model')}" if "expected_pct_of_peak" in model else "")
+        fitted = row.get("measured_over_fitted_model", {}).get(kernel)
+        if isinstance(fitted, float):
+            expected += f", measured / fitted model {fitted}"
+        parts.append(f"{kernel} {k['ms'] * 1e3:.1f} us ({k['pct_of_peak']}% of peak, {k.get('pct_of_copy')}% of "
+                     f"copy{expected}, / bf16 = {row.get(f'{kernel}_over_bf16')})")
+    ratios = ", ".join(f"{kr} / marlin = {row[f'{kr}_over_marlin']}" for kr in ("v3", "v2")
+                       if f"{kr}_over_marlin" in row)
+    same = "" if "v3_equals_v2" not in row else f"; v3 == v2 {'yes' if row['v3_equals_v2'] else 'NO'}"
+    return (f"  GEMM {row.get('shape', '')} m={row['m']:>4}: " + "; ".join(parts)
+            + (f"; {ratios}" if ratios else "")
+            + f"; torch bf16 {row['torch_bf16_bmm']['ms'] * 1e3:.1f} us{same}")
+
+
+def _engine_lines(report: dict) -> list[str]:
+    """The steps that start vLLM: its load format and the engine start-up comparison."""
+    lines: list[str] = []
+    if "vllm_plugin" in report:
+        v = report["vllm_plugin"]
+        if v.get("not_run"):
+            state = f"not run ({v['not_run']})"
+        elif "same_tokens" in v:
+            state = (f"{'ok' if v['ok'] else 'FAILED'} (vLLM {v.get('vllm')}, greedy tokens "
+                     f"{'equal' if v['same_tokens'] else 'DIFFER'}, max logprob diff {v['max_logprob_diff']:.3g} "
+                     f"over {v['logprobs_compared']})")
+        else:
+            state = f"FAILED ({v.get('error')})"
+        lines.append(f"  --load-format wna16ctl vs default load: {state}")
+    if "engine_load" in report:
+        e = report["engine_load"]
+        if e.get("not_run"):
+            state = f"not run ({e['not_run']})"
+        elif e.get("status") == "measured":
+            state = (f"{'ok' if not e.get('error') else 'FAILED (' + e['error'] + ')'} (vLLM {e.get('vllm')}, TP "
+                     f"{e.get('tp')}: ready {e['summary']['default']['ready_s']:.1f} s default, "
+                     f"{e['summary']['sharded_state']['ready_s']:.1f} s sharded_state, "
+                     f"default / sharded_state {e['ready_ratio']:.2f}x)")
+        else:
+            state = f"FAILED ({e.get('error')})"
+        lines.append(f"  engine start-up, default vs sharded_state: {state}")
+    return lines
 
 
 # the steps in run order; the checks first, the benchmarks after them, then the slow tools

@@ -12,12 +12,14 @@ planner): the same rulebook, the same shape of result, no files read and no torc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from wna16ctl.planning import rules
 from wna16ctl.planning.config_parse import scheme_refusal
 from wna16ctl.planning.engine_env import DEFAULT as DEFAULT_SWITCHES, EngineSwitches
+from wna16ctl.sources.architectures import model_types
 from wna16ctl.sources.config import PACK_QUANTIZED, WeightScheme
 from wna16ctl.sources.model import COLUMN, QKV, REPLICATED, ROW, VOCAB, LinearLayer, ModelDims
 
@@ -112,103 +114,126 @@ def _straddle_text(k_p: int, group_size: int, layer: str | None, extra: str = ""
 def kernel_reason(kernel: str, rel: rules.Release, gpu: str, c: KernelConfig) -> str | None:
     """Why `kernel` cannot implement the layer (None: it can), in the order the release checks."""
     cc = rules.GPUS[gpu]
-    g_idx = c.has_g_idx and rel.has("linear.g_idx_kernels")
     if _MIN_CC[kernel] > cc:
         return f"{kernel} requires capability {_MIN_CC[kernel]}, current compute  capability is {cc}"
-    if kernel == CUTLASS_W4A8:
-        if cc != 90:
-            return "CUTLASS W4A8 requires compute capability of 90 (Hopper)"
-        if g_idx:
-            return "Act reordering not supported by CUTLASS W4A8"
-        return "CUTLASS W4A8 only supports FP8 (e4m3) activations"
-    if kernel == MACHETE:
-        if cc != 90:
-            return "Machete requires compute capability of 90 (Hopper)"
-        if g_idx and c.k_p != c.k:
-            return "Act reordering currently not supported by Machete, when the input features are partitioned across devices"
-        types = ["uint4", "uint8"] if c.zero_points else ["uint4b8", "uint8b128"]
-        if c.weight_type not in types:
-            return f"Quant type ({c.weight_type}) not supported by Machete, supported types are: {types}"
-        sizes = [-1, 64, 128] if c.act_type in ("float16", "bfloat16") else [-1, 128]
-        if c.group_size not in sizes:
-            return f"Group size ({c.group_size}) not supported by Machete, supported group sizes are: {sizes}"
-        if c.k_p % 64:
-            return "Input features size must be divisible by 64"
-        if c.n_p % 128:
-            return "Output features size must be divisible by 128"
-        return None
-    if kernel == ALLSPARK:
-        if c.zero_points:
-            return "Zero points currently not supported by AllSpark"
-        if not 80 <= cc < 90:
-            return f"AllSpark currently does not support device_capability = {cc}."
-        if c.group_size != -1:
-            return f"For Ampere GPU, AllSpark does not support group_size = {c.group_size}. Only group_size = -1 are supported."
-        if c.weight_type != "uint8b128":
-            return (f"For Ampere GPU, AllSpark does not support quant type ({c.weight_type}). Only quant type "
-                    "([uint8b128]) are supported.")
-        if c.k_p % 16 or c.n_p % 16:
-            return ("AllSpark needs input_size_per_partition % 16 = 0 and output_size_per_partition % 16 = 0 for "
-                    "Ampere GPU optimized kernels.")
-        if c.act_type not in ("float16", "bfloat16"):
-            return f"AllSpark only supports act_dtype = float16 or bfloat16,for Ampere GPU, but got act_dtype = {c.act_type}."
-        return None
-    if kernel == MARLIN:
-        types = ["uint4"] if c.zero_points else ["uint4b8", "uint8b128"]
-        if c.weight_type not in types:
-            return f"Quant type ({c.weight_type}) not supported by  Marlin, supported types are: {types}"
-        if c.group_size not in (-1, 32, 64, 128):
-            return f"Group size ({c.group_size}) not supported by Marlin, supported group sizes are: [-1, 32, 64, 128]"
-        if g_idx:
-            return _marlin_strict_shape(c)
-        if c.group_size != -1 and c.group_size < c.k and c.k_p % c.group_size:
-            return f"in_features per partition {c.k_p} is not divisible by group_size = {c.group_size}."
-        return None
-    if kernel == CONCH:
-        if g_idx:
-            return "Activation reordering (g_idx) is not supported by ConchLinearKernel"
-        if c.weight_type not in ("uint4", "uint8", "uint4b8", "uint8b128"):
-            return f"Weight type ({c.weight_type}) not supported by ConchLinearKernel"
-        if c.group_size not in (-1, 128):
-            return (f"Group size ({c.group_size}) not supported by ConchLinearKernel, supported group sizes are: "
-                    "[-1, 128]")
-        return ("conch-triton-kernels is not installed, please install it via `pip install conch-triton-kernels` and "
-                "try again! (an optional package; planned as absent)")
-    if kernel == EXLLAMA:
-        if g_idx and c.k_p != c.k:
-            return "Act reordering currently not supported by Exllama, when the input features are partitioned across devices"
-        if c.n_p % (32 // c.bits):
-            return ("Output features must be a multiple of the pack factor (32 / num_bits) so that we can correctly "
-                    "pack the zero points")
-        if c.act_type != "float16":
-            return "Exllama only supports float16 activations"
-        if c.weight_type not in ("uint4b8", "uint8b128"):
-            return f"Quant type ({c.weight_type}) not supported by Exllama, supported types are: [uint4b8, uint8b128]"
-        if c.group_size <= 0:
-            return f"Group size ({c.group_size}) must be positive, Exllama does not support channelwise quantization"
-        if c.k % c.group_size:
-            return f"Group size ({c.group_size}) does not evenly divide the number of input features ({c.k})"
-        return None
-    if kernel == TRITON:
-        if g_idx:
-            return "Activation reordering (g_idx) is not supported by TritonW4A16LinearKernel"
-        if c.weight_type not in ("uint4b8", "uint4"):
-            return f"Quant type {c.weight_type} not supported; supported: [uint4b8, uint4]"
-        if c.act_type not in ("float16", "bfloat16"):
-            return "Only float16/bfloat16 activations are supported"
-        if c.n_p % 8:
-            return f"Output features ({c.n_p}) must be divisible by 8 (8 int4 values packed per int32)"
-        if c.group_size not in (-1, 32, 64, 128, 256) and c.group_size != c.k:
-            return f"Group size {c.group_size} not supported; supported: [-1, 32, 64, 128, 256] or full K ({c.k})"
-        eff = c.group_size if c.group_size != -1 else c.k_p
-        if c.k_p % eff:
-            return f"Input features {c.k_p} not divisible by group size {eff}"
-        return None
-    if kernel == HUMMING:
-        if g_idx:
-            return "Humming does not support act-order (g_idx)"
-        return None
-    raise AssertionError(kernel)
+    return _CAN_IMPLEMENT[kernel](c, cc, c.has_g_idx and rel.has("linear.g_idx_kernels"))
+
+
+# One function per kernel class: its `can_implement`, given the layer, the GPU's compute capability
+# and whether the release builds the layer with g_idx (act-order).
+def _cutlass_w4a8_reason(c: KernelConfig, cc: int, g_idx: bool) -> str | None:
+    if cc != 90:
+        return "CUTLASS W4A8 requires compute capability of 90 (Hopper)"
+    if g_idx:
+        return "Act reordering not supported by CUTLASS W4A8"
+    return "CUTLASS W4A8 only supports FP8 (e4m3) activations"
+
+
+def _machete_reason(c: KernelConfig, cc: int, g_idx: bool) -> str | None:
+    if cc != 90:
+        return "Machete requires compute capability of 90 (Hopper)"
+    if g_idx and c.k_p != c.k:
+        return "Act reordering currently not supported by Machete, when the input features are partitioned across devices"
+    types = ["uint4", "uint8"] if c.zero_points else ["uint4b8", "uint8b128"]
+    if c.weight_type not in types:
+        return f"Quant type ({c.weight_type}) not supported by Machete, supported types are: {types}"
+    sizes = [-1, 64, 128] if c.act_type in ("float16", "bfloat16") else [-1, 128]
+    if c.group_size not in sizes:
+        return f"Group size ({c.group_size}) not supported by Machete, supported group sizes are: {sizes}"
+    if c.k_p % 64:
+        return "Input features size must be divisible by 64"
+    if c.n_p % 128:
+        return "Output features size must be divisible by 128"
+    return None
+
+
+def _allspark_reason(c: KernelConfig, cc: int, g_idx: bool) -> str | None:
+    if c.zero_points:
+        return "Zero points currently not supported by AllSpark"
+    if not 80 <= cc < 90:
+        return f"AllSpark currently does not support device_capability = {cc}."
+    if c.group_size != -1:
+        return f"For Ampere GPU, AllSpark does not support group_size = {c.group_size}. Only group_size = -1 are supported."
+    if c.weight_type != "uint8b128":
+        return (f"For Ampere GPU, AllSpark does not support quant type ({c.weight_type}). Only quant type "
+                "([uint8b128]) are supported.")
+    if c.k_p % 16 or c.n_p % 16:
+        return ("AllSpark needs input_size_per_partition % 16 = 0 and output_size_per_partition % 16 = 0 for "
+                "Ampere GPU optimized kernels.")
+    if c.act_type not in ("float16", "bfloat16"):
+        return f"AllSpark only supports act_dtype = float16 or bfloat16,for Ampere GPU, but got act_dtype = {c.act_type}."
+    return None
+
+
+def _marlin_reason(c: KernelConfig, cc: int, g_idx: bool) -> str | None:
+    types = ["uint4"] if c.zero_points else ["uint4b8", "uint8b128"]
+    if c.weight_type not in types:
+        return f"Quant type ({c.weight_type}) not supported by  Marlin, supported types are: {types}"
+    if c.group_size not in (-1, 32, 64, 128):
+        return f"Group size ({c.group_size}) not supported by Marlin, supported group sizes are: [-1, 32, 64, 128]"
+    if g_idx:
+        return _marlin_strict_shape(c)
+    if c.group_size != -1 and c.group_size < c.k and c.k_p % c.group_size:
+        return f"in_features per partition {c.k_p} is not divisible by group_size = {c.group_size}."
+    return None
+
+
+def _conch_reason(c: KernelConfig, cc: int, g_idx: bool) -> str | None:
+    if g_idx:
+        return "Activation reordering (g_idx) is not supported by ConchLinearKernel"
+    if c.weight_type not in ("uint4", "uint8", "uint4b8", "uint8b128"):
+        return f"Weight type ({c.weight_type}) not supported by ConchLinearKernel"
+    if c.group_size not in (-1, 128):
+        return (f"Group size ({c.group_size}) not supported by ConchLinearKernel, supported group sizes are: "
+                "[-1, 128]")
+    return ("conch-triton-kernels is not installed, please install it via `pip install conch-triton-kernels` and "
+            "try again! (an optional package; planned as absent)")
+
+
+def _exllama_reason(c: KernelConfig, cc: int, g_idx: bool) -> str | None:
+    if g_idx and c.k_p != c.k:
+        return "Act reordering currently not supported by Exllama, when the input features are partitioned across devices"
+    if c.n_p % (32 // c.bits):
+        return ("Output features must be a multiple of the pack factor (32 / num_bits) so that we can correctly "
+                "pack the zero points")
+    if c.act_type != "float16":
+        return "Exllama only supports float16 activations"
+    if c.weight_type not in ("uint4b8", "uint8b128"):
+        return f"Quant type ({c.weight_type}) not supported by Exllama, supported types are: [uint4b8, uint8b128]"
+    if c.group_size <= 0:
+        return f"Group size ({c.group_size}) must be positive, Exllama does not support channelwise quantization"
+    if c.k % c.group_size:
+        return f"Group size ({c.group_size}) does not evenly divide the number of input features ({c.k})"
+    return None
+
+
+def _triton_reason(c: KernelConfig, cc: int, g_idx: bool) -> str | None:
+    if g_idx:
+        return "Activation reordering (g_idx) is not supported by TritonW4A16LinearKernel"
+    if c.weight_type not in ("uint4b8", "uint4"):
+        return f"Quant type {c.weight_type} not supported; supported: [uint4b8, uint4]"
+    if c.act_type not in ("float16", "bfloat16"):
+        return "Only float16/bfloat16 activations are supported"
+    if c.n_p % 8:
+        return f"Output features ({c.n_p}) must be divisible by 8 (8 int4 values packed per int32)"
+    if c.group_size not in (-1, 32, 64, 128, 256) and c.group_size != c.k:
+        return f"Group size {c.group_size} not supported; supported: [-1, 32, 64, 128, 256] or full K ({c.k})"
+    eff = c.group_size if c.group_size != -1 else c.k_p
+    if c.k_p % eff:
+        return f"Input features {c.k_p} not divisible by group size {eff}"
+    return None
+
+
+def _humming_reason(c: KernelConfig, cc: int, g_idx: bool) -> str | None:
+    if g_idx:
+        return "Humming does not support act-order (g_idx)"
+    return None
+
+
+_CAN_IMPLEMENT: dict[str, Callable[[KernelConfig, int, bool], str | None]] = {
+    CUTLASS_W4A8: _cutlass_w4a8_reason, MACHETE: _machete_reason, ALLSPARK: _allspark_reason, MARLIN: _marlin_reason,
+    CONCH: _conch_reason, EXLLAMA: _exllama_reason, TRITON: _triton_reason, HUMMING: _humming_reason,
+}
 
 
 @dataclass
@@ -432,7 +457,7 @@ class ModelCheck:
                 "stage": self.stage, "fatal": self.fatal}
 
 
-_EXPERTS_GT_TP = ("qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
+_EXPERTS_GT_TP = model_types(experts_at_least_tp=True)
 
 
 def model_checks(dims: ModelDims, tp: int, ep: bool, engine: str = rules.NEWEST,

@@ -356,62 +356,108 @@ def unquantized_lookup_error(layer: MoELayer, rel: rules.Release) -> str | None:
             "matches gate_proj/up_proj/down_proj, or use vLLM 0.32.0 or later")
 
 
+@dataclass
+class _LayerFacts:
+    """What every step of `plan_layer` reads, and what the earlier steps hand to the later ones."""
+
+    layer: MoELayer
+    s: WeightScheme
+    rel: rules.Release
+    engine: str
+    gpu: str
+    switches: EngineSwitches
+    tp: int
+    ep: bool
+    moe_tp: int
+    i_p: int
+    plan: LayerPlan
+    mixed_experts: str | None = None  # set by the method step: the experts that use another scheme
+    allow_tile_padding: bool = True  # set by the constructor step
+    # each backend's own reason (None: it takes the layer), as far as the oracle asked
+    own: dict[Backend, str | None] = field(default_factory=dict)
+
+    @property
+    def chosen(self) -> Backend | None:
+        return self.plan.backend
+
+    def reason(self, b: Backend) -> str | None:
+        """`b`'s own reason for this layer (`_backend_reason` with this layer's facts)."""
+        return _backend_reason(b, self.rel, self.gpu, self.s, self.layer.hidden_size, self.i_p,
+                               self.allow_tile_padding, self.switches)
+
+
 def plan_layer(layer: MoELayer, tp: int, ep: bool = False, engine: str = rules.NEWEST,
                gpu: str = rules.DEFAULT_GPU, switches: EngineSwitches = DEFAULT_SWITCHES) -> LayerPlan:
     """The one decision function: what vLLM `engine` does with `layer` on `tp` ranks (EP if `ep`)
     of a CUDA GPU of architecture `gpu`, step by step, stopping where the engine stops.
-    `switches`: the engine's environment overrides and `--moe-backend` (defaults: none, auto)."""
+    `switches`: the engine's environment overrides and `--moe-backend` (defaults: none, auto).
+
+    Each step is one function below, in the engine's order (the `STAGES` where it raises); a step
+    returns False where the engine stops, and the layout step runs on whatever loading found."""
     if tp < 1:
         raise ValueError("tp must be >= 1")
     rel = rules.release(engine)
     if gpu not in rules.GPUS:
         raise ValueError(f"unknown GPU architecture {gpu!r} (one of {', '.join(rules.GPUS)})")
-    H, I, E = layer.hidden_size, layer.intermediate_size, layer.num_experts
-
     moe_tp = 1 if ep else tp
-    experts_per_rank = local_expert_counts(E, tp) if ep else [E] * tp
-    i_p = I // moe_tp
-    s = layer.scheme
+    experts_per_rank = local_expert_counts(layer.num_experts, tp) if ep else [layer.num_experts] * tp
+    i_p = layer.intermediate_size // moe_tp
     plan = LayerPlan(
         tp=tp, ep=ep, moe_tp=moe_tp, intermediate_size_per_partition=i_p, padded_intermediate=None,
         backend=None, rejected={}, w2=None, quant_type=None,
         local_experts=experts_per_rank, rank_bytes=None, vllm=engine, gpu=gpu,
     )
-    if s is None:
+    if layer.scheme is None:
         plan.fail("method", "unquantized", "experts are not quantized (no compressed-tensors scheme targets them); nothing to plan")
         return plan
+    facts = _LayerFacts(layer, layer.scheme, rel, engine, gpu, switches, tp, ep, moe_tp, i_p, plan)
+    for step in (_config_step, _method_step, _constructor_step, _oracle_step, _constructor_asserts_step,
+                 _create_weights_step):
+        if not step(facts):
+            return plan
+    _load_step(facts)
+    _layout_step(facts)
+    return plan
 
-    # -- config parse (CompressedTensorsConfig): refuses the whole checkpoint -----------------
-    # (the layer's own group; inspect judges every group of the config, config_parse.py)
-    refused = scheme_refusal(s, rel)
+
+_MIXED_SCHEMES = "All MoE projections need to have same quantization scheme but found multiple"
+
+
+def _config_step(f: _LayerFacts) -> bool:
+    """Config parse (CompressedTensorsConfig): refuses the whole checkpoint.  The layer's own
+    group here; inspect judges every group of the config (config_parse.py)."""
+    refused = scheme_refusal(f.s, f.rel)
     if refused is not None:
-        plan.fail("config", *refused)
-        return plan
+        f.plan.fail("config", *refused)
+        return False
+    return True
 
-    # -- the MoE layer and its method (FusedMoEConfig, get_moe_method) ------------------------
+
+def _method_step(f: _LayerFacts) -> bool:
+    """The MoE layer and its method (FusedMoEConfig, get_moe_method)."""
+    plan, layer, s, I, moe_tp = f.plan, f.layer, f.s, f.layer.intermediate_size, f.moe_tp
     ok = I % moe_tp == 0
     plan.checks.append(Check("intermediate_size % moe_tp == 0", ok, f"{I} % {moe_tp}"))
     if not ok:
         plan.fail("method", "I % TP", (
             f"AssertionError (assert intermediate_size % tp_size == 0: intermediate_size {I} is not divisible by the "
             f"MoE tensor-parallel size {moe_tp}; FusedMoEConfig)"))
-        return plan
-    looked = looked_up_schemes(layer, rel)
+        return False
+    looked = looked_up_schemes(layer, f.rel)
     if looked is not None:
         # releases before 0.32 (vLLM 0.31 compressed_tensors_moe.py get_moe_method) look expert 0
         # up under gate_proj/up_proj/down_proj whatever the checkpoint calls its projections
         if len(set(looked)) > 1:
-            plan.fail("method", "mixed schemes", "All MoE projections need to have same quantization scheme but found multiple")
-            return plan
-        error = unquantized_lookup_error(layer, rel)
+            plan.fail("method", "mixed schemes", _MIXED_SCHEMES)
+            return False
+        error = unquantized_lookup_error(layer, f.rel)
         if error is not None:
             plan.fail("load", "unquantized method", error)
-            return plan
-    mixed_experts = None
+            return False
     if len(layer.scheme_sets) > 1:
         first_key = next(iter(layer.scheme_sets))
         others = [(k, v) for k, v in layer.scheme_sets.items() if k != first_key]
-        mixed_experts = "; ".join(
+        f.mixed_experts = "; ".join(
             f"experts {_ranges(v)} use {'/'.join(x.describe() if x else 'unquantized' for x in dict.fromkeys(k))}"
             for k, v in others
         )
@@ -421,119 +467,161 @@ def plan_layer(layer: MoELayer, tp: int, ep: bool = False, engine: str = rules.N
             "(load failure or garbage). Quantize every expert of a layer with one scheme."
         )
         if len(set(first_key)) > 1:
-            plan.fail("method", "mixed schemes", "All MoE projections need to have same quantization scheme but found multiple")
-            return plan
+            plan.fail("method", "mixed schemes", _MIXED_SCHEMES)
+            return False
     elif layer.scheme_sets and len(set(next(iter(layer.scheme_sets)))) > 1:
-        plan.fail("method", "mixed schemes", "All MoE projections need to have same quantization scheme but found multiple")
-        return plan
+        plan.fail("method", "mixed schemes", _MIXED_SCHEMES)
+        return False
     if not s.is_wna16:
         plan.fail("method", "not WNA16", (
             f"scheme {s.type} strategy={s.strategy} is not a weight-only integer group/channel scheme (WNA16); "
             "not handled by the WNA16 MoE method"))
-        return plan
+        return False
     if s.format != PACK_QUANTIZED or not 2 <= s.num_bits <= 8:
-        plan.fail("method", "format/bits", _format_bits_error(rel, s))
-        return plan
-    gs = s.group_size
+        plan.fail("method", "format/bits", _format_bits_error(f.rel, s))
+        return False
     plan.quant_type = quant_type(s)
+    return True
 
-    # -- method constructor: the backend oracle ------------------------------------------------
+
+def _constructor_step(f: _LayerFacts) -> bool:
+    """The method constructor's own checks, before it asks the backend oracle."""
+    plan, s, rel = f.plan, f.s, f.rel
     if not s.symmetric and s.num_bits not in SUPPORTED_BITS and not rel.has("method.zp_types_all_widths"):
         plan.fail("method", "zp type", (
             f"KeyError: {s.num_bits} (the release's zero-point type table has int4 and int8 only: an asymmetric "
             f"{s.num_bits}-bit MoE layer cannot be built)"))
-        return plan
+        return False
     if s.num_bits not in SUPPORTED_BITS and not rel.has("oracle.humming_group32_keys"):
         plan.fail("method", "bits", "CompressedTensorsWNA16MoEMethod only supports int4 and int8 now.")
-        return plan
-    if rel.has("ctor.int8_channel_only") and s.num_bits == 8 and (gs != -1 or s.group_size_null):
+        return False
+    if rel.has("ctor.int8_channel_only") and s.num_bits == 8 and (s.group_size != -1 or s.group_size_null):
         plan.fail("method", "int8 grouped", "AssertionError (assert group_size == -1: grouped int8 experts are refused; vllm PR #52002)")
-        return plan
-    allow_tile_padding = not (rel.has("ctor.actorder_strict_tiles") and s.act_order)
-    order = backend_priority(rel, gpu)
-    own: dict[Backend, str | None] = {}
-    forced = switches.moe_backend
-    if forced != "auto":
-        # --moe-backend: the oracle maps the engine's name, asks that one backend and raises
-        # when it does not fit; no other backend is considered
-        mapped = wna16_moe_backends(engine)
-        for other in backend_priority(rel, gpu):
-            if other.value != forced or forced not in mapped:
-                plan.rejected[other.value] = f"not considered (--moe-backend {forced})"
-        if forced not in mapped:
-            plan.fail("oracle", "moe_backend", (
-                f"moe_backend='{forced}' is not supported for WNA16 MoE. Expected one of {mapped}."))
-            return plan
-        order = [Backend(forced)]
+        return False
+    f.allow_tile_padding = not (rel.has("ctor.actorder_strict_tiles") and s.act_order)
+    return True
+
+
+def _oracle_order(f: _LayerFacts) -> list[Backend] | None:
+    """The backends the oracle asks, in its order: the release's priority, or only the one
+    `--moe-backend` names (None: the engine raises because it maps no such name)."""
+    forced = f.switches.moe_backend
+    if forced == "auto":
+        return backend_priority(f.rel, f.gpu)
+    # --moe-backend: the oracle maps the engine's name, asks that one backend and raises when it
+    # does not fit; no other backend is considered
+    mapped = wna16_moe_backends(f.engine)
+    for other in backend_priority(f.rel, f.gpu):
+        if other.value != forced or forced not in mapped:
+            f.plan.rejected[other.value] = f"not considered (--moe-backend {forced})"
+    if forced not in mapped:
+        f.plan.fail("oracle", "moe_backend", (
+            f"moe_backend='{forced}' is not supported for WNA16 MoE. Expected one of {mapped}."))
+        return None
+    return [Backend(forced)]
+
+
+def _marlin_gate_crash(f: _LayerFacts, b: Backend) -> str | None:
+    """The TypeError the Marlin gate raises for a channel-wise scheme written with group_size null
+    (None: it does not raise for `b` here)."""
+    if (b in (Backend.MARLIN, Backend.BATCHED_MARLIN) and f.s.group_size_null
+            and f.rel.has("ctor.group_size_none_crash") and f.layer.hidden_size % 128 == 0):
+        # the gate's `H % 128 == 0 and ...` short-circuits for other H: then None is only "not a
+        # Marlin group size" and the layer goes on to the next backend
+        return ("TypeError: '<=' not supported between instances of 'NoneType' and 'int'" if f.allow_tile_padding
+                else "TypeError: '>' not supported between instances of 'NoneType' and 'int'")
+    return None
+
+
+def _humming_key_crash(f: _LayerFacts, b: Backend) -> str | None:
+    """The TypeError Humming's weight-key check raises for a group_size null scheme of a width
+    without a fixed scale descriptor (None: it does not raise for `b` here)."""
+    # the method builds a scale group shape (1, None) for those widths, and Humming's weight-key
+    # check compares that column with 0 (vLLM 0.29 fused_humming_moe.py: _is_supported_wna16_weight_key)
+    if (b is Backend.HUMMING and f.s.group_size_null and f.s.num_bits not in SUPPORTED_BITS
+            and f.rel.has("ctor.group_size_none_crash") and rules.GPUS[f.gpu] >= 75):
+        return "TypeError: '>' not supported between instances of 'NoneType' and 'int'"
+    return None
+
+
+def _stop_at_crash(f: _LayerFacts, order: list[Backend], b: Backend, crashing: tuple[Backend, ...], said: str) -> None:
+    """Record what each backend from `b` on would say, for the report: `said` for the ones in
+    `crashing`, their own reason for the others (the engine stops at the crash)."""
+    for rest in order[order.index(b):]:
+        reason = said if rest in crashing else f.reason(rest)
+        if reason is not None:
+            f.plan.rejected[rest.value] = reason
+
+
+def _oracle_step(f: _LayerFacts) -> bool:
+    """The backend oracle inside the method constructor: the first backend in the release's order
+    that takes the layer, and why each other one does not."""
+    plan = f.plan
+    order = _oracle_order(f)
+    if order is None:
+        return False
     for b in order:
-        if (b in (Backend.MARLIN, Backend.BATCHED_MARLIN) and s.group_size_null
-                and rel.has("ctor.group_size_none_crash") and H % 128 == 0):
-            # the gate's `H % 128 == 0 and ...` short-circuits for other H: then None is only
-            # "not a Marlin group size" and the layer goes on to the next backend
-            crash = ("TypeError: '<=' not supported between instances of 'NoneType' and 'int'" if allow_tile_padding
-                     else "TypeError: '>' not supported between instances of 'NoneType' and 'int'")
+        crash = _marlin_gate_crash(f, b)
+        if crash is not None:
             plan.fail("oracle", "group_size null", (
                 f"{crash} (the Marlin gate receives group_size None for a channel-wise scheme written with "
                 "group_size null; vllm #52713, fixed by PR #53163)"))
-            # what each remaining backend would say, for the report (the engine stops at the crash)
-            for rest in order[order.index(b):]:
-                reason = (f"crashes the Marlin gate: {crash}" if rest in (Backend.MARLIN, Backend.BATCHED_MARLIN)
-                          else _backend_reason(rest, rel, gpu, s, H, i_p, allow_tile_padding, switches))
-                if reason is not None:
-                    plan.rejected[rest.value] = reason
-            return plan
-        if (b is Backend.HUMMING and s.group_size_null and s.num_bits not in SUPPORTED_BITS
-                and rel.has("ctor.group_size_none_crash") and rules.GPUS[gpu] >= 75):
-            # the method builds a scale group shape (1, None) for the widths without a fixed scale
-            # descriptor, and Humming's weight-key check compares that column with 0 (vLLM 0.29
-            # fused_humming_moe.py: _is_supported_wna16_weight_key)
-            crash = "TypeError: '>' not supported between instances of 'NoneType' and 'int'"
+            _stop_at_crash(f, order, b, (Backend.MARLIN, Backend.BATCHED_MARLIN), f"crashes the Marlin gate: {crash}")
+            return False
+        crash = _humming_key_crash(f, b)
+        if crash is not None:
             if plan.backend is not None:  # the oracle stopped at the winner: Humming is never asked
                 plan.rejected[b.value] = f"raises {crash}"
                 continue
             plan.fail("oracle", "group_size null", (
                 f"{crash} (Humming's weight-key check receives the scale group size None of a channel-wise scheme "
                 "written with group_size null; fixed in vLLM 0.30.0)"))
-            for rest in order[order.index(b):]:
-                reason = (f"raises {crash}" if rest is Backend.HUMMING
-                          else _backend_reason(rest, rel, gpu, s, H, i_p, allow_tile_padding, switches))
-                if reason is not None:
-                    plan.rejected[rest.value] = reason
-            return plan
-        own[b] = _backend_reason(b, rel, gpu, s, H, i_p, allow_tile_padding, switches)
-        if own[b] is None and plan.backend is None:
+            _stop_at_crash(f, order, b, (Backend.HUMMING,), f"raises {crash}")
+            return False
+        own = f.own[b] = f.reason(b)
+        if own is not None:
+            plan.rejected[b.value] = own
+        elif plan.backend is None:
             plan.backend = b
-        elif own[b] is not None:
-            plan.rejected[b.value] = own[b]  # type: ignore[assignment]
         else:
-            plan.rejected[b.value] = f"lower priority than {plan.backend.value}"  # type: ignore[union-attr]
+            plan.rejected[b.value] = f"lower priority than {plan.backend.value}"
     # the layouts wna16ctl writes are those of the Marlin and Triton backends
     for b in (Backend.MARLIN, Backend.TRITON):
-        if b not in own:
-            own[b] = _backend_reason(b, rel, gpu, s, H, i_p, allow_tile_padding, switches)
-    chosen = plan.backend
-    if chosen is None and forced != "auto":
+        if b not in f.own:
+            f.own[b] = f.reason(b)
+    forced = f.switches.moe_backend
+    if plan.backend is None and forced != "auto":
         plan.fail("oracle", "forced backend", (
             f"WNA16 MoE backend '{forced.upper()}' does not support the deployment configuration since "
             f"{plan.rejected[forced]}."))
-        return plan
-    if chosen is None:
+        return False
+    if plan.backend is None:
         plan.fail("oracle", "no backend", "No WNA16 MoE backend supports the deployment configuration.")
-        return plan
-    if chosen not in (Backend.MARLIN, Backend.BATCHED_MARLIN):
-        if rel.has("ctor.nonmarlin_group_strategy_only") and s.strategy != "group":
-            plan.fail("method", "channel assert", (
-                f"AssertionError (assert strategy == 'group': the {chosen.value} backend does not take channel-wise "
-                "experts; only Marlin does)"))
-        elif rel.has("ctor.nonmarlin_rejects_group_actorder") and s.actorder == "group":
-            plan.fail("method", "actorder assert", f"AssertionError (assert actorder != 'group': the {chosen.value} backend has no act-order)")
-        elif rel.has("ctor.nonmarlin_symmetric_only") and not s.symmetric:
-            plan.fail("method", "asym assert", "Only symmetric quantization is supported for MoE")
-        if plan.errors:
-            return plan
+        return False
+    return True
 
-    # -- create_weights ------------------------------------------------------------------------
-    checks = plan.checks
+
+def _constructor_asserts_step(f: _LayerFacts) -> bool:
+    """The constructor's asserts after the oracle chose a backend other than Marlin."""
+    plan, s, rel, chosen = f.plan, f.s, f.rel, f.chosen
+    assert chosen is not None  # the oracle step stops without one
+    if chosen in (Backend.MARLIN, Backend.BATCHED_MARLIN):
+        return True
+    if rel.has("ctor.nonmarlin_group_strategy_only") and s.strategy != "group":
+        plan.fail("method", "channel assert", (
+            f"AssertionError (assert strategy == 'group': the {chosen.value} backend does not take channel-wise "
+            "experts; only Marlin does)"))
+    elif rel.has("ctor.nonmarlin_rejects_group_actorder") and s.actorder == "group":
+        plan.fail("method", "actorder assert", f"AssertionError (assert actorder != 'group': the {chosen.value} backend has no act-order)")
+    elif rel.has("ctor.nonmarlin_symmetric_only") and not s.symmetric:
+        plan.fail("method", "asym assert", "Only symmetric quantization is supported for MoE")
+    return not plan.errors
+
+
+def _create_weights_step(f: _LayerFacts) -> bool:
+    """create_weights: the w2 scale sharding and the divisibility checks of the parameter shapes."""
+    plan, s, rel, i_p = f.plan, f.s, f.rel, f.i_p
+    H, I, gs, checks = f.layer.hidden_size, f.layer.intermediate_size, s.group_size, f.plan.checks
     # releases without `_w2_scale_sharding` always shard the w2 scales by rank
     plan.w2 = (vllm_w2_scale_sharding(s.actorder, gs, i_p, I) if rel.has("weights.w2_scale_sharding")
                else W2ScaleSharding(False, i_p, True))
@@ -551,43 +639,54 @@ def plan_layer(layer: MoELayer, tp: int, ep: bool = False, engine: str = rules.N
                 f"tensor-parallel partition ({i_p}) to be divisible by group_size ({gs}). Scale groups would "
                 "otherwise cross TP shard boundaries; use a compatible TP size or enable expert parallelism."))
     if rel.has("weights.asym_pack_checks") and not s.symmetric:
-        pf = _pack_factor_text(s.num_bits)
-        ok = (2 * i_p * s.num_bits) % 32 == 0
-        checks.append(Check("2 * intermediate_size_per_partition % pack_factor == 0 (zero points)", ok, f"{2 * i_p} % {pf}"))
-        if not ok and not plan.errors:
-            plan.fail("create_weights", "2·I_p % pf", (
-                f"CompressedTensors WNA16 MoE: gate+up output channels per TP rank (2 * intermediate_size_per_partition "
-                f"= {2 * i_p}) must be divisible by packed_factor ({pf}). Use a TP size where 2 * intermediate_size is "
-                f"divisible by {pf}."))
-        ok = (H * s.num_bits) % 32 == 0
-        checks.append(Check("hidden_size % pack_factor == 0 (zero points)", ok, f"{H} % {pf}"))
-        if not ok and not plan.errors:
-            plan.fail("create_weights", "H % pf", (
-                f"CompressedTensors WNA16 MoE: hidden_size ({H}) must be divisible by packed_factor ({pf}) for correct "
-                "ZP unpacking."))
+        _zero_point_pack_checks(f)
     if (rel.has("weights.untransposed_zp_keyerror") and not s.symmetric and not plan.errors
-            and chosen in (Backend.HUMMING, Backend.FLASHINFER_TRTLLM)):
+            and f.chosen in (Backend.HUMMING, Backend.FLASHINFER_TRTLLM)):
         plan.fail("create_weights", "zp shape KeyError", (
             "KeyError: 'Flashinfer' (the untransposed parameter shapes the Humming backend is given have no entry "
             "for zero points; asymmetric layers cannot be created on it in this release)"))
     if plan.errors:
-        if plan.failure_rule == "I_p % group" and not ep and tp > 1 and plan_layer(layer, tp, True, engine, gpu, switches).loadable:
+        if (plan.failure_rule == "I_p % group" and not f.ep and f.tp > 1
+                and plan_layer(f.layer, f.tp, True, f.engine, f.gpu, f.switches).loadable):
             plan.hazards.append(f"with expert parallelism (wna16ctl --ep, vLLM --enable-expert-parallel) this layer "
-                                f"loads at {tp} ranks: each expert stays whole on one rank")
-        return plan
+                                f"loads at {f.tp} ranks: each expert stays whole on one rank")
+        return False
+    return True
 
-    # -- weight loading (wna16ctl's own checks: the engine floors and slices silently) ----------
-    if mixed_experts:
+
+def _zero_point_pack_checks(f: _LayerFacts) -> None:
+    """create_weights' checks that the packed zero points of an asymmetric layer split into whole words."""
+    plan, s, i_p, H = f.plan, f.s, f.i_p, f.layer.hidden_size
+    pf = _pack_factor_text(s.num_bits)
+    ok = (2 * i_p * s.num_bits) % 32 == 0
+    plan.checks.append(Check("2 * intermediate_size_per_partition % pack_factor == 0 (zero points)", ok, f"{2 * i_p} % {pf}"))
+    if not ok and not plan.errors:
+        plan.fail("create_weights", "2·I_p % pf", (
+            f"CompressedTensors WNA16 MoE: gate+up output channels per TP rank (2 * intermediate_size_per_partition "
+            f"= {2 * i_p}) must be divisible by packed_factor ({pf}). Use a TP size where 2 * intermediate_size is "
+            f"divisible by {pf}."))
+    ok = (H * s.num_bits) % 32 == 0
+    plan.checks.append(Check("hidden_size % pack_factor == 0 (zero points)", ok, f"{H} % {pf}"))
+    if not ok and not plan.errors:
+        plan.fail("create_weights", "H % pf", (
+            f"CompressedTensors WNA16 MoE: hidden_size ({H}) must be divisible by packed_factor ({pf}) for correct "
+            "ZP unpacking."))
+
+
+def _load_step(f: _LayerFacts) -> None:
+    """Weight loading: wna16ctl's own checks, where the engine floors and slices silently."""
+    plan, s, i_p, layer = f.plan, f.s, f.i_p, f.layer
+    if f.mixed_experts:
         plan.fail("load", "mixed experts", (
-            f"per-expert mixed precision: expert 0 uses {s.describe()} but {mixed_experts}; vLLM builds one fused "
+            f"per-expert mixed precision: expert 0 uses {s.describe()} but {f.mixed_experts}; vLLM builds one fused "
             "parameter per layer from expert 0's scheme, so the other experts cannot load"))
     whole_words = (i_p * s.num_bits) % 32 == 0
     # releases that round packed extents up load one whole partition (the loader's slice is the
     # whole tensor); under MoE TP the per-rank slices still start inside a word
-    ok = whole_words or (rel.has("weights.ceil_packed_dim") and moe_tp == 1)
-    checks.append(Check("intermediate_size_per_partition % pack_factor == 0" + ("" if whole_words or not ok else
-                        " (or one partition: packed extents are rounded up)"), ok,
-                        f"{i_p} % {_pack_factor_text(s.num_bits)}"))
+    ok = whole_words or (f.rel.has("weights.ceil_packed_dim") and f.moe_tp == 1)
+    plan.checks.append(Check("intermediate_size_per_partition % pack_factor == 0" + ("" if whole_words or not ok else
+                             " (or one partition: packed extents are rounded up)"), ok,
+                             f"{i_p} % {_pack_factor_text(s.num_bits)}"))
     if not ok:
         plan.fail("load", "I_p % pf", (
             f"intermediate size per partition ({i_p}) is not a multiple of the pack factor "
@@ -601,7 +700,7 @@ def plan_layer(layer: MoELayer, tp: int, ep: bool = False, engine: str = rules.N
             f"<= 0.19); vLLM reads {s.num_bits}-bit codes densely packed (ceil(n * {s.num_bits} / 32) words, "
             "compressed-tensors >= 0.20): the weight loader's copy fails or reads other codes. Re-save the checkpoint "
             "with compressed-tensors 0.20 or later"))
-    if s.act_order and not s.symmetric and moe_tp > 1:
+    if s.act_order and not s.symmetric and f.moe_tp > 1:
         # g_idx of a rank's K slice names groups of the whole row, but zero points (unlike w2
         # scales) are never loaded in full: the rank would dequantize with other groups' zeros.
         plan.fail("load", "actorder+zp TP", (
@@ -609,65 +708,83 @@ def plan_layer(layer: MoELayer, tp: int, ep: bool = False, engine: str = rules.N
             "each rank's slice of the w2 zero points while g_idx references every group, so outputs would be "
             "wrong; use expert parallelism (--ep) or TP 1"))
 
-    # -- the layout repack writes, and Marlin processing -----------------------------------------
-    if not whole_words:
+
+def _tile_padding_hazard(i_p: int, padded: int) -> str:
+    return (f"needs Marlin tile padding of the intermediate size per partition from {i_p} to {padded} "
+            "(marlin_moe_padded_intermediate): activations are padded and sliced on every forward, and vLLM warns "
+            "that performance may be degraded")
+
+
+def _choose_layout(f: _LayerFacts) -> None:
+    """The layout repack writes (plan.layout), or the hazard of a partial last packed word, where
+    repack writes none."""
+    plan, s, i_p, chosen = f.plan, f.s, f.i_p, f.chosen
+    if (i_p * s.num_bits) % 32:
         # repack writes whole packed words per rank: no layout for a partial last word
         plan.hazards.append(
             f"the intermediate size ({i_p}) is not a multiple of the pack factor ({_pack_factor_text(s.num_bits)}): "
             "vLLM loads this one partition with its last packed word partly filled, but wna16ctl repack does not "
             "write such layers")
         if chosen is Backend.MARLIN:  # the engine's own Marlin processing still pads it
-            plan.padded_intermediate = marlin_moe_padded_intermediate(i_p, gs)
+            plan.padded_intermediate = marlin_moe_padded_intermediate(i_p, s.group_size)
             if plan.padded_intermediate != i_p:
-                plan.hazards.append(
-                    f"needs Marlin tile padding of the intermediate size per partition from {i_p} to "
-                    f"{plan.padded_intermediate} (marlin_moe_padded_intermediate): activations are padded and sliced on "
-                    "every forward, and vLLM warns that performance may be degraded")
+                plan.hazards.append(_tile_padding_hazard(i_p, plan.padded_intermediate))
     elif chosen in (Backend.MARLIN, Backend.TRITON):
         plan.layout = LAYOUT_OF_BACKEND[chosen]
-    elif own[Backend.MARLIN] is None and s.num_bits in SUPPORTED_BITS:
-        plan.layout = "marlin"
-    elif own[Backend.TRITON] is None and s.num_bits in SUPPORTED_BITS:
-        plan.layout = "transposed"
+    elif f.own[Backend.MARLIN] is None and s.num_bits in SUPPORTED_BITS:
+        plan.layout = MARLIN
+    elif f.own[Backend.TRITON] is None and s.num_bits in SUPPORTED_BITS:
+        plan.layout = TRANSPOSED
     if plan.layout is not None and chosen not in (Backend.MARLIN, Backend.TRITON):
+        assert chosen is not None  # a layout is chosen only after the oracle chose a backend
         plan.hazards.append(
-            f"vLLM {engine} on {gpu} runs this layer on the {chosen.value} backend, which converts the checkpoint's "
+            f"vLLM {f.engine} on {f.gpu} runs this layer on the {chosen.value} backend, which converts the checkpoint's "
             f"own tensors at load; the {plan.layout} layout that repack writes is what its "
             f"{BACKEND_OF_LAYOUT[plan.layout].value} backend (--moe-backend {BACKEND_OF_LAYOUT[plan.layout].value}) "
             "and wna16ctl's MoE GEMM consume"
         )
+
+
+def _marlin_checks(f: _LayerFacts) -> None:
+    """Marlin's shape checks (reported for every layer), and its tile padding where the layout is Marlin."""
+    plan, i_p, H, gs, checks = f.plan, f.i_p, f.layer.hidden_size, f.s.group_size, f.plan.checks
     checks.append(Check("hidden_size % 128 == 0 (Marlin)", H % 128 == 0, f"{H} % 128"))
     checks.append(Check("group_size in {-1, 32, 64, 128} (Marlin)", gs in MARLIN_GROUP_SIZES, str(gs)))
-    if not allow_tile_padding:
+    if not f.allow_tile_padding:
         step = max(64, gs)
         checks.append(Check(f"intermediate_size_per_partition % {step} == 0 (Marlin, act-order)", i_p % step == 0,
                             f"{i_p} % {step}"))
-    if plan.layout == "marlin":
-        P = marlin_moe_padded_intermediate(i_p, gs)
-        plan.padded_intermediate = P
-        checks.append(Check("Marlin repack: hidden_size % 16 == 0 and padded intermediate % 64 == 0",
-                            H % 16 == 0 and P % 64 == 0, f"{H}, {P}"))
-        if P != i_p:
-            plan.hazards.append(
-                f"needs Marlin tile padding of the intermediate size per partition from {i_p} to {P} "
-                "(marlin_moe_padded_intermediate): activations are padded and sliced on every forward, and vLLM warns "
-                "that performance may be degraded"
-            )
-        if (chosen is Backend.MARLIN and rel.has("process.w13_scales_size_k_quirk") and gs > 0 and H // gs > 1
-                and not gs < i_p):
-            plan.hazards.append(
-                f"vLLM permutes w13 scales with size_k = intermediate size per partition ({i_p}) instead of "
-                f"hidden_size ({H}); with {i_p} <= group_size {gs} the grouped scales get the channel-wise "
-                "permutation and outputs are wrong (vllm PR #50196, open). wna16ctl repack writes the corrected "
-                "layout; an engine that repacks itself needs that fix"
-            )
+    if plan.layout != MARLIN:
+        return
+    P = marlin_moe_padded_intermediate(i_p, gs)
+    plan.padded_intermediate = P
+    checks.append(Check("Marlin repack: hidden_size % 16 == 0 and padded intermediate % 64 == 0",
+                        H % 16 == 0 and P % 64 == 0, f"{H}, {P}"))
+    if P != i_p:
+        plan.hazards.append(_tile_padding_hazard(i_p, P))
+    if (f.chosen is Backend.MARLIN and f.rel.has("process.w13_scales_size_k_quirk") and gs > 0 and H // gs > 1
+            and not gs < i_p):
+        plan.hazards.append(
+            f"vLLM permutes w13 scales with size_k = intermediate size per partition ({i_p}) instead of "
+            f"hidden_size ({H}); with {i_p} <= group_size {gs} the grouped scales get the channel-wise "
+            "permutation and outputs are wrong (vllm PR #50196, open). wna16ctl repack writes the corrected "
+            "layout; an engine that repacks itself needs that fix"
+        )
+
+
+def _layout_step(f: _LayerFacts) -> None:
+    """The layout repack writes, Marlin processing, the hazards of the loaded layer, and each rank's bytes."""
+    plan, s, chosen, layer = f.plan, f.s, f.chosen, f.layer
+    assert chosen is not None  # the oracle step stops without one
+    _choose_layout(f)
+    _marlin_checks(f)
     if s.actorder == "dynamic" and chosen not in (Backend.MARLIN, Backend.BATCHED_MARLIN):
         plan.hazards.append(
             f"actorder 'dynamic' is the alias of 'group', but the {chosen.value} backend's act-order refusal compares "
             "the string with 'group': it loads the layer and ignores g_idx, so outputs are wrong. Rewrite the "
             "config's actorder as 'group' (the tensors are the same)"
         )
-    elif s.actorder == "dynamic" and rel.has("weights.w2_scale_sharding") and moe_tp > 1 and gs > 0:
+    elif s.actorder == "dynamic" and f.rel.has("weights.w2_scale_sharding") and f.moe_tp > 1 and s.group_size > 0:
         plan.hazards.append(
             "actorder 'dynamic' is the alias of 'group', but vLLM's w2 scale sharding compares the string with "
             "'group': it shards the act-order w2 scales by rank and sets is_k_full, so the layer loads and computes "
@@ -679,10 +796,10 @@ def plan_layer(layer: MoELayer, tp: int, ep: bool = False, engine: str = rules.N
             "[N/pack_factor, G] zero points and fails on these; wna16ctl repack converts them"
         )
     if plan.layout is not None:
-        plan.layout_w2 = layout_w2_sharding(s, i_p, I, rel)
-        plan.rank_bytes = _rank_bytes(BACKEND_OF_LAYOUT[plan.layout], s, H, i_p, plan.padded_intermediate,
-                                      plan.layout_w2, experts_per_rank, _scale_bytes(layer.scale_dtype))
-    return plan
+        plan.layout_w2 = layout_w2_sharding(s, f.i_p, layer.intermediate_size, f.rel)
+        plan.rank_bytes = _rank_bytes(BACKEND_OF_LAYOUT[plan.layout], s, layer.hidden_size, f.i_p,
+                                      plan.padded_intermediate, plan.layout_w2, plan.local_experts,
+                                      _scale_bytes(layer.scale_dtype))
 
 
 def vllm_w2_scale_sharding(actorder: str | None, group_size: int, i_p: int, i: int) -> W2ScaleSharding:

@@ -16,11 +16,12 @@ from typing import Any
 
 from wna16ctl.layout.registry import layout_of
 from wna16ctl.layout.spec import MARLIN, VLLM
+from wna16ctl.planning import rules
 
 VLLM_LAYOUT = VLLM
 MARLIN_LAYOUT = MARLIN
-# The releases the plugin serves (integrations.marlin_serving checks the engine against the same list).
-PLUGIN_RELEASES = ("0.32.0", "0.33.0")
+# The releases the plugin serves (the rulebook's; integrations.marlin_serving checks the engine against them).
+PLUGIN_RELEASES = rules.PLUGIN_RELEASES
 PLUGIN_INSTALL = "pip install 'wna16ctl[vllm]'"
 # The hazard the plugin's layout corrects (planning.moe states it; vLLM PR #50196).
 W13_SCALE_HAZARD = "PR #50196"

@@ -21,6 +21,7 @@ from wna16ctl.errors import NotLoadable, UsageError
 from wna16ctl.planning.inspection import Inspection, _params_dtype, plan_all, plan_all_linear
 from wna16ctl.planning.linear import model_checks
 from wna16ctl.sources import Checkpoint
+from wna16ctl.sources.architectures import ARCHITECTURES, model_types
 from wna16ctl.sources.config import WeightScheme
 from wna16ctl.sources.model import QKV, LinearLayer
 from wna16ctl.sources.moe import MoELayer
@@ -28,19 +29,10 @@ from wna16ctl.sources.moe import MoELayer
 ROUTED, SHARED, DENSE = "routed", "shared", "dense"
 
 # model_type -> {kind: (config field, multiplier field)}: the width of that kind's MLPs is
-# config[field] * config[multiplier] (multiplier None: 1).  DeepSeek-style shared experts are
-# one MLP of n_shared_experts × the routed width, so they follow the routed field.
-_ROUTED_SEPARATE = {ROUTED: ("moe_intermediate_size", None), DENSE: ("intermediate_size", None)}
-_DEEPSEEK = {**_ROUTED_SEPARATE, SHARED: ("moe_intermediate_size", "n_shared_experts")}
+# config[field] * config[multiplier] (multiplier None: 1), from the architecture table.
+# DeepSeek-style shared experts are one MLP of n_shared_experts × the routed width.
 WIDTH_FIELDS: dict[str, dict[str, tuple[str, str | None]]] = {
-    "qwen3_moe": _ROUTED_SEPARATE,
-    "qwen2_moe": {**_ROUTED_SEPARATE, SHARED: ("shared_expert_intermediate_size", None)},
-    "mixtral": {ROUTED: ("intermediate_size", None)},
-    "deepseek_v2": _DEEPSEEK,
-    "deepseek_v3": _DEEPSEEK,
-    "kimi_k2": _DEEPSEEK,
-    "glm4_moe": _DEEPSEEK,
-}
+    m: ARCHITECTURES[m].width_fields() for m in model_types(pad=True)}
 MLP_LEAVES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 MAX_STEPS = 4096  # padded sizes tried per field, in whole units
 

@@ -19,6 +19,8 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
+from wna16ctl.sources import architectures
+
 RELEASES: tuple[str, ...] = ("0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")
 OLDEST, NEWEST = RELEASES[0], RELEASES[-1]
 
@@ -387,7 +389,14 @@ class StateKey:
 
 _ATTN = "model.layers.{L}.self_attn"
 _EXP = "model.layers.{L}.{B}.experts.routed_experts."
-_SHARED_EXPERTS = ("deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe")
+# the rows of one kind of router or shared expert are for the architectures the table says have it
+_ROUTER_IN_RUNNER = architectures.model_types(router=architectures.ROUTER_IN_RUNNER)
+_ROUTER_IN_BLOCK = architectures.model_types(router=architectures.ROUTER_IN_BLOCK)
+_ROUTER_IN_BLOCK_FP32 = architectures.model_types(router=architectures.ROUTER_IN_BLOCK_FP32)
+_BIAS_BESIDE_ROUTER = architectures.model_types(correction_bias="router")
+_BIAS_UNDER_EXPERTS = architectures.model_types(correction_bias="experts")
+_SHARED_EXPERT = architectures.model_types(shared_experts=architectures.SHARED_EXPERT)
+_SHARED_EXPERTS = architectures.model_types(shared_experts=architectures.SHARED_EXPERTS)
 VLLM_STATE_KEYS: tuple[StateKey, ...] = (
     StateKey("model", "model.embed_tokens.weight", ("Vn", "H"), "model", "vocab model.embed_tokens.weight"),
     StateKey("model", "model.norm.weight", ("H",), "model", "copy model.norm.weight"),
@@ -444,20 +453,20 @@ VLLM_STATE_KEYS: tuple[StateKey, ...] = (
     StateKey("dense", "model.layers.{L}.mlp.down_proj.weight", ("H", "Dn"), "model", "row model.layers.{L}.mlp.down_proj.weight"),
     # routed experts: the router (registered under the MoE runner too: the smaller key is kept)
     StateKey("moe", "model.layers.{L}.{B}.experts.gate.weight", ("E", "H"), "model", "copy model.layers.{L}.{B}.gate.weight",
-             archs=("qwen3_moe", "deepseek_v2", "deepseek_v3", "kimi_k2")),
+             archs=_ROUTER_IN_RUNNER),
     # noaux_tc routing's correction bias, an fp32 parameter of the router (DeepSeek-V3, Kimi-K2)
     StateKey("moe", "model.layers.{L}.{B}.experts.gate.e_score_correction_bias", ("E",), "F32",
              "copy model.layers.{L}.{B}.gate.e_score_correction_bias", when="noaux_tc",
-             archs=("deepseek_v2", "deepseek_v3", "kimi_k2")),
+             archs=_BIAS_BESIDE_ROUTER),
     # GLM-4.5 keeps its fp32 router to itself; the correction bias it hands to the MoE layer is kept
     # under the routed experts (the smaller key)
     StateKey("moe", "model.layers.{L}.{B}.gate.weight", ("E", "H"), "F32", "copy model.layers.{L}.{B}.gate.weight",
-             archs=("glm4_moe",)),
+             archs=_ROUTER_IN_BLOCK_FP32),
     StateKey("moe", _EXP + "e_score_correction_bias", ("E",), "F32",
-             "copy model.layers.{L}.{B}.gate.e_score_correction_bias", archs=("glm4_moe",)),
+             "copy model.layers.{L}.{B}.gate.e_score_correction_bias", archs=_BIAS_UNDER_EXPERTS),
     # where the model does not hand its router to the MoE layer, it keeps the block's own name
     StateKey("moe", "model.layers.{L}.{B}.gate.weight", ("E", "H"), "model", "copy model.layers.{L}.{B}.gate.weight",
-             archs=("mixtral", "qwen2_moe")),
+             archs=_ROUTER_IN_BLOCK),
     # the expert buffers in the checkpoint's N-first form (every backend from 0.31.0; FlashInfer
     # TRT-LLM and Humming before)
     StateKey("moe", _EXP + "w13_weight_packed", ("E", "2*In", "Hp"), "I32", "w13 weight_packed", when="n_first"),
@@ -487,12 +496,12 @@ VLLM_STATE_KEYS: tuple[StateKey, ...] = (
     # a shared expert (Qwen2-MoE) beside the routed ones, and its sigmoid gate
     StateKey("shared", "model.layers.{L}.{B}.experts._shared_experts._layer.gate_up_proj.weight", ("2*Sn", "H"), "model",
              "merged model.layers.{L}.{B}.shared_expert.{G}.weight model.layers.{L}.{B}.shared_expert.{U}.weight",
-             archs=("qwen2_moe",)),
+             archs=_SHARED_EXPERT),
     StateKey("shared", "model.layers.{L}.{B}.experts._shared_experts._layer.down_proj.weight", ("H", "Sn"), "model",
-             "row model.layers.{L}.{B}.shared_expert.{D}.weight", archs=("qwen2_moe",)),
+             "row model.layers.{L}.{B}.shared_expert.{D}.weight", archs=_SHARED_EXPERT),
     # the MoE runner wraps the shared expert (and the gate it holds): that copy has the smallest keys
     StateKey("shared", "model.layers.{L}.{B}.experts._shared_experts._layer.expert_gate.weight", ("1", "H"), "model",
-             "copy model.layers.{L}.{B}.shared_expert_gate.weight", archs=("qwen2_moe",)),
+             "copy model.layers.{L}.{B}.shared_expert_gate.weight", archs=_SHARED_EXPERT),
     # DeepSeek / Kimi-K2 / GLM-4.5 `shared_experts` (n_shared_experts of them, one MLP)
     StateKey("shared", "model.layers.{L}.{B}.experts._shared_experts._layer.gate_up_proj.weight", ("2*Sn", "H"), "model",
              "merged model.layers.{L}.{B}.shared_experts.{G}.weight model.layers.{L}.{B}.shared_experts.{U}.weight",
@@ -519,6 +528,12 @@ VLLM_STATE_SUPPORT: dict[str, tuple[str, ...]] = {
     "glm4_moe": _STATE_CHECKED,
 }
 VLLM_STATE_ARCHITECTURES = tuple(VLLM_STATE_SUPPORT)
+
+# The releases the `wna16ctl` load format serves (integrations/marlin_serving.py): those whose weight
+# processing of compressed-tensors WNA16 MoE layers (`CompressedTensorsWNA16MoEMethod`,
+# `_process_weights_marlin`) was read for it.  Written out like the contract's: a release added to
+# RELEASES is served once its processing is read and it is listed here.
+PLUGIN_RELEASES = ("0.32.0", "0.33.0")
 
 
 # bit widths whose packed expert words the vllm layout splits by rank (32 // bits whole codes per

@@ -495,9 +495,11 @@ def run_repack(
     function (`wna16ctl.sink.Sink.tasks`); `notice(message)` receives what the user should know
     on the way (a discarded staging directory).  `ranks`: write only these TP ranks (OUT gets a
     manifest part).  `group`: this process's place in a multi-process run (default: alone);
-    `node_local`: OUT is a separate directory on each node, committed by the node's first process."""
+    `node_local`: OUT is a separate directory on each node, committed by the node's first process.
+
+    Three steps: open the staging directory (`_open_staged`), write this process's ranks into it
+    (`_write_ranks`, which runs `_execute`), and build the manifest and commit (`_commit_output`)."""
     group = group or distributed.SOLO
-    me = group.launch
     tp = plan.settings.tp
     if ranks is not None and (not ranks or any(not 0 <= r < tp for r in ranks)):
         raise UsageError(f"ranks {list(ranks)}: each must be a rank of --tp {tp} (0 to {tp - 1})")
@@ -506,12 +508,45 @@ def run_repack(
         out_path = Path(out).resolve()  # "-o ." has no name to stage beside and rename
     except (RuntimeError, OSError) as e:  # a symlink loop
         raise UsageError(f"{out}: cannot be resolved ({getattr(e, 'strerror', None) or e}); choose another -o") from None
-    # who writes into this process's OUT, and who owns (prepares, locks, commits) it
+    place = _place_in_group(group, tp, subset, node_local)
+    staged, dev, discarded = _open_staged(plan, out_path, place, group, force=force, resume=resume, device=device)
+    if discarded and notice is not None:
+        notice(discarded)
+    start = (progress or no_progress) if place.is_owner else no_progress
+    exec_device = "cpu" if dev == "cpu" else ("cuda" if device == "cuda" else "auto")
+    reports, simd_path = _write_ranks(plan, staged, place, group, start, exec_device)
+    ours = [r for r in reports if r["process"] in place.writers]
+    manifest, name = _commit_output(plan, staged, place, group, ours, out_path)
+    processes = [{k: r[k] for k in ("process", "node", "ranks", "files_written", "files_reused", "bytes_written", "simd")}
+                 for r in ours]
+    return RepackResult(staged.out, sum(r["files_written"] for r in ours), sum(r["files_reused"] for r in ours),
+                        sum(r["bytes_written"] for r in ours), manifest, place.out_ranks, name, processes,
+                        committed=place.is_owner, simd=simd_path)
+
+
+@dataclass(frozen=True)
+class _Place:
+    """This process's place in a run: the ranks it writes, who writes into its OUT, who owns OUT
+    (prepares, locks and commits it)."""
+
+    me: distributed.Launch
+    mine: list[int]  # the TP ranks this process writes
+    writers: list[int]  # the processes that write into this process's OUT
+    out_ranks: list[int]  # the TP ranks this process's OUT holds once every writer is done
+    owner: int  # the process that owns this process's OUT
+
+    @property
+    def is_owner(self) -> bool:
+        return self.me.rank == self.owner
+
+
+def _place_in_group(group: distributed.Group, tp: int, subset: list[int] | None, node_local: bool) -> _Place:
+    """Where this process stands; a UsageError, in every process alike, when a node would write no rank."""
+    me = group.launch
     owner = group.node_owner(me.node) if node_local else 0
     writers = [m.rank for m in group.members if not node_local or m.node == me.node]
     mine = distributed.ranks_of_process(tp, me.rank, me.world_size, subset)
     out_ranks = sorted(r for w in writers for r in distributed.ranks_of_process(tp, w, me.world_size, subset))
-    is_owner = me.rank == owner
     if node_local:  # every process knows every member: all refuse alike, before anything is written
         for node in sorted({m.node for m in group.members}):
             if not any(distributed.ranks_of_process(tp, m.rank, me.world_size, subset) for m in group.node_members(node)):
@@ -519,11 +554,19 @@ def run_repack(
                     f"--node-local: the processes of node {node} would write no rank (rank r is written by process r "
                     f"mod {me.world_size}, of {len(subset) if subset else tp} rank(s)); start fewer processes or "
                     "repack a larger --tp")
+    return _Place(me, mine, writers, out_ranks, owner)
+
+
+def _open_staged(plan: RepackPlan, out_path: Path, place: _Place, group: distributed.Group, *, force: bool,
+                 resume: bool, device: str) -> tuple[StagedOutput, str, str | None]:
+    """(the staging directory of OUT, the device this process repacks on, the notice of a discarded
+    earlier staging directory): the owner prepares and locks it, every other writer joins it."""
     held: list[StagedOutput] = []
+    me = place.me
 
     def prepare() -> tuple[str, str | None]:
         dev = distributed.select_device(repack_device(device), me)
-        if not is_owner:
+        if not place.is_owner:
             return dev, None
         discarded = _check_previous_run(plan, out_path, resume=resume)
         # OUT, its staging and previous-output names must be clear of the checkpoint (outdir.py)
@@ -535,8 +578,8 @@ def run_repack(
         dev, discarded = group.together("preparing the output directory", prepare)
         # the owner announces its staging directory (run id) and what it adopted from an earlier run
         announced = group.all_gather((held[0].run, held[0].reusable) if held else None)
-        if not is_owner:
-            run_id, reusable = announced[owner]
+        if not place.is_owner:
+            run_id, reusable = announced[place.owner]
             held.append(group.together("joining the output directory", lambda: StagedOutput(
                 out_path, force=force, resume=resume, identity=plan.identity, checkpoint=plan.checkpoint.root,
                 process=me.rank, join=run_id, reusable=reusable)))
@@ -546,26 +589,28 @@ def run_repack(
         if held and held[0].owner:
             held[0].release()
         raise
-    staged = held[0]
-    if discarded and notice is not None:
-        notice(discarded)
-    start = (progress or no_progress) if is_owner else no_progress
+    return held[0], dev, discarded
 
-    exec_device = "cpu" if dev == "cpu" else ("cuda" if device == "cuda" else "auto")
+
+def _write_ranks(plan: RepackPlan, staged: StagedOutput, place: _Place, group: distributed.Group,
+                 start: TaskStarter, exec_device: str) -> tuple[list[dict[str, Any]], str | None]:
+    """Write this process's ranks (the owner also the side files) into `staged`; (every process's
+    report of what it wrote, this process's native tile loop or None)."""
+    me = place.me
 
     def write() -> tuple[int, int, int, str | None]:
         # worker threads build into mapped windows and output buffers this thread frees when it
         # unwinds: a Ctrl-C is raised only between chunks (interrupts.check), never mid-build
         with interrupts.deferred():
             simd_path = _native_simd(plan, exec_device)  # refuses a WNA16CTL_SIMD level the CPU lacks first
-            counts = _execute(plan, staged, start, exec_device, mine, side_files=is_owner, launch=me)
-            staged.collect_hashes() if is_owner else staged.close()  # hashed, synced, journaled
+            counts = _execute(plan, staged, start, exec_device, place.mine, side_files=place.is_owner, launch=me)
+            staged.collect_hashes() if place.is_owner else staged.close()  # hashed, synced, journaled
         return (*counts, simd_path)
 
     try:
         written, reused, nbytes, simd_path = group.together("writing", write)
         reports = group.all_gather({
-            "process": me.rank, "node": me.node, "ranks": mine, "files_written": written,
+            "process": me.rank, "node": me.node, "ranks": place.mine, "files_written": written,
             "files_reused": reused, "bytes_written": nbytes, "simd": simd_path, "done": staged.done,
             "sources": staged.sources})
     except KeyboardInterrupt:
@@ -578,19 +623,25 @@ def run_repack(
         with interrupts.deferred():
             staged.abort(keep_for_resume=group.world_size > 1)
         raise
-    ours = [r for r in reports if r["process"] in writers]
-    complete = out_ranks == list(range(tp))
-    name = MANIFEST_NAME if complete else outdir.part_manifest_name(out_ranks)
+    return reports, simd_path
+
+
+def _commit_output(plan: RepackPlan, staged: StagedOutput, place: _Place, group: distributed.Group,
+                   ours: list[dict[str, Any]], out_path: Path) -> tuple[dict[str, Any], str]:
+    """The owner builds the manifest (or manifest part) from every writer's report and commits OUT;
+    every process then learns whether the commit held.  (the manifest, its file name)."""
+    complete = place.out_ranks == list(range(plan.settings.tp))
+    name = MANIFEST_NAME if complete else outdir.part_manifest_name(place.out_ranks)
     manifest: dict[str, Any] = {}
     error: BaseException | None = None
-    if is_owner:
+    if place.is_owner:
         try:
             for r in ours:
                 staged.done.update(r["done"])
                 staged.sources.update(r["sources"])
             manifest = build_manifest(plan, staged.done, staged.stage)
             if not complete:
-                manifest["part"] = {"ranks": out_ranks}
+                manifest["part"] = {"ranks": place.out_ranks}
             # OUT moves aside and the staging directory takes its place: both renames or neither.
             # A Ctrl-C meanwhile comes too late to stop anything: the output is complete.
             with interrupts.deferred() as held:
@@ -603,20 +654,17 @@ def run_repack(
     try:
         outcomes = group.all_gather(None if error is None else distributed.outcome_of(error))
     except distributed.PeerFailed:
-        if error is None and is_owner:  # committed: a peer that vanished since changes nothing here
+        if error is None and place.is_owner:  # committed: a peer that vanished since changes nothing here
             outcomes = [None] * group.world_size
         else:
             raise
     if error is not None:
         raise group.shared(error)
-    if outcomes[owner] is not None:
-        code, message = outcomes[owner]
-        raise group.shared(distributed.PeerFailed(f"process {owner} failed while committing {out_path}: {message}", code))
-    processes = [{k: r[k] for k in ("process", "node", "ranks", "files_written", "files_reused", "bytes_written", "simd")}
-                 for r in ours]
-    return RepackResult(staged.out, sum(r["files_written"] for r in ours), sum(r["files_reused"] for r in ours),
-                        sum(r["bytes_written"] for r in ours), manifest, out_ranks, name, processes,
-                        committed=is_owner, simd=simd_path)
+    if outcomes[place.owner] is not None:
+        code, message = outcomes[place.owner]
+        raise group.shared(distributed.PeerFailed(
+            f"process {place.owner} failed while committing {out_path}: {message}", code))
+    return manifest, name
 
 
 def _digest(parts: list[str]) -> str:
@@ -763,127 +811,183 @@ def _execute(plan: RepackPlan, staged: StagedOutput, start: TaskStarter, device:
     ck = plan.checkpoint
     by_rel = {f.relpath: f for r in ranks for f in plan.files[r]}
     digests = _SourceDigests(plan)
-    written = 0
     if device == "cuda":
         marlin_repacker(device)  # refuses --device cuda without a usable GPU before any work
     builders = _native_builders(plan, device)
-    torch_layers = len(builders) < len(plan.jobs)
-    if not torch_layers:
+    if len(builders) == len(plan.jobs):
         with RawReader(ck.files) as raw:
             return _execute_streamed(plan, staged, raw, builders, by_rel, start, ranks, side_files, launch)
+    # some layer takes the torch data path: read through a TensorReader
     advance = start("repacking", plan.input_bytes(ranks), unit="bytes")
-    if torch_layers:
-        from wna16ctl.sources.tensors import TensorReader
+    from wna16ctl.sources.tensors import TensorReader
 
-        reader_cm: RawReader = TensorReader(ck.files)
-    else:
-        reader_cm = RawReader(ck.files)
     writer = _BackgroundWrites(staged)
     hash_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wna16ctl-digest")
-    with reader_cm as reader, writer, hash_pool:
+    with TensorReader(ck.files) as reader, writer, hash_pool:
         candidates = [f for f in by_rel.values() if staged.staged_file_matches(f)]
         reused_files = ({f.relpath for f in _verify_reusable(plan, staged, reader, candidates, digests, builders)}
                         if candidates else set())
         pending = {rel: f for rel, f in by_rel.items() if rel not in reused_files}
-        reused = len(by_rel) - len(pending)
         staged.check_space(sum(f.size for f in pending.values()))
-        remaining = {rel: len(plan.units[rel]) for rel in pending}
-        unit_file = _files_by_unit(plan, pending.values())
-        unit_end: dict[tuple[str, tuple], int] = {}
+        files = _PendingFiles(plan, staged, digests, pending, launch)
+        # 1. non-expert tensors, read once, digested, written into every rank that still needs them
+        written = _copy_non_expert(plan, staged, reader, files, digests, advance)
+        # 2. expert layers
+        layer_io = _LayerIO(staged, reader, writer, hash_pool, digests, marlin_repacker(device), advance)
+        for j in range(len(plan.jobs)):
+            written += _repack_layer(plan, j, builders.get(j), files, layer_io)
+        _write_side_files(plan, staged, ranks, side_files)
+    return len(pending), len(by_rel) - len(pending), written
+
+
+class _PendingFiles:
+    """The files still to write, and the units of each still to come: a file is finished (hashed
+    and journaled) once its last unit is written."""
+
+    def __init__(self, plan: RepackPlan, staged: StagedOutput, digests: _SourceDigests,
+                 pending: dict[str, PlannedFile], launch: distributed.Launch):
+        self.staged, self.digests, self.launch = staged, digests, launch
+        self.remaining = {rel: len(plan.units[rel]) for rel in pending}
+        self.unit_file = _files_by_unit(plan, pending.values())
+        self.unit_end: dict[tuple[str, tuple], int] = {}  # (file, unit) -> the end offset of the unit's bytes
         for rel, f in pending.items():
             ends = {t.name: f.offsets[t.name] + t.nbytes for t in f.tensors}
             for u in plan.units[rel]:
                 names = u[1] if u[0] == "copy" else [n for n in ends if n.startswith(plan.jobs[u[1]].layer.prefix + ".")]
-                unit_end[(rel, u)] = max(ends[n] for n in names)
+                self.unit_end[(rel, u)] = max(ends[n] for n in names)
+        self.copy_units = list(dict.fromkeys(u for rel in sorted(pending) for u in plan.units[rel] if u[0] == "copy"))
 
-        def unit_done(u: tuple) -> None:
-            for f in unit_file.get(u, []):
-                remaining[f.relpath] -= 1
-                if remaining[f.relpath] == 0:
-                    staged.finish(f, digests.file(f))
-                else:  # units fill a file front to back: everything before this unit's end is final
-                    staged.written_upto(f, unit_end[(f.relpath, u)])
-            staged.checkpoint_journal()
-            if any(remaining[f.relpath] == 0 for f in unit_file.get(u, [])):
-                distributed.kill_after_first_file_for_tests(launch, staged.collect_hashes)
+    def of(self, u: tuple) -> list[PlannedFile]:
+        """The pending files unit `u` goes into."""
+        return self.unit_file.get(u, [])
 
-        # 1. non-expert tensors, read once, digested, written into every rank that still needs them
-        copy_units = [u for rel in sorted(pending) for u in plan.units[rel] if u[0] == "copy"]
-        buf = ReusedBuffer(_COPY_PIECE)
-        for u in dict.fromkeys(copy_units):
-            interrupts.check()
-            for f in unit_file[u]:
-                staged.open(f)
-            h = new_hasher()
-            for name in u[1]:
-                info = ck.files.info(name)
-                _copy_tensor(reader, info, [(staged, f, f.offsets[name]) for f in unit_file[u]], h, buf)
-                written += info.nbytes * len(unit_file[u])
-                advance(info.nbytes * len(unit_file[u]))
-            digests.copy[u] = h.hexdigest()
-            unit_done(u)
-        # 2. expert layers
-        repack_weights = marlin_repacker(device) if torch_layers else None
-        for j, job in enumerate(plan.jobs):
-            u = ("layer", j)
-            layer = job.layer
-            targets = _layer_targets(job, unit_file.get(u, []))
-            if not targets:
-                continue
-            builder = builders.get(j)
-            for by_name in targets.values():
-                for f in by_name.values():
-                    staged.open(f)
-            wanted = [job.expert_ranges[r] for r in targets]
-            pending_digests: list[tuple[range, Any]] = []
-            chunks = [c for c in _expert_chunks(job) if any(c.start in rng for rng in wanted)]  # EP: skip others
-            for i, chunk in enumerate(chunks):
-                interrupts.check()
-                nbytes = layer.packed_bytes * len(chunk) // layer.num_experts
-                writes: list[tuple[PlannedFile, int, Any]] = []
-                if builder is not None:
-                    slot = i % 2
-                    if i >= 2:  # the digest of the chunk read into this slot before must be done
-                        pending_digests[i - 2][1].result()
-                    view = builder.read(reader, chunk, slot)
-                    pending_digests.append((chunk, hash_pool.submit(_digest_view, view)))
-                    builder.check_scales(slot)
-                else:
-                    experts, d = _read_layer_chunk(reader, job, chunk)
-                    digests.add_chunk(j, chunk, d)
-                for r, by_name in targets.items():
-                    rng = job.expert_ranges[r]
-                    if chunk.start not in rng:
-                        continue
-                    local = chunk.start - rng.start
-                    if builder is not None:
-                        tensors: dict[str, Any] = builder.build(r, len(chunk), slot)
-                        per = builder.per_expert
-                    else:
-                        tensors = build_rank_tensors(experts, job.specs[r], scale_dtype=plan.scale_dtype,
-                                                     expert_ids=list(chunk), repack=repack_weights)
-                        per = {name: (t[0].numel() * t.element_size() if t.shape[0] else 0) for name, t in tensors.items()}
-                    for name, t in tensors.items():
-                        f = by_name.get(name)
-                        if f is not None:
-                            writes.append((f, f.offsets[f"{layer.prefix}.{name}"] + local * per[name], t))
-                            written += per[name] * len(chunk)
-                # Writing chunk i overlaps building chunk i+1 (pwrite releases the GIL); at most two
-                # chunks of output are alive at a time.  Each file is filled in order, so what was
-                # just written is hashed from its buffer while cached (else re-read once final).
-                def hash_written(writes: list = writes) -> None:  # in the writer thread, after the writes
-                    for f, off, t in writes:
-                        if not (isinstance(t, memoryview) and staged.hash_written(f, off, t)):
-                            staged.written_upto(f, off + _nbytes_of(t))
+    def unit_done(self, u: tuple) -> None:
+        staged = self.staged
+        for f in self.of(u):
+            self.remaining[f.relpath] -= 1
+            if self.remaining[f.relpath] == 0:
+                staged.finish(f, self.digests.file(f))
+            else:  # units fill a file front to back: everything before this unit's end is final
+                staged.written_upto(f, self.unit_end[(f.relpath, u)])
+        staged.checkpoint_journal()
+        if any(self.remaining[f.relpath] == 0 for f in self.of(u)):
+            distributed.kill_after_first_file_for_tests(self.launch, staged.collect_hashes)
 
-                writer.submit(writes, hash_written)
-                advance(nbytes)
-            for chunk, fut in pending_digests:
-                digests.add_chunk(j, chunk, fut.result())
-            writer.drain()
-            unit_done(u)
-        _write_side_files(plan, staged, ranks, side_files)
-    return len(pending), reused, written
+
+def _copy_non_expert(plan: RepackPlan, staged: StagedOutput, reader: RawReader, files: _PendingFiles,
+                     digests: _SourceDigests, advance: Callable[[int], None]) -> int:
+    """Copy each non-expert tensor into every pending file that holds it, digesting its bytes
+    once; returns the bytes written."""
+    ck = plan.checkpoint
+    written = 0
+    buf = ReusedBuffer(_COPY_PIECE)
+    for u in files.copy_units:
+        interrupts.check()
+        for f in files.of(u):
+            staged.open(f)
+        h = new_hasher()
+        for name in u[1]:
+            info = ck.files.info(name)
+            _copy_tensor(reader, info, [(staged, f, f.offsets[name]) for f in files.of(u)], h, buf)
+            written += info.nbytes * len(files.of(u))
+            advance(info.nbytes * len(files.of(u)))
+        digests.copy[u] = h.hexdigest()
+        files.unit_done(u)
+    return written
+
+
+@dataclass
+class _LayerIO:
+    """What writing an expert layer uses: the staging directory, the checkpoint reader, the
+    background writer and digest thread, the source digests, the torch path's Marlin repack and
+    the progress."""
+
+    staged: StagedOutput
+    reader: Any  # a TensorReader
+    writer: _BackgroundWrites
+    hash_pool: ThreadPoolExecutor
+    digests: _SourceDigests
+    repack_weights: Any
+    advance: Callable[[int], None]
+
+
+def _repack_layer(plan: RepackPlan, j: int, builder: Any | None, files: _PendingFiles, io: _LayerIO) -> int:
+    """Read expert layer `j` chunk by chunk and write every pending rank file's tensors of it
+    (`builder`: the native path's, else the torch path); returns the tensor bytes written."""
+    job = plan.jobs[j]
+    u = ("layer", j)
+    layer = job.layer
+    targets = _layer_targets(job, files.of(u))
+    if not targets:
+        return 0
+    for by_name in targets.values():
+        for f in by_name.values():
+            io.staged.open(f)
+    wanted = [job.expert_ranges[r] for r in targets]
+    pending_digests: list[tuple[range, Any]] = []
+    written = 0
+    chunks = [c for c in _expert_chunks(job) if any(c.start in rng for rng in wanted)]  # EP: skip others
+    for i, chunk in enumerate(chunks):
+        interrupts.check()
+        nbytes = layer.packed_bytes * len(chunk) // layer.num_experts
+        slot = i % 2
+        experts: list | None = None
+        if builder is not None:
+            if i >= 2:  # the digest of the chunk read into this slot before must be done
+                pending_digests[i - 2][1].result()
+            view = builder.read(io.reader, chunk, slot)
+            pending_digests.append((chunk, io.hash_pool.submit(_digest_view, view)))
+            builder.check_scales(slot)
+        else:
+            experts, d = _read_layer_chunk(io.reader, job, chunk)
+            io.digests.add_chunk(j, chunk, d)
+        writes, n_written = _chunk_writes(plan, job, targets, chunk, builder, slot, experts, io.repack_weights)
+        written += n_written
+        staged = io.staged
+
+        # Writing chunk i overlaps building chunk i+1 (pwrite releases the GIL); at most two
+        # chunks of output are alive at a time.  Each file is filled in order, so what was
+        # just written is hashed from its buffer while cached (else re-read once final).
+        def hash_written(writes: list = writes) -> None:  # in the writer thread, after the writes
+            for f, off, t in writes:
+                if not (isinstance(t, memoryview) and staged.hash_written(f, off, t)):
+                    staged.written_upto(f, off + _nbytes_of(t))
+
+        io.writer.submit(writes, hash_written)
+        io.advance(nbytes)
+    for chunk, fut in pending_digests:
+        io.digests.add_chunk(j, chunk, fut.result())
+    io.writer.drain()
+    files.unit_done(u)
+    return written
+
+
+def _chunk_writes(plan: RepackPlan, job: LayerJob, targets: dict[int, dict[str, PlannedFile]], chunk: range,
+                  builder: Any | None, slot: int, experts: list | None,
+                  repack_weights: Any) -> tuple[list[tuple[PlannedFile, int, Any]], int]:
+    """Each target rank's tensors of the experts in `chunk`, built by the native `builder` (from
+    its `slot`) or the torch path (from `experts`): (file, offset, bytes) writes, and their bytes."""
+    layer = job.layer
+    writes: list[tuple[PlannedFile, int, Any]] = []
+    written = 0
+    for r, by_name in targets.items():
+        rng = job.expert_ranges[r]
+        if chunk.start not in rng:
+            continue
+        local = chunk.start - rng.start
+        if builder is not None:
+            tensors: dict[str, Any] = builder.build(r, len(chunk), slot)
+            per = builder.per_expert
+        else:
+            tensors = build_rank_tensors(experts, job.specs[r], scale_dtype=plan.scale_dtype,
+                                         expert_ids=list(chunk), repack=repack_weights)
+            per = {name: (t[0].numel() * t.element_size() if t.shape[0] else 0) for name, t in tensors.items()}
+        for name, t in tensors.items():
+            f = by_name.get(name)
+            if f is not None:
+                writes.append((f, f.offsets[f"{layer.prefix}.{name}"] + local * per[name], t))
+                written += per[name] * len(chunk)
+    return writes, written
 
 
 def _execute_streamed(plan: RepackPlan, staged: StagedOutput, reader: RawReader, builders: dict[int, Any],

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from wna16ctl.dtypes import FLOAT_ST_OF_CONFIG
+from wna16ctl.sources.architectures import architecture
 from wna16ctl.errors import BadInput
 
 PACK_QUANTIZED = "pack-quantized"
@@ -392,12 +393,6 @@ SCALE_DTYPES = ("float16", "bfloat16", "float32")
 SCALE_ST_DTYPES = FLOAT_ST_OF_CONFIG  # as safetensors names them
 _DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32", "fp32": "float32"}
 
-# Model families whose `intermediate_size` is the dense MLP's width and whose experts' width is
-# `moe_intermediate_size`: for these a missing `moe_intermediate_size` is read from the tensors.
-_SEPARATE_MOE_WIDTH = frozenset({
-    "qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_vl_moe", "deepseek_v2", "deepseek_v3", "kimi_k2",
-    "glm4_moe", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "bailing_moe", "step3_text",
-})
 
 
 def _first_int(raw: dict[str, Any], path: Path, *keys: str) -> int | None:
@@ -500,9 +495,11 @@ def read_model_config(ckpt: Path) -> ModelConfig:
     archs = raw.get("architectures") or []
     model_type = str(raw.get("model_type", ""))
     # Mixtral calls its expert width `intermediate_size`; the MoE families with shared or
-    # dense MLPs keep that name for the dense MLP and use `moe_intermediate_size`.
+    # dense MLPs keep that name for the dense MLP and use `moe_intermediate_size`: for these a
+    # missing `moe_intermediate_size` is read from the tensors (sources/architectures.py).
     width_keys = ("moe_intermediate_size", "expert_intermediate_size")
-    if model_type not in _SEPARATE_MOE_WIDTH:
+    arch = architecture(model_type)
+    if arch is None or not arch.separate_expert_width:
         width_keys += ("intermediate_size",)
     num_experts = _first_int(raw, path, "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
     top_k = _first_int(raw, path, "num_experts_per_tok", "moe_topk")

@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from wna16ctl.sources.architectures import architecture
 from wna16ctl.sources.config import ModelConfig, WeightScheme
 from wna16ctl.sources.headers import CheckpointFiles
 
@@ -171,9 +172,11 @@ _FUSED_SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("g
 _UNQUANTIZED = {"gate": "the MoE router", "shared_expert_gate": "the shared-expert gate"}
 _UNQUANTIZED_HEAD = ("the output projection (a ParallelLMHead is quantized only when a target names it: 'lm_head', "
                      "a regex matching it, or part of the class name; the class target 'Linear' is not)")
-# model files whose router (GateLinear, a ReplicatedLinear) receives the quant config; the others
-# (Qwen2-MoE, Qwen3-Next/3.5, Mixtral, DeepSeek, GLM-4.5) build it unquantized
-_ROUTER_TAKES_QUANT = frozenset({"qwen3_moe"})
+
+
+def _router_takes_quant(model_type: str | None) -> bool:
+    arch = architecture(model_type)
+    return arch is not None and arch.router_takes_quant
 
 
 def _packed_nk(files: CheckpointFiles, module: str, scheme: WeightScheme | None) -> tuple[int, int] | None:
@@ -223,7 +226,9 @@ def find_linear_layers(files: CheckpointFiles, config: ModelConfig) -> tuple[lis
             add(m, "lm_head", VOCAB, k, 0, LinearShard(m, (n,), s),
                 refused=None if head is not None else _UNQUANTIZED_HEAD)
         elif leaf in _UNQUANTIZED:
-            quantizable = leaf == "gate" and dims.model_type in _ROUTER_TAKES_QUANT
+            # the router (GateLinear, a ReplicatedLinear) receives the quant config only in the
+            # model files the architecture table says; the others build it unquantized
+            quantizable = leaf == "gate" and _router_takes_quant(dims.model_type)
             add(m, kind_of(leaf), REPLICATED, k, 0, LinearShard(m, (n,), s),
                 refused=None if quantizable else _UNQUANTIZED[leaf])
         elif leaf in _ATTN_QKV and not dims.mla:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from wna16ctl.sources import Checkpoint, MoELayer
+from wna16ctl.sources.architectures import architecture
 from wna16ctl.sources.tensors import TensorReader
 from wna16ctl.errors import BadInput
 from wna16ctl.verification.samples import (  # noqa: F401 - re-exported: the sample sources live in a torch-free module
@@ -195,8 +196,8 @@ def _topk(ck: Checkpoint, reader: TensorReader, layer: MoELayer, logits: torch.T
         return ids, w * float(cfg.get("routed_scaling_factor", 1.0))
     probs = logits.softmax(-1)
     w, ids = probs.topk(k, dim=-1)
-    model_type = ck.config.model_type
-    renorm = cfg.get("norm_topk_prob", model_type in ("mixtral", "qwen3_moe"))
-    if model_type == "mixtral" or renorm:
+    arch = architecture(ck.config.model_type)
+    renorm = cfg.get("norm_topk_prob", arch is not None and arch.norm_topk_prob_default)
+    if (arch is not None and arch.always_renormalize) or renorm:
         w = w / w.sum(-1, keepdim=True)
     return ids, w

@@ -829,132 +829,185 @@ def _numerics_gemm(device: torch.device):  # noqa: ANN202
     return EmulatedGemm(), "moe_gemm_v3.cu (v2, then v1 where it declines) on the CPU emulation"
 
 
+@dataclass
+class _LayerSums:
+    """What the pass over a layer's experts gathers for the layer's numerics."""
+
+    partial: torch.Tensor  # candidate partial sums per rank [ranks, T, H] (fp32 sum of rounded outputs)
+    partial_ref: torch.Tensor  # the reference's, from the checkpoint in fp32
+    # per rank present: its experts' weights dequantised from the checkpoint in the model dtype,
+    # the reference of the rounding interval (verification.bounds)
+    ref_ranks: dict[int, tuple[range, dict[int, tuple[torch.Tensor, torch.Tensor]]]]
+    exercised: int = 0  # experts some token is routed to
+    # Why the candidate is incomplete: an expert whose tensors cannot be read back, a rank the
+    # GEMM cannot run on.  The reference never depends on the output, so it is always complete.
+    no_candidate: list[str] = field(default_factory=list)
+    layer_ok: bool = True  # no round-trip finding in this layer yet
+
+
 def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: dict[int, RankFiles],
                   hidden: torch.Tensor, dtype: torch.dtype, report: VerifyReport,
                   gemm_device: torch.device = torch.device("cpu"),
                   advance: Callable[[int], None] = lambda n: None, experts: list[int] | None = None) -> None:
+    """One MoE layer: the round trip of every selected expert on every rank present, then the
+    layer's numerics (the candidate against the rounding interval of the reference)."""
     layer = job.layer
     routing = route(ck, reader, layer, hidden)
     selected = list(range(layer.num_experts)) if experts is None else experts
     if len(selected) < layer.num_experts:  # --experts: only those experts' contributions are compared
         routing = _restricted(routing, selected)
-    x = routing.x
-    T, H = x.shape
-    x_c = x.to(dtype).float()  # the candidate's activations, rounded to the model dtype
+    T, H = routing.x.shape
     n_ranks = len(job.specs)
-    partial = torch.zeros(n_ranks, T, H)  # candidate partial sums per rank (fp32 sum of rounded outputs)
-    partial_ref = torch.zeros(n_ranks, T, H)
-    exercised = 0
-    layer_ok = True
-    # Why the candidate is incomplete: an expert whose tensors cannot be read back, a rank the
-    # GEMM cannot run on.  The reference never depends on the output, so it is always complete.
-    no_candidate: list[str] = []
-    # per rank present: its experts' weights dequantised from the checkpoint in the model dtype,
-    # the reference of the rounding interval (verification.bounds)
-    ref_ranks = {r: (job.expert_ranges[r], {}) for r in ranks}
+    sums = _LayerSums(torch.zeros(n_ranks, T, H), torch.zeros(n_ranks, T, H),
+                      {r: (job.expert_ranges[r], {}) for r in ranks})
+    x_c = routing.x.to(dtype).float()  # the candidate's activations, rounded to the model dtype
     for e in selected:
-        tok, slot = (routing.topk_ids == e).nonzero(as_tuple=True)
-        w = routing.topk_weights[tok, slot].unsqueeze(1)
-        if tok.numel():
-            exercised += 1
-        ck_expert = reader.read_expert(layer, e)
-        per_rank: list[dict[str, torch.Tensor]] = []
-        for r, spec in enumerate(job.specs):
-            rng = job.expert_ranges[r]
-            if e not in rng or r not in ranks:  # a part: only the ranks it holds
-                continue
-            local = e - rng.start
-            expected = _cast_scales(shard_expert(ck_expert, tp=spec.tp, rank=spec.rank, load_full_w2=spec.load_full_w2,
-                                                 expert_id=e), dtype)
-            ref_ranks[r][1][e] = (_dequantize_kfirst(expected, spec, "w13", dtype),
-                                  _dequantize_kfirst(expected, spec, "w2", dtype))
-            got: dict[str, torch.Tensor] | None
-            try:
-                tensors = {n: ranks[r].expert_slice(f"{layer.prefix}.{n}", local) for n in job.tensor_names}
-                got = unbuild_expert_tensors(tensors, spec, expert_id=e)
-            except (LayoutMismatch, BadInput) as err:
-                report.findings.append(Finding("round_trip", f"{layer.prefix} expert {e} rank {r}: {err.message}",
-                                               layer=layer.prefix, rank=r, expert=e))
-                layer_ok = False
-                got = None
-                if job.layout != "marlin":
-                    no_candidate.append(f"expert {e} rank {r} cannot be read back (see round trip)")
-            if got is not None:
-                diff = _compare(expected, got, spec)
-                if diff is not None:
-                    report.findings.append(Finding("round_trip", f"{layer.prefix} expert {e} rank {r}: {diff}",
-                                                   layer=layer.prefix, rank=r, expert=e))
-                    layer_ok = False
-                per_rank.append(got)
-            if tok.numel():
-                _expert_numerics(x[tok], x_c[tok], w, tok, expected, None if job.layout == "marlin" else got, spec,
-                                 dtype, partial[r], partial_ref[r])
-        # an EP part holds some experts only: count those whose tensors were read back here
-        if any(e in job.expert_ranges[r] and r in ranks for r in range(n_ranks)):
-            report.experts_checked += 1
+        _verify_expert(reader, job, ranks, routing, x_c, dtype, report, sums, e)
         advance(1)
-        if len(per_rank) == n_ranks and not job.plan.ep:
-            spec0 = job.specs[0]
-            try:
-                back = unshard_expert(per_rank, tp=spec0.tp, load_full_w2=spec0.load_full_w2,
-                                      group_size=spec0.group_size, expert_id=e)
-            except LayoutMismatch as err:
-                report.findings.append(Finding("round_trip", f"{layer.prefix} expert {e}: {err.message}", layer=layer.prefix, expert=e))
-                continue
-            for role in ("gate", "up", "down"):
-                want = {k: (v.to(dtype) if k == "weight_scale" else v) for k, v in ck_expert[role].items()}
-                bad = next((k for k, v in want.items() if k not in back[role] or back[role][k].shape != v.shape
-                            or first_difference(back[role][k], v) is not None), None)
-                if bad is not None and layer_ok:
-                    report.findings.append(Finding(
-                        "round_trip", f"{layer.prefix} expert {e}: re-assembled {role} {bad} differs from the checkpoint",
-                        layer=layer.prefix, expert=e))
     report.layers_checked += 1
     kernel = "the layer's math in torch (transposed layout)"
     emulated_rows: torch.Tensor | None = None  # tokens the kernel source ran on the CPU emulation
     partial_k = torch.zeros(0)
-    if job.layout == "marlin":
-        # the candidate runs through the MoE GEMM over the Marlin tensors as written: the CUDA
-        # kernel on a GPU. On the CPU every token goes through the torch twin (the layout's
-        # inverses) and a subset covering every expert through the kernel source on the CPU
-        # emulation (all tokens would take minutes); without g++ the twin alone, said in `kernel`
-        emulated, kernel = _numerics_gemm(gemm_device)
-        if emulated is not None:
-            emulated_rows = _emulated_rows(routing.topk_ids, layer.num_experts)
-            partial_k = torch.zeros(n_ranks, len(emulated_rows), H)
-        sub = None if emulated_rows is None else _SubRouting(routing, emulated_rows)
-        for r in ranks:
-            if not len(job.expert_ranges[r]):  # EP with more ranks than experts: nothing written
-                continue
-            try:
-                partial[r] = _gemm_rank_candidate(job, r, ranks[r], x.to(dtype), routing, dtype, gemm_device)
-                if sub is not None:
-                    partial_k[r] = _gemm_rank_candidate(job, r, ranks[r], x[emulated_rows].to(dtype), sub, dtype,
-                                                        gemm_device, emulated)
-            except Exception as err:  # malformed tensors make the kernel fail: the comparison cannot run
-                msg = err.message if isinstance(err, (LayoutMismatch, BadInput)) else f"{type(err).__name__}: {err}"
-                no_candidate.append(f"the GEMM cannot run on rank {r}'s tensors ({msg})")
-        if emulated is not None:
-            kernel = (f"{kernel} on {len(emulated_rows)} of {T} tokens (every expert; "
-                      + ", ".join(f"{k} × {v}" for k, v in sorted(emulated.launches.items()))
-                      + " launches), the torch twin of the kernel on all")
-    row = LayerNumerics(layer=layer.prefix, tokens=T, forced_tokens=routing.forced, experts_exercised=exercised,
+    if job.layout == MARLIN:
+        kernel, emulated_rows, partial_k = _marlin_candidate(job, ranks, routing, dtype, gemm_device, sums)
+    row = LayerNumerics(layer=layer.prefix, tokens=T, forced_tokens=routing.forced, experts_exercised=sums.exercised,
                         num_experts=len(selected), kernel=kernel)
     report.numerics.append(row)
+    _judge_layer(row, ranks, routing, dtype, sums, emulated_rows, partial_k, len(selected))
+
+
+def _verify_expert(reader: TensorReader, job: LayerJob, ranks: dict[int, RankFiles], routing: Routing,
+                   x_c: torch.Tensor, dtype: torch.dtype, report: VerifyReport, sums: _LayerSums, e: int) -> None:
+    """Expert `e`: each rank's tensors undone by the layout's inverse against the rank's slice of
+    the checkpoint, its contribution to the numerics, and the ranks re-assembled."""
+    layer, n_ranks = job.layer, len(job.specs)
+    x = routing.x
+    tok, slot = (routing.topk_ids == e).nonzero(as_tuple=True)
+    w = routing.topk_weights[tok, slot].unsqueeze(1)
+    if tok.numel():
+        sums.exercised += 1
+    ck_expert = reader.read_expert(layer, e)
+    per_rank: list[dict[str, torch.Tensor]] = []
+    for r, spec in enumerate(job.specs):
+        rng = job.expert_ranges[r]
+        if e not in rng or r not in ranks:  # a part: only the ranks it holds
+            continue
+        expected = _cast_scales(shard_expert(ck_expert, tp=spec.tp, rank=spec.rank, load_full_w2=spec.load_full_w2,
+                                             expert_id=e), dtype)
+        sums.ref_ranks[r][1][e] = (_dequantize_kfirst(expected, spec, "w13", dtype),
+                                   _dequantize_kfirst(expected, spec, "w2", dtype))
+        got = _read_back(job, ranks[r], r, spec, e - rng.start, e, expected, report, sums)
+        if got is not None:
+            per_rank.append(got)
+        if tok.numel():
+            _expert_numerics(x[tok], x_c[tok], w, tok, expected, None if job.layout == MARLIN else got, spec,
+                             dtype, sums.partial[r], sums.partial_ref[r])
+    # an EP part holds some experts only: count those whose tensors were read back here
+    if any(e in job.expert_ranges[r] and r in ranks for r in range(n_ranks)):
+        report.experts_checked += 1
+    if len(per_rank) == n_ranks and not job.plan.ep:
+        _check_reassembled(job, per_rank, ck_expert, dtype, report, sums, e)
+
+
+def _read_back(job: LayerJob, rank: RankFiles, r: int, spec: RankLayout, local: int, e: int,
+               expected: dict[str, torch.Tensor], report: VerifyReport,
+               sums: _LayerSums) -> dict[str, torch.Tensor] | None:
+    """Expert `e`'s tensors on rank `r` undone by the layout's inverse, each difference from the
+    rank's slice of the checkpoint a finding (None: they cannot be read back)."""
+    layer = job.layer
+    try:
+        tensors = {n: rank.expert_slice(f"{layer.prefix}.{n}", local) for n in job.tensor_names}
+        got = unbuild_expert_tensors(tensors, spec, expert_id=e)
+    except (LayoutMismatch, BadInput) as err:
+        report.findings.append(Finding("round_trip", f"{layer.prefix} expert {e} rank {r}: {err.message}",
+                                       layer=layer.prefix, rank=r, expert=e))
+        sums.layer_ok = False
+        if job.layout != MARLIN:
+            sums.no_candidate.append(f"expert {e} rank {r} cannot be read back (see round trip)")
+        return None
+    diff = _compare(expected, got, spec)
+    if diff is not None:
+        report.findings.append(Finding("round_trip", f"{layer.prefix} expert {e} rank {r}: {diff}",
+                                       layer=layer.prefix, rank=r, expert=e))
+        sums.layer_ok = False
+    return got
+
+
+def _check_reassembled(job: LayerJob, per_rank: list[dict[str, torch.Tensor]], ck_expert: dict[str, Any],
+                       dtype: torch.dtype, report: VerifyReport, sums: _LayerSums, e: int) -> None:
+    """Every rank's slices of expert `e`, re-assembled, equal the checkpoint's tensors."""
+    layer, spec0 = job.layer, job.specs[0]
+    try:
+        back = unshard_expert(per_rank, tp=spec0.tp, load_full_w2=spec0.load_full_w2,
+                              group_size=spec0.group_size, expert_id=e)
+    except LayoutMismatch as err:
+        report.findings.append(Finding("round_trip", f"{layer.prefix} expert {e}: {err.message}", layer=layer.prefix, expert=e))
+        return
+    for role in ("gate", "up", "down"):
+        want = {k: (v.to(dtype) if k == "weight_scale" else v) for k, v in ck_expert[role].items()}
+        bad = next((k for k, v in want.items() if k not in back[role] or back[role][k].shape != v.shape
+                    or first_difference(back[role][k], v) is not None), None)
+        if bad is not None and sums.layer_ok:
+            report.findings.append(Finding(
+                "round_trip", f"{layer.prefix} expert {e}: re-assembled {role} {bad} differs from the checkpoint",
+                layer=layer.prefix, expert=e))
+
+
+def _marlin_candidate(job: LayerJob, ranks: dict[int, RankFiles], routing: Routing, dtype: torch.dtype,
+                      gemm_device: torch.device,
+                      sums: _LayerSums) -> tuple[str, torch.Tensor | None, torch.Tensor]:
+    """The candidate of a Marlin layer: the MoE GEMM over the tensors as written, into
+    `sums.partial`.  (what ran, the tokens the kernel source ran on the CPU emulation or None,
+    their partial sums per rank)."""
+    # the CUDA kernel on a GPU. On the CPU every token goes through the torch twin (the layout's
+    # inverses) and a subset covering every expert through the kernel source on the CPU
+    # emulation (all tokens would take minutes); without g++ the twin alone, said in `kernel`
+    x = routing.x
+    T, H = x.shape
+    emulated, kernel = _numerics_gemm(gemm_device)
+    emulated_rows: torch.Tensor | None = None
+    partial_k = torch.zeros(0)
+    if emulated is not None:
+        emulated_rows = _emulated_rows(routing.topk_ids, job.layer.num_experts)
+        partial_k = torch.zeros(len(job.specs), len(emulated_rows), H)
+    sub = None if emulated_rows is None else _SubRouting(routing, emulated_rows)
+    for r in ranks:
+        if not len(job.expert_ranges[r]):  # EP with more ranks than experts: nothing written
+            continue
+        try:
+            sums.partial[r] = _gemm_rank_candidate(job, r, ranks[r], x.to(dtype), routing, dtype, gemm_device)
+            if sub is not None:
+                partial_k[r] = _gemm_rank_candidate(job, r, ranks[r], x[emulated_rows].to(dtype), sub, dtype,
+                                                    gemm_device, emulated)
+        except Exception as err:  # malformed tensors make the kernel fail: the comparison cannot run
+            msg = err.message if isinstance(err, (LayoutMismatch, BadInput)) else f"{type(err).__name__}: {err}"
+            sums.no_candidate.append(f"the GEMM cannot run on rank {r}'s tensors ({msg})")
+    if emulated is not None and emulated_rows is not None:
+        kernel = (f"{kernel} on {len(emulated_rows)} of {T} tokens (every expert; "
+                  + ", ".join(f"{k} × {v}" for k, v in sorted(emulated.launches.items()))
+                  + " launches), the torch twin of the kernel on all")
+    return kernel, emulated_rows, partial_k
+
+
+def _judge_layer(row: LayerNumerics, ranks: dict[int, RankFiles], routing: Routing, dtype: torch.dtype,
+                 sums: _LayerSums, emulated_rows: torch.Tensor | None, partial_k: torch.Tensor,
+                 selected: int) -> None:
+    """The layer's numerics row: the candidate's output against the rounding interval."""
+    no_candidate = sums.no_candidate
     if no_candidate:
         row.reason = "; ".join(no_candidate[:3]) + (f"; … {len(no_candidate) - 3} more" if len(no_candidate) > 3 else "")
         return
     # all-reduce: each rank's partial is rounded to the model dtype, the sum too
-    part_c = partial.to(dtype).float()
+    part_c = sums.partial.to(dtype).float()
     y_c = part_c.sum(0).to(dtype).float()
-    y_ref = partial_ref.sum(0)
+    y_ref = sums.partial_ref.sum(0)
     if not bool(y_ref.any()):
         row.reason = "the reference output is all zero (no token reached an expert): nothing to compare"
         return
     # the interval every correct implementation lands in, from the same rounded inputs and the
     # checkpoint's weights, over the ranks present (all, or a part's share): docs/verify.md
-    iv = block_interval([ref_ranks[r] for r in sorted(ranks)], x.to(dtype), routing.topk_ids, routing.topk_weights,
-                        dtype)
+    iv = block_interval([sums.ref_ranks[r] for r in sorted(ranks)], routing.x.to(dtype), routing.topk_ids,
+                        routing.topk_weights, dtype)
     verdict = judge(y_c, iv)
     if emulated_rows is not None:  # the kernel source's outputs on its tokens, against the same rows
         y_k = partial_k.to(dtype).float().sum(0).to(dtype).float()
@@ -968,8 +1021,8 @@ def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: di
     if row.violations:
         row.status, row.reason = FAIL, (f"{row.violations} of {row.elements} elements outside the rounding interval "
                                         f"(max error {row.max_error_over_bound:.3g} × the bound)")
-    elif exercised < len(selected):
-        missing = len(selected) - exercised
+    elif sums.exercised < selected:
+        missing = selected - sums.exercised
         row.reason = f"{missing} expert{'s' if missing != 1 else ''} not exercised by any token"
     else:
         row.status = PASS

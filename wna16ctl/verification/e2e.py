@@ -41,8 +41,9 @@ import torch.nn.functional as F
 from wna16ctl.verification.activations import read_records
 from wna16ctl.errors import BadInput
 from wna16ctl.layout.spec import MARLIN
+from wna16ctl.sources.architectures import model_types
 
-SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
+SUPPORTED_MODEL_TYPES = model_types(e2e=True)  # the families whose forward `_run_e2e` has in torch
 FEW_SHOT = 2  # worked GSM8K examples before the question when the checkpoint has no chat template
 SMALL_MODEL_HIDDEN = 2048  # up to this width the CPU run uses one intra-op thread
 INSTALL_HINT = "pip install 'wna16ctl[e2e]'"
