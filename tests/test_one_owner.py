@@ -128,10 +128,9 @@ if backend == "marlin": pass
 
 # where a model_type may be written besides the table: the demo writes each family's config.json;
 # the rulebook's checked (architecture, releases) pairs of the sharded_state contract, a written-out
-# literal (tests/planning/test_rules.py), whose keys are checked against the table below; the
-# demo command's --arch choices and default, checked against the table below
-_ARCH_NAMES_ALLOWED = {"sources/architectures.py", "demo.py", "cli.py"}
-_ARCH_TABLES_ALLOWED = {("planning/rules.py", "VLLM_STATE_SUPPORT"), ("cli.py", None)}
+# literal (tests/planning/test_rules.py), whose keys are checked against the table below
+_ARCH_NAMES_ALLOWED = {"sources/architectures.py", "demo.py"}
+_ARCH_TABLES_ALLOWED = {("planning/rules.py", "VLLM_STATE_SUPPORT")}
 
 
 def architecture_facts_elsewhere(modules: list[tuple[str, ast.AST]]) -> list[str]:

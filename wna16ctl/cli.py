@@ -22,7 +22,8 @@ try:  # a Ctrl-C while the command line starts: one line and 130, as anywhere la
     from wna16ctl.sink import Sink
     # what the option decorators below read while this module loads
     from wna16ctl.planning.engine_env import MOE_BACKENDS
-    from wna16ctl.planning.rules import DEFAULT_GPU, GPUS
+    from wna16ctl.planning.rules import DEFAULT_GPU, GPUS, NEWEST, OLDEST
+    from wna16ctl.sources.architectures import DEMO_ARCHITECTURES
     from wna16ctl.layout.registry import names as layout_names
     from wna16ctl.layout.spec import AUTO
 except KeyboardInterrupt:
@@ -103,7 +104,7 @@ def cli(debug: bool) -> None:
 def _vllm_option(allow_all: bool) -> Callable:
     return click.option(
         "--vllm", "vllm", default="installed", show_default=True, metavar="VERSION|installed|latest" + ("|all" if allow_all else ""),
-        help="vLLM release whose rules apply: a version (0.27.0 to 0.33.0 are known), the installed vllm package "
+        help=f"vLLM release whose rules apply: a version ({OLDEST} to {NEWEST} are known), the installed vllm package "
              "(else the newest known release), latest" + (", or all (a release x TP matrix)." if allow_all else "."))
 
 
@@ -368,7 +369,7 @@ def assemble(ctx: click.Context, out: str, json_mode: bool, debug: bool) -> None
 
 @cli.command(short_help="Write a small demo checkpoint quantized by compressed-tensors.")
 @click.argument("out", type=click.Path(path_type=str))
-@click.option("--arch", type=click.Choice(["qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "deepseek_v2", "kimi_k2", "glm4_moe"]), default="qwen3_moe", show_default=True)
+@click.option("--arch", type=click.Choice(DEMO_ARCHITECTURES), default=DEMO_ARCHITECTURES[0], show_default=True)
 @click.option("--bits", type=click.Choice([str(b) for b in range(2, 9)]), default="4", show_default=True,
               help="Weight bit width (2-8; compressed-tensors packs the codes densely into int32 words).")
 @click.option("--group-size", type=click.Choice(["-1", "32", "64", "128"]), default="128", show_default=True)
