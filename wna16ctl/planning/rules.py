@@ -229,7 +229,7 @@ def span(versions: list[str]) -> str:
     idx = [RELEASES.index(v) for v in versions]
     parts: list[str] = []
     start = prev = idx[0]
-    for i in idx[1:] + [None]:  # type: ignore[list-item]
+    for i in idx[1:] + [None]:
         if i is not None and i == prev + 1:
             prev = i
             continue
