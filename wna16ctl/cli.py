@@ -199,7 +199,7 @@ def inspect(ctx: click.Context, ckpt: str, tp: str, ep: bool, vllm: str, gpu: st
             sink.warn(insp.engine.note)
         for w in insp.checkpoint.warnings:
             sink.warn(w)
-        def render(console) -> None:  # noqa: ANN001 - rich is imported only to print for people
+        def render(console) -> None:  # rich is imported only to print for people
             from wna16ctl.render import render_inspection, render_release_matrix
 
             (render_release_matrix if insp.versions else render_inspection)(console, insp)
@@ -300,7 +300,7 @@ def repack(ctx: click.Context, ckpt: str, tp: str, ep: bool, layout: str, out: s
         from wna16ctl.errors import NotLoadable
         from wna16ctl.repacking.pipeline import RepackSettings, plan_repack, run_repack
 
-        def render_repack_plan(console, plan):  # noqa: ANN001, ANN202 - rich is imported only to print
+        def render_repack_plan(console, plan):  # rich is imported only to print
             from wna16ctl.render import render_repack_plan as render
 
             render(console, plan)
@@ -419,7 +419,7 @@ def demo(ctx: click.Context, out: str, arch: str, bits: str, group_size: str, as
 
         step = shlex.join(["wna16ctl", "inspect", str(path), "--tp", "1,2"])
 
-        def render(console) -> None:  # noqa: ANN001
+        def render(console) -> None:
             console.print(f"wrote {path}", markup=False, highlight=False, soft_wrap=True)
             console.print(f"next: see how it loads per TP size\n  {step}", markup=False, highlight=False, soft_wrap=True)
 
@@ -566,7 +566,7 @@ def env_command(ctx: click.Context, json_mode: bool, debug: bool) -> None:
 
         data = environment()
 
-        def render(console) -> None:  # noqa: ANN001
+        def render(console) -> None:
             for key in ("wna16ctl", "python", "platform"):
                 console.print(f"{key}: {data[key]}", markup=False, highlight=False)
             console.print(f"cpu simd: {', '.join(data['cpu_simd']) or 'none of avx2/avx512'}", markup=False)

@@ -92,8 +92,9 @@ def render_inspection(console: Console, insp: Inspection) -> None:
             if p.loadable and p.padded_intermediate and p.padded_intermediate != p.intermediate_size_per_partition:
                 ip += f"→{p.padded_intermediate}"
             if p.loadable:
+                assert p.backend is not None and p.w2 is not None, "a plan that loads has both"
                 # backend, w2 sharding and is_k_full are what the engine would use
-                backend = p.backend.value  # type: ignore[union-attr]
+                backend = p.backend.value
                 w2 = f"{'full' if p.w2.load_full_w2 else 'sharded'} {p.w2.w2_scales_size}"
                 k_full = "yes" if p.w2.is_k_full else "no"
                 status = "[green]ok[/]"
@@ -212,7 +213,7 @@ def _span_of_ints(ids: list[int]) -> str:
     return _ranges(ids)
 
 
-def render_repack_plan(console: Console, plan) -> None:  # noqa: ANN001 - RepackPlan, imported lazily
+def render_repack_plan(console: Console, plan) -> None:  # RepackPlan, imported lazily
     s = plan.settings
     console.print(f"[bold]{escape(str(plan.checkpoint.root))}[/] → {plural(s.tp, 'rank')}"
                   f"{' (expert parallel)' if s.ep else ''}, layout {s.layout}, for vLLM {s.vllm} on {s.gpu}")
@@ -249,7 +250,7 @@ def _num(value: float | None, fmt: str) -> str:
     return "—" if value is None else format(value, fmt)
 
 
-def render_verify(console: Console, report) -> None:  # noqa: ANN001 - VerifyReport, imported lazily
+def render_verify(console: Console, report) -> None:  # VerifyReport, imported lazily
     if report.layout_state is not None:  # a --layout vllm output: its contract and round trip
         from wna16ctl.repacking.vllm_layout import render_vllm_report
 
@@ -327,7 +328,7 @@ def _plural_indices(noun: str, indices: list[int]) -> str:
     return indices_text(noun, indices)
 
 
-def _engine_source(engine) -> str:  # noqa: ANN001 - rules.Engine
+def _engine_source(engine) -> str:  # rules.Engine
     if engine.source == "installed":
         return f"installed {engine.requested}" if engine.requested != engine.version else "installed"
     if engine.source == "default":
@@ -335,7 +336,7 @@ def _engine_source(engine) -> str:  # noqa: ANN001 - rules.Engine
     return "--vllm " + engine.requested
 
 
-def _cell(p) -> str:  # noqa: ANN001 - LayerPlan
+def _cell(p) -> str:  # LayerPlan
     if p.loadable:
         return f"[green]{p.backend.value}[/]"
     return f"[red]✗ {escape(p.failure_rule or 'fails')}[/]"
@@ -381,7 +382,7 @@ def render_release_matrix(console: Console, insp: Inspection) -> None:
     render_suggestions(console, insp)
 
 
-def render_e2e(console: Console, res) -> None:  # noqa: ANN001 - E2EResult, imported lazily
+def render_e2e(console: Console, res) -> None:  # E2EResult, imported lazily
     status = {"pass": "[green]pass[/]", "FAIL": "[bold red]FAIL[/]"}.get(res.status, f"[yellow]{res.status}[/]")
     agree = f"{res.tokens_agreeing}/{res.tokens_generated} tokens agree" if res.prompts else ""
     console.print(f"  end to end  {status}  " + "; ".join(escape(x) for x in (agree, res.reason) if x))
@@ -412,7 +413,7 @@ def render_e2e(console: Console, res) -> None:  # noqa: ANN001 - E2EResult, impo
     console.print(table)
     if res.score:
         s = res.score
-        pct = lambda v: "—" if v is None else f"{v:.0%}"  # noqa: E731
+        pct = lambda v: "—" if v is None else f"{v:.0%}"  # noqa: E731 - a share as a percentage, or a dash, for the lines below
         console.print(f"      GSM8K exact match: reference {pct(s['reference_exact_match'])}, candidate "
                       f"{pct(s['candidate_exact_match'])}; answers agree {pct(s['answers_agree'])} of "
                       f"{s['both_answered']} answered by both" + (f" ({escape(s['note'])})" if s["note"] else ""))
@@ -470,9 +471,9 @@ def render_model_section(console: Console, insp: Inspection) -> None:
         _notes_grid(console, [(f"{where} TP {','.join(t.removeprefix('TP ') for t in tps)}:", text)
                               for where, texts in by_where.items() for text, tps in texts.items()]
                     + [(f"{len(groups_of[text])} layer groups:", text) for text in groups_of if text in shared])
-    for lay in ck.mtp_layers:
-        scheme = lay.scheme.describe() if lay.scheme else "unquantized"
-        console.print(f"  MTP layer {escape(lay.prefix)} ({lay.num_experts} experts, {escape(scheme)}): not a decoder "
+    for mtp in ck.mtp_layers:
+        scheme = mtp.scheme.describe() if mtp.scheme else "unquantized"
+        console.print(f"  MTP layer {escape(mtp.prefix)} ({mtp.num_experts} experts, {escape(scheme)}): not a decoder "
                       "layer; vLLM loads it only for MTP speculative decoding, and it is not part of this verdict")
     if ck.unplaced_linear:
         shown = ", ".join(ck.unplaced_linear[:5]) + (f" … ({len(ck.unplaced_linear)} in all)" if len(ck.unplaced_linear) > 5 else "")
@@ -496,7 +497,8 @@ def render_linear_matrix(console: Console, insp: Inspection) -> None:
         table = simple_table(f"{span} · {lay.kind} ({lay.tp_role})", ["vLLM"] + [f"TP {t}" for t in insp.tps], console)
         for v in RELEASES:
             plans = insp.linear_versions[v][lay.name]
-            table.add_row(v, *[f"[green]{escape(p.kernel.removesuffix('LinearKernel'))}[/]" if p.loadable
+            # a plan that loads names its kernel
+            table.add_row(v, *[f"[green]{escape((p.kernel or '').removesuffix('LinearKernel'))}[/]" if p.loadable
                                else f"[red]✗ {escape(p.failure_rule or 'fails')}[/]" for p in plans])
             for p in plans:
                 if not p.loadable and p.failure_rule and p.failure_rule not in legend:

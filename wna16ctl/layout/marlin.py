@@ -26,7 +26,7 @@ from wna16ctl.layout._mismatch import require_zero
 from wna16ctl.layout.packing import pack_codes, pack_factor, unpack_codes
 
 from wna16ctl.layout import spec
-from wna16ctl.layout.spec import TILE_K, TILE_N, marlin_scales_grouped  # noqa: F401
+from wna16ctl.layout.spec import TILE_K, TILE_N, marlin_scales_grouped
 
 
 # ----------------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ from wna16ctl.layout.shard import (
     shard_expert,
     shard_gate_up,
 )
-from wna16ctl.layout.spec import LAYOUTS, MARLIN, TRANSPOSED, RankLayout, expert_shapes, w2_scale_size_k  # noqa: F401
+from wna16ctl.layout.spec import LAYOUTS, MARLIN, TRANSPOSED, RankLayout, expert_shapes, w2_scale_size_k  # noqa: F401 - LAYOUTS and TRANSPOSED re-exported
 from wna16ctl.layout.transposed import (
     from_transposed_scales,
     from_transposed_weight,

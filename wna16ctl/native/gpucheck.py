@@ -1027,7 +1027,7 @@ GPU_TEST_FILES = ("tests/native/test_kernels.py", "tests/native/test_gemm_v2.py"
 
 def step_pytest(report: dict, budget: Budget, repo: Path) -> Optional[bool]:
     try:
-        import pytest  # noqa: F401
+        import pytest  # noqa: F401 - only whether pytest can be imported
     except ImportError:
         report["pytest_gpu"] = {"skipped": "pytest not importable"}
         return None

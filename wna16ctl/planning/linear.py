@@ -84,7 +84,7 @@ def _padded_nk(n: int, k: int, group_size: int) -> tuple[int, int]:
     import math
 
     g = group_size if group_size > 0 else 1
-    up = lambda x, m: -(-x // m) * m  # noqa: E731
+    up = lambda x, m: -(-x // m) * m  # noqa: E731 - x rounded up to a multiple of m, for the line below
     cands = ((up(n, 64), up(k, math.lcm(128, g))), (up(n, 128), up(k, math.lcm(64, g))))
     return min(cands, key=lambda nk: (nk[0] * nk[1], nk[0] + nk[1]))
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from wna16ctl.layout.spec import marlin_moe_padded_intermediate  # noqa: F401  (re-exported: the planner reports it)
+from wna16ctl.layout.spec import marlin_moe_padded_intermediate  # re-exported: the planner reports it
 from wna16ctl.planning import rules
 from wna16ctl.planning.config_parse import scheme_refusal
 from wna16ctl.planning.engine_env import DEFAULT as DEFAULT_SWITCHES, EngineSwitches, wna16_moe_backends

@@ -218,7 +218,7 @@ def change(key: str) -> Change:
     return _BY_KEY[key]
 
 
-def releases_where(predicate) -> list[str]:  # noqa: ANN001 - Callable[[Release], bool]
+def releases_where(predicate) -> list[str]:  # Callable[[Release], bool]
     return [v for v in RELEASES if predicate(release(v))]
 
 

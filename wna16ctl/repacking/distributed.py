@@ -239,7 +239,7 @@ class Group:
         if self.store is not None:
             try:
                 self.store.set(f"wna16ctl/stopped/{self.rank}", "1")
-            except Exception:  # noqa: BLE001 - the store may be gone with its host: names stay unknown
+            except Exception:  # the store may be gone with its host: names stay unknown
                 self.store = None
 
     def _lost(self) -> list[int]:
@@ -252,7 +252,7 @@ class Group:
                 continue
             try:
                 marked = self.store is not None and self.store.check([f"wna16ctl/stopped/{rank}"])
-            except Exception:  # noqa: BLE001
+            except Exception:
                 marked = False
             if not marked:
                 lost.append(rank)
@@ -331,7 +331,7 @@ class Group:
         value: Any = None
         try:
             value = fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised below, after the others know
+        except BaseException as e:  # re-raised below, after the others know
             error = e
         try:
             outcomes = self.all_gather(None if error is None else outcome_of(error))
@@ -383,7 +383,7 @@ def init_group(launch: Launch | None = None) -> Group:
 
         dist.init_process_group("gloo", rank=launch.rank, world_size=launch.world_size,
                                 timeout=datetime.timedelta(seconds=timeout))
-    except Exception as e:  # noqa: BLE001 - the rendezvous failed: one line
+    except Exception as e:  # the rendezvous failed: one line
         raise UsageError(f"process {launch.rank}: cannot join the process group at {os.environ.get('MASTER_ADDR')}:"
                          f"{os.environ.get('MASTER_PORT')} ({_first_sentence(e)}); "
                          "check torchrun's --master-addr/--master-port or --rdzv-endpoint") from None
@@ -392,7 +392,7 @@ def init_group(launch: Launch | None = None) -> Group:
     group = Group(launch)
     try:
         group.store = dist.distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001 - a private accessor: without it lost processes go unnamed
+    except Exception:  # a private accessor: without it lost processes go unnamed
         group.store = None
     _stop_on_sigterm(group)
     everyone = group.all_gather((launch, _hostname(), os.getpid()))

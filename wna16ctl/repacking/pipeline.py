@@ -100,7 +100,7 @@ class LayerJob:
     tensor_names: list[str]  # output parameter names (without the module prefix), in file order
 
     @property
-    def _w2(self):  # noqa: ANN202 - W2ScaleSharding of the written layout
+    def _w2(self):  # W2ScaleSharding of the written layout
         return self.plan.layout_w2 or self.plan.w2
 
     def to_json(self) -> dict[str, Any]:
@@ -591,7 +591,7 @@ def run_repack(
             with interrupts.deferred() as held:
                 staged.commit(manifest, name)
                 held.forget()
-        except BaseException as e:  # noqa: BLE001 - re-raised once the others know
+        except BaseException as e:  # re-raised once the others know
             error = e
             if outdir.is_real_dir(staged.stage):  # not renamed: keep everything for --resume
                 staged.abort(keep_for_resume=group.world_size > 1 or isinstance(e, KeyboardInterrupt))
