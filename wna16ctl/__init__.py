@@ -139,7 +139,7 @@ def repack(path: PathLike, out: PathLike | None, tp: int | str, *, ep: bool = Fa
         vplan = plan_vllm_state(path, n_ranks, engine.version, max_shard_bytes=parse_size(max_shard_size),
                                 gpu=gpu, switches=switches)
         if dry_run:
-            return vplan  # type: ignore[return-value]
+            return vplan  # type: ignore[return-value]  # the vllm layout's plan: the declared RepackPlan is not true here
         if out is None:
             raise UsageError("an output directory is required (or pass dry_run=True)")
         from wna16ctl.repacking.pipeline import RepackResult
@@ -191,7 +191,7 @@ def verify(path: PathLike, out: PathLike, *, samples: PathLike | None = None, nu
     if is_padded_output(out):  # a `pad` output: its PadProof (`.passed`, `.problems`, `.to_json()`)
         if e2e or layers is not None or experts is not None:
             raise UsageError("e2e, layers and experts do not apply to a pad output: its padding is checked whole")
-        return verify_padding(path, out, samples=samples, num_samples=num_samples)  # type: ignore[return-value]
+        return verify_padding(path, out, samples=samples, num_samples=num_samples)  # type: ignore[return-value]  # a PadProof: the declared VerifyReport is not true here
     options = None
     if e2e:
         from wna16ctl.verification.e2e import E2EOptions, require_transformers

@@ -456,6 +456,14 @@ def host_lib() -> Optional[NativeLib]:
     return _load("host")
 
 
+def loaded_host_lib() -> NativeLib:
+    """The host library, for code that runs only where `host_lib()` has loaded it."""
+    lib = host_lib()
+    if lib is None:
+        raise KernelBuildError("the native host library is not loaded")
+    return lib
+
+
 def header_scan_lib() -> Optional[NativeLib]:
     """The checking header reader (kernels/header_scan.cpp), or None: inspect then reads in Python."""
     return _load("headers")

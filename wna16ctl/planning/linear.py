@@ -276,12 +276,13 @@ def per_rank_shape(layer: LinearLayer, tp: int, plan: LinearPlan) -> tuple[int, 
         q_p = _divide(plan, "attention heads", heads, tp)
         if q_p is None:
             return None
+        kv_p: int | None
         if tp >= kv:
             if _divide(plan, "KV head replicas", tp, kv) is None:
                 return None
             kv_p = 1
         else:
-            kv_p = _divide(plan, "KV heads", kv, tp)  # type: ignore[assignment]
+            kv_p = _divide(plan, "KV heads", kv, tp)
             if kv_p is None:
                 return None
         sizes = layer.output_sizes

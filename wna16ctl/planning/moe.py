@@ -504,9 +504,9 @@ def plan_layer(layer: MoELayer, tp: int, ep: bool = False, engine: str = rules.N
         if own[b] is None and plan.backend is None:
             plan.backend = b
         elif own[b] is not None:
-            plan.rejected[b.value] = own[b]  # type: ignore[assignment]
+            plan.rejected[b.value] = own[b]  # type: ignore[assignment]  # not None: the test just above
         else:
-            plan.rejected[b.value] = f"lower priority than {plan.backend.value}"  # type: ignore[union-attr]
+            plan.rejected[b.value] = f"lower priority than {plan.backend.value}"  # type: ignore[union-attr]  # chosen: own[b] is None here
     # the layouts wna16ctl writes are those of the Marlin and Triton backends
     for b in (Backend.MARLIN, Backend.TRITON):
         if b not in own:
@@ -712,7 +712,7 @@ def _scale_bytes(dtype: str | None) -> int:
 def _ranges(ids: list[int]) -> str:
     out: list[str] = []
     start = prev = ids[0]
-    for x in ids[1:] + [None]:  # type: ignore[list-item]
+    for x in ids[1:] + [None]:
         if x is not None and x == prev + 1:
             prev = x
             continue
@@ -729,7 +729,7 @@ def indices_text(noun: str, indices: list[int]) -> str:
 
 def _outcome(p: LayerPlan) -> str:
     if p.loadable:
-        return f"loads on {p.backend.value}"  # type: ignore[union-attr]
+        return f"loads on {p.backend.value}"  # type: ignore[union-attr]  # a plan that loads has a backend
     where = {"config": "refused at config parse", "method": "refused by the MoE method",
              "oracle": "refused at backend selection", "create_weights": "refused in create_weights",
              "load": "fails at weight loading"}[p.failure_stage or "load"]

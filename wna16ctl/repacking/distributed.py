@@ -164,6 +164,8 @@ def select_device(device: str, launch: Launch, *, cuda_usable: Callable[[], bool
 class PeerFailed(WnaError):
     """Another process of the run failed (or vanished): this one stops too, committing nothing."""
 
+    quiet: bool  # set where it is raised: another process of the node prints the line
+
     def __init__(self, message: str, exit_code: int = EXIT_BAD_INPUT):
         super().__init__(message)
         self.exit_code = exit_code
@@ -173,6 +175,8 @@ class StoppedByLauncher(KeyboardInterrupt):
     """torchrun stopped this process (SIGTERM), which it does to the others when one process ends
     early.  An interrupt, so that staging is kept with every finished file journaled; the CLI
     prints `message` (not "interrupted") and exits with `exit_code`."""
+
+    quiet: bool  # set where it is raised: another process of the node prints the line
 
     def __init__(self, message: str, exit_code: int = EXIT_BAD_INPUT):
         super().__init__(message)
@@ -319,7 +323,7 @@ class Group:
         if self.world_size == 1:
             return error
         _STOPPING = True
-        error.quiet = self.rank != self.node_owner(self.launch.node)  # type: ignore[attr-defined]
+        error.quiet = self.rank != self.node_owner(self.launch.node)  # type: ignore[attr-defined]  # a mark any exception can carry; the CLI reads it with getattr
         return error
 
     def together(self, step: str, fn: Callable[[], T]) -> T:

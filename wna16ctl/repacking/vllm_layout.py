@@ -62,12 +62,12 @@ class VllmStatePlan:
     model_dtype: str  # config.json torch_dtype
     keys: list[list[StateTensor]]  # per rank, in file order
     parts: list[list[list[StateTensor]]]  # per rank, per file
-    moe_layers: dict[int, MoELayer] = field(default_factory=dict)
+    moe_layers: dict[int | None, MoELayer] = field(default_factory=dict)  # by layer_index
     gpu: str = rules.DEFAULT_GPU
     # the backend planned for each MoE layer where the release's expert buffers depend on it
     # (rules state.experts_k_first), with the orientation it implies
-    backends: dict[int, str] = field(default_factory=dict)
-    k_first: dict[int, bool] = field(default_factory=dict)
+    backends: dict[int | None, str] = field(default_factory=dict)
+    k_first: dict[int | None, bool] = field(default_factory=dict)
     switches: Any = None  # planning.engine_env.EngineSwitches (None: the engine's defaults)
 
     def files(self, rank: int) -> list[str]:
@@ -100,13 +100,20 @@ def serve_command(out: str | os.PathLike[str], tp: int) -> str:
 
 # -- planning (torch-free) ------------------------------------------------------------------------
 
+def _size(value: int | None, name: str) -> int:
+    """A config.json size the key contract was built from (BadInput should the config lack it)."""
+    if value is None:
+        raise BadInput(f"config.json: {name} is missing; the vllm layout needs it")
+    return value
+
+
 def _layer_of(name: str) -> int | None:
     m = re.match(r"model\.layers\.(\d+)\.", name)
     return int(m.group(1)) if m else None
 
 
 def _when(ck: Checkpoint, cond: str | None, layer: int | None, moe: MoELayer | None,
-          k_first: dict[int, bool] | None = None) -> bool:
+          k_first: dict[int | None, bool] | None = None) -> bool:
     if cond is None:
         return True
     if " " in cond:
@@ -135,7 +142,7 @@ def _when(ck: Checkpoint, cond: str | None, layer: int | None, moe: MoELayer | N
     raise AssertionError(f"unknown contract condition {cond}")
 
 
-def _shared_size(ck: Checkpoint, layer: int, block: str, gate: str) -> int | None:
+def _shared_size(ck: Checkpoint, layer: int | None, block: str, gate: str) -> int | None:
     """The shared expert's intermediate size (Qwen2-MoE `shared_expert`, DeepSeek/GLM `shared_experts`)."""
     for module in ("shared_expert", "shared_experts"):
         name = f"model.layers.{layer}.{block}.{module}.{gate}.weight"
@@ -223,7 +230,7 @@ def _in_force(row: rules.StateKey, version: str, arch: str) -> bool:
 
 
 def _expert_orientation(ck: Checkpoint, tp: int, vllm: str, gpu: str, switches: Any
-                        ) -> tuple[dict[int, str], dict[int, bool]]:
+                        ) -> tuple[dict[int | None, str], dict[int | None, bool]]:
     """(backend per MoE layer, K-first per MoE layer) where the release's expert buffers depend on
     the backend (state.experts_k_first); empty where they do not."""
     from wna16ctl.planning.moe import Backend, plan_layer
@@ -232,8 +239,8 @@ def _expert_orientation(ck: Checkpoint, tp: int, vllm: str, gpu: str, switches: 
     if not rel.has("state.experts_k_first"):
         return {}, {}
     n_first = {Backend.FLASHINFER_TRTLLM.value} | ({Backend.HUMMING.value} if rel.has("state.humming_n_first") else set())
-    backends: dict[int, str] = {}
-    k_first: dict[int, bool] = {}
+    backends: dict[int | None, str] = {}
+    k_first: dict[int | None, bool] = {}
     for lay in ck.layers:
         lp = plan_layer(lay, tp, False, vllm, gpu, switches) if switches is not None else plan_layer(lay, tp, False, vllm, gpu)
         if not lp.loadable or lp.backend is None:
@@ -346,7 +353,9 @@ def build_tensor(plan: VllmStatePlan, reader: Any, t: StateTensor, rank: int) ->
     elif verb == "qkv":
         dims = plan.checkpoint.dims
         q, k, v = (reader.read(arg.replace(".q_proj.", f".{p}_proj.")) for p in "qkv")
-        out = vs.qkv_shard(q, k, v, dims.num_attention_heads, dims.num_key_value_heads, dims.head_dim, tp, rank)
+        out = vs.qkv_shard(q, k, v, _size(dims.num_attention_heads, "num_attention_heads"),
+                           _size(dims.num_key_value_heads, "num_key_value_heads"), _size(dims.head_dim, "head_dim"),
+                           tp, rank)
     elif verb in ("w13", "w2", "w13t", "w2t", "shape13", "shape2"):
         out = _expert_tensor(plan, reader, plan.moe_layers[t.layer], verb, arg, rank, dtype)
     else:
@@ -366,6 +375,7 @@ def _expert_tensor(plan: VllmStatePlan, reader: Any, moe: MoELayer, verb: str, s
     from wna16ctl.layout import vllm_state as vs
 
     tp = plan.tp
+    assert moe.scheme is not None, "the key contract holds expert tensors of quantized layers only"
     channel = moe.scheme.group_size == -1
     if verb in ("shape13", "shape2"):
         # vLLM writes the checkpoint's weight_shape of each projection into the expert's row; of
@@ -647,7 +657,7 @@ def _round_trip(plan: VllmStatePlan, out: Path, found: dict[int, dict[str, tuple
                 if any(not same(p, src(arg, dtype)) for p in parts):
                     bad = f"differs from {arg} on some rank"
             elif verb == "vocab":
-                rows, pad = vs.vocab_unshard(parts, dims.vocab_size)
+                rows, pad = vs.vocab_unshard(parts, _size(dims.vocab_size, "vocab_size"))
                 if not same(rows, src(arg, dtype)):
                     bad = f"rows differ from {arg}"
                 elif bool(pad.any()):
@@ -670,12 +680,14 @@ def _round_trip(plan: VllmStatePlan, out: Path, found: dict[int, dict[str, tuple
                         if bad is None and not same(got, s_):
                             bad = f"rank {r}: the {name} rows differ"
             elif verb == "qkv":
-                q, k, v, replicas = vs.qkv_unshard(parts, dims.num_attention_heads, dims.num_key_value_heads, dims.head_dim)
-                for got, p in zip((q, k, v), "qkv"):
-                    name = arg.replace(".q_proj.", f".{p}_proj.")
+                kv_heads, head_dim = _size(dims.num_key_value_heads, "num_key_value_heads"), _size(dims.head_dim, "head_dim")
+                q, k, v, replicas = vs.qkv_unshard(parts, _size(dims.num_attention_heads, "num_attention_heads"), kv_heads,
+                                                   head_dim)
+                for got, proj in zip((q, k, v), "qkv"):
+                    name = arg.replace(".q_proj.", f".{proj}_proj.")
                     if not same(got, src(name, dtype)):
                         bad = f"the {name} rows differ"
-                per_kv = vs.kv_heads_per_rank(dims.num_key_value_heads, plan.tp) * dims.head_dim
+                per_kv = vs.kv_heads_per_rank(kv_heads, plan.tp) * head_dim
                 for r, first in replicas:
                     if not torch.equal(parts[r][-2 * per_kv:], parts[first][-2 * per_kv:]):
                         bad = f"rank {r}'s replicated key/value heads differ from rank {first}'s"
@@ -710,6 +722,7 @@ def _expert_round_trip(plan: VllmStatePlan, reader: Any, moe: MoELayer, verb: st
                 if not same(got, want.to(got.dtype)):
                     return f"expert {e}: differs from {moe.tensor_name(e, role, suffix)}"
         else:
+            assert moe.scheme is not None, "the key contract holds expert tensors of quantized layers only"
             whole = moe.scheme.group_size == -1 and suffix == "weight_scale"
             got, differing = vs.w2_unshard([p[e] for p in parts], whole=whole)
             if differing:
@@ -749,6 +762,8 @@ def repack_vllm_command(sink: Any, source: str, settings: Any, out: str | None, 
     if dry_run:
         sink.result({**plan.to_json(), "loadable": True, "serve": serve_command(out or "OUT", plan.tp)}, render_plan)
         return 0
+    if out is None:
+        raise UsageError("-o/--output is required (or pass --dry-run)")
     with sink.tasks() as progress:
         manifest = write_vllm_state(plan, out, force=force, progress=progress)
 

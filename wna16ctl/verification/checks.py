@@ -49,7 +49,7 @@ from wna16ctl.output.manifest import FORMAT_NAME, SIDE_FILES
 from wna16ctl.repacking.pipeline import (
     LayerJob, RepackPlan, RepackSettings, plan_repack, rank_index_bytes, source_fingerprint,
 )
-from wna16ctl.verification.bounds import Interval, block_interval, judge
+from wna16ctl.verification.bounds import Interval, RankWeights, block_interval, judge
 from wna16ctl.verification.rank_gemm import GEMM_DTYPES, ROUNDINGS, UNIT_ROUNDOFF, EmulatedGemm, RankFiles, rank_moe_output  # noqa: F401 - ROUNDINGS and UNIT_ROUNDOFF re-exported
 from wna16ctl.output.writer import JOURNAL_NAME, MANIFEST_NAME, PLANNED_METADATA, FILE_HASHES, hash_file, recorded_hash, sha256_file
 
@@ -370,7 +370,8 @@ def _check_manifest(ck: Checkpoint, out: Path, manifest: dict[str, Any], report:
             add(f"{rel}: {path.stat().st_size} bytes, the manifest says {meta['bytes']} (modified after repack)")
             advance(path.stat().st_size)
         else:
-            algorithm, digest = recorded_hash(meta)  # blake3, or sha256 from earlier versions
+            # blake3, or sha256 from earlier versions; _MANIFEST_FIELDS admits no entry without one
+            algorithm, digest = recorded_hash(meta)  # type: ignore[misc]  # not None: see the line above
             if hash_file(path, algorithm, progress=advance) != digest:
                 add(f"{rel}: {algorithm} differs from the manifest (modified after repack)")
     parents = {p.as_posix() for rel in files for p in Path(rel).parents if p.as_posix() != "."}
@@ -523,6 +524,7 @@ def _dequantize_kfirst(kf: dict[str, torch.Tensor], spec: RankLayout, which: str
     else:
         groups = torch.zeros(K, dtype=torch.long)
     s = scale.to(dtype)[groups]  # [K, N]
+    z: torch.Tensor | int
     if f"{which}_weight_zero_point" in kf:
         zp = unpack_codes(kf[f"{which}_weight_zero_point"], nb, dim=1).long()[:, :N]
         zg = groups if spec.group_size > 0 else torch.zeros(K, dtype=torch.long)
@@ -850,7 +852,7 @@ def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: di
     no_candidate: list[str] = []
     # per rank present: its experts' weights dequantised from the checkpoint in the model dtype,
     # the reference of the rounding interval (verification.bounds)
-    ref_ranks = {r: (job.expert_ranges[r], {}) for r in ranks}
+    ref_ranks: dict[int, RankWeights] = {r: (job.expert_ranges[r], {}) for r in ranks}
     for e in selected:
         tok, slot = (routing.topk_ids == e).nonzero(as_tuple=True)
         w = routing.topk_weights[tok, slot].unsqueeze(1)
@@ -933,7 +935,7 @@ def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: di
             except Exception as err:  # malformed tensors make the kernel fail: the comparison cannot run
                 msg = err.message if isinstance(err, (LayoutMismatch, BadInput)) else f"{type(err).__name__}: {err}"
                 no_candidate.append(f"the GEMM cannot run on rank {r}'s tensors ({msg})")
-        if emulated is not None:
+        if emulated is not None and emulated_rows is not None:  # set together above
             kernel = (f"{kernel} on {len(emulated_rows)} of {T} tokens (every expert; "
                       + ", ".join(f"{k} × {v}" for k, v in sorted(emulated.launches.items()))
                       + " launches), the torch twin of the kernel on all")
