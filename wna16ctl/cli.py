@@ -13,7 +13,7 @@ try:  # a Ctrl-C while the command line starts: one line and 130, as anywhere la
     import errno
     import signal
     from pathlib import Path
-    from typing import Callable, NoReturn
+    from typing import Any, Callable, NoReturn
 
     import click
 
@@ -292,7 +292,7 @@ def repack(ctx: click.Context, ckpt: str, tp: str, ep: bool, layout: str, out: s
             # exists, a Ctrl-C that reaches them all) is said once per node, by its first process
             alike = group is distributed.SOLO or (isinstance(e, KeyboardInterrupt) and not hasattr(e, "message"))
             if launch.distributed and alike and not hasattr(e, "quiet"):
-                e.quiet = launch.local_rank != 0  # type: ignore[attr-defined]
+                e.quiet = launch.local_rank != 0  # type: ignore[attr-defined]  # a mark any exception can carry; read with getattr
             raise
 
     def repack_body() -> int:
@@ -339,7 +339,7 @@ def repack(ctx: click.Context, ckpt: str, tp: str, ep: bool, layout: str, out: s
                     sink.result({**plan.to_json(), "loadable": True}, lambda console: render_repack_plan(console, plan))
                 return EXIT_OK
             with sink.tasks() as progress:
-                result = run_repack(plan, out, force=force, resume=resume, progress=progress, device=device,
+                result = run_repack(plan, out, force=force, resume=resume, progress=progress, device=device,  # type: ignore[arg-type]  # -o is given without --dry-run (checked above)
                                     notice=lambda message: sink.warn(message, always=True), ranks=subset,
                                     node_local=node_local, group=group)
             committed = result.committed
@@ -490,7 +490,7 @@ def verify(ctx: click.Context, ckpt: str, out: str, samples: str | None, num_sam
             if e2e or layers is not None or experts is not None:
                 raise UsageError("--e2e, --layers and --experts do not apply to a pad output: its padding is checked whole")
             proof = wna16ctl_verify(source, out, samples=samples, num_samples=num_samples)
-            sink.result_lines(proof.to_json(), proof.lines)
+            sink.result_lines(proof.to_json(), proof.lines)  # type: ignore[attr-defined]  # a PadProof here: wna16ctl.verify's declared return type says VerifyReport
             return EXIT_OK if proof.passed else EXIT_FAILED
         with sink.tasks() as progress:
             report = verify_output(source, out, samples=samples, num_samples=num_samples, device=device,
@@ -538,7 +538,7 @@ def pad(ctx: click.Context, ckpt: str, out: str | None, tp: str | None, to: int 
         import wna16ctl
         from wna16ctl.planning.padding import summary_lines
 
-        options = dict(tp=tp, to=to, ep=ep, vllm=vllm, gpu=gpu, env=list(env), moe_backend=moe_backend,
+        options: dict[str, Any] = dict(tp=tp, to=to, ep=ep, vllm=vllm, gpu=gpu, env=list(env), moe_backend=moe_backend,
                        scheme=scheme, group_size=group_size, actorder=actorder)
         if dry_run:
             plan_json = wna16ctl.pad(ckpt, None, dry_run=True, **options).to_json()
@@ -610,9 +610,12 @@ def main() -> None:
     except OSError as e:
         if e.errno != errno.EPIPE:
             raise
-        # the reader of stdout went away (`| head`): exit quietly, as click does
-        sys.stdout = click.utils.PacifyFlushWrapper(sys.stdout)  # type: ignore[assignment]
-        sys.stderr = click.utils.PacifyFlushWrapper(sys.stderr)  # type: ignore[assignment]
+        # the reader of stdout went away (`| head`): exit quietly, as click does. What stdout still
+        # holds goes to /dev/null, so that the interpreter's last flush does not fail again.
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # a stdout without a file descriptor has no pipe to lose
+            pass
         code = 1
     # The command is over and its exit status decided: a Ctrl-C while the interpreter shuts down
     # would only turn that status into a traceback.
@@ -621,4 +624,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    main()
