@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rich.console import Console
 from rich.markup import escape
 
 from wna16ctl.planning.inspection import Inspection
 from wna16ctl.sink import human_bytes, plural, simple_table
+
+if TYPE_CHECKING:  # the renderers' inputs, imported lazily at run time (torch behind some)
+    from wna16ctl.planning.moe import LayerPlan
+    from wna16ctl.planning.rules import Engine
+    from wna16ctl.repacking.pipeline import RepackPlan
+    from wna16ctl.verification.checks import VerifyReport
+    from wna16ctl.verification.e2e import E2EResult
 
 
 def _layer_span(indices: list[int | None], names: list[str]) -> str:
@@ -213,7 +222,7 @@ def _span_of_ints(ids: list[int]) -> str:
     return _ranges(ids)
 
 
-def render_repack_plan(console: Console, plan) -> None:  # RepackPlan, imported lazily
+def render_repack_plan(console: Console, plan: RepackPlan) -> None:
     s = plan.settings
     console.print(f"[bold]{escape(str(plan.checkpoint.root))}[/] → {plural(s.tp, 'rank')}"
                   f"{' (expert parallel)' if s.ep else ''}, layout {s.layout}, for vLLM {s.vllm} on {s.gpu}")
@@ -221,6 +230,7 @@ def render_repack_plan(console: Console, plan) -> None:  # RepackPlan, imported 
     rows: dict[tuple, list] = {}  # identical layers (Kimi-K2: 60 of them) share one row
     for j in plan.jobs:
         p = j.plan
+        assert p.w2 is not None, "a layer job is made for a plan that loads, which has its w2 sharding"
         row = (j.layout, p.quant_type or "", str(p.intermediate_size_per_partition), str(j.specs[0].padded_intermediate),
                "full" if p.w2.load_full_w2 else "sharded", "yes" if p.w2.is_k_full else "no")
         rows.setdefault(row, []).append(j.layer)
@@ -250,7 +260,7 @@ def _num(value: float | None, fmt: str) -> str:
     return "—" if value is None else format(value, fmt)
 
 
-def render_verify(console: Console, report) -> None:  # VerifyReport, imported lazily
+def render_verify(console: Console, report: VerifyReport) -> None:
     if report.layout_state is not None:  # a --layout vllm output: its contract and round trip
         from wna16ctl.repacking.vllm_layout import render_vllm_report
 
@@ -328,7 +338,7 @@ def _plural_indices(noun: str, indices: list[int]) -> str:
     return indices_text(noun, indices)
 
 
-def _engine_source(engine) -> str:  # rules.Engine
+def _engine_source(engine: Engine) -> str:
     if engine.source == "installed":
         return f"installed {engine.requested}" if engine.requested != engine.version else "installed"
     if engine.source == "default":
@@ -336,8 +346,9 @@ def _engine_source(engine) -> str:  # rules.Engine
     return "--vllm " + engine.requested
 
 
-def _cell(p) -> str:  # LayerPlan
+def _cell(p: LayerPlan) -> str:
     if p.loadable:
+        assert p.backend is not None, "a plan that loads has a backend"
         return f"[green]{p.backend.value}[/]"
     return f"[red]✗ {escape(p.failure_rule or 'fails')}[/]"
 
@@ -382,7 +393,7 @@ def render_release_matrix(console: Console, insp: Inspection) -> None:
     render_suggestions(console, insp)
 
 
-def render_e2e(console: Console, res) -> None:  # E2EResult, imported lazily
+def render_e2e(console: Console, res: E2EResult) -> None:
     status = {"pass": "[green]pass[/]", "FAIL": "[bold red]FAIL[/]"}.get(res.status, f"[yellow]{res.status}[/]")
     agree = f"{res.tokens_agreeing}/{res.tokens_generated} tokens agree" if res.prompts else ""
     console.print(f"  end to end  {status}  " + "; ".join(escape(x) for x in (agree, res.reason) if x))

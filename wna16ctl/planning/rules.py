@@ -18,6 +18,7 @@ import os
 import re
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Callable
 
 RELEASES: tuple[str, ...] = ("0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")
 OLDEST, NEWEST = RELEASES[0], RELEASES[-1]
@@ -218,7 +219,7 @@ def change(key: str) -> Change:
     return _BY_KEY[key]
 
 
-def releases_where(predicate) -> list[str]:  # Callable[[Release], bool]
+def releases_where(predicate: Callable[[Release], bool]) -> list[str]:
     return [v for v in RELEASES if predicate(release(v))]
 
 

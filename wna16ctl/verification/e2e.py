@@ -44,6 +44,8 @@ from wna16ctl.errors import BadInput
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
+    from wna16ctl.sources import Checkpoint
+
     from wna16ctl.verification.rank_gemm import EmulatedGemm
 
 SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
@@ -262,7 +264,7 @@ def _byte_text(tokens: list[int]) -> str:
 # ---- the model -------------------------------------------------------------------------------------------
 
 
-def _build_model(ck, device: torch.device):  # Checkpoint
+def _build_model(ck: Checkpoint, device: torch.device) -> tuple[torch.nn.Module, dict[str, torch.nn.Module]]:
     """transformers' model of the checkpoint's config (fp32), non-expert weights from the checkpoint.
     Returns (model, {checkpoint experts prefix: the model's MoE block})."""
     from transformers import AutoConfig, AutoModelForCausalLM
