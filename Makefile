@@ -17,10 +17,17 @@ $(BIN)/.installed: pyproject.toml
 
 install: $(BIN)/.installed
 
-# ruff with the rule set in pyproject.toml (pinned in the `lint` extra)
-lint: $(BIN)/.installed
-	@$(BIN)/python -c 'import ruff' 2>/dev/null || $(BIN)/pip install -q -e '.[lint]'
+# The `lint` extra (ruff, mypy and the stubs mypy needs, pinned), installed again when
+# pyproject.toml changes.
+$(BIN)/.lint-installed: $(BIN)/.installed pyproject.toml
+	$(BIN)/pip install -q -e '.[lint]'
+	touch $@
+
+# ruff with the rule set in pyproject.toml, then mypy on the package with the settings there
+# (run in .venv, so that it sees the types torch, safetensors, click and rich ship)
+lint: $(BIN)/.lint-installed
 	$(BIN)/python -m ruff check wna16ctl tests bench scripts
+	$(BIN)/python -m mypy
 
 # The main job on the embedded default: a Qwen3-MoE W4A16 demo checkpoint written by
 # compressed-tensors, inspected, repacked for TP=$(TP), and verified.
@@ -94,4 +101,4 @@ bench: $(BIN)/.installed
 	$(BIN)/python bench/run_all.py
 
 clean:
-	rm -rf build .pytest_cache
+	rm -rf build .pytest_cache .mypy_cache

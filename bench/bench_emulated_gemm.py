@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.native.test_kernels import make_problem  # noqa: E402
-from wna16ctl.native import emulated  # noqa: E402
+from tests.native.test_kernels import make_problem
+from wna16ctl.native import emulated
 
 
 def simd_level() -> str:

@@ -22,9 +22,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import synthetic_headers  # noqa: E402
+import synthetic_headers
 
-from tests.hubserver import FakeHub  # noqa: E402
+from tests.hubserver import FakeHub
 
 REPO = "moonshotai/Kimi-K2-W4A16"
 OURS = ("from wna16ctl.sources.hub import HubRef, open_hub_checkpoint\n"

@@ -18,10 +18,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import synthetic_headers  # noqa: E402
-from common import med, run_once, wna16ctl  # noqa: E402
+import synthetic_headers
+from common import med, run_once, wna16ctl
 
-from tests.hubserver import FakeHub  # noqa: E402
+from tests.hubserver import FakeHub
 
 REPO = "moonshotai/Kimi-K2-W4A16"
 

@@ -28,8 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import synthetic_headers  # noqa: E402
-from common import med, median_runs, run_once, wna16ctl  # noqa: E402
+import synthetic_headers
+from common import med, median_runs, run_once, wna16ctl
 
 
 def vs_bare(d: Path, rounds: int, baseline: list[str] | None = None, baseline_src: Path | None = None,
@@ -101,14 +101,14 @@ def breakdown(d: Path, repeats: int) -> None:
     gc.disable()
     best: dict[str, float] = {}
 
-    def step(label: str, fn):  # noqa: ANN001, ANN202
+    def step(label: str, fn):
         t = time.process_time()
         out = fn()
         best[label] = min(best.get(label, float("inf")), time.process_time() - t)
         return out
 
-    def python_reader(fn):  # noqa: ANN001, ANN202 - a step with the native reader switched off
-        def run():  # noqa: ANN202
+    def python_reader(fn):  # a step with the native reader switched off
+        def run():
             os.environ["WNA16CTL_NO_NATIVE"] = "1"
             try:
                 return fn()

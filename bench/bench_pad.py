@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_repack import _ENV, _ckpt, _dir_bytes, _timed, cpu_simd  # noqa: E402
-from common import med, wna16ctl  # noqa: E402
+from bench_repack import _ENV, _ckpt, _dir_bytes, _timed, cpu_simd
+from common import med, wna16ctl
 
 PAD_ARGS = ("--tp", "4", "--vllm", "0.31.0", "-q")
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Run, med, run_once, wna16ctl  # noqa: E402
+from common import Run, med, run_once, wna16ctl
 
 HERE = Path(__file__).resolve().parent
 
@@ -132,7 +132,7 @@ def rank_builder_levels(levels: list[str], rounds: int = 15) -> list[str]:
         pf = 32 // nb
         keep = []
 
-        def buf(nbytes: int, fill: bool = False):  # noqa: ANN202
+        def buf(nbytes: int, fill: bool = False):
             b = (ctypes.c_char * nbytes).from_buffer_copy(os.urandom(nbytes)) if fill else (ctypes.c_char * nbytes)()
             keep.append(b)
             return ctypes.addressof(b)
@@ -205,7 +205,7 @@ def per_tensor(repeats: int = 3) -> list[str]:
                       intermediate_size=I, tp=1, rank=0, load_full_w2=False, padded_intermediate=I)
     nbytes = E * 3 * H * I // 2
 
-    def best(fn) -> float:  # noqa: ANN001
+    def best(fn) -> float:
         times = []
         for _ in range(repeats):
             t = time.perf_counter()

@@ -21,10 +21,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import ROOT, med, median_runs, run_once, wna16ctl  # noqa: E402
+from common import ROOT, med, median_runs, run_once, wna16ctl
 
 
-def _row(what: str, runs: list) -> str:  # noqa: ANN001
+def _row(what: str, runs: list) -> str:
     walls = [r.wall for r in runs]
     users = [r.user for r in runs]
     return (f"| {what} | {med(walls):.1f} s | {min(walls):.1f} s | {max(walls):.1f} s | {med(users):.1f} s | "

@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))  # roofline: the shapes, launch choices and loop records
 
-from wna16ctl.native.ops import find_cxx, find_nvcc, kernels_dir  # noqa: E402
+from wna16ctl.native.ops import find_cxx, find_nvcc, kernels_dir  # noqa: E402 - after the sys.path set-up above
 
 SOURCES = {"v1": "moe_gemm.cu", "v2": "moe_gemm_v2.cu", "v3": "moe_gemm_v3.cu"}
 V3_PLAN_EXPERTS = 64  # the experts v3's dynamic shared memory is reported for (bench shape)

@@ -46,8 +46,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from kernel_static import _opcode, find_cuobjdump, sass_functions, sass_loops  # noqa: E402
-from roofline import GPUS, Gpu  # noqa: E402
+from kernel_static import _opcode, find_cuobjdump, sass_functions, sass_loops  # noqa: E402 - after the sys.path set-up above
+from roofline import GPUS, Gpu  # noqa: E402 - after the sys.path set-up above
 
 
 WARP = 32

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import pytest
 
@@ -103,8 +103,8 @@ def make_ckpt(tmp_path_factory: pytest.TempPathFactory) -> MakeCheckpoint:
     """
     written: dict[DemoSpec, Path] = {}
 
-    def make(**spec_fields: object) -> Path:
-        spec = DemoSpec(**spec_fields)  # type: ignore[arg-type]
+    def make(**spec_fields: Any) -> Path:
+        spec = DemoSpec(**spec_fields)
         if spec not in written:
             written[spec] = write_demo_checkpoint(tmp_path_factory.mktemp("ckpt"), spec)
         return written[spec]

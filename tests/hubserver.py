@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
+from typing import Any
 
 _HASH_LIMIT = 64 << 20  # files above this get an ETag from their name, size and mtime (not their data)
 
@@ -83,7 +84,7 @@ class FakeHub:
                 hub._handle(self, head=False)
 
         class Server(ThreadingHTTPServer):
-            def handle_error(self, request, client_address) -> None:  # noqa: ANN001 - a client that hung up
+            def handle_error(self, request, client_address) -> None:  # a client that hung up
                 pass
 
         self._server = Server(("127.0.0.1", 0), Handler)
@@ -96,9 +97,9 @@ class FakeHub:
         self._server.shutdown()
         self._server.server_close()
 
-    def add(self, repo_id: str, root: Path, *, repo_type: str = "model", **kw: object) -> Repo:
+    def add(self, repo_id: str, root: Path, *, repo_type: str = "model", **kw: Any) -> Repo:
         commit = hashlib.sha1(f"{repo_type}/{repo_id}/{root}".encode()).hexdigest()
-        repo = self.repos[(repo_type, repo_id)] = Repo(Path(root), commit, **kw)  # type: ignore[arg-type]
+        repo = self.repos[(repo_type, repo_id)] = Repo(Path(root), commit, **kw)
         return repo
 
     def reset_counts(self) -> None:

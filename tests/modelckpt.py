@@ -141,7 +141,7 @@ def mixtral(c: dict, q: dict | None) -> Iterator[Tensor]:
                             ("w1", "w3", "w2"))
 
 
-def _deepseek_layer(p: str, L: int, c: dict, q: dict | None, attention) -> Iterator[Tensor]:  # noqa: ANN001
+def _deepseek_layer(p: str, L: int, c: dict, q: dict | None, attention) -> Iterator[Tensor]:
     H = c["hidden_size"]
     yield from _norms(p, H)
     yield from attention(f"{p}.self_attn", c, q)

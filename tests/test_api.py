@@ -31,7 +31,7 @@ def test_public_names_have_docstrings():
         assert fn.__doc__ and len(fn.__doc__.split()) > 20, name
     assert wna16ctl.VerifyReport.__name__ == "VerifyReport" and wna16ctl.Inspection.__name__ == "Inspection"
     with pytest.raises(AttributeError):
-        wna16ctl.no_such_thing  # noqa: B018
+        wna16ctl.no_such_thing
 
 
 def _cli_defaults(command: str) -> dict[str, object]:

@@ -368,7 +368,7 @@ def test_tokenizer(make_ckpt: MakeCheckpoint) -> None:
     _word_pieces(tokenizer, records[0]["question"], config["vocab_size"])
 
 
-def _word_pieces(tokenizer, question: str, vocab_size: int) -> None:  # noqa: ANN001
+def _word_pieces(tokenizer, question: str, vocab_size: int) -> None:
     ids = tokenizer.encode(question).ids
     assert len(ids) < len(question.encode()) and all(i < vocab_size for i in ids)
     assert tokenizer.decode(ids) == question

@@ -22,11 +22,11 @@ def test_the_commands_call_the_public_functions(make_ckpt, tmp_path, monkeypatch
     calls: list[str] = []
     real_repack, real_verify = wna16ctl.repack, wna16ctl.verify
 
-    def repack(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def repack(*args, **kwargs):
         calls.append("repack")
         return real_repack(*args, **kwargs)
 
-    def verify(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def verify(*args, **kwargs):
         calls.append("verify")
         return real_verify(*args, **kwargs)
 

@@ -27,7 +27,7 @@ import wna16ctl.repacking.pipeline as repack_mod
 import wna16ctl.repacking.native_path as repack_native
 import wna16ctl.output.writer as writer_mod
 from tests.conftest import QUESTIONS, REPO_ROOT
-from tests.repacking.test_pipeline import ckpt, file_digests, leftovers, one_torch_thread, patch_tensor, snapshot  # noqa: F401
+from tests.repacking.test_pipeline import ckpt, file_digests, leftovers, one_torch_thread, patch_tensor, snapshot  # noqa: F401 - pytest fixtures, found by name
 from wna16ctl.sources.headers import read_shard_header
 from wna16ctl.cli import cli
 from wna16ctl.errors import BadInput, UsageError

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import repack_static as RS  # noqa: E402
+import repack_static as RS
 
 # Two set-up instructions; a task loop (0x20..0x110) holding an act-order gather loop
 # (0x30..0x60: a shared load of the perm, a byte load) and a staging loop (0x70..0xa0: one

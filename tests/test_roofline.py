@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import roofline as R  # noqa: E402
+import roofline as R
 
 INST = R.Instance("4-bit 16x256", 4, 1, 4, registers=240, loop_sass=487, loop_mma=32)
 H200 = R.GPUS["h200"]

@@ -35,7 +35,7 @@ if (os.path.basename(sys.argv[0] if sys.argv else "") == "wna16ctl"
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _interrupted_while_starting)
 
-from wna16ctl.version import __version__  # noqa: E402
+from wna16ctl.version import __version__  # noqa: E402 - after the SIGINT handler above, set before anything slow is imported
 
 # `typing` is left unimported at run time: the command line imports this package first, and the
 # less it loads before it can answer a Ctrl-C (wna16ctl.cli) the better

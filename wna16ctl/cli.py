@@ -202,7 +202,7 @@ def inspect(ctx: click.Context, ckpt: str, tp: str, ep: bool, vllm: str, gpu: st
             sink.warn(insp.engine.note)
         for w in insp.checkpoint.warnings:
             sink.warn(w)
-        def render(console) -> None:  # noqa: ANN001 - rich is imported only to print for people
+        def render(console) -> None:  # rich is imported only to print for people
             from wna16ctl.render import render_inspection, render_release_matrix
 
             (render_release_matrix if insp.versions else render_inspection)(console, insp)
@@ -295,7 +295,7 @@ def repack(ctx: click.Context, ckpt: str, tp: str, ep: bool, layout: str, out: s
             # exists, a Ctrl-C that reaches them all) is said once per node, by its first process
             alike = group is distributed.SOLO or (isinstance(e, KeyboardInterrupt) and not hasattr(e, "message"))
             if launch.distributed and alike and not hasattr(e, "quiet"):
-                e.quiet = launch.local_rank != 0  # type: ignore[attr-defined]
+                e.quiet = launch.local_rank != 0  # type: ignore[attr-defined]  # a mark any exception can carry; read with getattr
             raise
 
     def repack_body() -> int:
@@ -408,7 +408,7 @@ def demo(ctx: click.Context, out: str, arch: str, bits: str, group_size: str, as
 
         step = shlex.join(["wna16ctl", "inspect", str(path), "--tp", "1,2"])
 
-        def render(console) -> None:  # noqa: ANN001
+        def render(console) -> None:
             console.print(f"wrote {path}", markup=False, highlight=False, soft_wrap=True)
             console.print(f"next: see how it loads per TP size\n  {step}", markup=False, highlight=False, soft_wrap=True)
 
@@ -544,7 +544,7 @@ def env_command(ctx: click.Context, json_mode: bool, debug: bool) -> None:
 
         data = environment()
 
-        def render(console) -> None:  # noqa: ANN001
+        def render(console) -> None:
             for key in ("wna16ctl", "python", "platform"):
                 console.print(f"{key}: {data[key]}", markup=False, highlight=False)
             console.print(f"cpu simd: {', '.join(data['cpu_simd']) or 'none of avx2/avx512'}", markup=False)
@@ -588,9 +588,12 @@ def main() -> None:
     except OSError as e:
         if e.errno != errno.EPIPE:
             raise
-        # the reader of stdout went away (`| head`): exit quietly, as click does
-        sys.stdout = click.utils.PacifyFlushWrapper(sys.stdout)  # type: ignore[assignment]
-        sys.stderr = click.utils.PacifyFlushWrapper(sys.stderr)  # type: ignore[assignment]
+        # the reader of stdout went away (`| head`): exit quietly, as click does. What stdout still
+        # holds goes to /dev/null, so that the interpreter's last flush does not fail again.
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # a stdout without a file descriptor has no pipe to lose
+            pass
         code = 1
     # The command is over and its exit status decided: a Ctrl-C while the interpreter shuts down
     # would only turn that status into a traceback.

@@ -29,7 +29,7 @@ import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from safetensors import safe_open
@@ -65,7 +65,7 @@ _MLA_V_HEAD_DIM = 32
 
 # the rope scaling of the released DeepSeek-V3 (its config.json): YaRN stretching a 4096-position
 # rope 40-fold, with the attention scale corrected by mscale_all_dim
-DEEPSEEK_V3_YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+DEEPSEEK_V3_YARN: dict[str, Any] = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
                     "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
 
 
@@ -283,7 +283,7 @@ def model_config(spec: DemoSpec) -> dict[str, Any]:
             "use_qk_norm": False,
             "rope_theta": 10000.0,
         }
-    mla = _mla_dims(spec)
+    mla: dict[str, int | None] = dict(_mla_dims(spec))
     if spec.arch == "deepseek_v2":  # V2-Lite's shape: no query LoRA, softmax top-k without groups
         mla["q_lora_rank"] = None
         routed |= {"n_group": 1, "topk_group": 1, "topk_method": "greedy", "routed_scaling_factor": 1.0,
@@ -531,7 +531,18 @@ def _group_permutation(generator: torch.Generator, cols: int, group_size: int) -
     return perm, g_idx
 
 
-def _compress_with_g_idx(module: torch.nn.Module, perm: torch.Tensor, g_idx: torch.Tensor) -> None:
+class _QuantizedLinear(Protocol):
+    """A Linear as compressed-tensors' apply_quantization_config leaves it: the attributes it adds
+    (the library has no type information; its scheme objects are taken as they come)."""
+
+    weight: torch.nn.Parameter
+    weight_scale: torch.nn.Parameter
+    weight_zero_point: torch.nn.Parameter
+    quantization_scheme: Any
+    quantization_status: Any
+
+
+def _compress_with_g_idx(module: _QuantizedLinear, perm: torch.Tensor, g_idx: torch.Tensor) -> None:
     """Quantize and pack `module` like compressed-tensors <= 0.18 does for actorder "group".
 
     Group g holds the columns k with g_idx[k] == g (= perm[g*gs:(g+1)*gs]); the codes stay in
@@ -716,7 +727,8 @@ def _write_files(out: Path, spec: DemoSpec, progress: TaskStarter | None) -> Pat
 
     model = _module_tree(demo_source_weights(spec))
     apply_quantization_config(model, QuantizationConfig(config_groups=_expert_schemes(spec)), show_progress=False)
-    experts = [module for module in model.modules() if hasattr(module, "quantization_scheme")]
+    # the modules the config quantizes: each now carries the attributes of a _QuantizedLinear
+    experts = [cast(_QuantizedLinear, module) for module in model.modules() if hasattr(module, "quantization_scheme")]
     compressor = ModelCompressor.from_pretrained_model(model)
     group_actorder_config: dict[str, Any] | None = None
     if spec.actorder == "group":
@@ -732,7 +744,7 @@ def _write_files(out: Path, spec: DemoSpec, progress: TaskStarter | None) -> Pat
             if key not in shared:
                 shared[key] = _group_permutation(permutations, module.weight.shape[1], spec.group_size)
             perm, g_idx = shared[key]
-            _compress_with_g_idx(module, perm, g_idx.clone())  # own storage: safetensors refuses shared tensors
+            _compress_with_g_idx(cast(_QuantizedLinear, module), perm, g_idx.clone())  # own storage: safetensors refuses shared tensors
         compressor.quantization_config.quantization_status = QuantizationStatus.COMPRESSED
         library_dump = compressor.quantization_config.model_dump(exclude=["quant_method"])
         # wrapped in the keys update_config adds around the dump

@@ -81,7 +81,7 @@ def wait_all(futures: Iterable[Future[Any]]) -> None:
                 break
             except KeyboardInterrupt:
                 interrupted = True
-            except BaseException:  # noqa: BLE001 - cancelled: it will not run
+            except BaseException:  # cancelled: it will not run
                 break
     if interrupted:
         raise KeyboardInterrupt

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rich.console import Console
 from rich.markup import escape
 
@@ -9,6 +11,11 @@ from wna16ctl.planning.inspection import Inspection
 from wna16ctl.planning.suggest import KINDS_TRIED
 from wna16ctl.sink import human_bytes, plural, simple_table
 from wna16ctl.summary import vllm_backend_lines, vllm_next_step_lines
+
+if TYPE_CHECKING:  # the renderers' inputs, imported lazily at run time (torch behind some)
+    from wna16ctl.planning.moe import LayerPlan
+    from wna16ctl.planning.rules import Engine
+    from wna16ctl.verification.e2e import E2EResult
 
 
 def _layer_span(indices: list[int | None], names: list[str]) -> str:
@@ -94,8 +101,9 @@ def render_inspection(console: Console, insp: Inspection) -> None:
             if p.loadable and p.padded_intermediate and p.padded_intermediate != p.intermediate_size_per_partition:
                 ip += f"→{p.padded_intermediate}"
             if p.loadable:
+                assert p.backend is not None and p.w2 is not None, "a plan that loads has both"
                 # backend, w2 sharding and is_k_full are what the engine would use
-                backend = p.backend.value  # type: ignore[union-attr]
+                backend = p.backend.value
                 w2 = f"{'full' if p.w2.load_full_w2 else 'sharded'} {p.w2.w2_scales_size}"
                 k_full = "yes" if p.w2.is_k_full else "no"
                 status = "[green]ok[/]"
@@ -214,7 +222,7 @@ def _span_of_ints(ids: list[int]) -> str:
     return _ranges(ids)
 
 
-def render_repack_plan(console: Console, plan, out: str | None = None) -> None:  # noqa: ANN001 - imported lazily
+def render_repack_plan(console: Console, plan, out: str | None = None) -> None:  # a RepackPlan or VllmStatePlan (imported lazily)
     """`repack --dry-run`: a RepackPlan, or the vllm layout's VllmStatePlan (`out`: named in its serve command)."""
     from wna16ctl.planning.vllm_state import VllmStatePlan
 
@@ -228,6 +236,7 @@ def render_repack_plan(console: Console, plan, out: str | None = None) -> None: 
     rows: dict[tuple, list] = {}  # identical layers (Kimi-K2: 60 of them) share one row
     for j in plan.jobs:
         p = j.plan
+        assert p.w2 is not None, "a layer job is made for a plan that loads, which has its w2 sharding"
         row = (j.layout, p.quant_type or "", str(p.intermediate_size_per_partition), str(j.specs[0].padded_intermediate),
                "full" if p.w2.load_full_w2 else "sharded", "yes" if p.w2.is_k_full else "no")
         rows.setdefault(row, []).append(j.layer)
@@ -257,7 +266,7 @@ def _num(value: float | None, fmt: str) -> str:
     return "—" if value is None else format(value, fmt)
 
 
-def render_verify(console: Console, report) -> None:  # noqa: ANN001 - VerifyReport or PadProof, imported lazily
+def render_verify(console: Console, report) -> None:  # a VerifyReport or PadProof (imported lazily)
     from wna16ctl.padding.proof import PadProof
 
     if isinstance(report, PadProof):  # a `pad` output: the padding proof's own lines
@@ -339,7 +348,7 @@ def _plural_indices(noun: str, indices: list[int]) -> str:
     return indices_text(noun, indices)
 
 
-def _engine_source(engine) -> str:  # noqa: ANN001 - rules.Engine
+def _engine_source(engine: Engine) -> str:
     if engine.source == "installed":
         return f"installed {engine.requested}" if engine.requested != engine.version else "installed"
     if engine.source == "default":
@@ -347,8 +356,9 @@ def _engine_source(engine) -> str:  # noqa: ANN001 - rules.Engine
     return "--vllm " + engine.requested
 
 
-def _cell(p) -> str:  # noqa: ANN001 - LayerPlan
+def _cell(p: LayerPlan) -> str:
     if p.loadable:
+        assert p.backend is not None, "a plan that loads has a backend"
         return f"[green]{p.backend.value}[/]"
     return f"[red]✗ {escape(p.failure_rule or 'fails')}[/]"
 
@@ -393,7 +403,7 @@ def render_release_matrix(console: Console, insp: Inspection) -> None:
     render_suggestions(console, insp)
 
 
-def render_e2e(console: Console, res) -> None:  # noqa: ANN001 - E2EResult, imported lazily
+def render_e2e(console: Console, res: E2EResult) -> None:
     status = {"pass": "[green]pass[/]", "FAIL": "[bold red]FAIL[/]"}.get(res.status, f"[yellow]{res.status}[/]")
     agree = f"{res.tokens_agreeing}/{res.tokens_generated} tokens agree" if res.prompts else ""
     console.print(f"  end to end  {status}  " + "; ".join(escape(x) for x in (agree, res.reason) if x))
@@ -424,7 +434,7 @@ def render_e2e(console: Console, res) -> None:  # noqa: ANN001 - E2EResult, impo
     console.print(table)
     if res.score:
         s = res.score
-        pct = lambda v: "—" if v is None else f"{v:.0%}"  # noqa: E731
+        pct = lambda v: "—" if v is None else f"{v:.0%}"  # noqa: E731 - a share as a percentage, or a dash, for the lines below
         console.print(f"      GSM8K exact match: reference {pct(s['reference_exact_match'])}, candidate "
                       f"{pct(s['candidate_exact_match'])}; answers agree {pct(s['answers_agree'])} of "
                       f"{s['both_answered']} answered by both" + (f" ({escape(s['note'])})" if s["note"] else ""))
@@ -482,9 +492,9 @@ def render_model_section(console: Console, insp: Inspection) -> None:
         _notes_grid(console, [(f"{where} TP {','.join(t.removeprefix('TP ') for t in tps)}:", text)
                               for where, texts in by_where.items() for text, tps in texts.items()]
                     + [(f"{len(groups_of[text])} layer groups:", text) for text in groups_of if text in shared])
-    for lay in ck.mtp_layers:
-        scheme = lay.scheme.describe() if lay.scheme else "unquantized"
-        console.print(f"  MTP layer {escape(lay.prefix)} ({lay.num_experts} experts, {escape(scheme)}): not a decoder "
+    for mtp in ck.mtp_layers:
+        scheme = mtp.scheme.describe() if mtp.scheme else "unquantized"
+        console.print(f"  MTP layer {escape(mtp.prefix)} ({mtp.num_experts} experts, {escape(scheme)}): not a decoder "
                       "layer; vLLM loads it only for MTP speculative decoding, and it is not part of this verdict")
     if ck.unplaced_linear:
         shown = ", ".join(ck.unplaced_linear[:5]) + (f" … ({len(ck.unplaced_linear)} in all)" if len(ck.unplaced_linear) > 5 else "")
@@ -508,7 +518,8 @@ def render_linear_matrix(console: Console, insp: Inspection) -> None:
         table = simple_table(f"{span} · {lay.kind} ({lay.tp_role})", ["vLLM"] + [f"TP {t}" for t in insp.tps], console)
         for v in RELEASES:
             plans = insp.linear_versions[v][lay.name]
-            table.add_row(v, *[f"[green]{escape(p.kernel.removesuffix('LinearKernel'))}[/]" if p.loadable
+            # a plan that loads names its kernel
+            table.add_row(v, *[f"[green]{escape((p.kernel or '').removesuffix('LinearKernel'))}[/]" if p.loadable
                                else f"[red]✗ {escape(p.failure_rule or 'fails')}[/]" for p in plans])
             for p in plans:
                 if not p.loadable and p.failure_rule and p.failure_rule not in legend:
@@ -531,7 +542,7 @@ def _unnamed(name: str, plans: list) -> str:
 
 # -- the vllm layout (whole-model sharded_state files) -----------------------------------------------
 
-def _render_vllm_plan(console: Console, plan, out: str | None) -> None:  # noqa: ANN001 - VllmStatePlan
+def _render_vllm_plan(console: Console, plan, out: str | None) -> None:  # a VllmStatePlan
     """`repack --layout vllm --dry-run`: per rank its keys, bytes and files, then the serve command."""
     data = plan.to_json(out)
     for r in data["ranks"]:
@@ -541,7 +552,7 @@ def _render_vllm_plan(console: Console, plan, out: str | None) -> None:  # noqa:
     console.print(f"then serve with: {data['serve']}", soft_wrap=True, markup=False)
 
 
-def render_vllm_report(console: Console, report) -> None:  # noqa: ANN001 - verification.vllm_state.VllmStateReport
+def render_vllm_report(console: Console, report) -> None:  # a verification.vllm_state.VllmStateReport
     for line in report.problems:
         console.print(f"FAIL {line}")
     if report.ok:

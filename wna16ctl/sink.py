@@ -14,7 +14,9 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 if TYPE_CHECKING:
-    from rich.console import Console
+    from rich.console import Console, ConsoleOptions, RenderResult
+    from rich.measure import Measurement
+    from rich.progress import ProgressColumn
     from rich.table import Table
 
 
@@ -99,8 +101,8 @@ class Sink:
 
         # the bar gives way on a narrow terminal; the amount and the time left stay on one line each
         with Progress(TextColumn("{task.description}", table_column=Column(no_wrap=True, overflow="ellipsis", ratio=2)),
-                      BarColumn(bar_width=None, table_column=Column(ratio=1)), _AmountColumn(),
-                      _EtaColumn(), console=self.err, transient=True, expand=True) as bar:
+                      BarColumn(bar_width=None, table_column=Column(ratio=1)), _amount_column(),
+                      _eta_column(), console=self.err, transient=True, expand=True) as bar:
             current: list[Any] = []
 
             def start(description: str, total: int, *, unit: str = "bytes") -> Callable[[int], None]:
@@ -142,25 +144,23 @@ def no_progress(description: str, total: int, *, unit: str = "bytes") -> Callabl
     return lambda n: None
 
 
-class _AmountColumn:
-    """'12.0/40.0 MiB 8.1 MiB/s' for bytes, '3/16 experts' otherwise: binary units throughout."""
+def _amount_column() -> ProgressColumn:
+    """'12.0/40.0 MiB 8.1 MiB/s' for bytes, '3/16 experts' otherwise: binary units throughout.
+    The class is defined on first use, so that importing sink.py does not import rich."""
+    from rich.progress import ProgressColumn, Task
+    from rich.table import Column
+    from rich.text import Text
 
-    def __new__(cls):  # a rich ProgressColumn, built lazily so that importing sink.py stays cheap
-        from rich.progress import ProgressColumn
-        from rich.text import Text
+    class AmountColumn(ProgressColumn):
+        def render(self, task: Task) -> Text:
+            unit = task.fields.get("unit", "bytes")
+            if unit != "bytes":
+                return Text(f"{task.completed:.0f}/{task.total:.0f} {unit}")
+            speed = task.finished_speed or task.speed
+            rate = f" {human_bytes(int(speed))}/s" if speed else ""
+            return Text(f"{human_bytes(int(task.completed))}/{human_bytes(int(task.total or 0))}{rate}")
 
-        class AmountColumn(ProgressColumn):
-            def render(self, task):  # noqa: ANN001, ANN202
-                unit = task.fields.get("unit", "bytes")
-                if unit != "bytes":
-                    return Text(f"{task.completed:.0f}/{task.total:.0f} {unit}")
-                speed = task.finished_speed or task.speed
-                rate = f" {human_bytes(int(speed))}/s" if speed else ""
-                return Text(f"{human_bytes(int(task.completed))}/{human_bytes(int(task.total or 0))}{rate}")
-
-        from rich.table import Column
-
-        return AmountColumn(table_column=Column(no_wrap=True))
+    return AmountColumn(table_column=Column(no_wrap=True))
 
 
 def time_left(completed: float, total: float, elapsed: float | None) -> float | None:
@@ -172,23 +172,21 @@ def time_left(completed: float, total: float, elapsed: float | None) -> float | 
     return max(total - completed, 0) * elapsed / completed
 
 
-class _EtaColumn:
+def _eta_column() -> ProgressColumn:
     """'0:01:23 left' from `time_left`; '-:--:-- left' until the step has advanced."""
+    from rich.progress import ProgressColumn, Task
+    from rich.table import Column
+    from rich.text import Text
 
-    def __new__(cls):
-        from rich.progress import ProgressColumn
-        from rich.table import Column
-        from rich.text import Text
+    class EtaColumn(ProgressColumn):
+        def render(self, task: Task) -> Text:
+            left = time_left(task.completed, task.total or 0, task.elapsed)
+            if left is None:
+                return Text("-:--:-- left")
+            s = int(left + 0.5)
+            return Text(f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d} left")
 
-        class EtaColumn(ProgressColumn):
-            def render(self, task):  # noqa: ANN001, ANN202
-                left = time_left(task.completed, task.total or 0, task.elapsed)
-                if left is None:
-                    return Text("-:--:-- left")
-                s = int(left + 0.5)
-                return Text(f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d} left")
-
-        return EtaColumn(table_column=Column(no_wrap=True))
+    return EtaColumn(table_column=Column(no_wrap=True))
 
 
 def output_width(stream: Any) -> int | None:
@@ -243,11 +241,11 @@ def _escape(text: str) -> str:
     return escape(text)
 
 
-def human_bytes(n: int) -> str:
+def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
+        n /= 1024
     return f"{n} B"
 
 
@@ -320,12 +318,12 @@ def simple_table(title: str, columns: list[str], console: "Console | None" = Non
             if dropped:
                 self.caption = f"not shown at {width} columns: {', '.join(dropped)} (every field is in --json)"
 
-        def __rich_measure__(self, console, options):  # noqa: ANN001, ANN204
+        def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
             self._drop_to(options.max_width)
             self._fit_words()
             return super().__rich_measure__(console, options)
 
-        def __rich_console__(self, console, options):  # noqa: ANN001, ANN204
+        def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
             self._drop_to(options.max_width)
             self._fit_words()
             return super().__rich_console__(console, options)

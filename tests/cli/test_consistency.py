@@ -177,9 +177,9 @@ def test_demo_progress_is_reported(tmp_path):
 def test_progress_amounts_use_binary_units():
     from types import SimpleNamespace
 
-    from wna16ctl.sink import _AmountColumn
+    from wna16ctl.sink import _amount_column
 
-    col = _AmountColumn()
+    col = _amount_column()
     task = SimpleNamespace(fields={"unit": "bytes"}, completed=3 << 20, total=10 << 20, speed=2 << 20,
                            finished_speed=None)
     text = str(col.render(task))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import QUESTIONS
-from tests.repacking.test_pipeline import one_torch_thread, single_thread_env  # noqa: F401  (an autouse fixture)
+from tests.repacking.test_pipeline import one_torch_thread, single_thread_env  # noqa: F401 - pytest fixtures (one autouse), found by name
 from wna16ctl.output.writer import MANIFEST_NAME
 
 _SCRIPT = Path(sys.executable).parent / "wna16ctl"

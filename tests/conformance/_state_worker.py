@@ -86,7 +86,7 @@ def main(ckpts: list[str], tp: int, rank: int, init_file: str, tree: str | None 
     for i, ckpt in enumerate(ckpts):
         try:
             keys = _model_keys(first if i == 0 else _engine_config(ckpt, tp), set_current_vllm_config, initialize_model)
-        except Exception:  # noqa: BLE001 - one architecture that does not build must not hide the others
+        except Exception:  # one architecture that does not build must not hide the others
             sys.stdout.write(json.dumps({"vllm": vllm.__version__, "ckpt": ckpt, "keys": None,
                                          "error": traceback.format_exc()[-2500:]}) + "\n")
             sys.stdout.flush()

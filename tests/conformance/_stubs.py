@@ -331,9 +331,9 @@ def install(tree: str, extra_paths: list[str], extensions: list[str], metadata_t
     """Put the release tree (and its pinned compressed-tensors) first on sys.path, add the stand-ins."""
     for p in reversed([tree, *extra_paths]):
         sys.path.insert(0, p)
-    import torch  # noqa: F401  (the real CPU torch, imported before any placeholder exists)
+    import torch  # the real CPU torch, imported before any placeholder exists
     # vLLM patches inductor at import; inductor must see the real (absent) Triton, not ours.
-    import torch._inductor.lowering  # noqa: F401
+    import torch._inductor.lowering  # noqa: F401 - imported for its effect: vLLM patches inductor at import
     install_triton()
     install_op_namespaces()
     finder = MissingPackageFinder(tree, required_modules(metadata_text))

@@ -61,8 +61,8 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-import _stubs  # noqa: E402
-import ckptcase  # noqa: E402
+import _stubs  # noqa: E402 - after the sys.path set-up above
+import ckptcase  # noqa: E402 - after the sys.path set-up above
 
 PREFIX = "model.layers.0.mlp.experts"
 TOP_K = 2
@@ -282,7 +282,7 @@ class Release:
         # 1. config parse
         try:
             qc = self.ct.CompressedTensorsConfig.from_config(self.quantization_config(case))
-        except Exception as exc:  # noqa: BLE001 - the first failure is the outcome
+        except Exception as exc:  # the first failure is the outcome
             return fail("config", exc)
 
         if case.get("lm_head"):
@@ -294,7 +294,7 @@ class Release:
             moe = self.moe_config(case)
             layer = self.layer(moe, case)
             method = qc.get_quant_method(layer, PREFIX)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             frames = traceback.extract_tb(exc.__traceback__)
             if any(fr.filename.endswith("unquantized_fused_moe_method.py") for fr in frames):
                 # get_moe_method chose UnquantizedFusedMoEMethod (a CustomOp, whose constructor
@@ -337,7 +337,7 @@ class Release:
                 params["intermediate_size_full"] = moe.intermediate_size
             with torch.device("cpu"):
                 method.create_weights(layer=layer, **params)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             fail("create_weights", exc)
         finally:
             out["w2_scale_sharding"] = self._w2_sharding(method, moe, case)
@@ -364,7 +364,7 @@ class Release:
         torch.nn.Module.__init__(head)
         try:
             method = qc.get_quant_method(head, "lm_head")
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             return f"raises {type(exc).__name__}: {_exception_text(exc)}"
         return type(method).__name__ == "CompressedTensorsLinearMethod"
 
@@ -414,7 +414,7 @@ class Release:
         (major, minor), _, _ = GPUS[_GPU["name"]]
         try:
             out["kernel"] = lin.choose_mp_linear_kernel(config, compute_capability=major * 10 + minor).__name__
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             out["error"] = f"{type(exc).__name__}: {_exception_text(exc)}"
         out["ops_called"] = list(_stubs.OPS_CALLED)
         return out
@@ -436,7 +436,7 @@ class Release:
         rank = tp - 1
         try:
             object.__setattr__(par, "tp_rank", rank)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             return f"harness: cannot set tp_rank ({exc})"
         codes = (torch.arange(H * I, dtype=torch.int64).reshape(H, I) * 7 + 3) % (1 << bits)
         packed = ckptcase.pack_rows(codes, bits, packing)
@@ -449,7 +449,7 @@ class Release:
         layer._map_global_expert_id_to_local_expert_id = lambda expert_id: expert_id
         try:
             type(layer).weight_loader(layer, param, packed, f"{PREFIX}.0.down_proj.weight_packed", "w2", 0)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             return f"raises {type(exc).__name__}: {_exception_text(exc)}"
         finally:
             object.__setattr__(par, "tp_rank", 0)
@@ -486,7 +486,7 @@ class Release:
             out["process_error"] = "completed without a compiled op (unexpected for Marlin)"
         except _stubs.ExtensionOpCalled as stop:
             out["process_reached_op"] = str(stop)
-        except Exception as exc:  # noqa: BLE001 - a failure of the release's weight processing
+        except Exception as exc:  # a failure of the release's weight processing
             out["process_error"] = f"{type(exc).__name__}: {_exception_text(exc)}"
         finally:
             _stubs.OPS_RAISE = False
@@ -503,7 +503,7 @@ class Release:
             return None
         try:
             res = fn(method.actorder, method.group_size, moe.intermediate_size_per_partition, moe.intermediate_size)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             return [f"{type(exc).__name__}: {exc}"]
         return [bool(res[0]), int(res[1]), bool(res[2])]
 
@@ -555,7 +555,7 @@ class Release:
                     why.append(f"{k_cls.__name__}: {reason}")
                 else:
                     rejected[name] = "; ".join(why)
-            except Exception as exc:  # noqa: BLE001 - asking raised: the real loop would raise too
+            except Exception as exc:  # asking raised: the real loop would raise too
                 rejected[name] = f"raises {type(exc).__name__}: {exc}"
         return rejected
 
@@ -630,7 +630,7 @@ def main() -> int:
         metadata_text = open(meta[0]).read() if meta else ""
         _stubs.install(tree, extra, extensions, metadata_text)
         release = Release()
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         proto.write(json.dumps({"ready": False, "error": f"{type(exc).__name__}: {exc}",
                                 "traceback": traceback.format_exc()}) + "\n")
         return 1
@@ -641,7 +641,7 @@ def main() -> int:
         case = json.loads(line)
         try:
             res = release.linear_outcome(case) if case.get("kind") == "linear" else release.outcome(case)
-        except Exception as exc:  # noqa: BLE001 - a harness failure, reported as such
+        except Exception as exc:  # a harness failure, reported as such
             res = {"harness_error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
         proto.write(json.dumps(res, default=str) + "\n")
     proto.flush()

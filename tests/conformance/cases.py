@@ -38,7 +38,7 @@ MOE_BACKENDS = ["auto"] * 6 + ["marlin", "triton", "humming", "flashinfer_trtllm
 ENVS: list[dict[str, str]] = [{}, {}, {"VLLM_USE_FLASHINFER_MOE_INT4": "1"}]
 
 
-def _group(targets: list[str], **weights) -> dict:  # noqa: ANN003
+def _group(targets: list[str], **weights) -> dict:
     base = {"num_bits": 4, "strategy": "group", "group_size": 128, "actorder": None, "symmetric": True,
             "group_size_null": False}
     return {"targets": targets, "weights": {**base, **weights}}

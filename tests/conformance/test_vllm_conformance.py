@@ -22,16 +22,16 @@ from typing import Any
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402 - after the importorskip above
 
-from tests.conformance import cases as case_space  # noqa: E402
-from tests.conformance import vllm_release  # noqa: E402
-from tests.conformance.ckptcase import planner_head_quantized, planner_via_reader  # noqa: E402
-from tests.conformance.known_differences import known_cause  # noqa: E402
-from wna16ctl.sources.config import WeightScheme  # noqa: E402
-from wna16ctl.sources.moe import MoELayer  # noqa: E402
-from wna16ctl.planning.engine_env import make_switches  # noqa: E402
-from wna16ctl.planning.moe import plan_layer  # noqa: E402
+from tests.conformance import cases as case_space  # noqa: E402 - after the importorskip above
+from tests.conformance import vllm_release  # noqa: E402 - after the importorskip above
+from tests.conformance.ckptcase import planner_head_quantized, planner_via_reader  # noqa: E402 - after the importorskip above
+from tests.conformance.known_differences import known_cause  # noqa: E402 - after the importorskip above
+from wna16ctl.sources.config import WeightScheme  # noqa: E402 - after the importorskip above
+from wna16ctl.sources.moe import MoELayer  # noqa: E402 - after the importorskip above
+from wna16ctl.planning.engine_env import make_switches  # noqa: E402 - after the importorskip above
+from wna16ctl.planning.moe import plan_layer  # noqa: E402 - after the importorskip above
 
 pytestmark = pytest.mark.conformance
 

@@ -153,7 +153,7 @@ class _Worker:
                 if self.proc.stdin:
                     self.proc.stdin.close()
                 self.proc.wait(timeout=10)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 self.proc.kill()
         self._log.close()
 

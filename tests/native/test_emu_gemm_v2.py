@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from tests.emu import harness as H
-from tests.native.test_emu import asan, check_gemm, drivers, grid_problem, plain, tsan  # noqa: F401
+from tests.native.test_emu import asan, check_gemm, drivers, grid_problem, plain, tsan  # noqa: F401 - pytest fixtures, found by name
 from tests.native.test_emu import _driver, _grid_id, run_gemm_op
 from wna16ctl.native import ops as K
 
@@ -100,7 +100,7 @@ def test_v2_grid_covers_every_axis() -> None:
 
 
 @pytest.mark.parametrize("item", GRID, ids=_id)
-def test_emulated_gemm_v2_grid(plain: Path, item) -> None:  # noqa: F811
+def test_emulated_gemm_v2_grid(plain: Path, item) -> None:
     variant, sms, case = item
     prob = grid_problem(**case)
     for dev in seeded_devices(sms, item):
@@ -121,7 +121,7 @@ SAN_GRID = [
 
 @pytest.mark.parametrize("flavour", ["tsan", "asan"])
 @pytest.mark.parametrize("item", SAN_GRID, ids=_id)
-def test_emulated_gemm_v2_under_sanitizers(drivers, flavour: str, item) -> None:  # noqa: F811
+def test_emulated_gemm_v2_under_sanitizers(drivers, flavour: str, item) -> None:
     exe = _driver(drivers, flavour)
     variant, sms, case = item
     prob = grid_problem(**case)
@@ -132,7 +132,7 @@ def test_emulated_gemm_v2_under_sanitizers(drivers, flavour: str, item) -> None:
         check_gemm(prob, *run_gemm_v2(exe, prob, variant, dev=dev))
 
 
-def test_emulated_gemm_v2_refuses_what_it_does_not_run(plain: Path) -> None:  # noqa: F811
+def test_emulated_gemm_v2_refuses_what_it_does_not_run(plain: Path) -> None:
     prob = grid_problem(size_k=64, size_n=64, m=2, experts=2)
     r, _ = run_gemm_v2(plain, prob, "auto", dev={"cc": 75})
     assert r.returncode == 0 and r.rc == K.WNA16_ENOTSUP and "needs sm80+" in r.message

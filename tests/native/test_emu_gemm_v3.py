@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from tests.emu import harness as H
-from tests.native.test_emu import asan, check_gemm, drivers, grid_problem, plain, tsan  # noqa: F401
+from tests.native.test_emu import asan, check_gemm, drivers, grid_problem, plain, tsan  # noqa: F401 - pytest fixtures, found by name
 from tests.native.test_emu import MARKER, _driver, _grid_id, run_gemm_op
 from tests.native.test_emu_gemm_v2 import GRID as V2_GRID, VARIANTS, _mode, run_gemm_v2
 from wna16ctl.native import ops as K
@@ -110,7 +110,7 @@ def check_v3(exe: Path, item, devices) -> None:
 @pytest.mark.parametrize(
     "item", [pytest.param(item, id=_id(item), marks=() if i in DEFAULT else (pytest.mark.kernels,))
              for i, item in enumerate(GRID)])
-def test_emulated_gemm_v3_grid(plain: Path, item, request) -> None:  # noqa: F811
+def test_emulated_gemm_v3_grid(plain: Path, item, request) -> None:
     devices = seeded_devices(item[1], item)
     if request.node.get_closest_marker("kernels") is None:
         devices = devices[-1:]  # the default suite: one seeded schedule, blocks side by side
@@ -130,7 +130,7 @@ SAN_GRID = [
 @pytest.mark.kernels
 @pytest.mark.parametrize("flavour", ["tsan", "asan"])
 @pytest.mark.parametrize("item", SAN_GRID, ids=_id)
-def test_emulated_gemm_v3_under_sanitizers(drivers, flavour: str, item) -> None:  # noqa: F811
+def test_emulated_gemm_v3_under_sanitizers(drivers, flavour: str, item) -> None:
     exe = _driver(drivers, flavour)
     devices = seeded_devices(item[1], item)
     check_v3(exe, item, devices[1:] if flavour == "tsan" else devices[-1:])
@@ -141,20 +141,20 @@ def test_emulated_gemm_v3_under_sanitizers(drivers, flavour: str, item) -> None:
     dict(size_k=128, size_n=64, group_size=32, act_order=True, num_bits=8),         # act-order, full K
     dict(size_k=128, size_n=64, group_size=64, act_order=True, k_full=False),       # g_idx
 ], ids=["groups16", "act_order", "g_idx"])
-def test_emulated_gemm_v3_declines_what_it_does_not_run(plain: Path, case: dict) -> None:  # noqa: F811
+def test_emulated_gemm_v3_declines_what_it_does_not_run(plain: Path, case: dict) -> None:
     prob = grid_problem(**case)
     r, got = run_gemm_op(plain, "gemm_v3", prob, 0, {"sms": 2})
     assert r.returncode == 0 and r.rc == K.WNA16_ENOTSUP and "v3 GEMM" in r.message
     assert bool((got.view(torch.int16) == MARKER).all())
 
 
-def test_emulated_gemm_v3_refuses_old_devices(plain: Path) -> None:  # noqa: F811
+def test_emulated_gemm_v3_refuses_old_devices(plain: Path) -> None:
     prob = grid_problem(size_k=64, size_n=64, m=2, experts=2)
     r, _ = run_gemm_v3(plain, prob, "auto", dev={"cc": 75})
     assert r.returncode == 0 and r.rc == K.WNA16_ENOTSUP and "needs sm80+" in r.message
 
 
-def test_emulated_gemm_v3_catches_a_counter_left_set(plain: Path) -> None:  # noqa: F811
+def test_emulated_gemm_v3_catches_a_counter_left_set(plain: Path) -> None:
     """The reset check itself: a workspace word left non-zero after a call is reported (the
     driver's check, fed a deliberately dirty word through a one-word smaller count of the
     workspace: the partials' first word, which no call resets, is not zero after a cut tile)."""

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from tests.emu import mutation as MU
-from tests.native.test_emu import _driver, drivers  # noqa: F401
+from tests.native.test_emu import _driver, drivers  # noqa: F401 - pytest fixtures, found by name
 
 
 @pytest.mark.parametrize(
     "mutant", [pytest.param(m, id=m.name, marks=() if m.fast else (pytest.mark.mutants,)) for m in MU.MUTANTS])
-def test_mutant_is_caught(tmp_path: Path, drivers, mutant: MU.Mutant) -> None:  # noqa: F811
+def test_mutant_is_caught(tmp_path: Path, drivers, mutant: MU.Mutant) -> None:
     for build in mutant.builds:
         _driver(drivers, build)  # skips when that sanitizer runtime is missing
         seen = list(MU.verdicts(mutant, build, tmp_path / build, stop_at_first=True))

@@ -54,7 +54,7 @@ def moe_block(weights: dict[str, torch.Tensor], prefix: str, experts: int, x: to
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
     g, u, d = names
     for e in range(experts):
-        w = lambda n: weights[f"{prefix}.{e}.{n}.weight"].double()  # noqa: E731
+        w = lambda n: weights[f"{prefix}.{e}.{n}.weight"].double()  # noqa: E731 - one weight of this expert as float64, for the lines below
         h = torch.nn.functional.silu(x @ w(g).T) * (x @ w(u).T)
         out += (e + 1) / experts * (h @ w(d).T)
     return out
@@ -119,7 +119,7 @@ def test_padded_tensors_keep_every_original_code_and_add_the_zero_code(make_ckpt
 
     src = make_ckpt(**SMALL, symmetric=False, actorder="group")
     wna16ctl.pad(src, tmp_path / "p", to=256)
-    read = lambda d: {k: v for f in sorted(Path(d).glob("*.safetensors")) for k, v in load_file(f).items()}  # noqa: E731
+    read = lambda d: {k: v for f in sorted(Path(d).glob("*.safetensors")) for k, v in load_file(f).items()}  # noqa: E731 - every tensor of a directory, for the lines below
     a, b = read(src), read(tmp_path / "p")
     m = "model.layers.0.mlp.experts.1"
     # gate: rows added, every added code 8 (signed 0), the added zero points the same code
@@ -248,7 +248,7 @@ def test_cli_pad_writes_and_refuses_bad_input(make_ckpt, tmp_path):
     import sys
 
     src = make_ckpt(**SMALL)
-    run = lambda *a: subprocess.run([sys.executable, "-m", "wna16ctl", *a], capture_output=True, text=True)  # noqa: E731
+    run = lambda *a: subprocess.run([sys.executable, "-m", "wna16ctl", *a], capture_output=True, text=True)  # noqa: E731 - the CLI in a subprocess, for the lines below
     r = run("pad", str(src), "--tp", "2", "--vllm", "0.32.0", "--dry-run")
     assert r.returncode == 0 and "moe_intermediate_size: 128 -> 256" in r.stdout, r.stderr
     r = run("pad", str(src), "--tp", "2", "--vllm", "0.32.0", "-o", str(tmp_path / "p"), "--json", "-q")

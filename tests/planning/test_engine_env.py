@@ -19,7 +19,7 @@ from wna16ctl.planning.linear import BATCH_INVARIANT, MACHETE, MARLIN
 from wna16ctl.planning import rules
 
 
-def _kimi(c, q):  # noqa: ANN001
+def _kimi(c, q):
     return m.deepseek_v3(c["text_config"], q, "language_model.model", "language_model.lm_head")
 
 
@@ -48,7 +48,7 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
-def _moe_backends(insp) -> set[str | None]:  # noqa: ANN001
+def _moe_backends(insp) -> set[str | None]:
     return {p.backend.value if p.backend else None for plans in insp.plans.values() for p in plans}
 
 
@@ -116,7 +116,7 @@ def test_env_is_checked(ckpts: dict[str, Path]) -> None:
 
 
 def test_disabled_linear_kernels_and_batch_invariance(ckpts: dict[str, Path]) -> None:
-    def kernels(insp) -> set[str | None]:  # noqa: ANN001
+    def kernels(insp) -> set[str | None]:
         return {p.kernel for plans in insp.linear_plans.values() for p in plans}
 
     base = inspect_checkpoint(ckpts["qwen"], (1,), vllm="0.33.0", gpu="sm90")

@@ -27,7 +27,7 @@ from wna16ctl.sources.model import ModelDims
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
 
-    def kimi(c, q):  # noqa: ANN001
+    def kimi(c, q):
         return m.deepseek_v3(c["text_config"], q, "language_model.model", "language_model.lm_head")
 
     straddle = m.qwen3_30b_a3b(layers=1)

@@ -133,7 +133,7 @@ def test_rank_r_is_written_by_process_r_mod_world_size():
 
 def test_each_process_uses_the_gpu_of_its_local_rank():
     chosen: list[int] = []
-    pick = lambda launch, device="cuda", count=4: distributed.select_device(  # noqa: E731
+    pick = lambda launch, device="cuda", count=4: distributed.select_device(  # noqa: E731 - select_device with this test's defaults, for the lines below
         device, launch, cuda_usable=lambda: True, device_count=lambda: count, set_device=chosen.append)
     assert pick(Launch(rank=6, world_size=8, local_rank=2, local_world_size=4, node=1)) == "cuda:2"
     assert pick(Launch()) == "cuda:0"

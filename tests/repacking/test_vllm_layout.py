@@ -129,7 +129,7 @@ def test_verify_passes_and_prints_the_serve_command(q3_tp2):
     assert "--load-format sharded_state --tensor-parallel-size 2" in res.output
 
 
-def _tamper(src: Path, dst: Path, change) -> Path:  # noqa: ANN001
+def _tamper(src: Path, dst: Path, change) -> Path:
     """A copy of the output with rank 1's file changed by `change(dict)`, manifest hash updated, so
     that only the contract can catch it."""
     import shutil

@@ -21,7 +21,7 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from tests.repacking.test_pipeline import one_torch_thread  # noqa: F401  (fixture)
+from tests.repacking.test_pipeline import one_torch_thread  # noqa: F401 - a pytest fixture, found by name
 from wna16ctl.cli import cli
 from wna16ctl.output.outdir import STAGE_MARKER, stage_marker
 

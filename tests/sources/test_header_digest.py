@@ -285,10 +285,10 @@ def test_generated_indexes_agree(wm, data):
 # -- inspect as a whole: the same output and the same errors with and without the native reader --
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import synthetic_headers  # noqa: E402
+import synthetic_headers  # noqa: E402 - after the sys.path set-up above
 
 
-def _edit_index(d: Path, fn) -> None:  # noqa: ANN001
+def _edit_index(d: Path, fn) -> None:
     p = d / "model.safetensors.index.json"
     index = json.loads(p.read_text())
     fn(index["weight_map"])

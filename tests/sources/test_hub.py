@@ -21,7 +21,7 @@ from wna16ctl.errors import UsageError
 from wna16ctl.sources.hub import HubRef, parse_ref
 
 sys.path.insert(0, str(REPO_ROOT / "bench"))
-import synthetic_headers  # noqa: E402
+import synthetic_headers
 
 _HF_VARS = ("HF_TOKEN", "HF_HUB_OFFLINE", "HF_HUB_CACHE", "HF_ENDPOINT", "HF_HOME", "HUGGINGFACE_HUB_CACHE",
             "WNA16CTL_SAMPLES", "WNA16CTL_SHARED", "HF_HUB_DOWNLOAD_TIMEOUT", "HF_HUB_ETAG_TIMEOUT")
@@ -196,7 +196,7 @@ def test_repack_verify_and_inspect_a_hub_repo_with_gsm8k_from_the_hub(hub, make_
     shutil.copytree(REPO_ROOT / "wna16ctl", site / "wna16ctl", ignore=shutil.ignore_patterns("__pycache__"))
     hf_home, out = tmp_path / "hf", tmp_path / "tp2"
 
-    def run(*args: str, **kw) -> subprocess.CompletedProcess:  # noqa: ANN003
+    def run(*args: str, **kw) -> subprocess.CompletedProcess:
         return wna16ctl(hub, kw.pop("hf_home", hf_home), *args, pythonpath=site, cwd=tmp_path, **kw)
 
     res = run("repack", "acme/tiny-moe", "--tp", "2", "-o", str(out), "--json")

@@ -13,7 +13,7 @@ from wna16ctl.errors import BadInput
 from wna16ctl.sources.headers import INDEX_NAME, assemble, locate_shards, read_shard_header
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import synthetic_headers  # noqa: E402
+import synthetic_headers
 
 
 @pytest.fixture()
@@ -21,12 +21,12 @@ def ck(tmp_path):
     return synthetic_headers.write(tmp_path / "ck", layers=3, experts=4, hidden=64, inter=32, shards=3, vocab=16)
 
 
-def _assemble(root: Path):  # noqa: ANN202
+def _assemble(root: Path):
     where = locate_shards(root)
     return assemble(where, [read_shard_header(p) for p in where.paths])
 
 
-def _edit_index(root: Path, edit) -> None:  # noqa: ANN001
+def _edit_index(root: Path, edit) -> None:
     doc = json.loads((root / INDEX_NAME).read_text())
     edit(doc["weight_map"])
     (root / INDEX_NAME).write_text(json.dumps(doc))
@@ -40,7 +40,7 @@ def test_a_tensor_assigned_to_the_wrong_shard_is_named(ck):
     files = sorted(p.name for p in ck.glob("*.safetensors"))
     moved = {}
 
-    def move(wm):  # noqa: ANN001, ANN202
+    def move(wm):
         name = next(n for n, f in wm.items() if f == files[0])
         wm[name] = files[1]
         moved["name"] = name
@@ -53,7 +53,7 @@ def test_a_tensor_assigned_to_the_wrong_shard_is_named(ck):
 def test_a_tensor_the_index_does_not_name_is_named(ck):
     gone = {}
 
-    def drop(wm):  # noqa: ANN001, ANN202
+    def drop(wm):
         gone["name"] = name = next(n for n in wm if n.endswith("experts.2.up_proj.weight_scale"))
         del wm[name]
 

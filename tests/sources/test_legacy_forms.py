@@ -26,7 +26,7 @@ from wna16ctl.repacking.pipeline import RepackSettings, plan_repack, run_repack
 SMALL = dict(num_layers=1, num_experts=4, top_k=1, vocab_size=64)
 
 
-def _rewrite(src: Path, dst: Path, fn) -> Path:  # noqa: ANN001
+def _rewrite(src: Path, dst: Path, fn) -> Path:
     shutil.copytree(src, dst)
     idx = json.loads((dst / "model.safetensors.index.json").read_text())
     for shard in sorted(set(idx["weight_map"].values())):

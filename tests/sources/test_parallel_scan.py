@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import synthetic_headers  # noqa: E402
+import synthetic_headers
 
 
 def _inspect(ckpt: Path, *, fork: bool) -> subprocess.CompletedProcess:
@@ -64,7 +64,7 @@ def test_stray_file_outside_the_index_is_ignored(many_shards, tmp_path):
     assert json.loads(a.stdout)["layers"] == json.loads(b.stdout)["layers"]
 
 
-def _rewrite_header(path: Path, mutate) -> None:  # noqa: ANN001
+def _rewrite_header(path: Path, mutate) -> None:
     import struct
 
     data = path.read_bytes()

@@ -40,7 +40,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
-def _tensors(ck) -> dict[str, tuple[str, tuple[int, ...]]]:  # noqa: ANN001
+def _tensors(ck) -> dict[str, tuple[str, tuple[int, ...]]]:
     return {n: (ck.files.raw(n)["dtype"], tuple(ck.files.raw(n)["shape"])) for n in ck.files.names()}
 
 

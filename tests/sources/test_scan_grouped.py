@@ -18,7 +18,7 @@ from wna16ctl.sources.headers import ShardHeader
 from wna16ctl.sources.scan import _expert_groups, _scan_each, _scan_grouped, scan_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import synthetic_headers  # noqa: E402
+import synthetic_headers
 
 H, I, GS, E = 64, 32, 32, 4
 
@@ -37,7 +37,7 @@ def _config(d: Path, **weights):
     return read_model_config(d)
 
 
-def _header(mutate=None) -> ShardHeader:  # noqa: ANN001
+def _header(mutate=None) -> ShardHeader:
     entries = {}
     for name, dt, shape in synthetic_headers._tensors(3, E, H, I, GS, 4, 16):
         entries[name] = {"dtype": dt, "shape": shape, "data_offsets": [0, 0]}  # offsets play no part here
@@ -46,14 +46,14 @@ def _header(mutate=None) -> ShardHeader:  # noqa: ANN001
     return ShardHeader(Path("/x/model.safetensors"), 0, 8, entries, {})
 
 
-def _facts(result):  # noqa: ANN001, ANN202 - scheme ids as the schemes they stand for, lists as sets
+def _facts(result):  # scheme ids as the schemes they stand for, lists as sets
     layers, table = result
     return {p: (lay["family"], {k: sorted(v) for k, v in lay["present"].items()},
                 {r: sorted((e, table[s]) for e, s in v) for r, v in lay["schemes"].items()},
                 set(lay["zp"]), set(lay["scales"])) for p, lay in layers.items()}
 
 
-def _both(cfg, sh):  # noqa: ANN001, ANN202
+def _both(cfg, sh):
     return (_scan_grouped("/x/model.safetensors", _expert_groups(sh.entries), cfg, I),
             _scan_each("/x/model.safetensors", sh, cfg, I))
 
@@ -68,7 +68,7 @@ def test_grouped_equals_each_on_an_ordinary_shard(config):
 
 
 def test_other_names_under_experts_are_skipped_alike(config):
-    def add(entries):  # noqa: ANN001, ANN202
+    def add(entries):
         entries["model.layers.1.mlp.experts.gate_up_proj"] = {"dtype": "BF16", "shape": [2], "data_offsets": [0, 0]}
         entries["model.layers.1.mlp.experts.0.gate_proj.bias"] = {"dtype": "BF16", "shape": [2], "data_offsets": [0, 0]}
 
@@ -80,7 +80,7 @@ def test_other_names_under_experts_are_skipped_alike(config):
 def test_a_wrong_tensor_is_left_to_the_tensor_by_tensor_pass(config):
     bad = "model.layers.2.mlp.experts.3.up_proj.weight_scale"
 
-    def shrink(entries):  # noqa: ANN001, ANN202
+    def shrink(entries):
         entries[bad]["shape"] = [I, H // GS - 1]
 
     cfg = _config(config)
@@ -91,7 +91,7 @@ def test_a_wrong_tensor_is_left_to_the_tensor_by_tensor_pass(config):
 
 
 def test_unpacked_zero_points_go_tensor_by_tensor(config):
-    def zero_points(entries, dtype, shape):  # noqa: ANN001, ANN202
+    def zero_points(entries, dtype, shape):
         for name in [n for n in entries if n.endswith(".weight_scale") and ".experts." in n]:
             entries[name[: -len("scale")] + "zero_point"] = {"dtype": dtype, "shape": shape(entries[name]["shape"]),
                                                             "data_offsets": [0, 0]}

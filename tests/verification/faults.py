@@ -97,7 +97,7 @@ def gate_up_swapped(ck: Path, out: Path, settings: RepackSettings, expert: int =
     return f"expert {expert}, rank 0: w13 gate and up halves exchanged"
 
 
-def expert_use(ck: Path, out: Path, e2e_options, samples: Path) -> torch.Tensor:  # noqa: ANN001
+def expert_use(ck: Path, out: Path, e2e_options, samples: Path) -> torch.Tensor:
     """How often the reference run routes to each expert of layer 0 (on a pristine output)."""
     import wna16ctl.verification.e2e as e2e_mod
     from wna16ctl.verification.checks import verify_output
@@ -105,7 +105,7 @@ def expert_use(ck: Path, out: Path, e2e_options, samples: Path) -> torch.Tensor:
     counts = torch.zeros(256, dtype=torch.long)
     real = e2e_mod._ReferenceExperts.__call__
 
-    def counting(self, a, ids, w):  # noqa: ANN001
+    def counting(self, a, ids, w):
         counts.add_(torch.bincount(ids.reshape(-1).cpu(), minlength=256))
         return real(self, a, ids, w)
 
@@ -117,7 +117,7 @@ def expert_use(ck: Path, out: Path, e2e_options, samples: Path) -> torch.Tensor:
     return counts, report
 
 
-def _row(name: str, what: str, report, seconds: float) -> str:  # noqa: ANN001
+def _row(name: str, what: str, report, seconds: float) -> str:
     ok = {c.name: c.status for c in report.checks}
     num = report.numerics[0] if report.numerics else None
     e = report.e2e
@@ -147,7 +147,7 @@ def main() -> None:
     settings = RepackSettings(tp=2, vllm=ACT_ORDER_RELEASE)
     made: dict[str, tuple[Path, Path]] = {}
 
-    def get(name: str, **spec) -> tuple[Path, Path]:  # noqa: ANN003
+    def get(name: str, **spec) -> tuple[Path, Path]:
         if name not in made:
             ck, out = a.dir / f"ck-{name}", a.dir / f"out-{name}"
             if not (ck / "config.json").exists():

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 import wna16ctl.verification.checks as verify_mod
 from tests.conftest import ACT_ORDER_RELEASE, QUESTIONS
-from tests.repacking.test_pipeline import BASE, ckpt, one_torch_thread, patch_tensor, read_dir  # noqa: F401  (fixtures)
+from tests.repacking.test_pipeline import BASE, ckpt, one_torch_thread, patch_tensor, read_dir  # noqa: F401 - pytest fixtures, found by name
 from wna16ctl.cli import cli
 from wna16ctl.errors import BadInput
 from wna16ctl.layout.marlin import marlin_permute_scales, marlin_unpermute_scales

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 import wna16ctl.verification.checks as verify_mod
 from tests.conftest import QUESTIONS
-from tests.repacking.test_pipeline import BASE, ckpt, one_torch_thread  # noqa: F401  (fixtures)
+from tests.repacking.test_pipeline import BASE, ckpt, one_torch_thread  # noqa: F401 - pytest fixtures, found by name
 from wna16ctl.cli import cli
 from wna16ctl.errors import LayoutMismatch
 from wna16ctl.repacking.pipeline import RepackSettings, plan_repack, run_repack

@@ -186,7 +186,7 @@ def force_marlin_backend(vllm_config: Any) -> None:
     configs = [vllm_config]
     try:
         current = get_current_vllm_config()
-    except Exception:  # noqa: BLE001 - no current config outside an engine: nothing else to pin
+    except Exception:  # no current config outside an engine: nothing else to pin
         current = None
     if current is not None and current is not vllm_config:
         configs.append(current)

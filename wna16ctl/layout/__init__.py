@@ -24,7 +24,7 @@ _HOME = {
 }
 
 
-def __getattr__(name: str):  # noqa: ANN202
+def __getattr__(name: str):
     if name not in _HOME:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     import importlib

@@ -30,7 +30,7 @@ from wna16ctl.errors import LayoutMismatch
 from wna16ctl.layout import spec
 from wna16ctl.layout._mismatch import first_difference
 from wna16ctl.layout.shard import G_IDX, PACKED, SCALE, ZERO_POINT, ExpertTensors, gate_up_g_idx, shard_down, shard_gate_up
-from wna16ctl.layout.spec import TILE_K, TILE_N, RankLayout, marlin_scales_grouped, w2_scale_size_k  # noqa: F401
+from wna16ctl.layout.spec import TILE_K, TILE_N, RankLayout, marlin_scales_grouped, w2_scale_size_k
 
 
 # ----------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from wna16ctl.layout.spec import SUPPORTED_BITS  # noqa: F401
+from wna16ctl.layout.spec import SUPPORTED_BITS
 
 
 def check_num_bits(num_bits: int) -> None:

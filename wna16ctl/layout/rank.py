@@ -30,7 +30,7 @@ from wna16ctl.layout.shard import (
     ExpertTensors,
 )
 from wna16ctl.layout.registry import expert_shapes, layout_of
-from wna16ctl.layout.spec import LAYOUTS, MARLIN, TRANSPOSED, RankLayout, w2_scale_size_k  # noqa: F401
+from wna16ctl.layout.spec import RankLayout
 
 ShapeAndDtype = tuple[tuple[int, ...], torch.dtype]
 # (packed K-first int32, num_bits, act-order perm or None, *, out=) -> out

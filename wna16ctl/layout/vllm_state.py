@@ -303,8 +303,8 @@ def invert_key(plan: Any, reader: Any, t: Any, parts: list[torch.Tensor]) -> str
                     bad = f"rank {r}: the {name} rows differ"
     elif verb == "qkv":
         q, k, v, replicas = qkv_unshard(parts, dims.num_attention_heads, dims.num_key_value_heads, dims.head_dim)
-        for got, p in zip((q, k, v), "qkv"):
-            name = arg.replace(".q_proj.", f".{p}_proj.")
+        for got, letter in zip((q, k, v), "qkv"):
+            name = arg.replace(".q_proj.", f".{letter}_proj.")
             if not same(got, src(name)):
                 bad = f"the {name} rows differ"
         per_kv = kv_heads_per_rank(dims.num_key_value_heads, plan.tp) * dims.head_dim

@@ -353,7 +353,10 @@ _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 _I32 = ctypes.c_int
 
-_HOST_PROTOS = {
+# each C function's prototype: name -> (ctypes return type, ctypes argument types)
+CPrototypes = dict[str, tuple[type, Sequence[type]]]
+
+_HOST_PROTOS: CPrototypes = {
     "wna16_abi_version": (_I32, []),
     "wna16_last_error": (ctypes.c_char_p, []),
     "wna16_marlin_repack_host": (_I32, [_P, _P, _P, _I64, _I64, _I64, _I32, _I32]),
@@ -374,13 +377,13 @@ _HOST_PROTOS = {
     "wna16_unmap_file": (_I32, [_P, _I64]),
 }
 
-_HEADER_SCAN_PROTOS = {
+_HEADER_SCAN_PROTOS: CPrototypes = {
     "wna16_abi_version": (_I32, []),
     "wna16_header_scan": (_I32, [ctypes.c_char_p, _I64, _I64, _P, _I64, _P]),
     "wna16_index_scan": (_I32, [ctypes.c_char_p, _I64, _P, _I64, _P]),
 }
 
-_CUDA_PROTOS = {
+_CUDA_PROTOS: CPrototypes = {
     "wna16_abi_version": (_I32, []),
     "wna16_last_error": (ctypes.c_char_p, []),
     "wna16_cuda_device_info": (_I32, [_I32, _P]),
@@ -398,7 +401,7 @@ _CUDA_PROTOS = {
 class NativeLib:
     """A loaded library: attribute access gives the C functions, `call` checks the return code."""
 
-    def __init__(self, path: Path, protos: dict[str, tuple[object, list[object]]]):
+    def __init__(self, path: Path, protos: CPrototypes):
         self.path = path
         self._lib = ctypes.CDLL(str(path))
         for name, (restype, argtypes) in protos.items():
@@ -451,6 +454,14 @@ def _load(kind: str) -> Optional[NativeLib]:
 
 def host_lib() -> Optional[NativeLib]:
     return _load("host")
+
+
+def loaded_host_lib() -> NativeLib:
+    """The host library, for code that runs only where `host_lib()` has loaded it."""
+    lib = host_lib()
+    if lib is None:
+        raise KernelBuildError("the native host library is not loaded")
+    return lib
 
 
 def header_scan_lib() -> Optional[NativeLib]:

@@ -21,12 +21,13 @@ import os
 import tempfile
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import Optional, TypedDict
 
 import torch
 from torch import Tensor
 
 from wna16ctl.native.build import (
+    CPrototypes,
     KernelBuildError,
     KernelError,
     NativeLib,
@@ -50,7 +51,7 @@ _FLAGS = ("-O2", "-std=c++17", "-fPIC", "-pthread", "-fvisibility=hidden")
 EMULATED_SMS = 2
 
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_PROTOS = {
+_PROTOS: CPrototypes = {
     "wna16_abi_version": (_I32, []),
     "wna16_last_error": (ctypes.c_char_p, []),
     "wna16_emu_configure": (_I32, [_I32, _I32, _I32]),
@@ -61,8 +62,13 @@ _PROTOS = {
     "wna16_cuda_moe_gemm_v3": (_I32, [_P] * 11 + [_I64] * 6 + [_I32] * 5 + [_P]),
 }
 
+class _Loaded(TypedDict, total=False):
+    lib: Optional[NativeLib]  # present once a load was tried; None when it failed
+    reason: str  # why there is no library
+
+
 _lock = threading.Lock()
-_state: dict[str, object] = {}
+_state: _Loaded = {}
 
 
 def _emulated_headers(src: Path) -> list[Path]:
@@ -96,7 +102,7 @@ def emulated_gemm_lib() -> Optional[NativeLib]:
     """The loaded emulated library (built on first use), or None with the reason kept."""
     with _lock:
         if "lib" in _state:
-            return _state["lib"]  # type: ignore[return-value]
+            return _state["lib"]
         lib: Optional[NativeLib] = None
         if native_disabled():
             _state["reason"] = "native code is disabled (WNA16CTL_NO_NATIVE)"
@@ -112,14 +118,16 @@ def emulated_gemm_lib() -> Optional[NativeLib]:
 
 
 def emulated_unavailable_reason() -> str:
-    return str(_state.get("reason", ""))
+    return _state.get("reason", "")
 
 
-def _aligned(t: Optional[Tensor]) -> Optional[Tensor]:
-    if t is None:
-        return None
+def _aligned(t: Tensor) -> Tensor:
     t = t.contiguous()
     return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def _i32(t: Optional[Tensor]) -> Optional[Tensor]:
+    return None if t is None else _aligned(t.to(torch.int32))
 
 
 def _p(t: Optional[Tensor]) -> Optional[int]:
@@ -139,18 +147,18 @@ def emulated_moe_gemm(
     lib = emulated_gemm_lib()
     if lib is None:
         raise KernelBuildError(emulated_unavailable_reason())
-    t = [None if x is None else x.cpu() for x in (a, b_q, scales, zero_points, g_idx, perm, sorted_token_ids,
-                                                  expert_offsets, topk_weights)]
-    a, b_q, scales, zero_points, g_idx, perm, sorted_token_ids, expert_offsets, topk_weights = t
+    a, b_q, scales, sorted_token_ids, expert_offsets = (x.cpu() for x in (a, b_q, scales, sorted_token_ids,
+                                                                         expert_offsets))
+    zero_points, g_idx, perm, topk_weights = (None if x is None else x.cpu()
+                                              for x in (zero_points, g_idx, perm, topk_weights))
     experts, size_k, size_n, groups = _gemm_dims(a, b_q, scales, num_bits, top_k)
     _check_gemm_extras(a, b_q, scales, zero_points, g_idx, perm, sorted_token_ids, expert_offsets,
                        topk_weights, top_k, num_bits, is_k_full)
     num_slots = a.shape[0] * top_k
     out = torch.zeros(num_slots, size_n, dtype=a.dtype)
-    i32 = lambda x: None if x is None else _aligned(x.to(torch.int32))  # noqa: E731
-    ids, offs = i32(sorted_token_ids), i32(expert_offsets)
+    ids, offs = _aligned(sorted_token_ids.to(torch.int32)), _aligned(expert_offsets.to(torch.int32))
     tw = None if topk_weights is None else _aligned(topk_weights.reshape(-1).float())
-    keep = (_aligned(a), _aligned(b_q), _aligned(scales), i32(zero_points), i32(g_idx), i32(perm), ids, offs, tw)
+    keep = (_aligned(a), _aligned(b_q), _aligned(scales), _i32(zero_points), _i32(g_idx), _i32(perm), ids, offs, tw)
     ptrs = [_p(x) for x in keep] + [_p(out)]
     sizes = (num_slots, ids.numel(), experts, size_n, size_k, groups, top_k, num_bits, DTYPE_CODES[a.dtype],
              int(is_k_full), GEMM_VARIANTS["auto"], None)

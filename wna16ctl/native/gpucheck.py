@@ -43,6 +43,8 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
+import importlib
 import json
 import os
 import platform
@@ -55,9 +57,12 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
+
+if TYPE_CHECKING:
+    from wna16ctl.native.build import NativeLib
 
 TOL = {torch.float16: 2.0 ** -9, torch.bfloat16: 2.0 ** -6}  # of max |ref|; output rounding dominates
 GOALS = {"repack_pct_of_peak": 70.0, "gemm_pct_of_peak_m_le_16": 50.0, "gemm_vs_bf16_m_ge_64": 1.5}
@@ -169,10 +174,10 @@ def _rel_err(got: torch.Tensor, expected: torch.Tensor) -> float:
     return float((got.float() - expected).abs().max()) / (denom if denom else 1.0)
 
 
-def gemm_cases(seed: int, count: int) -> list[dict]:
+def gemm_cases(seed: int, count: int) -> list[dict[str, Any]]:
     """A seeded subsample of the §9.4-style grid that still covers every feature."""
     rng = random.Random(seed)
-    grid = []
+    grid: list[dict[str, Any]] = []
     for m in (1, 7, 16, 64, 123, 512):
         for n in (128, 1024):
             for k in (256, 2048):
@@ -188,7 +193,7 @@ def gemm_cases(seed: int, count: int) -> list[dict]:
                                                          zp=zp, act=act != "none", k_full=act != "partial"))
     rng.shuffle(grid)
     # make sure each feature value appears at least once, then fill with the shuffled rest
-    chosen: list[dict] = []
+    chosen: list[dict[str, Any]] = []
     keys = ("m", "n", "k", "e", "topk", "bits", "gs", "zp", "act", "k_full")
     for key in keys:
         for value in sorted({repr(c[key]) for c in grid}):
@@ -209,13 +214,14 @@ def gemm_cases(seed: int, count: int) -> list[dict]:
 
 
 def step_env(report: dict) -> Optional[str]:
-    report["env"] = env = {
+    env: dict[str, Any] = {
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
         "cuda_available": torch.cuda.is_available(),
     }
+    report["env"] = env
     from wna16ctl.native import ops as K
 
     nvcc = K.find_nvcc()
@@ -331,7 +337,8 @@ def step_gemm(report: Report, budget: Budget, count: int) -> bool:
             report["gemm_checks_truncated"] = f"stopped after {i} of {len(cases)} cases (time budget)"
             break
         prob = build_problem(**case, seed=i)
-        entry = {key: (str(v).replace("torch.", "") if isinstance(v, torch.dtype) else v) for key, v in case.items()}
+        entry: dict[str, Any] = {key: (str(v).replace("torch.", "") if isinstance(v, torch.dtype) else v)
+                                 for key, v in case.items()}
         outs = {}
         for kernel in KERNELS:
             _use_kernel(kernel)
@@ -361,10 +368,11 @@ def step_gemm(report: Report, budget: Budget, count: int) -> bool:
 
     # small cases against the CPU op itself (same semantics, tighter agreement expected)
     cpu_cases = []
-    for j, case in enumerate([dict(m=5, n=192, k=256, e=4, topk=2, bits=4, gs=64, zp=True, act=False),
-                              dict(m=7, n=128, k=512, e=4, topk=3, bits=8, gs=128, zp=False, act=True),
-                              dict(m=3, n=256, k=256, e=3, topk=2, bits=4, gs=32, zp=False, act=True, k_full=False,
-                                   dtype=torch.float16)]):
+    small_cases: list[dict[str, Any]] = [
+        dict(m=5, n=192, k=256, e=4, topk=2, bits=4, gs=64, zp=True, act=False),
+        dict(m=7, n=128, k=512, e=4, topk=3, bits=8, gs=128, zp=False, act=True),
+        dict(m=3, n=256, k=256, e=3, topk=2, bits=4, gs=32, zp=False, act=True, k_full=False, dtype=torch.float16)]
+    for j, case in enumerate(small_cases):
         prob = build_problem(**case, seed=100 + j)
         cpu_args = [x.cpu() if isinstance(x, torch.Tensor) else x for x in prob["args"]]
         want = torch.ops.wna16ctl.moe_wna16_gemm(*cpu_args)
@@ -402,9 +410,8 @@ def bench_copy(report: Report) -> None:
 def bench_repack(report: Report) -> None:
     """The bare launcher in the timed region (the torch op validates perm on the host first)."""
     from wna16ctl.native import gputiming
-    from wna16ctl.native import ops as K
 
-    lib = K.cuda_lib()
+    lib = _loaded_cuda_lib()
     clock = _clock(report)
     e, k, n, bits = 16, 7168, 4096, 4
     packed = torch.randint(-2 ** 31, 2 ** 31 - 1, (e, k // 8, n), dtype=torch.int32, device="cuda")
@@ -426,12 +433,22 @@ def bench_repack(report: Report) -> None:
     report["bench_repack"] = out
 
 
+def _loaded_cuda_lib() -> NativeLib:
+    """The CUDA kernel library, which the steps after step_build run only once it has loaded."""
+    from wna16ctl.native import ops as K
+
+    lib = K.cuda_lib()
+    if lib is None:
+        raise RuntimeError("the CUDA kernel library is not loaded (step_build did not pass)")
+    return lib
+
+
 def _gemm_call(kernel: str, args: tuple) -> tuple[Callable[[], None], torch.Tensor]:
     """A closure launching one GEMM kernel through the bare library call (output and workspace
     allocated once, inputs validated once by the caller), for timing without host syncs."""
     from wna16ctl.native import ops as K
 
-    lib = K.cuda_lib()
+    lib = _loaded_cuda_lib()
     a, b_q, scales, zp, g_idx, perm, ids, offs, tw, top_k, bits, k_full = args
     e, k, n, groups = b_q.shape[0], b_q.shape[1] * 16, scales.shape[2], scales.shape[1]
     slots = a.shape[0] * top_k
@@ -543,7 +560,7 @@ def bench_gemm(report: Report, budget: Budget, marlin_op: Any = None) -> None:
             args = (a, b_q, m_scales, None, None, None, sorted_ids, offsets, None, BENCH_TOP_K, bits, True)
             outs = {}
             calls = {kernel: _gemm_call(kernel, args) for kernel in ("v3", "v2")}
-            if marlin_op is not None:
+            if marlin_op is not None and workspace is not None:
                 margs = vllm_marlin.call_args(a=a, b_q=b_q, scales=m_scales, zero_points=None, topk_ids=top,
                                               topk_weights=None, bits=bits, workspace=workspace,
                                               out=torch.empty(m * BENCH_TOP_K, n, dtype=dtype, device=DEVICE))
@@ -552,7 +569,7 @@ def bench_gemm(report: Report, budget: Budget, marlin_op: Any = None) -> None:
                     entry["marlin"] = {"not_run": why}
                 else:
                     values = [v for _, v in margs]
-                    calls["marlin"] = (lambda values=values: marlin_op(*values), values[1])
+                    calls["marlin"] = (functools.partial(marlin_op, *values), values[1])
             for kernel, (call, c) in calls.items():
                 try:
                     t = gputiming.time_calls(call, clock)
@@ -602,7 +619,8 @@ def _roofline() -> Any:
         return None
     sys.path.insert(0, str(bench))
     try:
-        import roofline as R
+        # found on the path just set: not a module of the package
+        R = importlib.import_module("roofline")
     finally:
         sys.path.remove(str(bench))
     return R
@@ -653,7 +671,7 @@ def model_expectation(report: dict, m: int, kernel: str = "v2", shape: Optional[
 
 # vLLM's Marlin MoE kernel on our layout against the fp32 reference: (bits, zero points, group size)
 MARLIN_CHECK_CASES = [(bits, zp, gs) for bits in (4, 8) for zp in (False, True) for gs in (32, 128, -1)]
-MARLIN_CHECK_SHAPE = dict(n=512, k=1024, e=8, topk=2)
+MARLIN_CHECK_SHAPE: dict[str, Any] = dict(n=512, k=1024, e=8, topk=2)
 
 
 def step_vllm_marlin_check(report: Report, budget: Budget, op: Any, why: str) -> Optional[bool]:
@@ -684,9 +702,9 @@ def step_vllm_marlin_check(report: Report, budget: Budget, op: Any, why: str) ->
             tw = prob["args"][8]
             args = vllm_marlin.call_args(a=a, b_q=b_q, scales=m_scales, zero_points=m_zeros, topk_ids=prob["topk_ids"],
                                          topk_weights=tw.reshape(m, -1), bits=bits, workspace=workspace)
-            why = vllm_marlin.schema_mismatch(op.default._schema, args)
-            if why:  # the library takes other arguments: a check that cannot run, not a layout fault
-                entry["not_run"] = why
+            mismatch = vllm_marlin.schema_mismatch(op.default._schema, args)
+            if mismatch:  # the library takes other arguments: a check that cannot run, not a layout fault
+                entry["not_run"] = mismatch
                 continue
             try:
                 got = op(*(value for _, value in args))
@@ -817,7 +835,8 @@ def step_repack_timing(report: Report, budget: Budget, repo: Path, device: str =
 def _time_repack_devices(report: Report, budget: Budget, work: Path, repo: Path, device: str) -> Optional[bool]:
     sys.path.insert(0, str(repo / "bench"))
     try:
-        import synthetic_checkpoint
+        # found on the path just set: not a module of the package
+        synthetic_checkpoint = importlib.import_module("synthetic_checkpoint")
     except ImportError as exc:  # safetensors missing from this python
         report["repack_timing"] = {"not_run": f"bench/synthetic_checkpoint.py cannot run here: {exc}"}
         return None
@@ -887,7 +906,7 @@ def goals(report: Report) -> dict:
 # compute-sanitizer on three tiny cases (each tool in a process of its own)
 
 SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck")
-SANITIZER_CASES = [  # (kernel, build_problem arguments)
+SANITIZER_CASES: list[tuple[str, dict[str, Any]]] = [  # (kernel, build_problem arguments)
     ("v3", dict(m=3, n=256, k=320, e=4, topk=2, bits=4, gs=64, zp=True, act=False)),
     ("v2", dict(m=3, n=256, k=320, e=4, topk=2, bits=4, gs=64, zp=True, act=False)),
     ("v2", dict(m=2, n=128, k=192, e=3, topk=2, bits=8, gs=32, zp=False, act=True, k_full=False)),
@@ -1046,7 +1065,7 @@ GPU_TEST_FILES = ("tests/native/test_kernels.py", "tests/native/test_gemm_v2.py"
 
 def step_pytest(report: dict, budget: Budget, repo: Path) -> Optional[bool]:
     try:
-        import pytest  # noqa: F401
+        import pytest  # noqa: F401 - only whether pytest can be imported
     except ImportError:
         report["pytest_gpu"] = {"skipped": "pytest not importable"}
         return None
@@ -1113,9 +1132,9 @@ def summary(report: dict) -> str:
         if not cases:
             state = f"not run ({v.get('not_run', 'no case ran')})"
         else:
-            worst = max((c.get("rel_err", float("inf")) for c in cases), default=None)
+            worst_err = max((c.get("rel_err", float("inf")) for c in cases), default=None)
             state = (f"{'ok' if all(c['ok'] for c in cases) else 'FAILED'} ({len(cases)} cases, worst rel err "
-                     f"{worst}; {sum('not_run' in c for c in v['cases'])} not run)")
+                     f"{worst_err}; {sum('not_run' in c for c in v['cases'])} not run)")
         lines.append(f"  vLLM Marlin MoE on our layout vs fp32 reference: {state}")
     product = report.get("product", {})
     if isinstance(product.get("not_run"), str):
@@ -1160,7 +1179,9 @@ def summary(report: dict) -> str:
 def _gemm_row_line(row: dict) -> str:
     """One benchmark row: each kernel's time, share of the peak and of the copy, the models, the ratios."""
     parts = []
-    for kernel, model in (("v3", row.get("model_v3", {})), ("v2", row.get("model", {})), ("marlin", {})):
+    models: tuple[tuple[str, dict[str, Any]], ...] = (
+        ("v3", row.get("model_v3", {})), ("v2", row.get("model", {})), ("marlin", {}))
+    for kernel, model in models:
         k = row.get(kernel, {})
         if "ms" not in k:
             if k:
@@ -1225,7 +1246,9 @@ def record_step(report: dict, name: str, result: Optional[bool], reason: Optiona
     what the step wrote into its own entry)."""
     entry: dict[str, Any] = {"state": "passed" if result is True else "failed" if result is False else "not run"}
     if result is None:
-        own = report.get(name) if isinstance(report.get(name), dict) else {}
+        own = report.get(name)
+        if not isinstance(own, dict):
+            own = {}
         entry["reason"] = reason or own.get("not_run") or own.get("skipped") or "no reason recorded"
     report.setdefault("steps", {})[name] = entry
 

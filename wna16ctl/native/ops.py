@@ -22,9 +22,10 @@ the native paths are checked against them bit for bit (repack) or against an fp3
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence, overload
 
 import torch
 from torch import Tensor
@@ -204,7 +205,8 @@ def marlin_unrepack_fast(
 _REGISTERED = hasattr(torch.ops, "wna16ctl") and hasattr(torch.ops.wna16ctl, "moe_wna16_gemm")
 
 
-def _cpu_fallback(op_name: str, tensors: Sequence[Optional[Tensor]], fn, device: torch.device):
+def _cpu_fallback(op_name: str, tensors: Sequence[Optional[Tensor]], fn: Callable[..., Tensor],
+                  device: torch.device) -> Tensor:
     _notice(f"wna16ctl::{op_name}: CUDA kernels unavailable for {device}")
     moved = [None if t is None else t.cpu() for t in tensors]
     return fn(*moved).to(device)
@@ -311,7 +313,8 @@ def _gemm_cpu(
     experts, size_k, size_n, groups = _gemm_dims(a, b_q, scales, num_bits, top_k)
     _check_gemm_extras(a, b_q, scales, zero_points, g_idx, perm, sorted_token_ids, expert_offsets,
                        topk_weights, top_k, num_bits, is_k_full)
-    gidx_mode = perm is not None and not is_k_full
+    # act-order with K split across ranks: the group of each row comes from g_idx (present iff perm is)
+    gidx = g_idx if perm is not None and not is_k_full else None
     dtype = a.dtype
     num_slots = a.shape[0] * top_k
     out = torch.zeros(num_slots, size_n, dtype=dtype)
@@ -334,8 +337,8 @@ def _gemm_cpu(
             continue
         # rows stay in the Marlin (act-order sorted) order: no perm passed to the inverse
         codes = unpack_codes(marlin_unrepack(b_q[e], num_bits, size_k, size_n), num_bits, dim=0, size=size_k)
-        if gidx_mode:
-            grp = g_idx[e].to(torch.int64)
+        if gidx is not None:
+            grp = gidx[e].to(torch.int64)
         else:
             grp = torch.arange(size_k) // (size_k // groups)
         zero = zeros[e][grp] if zeros is not None else torch.full((), 1 << (num_bits - 1))
@@ -422,10 +425,18 @@ def gemm_kernel() -> str:
     return name
 
 
+@overload
+def _i32(t: Tensor, device: torch.device) -> Tensor: ...
+@overload
+def _i32(t: Optional[Tensor], device: torch.device) -> Optional[Tensor]: ...
 def _i32(t: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
     return None if t is None else t.to(device=device, dtype=torch.int32).contiguous()
 
 
+@overload
+def _aligned16(t: Tensor) -> Tensor: ...
+@overload
+def _aligned16(t: Optional[Tensor]) -> Optional[Tensor]: ...
 def _aligned16(t: Optional[Tensor]) -> Optional[Tensor]:
     """Contiguous and 16-byte aligned (the v2 kernel moves 16 bytes at a time)."""
     if t is None:
@@ -459,7 +470,7 @@ def _gemm_cuda(
     if lib is None:
         return _cpu_fallback(
             "moe_wna16_gemm", args,
-            lambda *t: _gemm_cpu(*t, top_k=top_k, num_bits=num_bits, is_k_full=is_k_full), a.device)
+            functools.partial(_gemm_cpu, top_k=top_k, num_bits=num_bits, is_k_full=is_k_full), a.device)
     experts, size_k, size_n, groups = _gemm_dims(a, b_q, scales, num_bits, top_k)
     _check_gemm_extras(a, b_q, scales, zero_points, g_idx, perm, sorted_token_ids, expert_offsets,
                        topk_weights, top_k, num_bits, is_k_full)

@@ -82,7 +82,7 @@ class SerialLane:
                 continue
             try:
                 fut.set_result(fn())
-            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the block
+            except BaseException as e:  # handed to whoever waits on the block
                 fut.set_exception(e)
 
 
@@ -170,7 +170,7 @@ class FileStream:
             for w in writes:  # the writes run on the other pool, which never waits for this one
                 try:
                     w.result()
-                except BaseException:  # noqa: BLE001 - recorded in self._failed
+                except BaseException:  # recorded in self._failed
                     pass
             error = self._failed or (StreamAborted() if self.aborted else None)
             if error is None and padded:
@@ -288,8 +288,8 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
             fn = ctypes.CDLL(None, use_errno=True).sync_file_range
             fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
             fn.restype = ctypes.c_int
+            _libc_sync_file_range = fn
         except (AttributeError, OSError):
-            fn = False
-        _libc_sync_file_range = fn
+            _libc_sync_file_range = False  # looked up once: not available here
     if _libc_sync_file_range:
         _libc_sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # advisory: errors surface at fsync

@@ -32,7 +32,7 @@ from typing import Any
 
 from wna16ctl.errors import UsageError
 
-from wna16ctl.output.manifest import FORMAT_NAME as OUTPUT_FORMAT, MANIFEST_NAME  # noqa: F401 - re-exported
+from wna16ctl.output.manifest import FORMAT_NAME as OUTPUT_FORMAT, MANIFEST_NAME  # re-exported
 
 STAGE_MARKER = ".wna16ctl-stage.json"
 STAGE_FORMAT = "wna16ctl-stage"

@@ -322,8 +322,8 @@ class StagedOutput:
 
     def _adopt_previous(self, out_nonempty: bool) -> dict[str, tuple[str, str | None]]:
         """Files a previous run finished for the same source and settings (journal or manifest)."""
+        found: dict[str, tuple[str, str | None]] = {}
         if outdir.is_our_stage(self.stage, self.out):
-            found = {}
             # the owner's journal and every other process's part (a multi-process run)
             names = sorted(e.name for e in os.scandir(self.stage) if outdir.is_journal_name(e.name))
             for name in names:
@@ -345,7 +345,7 @@ class StagedOutput:
             # Hard-link the finished files into staging (the old OUT stays intact until the commit);
             # only regular files: a link in OUT is never followed, and never adopted.
             outdir.clear_dir(self.stage)
-            found: dict[str, tuple[str, str | None]] = {}
+            found = {}
             for rel, meta in manifest["files"].items():
                 # only digests of this version's kind: an earlier version's sha256 entries (and
                 # their source_sha256 keys) could never match this run's source digests

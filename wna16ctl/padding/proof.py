@@ -309,7 +309,7 @@ def _check_numerics(a: Checkpoint, b: Checkpoint, proof: PadProof, samples: Any 
         out_pad = _engine_block(pad_ranks, x, ids, weights, dtype)
         v_ref, v_pad = judge(out_ref, iv_ref), judge(out_pad, iv_pad)
         centre_gap = float((iv_ref.centre - iv_pad.centre).abs().max())
-        half = lambda iv: torch.maximum((iv.hi - iv.centre).abs(), (iv.lo - iv.centre).abs())  # noqa: E731
+        half = lambda iv: torch.maximum((iv.hi - iv.centre).abs(), (iv.lo - iv.centre).abs())  # noqa: E731 - an interval's half width, for the line below
         bound = half(iv_ref) + half(iv_pad) + centre_gap
         diff = (out_ref.double() - out_pad.double()).abs()
         outside = int((diff > bound).sum())

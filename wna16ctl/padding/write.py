@@ -51,7 +51,7 @@ def _planned_files(plan: PadPlan) -> list[tuple[Any, Any]]:
     files = plan.checkpoint.files
     out = []
     for sh in files.shards:
-        entries = sorted(((name, files.raw(name)) for name in sh.entries), key=lambda kv: kv[1]["data_offsets"][0])
+        entries = sorted(((name, files.entry(name)) for name in sh.entries), key=lambda kv: kv[1]["data_offsets"][0])
         tensors = []
         for name, e in entries:
             module, suffix = _split(name)
@@ -118,7 +118,7 @@ def write_padded(plan: PadPlan, out: str | os.PathLike[str], *, force: bool = Fa
                         run.clear()
 
                 for t in f.tensors:
-                    e = ck.files.raw(t.name)
+                    e = ck.files.entry(t.name)
                     src = sh.data_start + e["data_offsets"][0]
                     nbytes = e["data_offsets"][1] - e["data_offsets"][0]
                     dst = f.offsets[t.name]

@@ -126,7 +126,7 @@ class EngineSwitches:
 
     def flag(self, name: str, version: str) -> bool:
         value = self.raw(name, version)
-        return bool(int(value)) if value not in (None, "") else False  # type: ignore[arg-type]
+        return bool(int(value)) if value not in (None, "") else False
 
     def names(self, name: str, version: str) -> list[str]:
         value = self.raw(name, version)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Iterable
 
 from wna16ctl.version import __version__
 from wna16ctl.planning import rules
@@ -237,14 +237,15 @@ class Inspection:
             out["suggestions"] = [s.to_json() for s in self.suggestions]
         out["next_steps"] = [s.to_json() for s in self.next_steps()]
         if self.versions:
-            out["versions"] = [
-                {"vllm": v, "loadable": self.loadable_in(v),
-                 "failure_stage": None if self.refusals.get(v) is None else "config",
-                 "config_refusal": None if self.refusals.get(v) is None else self.refusals[v].to_json(),  # type: ignore[union-attr]
-                 "layers": self._layers_json(self.versions[v]),
-                 "linear_layers": self._linear_json(self.linear_versions[v])}
-                for v in rules.RELEASES
-            ]
+            out["versions"] = []
+            for v in rules.RELEASES:
+                refusal = self.refusals.get(v)
+                out["versions"].append(
+                    {"vllm": v, "loadable": self.loadable_in(v),
+                     "failure_stage": None if refusal is None else "config",
+                     "config_refusal": None if refusal is None else refusal.to_json(),
+                     "layers": self._layers_json(self.versions[v]),
+                     "linear_layers": self._linear_json(self.linear_versions[v])})
         return out
 
 
@@ -259,7 +260,7 @@ def resolve(vllm: str | None, gpu: str) -> rules.Engine:
         raise UsageError(str(e)) from None
 
 
-def resolve_switches(env: list[str] | dict[str, str] | None, moe_backend: str | None) -> EngineSwitches:
+def resolve_switches(env: Iterable[str] | dict[str, str] | None, moe_backend: str | None) -> EngineSwitches:
     """`--env` items and `--moe-backend` -> the engine switches; bad values are usage errors."""
     try:
         return make_switches(env, moe_backend)
@@ -414,7 +415,7 @@ def model_refusal(ck: Checkpoint, tp: int, ep: bool, version: str, gpu: str,
 
 def inspect_checkpoint(path: str | os.PathLike[str], tps: tuple[int, ...] = (1,), ep: bool = False,
                        vllm: str | None = "installed", gpu: str = rules.DEFAULT_GPU,
-                       revision: str | None = None, env: list[str] | dict[str, str] | None = None,
+                       revision: str | None = None, env: Iterable[str] | dict[str, str] | None = None,
                        moe_backend: str | None = None, proposal: Any = None) -> Inspection:
     """Plan every MoE layer of the checkpoint at `path` for each TP size in `tps`.
 

@@ -86,7 +86,7 @@ def _padded_nk(n: int, k: int, group_size: int) -> tuple[int, int]:
     import math
 
     g = group_size if group_size > 0 else 1
-    up = lambda x, m: -(-x // m) * m  # noqa: E731
+    up = lambda x, m: -(-x // m) * m  # noqa: E731 - x rounded up to a multiple of m, for the line below
     cands = ((up(n, 64), up(k, math.lcm(128, g))), (up(n, 128), up(k, math.lcm(64, g))))
     return min(cands, key=lambda nk: (nk[0] * nk[1], nk[0] + nk[1]))
 
@@ -301,12 +301,13 @@ def per_rank_shape(layer: LinearLayer, tp: int, plan: LinearPlan) -> tuple[int, 
         q_p = _divide(plan, "attention heads", heads, tp)
         if q_p is None:
             return None
+        kv_p: int | None
         if tp >= kv:
             if _divide(plan, "KV head replicas", tp, kv) is None:
                 return None
             kv_p = 1
         else:
-            kv_p = _divide(plan, "KV heads", kv, tp)  # type: ignore[assignment]
+            kv_p = _divide(plan, "KV heads", kv, tp)
             if kv_p is None:
                 return None
         sizes = layer.output_sizes

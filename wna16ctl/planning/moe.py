@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from wna16ctl.layout.spec import MARLIN, TRANSPOSED, marlin_moe_padded_intermediate  # noqa: F401  (re-exported: the planner reports it)
+from wna16ctl.layout.spec import MARLIN, TRANSPOSED, marlin_moe_padded_intermediate  # marlin_moe_padded_intermediate: re-exported (the planner reports it)
 from wna16ctl.planning import rules
 from wna16ctl.planning.config_parse import scheme_refusal
 from wna16ctl.planning.engine_env import DEFAULT as DEFAULT_SWITCHES, EngineSwitches, wna16_moe_backends
@@ -829,7 +829,7 @@ def _scale_bytes(dtype: str | None) -> int:
 def _ranges(ids: list[int]) -> str:
     out: list[str] = []
     start = prev = ids[0]
-    for x in ids[1:] + [None]:  # type: ignore[list-item]
+    for x in ids[1:] + [None]:
         if x is not None and x == prev + 1:
             prev = x
             continue
@@ -846,7 +846,7 @@ def indices_text(noun: str, indices: list[int]) -> str:
 
 def _outcome(p: LayerPlan) -> str:
     if p.loadable:
-        return f"loads on {p.backend.value}"  # type: ignore[union-attr]
+        return f"loads on {p.backend.value}"  # type: ignore[union-attr]  # a plan that loads has a backend
     where = {"config": "refused at config parse", "method": "refused by the MoE method",
              "oracle": "refused at backend selection", "create_weights": "refused in create_weights",
              "load": "fails at weight loading"}[p.failure_stage or "load"]

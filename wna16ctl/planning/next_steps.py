@@ -9,6 +9,7 @@ Every line is shell-quoted: a path with spaces or non-ASCII characters pastes as
 
 from __future__ import annotations
 
+import os
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +55,7 @@ def _env_prefix(env: Any) -> str:
     return "".join(f"{name}={shlex.quote(str(value))} " for name, value in pairs)
 
 
-def serve_command(out: str | Path, layout: str | None, tp: int, *, ep: bool = False, moe_backend: str = "auto",
+def serve_command(out: str | os.PathLike[str], layout: str | None, tp: int, *, ep: bool = False, moe_backend: str = "auto",
                   env: Any = (), revision: str | None = None) -> str:
     """The `vllm serve` line for `out`: a repack output of `layout`, or (layout None) a checkpoint
     vLLM loads itself (a local directory or a Hub repo id at `revision`)."""

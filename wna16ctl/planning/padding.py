@@ -258,6 +258,7 @@ def plan_padding(insp: Inspection, tp: int | None, to: int | None = None, source
             raise UsageError(f"{ck.root}: the {kinds[0][0]} width {base} is not a multiple of {unit} (whole scale "
                              "groups and int32 words); pad adds whole groups only")
         routed_field = fields[ROUTED][0] == key
+        target: int | None = None
         if to is not None and routed_field:
             if to < base or (to - base) % unit:
                 raise UsageError(f"--to {to}: must be at least {base} and {base} plus a multiple of {unit} "
@@ -267,7 +268,6 @@ def plan_padding(insp: Inspection, tp: int | None, to: int | None = None, source
             continue
         else:
             names = tuple(kind for kind, _ in kinds)
-            target = None
             # a width that is a multiple of tp × (unit and the Marlin tiles) splits every way a
             # width can: past the next one, no larger width loads where it does not
             whole = tp * math.lcm(unit, 256)
@@ -325,7 +325,8 @@ def _backends(model: _Model, tp: int) -> dict[str, Any]:
         return {}
     plans = plan_all(moe, (tp,), insp.ep, insp.engine.version, insp.gpu, insp.problems, with_differences=False,
                      switches=insp.switches)
-    backends = sorted({plans[lay.prefix][0].backend.value for lay in moe if plans[lay.prefix][0].backend is not None})
+    chosen = (plans[lay.prefix][0].backend for lay in moe)
+    backends = sorted({backend.value for backend in chosen if backend is not None})
     return {"moe_backends": backends}
 
 

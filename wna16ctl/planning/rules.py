@@ -18,6 +18,7 @@ import os
 import re
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Callable
 
 from wna16ctl.sources import architectures
 
@@ -220,7 +221,7 @@ def change(key: str) -> Change:
     return _BY_KEY[key]
 
 
-def releases_where(predicate) -> list[str]:  # noqa: ANN001 - Callable[[Release], bool]
+def releases_where(predicate: Callable[[Release], bool]) -> list[str]:
     return [v for v in RELEASES if predicate(release(v))]
 
 
@@ -231,7 +232,7 @@ def span(versions: list[str]) -> str:
     idx = [RELEASES.index(v) for v in versions]
     parts: list[str] = []
     start = prev = idx[0]
-    for i in idx[1:] + [None]:  # type: ignore[list-item]
+    for i in idx[1:] + [None]:
         if i is not None and i == prev + 1:
             prev = i
             continue

@@ -120,9 +120,9 @@ def _refused_rules(insp: Inspection, i: int) -> tuple[str, ...]:
         if not p.loadable:
             out.append(p.failure_rule or "refused")
     for plans in insp.linear_plans.values():
-        p = plans[i]
-        if not p.loadable:
-            out.append(f"linear: {p.failure_rule or 'refused'}")
+        lp = plans[i]
+        if not lp.loadable:
+            out.append(f"linear: {lp.failure_rule or 'refused'}")
     tp = insp.tps[i]
     out += [f"model: {c.rule}" for c in insp.checks if c.tp == tp and c.fatal and not c.ok]
     return tuple(dict.fromkeys(out))
@@ -241,11 +241,11 @@ def _options(insp: Inspection, tp: int, weight_cost: float) -> list[_Option]:
     current = sorted({s.group_size for s in schemes if s.strategy in ("group", "channel")})
     if current:
         ref = current[0]
-        for g in sorted((g for g in GROUP_SIZES if g not in current), key=lambda g: (_group_distance(g, ref), g)):
-            unordered = g == -1 and any(s.act_order for s in schemes)
-            out.append(_Option("group_size", f"{verb} with {_group_text(g)}"
+        for size in sorted((g for g in GROUP_SIZES if g not in current), key=lambda g: (_group_distance(g, ref), g)):
+            unordered = size == -1 and any(s.act_order for s in schemes)
+            out.append(_Option("group_size", f"{verb} with {_group_text(size)}"
                                + (" without act-order groups" if unordered else ""),
-                               weight_cost + 1.0 + _group_distance(g, ref), group_size=g, unordered=unordered))
+                               weight_cost + 1.0 + _group_distance(size, ref), group_size=size, unordered=unordered))
     if any(not s.symmetric for s in schemes):
         out.append(_Option("symmetric", f"{verb} with symmetric weights (no zero points)", weight_cost + 3.0,
                            symmetric=True))

@@ -164,6 +164,8 @@ def select_device(device: str, launch: Launch, *, cuda_usable: Callable[[], bool
 class PeerFailed(WnaError):
     """Another process of the run failed (or vanished): this one stops too, committing nothing."""
 
+    quiet: bool  # set where it is raised: another process of the node prints the line
+
     def __init__(self, message: str, exit_code: int = EXIT_BAD_INPUT):
         super().__init__(message)
         self.exit_code = exit_code
@@ -173,6 +175,8 @@ class StoppedByLauncher(KeyboardInterrupt):
     """torchrun stopped this process (SIGTERM), which it does to the others when one process ends
     early.  An interrupt, so that staging is kept with every finished file journaled; the CLI
     prints `message` (not "interrupted") and exits with `exit_code`."""
+
+    quiet: bool  # set where it is raised: another process of the node prints the line
 
     def __init__(self, message: str, exit_code: int = EXIT_BAD_INPUT):
         super().__init__(message)
@@ -239,7 +243,7 @@ class Group:
         if self.store is not None:
             try:
                 self.store.set(f"wna16ctl/stopped/{self.rank}", "1")
-            except Exception:  # noqa: BLE001 - the store may be gone with its host: names stay unknown
+            except Exception:  # the store may be gone with its host: names stay unknown
                 self.store = None
 
     def _lost(self) -> list[int]:
@@ -252,7 +256,7 @@ class Group:
                 continue
             try:
                 marked = self.store is not None and self.store.check([f"wna16ctl/stopped/{rank}"])
-            except Exception:  # noqa: BLE001
+            except Exception:
                 marked = False
             if not marked:
                 lost.append(rank)
@@ -319,7 +323,7 @@ class Group:
         if self.world_size == 1:
             return error
         _STOPPING = True
-        error.quiet = self.rank != self.node_owner(self.launch.node)  # type: ignore[attr-defined]
+        error.quiet = self.rank != self.node_owner(self.launch.node)  # type: ignore[attr-defined]  # a mark any exception can carry; the CLI reads it with getattr
         return error
 
     def together(self, step: str, fn: Callable[[], T]) -> T:
@@ -331,7 +335,7 @@ class Group:
         value: Any = None
         try:
             value = fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised below, after the others know
+        except BaseException as e:  # re-raised below, after the others know
             error = e
         try:
             outcomes = self.all_gather(None if error is None else outcome_of(error))
@@ -383,7 +387,7 @@ def init_group(launch: Launch | None = None) -> Group:
 
         dist.init_process_group("gloo", rank=launch.rank, world_size=launch.world_size,
                                 timeout=datetime.timedelta(seconds=timeout))
-    except Exception as e:  # noqa: BLE001 - the rendezvous failed: one line
+    except Exception as e:  # the rendezvous failed: one line
         raise UsageError(f"process {launch.rank}: cannot join the process group at {os.environ.get('MASTER_ADDR')}:"
                          f"{os.environ.get('MASTER_PORT')} ({_first_sentence(e)}); "
                          "check torchrun's --master-addr/--master-port or --rdzv-endpoint") from None
@@ -392,7 +396,7 @@ def init_group(launch: Launch | None = None) -> Group:
     group = Group(launch)
     try:
         group.store = dist.distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001 - a private accessor: without it lost processes go unnamed
+    except Exception:  # a private accessor: without it lost processes go unnamed
         group.store = None
     _stop_on_sigterm(group)
     everyone = group.all_gather((launch, _hostname(), os.getpid()))

@@ -21,7 +21,7 @@ import ctypes
 import mmap
 import os
 import struct
-from typing import Any
+from typing import Any, Mapping
 
 from wna16ctl.native import build as native
 from wna16ctl.sources.headers import CheckpointFiles, TensorInfo
@@ -100,7 +100,8 @@ class LayerBuilder:
         view, base = self.buffers.get(("in", slot), self.expert_bytes * self.max_experts)
         n = 6 * len(chunk)
         fds, offsets, sizes, dsts = self._io[slot]
-        src, infos, pos = self._src[slot], [], 0
+        src, pos = self._src[slot], 0
+        infos: list[tuple[TensorInfo, int]] = []  # (tensor, its offset in `view`)
         for i, e in enumerate(chunk):
             for info, place in self._reads[e]:
                 if pos + info.nbytes > len(view):
@@ -111,7 +112,7 @@ class LayerBuilder:
                 infos.append((info, pos))
                 pos += info.nbytes
         err = ctypes.c_int32(0)
-        failed = native.host_lib().wna16_pread_many(fds, offsets, sizes, dsts, n, ctypes.byref(err))
+        failed = native.loaded_host_lib().wna16_pread_many(fds, offsets, sizes, dsts, n, ctypes.byref(err))
         if failed >= 0:  # read again the plain way, which names the tensor and the cause if it fails again
             for info, at in infos:
                 reader.read_into(info, view[at:at + info.nbytes])
@@ -132,7 +133,7 @@ class LayerBuilder:
                 windows[-1][2] = max(windows[-1][2], end)
             else:
                 windows.append([path, start, end])
-        lib = native.host_lib()
+        lib = native.loaded_host_lib()
         where: list[tuple[Any, int, int, int]] = []  # (shard, first byte, last byte, address of the first)
         for path, lo, hi in windows:
             fd = reader.fd(path)
@@ -152,17 +153,18 @@ class LayerBuilder:
                     return addr + (info.start - lo)
             raise AssertionError(f"{info.name} is in no mapped window")
 
-        src, scales = self._src[slot], []
+        src = self._src[slot]
+        scales: list[tuple[TensorInfo, int]] = []
         for i, e in enumerate(chunk):
             for info, place in self._reads[e]:
-                src[6 * i + place] = address(info)
+                src[6 * i + place] = at = address(info)
                 if info.name.endswith(".weight_scale"):
-                    scales.append((info, src[6 * i + place]))
+                    scales.append((info, at))
         self._scales[slot] = scales
 
     def unmap(self, slot: int) -> None:
         for addr, length, _ in self._maps.pop(slot, []):
-            native.host_lib().wna16_unmap_file(addr, length)
+            native.loaded_host_lib().wna16_unmap_file(addr, length)
 
     def mapped_files(self, slot: int) -> list[Any]:
         return [path for _, _, path in self._maps.get(slot, [])]
@@ -174,7 +176,7 @@ class LayerBuilder:
         for t, (info, addr) in enumerate(scales):
             ptrs[t], counts[t] = addr, info.nbytes // ST_SIZES[info.dtype]
         at = ctypes.c_int64(-1)
-        bad = native.host_lib().wna16_first_nonfinite_many(ptrs, counts, len(scales), _SCALE_KIND[self.scale_dtype],
+        bad = native.loaded_host_lib().wna16_first_nonfinite_many(ptrs, counts, len(scales), _SCALE_KIND[self.scale_dtype],
                                                            ctypes.byref(at))
         if bad == -2:  # a mapped shard shrank
             raise _truncated(self.mapped_files(slot)[0])
@@ -202,7 +204,7 @@ class LayerBuilder:
         self.build_into(rank, n_experts, slot, addrs)
         return regions
 
-    def build_into(self, rank: int, n_experts: int, slot: int, addrs: dict[str, int | None]) -> None:
+    def build_into(self, rank: int, n_experts: int, slot: int, addrs: Mapping[str, int | None]) -> None:
         """Build rank `rank`'s tensors for the chunk in `slot` at the given addresses (name ->
         address of room for n_experts slices; None: not wanted, built into scratch memory)."""
         spec = self.specs[rank]
@@ -214,7 +216,7 @@ class LayerBuilder:
             out.append(addr)
         mapped = slot in self._maps  # one thread: the fault guard is per thread
         try:
-            native.host_lib().call(
+            native.loaded_host_lib().call(
                 "wna16_marlin_rank_host", self._src[slot], n_experts, spec.hidden_size, spec.intermediate_size,
                 spec.tp, spec.rank, spec.num_bits, spec.group_size, int(spec.load_full_w2),
                 ST_SIZES[self.scale_dtype], int(marlin_scales_grouped(spec.hidden_size, spec.group_size)),

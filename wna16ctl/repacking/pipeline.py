@@ -101,7 +101,7 @@ class LayerJob:
     tensor_names: list[str]  # output parameter names (without the module prefix), in file order
 
     @property
-    def _w2(self):  # noqa: ANN202 - W2ScaleSharding of the written layout
+    def _w2(self):  # W2ScaleSharding of the written layout
         return self.plan.layout_w2 or self.plan.w2
 
     def to_json(self) -> dict[str, Any]:
@@ -236,7 +236,7 @@ def _check_shared_g_idx(ck: Checkpoint, jobs: list[LayerJob]) -> None:
                 for role, k in (("gate", layer.hidden_size), ("up", layer.hidden_size), ("down", layer.intermediate_size)):
                     name = layer.tensor_name(e, role, "weight_g_idx")
                     if name in ck.files:  # old writers skipped unset g_idx: then k // group_size
-                        check_g_idx(reader.read(name), name, k, layer.scheme.group_size)
+                        check_g_idx(reader.read(name), name, k, layer.scheme.group_size)  # type: ignore[union-attr]  # act-order layers are quantized
     for job in act:
         problem = gate_up_g_idx_mismatch(ck.files, job.layer)
         if problem is not None:
@@ -296,7 +296,7 @@ def plan_repack(ckpt_path: str | os.PathLike[str], settings: RepackSettings) -> 
                 symmetric=layer.scheme.symmetric, act_order=layer.scheme.act_order,
                 hidden_size=layer.hidden_size, intermediate_size=layer.intermediate_size,
                 tp=plan.moe_tp, rank=0 if settings.ep else r,
-                load_full_w2=(plan.layout_w2 or plan.w2).load_full_w2,
+                load_full_w2=(plan.layout_w2 or plan.w2).load_full_w2,  # type: ignore[union-attr]  # a plan that loads has one
                 padded_intermediate=pad or plan.intermediate_size_per_partition,
             )
             for r in range(n_ranks)
@@ -644,10 +644,10 @@ def _commit_output(plan: RepackPlan, staged: StagedOutput, place: _Place, group:
                 manifest["part"] = {"ranks": place.out_ranks}
             # OUT moves aside and the staging directory takes its place: both renames or neither.
             # A Ctrl-C meanwhile comes too late to stop anything: the output is complete.
-            with interrupts.deferred() as held:
+            with interrupts.deferred() as deferral:
                 staged.commit(manifest, name)
-                held.forget()
-        except BaseException as e:  # noqa: BLE001 - re-raised once the others know
+                deferral.forget()
+        except BaseException as e:  # re-raised once the others know
             error = e
             if outdir.is_real_dir(staged.stage):  # not renamed: keep everything for --resume
                 staged.abort(keep_for_resume=group.world_size > 1 or isinstance(e, KeyboardInterrupt))
@@ -1098,20 +1098,20 @@ def _produce_streamed(plan: RepackPlan, files: dict[str, PlannedFile], reader: R
     with ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) - 1), thread_name_prefix="wna16ctl-build") as pool:
         for j, job in enumerate(plan.jobs):
             u = ("layer", j)
-            targets = _layer_targets(job, unit_file.get(u, []))
-            if not targets:
+            rank_files = _layer_targets(job, unit_file.get(u, []))
+            if not rank_files:
                 continue
             builder = builders[j]
-            for by_name in targets.values():
+            for by_name in rank_files.values():
                 for name, f in by_name.items():
                     if f.relpath not in streams:  # a file's first unit opens it
                         reserve = builder.per_expert[name] * builder.max_experts
                         streams[f.relpath] = open_stream(f, reserve, depth_for(reserve))
             layer = job.layer
-            wanted = [job.expert_ranges[r] for r in targets]
+            wanted = [job.expert_ranges[r] for r in rank_files]
             for chunk in (c for c in _expert_chunks(job) if any(c.start in rng for rng in wanted)):  # EP: skip others
                 interrupts.check()
-                produced += _build_chunk(job, builder, reader, chunk, targets, streams, pool)
+                produced += _build_chunk(job, builder, reader, chunk, rank_files, streams, pool)
                 advance(layer.packed_bytes * len(chunk) // layer.num_experts)
             unit_done(u)
     return produced
@@ -1239,7 +1239,7 @@ class _BackgroundWrites:
 
         self._staged = staged
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wna16ctl-write")
-        self._pending = None
+        self._pending: Future[None] | None = None
 
     def _write(self, writes: list[tuple[PlannedFile, int, Any]], after: Callable[[], Any] | None) -> None:
         for f, offset, t in writes:

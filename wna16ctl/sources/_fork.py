@@ -52,10 +52,11 @@ def split_map(fn: Callable[[T], R], items: Sequence[T], *, min_items: int = 8, u
         try:
             try:
                 side = extra() if extra is not None and not extra_in_parent else None
-                payload = ("ok", [[fn(x) for x in items[half:]], side])
+                # ("ok", [results, side]), or ("bad" / "err", message)
+                payload: tuple[str, Any] = ("ok", [[fn(x) for x in items[half:]], side])
             except BadInput as e:
                 payload = ("bad", e.message)
-            except BaseException as e:  # noqa: BLE001 - reported by the parent
+            except BaseException as e:  # reported by the parent
                 payload = ("err", f"{type(e).__name__}: {e}")
             if use_marshal and payload[0] == "ok":
                 data = b"M" + marshal.dumps(payload)

@@ -489,7 +489,8 @@ def read_model_config(ckpt: Path) -> ModelConfig:
     _expect(isinstance(raw, dict), path, "must hold a JSON object")
     raw = merge_text_config(raw)
     hidden = _first_int(raw, path, "hidden_size", "d_model")
-    _expect(hidden is not None, path, "hidden_size is missing")
+    if hidden is None:
+        raise BadInput(f"{path}: hidden_size is missing")
     qc_raw = quantization_config_of(raw)
     quant = parse_quantization_config(qc_raw, path) if qc_raw is not None else None
     archs = raw.get("architectures") or []
@@ -497,7 +498,7 @@ def read_model_config(ckpt: Path) -> ModelConfig:
     # Mixtral calls its expert width `intermediate_size`; the MoE families with shared or
     # dense MLPs keep that name for the dense MLP and use `moe_intermediate_size`: for these a
     # missing `moe_intermediate_size` is read from the tensors (sources/architectures.py).
-    width_keys = ("moe_intermediate_size", "expert_intermediate_size")
+    width_keys: tuple[str, ...] = ("moe_intermediate_size", "expert_intermediate_size")
     arch = architecture(model_type)
     if arch is None or not arch.separate_expert_width:
         width_keys += ("intermediate_size",)
@@ -514,7 +515,7 @@ def read_model_config(ckpt: Path) -> ModelConfig:
         raw=raw,
         model_type=model_type,
         architectures=tuple(str(a) for a in archs) if isinstance(archs, list) else (),
-        hidden_size=int(hidden),  # type: ignore[arg-type]
+        hidden_size=hidden,
         moe_intermediate_size=_first_int(raw, path, *width_keys),
         num_experts=num_experts,
         num_experts_per_tok=top_k,

@@ -129,6 +129,13 @@ class CheckpointFiles:
         """The raw header entry (`dtype`, `shape`, `data_offsets`) or None."""
         return self._entry(name)
 
+    def entry(self, name: str) -> dict:
+        """The raw header entry of a tensor the checkpoint holds (BadInput naming it otherwise)."""
+        e = self._entry(name)
+        if e is None:
+            raise self.missing(name)
+        return e
+
     def shard_of(self, name: str) -> ShardHeader:
         if len(self.shards) == 1:
             return self.shards[0]
@@ -283,7 +290,11 @@ def _decode_header(path: Path, blob: bytes) -> dict:
             d = dict(pairs)
             if len(d) != len(pairs) and not repeated:
                 seen: set[str] = set()
-                repeated.append(next(k for k, _ in pairs if k in seen or seen.add(k)))  # type: ignore[func-returns-value]
+                for k, _ in pairs:
+                    if k in seen:
+                        repeated.append(k)
+                        break
+                    seen.add(k)
             return d
 
         _parse_json(path, text, hook)

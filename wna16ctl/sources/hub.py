@@ -434,7 +434,7 @@ def gsm8k_test_file() -> Path:
               "WNA16CTL_SHARED to a folder with data/gsm8k/test.jsonl")
     try:
         folder = Path(hf.snapshot_download(GSM8K_REPO, repo_type="dataset", allow_patterns=[GSM8K_TEST_FILES]))
-    except Exception as e:  # noqa: BLE001 - every failure is one line naming the other sources
+    except Exception as e:  # every failure is one line naming the other sources
         reason = hub_error(e, f"{GSM8K_REPO} (dataset)", GSM8K_TEST_FILES).message
         if _offline():
             reason = f"{GSM8K_REPO} (dataset): not in the local Hugging Face cache and HF_HUB_OFFLINE is set"

@@ -149,7 +149,7 @@ def proposal_from_flags(scheme: str, group_size: int | None = None, actorder: st
                     flags=flags)
 
 
-def _is_linear_weight(name: str, entry: dict[str, Any]) -> bool:
+def _is_linear_weight(name: str, entry: dict[str, Any] | None) -> bool:
     if not name.endswith(".weight") or entry is None:
         return False
     if entry["dtype"] not in _FLOATS or len(entry["shape"]) != 2:
@@ -210,7 +210,7 @@ def open_proposed(path: str | os.PathLike[str], proposal: Proposal, revision: st
         entries: dict[str, dict[str, Any]] = {}
         offset = 0
         for name in sh.entries:
-            e = files.raw(name)
+            e = files.entry(name)
             module = name[: -len(".weight")] if name.endswith(".weight") else None
             if module is not None and schemes.get(module) is not None:
                 w = _weights_of(schemes[module])

@@ -113,13 +113,13 @@ def _resolve(p: Path, name: str, mod: dict[str, Any]) -> Proposal:
                 raise BadInput(f"{p}: {where} must be a mapping with targets and weights")
             if body.get("input_activations") is not None or body.get("output_activations") is not None:
                 raise BadInput(f"{p}: {where} quantizes activations; wna16ctl plans weight-only (WNA16) schemes")
-            weights = body.get("weights")
-            if not isinstance(weights, dict):
+            written = body.get("weights")
+            if not isinstance(written, dict):
                 raise BadInput(f"{p}: {where}.weights must be a mapping (num_bits, type, symmetric, strategy, group_size)")
-            if str(weights.get("type", "int")).lower() != "int":
-                raise BadInput(f"{p}: {where}.weights.type is {weights.get('type')!r}; wna16ctl plans integer weights")
+            if str(written.get("type", "int")).lower() != "int":
+                raise BadInput(f"{p}: {where}.weights.type is {written.get('type')!r}; wna16ctl plans integer weights")
             groups[str(gname)] = {"targets": _string_list(body.get("targets", targets), f"{where}.targets", p),
-                                  "weights": {"type": "int", **weights}}
+                                  "weights": {"type": "int", **written}}
     else:
         raise BadInput(f"{p}: {name} has neither scheme nor config_groups; nothing to plan")
     if name == "GPTQModifier":
@@ -145,18 +145,18 @@ def make_proposal(scheme: str | None, recipe: str | Path | None, group_size: int
     either; `--ignore` replaces the default ignore list of `--scheme` (a recipe has its own)."""
     if scheme is not None and recipe is not None:
         raise UsageError("--scheme and --recipe exclude each other: the recipe names its own scheme")
-    if scheme is None and recipe is None:
+    if recipe is None:
+        if scheme is not None:
+            return proposal_from_flags(scheme, group_size, actorder, ignore)
         given = [name for name, v in (("--group-size", group_size), ("--actorder", actorder), ("--ignore", ignore))
                  if v]
         if given:
             verb = "applies" if len(given) == 1 else "apply"
             raise UsageError(f"{', '.join(given)} {verb} only to a proposed quantization: add --scheme or --recipe")
         return None
-    if scheme is not None:
-        return proposal_from_flags(scheme, group_size, actorder, ignore)
     if ignore:
         raise UsageError("--ignore applies with --scheme; a recipe's own ignore list is used as written")
-    proposal = read_recipe(recipe)  # type: ignore[arg-type]
+    proposal = read_recipe(recipe)
     if group_size is not None or actorder is not None:
         proposal = proposal.with_weights(group_size=group_size, actorder=actorder)
     return proposal

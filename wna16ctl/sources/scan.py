@@ -15,7 +15,7 @@ from collections import defaultdict
 from itertools import chain, repeat
 from operator import itemgetter, methodcaller
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from wna16ctl.sources.config import PACK_QUANTIZED, ModelConfig, WeightScheme
 from wna16ctl.sources.header_digest import Group, HeaderDigest
@@ -37,7 +37,7 @@ KNOWN_FORMATS = frozenset({
 })
 
 
-def checks_packed(scheme: WeightScheme | None) -> bool:
+def checks_packed(scheme: WeightScheme | None) -> TypeGuard[WeightScheme]:
     """Whether the scheme stores the WNA16 packed tensors whose shapes we can check."""
     return (scheme is not None and scheme.format == PACK_QUANTIZED and scheme.is_wna16
             and 1 <= scheme.num_bits <= 8)
@@ -229,7 +229,8 @@ def _scan_grouped(path: str, groups: list[Group] | None, config: ModelConfig,
             pres.setdefault((role, suffix), []).extend(ids)
             if suffix == "weight_packed" or suffix == "weight":
                 lay["schemes"].setdefault(role, []).extend(zip(ids, repeat(sid)))
-            if (exp is None or suffix == "weight" or (suffix == "weight_zero_point" and scheme.symmetric)
+            if (exp is None or scheme is None or suffix == "weight"
+                    or (suffix == "weight_zero_point" and scheme.symmetric)
                     or (suffix == "weight_g_idx" and not scheme.act_order)):
                 continue
             # zero points: the packed form here; the unpacked one (int8, older writers) goes tensor by tensor
@@ -269,10 +270,10 @@ def _scan_each(path: str, sh: ShardHeader, config: ModelConfig,
         if (len(parts) != 4 or parts[2] not in PROJECTION_ROLES or parts[3] not in SUFFIXES or not parts[1].isdigit()
                 or not parts[0].endswith(".experts")):
             continue
-        prefix, expert, proj, suffix = parts
+        prefix, number, proj, suffix = parts
         module = name[: -len(suffix) - 1]
         if module not in modules:
-            modules[module] = (prefix, int(expert), proj)
+            modules[module] = (prefix, int(number), proj)
         tensors.append((name, module, suffix, e))
     names = list(modules)
     schemes = quant.schemes_for(names) if quant is not None else [None] * len(names)

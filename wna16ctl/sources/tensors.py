@@ -17,7 +17,7 @@ from wna16ctl.sources.raw import RawReader
 from wna16ctl.sources.moe import ROLE_ORDER, MoELayer
 from wna16ctl.errors import BadInput
 
-from wna16ctl.dtypes import torch_dtype  # noqa: F401  (re-exported: the readers' name for it)
+from wna16ctl.dtypes import torch_dtype  # re-exported: the readers' name for it
 
 
 def writable_view(t: torch.Tensor) -> memoryview:
@@ -72,7 +72,7 @@ class TensorReader(RawReader):
         """One expert projection in the normalised checkpoint form the layout package expects."""
         s = layer.scheme
         assert s is not None
-        name = lambda suffix: layer.tensor_name(expert, role, suffix)  # noqa: E731
+        name = lambda suffix: layer.tensor_name(expert, role, suffix)  # noqa: E731 - this expert's and role's tensor names, for the lines below
         out = {"weight_packed": self.read(name("weight_packed")), "weight_scale": self.read(name("weight_scale"))}
         check_scales(out["weight_scale"], name("weight_scale"))
         n_rows = out["weight_packed"].shape[0]

@@ -33,7 +33,7 @@ _DATASET_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 def _parquet_questions(path: Path, num_samples: int) -> list[str]:
     try:
-        import pyarrow.parquet as pq  # type: ignore[import-not-found]
+        import pyarrow.parquet as pq
     except ImportError:
         raise BadInput(f"{path}: reading .parquet needs pyarrow (pip install 'wna16ctl[parquet]'), "
                        "or pass a .jsonl file") from None
@@ -82,7 +82,7 @@ def load_questions(samples: str | os.PathLike[str], num_samples: int) -> list[st
     # directories, or a .json/.jsonl name) is a missing file, not a dataset to look up online.
     if _DATASET_ID.fullmatch(str(samples)) and not str(samples).endswith((".json", ".jsonl")) and not path.exists():
         try:
-            import datasets  # type: ignore[import-not-found]
+            import datasets
         except ImportError:
             raise BadInput(f"{samples}: not a file, and the `datasets` package is not installed to load it as a dataset id") from None
         try:

@@ -93,7 +93,7 @@ def expert_interval(a: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
     a64 = a.to(dtype).double()
     g13 = gemm_interval(a64, a64, w13).rounded(dtype)
     i = w2.shape[0]
-    half = lambda iv, s: Interval(iv.lo[:, s], iv.hi[:, s], iv.centre[:, s])  # noqa: E731
+    half = lambda iv, s: Interval(iv.lo[:, s], iv.hi[:, s], iv.centre[:, s])  # noqa: E731 - columns s of an interval, for the line below
     h = silu_product_interval(half(g13, slice(0, i)), half(g13, slice(i, None))).rounded(dtype)
     y = gemm_interval(h.lo, h.hi, w2)
     wt = weight.double().unsqueeze(1)
@@ -134,7 +134,7 @@ def block_interval(ranks: list[RankWeights], a: torch.Tensor, topk_ids: torch.Te
                 continue
             iv = expert_interval(a[slots // k], w13.cpu(), w2.cpu(), wf[slots], dtype)
             slot_iv.lo[slots], slot_iv.hi[slots], slot_iv.centre[slots] = iv.lo, iv.hi, iv.centre
-        view = lambda t: t.view(T, k, H)  # noqa: E731
+        view = lambda t: t.view(T, k, H)  # noqa: E731 - [T*k, H] as [T, k, H], for the line below
         partials.append(sum_interval(Interval(view(slot_iv.lo), view(slot_iv.hi), view(slot_iv.centre)), 1, dtype))
     stacked = Interval(*(torch.stack([getattr(p, f) for p in partials]) for f in ("lo", "hi", "centre")))
     return sum_interval(stacked, 0, dtype)
@@ -161,7 +161,7 @@ class Verdict:
                        self.exact_elements + other.exact_elements, max(self.max_ratio, other.max_ratio),
                        max(self.max_abs_error, other.max_abs_error), max(offsets) if offsets else None)
 
-    def to_json(self) -> dict[str, float | int]:
+    def to_json(self) -> dict[str, float | int | None]:
         return {"violations": self.violations, "elements": self.elements, "exact_elements": self.exact_elements,
                 "max_error_over_bound": self.max_ratio, "max_abs_error": self.max_abs_error,
                 "max_offset": self.max_offset}

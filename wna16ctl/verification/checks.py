@@ -51,7 +51,7 @@ from wna16ctl.repacking.pipeline import (
     LayerJob, RepackPlan, RepackSettings, plan_repack, rank_index_bytes, source_fingerprint,
 )
 from wna16ctl.verification.bounds import Interval, block_interval, judge
-from wna16ctl.verification.rank_gemm import GEMM_DTYPES, ROUNDINGS, UNIT_ROUNDOFF, EmulatedGemm, RankFiles, rank_moe_output  # noqa: F401
+from wna16ctl.verification.rank_gemm import GEMM_DTYPES, ROUNDINGS, UNIT_ROUNDOFF, EmulatedGemm, RankFiles, rank_moe_output  # noqa: F401 - ROUNDINGS and UNIT_ROUNDOFF re-exported
 from wna16ctl.output.writer import JOURNAL_NAME, MANIFEST_NAME, PLANNED_METADATA, FILE_HASHES, hash_file, recorded_hash, sha256_file
 
 
@@ -350,7 +350,7 @@ def _check_files_against_plan(ck: Checkpoint, out: Path, plan: RepackPlan, manif
 
 def _check_manifest(ck: Checkpoint, out: Path, manifest: dict[str, Any], report: VerifyReport,
                     progress: TaskStarter = no_progress) -> RepackPlan | None:
-    add = lambda msg, **kw: report.findings.append(Finding("manifest", msg, **kw))  # noqa: E731
+    add = lambda msg, **kw: report.findings.append(Finding("manifest", msg, **kw))  # noqa: E731 - one finding of this check, for the lines below
     fp = source_fingerprint(ck)
     if manifest["source"]["fingerprint"] != fp or manifest["identity"].get("source_fingerprint") != fp:
         add(f"fingerprint mismatch: {out} was made from another checkpoint, or {ck.root} changed since "
@@ -371,7 +371,8 @@ def _check_manifest(ck: Checkpoint, out: Path, manifest: dict[str, Any], report:
             add(f"{rel}: {path.stat().st_size} bytes, the manifest says {meta['bytes']} (modified after repack)")
             advance(path.stat().st_size)
         else:
-            algorithm, digest = recorded_hash(meta)  # blake3, or sha256 from earlier versions
+            # blake3, or sha256 from earlier versions; _MANIFEST_FIELDS admits no entry without one
+            algorithm, digest = recorded_hash(meta)  # type: ignore[misc]  # not None: see the line above
             if hash_file(path, algorithm, progress=advance) != digest:
                 add(f"{rel}: {algorithm} differs from the manifest (modified after repack)")
     parents = {p.as_posix() for rel in files for p in Path(rel).parents if p.as_posix() != "."}
@@ -453,7 +454,7 @@ def _verify_rank_contents(ck: Checkpoint, reader: TensorReader, plan: RepackPlan
     checkpoint (the round trip below only covers the expert tensors)."""
     source_digest: dict[str, str] = {}
     for r, rf in ranks.items():
-        add = lambda msg, **kw: report.findings.append(Finding("round_trip", f"rank {r}: {msg}", rank=r, **kw))  # noqa: E731
+        add = lambda msg, **kw: report.findings.append(Finding("round_trip", f"rank {r}: {msg}", rank=r, **kw))  # noqa: E731 - one finding of this rank's round trip, for the lines below
         planned = {t.name for f in plan.files[r] for t in f.tensors} if r < len(plan.files) else set()
         have = set(rf.files.names())
         for name in sorted(planned - have):
@@ -524,6 +525,7 @@ def _dequantize_kfirst(kf: dict[str, torch.Tensor], spec: RankLayout, which: str
     else:
         groups = torch.zeros(K, dtype=torch.long)
     s = scale.to(dtype)[groups]  # [K, N]
+    z: torch.Tensor | int
     if f"{which}_weight_zero_point" in kf:
         zp = unpack_codes(kf[f"{which}_weight_zero_point"], nb, dim=1).long()[:, :N]
         zg = groups if spec.group_size > 0 else torch.zeros(K, dtype=torch.long)
@@ -789,7 +791,7 @@ def _select_layers(jobs: list[LayerJob], layers: list[int], report: VerifyReport
 
 
 def _gemm_rank_candidate(job: LayerJob, r: int, rank: RankFiles, a: torch.Tensor, routing, dtype: torch.dtype,
-                         device: torch.device, gemm=None) -> torch.Tensor:  # noqa: ANN001
+                         device: torch.device, gemm=None) -> torch.Tensor:
     t = {n: rank.reader.read(f"{job.layer.prefix}.{n}").to(device) for n in job.tensor_names}
     return rank_moe_output(job, r, t, a, routing.topk_ids, routing.topk_weights, dtype, device, gemm=gemm)
 
@@ -818,7 +820,7 @@ def _emulated_rows(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     return torch.unique(torch.cat(rows))
 
 
-def _numerics_gemm(device: torch.device):  # noqa: ANN202
+def _numerics_gemm(device: torch.device):
     """(gemm, what it is) for the layer numerics: see `_verify_layer`."""
     if device.type == "cuda":
         return None, "CUDA kernels"

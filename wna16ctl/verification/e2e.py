@@ -33,7 +33,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,13 @@ from wna16ctl.verification.activations import read_records
 from wna16ctl.errors import BadInput
 from wna16ctl.layout.spec import MARLIN
 from wna16ctl.sources.architectures import model_types
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+    from wna16ctl.sources import Checkpoint
+
+    from wna16ctl.verification.rank_gemm import EmulatedGemm
 
 SUPPORTED_MODEL_TYPES = model_types(e2e=True)  # the families whose forward `_run_e2e` has in torch
 FEW_SHOT = 2  # worked GSM8K examples before the question when the checkpoint has no chat template
@@ -173,7 +180,7 @@ def not_run(reason: str) -> E2EResult:
 def require_transformers() -> None:
     """The one optional dependency of --e2e; a one-line error with the install command without it."""
     try:
-        import transformers  # noqa: F401
+        import transformers  # noqa: F401 - only whether transformers can be imported
     except ImportError:
         raise BadInput(f"verify --e2e needs transformers ({TRANSFORMERS_RANGE}): {INSTALL_HINT}") from None
 
@@ -239,17 +246,27 @@ def _build_prompts(ck_root: Path, samples: Path, n: int, vocab: int) -> _Prompts
         else:
             ids = [[b % vocab for b in t.encode("utf-8")] for t in texts]
             form += ", byte tokens"
-    if tokenizer is not None:
-        decode = lambda toks: tokenizer.decode(toks, skip_special_tokens=True)  # noqa: E731
-    else:
-        decode = lambda toks: bytes(t for t in toks if t < 256).decode("utf-8", "replace")  # noqa: E731
-    return _Prompts([[i for i in p if i < vocab] for p in ids], gold, form, decode)
+    return _Prompts([[i for i in p if i < vocab] for p in ids], gold, form,
+                    _tokenizer_text(tokenizer) if tokenizer is not None else _byte_text)
+
+
+def _tokenizer_text(tokenizer: PreTrainedTokenizerFast) -> Callable[[list[int]], str]:
+    def decode(tokens: list[int]) -> str:
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        assert isinstance(text, str), "one sequence of ids decodes to one string"
+        return text
+    return decode
+
+
+def _byte_text(tokens: list[int]) -> str:
+    """The text of byte tokens (a checkpoint without a tokenizer): ids past 255 have none."""
+    return bytes(t for t in tokens if t < 256).decode("utf-8", "replace")
 
 
 # ---- the model -------------------------------------------------------------------------------------------
 
 
-def _build_model(ck, device: torch.device):  # noqa: ANN001 - Checkpoint
+def _build_model(ck: Checkpoint, device: torch.device) -> tuple[torch.nn.Module, dict[str, torch.nn.Module]]:
     """transformers' model of the checkpoint's config (fp32), non-expert weights from the checkpoint.
     Returns (model, {checkpoint experts prefix: the model's MoE block})."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -313,15 +330,14 @@ def _dequantize_source(proj: dict[str, torch.Tensor], k: int, dtype: torch.dtype
         g = torch.arange(k) // (k // groups)
     if "weight_zero_point" in proj:
         z = unpack_codes(proj["weight_zero_point"], num_bits, dim=0).long()[:n][:, g]
-    else:
-        z = 1 << (num_bits - 1)
-    return (codes - z).to(dtype) * scale.to(dtype)[:, g]
+        return (codes - z).to(dtype) * scale.to(dtype)[:, g]
+    return (codes - (1 << (num_bits - 1))).to(dtype) * scale.to(dtype)[:, g]  # symmetric: the midpoint
 
 
 class _ReferenceExperts:
     """A block's experts from the source checkpoint, per rank as the all-reduce sums them."""
 
-    def __init__(self, ck, reader, job, dtype: torch.dtype, device: torch.device):  # noqa: ANN001
+    def __init__(self, ck, reader, job, dtype: torch.dtype, device: torch.device):
         layer = job.layer
         H, I = layer.hidden_size, layer.intermediate_size
         self.dtype = dtype
@@ -365,7 +381,7 @@ class _EdgeExperts:
     """A block's output moved to one end of its interval (`bounds.block_interval`): the largest
     change a correct kernel may make, in one direction, for the logit bound."""
 
-    def __init__(self, reference: list, dtype: torch.dtype, high: bool):  # noqa: ANN001
+    def __init__(self, reference: list, dtype: torch.dtype, high: bool):
         self.reference, self.dtype, self.high = reference, dtype, high
 
     def __call__(self, a: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -391,13 +407,13 @@ class _ExpertsModule(torch.nn.Module):
 
 
 
-def _install(blocks: dict[str, torch.nn.Module], modules: dict[str, torch.nn.Module]) -> None:
+def _install(blocks: dict[str, torch.nn.Module], modules: Mapping[str, torch.nn.Module]) -> None:
     for prefix, block in blocks.items():
         block.experts = modules[prefix]
 
 
 @torch.no_grad()
-def _greedy(model, prompt: list[int], n: int, eos: set[int], device: torch.device) -> tuple[list[int], torch.Tensor]:  # noqa: ANN001
+def _greedy(model, prompt: list[int], n: int, eos: set[int], device: torch.device) -> tuple[list[int], torch.Tensor]:
     """Greedy tokens and the fp32 logits each was chosen from ([steps, vocab])."""
     import inspect
 
@@ -417,7 +433,7 @@ def _greedy(model, prompt: list[int], n: int, eos: set[int], device: torch.devic
 
 
 @torch.no_grad()
-def _teacher_forced(model, prompt: list[int], tokens: list[int], device: torch.device) -> torch.Tensor:  # noqa: ANN001
+def _teacher_forced(model, prompt: list[int], tokens: list[int], device: torch.device) -> torch.Tensor:
     """Logits of every generation step given the tokens before it ([steps, vocab])."""
     seq = prompt + tokens[:-1]
     out = model(input_ids=torch.tensor([seq], device=device), use_cache=False)
@@ -480,7 +496,7 @@ def score_summary(prompts: list[PromptComparison]) -> dict[str, Any]:
     }
 
 
-def run_e2e(ck, out: Path, plan, samples: Path, options: E2EOptions, device: torch.device,  # noqa: ANN001
+def run_e2e(ck, out: Path, plan, samples: Path, options: E2EOptions, device: torch.device,
             dtype: torch.dtype) -> E2EResult:
     """The end-to-end comparison (see the module docstring). Never raises for a repack fault: a
     fault is a FAIL; a check that cannot run is 'not run' with the reason."""
@@ -495,7 +511,7 @@ def run_e2e(ck, out: Path, plan, samples: Path, options: E2EOptions, device: tor
         torch.set_num_threads(threads)
 
 
-def _candidate_gemm(device: torch.device) -> tuple[Callable | None, str, str]:
+def _candidate_gemm(device: torch.device) -> tuple[EmulatedGemm | None, str, str]:
     """(gemm, description, why not) for the candidate: the CUDA kernels on a GPU, the emulated
     kernel sources on the CPU; no gemm (and the reason) when neither can run."""
     if device.type == "cuda":
@@ -508,7 +524,7 @@ def _candidate_gemm(device: torch.device) -> tuple[Callable | None, str, str]:
     return EmulatedGemm(), "moe_gemm_v3.cu (v2, then v1 where it declines) on the CPU emulation", ""
 
 
-def _run_e2e(ck, out: Path, plan, samples: Path, options: E2EOptions, device: torch.device,  # noqa: ANN001
+def _run_e2e(ck, out: Path, plan, samples: Path, options: E2EOptions, device: torch.device,
              dtype: torch.dtype) -> E2EResult:
     from wna16ctl.sources.tensors import TensorReader
     from wna16ctl.verification.block_check import BlockChecker, LayerCheck
@@ -516,7 +532,7 @@ def _run_e2e(ck, out: Path, plan, samples: Path, options: E2EOptions, device: to
 
     started = time.monotonic()
     try:
-        import transformers  # noqa: F401
+        import transformers  # noqa: F401 - only whether transformers can be imported
     except ImportError:
         return not_run(f"transformers is not installed: {INSTALL_HINT}")
     model_type = ck.config.model_type
@@ -609,7 +625,7 @@ def _run_e2e(ck, out: Path, plan, samples: Path, options: E2EOptions, device: to
         try:
             for c in checkers.values():
                 c.forced_pass()
-        except Exception as e:  # noqa: BLE001 - as above
+        except Exception as e:  # as above
             msg = getattr(e, "message", None) or f"{type(e).__name__}: {e}"
             failure = f"forced routing: the MoE GEMM cannot run on the repacked tensors: {msg}"
     if gemm is not None:
@@ -646,7 +662,7 @@ def _verdict(result: E2EResult, failure: str) -> tuple[str, str]:
     return "pass", ""
 
 
-def reference_model(ckpt: str | os.PathLike[str], device: torch.device = torch.device("cpu")):  # noqa: ANN201
+def reference_model(ckpt: str | os.PathLike[str], device: torch.device = torch.device("cpu")):
     """(checkpoint, model, MoE blocks by prefix, expert dtype): the TP-1 reference model of CKPT with
     the reference experts installed in every MoE block, for runs of the reference alone."""
     from wna16ctl.sources import open_checkpoint

@@ -24,7 +24,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import NormalDist
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -116,6 +116,15 @@ class ReferenceRuns:
     model_dtype_margins: list[torch.Tensor] = field(default_factory=list)
 
 
+class _GroupedRouter(Protocol):
+    """DeepSeek-V3's router (the one with an e_score_correction_bias): its settings are plain
+    attributes, which torch's Module.__getattr__ would type as tensors or submodules."""
+
+    num_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+
+
 def routing_margin(gate: torch.nn.Module, logits: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
     """Per token, how far the router's scores are from choosing other experts than SELECTED ([T, k]):
     the lowest selected score minus the highest unselected one (in the scores the choice is made
@@ -133,7 +142,7 @@ def routing_margin(gate: torch.nn.Module, logits: torch.Tensor, selected: torch.
         group_margin = torch.full((logits.shape[0],), float("inf"))
     else:  # DeepSeek-V3: group-limited choice on sigmoid scores + bias
         scores = logits.sigmoid() + bias.float()
-        groups = gate.num_group
+        groups = cast(_GroupedRouter, gate).num_group
         per_group = scores.view(-1, groups, experts // groups)
         group_scores = per_group.topk(min(2, experts // groups), dim=-1).values.sum(-1)
         chosen = mask.view(-1, groups, experts // groups).any(-1)
@@ -148,15 +157,15 @@ def routing_margin(gate: torch.nn.Module, logits: torch.Tensor, selected: torch.
     return torch.minimum(low - high, group_margin)
 
 
-def _routing_recorder(blocks: dict[str, torch.nn.Module]):  # noqa: ANN202
+def _routing_recorder(blocks: dict[str, torch.nn.Module]):
     """Forward hooks on every MoE block's router that keep (router, logits, selection) per call."""
     records: dict[str, list] = {p: [] for p in blocks}
     handles = []
     for prefix, block in blocks.items():
-        def hook(module, args, output, prefix=prefix):  # noqa: ANN001
+        def hook(module, args, output, prefix=prefix):
             logits, _, selected = output
             records[prefix].append((module, logits.detach(), selected.detach()))
-        handles.append(block.gate.register_forward_hook(hook))
+        handles.append(block.get_submodule("gate").register_forward_hook(hook))
     return records, handles
 
 
@@ -225,7 +234,7 @@ def _swapped_routing(gate: torch.nn.Module, logits: torch.Tensor, weights: torch
     chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(0, selected.long(), True)
     allowed = torch.ones_like(chosen)
     if bias is not None:
-        groups = gate.num_group
+        groups = cast(_GroupedRouter, gate).num_group
         in_group = chosen.view(groups, -1).any(-1)
         allowed = in_group.unsqueeze(-1).expand(groups, scores.numel() // groups).reshape(-1)
     if not bool((allowed & ~chosen).any()):
@@ -240,9 +249,10 @@ def _swapped_routing(gate: torch.nn.Module, logits: torch.Tensor, weights: torch
             w = w / w.sum()
     else:
         w = logits.sigmoid()[new.long()]
-        if gate.norm_topk_prob:
+        grouped = cast(_GroupedRouter, gate)
+        if grouped.norm_topk_prob:
             w = w / (w.sum() + 1e-20)
-        w = w * gate.routed_scaling_factor
+        w = w * grouped.routed_scaling_factor
     return new, w.to(weights.dtype)
 
 
@@ -267,7 +277,7 @@ def routing_alternatives(ckpt: str | os.PathLike[str], runs: ReferenceRuns, ties
                 for subset in combinations(layers, n):
                     missing = []
 
-                    def swap(module, args, output):  # noqa: ANN001
+                    def swap(module, args, output):
                         logits, weights, selected = output
                         other = _swapped_routing(module, logits[position], weights[position], selected[position])
                         if other is None:
@@ -441,7 +451,7 @@ def reference_layer_outputs(ckpt: str | os.PathLike[str], ids: list[int], model_
     captured: dict[str, torch.Tensor] = {}
 
     def keep(name: str):
-        def hook(module, args, output):  # noqa: ANN001
+        def hook(module, args, output):
             out = output[0] if isinstance(output, tuple) else output
             captured[name] = out.detach().float().reshape(-1, out.shape[-1]).cpu()
         return hook

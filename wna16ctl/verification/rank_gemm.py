@@ -58,6 +58,7 @@ def rank_moe_output(job: LayerJob, r: int, t: dict[str, torch.Tensor], a: torch.
 
     spec = job.specs[r]
     rng = job.expert_ranges[r]
+    assert job.plan.w2 is not None, "a layer job is made for a plan that loads, which has its w2 sharding"
     T, k = topk_ids.shape
     topk_ids = topk_ids.cpu()
     ids = topk_ids.reshape(-1)  # slot s = token * k + j
@@ -91,7 +92,7 @@ class EmulatedGemm:
         self.launches: dict[str, int] = {}
         self.seconds = 0.0
 
-    def __call__(self, *args, **kwargs) -> torch.Tensor:  # noqa: ANN002, ANN003
+    def __call__(self, *args, **kwargs) -> torch.Tensor:
         import time
 
         from wna16ctl.native.emulated import emulated_moe_gemm
