@@ -301,3 +301,21 @@ def test_pad_does_not_import_torch(make_ckpt, tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False"
     shutil.rmtree(tmp_path / "p")
+
+
+def test_allocate_reserves_a_new_files_blocks_and_keeps_it_zero(tmp_path):
+    from wna16ctl.output.filestream import allocate
+
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+    try:
+        os.ftruncate(fd, 4 << 20)
+        sparse = os.fstat(fd).st_blocks * 512
+        allocate(fd, 4 << 20)
+        st = os.fstat(fd)
+        if st.st_blocks * 512 == sparse:
+            pytest.skip(f"the filesystem of {tmp_path} does not allocate with fallocate")
+        assert sparse < 4 << 20 <= st.st_blocks * 512 and st.st_size == 4 << 20
+        assert os.pread(fd, 4 << 20, 0) == bytes(4 << 20)
+    finally:
+        os.close(fd)

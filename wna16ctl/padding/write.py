@@ -180,7 +180,7 @@ def _write_shard(plan: PadPlan, staged: Any, sh: Any, f: Any, src_fd: int, shape
     from wna16ctl import interrupts
 
     ck = plan.checkpoint
-    stream = staged.stream(f, 0, STREAM_DEPTH)  # the file with its header
+    stream = staged.stream(f, 0, STREAM_DEPTH, allocate=True)  # the file, its blocks allocated, with its header
     run = [0, 0]  # source bytes to stream next: offset, nbytes
     moved = 0  # bytes not yet reported to the progress bar
 
