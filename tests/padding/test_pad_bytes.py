@@ -319,3 +319,23 @@ def test_allocate_reserves_a_new_files_blocks_and_keeps_it_zero(tmp_path):
         assert os.pread(fd, 4 << 20, 0) == bytes(4 << 20)
     finally:
         os.close(fd)
+
+
+def test_a_shard_truncated_after_planning_is_one_line_and_nothing_is_left(make_ckpt, tmp_path, monkeypatch):
+    import wna16ctl.padding.write as write
+    from wna16ctl.errors import BadInput
+
+    src = shutil.copytree(make_ckpt(**SMALL), tmp_path / "src")
+    shard = sorted(src.glob("*.safetensors"))[-1]
+    real = write._planned_files
+
+    def then_truncated(plan):
+        files = real(plan)
+        os.truncate(shard, shard.stat().st_size // 2)  # replaced by a shorter file after planning
+        return files
+
+    monkeypatch.setattr(write, "_planned_files", then_truncated)
+    with pytest.raises(BadInput) as e:
+        wna16ctl.pad(src, tmp_path / "p", tp=2, vllm="0.32.0")
+    assert shard.name in e.value.message and "\n" not in e.value.message
+    assert sorted(os.listdir(tmp_path)) == ["src"]
