@@ -244,6 +244,8 @@ def _read_into_stream(stream: Any, fd: int, offset: int, nbytes: int, path: Path
         view = memoryview((ctypes.c_char * n).from_address(stream.reserve(n))).cast("B")
         try:
             got = os.preadv(fd, [view], offset)
+        except OSError as e:
+            raise _unreadable(path, e) from None
         finally:
             view.release()
         if got != n:  # a regular file returns all of it unless it ends first
@@ -282,8 +284,15 @@ def _truncated(path: Path, name: str) -> BadInput:
                     "planning); restore the file and run again; nothing was left behind")
 
 
+def _unreadable(path: Path, e: OSError) -> BadInput:
+    return BadInput(f"{path}: cannot be read ({e.strerror or e}); check the file and run again; nothing was left behind")
+
+
 def _read(fd: int, offset: int, nbytes: int, path: Path, name: str) -> bytes:
-    data = os.pread(fd, nbytes, offset)
+    try:
+        data = os.pread(fd, nbytes, offset)
+    except OSError as e:
+        raise _unreadable(path, e) from None
     if len(data) != nbytes:  # a regular file returns all of it unless it ends first
         raise _truncated(path, name)
     return data
@@ -291,10 +300,14 @@ def _read(fd: int, offset: int, nbytes: int, path: Path, name: str) -> bytes:
 
 def _read_rows_into(fd: int, offset: int, batches: list[list[memoryview]], path: Path, name: str) -> None:
     """Read a tensor (rows stored back to back from `offset`) into its rows' places: one scattered
-    read per batch, no copy in this process."""
+    read per batch."""
     for views in batches:
         want = len(views) * views[0].nbytes
-        if os.preadv(fd, views, offset) != want:
+        try:
+            got = os.preadv(fd, views, offset)
+        except OSError as e:
+            raise _unreadable(path, e) from None
+        if got != want:
             raise _truncated(path, name)
         offset += want
 
