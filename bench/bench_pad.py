@@ -4,10 +4,13 @@ The random-code Qwen3-30B-A3B-shaped checkpoint of bench_repack.py (H 2048, I 76
 int4 g128; `--layers` MoE layers, 2 = 0.64 GB) is copied with `cp -r SRC DST` and padded with
 `wna16ctl pad SRC --tp 4 --vllm 0.31.0 -o OUT -q` (I 768 -> 1024: every expert projection is
 rewritten a third larger, everything else copied in the kernel); each command is followed by
-`sync` (timed with it) and starts from a missing destination.  A pair is one of each, in
-alternating order; after one warm-up pair (page cache) the median of `--pairs` pairs of the ratio
-cp / pad is printed with its min-max, beside the bytes each writes.  Peak RSS (wait4) of pad is
-given at a second size to show it does not grow with the checkpoint.
+`sync` (timed with it) and starts from a missing destination.  pad writes a third more bytes than
+it reads, so a second baseline copies the same bytes pad writes: `cp -r` of a padded output made
+before the timed runs.  A round is one of each of the three, in alternating order; after one
+warm-up round (page cache) the median of `--pairs` rounds of the ratios cp / pad (the input
+copied: time against time) and cp-out / pad (the output's bytes copied: speed against speed at
+the same bytes) is printed with its min-max.  Peak RSS (wait4) of pad is given at a second size
+to show it does not grow with the checkpoint.
 
     python bench/bench_pad.py [--layers 2] [--small-layers 1] [--pairs 3] [--dir /tmp/wna16ctl-bench]
 """
@@ -30,12 +33,17 @@ PAD_ARGS = ("--tp", "4", "--vllm", "0.31.0", "-q")
 
 def pairs_at(root: Path, layers: int, pairs: int) -> tuple[str, int]:
     ck = _ckpt(root, layers)
-    copy, out = root / "copy", root / "padded"
-    cmds = [("cp", ["cp", "-r", str(ck), str(copy)], copy), ("pad", wna16ctl("pad", str(ck), *PAD_ARGS, "-o", str(out)), out)]
-    runs: dict[str, list] = {"cp": [], "pad": []}
+    copy, copy_out, out, ref = root / "copy", root / "copy-out", root / "padded", root / f"padded-ref-{layers}l"
+    if not (ref / "wna16ctl.json").exists():  # the bytes pad writes, for the second baseline
+        shutil.rmtree(ref, ignore_errors=True)
+        if _timed(wna16ctl("pad", str(ck), *PAD_ARGS, "-o", str(ref)), ref, _ENV).returncode != 0:
+            raise SystemExit("pad: failed")
+    cmds = [("cp", ["cp", "-r", str(ck), str(copy)], copy), ("cp-out", ["cp", "-r", str(ref), str(copy_out)], copy_out),
+            ("pad", wna16ctl("pad", str(ck), *PAD_ARGS, "-o", str(out)), out)]
+    runs: dict[str, list] = {name: [] for name, *_ in cmds}
     load = os.getloadavg()[0]
     written = 0
-    for i in range(pairs + 1):  # the first pair is a warm-up
+    for i in range(pairs + 1):  # the first round is a warm-up
         for name, cmd, dst in (cmds if i % 2 == 0 else cmds[::-1]):
             r = _timed(cmd, dst, _ENV)
             if r.returncode != 0:
@@ -48,11 +56,13 @@ def pairs_at(root: Path, layers: int, pairs: int) -> tuple[str, int]:
     for _, _, dst in cmds:
         shutil.rmtree(dst, ignore_errors=True)
     ratios = [c.wall / p.wall for c, p in zip(runs["cp"], runs["pad"])]
+    same = [c.wall / p.wall for c, p in zip(runs["cp-out"], runs["pad"])]
     size = _dir_bytes(ck)
     rss = max(r.max_rss_kib for r in runs["pad"])
-    row = (f"| {layers} layers, {size / 1e9:.2f} GB -> {written / 1e9:.2f} GB | {med([c.wall for c in runs['cp']]):.2f} s | "
-           f"{med([p.wall for p in runs['pad']]):.2f} s | **{med(ratios):.2f}** ({min(ratios):.2f}–{max(ratios):.2f}) | "
-           f"{rss / 1024:.0f} MiB | {load:.1f} |")
+    wall = lambda name: med([r.wall for r in runs[name]])  # noqa: E731 - a one-line accessor beside its data
+    row = (f"| {layers} layers, {size / 1e9:.2f} GB -> {written / 1e9:.2f} GB | {wall('cp'):.2f} s | {wall('cp-out'):.2f} s | "
+           f"{wall('pad'):.2f} s | **{med(ratios):.2f}** ({min(ratios):.2f}–{max(ratios):.2f}) | "
+           f"**{med(same):.2f}** ({min(same):.2f}–{max(same):.2f}) | {rss / 1024:.0f} MiB | {load:.1f} |")
     return row, rss
 
 
@@ -65,8 +75,9 @@ def main() -> None:
     args = ap.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     print(f"CPU: {cpu_simd()}; {os.cpu_count()} CPUs; command: wna16ctl pad SRC {' '.join(PAD_ARGS)} -o OUT")
-    print("| checkpoint (in -> out) | cp -r + sync | pad + sync | cp / pad (median, min–max) | pad peak RSS | load avg |")
-    print("|---|---|---|---|---|---|")
+    print("| checkpoint (in -> out) | cp -r SRC + sync | cp -r of pad's output + sync | pad + sync | cp / pad (median, "
+          "min–max) | cp-out / pad, same bytes (median, min–max) | pad peak RSS | load avg |")
+    print("|---|---|---|---|---|---|---|---|")
     for layers in (args.layers, args.small_layers):
         row, _ = pairs_at(args.dir, layers, args.pairs if layers == args.layers else 1)
         print(row, flush=True)

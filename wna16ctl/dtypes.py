@@ -8,6 +8,7 @@ native repack path runs on the string names alone and never imports torch.
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 # bytes per element of every safetensors dtype that has a byte size
@@ -24,6 +25,16 @@ FLOAT_ST_OF_CONFIG = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
 FLOAT_ST = ("BF16", "F16", "F32")
 # the integer dtypes a g_idx may have, as the `array` module's typecodes (read without torch)
 ARRAY_TYPECODES = {"I32": "i", "I64": "q"}
+# the float dtypes as `struct` formats, little-endian as safetensors stores them (BF16: F32's upper half)
+_STRUCT_FLOATS = {"F64": "<d", "F32": "<f", "F16": "<e"}
+
+
+def float_bytes(value: float, st_dtype: str) -> bytes | None:
+    """`value` stored as one element of a safetensors float dtype (None: not one of F64/F32/F16/BF16)."""
+    if st_dtype == "BF16":
+        return struct.pack("<f", value)[2:]
+    fmt = _STRUCT_FLOATS.get(st_dtype)
+    return None if fmt is None else struct.pack(fmt, value)
 
 # safetensors name -> torch attribute name (resolved lazily: see torch_dtype)
 _TORCH_NAMES = {

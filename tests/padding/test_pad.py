@@ -225,21 +225,22 @@ def test_what_padding_cannot_fix_is_refused_in_one_line(make_ckpt, tmp_path):
 
 
 def test_an_interrupted_pad_leaves_nothing_behind(make_ckpt, tmp_path, monkeypatch):
-    import wna16ctl.padding.tensors as tensors
+    import wna16ctl.padding.write as write
 
     src = make_ckpt(**SMALL)
     calls = []
-    real = tensors.pad_tensor
+    real = write._read_rows_into
 
-    def failing(*args, **kwargs):
+    def failing(*args, **kwargs):  # the down projections' reads: the 3rd fails
         calls.append(1)
-        if len(calls) == 7:
+        if len(calls) == 3:
             raise OSError(28, "No space left on device")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(tensors, "pad_tensor", failing)
+    monkeypatch.setattr(write, "_read_rows_into", failing)
     with pytest.raises(OSError):
         wna16ctl.pad(src, tmp_path / "p", tp=2, vllm="0.32.0")
+    assert len(calls) == 3
     assert sorted(os.listdir(tmp_path)) == []  # no OUT, no staging directory
 
 

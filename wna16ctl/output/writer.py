@@ -34,6 +34,7 @@ from wna16ctl.sources.headers import DTYPE_BITS
 from wna16ctl.output import outdir
 from wna16ctl.errors import BadInput, OutputError, UsageError
 from wna16ctl.output.filestream import DEPTH, FileStream, StreamAborted, start_writeback
+from wna16ctl.output.filestream import allocate as allocate_blocks
 from wna16ctl.output.outdir import JOURNAL_NAME, MANIFEST_NAME
 
 _ALIGN = 8  # safetensors pads the header so that data starts 8-byte aligned
@@ -463,10 +464,11 @@ class StagedOutput:
         except OSError as e:
             raise _os_error(e, self.stage / f.relpath) from None
 
-    def stream(self, f: PlannedFile, max_reserve: int, depth: int = DEPTH) -> FileStream:
+    def stream(self, f: PlannedFile, max_reserve: int, depth: int = DEPTH, *, allocate: bool = False) -> FileStream:
         """Create `f` in staging to be written front to back (`wna16ctl.output.filestream`), starting
         with its header; `max_reserve` is the largest piece the caller will reserve at once,
-        `depth` the blocks that may be in flight."""
+        `depth` the blocks that may be in flight; `allocate`: its blocks allocated up front
+        (`filestream.allocate`)."""
         self._rewritten.add(f.relpath)
         path = self.stage / f.relpath
         try:
@@ -476,6 +478,8 @@ class StagedOutput:
             raise _os_error(e, path) from None
         try:
             os.ftruncate(fd, f.size)
+            if allocate:
+                allocate_blocks(fd, f.size)
         except OSError as e:
             os.close(fd)
             raise _os_error(e, path) from None

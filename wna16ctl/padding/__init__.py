@@ -10,6 +10,8 @@ zeros.
   I' per config field that loads at TP N under the release's rules (the planner's, re-run with the
   padded sizes), or a one-line refusal naming what padding cannot fix.
 * `tensors`: the tensor math, per packed form (the zero code, new whole groups, g_idx, zero points).
+* `blocks`: the same padding as byte ranges (original bytes in pieces, added bytes after each),
+  without torch: what `write` writes.
 * `write`: the streaming, atomic rewrite through `wna16ctl.output` (same format, new sizes).
 * `proof`: `verify ORIGINAL PADDED`: originals unchanged, additions the zero code, same outputs.
 """

@@ -12,6 +12,10 @@ dequantises to (0 - 0)·s = 0 whatever its scale, and the added scales are 1 (fi
 projection's added columns are whole new groups (G -> I'/group) in order, so act-order g_idx
 names them G, G+1, ...; with act-order `group` vLLM loads every rank's w2 scales in full and
 finds the new groups there.  Unquantized weights gain zero rows / columns.
+
+`pad` writes these values through `blocks` (the same padding as byte ranges, without torch);
+this statement on tensors is the reference it is tested against, and what it falls back on for
+the forms that repack a partial int32 word.
 """
 
 from __future__ import annotations
@@ -19,23 +23,8 @@ from __future__ import annotations
 import torch
 
 from wna16ctl.layout.packing import pack_codes, pack_factor, unpack_codes
+from wna16ctl.padding.blocks import ADDED_SCALE, zero_code, zero_word  # noqa: F401 - the values, stated once
 from wna16ctl.planning.padding import PaddedModule, padded_shape
-
-ADDED_SCALE = 1.0  # any finite scale gives 0 on the zero code; 1 keeps the tensor's range as it was
-
-
-def zero_code(num_bits: int) -> int:
-    """The stored (offset) code of the value 0."""
-    return 1 << (num_bits - 1)
-
-
-def zero_word(num_bits: int) -> int:
-    """An int32 word of zero codes, as a signed int32 value."""
-    code = zero_code(num_bits)
-    word = 0
-    for i in range(pack_factor(num_bits)):
-        word |= code << (num_bits * i)
-    return word - (1 << 32) if word >= 1 << 31 else word
 
 
 def pad_tensor(m: PaddedModule, suffix: str, t: torch.Tensor, n_rows: int) -> torch.Tensor:
@@ -107,20 +96,3 @@ def _pad_zero_point(t: torch.Tensor, m: PaddedModule, shape: tuple[int, ...], n_
     # unused codes stay zero bits, as the packer leaves them)
     added = pack_codes(torch.full((n_rows, shape[1] - t.shape[1]), code, dtype=torch.int32), s.num_bits, dim=0)
     return _cat(t, added, 1)
-
-
-def append_dim(m: PaddedModule, suffix: str, shape: tuple[int, ...], dtype: torch.dtype, n_rows: int) -> int | None:
-    """The dimension along which padding only appends to the stored tensor, the original values
-    staying one block at its start (the added block then depends on the sizes alone, not on the
-    values: the writer makes it once per shape); None where the tensor is rewritten (weight_shape,
-    zero points packed along the rows that grow, codes that end in a partial int32 word)."""
-    if suffix == "weight_shape" or padded_shape(m, suffix, shape) == shape:
-        return None
-    if len(shape) == 1:
-        return 0
-    if m.role in ("gate", "up"):
-        packed_zp = suffix == "weight_zero_point" and dtype == torch.int32 and shape[0] != n_rows
-        return None if packed_zp else 0
-    if suffix == "weight_packed" and m.scheme is not None and m.width % pack_factor(m.scheme.num_bits):
-        return None
-    return 1

@@ -1,11 +1,15 @@
 """Writing the padded checkpoint: the same shards, tensors and format, with the padded sizes.
 
 Each output shard mirrors an input shard (same name, same tensors in the same data order); its
-header is computed from the plan first, so every tensor goes to its final offset.  Tensors that
-do not change are copied in the kernel (consecutive ones in one range); padded ones are read,
-padded and written one at a time, so memory stays at one projection's tensors.  Everything goes
-through `wna16ctl.output`: staged beside OUT, committed by one rename with a manifest, never
-half-written, and `--force` replaces only an earlier wna16ctl output.
+header is computed from the plan first, so every tensor goes to its final offset.  Padding only
+appends (`blocks`), so no value is computed: tensors that do not change, and the original bytes
+of those that gain rows at their end, are copied in the kernel (consecutive ones in one range);
+the added bytes are written from a block made once per shape; a tensor whose rows grow (the down
+projection) is read row by row straight into a buffer of its padded form that already holds the
+added bytes, and written in one piece.  Memory stays at one buffer per padded shape; no torch.
+Everything goes through `wna16ctl.output`: staged beside OUT, hashed as it is written, one fsync
+per file, committed by one rename with a manifest, never half-written, and `--force` replaces
+only an earlier wna16ctl output.
 
 config.json gets the padded fields and a `wna16ctl_padding` record (vLLM and transformers keep
 unknown fields as attributes and read nothing from it); the index gets the new total size; the
@@ -14,6 +18,7 @@ tokenizer and generation files are copied as they are.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 from pathlib import Path
@@ -86,11 +91,9 @@ def padded_config(plan: PadPlan, raw: dict[str, Any]) -> dict[str, Any]:
 def write_padded(plan: PadPlan, out: str | os.PathLike[str], *, force: bool = False,
                  progress: Callable[..., Callable[[int], None]] | None = None) -> dict[str, Any]:
     """Write the padded checkpoint to `out` and commit it with a manifest; returns the manifest."""
+    from wna16ctl import interrupts
     from wna16ctl.output.writer import FILE_HASH, StagedOutput
-    import torch
-
-    from wna16ctl.padding.tensors import append_dim, pad_tensor
-    from wna16ctl.sources.tensors import TensorReader, torch_dtype, writable_view
+    from wna16ctl.sources.raw import RawReader
 
     ck = plan.checkpoint
     out_path = Path(out).resolve()
@@ -99,65 +102,15 @@ def write_padded(plan: PadPlan, out: str | os.PathLike[str], *, force: bool = Fa
     staged = StagedOutput(out_path, force=force, resume=False, identity=ident, checkpoint=ck.root)
     total = sum(f.size for _, f in files)
     advance = progress("padding", total, unit="bytes") if progress else (lambda n: None)
-    # per tensor shape: its padded form, whose added block is written as it is (every expert of a
-    # layer has the same shapes, so memory stays at one projection's tensors), and a read buffer
-    blocks: dict[tuple, Any] = {}
-    rows_of: dict[tuple, list[list[memoryview]]] = {}  # per padded buffer: where each original row goes
     try:
         staged.check_space(total)
-        with TensorReader(ck.files) as reader:
+        shapes = _Shapes()
+        # Ctrl-C is raised between tensors (interrupts.check), never while a block is half filled
+        with interrupts.deferred(), RawReader(ck.files) as reader:
             for sh, f in files:
-                staged.open(f)  # creates the file with its header
-                src_fd = reader.fd(sh.path)
-                run: list[int] = []  # a pending kernel copy: [dst, src, nbytes]
-
-                def flush() -> None:
-                    if run:
-                        staged.copy_range(f, run[0], src_fd, run[1], run[2], source=sh.path)
-                        advance(run[2])
-                        run.clear()
-
-                for t in f.tensors:
-                    e = ck.files.entry(t.name)
-                    src = sh.data_start + e["data_offsets"][0]
-                    nbytes = e["data_offsets"][1] - e["data_offsets"][0]
-                    dst = f.offsets[t.name]
-                    module, suffix = _split(t.name)
-                    m = plan.modules.get(module)
-                    if m is None:
-                        if run and run[0] + run[2] == dst and run[1] + run[2] == src:
-                            run[2] += nbytes
-                        else:
-                            flush()
-                            run.extend((dst, src, nbytes))
-                        continue
-                    flush()
-                    info = ck.files.info(t.name)
-                    n_rows = _rows(ck, module)
-                    dim = append_dim(m, suffix, info.shape, torch_dtype(info.dtype), n_rows)
-                    if dim is None:  # rewritten whole (small: zero points, weight_shape)
-                        data = pad_tensor(m, suffix, reader.read(t.name), n_rows)
-                        if tuple(data.shape) != t.shape:
-                            raise AssertionError(f"{t.name}: padded to {tuple(data.shape)}, planned {t.shape}")
-                        staged.pwrite(f, dst, data)
-                    else:
-                        key = (m.role, suffix, info.shape, info.dtype, m.width, m.padded, n_rows)
-                        if key not in blocks:  # the padded form of a zero tensor: its added block is the one
-                            blocks[key] = pad_tensor(m, suffix, torch.zeros(info.shape, dtype=torch_dtype(info.dtype)),
-                                                     n_rows).contiguous()
-                        padded = blocks[key]
-                        if dim == 0:  # the original bytes, then the added ones
-                            staged.copy_range(f, dst, src_fd, info.start, info.nbytes, source=sh.path)
-                            staged.pwrite(f, dst + info.nbytes, writable_view(padded).cast("B")[info.nbytes:])
-                        else:  # each row grows: its original bytes are read straight into the row's start
-                            if key not in rows_of:
-                                rows_of[key] = _row_views(writable_view(padded), info, padded.shape[1] * padded.element_size())
-                            _read_rows_into(src_fd, info, rows_of[key], sh.path)
-                            staged.pwrite(f, dst, padded)
-                    advance(t.nbytes)
-                flush()
-                staged.finish(f, "")
-        _write_side_files(plan, staged)
+                _write_shard(plan, staged, sh, f, reader.fd(sh.path), shapes, advance)
+                staged.finish_stream(f)  # its last writes, fsync and digest run in the background
+        _write_side_files(plan, staged, files)
         staged.collect_hashes()
         manifest = {
             "format": OUTPUT_FORMAT, "layout": LAYOUT, "tool_version": __version__, "identity": ident,
@@ -166,35 +119,196 @@ def write_padded(plan: PadPlan, out: str | os.PathLike[str], *, force: bool = Fa
             "files": {rel: {FILE_HASH: digest, "bytes": (staged.stage / rel).stat().st_size}
                       for rel, digest in sorted(staged.done.items())},
         }
-        staged.commit(manifest, MANIFEST_NAME)
+        # OUT moves aside and the staging directory takes its place: both renames or neither
+        with interrupts.deferred() as held:
+            staged.commit(manifest, MANIFEST_NAME)
+            held.forget()
     except BaseException:
-        staged.abort(keep_for_resume=False)
+        with interrupts.deferred():  # a second Ctrl-C waits until the staging directory is gone
+            staged.abort(keep_for_resume=False)
         raise
     return manifest
 
 
+# The largest piece of a tensor whose rows grow that is read and written at once: such a tensor
+# is built in pieces of whole rows, so memory stays bounded however large one tensor is.
+ROWS_BYTES = 8 << 20
+STREAM_DEPTH = 8  # 1 MiB blocks in flight per output file: a few writes at once keep the disk busy
+PROGRESS_BYTES = 16 << 20  # the progress bar moves in steps of this
 _IOV_MAX = 1024  # Linux's limit on the buffers of one preadv
 
 
-def _row_views(out: memoryview, info: Any, out_row: int) -> list[list[memoryview]]:
-    """Where each row of the 2-d tensor `info` goes in `out` (row r at r·out_row), in batches of
-    at most 1024 (Linux's limit on the buffers of one preadv)."""
-    rows = info.shape[0]
-    row = info.nbytes // rows
-    return [[out[r * out_row: r * out_row + row] for r in range(first, min(rows, first + _IOV_MAX))]
-            for first in range(0, rows, _IOV_MAX)]
+class _Shapes:
+    """What is built once per padded shape: the tensor's padding, and for tensors whose rows grow a
+    buffer of a piece of the padded tensor with its added bytes in place, into which each piece of
+    a tensor of that shape is read (every expert of a layer has the same shapes, so memory stays at
+    a few such buffers)."""
+
+    def __init__(self) -> None:
+        self.padding: dict[tuple, Any] = {}
+        self.pieces: dict[tuple, tuple[memoryview, list[list[memoryview]]]] = {}
+
+    def of(self, m: Any, suffix: str, shape: tuple[int, ...], dtype: str, n_rows: int) -> tuple[tuple, Any]:
+        from wna16ctl.padding.blocks import tensor_padding
+
+        s = m.scheme
+        key = (m.role, m.width, m.padded, None if s is None else (s.num_bits, s.group_size), suffix, shape, dtype, n_rows)
+        if key not in self.padding:
+            self.padding[key] = tensor_padding(m, suffix, shape, dtype, n_rows)
+        return key, self.padding[key]
+
+    def piece(self, key: tuple, pad: Any, rows: int, last: bool) -> tuple[memoryview, list[list[memoryview]]]:
+        """A buffer of `rows` padded rows whose added bytes are in place (the last piece's end with
+        `last_tail`) and, in batches of at most 1024 for one preadv, the places of the original rows."""
+        k = (key, rows, last)
+        if k not in self.pieces:
+            row = bytes(pad.row_in) + pad.tail
+            data = row * rows if not last else row * (rows - 1) + bytes(pad.row_in) + pad.last_tail
+            view = memoryview(bytearray(data))
+            places = [view[r * pad.row_out: r * pad.row_out + pad.row_in] for r in range(rows)]
+            self.pieces[k] = (view, [places[i: i + _IOV_MAX] for i in range(0, rows, _IOV_MAX)])
+        return self.pieces[k]
 
 
-def _read_rows_into(fd: int, info: Any, batches: list[list[memoryview]], path: Path) -> None:
-    """Read the tensor `info` (rows stored back to back) into the rows' places: one scattered read
-    per batch, no copy in this process."""
-    offset = info.start
+def _write_shard(plan: PadPlan, staged: Any, sh: Any, f: Any, src_fd: int, shapes: _Shapes,
+                 advance: Callable[[int], None]) -> None:
+    """Write output shard `f` from input shard `sh` front to back through a `FileStream` (hashed
+    from memory as it goes, written in 1 MiB blocks, O_DIRECT where the filesystem takes it):
+    original bytes are read straight into the stream's blocks, consecutive ones in one range;
+    added bytes are copied from the shape's prepared block; the rows of a tensor whose rows grow
+    are read straight into their places in its prepared padded buffer, which is then streamed."""
+    from wna16ctl import interrupts
+
+    ck = plan.checkpoint
+    stream = staged.stream(f, 0, STREAM_DEPTH, allocate=True)  # the file, its blocks allocated, with its header
+    run = [0, 0]  # source bytes to stream next: offset, nbytes
+    moved = 0  # bytes not yet reported to the progress bar
+
+    def flush() -> None:
+        if run[1]:
+            _read_into_stream(stream, src_fd, run[0], run[1], sh.path)
+            run[1] = 0
+
+    def copy(src: int, nbytes: int) -> None:
+        if run[1] and run[0] + run[1] == src:
+            run[1] += nbytes
+            return
+        flush()
+        run[:] = [src, nbytes]
+
+    rows_of: dict[str, int] = {}
+    for t in f.tensors:
+        interrupts.check()
+        e = ck.files.entry(t.name)
+        src = sh.data_start + e["data_offsets"][0]
+        nbytes = e["data_offsets"][1] - e["data_offsets"][0]
+        if run[1] == 0 and stream.position != f.offsets[t.name]:
+            raise AssertionError(f"{f.relpath}: {t.name} is not next in the file")
+        module, suffix = _split(t.name)
+        m = plan.modules.get(module)
+        pad = None
+        if m is not None:
+            if module not in rows_of:
+                rows_of[module] = _rows(ck, module)
+            key, pad = shapes.of(m, suffix, tuple(e["shape"]), e["dtype"], rows_of[module])
+        if m is None or (pad is not None and pad.unchanged):
+            copy(src, nbytes)
+        elif pad is None:  # rewritten from its values (weight_shape; partial int32 words)
+            flush()
+            stream.write(_rewritten(m, suffix, t, ck.files.info(t.name), src_fd, rows_of[module], sh.path))
+        elif pad.rows == 1:  # the original bytes, then the added ones
+            copy(src, nbytes)
+            flush()
+            stream.write(pad.tail)
+        else:  # each row grows: its original bytes are read straight into the row's place
+            flush()
+            per = max(1, min(pad.rows, ROWS_BYTES // max(pad.row_out, 1)))
+            for first in range(0, pad.rows, per):
+                rows = min(per, pad.rows - first)
+                view, batches = shapes.piece(key, pad, rows, first + rows == pad.rows)
+                _read_rows_into(src_fd, src + first * pad.row_in, batches, sh.path, t.name)
+                stream.write(view)
+        moved += t.nbytes
+        if moved >= PROGRESS_BYTES:
+            advance(moved)
+            moved = 0
+    flush()
+    advance(moved)
+
+
+def _read_into_stream(stream: Any, fd: int, offset: int, nbytes: int, path: Path) -> None:
+    """Source bytes [offset, offset + nbytes) read straight into the stream's next blocks."""
+    end = offset + nbytes
+    while offset < end:
+        n = min(stream.block, end - offset)
+        view = memoryview((ctypes.c_char * n).from_address(stream.reserve(n))).cast("B")
+        try:
+            got = os.preadv(fd, [view], offset)
+        except OSError as e:
+            raise _unreadable(path, e) from None
+        finally:
+            view.release()
+        if got != n:  # a regular file returns all of it unless it ends first
+            raise BadInput(f"{path}: ends before the tensor data the plan expects (the shard was truncated or "
+                           "replaced after planning); restore the file and run again; nothing was left behind")
+        stream.commit(n)
+        offset += n
+
+
+def _rewritten(m: Any, suffix: str, t: Any, info: Any, src_fd: int, n_rows: int, path: Path) -> bytes:
+    """The padded bytes of a tensor rewritten from its values."""
+    from wna16ctl.dtypes import ARRAY_TYPECODES
+    from wna16ctl.padding.blocks import padded_weight_shape
+
+    data = _read(src_fd, info.start, info.nbytes, path, t.name)
+    if suffix == "weight_shape" and info.dtype in ARRAY_TYPECODES:
+        out = padded_weight_shape(m, data, info.dtype)
+    else:  # rare forms (a partial last int32 word): the tensor math itself
+        import torch
+
+        from wna16ctl.padding.tensors import pad_tensor
+        from wna16ctl.sources.tensors import as_tensor, writable_view
+
+        padded = pad_tensor(m, suffix, as_tensor(torch.frombuffer(bytearray(data), dtype=torch.uint8), info.dtype,
+                                                 info.shape), n_rows).contiguous()
+        if tuple(padded.shape) != t.shape:
+            raise AssertionError(f"{t.name}: padded to {tuple(padded.shape)}, planned {t.shape}")
+        out = bytes(writable_view(padded))
+    if len(out) != t.nbytes:
+        raise AssertionError(f"{t.name}: padded to {len(out)} bytes, planned {t.nbytes}")
+    return out
+
+
+def _truncated(path: Path, name: str) -> BadInput:
+    return BadInput(f"{path}: ends before tensor {name} does (the shard was truncated or replaced after "
+                    "planning); restore the file and run again; nothing was left behind")
+
+
+def _unreadable(path: Path, e: OSError) -> BadInput:
+    return BadInput(f"{path}: cannot be read ({e.strerror or e}); check the file and run again; nothing was left behind")
+
+
+def _read(fd: int, offset: int, nbytes: int, path: Path, name: str) -> bytes:
+    try:
+        data = os.pread(fd, nbytes, offset)
+    except OSError as e:
+        raise _unreadable(path, e) from None
+    if len(data) != nbytes:  # a regular file returns all of it unless it ends first
+        raise _truncated(path, name)
+    return data
+
+
+def _read_rows_into(fd: int, offset: int, batches: list[list[memoryview]], path: Path, name: str) -> None:
+    """Read a tensor (rows stored back to back from `offset`) into its rows' places: one scattered
+    read per batch."""
     for views in batches:
-        want = sum(v.nbytes for v in views)
-        got = os.preadv(fd, views, offset)
-        if got != want:  # a regular file returns all of it unless it ends first
-            raise BadInput(f"{path}: ends before tensor {info.name} does (the shard was truncated or replaced "
-                           "after planning); restore the file and run again; nothing was left behind")
+        want = len(views) * views[0].nbytes
+        try:
+            got = os.preadv(fd, views, offset)
+        except OSError as e:
+            raise _unreadable(path, e) from None
+        if got != want:
+            raise _truncated(path, name)
         offset += want
 
 
@@ -212,7 +326,7 @@ def _rows(ck: Any, module: str) -> int:
     raise BadInput(f"{ck.root}: {module} has no weight_packed or weight tensor")
 
 
-def _write_side_files(plan: PadPlan, staged: Any) -> None:
+def _write_side_files(plan: PadPlan, staged: Any, files: list[tuple[Any, Any]]) -> None:
     ck = plan.checkpoint
     from wna16ctl.sources.headers import read_regular_file
     from wna16ctl.sources.jsonfile import loads
@@ -222,7 +336,7 @@ def _write_side_files(plan: PadPlan, staged: Any) -> None:
     if ck.files.index_path is not None:
         index = loads(read_regular_file(ck.files.index_path, "index", limit=256 << 20))
         if isinstance(index.get("metadata"), dict):  # the bytes of every tensor's data
-            index["metadata"]["total_size"] = sum(t.nbytes for _, f in _planned_files(plan) for t in f.tensors)
+            index["metadata"]["total_size"] = sum(t.nbytes for _, f in files for t in f.tensors)
         staged.write_small(ck.files.index_path.name, (json.dumps(index, indent=2) + "\n").encode())
     shard_names = {_relpath(ck.root, sh.path) for sh in ck.files.shards}
     for entry in sorted(os.scandir(ck.root), key=lambda e: e.name):

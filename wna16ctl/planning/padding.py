@@ -85,11 +85,14 @@ class PadPlan:
 
 # -- finding the MLP modules ---------------------------------------------------------------------------
 
-def _module_scheme(ck: Checkpoint, module: str) -> WeightScheme | None:
-    if f"{module}.weight_packed" not in ck.files:
-        return None
+def _module_schemes(ck: Checkpoint, modules: list[str]) -> dict[str, WeightScheme | None]:
+    """module -> its weight scheme (None: stored unquantized, a `.weight`), every name matched at
+    once against the quantization config's targets."""
     quant = ck.config.quant
-    return quant.schemes_for([module])[0] if quant is not None else None
+    packed = [mod for mod in modules if f"{mod}.weight_packed" in ck.files]
+    schemes = quant.schemes_for(packed) if quant is not None and packed else [None] * len(packed)
+    found = dict(zip(packed, schemes))
+    return {mod: found.get(mod) for mod in modules}
 
 
 def _width_of(ck: Checkpoint, module: str, role: str, scheme: WeightScheme | None) -> int:
@@ -101,16 +104,12 @@ def _width_of(ck: Checkpoint, module: str, role: str, scheme: WeightScheme | Non
 
 def find_mlp_modules(ck: Checkpoint) -> dict[str, list[tuple[str, str, int, WeightScheme | None]]]:
     """kind -> [(module, role, width, scheme)] of every routed expert, shared expert and dense MLP."""
-    out: dict[str, list[tuple[str, str, int, WeightScheme | None]]] = {ROUTED: [], SHARED: [], DENSE: []}
+    routed: list[tuple[str, str, int]] = []
     for lay in [*ck.layers, *ck.mtp_layers]:
         for e in range(lay.num_experts):
             for role in ("gate", "up", "down"):
-                module = lay.tensor_name(e, role, "weight").removesuffix(".weight")
-                scheme = _module_scheme(ck, module)
-                if scheme is None and f"{module}.weight" not in ck.files:
-                    raise UsageError(f"{ck.root}: {module} has neither weight_packed nor weight; "
-                                     "pad rewrites per-expert projections only")
-                out[ROUTED].append((module, role, lay.intermediate_size, scheme))
+                routed.append((lay.tensor_name(e, role, "weight").removesuffix(".weight"), role, lay.intermediate_size))
+    others: list[tuple[str, str, str]] = []  # (module, role, kind)
     seen: set[str] = set()
     for name in ck.files.names():
         if ".experts." in name:
@@ -122,9 +121,16 @@ def find_mlp_modules(ck: Checkpoint) -> dict[str, list[tuple[str, str, int, Weig
         if leaf not in MLP_LEAVES or not parent.endswith(("mlp", ".shared_expert", ".shared_experts")):
             continue
         seen.add(module)
-        scheme = _module_scheme(ck, module)
-        kind = SHARED if parent.endswith(("shared_expert", "shared_experts")) else DENSE
-        out[kind].append((module, MLP_LEAVES[leaf], _width_of(ck, module, MLP_LEAVES[leaf], scheme), scheme))
+        others.append((module, MLP_LEAVES[leaf], SHARED if parent.endswith(("shared_expert", "shared_experts")) else DENSE))
+    schemes = _module_schemes(ck, [mod for mod, *_ in routed] + [mod for mod, *_ in others])
+    out: dict[str, list[tuple[str, str, int, WeightScheme | None]]] = {ROUTED: [], SHARED: [], DENSE: []}
+    for module, role, width in routed:
+        if schemes[module] is None and f"{module}.weight" not in ck.files:
+            raise UsageError(f"{ck.root}: {module} has neither weight_packed nor weight; "
+                             "pad rewrites per-expert projections only")
+        out[ROUTED].append((module, role, width, schemes[module]))
+    for module, role, kind in others:
+        out[kind].append((module, role, _width_of(ck, module, role, schemes[module]), schemes[module]))
     return out
 
 
@@ -334,18 +340,13 @@ def _module_bytes(ck: Checkpoint, m: PaddedModule, padded: bool) -> int:
     """Bytes of one module's tensors at its original or padded width (from the headers)."""
     total = 0
     for suffix in ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx", "weight", "bias"):
-        name = f"{m.module}.{suffix}"
-        if name not in ck.files:
+        e = ck.files.raw(f"{m.module}.{suffix}")
+        if e is None:
             continue
-        info = ck.files.info(name)
-        nbytes = info.nbytes
-        if padded and info.shape:
-            shape = padded_shape(m, suffix, tuple(info.shape))
-            n = 1
-            for d in shape:
-                n *= d
-            per = nbytes // max(1, math.prod(info.shape))
-            nbytes = n * per
+        nbytes = e["data_offsets"][1] - e["data_offsets"][0]
+        if padded and e["shape"]:
+            shape = tuple(e["shape"])
+            nbytes = math.prod(padded_shape(m, suffix, shape)) * (nbytes // max(1, math.prod(shape)))
         total += nbytes
     return total
 
@@ -391,8 +392,9 @@ def open_for_padding(path: str, tp: int | None, ep: bool, vllm: str, gpu: str, e
                                   proposal=proposal)
         return insp, open_checkpoint(path)
     ck = open_checkpoint(path)
-    if ck.quantized_layers:
-        return inspect_checkpoint(path, tps, ep, vllm=vllm, gpu=gpu, env=env, moe_backend=moe_backend), ck
+    if ck.quantized_layers:  # planned and written alike: one scan of its tensors serves both
+        insp = inspect_checkpoint(path, tps, ep, vllm=vllm, gpu=gpu, env=env, moe_backend=moe_backend)
+        return insp, insp.checkpoint
     if not ck.layers:
         raise UsageError(f"{ck.root}: no routed-expert MoE layers found; pad rewrites MoE checkpoints")
     # an unquantized MoE without a proposed scheme: widths only need to split over the ranks
