@@ -487,9 +487,11 @@ def verify(ctx: click.Context, ckpt: str, out: str, samples: str | None, num_sam
         from wna16ctl.padding.proof import is_padded_output
 
         if is_padded_output(out):  # a `pad` output: the padding proof (wna16ctl.padding.proof)
-            if e2e or layers is not None or experts is not None:
-                raise UsageError("--e2e, --layers and --experts do not apply to a pad output: its padding is checked whole")
-            proof = wna16ctl_verify(source, out, samples=samples, num_samples=num_samples)
+            if layers is not None or experts is not None:
+                raise UsageError("--layers and --experts do not apply to a pad output: its padding is checked whole")
+            proof = wna16ctl_verify(source, out, samples=samples, num_samples=num_samples, e2e=e2e, prompts=prompts,
+                                    max_new_tokens=max_new_tokens, score=score,
+                                    notice=lambda m: sink.warn(m, always=True))
             sink.result_lines(proof.to_json(), proof.lines)
             return EXIT_OK if proof.passed else EXIT_FAILED
         with sink.tasks() as progress:
