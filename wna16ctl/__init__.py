@@ -189,7 +189,8 @@ def verify(path: PathLike, out: PathLike, *, samples: PathLike | None = None, nu
     `wna16ctl.verification.samples.SAMPLE_SEARCH_ORDER` that exists (docs/verify.md).  `notice`
     receives the one line given when a demo checkpoint's own questions stand in for GSM8K.
     `e2e` adds greedy generation with `prompts`, `max_new_tokens` and `score` as `verify --e2e`
-    (needs wna16ctl[e2e]; not for a `layout="vllm"` output).  `layers` ("0-3,7" or indices) checks
+    (needs wna16ctl[e2e]; not for a `layout="vllm"` output; for a `pad` output the padded model
+    computed as its TP ranks compute it against the original at TP 1, in `PadProof.e2e`).  `layers` ("0-3,7" or indices) checks
     only those MoE layers' experts: a partial verify (`.partial`, the verdict says so, no
     `next_steps`).  `experts` (the same form) checks only those experts of each layer checked, alone or
     with `layers`: a partial verify too.  `revision` as for `repack`.
@@ -206,16 +207,16 @@ def verify(path: PathLike, out: PathLike, *, samples: PathLike | None = None, nu
     if not e2e and (prompts, max_new_tokens, score) != (8, 32, False):
         raise UsageError("prompts, max_new_tokens and score only apply with e2e=True")
     path = _local(path, revision)
-    if is_padded_output(out):  # a `pad` output: its PadProof (`.passed`, `.problems`, `.to_json()`)
-        if e2e or layers is not None or experts is not None:
-            raise UsageError("--e2e, --layers and --experts do not apply to a pad output: its padding is checked whole")
-        return verify_padding(path, out, samples=samples, num_samples=num_samples)
     options = None
     if e2e:
         from wna16ctl.verification.e2e import E2EOptions, require_transformers
 
         require_transformers()
         options = E2EOptions(prompts=prompts, max_new_tokens=max_new_tokens, score=score)
+    if is_padded_output(out):  # a `pad` output: its PadProof (`.passed`, `.problems`, `.to_json()`)
+        if layers is not None or experts is not None:
+            raise UsageError("layers and experts do not apply to a pad output: its padding is checked whole")
+        return verify_padding(path, out, samples=samples, num_samples=num_samples, e2e=options, notice=notice)
     return verify_output(path, out, samples=samples, num_samples=num_samples, device=device, progress=progress,
                          e2e=options, notice=notice, layers=layers, experts=experts)
 

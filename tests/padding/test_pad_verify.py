@@ -71,3 +71,66 @@ def test_a_padded_checkpoint_repacks_and_verifies_like_any_other(padded_pair, tm
     wna16ctl.repack(out, tmp_path / "tp2", tp=2, vllm="0.31.0", device="cpu")
     report = wna16ctl.verify(out, tmp_path / "tp2", num_samples=4)
     assert report.passed, report.to_json()
+
+
+# -- `verify ORIGINAL PADDED --e2e`: the padded model at its TP size against the original at TP 1 ------------
+
+E2E_ARGS = ["--e2e", "--prompts", "1", "--max-new-tokens", "4", "--num-samples", "4"]
+
+
+def test_verify_e2e_of_a_padding_generates_as_the_original(padded_pair):
+    from click.testing import CliRunner
+
+    from tests.conftest import QUESTIONS
+    from wna16ctl.cli import cli
+
+    pytest.importorskip("transformers")
+    src, out = padded_pair
+    r = CliRunner().invoke(cli, ["verify", str(src), str(out), "--samples", str(QUESTIONS), *E2E_ARGS, "--json"])
+    assert r.exit_code == 0, r.output
+    j = json.loads(r.stdout)
+    e2e = j["e2e"]
+    assert j["passed"] and e2e["status"] == "pass", e2e
+    assert e2e["tokens_generated"] == 4 and e2e["tokens_agreeing"] == 4
+    # every padded block output the padded model used, judged; every expert exercised
+    (layer,) = e2e["layers"]
+    assert layer["layer"] == "model.layers.0.mlp.experts" and layer["calls"] >= 1 and layer["violations"] == 0
+    assert layer["experts_exercised"] == 4
+    assert "2 TP ranks" in e2e["kernel"]
+    assert [s["serve"] for s in j["next_steps"]] == [f"vllm serve {out} --tensor-parallel-size 2"]
+    # the library gives the same proof, and its lines say it
+    proof = wna16ctl.verify(src, out, samples=QUESTIONS, num_samples=4, e2e=True, prompts=1, max_new_tokens=4)
+    same = proof.to_json()
+    for doc in (same["e2e"], e2e):
+        doc.pop("seconds")
+    assert same == j
+    text = "\n".join(proof.lines())
+    assert "PASS e2e: 4/4 tokens agree" in text and f"vllm serve {out} --tensor-parallel-size 2" in text
+
+
+def _damage_padding(out, bad, damage: str) -> None:
+    shutil.copytree(out, bad)
+    f = bad / "model.safetensors"
+    t = load_file(f)
+    m = "model.layers.0.mlp.experts.2"
+    if damage == "original scale":
+        t[f"{m}.gate_proj.weight_scale"][:, 0] *= 2
+    else:  # an added neuron that computes: non-zero codes in its gate and up rows and its down column
+        t[f"{m}.gate_proj.weight_packed"][128] = -1  # every 4-bit code 15
+        t[f"{m}.up_proj.weight_packed"][128] = -1
+        t[f"{m}.down_proj.weight_packed"][:, 128 // 8] = -1
+    save_file(t, f, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("damage", ["original scale", "added neuron"])
+def test_verify_e2e_fails_a_damaged_padding(padded_pair, tmp_path, damage):
+    from tests.conftest import QUESTIONS
+
+    pytest.importorskip("transformers")
+    src, out = padded_pair
+    bad = tmp_path / "bad"
+    _damage_padding(out, bad, damage)
+    proof = wna16ctl.verify(src, bad, samples=QUESTIONS, num_samples=4, e2e=True, prompts=1, max_new_tokens=4)
+    assert not proof.passed and proof.e2e.status == "FAIL", proof.e2e.to_json()
+    assert "outside the rounding interval" in proof.e2e.reason
+    assert proof.e2e.block_violations > 0 and not proof.next_steps

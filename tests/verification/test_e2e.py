@@ -405,3 +405,20 @@ def test_e2e_options_without_e2e_are_a_usage_error(outputs):
 ])
 def test_gsm8k_answer(text, number):
     assert gsm8k_answer(text) == number
+
+
+def test_rank_partials_round_each_rank_before_the_all_reduce():
+    """TP 2 of a row-parallel layer: each rank's partial is rounded to bf16, then the partials are
+    summed. 256 + 1 on rank 0 rounds to 256 (a tie, to even) and the sum 256 + 1 again to 256,
+    where TP 1 rounds the exact 258 to itself."""
+    from wna16ctl.verification.e2e import _RankPartials
+
+    linear = torch.nn.Linear(4, 1, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.fill_(1)
+    x = torch.tensor([[256.0, 1.0, 1.0, 0.0]], dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert float(_RankPartials(linear, 1)(x)) == 258
+        assert float(_RankPartials(linear, 2)(x)) == 256
+    with pytest.raises(Exception, match="does not split into 3 ranks"):
+        _RankPartials(linear, 3)

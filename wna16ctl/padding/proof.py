@@ -13,6 +13,10 @@
    derived rounding interval (`verification.bounds`); the two intervals share their float64
    centre, since the added products are exact zeros, so the two outputs differ by at most the two
    intervals' half-widths, which is checked too.
+3. With e2e (`verify ORIGINAL PADDED --e2e`): greedy generation on GSM8K prompts with the original at
+   TP 1 and the padded model computed as its TP ranks compute it, every padded MoE block output
+   judged against the interval of the original's experts extended by exact zeros
+   (`verification.e2e.run_padding_e2e`); a required check once asked for.
 """
 
 from __future__ import annotations
@@ -44,16 +48,29 @@ class PadProof:
     tensors_padded: int = 0
     layers: list[dict[str, Any]] = field(default_factory=list)  # numerics per routed layer
     activations: str = ""  # where the numerics' activations came from
+    e2e: Any = None  # wna16ctl.verification.e2e.E2EResult when e2e was asked
 
     @property
     def passed(self) -> bool:
-        return not self.problems and bool(self.tensors_checked)
+        """Every check passed, the e2e one too when it was asked (not run is not a pass)."""
+        return not self.problems and bool(self.tensors_checked) and (self.e2e is None or self.e2e.passed)
+
+    @property
+    def next_steps(self) -> list[Any]:
+        """How to serve the padded checkpoint: only once it is proved."""
+        from wna16ctl.planning.next_steps import NextStep, serve_command
+
+        if not self.passed or not self.tp:
+            return []
+        return [NextStep(self.tp, False, None, None, serve_command(self.padded, None, self.tp),
+                         "serve the padded checkpoint as it is (stock vLLM, the default load format)")]
 
     def to_json(self) -> dict[str, Any]:
         return {"original": str(self.original), "padded": str(self.padded), "layout": LAYOUT, "tp": self.tp,
                 "passed": self.passed, "tensors_checked": self.tensors_checked,
                 "tensors_padded": self.tensors_padded, "activations": self.activations, "numerics": self.layers,
-                "problems": self.problems}
+                "e2e": self.e2e.to_json() if self.e2e is not None else None,
+                "next_steps": [s.to_json() for s in self.next_steps], "problems": self.problems}
 
     def lines(self) -> list[str]:
         out = [f"FAIL {p}" for p in self.problems[:20]]
@@ -70,7 +87,33 @@ class PadProof:
                        f"{lay['max_ratio']:.3g})")
         if not self.layers and not self.problems:
             out.append("numerics not run: no padded quantized MoE layer to compare")
+        if self.e2e is not None:
+            out += _e2e_lines(self.e2e)
+        from wna16ctl.summary import next_step_lines
+
+        return out + next_step_lines(self.next_steps)
+
+
+def _e2e_lines(res: Any) -> list[str]:
+    """The e2e result as the proof's lines: the verdict, the block outputs per layer, each prompt."""
+    head = {"pass": "PASS", "FAIL": "FAIL"}.get(res.status, "NOT RUN")
+    agree = f"{res.tokens_agreeing}/{res.tokens_generated} tokens agree" if res.prompts else ""
+    out = [f"{head} e2e: " + "; ".join(x for x in (agree, res.reason) if x)]
+    if not res.prompts:
         return out
+    out.append(f"  {res.model} on {res.device}, {res.kernel}, {res.prompt_form}, {res.max_new_tokens} new tokens, "
+               f"{res.seconds:.1f} s")
+    for lay in res.layers:
+        out.append(f"  {lay.layer}: {lay.calls} block calls, {lay.elements} outputs, {lay.violations} outside the "
+                   f"interval of the original extended by zeros (largest error/bound {lay.max_ratio:.3g}); experts "
+                   f"routed {len(lay.routed)}/{lay.num_experts}, forced {len(lay.forced)}")
+    for c in res.prompts:
+        verdict = "pass" if c.first_divergence is None else "near-tie" if c.near_tie else "FAIL"
+        where = "" if c.first_divergence is None else (f", first difference at step {c.first_divergence} (top-2 margin "
+                                                       f"{c.reference_top2_margin:.3g}, bound {c.bound[-1]:.3g})")
+        out.append(f"  prompt {c.index}: {c.agree_prefix}/{len(c.reference_tokens)} tokens agree{where}; max "
+                   f"|dlogit| {max(c.max_abs_dlogit, default=0.0):.3g} {verdict}")
+    return out
 
 
 def is_padded_output(path: str | os.PathLike[str]) -> bool:
@@ -81,12 +124,18 @@ def is_padded_output(path: str | os.PathLike[str]) -> bool:
 
 
 def verify_padding(original: str | os.PathLike[str], padded: str | os.PathLike[str], numerics: bool = True,
-                   samples: str | os.PathLike[str] | None = None, num_samples: int = 16) -> PadProof:
+                   samples: str | os.PathLike[str] | None = None, num_samples: int = 16, e2e: Any = None,
+                   notice: Any = None) -> PadProof:
+    """The proof (module doc); `e2e` (verification.e2e.E2EOptions) adds the generation check."""
     from wna16ctl.output.outdir import MANIFEST_NAME, read_json_file
     from wna16ctl.output.writer import hash_file, recorded_hash
     from wna16ctl.repacking.pipeline import source_fingerprint
 
     a, b = open_checkpoint(original), open_checkpoint(padded)
+    if e2e is not None:  # the inputs in the order a user fixes them: the samples before any work
+        from wna16ctl.verification.samples import resolve_samples
+
+        e2e_samples = Path(resolve_samples(samples, a.root, notice))
     manifest = read_json_file(Path(padded) / MANIFEST_NAME)
     tp = manifest.get("padding", {}).get("tp") if isinstance(manifest, dict) else None
     proof = PadProof(Path(original), Path(padded), tp)
@@ -101,6 +150,10 @@ def verify_padding(original: str | os.PathLike[str], padded: str | os.PathLike[s
     _check_tensors(a, b, proof)
     if numerics and not proof.problems:
         _check_numerics(a, b, proof, samples, num_samples)
+    if e2e is not None:  # also on a damaged padding: how far the damage moves the model is reported too
+        from wna16ctl.verification.e2e import run_padding_e2e
+
+        proof.e2e = run_padding_e2e(a, b, tp or 1, e2e_samples, e2e)
     return proof
 
 

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from wna16ctl.verification.activations import read_records
+from wna16ctl.verification.block_check import BlockChecker, LayerCheck
 from wna16ctl.errors import BadInput
 from wna16ctl.layout.spec import MARLIN
 from wna16ctl.sources.architectures import model_types
@@ -527,7 +528,6 @@ def _candidate_gemm(device: torch.device) -> tuple[EmulatedGemm | None, str, str
 def _run_e2e(ck, out: Path, plan, samples: Path, options: E2EOptions, device: torch.device,
              dtype: torch.dtype) -> E2EResult:
     from wna16ctl.sources.tensors import TensorReader
-    from wna16ctl.verification.block_check import BlockChecker, LayerCheck
     from wna16ctl.verification.rank_gemm import UNIT_ROUNDOFF, RankFiles
 
     started = time.monotonic()
@@ -585,49 +585,14 @@ def _run_e2e(ck, out: Path, plan, samples: Path, options: E2EOptions, device: to
             checkers[p] = BlockChecker(j, tensors, ref_compute[p].ranks, dtype, device, gemm, check)
     except (BadInput, KeyError) as e:
         return E2EResult(status="FAIL", reason=f"the repacked tensors cannot be read: {getattr(e, 'message', e)}")
+    empty = next((i for i, ids in enumerate(prompts.ids) if not ids), None)
+    if empty is not None:
+        return not_run(f"{samples}: prompt {empty} has no tokens in the model's vocabulary")
     candidate = {p: _ExpertsModule(c, dtype) for p, c in checkers.items()}
-    failure = ""
-    for i, ids in enumerate(prompts.ids):
-        if not ids:
-            return not_run(f"{samples}: prompt {i} has no tokens in the model's vocabulary")
-        _install(blocks, reference)
-        ref_tokens, _ = _greedy(model, ids, options.max_new_tokens, eos, device)
-        plain = _teacher_forced(model, ids, ref_tokens, device)
-        for c in checkers.values():
-            c.where = f"prompt {i}"
-        try:
-            _install(blocks, candidate)
-            cand = _teacher_forced(model, ids, ref_tokens, device)
-        except Exception as e:  # malformed tensors make the kernel fail: a finding, not a crash
-            msg = getattr(e, "message", None) or f"{type(e).__name__}: {e}"
-            failure = f"prompt {i}: the MoE GEMM cannot run on the repacked tensors: {msg}"
-            break
-        _install(blocks, low)
-        lo_logits = _teacher_forced(model, ids, ref_tokens, device)
-        _install(blocks, high)
-        hi_logits = _teacher_forced(model, ids, ref_tokens, device)
-        bound = torch.maximum((lo_logits - plain).abs().amax(-1), (hi_logits - plain).abs().amax(-1))
-        cmp = compare_runs(i, len(ids), ref_tokens, plain, cand, bound)
-        if options.score and cmp.first_divergence is not None and cmp.candidate_tokens[-1] not in eos \
-                and len(cmp.candidate_tokens) < options.max_new_tokens:
-            # the candidate's own continuation after the divergence (its blocks are judged too)
-            _install(blocks, candidate)
-            more, _ = _greedy(model, ids + cmp.candidate_tokens, options.max_new_tokens - len(cmp.candidate_tokens),
-                              eos, device)
-            cmp.candidate_tokens += more
-            cmp.agree_total = sum(a == b for a, b in zip(cmp.reference_tokens, cmp.candidate_tokens))
-        cmp.reference_text, cmp.candidate_text = prompts.decode(ref_tokens), prompts.decode(cmp.candidate_tokens)
-        cmp.gold_answer = prompts.gold[i]
-        if options.score:
-            cmp.reference_answer, cmp.candidate_answer = gsm8k_answer(cmp.reference_text), gsm8k_answer(cmp.candidate_text)
-        result.prompts.append(cmp)
-    if not failure:
-        try:
-            for c in checkers.values():
-                c.forced_pass()
-        except Exception as e:  # as above
-            msg = getattr(e, "message", None) or f"{type(e).__name__}: {e}"
-            failure = f"forced routing: the MoE GEMM cannot run on the repacked tensors: {msg}"
+    failure = _compare_prompts(result, prompts, options, eos, device, checkers.values(),
+                               reference=_Run(model, blocks, reference), candidate=_Run(model, blocks, candidate),
+                               low=_Run(model, blocks, low), high=_Run(model, blocks, high),
+                               fault="the MoE GEMM cannot run on the repacked tensors")
     if gemm is not None:
         result.kernel_seconds = gemm.seconds
         launches = ", ".join(f"{k} × {v}" for k, v in sorted(gemm.launches.items()))
@@ -637,6 +602,63 @@ def _run_e2e(ck, out: Path, plan, samples: Path, options: E2EOptions, device: to
         result.score = score_summary(result.prompts)
     result.seconds = time.monotonic() - started
     return result
+
+
+@dataclass
+class _Run:
+    """A model with one set of experts installed in its MoE blocks (several runs may share a model)."""
+
+    model: Any
+    blocks: dict[str, torch.nn.Module]
+    experts: Mapping[str, torch.nn.Module]
+
+    def teacher_forced(self, ids: list[int], tokens: list[int], device: torch.device) -> torch.Tensor:
+        _install(self.blocks, self.experts)
+        return _teacher_forced(self.model, ids, tokens, device)
+
+    def greedy(self, ids: list[int], n: int, eos: set[int], device: torch.device) -> list[int]:
+        _install(self.blocks, self.experts)
+        return _greedy(self.model, ids, n, eos, device)[0]
+
+
+def _compare_prompts(result: E2EResult, prompts: _Prompts, options: E2EOptions, eos: set[int], device: torch.device,
+                     checkers: Any, *, reference: _Run, candidate: _Run, low: _Run, high: _Run,
+                     fault: str) -> str:
+    """Criterion 2 of the module doc for every prompt (appended to `result.prompts`), then the
+    forced-routing pass of each block checker. Returns the failure ("" for none): an exception of
+    the candidate's experts is a finding (`fault` says what could not run), not a crash."""
+    for i, ids in enumerate(prompts.ids):
+        ref_tokens = reference.greedy(ids, options.max_new_tokens, eos, device)
+        plain = reference.teacher_forced(ids, ref_tokens, device)
+        for c in checkers:
+            c.where = f"prompt {i}"
+        try:
+            cand = candidate.teacher_forced(ids, ref_tokens, device)
+        except Exception as e:  # malformed tensors make the experts fail: a finding, not a crash
+            msg = getattr(e, "message", None) or f"{type(e).__name__}: {e}"
+            return f"prompt {i}: {fault}: {msg}"
+        lo_logits = low.teacher_forced(ids, ref_tokens, device)
+        hi_logits = high.teacher_forced(ids, ref_tokens, device)
+        bound = torch.maximum((lo_logits - plain).abs().amax(-1), (hi_logits - plain).abs().amax(-1))
+        cmp = compare_runs(i, len(ids), ref_tokens, plain, cand, bound)
+        if options.score and cmp.first_divergence is not None and cmp.candidate_tokens[-1] not in eos \
+                and len(cmp.candidate_tokens) < options.max_new_tokens:
+            # the candidate's own continuation after the divergence (its blocks are judged too)
+            cmp.candidate_tokens += candidate.greedy(ids + cmp.candidate_tokens,
+                                                     options.max_new_tokens - len(cmp.candidate_tokens), eos, device)
+            cmp.agree_total = sum(a == b for a, b in zip(cmp.reference_tokens, cmp.candidate_tokens))
+        cmp.reference_text, cmp.candidate_text = prompts.decode(ref_tokens), prompts.decode(cmp.candidate_tokens)
+        cmp.gold_answer = prompts.gold[i]
+        if options.score:
+            cmp.reference_answer, cmp.candidate_answer = gsm8k_answer(cmp.reference_text), gsm8k_answer(cmp.candidate_text)
+        result.prompts.append(cmp)
+    try:
+        for c in checkers:
+            c.forced_pass()
+    except Exception as e:  # as above
+        msg = getattr(e, "message", None) or f"{type(e).__name__}: {e}"
+        return f"forced routing: {fault}: {msg}"
+    return ""
 
 
 def _verdict(result: E2EResult, failure: str) -> tuple[str, str]:
@@ -692,12 +714,199 @@ def reference_generation(ckpt: str | os.PathLike[str], samples: Path, options: E
 
 
 def model_dtype_logit_change(ckpt: str | os.PathLike[str], prompts: list[list[int]], tokens: list[list[int]],
-                             device: torch.device = torch.device("cpu")) -> list[torch.Tensor]:
+                             device: torch.device = torch.device("cpu"), tp: int = 1) -> list[torch.Tensor]:
     """Per prompt and step, max |Δlogit| between the TP-1 reference run teacher-forced in fp32 and
-    the same run with the non-expert layers in the model dtype: how far an engine that computes
-    them in that dtype may legitimately move the logits (one sample of its rounding)."""
-    _, model, _, dtype = reference_model(ckpt, device)
+    the same run computed as an engine at TP `tp` computes it: the non-expert layers in the model
+    dtype and, for `tp` > 1, every row-parallel product (attention output projections, dense and
+    shared MLP down projections, the routed experts) as `tp` partial sums over contiguous slices
+    of its input, each rounded to the model dtype and then summed in fp32 and rounded (the
+    all-reduce). How far such an engine may legitimately move the logits: one sample of its
+    rounding, with whatever a router near-tie amplifies it into."""
+    ck, model, blocks, dtype = reference_model(ckpt, device)
     full = [_teacher_forced(model, p, t, device) for p, t in zip(prompts, tokens)]
     model.to(dtype)
+    if tp > 1:
+        _split_row_parallel(ck, model, blocks, dtype, tp, device)
     low = [_teacher_forced(model, p, t, device) for p, t in zip(prompts, tokens)]
     return [(a - b).abs().amax(-1) for a, b in zip(full, low)]
+
+
+ROW_PARALLEL = ("o_proj", "down_proj")  # the linear layers a TP engine splits along their input
+
+
+class _RankPartials(torch.nn.Module):
+    """A row-parallel linear layer as `tp` ranks compute it: each rank's product over its slice of
+    the input (fp32 accumulation, rounded to the model dtype), the partials summed in fp32 and
+    rounded once more."""
+
+    def __init__(self, linear: torch.nn.Linear, tp: int):
+        super().__init__()
+        if linear.in_features % tp:
+            raise BadInput(f"a {linear.in_features}-wide row-parallel layer does not split into {tp} ranks")
+        self.linear, self.tp = linear, tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.linear.weight.float()
+        k = w.shape[1] // self.tp
+        parts = [(x[..., r * k:(r + 1) * k].float() @ w[:, r * k:(r + 1) * k].T).to(x.dtype).float()
+                 for r in range(self.tp)]
+        y = torch.stack(parts).sum(0)
+        if self.linear.bias is not None:  # added once, after the all-reduce
+            y = y.to(x.dtype).float() + self.linear.bias.float()
+        return y.to(x.dtype)
+
+
+def _split_row_parallel(ck, model, blocks: dict[str, torch.nn.Module], dtype: torch.dtype, tp: int,
+                        device: torch.device) -> None:
+    """Every row-parallel product of `model` (in the model dtype) computed as `tp` ranks compute it."""
+    from wna16ctl.sources.tensors import TensorReader
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, torch.nn.Linear) and name.rpartition(".")[2] in ROW_PARALLEL:
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, _RankPartials(module, tp))
+    with TensorReader(ck.files) as reader:
+        _install(blocks, {lay.prefix: _ExpertsModule(_ReferenceExperts(ck, reader, tp_split(lay, tp), dtype, device), dtype)
+                          for lay in ck.quantized_layers if lay.prefix in blocks})
+
+
+# ---- a `pad` output: the padded model at TP N against the original at TP 1 -------------------------------
+
+
+def tp_split(layer: Any, tp: int) -> Any:
+    """A job of `layer` (what `_ReferenceExperts` reads) split as TP `tp` shards a MoE layer:
+    contiguous slices of the intermediate dimension, every rank holding every expert."""
+    from types import SimpleNamespace
+
+    i_p = layer.intermediate_size // tp
+    return SimpleNamespace(layer=layer, specs=[SimpleNamespace(rank=r, intermediate_per_partition=i_p) for r in range(tp)],
+                           expert_ranges=[range(layer.num_experts)] * tp)
+
+
+def zero_extended_ranks(original: _ReferenceExperts, size: int, tp: int) -> list:
+    """The original layer's dequantised experts (one TP-1 rank) with the intermediate dimension
+    extended by exact zeros to `size` at its end, then split into `tp` ranks as `tp_split`: what a
+    correct padding computes, built from the original alone."""
+    (experts, weights), = original.ranks
+    i = next(iter(weights.values()))[1].shape[0]
+    i_p = size // tp
+    ranks = []
+    for r in range(tp):
+        kept = slice(min(r * i_p, i), min((r + 1) * i_p, i))
+        zeros = i_p - (kept.stop - kept.start)
+        out = {}
+        for e, (w13, w2) in weights.items():
+            z13 = w13.new_zeros(w13.shape[0], zeros)
+            gate, up = torch.cat([w13[:, :i][:, kept], z13], 1), torch.cat([w13[:, i:][:, kept], z13], 1)
+            out[e] = (torch.cat([gate, up], 1).contiguous(),
+                      torch.cat([w2[kept], w2.new_zeros(zeros, w2.shape[1])]).contiguous())
+        ranks.append((experts, out))
+    return ranks
+
+
+def run_padding_e2e(original, padded, tp: int, samples: Path, options: E2EOptions) -> E2EResult:
+    """`verify ORIGINAL PADDED --e2e` (Checkpoints `original`, `padded`, padded for TP `tp`): the
+    module doc's two criteria with
+    * reference -- the ORIGINAL's experts at TP 1 (greedy tokens, logits);
+    * candidate -- the PADDED checkpoint's model (its own config and non-expert weights) with its
+      experts read from its files and computed as `tp` TP ranks compute them (fp32 accumulation,
+      each rank's partial rounded to the model dtype, the partials summed as the all-reduce);
+    * every candidate block output judged against the interval of the original's experts extended
+      by exact zeros and split into the same `tp` ranks (`zero_extended_ranks`): the interval any
+      correct padding lands in; the logit bound moves every block output to that interval's ends.
+    CPU only: the arithmetic of the reference computation, no kernel."""
+    threads = torch.get_num_threads()
+    if (original.config.hidden_size or 0) <= SMALL_MODEL_HIDDEN:
+        torch.set_num_threads(1)  # as in run_e2e: a small model's decode steps are tiny ops
+    try:
+        return _run_padding_e2e(original, padded, tp, samples, options)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_padding_e2e(a, b, tp: int, samples: Path, options: E2EOptions) -> E2EResult:
+    from wna16ctl.errors import WnaError
+    from wna16ctl.sources.tensors import TensorReader, dtype_from_name
+    from wna16ctl.verification.rank_gemm import UNIT_ROUNDOFF
+
+    started = time.monotonic()
+    try:
+        import transformers  # noqa: F401 - imported to check it is installed
+    except ImportError:
+        return not_run(f"transformers is not installed: {INSTALL_HINT}")
+    model_type = a.config.model_type
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return not_run(f"model type {model_type!r} is not supported for --e2e (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    dtype = dtype_from_name(a.config.torch_dtype or "bfloat16")
+    if dtype not in UNIT_ROUNDOFF or dtype == torch.float32:
+        return not_run(f"model dtype {dtype}: the rounding intervals are for bfloat16 or float16 experts")
+    quantized = {lay.prefix for lay in a.quantized_layers}
+    plain_experts = [lay.prefix for lay in a.layers if lay.prefix not in quantized]
+    if plain_experts:
+        return not_run(f"{plain_experts[0]}: routed experts that are not quantized; --e2e compares quantized experts")
+    padded_layers = {lay.prefix: lay for lay in b.layers}
+    missing = [lay.prefix for lay in a.layers if lay.prefix not in padded_layers]
+    if missing:
+        return E2EResult(status="FAIL", reason=f"{missing[0]}: the padded checkpoint has no such MoE layer")
+    uneven = [p for p, lay in padded_layers.items() if lay.intermediate_size % tp]
+    if uneven:
+        return E2EResult(status="FAIL", reason=f"{uneven[0]}: intermediate size {padded_layers[uneven[0]].intermediate_size} "
+                                               f"does not split into {tp} ranks")
+    device = torch.device("cpu")
+    vocab = int(a.config.raw.get("vocab_size") or 0)
+    eos_cfg = a.config.raw.get("eos_token_id")
+    eos = set(eos_cfg if isinstance(eos_cfg, list) else [eos_cfg] if eos_cfg is not None else [])
+    try:
+        prompts = _build_prompts(a.root, samples, options.prompts, vocab)
+        model_a, blocks_a = _build_model(a, device)
+        model_b, blocks_b = _build_model(b, device)
+    except BadInput as e:  # no usable prompts, or a checkpoint lacks a weight of the model
+        return not_run(e.message)
+    empty = next((i for i, ids in enumerate(prompts.ids) if not ids), None)
+    if empty is not None:
+        return not_run(f"{samples}: prompt {empty} has no tokens in the model's vocabulary")
+    result = E2EResult(status="pass", model=type(model_a).__name__, device=device.type,
+                       kernel=f"the padded experts as {tp} TP ranks compute them (fp32 accumulation, rank partials "
+                              f"in {str(dtype).removeprefix('torch.')} summed as the all-reduce)",
+                       expert_dtype=str(dtype).removeprefix("torch."), prompt_form=prompts.form,
+                       max_new_tokens=options.max_new_tokens)
+    reference, low, high, candidate, checkers = {}, {}, {}, {}, []
+    try:
+        with TensorReader(a.files) as ra, TensorReader(b.files) as rb:
+            for lay in a.layers:
+                lay_b = padded_layers[lay.prefix]
+                ref = _ReferenceExperts(a, ra, tp_split(lay, 1), dtype, device)
+                ranks = zero_extended_ranks(ref, lay_b.intermediate_size, tp)
+                pad = _ReferenceExperts(b, rb, tp_split(lay_b, tp), dtype, device)
+                check = LayerCheck(lay.prefix, lay.num_experts)
+                result.layers.append(check)
+                checker = _PaddedBlock(pad, ranks, dtype, device, check)
+                checkers.append(checker)
+                reference[lay.prefix] = _ExpertsModule(ref, dtype)
+                low[lay.prefix] = _ExpertsModule(_EdgeExperts(ranks, dtype, high=False), dtype)
+                high[lay.prefix] = _ExpertsModule(_EdgeExperts(ranks, dtype, high=True), dtype)
+                candidate[lay.prefix] = _ExpertsModule(checker, dtype)
+    except (WnaError, KeyError, RuntimeError, ValueError) as e:
+        return E2EResult(status="FAIL", reason=f"the padded experts cannot be read: {getattr(e, 'message', e)}")
+    failure = _compare_prompts(result, prompts, options, eos, device, checkers,
+                               reference=_Run(model_a, blocks_a, reference), candidate=_Run(model_b, blocks_b, candidate),
+                               low=_Run(model_a, blocks_a, low), high=_Run(model_a, blocks_a, high),
+                               fault="the padded experts cannot run")
+    result.status, result.reason = _verdict(result, failure)
+    if options.score and result.prompts:
+        result.score = score_summary(result.prompts)
+    result.seconds = time.monotonic() - started
+    return result
+
+
+class _PaddedBlock(BlockChecker):
+    """A block checker whose candidate is the padded experts' TP-rank computation (no repack job:
+    the forced-routing pass and the judging are BlockChecker's)."""
+
+    def __init__(self, compute: _ReferenceExperts, reference: list, dtype: torch.dtype, device: torch.device,
+                 check: LayerCheck):
+        super().__init__(None, [], reference, dtype, device, None, check)
+        self.compute = compute
+
+    def candidate(self, a: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return self.compute(a, ids, w)
