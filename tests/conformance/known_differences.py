@@ -41,31 +41,7 @@ def known_cause(version: str, case: dict[str, Any], vllm: Outcome, plan: Outcome
 # Disagreements of a whole model built by the release (model_build.py): (release, case, vLLM's
 # outcome, the planner's, the differing lines) -> explained.
 ModelRule = Callable[[str, dict[str, Any], Outcome, Outcome, list[str]], bool]
-def _trtllm_routing_only(version: str, case: dict[str, Any], vllm: Outcome, plan: Outcome, diffs: list[str]) -> bool:
-    """Every difference is a MoE layer where the planner picks FlashInfer TRT-LLM and the release
-    rejects it for the model's routing method."""
-    for d in diffs:
-        if not d.startswith("moe "):
-            return False
-        name = d[4:].split(" ", 1)[0]
-        v = next((e for k, e in vllm["moe"].items() if k.removesuffix(".routed_experts") == name), None)
-        why = ((v or {}).get("rejected_reasons") or {}).get("flashinfer_trtllm", "")
-        if "routing method" not in why or plan["moe"].get(name, {}).get("backend") != "flashinfer_trtllm":
-            return False
-    return bool(diffs)
-
-
-KNOWN_MODEL: dict[str, ModelRule] = {
-    # A planner gap, not modelled yet: FlashInfer's TRT-LLM int4 MoE experts
-    # (TrtLlmMxint4ExpertsMonolithic._supports_routing_method, 0.27-0.33) take only the
-    # Renormalize, RenormalizeNaive, DeepSeekV3 and Llama4 routing methods (0.27: also Simulated).
-    # A Qwen3-/Qwen2-MoE config without norm_topk_prob (softmax top-k, no renormalization: the
-    # Default method) is refused there and the release falls back to Marlin; the planner, which
-    # does not read the routing method, keeps FlashInfer TRT-LLM.  Only with
-    # VLLM_USE_FLASHINFER_MOE_INT4=1 on sm100 and int4 symmetric group-32 experts.
-    "FlashInfer TRT-LLM int4 MoE refuses the model's routing method (planner does not model routing)":
-        _trtllm_routing_only,
-}
+KNOWN_MODEL: dict[str, ModelRule] = {}
 
 
 def known_model_cause(version: str, case: dict[str, Any], vllm: Outcome, plan: Outcome, diffs: list[str]) -> str | None:

@@ -84,6 +84,8 @@ def real_configs() -> dict[str, tuple[dict, Callable]]:
         "qwen3_int8_channel": (_with_quant(_qwen3(), num_bits=8, group_size=-1), m.qwen3_moe),
         "qwen3_asym_g64": (_with_quant(_qwen3(), symmetric=False, group_size=64), m.qwen3_moe),
         "qwen3_g32": (_with_quant(_qwen3(), group_size=32), m.qwen3_moe),
+        # softmax top-k without renormalization (vLLM's Default routing method)
+        "qwen3_g32_unnormalized_topk": (dict(_with_quant(_qwen3(), group_size=32), norm_topk_prob=False), m.qwen3_moe),
         "qwen3_packed_head": (_packed_head(_qwen3(), False), m.qwen3_moe),
         "qwen3_packed_head_target": (_packed_head(_qwen3(), True), m.qwen3_moe),
         "qwen15_moe_a27b": (m.qwen15_moe_a27b(layers=1), m.qwen3_moe),

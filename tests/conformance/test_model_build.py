@@ -52,6 +52,8 @@ def _slice(root: Path) -> list[dict[str, Any]]:
         _real_case(root, "qwen3_packed_head_target", "sm90", 2),
         _layer_case(root, "w1_w3_w2_names", "sm90", 2, names="w1_w3_w2", targets="names", hidden_size=512,
                     intermediate_size=256),
+        _layer_case(root, "packed_head_untargeted", "sm90", 2, lm_head="packed", hidden_size=512,
+                    intermediate_size=256),
         _layer_case(root, "actorder_dynamic", "sm90", 2, actorder="dynamic", hidden_size=512, intermediate_size=256),
         _layer_case(root, "bits3_dense", "sm90", 2, num_bits=3, packing="dense", hidden_size=512,
                     intermediate_size=256),

@@ -174,8 +174,14 @@ def _key_text(key: WeightKey) -> str:
 
 
 # -- backend reasons ----------------------------------------------------------------------------
+# The routing methods FlashInfer's TRT-LLM int4 MoE experts take (TrtLlmMxint4ExpertsMonolithic.
+# _supports_routing_method, 0.27-0.33)
+_TRTLLM_ROUTING = ("Renormalize", "RenormalizeNaive", "DeepSeekV3", "Llama4")
+
+
 def _backend_reason(b: Backend, rel: rules.Release, gpu: str, s: WeightScheme, hidden: int, i_p: int,
-                    allow_tile_padding: bool, switches: EngineSwitches = DEFAULT_SWITCHES) -> str | None:
+                    allow_tile_padding: bool, switches: EngineSwitches = DEFAULT_SWITCHES,
+                    routing: str | None = None) -> str | None:
     """Why `b` does not take this layer in `rel` on `gpu` (None: it does).
 
     The oracle's own incompatibility reason first, then the experts class's support checks
@@ -195,6 +201,9 @@ def _backend_reason(b: Backend, rel: rules.Release, gpu: str, s: WeightScheme, h
                     "VLLM_USE_FLASHINFER_MOE_INT4 is 0 by default; --env VLLM_USE_FLASHINFER_MOE_INT4=1 turns it on)")
         if key != _INT4_32:
             return f"kernel does not support quantization scheme {_key_text(key)} (int4 symmetric group-32 only)"
+        if routing is not None and routing not in _TRTLLM_ROUTING:
+            return (f"kernel does not support routing method {routing} (the model's top-k routing: TRT-LLM takes "
+                    f"{', '.join(_TRTLLM_ROUTING)}; a softmax top-k without norm_topk_prob is Default)")
         return None
     if b in (Backend.MARLIN, Backend.BATCHED_MARLIN):
         gate = marlin_support_reason(hidden, i_p, s.group_size, allow_tile_padding)
@@ -478,7 +487,7 @@ def plan_layer(layer: MoELayer, tp: int, ep: bool = False, engine: str = rules.N
             # what each remaining backend would say, for the report (the engine stops at the crash)
             for rest in order[order.index(b):]:
                 reason = (f"crashes the Marlin gate: {crash}" if rest in (Backend.MARLIN, Backend.BATCHED_MARLIN)
-                          else _backend_reason(rest, rel, gpu, s, H, i_p, allow_tile_padding, switches))
+                          else _backend_reason(rest, rel, gpu, s, H, i_p, allow_tile_padding, switches, layer.routing))
                 if reason is not None:
                     plan.rejected[rest.value] = reason
             return plan
@@ -496,11 +505,11 @@ def plan_layer(layer: MoELayer, tp: int, ep: bool = False, engine: str = rules.N
                 "written with group_size null; fixed in vLLM 0.30.0)"))
             for rest in order[order.index(b):]:
                 reason = (f"raises {crash}" if rest is Backend.HUMMING
-                          else _backend_reason(rest, rel, gpu, s, H, i_p, allow_tile_padding, switches))
+                          else _backend_reason(rest, rel, gpu, s, H, i_p, allow_tile_padding, switches, layer.routing))
                 if reason is not None:
                     plan.rejected[rest.value] = reason
             return plan
-        own[b] = _backend_reason(b, rel, gpu, s, H, i_p, allow_tile_padding, switches)
+        own[b] = _backend_reason(b, rel, gpu, s, H, i_p, allow_tile_padding, switches, layer.routing)
         if own[b] is None and plan.backend is None:
             plan.backend = b
         elif own[b] is not None:
@@ -510,7 +519,7 @@ def plan_layer(layer: MoELayer, tp: int, ep: bool = False, engine: str = rules.N
     # the layouts wna16ctl writes are those of the Marlin and Triton backends
     for b in (Backend.MARLIN, Backend.TRITON):
         if b not in own:
-            own[b] = _backend_reason(b, rel, gpu, s, H, i_p, allow_tile_padding, switches)
+            own[b] = _backend_reason(b, rel, gpu, s, H, i_p, allow_tile_padding, switches, layer.routing)
     chosen = plan.backend
     if chosen is None and forced != "auto":
         plan.fail("oracle", "forced backend", (
