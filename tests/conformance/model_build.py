@@ -210,7 +210,7 @@ _ORDER = {None: 3, "load": 2, "model": 1, "config": 0}
 def planner_outcome(case: dict[str, Any], version: str) -> dict[str, Any]:
     """The planner's answer in the shape of `model_outcome`."""
     from wna16ctl.errors import WnaError
-    from wna16ctl.planning.inspection import checkpoint_model_checks, inspect_checkpoint
+    from wna16ctl.planning.inspection import inspect_checkpoint
 
     tp, ep, gpu = case["tp"], case["ep"], case["gpu"]
     out: dict[str, Any] = {"stage": None, "error": None, "moe": {}, "linear": {}, "head_quantized": False}
@@ -224,7 +224,7 @@ def planner_outcome(case: dict[str, Any], version: str) -> dict[str, Any]:
     refusal = insp.refusals[version]
     if refusal is not None:
         stages.append(("config", refusal.error))
-    for c in checkpoint_model_checks(insp.checkpoint, tp, ep, version):
+    for c in insp.checks:  # the engine's checks of the model's sizes at this TP size
         if c.fatal and not c.ok:
             stages.append(("config" if c.stage == "config" else "model", c.error or c.rule))
     for name, (plan,) in insp.linear_plans.items():
