@@ -68,11 +68,19 @@ test-kernels: $(BIN)/.installed
 # release's sources once into ~/.cache/wna16ctl; `make test` runs only the oldest and newest).
 # It includes the `repack --layout vllm` key contract of every release x architecture, built
 # by vLLM's model code in the engine venv (`make engine-venv`; skipped with one line without
-# it; minutes per release on a 2-core machine, so not part of `make test`).
+# it; minutes per release on a 2-core machine, so not part of `make test`).  Then each
+# release's own model classes are built on the meta device for the real configs, the
+# adversarial fixtures and sampled cases, on sm80/sm90/sm100, and compared with inspect's plan:
+# one count line per release x GPU (exit 1 on an unexplained disagreement; `make test` runs a
+# slice of it, tests/conformance/test_model_build.py).
 CONFORMANCE_EXAMPLES ?= 2000
+CONFORMANCE_MODEL_RELEASES ?= all
+CONFORMANCE_MODEL_SAMPLED ?= 40
 conformance: $(BIN)/.installed
 	WNA16CTL_CONFORMANCE_RELEASES=all WNA16CTL_CONFORMANCE_EXAMPLES=$(CONFORMANCE_EXAMPLES) \
 		$(BIN)/python -m pytest -q -rs -m conformance tests/conformance
+	$(BIN)/python -m tests.conformance.model_build --releases $(CONFORMANCE_MODEL_RELEASES) \
+		--gpus sm80,sm90,sm100 --sampled $(CONFORMANCE_MODEL_SAMPLED)
 
 # The optional engine tier: vLLM's CPU build in its own venv (it pins its own torch, the same
 # 2.13.0 CPU wheel), used by tests marked `engine`: greedy tokens of a real engine, `repack

@@ -103,6 +103,14 @@ class _Placeholder(metaclass=_PlaceholderMeta):
     def __bool__(self):
         return False
 
+    # a tracing span (`with tracer.start_as_current_span(...)` around model construction) that
+    # records nothing
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
 
 def _placeholder_class(name: str) -> type:
     return _PlaceholderMeta(name.rsplit(".", 1)[-1], (_Placeholder,), {})
@@ -232,6 +240,15 @@ def install_triton() -> None:
     def _autotune(*args, **kwargs):
         return lambda f: f
 
+    class Config:
+        """A kernel launch configuration (module-level autotune lists filter on its fields)."""
+
+        def __init__(self, kwargs=None, num_warps=4, num_stages=3, num_ctas=1, maxnreg=None, pre_hook=None, **extra):
+            self.kwargs = dict(kwargs or {})
+            self.num_warps, self.num_stages, self.num_ctas = num_warps, num_stages, num_ctas
+            self.maxnreg, self.pre_hook = maxnreg, pre_hook
+
+    triton.Config = Config
     triton.jit = _jit
     triton.autotune = _autotune
     triton.heuristics = _autotune
@@ -300,15 +317,27 @@ class _OpNamespace:
     def __getattr__(self, op: str):
         if op.startswith("__"):
             raise AttributeError(op)
-        qual = f"{self._name}.{op}"
+        return _Op(f"{self._name}.{op}")
 
-        def call(*args, **kwargs):
-            OPS_CALLED.append(qual)
-            if OPS_RAISE:
-                raise ExtensionOpCalled(qual)
-            return _Placeholder()
 
-        return call
+class _Op:
+    """One compiled op: calls are recorded (and raise while `OPS_RAISE` is set).  Its overloads
+    (`.default`, `.out`, ...) are the same op: compile-pass pattern tables, imported while the
+    engine config is built, reference them without calling them."""
+
+    def __init__(self, qual: str) -> None:
+        self._qual = qual
+
+    def __call__(self, *args, **kwargs):
+        OPS_CALLED.append(self._qual)
+        if OPS_RAISE:
+            raise ExtensionOpCalled(self._qual)
+        return _Placeholder()
+
+    def __getattr__(self, overload: str):
+        if overload.startswith("__"):
+            raise AttributeError(overload)
+        return self
 
 
 def install_op_namespaces() -> None:

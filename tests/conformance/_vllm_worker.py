@@ -78,6 +78,8 @@ GPUS = {
     "sm100": ((10, 0), "NVIDIA B200", 180),
     "sm120": ((12, 0), "NVIDIA RTX PRO 6000 Blackwell Server Edition", 96),
 }
+# Streaming multiprocessors of those devices (an attention backend sizes its work by them).
+SM_COUNT = {"sm75": 40, "sm80": 108, "sm86": 72, "sm89": 142, "sm90": 132, "sm100": 148, "sm120": 188}
 # The environment variables a case may set (every other VLLM_* variable keeps the release's default).
 CASE_ENV = ("VLLM_USE_FLASHINFER_MOE_INT4", "VLLM_DISABLED_KERNELS", "VLLM_BATCH_INVARIANT")
 _GPU = {"name": "sm90"}
@@ -124,7 +126,19 @@ def _install_cuda_platform() -> None:
 
         @classmethod
         def device_count(cls) -> int:
-            return 1
+            return _MODEL["devices"]
+
+        @classmethod
+        def num_compute_units(cls, device_id: int = 0) -> int:
+            return SM_COUNT[_GPU["name"]]
+
+        @classmethod
+        def current_device(cls):
+            # layers that place a small tensor on "the current device" explicitly (a gated
+            # norm's weight) get the meta device, as every other parameter of the build
+            import torch
+
+            return torch.device("meta")
 
         @classmethod
         def get_device_uuid(cls, device_id: int = 0) -> str:
@@ -132,6 +146,147 @@ def _install_cuda_platform() -> None:
 
     CudaOneDevice.__name__ = CudaOneDevice.__qualname__ = "NvmlCudaPlatform"
     platforms._current_platform = CudaOneDevice()
+    # The model registry inspects a model class in a subprocess so that the parent never
+    # initializes CUDA; here there is no CUDA to initialize, and a subprocess would import the
+    # installed vllm (none) instead of this release: the same function runs in this process.
+    from vllm.model_executor.models import registry
+
+    registry._run_in_subprocess = lambda fn: fn()
+    # Layers that overlap work on a second CUDA stream (shared experts) create it and its events
+    # while they are built; these hold no parameter or buffer, so stand-ins leave every decision
+    # read here unchanged.
+    import torch
+
+    torch.cuda.Stream = torch.cuda.Event = _StreamStandIn
+    _gpu_buffers_on_meta(torch)
+
+
+def _gpu_buffers_on_meta(torch) -> None:
+    """Attention backends allocate workspaces explicitly on the GPU (`device="cuda"`, at import
+    or while built); without a GPU those go to the meta device, as every parameter of the build
+    does.  Buffers only: no quantized parameter is created with an explicit device."""
+    import functools
+
+    def on_meta(factory):
+        @functools.wraps(factory)
+        def make(*args, **kwargs):
+            device = kwargs.get("device")
+            if device is not None and torch.device(device).type == "cuda":
+                kwargs["device"] = "meta"
+            return factory(*args, **kwargs)
+
+        return make
+
+    for name in ("empty", "zeros", "ones", "full", "arange", "tensor", "randn", "rand"):
+        setattr(torch, name, on_meta(getattr(torch, name)))
+
+
+class _StreamStandIn:
+    """A CUDA stream or event that nothing is ever run on."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def wait_stream(self, *args, **kwargs) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+
+# The number of devices the platform reports: a model case sets it to its TP size (one node).
+_MODEL = {"devices": 1}
+
+
+class _FakeProcessGroup:
+    def __init__(self, size: int, rank: int) -> None:
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+class _FakeGroupCoordinator:
+    """What model construction reads of vLLM's GroupCoordinator: sizes and this process's rank.
+    No collective runs while a model is built on the meta device; one that did would fail here
+    (no such method), not answer."""
+
+    def __init__(self, name: str, size: int, rank: int) -> None:
+        self.unique_name = name
+        self.world_size, self.rank_in_group, self.rank, self.local_rank = size, rank, rank, rank
+        self.ranks = list(range(size))
+        self.first_rank, self.last_rank = 0, size - 1
+        self.is_first_rank, self.is_last_rank = rank == 0, rank == size - 1
+        self.device_group = self.cpu_group = _FakeProcessGroup(size, rank)
+        self.device_communicator = None
+        self.use_device_communicator = False
+
+
+def _fake_parallel_state(tp: int, rank: int) -> None:
+    """One process standing for rank `rank` of `tp` tensor-parallel ranks (one pipeline stage,
+    one data-parallel replica; the expert-parallel group spans the TP ranks, as vLLM forms it)."""
+    from vllm.distributed import parallel_state as ps
+
+    sizes = {"_WORLD": tp, "_TP": tp, "_EP": tp, "_PP": 1, "_DP": 1, "_DCP": 1, "_PCP": 1, "_EPLB": 1,
+             "_INNER_DP_WORLD": tp, "_ETP": 1}
+    for name, size in sizes.items():
+        if hasattr(ps, name):
+            setattr(ps, name, _FakeGroupCoordinator(name.strip("_").lower(), size, rank if size > 1 else 0))
+    if hasattr(ps, "_NODE_COUNT"):
+        ps._NODE_COUNT = 1
+
+
+def _attention_backend(case: dict[str, Any]) -> str | None:
+    """The release's own attention backend choice, except on Blackwell, where it is FlashInfer
+    (or CUTLASS MLA), whose layers call into the flashinfer package while they are built (here a
+    placeholder): the Triton backends instead.  The attention backend owns no quantized layer."""
+    if GPUS[case.get("gpu", "sm90")][0][0] != 10:
+        return None
+    with open(os.path.join(case["ckpt"], "config.json")) as f:
+        config = json.load(f)
+    text = config.get("text_config") or config
+    return "TRITON_MLA" if text.get("kv_lora_rank") else "TRITON_ATTN"
+
+
+def _forget_attention_backends() -> None:
+    """The release caches its attention backend choice per process; each case has its own GPU."""
+    selector = sys.modules.get("vllm.v1.attention.selector")
+    for value in vars(selector).values() if selector is not None else ():
+        if callable(getattr(value, "cache_clear", None)):
+            value.cache_clear()
+
+
+def _expert_maps_on_cpu() -> None:
+    """The expert-placement maps of EP (small integer tensors, which the engine keeps on the
+    GPU and reads back with `nonzero`) are built on the CPU instead of the meta device, which
+    has no values to read: the same values as on the GPU."""
+    import functools
+    import importlib
+
+    import torch
+
+    try:
+        mod = importlib.import_module("vllm.model_executor.layers.fused_moe.expert_map_manager")
+    except ImportError:
+        return
+    cls = getattr(mod, "ExpertMapManager", None)
+    if cls is None or getattr(cls.__init__, "_on_cpu", False):
+        return
+    real_init = cls.__init__
+
+    @functools.wraps(real_init)
+    def init_on_cpu(self, *args, **kwargs):
+        with torch.device("cpu"):
+            real_init(self, *args, **kwargs)
+
+    init_on_cpu._on_cpu = True
+    cls.__init__ = init_on_cpu
 
 
 def _set_case_env(env: dict[str, str]) -> None:
@@ -419,6 +574,119 @@ class Release:
         out["ops_called"] = list(_stubs.OPS_CALLED)
         return out
 
+    # -- the whole model ----------------------------------------------------------------------
+
+    def model_outcome(self, case: dict[str, Any]) -> dict[str, Any]:
+        """The release's model class for the checkpoint `case["ckpt"]`, built as its engine builds it
+        on one rank: `EngineArgs(...).create_engine_config()` (config parse and the engine's checks of
+        the model's sizes), then `initialize_model` on the meta device inside a parallel state of
+        `tp` ranks seen from rank `rank` (EP: the experts spread over those ranks), then, with
+        `load`, the release's default weight loader reading the checkpoint's files.
+
+        stage: None (built, and loaded when asked), "config", "model" or "load": where the first
+        exception was raised (error / error_type).  moe: per routed-experts module, its quant
+        method class, the oracle's backend and rejected set (as in `outcome`), `_w2_scale_sharding`
+        where the release has it, and the w2 scale parameter's shape.  linear: per linear module
+        with a compressed-tensors method, the kernel class its scheme chose and the per-rank
+        (K, N) of the module; lm_head_method: the output projection's quant method class."""
+        import torch
+
+        set_gpu(case.get("gpu", "sm90"))
+        _set_case_env(case.get("env") or {})
+        _stubs.OPS_CALLED.clear()
+        tp, rank, ep = case["tp"], case.get("rank", 0), bool(case.get("ep"))
+        out: dict[str, Any] = {"stage": None, "error": None, "error_type": None, "version": self.version,
+                               "gpu": case.get("gpu", "sm90"), "moe": {}, "linear": {}, "lm_head_method": None}
+
+        def fail(stage: str, exc: BaseException) -> dict[str, Any]:
+            out.update(stage=stage, error=_exception_text(exc), error_type=type(exc).__name__,
+                       traceback=traceback.format_exc(limit=-6), ops_called=list(_stubs.OPS_CALLED))
+            return out
+
+        _MODEL["devices"] = tp
+        _fake_parallel_state(tp, rank)
+        _expert_maps_on_cpu()
+        _forget_attention_backends()
+        from vllm.config import set_current_vllm_config
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.model_executor.model_loader import get_model_loader
+        from vllm.model_executor.model_loader.utils import initialize_model
+
+        try:
+            config = EngineArgs(model=case["ckpt"], tensor_parallel_size=tp, enable_expert_parallel=ep,
+                                dtype="auto", enforce_eager=True, skip_tokenizer_init=True, max_model_len=256,
+                                load_format="safetensors", attention_backend=_attention_backend(case),
+                                ).create_engine_config()
+        except Exception as exc:  # the first failure is the outcome
+            return fail("config", exc)
+        self.oracle_calls.clear()
+        default_dtype = torch.get_default_dtype()
+        try:
+            with set_current_vllm_config(config):
+                torch.set_default_dtype(config.model_config.dtype)  # as the release's loader does
+                with torch.device("meta"):
+                    model = initialize_model(vllm_config=config)
+        except Exception as exc:  # a harness failure, reported as such
+            return fail("model", exc)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        self._read_model(model, out)
+        out["ops_called"] = list(_stubs.OPS_CALLED)
+        # the checkpoint's module names as the model class renames them (its hf_to_vllm_mapper)
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        out["name_map"] = {}
+        for name in case.get("ckpt_names") or ():
+            mapped = mapper._map_name(name + ".weight") if mapper is not None else name + ".weight"
+            out["name_map"][name] = mapped.removesuffix(".weight") if mapped else None
+        if case.get("load"):
+            try:
+                with set_current_vllm_config(config):
+                    get_model_loader(config.load_config).load_weights(model, config.model_config)
+            except Exception as exc:  # the release's weight loader refused: the outcome
+                return fail("load", exc)
+        return out
+
+    def _read_model(self, model, out: dict[str, Any]) -> None:
+        experts = [(name, mod) for name, mod in model.named_modules()
+                   if isinstance(mod, self.routed_experts_cls)]
+        if len(self.oracle_calls) not in (0, len(experts)) and any(
+                type(m.quant_method).__name__.startswith("CompressedTensorsWNA16") for _, m in experts):
+            raise RuntimeError(f"{len(self.oracle_calls)} oracle calls for {len(experts)} routed-experts modules")
+        calls = list(self.oracle_calls)
+        for name, mod in experts:
+            method = getattr(mod, "quant_method", None)
+            entry: dict[str, Any] = {"method_class": type(method).__name__, "backend": None, "rejected": [],
+                                     "oracle_ran": False, "w2_scale_sharding": None, "w2_scale_shape": None,
+                                     "local_experts": getattr(mod, "local_num_experts", None)}
+            wna16 = type(method).__name__.startswith("CompressedTensorsWNA16")
+            if wna16 and calls:
+                self.oracle_calls[:] = [calls.pop(0)]
+                self._oracle_fields(entry)
+            if wna16 and entry["backend"] is None:
+                entry["backend"] = _backend_name(getattr(method, "wna16_backend", None))
+            scale = getattr(mod, "w2_weight_scale", None)
+            if scale is not None:
+                entry["w2_scale_shape"] = list(scale.shape)
+            fn = getattr(type(method), "_w2_scale_sharding", None)
+            if wna16 and fn is not None:
+                moe = mod.moe_config
+                res = fn(method.actorder, method.group_size, moe.intermediate_size_per_partition, moe.intermediate_size)
+                entry["w2_scale_sharding"] = [bool(res[0]), int(res[1]), bool(res[2])]
+            out["moe"][name] = entry
+        for name, mod in model.named_modules():
+            method = getattr(mod, "quant_method", None)
+            if name.split(".")[-1] == "lm_head" and method is not None:
+                out["lm_head_method"] = type(method).__name__
+            if type(method).__name__ != "CompressedTensorsLinearMethod":
+                continue
+            scheme = getattr(mod, "scheme", None)
+            kernel = getattr(scheme, "kernel", None)
+            out["linear"][name] = {
+                "scheme": type(scheme).__name__, "kernel": type(kernel).__name__ if kernel is not None else None,
+                "k_p": getattr(mod, "input_size_per_partition", None),
+                "n_p": getattr(mod, "output_size_per_partition", None),
+            }
+
     def _load_check(self, method, layer, moe, case) -> str:
         """Drive the release's own expert weight loader with down_proj's packed weight of expert 0
         on the last MoE TP rank (small CPU tensors with a known code in every position) and say
@@ -640,7 +908,9 @@ def main() -> int:
             continue
         case = json.loads(line)
         try:
-            res = release.linear_outcome(case) if case.get("kind") == "linear" else release.outcome(case)
+            kind = case.get("kind")
+            res = (release.linear_outcome(case) if kind == "linear" else release.model_outcome(case) if kind == "model"
+                   else release.outcome(case))
         except Exception as exc:  # a harness failure, reported as such
             res = {"harness_error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
         proto.write(json.dumps(res, default=str) + "\n")

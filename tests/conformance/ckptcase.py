@@ -159,6 +159,8 @@ def write_case(case: dict[str, Any], out: Path) -> Path:
     config = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": H,
               "num_hidden_layers": 1, "moe_intermediate_size": I, "intermediate_size": 4 * H, "num_experts": E,
               "num_experts_per_tok": min(2, E), "vocab_size": 64, "torch_dtype": "bfloat16",
+              # renormalized top-k routing (what the worker's stand-in layer is given)
+              "norm_topk_prob": True,
               "quantization_config": copy.deepcopy(quantization_config(case))}
     (out / "config.json").write_text(json.dumps(config))
     return out

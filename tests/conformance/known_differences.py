@@ -36,3 +36,17 @@ def known_cause(version: str, case: dict[str, Any], vllm: Outcome, plan: Outcome
         if rule(case, vllm, plan):
             return name
     return None
+
+
+# Disagreements of a whole model built by the release (model_build.py): (release, case, vLLM's
+# outcome, the planner's, the differing lines) -> explained.
+ModelRule = Callable[[str, dict[str, Any], Outcome, Outcome, list[str]], bool]
+KNOWN_MODEL: dict[str, ModelRule] = {}
+
+
+def known_model_cause(version: str, case: dict[str, Any], vllm: Outcome, plan: Outcome, diffs: list[str]) -> str | None:
+    """The name of the known difference that explains all of a model case's disagreements, if any."""
+    for name, rule in KNOWN_MODEL.items():
+        if rule(version, case, vllm, plan, diffs):
+            return name
+    return None

@@ -124,7 +124,7 @@ class _Worker:
         # VLLM_BATCH_INVARIANT, ...) that change its choices: the modelled engine has them unset.
         env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
         env.update(PYTHONDONTWRITEBYTECODE="1", VLLM_LOGGING_LEVEL="ERROR", OMP_NUM_THREADS="1",
-                   CUDA_VISIBLE_DEVICES="0")
+                   CUDA_VISIBLE_DEVICES="0", VLLM_CACHE_ROOT=str(src / "vllm-cache"))
         self.proc = subprocess.Popen(
             [sys.executable, str(script), str(src / "tree"), str(src / "extensions.txt"), str(src / "ct")],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env, bufsize=1,

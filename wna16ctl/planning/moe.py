@@ -174,8 +174,14 @@ def _key_text(key: WeightKey) -> str:
 
 
 # -- backend reasons ----------------------------------------------------------------------------
+# The routing methods FlashInfer's TRT-LLM int4 MoE experts take (TrtLlmMxint4ExpertsMonolithic.
+# _supports_routing_method, 0.27-0.33)
+_TRTLLM_ROUTING = ("Renormalize", "RenormalizeNaive", "DeepSeekV3", "Llama4")
+
+
 def _backend_reason(b: Backend, rel: rules.Release, gpu: str, s: WeightScheme, hidden: int, i_p: int,
-                    allow_tile_padding: bool, switches: EngineSwitches = DEFAULT_SWITCHES) -> str | None:
+                    allow_tile_padding: bool, switches: EngineSwitches = DEFAULT_SWITCHES,
+                    routing: str | None = None) -> str | None:
     """Why `b` does not take this layer in `rel` on `gpu` (None: it does).
 
     The oracle's own incompatibility reason first, then the experts class's support checks
@@ -195,6 +201,9 @@ def _backend_reason(b: Backend, rel: rules.Release, gpu: str, s: WeightScheme, h
                     "VLLM_USE_FLASHINFER_MOE_INT4 is 0 by default; --env VLLM_USE_FLASHINFER_MOE_INT4=1 turns it on)")
         if key != _INT4_32:
             return f"kernel does not support quantization scheme {_key_text(key)} (int4 symmetric group-32 only)"
+        if routing is not None and routing not in _TRTLLM_ROUTING:
+            return (f"kernel does not support routing method {routing} (the model's top-k routing: TRT-LLM takes "
+                    f"{', '.join(_TRTLLM_ROUTING)}; a softmax top-k without norm_topk_prob is Default)")
         return None
     if b in (Backend.MARLIN, Backend.BATCHED_MARLIN):
         gate = marlin_support_reason(hidden, i_p, s.group_size, allow_tile_padding)
@@ -383,7 +392,7 @@ class _LayerFacts:
     def reason(self, b: Backend) -> str | None:
         """`b`'s own reason for this layer (`_backend_reason` with this layer's facts)."""
         return _backend_reason(b, self.rel, self.gpu, self.s, self.layer.hidden_size, self.i_p,
-                               self.allow_tile_padding, self.switches)
+                               self.allow_tile_padding, self.switches, self.layer.routing)
 
 
 def plan_layer(layer: MoELayer, tp: int, ep: bool = False, engine: str = rules.NEWEST,

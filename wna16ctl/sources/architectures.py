@@ -50,7 +50,12 @@ class Architecture:
     # the router's top-k weights are renormalised: whatever the config says, or (else) as config
     # `norm_topk_prob` says, with this default
     always_renormalize: bool = False
-    norm_topk_prob_default: bool = False
+    norm_topk_prob_default: bool = False  # transformers' default, for a config.json that leaves it out
+    # how vLLM's model class routes (sources.model.moe_routing): "softmax" top-k (renormalised as
+    # norm_topk_prob says), "naive" (softmax, always renormalised), "grouped" (DeepSeek-style: the
+    # config's scoring_func, topk_method and n_group), "sigmoid_bias" (sigmoid with a correction
+    # bias); None: not looked up for the family
+    routing: str | None = None
     e2e: bool = False  # verify --e2e has a torch reference of the family's forward
     sharded_state: bool = False  # `repack --layout vllm` has a key contract (rules.VLLM_STATE_KEYS)
     pad: bool = False  # `pad` knows the config fields of every MLP width (width_fields)
@@ -68,23 +73,25 @@ class Architecture:
 
 _DEEPSEEK_V3 = Architecture("deepseek_v3", "DeepseekV3ForCausalLM", shared_experts=SHARED_EXPERTS,
                             shared_width=("moe_intermediate_size", "n_shared_experts"), dense_first=True, mla=True,
-                            router=ROUTER_IN_RUNNER, correction_bias="router", e2e=True, sharded_state=True, pad=True)
+                            router=ROUTER_IN_RUNNER, correction_bias="router", norm_topk_prob_default=True,
+                            routing="grouped", e2e=True, sharded_state=True, pad=True)
 # the families the demo writes come first, in the order `demo --arch` lists them
 _TABLE = (
     Architecture("qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True, router=ROUTER_IN_RUNNER, router_takes_quant=True,
-                 experts_at_least_tp=True, norm_topk_prob_default=True, e2e=True, sharded_state=True, pad=True),
+                 experts_at_least_tp=True, routing="softmax", e2e=True, sharded_state=True, pad=True),
     Architecture("mixtral", "MixtralForCausalLM", moe_block="block_sparse_moe", gate_up_down=("w1", "w3", "w2"),
                  registration_order=("w1", "w2", "w3"), expert_width_field="intermediate_size",
                  separate_expert_width=False, router=ROUTER_IN_BLOCK, always_renormalize=True,
-                 norm_topk_prob_default=True, e2e=True, sharded_state=True, pad=True),
+                 norm_topk_prob_default=True, routing="naive", e2e=True, sharded_state=True, pad=True),
     Architecture("qwen2_moe", "Qwen2MoeForCausalLM", shared_experts=SHARED_EXPERT,
                  shared_width=("shared_expert_intermediate_size", None), qkv_bias=True, router=ROUTER_IN_BLOCK,
-                 experts_at_least_tp=True, e2e=True, sharded_state=True, pad=True),
+                 experts_at_least_tp=True, routing="softmax", e2e=True, sharded_state=True, pad=True),
     _DEEPSEEK_V3,
-    replace(_DEEPSEEK_V3, model_type="deepseek_v2", model_class="DeepseekV2ForCausalLM", e2e=False),
+    replace(_DEEPSEEK_V3, model_type="deepseek_v2", model_class="DeepseekV2ForCausalLM", norm_topk_prob_default=False,
+            e2e=False),
     replace(_DEEPSEEK_V3, model_type="kimi_k2", e2e=False),  # Kimi-K2 is the DeepSeek-V3 architecture
     replace(_DEEPSEEK_V3, model_type="glm4_moe", model_class="Glm4MoeForCausalLM", mla=False, qkv_bias=True,
-            router=ROUTER_IN_BLOCK_FP32, correction_bias="experts", e2e=False),
+            router=ROUTER_IN_BLOCK_FP32, correction_bias="experts", routing="sigmoid_bias", e2e=False),
     # families inspect and repack read, which the demo does not write
     Architecture("qwen3_next", experts_at_least_tp=True),
     # (their expert width is read as for an unknown family: `intermediate_size` is a fallback)

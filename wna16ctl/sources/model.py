@@ -96,6 +96,39 @@ def model_dims(config: ModelConfig) -> ModelDims:
     )
 
 
+def moe_routing(config: ModelConfig) -> str | None:
+    """vLLM's routing method for the model's routed experts (its `get_routing_method_type`, with
+    what the model class passes: scoring function, renormalization, expert groups, correction
+    bias); None for a model type whose routing is not known here."""
+    raw = config.raw
+    mt = raw.get("text_model_type") if isinstance(raw.get("text_model_type"), str) else config.model_type
+    arch = architecture(mt)
+    if arch is None or arch.routing is None:
+        return None
+    if arch.routing == "naive":
+        return "RenormalizeNaive"  # softmax, always renormalized
+    renormalize = bool(raw.get("norm_topk_prob", arch.norm_topk_prob_default))
+    if arch.routing == "grouped":
+        scoring = raw.get("scoring_func", "softmax")
+        bias = raw.get("topk_method") == "noaux_tc"
+        groups = raw.get("n_group", 1)
+    elif arch.routing == "sigmoid_bias":
+        scoring, bias, groups = "sigmoid", True, raw.get("n_group")
+    else:
+        scoring, bias, groups = "softmax", False, None
+    if bias:
+        if scoring != "sigmoid" or not renormalize:
+            return "Unspecified"
+        if (groups or 0) > 0:
+            return "DeepSeekV3"
+        return "MiniMax2" if raw.get("routed_scaling_factor") in (None, 1.0) else "Unspecified"
+    if scoring == "sigmoid":
+        return "SigmoidRenorm" if renormalize else "Sigmoid"
+    if scoring == "softmax":
+        return "RenormalizeNaive" if renormalize else "Default"
+    return "Unspecified"
+
+
 def layer_index(name: str) -> int | None:
     m = _LAYER_RE.search(name)
     return int(m.group(1)) if m else None

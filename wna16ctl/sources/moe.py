@@ -14,6 +14,7 @@ from typing import Any
 
 from wna16ctl.sources.config import ModelConfig, WeightScheme
 from wna16ctl.sources.headers import CheckpointFiles
+from wna16ctl.sources.model import moe_routing
 from wna16ctl.sources.scan import checks_packed, scan_shard
 from wna16ctl.errors import BadInput
 
@@ -50,6 +51,7 @@ class MoELayer:
     # the rule method.checkpoint_proj_names look up (None: the names are the checkpoint's own)
     default_name_schemes: tuple[WeightScheme | None, ...] | None = None
     router: str | None = None  # router weight tensor name
+    routing: str | None = None  # vLLM's routing method for the layer (sources.model.moe_routing; None: not known)
     router_bias: str | None = None  # DeepSeek-V3 e_score_correction_bias
     norm: str | None = None  # post-attention RMSNorm weight
     warnings: list[str] = field(default_factory=list)
@@ -169,7 +171,7 @@ def _describe_layer(ckpt: CheckpointFiles, config: ModelConfig, prefix: str, m: 
             f"size is {I}; the checkpoint and its config do not belong together"
         )
     layer = MoELayer(prefix=prefix, layer_index=_layer_index(prefix), family=family, num_experts=num,
-                     hidden_size=H, intermediate_size=I, scheme=None, scale_dtype=None)
+                     hidden_size=H, intermediate_size=I, scheme=None, scale_dtype=None, routing=moe_routing(config))
     block = layer.block
     for cand in (f"{block}.gate.weight", f"{block}.router.weight", f"{block}.gate.wg.weight"):
         if cand in ckpt:

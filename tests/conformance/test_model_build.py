@@ -1,0 +1,91 @@
+"""The planner against the release's own model class built on the meta device (model_build.py):
+the fast slice of `make test`.  `make conformance` runs every case on sm80/sm90/sm100 with
+`python -m tests.conformance.model_build` and prints the counts per release x GPU.
+
+Releases as in test_vllm_conformance.py (WNA16CTL_CONFORMANCE_RELEASES; default the oldest and
+newest); uncached and offline, each test skips with one line naming the release."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conformance import adversarial, model_build, vllm_release
+from tests.conformance.test_vllm_conformance import RELEASE_PARAMS
+
+pytestmark = pytest.mark.conformance
+
+
+@pytest.fixture(scope="module")
+def model_release(request, tmp_path_factory):
+    version = request.param
+    try:
+        vllm_release.release_sources(version)
+    except vllm_release.ReleaseUnavailable:
+        pytest.skip(vllm_release.fetch_hint(version))
+    yield version, tmp_path_factory.mktemp(f"models-{version}")
+    vllm_release.close_worker(version)
+
+
+def _layer_case(root: Path, name: str, gpu: str, tp: int, **changes: Any) -> dict[str, Any]:
+    case = dict(adversarial.FIXTURES["asym_g64"], symmetric=True, group_size=128, **changes, tp=tp, gpu=gpu)
+    ckpt = model_build.write_layer_case(case, root / name)
+    return {"name": name, "ckpt": str(ckpt), "tp": tp, "ep": False, "gpu": gpu, "env": {}, "load": True}
+
+
+def _real_case(root: Path, name: str, gpu: str, tp: int, ep: bool = False) -> dict[str, Any]:
+    ckpt = model_build.write_real(name, root / "real")
+    return {"name": name, "ckpt": str(ckpt), "tp": tp, "ep": ep, "gpu": gpu, "env": {}}
+
+
+def _slice(root: Path) -> list[dict[str, Any]]:
+    """Real configs and the kinds of case a hand-built layer misses: Mixtral's expert names,
+    packed lm_heads, act-order "dynamic", 3-bit densely packed weights (through the loader)."""
+    return [
+        _real_case(root, "qwen3_30b_a3b", "sm90", 2),
+        _real_case(root, "qwen3_30b_a3b", "sm80", 4, ep=True),
+        _real_case(root, "mixtral_8x7b", "sm90", 8),
+        _real_case(root, "deepseek_v3", "sm100", 8),
+        _real_case(root, "qwen3_packed_head", "sm90", 2),
+        _real_case(root, "qwen3_packed_head_target", "sm90", 2),
+        _layer_case(root, "w1_w3_w2_names", "sm90", 2, names="w1_w3_w2", targets="names", hidden_size=512,
+                    intermediate_size=256),
+        _layer_case(root, "packed_head_untargeted", "sm90", 2, lm_head="packed", hidden_size=512,
+                    intermediate_size=256),
+        _layer_case(root, "actorder_dynamic", "sm90", 2, actorder="dynamic", hidden_size=512, intermediate_size=256),
+        _layer_case(root, "bits3_dense", "sm90", 2, num_bits=3, packing="dense", hidden_size=512,
+                    intermediate_size=256),
+    ]
+
+
+@pytest.mark.parametrize("model_release", RELEASE_PARAMS, indirect=True)
+def test_model_build_reads_the_releases_decisions(model_release):
+    """The build is real: Qwen3-30B-A3B at TP 2 on sm80 has one WNA16 MoE layer with an oracle
+    verdict and two quantized attention projections at their per-rank sizes."""
+    version, root = model_release
+    case = _real_case(root, "qwen3_30b_a3b", "sm80", 2)
+    _, _, vllm, _ = model_build.check(version, case)
+    assert vllm["stage"] is None, vllm.get("error")
+    (moe,) = vllm["moe"].values()
+    assert moe["method_class"].startswith("CompressedTensorsWNA16") and moe["oracle_ran"], moe
+    assert moe["backend"] == "marlin", moe  # A100: Marlin first in every release
+    lin = vllm["linear"]
+    assert lin["model.layers.0.self_attn.qkv_proj"]["k_p"] == 2048
+    assert lin["model.layers.0.self_attn.qkv_proj"]["n_p"] == (32 + 2 * 4) * 128 // 2
+    assert lin["model.layers.0.self_attn.o_proj"]["k_p"] == 32 * 128 // 2
+    # a refusal is the release's: 32 heads over 3 ranks
+    refused, _, vllm3, plan3 = model_build.check(version, _real_case(root, "qwen3_30b_a3b", "sm80", 3))
+    assert vllm3["stage"] == "config" and "divisible" in vllm3["error"] and plan3["stage"] == "config", refused
+
+
+@pytest.mark.parametrize("model_release", RELEASE_PARAMS, indirect=True)
+def test_planner_matches_the_built_model(model_release):
+    version, root = model_release
+    wrong = []
+    for case in _slice(root):
+        diffs, known, _, _ = model_build.check(version, case)
+        if diffs and known is None:
+            wrong.append(f"{case['name']} tp{case['tp']} {case['gpu']}: " + "; ".join(diffs))
+    assert not wrong, f"vLLM {version}:\n" + "\n".join(wrong)
