@@ -16,13 +16,14 @@ extern "C" WNA16_API int wna16_emu_configure(int sms, int concurrent_blocks, int
   return WNA16_OK;
 }
 
-// out[0..3]: launches, blocks run, mma rows executed (16 per mma), and those multiplied (rows of
-// A not all zero), since the library was loaded.
+// out[0..4]: launches, blocks run, mma rows executed (16 per mma), those multiplied (rows of A
+// not all zero), and the OS threads the launches ran on, since the library was loaded.
 extern "C" WNA16_API int wna16_emu_counters(int64_t* out) {
   wna16::emu::Counters& c = wna16::emu::counters();
   out[0] = c.launches.load();
   out[1] = c.blocks.load();
   out[2] = c.mma_rows.load();
   out[3] = c.mma_rows_multiplied.load();
+  out[4] = c.os_threads.load();
   return WNA16_OK;
 }

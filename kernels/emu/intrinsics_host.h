@@ -333,6 +333,7 @@ struct ThreadState {
 // What the launches since the library was loaded did (wna16_emu_counters).
 struct Counters {
   std::atomic<int64_t> launches{0}, blocks{0}, mma_rows{0}, mma_rows_multiplied{0};
+  std::atomic<int64_t> os_threads{0};  // OS threads the launches ran on
 };
 inline Counters& counters() {
   static Counters c;
@@ -727,6 +728,7 @@ void run_grid(dim3 grid, dim3 block, size_t smem_bytes, Fn body) {
   };
   counters().launches.fetch_add(1, std::memory_order_relaxed);
   std::vector<std::thread> threads;
+  counters().os_threads.fetch_add(device().fibers ? teams : teams * nthreads, std::memory_order_relaxed);
   if (device().fibers) {
     threads.reserve((size_t)teams);
     for (int ti = 0; ti < teams; ++ti)

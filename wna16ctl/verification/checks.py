@@ -22,11 +22,12 @@ stays `not run` and names the ranks that were not checked (and the re-assembly a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -49,7 +50,7 @@ from wna16ctl.output.manifest import FORMAT_NAME, SIDE_FILES
 from wna16ctl.repacking.pipeline import (
     LayerJob, RepackPlan, RepackSettings, plan_repack, rank_index_bytes, source_fingerprint,
 )
-from wna16ctl.verification.bounds import Interval, block_interval, judge
+from wna16ctl.verification.bounds import Interval, block_interval, gemm_bound_used, judge
 from wna16ctl.verification.rank_gemm import GEMM_DTYPES, ROUNDINGS, UNIT_ROUNDOFF, EmulatedGemm, RankFiles, rank_moe_output  # noqa: F401
 from wna16ctl.output.writer import JOURNAL_NAME, MANIFEST_NAME, PLANNED_METADATA, FILE_HASHES, hash_file, recorded_hash, sha256_file
 
@@ -108,6 +109,10 @@ class LayerNumerics:
     exact_elements: int | None = None  # elements whose interval is one value: equality required
     # over the other elements: max distance from the interval's midpoint / its half-width (≤ 1 passes)
     max_offset: float | None = None
+    # the margin (bounds.gemm_bound_used): over the kernel's GEMM outputs, the largest error beyond
+    # their own rounding as a fraction of the derived accumulation bound; ≤ 1 when correct, far
+    # below it in practice; None where no GEMM kernel ran (the transposed layout)
+    bound_used: float | None = None
     kernel: str = ""  # what computed the candidate (the kernel source, emulated on the CPU)
 
     @property
@@ -695,9 +700,10 @@ def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], sam
             _verify_rank_contents(ck, reader, plan, ranks, report)
             chosen = {j.layer.prefix: _experts_of(j, experts) for j in jobs}
             advance = progress("round trip and numerics", sum(len(c) for c in chosen.values()), unit="experts")
-            for job in jobs:
-                _verify_layer(ck, reader, job, ranks, hidden, dtype, report, gemm_device, advance,
-                              chosen[job.layer.prefix])
+            with _torch_on_every_core():
+                for job in jobs:
+                    _verify_layer(ck, reader, job, ranks, hidden, dtype, report, gemm_device, advance,
+                                  chosen[job.layer.prefix])
         finally:
             for rf in ranks.values():
                 rf.reader.close()
@@ -711,6 +717,21 @@ def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], sam
         incomplete="; ".join(f"{n.layer}: {n.reason}" for n in skipped) or None,
     )
     return report, plan
+
+
+@contextlib.contextmanager
+def _torch_on_every_core() -> Iterator[None]:
+    """torch's intra-op threads on every core this process may run on for the round trip and the
+    numerics (torch's default counts the machine's cores, which an affinity mask may not grant),
+    restored afterwards: the caller's setting is its own."""
+    from wna16ctl.native.emulated import usable_cores
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(usable_cores())
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def parse_indices(value: str | Iterable[int], option: str = "--layers", what: str = "MoE layer") -> list[int]:
@@ -788,9 +809,31 @@ def _select_layers(jobs: list[LayerJob], layers: list[int], report: VerifyReport
 
 
 def _gemm_rank_candidate(job: LayerJob, r: int, rank: RankFiles, a: torch.Tensor, routing, dtype: torch.dtype,
-                         device: torch.device, gemm=None) -> torch.Tensor:  # noqa: ANN001
+                         device: torch.device, gemm=None, keep=None) -> torch.Tensor:  # noqa: ANN001
     t = {n: rank.reader.read(f"{job.layer.prefix}.{n}").to(device) for n in job.tensor_names}
-    return rank_moe_output(job, r, t, a, routing.topk_ids, routing.topk_weights, dtype, device, gemm=gemm)
+    return rank_moe_output(job, r, t, a, routing.topk_ids, routing.topk_weights, dtype, device, gemm=gemm, keep=keep)
+
+
+def _kernel_bound_used(job: LayerJob, r: int, keep: dict[str, torch.Tensor], a: torch.Tensor, routing,  # noqa: ANN001
+                       weights: dict[int, tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> float:
+    """`bounds.gemm_bound_used` of rank r's two GEMMs, expert by expert, on the inputs they were
+    given (a; the kernel's own h for w2) against the checkpoint's dequantised weights: how much
+    of the derived accumulation bound the kernel's outputs use beyond their own rounding."""
+    spec = job.specs[r]
+    i_p, pad = spec.intermediate_per_partition, spec.padded_intermediate
+    k = routing.topk_ids.shape[1]
+    flat = routing.topk_ids.reshape(-1).cpu()
+    wts = routing.topk_weights.reshape(-1).float().cpu()
+    used = 0.0
+    for e, (w13, w2) in weights.items():
+        slots = (flat == e).nonzero().squeeze(1)
+        if not slots.numel():
+            continue
+        g13 = keep["w13"][slots]
+        g13 = torch.cat([g13[:, :i_p], g13[:, pad:pad + i_p]], 1)  # padding columns left out
+        used = max(used, gemm_bound_used(a[slots // k], w13, g13, dtype),
+                   gemm_bound_used(keep["h"][slots][:, :i_p], w2, keep["w2"][slots], dtype, weight=wts[slots]))
+    return used
 
 
 class _SubRouting:
@@ -912,6 +955,7 @@ def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: di
     kernel = "the layer's math in torch (transposed layout)"
     emulated_rows: torch.Tensor | None = None  # tokens the kernel source ran on the CPU emulation
     partial_k = torch.zeros(0)
+    bound_used: float | None = None  # the kernel's GEMMs: error beyond their rounding / the derived bound
     if job.layout == "marlin":
         # the candidate runs through the MoE GEMM over the Marlin tensors as written: the CUDA
         # kernel on a GPU. On the CPU every token goes through the torch twin (the layout's
@@ -926,10 +970,16 @@ def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: di
             if not len(job.expert_ranges[r]):  # EP with more ranks than experts: nothing written
                 continue
             try:
-                partial[r] = _gemm_rank_candidate(job, r, ranks[r], x.to(dtype), routing, dtype, gemm_device)
+                # the margin figure is the kernel's: the emulated one's rows on the CPU, else the
+                # GEMM that ran on every token (the CUDA kernel, or the twin without g++)
+                keep: dict[str, torch.Tensor] = {}
+                partial[r] = _gemm_rank_candidate(job, r, ranks[r], x.to(dtype), routing, dtype, gemm_device,
+                                                  keep=keep if sub is None else None)
                 if sub is not None:
                     partial_k[r] = _gemm_rank_candidate(job, r, ranks[r], x[emulated_rows].to(dtype), sub, dtype,
-                                                        gemm_device, emulated)
+                                                        gemm_device, emulated, keep=keep)
+                bound_used = max(bound_used or 0.0, _kernel_bound_used(
+                    job, r, keep, x[emulated_rows] if sub is not None else x, sub or routing, ref_ranks[r][1], dtype))
             except Exception as err:  # malformed tensors make the kernel fail: the comparison cannot run
                 msg = err.message if isinstance(err, (LayoutMismatch, BadInput)) else f"{type(err).__name__}: {err}"
                 no_candidate.append(f"the GEMM cannot run on rank {r}'s tensors ({msg})")
@@ -963,7 +1013,7 @@ def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: di
     row.max_abs_error, row.rel_l2_error, row.cosine = verdict.max_abs_error, rel, cos
     row.max_error_over_bound, row.violations = verdict.max_ratio, verdict.violations
     row.elements, row.exact_elements = verdict.elements, verdict.exact_elements
-    row.max_offset = verdict.max_offset
+    row.max_offset, row.bound_used = verdict.max_offset, bound_used
     if row.violations:
         row.status, row.reason = FAIL, (f"{row.violations} of {row.elements} elements outside the rounding interval "
                                         f"(max error {row.max_error_over_bound:.3g} × the bound)")
