@@ -105,10 +105,16 @@ class Interval:
 def gemm_interval(a_lo: torch.Tensor, a_hi: torch.Tensor, w: torch.Tensor) -> Interval:
     """a·W for any a in [a_lo, a_hi] (float64 [M, K]) and W [K, N], fp32 accumulation in any order."""
     w64 = w.double()
+    w_abs = w64.abs()
+    if a_lo is a_hi:  # a point: no radius to carry (rad · |W| would be an exact zero)
+        e = a_lo @ w64
+        mag = a_lo.abs() @ w_abs
+        r = _gamma(w.shape[0]) * mag + 2.0**-50 * mag
+        return Interval(e - r, e + r, e)
     mid, rad = (a_lo + a_hi) / 2, (a_hi - a_lo) / 2
     e = mid @ w64
-    mag = torch.maximum(a_lo.abs(), a_hi.abs()) @ w64.abs()
-    r = rad @ w64.abs() + _gamma(w.shape[0]) * mag + 2.0**-50 * mag
+    mag = torch.maximum(a_lo.abs(), a_hi.abs()) @ w_abs
+    r = rad @ w_abs + _gamma(w.shape[0]) * mag + 2.0**-50 * mag
     return Interval(e - r, e + r, e)
 
 

@@ -516,7 +516,7 @@ def _compare(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor], sp
 def _dequantize_kfirst(kf: dict[str, torch.Tensor], spec: RankLayout, which: str, dtype: torch.dtype) -> torch.Tensor:
     """K-first weight [K, N] of `which` ∈ {w13, w2} in `dtype`: (code − zero)·scale, one rounding."""
     nb = spec.num_bits
-    codes = unpack_codes(kf[f"{which}_weight_packed"], nb, dim=0).long()  # [K, N]
+    codes = unpack_codes(kf[f"{which}_weight_packed"], nb, dim=0).to(torch.int32)  # [K, N]; int32: q − z is exact
     K, N = codes.shape
     scale = kf[f"{which}_weight_scale"]
     if spec.group_size > 0 and spec.act_order:
@@ -529,7 +529,7 @@ def _dequantize_kfirst(kf: dict[str, torch.Tensor], spec: RankLayout, which: str
         groups = torch.zeros(K, dtype=torch.long)
     s = scale.to(dtype)[groups]  # [K, N]
     if f"{which}_weight_zero_point" in kf:
-        zp = unpack_codes(kf[f"{which}_weight_zero_point"], nb, dim=1).long()[:, :N]
+        zp = unpack_codes(kf[f"{which}_weight_zero_point"], nb, dim=1).to(torch.int32)[:, :N]
         zg = groups if spec.group_size > 0 else torch.zeros(K, dtype=torch.long)
         if spec.group_size > 0 and spec.act_order and which == "w2" and spec.load_full_w2:
             zg = groups - spec.rank * (spec.intermediate_per_partition // spec.group_size)
