@@ -300,10 +300,10 @@ def render_verify(console: Console, report) -> None:  # a VerifyReport or PadPro
     console.print(grid)
     if report.numerics:
         # "exact": elements whose rounding interval is one value (the output must equal it);
-        # "off-centre": over the others, the largest distance from the interval's midpoint as a
-        # fraction of its half-width (at most 1 inside the interval)
+        # "bound used": the largest error beyond the last rounding as a fraction of the derived
+        # bound (at most 1 on a correct output, far below it in practice: docs/verify.md)
         table = simple_table("numerics per MoE layer (candidate vs fp32 dequantized reference)",
-                             ["layer", "tokens", "experts", "max |err|", "rel L2", "cosine", "exact", "off-centre",
+                             ["layer", "tokens", "experts", "max |err|", "rel L2", "cosine", "exact", "bound used",
                               "result"], console,
                              drop=("rel L2", "tokens", "cosine", "experts", "exact", "max |err|"))
         reasons: list[tuple[str, str]] = []  # under the table, wrapped under themselves: the result stays one word
@@ -314,7 +314,7 @@ def render_verify(console: Console, report) -> None:  # a VerifyReport or PadPro
             exact = "—" if n.exact_elements is None else str(n.exact_elements)
             table.add_row(escape(n.layer), f"{n.tokens} (+{n.forced_tokens} forced)" if n.forced_tokens else str(n.tokens),
                           f"{n.experts_exercised}/{n.num_experts}", _num(n.max_abs_error, ".3g"), _num(n.rel_l2_error, ".3g"),
-                          _num(n.cosine, ".6f"), exact, _num(n.max_offset, ".3f"), result)
+                          _num(n.cosine, ".6f"), exact, _num(n.bound_used, ".2g"), result)
         table.columns[0].overflow = "fold"  # a layer name is the key of the row: wrap it, never cut it
         for col in table.columns[1:]:
             col.no_wrap = True

@@ -20,7 +20,13 @@
 //     sees poison, a copy issued into a buffer that another thread still reads races with that
 //     read, and a source that changes between issue and wait aborts;
 //   * a barrier or collective that not every thread reaches (an early return, divergence) aborts
-//     with a message instead of hanging; so do misaligned or non-shared ldmatrix/cp.async addresses.
+//     with a message instead of hanging; so do misaligned or non-shared ldmatrix/cp.async addresses;
+//   * with fibers on (Device::fibers, WNA16_EMU_FIBERS=1) a team is one OS thread and its CUDA
+//     threads are user-level contexts that switch at every barrier and collective: the same
+//     kernels, orders and checks without a kernel round trip per hand-off (a futex wake and
+//     sleep per lane per collective costs far more than the collective's arithmetic), and teams
+//     side by side then use that many cores. ThreadSanitizer does not follow such switches: the
+//     sanitizer builds keep real threads.
 // The synchronisation is built on C++ atomics (acquire/release), which ThreadSanitizer models, so a
 // missing wna16_syncthreads between a shared-memory write and another thread's read is reported.
 // Global atomics are relaxed, as atomicAdd / atomicCAS are on the device: only ld.acquire,
@@ -36,11 +42,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/syscall.h>
 #include <time.h>
+#include <ucontext.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <functional>
 #include <map>
 #include <memory>
 #include <new>
@@ -161,6 +170,7 @@ struct Device {
   int runtime_version = 12080, driver_version = 12080;
   int concurrent_blocks = 1;  // teams of threads running blocks side by side
   int seed = 0;               // block schedule and yield seed; 0 = blocks in index order, no yields
+  bool fibers = false;        // a team's threads as user-level contexts on one OS thread
   double timeout_s = 120;     // a barrier or collective waiting longer than this aborts
 };
 
@@ -179,6 +189,7 @@ inline Device& device() {
     x.concurrent_blocks = env_int("WNA16_EMU_BLOCKS", x.concurrent_blocks);
     x.seed = env_int("WNA16_EMU_SEED", x.seed);
     x.timeout_s = env_int("WNA16_EMU_TIMEOUT_S", (int)x.timeout_s);
+    x.fibers = env_int("WNA16_EMU_FIBERS", 0) != 0;
     return x;
   }();
   return d;
@@ -217,6 +228,14 @@ inline void futex_wake_all(std::atomic<uint32_t>* word) {
           nullptr, 0);
 }
 
+// Fibers: set on a team's OS thread while its CUDA threads run as user-level contexts.
+struct FiberRunner;
+inline FiberRunner*& fiber_runner() {
+  static thread_local FiberRunner* r = nullptr;
+  return r;
+}
+inline void fiber_yield();  // back to the team's scheduler, which resumes the next context
+
 struct Barrier {
   std::atomic<int> count{0};
   std::atomic<uint32_t> gen{0};
@@ -228,7 +247,23 @@ struct Barrier {
     if (count.fetch_add(1, std::memory_order_acq_rel) + 1 == expected) {
       count.store(0, std::memory_order_relaxed);
       gen.fetch_add(1, std::memory_order_release);
-      futex_wake_all(&gen);
+      if (!fiber_runner()) futex_wake_all(&gen);
+      return;
+    }
+    if (fiber_runner()) {  // the others run on this OS thread: hand it over until the last arrives
+      timespec t0{};
+      for (uint64_t turn = 1; gen.load(std::memory_order_acquire) == g; ++turn) {
+        if (exited.load(std::memory_order_acquire) > 0 && gen.load(std::memory_order_acquire) == g)
+          fatal("%s not reached by every thread: some exited the kernel (divergent barrier)", what);
+        if ((turn & 0xFFFF) == 0) {  // a stuck wait: the clock, now and then
+          timespec t1;
+          clock_gettime(CLOCK_MONOTONIC, &t1);
+          if (turn == 0x10000) t0 = t1;
+          else if ((t1.tv_sec - t0.tv_sec) + 1e-9 * (t1.tv_nsec - t0.tv_nsec) > device().timeout_s)
+            fatal("%s: waited past WNA16_EMU_TIMEOUT_S (deadlock or divergent barrier)", what);
+        }
+        fiber_yield();
+      }
       return;
     }
     for (int spin = 0; spin < 64; ++spin)
@@ -290,7 +325,20 @@ struct ThreadState {
   int64_t committed = 0;  // groups committed so far
   int64_t retired = 0;    // groups [0, retired) are complete
   uint64_t rng = 0;       // seeded per thread and block (0: no schedule noise)
+  // work done, added to the emulator's counters when the thread leaves the launch
+  int64_t mma_rows = 0;             // rows of the mma instructions executed (16 each)
+  int64_t mma_rows_multiplied = 0;  // those with a non-zero A row (the others add +0)
 };
+
+// What the launches since the library was loaded did (wna16_emu_counters).
+struct Counters {
+  std::atomic<int64_t> launches{0}, blocks{0}, mma_rows{0}, mma_rows_multiplied{0};
+  std::atomic<int64_t> os_threads{0};  // OS threads the launches ran on
+};
+inline Counters& counters() {
+  static Counters c;
+  return c;
+}
 
 // splitmix64: the emulator's seeded noise (block order, start delays, yields)
 inline uint64_t mix64(uint64_t x) {
@@ -347,7 +395,10 @@ inline void maybe_yield() {
   uint64_t& r = self().rng;
   if (!r) return;
   r = mix64(r);
-  if ((r & 3) == 0) std::this_thread::yield();
+  if ((r & 3) == 0) {
+    if (fiber_runner()) fiber_yield();
+    else std::this_thread::yield();
+  }
   if ((r & 63) == 1) {
     timespec ts{0, (long)(1000 + (r >> 40) % 20000)};
     nanosleep(&ts, nullptr);
@@ -379,6 +430,21 @@ inline double decode16(uint16_t h, Fmt16 f) {
   if (e == emask) return m ? NAN : sign * INFINITY;
   if (e == 0) return sign * ldexp((double)m, 1 - f.bias - f.man_bits);
   return sign * ldexp((double)(m | (1 << f.man_bits)), e - f.bias - f.man_bits);
+}
+
+// Every 16-bit value decoded once per format (the same exact values decode16 gives).
+inline const double* decoded16(Fmt16 f) {
+  static const std::vector<double> f16 = [] {
+    std::vector<double> v(65536);
+    for (uint32_t h = 0; h < 65536; ++h) v[h] = decode16((uint16_t)h, kF16);
+    return v;
+  }();
+  static const std::vector<double> bf16 = [] {
+    std::vector<double> v(65536);
+    for (uint32_t h = 0; h < 65536; ++h) v[h] = decode16((uint16_t)h, kBF16);
+    return v;
+  }();
+  return f.man_bits == kBF16.man_bits ? bf16.data() : f16.data();
 }
 
 inline uint16_t encode16(double x, Fmt16 f) {
@@ -428,8 +494,8 @@ inline uint32_t fma_x2(uint32_t a, uint32_t b, uint32_t c, Fmt16 f) {
   uint16_t out[2];
   for (int i = 0; i < 2; ++i) {
     const int sh = 16 * i;
-    const double r = fma_to_odd(decode16((uint16_t)(a >> sh), f), decode16((uint16_t)(b >> sh), f),
-                                decode16((uint16_t)(c >> sh), f));
+    const double* value = decoded16(f);
+    const double r = fma_to_odd(value[(uint16_t)(a >> sh)], value[(uint16_t)(b >> sh)], value[(uint16_t)(c >> sh)]);
     out[i] = encode16(r, f);
   }
   return pack16(out[0], out[1]);
@@ -439,6 +505,143 @@ inline float f32_from_bits(uint32_t u) {
   float x;
   memcpy(&x, &u, 4);
   return x;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fibers: a team's CUDA threads as user-level contexts on the calling OS thread. The scheduler
+// resumes them round robin; a context runs until it waits (a barrier, a collective, a seeded
+// yield) and hands the OS thread back. The thread-local state a CUDA thread owns (threadIdx and
+// the emulator's ThreadState) is swapped in and out with it; blockIdx, blockDim and gridDim are
+// the same for every thread of the team's current block.
+
+// A context switch: on x86-64 the callee-saved registers, the SSE and x87 control words and the
+// stack pointer (what a function call may assume unchanged), elsewhere ucontext. swapcontext
+// also saves the signal mask, a system call per switch, which the emulated threads never change.
+#if defined(__x86_64__)
+extern "C" void wna16_emu_switch(void** save_sp, void* next_sp);
+asm(R"(
+  .text
+  .weak wna16_emu_switch
+  .hidden wna16_emu_switch
+  .type wna16_emu_switch,@function
+wna16_emu_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $8, %rsp
+  stmxcsr (%rsp)
+  fnstcw 4(%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr (%rsp)
+  fldcw 4(%rsp)
+  addq $8, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size wna16_emu_switch, .-wna16_emu_switch
+)");
+struct Context {
+  void* sp = nullptr;
+};
+inline void switch_context(Context* from, Context* to) { wna16_emu_switch(&from->sp, to->sp); }
+// A fresh context's stack as wna16_emu_switch leaves a saved one: the control words, six
+// callee-saved registers, and the entry as the return address (entered with the stack aligned as
+// after a call). The entry never returns.
+inline void make_context(Context* c, char* stack, size_t bytes, void (*entry)()) {
+  uintptr_t top = (reinterpret_cast<uintptr_t>(stack) + bytes) & ~(uintptr_t)15;
+  uint64_t* sp = reinterpret_cast<uint64_t*>(top - 16);
+  sp[0] = reinterpret_cast<uint64_t>(entry);
+  sp -= 7;  // rbp, rbx, r12-r15: zero
+  for (int i = 0; i < 7; ++i) sp[i] = 0;
+  uint32_t words[2];
+  asm volatile("stmxcsr %0" : "=m"(words[0]));
+  asm volatile("fnstcw %0" : "=m"(words[1]));
+  memcpy(sp, words, 8);
+  c->sp = sp;
+}
+#else
+struct Context {
+  ucontext_t uc;
+};
+inline void switch_context(Context* from, Context* to) { swapcontext(&from->uc, &to->uc); }
+inline void make_context(Context* c, char* stack, size_t bytes, void (*entry)()) {
+  getcontext(&c->uc);
+  c->uc.uc_stack.ss_sp = stack;
+  c->uc.uc_stack.ss_size = bytes;
+  c->uc.uc_link = nullptr;  // the entry never returns
+  makecontext(&c->uc, entry, 0);
+}
+#endif
+
+struct Fiber {
+  Context ctx;
+  ThreadState state;
+  uint3 tidx{};
+  bool finished = false;
+};
+
+struct FiberRunner {
+  Context scheduler;
+  std::vector<Fiber> fibers;
+  int64_t current = -1;
+  const std::function<void(int64_t)>* body = nullptr;
+};
+
+inline void fiber_yield() {
+  FiberRunner* r = fiber_runner();
+  switch_context(&r->fibers[(size_t)r->current].ctx, &r->scheduler);
+}
+
+inline void fiber_entry() {
+  FiberRunner* r = fiber_runner();
+  const int64_t me = r->current;
+  (*r->body)(me);
+  r->fibers[(size_t)me].finished = true;
+  switch_context(&r->fibers[(size_t)me].ctx, &r->scheduler);  // never resumed
+  fatal("%s: a finished fiber was resumed", "the emulator");
+}
+
+// Stack per context: the kernels keep their tiles in registers (arrays of a few hundred floats)
+// and the emulator's collectives a few vectors; reserved, touched only where used.
+constexpr size_t kFiberStack = 256 * 1024;
+
+inline void run_fibers(int64_t n, const std::function<void(int64_t)>& body) {
+  FiberRunner r;
+  r.body = &body;
+  r.fibers.resize((size_t)n);
+  const size_t bytes = kFiberStack * (size_t)n;
+  void* stacks = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (stacks == MAP_FAILED) fatal("%s: cannot reserve the fibers' stacks", "launch");
+  for (int64_t i = 0; i < n; ++i)
+    make_context(&r.fibers[(size_t)i].ctx, static_cast<char*>(stacks) + kFiberStack * (size_t)i, kFiberStack,
+                 fiber_entry);
+  fiber_runner() = &r;
+  const uint3 own_tidx = threadIdx;
+  for (int64_t live = n; live > 0;) {
+    live = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      Fiber& f = r.fibers[(size_t)i];
+      if (f.finished) continue;
+      r.current = i;
+      std::swap(self(), f.state);
+      threadIdx = f.tidx;
+      switch_context(&r.scheduler, &f.ctx);
+      f.tidx = threadIdx;
+      std::swap(self(), f.state);
+      live += !f.finished;
+    }
+  }
+  threadIdx = own_tidx;
+  fiber_runner() = nullptr;
+  munmap(stacks, bytes);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -482,47 +685,59 @@ void run_grid(dim3 grid, dim3 block, size_t smem_bytes, Fn body) {
       std::swap(order[(size_t)i], order[(size_t)(r % (uint64_t)(i + 1))]);
     }
   }
-  std::vector<std::thread> threads;
-  threads.reserve((size_t)(teams * nthreads));
-  for (int ti = 0; ti < teams; ++ti)
-    for (int64_t tid = 0; tid < nthreads; ++tid)
-      threads.emplace_back([&, ti, tid] {
-        Team* t = team[ti].get();
-        ThreadState& s = self();
-        s.team = t;
-        s.warp = t->warps[tid / 32].get();
-        s.lane = (int)(tid % 32);
-        s.parity = 0;
-        threadIdx = uint3{(unsigned)(tid % block.x), (unsigned)((tid / block.x) % block.y),
-                          (unsigned)(tid / ((int64_t)block.x * block.y))};
-        blockDim = block;
-        gridDim = grid;
-        for (int64_t bi = ti; bi < nblocks; bi += teams) {
-          const int64_t b = order[(size_t)bi];
-          s.rng = seed ? mix64(seed * 0x100000001B3ull ^ (uint64_t)(b << 16) ^ (uint64_t)tid) | 1 : 0;
-          blockIdx = uint3{(unsigned)(b % grid.x), (unsigned)((b / grid.x) % grid.y),
-                           (unsigned)(b / ((int64_t)grid.x * grid.y))};
-          if (tid == 0) {
-            poison(t->smem, t->smem_bytes, 0);
-            if (seed) {  // a seeded start delay: blocks of different teams overlap differently
-              timespec ts{0, (long)(mix64(seed ^ (uint64_t)b) % 200000)};
-              nanosleep(&ts, nullptr);
-            }
-            t->block_bar.exited.store(0, std::memory_order_relaxed);
-            for (auto& w : t->warps) w->bar.exited.store(0, std::memory_order_relaxed);
-          }
-          between[ti]->wait("the emulator's block start");
-          s.copies.clear();
-          s.committed = s.retired = 0;
-          body();
-          // leaving the kernel: a barrier or collective still waiting for this thread fails
-          t->block_bar.exited.fetch_add(1, std::memory_order_acq_rel);
-          s.warp->bar.exited.fetch_add(1, std::memory_order_acq_rel);
-          s.copies.clear();  // copies never waited for are dropped
-          between[ti]->wait("the emulator's block end");
+  // one CUDA thread of team ti: the blocks dealt to the team, one after another
+  auto cuda_thread = [&](int ti, int64_t tid) {
+    Team* t = team[ti].get();
+    ThreadState& s = self();
+    s.team = t;
+    s.warp = t->warps[tid / 32].get();
+    s.lane = (int)(tid % 32);
+    s.parity = 0;
+    threadIdx = uint3{(unsigned)(tid % block.x), (unsigned)((tid / block.x) % block.y),
+                      (unsigned)(tid / ((int64_t)block.x * block.y))};
+    blockDim = block;
+    gridDim = grid;
+    for (int64_t bi = ti; bi < nblocks; bi += teams) {
+      const int64_t b = order[(size_t)bi];
+      s.rng = seed ? mix64(seed * 0x100000001B3ull ^ (uint64_t)(b << 16) ^ (uint64_t)tid) | 1 : 0;
+      blockIdx = uint3{(unsigned)(b % grid.x), (unsigned)((b / grid.x) % grid.y),
+                       (unsigned)(b / ((int64_t)grid.x * grid.y))};
+      if (tid == 0) {
+        poison(t->smem, t->smem_bytes, 0);
+        if (seed) {  // a seeded start delay: blocks of different teams overlap differently
+          timespec ts{0, (long)(mix64(seed ^ (uint64_t)b) % 200000)};
+          nanosleep(&ts, nullptr);
         }
-        s = ThreadState();
-      });
+        t->block_bar.exited.store(0, std::memory_order_relaxed);
+        for (auto& w : t->warps) w->bar.exited.store(0, std::memory_order_relaxed);
+      }
+      between[ti]->wait("the emulator's block start");
+      s.copies.clear();
+      s.committed = s.retired = 0;
+      body();
+      // leaving the kernel: a barrier or collective still waiting for this thread fails
+      t->block_bar.exited.fetch_add(1, std::memory_order_acq_rel);
+      s.warp->bar.exited.fetch_add(1, std::memory_order_acq_rel);
+      s.copies.clear();  // copies never waited for are dropped
+      between[ti]->wait("the emulator's block end");
+      if (tid == 0) counters().blocks.fetch_add(1, std::memory_order_relaxed);
+    }
+    counters().mma_rows.fetch_add(s.mma_rows, std::memory_order_relaxed);
+    counters().mma_rows_multiplied.fetch_add(s.mma_rows_multiplied, std::memory_order_relaxed);
+    s = ThreadState();
+  };
+  counters().launches.fetch_add(1, std::memory_order_relaxed);
+  std::vector<std::thread> threads;
+  counters().os_threads.fetch_add(device().fibers ? teams : teams * nthreads, std::memory_order_relaxed);
+  if (device().fibers) {
+    threads.reserve((size_t)teams);
+    for (int ti = 0; ti < teams; ++ti)
+      threads.emplace_back([&, ti] { run_fibers(nthreads, [&](int64_t tid) { cuda_thread(ti, tid); }); });
+  } else {
+    threads.reserve((size_t)(teams * nthreads));
+    for (int ti = 0; ti < teams; ++ti)
+      for (int64_t tid = 0; tid < nthreads; ++tid) threads.emplace_back([&, ti, tid] { cuda_thread(ti, tid); });
+  }
   for (auto& th : threads) th.join();
   for (auto& t : team) ::operator delete(t->smem, std::align_val_t(16));
 }
@@ -648,24 +863,47 @@ inline void wna16_emu_mma(float d[4], const uint32_t a[4], const uint32_t b[2], 
   mine.kind = kind;
   for (int i = 0; i < 4; ++i) mine.r[i] = a[i];
   mine.r[4] = b[0], mine.r[5] = b[1];
-  const int lane = self().lane;
+  ThreadState& me = self();
+  const int lane = me.lane;
   const Slot* s = rendezvous(mine);
-  const Fmt16 f = kind ? kBF16 : kF16;
+  const double* value = decoded16(kind ? kBF16 : kF16);
   auto elem = [](uint32_t reg, int hi) { return (uint16_t)(hi ? reg >> 16 : reg & 0xffff); };
   auto A = [&](int row, int k) {  // element A[row][k] from the lane that holds it
     const int g = row & 7, t = (k & 7) >> 1;
     const int reg = (row >> 3) + 2 * (k >> 3);
-    return decode16(elem(s[4 * g + t].r[reg], k & 1), f);
+    return elem(s[4 * g + t].r[reg], k & 1);
   };
   auto B = [&](int k, int n) {
     const int t = (k & 7) >> 1;
-    return decode16(elem(s[4 * n + t].r[4 + (k >> 3)], k & 1), f);
+    return elem(s[4 * n + t].r[4 + (k >> 3)], k & 1);
   };
   const int g = lane >> 2, t = lane & 3;
+  // A row of zeros (a tile's rows past its routed ones are zero-filled) adds +0 to every output
+  // of the row when the column's B values are finite: c + 0, as the sum below would give. Such
+  // rows are not multiplied, so the emulation's arithmetic follows the routed rows.
+  bool zero_row[2], finite_col[2];
+  for (int h = 0; h < 2; ++h) {
+    bool z = true;
+    for (int k = 0; k < 16 && z; ++k) z = (A(g + 8 * h, k) & 0x7fff) == 0;
+    zero_row[h] = z;
+    const int exp_mask = kind ? 0x7f80 : 0x7c00;
+    bool fin = true;
+    for (int k = 0; k < 16 && fin; ++k) fin = (B(k, 2 * t + h) & exp_mask) != exp_mask;
+    finite_col[h] = fin;
+  }
+  if (lane == 0) {  // one count per mma: its 16 rows, and those multiplied
+    me.mma_rows += 16;
+    for (int row = 0; row < 16; ++row) {
+      bool z = true;
+      for (int k = 0; k < 16 && z; ++k) z = (A(row, k) & 0x7fff) == 0;
+      me.mma_rows_multiplied += !z;
+    }
+  }
   for (int i = 0; i < 4; ++i) {
     const int row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
     double acc = 0;
-    for (int k = 0; k < 16; ++k) acc += A(row, k) * B(k, col);  // each product exact in double
+    if (!(zero_row[i >> 1] && finite_col[i & 1]))
+      for (int k = 0; k < 16; ++k) acc += value[A(row, k)] * value[B(k, col)];  // each product exact
     d[i] = (float)((double)d[i] + acc);
   }
   // Leave no reference into the slots: the next collective of this lane may reuse them.

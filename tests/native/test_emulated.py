@@ -52,3 +52,68 @@ def test_without_a_compiler_the_reason_is_kept(monkeypatch):
     assert "no C++ compiler" in emulated.emulated_unavailable_reason()
     with pytest.raises(KernelBuildError, match="no C\\+\\+ compiler"):
         _run(grid_problem(size_k=128, size_n=64, group_size=64))
+
+
+def _counted(prob: dict) -> tuple[torch.Tensor, dict[str, int]]:
+    before = emulated.emulation_counters()
+    out, _ = _run(prob)
+    after = emulated.emulation_counters()
+    return out, {k: after[k] - before[k] for k in after}
+
+
+@pytest.fixture
+def restore_configuration():
+    yield
+    emulated.configure_emulation(concurrent_blocks=emulated.usable_cores(), fibers=1)  # the library's own
+
+
+CASES = [dict(size_k=256, size_n=128, group_size=64), dict(size_k=96, size_n=128, group_size=32, num_bits=8, zp=True),
+         dict(size_k=80, size_n=64, group_size=16, act_order=True, k_full=False, zp=True)]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_fibers_and_blocks_side_by_side_give_the_same_bits(case, restore_configuration):
+    """The verify library runs each block's CUDA threads as fibers and several blocks at once (one
+    OS thread each); the output equals, bit for bit, one OS thread per CUDA thread with the
+    blocks one after another (the emulation's reference schedule)."""
+    prob = grid_problem(**case)
+    emulated.configure_emulation(concurrent_blocks=1, fibers=0)
+    reference, counted = _counted(prob)
+    assert counted["os_threads"] >= 32 * counted["launches"]  # an OS thread per CUDA thread
+    for blocks in (2, 4):
+        emulated.configure_emulation(concurrent_blocks=blocks, fibers=1)
+        got, counted = _counted(prob)
+        assert torch.equal(got.view(torch.int16), reference.view(torch.int16)), blocks
+        # one OS thread per block side by side (v2 / v1 launch a small kernel before the GEMM)
+        if counted["launches"] == 1:
+            assert counted["os_threads"] == min(blocks, counted["blocks"])
+        else:
+            assert counted["launches"] <= counted["os_threads"] <= blocks * counted["launches"]
+
+
+def test_the_launch_runs_on_every_core():
+    """As loaded, the library runs as many blocks side by side as the process has cores (its
+    affinity), up to the grid's blocks: counted OS threads, not time."""
+    prob = grid_problem(size_k=256, size_n=128, group_size=64)
+    _, counted = _counted(prob)
+    assert counted["launches"] == 1 and counted["blocks"] >= 2
+    assert counted["os_threads"] == min(emulated.usable_cores(), counted["blocks"])
+
+
+def test_mma_work_follows_the_routed_rows():
+    """A tile holds 16 (or 32, 64) sorted rows; rows past an expert's routed ones are zero and
+    not multiplied: the mma rows multiplied are the routed slots × N/8 × K/16, however few rows
+    each expert has, while the tiles (16 rows per mma) stay one per expert and n-block."""
+    from tests.native.test_kernels import make_problem
+
+    k, n, experts = 256, 256, 8
+    seen = {}
+    for m in (4, 32):  # 1 and 8 slots per expert on average (top-2 of 8): 16-row tiles both
+        prob = make_problem(size_k=k, size_n=n, group_size=64, experts=experts, m=m, top_k=2)
+        _, counted = _counted(prob)
+        slots = m * 2
+        assert counted["mma_rows_multiplied"] == slots * (n // 8) * (k // 16)
+        seen[m] = counted
+    # the rows multiplied grew with the rows routed (8x), the mma instructions did not
+    assert seen[32]["mma_rows_multiplied"] == 8 * seen[4]["mma_rows_multiplied"]
+    assert seen[32]["mma_rows"] <= 16 * experts * (n // 8) * (k // 16) * 2

@@ -46,11 +46,11 @@ def _report() -> VerifyReport:
     long_name = "model.language_model.layers.47.mlp.experts"
     ok = LayerNumerics(long_name, 3072, 0, 128, 128, status=PASS, max_abs_error=2.5e-4, rel_l2_error=5.5e-3,
                        cosine=0.999985, max_error_over_bound=1.0, elements=6291456, exact_elements=6000000,
-                       max_offset=0.5, violations=0)
+                       max_offset=1.0, bound_used=0.0021, violations=0)
     bad = LayerNumerics("model.language_model.layers.48.mlp.experts", 3072, 12, 120, 128, status=FAIL,
                         reason="12 of 6291456 elements outside the rounding interval (max error 3.2 × the bound)",
                         max_abs_error=0.3, rel_l2_error=0.2, cosine=0.97, max_error_over_bound=3.2,
-                        elements=6291456, exact_elements=6000000, max_offset=3.7, violations=12)
+                        elements=6291456, exact_elements=6000000, max_offset=3.7, bound_used=37.0, violations=12)
     report.numerics = [ok, bad]
     report.check("numerics").status = FAIL
     return report
@@ -63,7 +63,7 @@ def test_verify_numerics_keep_the_result(terminal):
     rows = table_rows(lines, "numerics per MoE layer (candidate vs fp32 dequantized reference)", "layer")
     text = "\n".join(rows)
     assert re.search(r"\bpass\b", text) and re.search(r"\bFAIL\b", text), "\n".join(lines)
-    assert "off-centre" in "\n".join(lines) and "0.500" in text and "3.700" in text
+    assert "bound used" in "\n".join(lines) and "0.0021" in text and re.search(r"\b37\b", text)
     # the reason is under the table, wrapped under itself, whole
     flat = " ".join(" ".join(ln.split()) for ln in lines)
     assert ("* model.language_model.layers.48.mlp.experts: 12 of 6291456 elements outside the rounding interval "

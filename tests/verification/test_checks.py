@@ -162,6 +162,10 @@ def test_pristine_outputs_pass(outputs, name):
     manifest = json.loads((out / "wna16ctl.json").read_text())
     assert report.files_checked == len(manifest["files"]) == 2 * (len(list((out / "rank-0").glob("*.safetensors"))) + 1) + 1
     assert report.layers_checked == 1 and report.experts_checked == 4
+    # the margin: the kernel's GEMM outputs use a small part of the derived accumulation bound
+    # beyond their own rounding (a wrong scale reads many bounds: test_numerics_alone_catch_...)
+    (n,) = report.numerics
+    assert n.bound_used is not None and n.bound_used < 0.1, n.bound_used
 
 
 def test_the_numerics_check_names_the_questions_it_ran_on(outputs, tmp_path):
@@ -334,6 +338,7 @@ def test_numerics_alone_catch_a_wrong_scale(fresh, monkeypatch):
     (n,) = report.numerics
     assert not n.passed and n.layer == PREFIX
     assert n.violations > 0 and n.max_error_over_bound > 1
+    assert n.bound_used > 1  # the margin figure says so too: far beyond the bound
 
 
 # ---- file-level faults --------------------------------------------------------------------------------------
@@ -543,3 +548,27 @@ def test_samples_file_unusable(outputs, tmp_path, content, words):
     samples.write_text(content)
     with pytest.raises(BadInput, match=re.escape(words)):
         verify_output(ck, out, samples=samples, num_samples=8)
+
+
+def test_numerics_run_torch_on_every_core(outputs, monkeypatch):
+    """The reference, the interval and the torch twin run with one torch thread per core the
+    process may use (its affinity, not the machine's count), and the caller's setting comes back."""
+    import os
+
+    seen: list[int] = []
+    real = verify_mod.block_interval
+
+    def counting(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(verify_mod, "block_interval", counting)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert verify(*outputs("g128")).passed
+        assert seen == [3]
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -5,8 +5,9 @@
 What it is for: `verify` judges the repacked per-rank tensors with the kernel a GPU would run, its
 fragment layout, its dequantisation and its tile/stream-K code, not with the layout's own inverse
 functions (which `ops._gemm_cpu` uses and which would miss any bug they share with the forward
-layout). It is slow -- every CUDA thread is a host thread -- so it is meant for small models and
-for a prefix of steps on larger ones; it says nothing about speed.
+layout). It is slow -- every CUDA thread is a fiber (a user-level context) and every warp
+collective a hand-off between 32 of them -- so it is meant for small models, for a subset of the
+tokens on larger ones and for a prefix of steps; it says nothing about speed.
 
 Nothing here is required: without g++ (or with `WNA16CTL_NO_NATIVE=1`) `emulated_gemm_lib()`
 returns None with the reason in `emulated_unavailable_reason()`, and callers report the check as
@@ -47,14 +48,20 @@ from wna16ctl.native.ops import (DTYPE_CODES, GEMM_VARIANTS, WNA16_ENOTSUP, _che
 EMULATED_SOURCES = ("moe_gemm_v3.cu", "moe_gemm_v2.cu", "moe_gemm.cu", "error.cpp", "emu_capi.cpp")
 _FLAGS = ("-O2", "-std=c++17", "-fPIC", "-pthread", "-fvisibility=hidden")
 # Few emulated SMs: the stream-K grid of v2 is sized by the SM count, and every block is a team of
-# host threads; 2 SMs still make stream-K cut tiles between blocks on larger problems.
+# host threads; 2 SMs still make stream-K cut tiles between blocks on larger problems. The SM
+# count fixes the grid and so the stream-K cuts and the output's bits: it does not follow the
+# machine. What follows the machine is how many blocks run side by side (one OS thread each,
+# its CUDA threads as fibers): every core this process may run on (`usable_cores`), up to
+# the grid's blocks. The blocks combine their partial tiles in a fixed order, so the output is
+# the same bits whatever that number.
 EMULATED_SMS = 2
 
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _PROTOS: CPrototypes = {
     "wna16_abi_version": (_I32, []),
     "wna16_last_error": (ctypes.c_char_p, []),
-    "wna16_emu_configure": (_I32, [_I32, _I32, _I32]),
+    "wna16_emu_configure": (_I32, [_I32, _I32, _I32, _I32]),
+    "wna16_emu_counters": (_I32, [_P]),
     "wna16_cuda_moe_gemm": (_I32, [_P] * 11 + [_I64] * 6 + [_I32] * 5 + [_P]),
     "wna16_cuda_moe_gemm_v2": (_I32, [_P] * 11 + [_I64] * 6 + [_I32] * 5 + [_P]),
     "wna16_cuda_moe_gemm_v2_workspace": (_I32, [_I64] * 5 + [_I32] * 3 + [_P]),
@@ -109,12 +116,40 @@ def emulated_gemm_lib() -> Optional[NativeLib]:
         else:
             try:
                 lib = NativeLib(build_emulated(), _PROTOS)
-                lib.call("wna16_emu_configure", EMULATED_SMS, 1, 0)
+                lib.call("wna16_emu_configure", EMULATED_SMS, usable_cores(), 0, 1)
             except (KernelBuildError, OSError, ValueError, KernelError) as exc:
                 _state["reason"] = f"the emulated kernels cannot be built: {str(exc).splitlines()[0]}"
                 lib = None
         _state["lib"] = lib
         return lib
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity: a container or `taskset` may grant
+    fewer than the machine has): the emulated blocks that run side by side, and verify's torch
+    threads."""
+    return max(1, len(os.sched_getaffinity(0)))
+
+
+def configure_emulation(*, concurrent_blocks: int = 0, fibers: int = -1) -> None:
+    """Change how the emulated device runs a launch (0 / -1 leave a setting): blocks side by side,
+    and fibers (1) or one OS thread per CUDA thread (0). The output does not depend on either."""
+    lib = emulated_gemm_lib()
+    if lib is None:
+        raise KernelBuildError(emulated_unavailable_reason())
+    lib.call("wna16_emu_configure", 0, concurrent_blocks, 0, fibers)
+
+
+def emulation_counters() -> dict[str, int]:
+    """What the emulated launches did since the library was loaded: launches, blocks, the rows of
+    the mma instructions executed (16 each), those multiplied (the others are zero rows: a tile's
+    rows past its routed ones), and the OS threads the launches ran on."""
+    lib = emulated_gemm_lib()
+    if lib is None:
+        raise KernelBuildError(emulated_unavailable_reason())
+    out = (ctypes.c_int64 * 5)()
+    lib.call("wna16_emu_counters", out)
+    return dict(zip(("launches", "blocks", "mma_rows", "mma_rows_multiplied", "os_threads"), (int(v) for v in out)))
 
 
 def emulated_unavailable_reason() -> str:

@@ -55,6 +55,42 @@ def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.ldexp(torch.round(torch.ldexp(x, -q)), q)
 
 
+def half_spacing(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Half the spacing of `dtype`'s values in the binade of each float64 `x` (at a power of two
+    the spacing above it, the larger of its two gaps; at zero the smallest subnormal's): the most
+    that rounding a value to nearest can have moved it, when the result is `x`."""
+    bits, q_min = _PRECISION[dtype]
+    _, e = torch.frexp(x)
+    q = torch.where(x == 0, torch.full_like(e, q_min), torch.clamp(e - bits, min=q_min))
+    return torch.ldexp(torch.full_like(x, 0.5), q)
+
+
+def gemm_bound_used(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, dtype: torch.dtype,
+                    weight: torch.Tensor | None = None) -> float:
+    """How much of its derived error bound one GEMM's output uses: a [S, K] and w [K, N] the exact
+    inputs the GEMM was given (model dtype), out [S, N] its output rounded to `dtype`, weight [S]
+    the fp32 router weight it applied. Per element: |out − e| less half a spacing of `dtype` at
+    out (what the output's own rounding explains), over the bound of any fp32 accumulation
+    order, 2γ_K·(|a|·|w|) (times the weight, plus the fp32 product's 2⁻²³), e = a·w (·weight) in
+    float64; the largest over the elements. A correct GEMM reads at most 1 (its fp32 sum lies
+    within half that bound; its rounding within the half spacing), in practice far below: the
+    bound is the worst case of the accumulation order. A wrong code, scale, zero point or tile
+    moves an element by many spacings: many bounds."""
+    if not out.numel():
+        return 0.0
+    a64, w64 = a.to(dtype).double(), w.to(dtype).double()
+    e = a64 @ w64
+    bound = _gamma(w.shape[0]) * (a64.abs() @ w64.abs())
+    if weight is not None:
+        wt = weight.double().unsqueeze(1)
+        e, bound = e * wt, bound * wt.abs()
+        bound = bound + 2.0**-23 * e.abs()
+    c = out.double()
+    beyond = ((c - e).abs() - half_spacing(c, dtype)).clamp_min(0)
+    used = torch.where(bound > 0, beyond / bound.clamp_min(1e-300), torch.where(beyond > 0, torch.inf, 0.0))
+    return float(torch.where(torch.isnan(c), torch.inf, used).max())
+
+
 @dataclass
 class Interval:
     lo: torch.Tensor  # float64
@@ -69,10 +105,16 @@ class Interval:
 def gemm_interval(a_lo: torch.Tensor, a_hi: torch.Tensor, w: torch.Tensor) -> Interval:
     """a·W for any a in [a_lo, a_hi] (float64 [M, K]) and W [K, N], fp32 accumulation in any order."""
     w64 = w.double()
+    w_abs = w64.abs()
+    if a_lo is a_hi:  # a point: no radius to carry (rad · |W| would be an exact zero)
+        e = a_lo @ w64
+        mag = a_lo.abs() @ w_abs
+        r = _gamma(w.shape[0]) * mag + 2.0**-50 * mag
+        return Interval(e - r, e + r, e)
     mid, rad = (a_lo + a_hi) / 2, (a_hi - a_lo) / 2
     e = mid @ w64
-    mag = torch.maximum(a_lo.abs(), a_hi.abs()) @ w64.abs()
-    r = rad @ w64.abs() + _gamma(w.shape[0]) * mag + 2.0**-50 * mag
+    mag = torch.maximum(a_lo.abs(), a_hi.abs()) @ w_abs
+    r = rad @ w_abs + _gamma(w.shape[0]) * mag + 2.0**-50 * mag
     return Interval(e - r, e + r, e)
 
 

@@ -22,11 +22,12 @@ stays `not run` and names the ranks that were not checked (and the re-assembly a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +51,7 @@ from wna16ctl.output.manifest import FORMAT_NAME, SIDE_FILES
 from wna16ctl.repacking.pipeline import (
     LayerJob, RepackPlan, RepackSettings, plan_repack, rank_index_bytes, source_fingerprint,
 )
-from wna16ctl.verification.bounds import Interval, block_interval, judge
+from wna16ctl.verification.bounds import Interval, block_interval, gemm_bound_used, judge
 from wna16ctl.verification.rank_gemm import GEMM_DTYPES, ROUNDINGS, UNIT_ROUNDOFF, EmulatedGemm, RankFiles, rank_moe_output  # noqa: F401 - ROUNDINGS and UNIT_ROUNDOFF re-exported
 from wna16ctl.output.writer import JOURNAL_NAME, MANIFEST_NAME, PLANNED_METADATA, FILE_HASHES, hash_file, recorded_hash, sha256_file
 
@@ -109,6 +110,10 @@ class LayerNumerics:
     exact_elements: int | None = None  # elements whose interval is one value: equality required
     # over the other elements: max distance from the interval's midpoint / its half-width (≤ 1 passes)
     max_offset: float | None = None
+    # the margin (bounds.gemm_bound_used): over the kernel's GEMM outputs, the largest error beyond
+    # their own rounding as a fraction of the derived accumulation bound; ≤ 1 when correct, far
+    # below it in practice; None where no GEMM kernel ran (the transposed layout)
+    bound_used: float | None = None
     kernel: str = ""  # what computed the candidate (the kernel source, emulated on the CPU)
 
     @property
@@ -513,7 +518,7 @@ def _compare(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor], sp
 def _dequantize_kfirst(kf: dict[str, torch.Tensor], spec: RankLayout, which: str, dtype: torch.dtype) -> torch.Tensor:
     """K-first weight [K, N] of `which` ∈ {w13, w2} in `dtype`: (code − zero)·scale, one rounding."""
     nb = spec.num_bits
-    codes = unpack_codes(kf[f"{which}_weight_packed"], nb, dim=0).long()  # [K, N]
+    codes = unpack_codes(kf[f"{which}_weight_packed"], nb, dim=0).to(torch.int32)  # [K, N]; int32: q − z is exact
     K, N = codes.shape
     scale = kf[f"{which}_weight_scale"]
     if spec.group_size > 0 and spec.act_order:
@@ -527,7 +532,7 @@ def _dequantize_kfirst(kf: dict[str, torch.Tensor], spec: RankLayout, which: str
     s = scale.to(dtype)[groups]  # [K, N]
     z: torch.Tensor | int
     if f"{which}_weight_zero_point" in kf:
-        zp = unpack_codes(kf[f"{which}_weight_zero_point"], nb, dim=1).long()[:, :N]
+        zp = unpack_codes(kf[f"{which}_weight_zero_point"], nb, dim=1).to(torch.int32)[:, :N]
         zg = groups if spec.group_size > 0 else torch.zeros(K, dtype=torch.long)
         if spec.group_size > 0 and spec.act_order and which == "w2" and spec.load_full_w2:
             zg = groups - spec.rank * (spec.intermediate_per_partition // spec.group_size)
@@ -698,9 +703,10 @@ def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], sam
             _verify_rank_contents(ck, reader, plan, ranks, report)
             chosen = {j.layer.prefix: _experts_of(j, experts) for j in jobs}
             advance = progress("round trip and numerics", sum(len(c) for c in chosen.values()), unit="experts")
-            for job in jobs:
-                _verify_layer(ck, reader, job, ranks, hidden, dtype, report, gemm_device, advance,
-                              chosen[job.layer.prefix])
+            with _torch_on_every_core():
+                for job in jobs:
+                    _verify_layer(ck, reader, job, ranks, hidden, dtype, report, gemm_device, advance,
+                                  chosen[job.layer.prefix])
         finally:
             for rf in ranks.values():
                 rf.reader.close()
@@ -714,6 +720,21 @@ def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], sam
         incomplete="; ".join(f"{n.layer}: {n.reason}" for n in skipped) or None,
     )
     return report, plan
+
+
+@contextlib.contextmanager
+def _torch_on_every_core() -> Iterator[None]:
+    """torch's intra-op threads on every core this process may run on for the round trip and the
+    numerics (torch's default counts the machine's cores, which an affinity mask may not grant),
+    restored afterwards: the caller's setting is its own."""
+    from wna16ctl.native.emulated import usable_cores
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(usable_cores())
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def parse_indices(value: str | Iterable[int], option: str = "--layers", what: str = "MoE layer") -> list[int]:
@@ -791,9 +812,31 @@ def _select_layers(jobs: list[LayerJob], layers: list[int], report: VerifyReport
 
 
 def _gemm_rank_candidate(job: LayerJob, r: int, rank: RankFiles, a: torch.Tensor, routing, dtype: torch.dtype,
-                         device: torch.device, gemm=None) -> torch.Tensor:
+                         device: torch.device, gemm=None, keep=None) -> torch.Tensor:
     t = {n: rank.reader.read(f"{job.layer.prefix}.{n}").to(device) for n in job.tensor_names}
-    return rank_moe_output(job, r, t, a, routing.topk_ids, routing.topk_weights, dtype, device, gemm=gemm)
+    return rank_moe_output(job, r, t, a, routing.topk_ids, routing.topk_weights, dtype, device, gemm=gemm, keep=keep)
+
+
+def _kernel_bound_used(job: LayerJob, r: int, keep: dict[str, torch.Tensor], a: torch.Tensor, routing,
+                       weights: dict[int, tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> float:
+    """`bounds.gemm_bound_used` of rank r's two GEMMs, expert by expert, on the inputs they were
+    given (a; the kernel's own h for w2) against the checkpoint's dequantised weights: how much
+    of the derived accumulation bound the kernel's outputs use beyond their own rounding."""
+    spec = job.specs[r]
+    i_p, pad = spec.intermediate_per_partition, spec.padded_intermediate
+    k = routing.topk_ids.shape[1]
+    flat = routing.topk_ids.reshape(-1).cpu()
+    wts = routing.topk_weights.reshape(-1).float().cpu()
+    used = 0.0
+    for e, (w13, w2) in weights.items():
+        slots = (flat == e).nonzero().squeeze(1)
+        if not slots.numel():
+            continue
+        g13 = keep["w13"][slots]
+        g13 = torch.cat([g13[:, :i_p], g13[:, pad:pad + i_p]], 1)  # padding columns left out
+        used = max(used, gemm_bound_used(a[slots // k], w13, g13, dtype),
+                   gemm_bound_used(keep["h"][slots][:, :i_p], w2, keep["w2"][slots], dtype, weight=wts[slots]))
+    return used
 
 
 class _SubRouting:
@@ -845,6 +888,7 @@ class _LayerSums:
     # GEMM cannot run on.  The reference never depends on the output, so it is always complete.
     no_candidate: list[str] = field(default_factory=list)
     layer_ok: bool = True  # no round-trip finding in this layer yet
+    bound_used: float | None = None  # the kernel's GEMMs: error beyond their rounding / the derived bound
 
 
 def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: dict[int, RankFiles],
@@ -977,10 +1021,17 @@ def _marlin_candidate(job: LayerJob, ranks: dict[int, RankFiles], routing: Routi
         if not len(job.expert_ranges[r]):  # EP with more ranks than experts: nothing written
             continue
         try:
-            sums.partial[r] = _gemm_rank_candidate(job, r, ranks[r], x.to(dtype), routing, dtype, gemm_device)
-            if sub is not None:
+            # the margin figure is the kernel's: the emulated one's rows on the CPU, else the
+            # GEMM that ran on every token (the CUDA kernel, or the twin without g++)
+            keep: dict[str, torch.Tensor] = {}
+            sums.partial[r] = _gemm_rank_candidate(job, r, ranks[r], x.to(dtype), routing, dtype, gemm_device,
+                                                   keep=keep if sub is None else None)
+            if sub is not None and emulated_rows is not None:
                 partial_k[r] = _gemm_rank_candidate(job, r, ranks[r], x[emulated_rows].to(dtype), sub, dtype,
-                                                    gemm_device, emulated)
+                                                    gemm_device, emulated, keep=keep)
+            sums.bound_used = max(sums.bound_used or 0.0, _kernel_bound_used(
+                job, r, keep, x[emulated_rows] if emulated_rows is not None else x, sub or routing,
+                sums.ref_ranks[r][1], dtype))
         except Exception as err:  # malformed tensors make the kernel fail: the comparison cannot run
             msg = err.message if isinstance(err, (LayoutMismatch, BadInput)) else f"{type(err).__name__}: {err}"
             sums.no_candidate.append(f"the GEMM cannot run on rank {r}'s tensors ({msg})")
@@ -1019,7 +1070,7 @@ def _judge_layer(row: LayerNumerics, ranks: dict[int, RankFiles], routing: Routi
     row.max_abs_error, row.rel_l2_error, row.cosine = verdict.max_abs_error, rel, cos
     row.max_error_over_bound, row.violations = verdict.max_ratio, verdict.violations
     row.elements, row.exact_elements = verdict.elements, verdict.exact_elements
-    row.max_offset = verdict.max_offset
+    row.max_offset, row.bound_used = verdict.max_offset, sums.bound_used
     if row.violations:
         row.status, row.reason = FAIL, (f"{row.violations} of {row.elements} elements outside the rounding interval "
                                         f"(max error {row.max_error_over_bound:.3g} × the bound)")

@@ -46,11 +46,15 @@ class RankFiles:
 
 def rank_moe_output(job: LayerJob, r: int, t: dict[str, torch.Tensor], a: torch.Tensor, topk_ids: torch.Tensor,
                     topk_weights: torch.Tensor, dtype: torch.dtype, device: torch.device,
-                    gemm: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+                    gemm: Callable[..., torch.Tensor] | None = None,
+                    keep: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """Rank r's layer output through the MoE GEMM over its repacked tensors `t` (Marlin layout):
     w13 GEMM, SiLU·mul, w2 GEMM with the router weights; per-slot outputs in the model dtype,
     summed over the top-k slots in fp32. Returns [T, H] fp32 on the CPU. `gemm` (the signature of
-    `ops.moe_wna16_gemm`) defaults to the torch op; `EmulatedGemm` runs the real kernel source."""
+    `ops.moe_wna16_gemm`) defaults to the torch op; `EmulatedGemm` runs the real kernel source.
+    `keep`, when given, receives each GEMM's per-slot output (slot s = token * k + j, zero where
+    the slot is not this rank's): "w13" [T·k, 2P], "h" [T·k, P] (the w2 GEMM's input), "w2"
+    [T·k, H] (router weight applied), all in the model dtype."""
     from wna16ctl.native.ops import moe_wna16_gemm
 
     if gemm is None:
@@ -81,6 +85,8 @@ def rank_moe_output(job: LayerJob, r: int, t: dict[str, torch.Tensor], a: torch.
         num_bits=spec.num_bits, zero_points=t.get("w2_weight_zero_point"),
         g_idx=t["w2_weight_g_idx"] if act else None, perm=t["w2_g_idx_sort_indices"] if act else None,
         topk_weights=topk_weights.reshape(-1).float().to(device), is_k_full=job.plan.w2.is_k_full)
+    if keep is not None:
+        keep.update(w13=g13.cpu(), h=h.cpu(), w2=y.cpu())
     return y.float().cpu().view(T, k, -1).sum(1)
 
 
