@@ -237,6 +237,7 @@ def qwen3_30b_a3b(layers: int = 2, **quant: Any) -> dict[str, Any]:
     return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
             "num_hidden_layers": layers, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
             "moe_intermediate_size": 768, "intermediate_size": 6144, "num_experts": 128, "num_experts_per_tok": 8,
+            "norm_topk_prob": True,  # as the released config.json says (transformers' default is False)
             "vocab_size": 151936, "torch_dtype": "bfloat16", "quantization_config": w4a16(RECIPE_IGNORE, **quant)}
 
 
@@ -244,7 +245,8 @@ def qwen15_moe_a27b(layers: int = 2) -> dict[str, Any]:
     return {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "hidden_size": 2048,
             "num_hidden_layers": layers, "num_attention_heads": 16, "num_key_value_heads": 16,
             "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632, "intermediate_size": 5632,
-            "num_experts": 60, "num_experts_per_tok": 4, "vocab_size": 151936, "torch_dtype": "bfloat16",
+            "num_experts": 60, "num_experts_per_tok": 4, "norm_topk_prob": False, "vocab_size": 151936,
+            "torch_dtype": "bfloat16",
             "quantization_config": w4a16(RECIPE_IGNORE)}
 
 

@@ -10,7 +10,7 @@ from rich.markup import escape
 from wna16ctl.planning.inspection import Inspection
 from wna16ctl.planning.suggest import KINDS_TRIED
 from wna16ctl.sink import human_bytes, plural, simple_table
-from wna16ctl.summary import vllm_backend_lines, vllm_next_step_lines
+from wna16ctl.summary import next_step_lines, vllm_backend_lines, vllm_next_step_lines
 
 if TYPE_CHECKING:  # the renderers' inputs, imported lazily at run time (torch behind some)
     from wna16ctl.planning.moe import LayerPlan
@@ -270,7 +270,7 @@ def render_verify(console: Console, report) -> None:  # a VerifyReport or PadPro
     from wna16ctl.padding.proof import PadProof
 
     if isinstance(report, PadProof):  # a `pad` output: the padding proof's own lines
-        for line in report.lines():
+        for line in report.lines() + next_step_lines(report.next_steps):
             console.print(line, markup=False, highlight=False, soft_wrap=True)
         return
     if report.layout_state is not None:  # a --layout vllm output: its contract and round trip
@@ -332,8 +332,6 @@ def render_verify(console: Console, report) -> None:  # a VerifyReport or PadPro
                  f"{_plural_indices('expert', report.experts_not_checked)} not checked)")
     good = "[bold yellow]verified in part[/]" if report.partial else "[bold green]verified[/]"
     console.print("verdict: " + (good if report.passed else "[bold red]NOT verified[/]") + part)
-    from wna16ctl.summary import next_step_lines
-
     for line in next_step_lines(report.next_steps):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
 

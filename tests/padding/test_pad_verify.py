@@ -11,6 +11,7 @@ import sys
 import pytest
 from safetensors.torch import load_file, save_file
 
+from tests.conftest import QUESTIONS
 import wna16ctl
 from wna16ctl.padding.tensors import zero_word
 
@@ -69,7 +70,7 @@ def test_a_padded_checkpoint_repacks_and_verifies_like_any_other(padded_pair, tm
     assert [(lay["intermediate_size"], lay["intermediate_size_per_partition"], lay["layout"]) for lay in plan["layers"]] \
         == [(256, 128, "marlin")]
     wna16ctl.repack(out, tmp_path / "tp2", tp=2, vllm="0.31.0", device="cpu")
-    report = wna16ctl.verify(out, tmp_path / "tp2", num_samples=4)
+    report = wna16ctl.verify(out, tmp_path / "tp2", samples=QUESTIONS, num_samples=4)
     assert report.passed, report.to_json()
 
 
@@ -81,7 +82,7 @@ E2E_ARGS = ["--e2e", "--prompts", "1", "--max-new-tokens", "4", "--num-samples",
 def test_verify_e2e_of_a_padding_generates_as_the_original(padded_pair):
     from click.testing import CliRunner
 
-    from tests.conftest import QUESTIONS
+
     from wna16ctl.cli import cli
 
     pytest.importorskip("transformers")
@@ -105,7 +106,7 @@ def test_verify_e2e_of_a_padding_generates_as_the_original(padded_pair):
         doc.pop("seconds")
     assert same == j
     text = "\n".join(proof.lines())
-    assert "PASS e2e: 4/4 tokens agree" in text and f"vllm serve {out} --tensor-parallel-size 2" in text
+    assert "PASS e2e: 4/4 tokens agree" in text and [s.serve for s in proof.next_steps] == [j["next_steps"][0]["serve"]]
 
 
 def _damage_padding(out, bad, damage: str) -> None:
@@ -124,7 +125,7 @@ def _damage_padding(out, bad, damage: str) -> None:
 
 @pytest.mark.parametrize("damage", ["original scale", "added neuron"])
 def test_verify_e2e_fails_a_damaged_padding(padded_pair, tmp_path, damage):
-    from tests.conftest import QUESTIONS
+
 
     pytest.importorskip("transformers")
     src, out = padded_pair

@@ -89,9 +89,7 @@ class PadProof:
             out.append("numerics not run: no padded quantized MoE layer to compare")
         if self.e2e is not None:
             out += _e2e_lines(self.e2e)
-        from wna16ctl.summary import next_step_lines
-
-        return out + next_step_lines(self.next_steps)
+        return out  # the next steps are the renderer's (render.render_verify)
 
 
 def _e2e_lines(res: Any) -> list[str]:

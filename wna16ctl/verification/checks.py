@@ -586,9 +586,11 @@ def verify_output(
     out_path = Path(out)
     manifest = _read_manifest(out_path)
     gemm_device = _gemm_device(device)
-    samples_path = resolve_samples(samples, ck.root, notice)  # inputs in the order a user fixes them: checkpoint, output, device, samples
     wanted = None if layers is None else parse_indices(layers, "--layers", "MoE layer")
     wanted_experts = None if experts is None else parse_indices(experts, "--experts", "expert")
+    if wanted is not None:  # a layer the checkpoint does not have is the checkpoint's answer, before samples
+        _unknown_layers([lay.layer_index for lay in ck.quantized_layers if lay.layer_index is not None], wanted)
+    samples_path = resolve_samples(samples, ck.root, notice)  # inputs in the order a user fixes them: checkpoint, output, device, samples
     report, plan = _verify_checks(ck, out_path, manifest, samples_path, num_samples, gemm_device, progress, wanted,
                                   wanted_experts)
     if e2e is not None and (report.partial or plan is None):
@@ -792,15 +794,22 @@ def _restricted(routing: Routing, experts: list[int]) -> Routing:
     return Routing(x=routing.x[rows], topk_ids=ids[rows], topk_weights=weights[rows], forced=forced)
 
 
+def _unknown_layers(known: list[int], layers: list[int]) -> None:
+    """--layers naming a MoE layer the output does not hold: one line with the ones it holds."""
+    from wna16ctl.planning.moe import _ranges
+
+    unknown = [i for i in layers if i not in known]
+    if unknown:
+        raise UsageError(f"--layers: no MoE layer {_ranges(unknown)} in this output (its MoE layers: "
+                         f"{_ranges(sorted(known))})")
+
+
 def _select_layers(jobs: list[LayerJob], layers: list[int], report: VerifyReport) -> list[LayerJob]:
     """The jobs of the asked layers; the others are recorded as not checked (a partial verify)."""
     from wna16ctl.planning.moe import _ranges, indices_text
 
     known = [j.layer.layer_index for j in jobs if j.layer.layer_index is not None]
-    unknown = [i for i in layers if i not in known]
-    if unknown:
-        raise UsageError(f"--layers: no MoE layer {_ranges(unknown)} in this output (its MoE layers: "
-                         f"{_ranges(sorted(known))})")
+    _unknown_layers(known, layers)
     report.layers_selected = list(layers)
     report.layers_not_checked = sorted(i for i in known if i not in layers)
     if report.layers_not_checked:
