@@ -208,10 +208,9 @@ def verify(path: PathLike, out: PathLike, *, samples: PathLike | None = None, nu
         raise UsageError("prompts, max_new_tokens and score only apply with e2e=True")
     path = _local(path, revision)
     options = None
-    if e2e:
-        from wna16ctl.verification.e2e import E2EOptions, require_transformers
+    if e2e:  # transformers is required once the checkpoint and the output are known good
+        from wna16ctl.verification.e2e import E2EOptions
 
-        require_transformers()
         options = E2EOptions(prompts=prompts, max_new_tokens=max_new_tokens, score=score)
     if is_padded_output(out):  # a `pad` output: its PadProof (`.passed`, `.problems`, `.to_json()`)
         if layers is not None or experts is not None:

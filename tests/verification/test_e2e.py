@@ -365,6 +365,20 @@ def test_missing_transformers_is_one_line_exit_2(outputs, monkeypatch):
     assert len(lines) == 1 and "pip install 'wna16ctl[e2e]'" in lines[0] and "Traceback" not in res.output
 
 
+def test_a_bad_checkpoint_is_named_before_missing_transformers(outputs, tmp_path, monkeypatch):
+    """The inputs in the order a user fixes them (docs/verify.md): a broken checkpoint or output is
+    said first, then what the environment lacks for --e2e."""
+    ck, out = outputs("qwen3")
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    not_ckpt = tmp_path / "not-a-checkpoint"
+    not_ckpt.mkdir()
+    res = CliRunner().invoke(cli, ["verify", str(not_ckpt), str(out), "--samples", str(QUESTIONS_ALONE), "--e2e"])
+    assert res.exit_code == 2 and "config.json" in res.stderr and "wna16ctl[e2e]" not in res.stderr, res.stderr
+    res = CliRunner().invoke(cli, ["verify", str(ck), str(tmp_path / "no-output"), "--samples", str(QUESTIONS_ALONE),
+                                   "--e2e"])
+    assert res.exit_code == 2 and "no-output" in res.stderr and "wna16ctl[e2e]" not in res.stderr, res.stderr
+
+
 # ---- CLI ----------------------------------------------------------------------------------------------------
 
 

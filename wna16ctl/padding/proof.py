@@ -131,8 +131,10 @@ def verify_padding(original: str | os.PathLike[str], padded: str | os.PathLike[s
 
     a, b = open_checkpoint(original), open_checkpoint(padded)
     if e2e is not None:  # the inputs in the order a user fixes them: the samples before any work
+        from wna16ctl.verification.e2e import require_transformers
         from wna16ctl.verification.samples import resolve_samples
 
+        require_transformers()
         e2e_samples = Path(resolve_samples(samples, a.root, notice))
     manifest = read_json_file(Path(padded) / MANIFEST_NAME)
     tp = manifest.get("padding", {}).get("tp") if isinstance(manifest, dict) else None

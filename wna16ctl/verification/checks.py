@@ -586,6 +586,10 @@ def verify_output(
     out_path = Path(out)
     manifest = _read_manifest(out_path)
     gemm_device = _gemm_device(device)
+    if e2e is not None:
+        from wna16ctl.verification.e2e import require_transformers
+
+        require_transformers()
     wanted = None if layers is None else parse_indices(layers, "--layers", "MoE layer")
     wanted_experts = None if experts is None else parse_indices(experts, "--experts", "expert")
     if wanted is not None:  # a layer the checkpoint does not have is the checkpoint's answer, before samples
