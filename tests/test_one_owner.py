@@ -50,9 +50,6 @@ def second_definitions(modules: list[tuple[str, ast.AST]]) -> list[str]:
 
 
 _LAYOUT_NAMES = {"marlin", "transposed", "vllm"}
-# Functions that still spell layout names out (known, not yet replaced): an entry goes once its
-# function imports the names.
-_LAYOUT_NAME_PENDING: set[tuple[str, str]] = set()
 
 
 def _is_layout_name(node: ast.AST | None) -> bool:
@@ -74,11 +71,7 @@ def retyped_layout_names(modules: list[tuple[str, ast.AST]]) -> list[str]:
     for rel, tree in modules:
         if rel == "layout/spec.py":
             continue
-        pending = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
-                   and (rel, f.name) in _LAYOUT_NAME_PENDING for n in ast.walk(f)}
         for node in ast.walk(tree):
-            if id(node) in pending:
-                continue
             hit = None
             if isinstance(node, ast.Compare):
                 sides = [node.left, *node.comparators]

@@ -1003,6 +1003,17 @@ def step_sanitizer(report: Report, budget: Budget) -> Optional[bool]:
     return ok
 
 
+def _run_writing_json(cmd: list[str], out: Path, repo: Path,
+                      budget: Budget) -> tuple[subprocess.CompletedProcess, dict] | str:
+    """Run a tool that writes its result to `out` as JSON, within the budget: its process and the
+    JSON, or the name of what stopped it (a timeout, no file, no JSON)."""
+    try:
+        proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=max(30.0, budget.left() - 10))
+        return proc, json.loads(out.read_text())
+    except (subprocess.TimeoutExpired, OSError, ValueError) as exc:
+        return type(exc).__name__
+
+
 def step_vllm_plugin(report: dict, budget: Budget, repo: Path) -> Optional[bool]:
     """The vLLM load format's check (wna16ctl/integrations/plugin_check.py), run as its own process
     (it starts vLLM twice); its JSON goes into the report as `vllm_plugin`."""
@@ -1012,12 +1023,11 @@ def step_vllm_plugin(report: dict, budget: Budget, repo: Path) -> Optional[bool]
     out = Path(str(report.path) + ".vllm_plugin.json") if isinstance(report, Report) else repo / "vllm_plugin.json"
     cmd = [sys.executable, "-m", "wna16ctl.integrations.plugin_check", "--out", str(out),
            "--budget", str(int(budget.left() - 20))]
-    try:
-        proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=max(30.0, budget.left() - 10))
-        result = json.loads(out.read_text())
-    except (subprocess.TimeoutExpired, OSError, ValueError) as exc:
-        report["vllm_plugin"] = {"ok": False, "error": f"the check did not finish ({type(exc).__name__})"}
+    ran = _run_writing_json(cmd, out, repo, budget)
+    if isinstance(ran, str):
+        report["vllm_plugin"] = {"ok": False, "error": f"the check did not finish ({ran})"}
         return False
+    proc, result = ran
     report["vllm_plugin"] = result
     if result.get("not_run"):
         return None
@@ -1039,12 +1049,11 @@ def step_engine_load(report: dict, budget: Budget, repo: Path) -> Optional[bool]
     out.unlink(missing_ok=True)
     cmd = [sys.executable, str(repo / "bench" / "bench_engine_load.py"), *ENGINE_LOAD_ARGS, "--json", str(out),
            "--timeout", str(max(30, int(budget.left() - 30)))]
-    try:
-        proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=max(30.0, budget.left() - 10))
-        result = json.loads(out.read_text())
-    except (subprocess.TimeoutExpired, OSError, ValueError) as exc:
-        report["engine_load"] = {"ok": False, "error": f"the benchmark did not finish ({type(exc).__name__})"}
+    ran = _run_writing_json(cmd, out, repo, budget)
+    if isinstance(ran, str):
+        report["engine_load"] = {"ok": False, "error": f"the benchmark did not finish ({ran})"}
         return False
+    proc, result = ran
     if proc.returncode == 2 or result.get("status") == "not-run":
         report["engine_load"] = {"not_run": result.get("reason") or "the benchmark gave no reason"}
         return None

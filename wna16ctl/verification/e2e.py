@@ -525,19 +525,26 @@ def _candidate_gemm(device: torch.device) -> tuple[EmulatedGemm | None, str, str
     return EmulatedGemm(), "moe_gemm_v3.cu (v2, then v1 where it declines) on the CPU emulation", ""
 
 
+def _unable(model_type: str | None) -> E2EResult | None:
+    """Why e2e cannot run for this model type here (not run, with the reason), else None."""
+    try:
+        import transformers  # noqa: F401 - only whether transformers can be imported
+    except ImportError:
+        return not_run(f"transformers is not installed: {INSTALL_HINT}")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return not_run(f"model type {model_type!r} is not supported for --e2e (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    return None
+
+
 def _run_e2e(ck, out: Path, plan, samples: Path, options: E2EOptions, device: torch.device,
              dtype: torch.dtype) -> E2EResult:
     from wna16ctl.sources.tensors import TensorReader
     from wna16ctl.verification.rank_gemm import UNIT_ROUNDOFF, RankFiles
 
     started = time.monotonic()
-    try:
-        import transformers  # noqa: F401 - only whether transformers can be imported
-    except ImportError:
-        return not_run(f"transformers is not installed: {INSTALL_HINT}")
-    model_type = ck.config.model_type
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        return not_run(f"model type {model_type!r} is not supported for --e2e (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    unable = _unable(ck.config.model_type)
+    if unable is not None:
+        return unable
     if plan is None or not plan.jobs:
         return not_run("no repack plan to run the repacked experts with (see the manifest check)")
     jobs = {j.layer.prefix: j for j in plan.jobs}
@@ -830,13 +837,9 @@ def _run_padding_e2e(a, b, tp: int, samples: Path, options: E2EOptions) -> E2ERe
     from wna16ctl.verification.rank_gemm import UNIT_ROUNDOFF
 
     started = time.monotonic()
-    try:
-        import transformers  # noqa: F401 - imported to check it is installed
-    except ImportError:
-        return not_run(f"transformers is not installed: {INSTALL_HINT}")
-    model_type = a.config.model_type
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        return not_run(f"model type {model_type!r} is not supported for --e2e (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    unable = _unable(a.config.model_type)
+    if unable is not None:
+        return unable
     dtype = dtype_from_name(a.config.torch_dtype or "bfloat16")
     if dtype not in UNIT_ROUNDOFF or dtype == torch.float32:
         return not_run(f"model dtype {dtype}: the rounding intervals are for bfloat16 or float16 experts")
