@@ -1007,8 +1007,10 @@ def _require_clean(seen: dict[str, list], trials: int, seed: int) -> None:
     print(summary)
     bad = {k: v for k, v in seen.items() if k not in ("run", "exit 0", "exit 130", "stopped in interpreter start-up")}
     assert not bad, summary + "\n" + "\n---\n".join(repr(x) for v in bad.values() for x in v[:3])
-    # the moments fall inside a run (up to 10% after it): most of them must have stopped it
-    assert len(seen.get("exit 130", [])) >= trials // 2, summary
+    # the moments fall inside a run (up to 10% after it), and a good part of them must have stopped
+    # it; not most: the run's last part (the output in place, the interpreter's exit, ignoring
+    # SIGINT) rightly ends in 0, and on a fast machine that part is a third of a small run or more
+    assert len(seen.get("exit 130", [])) >= trials // 3, summary
 
 
 def test_ctrl_c_at_random_moments_is_clean_and_resumable(make_ckpt, tmp_path):
@@ -1096,6 +1098,24 @@ def test_ctrl_c_while_the_options_are_read_is_130_not_aborted(make_ckpt, tmp_pat
     proc = run_cli("repack", str(make_ckpt(**SMALL)), "--tp", "1", "-o", str(tmp_path / "out"), prelude=prelude)
     assert "nothing was done" in _one_interrupted_line(proc)
     assert leftovers(tmp_path / "out") == [] and not (tmp_path / "out").exists()
+
+
+def test_ctrl_c_inside_a_weakref_callback_is_not_lost(make_ckpt, tmp_path):
+    # Python only prints a KeyboardInterrupt raised in a weakref callback or __del__ ("Exception
+    # ignored in ...": an import's module-lock cleanup, typically) and goes on: the command must
+    # still stop with its one line and 130, not finish after a traceback
+    prelude = ("import weakref\n"
+               "import wna16ctl.planning.inspection as i\n"
+               "real = i.inspect_checkpoint\n"
+               "class Lock:\n    pass\n"
+               "def cb(_):\n    raise KeyboardInterrupt\n"
+               "def stop(*a, **kw):\n"
+               "    lock = Lock()\n    ref = weakref.ref(lock, cb)\n    del lock\n"
+               "    return real(*a, **kw)\n"
+               "i.inspect_checkpoint = stop\n")
+    proc = run_cli("inspect", str(make_ckpt(**SMALL)), "--tp", "1", prelude=prelude)
+    assert "Exception ignored" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert "nothing was written" in _one_interrupted_line(proc)
 
 
 def test_ctrl_c_while_the_command_line_imports_is_130_not_a_traceback():

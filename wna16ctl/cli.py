@@ -12,6 +12,7 @@ import sys
 try:  # a Ctrl-C while the command line starts: one line and 130, as anywhere later
     import errno
     import signal
+    import threading
     from pathlib import Path
     from typing import Any, Callable, NoReturn
 
@@ -570,10 +571,25 @@ def _local_checkpoint(sink: Sink, ckpt: str, revision: str | None) -> str:
     return resolve_local(ckpt, revision, quiet=sink.quiet)[0]
 
 
+def _redeliver_interrupt(unraisable: Any) -> None:
+    """sys.unraisablehook: a Ctrl-C that lands in a weakref callback or a __del__ (an import's
+    module-lock cleanup, a freed tensor) is only printed there and lost, and the command would
+    carry on to exit 0 after a traceback; send it again, to the code that runs next."""
+    if isinstance(unraisable.exc_value, KeyboardInterrupt):
+        # Python looks for signals as soon as a call returns, so a signal sent from here would be
+        # raised in this hook and lost again: another thread sends it once the hook has returned
+        again = threading.Timer(0.01, os.kill, (os.getpid(), signal.SIGINT))
+        again.daemon = True
+        again.start()
+    else:
+        sys.__unraisablehook__(unraisable)
+
+
 def main() -> None:
     """The `wna16ctl` program: click's standalone mode, except that a Ctrl-C outside a command's
     body (while the options are read) exits 130 with one line like one inside it, not click's
     "Aborted!" and 1."""
+    sys.unraisablehook = _redeliver_interrupt
     starting = getattr(sys.modules.get("wna16ctl"), "_interrupted_while_starting", None)
     if starting is not None and signal.getsignal(signal.SIGINT) is starting:  # the imports are done
         signal.signal(signal.SIGINT, signal.default_int_handler)
