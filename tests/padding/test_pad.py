@@ -240,7 +240,7 @@ def test_an_interrupted_pad_leaves_nothing_behind(make_ckpt, tmp_path, monkeypat
     monkeypatch.setattr(write, "_read_rows_into", failing)
     with pytest.raises(OSError):
         wna16ctl.pad(src, tmp_path / "p", tp=2, vllm="0.32.0")
-    assert len(calls) == 3
+    assert 3 <= len(calls) <= 2 + write.producers(2)  # the other producer stops at its next tensor
     assert sorted(os.listdir(tmp_path)) == []  # no OUT, no staging directory
 
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -104,12 +106,9 @@ def write_padded(plan: PadPlan, out: str | os.PathLike[str], *, force: bool = Fa
     advance = progress("padding", total, unit="bytes") if progress else (lambda n: None)
     try:
         staged.check_space(total)
-        shapes = _Shapes()
         # Ctrl-C is raised between tensors (interrupts.check), never while a block is half filled
         with interrupts.deferred(), RawReader(ck.files) as reader:
-            for sh, f in files:
-                _write_shard(plan, staged, sh, f, reader.fd(sh.path), shapes, advance)
-                staged.finish_stream(f)  # its last writes, fsync and digest run in the background
+            _write_shards(plan, staged, files, reader, advance)
         _write_side_files(plan, staged, files)
         staged.collect_hashes()
         manifest = {
@@ -134,6 +133,10 @@ def write_padded(plan: PadPlan, out: str | os.PathLike[str], *, force: bool = Fa
 # is built in pieces of whole rows, so memory stays bounded however large one tensor is.
 ROWS_BYTES = 8 << 20
 STREAM_DEPTH = 8  # 1 MiB blocks in flight per output file: a few writes at once keep the disk busy
+# Shards written at once, one per core up to this (producers()).  Measured on 2 cores only: there
+# the second producer took the write phase from one busy core to two (docs/performance.md, pad);
+# more cores help where the disk outruns one core's copying (~2 GB/s here), as NVMe arrays do.
+PRODUCERS = 4
 PROGRESS_BYTES = 16 << 20  # the progress bar moves in steps of this
 _IOV_MAX = 1024  # Linux's limit on the buffers of one preadv
 
@@ -170,8 +173,68 @@ class _Shapes:
         return self.pieces[k]
 
 
-def _write_shard(plan: PadPlan, staged: Any, sh: Any, f: Any, src_fd: int, shapes: _Shapes,
-                 advance: Callable[[int], None]) -> None:
+def producers(n_files: int) -> int:
+    """Shards written at once: one per core (at most PRODUCERS), never more than there are shards."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(PRODUCERS, cores, n_files))
+
+
+def _write_shards(plan: PadPlan, staged: Any, files: list[tuple[Any, Any]], reader: Any,
+                  advance: Callable[[int], None]) -> None:
+    """Every output shard, several at once.  Copying the bytes into the blocks (the kernel's copy
+    out of the page cache, the rows of growing tensors into place) is the work of the thread that
+    produces a file: with one producer pad used one core while `cp` of the same bytes waits only for
+    the disk.  Each producer takes the next shard; the first error (a Ctrl-C `interrupts.check`
+    raised in a producer included) stops the others at their next tensor and is raised here."""
+    from wna16ctl import interrupts
+
+    n = producers(len(files))
+    if n == 1:
+        shapes = _Shapes()
+        for sh, f in files:
+            _write_shard(plan, staged.stream(f, 0, STREAM_DEPTH, allocate=True), sh, f, reader.fd(sh.path), shapes,
+                         advance, lambda: False)
+            staged.finish_stream(f)  # its last writes, fsync and digest run in the background
+        return
+    lock = threading.Lock()  # the staged output's bookkeeping and the next shard: one producer at a time
+    stop = threading.Event()
+    queue = iter(files)
+
+    def produce() -> None:
+        shapes = _Shapes()  # its buffers are filled in place: one set per producer
+        try:
+            while True:
+                with lock:
+                    item = None if stop.is_set() else next(queue, None)
+                    if item is None:
+                        return
+                    sh, f = item
+                    stream = staged.stream(f, 0, STREAM_DEPTH, allocate=True)
+                    src_fd = reader.fd(sh.path)
+                _write_shard(plan, stream, sh, f, src_fd, shapes, advance, stop.is_set)
+                with lock:
+                    staged.finish_stream(f)
+        except BaseException:
+            stop.set()
+            raise
+
+    with ThreadPoolExecutor(max_workers=n, thread_name_prefix="wna16ctl-pad") as pool:
+        futures = [pool.submit(produce) for _ in range(n)]
+        interrupts.wait_all(futures)  # a Ctrl-C meanwhile is recorded; a producer raises it
+    errors = [e for e in (fut.exception() for fut in futures) if e is not None and not isinstance(e, _Stopped)]
+    if errors:
+        raise errors[0]
+
+
+class _Stopped(Exception):
+    """A producer stopped because another one failed (that one's error is raised)."""
+
+
+def _write_shard(plan: PadPlan, stream: Any, sh: Any, f: Any, src_fd: int, shapes: _Shapes,
+                 advance: Callable[[int], None], stopped: Callable[[], bool]) -> None:
     """Write output shard `f` from input shard `sh` front to back through a `FileStream` (hashed
     from memory as it goes, written in 1 MiB blocks, O_DIRECT where the filesystem takes it):
     original bytes are read straight into the stream's blocks, consecutive ones in one range;
@@ -180,7 +243,6 @@ def _write_shard(plan: PadPlan, staged: Any, sh: Any, f: Any, src_fd: int, shape
     from wna16ctl import interrupts
 
     ck = plan.checkpoint
-    stream = staged.stream(f, 0, STREAM_DEPTH, allocate=True)  # the file, its blocks allocated, with its header
     run = [0, 0]  # source bytes to stream next: offset, nbytes
     moved = 0  # bytes not yet reported to the progress bar
 
@@ -199,6 +261,8 @@ def _write_shard(plan: PadPlan, staged: Any, sh: Any, f: Any, src_fd: int, shape
     rows_of: dict[str, int] = {}
     for t in f.tensors:
         interrupts.check()
+        if stopped():
+            raise _Stopped
         e = ck.files.entry(t.name)
         src = sh.data_start + e["data_offsets"][0]
         nbytes = e["data_offsets"][1] - e["data_offsets"][0]
