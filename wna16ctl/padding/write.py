@@ -6,7 +6,8 @@ appends (`blocks`), so no value is computed: tensors that do not change, and the
 of those that gain rows at their end, are copied in the kernel (consecutive ones in one range);
 the added bytes are written from a block made once per shape; a tensor whose rows grow (the down
 projection) is read row by row straight into a buffer of its padded form that already holds the
-added bytes, and written in one piece.  Memory stays at one buffer per padded shape; no torch.
+added bytes, and written in one piece.  Shards are written several at once (one per core, up to
+PRODUCERS); memory stays at one buffer per padded shape and producer; no torch.
 Everything goes through `wna16ctl.output`: staged beside OUT, hashed as it is written, one fsync
 per file, committed by one rename with a manifest, never half-written, and `--force` replaces
 only an earlier wna16ctl output.
