@@ -451,6 +451,12 @@ __all__ = [
 
 # -- the layout (wna16ctl.layout.registry): one expert, forward and inverse ----------------------------
 
+def _sizes(spec: RankLayout) -> tuple[int, int, int, int, int, int]:
+    """(hidden, intermediate per rank, padded intermediate, pack factor, bits, group size)."""
+    return (spec.hidden_size, spec.intermediate_per_partition, spec.padded_intermediate, spec.pack_factor,
+            spec.num_bits, spec.group_size)
+
+
 def forward(
     expert: ExpertTensors, spec: RankLayout, out: Mapping[str, Tensor], expert_id: int | None,
     repack: Callable[..., Tensor] | None = None,
@@ -459,14 +465,7 @@ def forward(
     expert: shard, zero-pad to the tile multiple, act-order sort, repack, permute scales and zero
     points.  `repack` replaces `marlin_repack` with a bit-identical implementation (the native ones)."""
     repack = repack or marlin_repack
-    h, i_p, p, pf, nb, gs = (
-        spec.hidden_size,
-        spec.intermediate_per_partition,
-        spec.padded_intermediate,
-        spec.pack_factor,
-        spec.num_bits,
-        spec.group_size,
-    )
+    h, i_p, p, pf, nb, gs = _sizes(spec)
     gate = shard_gate_up(expert["gate"], tp=spec.tp, rank=spec.rank, pack=pf)
     up = shard_gate_up(expert["up"], tp=spec.tp, rank=spec.rank, pack=pf)
     down = shard_down(expert["down"], tp=spec.tp, rank=spec.rank, pack=pf, load_full_w2=spec.load_full_w2)
@@ -514,14 +513,7 @@ def forward(
 def inverse(tensors: Mapping[str, Tensor], spec: RankLayout, label: str) -> dict[str, Tensor]:
     """The exact inverse of `forward` on one expert's slices: the loader's K-first tensors.
     Raises LayoutMismatch where the tensors cannot come from `forward`."""
-    h, i_p, p, pf, nb, gs = (
-        spec.hidden_size,
-        spec.intermediate_per_partition,
-        spec.padded_intermediate,
-        spec.pack_factor,
-        spec.num_bits,
-        spec.group_size,
-    )
+    h, i_p, p, pf, nb, gs = _sizes(spec)
     out: dict[str, Tensor] = {}
     w13_perm = w2_perm = None
     if spec.act_order:

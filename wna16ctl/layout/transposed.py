@@ -13,7 +13,7 @@ reinterpretation of the int32 words as bytes.
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -114,28 +114,21 @@ def forward(
         out[name].copy_(tensor)
 
 
-def _transposed_expert(kfirst: Mapping[str, Tensor], spec: RankLayout) -> dict[str, Tensor]:
-    out = {
-        "w13_weight_packed": to_transposed_weight(kfirst["w13_weight_packed"]),
-        "w2_weight_packed": to_transposed_weight(kfirst["w2_weight_packed"]),
-        "w13_weight_scale": to_transposed_scales(kfirst["w13_weight_scale"]),
-        "w2_weight_scale": to_transposed_scales(kfirst["w2_weight_scale"]),
-    }
+def _each_tensor(tensors: Mapping[str, Tensor], spec: RankLayout, weight: Callable[[Tensor], Tensor],
+                 scales: Callable[[Tensor], Tensor], zero_points: Callable[[Tensor, int], Tensor]) -> dict[str, Tensor]:
+    """One expert's tensors, each converted by its kind's function (both directions use this)."""
+    out = {f"{w}_weight_packed": weight(tensors[f"{w}_weight_packed"]) for w in ("w13", "w2")}
+    out.update({f"{w}_weight_scale": scales(tensors[f"{w}_weight_scale"]) for w in ("w13", "w2")})
     if not spec.symmetric:
-        out["w13_weight_zero_point"] = to_transposed_zero_points(kfirst["w13_weight_zero_point"], spec.num_bits)
-        out["w2_weight_zero_point"] = to_transposed_zero_points(kfirst["w2_weight_zero_point"], spec.num_bits)
+        out.update({f"{w}_weight_zero_point": zero_points(tensors[f"{w}_weight_zero_point"], spec.num_bits)
+                    for w in ("w13", "w2")})
     return out
+
+
+def _transposed_expert(kfirst: Mapping[str, Tensor], spec: RankLayout) -> dict[str, Tensor]:
+    return _each_tensor(kfirst, spec, to_transposed_weight, to_transposed_scales, to_transposed_zero_points)
 
 
 def inverse(tensors: Mapping[str, Tensor], spec: RankLayout, label: str) -> dict[str, Tensor]:
     """The exact inverse of `forward` on one expert's slices: the loader's K-first tensors."""
-    out = {
-        "w13_weight_packed": from_transposed_weight(tensors["w13_weight_packed"]),
-        "w2_weight_packed": from_transposed_weight(tensors["w2_weight_packed"]),
-        "w13_weight_scale": from_transposed_scales(tensors["w13_weight_scale"]),
-        "w2_weight_scale": from_transposed_scales(tensors["w2_weight_scale"]),
-    }
-    if not spec.symmetric:
-        out["w13_weight_zero_point"] = from_transposed_zero_points(tensors["w13_weight_zero_point"], spec.num_bits)
-        out["w2_weight_zero_point"] = from_transposed_zero_points(tensors["w2_weight_zero_point"], spec.num_bits)
-    return out
+    return _each_tensor(tensors, spec, from_transposed_weight, from_transposed_scales, from_transposed_zero_points)

@@ -209,6 +209,12 @@ class _Prompts:
     decode: Callable[[list[int]], str]
 
 
+def _eos_ids(config: Mapping[str, Any]) -> set[int]:
+    """config.json's end-of-sequence token ids (`eos_token_id`: one id, a list, or absent)."""
+    ids = config.get("eos_token_id")
+    return set(ids if isinstance(ids, list) else [] if ids is None else [ids])
+
+
 def _build_prompts(ck_root: Path, samples: Path, n: int, vocab: int) -> _Prompts:
     if not samples.is_file():
         what = "is a directory" if samples.is_dir() else "no such file"
@@ -561,8 +567,7 @@ def _run_e2e(ck, out: Path, plan, samples: Path, options: E2EOptions, device: to
         return not_run(f"the MoE GEMM kernel cannot run here ({why_not}); the layout's own inverses would judge "
                        "themselves, so the check is not run")
     vocab = int(ck.config.raw.get("vocab_size") or 0)
-    eos_cfg = ck.config.raw.get("eos_token_id")
-    eos = set(eos_cfg if isinstance(eos_cfg, list) else [eos_cfg] if eos_cfg is not None else [])
+    eos = _eos_ids(ck.config.raw)
     try:
         prompts = _build_prompts(ck.root, samples, options.prompts, vocab)
         model, blocks = _build_model(ck, device)
@@ -714,8 +719,7 @@ def reference_generation(ckpt: str | os.PathLike[str], samples: Path, options: E
     engine that loads CKPT itself should generate for the same prompt ids."""
     ck, model, _, _ = reference_model(ckpt, device)
     prompts = _build_prompts(ck.root, samples, options.prompts, int(ck.config.raw.get("vocab_size") or 0))
-    eos_cfg = ck.config.raw.get("eos_token_id")
-    eos = set(eos_cfg if isinstance(eos_cfg, list) else [eos_cfg] if eos_cfg is not None else [])
+    eos = _eos_ids(ck.config.raw)
     runs = [_greedy(model, ids, options.max_new_tokens, eos, device) for ids in prompts.ids]
     return prompts.ids, [r[0] for r in runs], [r[1] for r in runs]
 
@@ -857,8 +861,7 @@ def _run_padding_e2e(a, b, tp: int, samples: Path, options: E2EOptions) -> E2ERe
                                                f"does not split into {tp} ranks")
     device = torch.device("cpu")
     vocab = int(a.config.raw.get("vocab_size") or 0)
-    eos_cfg = a.config.raw.get("eos_token_id")
-    eos = set(eos_cfg if isinstance(eos_cfg, list) else [eos_cfg] if eos_cfg is not None else [])
+    eos = _eos_ids(a.config.raw)
     try:
         prompts = _build_prompts(a.root, samples, options.prompts, vocab)
         model_a, blocks_a = _build_model(a, device)
