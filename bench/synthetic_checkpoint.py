@@ -5,7 +5,10 @@ the benchmark checkpoint holds random codes and scales in the exact on-disk form
 dtypes, shapes, config) as a compressed-tensors W4A16 Qwen3-MoE checkpoint.
 
     python bench/synthetic_checkpoint.py OUT [--layers 4] [--experts 128] [--hidden 2048] [--intermediate 768]
-                                             [--vocab 4096] [--engine]
+                                             [--vocab 4096] [--top-k K] [--engine]
+
+--top-k is the number of experts each token is routed to (`num_experts_per_tok`): by default
+Qwen3-30B-A3B's 8, or every expert when there are fewer.
 
 --engine also writes what an engine needs to build and run the model (attention, the full
 Qwen3-MoE config with Qwen3-30B-A3B's head counts); without it the checkpoint holds the expert
@@ -23,7 +26,11 @@ from safetensors.torch import save_file
 
 
 def write(out: Path, *, layers: int = 4, experts: int = 128, hidden: int = 2048, intermediate: int = 768,
-          num_bits: int = 4, group_size: int = 128, vocab: int = 4096, seed: int = 0, engine: bool = False) -> Path:
+          num_bits: int = 4, group_size: int = 128, vocab: int = 4096, seed: int = 0, engine: bool = False,
+          top_k: int | None = None) -> Path:
+    top_k = default_top_k(experts) if top_k is None else top_k
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"top_k {top_k} must be between 1 and the {experts} experts")
     out.mkdir(parents=True, exist_ok=True)
     pf = 32 // num_bits
     g = torch.Generator().manual_seed(seed)
@@ -60,7 +67,7 @@ def write(out: Path, *, layers: int = 4, experts: int = 128, hidden: int = 2048,
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
     config = {
         "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": hidden,
-        "moe_intermediate_size": intermediate, "num_experts": experts, "num_experts_per_tok": 8,
+        "moe_intermediate_size": intermediate, "num_experts": experts, "num_experts_per_tok": top_k,
         "num_hidden_layers": layers, "vocab_size": vocab, "torch_dtype": "bfloat16", "rms_norm_eps": 1e-6,
         "norm_topk_prob": True,
         "quantization_config": {
@@ -79,6 +86,16 @@ def write(out: Path, *, layers: int = 4, experts: int = 128, hidden: int = 2048,
                                 vocab=vocab)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
+
+
+# Qwen3-30B-A3B routes each token to 8 experts
+TOP_K = 8
+
+
+def default_top_k(experts: int) -> int:
+    """Qwen3-30B-A3B's top-k, or every expert of a smaller checkpoint (a config whose top-k exceeds
+    its expert count is refused by inspect, as by transformers and vLLM)."""
+    return min(TOP_K, experts)
 
 
 # Qwen3-30B-A3B's attention: 32 query heads, 4 key/value heads of 128
@@ -114,10 +131,14 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--intermediate", type=int, default=768)
     ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--top-k", type=int, default=None,
+                    help=f"experts per token (num_experts_per_tok); default min({TOP_K}, --experts)")
     ap.add_argument("--engine", action="store_true", help="also attention and the full config, for an engine")
     a = ap.parse_args()
+    if a.top_k is not None and not 1 <= a.top_k <= a.experts:
+        ap.error(f"--top-k {a.top_k} must be between 1 and --experts ({a.experts})")
     p = write(a.out, layers=a.layers, experts=a.experts, hidden=a.hidden, intermediate=a.intermediate, vocab=a.vocab,
-              engine=a.engine)
+              engine=a.engine, top_k=a.top_k)
     size = sum(f.stat().st_size for f in p.iterdir())
     print(f"wrote {p}: {size / 2**30:.2f} GiB")
 
