@@ -1,8 +1,10 @@
-"""One front door: the `repack` and `verify` commands call `wna16ctl.repack` / `wna16ctl.verify`
-and only render what they return, whatever the layout; the options a layout refuses are refused
-once, with the same line from the function and from the command."""
+"""One front door: the `inspect`, `repack` and `verify` commands call `wna16ctl.inspect` /
+`wna16ctl.repack` / `wna16ctl.verify` and only render what they return, whatever the layout; the
+options a layout refuses are refused once, with the same line from the function and from the command."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 from click.testing import CliRunner
@@ -38,6 +40,28 @@ def test_the_commands_call_the_public_functions(make_ckpt, tmp_path, monkeypatch
     res = invoke("verify", ck, out, "--samples", QUESTIONS, "--num-samples", 4)
     assert res.exit_code == 0, res.output
     assert calls == ["repack", "repack", "verify"]
+
+
+def test_the_inspect_command_calls_the_public_function(make_ckpt, monkeypatch):
+    calls: list[tuple[tuple, dict]] = []
+    returned = []
+    real_inspect = wna16ctl.inspect
+
+    def inspect(*args, **kwargs):
+        calls.append((args, kwargs))
+        returned.append(real_inspect(*args, **kwargs))
+        return returned[-1]
+
+    monkeypatch.setattr(wna16ctl, "inspect", inspect)
+    ck = make_ckpt()
+    res = invoke("inspect", ck, "--tp", "1,4", "--vllm", "0.32.0", "--gpu", "sm80", "--suggest", "--json")
+    assert res.exit_code == 1, res.output  # TP 4 does not load: the suggestions are asked for
+    assert len(calls) == 1, calls
+    args, kwargs = calls[0]
+    assert args[:2] == (str(ck), "1,4") and kwargs["suggest"] is True
+    assert (kwargs["vllm"], kwargs["gpu"]) == ("0.32.0", "sm80")
+    assert json.loads(res.stdout) == json.loads(json.dumps(returned[0].to_json())), "the command renders what it got"
+    assert returned[0].suggestions, "the suggestions come from the function"
 
 
 @pytest.mark.parametrize("options,flags", [

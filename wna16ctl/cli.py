@@ -186,19 +186,11 @@ def inspect(ctx: click.Context, ckpt: str, tp: str, ep: bool, vllm: str, gpu: st
             import gc
 
             gc.disable()
-        from wna16ctl.planning.inspection import inspect_checkpoint
+        import wna16ctl
 
-        proposal = None
-        if scheme is not None or recipe is not None or group_size is not None or actorder is not None or ignore:
-            from wna16ctl.sources.recipe import make_proposal  # with compressed-tensors' presets: only when asked
-
-            proposal = make_proposal(scheme, recipe, group_size, actorder, list(ignore))
-        insp = inspect_checkpoint(ckpt, _tps(tp), ep, vllm=vllm, gpu=gpu, revision=revision, env=list(env),
-                                  moe_backend=moe_backend, proposal=proposal)
-        if suggest:
-            from wna16ctl.planning.suggest import suggest as find_suggestions
-
-            insp.suggestions = find_suggestions(insp)
+        insp = wna16ctl.inspect(ckpt, tp, ep, vllm=vllm, gpu=gpu, revision=revision, env=list(env),
+                                moe_backend=moe_backend, scheme=scheme, recipe=recipe, group_size=group_size,
+                                actorder=actorder, ignore=list(ignore) or None, suggest=suggest)
         if insp.engine.note and insp.engine.source != "default":
             sink.warn(insp.engine.note)
         for w in insp.checkpoint.warnings:
