@@ -8,7 +8,9 @@
 * `proposed`, `recipe`: an unquantized base seen as the checkpoint a proposed scheme or llm-compressor
   recipe would produce.
 
-Knows nothing of engines: `planning` decides what a release does with what is read here.
+Knows what every known vLLM release builds from a checkpoint, alike in all of them (the linear
+layers as it fuses them, its routing method, lm_head's scheme, the families' model facts), and no
+rule that differs between releases: `planning` decides what a release does with what is read here.
 """
 
 from __future__ import annotations
