@@ -38,9 +38,9 @@ demo: $(BIN)/.installed
 	$(BIN)/wna16ctl repack $(DEMO_DIR)/ckpt --tp $(TP) -o $(DEMO_DIR)/tp$(TP) --force
 	$(BIN)/wna16ctl verify $(DEMO_DIR)/ckpt $(DEMO_DIR)/tp$(TP)
 
-# Two test processes per run (files stay whole on one worker, so module fixtures are built once):
-# most tests are single-threaded (one torch thread, subprocess start-up, fsync, a kernel emulation
-# whose threads take turns), so on a 2-core machine the second core is otherwise mostly idle.
+# One test process per core, up to 4 (files stay whole on one worker, so module fixtures are built
+# once): most tests are single-threaded (one torch thread, subprocess start-up, fsync, a kernel
+# emulation whose threads take turns), so a single process would leave the other cores mostly idle.
 # TEST_WORKERS=0 runs everything in one process.
 TEST_WORKERS ?= logical
 test: $(BIN)/.installed
