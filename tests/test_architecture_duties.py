@@ -51,10 +51,13 @@ def planning_modules() -> dict[str, ast.AST]:
     return {p.name: ast.parse(p.read_text(), str(p)) for p in sorted((PACKAGE_DIR / "planning").glob("*.py"))}
 
 
-def test_the_api_row_names_every_public_function():
+def test_the_api_row_and_the_readme_name_every_public_function():
     functions = [n for n in wna16ctl.__all__ if n.islower() and not n.startswith("_")]
     owns, _ = table_rows()["__init__.py"]
     assert functions and not [n for n in functions if f"`{n}`" not in owns], (functions, owns)
+    readme = " ".join((PACKAGE_DIR.parent / "README.md").read_text().split())
+    python = readme[readme.index("The same from Python:"):].split("(docs/python-api.md)")[0]
+    assert not [n for n in functions if f"`wna16ctl.{n}(...)`" not in python], python
 
 
 def test_planning_reads_files_only_where_the_doc_says():
