@@ -248,13 +248,17 @@ def pad(path: PathLike, out: PathLike | None, tp: int | str | None = None, *, to
     MLPs, each only where needed; `to` sets the routed experts' size instead.  An unquantized base
     is planned as `scheme` (with `group_size`, `actorder`) would quantize it.  Writes the same format
     to `out` (atomically, with a manifest) and returns the manifest; with `dry_run` returns the
-    `PadPlan` and writes nothing.  Raises `NotLoadable` for what padding cannot fix (heads, KV heads,
-    vocabulary, hidden size) and `BadInput`/`UsageError` on unusable input.
+    `PadPlan` and writes nothing; a dry run refuses what the run refuses.  Raises `NotLoadable` for
+    what padding cannot fix (heads, KV heads, vocabulary, hidden size; its `.hint` names another
+    `moe_backend` where one loads the model without padding), `UsageError` where nothing needs
+    padding or `to` does not load at `tp`, and `BadInput` on unusable input, the experts' data
+    refused as `repack` refuses it.
     """
-    from wna16ctl.errors import UsageError
+    from wna16ctl.errors import NotLoadable, UsageError
     from wna16ctl.planning.padding import open_for_padding, plan_padding
     from wna16ctl.padding.write import write_padded
     from wna16ctl.planning.tpsizes import parse_tp_list
+    from wna16ctl.repacking.pipeline import check_expert_data
     from wna16ctl.sources.recipe import make_proposal
 
     if tp is None and to is None:
@@ -265,14 +269,31 @@ def pad(path: PathLike, out: PathLike | None, tp: int | str | None = None, *, to
     proposal = make_proposal(scheme, None, group_size, actorder, None) \
         if scheme is not None or group_size is not None or actorder is not None else None
     insp, source = open_for_padding(os.fspath(path), n, ep, vllm, gpu, env, moe_backend, proposal)
-    plan = plan_padding(insp, n, to, source)
+    try:
+        plan = plan_padding(insp, n, to, source)  # refuses a plan that pads nothing, dry run or not
+    except NotLoadable as e:
+        if n is not None and e.hint is None:
+            e.hint = _serving_fix(insp, n)
+        raise
+    # the experts' data is refused as repack refuses it: g_idx now, the scales before writing (as
+    # repack checks them while it writes)
+    check_expert_data(plan.checkpoint, values=not dry_run)
     if dry_run:
         return plan
     if out is None:
         raise UsageError("an output directory is required (or pass dry_run=True)")
-    if not plan.fields:
-        raise UsageError(f"{path}: loads at TP {n} as it is; nothing to pad (pass --to to pad anyway)")
     return write_padded(plan, out, force=force, progress=progress)
+
+
+def _serving_fix(insp: Inspection, tp: int) -> str | None:
+    """Where padding cannot make the model load at `tp` but another MoE backend does without it,
+    as `inspect --suggest` finds it: that change, for the refusal's hint."""
+    from wna16ctl.planning.suggest import suggest
+
+    fix = next((s for s in suggest(insp) if s.kind == "moe_backend" and s.tp == tp), None)
+    if fix is None:
+        return None
+    return f"it loads at TP {tp} without padding if you {fix.change} (as inspect --suggest finds)"
 
 
 _TYPES = {"Inspection": "wna16ctl.planning.inspection", "RepackPlan": "wna16ctl.repacking.pipeline",

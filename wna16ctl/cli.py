@@ -517,7 +517,7 @@ def pad(ctx: click.Context, ckpt: str, out: str | None, tp: str | None, to: int 
             return EXIT_OK
         with sink.tasks() as progress:
             manifest = padded(out, force=force, progress=progress)
-        sink.result_lines(manifest, lambda: summary_lines(manifest["padding"], out))
+        sink.result_lines(manifest, lambda: summary_lines(manifest["padding"], out, ckpt, moe_backend))
         return EXIT_OK
 
     _run(ctx, sink, body, interrupted="no output was committed")

@@ -252,6 +252,7 @@ def plan_padding(insp: Inspection, tp: int | None, to: int | None = None, source
             raise NotLoadable(f"{ck.root}: at TP {tp} the rule '{fatal[0].removeprefix('model: ')}' refuses the "
                               "model; padding the intermediate sizes cannot fix it")
     sizes: dict[str, tuple[int, int]] = {}
+    routed: tuple[str, list[tuple[str, int]], int, int] | None = None  # --to's field: key, kinds, base, unit
     for key, kinds in by_field.items():
         width_of = {kind: next(w for _, _, w, _ in found[kind]) for kind, _ in kinds}
         value = _config_int(ck, key)
@@ -263,37 +264,31 @@ def plan_padding(insp: Inspection, tp: int | None, to: int | None = None, source
         if any(w % unit for w in width_of.values()):
             raise UsageError(f"{ck.root}: the {kinds[0][0]} width {base} is not a multiple of {unit} (whole scale "
                              "groups and int32 words); pad adds whole groups only")
-        routed_field = fields[ROUTED][0] == key
         target: int | None = None
-        if to is not None and routed_field:
+        if to is not None and fields[ROUTED][0] == key:
             if to < base or (to - base) % unit:
                 raise UsageError(f"--to {to}: must be at least {base} and {base} plus a multiple of {unit} "
                                  "(whole scale groups)")
-            target = to
+            target, routed = to, (key, kinds, base, unit)
         elif tp is None:
             continue
         else:
-            names = tuple(kind for kind, _ in kinds)
-            # a width that is a multiple of tp × (unit and the Marlin tiles) splits every way a
-            # width can: past the next one, no larger width loads where it does not
-            whole = tp * math.lcm(unit, 256)
-            limit = -(-base // whole) * whole + whole
-            for step in range(MAX_STEPS):
-                cand = base + step * unit
-                if cand > limit:
-                    break
-                _apply(model, ck, kinds, base, cand)
-                if not model.failures(tp, names):
-                    target = cand
-                    break
+            target, limit = _smallest(model, ck, kinds, base, unit, tp)
             if target is None:
-                _apply(model, ck, kinds, base, base)
-                why = model.failures(tp, names)
+                why = model.failures(tp, tuple(kind for kind, _ in kinds))
                 raise NotLoadable(f"{ck.root}: no padded {key} up to {limit} loads at TP {tp}: "
                                   f"{why[0] if why else 'refused'}; padding the intermediate size cannot fix this rule")
         _apply(model, ck, kinds, base, target)
         if target != base:
             sizes[key] = (base, target)
+    if tp is not None:
+        left = model.failures(tp)
+        if left:
+            _refuse_what_is_left(model, ck, tp, to, routed, left)
+    if not sizes:  # the one decision: a dry run and a real run refuse alike
+        raise UsageError(f"--to {to}: {ck.root}'s routed experts are {to} wide already; nothing to pad"
+                         if to is not None else
+                         f"{ck.root}: loads at TP {tp} as it is; nothing to pad (pass --to to pad anyway)")
     src = source or ck
     written = found if src is ck else find_mlp_modules(src)
     plan = PadPlan(src, tp, insp.ep, insp.engine.version, insp.gpu, sizes)
@@ -302,13 +297,44 @@ def plan_padding(insp: Inspection, tp: int | None, to: int | None = None, source
             for module, role, width, scheme in written[kind]:
                 plan.modules[module] = PaddedModule(module, role, kind, width, target * m, scheme)
     if tp is not None:
-        left = model.failures(tp)
         plan.original_verdict = {"loads": not original, "refused": original[:8]}
-        plan.verdict = {"loads": not left, "refused": left[:8], **_backends(model, tp)}
-        if left:
-            raise NotLoadable(f"{ck.root}: padded, it still does not load at TP {tp}: {left[0]}; padding the "
-                              "intermediate sizes cannot fix this rule")
+        plan.verdict = {"loads": True, "refused": [], **_backends(model, tp)}
     return plan
+
+
+def _smallest(model: _Model, ck: Checkpoint, kinds: list[tuple[str, int]], base: int, unit: int,
+              tp: int) -> tuple[int | None, int]:
+    """The smallest width from `base` in steps of `unit` under which the MLPs of `kinds` load at
+    `tp` (None where none does up to the limit, returned too); the model keeps that width."""
+    names = tuple(kind for kind, _ in kinds)
+    # a width that is a multiple of tp × (unit and the Marlin tiles) splits every way a width can:
+    # past the next one, no larger width loads where it does not
+    whole = tp * math.lcm(unit, 256)
+    limit = -(-base // whole) * whole + whole
+    for step in range(MAX_STEPS):
+        cand = base + step * unit
+        if cand > limit:
+            break
+        _apply(model, ck, kinds, base, cand)
+        if not model.failures(tp, names):
+            return cand, limit
+    _apply(model, ck, kinds, base, base)
+    return None, limit
+
+
+def _refuse_what_is_left(model: _Model, ck: Checkpoint, tp: int, to: int | None,
+                         routed: tuple[str, list[tuple[str, int]], int, int] | None, left: list[str]) -> None:
+    """The padded model still does not load at `tp`.  Where `--to` chose the routed size and the
+    search for the smallest that loads (what `--tp` alone pads to) finds one, the size was wrong:
+    say so and name it; else padding cannot fix the rule."""
+    if to is not None and routed is not None:
+        key, kinds, base, unit = routed
+        best, _ = _smallest(model, ck, kinds, base, unit, tp)
+        if best is not None and not model.failures(tp):
+            raise UsageError(f"--to {to}: {'too small' if best > to else 'does not load'} at TP {tp} ({left[0]}); "
+                             f"the smallest {key} that loads there is {best}: pass --to {best}, or leave --to out")
+    raise NotLoadable(f"{ck.root}: padded, it still does not load at TP {tp}: {left[0]}; padding the "
+                      "intermediate sizes cannot fix this rule")
 
 
 def _apply(model: _Model, ck: Checkpoint, kinds: list[tuple[str, int]], base: int, value: int) -> None:
@@ -403,8 +429,14 @@ def open_for_padding(path: str, tp: int | None, ep: bool, vllm: str, gpu: str, e
     return insp, ck
 
 
-def summary_lines(plan_json: dict[str, Any], out: str | None = None) -> list[str]:
-    """What `pad` did (or would do, without `out`), for people."""
+def summary_lines(plan_json: dict[str, Any], out: str | None = None, ckpt: str | None = None,
+                  moe_backend: str = "auto") -> list[str]:
+    """What `pad` did (or would do, without `out`), for people; after a write, what to run next:
+    `verify` of the padded checkpoint against `ckpt` (the original as the user named it), then its
+    serve line."""
+    import shlex
+
+    from wna16ctl.planning.next_steps import serve_command
     from wna16ctl.sink import human_bytes
 
     lines = []
@@ -421,6 +453,13 @@ def summary_lines(plan_json: dict[str, Any], out: str | None = None) -> list[str
         lines.append(f"at TP {tp}{' EP' if plan_json['ep'] else ''} on vLLM {plan_json['vllm']} {plan_json['gpu']}: "
                      f"original {was}; padded {'loads' if verdict.get('loads') else 'refused'} (MoE backend {backends})")
     if out is not None:
-        lines.append(f"wrote {out}; serve it as the original: vllm serve {out}"
-                     + (f" --tensor-parallel-size {tp}" if tp else ""))
+        original = ckpt if ckpt is not None else plan_json["checkpoint"]
+        lines += [f"wrote {out}",
+                  "next: prove the padding (originals unchanged, additions the zero code, the same outputs)",
+                  f"  {shlex.join(['wna16ctl', 'verify', str(original), str(out)])}"]
+        if tp is not None:
+            lines += ["next: serve the padded checkpoint as it is (stock vLLM, the default load format)",
+                      f"  {serve_command(out, None, tp, ep=bool(plan_json['ep']), moe_backend=moe_backend)}"]
+        else:
+            lines += ["next: serve the padded checkpoint as it is", f"  {shlex.join(['vllm', 'serve', str(out)])}"]
     return lines

@@ -171,23 +171,8 @@ class LayerBuilder:
 
     def check_scales(self, slot: int) -> None:
         """Scales must be finite (the same rule and message as `sources.tensors.check_scales`)."""
-        scales = self._scales[slot]
-        ptrs, counts = (ctypes.c_void_p * len(scales))(), (ctypes.c_int64 * len(scales))()
-        for t, (info, addr) in enumerate(scales):
-            ptrs[t], counts[t] = addr, info.nbytes // ST_SIZES[info.dtype]
-        at = ctypes.c_int64(-1)
-        bad = native.loaded_host_lib().wna16_first_nonfinite_many(ptrs, counts, len(scales), _SCALE_KIND[self.scale_dtype],
-                                                           ctypes.byref(at))
-        if bad == -2:  # a mapped shard shrank
+        if not check_scales_at(self._scales[slot], self.scale_dtype):
             raise _truncated(self.mapped_files(slot)[0])
-        if bad >= 0:
-            info, addr = scales[bad]
-            i, width = at.value, ST_SIZES[info.dtype]
-            cols = info.shape[-1] if len(info.shape) > 1 else counts[bad]
-            where = [i // cols, i % cols] if len(info.shape) > 1 else [i]
-            value = _scale_value(ctypes.string_at(addr + i * width, width), info.dtype)
-            raise BadInput(f"tensor {info.name}: scale {value} at {where} is not finite; "
-                           "the checkpoint is corrupt (re-quantize or re-download it)")
 
     def build(self, rank: int, n_experts: int, slot: int) -> dict[str, memoryview]:
         """Rank `rank`'s tensors for the chunk in `slot`: name -> bytes of its n_experts slices
@@ -227,6 +212,71 @@ class LayerBuilder:
             if e.code == native.WNA16_EFAULT and mapped:
                 raise _truncated(self.mapped_files(slot)[0]) from None
             raise
+
+
+def check_scales_at(scales: list[tuple[TensorInfo, int]], dtype: str) -> bool:
+    """The scales at these addresses (each `dtype`) must be finite, in the host library: the rule
+    and message of `sources.tensors.check_scales`.  False where a mapped shard shrank meanwhile."""
+    ptrs, counts = (ctypes.c_void_p * len(scales))(), (ctypes.c_int64 * len(scales))()
+    for t, (info, addr) in enumerate(scales):
+        ptrs[t], counts[t] = addr, info.nbytes // ST_SIZES[info.dtype]
+    at = ctypes.c_int64(-1)
+    bad = native.loaded_host_lib().wna16_first_nonfinite_many(ptrs, counts, len(scales), _SCALE_KIND[dtype],
+                                                              ctypes.byref(at))
+    if bad == -2:
+        return False
+    if bad >= 0:
+        info, addr = scales[bad]
+        i, width = at.value, ST_SIZES[info.dtype]
+        cols = info.shape[-1] if len(info.shape) > 1 else counts[bad]
+        where = [i // cols, i % cols] if len(info.shape) > 1 else [i]
+        value = _scale_value(ctypes.string_at(addr + i * width, width), info.dtype)
+        raise BadInput(f"tensor {info.name}: scale {value} at {where} is not finite; "
+                       "the checkpoint is corrupt (re-quantize or re-download it)")
+    return True
+
+
+SCALE_READ_BYTES = 64 << 20  # scales read and checked at once by check_scale_tensors
+
+
+def check_scale_tensors(files: CheckpointFiles, infos: list[TensorInfo]) -> None:
+    """Every scale tensor of `infos` finite, read in pieces of at most SCALE_READ_BYTES: checked by
+    the host library as the native path checks a chunk's (`check_scales_at`), or without it by
+    `sources.tensors.check_scales`, as the torch path does.  For what copies scales without reading
+    them as numbers (pad), before it writes."""
+    if native.host_lib() is None or any(i.dtype not in _SCALE_KIND for i in infos):
+        from wna16ctl.sources.tensors import TensorReader, check_scales
+
+        with TensorReader(files) as reader:
+            for info in infos:
+                check_scales(reader.read(info.name), info.name)
+        return
+    with RawReader(files) as reader:
+        for dtype in sorted({i.dtype for i in infos}):
+            batch: list[TensorInfo] = []
+            size = 0
+            for info in (i for i in infos if i.dtype == dtype):
+                if batch and size + info.nbytes > SCALE_READ_BYTES:
+                    _check_scale_batch(reader, batch, dtype)
+                    batch, size = [], 0
+                batch.append(info)
+                size += info.nbytes
+            if batch:
+                _check_scale_batch(reader, batch, dtype)
+
+
+def _check_scale_batch(reader: RawReader, batch: list[TensorInfo], dtype: str) -> None:
+    buf = bytearray(sum(i.nbytes for i in batch))
+    if not buf:
+        return
+    held = (ctypes.c_char * len(buf)).from_buffer(buf)  # the bytearray stays put while this holds it
+    base = ctypes.addressof(held)
+    view, places, pos = memoryview(buf), [], 0
+    for info in batch:
+        reader.read_into(info, view[pos: pos + info.nbytes])
+        places.append((info, base + pos))
+        pos += info.nbytes
+    check_scales_at(places, dtype)
 
 
 def _truncated(path: Any) -> BadInput:

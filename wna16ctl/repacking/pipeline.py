@@ -219,28 +219,73 @@ def _choose_layout(layer: MoELayer, plan: LayerPlan, requested: str) -> str:
     return requested
 
 
-def _check_shared_g_idx(ck: Checkpoint, jobs: list[LayerJob]) -> None:
-    """Act-order: every g_idx a valid group assignment, and gate and up carrying the same one (the
-    engine keeps one copy for w13; sources/gidx.py).  Part of the validation pass, so a bad
-    checkpoint is refused before anything is written; it reads only the small g_idx vectors.
-    """
-    act = [j for j in jobs if j.layer.scheme is not None and j.layer.scheme.act_order]
+def expert_layers(ck: Checkpoint) -> list[MoELayer]:
+    """The quantized MoE layers whose experts repack rewrites (and whose data it checks): the
+    decoder's and the MTP layers' (repacked like the decoder's)."""
+    return ck.quantized_layers + ck.quantized_mtp_layers
+
+
+def check_expert_data(ck: Checkpoint, *, values: bool = False) -> None:
+    """What repack refuses in the experts' data before anything is committed, and so does pad (one
+    rule for both): every act-order g_idx a valid group assignment and gate and up carrying the same
+    one (the engine keeps one copy for w13; sources/gidx.py); with `values` also every scale finite
+    and every legacy zero point in range.  repack checks those two as it reads each chunk of experts
+    (no second read); pad, which copies bytes without reading them as numbers, asks for them here,
+    before it writes.  Reads only the small g_idx, scale and zero point tensors."""
+    layers = expert_layers(ck)
+    _check_g_idx(ck, layers)
+    if values:
+        from wna16ctl.repacking.native_path import check_scale_tensors
+
+        check_scale_tensors(ck.files, [ck.files.info(layer.tensor_name(e, role, "weight_scale"))
+                                       for layer in layers for e in range(layer.num_experts) for role in ROLE_ORDER])
+        _check_legacy_zero_points(ck, layers)
+
+
+def _check_g_idx(ck: Checkpoint, layers: list[MoELayer]) -> None:
+    act = [layer for layer in layers if layer.scheme is not None and layer.scheme.act_order]
     if not act:
         return
     from wna16ctl.sources.tensors import TensorReader, check_g_idx
 
     with TensorReader(ck.files) as reader:
-        for job in act:
-            layer = job.layer
+        for layer in act:
             for e in range(layer.num_experts):
                 for role, k in (("gate", layer.hidden_size), ("up", layer.hidden_size), ("down", layer.intermediate_size)):
                     name = layer.tensor_name(e, role, "weight_g_idx")
                     if name in ck.files:  # old writers skipped unset g_idx: then k // group_size
                         check_g_idx(reader.read(name), name, k, layer.scheme.group_size)  # type: ignore[union-attr]  # act-order layers are quantized
-    for job in act:
-        problem = gate_up_g_idx_mismatch(ck.files, job.layer)
+    for layer in act:
+        problem = gate_up_g_idx_mismatch(ck.files, layer)
         if problem is not None:
             raise NotLoadable(problem)
+
+
+def _check_legacy_zero_points(ck: Checkpoint, layers: list[MoELayer]) -> None:
+    """Unpacked signed zero points (compressed-tensors <= 0.9.3) within the bit width, read as
+    repack's torch path reads them (`TensorReader.zero_point`); packed ones hold any code."""
+    legacy = []
+    for layer in layers:
+        s = layer.scheme
+        if s is None or s.symmetric:
+            continue
+        for e in range(layer.num_experts):
+            for role in ROLE_ORDER:
+                name = layer.tensor_name(e, role, "weight_zero_point")
+                if name not in ck.files:
+                    continue
+                n_rows = ck.files.info(layer.tensor_name(e, role, "weight_packed")).shape[0]
+                zp = ck.files.info(name)
+                if zp.dtype != "I32" or zp.shape[0] == n_rows:
+                    groups = ck.files.info(layer.tensor_name(e, role, "weight_scale")).shape[1]
+                    legacy.append((name, n_rows, groups, s.num_bits))
+    if not legacy:
+        return
+    from wna16ctl.sources.tensors import TensorReader
+
+    with TensorReader(ck.files) as reader:
+        for name, n_rows, groups, bits in legacy:
+            reader.zero_point(name, n_rows, groups, bits)
 
 
 def _releases_that_load(ck: Checkpoint, layers: list[MoELayer], settings: RepackSettings,
@@ -268,7 +313,7 @@ def plan_repack(ckpt_path: str | os.PathLike[str], settings: RepackSettings) -> 
     except ValueError as e:
         raise UsageError(str(e)) from None
     ck = open_checkpoint(ckpt_path)
-    layers = ck.quantized_layers + ck.quantized_mtp_layers  # MTP experts are repacked like the decoder's
+    layers = expert_layers(ck)
     refusal = config_refusal(ck.config.quant, settings.vllm)
     if refusal is not None:
         raise NotLoadable(f"vLLM {settings.vllm} refuses {ck.root} at config parse: {refusal.text()}; "
@@ -310,7 +355,7 @@ def plan_repack(ckpt_path: str | os.PathLike[str], settings: RepackSettings) -> 
     if refused is not None:
         raise NotLoadable(f"vLLM {settings.vllm} refuses {ck.root} at TP {settings.tp}{' EP' if settings.ep else ''}: "
                           f"{refused}; " + _releases_that_load(ck, layers, settings, switches))
-    _check_shared_g_idx(ck, jobs)  # also checks every act-order g_idx is a valid group assignment
+    check_expert_data(ck)  # every act-order g_idx a valid group assignment, gate's and up's the same
     repacked = {
         layer.tensor_name(e, role, suffix)
         for job in jobs for layer in [job.layer] for e in range(layer.num_experts) for role in ROLE_ORDER

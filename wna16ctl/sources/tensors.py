@@ -79,7 +79,7 @@ class TensorReader(RawReader):
         groups = out["weight_scale"].shape[1]
         k = layer.hidden_size if role in ("gate", "up") else layer.intermediate_size
         if not s.symmetric:
-            out["weight_zero_point"] = self._zero_point(name("weight_zero_point"), n_rows, groups, s.num_bits)
+            out["weight_zero_point"] = self.zero_point(name("weight_zero_point"), n_rows, groups, s.num_bits)
         if s.act_order:
             gname = name("weight_g_idx")
             if gname in self.files:
@@ -93,7 +93,8 @@ class TensorReader(RawReader):
     def read_expert(self, layer: MoELayer, expert: int) -> dict[str, dict[str, torch.Tensor]]:
         return {role: self.read_projection(layer, expert, role) for role in ROLE_ORDER}
 
-    def _zero_point(self, name: str, n_rows: int, groups: int, num_bits: int) -> torch.Tensor:
+    def zero_point(self, name: str, n_rows: int, groups: int, num_bits: int) -> torch.Tensor:
+        """A projection's zero points, packed (a legacy unpacked one checked within the bit width)."""
         from wna16ctl.layout.packing import pack_codes
 
         offset = 1 << (num_bits - 1)
