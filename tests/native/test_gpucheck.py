@@ -350,9 +350,9 @@ class _FakeMarlinOp:
             offsets.append(offsets[-1] + len(mine[e]))
         bits = (args["b_type_id"] >> 8) & 0xFF
         out = torch.ops.wna16ctl.moe_wna16_gemm(
-            args["a"], args["b_q_weight"], args["b_scales"], args["b_zeros_or_none"], None, None,
-            torch.tensor(order, dtype=torch.int32), torch.tensor(offsets, dtype=torch.int32),
-            args["topk_weights"].reshape(-1) if args["mul_topk_weights"] else None, top_k, bits, True)
+            args["a"], args["b_q_weight"], args["b_scales"], torch.tensor(order, dtype=torch.int32),
+            torch.tensor(offsets, dtype=torch.int32), top_k, bits, args["b_zeros_or_none"], None, None,
+            args["topk_weights"].reshape(-1) if args["mul_topk_weights"] else None, True)
         if args["c_or_none"] is not None:
             return args["c_or_none"].copy_(out)
         return out
@@ -423,7 +423,7 @@ def test_the_gemm_benchmark_on_the_cpu(tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.setattr(gpucheck, "_clock", lambda report: clock)
 
     def cpu_call(kernel, args):
-        c = torch.zeros(args[0].shape[0] * args[9], args[2].shape[-1], dtype=args[0].dtype)
+        c = torch.zeros(args[0].shape[0] * args[5], args[2].shape[-1], dtype=args[0].dtype)
         return (lambda: c.copy_(torch.ops.wna16ctl.moe_wna16_gemm(*args))), c
     monkeypatch.setattr(gpucheck, "_gemm_call", cpu_call)
     report = gpucheck.Report(tmp_path / "r.json")

@@ -164,7 +164,8 @@ def build_problem(*, m: int, n: int, k: int, e: int, topk: int, bits: int, gs: i
     size_k_scales = groups * gs if gs != -1 else k
     m_scales = marlin_permute_scales(scales, size_k_scales, n, gs)
     m_zeros = marlin_zero_points(pack_codes(zeros, bits), groups, n, bits) if zeros is not None else None
-    args = (a, b_q, m_scales, m_zeros, sorted_g, perm, sorted_ids, offsets, tw, topk, bits, k_full)
+    # the op's argument order: the required ones, then the optional ones
+    args = (a, b_q, m_scales, sorted_ids, offsets, topk, bits, m_zeros, sorted_g, perm, tw, k_full)
     return {"args": args, "expected": expected, "dtype": dtype, "q": q, "scales": scales, "zeros": zeros,
             "g_idx": g_idx, "topk_ids": top}
 
@@ -449,7 +450,7 @@ def _gemm_call(kernel: str, args: tuple) -> tuple[Callable[[], None], torch.Tens
     from wna16ctl.native import ops as K
 
     lib = _loaded_cuda_lib()
-    a, b_q, scales, zp, g_idx, perm, ids, offs, tw, top_k, bits, k_full = args
+    a, b_q, scales, ids, offs, top_k, bits, zp, g_idx, perm, tw, k_full = args
     e, k, n, groups = b_q.shape[0], b_q.shape[1] * 16, scales.shape[2], scales.shape[1]
     slots = a.shape[0] * top_k
     c = torch.zeros(slots, n, dtype=a.dtype, device=a.device)
@@ -557,7 +558,7 @@ def bench_gemm(report: Report, budget: Budget, marlin_op: Any = None) -> None:
             entry: dict[str, Any] = {"shape": shape_name, "experts": e, "k": k, "n": n, "bits": bits,
                                      "group_size": gs, "m": m, "active_experts": n_active}
             q_bytes = n_active * (k * n * bits // 8 + groups * n * 2)
-            args = (a, b_q, m_scales, None, None, None, sorted_ids, offsets, None, BENCH_TOP_K, bits, True)
+            args = (a, b_q, m_scales, sorted_ids, offsets, BENCH_TOP_K, bits, None, None, None, None, True)
             outs = {}
             calls = {kernel: _gemm_call(kernel, args) for kernel in ("v3", "v2")}
             if marlin_op is not None and workspace is not None:
@@ -698,8 +699,8 @@ def step_vllm_marlin_check(report: Report, budget: Budget, op: Any, why: str) ->
                 continue
             prob = build_problem(m=m, bits=bits, gs=gs, zp=zp, act=False, seed=500 + i, device=DEVICE,
                                  **MARLIN_CHECK_SHAPE)
-            a, b_q, m_scales, m_zeros = prob["args"][:4]
-            tw = prob["args"][8]
+            a, b_q, m_scales, *_ = prob["args"]
+            m_zeros, tw = prob["args"][7], prob["args"][10]
             args = vllm_marlin.call_args(a=a, b_q=b_q, scales=m_scales, zero_points=m_zeros, topk_ids=prob["topk_ids"],
                                          topk_weights=tw.reshape(m, -1), bits=bits, workspace=workspace)
             mismatch = vllm_marlin.schema_mismatch(op.default._schema, args)
