@@ -47,7 +47,7 @@ def main() -> None:
         for name, k, n in (("w13", 128, 128), ("w2", 64, 128)):
             prob = make_problem(size_k=k, size_n=n, group_size=32, experts=4, m=t, top_k=2)
             args = prob["args"]
-            x, b_q, scales, zp, g_idx, perm, ids, offs, tw, top_k, bits, k_full = args
+            x, b_q, scales, ids, offs, top_k, bits, zp, g_idx, perm, tw, k_full = args
             times = {"emu": [], "torch": []}
             for _ in range(a.runs):
                 t0 = time.perf_counter()

@@ -624,7 +624,7 @@ def grid_problem(*, pad: int = 0, empty_ends: bool = False, **case) -> dict:
     convention); `empty_ends` adds an expert before the first and after the last that no token
     reaches."""
     prob = make_problem(**case)
-    a, b_q, scales, zp, g_idx, perm, ids, offs, tw, top_k, num_bits, k_full = prob["args"]
+    a, b_q, scales, ids, offs, top_k, num_bits, zp, g_idx, perm, tw, k_full = prob["args"]
     num_slots = a.shape[0] * top_k
     if empty_ends:
         def ends(t):
@@ -640,7 +640,7 @@ def grid_problem(*, pad: int = 0, empty_ends: bool = False, **case) -> dict:
             new_offs.append(new_offs[-1] + parts[-1].numel())
         ids = torch.cat(parts)
         offs = torch.tensor(new_offs, dtype=torch.int32)
-    prob["args"] = (a, b_q, scales, zp, g_idx, perm, ids, offs, tw, top_k, num_bits, k_full)
+    prob["args"] = (a, b_q, scales, ids, offs, top_k, num_bits, zp, g_idx, perm, tw, k_full)
     return prob
 
 
@@ -648,7 +648,7 @@ def run_gemm_op(exe: Path, op: str, prob: dict, variant_code: int, dev: Optional
                 extra: Optional[dict] = None, ints: Optional[dict] = None) -> tuple[H.Result, torch.Tensor]:
     """Run the driver's GEMM op `op` ("gemm": v1, "gemm_v2", "gemm_v3") on `prob`; the output
     starts as MARKER everywhere, so rows the kernel must not touch show."""
-    a, b_q, scales, zp, g_idx, perm, ids, offs, tw, top_k, num_bits, k_full = prob["args"]
+    a, b_q, scales, ids, offs, top_k, num_bits, zp, g_idx, perm, tw, k_full = prob["args"]
     experts, size_k, size_n = b_q.shape[0], b_q.shape[1] * 16, scales.shape[2]
     num_slots = a.shape[0] * top_k
     c = torch.full((num_slots, size_n), MARKER, dtype=torch.int16).view(a.dtype)
@@ -676,14 +676,14 @@ def run_gemm(exe: Path, prob: dict, variant: str, dev: Optional[dict] = None) ->
 
 def tile_rows(prob: dict, variant: str) -> int:
     """The tile height the launcher will pick (checks.h's rule), to show each variant is run."""
-    ids, offs = prob["args"][6], prob["args"][7]
+    ids, offs = prob["args"][3], prob["args"][4]
     mma = variant != "fma"
     return 64 if mma and ids.numel() >= 48 * (offs.numel() - 1) else 16
 
 
 def check_gemm(prob: dict, r: H.Result, got: torch.Tensor) -> None:
     _ok(r)
-    a, ids, offs, top_k = prob["args"][0], prob["args"][6], prob["args"][7], prob["args"][9]
+    a, ids, offs, top_k = prob["args"][0], prob["args"][3], prob["args"][4], prob["args"][5]
     num_slots = a.shape[0] * top_k
     routed = torch.zeros(num_slots, dtype=torch.bool)
     listed = ids[int(offs[0]): int(offs[-1])].long()
@@ -801,14 +801,14 @@ def test_emulated_gemm_launcher_follows_the_device(plain: Path) -> None:
 def test_gemm_rejects_out_of_range_g_idx_and_duplicate_slots() -> None:
     prob = make_problem(act_order=True, k_full=False, size_k=64, size_n=64)
     args = list(prob["args"])
-    bad = args[4].clone()
+    bad = args[8].clone()
     bad[0, 3] = args[2].shape[1]  # one past the last scale group
     with pytest.raises(ValueError, match=r"g_idx values lie in .* outside \[0, num_groups"):
-        torch.ops.wna16ctl.moe_wna16_gemm(*args[:4], bad, *args[5:])
-    ids = args[6].clone()
+        torch.ops.wna16ctl.moe_wna16_gemm(*args[:8], bad, *args[9:])
+    ids = args[3].clone()
     ids[1] = ids[0]
     with pytest.raises(ValueError, match=f"sorted_token_ids lists slot {int(ids[0])} 2 times"):
-        torch.ops.wna16ctl.moe_wna16_gemm(*args[:6], ids, *args[7:])
+        torch.ops.wna16ctl.moe_wna16_gemm(*args[:3], ids, *args[4:])
     # sentinels (>= num_slots) may repeat
     padded = grid_problem(act_order=True, k_full=False, size_k=64, size_n=64, pad=16)
     torch.ops.wna16ctl.moe_wna16_gemm(*padded["args"])

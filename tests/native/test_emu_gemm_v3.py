@@ -39,7 +39,7 @@ BLOCKS_PER_SM = 2  # kernels/moe_gemm_v3.cuh kBlocksPerSm
 def counter_words(prob: dict, variant: str, sms: int) -> int:
     """The workspace's leading counter and flag words (moe_gemm_v3.cu make_config): they must be
     zero after every call."""
-    ids = prob["args"][6]
+    ids = prob["args"][3]
     experts, size_n = prob["args"][1].shape[0], prob["args"][2].shape[2]
     if variant == "auto":
         per_expert = -(-ids.numel() // experts)

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(emulated.find_cxx() is None, reason="no g++: the
 
 
 def _run(prob: dict) -> tuple[torch.Tensor, str]:
-    a, b_q, scales, zp, g_idx, perm, ids, offs, tw, top_k, num_bits, k_full = prob["args"]
+    a, b_q, scales, ids, offs, top_k, num_bits, zp, g_idx, perm, tw, k_full = prob["args"]
     return emulated.emulated_moe_gemm(a, b_q, scales, ids, offs, top_k=top_k, num_bits=num_bits, zero_points=zp,
                                       g_idx=g_idx, perm=perm, topk_weights=tw, is_k_full=k_full)
 
@@ -33,7 +33,7 @@ def test_emulated_gemm_matches_the_references(case, kernel):
     prob = grid_problem(**case)
     got, which = _run(prob)
     assert which == kernel
-    a, ids, offs, top_k = prob["args"][0], prob["args"][6], prob["args"][7], prob["args"][9]
+    a, ids, offs, top_k = prob["args"][0], prob["args"][3], prob["args"][4], prob["args"][5]
     routed = torch.zeros(a.shape[0] * top_k, dtype=torch.bool)
     listed = ids[int(offs[0]): int(offs[-1])].long()
     routed[listed[(listed >= 0) & (listed < routed.numel())]] = True

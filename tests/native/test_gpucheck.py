@@ -95,6 +95,10 @@ def test_without_a_gpu_the_report_says_not_run(tmp_path: Path) -> None:
     assert list(data["steps"]) == list(gpucheck.STEPS)
     assert {s["state"] for s in data["steps"].values()} == {"not run"}
     assert all(s["reason"].startswith("no GPU: torch sees no CUDA device") for s in data["steps"].values())
+    # and each step's own file says so
+    for name in gpucheck.STEPS:
+        own = json.loads(gpucheck.step_file(out, name).read_text())
+        assert own["state"] == "not run" and own["reason"] == data["steps"][name]["reason"]
 
 
 def test_goal_verdicts() -> None:
@@ -191,6 +195,7 @@ def test_the_budget_starts_after_the_build_and_keeps_the_report_reserve(tmp_path
     monkeypatch.setattr(gpucheck, "step_env", lambda report: None)
     monkeypatch.setattr(gpucheck, "step_build", build)
     monkeypatch.setattr(gpucheck, "step_repack", hang)
+    monkeypatch.setitem(gpucheck.STEP_TIME_S, "repack_checks", (0, 20))  # starts with one second left
     out = tmp_path / "gpu_check.json"
     t0 = time.monotonic()
     # the reserve plus one second of budget: one second for the checks, then the report
@@ -298,16 +303,18 @@ def test_a_step_that_raises_is_failed_and_the_next_steps_still_run(tmp_path: Pat
         monkeypatch.setattr(gpucheck, name, lambda report, budget, repo, name=name: ran.append(name) or None)
     for name in ("bench_copy", "bench_repack"):
         monkeypatch.setattr(gpucheck, name, lambda report, name=name: ran.append(name))
-    monkeypatch.setattr(gpucheck, "bench_gemm", lambda report, budget, op: ran.append("bench_gemm"))
+    monkeypatch.setattr(gpucheck, "bench_gemm", lambda report, budget, op, key="bench_gemm", **rows: ran.append(key))
     out = tmp_path / "gpu_check.json"
     assert gpucheck.run(out, 600, 1, False, False, with_vllm_plugin=False) == 1
     data = json.loads(out.read_text())
     assert data["status"] == "failed"
     assert data["repack_checks"]["error"] == "RuntimeError: kernel fault"
-    assert ran == ["gemm", "step_repack_timing", "bench_copy", "bench_repack", "bench_gemm", "step_product"]
+    assert ran == ["gemm", "step_product", "bench_copy", "bench_repack", "bench_step_sweep", "bench_gemm",
+                   "step_repack_timing"]
     steps = data["steps"]
-    assert steps["repack_checks"] == {"state": "failed"} and steps["gemm_checks"] == {"state": "passed"}
-    assert steps["vllm_marlin_check"] == {"state": "not run", "reason": "no vLLM"}
+    assert steps["repack_checks"]["state"] == "failed" and steps["gemm_checks"]["state"] == "passed"
+    assert steps["gemm_checks"]["budget_s"] == gpucheck.STEP_TIME_S["gemm_checks"][1]
+    assert (steps["vllm_marlin_check"]["state"], steps["vllm_marlin_check"]["reason"]) == ("not run", "no vLLM")
     assert steps["sanitizer"]["reason"].startswith("not asked for")
 
 
@@ -350,9 +357,9 @@ class _FakeMarlinOp:
             offsets.append(offsets[-1] + len(mine[e]))
         bits = (args["b_type_id"] >> 8) & 0xFF
         out = torch.ops.wna16ctl.moe_wna16_gemm(
-            args["a"], args["b_q_weight"], args["b_scales"], args["b_zeros_or_none"], None, None,
-            torch.tensor(order, dtype=torch.int32), torch.tensor(offsets, dtype=torch.int32),
-            args["topk_weights"].reshape(-1) if args["mul_topk_weights"] else None, top_k, bits, True)
+            args["a"], args["b_q_weight"], args["b_scales"], torch.tensor(order, dtype=torch.int32),
+            torch.tensor(offsets, dtype=torch.int32), top_k, bits, args["b_zeros_or_none"], None, None,
+            args["topk_weights"].reshape(-1) if args["mul_topk_weights"] else None, True)
         if args["c_or_none"] is not None:
             return args["c_or_none"].copy_(out)
         return out
@@ -423,7 +430,7 @@ def test_the_gemm_benchmark_on_the_cpu(tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.setattr(gpucheck, "_clock", lambda report: clock)
 
     def cpu_call(kernel, args):
-        c = torch.zeros(args[0].shape[0] * args[9], args[2].shape[-1], dtype=args[0].dtype)
+        c = torch.zeros(args[0].shape[0] * args[5], args[2].shape[-1], dtype=args[0].dtype)
         return (lambda: c.copy_(torch.ops.wna16ctl.moe_wna16_gemm(*args))), c
     monkeypatch.setattr(gpucheck, "_gemm_call", cpu_call)
     report = gpucheck.Report(tmp_path / "r.json")
@@ -441,6 +448,15 @@ def test_the_gemm_benchmark_on_the_cpu(tmp_path: Path, monkeypatch: pytest.Monke
     assert "v3_over_model" in rows[0] and "model_v3" not in rows[2]  # the model covers int4 only
     text = gpucheck.summary({**report, "status": "passed"})
     assert "GEMM tiny w13 m=   1: v3 20.0 us" in text and "v3 / marlin = 1.0" in text
+    # the M = 1 step sweep's rows as a step of their own; the GEMM step skips them
+    sweep = frozenset({("tiny w13", 1)})
+    gpucheck.bench_gemm(report, gpucheck.Budget(600), _FakeMarlinOp(), key="bench_step_sweep", only=sweep)
+    gpucheck.bench_gemm(report, gpucheck.Budget(600), _FakeMarlinOp(), skip=sweep)
+    assert [(r["shape"], r["m"]) for r in report["bench_step_sweep"]["rows"]] == [("tiny w13", 1)]
+    assert [(r["shape"], r["m"]) for r in report["bench_gemm"]["rows"]] == [("tiny w13", 4),
+                                                                            ("tiny int8 channel-wise", 4)]
+    assert [(r["shape"], r["m"]) for r in gpucheck.gemm_rows(report)] == [(s, m) for s, m in (
+        ("tiny w13", 1), ("tiny w13", 4), ("tiny int8 channel-wise", 4))]
 
 
 def test_benchmark_rows_carry_measured_over_the_fitted_model() -> None:
@@ -506,3 +522,182 @@ def test_engine_load_that_fails_is_failed(tmp_path: Path) -> None:
     report = gpucheck.Report(tmp_path / "r.json")
     assert gpucheck.step_engine_load(report, gpucheck.Budget(600), repo) is False
     assert "FAILED (rank 1 died)" in gpucheck.summary({**report, "status": "x"})
+
+
+# ---- the run's order, its per-step budgets and each step's JSON file -------------------------------
+
+
+def test_steps_run_in_the_order_of_value() -> None:
+    """Correctness and the product flow first, then the repack kernel against 70 % of HBM, the
+    M = 1 step sweep, GEMM v3 and v2 against Marlin, the sanitizer; the rest with the time left."""
+    assert [g for g, _ in gpucheck.STEP_GROUPS] == [
+        "the build", "correctness and the product flow", "the repack kernel against 70 % of HBM",
+        "the M = 1 step sweep", "GEMM v3 and v2 against Marlin", "the sanitizer", "with the time left"]
+    assert gpucheck.STEPS[:10] == ("build", "repack_checks", "gemm_checks", "product", "bench_copy", "bench_repack",
+                                   "bench_step_sweep", "vllm_marlin_check", "bench_gemm", "sanitizer")
+    assert set(gpucheck.STEPS[10:]) == {"repack_timing", "pytest_gpu", "vllm_plugin", "engine_load"}
+    plan = gpucheck.plan_steps(gpucheck.Report(Path("unused.json")), ROOT, 1, (None, "no vLLM"), True, True, True)
+    assert [name for name, _ in plan] == list(gpucheck.STEPS[1:])
+    assert set(gpucheck.STEP_TIME_S) == set(gpucheck.STEPS[1:])
+    # the sweep's rows are rows of the benchmark's shapes at M = 1 (the GEMM step skips them)
+    bench_rows = {(name, m) for name, *_, ms in gpucheck.BENCH_SHAPES for m in ms}
+    assert gpucheck.STEP_SWEEP_ROWS <= bench_rows and {m for _, m in gpucheck.STEP_SWEEP_ROWS} == {1}
+    # the first five groups' caps fit the checks' share of 8 minutes with the build cached (the
+    # hard stop's 20 s, the report's reserve, half a minute to start python and load the library)
+    caps = sum(gpucheck.STEP_TIME_S[name][1] or 0 for name in gpucheck.CORE_STEPS)
+    assert caps <= 480 - 20 - gpucheck.REPORT_RESERVE_S - 30
+
+
+def _fake_steps(monkeypatch: pytest.MonkeyPatch, ran: list[str], slow: dict) -> None:
+    """Every step a stand-in that records its name and a figure; the names in `slow` sleep that
+    many seconds first."""
+    monkeypatch.setattr(gpucheck, "step_env", lambda report: None)
+    monkeypatch.setattr(gpucheck, "step_build", lambda report: report.update(build={"ok": True, "seconds": 0.1}))
+    monkeypatch.setattr(gpucheck, "_load_marlin", lambda path: (None, "no vLLM"))
+
+    def fake(name: str, result):
+        def step(report, *args, **kwargs):
+            key = kwargs.get("key", name)
+            ran.append(key)
+            report[key] = ({"demo": {"ok": True, "seconds": 1.0}} if key == "product"
+                           else {"measured": key, "ok": result is not False})
+            report.save()
+            time.sleep(slow.get(key, 0))
+            return result
+        return step
+    for fn, name, result in (("step_repack", "repack_checks", True), ("step_gemm", "gemm_checks", True),
+                             ("step_product", "product", True), ("bench_copy", "bench_copy", None),
+                             ("bench_repack", "bench_repack", None), ("bench_gemm", "bench_gemm", None),
+                             ("step_vllm_marlin_check", "vllm_marlin_check", True),
+                             ("step_sanitizer", "sanitizer", True), ("step_repack_timing", "repack_timing", True)):
+        monkeypatch.setattr(gpucheck, fn, fake(name, result))
+
+
+def test_a_step_past_its_budget_is_cut_and_one_that_would_not_fit_is_not_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ran: list[str] = []
+    _fake_steps(monkeypatch, ran, {"product": 30})
+    monkeypatch.setitem(gpucheck.STEP_TIME_S, "product", (0, 0.5))
+    monkeypatch.setitem(gpucheck.STEP_TIME_S, "bench_gemm", (10 ** 6, None))  # never fits
+    monkeypatch.setattr(gpucheck, "STEP_GRACE_S", 0.5)
+    out = tmp_path / "gpu_check.json"
+    assert gpucheck.run(out, 600, 1, False, True, with_vllm_plugin=False) == 1
+    data = json.loads(out.read_text())
+    assert data["status"] == "incomplete"
+    steps = data["steps"]
+    assert steps["product"]["state"] == "cut" and "ran past its 0.5 s budget" in steps["product"]["reason"]
+    assert data["product"]["demo"]["ok"] is True  # what it measured before the cut is kept
+    assert steps["bench_gemm"] == {"state": "not run", "reason": "no time left"}
+    assert data["bench_gemm"] == {"not_run": "no time left"}
+    assert ran == ["repack_checks", "gemm_checks", "product", "bench_copy", "bench_repack", "bench_step_sweep",
+                   "vllm_marlin_check", "sanitizer", "repack_timing"]  # the steps after the cut still ran
+    assert steps["sanitizer"]["state"] == "passed" and steps["bench_step_sweep"]["state"] == "passed"
+    for name, entry in steps.items():  # each step's own file holds its state and figures
+        own = json.loads(gpucheck.step_file(out, name).read_text())
+        assert {k: own[k] for k in entry} == entry and own["step"] == name
+        assert own["result"] == data.get(name)
+    assert gpucheck.step_file(out, "product").name == "04-product.json"
+    assert "product cut (ran past its 0.5 s budget" in gpucheck.summary(data)
+
+
+def test_a_cut_step_whose_figures_failed_is_failed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ran: list[str] = []
+    _fake_steps(monkeypatch, ran, {"gemm_checks": 30})
+
+    def failing_then_slow(report, budget, count):
+        report["gemm_checks"] = {"ok": False, "partial": True}
+        time.sleep(30)
+    monkeypatch.setattr(gpucheck, "step_gemm", failing_then_slow)
+    monkeypatch.setitem(gpucheck.STEP_TIME_S, "gemm_checks", (0, 0.5))
+    monkeypatch.setattr(gpucheck, "STEP_GRACE_S", 0.5)
+    out = tmp_path / "gpu_check.json"
+    assert gpucheck.run(out, 600, 1, False, False, with_vllm_plugin=False) == 1
+    data = json.loads(out.read_text())
+    assert data["status"] == "failed" and data["steps"]["gemm_checks"]["state"] == "failed"
+
+
+def test_the_deadline_gives_the_checks_what_is_left_of_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gpu_check.sh passes one deadline for its whole run: with 3 s of it left past the report's
+    reserve, only steps that can start in 3 s run; the rest are not run, never passed."""
+    ran: list[str] = []
+    _fake_steps(monkeypatch, ran, {})
+    monkeypatch.setitem(gpucheck.STEP_TIME_S, "repack_checks", (0, 20))
+    out = tmp_path / "gpu_check.json"
+    code = gpucheck.main(["--out", str(out), "--no-pytest", "--no-vllm-plugin",
+                          "--deadline", str(time.time() + gpucheck.REPORT_RESERVE_S + 3)])
+    assert code == 1
+    data = json.loads(out.read_text())
+    assert data["status"] == "incomplete" and ran == ["repack_checks"]
+    assert 0 < data["budget"]["seconds"] <= gpucheck.REPORT_RESERVE_S + 3 and "deadline" in data["budget"]
+    assert data["steps"]["repack_checks"]["state"] == "passed"
+    assert {data["steps"][n]["state"] for n in gpucheck.CORE_STEPS[1:]} == {"not run"}
+    assert {data["steps"][n]["reason"] for n in gpucheck.CORE_STEPS[1:]} == {"no time left"}
+
+
+# the real run, every step a stand-in: the product step hangs after the first steps ended
+_CUT_RUN = """
+import sys, time
+from pathlib import Path
+from wna16ctl.native import gpucheck
+gpucheck.step_env = lambda report: None
+gpucheck.step_build = lambda report: report.update(build={"ok": True, "seconds": 0.1})
+gpucheck._load_marlin = lambda path: (None, "no vLLM")
+def repack(report, budget):
+    report["repack_checks"] = {"ok": True, "cases": [{"bit_exact": True}] * 36}
+    return True
+def gemm(report, budget, count):
+    report["gemm_checks"] = {"ok": True, "cases": [{"v3": {"rel_err": 1e-3, "ok": True}}] * count}
+    return True
+def product(report, budget, repo):
+    report["product"] = {"demo": {"ok": True, "seconds": 4.0}}
+    report.save()
+    time.sleep(120)
+gpucheck.step_repack, gpucheck.step_gemm, gpucheck.step_product = repack, gemm, product
+sys.exit(gpucheck.run(Path(sys.argv[1]), 400.0, 24, False, False))
+"""
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM])
+def test_a_run_cut_in_a_step_keeps_every_earlier_step_file_whole(tmp_path: Path, how: int) -> None:
+    """Killed (nothing runs after) or stopped by gpu_check.sh's time limit (SIGTERM) during the
+    product flow: the build's, the repack checks' and the GEMM checks' files are on disk, complete."""
+    out = tmp_path / "gpu_check.json"
+    proc = _start(_CUT_RUN, out)
+    try:
+        _wait_for(out, lambda d: d.get("product", {}).get("demo", {}).get("ok") is True)
+        proc.send_signal(how)
+        proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    files = sorted(p.name for p in gpucheck.steps_dir(out).iterdir())
+    earlier = ["01-build.json", "02-repack_checks.json", "03-gemm_checks.json"]
+    repack = json.loads((gpucheck.steps_dir(out) / earlier[1]).read_text())
+    assert repack["state"] == "passed" and repack["group"] == "correctness and the product flow"
+    assert len(repack["result"]["cases"]) == 36
+    gemm = json.loads((gpucheck.steps_dir(out) / earlier[2]).read_text())
+    assert gemm["state"] == "passed" and len(gemm["result"]["cases"]) == 24
+    assert json.loads((gpucheck.steps_dir(out) / earlier[0]).read_text())["state"] == "passed"
+    if how == signal.SIGKILL:  # nothing after the product step's start was written
+        assert files == earlier
+        return
+    assert files == [gpucheck.step_file(out, name).name for name in gpucheck.STEPS]
+    product = json.loads(gpucheck.step_file(out, "product").read_text())
+    assert product["state"] == "cut" and product["result"] == {"demo": {"ok": True, "seconds": 4.0}}
+    later = [json.loads(gpucheck.step_file(out, name).read_text()) for name in gpucheck.STEPS[4:]]
+    assert {f["state"] for f in later} == {"not run"}
+    assert all("stopped by signal" in f["reason"] for f in later)
+
+
+def test_gpu_check_sh_without_a_gpu_reports_every_step_not_run(tmp_path: Path) -> None:
+    """The script on a machine without a GPU: exit 2, the report and each step's file not run."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the check would run")
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
+    proc = subprocess.run([str(ROOT / "scripts" / "gpu_check.sh"), "--no-pytest"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "wna16ctl GPU check: not-run (no GPU" in proc.stdout
+    data = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert data["status"] == "not-run"
+    own = [json.loads(gpucheck.step_file(tmp_path / "gpu_check.json", n).read_text()) for n in gpucheck.STEPS]
+    assert {f["state"] for f in own} == {"not run"} and all(f["reason"].startswith("no GPU") for f in own)

@@ -309,7 +309,7 @@ def make_problem(*, num_bits=4, dtype=torch.bfloat16, experts=4, m=5, top_k=2, s
     m_zeros = None
     if zeros is not None:
         m_zeros = marlin_zero_points(pack_codes(zeros.to(torch.int32), num_bits), groups, size_n, num_bits)
-    args = (a, b_q, m_scales, m_zeros, sorted_gidx, perm, sorted_ids, offsets, topk_weights, top_k, num_bits, k_full)
+    args = (a, b_q, m_scales, sorted_ids, offsets, top_k, num_bits, m_zeros, sorted_gidx, perm, topk_weights, k_full)
     return {"args": args, "expected": expected, "dtype": dtype}
 
 
@@ -353,11 +353,11 @@ def test_gemm_cpu_op_matches_fp32_reference(case: dict) -> None:
 def test_gemm_cpu_op_leaves_unrouted_rows_zero() -> None:
     prob = make_problem(m=6, top_k=2)
     args = list(prob["args"])
-    offsets = args[7].clone()
+    offsets = args[4].clone()
     offsets[2:] = offsets[2]  # experts 2.. get no slots
-    args[7] = offsets
+    args[4] = offsets
     got = torch.ops.wna16ctl.moe_wna16_gemm(*args)
-    routed = args[6][: int(offsets[2])].long()
+    routed = args[3][: int(offsets[2])].long()
     mask = torch.zeros(got.shape[0], dtype=torch.bool)
     mask[routed] = True
     assert torch.count_nonzero(got[~mask]) == 0

@@ -58,8 +58,7 @@ def test_cuda_and_cpu_functions_have_the_same_signature(name: str) -> None:
 
 
 def _required_args() -> dict[str, dict[str, Any]]:
-    """For each op, values of the arguments that have no default (optional tensors without a
-    default get None: the caller must name them)."""
+    """For each op, values of the arguments that have no default."""
     g = torch.Generator().manual_seed(0)
     k, n, bits, e = 128, 64, 4, 2
     q = torch.randint(0, 16, (e, k, n), generator=g, dtype=torch.int32)
@@ -68,10 +67,8 @@ def _required_args() -> dict[str, dict[str, Any]]:
     zp = pack_codes(torch.randint(0, 16, (e, k // 64, n), generator=g, dtype=torch.int32), bits)
     a = torch.randn(3, k, generator=g).to(torch.bfloat16)
     gemm = dict(a=a, b_q=marlin_repack(packed, bits), scales=marlin_permute_scales(scales, k, n, 64),
-                zero_points=None, g_idx=None, perm=None,
                 sorted_token_ids=torch.tensor([0, 2, 4, 1, 3, 5], dtype=torch.int32),
-                expert_offsets=torch.tensor([0, 3, 6], dtype=torch.int32), topk_weights=None,
-                top_k=2, num_bits=bits, is_k_full=True)
+                expert_offsets=torch.tensor([0, 3, 6], dtype=torch.int32), top_k=2, num_bits=bits)
     return {
         "wna16ctl::marlin_repack": dict(packed=packed, num_bits=bits),
         "wna16ctl::marlin_permute_scales": dict(s=scales, size_k=k, size_n=n, group_size=64),
@@ -94,3 +91,29 @@ def test_op_and_cuda_function_called_with_every_optional_omitted(name: str,
     monkeypatch.setattr(ops, "_notice", lambda message: None)
     via_cuda = _defined(opdef._backend_fns["cuda"])(*args.values())
     assert torch.equal(via_op, via_cuda)
+
+
+def test_every_optional_argument_has_its_default() -> None:
+    """An optional tensor (`Tensor?`) without a default must be passed, even as None: every one has
+    None, and the optional arguments follow the required ones (a positional call can omit them)."""
+    for name, opdef in _wna16ctl_ops().items():
+        arguments = opdef._opoverload._schema.arguments
+        for arg in arguments:
+            if isinstance(arg.real_type, torch.OptionalType):
+                assert arg.has_default_value() and arg.default_value is None, (name, arg.name)
+        defaults = [arg.has_default_value() for arg in arguments]
+        assert defaults == sorted(defaults), (name, [arg.name for arg in arguments])
+
+
+@pytest.mark.parametrize("name", sorted(_cuda_ops()))
+def test_op_called_with_every_optional_omitted_by_keyword_and_by_position(name: str) -> None:
+    """The required arguments alone, named or in order, give what the documented wrapper gives
+    with its defaults."""
+    args = _required_args()[name]
+    op: Callable[..., torch.Tensor] = getattr(torch.ops.wna16ctl, name.split("::")[1])
+    by_name, by_position = op(**args), op(*args.values())
+    assert torch.equal(by_name, by_position)
+    if name == "wna16ctl::moe_wna16_gemm":
+        tensors = [args[k] for k in ("a", "b_q", "scales", "sorted_token_ids", "expert_offsets")]
+        wrapper = ops.moe_wna16_gemm(*tensors, top_k=args["top_k"], num_bits=args["num_bits"])
+        assert torch.equal(by_name, wrapper)

@@ -1,42 +1,53 @@
 """One unattended GPU check: build the kernels, check them against the CPU path, benchmark them.
 
-    python -m wna16ctl.native.gpucheck [--out FILE] [--budget SECONDS] [--vllm-moe-lib PATH]
-                                       [--no-pytest] [--no-sanitizer] [--no-vllm-plugin]
+    python -m wna16ctl.native.gpucheck [--out FILE] [--budget SECONDS | --deadline EPOCH_SECONDS]
+                                       [--vllm-moe-lib PATH] [--no-pytest] [--no-sanitizer] [--no-vllm-plugin]
     python -m wna16ctl.native.gpucheck --build-only
 
 Builds the CUDA library first (cached: a second run finds it), outside the time budget; the
-budget (default 480 s; scripts/gpu_check.sh passes what the build left of its 480 s) then covers
-the checks, which stop REPORT_RESERVE_S before it ends so that the report is always written.
-Needs nothing prepared but a python with torch (CUDA build) and nvcc. Writes one JSON file
-($OUT/gpu_check.json when $OUT is set, else ./gpu_check.json) and rewrites it after every step and
-case (atomically), so a time limit or a hung kernel leaves what was measured; prints a short
-summary with every step passed, failed or not run (and why: without a GPU every step is "not run:
-no GPU"). Exit status: 0 all checks passed, 1 a check failed (or the run was stopped), 2 the check
-could not run (no GPU / torch without CUDA / build failure).
+budget (default 480 s, or what is left until --deadline: scripts/gpu_check.sh passes the end of
+its 480 s less its hard stop's margin) then covers the checks, which stop REPORT_RESERVE_S before
+it ends so that the report is always written. Needs nothing prepared but a python with torch (CUDA
+build) and nvcc. Writes one JSON file ($OUT/gpu_check.json when $OUT is set, else
+./gpu_check.json) and rewrites it after every step and case (atomically), and each step's own
+file (gpu_check.steps/NN-STEP.json) whole as soon as that step ends, so a time limit, a hung
+kernel or a machine taken back leaves what was measured; prints a short summary with every step
+passed, failed, cut or not run (and why: without a GPU every step is "not run: no GPU"). Exit
+status: 0 all checks passed, 1 a check failed or a step of the first five groups was cut or found
+no time left (or the run was stopped), 2 the check could not run (no GPU / torch without CUDA /
+build failure).
 
-The steps, in run order (STEPS):
-* repack, scale and zero-point permutation: CUDA == torch CPU path bit for bit (4/8 bit, with and
-  without act-order);
-* MoE GEMM, the fast kernels (v3 -- falling back to v2 where it declines --, v2) and the simple
-  reference kernel (v1, mma.sync): against an fp32 reference from the logical (unpacked,
-  unpermuted) dequantised weights and against each other (v3 equal to v2 bit for bit), over a
-  seeded subsample of m ∈ {1,7,16,64,123,512}, n, k, e, top-k, 4/8 bit, group size -1/32/128,
-  zero points, act-order (full and partial K); plus a few small cases against the CPU op;
-* vLLM's compiled Marlin MoE GEMM on our layout against the same fp32 reference
-  (wna16ctl/native/vllm_marlin.py; an installed vLLM's library or --vllm-moe-lib);
-* `repack --tp 2 --device cpu` and `--device cuda` of one synthetic checkpoint, wall time;
-* benchmarks (wna16ctl/native/gputiming.py: GPU time with the L2 flushed and the launch hidden,
-  median of 15): the device copy ceiling, the repack kernel, the GEMM of v3, v2, vLLM's Marlin and
-  a torch bf16 bmm on three model shapes at M 1-1024, each with its share of the peak and of the
-  copy ceiling and, for v3 and v2, measured / bench/roofline.py's model; the goals (repack >= 70%
-  of peak, the automatic kernel >= 50% at m <= 16 and within 1.5x of bf16 at m >= 64) are reported
-  as met or not, apart from the pass/fail of the checks;
-* the product: demo -> repack --device cuda (equal to --device cpu) -> verify --e2e;
-* the vLLM load format `wna16ctl` (wna16ctl/integrations/plugin_check.py) against vLLM's default
-  load, "not run" with the reason without vLLM;
-* compute-sanitizer memcheck, racecheck and synccheck on four tiny GEMM cases, when installed; a
-  tool that refuses the device is "not run" with its reason, never a failure;
-* the test-suite's `gpu` tests (GPU_TEST_FILES) when pytest is importable.
+The steps, in run order (STEP_GROUPS: the most valuable figures first), each with a time budget
+(STEP_TIME_S: the time it needs left to start -- else "not run: no time left" --, and at most
+takes -- past it, it is stopped and "cut", never passed):
+1. correctness and the product flow:
+   * repack, scale and zero-point permutation: CUDA == torch CPU path bit for bit (4/8 bit, with
+     and without act-order);
+   * MoE GEMM, the fast kernels (v3 -- falling back to v2 where it declines --, v2) and the
+     simple reference kernel (v1, mma.sync): against an fp32 reference from the logical
+     (unpacked, unpermuted) dequantised weights and against each other (v3 equal to v2 bit for
+     bit), over a seeded subsample of m ∈ {1,7,16,64,123,512}, n, k, e, top-k, 4/8 bit, group
+     size -1/32/128, zero points, act-order (full and partial K); plus a few small cases against
+     the CPU op;
+   * the product: demo -> repack --device cuda (equal to --device cpu) -> verify --e2e;
+2. the repack kernel against 70 % of HBM: the device copy ceiling, then the repack kernel's
+   bandwidth (benchmarks: wna16ctl/native/gputiming.py, GPU time with the L2 flushed and the
+   launch hidden, median of 15);
+3. the M = 1 step sweep (STEP_SWEEP_ROWS): v3, v2, vLLM's Marlin and a torch bf16 bmm at M = 1 on
+   DeepSeek-V3 w13 at TP 8 and the two sweep shapes that hold the streaming and vary the
+   reduction's steps;
+4. GEMM v3 and v2 against Marlin: vLLM's compiled Marlin MoE GEMM on our layout against the same
+   fp32 reference (wna16ctl/native/vllm_marlin.py; an installed vLLM's library or
+   --vllm-moe-lib), then the other rows of the three model shapes at M 1-1024, each with its
+   share of the peak and of the copy ceiling, / Marlin, / bf16 and measured / bench/roofline.py's
+   model; the goals (repack >= 70% of peak, the automatic kernel >= 50% at m <= 16 and within
+   1.5x of bf16 at m >= 64) are reported as met or not, apart from the pass/fail of the checks;
+5. compute-sanitizer memcheck, racecheck and synccheck on four tiny GEMM cases, when installed; a
+   tool that refuses the device is "not run" with its reason, never a failure;
+then, with the time left: `repack --tp 2 --device cpu` and `--device cuda` of one synthetic
+checkpoint (wall time), the test-suite's `gpu` tests (GPU_TEST_FILES) when pytest is importable,
+the vLLM load format `wna16ctl` (wna16ctl/integrations/plugin_check.py) against vLLM's default
+load and engine start-up ("not run" with the reason without vLLM).
 """
 
 from __future__ import annotations
@@ -67,7 +78,7 @@ if TYPE_CHECKING:
 TOL = {torch.float16: 2.0 ** -9, torch.bfloat16: 2.0 ** -6}  # of max |ref|; output rounding dominates
 GOALS = {"repack_pct_of_peak": 70.0, "gemm_pct_of_peak_m_le_16": 50.0, "gemm_vs_bf16_m_ge_64": 1.5}
 DEFAULT_BUDGET_S = 480.0
-REPORT_RESERVE_S = 20.0  # the checks stop this long before the budget ends: the report is written
+REPORT_RESERVE_S = 10.0  # the checks stop this long before the budget ends: the report is written
 # what compute-sanitizer prints when it cannot attach to the GPU (a runtime / driver it does not
 # support): the tool did not run, which says nothing about the kernels
 SANITIZER_REFUSED = re.compile(r"(?i)device not supported|unsupported (gpu|device)|not supported on this (gpu|device)")
@@ -82,10 +93,15 @@ class Report(dict):
         self.path = path
 
     def save(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(self, indent=2, default=str) + "\n")
-        os.replace(tmp, self.path)
+        write_json(self.path, self)
+
+
+def write_json(path: Path, data: Any) -> None:
+    """`data` as JSON at `path`, whole or not at all: a temporary file renamed over it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
 
 
 def _now() -> float:
@@ -103,9 +119,16 @@ class Budget:
     def left(self) -> float:
         return self.seconds - self.reserve - (_now() - self.start)
 
+    def share(self, cap: Optional[float]) -> Budget:
+        """One step's budget: at most `cap` seconds (None: no cap) of what is left."""
+        left = max(0.0, self.left())
+        return Budget(left if cap is None else min(cap, left))
 
-class BudgetSpent(Exception):
-    """The checks reached the end of their budget (the report reserve is what remains)."""
+
+class BudgetSpent(BaseException):
+    """A step reached the end of its budget, or the checks the end of theirs (the report reserve
+    is what remains). Not an Exception: the steps' `except Exception` around one case or kernel
+    must not take it for that case's fault."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -164,7 +187,8 @@ def build_problem(*, m: int, n: int, k: int, e: int, topk: int, bits: int, gs: i
     size_k_scales = groups * gs if gs != -1 else k
     m_scales = marlin_permute_scales(scales, size_k_scales, n, gs)
     m_zeros = marlin_zero_points(pack_codes(zeros, bits), groups, n, bits) if zeros is not None else None
-    args = (a, b_q, m_scales, m_zeros, sorted_g, perm, sorted_ids, offsets, tw, topk, bits, k_full)
+    # the op's argument order: the required ones, then the optional ones
+    args = (a, b_q, m_scales, sorted_ids, offsets, topk, bits, m_zeros, sorted_g, perm, tw, k_full)
     return {"args": args, "expected": expected, "dtype": dtype, "q": q, "scales": scales, "zeros": zeros,
             "g_idx": g_idx, "topk_ids": top}
 
@@ -333,7 +357,7 @@ def step_gemm(report: Report, budget: Budget, count: int) -> bool:
     results = []
     ok = True
     for i, case in enumerate(cases):
-        if budget.left() < 60:
+        if budget.left() < 3:  # a case takes well under a second on a GPU
             report["gemm_checks_truncated"] = f"stopped after {i} of {len(cases)} cases (time budget)"
             break
         prob = build_problem(**case, seed=i)
@@ -449,7 +473,7 @@ def _gemm_call(kernel: str, args: tuple) -> tuple[Callable[[], None], torch.Tens
     from wna16ctl.native import ops as K
 
     lib = _loaded_cuda_lib()
-    a, b_q, scales, zp, g_idx, perm, ids, offs, tw, top_k, bits, k_full = args
+    a, b_q, scales, ids, offs, top_k, bits, zp, g_idx, perm, tw, k_full = args
     e, k, n, groups = b_q.shape[0], b_q.shape[1] * 16, scales.shape[2], scales.shape[1]
     slots = a.shape[0] * top_k
     c = torch.zeros(slots, n, dtype=a.dtype, device=a.device)
@@ -491,6 +515,10 @@ BENCH_SHAPES = (
     ("reduction-step sweep E 256, K 1792, N 2048", 256, 1792, 2048, 4, 128, (1,)),
 )
 BENCH_TOP_K = 8
+# the M = 1 step sweep's rows (shape, m) of BENCH_SHAPES: a step of its own, ahead of the other
+# GEMM rows (it settles the fitted model's two M = 1 rows)
+STEP_SWEEP_ROWS = frozenset({("DeepSeek-V3 w13 at TP 8", 1), ("reduction-step sweep E 256, K 3584, N 1024", 1),
+                             ("reduction-step sweep E 256, K 1792, N 2048", 1)})
 
 
 # where the benchmark and the Marlin check put their tensors (tests/native/test_gpucheck.py runs
@@ -514,9 +542,11 @@ def _routing(m: int, e: int, topk: int, seed: int) -> tuple[torch.Tensor, torch.
     return top, sorted_ids, offsets
 
 
-def bench_gemm(report: Report, budget: Budget, marlin_op: Any = None) -> None:
+def bench_gemm(report: Report, budget: Budget, marlin_op: Any = None, *, key: str = "bench_gemm",
+               only: Optional[frozenset] = None, skip: frozenset = frozenset()) -> None:
     """v3, v2, vLLM's Marlin (when its library loaded) and a torch bf16 bmm over the active experts'
-    dequantised weights, on the model shapes of BENCH_SHAPES at M = 1 ... 1024, top-8."""
+    dequantised weights, on the model shapes of BENCH_SHAPES at M = 1 ... 1024, top-8: the rows
+    (shape, m) in `only` (default all) and not in `skip`, into report[key]."""
     from wna16ctl.layout.marlin import marlin_permute_scales, marlin_repack
     from wna16ctl.layout.packing import pack_codes
     from wna16ctl.native import gputiming, vllm_marlin
@@ -527,14 +557,17 @@ def bench_gemm(report: Report, budget: Budget, marlin_op: Any = None) -> None:
     peak = report.get("device", {}).get("peak_gbps")
     copy = report.get("copy_ceiling", {}).get("gbps")
     rows: list[dict] = []
-    report["bench_gemm"] = {"rows": rows, "timed": TIMED, "top_k": BENCH_TOP_K, "dtype": "bfloat16",
-                            "marlin": "vLLM moe_wna16_marlin_gemm" if marlin_op is not None else None,
-                            "note": "gbps = bytes of the active experts' quantised weights + scales / time; "
-                                    "the torch baseline is one bmm over the active experts' dequantised bf16 "
-                                    "weights (tokens padded per expert), i.e. 4x (int4) the bytes"}
-    for shape_name, e, k, n, bits, gs, ms in BENCH_SHAPES:
-        if budget.left() < 25:
-            report["bench_gemm"]["truncated"] = f"stopped before {shape_name} (time budget)"
+    report[key] = {"rows": rows, "timed": TIMED, "top_k": BENCH_TOP_K, "dtype": "bfloat16",
+                   "marlin": "vLLM moe_wna16_marlin_gemm" if marlin_op is not None else None,
+                   "note": "gbps = bytes of the active experts' quantised weights + scales / time; "
+                           "the torch baseline is one bmm over the active experts' dequantised bf16 "
+                           "weights (tokens padded per expert), i.e. 4x (int4) the bytes"}
+    for shape_name, e, k, n, bits, gs, all_ms in BENCH_SHAPES:
+        ms = [m for m in all_ms if (only is None or (shape_name, m) in only) and (shape_name, m) not in skip]
+        if not ms:
+            continue
+        if budget.left() < 8:  # a shape's weights are drawn and repacked on the GPU first
+            report[key]["truncated"] = f"stopped before {shape_name} (time budget)"
             break
         groups = 1 if gs == -1 else k // gs
         q = torch.randint(0, 1 << bits, (e, k, n), dtype=torch.int32, device=DEVICE)
@@ -546,8 +579,8 @@ def bench_gemm(report: Report, budget: Budget, marlin_op: Any = None) -> None:
         del q
         workspace = vllm_marlin.new_workspace(torch.device(DEVICE)) if marlin_op is not None else None
         for m in ms:
-            if budget.left() < 20:
-                report["bench_gemm"]["truncated"] = f"stopped at {shape_name} m = {m} (time budget)"
+            if budget.left() < 3:
+                report[key]["truncated"] = f"stopped at {shape_name} m = {m} (time budget)"
                 break
             top, sorted_ids, offsets = _routing(m, e, BENCH_TOP_K, seed=m + e)
             counts = torch.bincount(top.reshape(-1), minlength=e)
@@ -557,7 +590,7 @@ def bench_gemm(report: Report, budget: Budget, marlin_op: Any = None) -> None:
             entry: dict[str, Any] = {"shape": shape_name, "experts": e, "k": k, "n": n, "bits": bits,
                                      "group_size": gs, "m": m, "active_experts": n_active}
             q_bytes = n_active * (k * n * bits // 8 + groups * n * 2)
-            args = (a, b_q, m_scales, None, None, None, sorted_ids, offsets, None, BENCH_TOP_K, bits, True)
+            args = (a, b_q, m_scales, sorted_ids, offsets, BENCH_TOP_K, bits, None, None, None, None, True)
             outs = {}
             calls = {kernel: _gemm_call(kernel, args) for kernel in ("v3", "v2")}
             if marlin_op is not None and workspace is not None:
@@ -693,13 +726,13 @@ def step_vllm_marlin_check(report: Report, budget: Budget, op: Any, why: str) ->
             if vllm_marlin.weight_type_id(bits, zp) is None:
                 entry["not_run"] = f"vLLM's Marlin MoE has no {bits}-bit type with zero points"
                 continue
-            if budget.left() < 20:
+            if budget.left() < 2:
                 entry["not_run"] = "no time left"
                 continue
             prob = build_problem(m=m, bits=bits, gs=gs, zp=zp, act=False, seed=500 + i, device=DEVICE,
                                  **MARLIN_CHECK_SHAPE)
-            a, b_q, m_scales, m_zeros = prob["args"][:4]
-            tw = prob["args"][8]
+            a, b_q, m_scales, *_ = prob["args"]
+            m_zeros, tw = prob["args"][7], prob["args"][10]
             args = vllm_marlin.call_args(a=a, b_q=b_q, scales=m_scales, zero_points=m_zeros, topk_ids=prob["topk_ids"],
                                          topk_weights=tw.reshape(m, -1), bits=bits, workspace=workspace)
             mismatch = vllm_marlin.schema_mismatch(op.default._schema, args)
@@ -778,7 +811,7 @@ def step_product(report: Report, budget: Budget, repo: Path, device: str = "cuda
     ckpt, cuda_out, cpu_out = work / "demo", work / f"tp{PRODUCT_TP}-cuda", work / f"tp{PRODUCT_TP}-cpu"
     ok = True
     try:
-        steps["demo"] = _cli(["demo", str(ckpt), "--force"], min(90.0, budget.left() - 10), repo)
+        steps["demo"] = _cli(["demo", str(ckpt), "--force"], min(90.0, budget.left() - 3), repo)
         missing = _missing_dependency(steps["demo"])
         if missing:
             steps["demo"] = {"not_run": missing}
@@ -787,7 +820,7 @@ def step_product(report: Report, budget: Budget, repo: Path, device: str = "cuda
             return False
         for name, dev, out in (("repack_cuda", device, cuda_out), ("repack_cpu", "cpu", cpu_out)):
             steps[name] = _cli(["repack", str(ckpt), "--tp", str(PRODUCT_TP), "-o", str(out), "--device", dev,
-                                "--force", "-q"], min(90.0, budget.left() - 10), repo)
+                                "--force", "-q"], min(90.0, budget.left() - 3), repo)
             ok &= steps[name]["ok"]
             report.save()
         if steps["repack_cuda"]["ok"] and steps["repack_cpu"]["ok"]:
@@ -799,14 +832,14 @@ def step_product(report: Report, budget: Budget, repo: Path, device: str = "cuda
             steps["verify_e2e"] = {"not_run": "repack --device cuda failed"}
         elif importlib.util.find_spec("transformers") is None:
             steps["verify"] = _cli(["verify", str(ckpt), str(cuda_out), "--device", device],
-                                   min(90.0, budget.left() - 10), repo)
+                                   min(90.0, budget.left() - 3), repo)
             ok &= steps["verify"]["ok"]
             steps["verify_e2e"] = {"not_run": "transformers is not importable (wna16ctl[e2e])"}
-        elif budget.left() < 40:
+        elif budget.left() < 30:
             steps["verify_e2e"] = {"not_run": "no time left"}
         else:
             steps["verify_e2e"] = _cli(["verify", str(ckpt), str(cuda_out), "--device", device, "--e2e"],
-                                       min(150.0, budget.left() - 10), repo)
+                                       min(150.0, budget.left() - 3), repo)
             ok &= steps["verify_e2e"]["ok"]
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -852,11 +885,11 @@ def _time_repack_devices(report: Report, budget: Budget, work: Path, repo: Path,
     ok = True
     for _ in range(2):
         for dev in ("cpu", device):
-            if budget.left() < 40:
+            if budget.left() < 15:
                 timing["truncated"] = "no time left"
                 break
             run = _cli(["repack", str(ckpt), "--tp", str(PRODUCT_TP), "-o", str(work / f"timed-{dev}"), "--device",
-                        dev, "--force", "-q"], min(120.0, budget.left() - 10), repo)
+                        dev, "--force", "-q"], min(120.0, budget.left() - 3), repo)
             missing = _missing_dependency(run)
             if missing:
                 report["repack_timing"] = {"not_run": missing}
@@ -872,11 +905,16 @@ def _time_repack_devices(report: Report, budget: Budget, work: Path, repo: Path,
     return ok
 
 
+def gemm_rows(report: dict) -> list[dict]:
+    """The GEMM benchmark's rows: the M = 1 step sweep's, then the others'."""
+    return [row for key in ("bench_step_sweep", "bench_gemm") for row in report.get(key, {}).get("rows", [])]
+
+
 def goals(report: Report) -> dict:
     """The performance goals, met or not (None: not measured). The GEMM goals are judged, per row,
     on the kernel the automatic choice runs there (`auto_kernel`: v3, or v2 for the 64-row tile;
     v2 in a report without v3)."""
-    br, rows = report.get("bench_repack", {}), report.get("bench_gemm", {}).get("rows", [])
+    br, rows = report.get("bench_repack", {}), gemm_rows(report)
     def auto(r: dict) -> str:  # the kernel the automatic choice runs on this row
         kernel = r.get("auto_kernel", "v2")
         return kernel if kernel in r else "v2"
@@ -962,19 +1000,19 @@ def step_sanitizer(report: Report, budget: Budget) -> Optional[bool]:
     ok = True
     ran_any = False
     for tool in SANITIZER_TOOLS:
-        if budget.left() < 50:
+        if budget.left() < 25:  # a python with torch and the four cases under the tool
             results[tool] = {"skipped": "no time left"}
             continue
         cmd = [tool_path, "--tool", tool, "--error-exitcode", "66", "--kernel-name", "kns=wna16",
                sys.executable, "-m", "wna16ctl.native.gpucheck", "--sanitizer-cases"]
         t0 = _now()
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(20.0, min(90.0, budget.left() - 40)))
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(15.0, min(90.0, budget.left() - 3)))
             if proc.returncode and re.search(r"(?i)unrecognized|unknown option|invalid.*kernel-name", proc.stderr):
                 # a tool without kernel filters: check every kernel (slower, same verdict)
                 cmd = [c for c in cmd if c not in ("--kernel-name", "kns=wna16")]
                 proc = subprocess.run(cmd, capture_output=True, text=True,
-                                      timeout=max(20.0, min(90.0, budget.left() - 40)))
+                                      timeout=max(15.0, min(90.0, budget.left() - 3)))
             tail = (proc.stdout + proc.stderr).strip().splitlines()[-12:]
             refused = SANITIZER_REFUSED.search(proc.stdout + proc.stderr)
             if proc.returncode and refused:
@@ -1149,6 +1187,10 @@ def summary(report: dict) -> str:
     if isinstance(product.get("not_run"), str):
         product = {"all steps": {"not_run": product["not_run"]}}
     for name, p in product.items():
+        if not isinstance(p, dict):  # the step's own error (and its traceback, left to the JSON)
+            if name == "error":
+                lines.append(f"  product: FAILED ({p})")
+            continue
         if p.get("not_run"):
             state = f"not run ({p['not_run']})"
         else:
@@ -1170,7 +1212,7 @@ def summary(report: dict) -> str:
         lines.append(f"  repack {br['shape']['packed_mb']} MB int4: {br['plain']['gbps_read_write']} GB/s "
                      f"({br['plain']['pct_of_peak']}% of peak, {br['plain'].get('pct_of_copy')}% of copy), "
                      f"act-order {br['act_order']['gbps_read_write']} GB/s")
-    lines += [_gemm_row_line(row) for row in report.get("bench_gemm", {}).get("rows", [])]
+    lines += [_gemm_row_line(row) for row in gemm_rows(report)]
     for name, g in report.get("goals", {}).items():
         state = "not measured" if g.get("met") is None else ("met" if g["met"] else "NOT met")
         lines.append(f"  goal {name} {g['goal']}" + (f" ({g['kernel']})" if g.get("kernel") else "") + f": {state}")
@@ -1240,14 +1282,34 @@ def _engine_lines(report: dict) -> list[str]:
     return lines
 
 
-# the steps in run order; the checks first, the benchmarks after them, then the slow tools
-# (the order is the plan of gpu_check.sh's 480 s: what the run is for first, the slow tools last;
-# a step that finds too little of the budget left is "not run: no time left")
-STEPS = ("build", "repack_checks", "gemm_checks", "vllm_marlin_check", "repack_timing", "bench_copy", "bench_repack",
-         "bench_gemm", "product", "vllm_plugin", "engine_load", "sanitizer", "pytest_gpu")
-# seconds a step needs left of the budget to start
-STEP_MIN_S = {"repack_checks": 0, "gemm_checks": 60, "repack_timing": 90, "bench_gemm": 30, "product": 60,
-              "vllm_plugin": 60, "engine_load": 120, "sanitizer": 50, "pytest_gpu": 45}
+# The steps in run order, grouped by what the run is for, the most valuable figures first: a run
+# cut short (the 8 minutes of gpu_check.sh, a lent machine taken back) keeps those.
+STEP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("the build", ("build",)),
+    ("correctness and the product flow", ("repack_checks", "gemm_checks", "product")),
+    ("the repack kernel against 70 % of HBM", ("bench_copy", "bench_repack")),
+    ("the M = 1 step sweep", ("bench_step_sweep",)),
+    ("GEMM v3 and v2 against Marlin", ("vllm_marlin_check", "bench_gemm")),
+    ("the sanitizer", ("sanitizer",)),
+    ("with the time left", ("repack_timing", "pytest_gpu", "vllm_plugin", "engine_load")),
+)
+STEPS = tuple(name for _, names in STEP_GROUPS for name in names)
+# what a run must have done to the end to pass: a step of these cut or without the time to start
+# leaves the run "incomplete" (the last group runs only with the time left)
+CORE_STEPS = tuple(name for _, names in STEP_GROUPS[1:-1] for name in names)
+# (seconds a step needs left to start, seconds it may take at most; None: what is left). The caps
+# of the first five groups add up to 395 s: with the build cached they fit the checks' share of
+# gpu_check.sh's 480 s; after a slow build the last of them find no time left and say so.
+STEP_TIME_S: dict[str, tuple[float, Optional[float]]] = {
+    "repack_checks": (5, 20), "gemm_checks": (15, 45), "product": (45, 90),
+    "bench_copy": (5, 10), "bench_repack": (5, 15),
+    "bench_step_sweep": (10, 30),
+    "vllm_marlin_check": (5, 20), "bench_gemm": (20, 75),
+    "sanitizer": (30, 90),
+    "repack_timing": (60, 90), "pytest_gpu": (45, 120), "vllm_plugin": (60, None), "engine_load": (120, None),
+}
+# a step still running this long past its cap is stopped (its own checks of the time end it before)
+STEP_GRACE_S = 5.0
 
 
 def record_step(report: dict, name: str, result: Optional[bool], reason: Optional[str] = None) -> None:
@@ -1262,16 +1324,151 @@ def record_step(report: dict, name: str, result: Optional[bool], reason: Optiona
     report.setdefault("steps", {})[name] = entry
 
 
+def record_cut(report: dict, name: str, why: str) -> None:
+    """A step stopped before its end: failed if what it measured already failed, else cut (never
+    passed); what it measured stays in its entry."""
+    own = report.get(name)
+    failed = isinstance(own, dict) and own.get("ok") is False
+    report.setdefault("steps", {})[name] = {"state": "failed" if failed else "cut",
+                                            "reason": f"{why}: what it measured before is kept"}
+
+
+def steps_dir(out: Path) -> Path:
+    """Where each step's own JSON goes as the step ends (gpu_check.json: gpu_check.steps/)."""
+    return out.with_name(out.stem + ".steps")
+
+
+def step_file(out: Path, name: str) -> Path:
+    """The step's JSON file, numbered in run order."""
+    return steps_dir(out) / f"{STEPS.index(name) + 1:02d}-{name}.json"
+
+
+def save_step(report: dict, name: str) -> None:
+    """The step's state and figures in a file of their own, written whole as soon as the step ends:
+    a run cut in a later step (or killed) leaves every earlier step's file complete."""
+    if not isinstance(report, Report):
+        return
+    group = next(g for g, names in STEP_GROUPS if name in names)
+    entry = {"step": name, "order": STEPS.index(name) + 1, "group": group, **report["steps"][name],
+             "device": report.get("env", {}).get("device"), "result": report.get(name)}
+    if name.startswith("bench_") and "goals" in report:
+        entry["goals"] = report["goals"]
+    write_json(step_file(report.path, name), entry)
+
+
+def clear_step_files(out: Path) -> None:
+    """An earlier run's step files (never mistaken for this run's)."""
+    for path in steps_dir(out).glob("[0-9][0-9]-*.json*"):
+        path.unlink(missing_ok=True)
+
+
+def close_unrecorded(report: dict, reason: str) -> None:
+    """Every step without a state yet: not run, for `reason`; each gets its file."""
+    for name in STEPS:
+        if name not in report.get("steps", {}):
+            record_step(report, name, None, reason)
+            save_step(report, name)
+
+
 def _load_marlin(path: Optional[str]) -> tuple[Any, str]:
     from wna16ctl.native import vllm_marlin
 
     return vllm_marlin.load(path)
 
 
+StepFn = Optional[Callable[[Budget], Optional[bool]]]
+
+
+def plan_steps(report: Report, repo: Path, gemm_count: int, marlin: tuple[Any, str], with_pytest: bool,
+               with_sanitizer: bool, with_vllm_plugin: bool) -> list[tuple[str, StepFn]]:
+    """Each step after the build, in STEPS order, as a function of its own budget (None: not asked for)."""
+    marlin_op, marlin_why = marlin
+    fns: dict[str, StepFn] = {
+        "repack_checks": lambda b: step_repack(report, b),
+        "gemm_checks": lambda b: step_gemm(report, b, gemm_count),
+        "product": lambda b: step_product(report, b, repo),
+        "bench_copy": lambda b: bench_copy(report),
+        "bench_repack": lambda b: bench_repack(report),
+        "bench_step_sweep": lambda b: bench_gemm(report, b, marlin_op, key="bench_step_sweep", only=STEP_SWEEP_ROWS),
+        "vllm_marlin_check": lambda b: step_vllm_marlin_check(report, b, marlin_op, marlin_why),
+        "bench_gemm": lambda b: bench_gemm(report, b, marlin_op, skip=STEP_SWEEP_ROWS),
+        "sanitizer": (lambda b: step_sanitizer(report, b)) if with_sanitizer else None,
+        "repack_timing": lambda b: step_repack_timing(report, b, repo),
+        "pytest_gpu": (lambda b: step_pytest(report, b, repo)) if with_pytest else None,
+        "vllm_plugin": (lambda b: step_vllm_plugin(report, b, repo)) if with_vllm_plugin else None,
+        "engine_load": (lambda b: step_engine_load(report, b, repo)) if with_vllm_plugin else None,
+    }
+    return [(name, fns[name]) for name in STEPS[1:]]
+
+
+def run_step(report: Report, budget: Budget, name: str, fn: Callable[[Budget], Optional[bool]]) -> Optional[bool]:
+    """One step within its share of the budget (STEP_TIME_S[name]'s cap): a timer raises
+    BudgetSpent STEP_GRACE_S past it, or at the end of the checks' budget if that comes first."""
+    share = budget.share(STEP_TIME_S.get(name, (20.0, None))[1])
+    report.setdefault("step_budgets", {})[name] = round(share.seconds, 1)
+    signal.setitimer(signal.ITIMER_REAL, max(0.5, min(share.left() + STEP_GRACE_S, budget.left())))
+    try:
+        return fn(share)
+    except Exception as exc:  # one step's fault must not cost the steps after it
+        report.setdefault(name, {})
+        if isinstance(report[name], dict):
+            report[name]["error"] = f"{type(exc).__name__}: {exc}"[:500]
+            report[name]["traceback"] = traceback.format_exc()[-3000:]
+        return False
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def run_plan(report: Report, budget: Budget, plan: list[tuple[str, StepFn]],
+             begin: Callable[[str], None]) -> tuple[bool, bool]:
+    """The steps in order, each recorded (and its file written) as it ends: (none failed, a step
+    of CORE_STEPS was cut or found no time left)."""
+    ok, short = True, False
+    for name, fn in plan:
+        least = STEP_TIME_S.get(name, (20.0, None))[0]
+        if fn is None or budget.left() < least:
+            reason = "not asked for (--no-...)" if fn is None else "no time left"
+            if fn is not None:
+                report.setdefault(name, {"not_run": reason})
+                short |= name in CORE_STEPS
+            record_step(report, name, None, reason)
+            save_step(report, name)
+            continue
+        begin(name)
+        t0 = _now()
+        try:
+            result = run_step(report, budget, name, fn)
+        except BudgetSpent:
+            if budget.left() < 1.0:  # the checks' time is over, not only this step's
+                record_cut(report, name, "the checks' budget ran out during it")
+                save_step(report, name)
+                close_unrecorded(report, "no time left")
+                raise
+            record_cut(report, name, f"ran past its {report['step_budgets'][name]:g} s budget and was stopped")
+            short |= report["steps"][name]["state"] == "cut" and name in CORE_STEPS
+            ok &= report["steps"][name]["state"] != "failed"
+        else:
+            if name.startswith("bench_") and result is not False:
+                result = True  # a benchmark that returned measured; its figures are judged in goals
+            record_step(report, name, result)
+            ok &= result is not False
+        report["steps"][name].update(seconds=round(_now() - t0, 1), budget_s=report["step_budgets"][name])
+        if name in ("bench_repack", "bench_step_sweep", "bench_gemm"):
+            report["goals"] = goals(report)
+        save_step(report, name)
+        report.save()
+    return ok, short
+
+
 def run(out: Path, budget_s: float, gemm_count: int, with_pytest: bool, with_sanitizer: bool = True,
-        build_only: bool = False, with_vllm_plugin: bool = True, vllm_moe_lib: Optional[str] = None) -> int:
+        build_only: bool = False, with_vllm_plugin: bool = True, vllm_moe_lib: Optional[str] = None,
+        deadline: Optional[float] = None) -> int:
+    """The whole check. The checks' budget is `budget_s` from the end of the build, or, with
+    `deadline` (seconds since the epoch: gpu_check.sh passes its start + 480 s less its hard
+    stop's margin), what is left until then."""
     budget = Budget(budget_s, REPORT_RESERVE_S)
     report = Report(out)
+    clear_step_files(out)
     report.update(status="running", started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), steps_done=[])
     repo = Path(__file__).resolve().parents[2]
 
@@ -1286,10 +1483,15 @@ def run(out: Path, budget_s: float, gemm_count: int, with_pytest: bool, with_san
         return code
 
     def stopped(signum, frame) -> None:  # the time limit of gpu_check.sh: keep what was measured
-        finish("stopped", f"terminated by signal {signum} during {report.get('step', '?')}: partial report", 1)
+        during = report.get("step", "?")
+        if during in STEPS and during not in report.get("steps", {}):
+            record_cut(report, during, f"stopped by signal {signum}")
+            save_step(report, during)
+        close_unrecorded(report, f"the run was stopped by signal {signum}")
+        finish("stopped", f"terminated by signal {signum} during {during}: partial report", 1)
         os._exit(1)
 
-    def spent(signum, frame) -> None:  # the checks' share of the budget is over
+    def spent(signum, frame) -> None:  # a step's or the checks' share of the budget is over
         raise BudgetSpent()
 
     def step(name: str) -> None:
@@ -1305,67 +1507,32 @@ def run(out: Path, budget_s: float, gemm_count: int, with_pytest: bool, with_san
         if reason:
             if not report.get("env", {}).get("cuda_available"):
                 reason = f"no GPU: {reason}"
-            for name in STEPS:
-                record_step(report, name, None, reason)
+            close_unrecorded(report, reason)
             return finish("not-run", reason, 2)
         step("build")
         reason = step_build(report)
         if reason:
-            for name in STEPS:
-                record_step(report, name, False if name == "build" else None,
-                            None if name == "build" else f"the build: {reason}")
+            record_step(report, "build", False)
+            save_step(report, "build")
+            close_unrecorded(report, f"the build: {reason}")
             return finish("not-run", reason, 2)
         record_step(report, "build", True)
+        save_step(report, "build")
         if build_only:
             return finish("built")
         # the budget covers the checks: it starts now, after the (cached) build, and a timer
         # stops them REPORT_RESERVE_S before its end
+        if deadline is not None:
+            budget_s = deadline - time.time()
         budget = Budget(budget_s, REPORT_RESERVE_S)
-        report["budget"] = {"seconds": budget_s, "report_reserve": REPORT_RESERVE_S,
+        report["budget"] = {"seconds": round(budget_s, 1), "report_reserve": REPORT_RESERVE_S,
                             "build_seconds_outside": report["build"].get("seconds")}
+        if deadline is not None:
+            report["budget"]["deadline"] = time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(deadline))
         signal.signal(signal.SIGALRM, spent)
-        signal.setitimer(signal.ITIMER_REAL, max(1.0, budget.left()))
-        marlin_op, marlin_why = _load_marlin(vllm_moe_lib)
-        plan = [
-            ("repack_checks", lambda: step_repack(report, budget)),
-            ("gemm_checks", lambda: step_gemm(report, budget, gemm_count)),
-            ("vllm_marlin_check", lambda: step_vllm_marlin_check(report, budget, marlin_op, marlin_why)),
-            ("repack_timing", lambda: step_repack_timing(report, budget, repo)),
-            ("bench_copy", lambda: bench_copy(report)),
-            ("bench_repack", lambda: bench_repack(report)),
-            ("bench_gemm", lambda: bench_gemm(report, budget, marlin_op)),
-            ("product", lambda: step_product(report, budget, repo)),
-            ("vllm_plugin", (lambda: step_vllm_plugin(report, budget, repo)) if with_vllm_plugin else None),
-            ("engine_load", (lambda: step_engine_load(report, budget, repo)) if with_vllm_plugin else None),
-            ("sanitizer", (lambda: step_sanitizer(report, budget)) if with_sanitizer else None),
-            ("pytest_gpu", (lambda: step_pytest(report, budget, repo)) if with_pytest else None),
-        ]
-        ok = True
-        for name, fn in plan:
-            if fn is None:
-                record_step(report, name, None, "not asked for (--no-...)")
-                continue
-            if budget.left() < STEP_MIN_S.get(name, 20):
-                report.setdefault(name, {"not_run": "no time left"})
-                record_step(report, name, None, "no time left")
-                continue
-            step(name)
-            try:
-                result = fn()
-            except BudgetSpent:
-                raise
-            except Exception as exc:  # one step's fault must not cost the steps after it
-                report.setdefault(name, {})
-                if isinstance(report[name], dict):
-                    report[name]["error"] = f"{type(exc).__name__}: {exc}"[:500]
-                    report[name]["traceback"] = traceback.format_exc()[-3000:]
-                result = False
-            if name.startswith("bench_") and result is not False:
-                result = True  # a benchmark that returned measured; its figures are judged in goals
-            record_step(report, name, result)
-            ok &= result is not False
-            if name == "bench_gemm":
-                report["goals"] = goals(report)
+        plan = plan_steps(report, repo, gemm_count, _load_marlin(vllm_moe_lib), with_pytest, with_sanitizer,
+                          with_vllm_plugin)
+        ok, short = run_plan(report, budget, plan, step)
         step("done")
     except BudgetSpent:
         return finish("stopped", f"the checks' budget ({budget_s:g} s less {REPORT_RESERVE_S:g} s for the report) "
@@ -1376,7 +1543,11 @@ def run(out: Path, budget_s: float, gemm_count: int, with_pytest: bool, with_san
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGTERM, previous)
-    return finish("passed" if ok else "failed", None if ok else "see the failing cases", 0 if ok else 1)
+    if not ok:
+        return finish("failed", "see the failing cases", 1)
+    if short:
+        return finish("incomplete", "a step of the first five groups was cut or found no time left", 1)
+    return finish("passed")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -1386,6 +1557,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S,
                         help=f"seconds for the checks after the build (default {DEFAULT_BUDGET_S:g}; they stop "
                              f"{REPORT_RESERVE_S:g} s before it ends to write the report)")
+    parser.add_argument("--deadline", type=float, default=None, metavar="EPOCH_SECONDS",
+                        help="the checks' budget is what is left until this time (seconds since the epoch; "
+                             "gpu_check.sh passes its start + its whole run less the hard stop's margin)")
     parser.add_argument("--build-only", action="store_true", help="build (or find cached) the CUDA library and stop")
     parser.add_argument("--gemm-cases", type=int, default=24, help="GEMM grid cases to run (default 24)")
     parser.add_argument("--no-pytest", action="store_true", help="skip the test-suite's gpu tests")
@@ -1400,7 +1574,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.sanitizer_cases:
         return sanitizer_cases()
     return run(args.out, args.budget, args.gemm_cases, not args.no_pytest, not args.no_sanitizer, args.build_only,
-               not args.no_vllm_plugin, args.vllm_moe_lib)
+               not args.no_vllm_plugin, args.vllm_moe_lib, args.deadline)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ the native paths are checked against them bit for bit (repack) or against an fp3
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 import os
 from typing import Callable, Optional, Sequence, overload
@@ -301,9 +300,9 @@ def _check_gemm_values(g_idx: Optional[Tensor], perm: Optional[Tensor], sorted_t
 
 
 def _gemm_cpu(
-    a: Tensor, b_q: Tensor, scales: Tensor, zero_points: Optional[Tensor], g_idx: Optional[Tensor],
-    perm: Optional[Tensor], sorted_token_ids: Tensor, expert_offsets: Tensor,
-    topk_weights: Optional[Tensor], top_k: int, num_bits: int, is_k_full: bool,
+    a: Tensor, b_q: Tensor, scales: Tensor, sorted_token_ids: Tensor, expert_offsets: Tensor, top_k: int,
+    num_bits: int, zero_points: Optional[Tensor] = None, g_idx: Optional[Tensor] = None,
+    perm: Optional[Tensor] = None, topk_weights: Optional[Tensor] = None, is_k_full: bool = True,
 ) -> Tensor:
     """Reference semantics of the MoE GEMM, in torch: Marlin layout -> codes (layout inverses),
     dequantise in the activation dtype, fp32 matmul, optional router weight, one rounding."""
@@ -461,16 +460,19 @@ def _v3_workspace(dev: torch.device, stream: int, words: int) -> Tensor:
 
 
 def _gemm_cuda(
-    a: Tensor, b_q: Tensor, scales: Tensor, zero_points: Optional[Tensor], g_idx: Optional[Tensor],
-    perm: Optional[Tensor], sorted_token_ids: Tensor, expert_offsets: Tensor,
-    topk_weights: Optional[Tensor], top_k: int, num_bits: int, is_k_full: bool,
+    a: Tensor, b_q: Tensor, scales: Tensor, sorted_token_ids: Tensor, expert_offsets: Tensor, top_k: int,
+    num_bits: int, zero_points: Optional[Tensor] = None, g_idx: Optional[Tensor] = None,
+    perm: Optional[Tensor] = None, topk_weights: Optional[Tensor] = None, is_k_full: bool = True,
 ) -> Tensor:
     lib = cuda_lib()
-    args = [a, b_q, scales, zero_points, g_idx, perm, sorted_token_ids, expert_offsets, topk_weights]
     if lib is None:
+        def on_cpu(a: Tensor, b_q: Tensor, scales: Tensor, ids: Tensor, offs: Tensor, zp: Optional[Tensor],
+                   gi: Optional[Tensor], pm: Optional[Tensor], tw: Optional[Tensor]) -> Tensor:
+            return _gemm_cpu(a, b_q, scales, ids, offs, top_k, num_bits, zp, gi, pm, tw, is_k_full)
         return _cpu_fallback(
-            "moe_wna16_gemm", args,
-            functools.partial(_gemm_cpu, top_k=top_k, num_bits=num_bits, is_k_full=is_k_full), a.device)
+            "moe_wna16_gemm",
+            [a, b_q, scales, sorted_token_ids, expert_offsets, zero_points, g_idx, perm, topk_weights],
+            on_cpu, a.device)
     experts, size_k, size_n, groups = _gemm_dims(a, b_q, scales, num_bits, top_k)
     _check_gemm_extras(a, b_q, scales, zero_points, g_idx, perm, sorted_token_ids, expert_offsets,
                        topk_weights, top_k, num_bits, is_k_full)
@@ -559,16 +561,16 @@ def _register_ops() -> None:
     gemm = torch.library.custom_op(
         f"{lib}::moe_wna16_gemm", mutates_args=(),
         schema=(
-            "(Tensor a, Tensor b_q, Tensor scales, Tensor? zero_points, Tensor? g_idx, Tensor? perm, "
-            "Tensor sorted_token_ids, Tensor expert_offsets, Tensor? topk_weights, int top_k, "
-            "int num_bits, bool is_k_full) -> Tensor"
+            "(Tensor a, Tensor b_q, Tensor scales, Tensor sorted_token_ids, Tensor expert_offsets, int top_k, "
+            "int num_bits, Tensor? zero_points=None, Tensor? g_idx=None, Tensor? perm=None, "
+            "Tensor? topk_weights=None, bool is_k_full=True) -> Tensor"
         ),
     )(_gemm_cpu)
     gemm.register_kernel("cuda")(_gemm_cuda)
 
     @gemm.register_fake
-    def _(a, b_q, scales, zero_points, g_idx, perm, sorted_token_ids, expert_offsets, topk_weights,
-          top_k, num_bits, is_k_full):
+    def _(a, b_q, scales, sorted_token_ids, expert_offsets, top_k, num_bits, zero_points=None, g_idx=None,
+          perm=None, topk_weights=None, is_k_full=True):
         return a.new_empty(a.shape[0] * top_k, scales.shape[-1])
 
 
@@ -592,8 +594,8 @@ def moe_wna16_gemm(
     topk_weights[s] when given.
     """
     return torch.ops.wna16ctl.moe_wna16_gemm(
-        a, b_q, scales, zero_points, g_idx, perm, sorted_token_ids, expert_offsets, topk_weights,
-        top_k, num_bits, is_k_full,
+        a, b_q, scales, sorted_token_ids, expert_offsets, top_k, num_bits,
+        zero_points=zero_points, g_idx=g_idx, perm=perm, topk_weights=topk_weights, is_k_full=is_k_full,
     )
 
 
