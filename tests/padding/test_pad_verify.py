@@ -16,6 +16,9 @@ import wna16ctl
 from wna16ctl.padding.tensors import zero_word
 
 SMALL = dict(hidden_size=128, num_experts=4, num_layers=1, intermediate_size=128, num_shards=1)
+# the usual llm-compressor recipe (attention quantized too), 256 wide so that o_proj splits into
+# whole groups at TP 2
+STANDARD = {**SMALL, "hidden_size": 256, "targets": "linear"}
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +65,26 @@ def test_verify_names_a_damaged_tensor(padded_pair, tmp_path, damage, expected):
     assert not proof.passed
     assert any(expected in p for p in proof.problems), proof.problems
     assert any("changed since it was written" in p for p in proof.problems)
+
+
+def test_verify_passes_a_padding_of_the_usual_recipe_with_attention_quantized(make_ckpt, tmp_path):
+    # every Linear but lm_head and the routers quantized: the attention's weight_shape tensors are
+    # the original's, byte for byte, and read as such (not as projections that failed to pad)
+    src = make_ckpt(**STANDARD)
+    wna16ctl.pad(src, tmp_path / "p", tp=2, vllm="0.32.0")
+    proof = wna16ctl.verify(src, tmp_path / "p", samples=QUESTIONS, num_samples=4)
+    assert proof.passed, proof.problems
+    assert proof.tensors_padded == 4 * 3 * 2  # packed and scale of 12 projections; attention unchanged
+    assert [(lay["layer"], lay["ok"]) for lay in proof.layers] == [("model.layers.0.mlp.experts", True)]
+    # and a changed attention weight_shape is still named
+    bad = tmp_path / "bad"
+    shutil.copytree(tmp_path / "p", bad)
+    t = load_file(bad / "model.safetensors")
+    t["model.layers.0.self_attn.k_proj.weight_shape"][0] += 1
+    save_file(t, bad / "model.safetensors", metadata={"format": "pt"})
+    proof = wna16ctl.verify(src, bad)
+    assert any(p.startswith("model.layers.0.self_attn.k_proj.weight_shape: differs from the original")
+               for p in proof.problems), proof.problems
 
 
 def test_a_padded_checkpoint_repacks_and_verifies_like_any_other(padded_pair, tmp_path):
