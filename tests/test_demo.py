@@ -162,6 +162,47 @@ def test_config_is_the_real_architecture_plus_the_library_quantization_config(ma
     assert set(raw["ignore"]) == linears - {"model.embed_tokens"}
 
 
+# the usual llm-compressor W4A16 recipe: every Linear but its usual MoE ignore list
+LINEAR_ARCHS = {arch: dict(group_size=32) if arch in ("deepseek_v3", "deepseek_v2", "kimi_k2") else {}
+                for arch in ARCHITECTURES}  # MLA's latent (kv_lora_rank 32 at hidden 128) takes groups of 32
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_targets_linear_quantizes_every_linear_but_lm_head_and_the_routers(make_ckpt: MakeCheckpoint, arch: str) -> None:
+    fields = dict(SMALL, arch=arch, targets="linear", **LINEAR_ARCHS[arch])
+    ckpt = make_ckpt(**fields)
+    raw = quantization_config(ckpt)
+    assert [g["targets"] for g in raw["config_groups"].values()] == [["Linear"]]
+    tensors = read_tensors(ckpt)
+    packed = {n.removesuffix(".weight_packed") for n in tensors if n.endswith(".weight_packed")}
+    dense = {n.removesuffix(".weight") for n, t in tensors.items() if n.endswith(".weight") and t.ndim == 2}
+    block = "block_sparse_moe" if arch == "mixtral" else "mlp"
+    routers = {f"model.layers.{layer}.{block}.gate" for layer in moe_layer_indices(DemoSpec(**fields))}
+    shared_gates = {f"model.layers.{layer}.mlp.shared_expert_gate" for layer in range(2)} if arch == "qwen2_moe" else set()
+    assert dense == {"model.embed_tokens", "lm_head"} | routers | shared_gates
+    # the library writes the Linear layers the ignore list left out by name, as llm-compressor does
+    assert set(raw["ignore"]) == dense - {"model.embed_tokens"}
+    assert any(".self_attn.o_proj" in m for m in packed) and set(expert_modules(DemoSpec(**fields))) < packed
+    # the library decompresses every one of them (attention too) within its quantization error
+    spec, source = DemoSpec(**fields), demo_source_weights(DemoSpec(**fields))
+    dequantized = library_dequantize(ckpt)
+    assert set(dequantized) == {f"{m}.weight" for m in packed}
+    for module in packed:
+        weight = source[f"{module}.weight"].float()
+        error = (weight - dequantized[f"{module}.weight"]).abs()
+        scale = per_column_scale(tensors, module, weight.shape[1])
+        assert (error <= scale * (0.5 + 2 ** (spec.num_bits - 1) * 0.01) + 1e-7).all(), module
+
+
+def test_targets_linear_with_group_actorder_shares_one_g_idx_per_input(make_ckpt: MakeCheckpoint) -> None:
+    # q, k and v read the same input (as gate and up do): GPTQ writes one act-order for them
+    tensors = read_tensors(make_ckpt(**SMALL, targets="linear", actorder="group", group_size=32))
+    attn = "model.layers.0.self_attn"
+    q = tensors[f"{attn}.q_proj.weight_g_idx"]
+    assert torch.equal(q, tensors[f"{attn}.k_proj.weight_g_idx"]) and torch.equal(q, tensors[f"{attn}.v_proj.weight_g_idx"])
+    assert not torch.equal(q, tensors[f"{attn}.o_proj.weight_g_idx"])
+
+
 # ---------------------------------------------------------------------------------------------
 # expert tensors and decompression
 
@@ -398,6 +439,9 @@ def test_tokenizer_on_gsm8k(make_ckpt: MakeCheckpoint, gsm8k_test) -> None:
         (dict(num_bits=1), "num_bits"),
         (dict(arch="deepseek_v3", mla_qk_rope_head_dim=15), "mla_qk_rope_head_dim"),
         (dict(arch="deepseek_v3", mla_kv_lora_rank=0), "mla_kv_lora_rank"),
+        (dict(targets="attention"), "targets"),
+        (dict(targets="linear", mixed="layer"), "routed experts only"),
+        (dict(arch="deepseek_v3", targets="linear"), "kv_lora_rank 64 is not a multiple of group_size 128"),
     ],
 )
 def test_bad_specs_are_refused(tmp_path: Path, fields: dict, message: str) -> None:

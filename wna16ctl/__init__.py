@@ -193,7 +193,7 @@ def verify(path: PathLike, out: PathLike, *, samples: PathLike | None = None, nu
     computed as its TP ranks compute it against the original at TP 1, in `PadProof.e2e`).  `layers` ("0-3,7" or indices) checks
     only those MoE layers' experts: a partial verify (`.partial`, the verdict says so, no
     `next_steps`).  `experts` (the same form) checks only those experts of each layer checked, alone or
-    with `layers`: a partial verify too.  `revision` as for `repack`.
+    with `layers`: a partial verify too.  Both apply to a `pad` output as well (`PadProof.partial`).  `revision` as for `repack`.
     Returns the `VerifyReport` (`to_json()` = `verify --json`, docs/verify-json.md), whatever the
     layout: for a `layout="vllm"` output its manifest check is the files against vLLM's contract,
     its round trip every tensor, its numerics not run (`.layout_state` holds the contract figures).
@@ -212,10 +212,9 @@ def verify(path: PathLike, out: PathLike, *, samples: PathLike | None = None, nu
         from wna16ctl.verification.e2e import E2EOptions
 
         options = E2EOptions(prompts=prompts, max_new_tokens=max_new_tokens, score=score)
-    if is_padded_output(out):  # a `pad` output: its PadProof (`.passed`, `.problems`, `.to_json()`)
-        if layers is not None or experts is not None:
-            raise UsageError("layers and experts do not apply to a pad output: its padding is checked whole")
-        return verify_padding(path, out, samples=samples, num_samples=num_samples, e2e=options, notice=notice)
+    if is_padded_output(out):  # a `pad` output: its PadProof (`.passed`, `.partial`, `.problems`, `.to_json()`)
+        return verify_padding(path, out, samples=samples, num_samples=num_samples, e2e=options, notice=notice,
+                              layers=layers, experts=experts)
     return verify_output(path, out, samples=samples, num_samples=num_samples, device=device, progress=progress,
                          e2e=options, notice=notice, layers=layers, experts=experts)
 

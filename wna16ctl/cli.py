@@ -370,6 +370,9 @@ def assemble(ctx: click.Context, out: str, json_mode: bool, debug: bool) -> None
 @click.option("--actorder", type=click.Choice(["none", "weight", "static", "group"]), default="none", show_default=True)
 @click.option("--mixed", type=click.Choice(["none", "layer", "expert"]), default="none", show_default=True,
               help="Mixed precision: odd layers (or odd experts) int8.")
+@click.option("--targets", type=click.Choice(["experts", "linear"]), default="experts", show_default=True,
+              help="What is quantized: the routed experts only, or every Linear but lm_head, the routers and the "
+                   "shared-expert gate (llm-compressor's usual W4A16 recipe: attention too).")
 @click.option("--layers", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--experts", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--hidden", type=click.IntRange(min=16), default=256, show_default=True)
@@ -379,7 +382,7 @@ def assemble(ctx: click.Context, out: str, json_mode: bool, debug: bool) -> None
 @_debug_option
 @click.pass_context
 def demo(ctx: click.Context, out: str, arch: str, bits: str, group_size: str, asym: bool, actorder: str, mixed: str,
-         layers: int, experts: int, hidden: int, intermediate: int, tokenizer: bool, force: bool, debug: bool) -> None:
+         targets: str, layers: int, experts: int, hidden: int, intermediate: int, tokenizer: bool, force: bool, debug: bool) -> None:
     """Write a small demo checkpoint quantized by compressed-tensors itself to OUT."""
     sink = Sink()
 
@@ -390,7 +393,7 @@ def demo(ctx: click.Context, out: str, arch: str, bits: str, group_size: str, as
             arch=arch, num_layers=layers, num_experts=experts, hidden_size=hidden, intermediate_size=intermediate,
             num_bits=int(bits), group_size=int(group_size), symmetric=not asym,
             actorder=None if actorder == "none" else actorder, mixed=None if mixed == "none" else mixed,
-            top_k=min(2, experts), tokenizer=tokenizer,
+            top_k=min(2, experts), tokenizer=tokenizer, targets=targets,
         )
         try:
             with sink.tasks() as progress:

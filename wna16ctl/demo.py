@@ -40,13 +40,17 @@ from wna16ctl.sources.architectures import ARCHITECTURES as _FACTS, DEMO_ARCHITE
 from wna16ctl.verification.samples import DEMO_QUESTIONS
 
 if TYPE_CHECKING:
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
 # the families the demo writes, with their facts (module names, config fields, attention kind)
 # from the architecture table
 ARCHITECTURES = DEMO_ARCHITECTURES
 ACTORDERS = (None, "weight", "static", "group")
 MIXED_MODES = (None, "layer", "expert")
+# which modules are quantized: "experts" the routed experts only; "linear" the usual llm-compressor
+# W4A16 recipe, every Linear but those of its usual MoE ignore list (lm_head, the routers, the
+# shared-expert gate): attention, shared experts and dense MLPs too
+TARGETS = ("experts", "linear")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 # the version whose verbose config form `actorder: "group"` checkpoints are written in
@@ -98,8 +102,9 @@ class DemoSpec:
     # DeepSeek-V3 only: the real model's YaRN rope scaling (DEEPSEEK_V3_YARN) instead of plain rope
     mla_yarn_rope: bool = False
     # also quantize the shared experts and dense MLPs (with the routed experts' scheme), as a
-    # recipe without an ignore entry for them does
+    # recipe without an ignore entry for them does (targets "linear" quantizes them anyway)
     quantize_mlp: bool = False
+    targets: str = "experts"  # one of TARGETS
 
 
 # ----------------------------------------------------------------------------------------------
@@ -139,6 +144,10 @@ def _check_spec(spec: DemoSpec) -> None:
         raise bad("channel_group_size_null needs group_size -1")
     if spec.mixed not in MIXED_MODES:
         raise bad(f"mixed {spec.mixed!r} is not one of {MIXED_MODES}")
+    if spec.targets not in TARGETS:
+        raise bad(f"targets {spec.targets!r} is not one of {TARGETS}")
+    if spec.targets != "experts" and spec.mixed is not None:
+        raise bad("mixed precision is written for the routed experts only: use it with targets 'experts'")
     if spec.mixed is not None and spec.num_bits != 4:
         raise bad("mixed precision puts int8 next to int4: num_bits must be 4")
     if spec.mixed == "layer" and not (
@@ -165,6 +174,23 @@ def _check_spec(spec: DemoSpec) -> None:
         raise bad(f"mla_kv_lora_rank must be positive, got {spec.mla_kv_lora_rank}")
     if spec.mla_qk_rope_head_dim < 2 or spec.mla_qk_rope_head_dim % 2:
         raise bad(f"mla_qk_rope_head_dim must be even and >= 2 (rotary pairs), got {spec.mla_qk_rope_head_dim}")
+    if spec.targets == "linear" and spec.group_size > 0 and _FACTS[spec.arch].mla:
+        # the attention's own input widths (every other quantized Linear reads hidden_size or a
+        # multiple of intermediate_size): the library cannot group a width the group does not divide
+        for what, size in _mla_input_widths(spec).items():
+            if size % spec.group_size:
+                raise bad(f"{what} {size} is not a multiple of group_size {spec.group_size} (targets 'linear' "
+                          "quantizes the attention too)")
+
+
+def _mla_input_widths(spec: DemoSpec) -> dict[str, int]:
+    """The input widths of the MLA projections that do not read hidden_size."""
+    heads = _attention_heads(spec.hidden_size)[0]
+    mla = _mla_dims(spec)
+    widths = {"kv_lora_rank": mla["kv_lora_rank"], "o_proj input (heads x v_head_dim)": heads * mla["v_head_dim"]}
+    if spec.arch != "deepseek_v2":  # V2-Lite has no query LoRA
+        widths["q_lora_rank"] = mla["q_lora_rank"]
+    return widths
 
 
 def _attention_heads(hidden_size: int) -> tuple[int, int, int]:
@@ -460,13 +486,26 @@ def _weight_args(spec: DemoSpec, num_bits: int, actorder: str | None) -> "Quanti
     return QuantizationArgs(**fields)
 
 
+def _quantization_config(spec: DemoSpec) -> "QuantizationConfig":
+    """The config groups of `spec` and, for targets "linear", llm-compressor's usual MoE ignore list."""
+    from compressed_tensors.quantization import QuantizationConfig
+
+    from wna16ctl.sources.proposed import DEFAULT_IGNORE
+
+    ignore = list(DEFAULT_IGNORE) if spec.targets == "linear" else None
+    return QuantizationConfig(config_groups=_expert_schemes(spec), ignore=ignore)
+
+
 def _expert_schemes(spec: DemoSpec) -> dict[str, "QuantizationScheme"]:
-    """Config groups for the routed experts; everything else stays untargeted (bf16)."""
+    """Config groups for the routed experts (every Linear for targets "linear"); everything else
+    stays untargeted (bf16)."""
     from compressed_tensors.quantization import QuantizationScheme
 
     # 0.20 refuses actorder "group": the library scheme carries none, the g_idx is added here
     actorder = None if spec.actorder == "group" else spec.actorder
     base = _weight_args(spec, spec.num_bits, actorder)
+    if spec.targets == "linear":
+        return {"group_0": QuantizationScheme(targets=["Linear"], weights=base)}
     if spec.mixed is None:
         targets = [_expert_target(spec)] + ([_mlp_target(spec)] if spec.quantize_mlp else [])
         return {"group_0": QuantizationScheme(targets=targets, weights=base)}
@@ -720,13 +759,13 @@ def write_demo_output(out_dir: str | os.PathLike[str], spec: DemoSpec = DemoSpec
 def _write_files(out: Path, spec: DemoSpec, progress: TaskStarter | None) -> Path:
     step = (progress or no_progress)("writing the demo checkpoint", 4, unit="steps")
     from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, apply_quantization_config
+    from compressed_tensors.quantization import QuantizationStatus, apply_quantization_config
 
     step(1)  # importing compressed-tensors takes seconds
     out.mkdir(parents=True, exist_ok=True)
 
     model = _module_tree(demo_source_weights(spec))
-    apply_quantization_config(model, QuantizationConfig(config_groups=_expert_schemes(spec)), show_progress=False)
+    apply_quantization_config(model, _quantization_config(spec), show_progress=False)
     # the modules the config quantizes: each now carries the attributes of a _QuantizedLinear
     experts = [cast(_QuantizedLinear, module) for module in model.modules() if hasattr(module, "quantization_scheme")]
     compressor = ModelCompressor.from_pretrained_model(model)
@@ -738,9 +777,10 @@ def _write_files(out: Path, spec: DemoSpec, progress: TaskStarter | None) -> Pat
         for name, module in model.named_modules():
             if not hasattr(module, "quantization_scheme"):
                 continue
-            # gate and up read the same input, so GPTQ derives one act-order from one Hessian
-            # and writes the same g_idx for both (vLLM keeps only one copy for w13)
+            # gate and up (and q, k, v) read the same input, so GPTQ derives one act-order from one
+            # Hessian and writes the same g_idx for both (vLLM keeps only one copy for w13 and qkv)
             key = re.sub(r"\.(up_proj|w3)$", ".gate_proj", re.sub(r"\.w1$", ".gate_proj", name))
+            key = re.sub(r"\.(k_proj|v_proj)$", ".q_proj", key)
             if key not in shared:
                 shared[key] = _group_permutation(permutations, module.weight.shape[1], spec.group_size)
             perm, g_idx = shared[key]

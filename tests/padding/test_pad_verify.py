@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from tests.conftest import QUESTIONS
@@ -16,6 +17,9 @@ import wna16ctl
 from wna16ctl.padding.tensors import zero_word
 
 SMALL = dict(hidden_size=128, num_experts=4, num_layers=1, intermediate_size=128, num_shards=1)
+# the usual llm-compressor recipe (attention quantized too), 256 wide so that o_proj splits into
+# whole groups at TP 2
+STANDARD = {**SMALL, "hidden_size": 256, "targets": "linear"}
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +66,81 @@ def test_verify_names_a_damaged_tensor(padded_pair, tmp_path, damage, expected):
     assert not proof.passed
     assert any(expected in p for p in proof.problems), proof.problems
     assert any("changed since it was written" in p for p in proof.problems)
+
+
+def test_verify_passes_a_padding_of_the_usual_recipe_with_attention_quantized(make_ckpt, tmp_path):
+    # every Linear but lm_head and the routers quantized: the attention's weight_shape tensors are
+    # the original's, byte for byte, and read as such (not as projections that failed to pad)
+    src = make_ckpt(**STANDARD)
+    wna16ctl.pad(src, tmp_path / "p", tp=2, vllm="0.32.0")
+    proof = wna16ctl.verify(src, tmp_path / "p", samples=QUESTIONS, num_samples=4)
+    assert proof.passed, proof.problems
+    assert proof.tensors_padded == 4 * 3 * 2  # packed and scale of 12 projections; attention unchanged
+    assert [(lay["layer"], lay["ok"]) for lay in proof.layers] == [("model.layers.0.mlp.experts", True)]
+    # and a changed attention weight_shape is still named
+    bad = tmp_path / "bad"
+    shutil.copytree(tmp_path / "p", bad)
+    t = load_file(bad / "model.safetensors")
+    t["model.layers.0.self_attn.k_proj.weight_shape"][0] += 1
+    save_file(t, bad / "model.safetensors", metadata={"format": "pt"})
+    proof = wna16ctl.verify(src, bad)
+    assert any(p.startswith("model.layers.0.self_attn.k_proj.weight_shape: differs from the original")
+               for p in proof.problems), proof.problems
+
+
+def test_the_padding_proof_on_all_zero_data_says_numerics_not_run_as_repacks_verify_does(make_ckpt, tmp_path):
+    # a shard whose data is all zero (a failed download): any padding computes the same zeros, so
+    # the numerics prove nothing; the proof says "not run" with the reason repack's verify gives
+    src = tmp_path / "zeros"
+    shutil.copytree(make_ckpt(**SMALL), src)
+    t = load_file(src / "model.safetensors")
+    save_file({k: torch.zeros_like(v) for k, v in t.items()}, src / "model.safetensors", metadata={"format": "pt"})
+    wna16ctl.pad(src, tmp_path / "p", tp=2, vllm="0.32.0")
+    proof = wna16ctl.verify(src, tmp_path / "p", samples=QUESTIONS, num_samples=4)
+    assert not proof.passed and not proof.problems and not proof.next_steps
+    (layer,) = proof.layers
+    assert layer["status"] == "not run" and not layer["ok"]
+    wna16ctl.repack(src, tmp_path / "tp1", tp=1, vllm="0.32.0", device="cpu")
+    report = wna16ctl.verify(src, tmp_path / "tp1", samples=QUESTIONS, num_samples=4)
+    (row,) = report.numerics
+    assert row.status == "not run" and not report.passed
+    assert layer["reason"] == row.reason and "all zero" in row.reason
+    text = "\n".join(proof.lines())
+    assert f"NOT RUN numerics model.layers.0.mlp.experts: {row.reason}" in text and "PASS numerics" not in text
+    assert proof.to_json()["passed"] is False
+
+
+def test_verify_of_a_padding_takes_a_subset_and_says_it_is_one(make_ckpt, tmp_path):
+    from click.testing import CliRunner
+
+    from wna16ctl.cli import cli
+
+    src = make_ckpt(**{**SMALL, "num_layers": 2})
+    wna16ctl.pad(src, tmp_path / "p", tp=2, vllm="0.32.0")
+    run = lambda *a: CliRunner().invoke(cli, ["verify", str(src), str(tmp_path / "p"), "--samples", str(QUESTIONS),  # noqa: E731 - verify of this padding, for the lines below
+                                              "--num-samples", "4", *a])
+    whole = json.loads(run("--json").stdout)
+    res = run("--layers", "1", "--experts", "0-1", "--json")
+    assert res.exit_code == 0, res.output
+    j = json.loads(res.stdout)
+    assert j["passed"] and j["partial"] and j["next_steps"] == []
+    assert (j["layers_selected"], j["layers_not_checked"]) == ([1], [0])
+    assert (j["experts_selected"], j["experts_not_checked"]) == ([0, 1], [2, 3])
+    assert [lay["layer"] for lay in j["numerics"]] == ["model.layers.1.mlp.experts"]
+    # only the tokens routed to experts 0 and 1 are compared
+    assert 0 < j["numerics"][0]["tokens"] < whole["numerics"][1]["tokens"]
+    # of the 2 x 4 x 3 x 3 = 72 expert tensors (layers, experts, projections, packed/scale/shape) only
+    # layer 1's experts 0 and 1 are compared; every other tensor is
+    assert j["tensors_checked"] == whole["tensors_checked"] - 72 + 2 * 3 * 3
+    assert not whole["partial"] and whole["next_steps"]
+    human = run("--layers", "1")
+    assert human.exit_code == 0
+    assert "PARTIAL --layers 1: layer 0 not checked (a partial verify: run without --layers for a full one)" \
+        in human.stdout and "vllm serve" not in human.stdout, human.stdout
+    bad = run("--layers", "5")
+    assert bad.exit_code == 2 and "--layers: no MoE layer 5" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    bad = run("--experts", "9")
+    assert bad.exit_code == 2 and "--experts: no expert 9 in model.layers.0.mlp.experts" in bad.stderr
 
 
 def test_a_padded_checkpoint_repacks_and_verifies_like_any_other(padded_pair, tmp_path):

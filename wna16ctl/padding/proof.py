@@ -12,11 +12,16 @@
    model dtype between stages, per-rank partials all-reduced in fp32) and must lie in its own
    derived rounding interval (`verification.bounds`); the two intervals share their float64
    centre, since the added products are exact zeros, so the two outputs differ by at most the two
-   intervals' half-widths, which is checked too.
+   intervals' half-widths, which is checked too.  A layer whose original output is all zero (all-zero
+   weights, as a zero-filled shard gives) is `not run`, by the rule repack's verify follows
+   (`verification.bounds.nothing_to_compare`), and the proof does not pass.
 3. With e2e (`verify ORIGINAL PADDED --e2e`): greedy generation on GSM8K prompts with the original at
    TP 1 and the padded model computed as its TP ranks compute it, every padded MoE block output
    judged against the interval of the original's experts extended by exact zeros
    (`verification.e2e.run_padding_e2e`); a required check once asked for.
+
+`--layers` / `--experts` check only those routed layers' (experts') tensors and numerics, as for a
+repack output: a partial proof, said so, with no serve step; e2e then does not run.
 """
 
 from __future__ import annotations
@@ -49,18 +54,40 @@ class PadProof:
     layers: list[dict[str, Any]] = field(default_factory=list)  # numerics per routed layer
     activations: str = ""  # where the numerics' activations came from
     e2e: Any = None  # wna16ctl.verification.e2e.E2EResult when e2e was asked
+    # `--layers` / `--experts`: the routed layers and experts checked, and those left out (a partial proof)
+    layers_selected: list[int] | None = None
+    layers_not_checked: list[int] = field(default_factory=list)
+    experts_selected: list[int] | None = None
+    experts_not_checked: list[int] = field(default_factory=list)
+
+    @property
+    def partial(self) -> bool:
+        """Some routed layers or experts were left out: what ran may pass, the padding is not proved whole."""
+        return bool(self.layers_not_checked or self.experts_not_checked)
+
+    def left_out(self) -> list[str]:
+        """What the subset left out, as every verify says it."""
+        from wna16ctl.verification.checks import left_out_reason
+
+        out = []
+        if self.layers_not_checked and self.layers_selected is not None:
+            out.append(left_out_reason("--layers", self.layers_selected, "layer", self.layers_not_checked))
+        if self.experts_not_checked and self.experts_selected is not None:
+            out.append(left_out_reason("--experts", self.experts_selected, "expert", self.experts_not_checked))
+        return out
 
     @property
     def passed(self) -> bool:
         """Every check passed, the e2e one too when it was asked (not run is not a pass)."""
-        return not self.problems and bool(self.tensors_checked) and (self.e2e is None or self.e2e.passed)
+        return (not self.problems and bool(self.tensors_checked) and all(lay["ok"] for lay in self.layers)
+                and (self.e2e is None or self.e2e.passed))
 
     @property
     def next_steps(self) -> list[Any]:
-        """How to serve the padded checkpoint: only once it is proved."""
+        """How to serve the padded checkpoint: only once it is proved whole."""
         from wna16ctl.planning.next_steps import NextStep, serve_command
 
-        if not self.passed or not self.tp:
+        if not self.passed or self.partial or not self.tp:
             return []
         return [NextStep(self.tp, False, None, None, serve_command(self.padded, None, self.tp),
                          "serve the padded checkpoint as it is (stock vLLM, the default load format)")]
@@ -69,7 +96,10 @@ class PadProof:
         return {"original": str(self.original), "padded": str(self.padded), "layout": LAYOUT, "tp": self.tp,
                 "passed": self.passed, "tensors_checked": self.tensors_checked,
                 "tensors_padded": self.tensors_padded, "activations": self.activations, "numerics": self.layers,
-                "e2e": self.e2e.to_json() if self.e2e is not None else None,
+                "e2e": self.e2e.to_json() if self.e2e is not None else None, "partial": self.partial,
+                "layers_selected": self.layers_selected, "layers_not_checked": self.layers_not_checked,
+                "experts_selected": self.experts_selected, "experts_not_checked": self.experts_not_checked,
+                "not_checked": self.left_out(),
                 "next_steps": [s.to_json() for s in self.next_steps], "problems": self.problems}
 
     def lines(self) -> list[str]:
@@ -81,6 +111,9 @@ class PadProof:
         if self.layers:
             out.append(f"numerics on {self.activations}")
         for lay in self.layers:
+            if lay["status"] == "not run":  # nothing to compare (verification.bounds.nothing_to_compare)
+                out.append(f"NOT RUN numerics {lay['layer']}: {lay['reason']}")
+                continue
             out.append(f"{'PASS' if lay['ok'] else 'FAIL'} numerics {lay['layer']}: padded at TP {lay['tp']} vs original "
                        f"at TP 1 on {lay['tokens']} tokens, max |difference| {lay['max_abs_difference']:.3g}; "
                        f"{lay['violations']} outputs outside the rounding interval (largest error/bound "
@@ -89,6 +122,7 @@ class PadProof:
             out.append("numerics not run: no padded quantized MoE layer to compare")
         if self.e2e is not None:
             out += _e2e_lines(self.e2e)
+        out += [f"PARTIAL {why}" for why in self.left_out()]  # never read as a whole proof
         return out  # the next steps are the renderer's (render.render_verify)
 
 
@@ -123,13 +157,16 @@ def is_padded_output(path: str | os.PathLike[str]) -> bool:
 
 def verify_padding(original: str | os.PathLike[str], padded: str | os.PathLike[str], numerics: bool = True,
                    samples: str | os.PathLike[str] | None = None, num_samples: int = 16, e2e: Any = None,
-                   notice: Any = None) -> PadProof:
-    """The proof (module doc); `e2e` (verification.e2e.E2EOptions) adds the generation check."""
+                   notice: Any = None, layers: Any = None, experts: Any = None) -> PadProof:
+    """The proof (module doc); `e2e` (verification.e2e.E2EOptions) adds the generation check.
+    `layers` / `experts` ("0-3,7" or indices, as for a repack output) check only those routed MoE
+    layers and experts, tensors and numerics: a partial proof, said so, with no serve step and no e2e."""
     from wna16ctl.output.outdir import MANIFEST_NAME, read_json_file
     from wna16ctl.output.writer import hash_file, recorded_hash
     from wna16ctl.repacking.pipeline import source_fingerprint
 
     a, b = open_checkpoint(original), open_checkpoint(padded)
+    selected = _select(a, layers, experts)
     if e2e is not None:  # the inputs in the order a user fixes them: the samples before any work
         from wna16ctl.verification.e2e import require_transformers
         from wna16ctl.verification.samples import resolve_samples
@@ -138,7 +175,7 @@ def verify_padding(original: str | os.PathLike[str], padded: str | os.PathLike[s
         e2e_samples = Path(resolve_samples(samples, a.root, notice))
     manifest = read_json_file(Path(padded) / MANIFEST_NAME)
     tp = manifest.get("padding", {}).get("tp") if isinstance(manifest, dict) else None
-    proof = PadProof(Path(original), Path(padded), tp)
+    proof = PadProof(Path(original), Path(padded), tp, **selected)
     if manifest.get("identity", {}).get("source_fingerprint") != source_fingerprint(a):
         proof.problems.append(f"{padded}: its manifest names another source than {original} (or the original changed "
                               "since it was padded)")
@@ -151,10 +188,48 @@ def verify_padding(original: str | os.PathLike[str], padded: str | os.PathLike[s
     if numerics and not proof.problems:
         _check_numerics(a, b, proof, samples, num_samples)
     if e2e is not None:  # also on a damaged padding: how far the damage moves the model is reported too
-        from wna16ctl.verification.e2e import run_padding_e2e
+        from wna16ctl.verification.checks import e2e_subset_reason
+        from wna16ctl.verification.e2e import not_run, run_padding_e2e
 
-        proof.e2e = run_padding_e2e(a, b, tp or 1, e2e_samples, e2e)
+        why = e2e_subset_reason(proof.layers_not_checked, proof.experts_not_checked)
+        proof.e2e = not_run(why) if why else run_padding_e2e(a, b, tp or 1, e2e_samples, e2e)
     return proof
+
+
+def _select(a: Checkpoint, layers: Any, experts: Any) -> dict[str, Any]:
+    """The PadProof fields of a `--layers` / `--experts` subset of the routed MoE layers, read as a
+    repack output's verify reads them (the same parsing, the same one-line refusals)."""
+    from wna16ctl.verification.checks import experts_left_out, parse_indices, unknown_layers
+
+    out: dict[str, Any] = {}
+    routed = a.quantized_layers
+    if layers is not None:
+        wanted = parse_indices(layers, "--layers", "MoE layer")
+        known = [lay.layer_index for lay in routed if lay.layer_index is not None]
+        unknown_layers(known, wanted)
+        out |= {"layers_selected": wanted, "layers_not_checked": sorted(i for i in known if i not in wanted)}
+        routed = [lay for lay in routed if lay.layer_index in wanted]
+    if experts is not None:
+        wanted = parse_indices(experts, "--experts", "expert")
+        out |= {"experts_not_checked": experts_left_out(routed, wanted), "experts_selected": wanted}
+    return out
+
+
+def _left_out_tensors(a: Checkpoint, proof: PadProof, names: set[str]) -> set[str]:
+    """The tensors of the routed experts a subset leaves out (`{layer prefix}.{expert}.{projection}.{suffix}`)."""
+    if not proof.partial:
+        return set()
+    layers = {lay.prefix: lay for lay in a.quantized_layers}
+    out = set()
+    for name in names:
+        prefix, expert, _, _ = (name.rsplit(".", 3) + ["", "", ""])[:4]
+        lay = layers.get(prefix)
+        if lay is None or not expert.isdigit():
+            continue
+        if proof.layers_selected is not None and lay.layer_index not in proof.layers_selected \
+                or proof.experts_selected is not None and int(expert) not in proof.experts_selected:
+            out.add(name)
+    return out
 
 
 # -- tensors ---------------------------------------------------------------------------------------------
@@ -175,8 +250,10 @@ def _check_tensors(a: Checkpoint, b: Checkpoint, proof: PadProof) -> None:
         proof.problems.append(f"{b.root}: tensor {n} of the original is missing")
     for n in sorted(names_b - names_a)[:5]:
         proof.problems.append(f"{b.root}: tensor {n} is not in the original")
+    grown = _grown_modules(a, b, names_a & names_b)
+    left_out = _left_out_tensors(a, proof, names_a & names_b)
     with TensorReader(a.files) as ra, TensorReader(b.files) as rb:
-        for name in sorted(names_a & names_b):
+        for name in sorted(names_a & names_b - left_out):
             ia, ib = a.files.info(name), b.files.info(name)
             proof.tensors_checked += 1
             module, _, suffix = name.rpartition(".")
@@ -184,7 +261,9 @@ def _check_tensors(a: Checkpoint, b: Checkpoint, proof: PadProof) -> None:
             if ia.dtype != ib.dtype:
                 proof.problems.append(f"{name}: dtype {ib.dtype}, the original's is {ia.dtype}")
                 continue
-            if ia.shape == ib.shape and suffix != "weight_shape":
+            # a module that did not grow is the original byte for byte, its weight_shape too (the
+            # attention of a checkpoint quantized with every Linear); only a grown one says a new size
+            if ia.shape == ib.shape and (suffix != "weight_shape" or module not in grown):
                 if not torch.equal(ra.read_bytes(ia), rb.read_bytes(ib)):
                     proof.problems.append(f"{name}: differs from the original")
                 continue
@@ -196,6 +275,12 @@ def _check_tensors(a: Checkpoint, b: Checkpoint, proof: PadProof) -> None:
             why = _padded_tensor_problem(a, b, module, _ROLE[leaf], suffix, ra.read(name), rb.read(name))
             if why:
                 proof.problems.append(f"{name}: {why}")
+
+
+def _grown_modules(a: Checkpoint, b: Checkpoint, names: set[str]) -> set[str]:
+    """The modules of which a stored tensor other than `weight_shape` changed shape."""
+    return {name.rpartition(".")[0] for name in names
+            if not name.endswith(".weight_shape") and a.files.info(name).shape != b.files.info(name).shape}
 
 
 def _padded_tensor_problem(a: Checkpoint, b: Checkpoint, module: str, role: str, suffix: str, old: torch.Tensor,
@@ -324,8 +409,9 @@ def _activations(a: Checkpoint, samples: Any, num_samples: int) -> tuple[torch.T
 def _check_numerics(a: Checkpoint, b: Checkpoint, proof: PadProof, samples: Any = None, num_samples: int = 16) -> None:
     from wna16ctl.errors import WnaError
     from wna16ctl.sources.tensors import TensorReader, dtype_from_name
-    from wna16ctl.verification.activations import route
-    from wna16ctl.verification.bounds import block_interval, judge
+    from wna16ctl.verification.activations import Routing, route
+    from wna16ctl.verification.bounds import block_interval, judge, nothing_to_compare
+    from wna16ctl.verification.checks import FAIL, NOT_RUN, PASS, restricted_routing
 
     dtype = dtype_from_name(a.config.torch_dtype or "bfloat16")
     if dtype not in (torch.bfloat16, torch.float16):
@@ -337,6 +423,8 @@ def _check_numerics(a: Checkpoint, b: Checkpoint, proof: PadProof, samples: Any 
         lay_b = padded_layers.get(lay.prefix)
         if lay_b is None or lay_b.intermediate_size == lay.intermediate_size or lay_b.intermediate_size % tp:
             continue
+        if proof.layers_selected is not None and lay.layer_index not in proof.layers_selected:
+            continue
         routing = None
         if hidden is not None:
             try:
@@ -344,14 +432,15 @@ def _check_numerics(a: Checkpoint, b: Checkpoint, proof: PadProof, samples: Any 
                     routing = route(a, reader, lay, hidden)
             except WnaError as e:
                 proof.activations += f"; {lay.prefix}: seeded random activations ({e.message})"
-        if routing is not None:
-            x, ids, weights = routing.x.to(dtype), routing.topk_ids, routing.topk_weights.float()
-        else:
+        if routing is None:
             gen = torch.Generator().manual_seed(lay.layer_index or 0)
             k = min(2, lay.num_experts)
-            x = torch.randn(max(TOKENS, lay.num_experts), lay.hidden_size, generator=gen).to(dtype)
+            x = torch.randn(max(TOKENS, lay.num_experts), lay.hidden_size, generator=gen)
             ids = torch.stack([torch.randperm(lay.num_experts, generator=gen)[:k] for _ in range(x.shape[0])])
-            weights = torch.rand(x.shape[0], k, generator=gen).float()
+            routing = Routing(x=x, topk_ids=ids, topk_weights=torch.rand(x.shape[0], k, generator=gen), forced=0)
+        if proof.experts_selected is not None:  # only the slots of those experts, as a repack output's verify
+            routing = restricted_routing(routing, proof.experts_selected)
+        x, ids, weights = routing.x.to(dtype), routing.topk_ids, routing.topk_weights.float()
         tokens = x.shape[0]
         experts = sorted({int(e) for e in ids.reshape(-1) if int(e) >= 0})
         ref_ranks = _rank_weights(a, lay, experts, 1, dtype)
@@ -360,6 +449,11 @@ def _check_numerics(a: Checkpoint, b: Checkpoint, proof: PadProof, samples: Any 
         iv_pad = block_interval(pad_ranks, x, ids, weights, dtype)
         out_ref = _engine_block(ref_ranks, x, ids, weights, dtype)
         out_pad = _engine_block(pad_ranks, x, ids, weights, dtype)
+        empty = nothing_to_compare(iv_ref.centre)  # the rule repack's verify follows too
+        if empty is not None:
+            proof.layers.append({"layer": lay.prefix, "tp": tp, "tokens": tokens, "ok": False, "status": NOT_RUN,
+                                 "reason": empty})
+            continue
         v_ref, v_pad = judge(out_ref, iv_ref), judge(out_pad, iv_pad)
         centre_gap = float((iv_ref.centre - iv_pad.centre).abs().max())
         half = lambda iv: torch.maximum((iv.hi - iv.centre).abs(), (iv.lo - iv.centre).abs())  # noqa: E731 - an interval's half width, for the line below
@@ -367,8 +461,8 @@ def _check_numerics(a: Checkpoint, b: Checkpoint, proof: PadProof, samples: Any 
         diff = (out_ref.double() - out_pad.double()).abs()
         outside = int((diff > bound).sum())
         ok = v_ref.violations == 0 and v_pad.violations == 0 and outside == 0
-        proof.layers.append({"layer": lay.prefix, "tp": tp, "tokens": tokens, "ok": ok,
-                             "max_abs_difference": float(diff.max()), "violations": outside + v_ref.violations
+        proof.layers.append({"layer": lay.prefix, "tp": tp, "tokens": tokens, "ok": ok, "status": PASS if ok else FAIL,
+                             "reason": "", "max_abs_difference": float(diff.max()), "violations": outside + v_ref.violations
                              + v_pad.violations, "max_ratio": max(v_ref.max_ratio, v_pad.max_ratio),
                              "centre_difference": centre_gap})
         if not ok:

@@ -225,3 +225,14 @@ def judge(candidate: torch.Tensor, iv: Interval) -> Verdict:
         violations=int(outside.sum()), elements=c.numel(), exact_elements=int(exact.sum()),
         max_ratio=float((err / allowed).max()) if c.numel() else 0.0,
         max_abs_error=float(err.max()) if c.numel() else 0.0, max_offset=max_offset)
+
+
+def nothing_to_compare(reference: torch.Tensor) -> str | None:
+    """Why a layer's numerics judge nothing (so are not run), else None: a reference output that is
+    all zero (all-zero weights, as a zero-filled shard gives, all-zero activations, or no token
+    routed to an expert) is met by any output that is zero too, and a pass would prove nothing.
+    Every numerics check (repack's verify, the padding proof) asks this one function."""
+    if bool(reference.any()):
+        return None
+    return ("the reference output is all zero (all-zero weights or activations, or no token reached an expert): "
+            "nothing to compare")

@@ -51,7 +51,7 @@ from wna16ctl.output.manifest import FORMAT_NAME, SIDE_FILES
 from wna16ctl.repacking.pipeline import (
     LayerJob, RepackPlan, RepackSettings, plan_repack, rank_index_bytes, source_fingerprint,
 )
-from wna16ctl.verification.bounds import Interval, block_interval, gemm_bound_used, judge
+from wna16ctl.verification.bounds import Interval, block_interval, gemm_bound_used, judge, nothing_to_compare
 from wna16ctl.verification.rank_gemm import GEMM_DTYPES, ROUNDINGS, UNIT_ROUNDOFF, EmulatedGemm, RankFiles, rank_moe_output  # noqa: F401 - ROUNDINGS and UNIT_ROUNDOFF re-exported
 from wna16ctl.output.writer import JOURNAL_NAME, MANIFEST_NAME, PLANNED_METADATA, FILE_HASHES, hash_file, recorded_hash, sha256_file
 
@@ -593,7 +593,7 @@ def verify_output(
     wanted = None if layers is None else parse_indices(layers, "--layers", "MoE layer")
     wanted_experts = None if experts is None else parse_indices(experts, "--experts", "expert")
     if wanted is not None:  # a layer the checkpoint does not have is the checkpoint's answer, before samples
-        _unknown_layers([lay.layer_index for lay in ck.quantized_layers if lay.layer_index is not None], wanted)
+        unknown_layers([lay.layer_index for lay in ck.quantized_layers if lay.layer_index is not None], wanted)
     samples_path = resolve_samples(samples, ck.root, notice)  # inputs in the order a user fixes them: checkpoint, output, device, samples
     report, plan = _verify_checks(ck, out_path, manifest, samples_path, num_samples, gemm_device, progress, wanted,
                                   wanted_experts)
@@ -601,9 +601,8 @@ def verify_output(
         from wna16ctl.verification import e2e as e2e_mod
 
         why = ("no plan to run: see the manifest check" if plan is None else
-               "needs every layer; --layers checks some" if report.layers_not_checked else
-               "needs every expert; --experts checks some" if report.experts_not_checked else
-               "needs every rank; this output is a part")
+               e2e_subset_reason(report.layers_not_checked, report.experts_not_checked)
+               or "needs every rank; this output is a part")
         report.checks.append(Check("e2e", f"greedy generation on prompts of {samples_label(samples_path)} with the source "
                                    "and the repacked experts", reason=why))
         report.e2e = e2e_mod.not_run(why)
@@ -765,28 +764,50 @@ def _experts_of(job: LayerJob, experts: list[int] | None) -> list[int]:
     return list(range(job.layer.num_experts)) if experts is None else list(experts)
 
 
-def _select_experts(jobs: list[LayerJob], experts: list[int], report: VerifyReport) -> None:
-    """Check that every asked expert exists in the layers checked; record the others as not checked."""
+def e2e_subset_reason(layers_not_checked: list[int], experts_not_checked: list[int]) -> str | None:
+    """Why e2e does not run on a subset (`--layers`, `--experts`), else None."""
+    if layers_not_checked:
+        return "needs every layer; --layers checks some"
+    return "needs every expert; --experts checks some" if experts_not_checked else None
+
+
+def left_out_reason(option: str, asked: list[int], noun: str, left_out: list[int]) -> str:
+    """What a subset (`--layers`, `--experts`) left out, as every verify says it."""
     from wna16ctl.planning.moe import _ranges, indices_text
 
-    if not jobs:
-        return
-    fewest = min(j.layer.num_experts for j in jobs)
+    return (f"{option} {_ranges(asked)}: {indices_text(noun, left_out)} not checked (a partial verify: run without "
+            f"{option} for a full one)")
+
+
+def experts_left_out(layers: list[Any], experts: list[int]) -> list[int]:
+    """The experts of the MoE `layers` checked that `--experts` leaves out; an asked expert that one
+    of them lacks is one line naming that layer."""
+    from wna16ctl.planning.moe import _ranges
+
+    if not layers:
+        return []
+    fewest = min(lay.num_experts for lay in layers)
     unknown = [e for e in experts if e >= fewest]
     if unknown:
-        layer = next(j.layer.prefix for j in jobs if j.layer.num_experts == fewest)
+        layer = next(lay.prefix for lay in layers if lay.num_experts == fewest)
         raise UsageError(f"--experts: no expert {_ranges(unknown)} in {layer} (its experts: 0-{fewest - 1})")
+    most = max(lay.num_experts for lay in layers)
+    return [e for e in range(most) if e not in experts]
+
+
+def _select_experts(jobs: list[LayerJob], experts: list[int], report: VerifyReport) -> None:
+    """Check that every asked expert exists in the layers checked; record the others as not checked."""
+    if not jobs:
+        return
+    report.experts_not_checked = experts_left_out([j.layer for j in jobs], experts)
     report.experts_selected = list(experts)
-    most = max(j.layer.num_experts for j in jobs)
-    report.experts_not_checked = [e for e in range(most) if e not in experts]
     if report.experts_not_checked:
         report.checks.append(Check(
             "all_experts", "every expert of each layer checked round-tripped and run", required=False,
-            reason=f"--experts {_ranges(experts)}: {indices_text('expert', report.experts_not_checked)} not checked "
-                   "(a partial verify: run without --experts for a full one)"))
+            reason=left_out_reason("--experts", experts, "expert", report.experts_not_checked)))
 
 
-def _restricted(routing: Routing, experts: list[int]) -> Routing:
+def restricted_routing(routing: Routing, experts: list[int]) -> Routing:
     """The routing with only the slots of `experts` (the others' ids -1, weight 0, as a padded slot),
     and only the tokens left with one such slot: the numerics then compare those experts' sum."""
     keep_slot = torch.isin(routing.topk_ids, torch.tensor(experts, dtype=routing.topk_ids.dtype))
@@ -798,7 +819,7 @@ def _restricted(routing: Routing, experts: list[int]) -> Routing:
     return Routing(x=routing.x[rows], topk_ids=ids[rows], topk_weights=weights[rows], forced=forced)
 
 
-def _unknown_layers(known: list[int], layers: list[int]) -> None:
+def unknown_layers(known: list[int], layers: list[int]) -> None:
     """--layers naming a MoE layer the output does not hold: one line with the ones it holds."""
     from wna16ctl.planning.moe import _ranges
 
@@ -810,17 +831,14 @@ def _unknown_layers(known: list[int], layers: list[int]) -> None:
 
 def _select_layers(jobs: list[LayerJob], layers: list[int], report: VerifyReport) -> list[LayerJob]:
     """The jobs of the asked layers; the others are recorded as not checked (a partial verify)."""
-    from wna16ctl.planning.moe import _ranges, indices_text
-
     known = [j.layer.layer_index for j in jobs if j.layer.layer_index is not None]
-    _unknown_layers(known, layers)
+    unknown_layers(known, layers)
     report.layers_selected = list(layers)
     report.layers_not_checked = sorted(i for i in known if i not in layers)
     if report.layers_not_checked:
         report.checks.append(Check(
             "all_layers", "every MoE layer's experts round-tripped and run", required=False,
-            reason=f"--layers {_ranges(layers)}: {indices_text('layer', report.layers_not_checked)} not checked "
-                   "(a partial verify: run without --layers for a full one)"))
+            reason=left_out_reason("--layers", layers, "layer", report.layers_not_checked)))
     return [j for j in jobs if j.layer.layer_index in layers]
 
 
@@ -914,7 +932,7 @@ def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: di
     routing = route(ck, reader, layer, hidden)
     selected = list(range(layer.num_experts)) if experts is None else experts
     if len(selected) < layer.num_experts:  # --experts: only those experts' contributions are compared
-        routing = _restricted(routing, selected)
+        routing = restricted_routing(routing, selected)
     T, H = routing.x.shape
     n_ranks = len(job.specs)
     sums = _LayerSums(torch.zeros(n_ranks, T, H), torch.zeros(n_ranks, T, H),
@@ -1067,8 +1085,9 @@ def _judge_layer(row: LayerNumerics, ranks: dict[int, RankFiles], routing: Routi
     part_c = sums.partial.to(dtype).float()
     y_c = part_c.sum(0).to(dtype).float()
     y_ref = sums.partial_ref.sum(0)
-    if not bool(y_ref.any()):
-        row.reason = "the reference output is all zero (no token reached an expert): nothing to compare"
+    empty = nothing_to_compare(y_ref)
+    if empty is not None:
+        row.reason = empty
         return
     # the interval every correct implementation lands in, from the same rounded inputs and the
     # checkpoint's weights, over the ranks present (all, or a part's share): docs/verify.md
