@@ -142,3 +142,31 @@ def test_pad_ends_with_the_verify_line_and_it_passes(make_ckpt, tmp_path):
     assert lines.index(verify) < next(i for i, ln in enumerate(lines) if ln.startswith("vllm serve"))
     ran = invoke(*shlex.split(verify)[1:], "--samples", QUESTIONS, "--num-samples", 2)
     assert ran.exit_code == 0 and "PASS tensors" in ran.stdout, ran.output
+
+
+@pytest.mark.parametrize("release", ["0.31.0", "0.32.0"])
+def test_a_padding_is_never_one_inspect_calls_wrong(make_ckpt, tmp_path, release):
+    """Up to 0.31.0 Marlin permutes the w13 scales of a rank whose slice is at most one group wide
+    as channel-wise (vLLM #50196): padding 128 to 256 at TP 2 gives each rank one group, which loads
+    there and computes wrong outputs. pad pads on to the smallest width inspect passes, and says
+    so of an original that loads with that hazard."""
+    ckpt = make_ckpt(**{**WIDER, "intermediate_size": 128})
+    padded = tmp_path / "padded"
+    res = invoke("pad", ckpt, "--tp", "2", "--vllm", release, "-o", padded)
+    assert res.exit_code == 0, res.output
+    want = 512 if release == "0.31.0" else 256
+    assert f"moe_intermediate_size: 128 -> {want}" in res.stdout
+    res = invoke("inspect", padded, "--tp", "2", "--vllm", release)
+    assert res.exit_code == 0 and "summary: loads at TP 2" in res.stdout, res.output
+
+    # an original that loads at TP 2 but computes wrong outputs there is padded, not "nothing to pad"
+    wide = make_ckpt(**{**WIDER, "intermediate_size": 256})
+    res = invoke("inspect", wide, "--tp", "2", "--vllm", release)
+    assert res.exit_code == (1 if release == "0.31.0" else 0), res.output
+    res = invoke("pad", wide, "--tp", "2", "--vllm", release, "--dry-run")
+    if release == "0.31.0":
+        assert res.exit_code == 0, res.output
+        assert "moe_intermediate_size: 256 -> 512" in res.stdout
+        assert "original loads but outputs would be wrong" in res.stdout
+    else:
+        assert res.exit_code == 2 and "nothing to pad" in res.stderr, res.output

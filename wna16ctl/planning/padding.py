@@ -18,7 +18,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from wna16ctl.errors import NotLoadable, UsageError
-from wna16ctl.planning.inspection import Inspection, _params_dtype, plan_all, plan_all_linear
+from wna16ctl.planning.inspection import (
+    CORRECTNESS,
+    Inspection,
+    _params_dtype,
+    hazard_severity,
+    plan_all,
+    plan_all_linear,
+)
 from wna16ctl.planning.linear import model_checks
 from wna16ctl.sources import Checkpoint
 from wna16ctl.sources.architectures import ARCHITECTURES, model_types
@@ -176,7 +183,8 @@ class _Model:
     bare: dict[str, int]  # unquantized MLP kind -> width (no quantized plan: vLLM needs width % TP)
 
     def failures(self, tp: int, kinds: tuple[str, ...] | None = None) -> list[str]:
-        """Why the model (or the MLPs of `kinds`) does not load at tp: rule names, empty = loads."""
+        """Why the model (or the MLPs of `kinds`) does not load correctly at tp: rule names (or the
+        correctness hazard of a layer that loads), empty = loads correctly."""
         insp = self.insp
         version, gpu, ep = insp.engine.version, insp.gpu, insp.ep
         out: list[str] = []
@@ -187,12 +195,12 @@ class _Model:
             else:
                 plans = plan_all(moe, (tp,), ep, version, gpu, insp.problems, with_differences=False,
                                  switches=insp.switches)
-                out += [f"{lay.prefix}: {plans[lay.prefix][0].failure_rule or 'refused'}" for lay in moe
-                        if not plans[lay.prefix][0].loadable]
+                out += [f"{lay.prefix}: {_why_not(plans[lay.prefix][0])}" for lay in moe
+                        if _why_not(plans[lay.prefix][0])]
         linear = [lay for lay in self.linear if kinds is None or any(_mlp_linear(lay, k) for k in kinds)]
         plans_ = plan_all_linear(linear, (tp,), version, gpu, _params_dtype(insp.checkpoint.config.torch_dtype),
                                  with_differences=False, switches=insp.switches)
-        out += [f"{name}: {p[0].failure_rule or 'refused'}" for name, p in plans_.items() if not p[0].loadable]
+        out += [f"{name}: {_why_not(p[0])}" for name, p in plans_.items() if _why_not(p[0])]
         for kind, width in self.bare.items():  # under EP the routed experts stay whole
             if (kinds is None or kind in kinds) and not (ep and kind == ROUTED) and width % tp:
                 out.append(f"{kind} MLP width {width} % TP {tp}")
@@ -202,6 +210,16 @@ class _Model:
             out += [f"model: {c.rule}" for c in model_checks(dims, tp, ep, version, attention=bool(attention))
                     if c.fatal and not c.ok]
         return out
+
+
+def _why_not(plan: Any) -> str:
+    """Why a layer's plan does not count as loading: its refusal's rule, or the correctness hazard
+    inspect would report for it (a layer that loads and computes wrong outputs is no rescue);
+    empty where it loads correctly."""
+    if not plan.loadable:
+        return str(plan.failure_rule or "refused")
+    wrong = [h for h in plan.hazards if hazard_severity(h) == CORRECTNESS]
+    return f"correctness: {wrong[0]}" if wrong else ""
 
 
 def _fields_of(ck: Checkpoint) -> dict[str, tuple[str, str | None]]:
@@ -297,7 +315,9 @@ def plan_padding(insp: Inspection, tp: int | None, to: int | None = None, source
             for module, role, width, scheme in written[kind]:
                 plan.modules[module] = PaddedModule(module, role, kind, width, target * m, scheme)
     if tp is not None:
-        plan.original_verdict = {"loads": not original, "refused": original[:8]}
+        refused = [f for f in original if ": correctness: " not in f]
+        plan.original_verdict = {"loads": not refused, "refused": refused[:8],
+                                 "wrong_outputs": [f for f in original if ": correctness: " in f][:8]}
         plan.verdict = {"loads": True, "refused": [], **_backends(model, tp)}
     return plan
 
@@ -448,7 +468,7 @@ def summary_lines(plan_json: dict[str, Any], out: str | None = None, ckpt: str |
                  "MoE memory and bandwidth per token grow by the same share of the padded projections")
     tp, verdict = plan_json["tp"], plan_json["verdict"]
     if tp is not None:
-        was = "loads" if plan_json["original"].get("loads") else "refused (" + "; ".join(plan_json["original"]["refused"][:2]) + ")"
+        was = _original_was(plan_json["original"])
         backends = ", ".join(verdict.get("moe_backends", [])) or "-"
         lines.append(f"at TP {tp}{' EP' if plan_json['ep'] else ''} on vLLM {plan_json['vllm']} {plan_json['gpu']}: "
                      f"original {was}; padded {'loads' if verdict.get('loads') else 'refused'} (MoE backend {backends})")
@@ -463,3 +483,12 @@ def summary_lines(plan_json: dict[str, Any], out: str | None = None, ckpt: str |
         else:
             lines += ["next: serve the padded checkpoint as it is", f"  {shlex.join(['vllm', 'serve', str(out)])}"]
     return lines
+
+
+def _original_was(verdict: dict[str, Any]) -> str:
+    """The original's verdict in a few words: refused, loads with wrong outputs, or loads."""
+    if not verdict.get("loads"):
+        return "refused (" + "; ".join(verdict["refused"][:2]) + ")"
+    if verdict.get("wrong_outputs"):
+        return "loads but outputs would be wrong (" + verdict["wrong_outputs"][0].split(": correctness: ")[0] + ")"
+    return "loads"
