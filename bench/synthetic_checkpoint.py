@@ -81,6 +81,8 @@ def write(out: Path, *, layers: int = 4, experts: int = 128, hidden: int = 2048,
             "ignore": ["lm_head"],
         },
     }
+    # the engine reads the model's shape from config.json (wna16ctl refuses a config without it)
+    config["num_attention_heads"] = HEADS
     if engine:
         config = _engine_config(config, layers=layers, experts=experts, hidden=hidden, intermediate=intermediate,
                                 vocab=vocab)

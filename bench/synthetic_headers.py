@@ -92,7 +92,7 @@ def write(out: Path, layers: int = 61, experts: int = 384, hidden: int = 7168, i
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
     config = {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "hidden_size": hidden,
-        "num_hidden_layers": layers, "moe_intermediate_size": inter, "intermediate_size": 18432,
+        "num_hidden_layers": layers, "num_attention_heads": 64, "moe_intermediate_size": inter, "intermediate_size": 18432,
         "n_routed_experts": experts, "n_shared_experts": 1, "num_experts_per_tok": min(8, experts), "first_k_dense_replace": 1,
         "vocab_size": vocab, "torch_dtype": "bfloat16",
         "quantization_config": {

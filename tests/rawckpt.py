@@ -56,7 +56,8 @@ def write_raw_checkpoint(
     config = {
         "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": hidden,
         "moe_intermediate_size": intermediate, "num_experts": num_experts, "num_experts_per_tok": 1,
-        "num_hidden_layers": 1, "vocab_size": 64, "torch_dtype": "bfloat16", "rms_norm_eps": 1e-6,
+        "num_hidden_layers": 1, "num_attention_heads": 8, "vocab_size": 64, "torch_dtype": "bfloat16",
+        "rms_norm_eps": 1e-6,
         "quantization_config": {
             "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
             "config_groups": {"group_0": {"targets": [r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"],

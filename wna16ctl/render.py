@@ -85,10 +85,10 @@ def render_inspection(console: Console, insp: Inspection) -> None:
     table = simple_table(
         f"plan per TP size{' (expert parallel)' if insp.ep else ''}",
         ["layers", "scheme", "TP", "I/rank", "backend", "w2 scales", "k full", "bytes/rank", "status"],
-        console, drop=("k full", "w2 scales", "bytes/rank", "I/rank"), wrap=("status",),
+        console, drop=("k full", "w2 scales", "bytes/rank", "I/rank"),
     )
     table.columns[0].overflow = "fold"
-    for col in table.columns[2:-1]:  # the status wraps between its words
+    for col in table.columns[2:]:  # the status stays on one line: columns are left out first
         col.no_wrap = True
     # notes: (layer span, text) -> the TP sizes it applies to, in first-seen order
     notes: dict[tuple[str, str], list[str]] = {}
@@ -106,13 +106,11 @@ def render_inspection(console: Console, insp: Inspection) -> None:
                 backend = p.backend.value
                 w2 = f"{'full' if p.w2.load_full_w2 else 'sharded'} {p.w2.w2_scales_size}"
                 k_full = "yes" if p.w2.is_k_full else "no"
-                status = "[green]ok[/]"
             else:
-                # the backend the release selected before the refusal, as --json says (none: refused before
-                # or at the selection); the refusal is in the notes
-                backend = p.backend.value if p.backend is not None else "[red]none[/]"
-                w2, k_full, status = "—", "—", "[bold red]fails[/]"
-            status += _hazard_status(p.hazards)
+                # no backend serves a row that fails: the one the release selected before the refusal
+                # is in --json, and the refusal is in the notes
+                backend, w2, k_full = "—", "—", "—"
+            status = _status(p.loadable, p.hazards)
             table.add_row(
                 escape(span) if i == 0 else "",
                 escape(lay.scheme.describe()) if (i == 0 and lay.scheme) else ("unquantized" if i == 0 else ""),
@@ -153,13 +151,19 @@ REFUSAL_LABEL = "[red]engine refusal[/]"
 NOTE_LABEL = "[yellow]note[/]"
 
 
-def _hazard_status(hazards: list[str]) -> str:
-    """The status cell's counts: correctness hazards (wrong outputs) in red, other notes apart."""
-    from wna16ctl.planning.inspection import CORRECTNESS, hazard_severity
+def _status(loadable: bool, hazards: list[str]) -> str:
+    """The status cell: ok, wrong outputs (it loads with a correctness hazard: `wrong_outputs`) or
+    fails, and how many notes under the table are about the row beside its correctness hazards."""
+    from wna16ctl.planning.inspection import CORRECTNESS, hazard_severity, wrong_outputs
 
-    wrong = sum(hazard_severity(h) == CORRECTNESS for h in hazards)
-    out = f", [bold red]{plural(wrong, 'correctness hazard')}[/]" if wrong else ""
-    return out + (f", [yellow]{plural(len(hazards) - wrong, 'note')}[/]" if len(hazards) > wrong else "")
+    if not loadable:
+        out = "[bold red]fails[/]"
+    elif wrong_outputs(hazards):
+        out = "[bold red]wrong outputs[/]"
+    else:
+        out = "[green]ok[/]"
+    notes = sum(hazard_severity(h) != CORRECTNESS for h in hazards)
+    return out + (f", [yellow]{plural(notes, 'note')}[/]" if notes else "")
 
 
 def _hazard_note(text: str) -> str:
@@ -176,23 +180,29 @@ def _proposal_line(console: Console, insp: Inspection) -> None:
 
 def render_suggestions(console: Console, insp: Inspection, shown: int = 2) -> None:
     """`--suggest`: under the verdict, the nearest changes that load for each refused TP size
-    (every one in --json)."""
+    (every one in --json), each wrapped under itself to the console's width."""
     if insp.suggestions is None:
         return
+    from wna16ctl.planning.suggest import shown_suggestions
+
     by_tp: dict[int, list] = {}
     for s in insp.suggestions:
         by_tp.setdefault(s.for_tp, []).append(s)
     refused = [tp for i, tp in enumerate(insp.tps) if tp not in by_tp and not insp.tp_loads(i)]
+    rows: list[tuple[str, str]] = []
     for tp, found in by_tp.items():
-        for s in found[:shown]:
+        listed = shown_suggestions(found, shown)
+        for s in listed:
             how = escape(s.flags) + (f"; vLLM: {escape(s.vllm_flags)}" if s.vllm_flags else "")
             outcome = "[green]outputs right[/]" if s.kind == "load_format" else "re-planned, [green]loads[/]"
-            console.print(f"  TP {tp}: [cyan]suggest[/] {escape(s.change)} ({how}): {outcome}", soft_wrap=True)
-        if len(found) > shown:
-            console.print(f"  TP {tp}: {len(found) - shown} more suggestion{'s' if len(found) - shown > 1 else ''} in --json")
+            rows.append((f"TP {tp}:", f"[cyan]suggest[/] {escape(s.change)} ({how}): {outcome}"))
+        if len(found) > len(listed):
+            more = len(found) - len(listed)
+            rows.append((f"TP {tp}:", f"{more} more suggestion{'s' if more > 1 else ''} in --json"))
     for tp in refused:
-        console.print(f"  TP {tp}: no change (or pair of changes) that was tried loads "
-                      f"({', '.join(KINDS_TRIED.values())})")
+        rows.append((f"TP {tp}:", "no change (or pair of changes) that was tried loads "
+                                  f"({', '.join(KINDS_TRIED.values())})"))
+    _notes_grid(console, rows)
 
 
 def render_next_steps(console: Console, steps: list) -> None:
@@ -355,15 +365,40 @@ def _engine_source(engine: Engine) -> str:
 
 
 def _cell(p: LayerPlan) -> str:
+    """A release matrix cell: the backend that loads the layer, the rule that refuses it, or "wrong
+    outputs" where it loads but computes them wrong (the same verdict as the release's own table)."""
+    from wna16ctl.planning.inspection import wrong_outputs
+
+    if p.loadable and wrong_outputs(p.hazards):
+        return f"[bold red]✗ {WRONG_CELL}[/]"
     if p.loadable:
         assert p.backend is not None, "a plan that loads has a backend"
         return f"[green]{p.backend.value}[/]"
     return f"[red]✗ {escape(p.failure_rule or 'fails')}[/]"
 
 
+# the matrix cell of a layer that loads with a correctness hazard
+WRONG_CELL = "wrong outputs"
+
+
+def _legend_entry(legend: dict[str, str], p) -> None:  # a LayerPlan or LinearPlan
+    """The legend under a matrix: the first text behind each ✗ cell (a refusal, or the correctness
+    hazard behind a "wrong outputs" cell, with the backend that loads it)."""
+    from wna16ctl.planning.inspection import CORRECTNESS, hazard_severity
+
+    if not p.loadable and p.failure_rule and p.failure_rule not in legend:
+        legend[p.failure_rule] = p.errors[0].splitlines()[0]
+    elif p.loadable:
+        for h in p.hazards:
+            if hazard_severity(h) == CORRECTNESS and WRONG_CELL not in legend:
+                backend = getattr(p, "backend", None)
+                kernel = backend.value if backend is not None else (p.kernel or "").removesuffix("LinearKernel")
+                legend[WRONG_CELL] = f"loads on {kernel}, but {h}"
+
+
 def render_release_matrix(console: Console, insp: Inspection) -> None:
     """`--vllm all`: per group of identical layers, one row per release and one column per TP size;
-    each cell is the backend that loads the layer or the first rule that refuses it."""
+    each cell is the backend that loads the layer, the first rule that refuses it, or "wrong outputs"."""
     from wna16ctl.planning.rules import RELEASES
 
     ck = insp.checkpoint
@@ -382,23 +417,39 @@ def render_release_matrix(console: Console, insp: Inspection) -> None:
         lay = members[0]
         span = _layer_span([m.layer_index for m in members], [m.prefix for m in members])
         scheme = lay.scheme.describe() if lay.scheme else "unquantized"
-        table = simple_table(f"{span} · {scheme}", ["vLLM"] + [f"TP {t}{' EP' if insp.ep else ''}" for t in insp.tps], console)
+        # the title on a line of its own: a narrow table would wrap it to its own width
+        console.print(f"{escape(span)} · {escape(scheme)}", soft_wrap=True)
+        table = simple_table("", ["vLLM"] + [f"TP {t}{' EP' if insp.ep else ''}" for t in insp.tps], console)
         for v in RELEASES:
             plans = insp.versions[v][lay.prefix]
             table.add_row(v, *[_cell(p) for p in plans])
             for p in plans:
-                if not p.loadable and p.failure_rule and p.failure_rule not in legend:
-                    legend[p.failure_rule] = p.errors[0]
+                _legend_entry(legend, p)
         console.print(table)
-    for rule, text in legend.items():
-        console.print(f"  [red]✗ {escape(rule)}[/]: {escape(text)}")
+    _print_legend(console, legend)
     render_linear_matrix(console, insp)
-    ok = [v for v in RELEASES if insp.loadable_in(v)]
-    from wna16ctl.planning.rules import span as release_span
-
-    console.print(f"loads at every requested TP size on: {release_span(ok)}")
+    _release_verdicts(console, insp)
     console.print(f"summary (vLLM {insp.engine.version}): {escape(insp.summary()['text'])}")
     render_suggestions(console, insp)
+
+
+def _print_legend(console: Console, legend: dict[str, str]) -> None:
+    _notes_grid(console, [(f"✗ {rule}:", escape(text)) for rule, text in legend.items()])
+
+
+def _release_verdicts(console: Console, insp: Inspection) -> None:
+    """Under the matrices: the releases where every requested TP size loads with right outputs, and
+    those where some TP size loads with wrong ones (`Inspection.outcomes`, as each release's table)."""
+    from wna16ctl.planning.inspection import WRONG
+    from wna16ctl.planning.rules import RELEASES, span as release_span
+
+    console.print(f"loads at every requested TP size on: {release_span([v for v in RELEASES if insp.ok_in(v)])}")
+    wrong = {v: [tp for tp, (o, _) in insp.outcomes(v).items() if o == WRONG] for v in RELEASES}
+    wrong = {v: tps for v, tps in wrong.items() if tps}
+    if wrong:
+        tps = sorted({tp for found in wrong.values() for tp in found})
+        console.print(f"[bold red]outputs would be wrong[/] on: {release_span(list(wrong))} at {_tp_list([str(t) for t in tps])} "
+                      f"(✗ {WRONG_CELL} above)", soft_wrap=False)
 
 
 def render_e2e(console: Console, res: E2EResult) -> None:
@@ -451,13 +502,14 @@ def render_model_section(console: Console, insp: Inspection) -> None:
             groups.setdefault(key, []).append(lay)
         table = simple_table("quantized linear layers per TP size",
                              ["layers", "layer", "role", "scheme", "TP", "K/rank", "N/rank", "kernel", "status"], console,
-                             drop=("role", "K/rank", "N/rank", "scheme"), wrap=("status",))
+                             drop=("role", "K/rank", "N/rank", "scheme"))
+        table.columns[-1].no_wrap = True  # the status stays on one line: columns are left out first
         notes: list[tuple[str, str, str]] = []
         for members in groups.values():
             lay = members[0]
             span = _layer_span([m.layer_index for m in members], [m.name for m in members])
             for i, p in enumerate(insp.linear_plans[lay.name]):
-                status = ("[green]ok[/]" if p.loadable else "[bold red]fails[/]") + _hazard_status(p.hazards)
+                status = _status(p.loadable, p.hazards)
                 table.add_row(escape(span) if i == 0 else "", escape(lay.kind) if i == 0 else "",
                               lay.tp_role if i == 0 else "",
                               escape(lay.scheme.describe()) if (i == 0 and lay.scheme) else "",
@@ -513,21 +565,29 @@ def render_linear_matrix(console: Console, insp: Inspection) -> None:
     for members in groups.values():
         lay = members[0]
         span = _layer_span([m.layer_index for m in members], [m.name for m in members])
-        table = simple_table(f"{span} · {lay.kind} ({lay.tp_role})", ["vLLM"] + [f"TP {t}" for t in insp.tps], console)
+        console.print(f"{escape(span)} · {escape(lay.kind)} ({lay.tp_role})", soft_wrap=True)
+        table = simple_table("", ["vLLM"] + [f"TP {t}" for t in insp.tps], console)
         for v in RELEASES:
             plans = insp.linear_versions[v][lay.name]
             # a plan that loads names its kernel
-            table.add_row(v, *[f"[green]{escape((p.kernel or '').removesuffix('LinearKernel'))}[/]" if p.loadable
-                               else f"[red]✗ {escape(p.failure_rule or 'fails')}[/]" for p in plans])
+            table.add_row(v, *[_linear_cell(p) for p in plans])
             for p in plans:
-                if not p.loadable and p.failure_rule and p.failure_rule not in legend:
-                    legend[p.failure_rule] = p.errors[0].splitlines()[0]
+                _legend_entry(legend, p)
         console.print(table)
-    for rule, text in legend.items():
-        console.print(f"  [red]✗ {escape(rule)}[/]: {escape(text)}")
+    _print_legend(console, legend)
     for c in insp.checks:
         if not c.ok:
             console.print(f"  model TP {c.tp}: [{'red' if c.fatal else 'yellow'}]{escape(c.rule)}[/]: {escape(c.error or c.detail)}")
+
+
+def _linear_cell(p) -> str:  # a LinearPlan
+    from wna16ctl.planning.inspection import wrong_outputs
+
+    if p.loadable and wrong_outputs(p.hazards):
+        return f"[bold red]✗ {WRONG_CELL}[/]"
+    if p.loadable:
+        return f"[green]{escape((p.kernel or '').removesuffix('LinearKernel'))}[/]"
+    return f"[red]✗ {escape(p.failure_rule or 'fails')}[/]"
 
 
 def _unnamed(name: str, plans: list) -> str:

@@ -280,14 +280,15 @@ def test_discarded_staging_directory_is_announced(make_ckpt, tmp_path, monkeypat
 # ---- plan rows ----------------------------------------------------------------------------------------------
 
 
-def test_failing_rows_show_the_backend_the_json_names(make_ckpt):
-    """The release selects its backend, then refuses the layer: the row names the backend --json
-    names (never a contradicting "none"), the status says it fails and the note says why."""
+def test_failing_rows_name_no_backend(make_ckpt):
+    """The release selects its backend, then refuses the layer: --json keeps the backend selected,
+    but the row names none (a backend beside "fails" reads as "loads on it"); the status says it
+    fails and the note says why."""
     res = invoke("inspect", make_ckpt(), "--tp", "4")  # fails: I_p 64 splits the 128-wide groups
     assert res.exit_code == 1
     row = next(ln for ln in res.stdout.splitlines() if ln.startswith("layers 0-1"))
     backend = json.loads(invoke("inspect", make_ckpt(), "--tp", "4", "--json").stdout)["layers"][0]["plans"][0]["backend"]
-    assert backend and f" {backend} " in row and "fails" in row and "yes" not in row, row
+    assert backend and backend not in row and " — " in row and "fails" in row and "yes" not in row, row
     assert "engine refusal" in res.stdout
 
 

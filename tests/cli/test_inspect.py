@@ -347,3 +347,26 @@ def test_non_expert_extent_contradicting_its_shape_is_bad_input(make_ckpt, tmp_p
             blob += b" " * (-len(blob) % 8)
             shard.write_bytes(struct.pack("<Q", len(blob)) + blob + data[8 + n:])
     _expect_bad(_run_cli("inspect", str(ck)), "input_layernorm", "corrupt")
+
+
+@pytest.mark.parametrize("arch, key", [("qwen3_moe", "num_experts"), ("mixtral", "num_local_experts"),
+                                       ("deepseek_v3", "n_routed_experts"), ("qwen3_moe", "num_hidden_layers"),
+                                       ("qwen3_moe", "num_attention_heads")])
+def test_a_missing_shape_key_is_refused_not_read_from_the_tensors(make_ckpt, tmp_path, arch, key):
+    """vLLM builds the model config.json describes, with transformers' defaults for what it leaves
+    out (128 experts for Qwen3-MoE): a missing key of the model's shape is bad input naming the
+    key (under the family's own name), for inspect and repack alike, as a missing hidden_size is."""
+    src = make_ckpt(arch=arch, **{**SMALL, "num_layers": 2 if arch == "deepseek_v3" else 1})
+    ck = tmp_path / "ck"
+    shutil.copytree(src, ck)
+    config = json.loads((ck / "config.json").read_text())
+    held = config.pop(key)
+    (ck / "config.json").write_text(json.dumps(config))
+    for args in (["inspect", str(ck), "--tp", "1"], ["repack", str(ck), "--tp", "1", "-o", str(tmp_path / "o")]):
+        res = CliRunner().invoke(cli, args)
+        assert res.exit_code == 2, (args, res.output)
+        (line,) = res.stderr.splitlines()
+        assert line.startswith(f"error: {ck / 'config.json'}: {key} is missing"), line
+        if "experts" in key:
+            assert f'add "{key}": {held}' in line, line
+    assert not (tmp_path / "o").exists()

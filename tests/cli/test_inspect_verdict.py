@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from wna16ctl.cli import cli
 from wna16ctl.planning.inspection import CORRECTNESS, INFO, hazard_severity
+from wna16ctl.planning.rules import NEWEST, OLDEST, RELEASES, span
 
 # the demo's shape: hidden 256, intermediate 256, int4 g128; TP 2 gives 128 per rank (<= group 128)
 DEMO = dict(num_layers=2, num_experts=8, top_k=2)
@@ -55,7 +56,7 @@ def test_summary_line_ends_every_table(make_ckpt):
     # the summary ends the tables; only the next steps (what to run) follow it
     assert lines[lines.index("next steps:") - 1] == line, res.stdout
     doc = json.loads(invoke("inspect", ck, "--tp", "1,2,4", "--json").stdout)
-    assert doc["summary"] == {"loads": [1, 2], "wrong_outputs": [], "fails": {"4": ["I_p % group"]},
+    assert doc["summary"] == {"vllm": NEWEST, "loads": [1, 2], "wrong_outputs": [], "fails": {"4": ["I_p % group"]},
                               "loads_with_ep": [4], "text": line.removeprefix("summary: ")}
     matrix = invoke("inspect", ck, "--tp", "1,2,4", "--vllm", "all")
     assert matrix.stdout.splitlines()[-1].startswith("summary (vLLM ") and line[9:] in matrix.stdout
@@ -90,3 +91,44 @@ def test_piped_tables_have_no_trailing_spaces_and_keep_words_whole(make_ckpt):
     header = next(ln for ln in lines if ln.startswith("layers"))
     assert header.split()[:3] == ["layers", "scheme", "TP"], res.stdout  # never "laye" / "rs", "sch…"
     assert "…" not in res.stdout.split("plan per TP size")[1].split("\n  ")[0]
+
+
+def test_the_release_matrix_gives_each_release_its_own_verdict(make_ckpt):
+    """`--vllm all` decides each cell as the release's own table does: where a release loads TP 2
+    with the w13 scale hazard (vllm PR #50196, on Marlin), the cell says "wrong outputs", not the
+    backend; that release is not among those that load, and the matrix exits 1."""
+    ck = make_ckpt(**DEMO)
+    single = {}
+    for v in RELEASES:
+        res = invoke("inspect", ck, "--tp", "1,2", "--vllm", v, "--json")
+        single[v] = (res.exit_code, json.loads(res.stdout))
+    wrong = [v for v in RELEASES if single[v][1]["summary"]["wrong_outputs"]]
+    right = [v for v in RELEASES if single[v][0] == 0]
+    assert wrong and right and "0.30.0" in wrong  # the demo's TP 2 on Marlin (test above)
+    res = invoke("inspect", ck, "--tp", "1,2", "--vllm", "all")
+    assert res.exit_code == 1, res.output
+    rows = {ln.split()[0]: ln.split(None, 1)[1] for ln in res.stdout.splitlines() if ln.split()[:1] in ([v] for v in RELEASES)}
+    for v in RELEASES:
+        assert ("wrong outputs" in rows[v]) == (v in wrong), (v, rows[v])
+    assert f"loads at every requested TP size on: {span(right)}" in res.stdout
+    assert f"outputs would be wrong on: {span(wrong)} at TP 2" in res.stdout
+    doc = json.loads(invoke("inspect", ck, "--tp", "1,2", "--vllm", "all", "--json").stdout)
+    assert not doc["ok"]
+    for entry in doc["versions"]:
+        code, own = single[entry["vllm"]]
+        assert (entry["ok"], entry["wrong_outputs"]) == (code == 0, own["summary"]["wrong_outputs"]), entry["vllm"]
+
+
+def test_a_release_the_rulebook_does_not_know_is_named_with_the_verdict(make_ckpt):
+    """`--vllm 0.26.0` is planned as the oldest known release: the summary line and the JSON say
+    which release the verdict is for, not only a warning on stderr."""
+    ck = make_ckpt(**DEMO)
+    res = invoke("inspect", ck, "--tp", "1", "--vllm", "0.26.0")
+    assert res.exit_code == 0, res.output
+    summary = next(ln for ln in res.stdout.splitlines() if ln.startswith("summary:"))
+    assert summary == f"summary: for vLLM {OLDEST} (the known release planned for 0.26.0): loads at TP 1"
+    doc = json.loads(invoke("inspect", ck, "--tp", "1", "--vllm", "0.26.0", "--json").stdout)
+    assert doc["summary"]["vllm"] == OLDEST and doc["summary"]["text"] == summary.removeprefix("summary: ")
+    # a known release is named as asked, and its line stays as it was
+    doc = json.loads(invoke("inspect", ck, "--tp", "1", "--vllm", "0.30.0", "--json").stdout)
+    assert doc["summary"]["vllm"] == "0.30.0" and doc["summary"]["text"] == "loads at TP 1"

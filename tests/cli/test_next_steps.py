@@ -175,3 +175,26 @@ def test_assemble_ends_with_the_verify_line_and_it_passes(make_ckpt, tmp_path):
     assert shlex.split(line) == ["wna16ctl", "verify", str(ck), str(tmp_path / "all")]
     ran = CliRunner().invoke(cli, shlex.split(line)[1:] + ["--samples", str(QUESTIONS), "--num-samples", "2"])
     assert ran.exit_code == 0 and "verdict: verified" in ran.stdout, ran.output
+
+
+def test_the_suggested_output_is_a_sibling_of_the_checkpoint_wherever_inspect_runs(make_ckpt, tmp_path, monkeypatch):
+    """Run inside the checkpoint (`inspect .`), the repack line's -o is the checkpoint's sibling
+    (`../NAME-vllm-tp2`, never `.-vllm-tp2`), and the line runs as printed from there; from another
+    directory a relative checkpoint path gives a relative sibling, an absolute one an absolute."""
+    ck = tmp_path / "models" / "q3"
+    shutil.copytree(make_ckpt(**DEMO), ck)
+
+    def step(path: str) -> dict:
+        (s,) = json.loads(invoke("inspect", path, "--tp", "2", "--json").stdout)["next_steps"]
+        assert shlex.split(s["serve"])[2] == shlex.split(s["repack"])[-1]
+        return s
+
+    assert shlex.split(step(str(ck))["repack"])[-1] == str(tmp_path / "models" / "q3-vllm-tp2")
+    monkeypatch.chdir(tmp_path)
+    assert shlex.split(step("models/q3/")["repack"])[-1] == "models/q3-vllm-tp2"
+    monkeypatch.chdir(ck)
+    line = step(".")["repack"]
+    assert shlex.split(line)[-1] == "../q3-vllm-tp2"
+    res = CliRunner().invoke(cli, shlex.split(line)[1:] + ["-q"])
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "models" / "q3-vllm-tp2" / "wna16ctl.json").is_file()

@@ -155,9 +155,10 @@ def write_case(case: dict[str, Any], out: Path) -> Path:
     with open(out / "model.safetensors", "wb") as f:
         f.write(struct.pack("<Q", len(blob)) + blob)
         f.truncate(8 + len(blob) + off)
-    # no attention in this one-layer model: every module the config quantizes is an expert
+    # no attention tensors in this one-layer model (every module the config quantizes is an
+    # expert), but a config.json without its heads is refused: vLLM would build transformers' default
     config = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": H,
-              "num_hidden_layers": 1, "moe_intermediate_size": I, "intermediate_size": 4 * H, "num_experts": E,
+              "num_hidden_layers": 1, "num_attention_heads": 16, "moe_intermediate_size": I, "intermediate_size": 4 * H, "num_experts": E,
               "num_experts_per_tok": min(2, E), "vocab_size": 64, "torch_dtype": "bfloat16",
               # renormalized top-k routing (what the worker's stand-in layer is given)
               "norm_topk_prob": True,

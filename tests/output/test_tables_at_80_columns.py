@@ -95,6 +95,29 @@ def test_inspect_tables_keep_the_status(with_linear, terminal):
         assert all(re.search(r"\b(ok|fails)\b", r) for r in rows), (title, "\n".join(rows))
 
 
+BACKENDS = ("marlin", "humming", "triton", "batched_marlin", "flashinfer", "none")
+
+
+@pytest.mark.parametrize("terminal", [True, False], ids=["tty", "pipe"])
+def test_suggestions_and_status_cells_at_80_columns(with_linear, terminal):
+    """`--suggest` at 80 columns: every line fits; each status cell stays on its row ("ok, 2
+    notes", never "ok, 2" over "notes"); a row that fails names no backend (it would read as
+    "loads on it"); and padding, the fix that keeps TP 4, is listed in the text, not only in --json."""
+    insp = wna16ctl.inspect(with_linear, tp="1,2,4,8", vllm="0.31.0", suggest=True)
+    assert any(s.kind == "pad" and s.for_tp == 4 for s in insp.suggestions)
+    lines = render(lambda console: render_inspection(console, insp), terminal)
+    assert all(len(ln) <= 80 for ln in lines), "\n".join(ln for ln in lines if len(ln) > 80)
+    for title, first in (("plan per TP size", "layers"), ("quantized linear layers per TP size", "layers")):
+        rows = table_rows(lines, title, first)
+        status = re.compile(r"\b(ok|wrong outputs|fails)(, \d+ notes?)?\s*$")
+        assert all(status.search(r) for r in rows if r.strip()), (title, "\n".join(rows))
+        for r in rows:
+            if re.search(r"\bfails\b", r):
+                assert not any(re.search(rf"\b{b}\b", r) for b in BACKENDS), r
+    text = " ".join(" ".join(ln.split()) for ln in lines)
+    assert "TP 4: suggest zero-pad the MLP intermediate sizes" in text and "wna16ctl pad CKPT --tp 4" in text
+
+
 def test_time_left_comes_from_the_throughput_measured_over_the_step():
     from wna16ctl.sink import time_left
 

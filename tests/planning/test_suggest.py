@@ -112,12 +112,13 @@ def test_suggest_at_tp4_names_ep_and_group_size_64_and_each_loads(qwen3):
     assert all(x["loads"] and x["for_tp"] == 4 and x["refused"] == ["I_p % group"] for x in s)
     for x in s:
         assert _recheck(qwen3["base"], x, args), x
-    # the table shows the first two under the verdict
+    # the table shows the first two under the verdict, and padding in its place wherever it ranks
+    assert "pad" in kinds[2:]
     res = CliRunner().invoke(cli, ["inspect", str(qwen3["base"]), *args, "--tp", "4", "--suggest", "--vllm", "0.33.0"])
     tail = res.output[res.output.index("verdict:"):]
     assert "--enable-expert-parallel" in tail and "--group-size 64" in tail and "re-planned, loads" in tail
     shown = [ln for ln in tail.splitlines() if "suggest " in ln]
-    assert len(shown) == 2 and f"{len(s) - 2} more suggestions in --json" in tail
+    assert len(shown) == 3 and "zero-pad" in shown[2] and f"{len(s) - 3} more suggestions in --json" in tail
 
 
 def test_suggest_on_the_quantized_checkpoint_names_ep_and_tp2(qwen3):

@@ -40,6 +40,17 @@ def hazard_severity(text: str) -> str:
     return CORRECTNESS if any(w in text for w in _WRONG) else INFO
 
 
+def wrong_outputs(hazards: Iterable[str]) -> bool:
+    """The hazard verdict: whether a plan that loads computes wrong outputs (one of its hazards is
+    a correctness hazard).  Every view of a verdict (the table, the release matrix, the summary,
+    the exit code) asks this one question."""
+    return any(hazard_severity(h) == CORRECTNESS for h in hazards)
+
+
+# What one requested TP size gets in one release (`Inspection.outcomes`)
+LOADS, WRONG, FAILS = "loads", "wrong outputs", "fails"
+
+
 def _tp_text(tps: list[int]) -> str:
     return "TP " + ", ".join(map(str, tps))
 
@@ -85,16 +96,39 @@ class Inspection:
         return (all(p.loadable for plans in linear.values() for p in plans)
                 and all(c.ok for c in self.checks if c.fatal))
 
+    def ok_in(self, version: str) -> bool:
+        """Every requested TP size loads in `version` and no correctness hazard applies."""
+        return all(outcome == LOADS for outcome, _ in self.outcomes(version).values())
+
     @property
     def ok(self) -> bool:
-        """Exit 0: every requested TP size loads and no correctness hazard applies."""
-        return self.loadable and not any(h["severity"] == CORRECTNESS for h in self.hazards())
+        """Exit 0: every requested TP size loads and no correctness hazard applies, in the planned
+        release, or in every known release when all were asked for (`--vllm all`)."""
+        return all(self.ok_in(v) for v in (rules.RELEASES if self.versions else (self.engine.version,)))
 
-    def _all_plans(self) -> list[tuple[str, str, Any]]:
-        """(kind, layer name, plan) for every quantized MoE layer and linear layer at every TP size."""
+    def outcomes(self, version: str | None = None) -> dict[int, tuple[str, list[str]]]:
+        """Per requested TP size in `version` (default: the planned release): LOADS, WRONG (it loads,
+        but `wrong_outputs`) or FAILS, with the rules that refuse it (empty unless FAILS)."""
+        fatal = {c.tp: c.rule for c in self.checks if c.fatal and not c.ok}
+        out: dict[int, tuple[str, list[str]]] = {}
+        for tp in self.tps:
+            plans = [p for _, _, p in self._all_plans(version) if p.tp == tp]
+            failed = list(dict.fromkeys([p.failure_rule or "refused" for p in plans if not p.loadable]
+                                        + ([fatal[tp]] if tp in fatal else [])))
+            if failed or not self.checkpoint.quantized_layers:
+                out[tp] = (FAILS, failed)
+            else:
+                out[tp] = (WRONG if wrong_outputs(h for p in plans for h in p.hazards) else LOADS, [])
+        return out
+
+    def _all_plans(self, version: str | None = None) -> list[tuple[str, str, Any]]:
+        """(kind, layer name, plan) for every quantized MoE layer and linear layer at every TP size,
+        in `version` (default: the planned release)."""
+        moe, linear = ((self.plans, self.linear_plans) if version is None or version == self.engine.version
+                       else (self.versions[version], self.linear_versions[version]))
         out: list[tuple[str, str, Any]] = [("moe", lay.prefix, p) for lay in self.checkpoint.quantized_layers
-                                           for p in self.plans[lay.prefix]]
-        out += [("linear", lay.name, p) for lay in self.checkpoint.linear_layers for p in self.linear_plans[lay.name]]
+                                           for p in moe[lay.prefix]]
+        out += [("linear", lay.name, p) for lay in self.checkpoint.linear_layers for p in linear[lay.name]]
         return out
 
     def hazards(self) -> list[dict[str, Any]]:
@@ -136,21 +170,18 @@ class Inspection:
 
     def summary(self) -> dict[str, Any]:
         """Per TP size: loads, loads with wrong outputs, or fails (the rules, and whether --ep helps);
-        `text` is the line that ends every inspect table."""
-        loads, wrong, fails, with_ep = [], [], {}, []
-        fatal = {c.tp: c.rule for c in self.checks if c.fatal and not c.ok}
-        for tp in self.tps:
-            plans = [p for _, _, p in self._all_plans() if p.tp == tp]
-            rules_failed = list(dict.fromkeys([p.failure_rule or "refused" for p in plans if not p.loadable]
-                                              + ([fatal[tp]] if tp in fatal else [])))
-            if rules_failed or not self.checkpoint.quantized_layers:
+        `text` is the line that ends every inspect table, and `vllm` the release it is for."""
+        loads: list[int] = []
+        wrong: list[int] = []
+        fails: dict[int, list[str]] = {}
+        with_ep: list[int] = []
+        for tp, (outcome, rules_failed) in self.outcomes().items():
+            if outcome == FAILS:
                 fails[tp] = rules_failed
                 if self.loads_with_ep(tp):
                     with_ep.append(tp)
-            elif any(hazard_severity(h) == CORRECTNESS for p in plans for h in p.hazards):
-                wrong.append(tp)
             else:
-                loads.append(tp)
+                (wrong if outcome == WRONG else loads).append(tp)
         parts = [f"loads at {_tp_text(loads)}"] if loads else [] if wrong else ["loads at no requested TP size"]
         if wrong:
             parts.append(f"{_tp_text(wrong)} load{'s' if len(wrong) == 1 else ''} but outputs would be wrong "
@@ -162,8 +193,17 @@ class Inspection:
         if with_ep:
             why = ", ".join(dict.fromkeys(r for tp in with_ep for r in fails[tp]))
             parts.append(f"{_tp_text(with_ep)} need{'s' if len(with_ep) == 1 else ''} --ep ({why} without it)")
-        return {"loads": loads, "wrong_outputs": wrong, "fails": {str(tp): r for tp, r in fails.items()},
-                "loads_with_ep": with_ep, "text": "; ".join(parts)}
+        return {"vllm": self.engine.version, "loads": loads, "wrong_outputs": wrong,
+                "fails": {str(tp): r for tp, r in fails.items()}, "loads_with_ep": with_ep,
+                "text": self._release_said() + "; ".join(parts)}
+
+    def _release_said(self) -> str:
+        """Where `--vllm` (or the installed package) named a release the rulebook does not know, the
+        known one the verdict is for, so that nobody reads it as the named one's."""
+        e = self.engine
+        if e.note is None or e.source == "default" or e.requested == e.version:
+            return ""
+        return f"for vLLM {e.version} (the known release planned for {e.requested}): "
 
     def _linear_json(self, linear: dict[str, list[LinearPlan]]) -> list[dict[str, Any]]:
         return [
@@ -241,7 +281,8 @@ class Inspection:
             for v in rules.RELEASES:
                 refusal = self.refusals.get(v)
                 out["versions"].append(
-                    {"vllm": v, "loadable": self.loadable_in(v),
+                    {"vllm": v, "loadable": self.loadable_in(v), "ok": self.ok_in(v),
+                     "wrong_outputs": [tp for tp, (o, _) in self.outcomes(v).items() if o == WRONG],
                      "failure_stage": None if refusal is None else "config",
                      "config_refusal": None if refusal is None else refusal.to_json(),
                      "layers": self._layers_json(self.versions[v]),
@@ -360,9 +401,9 @@ def plan_all_linear(layers: list[LinearLayer], tps: tuple[int, ...], version: st
 def replan_loads(insp: Inspection, tp: int, ep: bool, version: str, gpu: str, *,
                  layers: list[MoELayer] | None = None, linear_layers: list[LinearLayer] | None = None,
                  problems: dict[str, str | None] | None = None, switches: EngineSwitches | None = None) -> bool:
-    """Whether the inspected model loads at `tp` (EP if `ep`) in `version` on `gpu`, re-planned with
-    the planners `inspect` uses over every MoE layer, every linear layer and the engine's model
-    checks.  `layers`/`linear_layers`: the layers with a changed scheme (default: the checkpoint's);
+    """Whether the inspected model loads at `tp` (EP if `ep`) in `version` on `gpu` with right
+    outputs, re-planned with the planners `inspect` uses over every MoE layer, every linear layer
+    and the engine's model checks.  `layers`/`linear_layers`: the layers with a changed scheme (default: the checkpoint's);
     `problems`: the data-level errors that still apply; `switches`: the engine's (default: inspected).
     `--suggest` and the summary's "needs --ep" both ask this one question."""
     ck = insp.checkpoint
@@ -372,11 +413,12 @@ def replan_loads(insp: Inspection, tp: int, ep: bool, version: str, gpu: str, *,
         return False  # a rank would hold no column (inspect refuses such a size outright)
     switches = insp.switches if switches is None else switches
     plans = plan_all(layers, (tp,), ep, version, gpu, problems, with_differences=False, switches=switches)
-    if not all(plans[lay.prefix][0].loadable for lay in quantized):
+    # loads, and with right outputs: the hazard verdict of inspect's own table (`wrong_outputs`)
+    if not all(plans[lay.prefix][0].loadable and not wrong_outputs(plans[lay.prefix][0].hazards) for lay in quantized):
         return False
     linear = plan_all_linear(ck.linear_layers if linear_layers is None else linear_layers, (tp,), version, gpu,
                              _params_dtype(ck.config.torch_dtype), with_differences=False, switches=switches)
-    if not all(p.loadable for plans_ in linear.values() for p in plans_):
+    if not all(p.loadable and not wrong_outputs(p.hazards) for plans_ in linear.values() for p in plans_):
         return False
     return all(c.ok for c in checkpoint_model_checks(ck, tp, ep, version) if c.fatal)
 
@@ -435,6 +477,7 @@ def inspect_checkpoint(path: str | os.PathLike[str], tps: tuple[int, ...] = (1,)
         from wna16ctl.sources.proposed import open_proposed
 
         ck = open_proposed(path, proposal, revision)
+        ck.require_shape_keys()
     elif revision is None and os.path.exists(path):  # a local checkpoint: no need of the Hub module
         ck = open_checkpoint(path)
         ck.require_wna16_moe()

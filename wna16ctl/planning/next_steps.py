@@ -74,10 +74,18 @@ def serve_command(out: str | os.PathLike[str], layout: str | None, tp: int, *, e
     return _env_prefix(env) + shlex.join(words)
 
 
-def output_name(ckpt: str, layout: str, tp: int) -> str:
-    """A default output directory for the repack line: the checkpoint's last name, layout and TP."""
-    base = ckpt.rstrip("/").split("@", 1)[0].rsplit("/", 1)[-1] or "ckpt"
-    return f"{base}-{layout}-tp{tp}"
+def output_name(ckpt: str, layout: str, tp: int, *, hub: bool = False) -> str:
+    """A default output directory for the repack line: the checkpoint's name, layout and TP.  A
+    local checkpoint's output is its sibling, named as the line names the checkpoint (relative
+    stays relative, to the same directory, whatever the checkpoint path is: `.`, `..`, `a/b/`);
+    a Hub checkpoint's is in the current directory."""
+    if hub:
+        base = ckpt.rstrip("/").split("@", 1)[0].rsplit("/", 1)[-1] or "ckpt"
+        return f"{base}-{layout}-tp{tp}"
+    where = os.path.abspath(ckpt)
+    name = f"{os.path.basename(where) or 'ckpt'}-{layout}-tp{tp}"
+    sibling = os.path.join(os.path.dirname(where), name)
+    return sibling if os.path.isabs(ckpt) else os.path.relpath(sibling)
 
 
 def repack_command(ckpt: str, out: str, layout: str, tp: int, *, vllm: str, gpu: str, moe_backend: str = "auto",

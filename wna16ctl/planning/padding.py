@@ -18,14 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from wna16ctl.errors import NotLoadable, UsageError
-from wna16ctl.planning.inspection import (
-    CORRECTNESS,
-    Inspection,
-    _params_dtype,
-    hazard_severity,
-    plan_all,
-    plan_all_linear,
-)
+from wna16ctl.planning.inspection import Inspection, _params_dtype, plan_all, plan_all_linear, wrong_outputs
 from wna16ctl.planning.linear import model_checks
 from wna16ctl.sources import Checkpoint
 from wna16ctl.sources.architectures import ARCHITECTURES, model_types
@@ -218,8 +211,9 @@ def _why_not(plan: Any) -> str:
     empty where it loads correctly."""
     if not plan.loadable:
         return str(plan.failure_rule or "refused")
-    wrong = [h for h in plan.hazards if hazard_severity(h) == CORRECTNESS]
-    return f"correctness: {wrong[0]}" if wrong else ""
+    if not wrong_outputs(plan.hazards):
+        return ""
+    return "correctness: " + next(h for h in plan.hazards if wrong_outputs([h]))
 
 
 def _fields_of(ck: Checkpoint) -> dict[str, tuple[str, str | None]]:

@@ -88,7 +88,7 @@ def inspect_next_steps(insp: Any) -> list[NextStep]:
                                                     moe_backend=sw.moe_backend, env=env, revision=revision),
                                       "no pre-sharded layout applies: vLLM loads and repacks the checkpoint itself"))
                 continue
-        out = output_name(ckpt, layout, tp)
+        out = output_name(ckpt, layout, tp, hub=ck.source is not None)
         backend = sw.moe_backend if layout == VLLM_LAYOUT else ("marlin" if sw.moe_backend == "marlin" else "auto")
         steps.append(NextStep(
             tp, insp.ep, layout,

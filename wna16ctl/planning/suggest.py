@@ -369,6 +369,13 @@ def suggest(insp: Inspection) -> list[Suggestion]:
     return out
 
 
+def shown_suggestions(found: list[Suggestion], shown: int) -> list[Suggestion]:
+    """Of one TP size's suggestions (nearest first), those the table lists: the `shown` nearest,
+    and padding in its place among them wherever it is found (`wna16ctl pad` is the fix that keeps
+    the deployment asked for, as is expert parallelism); the others are in --json."""
+    return [s for i, s in enumerate(found) if i < shown or s.kind == "pad"]
+
+
 # Padding costs memory and bandwidth in proportion to the bytes it adds: a third more expert bytes
 # ranks after expert parallelism and a backend switch, beside another TP size; doubling them ranks
 # with requantizing a checkpoint.

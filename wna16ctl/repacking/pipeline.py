@@ -314,6 +314,8 @@ def plan_repack(ckpt_path: str | os.PathLike[str], settings: RepackSettings) -> 
         raise UsageError(str(e)) from None
     ck = open_checkpoint(ckpt_path)
     layers = expert_layers(ck)
+    if layers:  # (none: not a WNA16 checkpoint, said below)
+        ck.require_shape_keys()
     refusal = config_refusal(ck.config.quant, settings.vllm)
     if refusal is not None:
         raise NotLoadable(f"vLLM {settings.vllm} refuses {ck.root} at config parse: {refusal.text()}; "

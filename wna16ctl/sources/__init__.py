@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from wna16ctl.sources.config import ModelConfig, QuantConfig, WeightScheme, read_model_config
+from wna16ctl.sources.config import ModelConfig, QuantConfig, WeightScheme, read_model_config, require_shape_keys
 from wna16ctl.sources._fork import split_map
 from wna16ctl.sources.headers import (
     INDEX_NAME, CheckpointFiles, ShardHeader, ShardList, TensorInfo, assemble, locate_shards, read_shard_bytes,
@@ -77,8 +77,10 @@ class Checkpoint:
 
     def require_wna16_moe(self) -> None:
         """Bad input unless some routed experts are quantized: a bf16 MoE or a dense model loads in
-        vLLM as it is, and there is nothing here to plan or repack."""
+        vLLM as it is, and there is nothing here to plan or repack.  And unless config.json names
+        the model's shape (`config.require_shape_keys`): vLLM builds what config.json says."""
         if self.quantized_layers:
+            self.require_shape_keys()
             return
         if not self.layers:
             why = "no routed-expert MoE layers found"
@@ -88,6 +90,12 @@ class Checkpoint:
             why = "its routed experts are not quantized (no compressed-tensors scheme targets them)"
         raise BadInput(f"{self.root}: not a WNA16 MoE checkpoint: {why}; vLLM loads it without repacking, "
                        "and wna16ctl has nothing to plan")
+
+    def require_shape_keys(self) -> None:
+        """Bad input where config.json leaves out a key of the model's shape that vLLM reads
+        (`config.require_shape_keys`), naming the experts the tensors hold where that is the key."""
+        layers = self.layers or self.mtp_layers
+        require_shape_keys(self.config, layers[0].num_experts if layers else None)
 
     @property
     def quantized_mtp_layers(self) -> list[MoELayer]:

@@ -31,6 +31,9 @@ class Architecture:
     registration_order: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     # the config field of the routed experts' width
     expert_width_field: str = "moe_intermediate_size"
+    # the config field of the number of routed experts: vLLM builds that many, and a config without
+    # it gets transformers' default (128 for Qwen3-MoE), whatever the tensors hold; None: not known
+    experts_field: str | None = "num_experts"
     # `intermediate_size` is the dense MLP's width, not the experts' (a missing expert width is
     # then read from the tensors, never from `intermediate_size`)
     separate_expert_width: bool = True
@@ -71,7 +74,8 @@ class Architecture:
         return out
 
 
-_DEEPSEEK_V3 = Architecture("deepseek_v3", "DeepseekV3ForCausalLM", shared_experts=SHARED_EXPERTS,
+_DEEPSEEK_V3 = Architecture("deepseek_v3", "DeepseekV3ForCausalLM", experts_field="n_routed_experts",
+                            shared_experts=SHARED_EXPERTS,
                             shared_width=("moe_intermediate_size", "n_shared_experts"), dense_first=True, mla=True,
                             router=ROUTER_IN_RUNNER, correction_bias="router", norm_topk_prob_default=True,
                             routing="grouped", e2e=True, sharded_state=True, pad=True)
@@ -81,6 +85,7 @@ _TABLE = (
                  experts_at_least_tp=True, routing="softmax", e2e=True, sharded_state=True, pad=True),
     Architecture("mixtral", "MixtralForCausalLM", moe_block="block_sparse_moe", gate_up_down=("w1", "w3", "w2"),
                  registration_order=("w1", "w2", "w3"), expert_width_field="intermediate_size",
+                 experts_field="num_local_experts",
                  separate_expert_width=False, router=ROUTER_IN_BLOCK, always_renormalize=True,
                  norm_topk_prob_default=True, routing="naive", e2e=True, sharded_state=True, pad=True),
     Architecture("qwen2_moe", "Qwen2MoeForCausalLM", shared_experts=SHARED_EXPERT,
@@ -98,11 +103,12 @@ _TABLE = (
     Architecture("qwen3_5_moe", experts_at_least_tp=True, separate_expert_width=False),
     Architecture("qwen3_5_moe_text", experts_at_least_tp=True, separate_expert_width=False),
     Architecture("qwen3_vl_moe"),
-    Architecture("dots1"),
-    Architecture("ernie4_5_moe"),
-    Architecture("hunyuan_v1_moe"),
-    Architecture("bailing_moe"),
-    Architecture("step3_text"),
+    # (their experts' field is not required: read under any of the usual names)
+    Architecture("dots1", experts_field=None),
+    Architecture("ernie4_5_moe", experts_field=None),
+    Architecture("hunyuan_v1_moe", experts_field=None),
+    Architecture("bailing_moe", experts_field=None),
+    Architecture("step3_text", experts_field=None),
 )
 ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in _TABLE}
 # the families the demo writes (those with a model class)

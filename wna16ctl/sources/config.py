@@ -466,6 +466,38 @@ def merge_text_config(raw: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
+# Keys of the model's shape every family of the architecture table has: vLLM builds the model from
+# them, and a config.json without one gets transformers' default for the family, whatever the tensors
+# hold (the experts' count is named per family: `Architecture.experts_field`).
+SHAPE_KEYS = ("num_hidden_layers", "num_attention_heads")
+
+
+def missing_shape_key(config: ModelConfig) -> str | None:
+    """The first key of the model's shape (the number of routed experts under the family's name,
+    then SHAPE_KEYS) that `config` lacks, for a family of the architecture table; None when all are
+    there, or for a family the table does not hold (its names are not known)."""
+    arch = architecture(config.model_type)
+    if arch is None:
+        return None
+    keys = ((arch.experts_field,) if arch.experts_field else ()) + SHAPE_KEYS
+    return next((k for k in keys if config.raw.get(k) is None), None)
+
+
+def require_shape_keys(config: ModelConfig, experts_in_tensors: int | None) -> None:
+    """BadInput naming the first missing key of `missing_shape_key` (with the tensors' count of
+    experts where that is the key): the planner must not read from the tensors what the engine
+    takes from transformers' defaults."""
+    key = missing_shape_key(config)
+    if key is None:
+        return
+    arch = architecture(config.model_type)
+    held = (f" instead of the {experts_in_tensors} experts the tensors hold; add \"{key}\": {experts_in_tensors}"
+            if arch is not None and key == arch.experts_field and experts_in_tensors else
+            f" instead of the checkpoint's; add {key}")
+    raise BadInput(f"{config.path}: {key} is missing; vLLM would build the {config.model_type} model with "
+                   f"transformers' default{held}")
+
+
 def quantization_config_of(raw: dict[str, Any]) -> Any:
     """`quantization_config`, else the legacy `compression_config` key (vLLM reads both)."""
     qc = raw.get("quantization_config")
