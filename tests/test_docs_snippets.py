@@ -69,7 +69,7 @@ def test_the_guides_inspect_blocks_are_the_real_output(tmp_path, monkeypatch):
     assert found[2]["pad"]["fields"]["moe_intermediate_size"] == {"from": 768, "to": 1024}
     guide = " ".join(GUIDE.read_text().split())
     assert "`--tensor-parallel-size 4 --enable-expert-parallel`, then TP 2, then `wna16ctl pad`" in guide
-    assert "The third, in `--json`, is `wna16ctl pad` (768 → 1024;" in guide
+    assert "The third is `wna16ctl pad` (768 → 1024;" in guide
 
 
 def test_the_readme_says_how_many_workers_make_test_runs():
