@@ -77,7 +77,8 @@ def inspect(path: PathLike, tp: TpSizes = "1,2,4,8", ep: bool = False, *, vllm: 
     whole ignore list, `scheme` only) as the CLI options of the same names.
     `suggest`: fill `.suggestions` with the nearest changes that load, for each TP size that does not.
     Returns the `Inspection` whose `to_json()` is `wna16ctl inspect --json` (docs/inspect-json.md);
-    `.ok` is the exit-0 condition (every TP size loads, no correctness hazard).  Raises `BadInput`/`UsageError` on unusable input.
+    `.ok` is the exit-0 condition (every TP size loads, no correctness hazard).  Raises
+    `BadInput`/`UsageError` on unusable input.
     """
     from wna16ctl.planning.inspection import inspect_checkpoint
     from wna16ctl.planning.tpsizes import parse_tp_list
