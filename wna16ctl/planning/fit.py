@@ -10,12 +10,14 @@ given as an estimate with a stated range, which every figure derived from it car
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from wna16ctl.dtypes import ST_SIZES
 from wna16ctl.errors import UsageError
-from wna16ctl.planning.kvcache import BLOCK_SIZE, KVCache, kv_cache, kv_dtype_bytes
-from wna16ctl.planning.memory import WeightsMemory, model_st_dtype, weights_per_rank
+
+if TYPE_CHECKING:  # the command line reads GPU_MEMORY at start-up: the planners load on use
+    from wna16ctl.planning.kvcache import KVCache
+    from wna16ctl.planning.memory import WeightsMemory
 
 GIB = 1 << 30
 # GPU names that carry their memory (bytes as the device reports it, GiB-rounded) and architecture
@@ -27,9 +29,9 @@ GPU_MEMORY: dict[str, tuple[str, int]] = {
 }
 DEFAULT_UTILIZATION = 0.9  # vLLM's --gpu-memory-utilization default
 # The rest of a start, per rank: the activation peak of the profiling pass, allocations outside
-# torch (NCCL buffers, the CUDA context is outside the budget) and the CUDA graph pools.  Not
-# computed: the range is what vLLM's own start-up lines attribute to them on the MoE models of
-# docs/memory.md (a few hundred MiB of graphs with the default capture sizes, 1-3 GiB of peak).
+# torch (NCCL buffers) and the CUDA graph pools.  Not computed from vLLM's code: a wide bracket
+# (1-4 GiB) around what vLLM's start-up lines attribute to them at the default
+# --max-num-batched-tokens, so that every figure derived from it is shown as a range.
 REST_ESTIMATE = (1 * GIB, 4 * GIB)
 
 
@@ -57,9 +59,7 @@ class Fit:
 
     def kv_tokens(self, rest: int) -> int:
         """Tokens of full-attention cache the budget holds (vLLM's "GPU KV cache size"), in whole blocks."""
-        per_block = self.kv.bytes_per_token() * BLOCK_SIZE
-        budget = self.budget(rest) - self.kv.state_bytes() * self.max_num_seqs
-        return max(0, budget // per_block * BLOCK_SIZE) if per_block else 0
+        return self.kv.tokens_in(self.budget(rest) - self.kv.state_bytes() * self.max_num_seqs)
 
     def concurrency(self, rest: int) -> int:
         """Sequences of max_model_len tokens the budget holds at once (capped at max_num_seqs)."""
@@ -124,6 +124,9 @@ def max_positions(insp: Any) -> int | None:
 def fits(insp: Any, gpu_mem: int, utilization: float = DEFAULT_UTILIZATION, max_model_len: int | None = None,
          max_num_seqs: int = 256, kv_cache_dtype: str = "auto") -> list[Fit]:
     """One `Fit` per TP size of `insp` that loads (planning.inspection.Inspection)."""
+    from wna16ctl.planning.kvcache import kv_cache, kv_dtype_bytes
+    from wna16ctl.planning.memory import model_st_dtype, weights_per_rank
+
     if not 0 < utilization <= 1:
         raise UsageError(f"--gpu-memory-utilization {utilization}: a fraction in (0, 1]")
     positions = max_positions(insp)

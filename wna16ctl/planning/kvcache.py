@@ -45,6 +45,11 @@ class KVCache:
         """All attention layers of the rank, per token of one sequence (sliding windows not capped)."""
         return sum(lay.bytes_per_token for lay in self.layers)
 
+    def tokens_in(self, budget: int) -> int:
+        """Tokens of cache `budget` bytes hold, in whole blocks (vLLM's "GPU KV cache size")."""
+        per_block = self.bytes_per_token() * BLOCK_SIZE
+        return max(0, budget // per_block * BLOCK_SIZE) if per_block else 0
+
     def state_bytes(self) -> int:
         return sum(lay.state_bytes for lay in self.layers)
 
