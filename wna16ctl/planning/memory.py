@@ -141,7 +141,7 @@ def _dense_dtype_bytes(ck: Checkpoint, layer: LinearLayer, model_bytes: int) -> 
 
 def _tied(ck: Checkpoint) -> bool:
     raw = ck.config.raw
-    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
+    text: dict[str, Any] = raw["text_config"] if isinstance(raw.get("text_config"), dict) else {}
     return bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
 
 
@@ -222,7 +222,7 @@ def _add_other_tensors(ck: Checkpoint, mem: WeightsMemory, counted: set[str], tp
         if stem.startswith(_MULTIMODAL) or ".visual." in name or is_mtp(name, layers):
             skipped.add("multimodal encoder" if not is_mtp(name, layers) else "multi-token-prediction layers")
             continue
-        shape = ck.files.raw(name)["shape"]
+        shape = (ck.files.raw(name) or {}).get("shape", [])
         mem.built[module] = mem.built.get(module, 0) + _other_tensor_bytes(name, list(shape), tp, model_bytes)
     if not _tied(ck) and not any(k.endswith("lm_head") for k in mem.built):
         embed = next((k for k in mem.built if k.endswith("embed_tokens")), None)

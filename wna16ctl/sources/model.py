@@ -241,11 +241,11 @@ def unquantized_linear_layers(files: CheckpointFiles, config: ModelConfig) -> tu
     layer it knows (embeddings, the multimodal towers)."""
     dims = model_dims(config)
     modules = [n[: -len(".weight")] for n in files.names()
-               if ".experts." not in n and n.endswith(".weight") and len(files.raw(n)["shape"]) == 2]
+               if ".experts." not in n and n.endswith(".weight") and len((files.raw(n) or {}).get("shape", ())) == 2]
     modules = [m for m in modules if not is_mtp(m, dims.num_hidden_layers) and f"{m}.weight_packed" not in files]
 
     def nk(m: str) -> tuple[int, int] | None:
-        rows, cols = files.raw(f"{m}.weight")["shape"]
+        rows, cols = (files.raw(f"{m}.weight") or {})["shape"]
         return int(rows), int(cols)
 
     return _place_linear(files, config, modules, {m: None for m in modules}, nk)
