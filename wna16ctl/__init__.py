@@ -60,7 +60,8 @@ def inspect(path: PathLike, tp: TpSizes = "1,2,4,8", ep: bool = False, *, vllm: 
             revision: str | None = None, env: dict[str, str] | Iterable[str] | None = None,
             moe_backend: str = "auto", scheme: str | None = None, recipe: PathLike | None = None,
             group_size: int | None = None, actorder: str | None = None, ignore: Iterable[str] | None = None,
-            suggest: bool = False) -> Inspection:
+            suggest: bool = False, gpu_mem: int | str | None = None, gpu_memory_utilization: float = 0.9,
+            max_model_len: int | None = None, max_num_seqs: int = 256, kv_cache_dtype: str = "auto") -> Inspection:
     """Plan every MoE layer of the checkpoint at `path` for each TP size (headers only, no GPU).
 
     `path`: a checkpoint directory or a Hub repo id `ORG/NAME[@REVISION]` (`revision` says the same).
@@ -76,6 +77,10 @@ def inspect(path: PathLike, tp: TpSizes = "1,2,4,8", ep: bool = False, *, vllm: 
     (-1 = channel-wise), `actorder` (`"none"`, `"weight"`, `"static"`, `"group"`) and `ignore` (the
     whole ignore list, `scheme` only) as the CLI options of the same names.
     `suggest`: fill `.suggestions` with the nearest changes that load, for each TP size that does not.
+    `gpu_mem` (bytes or "80GiB"; or a `gpu` name that carries its memory, e.g. `"a100-40"`): fill
+    `.fits` with each loading TP size's weights and KV cache against that memory
+    (`gpu_memory_utilization`, `max_model_len` (the config's positions), `max_num_seqs`,
+    `kv_cache_dtype` as vLLM's options of the same names).
     Returns the `Inspection` whose `to_json()` is `wna16ctl inspect --json` (docs/inspect-json.md);
     `.ok` is the exit-0 condition (every TP size loads, no correctness hazard).  Raises
     `BadInput`/`UsageError` on unusable input.
@@ -88,6 +93,12 @@ def inspect(path: PathLike, tp: TpSizes = "1,2,4,8", ep: bool = False, *, vllm: 
                              None if ignore is None else list(ignore))
     insp = inspect_checkpoint(path, parse_tp_list(tp), ep, vllm=vllm, gpu=gpu, revision=revision, env=_env_list(env),
                               moe_backend=moe_backend, proposal=proposal)
+    if gpu_mem is not None:
+        from wna16ctl.planning.fit import fits
+        from wna16ctl.sink import parse_size
+
+        insp.fits = fits(insp, parse_size(gpu_mem), gpu_memory_utilization, max_model_len, max_num_seqs,
+                         kv_cache_dtype)
     if suggest:
         from wna16ctl.planning.suggest import suggest as find_suggestions
 

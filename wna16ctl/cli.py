@@ -120,10 +120,16 @@ GPU_ALIASES = {
 
 
 def _gpu_option() -> Callable:
+    from wna16ctl.planning.fit import GPU_MEMORY
+
     def to_sm(ctx: click.Context, param: click.Parameter, value: str) -> str:
+        ctx.meta["gpu_name"] = value.lower()  # a name may carry the GPU's memory (planning.fit.GPU_MEMORY)
+        if value.lower() in GPU_MEMORY:
+            return GPU_MEMORY[value.lower()][0]
         return GPU_ALIASES.get(value.lower(), value.lower())
 
     names = list(GPUS) + [a for a in GPU_ALIASES if GPU_ALIASES[a] in GPUS]
+    names += [n for n in GPU_MEMORY if n not in names]
     return click.option("--gpu", type=click.Choice(names, case_sensitive=False), default=DEFAULT_GPU,
                         show_default=True, callback=to_sm, metavar="SM|NAME",
                         help=f"GPU architecture the engine runs on (backend priority depends on it): {', '.join(GPUS)}, "
@@ -138,6 +144,44 @@ def _engine_options(f: Callable) -> Callable:
     return click.option("--env", "env", multiple=True, metavar="NAME=VALUE",
                         help="An environment variable the engine runs with, e.g. VLLM_USE_FLASHINFER_MOE_INT4=1 "
                              "(repeatable; docs/inspect-json.md lists those planned).")(f)
+
+
+def _fit_options(f: Callable) -> Callable:
+    """Will it fit: a GPU's memory (--gpu-mem, or a --gpu name carrying it) and vLLM's own options."""
+    for opt in reversed((
+        click.option("--gpu-mem", "gpu_mem", default=None, metavar="SIZE",
+                     help="Memory of one GPU (e.g. 80GiB): report per TP size the weights, KV budget, KV tokens and "
+                          "concurrency. A --gpu name such as a100-40, h100, h200, l40s, b200 carries it."),
+        click.option("--gpu-memory-utilization", "gpu_memory_utilization", type=float, default=0.9, show_default=True,
+                     help="vLLM's --gpu-memory-utilization."),
+        click.option("--max-model-len", "max_model_len", type=click.IntRange(min=1), default=None,
+                     help="vLLM's --max-model-len (default: the config's max_position_embeddings)."),
+        click.option("--max-num-seqs", "max_num_seqs", type=click.IntRange(min=1), default=256, show_default=True,
+                     help="vLLM's --max-num-seqs."),
+        click.option("--kv-cache-dtype", "kv_cache_dtype", default="auto", show_default=True,
+                     type=click.Choice(["auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"]),
+                     help="vLLM's --kv-cache-dtype."),
+    )):
+        f = opt(f)
+    return f
+
+
+def _fit_arguments(ctx: click.Context, fit: dict[str, Any]) -> dict[str, Any]:
+    """The memory to plan against: --gpu-mem, else the memory a --gpu name carries, else none."""
+    from wna16ctl.planning.fit import GPU_MEMORY, gpu_memory
+
+    mem = fit.pop("gpu_mem")
+    name = ctx.meta.get("gpu_name")
+    if mem is not None:
+        from wna16ctl.sink import parse_size
+
+        try:
+            fit["gpu_mem"] = parse_size(mem)
+        except UsageError as e:
+            raise UsageError(f"--gpu-mem: {e.message}") from None
+    elif name in GPU_MEMORY:
+        fit["gpu_mem"] = gpu_memory(name)
+    return fit
 
 
 _REVISION = click.option("--revision", default=None, metavar="REV",
@@ -165,11 +209,13 @@ _REVISION = click.option("--revision", default=None, metavar="REV",
               help="With --scheme: a module left unquantized (name or re:regex; repeat; replaces the default "
                    "lm_head + router gates list).")
 @click.option("--suggest", is_flag=True, help="For each TP size that does not load, the nearest changes that do.")
+@_fit_options
 @_debug_option
 @click.pass_context
 def inspect(ctx: click.Context, ckpt: str, tp: str, ep: bool, vllm: str, gpu: str, env: tuple[str, ...],
             moe_backend: str, json_mode: bool, revision: str | None, scheme: str | None, recipe: str | None,
-            group_size: int | None, actorder: str | None, ignore: tuple[str, ...], suggest: bool, debug: bool) -> None:
+            group_size: int | None, actorder: str | None, ignore: tuple[str, ...], suggest: bool, debug: bool,
+            **fit: Any) -> None:
     """Decide per MoE layer and TP size whether and how CKPT loads (headers only, no GPU).
 
     CKPT is a checkpoint directory or a Hugging Face Hub repo id ORG/NAME[@REVISION]; from the
@@ -190,7 +236,8 @@ def inspect(ctx: click.Context, ckpt: str, tp: str, ep: bool, vllm: str, gpu: st
 
         insp = wna16ctl.inspect(ckpt, tp, ep, vllm=vllm, gpu=gpu, revision=revision, env=list(env),
                                 moe_backend=moe_backend, scheme=scheme, recipe=recipe, group_size=group_size,
-                                actorder=actorder, ignore=list(ignore) or None, suggest=suggest)
+                                actorder=actorder, ignore=list(ignore) or None, suggest=suggest,
+                                **_fit_arguments(ctx, fit))
         if insp.engine.note and insp.engine.source != "default":
             sink.warn(insp.engine.note)
         for w in insp.checkpoint.warnings:

@@ -140,8 +140,33 @@ def render_inspection(console: Console, insp: Inspection) -> None:
         verdict = "[bold green]loads[/] at every requested TP size"
     console.print(f"verdict: {verdict}")
     console.print(f"summary: {escape(insp.summary()['text'])}")
+    render_fits(console, insp)
     render_suggestions(console, insp)
     render_next_steps(console, insp.next_steps())
+
+
+def render_fits(console: Console, insp: Inspection) -> None:
+    """Per TP size that loads: weights (exact), KV per token (exact), and what the KV budget holds
+    (a range: the rest of a start is an estimate)."""
+    if insp.fits is None:
+        return
+    from wna16ctl.planning.fit import REST_ESTIMATE
+
+    lo, hi = REST_ESTIMATE
+    if not insp.fits:
+        console.print("memory: no requested TP size loads, nothing to fit")
+        return
+    f0 = insp.fits[0]
+    console.print(f"memory per GPU ({human_bytes(f0.gpu_mem)} x {f0.gpu_memory_utilization_text()}, "
+                  f"--max-model-len {f0.max_model_len}, --max-num-seqs {f0.max_num_seqs}; the rest of a start is "
+                  f"estimated at {human_bytes(lo)}-{human_bytes(hi)}):")
+    for f in insp.fits:
+        verdict = {"yes": "[green]fits[/]", "maybe": "[yellow]fits only if the rest stays small[/]",
+                   "no": f"[red]does not fit[/] (short by at least {human_bytes(f.short_by())})"}[f.fits()]
+        console.print(f"  TP {f.tp}: weights {human_bytes(f.weights.loaded_bytes)} (exact), KV "
+                      f"{human_bytes(f.kv.bytes_per_token())}/token (exact); KV tokens {f.kv_tokens(hi)}-{f.kv_tokens(lo)}, "
+                      f"{f.concurrency(hi)}-{f.concurrency(lo)} concurrent {f.max_model_len}-token requests, "
+                      f"largest --max-model-len {f.largest_len(hi)}-{f.largest_len(lo)}: {verdict}")
 
 
 # The three kinds of note under an inspect table, each with its label: the engine computes wrong

@@ -370,3 +370,46 @@ def test_a_missing_shape_key_is_refused_not_read_from_the_tensors(make_ckpt, tmp
         if "experts" in key:
             assert f'add "{key}": {held}' in line, line
     assert not (tmp_path / "o").exists()
+
+
+def _qwen3_30b_headers(root: Path) -> Path:
+    """A header-only Qwen3-30B-A3B W4A16 (48 layers, the published sizes and positions)."""
+    from tests import modelckpt as m
+
+    config = dict(m.qwen3_30b_a3b(layers=48), max_position_embeddings=40960, norm_topk_prob=True)
+    return m.write(root / "Qwen3-30B-A3B-W4A16", config, m.qwen3_moe(config, config["quantization_config"]))
+
+
+def test_will_it_fit_on_an_a100_40(tmp_path):
+    """Per TP size that loads: exact weights and KV bytes per token, and how many concurrent 32k
+    requests the KV budget holds once the estimated rest of a start is taken (a range)."""
+    from wna16ctl.planning.fit import REST_ESTIMATE
+
+    ck = _qwen3_30b_headers(tmp_path)
+    args = ["--tp", "1,2,4", "--gpu", "a100-40", "--max-model-len", "32768", "--vllm", "0.33.0"]
+    code, doc = inspect_json(ck, *args)
+    fits = {f["tp"]: f for f in doc["memory"]}
+    assert sorted(fits) == [1, 2]  # TP 4: 192 intermediate rows per rank do not hold whole groups of 128
+    for tp, f in fits.items():
+        # 48 layers x K and V x 4 KV heads / TP x 128 x bf16
+        assert f["kv_bytes_per_token"] == {"value": 48 * 2 * (4 // tp) * 128 * 2, "unit": "bytes", "exact": True}
+        assert f["gpu_memory"]["value"] == 40 << 30 and f["weights"]["exact"] and f["fits"] == "yes"
+        budgets = [int((40 << 30) * 0.9) - f["weights"]["value"] - rest for rest in reversed(REST_ESTIMATE)]
+        assert f["kv_budget"]["value"] == budgets and f["kv_budget"]["exact"] is False
+        per_seq = 32768 * f["kv_bytes_per_token"]["value"]
+        assert f["max_concurrency"]["value"] == [b // per_seq for b in budgets]
+    assert fits[1]["max_concurrency"]["value"][0] >= 1 and fits[2]["max_concurrency"]["value"][0] > 2 * fits[1]["max_concurrency"]["value"][0]
+    text = _run_cli("inspect", str(ck), *args).stdout
+    assert "concurrent 32768-token requests" in text and "TP 2: weights" in text
+
+
+def test_will_it_fit_bad_input(tmp_path):
+    ck = _qwen3_30b_headers(tmp_path)
+    res = _run_cli("inspect", str(ck), "--tp", "1", "--gpu-mem", "lots")
+    _expect_bad(res, "--gpu-mem", "not a size")
+    assert len(res.stderr.strip().splitlines()) == 1
+    res = _run_cli("inspect", str(ck), "--tp", "1", "--gpu", "h100", "--max-model-len", "99999")
+    _expect_bad(res, "--max-model-len 99999", "40960 positions")
+    assert len(res.stderr.strip().splitlines()) == 1
+    res = _run_cli("inspect", str(ck), "--tp", "1", "--gpu", "a100-41")
+    assert res.returncode == 2 and "a100-40" in res.stderr and "h200" in res.stderr and "Traceback" not in res.stderr

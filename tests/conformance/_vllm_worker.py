@@ -631,6 +631,8 @@ class Release:
         finally:
             torch.set_default_dtype(default_dtype)
         self._read_model(model, out)
+        out["tensors"] = _tensor_bytes(model)
+        out["kv_spec"] = _kv_specs(model, config)
         out["ops_called"] = list(_stubs.OPS_CALLED)
         # the checkpoint's module names as the model class renames them (its hf_to_vllm_mapper)
         mapper = getattr(model, "hf_to_vllm_mapper", None)
@@ -826,6 +828,41 @@ class Release:
             except Exception as exc:  # asking raised: the real loop would raise too
                 rejected[name] = f"raises {type(exc).__name__}: {exc}"
         return rejected
+
+
+def _tensor_bytes(model) -> dict[str, list]:
+    """Every parameter and buffer of the built model (each storage once, as `named_parameters` and
+    `named_buffers` list them): name -> [shape, dtype, bytes].  Built on the meta device, these are
+    what the rank allocates on its GPU before weight processing."""
+    out: dict[str, list] = {}
+    for kind, items in (("param", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, t in items:
+            out[name] = [list(t.shape), str(t.dtype).removeprefix("torch."), t.numel() * t.element_size(), kind]
+    return out
+
+
+def _kv_specs(model, config) -> dict[str, Any]:
+    """Per attention layer, the KV-cache spec the layer reports (`get_kv_cache_spec`): its class,
+    page size in bytes and block size; the bytes per token of one layer are page / block."""
+    from vllm.config import set_current_vllm_config
+
+    out: dict[str, Any] = {}
+    with set_current_vllm_config(config):
+        for name, mod in model.named_modules():
+            fn = getattr(mod, "get_kv_cache_spec", None)
+            if fn is None or not callable(fn):
+                continue
+            try:
+                spec = fn(config)
+            except Exception as exc:  # reported, not raised: the comparison names it
+                out[name] = {"error": f"{type(exc).__name__}: {_exception_text(exc)}"}
+                continue
+            if spec is None:
+                continue
+            out[name] = {"class": type(spec).__name__, "page_size_bytes": int(spec.page_size_bytes),
+                         "block_size": int(spec.block_size),
+                         "sliding_window": getattr(spec, "sliding_window", None)}
+    return out
 
 
 def _bind(fn, args, kwargs) -> dict[str, Any]:

@@ -255,6 +255,63 @@ def planner_outcome(case: dict[str, Any], version: str) -> dict[str, Any]:
             stages.append(("load" if plan.failure_stage == "load" else "model", plan.errors[0]))
     if stages:
         out["stage"], out["error"] = min(stages, key=lambda s: _ORDER[s[0]])
+    else:
+        out.update(planner_memory(insp, tp, ep, version))
+    return out
+
+
+def planner_memory(insp, tp: int, ep: bool, version: str) -> dict[str, Any]:
+    """The planner's per-rank weight bytes (rank 0, as built) and KV-cache bytes per token."""
+    from wna16ctl.dtypes import ST_SIZES
+    from wna16ctl.planning.kvcache import MAMBA, kv_cache
+    from wna16ctl.planning.memory import model_st_dtype, weights_per_rank
+
+    ck = insp.checkpoint
+    mem = weights_per_rank(ck, tp, ep, version, {k: v[0] for k, v in insp.plans.items()},
+                           {k: v[0] for k, v in insp.linear_plans.items()})
+    model_bytes = ST_SIZES[model_st_dtype(ck)]
+    kv = kv_cache(ck, tp, model_bytes, model_bytes)
+    per_layer = sorted((lay.kind == MAMBA, lay.state_bytes if lay.kind == MAMBA else lay.bytes_per_token)
+                       for lay in kv.layers)
+    return {"weights_bytes": mem.built_bytes, "weights_not_counted": mem.not_counted, "kv_per_layer": per_layer}
+
+
+def vllm_kv_per_layer(vllm: dict[str, Any]) -> list[tuple[bool, int]] | str:
+    """Per attention layer of the built model: (a per-sequence state, bytes) -- page size over block
+    size for attention specs (bytes per token), the page size for a state (MambaSpec)."""
+    out = []
+    for name, spec in (vllm.get("kv_spec") or {}).items():
+        if "error" in spec:
+            return f"{name}: {spec['error']}"
+        state = spec["class"] == "MambaSpec"
+        out.append((state, spec["page_size_bytes"] if state else spec["page_size_bytes"] // spec["block_size"]))
+    return sorted(out)
+
+
+# vLLM's parameters and buffers the weight figure leaves out: the multimodal encoders (built from
+# vision_config, not from planned tensors) and the rotary caches (sized by max_position_embeddings,
+# which the cut-down configs leave to transformers' defaults)
+_NOT_WEIGHTS = ("visual.", "vision_tower.", "vision_model.", "mm_projector.", "multi_modal_projector.",
+                "audio_tower.", "model.visual.")
+
+
+def vllm_weight_bytes(vllm: dict[str, Any]) -> int:
+    return sum(v[2] for k, v in (vllm.get("tensors") or {}).items()
+               if not k.startswith(_NOT_WEIGHTS) and not k.endswith("cos_sin_cache"))
+
+
+def memory_disagreements(vllm: dict[str, Any], plan: dict[str, Any]) -> list[str]:
+    """The weight bytes of the built rank against the planner's, byte for byte."""
+    if vllm["stage"] is not None or plan["stage"] is not None or "weights_bytes" not in plan:
+        return []
+    out = []
+    got = vllm_weight_bytes(vllm)
+    if got != plan["weights_bytes"]:
+        out.append(f"weights per rank: vllm {got} bytes vs planner {plan['weights_bytes']} "
+                   f"({plan['weights_bytes'] - got:+d})")
+    kv = vllm_kv_per_layer(vllm)
+    if kv != [tuple(x) for x in plan["kv_per_layer"]]:
+        out.append(f"KV cache per layer (state?, bytes): vllm {kv} vs planner {plan['kv_per_layer']}")
     return out
 
 
@@ -352,7 +409,7 @@ def check(version: str, case: dict[str, Any]) -> tuple[list[str], str | None, di
     req.update(kind="model", load=bool(case.get("load")), ckpt_names=sorted({*plan["moe"], *plan["linear"]}))
     vllm = vllm_release.vllm_outcome(version, req)
     plan = _renamed(plan, vllm.get("name_map") or {})
-    diffs = disagreements(vllm, plan, bool(case.get("load")))
+    diffs = disagreements(vllm, plan, bool(case.get("load"))) + memory_disagreements(vllm, plan)
     ops = sorted(set(vllm.get("ops_called") or ()) - IMPORT_TIME_OPS)
     if ops:
         diffs.append(f"compiled ops called while building: {ops[:5]}")
@@ -372,7 +429,8 @@ def run(versions: list[str], gpus: list[str], root: Path, sampled: int, seed: in
         for gpu in gpus:
             t0 = time.perf_counter()
             counts = {"cases": 0, "agree": 0, "explained": 0, "unexplained": 0, "refused": 0, "loaded": 0,
-                      "moe_layers": 0, "linear_layers": 0}
+                      "moe_layers": 0, "linear_layers": 0, "weights_compared": 0, "weights_exact": 0,
+                      "kv_layers": 0, "kv_exact": 0}
             causes: dict[str, int] = {}
             for case in model_cases(root, gpu, sampled, seed):
                 diffs, known, vllm, plan = check(version, case)
@@ -381,6 +439,12 @@ def run(versions: list[str], gpus: list[str], root: Path, sampled: int, seed: in
                 counts["loaded"] += bool(case.get("load")) and vllm["stage"] is None
                 counts["moe_layers"] += len(vllm["moe"])
                 counts["linear_layers"] += len(vllm["linear"])
+                if vllm["stage"] is None and "weights_bytes" in plan:
+                    mem_diffs = memory_disagreements(vllm, plan)
+                    counts["weights_compared"] += 1
+                    counts["weights_exact"] += not any(d.startswith("weights") for d in mem_diffs)
+                    counts["kv_layers"] += len(plan["kv_per_layer"])
+                    counts["kv_exact"] += 0 if any(d.startswith("KV") for d in mem_diffs) else len(plan["kv_per_layer"])
                 if not diffs:
                     counts["agree"] += 1
                 elif known is not None:
@@ -394,7 +458,9 @@ def run(versions: list[str], gpus: list[str], root: Path, sampled: int, seed: in
             rows.append((version, gpu, counts, causes))
             print(f"== vLLM {version} {gpu}: {counts['cases']} models built ({counts['refused']} refused, "
                   f"{counts['loaded']} through the weight loader; {counts['moe_layers']} MoE layers, "
-                  f"{counts['linear_layers']} quantized linear layers): {counts['agree']} agree, "
+                  f"{counts['linear_layers']} quantized linear layers; weights per rank exact in "
+                  f"{counts['weights_exact']}/{counts['weights_compared']} models, KV bytes per token exact in "
+                  f"{counts['kv_exact']}/{counts['kv_layers']} attention layers): {counts['agree']} agree, "
                   f"{counts['explained']} explained {causes or ''}, {counts['unexplained']} unexplained "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
         vllm_release.close_worker(version)

@@ -89,3 +89,23 @@ def test_planner_matches_the_built_model(model_release):
         if diffs and known is None:
             wrong.append(f"{case['name']} tp{case['tp']} {case['gpu']}: " + "; ".join(diffs))
     assert not wrong, f"vLLM {version}:\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("model_release", RELEASE_PARAMS, indirect=True)
+def test_weights_and_kv_cache_per_rank_match_the_built_model(model_release):
+    """Every parameter and buffer byte of rank 0 of the release's built model (multimodal encoder
+    and rotary caches apart) is the planner's weight figure, and every attention layer's KV-cache
+    spec gives the planner's bytes per token (a delta-net layer: its state per sequence): GQA with
+    KV heads replicated past TP 4, MLA's latent, EP's expert maps, a hybrid model."""
+    version, root = model_release
+    cases = [_real_case(root, "qwen3_g32", "sm90", 8), _real_case(root, "qwen3_30b_a3b", "sm90", 4, ep=True),
+             _real_case(root, "deepseek_v3", "sm90", 2, ep=True), _real_case(root, "qwen35_35b_a3b", "sm90", 2),
+             _real_case(root, "qwen3_asym_g64", "sm90", 2)]
+    for case in cases:
+        _, _, vllm, plan = model_build.check(version, case)
+        assert vllm["stage"] is None, vllm.get("error")
+        assert plan["weights_bytes"] == model_build.vllm_weight_bytes(vllm), case
+        assert [tuple(x) for x in plan["kv_per_layer"]] == model_build.vllm_kv_per_layer(vllm), case
+    # Qwen3-30B-A3B (group 32) at TP 8: 4 KV heads, one per rank (replicated): 2 x 128 x 2 bytes per token
+    _, _, vllm8, plan8 = model_build.check(version, cases[0])
+    assert plan8["kv_per_layer"] == [(False, 512)] == model_build.vllm_kv_per_layer(vllm8)

@@ -77,6 +77,7 @@ class Inspection:
     refusals: dict[str, ConfigRefusal | None] = field(default_factory=dict)
     # TP size -> whether the model loads there with expert parallelism (re-planned on first need)
     _ep_replans: dict[int, bool] = field(default_factory=dict, repr=False, compare=False)
+    fits: list[Any] | None = None  # per TP size that loads, weights and KV cache against a GPU (planning.fit)
 
     @property
     def config_refusal(self) -> ConfigRefusal | None:
@@ -263,6 +264,7 @@ class Inspection:
             "failure_stage": None if self.config_refusal is None else "config",
             "config_refusal": None if self.config_refusal is None else self.config_refusal.to_json(),
             "warnings": list(ck.warnings),
+            **({"memory": [f.to_json() for f in self.fits]} if self.fits is not None else {}),
             "layers": self._layers_json(self.plans),
             "linear_layers": self._linear_json(self.linear_plans),
             "model_checks": [c.to_json() for c in self.checks],

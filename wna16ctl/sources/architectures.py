@@ -98,10 +98,10 @@ _TABLE = (
     replace(_DEEPSEEK_V3, model_type="glm4_moe", model_class="Glm4MoeForCausalLM", mla=False, qkv_bias=True,
             router=ROUTER_IN_BLOCK_FP32, correction_bias="experts", routing="sigmoid_bias", e2e=False),
     # families inspect and repack read, which the demo does not write
-    Architecture("qwen3_next", experts_at_least_tp=True),
+    Architecture("qwen3_next", qk_norm=True, experts_at_least_tp=True),
     # (their expert width is read as for an unknown family: `intermediate_size` is a fallback)
-    Architecture("qwen3_5_moe", experts_at_least_tp=True, separate_expert_width=False),
-    Architecture("qwen3_5_moe_text", experts_at_least_tp=True, separate_expert_width=False),
+    Architecture("qwen3_5_moe", qk_norm=True, experts_at_least_tp=True, separate_expert_width=False),
+    Architecture("qwen3_5_moe_text", qk_norm=True, experts_at_least_tp=True, separate_expert_width=False),
     Architecture("qwen3_vl_moe"),
     # (their experts' field is not required: read under any of the usual names)
     Architecture("dots1", experts_field=None),

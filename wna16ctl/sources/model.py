@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from wna16ctl.sources.architectures import architecture
 from wna16ctl.sources.config import ModelConfig, WeightScheme
@@ -232,6 +232,30 @@ def find_linear_layers(files: CheckpointFiles, config: ModelConfig) -> tuple[lis
                if ".experts." not in n and n.endswith(".weight_packed")]
     modules = [m for m in modules if not is_mtp(m, dims.num_hidden_layers)]
     schemes = dict(zip(modules, quant.schemes_for(modules)))
+    return _place_linear(files, config, modules, schemes, lambda m: _packed_nk(files, m, schemes[m]))
+
+
+def unquantized_linear_layers(files: CheckpointFiles, config: ModelConfig) -> tuple[list[LinearLayer], list[str]]:
+    """The decoder's linear layers stored unquantized (a 2-D `weight`, no `weight_packed`), placed
+    and fused by the same rules as `find_linear_layers`, and the 2-D weights that are no linear
+    layer it knows (embeddings, the multimodal towers)."""
+    dims = model_dims(config)
+    modules = [n[: -len(".weight")] for n in files.names()
+               if ".experts." not in n and n.endswith(".weight") and len((files.raw(n) or {}).get("shape", ())) == 2]
+    modules = [m for m in modules if not is_mtp(m, dims.num_hidden_layers) and f"{m}.weight_packed" not in files]
+
+    def nk(m: str) -> tuple[int, int] | None:
+        rows, cols = (files.raw(f"{m}.weight") or {})["shape"]
+        return int(rows), int(cols)
+
+    return _place_linear(files, config, modules, {m: None for m in modules}, nk)
+
+
+def _place_linear(files: CheckpointFiles, config: ModelConfig, modules: list[str],
+                  schemes: dict[str, WeightScheme | None], nk_of: Callable[[str], tuple[int, int] | None]
+                  ) -> tuple[list[LinearLayer], list[str]]:
+    quant = config.quant
+    dims = model_dims(config)
     layers: dict[str, LinearLayer] = {}
     slots: dict[str, dict[int, LinearShard]] = {}
     unknown: list[str] = []
@@ -246,8 +270,8 @@ def find_linear_layers(files: CheckpointFiles, config: ModelConfig) -> tuple[lis
 
     for m in modules:
         s = schemes[m]
-        nk = _packed_nk(files, m, s)
-        if nk is None or any(v in f".{m}" for v in _VISION):
+        nk = nk_of(m)
+        if nk is None or any(v in f".{m}" for v in _VISION) or m.rpartition(".")[2] == "embed_tokens":
             unknown.append(m)
             continue
         n, k = nk
@@ -255,7 +279,7 @@ def find_linear_layers(files: CheckpointFiles, config: ModelConfig) -> tuple[lis
         block = parent.rpartition(".")[2]
         kind_of = (lambda fused: f"{block}.{fused}") if block else (lambda fused: fused)
         if m == "lm_head" or leaf == "lm_head":
-            head = quant.vllm_head_scheme(m)
+            head = quant.vllm_head_scheme(m) if quant is not None and s is not None else s
             add(m, "lm_head", VOCAB, k, 0, LinearShard(m, (n,), s),
                 refused=None if head is not None else _UNQUANTIZED_HEAD)
         elif leaf in _UNQUANTIZED:

@@ -1,0 +1,149 @@
+"""Will it fit: per TP size, one rank's weights and KV cache against a GPU's memory.
+
+vLLM gives the KV cache what is left of `gpu_memory_utilization` x the GPU's memory once the
+weights are loaded and its profiling run has measured the rest of a start (the activation peak of
+a `--max-num-batched-tokens` pass, memory outside torch, CUDA graphs).  The weights (planning.memory)
+and the KV bytes per token (planning.kvcache) are exact; the rest is not computed here and is
+given as an estimate with a stated range, which every figure derived from it carries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from wna16ctl.dtypes import ST_SIZES
+from wna16ctl.errors import UsageError
+
+if TYPE_CHECKING:  # the command line reads GPU_MEMORY at start-up: the planners load on use
+    from wna16ctl.planning.kvcache import KVCache
+    from wna16ctl.planning.memory import WeightsMemory
+
+GIB = 1 << 30
+# GPU names that carry their memory (bytes as the device reports it, GiB-rounded) and architecture
+GPU_MEMORY: dict[str, tuple[str, int]] = {
+    "a100-40": ("sm80", 40 * GIB), "a100-80": ("sm80", 80 * GIB), "a100": ("sm80", 80 * GIB),
+    "a10": ("sm86", 24 * GIB), "a10g": ("sm86", 24 * GIB), "l4": ("sm89", 24 * GIB), "l40s": ("sm89", 48 * GIB),
+    "h100": ("sm90", 80 * GIB), "h100-94": ("sm90", 94 * GIB), "h200": ("sm90", 141 * GIB),
+    "h20": ("sm90", 96 * GIB), "b200": ("sm100", 180 * GIB), "gb200": ("sm100", 186 * GIB),
+}
+DEFAULT_UTILIZATION = 0.9  # vLLM's --gpu-memory-utilization default
+# The rest of a start, per rank: the activation peak of the profiling pass, allocations outside
+# torch (NCCL buffers) and the CUDA graph pools.  Not computed from vLLM's code: a wide bracket
+# (1-4 GiB) around what vLLM's start-up lines attribute to them at the default
+# --max-num-batched-tokens, so that every figure derived from it is shown as a range.
+REST_ESTIMATE = (1 * GIB, 4 * GIB)
+
+
+def gpu_memory(name: str) -> int:
+    """The memory of a GPU named by `name` (one line naming the known ones otherwise)."""
+    try:
+        return GPU_MEMORY[name.lower()][1]
+    except KeyError:
+        raise UsageError(f"--gpu {name}: no known memory size for this GPU; one of {', '.join(GPU_MEMORY)}, "
+                         "or give --gpu-mem (e.g. 80GiB)") from None
+
+
+@dataclass(frozen=True)
+class Fit:
+    tp: int
+    weights: WeightsMemory
+    kv: KVCache
+    gpu_mem: int
+    utilization: float
+    max_model_len: int
+    max_num_seqs: int
+
+    def budget(self, rest: int) -> int:
+        return int(self.gpu_mem * self.utilization) - self.weights.loaded_bytes - rest
+
+    def kv_tokens(self, rest: int) -> int:
+        """Tokens of full-attention cache the budget holds (vLLM's "GPU KV cache size"), in whole blocks."""
+        return self.kv.tokens_in(self.budget(rest) - self.kv.state_bytes() * self.max_num_seqs)
+
+    def concurrency(self, rest: int) -> int:
+        """Sequences of max_model_len tokens the budget holds at once (capped at max_num_seqs)."""
+        need = self.kv.sequence_bytes(self.max_model_len)
+        return max(0, min(self.max_num_seqs, self.budget(rest) // need)) if need else self.max_num_seqs
+
+    def largest_len(self, rest: int) -> int:
+        """The largest max_model_len one sequence fits in (vLLM refuses to start past it)."""
+        budget, lo, hi = self.budget(rest), 0, 1 << 24
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.kv.sequence_bytes(mid) <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def to_json(self) -> dict[str, Any]:
+        lo, hi = REST_ESTIMATE
+
+        def exact(v: int, unit: str = "bytes") -> dict[str, Any]:
+            return {"value": v, "unit": unit, "exact": True}
+
+        def est(f, unit: str) -> dict[str, Any]:
+            return {"value": [f(hi), f(lo)], "unit": unit, "exact": False, "range_from": "rest_of_start"}
+
+        return {
+            "tp": self.tp, "gpu_memory": exact(self.gpu_mem), "gpu_memory_utilization": self.utilization,
+            "max_model_len": self.max_model_len, "max_num_seqs": self.max_num_seqs,
+            "weights": exact(self.weights.loaded_bytes), "weights_as_built": exact(self.weights.built_bytes),
+            "kv_bytes_per_token": exact(self.kv.bytes_per_token()),
+            "kv_state_bytes_per_sequence": exact(self.kv.state_bytes()),
+            "rest_of_start": {"value": [lo, hi], "unit": "bytes", "exact": False,
+                              "source": "estimate: activation peak, non-torch memory, CUDA graphs"},
+            "kv_budget": est(self.budget, "bytes"), "kv_tokens": est(self.kv_tokens, "tokens"),
+            "max_concurrency": est(self.concurrency, "sequences"),
+            "largest_max_model_len": est(self.largest_len, "tokens"),
+            "fits": self.fits(), "short_by": {"value": self.short_by(), "unit": "bytes", "exact": False},
+        }
+
+    def gpu_memory_utilization_text(self) -> str:
+        return f"{self.utilization:g}"
+
+    def short_by(self) -> int:
+        """Bytes missing for one sequence of max_model_len even at the estimate's low end (0: none)."""
+        return max(0, self.kv.sequence_bytes(self.max_model_len) - self.budget(REST_ESTIMATE[0]))
+
+    def fits(self) -> str:
+        """"yes" (even at the estimate's high end), "maybe" (only at its low end) or "no"."""
+        need = self.kv.sequence_bytes(self.max_model_len)
+        lo, hi = REST_ESTIMATE
+        return "yes" if self.budget(hi) >= need else "maybe" if self.budget(lo) >= need else "no"
+
+
+def max_positions(insp: Any) -> int | None:
+    raw = insp.checkpoint.config.raw
+    text = raw["text_config"] if isinstance(raw.get("text_config"), dict) else raw
+    v = text.get("max_position_embeddings")
+    return v if isinstance(v, int) and v > 0 else None
+
+
+def fits(insp: Any, gpu_mem: int, utilization: float = DEFAULT_UTILIZATION, max_model_len: int | None = None,
+         max_num_seqs: int = 256, kv_cache_dtype: str = "auto") -> list[Fit]:
+    """One `Fit` per TP size of `insp` that loads (planning.inspection.Inspection)."""
+    from wna16ctl.planning.kvcache import kv_cache, kv_dtype_bytes
+    from wna16ctl.planning.memory import model_st_dtype, weights_per_rank
+
+    if not 0 < utilization <= 1:
+        raise UsageError(f"--gpu-memory-utilization {utilization}: a fraction in (0, 1]")
+    positions = max_positions(insp)
+    if max_model_len is not None and positions is not None and max_model_len > positions:
+        raise UsageError(f"--max-model-len {max_model_len}: beyond the model's {positions} positions "
+                         "(config.json max_position_embeddings)")
+    length = max_model_len or positions or 4096
+    ck = insp.checkpoint
+    model_st = model_st_dtype(ck)
+    dtype_bytes = kv_dtype_bytes(kv_cache_dtype, model_st)
+    out = []
+    for i, tp in enumerate(insp.tps):
+        moe = {k: v[i] for k, v in insp.plans.items()}
+        lin = {k: v[i] for k, v in insp.linear_plans.items()}
+        if not all(moe[lay.prefix].loadable for lay in ck.quantized_layers) or not all(p.loadable for p in lin.values()):
+            continue
+        mem = weights_per_rank(ck, tp, insp.ep, insp.engine.version, moe, lin)
+        kv = kv_cache(ck, tp, dtype_bytes, ST_SIZES[model_st])
+        out.append(Fit(tp, mem, kv, gpu_mem, utilization, length, max_num_seqs))
+    return out
