@@ -267,7 +267,7 @@ def test_discarded_staging_directory_is_announced(make_ckpt, tmp_path, monkeypat
     assert first.exit_code == 130, first.output
     stage = tmp_path / ".out.wna16ctl-partial"
     assert stage.is_dir()
-    assert "the staging directory is kept for --resume" in first.stderr
+    assert f"interrupted; no output was committed; the staging directory {stage} is kept for --resume" in first.stderr
     monkeypatch.setattr(repack_mod, "build_rank_tensors", real)
     monkeypatch.setattr(repack_native.LayerBuilder, "build_into", real_native)
     res = invoke("repack", ck, "--tp", "1", "-o", out, "-q")  # announced even when quiet

@@ -441,6 +441,8 @@ def _check_previous_run(plan: RepackPlan, out_path: Path, *, resume: bool) -> st
     """Before the writer takes over: name the settings that differ when --resume cannot reuse
     OUT; return the notice to give once a staging directory of an interrupted run is discarded."""
     stage = outdir.stage_path(out_path)
+    if outdir.in_use(stage):  # a run writing it now, not an interrupted one: refused alike with --resume
+        raise outdir.busy(out_path)
     # the owner's journal, else another process's part (a multi-process run whose owner wrote none)
     journals = [_read_json_file(stage / e.name) for e in sorted(os.scandir(stage), key=lambda e: e.name != JOURNAL_NAME)
                 if outdir.is_journal_name(e.name)] if stage.is_dir() else []
