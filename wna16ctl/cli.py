@@ -101,7 +101,6 @@ class OneLineUsageError(click.UsageError):
 
     def __init__(self, error: click.UsageError, command: str, debug: bool):
         super().__init__(error.format_message(), error.ctx)
-        self.exit_code = error.exit_code
         self.line = _usage_line(error, command)
         self.debug = debug
 
@@ -273,7 +272,7 @@ def inspect(ctx: click.Context, ckpt: str, tp: str, ep: bool, vllm: str, gpu: st
     _run(ctx, sink, body, interrupted="nothing was written", fast_exit=True)
 
 
-def _parse_size(value: str, option: str) -> int:
+def _parse_size(value: str, option: str = "--max-shard-size") -> int:
     from wna16ctl.sink import parse_size
 
     try:
@@ -327,7 +326,7 @@ def repack(ctx: click.Context, ckpt: str, tp: str, ep: bool, layout: str, out: s
         launch = distributed.Launch()  # the body reports it
     # progress from the first process of each node; results from the processes that commit
     sink = Sink(json_mode=json_mode, quiet=quiet or launch.local_rank != 0)
-    max_bytes = _parse_size(max_shard_size, "--max-shard-size")
+    max_bytes = _parse_size(max_shard_size)
     if out is None and not dry_run:
         raise click.UsageError("-o/--output is required (or pass --dry-run)")
     if force and resume:

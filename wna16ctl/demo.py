@@ -684,7 +684,10 @@ def write_demo_output(out_dir: str | os.PathLike[str], spec: DemoSpec = DemoSpec
     _check_spec(spec)
     out = Path(out_dir)
     _check_demo_out(out, force)
-    stage = outdir.stage_path(out)
+    # "." and ".." have no name to stage beside: the absolute path does (links are not followed:
+    # OUT itself is never one, `_check_demo_out`)
+    target = Path(os.path.abspath(out))
+    stage = outdir.stage_path(target)
     lock, committed = -1, False
     try:
         lock = _lock_demo_stage(stage, out)
@@ -692,7 +695,7 @@ def write_demo_output(out_dir: str | os.PathLike[str], spec: DemoSpec = DemoSpec
         outdir.write_file(stage / outdir.DEMO_MARKER, outdir.demo_marker(demo_file_names(spec)))
         _write_files(stage, spec, progress)
         with interrupts.deferred() as deferral:  # both renames or neither; after them the output is complete
-            outdir.commit_stage(stage, out, _remove_earlier_demo)
+            outdir.commit_stage(stage, target, _remove_earlier_demo)
             committed = True
             deferral.forget()
         return out
@@ -730,7 +733,7 @@ def _check_demo_out(out: Path, force: bool) -> None:
                          "an earlier demo checkpoint; choose a new or empty folder")
     if any(out.iterdir()) and not force:
         raise UsageError(f"{out}: holds an earlier demo checkpoint; pass --force to replace it")
-    if st.st_dev != os.stat(out.parent).st_dev:
+    if st.st_dev != os.stat(Path(os.path.abspath(out)).parent).st_dev:
         raise UsageError(f"{out}: is a mount point; the demo replaces its folder in one rename, so choose a "
                          "folder inside it")
 

@@ -345,11 +345,11 @@ def lock_dir(path: Path) -> int:
 def in_use(path: Path) -> bool:
     """Whether another run holds the lock of the real directory `path` (`lock_dir`): a staging
     directory being written now, not one an interrupted run left."""
-    if not is_real_dir(path):
-        return False
     try:
+        if not is_real_dir(path):
+            return False
         fd = lock_dir(path)
-    except OSError:
+    except OSError:  # a parent that is a file, no permission: not a run's staging directory
         return False
     if fd < 0:
         return True

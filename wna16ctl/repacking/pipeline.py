@@ -514,6 +514,10 @@ def run_repack(
     staged, dev, discarded = _open_staged(plan, out_path, place, group, force=force, resume=resume, device=device)
     if discarded and notice is not None:
         notice(discarded)
+    if staged.owner and staged.reusable and notice is not None:
+        # checking them reads every byte (minutes for a large output): said, so a run that found
+        # an output committed meanwhile does not look like one waiting for another run
+        notice(f"--resume: checking the files an earlier run finished for {out_path} before reusing them")
     start = (progress or no_progress) if place.is_owner else no_progress
     exec_device = "cpu" if dev == "cpu" else ("cuda" if device == "cuda" else "auto")
     reports, simd_path = _write_ranks(plan, staged, place, group, start, exec_device)
