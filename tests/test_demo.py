@@ -554,25 +554,93 @@ def test_demo_links_devices_and_unwritable_places_get_one_line(tmp_path: Path, m
 
     # a read-only filesystem (simulated: root writes through permission bits, and a mount needs privileges)
     real_mkdir = Path.mkdir
+    (tmp_path / "ro").mkdir()
 
     def read_only_mkdir(self, *a, **kw):
-        if self.name == "ro":
+        if self.parent.name == "ro":
             raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
         return real_mkdir(self, *a, **kw)
 
     with monkeypatch.context() as m:
         m.setattr(Path, "mkdir", read_only_mkdir)
-        assert "Read-only file system" in _one_line(_demo(tmp_path / "ro", *TINY))
-    assert not (tmp_path / "ro").exists()
+        assert "Read-only file system" in _one_line(_demo(tmp_path / "ro" / "ck", *TINY))
+    assert list((tmp_path / "ro").iterdir()) == []
 
-    # the disk fills up half way: one line, and nothing of the demo is left behind
-    def full(*a, **kw):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "model.safetensors")
+    # the disk fills up half way: one line, and nothing of the demo is left behind; over an earlier
+    # demo (--force), that one stays as it was
+    real_write = Path.write_bytes
+
+    def full(self, data):
+        if self.suffix == ".safetensors":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
+        return real_write(self, data)
 
     with monkeypatch.context() as m:
-        m.setattr("wna16ctl.demo.save_file", full)
+        m.setattr(Path, "write_bytes", full)
         assert "No space left on device" in _one_line(_demo(tmp_path / "full-disk", *TINY))
-    assert not (tmp_path / "full-disk").exists()
+        assert "No space left on device" in _one_line(_demo(ck, "--force", *TINY[:-1]))
+    assert not (tmp_path / "full-disk").exists() and _tree(ck) == before
+    assert sorted(p.name for p in tmp_path.iterdir() if "wna16ctl" in p.name) == []
+
+
+def _demo_with_file_size_limit(out: Path, limit: int, *args: str):
+    """`wna16ctl demo OUT` in a process whose files may not grow past `limit` bytes: the kernel
+    refuses the write that would (EFBIG) as a full disk refuses it (ENOSPC), in Python's writes and
+    in the libraries' own (safetensors, tokenizers); no privileges or mounts needed."""
+    import os
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    def limit_files() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails instead of killing the process
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return subprocess.run([sys.executable, "-m", "wna16ctl", "demo", str(out), *args], capture_output=True, text=True,
+                          timeout=300, preexec_fn=limit_files, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+
+
+def test_demo_on_a_full_disk_is_one_line_and_out_stays_as_it_was(tmp_path: Path) -> None:
+    """The disk fills while the shards are written: one line (exit 2, no "internal error"), no
+    half-written checkpoint, and the rerun is not told that an earlier demo is there; with --force
+    over an earlier demo, that demo stays whole."""
+    out = tmp_path / "ck"
+    for args in ([], ["--force"]):
+        res = _demo_with_file_size_limit(out, 16 << 10, *args, *TINY)
+        lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+        assert res.returncode == 2 and len(lines) == 1, res.stderr
+        assert lines[0].startswith(f"error: {out}: cannot write the demo checkpoint (File too large)"), lines[0]
+        assert "internal error" not in lines[0]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ([] if not args else ["ck"])
+        if not args:
+            assert _demo(out, *TINY).exit_code == 0  # not "holds an earlier demo checkpoint"
+            before = _tree(out)
+    assert _tree(out) == before
+
+
+def test_demo_interrupted_leaves_out_as_it_was(tmp_path: Path, monkeypatch) -> None:
+    """Ctrl-C while the demo writes: exit 130, one line that says nothing was written to OUT, and
+    nothing was (the next run needs no --force); over an earlier demo, that one stays whole."""
+    import wna16ctl.demo as demo_mod
+
+    real = demo_mod._save_file
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    out = tmp_path / "ck"
+    for earlier in (False, True):
+        if earlier:
+            assert _demo(out, *TINY).exit_code == 0
+            before = _tree(out)
+        monkeypatch.setattr(demo_mod, "_save_file", interrupted)
+        res = _demo(out, "--force", *TINY[:-1])
+        monkeypatch.setattr(demo_mod, "_save_file", real)
+        assert res.exit_code == 130, res.output
+        assert res.stderr.strip() == f"error: interrupted; nothing was written to {out}", res.stderr
+        assert sorted(p.name for p in tmp_path.iterdir()) == (["ck"] if earlier else [])
+    assert _tree(out) == before
 
 
 def test_a_result_stdout_cannot_take_is_one_line(make_ckpt: MakeCheckpoint) -> None:

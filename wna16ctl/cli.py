@@ -95,7 +95,65 @@ def _tps(value: str, *, single: bool = False) -> tuple[int, ...]:
     return parse_tp_list(value, single=single)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class OneLineUsageError(click.UsageError):
+    """A usage error as one line on stderr: click's message (which names the option or argument)
+    and the fix, instead of click's usage block; `--debug` adds the traceback, as for any error."""
+
+    def __init__(self, error: click.UsageError, command: str, debug: bool):
+        super().__init__(error.format_message(), error.ctx)
+        self.line = _usage_line(error, command)
+        self.debug = debug
+
+    def show(self, file: Any = None) -> None:
+        sink = Sink()
+        if self.debug:  # click shows the error after its handler has ended: the traceback is this one's
+            sink.traceback(self)
+        sink.error(self.line)
+
+
+def _usage_line(error: click.UsageError, command: str) -> str:
+    """click's message of `error`, then where the fix is: the usage line when an argument of
+    `command` ("wna16ctl demo") is missing or extra, else its --help (what each option accepts)."""
+    message = error.format_message().strip().rstrip(".")
+    ctx = error.ctx
+    param = getattr(error, "param", None)
+    if ctx is not None and ((isinstance(error, click.MissingParameter) and param is not None
+                             and param.param_type_name == "argument")
+                            or message.startswith("Got unexpected extra argument")):
+        return f"{message}; usage: {' '.join(ctx.get_usage().split()).removeprefix('Usage: ')}"
+    return f"{message}; see '{ctx.command_path if ctx is not None else command} --help'"
+
+
+class Commands(click.Group):
+    """The `wna16ctl` group: every usage error of the group and its commands, click's own (an
+    unknown option, a bad value, a missing argument) and the commands' (options that exclude each
+    other), goes through `OneLineUsageError`."""
+
+    def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None,
+                     **extra: Any) -> click.Context:
+        debug = "--debug" in args
+        try:
+            ctx = super().make_context(info_name, args, parent, **extra)
+        except click.exceptions.NoArgsIsHelpError:  # `wna16ctl` alone: the help, as click shows it
+            raise
+        except click.UsageError as e:
+            raise OneLineUsageError(e, info_name or "wna16ctl", debug) from e
+        ctx.meta["wna16ctl.debug"] = debug
+        return ctx
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except click.exceptions.NoArgsIsHelpError:
+            raise
+        except OneLineUsageError:
+            raise
+        except click.UsageError as e:  # the command's own options, or its body's refusal
+            command = f"{ctx.command_path} {ctx.invoked_subcommand or ''}".strip()
+            raise OneLineUsageError(e, command, ctx.meta.get("wna16ctl.debug", False)) from e
+
+
+@click.group(cls=Commands, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="wna16ctl")
 @click.option("--debug", is_flag=True, help="Show the traceback of an error (the exit code stays the same).")
 def cli(debug: bool) -> None:
@@ -253,13 +311,13 @@ def inspect(ctx: click.Context, ckpt: str, tp: str, ep: bool, vllm: str, gpu: st
     _run(ctx, sink, body, interrupted="nothing was written", fast_exit=True)
 
 
-def _parse_size(value: str) -> int:
+def _parse_size(value: str, option: str = "--max-shard-size") -> int:
     from wna16ctl.sink import parse_size
 
     try:
         return parse_size(value)
     except UsageError as e:
-        raise click.BadParameter(e.message) from None
+        raise click.BadParameter(e.message, param_hint=f"'{option}'") from None
 
 
 @cli.command(short_help="Write CKPT's experts per rank in the kernel layout, with a manifest.")
@@ -323,8 +381,12 @@ def repack(ctx: click.Context, ckpt: str, tp: str, ep: bool, layout: str, out: s
         if out is not None and not dry_run:
             from wna16ctl.output import outdir
 
-            if outdir.is_real_dir(outdir.stage_path(Path(out))):
-                return "no output was committed; the staging directory is kept for --resume"
+            try:
+                stage = outdir.stage_path(Path(out).resolve())  # as repack named it ("-o ." included)
+            except (OSError, RuntimeError):  # a symbolic-link loop: repack refused it before staging
+                stage = None
+            if stage is not None and outdir.is_real_dir(stage):
+                return f"no output was committed; the staging directory {stage} is kept for --resume"
         return "no output was committed; nothing was left behind"
 
     def body() -> int:
@@ -458,7 +520,7 @@ def demo(ctx: click.Context, out: str, arch: str, bits: str, group_size: str, as
         sink.result({"checkpoint": str(path), "spec": spec.__dict__, "next_steps": [step]}, render)
         return EXIT_OK
 
-    _run(ctx, sink, body, interrupted=f"{out} is incomplete; run the command again with --force")
+    _run(ctx, sink, body, interrupted=f"nothing was written to {out}")
 
 
 def _samples_order_help() -> str:

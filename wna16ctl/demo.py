@@ -26,6 +26,7 @@ import json
 import math
 import os
 import re
+import shutil
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,8 +34,9 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 
+from wna16ctl import interrupts
 from wna16ctl.sink import TaskStarter, no_progress
 from wna16ctl.sources.architectures import ARCHITECTURES as _FACTS, DEMO_ARCHITECTURES, SHARED_EXPERT, SHARED_EXPERTS
 from wna16ctl.verification.samples import DEMO_QUESTIONS
@@ -646,12 +648,10 @@ def _shard_assignment(sizes: list[int], num_shards: int) -> list[int]:
 
 
 def _save_file(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
-    """safetensors' save_file, leaving the file with the mode any new file gets (0644 under the
-    usual umask; the library itself creates it 0600)."""
-    save_file(tensors, str(path), metadata=metadata)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
+    """safetensors' bytes, written by Python: a full disk is an OSError naming the file (the
+    library's own writer raises its own error type), and the file gets the mode any new file gets
+    (0644 under the usual umask; the library itself creates it 0600)."""
+    path.write_bytes(save(tensors, metadata=metadata))
 
 
 def _write_safetensors(out_dir: Path, tensors: dict[str, torch.Tensor], num_shards: int) -> None:
@@ -711,49 +711,100 @@ def write_demo_output(out_dir: str | os.PathLike[str], spec: DemoSpec = DemoSpec
     """`wna16ctl demo OUT`: write the checkpoint of `spec` into a new or empty OUT, or with `force`
     over a demo checkpoint written there before, and nothing else.
 
-    OUT gets a marker (`outdir.DEMO_MARKER`) listing the demo's files before any of them, so a
-    later `--force` can prove every entry is the demo's; a directory holding anything else, a
-    file, a device or a symbolic link is refused.  When writing fails (read-only or full
-    filesystem), what this call wrote is removed again."""
-    from wna16ctl.errors import OutputError, UsageError
+    The files are written into the staging directory beside OUT (`outdir.stage_path`) and OUT
+    becomes them in one rename (`outdir.commit_stage`, as repack's output does): an interrupted or
+    failed run (read-only or full filesystem) leaves OUT as it was and removes what it staged.  The
+    checkpoint holds a marker (`outdir.DEMO_MARKER`) listing the demo's files, so a later `--force`
+    can prove every entry is the demo's; a directory holding anything else, a file, a device or a
+    symbolic link is refused."""
+    from wna16ctl.errors import OutputError
     from wna16ctl.output import outdir
 
     _check_spec(spec)
     out = Path(out_dir)
+    _check_demo_out(out, force)
+    # "." and ".." have no name to stage beside: the absolute path does (links are not followed:
+    # OUT itself is never one, `_check_demo_out`)
+    target = Path(os.path.abspath(out))
+    stage = outdir.stage_path(target)
+    lock, committed = -1, False
+    try:
+        lock = _lock_demo_stage(stage, out)
+        outdir.clear_dir(stage)  # what an interrupted demo left
+        outdir.write_file(stage / outdir.DEMO_MARKER, outdir.demo_marker(demo_file_names(spec)))
+        _write_files(stage, spec, progress)
+        with interrupts.deferred() as deferral:  # both renames or neither; after them the output is complete
+            outdir.commit_stage(stage, target, _remove_earlier_demo)
+            committed = True
+            deferral.forget()
+        return out
+    except OSError as e:
+        raise OutputError(f"{out}: cannot write the demo checkpoint ({e.strerror or e}); nothing was written "
+                          "there; choose a writable folder with free space") from None
+    finally:
+        if lock >= 0:
+            if not committed:  # created (or emptied) and locked by this run: all of it is ours
+                shutil.rmtree(stage, ignore_errors=True)
+            os.close(lock)
+
+
+def _check_demo_out(out: Path, force: bool) -> None:
+    """Refuse an OUT the demo must not replace: a link, a file, a folder holding anything but an
+    earlier demo checkpoint (that one only with `force`), a mount point (the rename cannot reach it)."""
+    from wna16ctl.errors import OutputError, UsageError
+    from wna16ctl.output import outdir
+
     try:
         st = os.lstat(out)
     except FileNotFoundError:
-        st = None
+        return
     except OSError as e:  # a parent that is a file, a loop of links, ...
         raise OutputError(f"{out}: cannot be used for the demo checkpoint ({e.strerror or e}); choose another folder") from None
-    if st is not None:
-        if stat.S_ISLNK(st.st_mode):
-            raise UsageError(f"{out}: is a symbolic link; the demo is never written through one (name the folder "
-                             "itself, or choose another)")
-        if not stat.S_ISDIR(st.st_mode):
-            raise UsageError(f"{out}: exists and is not a folder; the demo writes a new or empty folder, or with "
-                             "--force one holding an earlier demo checkpoint; choose another name")
-        foreign = outdir.foreign_demo_entry(out)
-        if foreign is not None:
-            raise UsageError(f"{out}: holds files the demo did not write (first: {foreign}); --force replaces only "
-                             "an earlier demo checkpoint; choose a new or empty folder")
-        if any(out.iterdir()) and not force:
-            raise UsageError(f"{out}: holds an earlier demo checkpoint; pass --force to replace it")
-    files = demo_file_names(spec)
-    try:
-        if st is not None:
-            outdir.clear_dir(out)
-        out.mkdir(parents=True, exist_ok=True)
-        outdir.write_file(out / outdir.DEMO_MARKER, outdir.demo_marker(files))
-        return _write_files(out, spec, progress)
-    except OSError as e:
-        with contextlib.suppress(OSError):  # a read-only filesystem may refuse the clean-up too
-            if outdir.is_real_dir(out) and outdir.foreign_demo_entry(out) is None:
-                outdir.clear_dir(out)
-                if st is None:
-                    out.rmdir()
-        raise OutputError(f"{e.filename or out}: cannot write the demo checkpoint ({e.strerror or e}); choose a "
-                          "writable folder with free space") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise UsageError(f"{out}: is a symbolic link; the demo is never written through one (name the folder "
+                         "itself, or choose another)")
+    if not stat.S_ISDIR(st.st_mode):
+        raise UsageError(f"{out}: exists and is not a folder; the demo writes a new or empty folder, or with "
+                         "--force one holding an earlier demo checkpoint; choose another name")
+    foreign = outdir.foreign_demo_entry(out)
+    if foreign is not None:
+        raise UsageError(f"{out}: holds files the demo did not write (first: {foreign}); --force replaces only "
+                         "an earlier demo checkpoint; choose a new or empty folder")
+    if any(out.iterdir()) and not force:
+        raise UsageError(f"{out}: holds an earlier demo checkpoint; pass --force to replace it")
+    if st.st_dev != os.stat(Path(os.path.abspath(out)).parent).st_dev:
+        raise UsageError(f"{out}: is a mount point; the demo replaces its folder in one rename, so choose a "
+                         "folder inside it")
+
+
+def _lock_demo_stage(stage: Path, out: Path) -> int:
+    """Create (or take over, when an earlier demo left it) and lock the staging directory of OUT;
+    returns the lock's descriptor."""
+    from wna16ctl.errors import UsageError
+    from wna16ctl.output import outdir
+
+    if os.path.lexists(stage):
+        if not outdir.is_real_dir(stage) or outdir.foreign_demo_entry(stage) is not None:
+            raise UsageError(f"{stage}: exists but was not written by the demo; move it away and run again")
+    else:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        stage.mkdir()
+    lock = outdir.lock_dir(stage)
+    if lock < 0:
+        raise outdir.busy(out, "demo")
+    return lock
+
+
+def _remove_earlier_demo(old: Path) -> None:
+    """`outdir.commit_stage`'s proof for a previous OUT an earlier demo left moved aside."""
+    from wna16ctl.errors import UsageError
+    from wna16ctl.output import outdir
+
+    if not os.path.lexists(old):
+        return
+    if not outdir.is_real_dir(old) or outdir.foreign_demo_entry(old) is not None:
+        raise UsageError(f"{old}: exists but was not written by the demo; move it away and run again")
+    shutil.rmtree(old)
 
 
 def _write_files(out: Path, spec: DemoSpec, progress: TaskStarter | None) -> Path:
@@ -922,7 +973,8 @@ def _write_tokenizer(out_dir: Path, vocab_size: int, training_text: list[str]) -
         show_progress=False,
     )
     tokenizer.train_from_iterator(training_text, trainer)
-    tokenizer.save(str(out_dir / "tokenizer.json"))
+    # its own writer raises its own error type on a full disk: Python's raises OSError
+    (out_dir / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
     bos, eos = SPECIAL_TOKENS
     _write_json(
         out_dir / "tokenizer_config.json",

@@ -72,11 +72,14 @@ class Sink:
         if hint:
             self.err.print(f"[dim]hint:[/] {_escape(hint)}")
 
-    def traceback(self) -> None:
-        """The traceback of the exception being handled, on stderr (`--debug`)."""
+    def traceback(self, error: BaseException | None = None) -> None:
+        """The traceback of `error`, else of the exception being handled, on stderr (`--debug`)."""
         import traceback
 
-        traceback.print_exc(file=sys.stderr)
+        if error is None:
+            traceback.print_exc(file=sys.stderr)
+        else:
+            traceback.print_exception(error, file=sys.stderr)
         sys.stderr.flush()
 
     def progress_enabled(self) -> bool:
@@ -265,7 +268,7 @@ def parse_size(value: str | int) -> int:
         except (ValueError, KeyError):
             raise UsageError(f"{value!r} is not a size (e.g. 4GiB, 500MB)") from None
     if n < 1:
-        raise UsageError(f"{value!r}: size must be positive")
+        raise UsageError(f"{value!r}: size must be positive (e.g. 4GiB, 500MB)")
     return int(n)
 
 

@@ -107,7 +107,7 @@ def test_interrupt_message_belongs_to_the_command(make_ckpt, tmp_path, monkeypat
     assert line.startswith("error: interrupted")
     assert "--resume" not in line  # repack: stopped before a staging directory existed
     assert {"verify": "nothing was verified", "inspect": "nothing was written", "repack": "nothing was left behind",
-            "demo": "--force"}[command] in line
+            "demo": f"nothing was written to {tmp_path / 'd'}"}[command] in line
 
 
 # ---- output width and plain output -------------------------------------------------------------------
@@ -250,6 +250,19 @@ def test_resume_names_the_differing_settings(make_ckpt, tmp_path):
     assert "max_shard_bytes" in line and "tp:" not in line
 
 
+def test_resume_says_it_checks_what_an_earlier_run_finished(make_ckpt, tmp_path):
+    """--resume over a finished output (another run may have committed it a moment ago) hashes every
+    file before reusing it: one line says so, even with -q, instead of a silent wait."""
+    ck = make_ckpt(**SMALL)
+    out = tmp_path / "out"
+    assert invoke("repack", ck, "--tp", "2", "-o", out, "-q").exit_code == 0
+    res = invoke("repack", ck, "--tp", "2", "-o", out, "--resume", "-q")
+    assert res.exit_code == 0, res.output
+    assert res.stderr.splitlines() == [
+        f"warning: --resume: checking the files an earlier run finished for {out} before reusing them"], res.stderr
+    assert "0 files written" in res.stdout
+
+
 def test_discarded_staging_directory_is_announced(make_ckpt, tmp_path, monkeypatch):
     import wna16ctl.repacking.pipeline as repack_mod
     import wna16ctl.repacking.native_path as repack_native
@@ -267,7 +280,7 @@ def test_discarded_staging_directory_is_announced(make_ckpt, tmp_path, monkeypat
     assert first.exit_code == 130, first.output
     stage = tmp_path / ".out.wna16ctl-partial"
     assert stage.is_dir()
-    assert "the staging directory is kept for --resume" in first.stderr
+    assert f"interrupted; no output was committed; the staging directory {stage} is kept for --resume" in first.stderr
     monkeypatch.setattr(repack_mod, "build_rank_tensors", real)
     monkeypatch.setattr(repack_native.LayerBuilder, "build_into", real_native)
     res = invoke("repack", ck, "--tp", "1", "-o", out, "-q")  # announced even when quiet

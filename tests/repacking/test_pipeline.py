@@ -575,6 +575,36 @@ def test_disk_full_mid_run_leaves_nothing(make_ckpt, tmp_path, monkeypatch):
     assert snapshot(ck) == before
 
 
+@pytest.mark.parametrize("layout", ["auto", "vllm"])
+def test_disk_full_at_the_commit_leaves_nothing(make_ckpt, tmp_path, monkeypatch, layout):
+    """The disk fills while the manifest, the last file, is written: the line says nothing was left
+    behind, and nothing is (no staging directory with half a manifest); an earlier output that
+    --force was to replace stays as it was."""
+    import wna16ctl.output.outdir as outdir_mod
+
+    ck = make_ckpt(**BASE)
+    out = tmp_path / "out"
+    real_write_file = outdir_mod.write_file
+
+    def write_file(path, data):
+        if path.name == MANIFEST_NAME:  # half of it fits, as on a filling disk
+            real_write_file(path, data[: len(data) // 2])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real_write_file(path, data)
+
+    for earlier in (False, True):
+        if earlier:
+            assert _repack_cli(str(ck), "--tp", "1", "-o", str(out), "-q").exit_code == 0
+            before = snapshot(out)
+        with monkeypatch.context() as m:
+            m.setattr(outdir_mod, "write_file", write_file)
+            res = _repack_cli(str(ck), "--tp", "2", "--layout", layout, "-o", str(out), *(["--force"] if earlier else []))
+        assert res.exit_code == 2, res.output
+        assert "No space left on device" in res.stderr and "nothing was left behind" in res.stderr, res.stderr
+        assert leftovers(out) == [], leftovers(out)
+        assert snapshot(out) == before if earlier else not out.exists()
+
+
 def test_source_truncated_after_planning(make_ckpt, tmp_path):
     ck = tmp_path / "ck"
     shutil.copytree(make_ckpt(**BASE), ck)
@@ -835,6 +865,28 @@ def test_concurrent_repack_into_the_same_output_is_refused(make_ckpt, tmp_path):
     run_repack(plan, out)
     assert (out / "wna16ctl.json").is_file()
     assert leftovers(out) == []  # no lock file is ever left beside OUT
+
+
+def test_a_run_writing_out_is_refused_alike_with_and_without_resume(make_ckpt, tmp_path):
+    """Another repack is writing OUT (its staging directory locked, its journal there) with other
+    settings: --resume is refused with the same line as a plain run, not told that an interrupted
+    run had other settings."""
+    ck = make_ckpt(num_layers=1, num_experts=4)
+    out = tmp_path / "out"
+    plan = plan_repack(ck, RepackSettings(vllm=ACT_ORDER_RELEASE, tp=1, max_shard_bytes=300_000))
+    first = writer_mod.StagedOutput(out, force=False, resume=False, identity=plan.identity, checkpoint=ck)
+    first.checkpoint_journal()  # what a run writes after each finished file
+    try:
+        lines = []
+        for extra in ([], ["--resume"], ["--force"]):
+            res = _repack_cli(str(ck), "--tp", "1", "-o", str(out), *extra)
+            assert res.exit_code == 2, res.output
+            lines.append(res.stderr.strip())
+        assert lines == [f"error: {out}: another wna16ctl repack is writing it; wait for it to finish"] * 3, lines
+        assert sorted(p.name for p in first.stage.iterdir()) == [".wna16ctl-journal.json", ".wna16ctl-stage.json"]
+    finally:
+        first.abort(keep_for_resume=False)
+    assert leftovers(out) == []
 
 
 def test_output_dot_and_ep_rank_without_experts(make_ckpt, tmp_path, monkeypatch):

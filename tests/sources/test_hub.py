@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import pytest
 
 from tests.conftest import QUESTIONS, REPO_ROOT
 from tests.hubserver import FakeHub
-from wna16ctl.errors import UsageError
+from wna16ctl.errors import BadInput, UsageError
 from wna16ctl.sources.hub import HubRef, parse_ref
 
 sys.path.insert(0, str(REPO_ROOT / "bench"))
@@ -145,6 +146,22 @@ def test_hub_errors_are_one_line_and_exit_2(error_repos, tmp_path, arg, env, exp
         assert "HF_TOKEN" in line
 
 
+def test_a_missing_path_says_so_first_and_asks_the_hub_only_when_it_can_be_a_repo_id(error_repos, tmp_path):
+    """A mistyped local path: one line that starts with "no such local directory". One that cannot be
+    a repo id (./x, a/b/c, a trailing slash) never reaches the Hub; one that can is looked up there,
+    and offline the line still names the path first."""
+    error_repos.reset_counts()
+    for arg in ("./modles/qwen3", "modles/qwen3/", "models/x/qwen3"):
+        line = one_error_line(wna16ctl(error_repos, tmp_path / "hf", "inspect", arg, "--tp", "1"))
+        assert line.startswith(f"error: {arg}: no such local directory; check the path"), line
+    assert error_repos.requests == []
+    line = one_error_line(wna16ctl(error_repos, tmp_path / "hf", "inspect", "modles/qwen3", "--tp", "1",
+                                   env={"HF_HUB_OFFLINE": "1"}))
+    assert line.startswith("error: modles/qwen3: no such local directory; as a Hub repo id, config.json: not in "
+                           "the local Hugging Face cache and HF_HUB_OFFLINE is set; check the path"), line
+    assert error_repos.requests == []
+
+
 def test_token_opens_a_gated_repo_and_revision_option(error_repos, tmp_path):
     res = wna16ctl(error_repos, tmp_path / "hf", "inspect", "acme/gated", "--tp", "1", "--json",
                    env={"HF_TOKEN": "hf_allowed"})
@@ -166,7 +183,9 @@ def test_parse_ref(tmp_path, monkeypatch):
     assert parse_ref("org/name@refs/pr/3") == HubRef("org/name", "refs/pr/3")
     (tmp_path / "org" / "name").mkdir(parents=True)
     assert parse_ref("org/name") is None  # an existing directory is a local checkpoint
-    assert parse_ref("/abs/missing") is None and parse_ref("a/b/c") is None and parse_ref("x--/y") is None
+    for missing in ("/abs/missing", "a/b/c", "x--/y", "./org/other"):  # not a repo id: refused before the Hub
+        with pytest.raises(BadInput, match=f"{re.escape(missing)}: no such local directory"):
+            parse_ref(missing)
     for arg, rev in (("org/other@a", "b"), ("org/name", "main"), ("org/other@", None), ("a/b/c", "main")):
         with pytest.raises(UsageError):
             parse_ref(arg, rev)

@@ -26,11 +26,17 @@ def hub():
     h.close()
 
 
-def run(hub: FakeHub, hf_home: Path, *args: str, no_sleep: bool = False) -> subprocess.CompletedProcess:
+# huggingface_hub's retry loop sleeps before each new attempt: here that sleep ends the run instead
+NO_RETRY = ("import huggingface_hub.utils._http as h, time\n"
+            "def _retried(s):\n    raise SystemExit('huggingface_hub retried')\n"
+            "h.time = type('t', (), {'sleep': staticmethod(_retried), 'time': time.time})\n")
+
+
+def run(hub: FakeHub, hf_home: Path, *args: str, no_sleep: bool = False, no_retry: bool = False) -> subprocess.CompletedProcess:
     e = {k: v for k, v in os.environ.items() if k not in _HF_VARS}
     e.update(HF_ENDPOINT=hub.url, HF_HOME=str(hf_home), HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_DOWNLOAD_TIMEOUT="2",
              HF_HUB_ETAG_TIMEOUT="2")
-    code = (NO_SLEEP if no_sleep else "") + "import sys\nfrom wna16ctl.cli import main\nsys.argv = ['wna16ctl', *sys.argv[1:]]\nmain()\n"
+    code = (NO_SLEEP if no_sleep else NO_RETRY if no_retry else "") + "import sys\nfrom wna16ctl.cli import main\nsys.argv = ['wna16ctl', *sys.argv[1:]]\nmain()\n"
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=e, timeout=120)
 
 
@@ -86,4 +92,25 @@ def test_an_unreachable_hub_is_one_line_without_the_retry_chatter(tmp_path):
     closed = type("Closed", (), {"url": f"http://127.0.0.1:{port}"})()
     res = run(closed, tmp_path / "hf", "inspect", "acme/x", "--tp", "1", no_sleep=True)
     line = one_error_line(res)
-    assert line.startswith("error: acme/x: config.json: cannot reach") and "HF_HUB_OFFLINE=1" in line, line
+    assert line.startswith("error: acme/x: no such local directory; as a Hub repo id, config.json: cannot reach")
+    assert "HF_HUB_OFFLINE=1" in line, line
+
+
+@pytest.mark.parametrize("command", ["inspect", "repack"])
+def test_a_mistyped_path_with_the_hub_unreachable_is_said_at_once(tmp_path, command):
+    """`inspect modles/qwen3` (a path that looks like a repo id) while the Hub cannot be reached:
+    the one line names the path first, and huggingface_hub's retry loop (~25 s) is never entered."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    closed = type("Closed", (), {"url": f"http://127.0.0.1:{port}"})()
+    extra = ["-o", str(tmp_path / "out")] if command == "repack" else []
+    res = run(closed, tmp_path / "hf", command, "modles/qwen3", "--tp", "1", *extra, no_retry=True)
+    assert "retried" not in res.stderr, res.stderr
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    assert res.returncode == 2 and len(errors) == 1 and "Traceback" not in res.stderr, res.stderr
+    assert errors[0].startswith("error: modles/qwen3: no such local directory; as a Hub repo id, config.json: "
+                                f"cannot reach http://127.0.0.1:{port}"), errors[0]
+    assert "check the path" in errors[0]

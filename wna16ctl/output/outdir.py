@@ -21,6 +21,7 @@ the same multi-process run write into it too; the marker's run id proves they jo
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -28,7 +29,7 @@ import re
 import shutil
 import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from wna16ctl.errors import UsageError
 
@@ -238,6 +239,27 @@ def foreign_demo_entry(path: Path) -> str | None:
     return _unlisted_entry(entries, {*marker["files"], DEMO_MARKER})
 
 
+def commit_stage(stage: Path, out: Path, clear_old: Callable[[Path], None]) -> None:
+    """Make the finished staging directory `stage` OUT: one rename, after an existing OUT (proven
+    ours by the caller) moved aside to `.OUT.wna16ctl-old`, which `clear_old` first proves ours and
+    removes when an earlier run left it.  The previous OUT is deleted afterwards; if the second
+    rename fails, it is put back, so OUT is the old or the new output, never neither."""
+    old = None
+    if os.path.lexists(out):
+        old = old_path(out)
+        clear_old(old)
+        os.rename(out, old)
+    try:
+        os.rename(stage, out)
+    except OSError:
+        if old is not None:
+            with contextlib.suppress(OSError):
+                os.rename(old, out)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def remove_ours(path: Path, out: Path, what: str) -> None:
     """Delete `path` (a staging or previous-output directory) after proving it is ours."""
     st = _lstat(path)
@@ -318,3 +340,23 @@ def lock_dir(path: Path) -> int:
         os.close(fd)
         return -1
     return fd
+
+
+def in_use(path: Path) -> bool:
+    """Whether another run holds the lock of the real directory `path` (`lock_dir`): a staging
+    directory being written now, not one an interrupted run left."""
+    try:
+        if not is_real_dir(path):
+            return False
+        fd = lock_dir(path)
+    except OSError:  # a parent that is a file, no permission: not a run's staging directory
+        return False
+    if fd < 0:
+        return True
+    os.close(fd)
+    return False
+
+
+def busy(out: Path, command: str = "repack") -> UsageError:
+    """The refusal of a second run into an OUT another run is writing (with or without --resume)."""
+    return UsageError(f"{out}: another wna16ctl {command} is writing it; wait for it to finish")

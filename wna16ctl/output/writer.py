@@ -300,7 +300,7 @@ class StagedOutput:
         except OSError as e:
             raise _os_error(e, stage) from None
         if self._lock_fd < 0:
-            raise UsageError(f"{out}: another wna16ctl repack is writing it; wait for it to finish")
+            raise outdir.busy(out)
         if resume:
             self.reusable = self._adopt_previous(nonempty)
         if not self.reusable:
@@ -688,7 +688,10 @@ class StagedOutput:
                 pool.shutdown(wait=True, cancel_futures=cancel)
 
     def commit(self, manifest: dict[str, Any], manifest_name: str = MANIFEST_NAME) -> None:
-        """Write the manifest (or a manifest part), then make the staged directory OUT in one rename."""
+        """Write the manifest (or a manifest part), then make the staged directory OUT in one rename.
+
+        On failure the staging directory stays locked, so that `abort` can still remove it (or keep
+        it for --resume): the caller's error then says what is on disk."""
         assert self.owner, "only the owner of the staging directory commits it"
         self.collect_hashes()
         manifest_bytes = json.dumps(manifest, indent=2).encode() + b"\n"
@@ -699,27 +702,22 @@ class StagedOutput:
                     self.keep_stage = True
                     raise UsageError(f"{self.out}: {foreign} was added while repack ran and is not wna16ctl's; "
                                      f"move it away and rerun with --resume (the finished output is kept)")
+            # the manifest first, the journal parts after: a disk that fills here leaves the journal whole
+            outdir.write_file(self.stage / manifest_name, manifest_bytes)
             for entry in os.scandir(self.stage):  # every process's journal part
                 if outdir.is_journal_name(entry.name):
                     os.unlink(entry.path)
-            outdir.write_file(self.stage / manifest_name, manifest_bytes)
-            old = None
-            if os.path.lexists(self.out):
-                old = outdir.old_path(self.out)
-                outdir.remove_ours(old, self.out, "the previous-output directory")
-                os.rename(self.out, old)
-            os.rename(self.stage, self.out)
+            outdir.commit_stage(self.stage, self.out, lambda old: outdir.remove_ours(
+                old, self.out, "the previous-output directory"))
             # the marker goes last: until the rename the staging directory must stay provably ours
             (self.out / outdir.STAGE_MARKER).unlink(missing_ok=True)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
         except OSError as e:
             raise _os_error(e, self.out) from None
         finally:
             self._pool.shutdown(wait=True)
             self._sync_pool.shutdown(wait=True)
             self._shutdown_stream_pools()
-            self._unlock()
+        self._unlock()
 
     def abort(self, keep_for_resume: bool) -> None:
         """Close everything; remove the staging directory unless it should serve --resume."""

@@ -488,6 +488,8 @@ def _check_previous_run(plan: RepackPlan, out_path: Path, *, resume: bool) -> st
     """Before the writer takes over: name the settings that differ when --resume cannot reuse
     OUT; return the notice to give once a staging directory of an interrupted run is discarded."""
     stage = outdir.stage_path(out_path)
+    if outdir.in_use(stage):  # a run writing it now, not an interrupted one: refused alike with --resume
+        raise outdir.busy(out_path)
     # the owner's journal, else another process's part (a multi-process run whose owner wrote none)
     journals = [_read_json_file(stage / e.name) for e in sorted(os.scandir(stage), key=lambda e: e.name != JOURNAL_NAME)
                 if outdir.is_journal_name(e.name)] if stage.is_dir() else []
@@ -559,6 +561,10 @@ def run_repack(
     staged, dev, discarded = _open_staged(plan, out_path, place, group, force=force, resume=resume, device=device)
     if discarded and notice is not None:
         notice(discarded)
+    if staged.owner and staged.reusable and notice is not None:
+        # checking them reads every byte (minutes for a large output): said, so a run that found
+        # an output committed meanwhile does not look like one waiting for another run
+        notice(f"--resume: checking the files an earlier run finished for {out_path} before reusing them")
     start = (progress or no_progress) if place.is_owner else no_progress
     exec_device = "cpu" if dev == "cpu" else ("cuda" if device == "cuda" else "auto")
     reports, simd_path = _write_ranks(plan, staged, place, group, start, exec_device)

@@ -60,8 +60,9 @@ class HubRef:
 
 
 def parse_ref(arg: str, revision: str | None = None) -> HubRef | None:
-    """`arg` as a Hub reference `ORG/NAME[@REVISION]`, or None when it names a local path (or
-    cannot be a repo id).  `--revision` and an `@REVISION` suffix must agree."""
+    """`arg` as a Hub reference `ORG/NAME[@REVISION]`, or None when it names a local path that
+    exists; a missing path that cannot be a repo id is refused here, before any Hub request.
+    `--revision` and an `@REVISION` suffix must agree."""
     if os.path.exists(arg):
         if revision is not None:
             raise UsageError(f"{arg}: --revision applies to a Hub repo id, and this is a local path")
@@ -70,7 +71,8 @@ def parse_ref(arg: str, revision: str | None = None) -> HubRef | None:
     if not _REPO_ID.fullmatch(name) or ".." in name or "--" in name or len(name) > 96:
         if revision is not None:
             raise UsageError(f"{arg}: not a local path nor a Hub repo id (ORG/NAME), which --revision needs")
-        return None
+        # a path that does not exist, and no repo id: the Hub is never asked
+        raise BadInput(f"{arg}: no such local directory; check the path (a Hub repo id is ORG/NAME)")
     if at and not rev:
         raise UsageError(f"{arg}: empty revision after '@'; write ORG/NAME@REVISION or drop the '@'")
     if rev and revision is not None and rev != revision:
@@ -140,7 +142,8 @@ def _status(e: BaseException) -> int | None:
 
 def hub_error(e: BaseException, what: str, filename: str | None = None, *, model_arg: bool = False) -> BadInput:
     """The one-line error for a failure of huggingface_hub while getting `filename` of the
-    repository `what` (`model_arg`: `what` came from a command's CKPT argument)."""
+    repository `what` (`model_arg`: `what` is a command's CKPT argument, asked of the Hub because
+    no local directory has that name: said first where the Hub did not answer whether the repo exists)."""
     _hf()
     from huggingface_hub import constants
     from huggingface_hub import errors as errs
@@ -156,18 +159,24 @@ def hub_error(e: BaseException, what: str, filename: str | None = None, *, model
         return BadInput(f"{what}: no such repository on the Hub{local}; check the id")
     if isinstance(e, getattr(errs, "RemoteEntryNotFoundError", errs.EntryNotFoundError)) and _status(e) == 404:
         return BadInput(f"{what}: has no {filename or 'such file'} at that revision")
-    if filename:
+    # Where the Hub did not say whether the repo exists, a CKPT argument may be a mistyped path:
+    # that no local directory has its name comes first, and checking it is the first fix.
+    check = "check the path, the connection" if model_arg else "check the connection"
+    if model_arg:
+        what = f"{what}: no such local directory; as a Hub repo id, {filename or 'its files'}"
+    elif filename:
         what = f"{what}: {filename}"
     for cause in _causes(e):
         if _is_a(cause, "OfflineModeIsEnabled") or (_is_a(cause, "LocalEntryNotFoundError") and _offline()):
             return BadInput(f"{what}: not in the local Hugging Face cache and HF_HUB_OFFLINE is set; "
-                            "unset it to download, or pass a local directory")
+                            f"{'check the path, ' if model_arg else ''}unset HF_HUB_OFFLINE to download, or pass "
+                            "a local directory")
         if _is_a(cause, "TimeoutException"):
-            return BadInput(f"{what}: the Hub did not answer in time; check the connection or raise "
+            return BadInput(f"{what}: the Hub did not answer in time; {check} or raise "
                             "HF_HUB_ETAG_TIMEOUT / HF_HUB_DOWNLOAD_TIMEOUT (seconds)")
-        if _is_a(cause, "ConnectError", "NetworkError", "ProxyError"):
-            return BadInput(f"{what}: cannot reach {constants.ENDPOINT} ({cause}); check the connection or "
-                            "HF_ENDPOINT, or set HF_HUB_OFFLINE=1 to use the local cache")
+        if _is_a(cause, "ConnectError", "NetworkError", "ProxyError") or isinstance(cause, _Unreachable):
+            return BadInput(f"{what}: cannot reach {constants.ENDPOINT} ({cause}); {check} or HF_ENDPOINT, "
+                            "or set HF_HUB_OFFLINE=1 to use the local cache")
     status = next((st for st in map(_status, _causes(e)) if st is not None), None)
     if status in (401, 403):
         return BadInput(f"{what}: access denied (HTTP {status}); {token_hint}")
@@ -175,6 +184,45 @@ def hub_error(e: BaseException, what: str, filename: str | None = None, *, model
         return BadInput(f"{what}: the Hub answered HTTP {status}; try again later")
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return BadInput(f"{what}: {first}")
+
+
+class _Unreachable(OSError):
+    """The Hub's endpoint could not be connected to (`_probe`): no network, a name that does not
+    resolve, a refused port."""
+
+
+# Through a proxy, the proxy decides what is reachable: no direct connection is tried then.
+_PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+
+
+def _probe(ref: HubRef) -> None:
+    """Before the first request for a CKPT argument that names no local directory: one TCP
+    connection to the Hub's endpoint (within HF_HUB_ETAG_TIMEOUT), so that a Hub that cannot be
+    reached is one line at once, not after huggingface_hub's retries (~25 s).  Skipped offline,
+    through a proxy, and when the repo's config.json is cached (huggingface_hub then falls back to
+    the cache when the Hub does not answer)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    hf = _hf()
+    from huggingface_hub import constants
+
+    if _offline() or any(os.environ.get(v) for v in _PROXY_VARS):
+        return
+    try:
+        if isinstance(hf.try_to_load_from_cache(ref.repo_id, "config.json", revision=ref.revision), str):
+            return
+        url = urlsplit(constants.ENDPOINT)
+        host, port = url.hostname, url.port or (443 if url.scheme == "https" else 80)
+    except ValueError:  # an id or endpoint huggingface_hub itself will refuse, in its own words
+        return
+    if not host:
+        return
+    try:
+        socket.create_connection((host, port), timeout=float(constants.HF_HUB_ETAG_TIMEOUT)).close()
+    except OSError as e:
+        down = _Unreachable(e.errno, e.strerror) if e.errno is not None else _Unreachable(str(e) or "timed out")
+        raise hub_error(down, str(ref), "config.json", model_arg=True) from None
 
 
 @contextmanager
@@ -196,8 +244,9 @@ def _hub_errors(what: str, filename: str | None = None, *, model_arg: bool = Fal
 
 # -- inspect: config, index and headers ----------------------------------------------------------
 
-def _download(ref: HubRef, filename: str, revision: str | None, **kw: Any) -> Path:
-    with _hub_errors(str(ref), filename, model_arg=True):
+def _download(ref: HubRef, filename: str, revision: str | None, *, first: bool = False, **kw: Any) -> Path:
+    """One file of the repo into the cache; `first`: the first request for a CKPT argument."""
+    with _hub_errors(str(ref), filename, model_arg=first):
         return Path(_hf().hf_hub_download(ref.repo_id, filename, revision=revision, **kw))
 
 
@@ -308,7 +357,7 @@ def _fetch_header(repo_id: str, commit: str, filename: str) -> tuple[int, bytes]
 
     headers = build_hf_headers()
     timeout = constants.HF_HUB_DOWNLOAD_TIMEOUT
-    with _hub_errors(repo_id, filename, model_arg=True):
+    with _hub_errors(repo_id, filename):
         raw, size = _get_range(url, 0, _FIRST_RANGE - 1, headers, timeout, what)
         if len(raw) < 8:
             raise BadInput(f"{what}: truncated safetensors file ({size} bytes, no header length)")
@@ -378,7 +427,8 @@ def open_hub_checkpoint(ref: HubRef) -> "Checkpoint":
     """
     from wna16ctl.sources import HeaderSource, open_checkpoint
 
-    config = _download(ref, "config.json", ref.revision)
+    _probe(ref)
+    config = _download(ref, "config.json", ref.revision, first=True)
     root = config.parent  # <cache>/models--org--name/snapshots/<commit>
     commit = root.name
     indexed = _has_index(ref, commit)
@@ -415,6 +465,7 @@ def download_checkpoint(ref: HubRef, *, quiet: bool = False) -> Path:
         from huggingface_hub.utils import disable_progress_bars
 
         disable_progress_bars()
+    _probe(ref)
     with _hub_errors(str(ref), model_arg=True):
         path = Path(hf.snapshot_download(ref.repo_id, revision=ref.revision, ignore_patterns=_SNAPSHOT_IGNORE))
     if not (path / "config.json").is_file():
