@@ -89,12 +89,6 @@ def _debug_option(f: Callable) -> Callable:
     return click.option("--debug", is_flag=True, help="Show the traceback of an error (the exit code stays the same).")(f)
 
 
-def _tps(value: str, *, single: bool = False) -> tuple[int, ...]:
-    from wna16ctl.planning.tpsizes import parse_tp_list
-
-    return parse_tp_list(value, single=single)
-
-
 class OneLineUsageError(click.UsageError):
     """A usage error as one line on stderr: click's message (which names the option or argument)
     and the fix, instead of click's usage block; `--debug` adds the traceback, as for any error."""
