@@ -161,6 +161,10 @@ def render_fits(console: Console, insp: Inspection) -> None:
                   f"--max-model-len {f0.max_model_len}, --max-num-seqs {f0.max_num_seqs}; the rest of a start is "
                   f"estimated at {human_bytes(lo)}-{human_bytes(hi)}):")
     for f in insp.fits:
+        if f.not_judged:
+            console.print(f"  TP {f.tp}: weights {human_bytes(f.weights.loaded_bytes)} (exact); KV cache size not known "
+                          f"({escape(f.not_judged)}): [yellow]not judged[/]")
+            continue
         verdict = {"yes": "[green]fits[/]", "maybe": "[yellow]fits only if the rest stays small[/]",
                    "no": f"[red]does not fit[/] (short by at least {human_bytes(f.short_by())})"}[f.fits()]
         console.print(f"  TP {f.tp}: weights {human_bytes(f.weights.loaded_bytes)} (exact), KV "

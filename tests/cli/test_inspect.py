@@ -413,3 +413,28 @@ def test_will_it_fit_bad_input(tmp_path):
     assert len(res.stderr.strip().splitlines()) == 1
     res = _run_cli("inspect", str(ck), "--tp", "1", "--gpu", "a100-41")
     assert res.returncode == 2 and "a100-40" in res.stderr and "h200" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_will_it_fit_is_not_judged_where_the_kv_cache_size_is_not_known(tmp_path):
+    """A DeepSeek-V3-architecture config without the MLA sizes (the bench's synthetic Kimi-K2
+    headers): the KV bytes per token cannot be computed, so the fit is reported as not judged with
+    the reason, never as fitting."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import synthetic_headers
+
+    ck = synthetic_headers.write(tmp_path / "kimi", layers=3, experts=16, shards=2)
+    code, doc = inspect_json(ck, "--tp", "8", "--gpu", "h200")
+    (f,) = doc["memory"]
+    assert f["fits"] == "not_judged" and "kv_lora_rank" in f["not_judged"], f
+    assert f["kv_tokens"]["value"] is None and f["max_concurrency"]["value"] is None and f["weights"]["value"] > 0
+    text = _run_cli("inspect", str(ck), "--tp", "8", "--gpu", "h200").stdout
+    assert "not judged" in text and ": fits" not in text
+
+
+def test_will_it_fit_largest_max_model_len_is_capped_at_the_positions(tmp_path):
+    """On a GPU with room for far more than the model's 40960 positions, the largest --max-model-len
+    is the positions, not what the KV budget would hold."""
+    ck = _qwen3_30b_headers(tmp_path)
+    code, doc = inspect_json(ck, "--tp", "2", "--gpu", "b200", "--max-model-len", "1024", "--vllm", "0.33.0")
+    (f,) = doc["memory"]
+    assert f["kv_tokens"]["value"][0] > 40960 and f["largest_max_model_len"]["value"] == [40960, 40960]

@@ -53,6 +53,12 @@ class Fit:
     utilization: float
     max_model_len: int
     max_num_seqs: int
+    positions: int | None = None  # the model's max_position_embeddings (vLLM refuses a longer --max-model-len)
+
+    @property
+    def not_judged(self) -> str | None:
+        """Why the fit is not judged (the KV cache's size is not known from the config), or None."""
+        return self.kv.unknown
 
     def budget(self, rest: int) -> int:
         return int(self.gpu_mem * self.utilization) - self.weights.loaded_bytes - rest
@@ -68,7 +74,7 @@ class Fit:
 
     def largest_len(self, rest: int) -> int:
         """The largest max_model_len one sequence fits in (vLLM refuses to start past it)."""
-        budget, lo, hi = self.budget(rest), 0, 1 << 24
+        budget, lo, hi = self.budget(rest), 0, self.positions or 1 << 24
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if self.kv.sequence_bytes(mid) <= budget:
@@ -84,7 +90,8 @@ class Fit:
             return {"value": v, "unit": unit, "exact": True}
 
         def est(f, unit: str) -> dict[str, Any]:
-            return {"value": [f(hi), f(lo)], "unit": unit, "exact": False, "range_from": "rest_of_start"}
+            value = None if self.not_judged else [f(hi), f(lo)]
+            return {"value": value, "unit": unit, "exact": False, "range_from": "rest_of_start"}
 
         return {
             "tp": self.tp, "gpu_memory": exact(self.gpu_mem), "gpu_memory_utilization": self.utilization,
@@ -97,7 +104,8 @@ class Fit:
             "kv_budget": est(self.budget, "bytes"), "kv_tokens": est(self.kv_tokens, "tokens"),
             "max_concurrency": est(self.concurrency, "sequences"),
             "largest_max_model_len": est(self.largest_len, "tokens"),
-            "fits": self.fits(), "short_by": {"value": self.short_by(), "unit": "bytes", "exact": False},
+            "fits": self.fits(), "not_judged": self.not_judged,
+            "short_by": {"value": None if self.not_judged else self.short_by(), "unit": "bytes", "exact": False},
         }
 
     def gpu_memory_utilization_text(self) -> str:
@@ -108,7 +116,10 @@ class Fit:
         return max(0, self.kv.sequence_bytes(self.max_model_len) - self.budget(REST_ESTIMATE[0]))
 
     def fits(self) -> str:
-        """"yes" (even at the estimate's high end), "maybe" (only at its low end) or "no"."""
+        """"yes" (even at the estimate's high end), "maybe" (only at its low end), "no", or
+        "not_judged" (the KV cache's size is not known: `not_judged` says why)."""
+        if self.not_judged:
+            return "not_judged"
         need = self.kv.sequence_bytes(self.max_model_len)
         lo, hi = REST_ESTIMATE
         return "yes" if self.budget(hi) >= need else "maybe" if self.budget(lo) >= need else "no"
@@ -145,5 +156,5 @@ def fits(insp: Any, gpu_mem: int, utilization: float = DEFAULT_UTILIZATION, max_
             continue
         mem = weights_per_rank(ck, tp, insp.ep, insp.engine.version, moe, lin)
         kv = kv_cache(ck, tp, dtype_bytes, ST_SIZES[model_st])
-        out.append(Fit(tp, mem, kv, gpu_mem, utilization, length, max_num_seqs))
+        out.append(Fit(tp, mem, kv, gpu_mem, utilization, length, max_num_seqs, positions))
     return out
