@@ -168,7 +168,7 @@ def _fit_options(f: Callable) -> Callable:
 
 def _fit_arguments(ctx: click.Context, fit: dict[str, Any]) -> dict[str, Any]:
     """The memory to plan against: --gpu-mem, else the memory a --gpu name carries, else none."""
-    from wna16ctl.planning.fit import GPU_MEMORY, gpu_memory
+    from wna16ctl.planning.fit import GPU_MEMORY
 
     mem = fit.pop("gpu_mem")
     name = ctx.meta.get("gpu_name")
@@ -180,7 +180,7 @@ def _fit_arguments(ctx: click.Context, fit: dict[str, Any]) -> dict[str, Any]:
         except UsageError as e:
             raise UsageError(f"--gpu-mem: {e.message}") from None
     elif name in GPU_MEMORY:
-        fit["gpu_mem"] = gpu_memory(name)
+        fit["gpu_mem"] = name  # the name: its memory and its SM count
     return fit
 
 

@@ -167,7 +167,8 @@ def render_fits(console: Console, insp: Inspection) -> None:
             continue
         verdict = {"yes": "[green]fits[/]", "maybe": "[yellow]fits only if the rest stays small[/]",
                    "no": f"[red]does not fit[/] (short by at least {human_bytes(f.short_by())})"}[f.fits()]
-        console.print(f"  TP {f.tp}: weights {human_bytes(f.weights.loaded_bytes)} (exact), KV "
+        weights = "exact" if f.weights_exact() else "as built where processing is not modelled"
+        console.print(f"  TP {f.tp}: weights {human_bytes(f.weights.loaded_bytes)} ({weights}), KV "
                       f"{human_bytes(f.kv.bytes_per_token())}/token (exact); KV tokens {f.kv_tokens(hi)}-{f.kv_tokens(lo)}, "
                       f"{f.concurrency(hi)}-{f.concurrency(lo)} concurrent {f.max_model_len}-token requests, "
                       f"largest --max-model-len {f.largest_len(hi)}-{f.largest_len(lo)}: {verdict}")

@@ -393,7 +393,7 @@ def test_will_it_fit_on_an_a100_40(tmp_path):
     for tp, f in fits.items():
         # 48 layers x K and V x 4 KV heads / TP x 128 x bf16
         assert f["kv_bytes_per_token"] == {"value": 48 * 2 * (4 // tp) * 128 * 2, "unit": "bytes", "exact": True}
-        assert f["gpu_memory"]["value"] == 40 << 30 and f["weights"]["exact"] and f["fits"] == "yes"
+        assert f["gpu_memory"]["value"] == 40 << 30 and f["weights_as_built"]["exact"] and f["fits"] == "yes"
         budgets = [int((40 << 30) * 0.9) - f["weights"]["value"] - rest for rest in reversed(REST_ESTIMATE)]
         assert f["kv_budget"]["value"] == budgets and f["kv_budget"]["exact"] is False
         per_seq = 32768 * f["kv_bytes_per_token"]["value"]
@@ -438,3 +438,26 @@ def test_will_it_fit_largest_max_model_len_is_capped_at_the_positions(tmp_path):
     code, doc = inspect_json(ck, "--tp", "2", "--gpu", "b200", "--max-model-len", "1024", "--vllm", "0.33.0")
     (f,) = doc["memory"]
     assert f["kv_tokens"]["value"][0] > 40960 and f["largest_max_model_len"]["value"] == [40960, 40960]
+
+
+def test_will_it_fit_weights_after_processing(tmp_path):
+    """At 0.27.1 on an A100 (108 SMs) Marlin's processing frees each layer's four int32 g_idx tensors
+    (E x (H + I/TP)) and keeps one workspace per layer (108 x 4 int32); at 0.33.0 neither, and
+    group-32 experts at TP 8 are tile-padded from 96 to 128 rows."""
+    from tests import modelckpt as m
+
+    ck = _qwen3_30b_headers(tmp_path)
+    code, doc = inspect_json(ck, "--tp", "2", "--gpu", "a100-40", "--vllm", "0.27.1")
+    (f,) = doc["memory"]
+    causes = f["weights_processing"]["by_cause"]
+    assert causes == {"g_idx_freed": -48 * 128 * 2 * 4 * (2048 + 384), "workspace": 48 * 108 * 4 * 4}
+    assert f["weights"]["value"] == f["weights_as_built"]["value"] + sum(causes.values())
+    assert f["weights"]["stage"] == "after_processing" and f["weights_as_built"]["stage"] == "as_built"
+    config = dict(m.qwen3_30b_a3b(layers=2, group_size=32), max_position_embeddings=40960)
+    g32 = m.write(tmp_path / "g32", config, m.qwen3_moe(config, config["quantization_config"]))
+    code, doc = inspect_json(g32, "--tp", "8", "--gpu", "sm80", "--gpu-mem", "80GiB", "--vllm", "0.33.0")
+    (f,) = doc["memory"]
+    # per expert: w13 2 x 32 rows x 2048/8 words, w2 2048 x 32/8 words (int32), w13 scales 2 x 32 x 64 groups,
+    # w2 scales 2048 x 1 group (bf16); 128 experts, 2 layers
+    per = 4 * 2 * 32 * 256 + 4 * 2048 * 4 + 2 * 2 * 32 * 64 + 2 * 2048 * 1
+    assert f["weights_processing"]["by_cause"] == {"tile_padding": 2 * 128 * per}

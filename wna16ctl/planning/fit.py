@@ -20,13 +20,17 @@ if TYPE_CHECKING:  # the command line reads GPU_MEMORY at start-up: the planners
     from wna16ctl.planning.memory import WeightsMemory
 
 GIB = 1 << 30
-# GPU names that carry their memory (bytes as the device reports it, GiB-rounded) and architecture
-GPU_MEMORY: dict[str, tuple[str, int]] = {
-    "a100-40": ("sm80", 40 * GIB), "a100-80": ("sm80", 80 * GIB), "a100": ("sm80", 80 * GIB),
-    "a10": ("sm86", 24 * GIB), "a10g": ("sm86", 24 * GIB), "l4": ("sm89", 24 * GIB), "l40s": ("sm89", 48 * GIB),
-    "h100": ("sm90", 80 * GIB), "h100-94": ("sm90", 94 * GIB), "h200": ("sm90", 141 * GIB),
-    "h20": ("sm90", 96 * GIB), "b200": ("sm100", 180 * GIB), "gb200": ("sm100", 186 * GIB),
+# GPU names that carry their memory: (architecture, bytes as the device reports it, GiB-rounded,
+# streaming multiprocessors: Marlin's workspaces are sized by them)
+GPU_MEMORY: dict[str, tuple[str, int, int]] = {
+    "a100-40": ("sm80", 40 * GIB, 108), "a100-80": ("sm80", 80 * GIB, 108), "a100": ("sm80", 80 * GIB, 108),
+    "a10": ("sm86", 24 * GIB, 72), "a10g": ("sm86", 24 * GIB, 80), "l4": ("sm89", 24 * GIB, 58),
+    "l40s": ("sm89", 48 * GIB, 142), "h100": ("sm90", 80 * GIB, 132), "h100-94": ("sm90", 94 * GIB, 132),
+    "h200": ("sm90", 141 * GIB, 132), "h20": ("sm90", 96 * GIB, 78), "b200": ("sm100", 180 * GIB, 148),
+    "gb200": ("sm100", 186 * GIB, 148),
 }
+# where only the architecture is known (--gpu sm90 --gpu-mem 80GiB): its data-centre part's SM count
+ARCH_SMS = {"sm75": 40, "sm80": 108, "sm86": 84, "sm89": 142, "sm90": 132, "sm100": 148, "sm120": 170}
 DEFAULT_UTILIZATION = 0.9  # vLLM's --gpu-memory-utilization default
 # The rest of a start, per rank: the activation peak of the profiling pass, allocations outside
 # torch (NCCL buffers) and the CUDA graph pools.  Not computed from vLLM's code: a wide bracket
@@ -96,7 +100,11 @@ class Fit:
         return {
             "tp": self.tp, "gpu_memory": exact(self.gpu_mem), "gpu_memory_utilization": self.utilization,
             "max_model_len": self.max_model_len, "max_num_seqs": self.max_num_seqs,
-            "weights": exact(self.weights.loaded_bytes), "weights_as_built": exact(self.weights.built_bytes),
+            "weights": {**exact(self.weights.loaded_bytes), "exact": self.weights_exact(), "stage": "after_processing"},
+            "weights_as_built": {**exact(self.weights.built_bytes), "stage": "as_built"},
+            "weights_processing": {**exact(self.weights.loaded_bytes - self.weights.built_bytes),
+                                   "exact": self.weights_exact(), "by_cause": self.weights.processing_by_cause(),
+                                   "not_modelled": list(self.weights.processing_not_modelled)},
             "kv_bytes_per_token": exact(self.kv.bytes_per_token()),
             "kv_state_bytes_per_sequence": exact(self.kv.state_bytes()),
             "rest_of_start": {"value": [lo, hi], "unit": "bytes", "exact": False,
@@ -107,6 +115,10 @@ class Fit:
             "fits": self.fits(), "not_judged": self.not_judged,
             "short_by": {"value": None if self.not_judged else self.short_by(), "unit": "bytes", "exact": False},
         }
+
+    def weights_exact(self) -> bool:
+        """The weights after processing are exact where every module's processing is modelled."""
+        return not self.weights.processing_not_modelled
 
     def gpu_memory_utilization_text(self) -> str:
         return f"{self.utilization:g}"
@@ -132,9 +144,17 @@ def max_positions(insp: Any) -> int | None:
     return v if isinstance(v, int) and v > 0 else None
 
 
+def gpu_sms(name: str | None, arch: str) -> int:
+    """The SM count of the GPU `name` (a GPU_MEMORY name), else of architecture `arch`'s data-centre part."""
+    if name is not None and name.lower() in GPU_MEMORY:
+        return GPU_MEMORY[name.lower()][2]
+    return ARCH_SMS.get(arch, ARCH_SMS["sm90"])
+
+
 def fits(insp: Any, gpu_mem: int, utilization: float = DEFAULT_UTILIZATION, max_model_len: int | None = None,
-         max_num_seqs: int = 256, kv_cache_dtype: str = "auto") -> list[Fit]:
-    """One `Fit` per TP size of `insp` that loads (planning.inspection.Inspection)."""
+         max_num_seqs: int = 256, kv_cache_dtype: str = "auto", gpu_name: str | None = None) -> list[Fit]:
+    """One `Fit` per TP size of `insp` that loads (planning.inspection.Inspection); `gpu_name`, a
+    GPU_MEMORY name, gives the SM count Marlin's workspaces are sized by."""
     from wna16ctl.planning.kvcache import kv_cache, kv_dtype_bytes
     from wna16ctl.planning.memory import model_st_dtype, weights_per_rank
 
@@ -154,7 +174,7 @@ def fits(insp: Any, gpu_mem: int, utilization: float = DEFAULT_UTILIZATION, max_
         lin = {k: v[i] for k, v in insp.linear_plans.items()}
         if not all(moe[lay.prefix].loadable for lay in ck.quantized_layers) or not all(p.loadable for p in lin.values()):
             continue
-        mem = weights_per_rank(ck, tp, insp.ep, insp.engine.version, moe, lin)
+        mem = weights_per_rank(ck, tp, insp.ep, insp.engine.version, moe, lin, sms=gpu_sms(gpu_name, insp.gpu))
         kv = kv_cache(ck, tp, dtype_bytes, ST_SIZES[model_st])
         out.append(Fit(tp, mem, kv, gpu_mem, utilization, length, max_num_seqs, positions))
     return out
