@@ -461,3 +461,11 @@ def test_will_it_fit_weights_after_processing(tmp_path):
     # w2 scales 2048 x 1 group (bf16); 128 experts, 2 layers
     per = 4 * 2 * 32 * 256 + 4 * 2048 * 4 + 2 * 2 * 32 * 64 + 2 * 2048 * 1
     assert f["weights_processing"]["by_cause"] == {"tile_padding": 2 * 128 * per}
+
+
+@pytest.mark.parametrize("command", [["inspect"], ["pad", "--tp", "4", "--dry-run"]])
+def test_an_unknown_gpu_name_is_one_line_listing_the_known_ones(tmp_path, command):
+    ck = _qwen3_30b_headers(tmp_path)
+    res = _run_cli(command[0], str(ck), *command[1:], "--gpu", "a100-41")
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert "--gpu a100-41" in res.stderr and "a100-40" in res.stderr and "sm90" in res.stderr and "h200" in res.stderr
