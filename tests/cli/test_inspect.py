@@ -469,3 +469,26 @@ def test_an_unknown_gpu_name_is_one_line_listing_the_known_ones(tmp_path, comman
     res = _run_cli(command[0], str(ck), *command[1:], "--gpu", "a100-41")
     assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
     assert "--gpu a100-41" in res.stderr and "a100-40" in res.stderr and "sm90" in res.stderr and "h200" in res.stderr
+
+
+def test_suggest_ranks_ep_against_pad_by_memory_on_an_a100_40(tmp_path):
+    """Qwen3-30B-A3B W4A16 at TP 4 does not load (192 rows per rank, groups of 128); with an A100-40
+    and 32k requests --suggest judges EP, pad and the other TP sizes by their memory: EP keeps the
+    checkpoint's bytes, so its ranks hold more KV tokens than the padded checkpoint's and it ranks
+    first; each figure is the one inspect gives that deployment."""
+    ck = _qwen3_30b_headers(tmp_path)
+    args = ["--gpu", "a100-40", "--max-model-len", "32768", "--vllm", "0.33.0"]
+    code, doc = inspect_json(ck, "--tp", "4", "--suggest", *args)
+    judged = [s for s in doc["suggestions"] if s["memory"] is not None]
+    kinds = [(s["kind"], s["tp"]) for s in judged]
+    assert kinds[:2] == [("ep", 4), ("pad", 4)] and {k for k, _ in kinds} == {"ep", "pad", "tp"}, kinds
+    ep, pad = judged[0]["memory"], judged[1]["memory"]
+    assert ep["fits"] == pad["fits"] == "yes"
+    assert ep["kv_tokens"]["value"][0] > pad["kv_tokens"]["value"][0] and ep["weights"]["value"] < pad["weights"]["value"]
+    assert "concurrent 32768-token requests" in judged[0]["change"]
+    _, doc_ep = inspect_json(ck, "--tp", "4", "--ep", *args)
+    (f,) = doc_ep["memory"]
+    assert ep["kv_tokens"] == f["kv_tokens"] and ep["weights"] == f["weights"]
+    # ranked by KV capacity among themselves: fewer ranks hold fewer tokens each
+    tokens = [s["memory"]["kv_tokens"]["value"][0] for s in judged]
+    assert tokens == sorted(tokens, reverse=True)

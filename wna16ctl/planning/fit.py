@@ -151,12 +151,25 @@ def gpu_sms(name: str | None, arch: str) -> int:
     return ARCH_SMS.get(arch, ARCH_SMS["sm90"])
 
 
-def fits(insp: Any, gpu_mem: int, utilization: float = DEFAULT_UTILIZATION, max_model_len: int | None = None,
-         max_num_seqs: int = 256, kv_cache_dtype: str = "auto", gpu_name: str | None = None) -> list[Fit]:
-    """One `Fit` per TP size of `insp` that loads (planning.inspection.Inspection); `gpu_name`, a
-    GPU_MEMORY name, gives the SM count Marlin's workspaces are sized by."""
-    from wna16ctl.planning.kvcache import kv_cache, kv_dtype_bytes
-    from wna16ctl.planning.memory import model_st_dtype, weights_per_rank
+@dataclass(frozen=True)
+class FitSettings:
+    """What a fit is judged against: the GPU and vLLM's options (`--max-model-len` resolved)."""
+
+    gpu_mem: int
+    utilization: float
+    max_model_len: int
+    max_num_seqs: int
+    kv_dtype_bytes: int
+    sms: int
+    positions: int | None
+
+
+def fit_settings(insp: Any, gpu_mem: int, utilization: float = DEFAULT_UTILIZATION, max_model_len: int | None = None,
+                 max_num_seqs: int = 256, kv_cache_dtype: str = "auto", gpu_name: str | None = None) -> FitSettings:
+    """The settings for `insp` (planning.inspection.Inspection); `gpu_name`, a GPU_MEMORY name,
+    gives the SM count Marlin's workspaces are sized by."""
+    from wna16ctl.planning.kvcache import kv_dtype_bytes
+    from wna16ctl.planning.memory import model_st_dtype
 
     if not 0 < utilization <= 1:
         raise UsageError(f"--gpu-memory-utilization {utilization}: a fraction in (0, 1]")
@@ -164,17 +177,32 @@ def fits(insp: Any, gpu_mem: int, utilization: float = DEFAULT_UTILIZATION, max_
     if max_model_len is not None and positions is not None and max_model_len > positions:
         raise UsageError(f"--max-model-len {max_model_len}: beyond the model's {positions} positions "
                          "(config.json max_position_embeddings)")
-    length = max_model_len or positions or 4096
+    return FitSettings(gpu_mem, utilization, max_model_len or positions or 4096, max_num_seqs,
+                       kv_dtype_bytes(kv_cache_dtype, model_st_dtype(insp.checkpoint)), gpu_sms(gpu_name, insp.gpu),
+                       positions)
+
+
+def fit_at(ck: Any, tp: int, ep: bool, vllm: str, moe_plans: dict[str, Any], linear_plans: dict[str, Any],
+           settings: FitSettings) -> Fit:
+    """One deployment's fit: the checkpoint `ck` (sources.Checkpoint) planned at `tp` (prefix /
+    layer name -> plan at that size)."""
+    from wna16ctl.planning.kvcache import kv_cache
+    from wna16ctl.planning.memory import model_st_dtype, weights_per_rank
+
+    mem = weights_per_rank(ck, tp, ep, vllm, moe_plans, linear_plans, sms=settings.sms)
+    kv = kv_cache(ck, tp, settings.kv_dtype_bytes, ST_SIZES[model_st_dtype(ck)])
+    return Fit(tp, mem, kv, settings.gpu_mem, settings.utilization, settings.max_model_len, settings.max_num_seqs,
+               settings.positions)
+
+
+def fits(insp: Any, settings: FitSettings) -> list[Fit]:
+    """One `Fit` per TP size of `insp` that loads (planning.inspection.Inspection)."""
     ck = insp.checkpoint
-    model_st = model_st_dtype(ck)
-    dtype_bytes = kv_dtype_bytes(kv_cache_dtype, model_st)
     out = []
     for i, tp in enumerate(insp.tps):
         moe = {k: v[i] for k, v in insp.plans.items()}
         lin = {k: v[i] for k, v in insp.linear_plans.items()}
         if not all(moe[lay.prefix].loadable for lay in ck.quantized_layers) or not all(p.loadable for p in lin.values()):
             continue
-        mem = weights_per_rank(ck, tp, insp.ep, insp.engine.version, moe, lin, sms=gpu_sms(gpu_name, insp.gpu))
-        kv = kv_cache(ck, tp, dtype_bytes, ST_SIZES[model_st])
-        out.append(Fit(tp, mem, kv, gpu_mem, utilization, length, max_num_seqs, positions))
+        out.append(fit_at(ck, tp, insp.ep, insp.engine.version, moe, lin, settings))
     return out
