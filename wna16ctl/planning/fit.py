@@ -108,7 +108,7 @@ class Fit:
             "kv_bytes_per_token": exact(self.kv.bytes_per_token()),
             "kv_state_bytes_per_sequence": exact(self.kv.state_bytes()),
             "rest_of_start": {"value": [lo, hi], "unit": "bytes", "exact": False,
-                              "source": "estimate: activation peak, non-torch memory, CUDA graphs"},
+                              "source": "estimate (docs/memory.md): activation peak, non-torch memory, CUDA graphs"},
             "kv_budget": est(self.budget, "bytes"), "kv_tokens": est(self.kv_tokens, "tokens"),
             "max_concurrency": est(self.concurrency, "sequences"),
             "largest_max_model_len": est(self.largest_len, "tokens"),
