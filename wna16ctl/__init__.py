@@ -94,11 +94,14 @@ def inspect(path: PathLike, tp: TpSizes = "1,2,4,8", ep: bool = False, *, vllm: 
     insp = inspect_checkpoint(path, parse_tp_list(tp), ep, vllm=vllm, gpu=gpu, revision=revision, env=_env_list(env),
                               moe_backend=moe_backend, proposal=proposal)
     if gpu_mem is not None:
-        from wna16ctl.planning.fit import fits
+        from wna16ctl.planning.fit import GPU_MEMORY, fit_settings, fits, gpu_memory
         from wna16ctl.sink import parse_size
 
-        insp.fits = fits(insp, parse_size(gpu_mem), gpu_memory_utilization, max_model_len, max_num_seqs,
-                         kv_cache_dtype)
+        name = gpu_mem.lower() if isinstance(gpu_mem, str) and gpu_mem.lower() in GPU_MEMORY else None
+        insp.fit_settings = fit_settings(insp, gpu_memory(name) if name else parse_size(gpu_mem),
+                                         gpu_memory_utilization, max_model_len, max_num_seqs, kv_cache_dtype,
+                                         gpu_name=name)
+        insp.fits = fits(insp, insp.fit_settings)
     if suggest:
         from wna16ctl.planning.suggest import suggest as find_suggestions
 

@@ -171,19 +171,32 @@ GPU_ALIASES = {
 }
 
 
+class _OptionError(click.ClickException):
+    """A bad option value found while the options are read: one line on stderr and exit 2, as an
+    error inside a command body (click's own usage errors print the usage too)."""
+
+    exit_code = EXIT_BAD_INPUT
+
+    def show(self, file: Any = None) -> None:
+        Sink().error(self.message)
+
+
 def _gpu_option() -> Callable:
     from wna16ctl.planning.fit import GPU_MEMORY
 
-    def to_sm(ctx: click.Context, param: click.Parameter, value: str) -> str:
-        ctx.meta["gpu_name"] = value.lower()  # a name may carry the GPU's memory (planning.fit.GPU_MEMORY)
-        if value.lower() in GPU_MEMORY:
-            return GPU_MEMORY[value.lower()][0]
-        return GPU_ALIASES.get(value.lower(), value.lower())
+    known = list(GPUS) + [a for a in GPU_ALIASES if GPU_ALIASES[a] in GPUS]
+    known += [n for n in GPU_MEMORY if n not in known]
 
-    names = list(GPUS) + [a for a in GPU_ALIASES if GPU_ALIASES[a] in GPUS]
-    names += [n for n in GPU_MEMORY if n not in names]
-    return click.option("--gpu", type=click.Choice(names, case_sensitive=False), default=DEFAULT_GPU,
-                        show_default=True, callback=to_sm, metavar="SM|NAME",
+    def to_sm(ctx: click.Context, param: click.Parameter, value: str) -> str:
+        name = value.lower()
+        ctx.meta["gpu_name"] = name  # a name may carry the GPU's memory (planning.fit.GPU_MEMORY)
+        if name in GPU_MEMORY:
+            return GPU_MEMORY[name][0]
+        if name in GPUS or GPU_ALIASES.get(name) in GPUS:
+            return GPU_ALIASES.get(name, name)
+        raise _OptionError(f"--gpu {value}: not a GPU architecture or name wna16ctl knows; one of {', '.join(known)}")
+
+    return click.option("--gpu", default=DEFAULT_GPU, show_default=True, callback=to_sm, metavar="SM|NAME",
                         help=f"GPU architecture the engine runs on (backend priority depends on it): {', '.join(GPUS)}, "
                              "or a GPU name for its architecture (h100, h200 = sm90; a100 = sm80; l40s = sm89; "
                              "b200 = sm100; ...).")
@@ -220,7 +233,7 @@ def _fit_options(f: Callable) -> Callable:
 
 def _fit_arguments(ctx: click.Context, fit: dict[str, Any]) -> dict[str, Any]:
     """The memory to plan against: --gpu-mem, else the memory a --gpu name carries, else none."""
-    from wna16ctl.planning.fit import GPU_MEMORY, gpu_memory
+    from wna16ctl.planning.fit import GPU_MEMORY
 
     mem = fit.pop("gpu_mem")
     name = ctx.meta.get("gpu_name")
@@ -232,7 +245,7 @@ def _fit_arguments(ctx: click.Context, fit: dict[str, Any]) -> dict[str, Any]:
         except UsageError as e:
             raise UsageError(f"--gpu-mem: {e.message}") from None
     elif name in GPU_MEMORY:
-        fit["gpu_mem"] = gpu_memory(name)
+        fit["gpu_mem"] = name  # the name: its memory and its SM count
     return fit
 
 

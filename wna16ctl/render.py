@@ -161,9 +161,14 @@ def render_fits(console: Console, insp: Inspection) -> None:
                   f"--max-model-len {f0.max_model_len}, --max-num-seqs {f0.max_num_seqs}; the rest of a start is "
                   f"estimated at {human_bytes(lo)}-{human_bytes(hi)}):")
     for f in insp.fits:
+        if f.not_judged:
+            console.print(f"  TP {f.tp}: weights {human_bytes(f.weights.loaded_bytes)} (exact); KV cache size not known "
+                          f"({escape(f.not_judged)}): [yellow]not judged[/]")
+            continue
         verdict = {"yes": "[green]fits[/]", "maybe": "[yellow]fits only if the rest stays small[/]",
                    "no": f"[red]does not fit[/] (short by at least {human_bytes(f.short_by())})"}[f.fits()]
-        console.print(f"  TP {f.tp}: weights {human_bytes(f.weights.loaded_bytes)} (exact), KV "
+        weights = "exact" if f.weights_exact() else "as built where processing is not modelled"
+        console.print(f"  TP {f.tp}: weights {human_bytes(f.weights.loaded_bytes)} ({weights}), KV "
                       f"{human_bytes(f.kv.bytes_per_token())}/token (exact); KV tokens {f.kv_tokens(hi)}-{f.kv_tokens(lo)}, "
                       f"{f.concurrency(hi)}-{f.concurrency(lo)} concurrent {f.max_model_len}-token requests, "
                       f"largest --max-model-len {f.largest_len(hi)}-{f.largest_len(lo)}: {verdict}")

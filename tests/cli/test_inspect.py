@@ -393,7 +393,7 @@ def test_will_it_fit_on_an_a100_40(tmp_path):
     for tp, f in fits.items():
         # 48 layers x K and V x 4 KV heads / TP x 128 x bf16
         assert f["kv_bytes_per_token"] == {"value": 48 * 2 * (4 // tp) * 128 * 2, "unit": "bytes", "exact": True}
-        assert f["gpu_memory"]["value"] == 40 << 30 and f["weights"]["exact"] and f["fits"] == "yes"
+        assert f["gpu_memory"]["value"] == 40 << 30 and f["weights_as_built"]["exact"] and f["fits"] == "yes"
         budgets = [int((40 << 30) * 0.9) - f["weights"]["value"] - rest for rest in reversed(REST_ESTIMATE)]
         assert f["kv_budget"]["value"] == budgets and f["kv_budget"]["exact"] is False
         per_seq = 32768 * f["kv_bytes_per_token"]["value"]
@@ -413,3 +413,82 @@ def test_will_it_fit_bad_input(tmp_path):
     assert len(res.stderr.strip().splitlines()) == 1
     res = _run_cli("inspect", str(ck), "--tp", "1", "--gpu", "a100-41")
     assert res.returncode == 2 and "a100-40" in res.stderr and "h200" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_will_it_fit_is_not_judged_where_the_kv_cache_size_is_not_known(tmp_path):
+    """A DeepSeek-V3-architecture config without the MLA sizes (the bench's synthetic Kimi-K2
+    headers): the KV bytes per token cannot be computed, so the fit is reported as not judged with
+    the reason, never as fitting."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import synthetic_headers
+
+    ck = synthetic_headers.write(tmp_path / "kimi", layers=3, experts=16, shards=2)
+    code, doc = inspect_json(ck, "--tp", "8", "--gpu", "h200")
+    (f,) = doc["memory"]
+    assert f["fits"] == "not_judged" and "kv_lora_rank" in f["not_judged"], f
+    assert f["kv_tokens"]["value"] is None and f["max_concurrency"]["value"] is None and f["weights"]["value"] > 0
+    text = _run_cli("inspect", str(ck), "--tp", "8", "--gpu", "h200").stdout
+    assert "not judged" in text and ": fits" not in text
+
+
+def test_will_it_fit_largest_max_model_len_is_capped_at_the_positions(tmp_path):
+    """On a GPU with room for far more than the model's 40960 positions, the largest --max-model-len
+    is the positions, not what the KV budget would hold."""
+    ck = _qwen3_30b_headers(tmp_path)
+    code, doc = inspect_json(ck, "--tp", "2", "--gpu", "b200", "--max-model-len", "1024", "--vllm", "0.33.0")
+    (f,) = doc["memory"]
+    assert f["kv_tokens"]["value"][0] > 40960 and f["largest_max_model_len"]["value"] == [40960, 40960]
+
+
+def test_will_it_fit_weights_after_processing(tmp_path):
+    """At 0.27.1 on an A100 (108 SMs) Marlin's processing frees each layer's four int32 g_idx tensors
+    (E x (H + I/TP)) and keeps one workspace per layer (108 x 4 int32); at 0.33.0 neither, and
+    group-32 experts at TP 8 are tile-padded from 96 to 128 rows."""
+    from tests import modelckpt as m
+
+    ck = _qwen3_30b_headers(tmp_path)
+    code, doc = inspect_json(ck, "--tp", "2", "--gpu", "a100-40", "--vllm", "0.27.1")
+    (f,) = doc["memory"]
+    causes = f["weights_processing"]["by_cause"]
+    assert causes == {"g_idx_freed": -48 * 128 * 2 * 4 * (2048 + 384), "workspace": 48 * 108 * 4 * 4}
+    assert f["weights"]["value"] == f["weights_as_built"]["value"] + sum(causes.values())
+    assert f["weights"]["stage"] == "after_processing" and f["weights_as_built"]["stage"] == "as_built"
+    config = dict(m.qwen3_30b_a3b(layers=2, group_size=32), max_position_embeddings=40960)
+    g32 = m.write(tmp_path / "g32", config, m.qwen3_moe(config, config["quantization_config"]))
+    code, doc = inspect_json(g32, "--tp", "8", "--gpu", "sm80", "--gpu-mem", "80GiB", "--vllm", "0.33.0")
+    (f,) = doc["memory"]
+    # per expert: w13 2 x 32 rows x 2048/8 words, w2 2048 x 32/8 words (int32), w13 scales 2 x 32 x 64 groups,
+    # w2 scales 2048 x 1 group (bf16); 128 experts, 2 layers
+    per = 4 * 2 * 32 * 256 + 4 * 2048 * 4 + 2 * 2 * 32 * 64 + 2 * 2048 * 1
+    assert f["weights_processing"]["by_cause"] == {"tile_padding": 2 * 128 * per}
+
+
+@pytest.mark.parametrize("command", [["inspect"], ["pad", "--tp", "4", "--dry-run"]])
+def test_an_unknown_gpu_name_is_one_line_listing_the_known_ones(tmp_path, command):
+    ck = _qwen3_30b_headers(tmp_path)
+    res = _run_cli(command[0], str(ck), *command[1:], "--gpu", "a100-41")
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert "--gpu a100-41" in res.stderr and "a100-40" in res.stderr and "sm90" in res.stderr and "h200" in res.stderr
+
+
+def test_suggest_ranks_ep_against_pad_by_memory_on_an_a100_40(tmp_path):
+    """Qwen3-30B-A3B W4A16 at TP 4 does not load (192 rows per rank, groups of 128); with an A100-40
+    and 32k requests --suggest judges EP, pad and the other TP sizes by their memory: EP keeps the
+    checkpoint's bytes, so its ranks hold more KV tokens than the padded checkpoint's and it ranks
+    first; each figure is the one inspect gives that deployment."""
+    ck = _qwen3_30b_headers(tmp_path)
+    args = ["--gpu", "a100-40", "--max-model-len", "32768", "--vllm", "0.33.0"]
+    code, doc = inspect_json(ck, "--tp", "4", "--suggest", *args)
+    judged = [s for s in doc["suggestions"] if s["memory"] is not None]
+    kinds = [(s["kind"], s["tp"]) for s in judged]
+    assert kinds[:2] == [("ep", 4), ("pad", 4)] and {k for k, _ in kinds} == {"ep", "pad", "tp"}, kinds
+    ep, pad = judged[0]["memory"], judged[1]["memory"]
+    assert ep["fits"] == pad["fits"] == "yes"
+    assert ep["kv_tokens"]["value"][0] > pad["kv_tokens"]["value"][0] and ep["weights"]["value"] < pad["weights"]["value"]
+    assert "concurrent 32768-token requests" in judged[0]["change"]
+    _, doc_ep = inspect_json(ck, "--tp", "4", "--ep", *args)
+    (f,) = doc_ep["memory"]
+    assert ep["kv_tokens"] == f["kv_tokens"] and ep["weights"] == f["weights"]
+    # ranked by KV capacity among themselves: fewer ranks hold fewer tokens each
+    tokens = [s["memory"]["kv_tokens"]["value"][0] for s in judged]
+    assert tokens == sorted(tokens, reverse=True)

@@ -640,6 +640,9 @@ class Release:
         for name in case.get("ckpt_names") or ():
             mapped = mapper._map_name(name + ".weight") if mapper is not None else name + ".weight"
             out["name_map"][name] = mapped.removesuffix(".weight") if mapped else None
+        if case.get("process"):
+            with set_current_vllm_config(config):
+                out["experts_processed"] = self._processed_expert_bytes(model)
         if case.get("load"):
             try:
                 with set_current_vllm_config(config):
@@ -688,6 +691,35 @@ class Release:
                 "k_p": getattr(mod, "input_size_per_partition", None),
                 "n_p": getattr(mod, "output_size_per_partition", None),
             }
+
+    def _processed_expert_bytes(self, model) -> list[list]:
+        """Per routed-experts module of a WNA16 method: the release's `process_weights_after_loading`
+        run on the built (meta) tensors, compiled ops answering with meta scalars, then the bytes of
+        the module's parameters, buffers and Marlin workspace: [name, backend, bytes, error]; error
+        is what the processing raised (None: it completed)."""
+        out: list[list] = []
+        for name, mod in model.named_modules():
+            method = getattr(mod, "quant_method", None)
+            if not isinstance(mod, self.routed_experts_cls) or not type(method).__name__.startswith(
+                    "CompressedTensorsWNA16"):
+                continue
+            error = None
+            _stubs.OPS_META = True
+            try:
+                method.process_weights_after_loading(mod)
+            except Exception as exc:  # reported: the test says which step stopped it
+                error = f"{type(exc).__name__}: {_exception_text(exc)}"
+            finally:
+                _stubs.OPS_META = False
+            seen: set[int] = set()
+            total = 0
+            tensors = [*mod.parameters(recurse=False), *mod.buffers(recurse=False), getattr(mod, "workspace", None)]
+            for t in tensors:
+                if t is not None and hasattr(t, "element_size") and id(t) not in seen:
+                    seen.add(id(t))
+                    total += t.numel() * t.element_size()
+            out.append([name, _backend_name(getattr(method, "wna16_backend", None)), total, error])
+        return out
 
     def _load_check(self, method, layer, moe, case) -> str:
         """Drive the release's own expert weight loader with down_proj's packed weight of expert 0

@@ -276,6 +276,33 @@ def planner_memory(insp, tp: int, ep: bool, version: str) -> dict[str, Any]:
     return {"weights_bytes": mem.built_bytes, "weights_not_counted": mem.not_counted, "kv_per_layer": per_layer}
 
 
+def processed_experts(version: str, case: dict[str, Any]) -> tuple[list[list], list[list]]:
+    """Per routed-experts layer of rank 0, after the release's weight processing: vLLM's
+    [backend, bytes] (its `process_weights_after_loading` run on the meta-built model; the error it
+    raised, if any, third) against the planner's [backend, built + processing bytes]."""
+    from wna16ctl.planning.inspection import inspect_checkpoint
+    from wna16ctl.planning.memory import weights_per_rank
+
+    req = {k: case[k] for k in ("ckpt", "tp", "ep", "gpu", "env")}
+    vllm = vllm_release.vllm_outcome(version, dict(req, kind="model", process=True))
+    assert vllm["stage"] is None, vllm.get("error")
+    insp = inspect_checkpoint(case["ckpt"], [case["tp"]], case["ep"], vllm=version, gpu=case["gpu"])
+    plans = {k: v[0] for k, v in insp.plans.items()}
+    mem = weights_per_rank(insp.checkpoint, case["tp"], case["ep"], version, plans,
+                           {k: v[0] for k, v in insp.linear_plans.items()}, sms=_SM_COUNT[case["gpu"]])
+    mine = []
+    for prefix, plan in sorted(plans.items()):
+        extra = sum(v for k, v in mem.processing.items() if k.startswith(prefix + "."))
+        mine.append([plan.backend.value if plan.backend else None,
+                     mem.built[prefix] + mem.built.get(prefix + ".expert_map", 0) + extra])
+    theirs = sorted([b, n] + ([err] if err else []) for _, b, n, err in vllm["experts_processed"])
+    return theirs, sorted(mine)
+
+
+# the worker platform's SM counts per architecture (_vllm_worker.SM_COUNT)
+_SM_COUNT = {"sm75": 40, "sm80": 108, "sm86": 72, "sm89": 142, "sm90": 132, "sm100": 148, "sm120": 188}
+
+
 def vllm_kv_per_layer(vllm: dict[str, Any]) -> list[tuple[bool, int]] | str:
     """Per attention layer of the built model: (a per-sequence state, bytes) -- page size over block
     size for attention specs (bytes per token), the page size for a state (MambaSpec)."""

@@ -30,7 +30,7 @@ def model_release(request, tmp_path_factory):
 
 
 def _layer_case(root: Path, name: str, gpu: str, tp: int, **changes: Any) -> dict[str, Any]:
-    case = dict(adversarial.FIXTURES["asym_g64"], symmetric=True, group_size=128, **changes, tp=tp, gpu=gpu)
+    case = {**adversarial.FIXTURES["asym_g64"], "symmetric": True, "group_size": 128, **changes, "tp": tp, "gpu": gpu}
     ckpt = model_build.write_layer_case(case, root / name)
     return {"name": name, "ckpt": str(ckpt), "tp": tp, "ep": False, "gpu": gpu, "env": {}, "load": True}
 
@@ -109,3 +109,24 @@ def test_weights_and_kv_cache_per_rank_match_the_built_model(model_release):
     # Qwen3-30B-A3B (group 32) at TP 8: 4 KV heads, one per rank (replicated): 2 x 128 x 2 bytes per token
     _, _, vllm8, plan8 = model_build.check(version, cases[0])
     assert plan8["kv_per_layer"] == [(False, 512)] == model_build.vllm_kv_per_layer(vllm8)
+
+
+@pytest.mark.parametrize("model_release", RELEASE_PARAMS, indirect=True)
+def test_expert_bytes_after_processing_match_the_release(model_release):
+    """The release's own weight processing, run on the built rank's routed experts (compiled ops
+    answering with zeros), leaves each layer with the planner's bytes after processing: Marlin's tile
+    padding (group 32 at TP 8: 96 -> 128 rows, with zero points when asymmetric), the g_idx tensors
+    0.27-0.29 create and free, the per-layer workspace of 0.27-0.30, EP's expert map."""
+    from wna16ctl.planning import rules
+
+    version, root = model_release
+    cases = [_real_case(root, "qwen3_g32", "sm80", 8),
+             _layer_case(root, "asym_g32", "sm80", 8, hidden_size=512, intermediate_size=768,
+                         **{"symmetric": False, "group_size": 32}),
+             _real_case(root, "qwen3_30b_a3b", "sm80", 4, ep=True), _real_case(root, "mixtral_g128", "sm80", 2)]
+    if rules.release(version).has("state.expert_g_idx"):  # act-order "group": the g_idx tensors are kept
+        cases.append(_layer_case(root, "actorder_group", "sm80", 2, actorder="group", hidden_size=512,
+                                 intermediate_size=256))
+    for case in cases:
+        theirs, mine = model_build.processed_experts(version, case)
+        assert theirs == mine and all(b == "marlin" for b, _ in mine), (case["name"], theirs, mine)

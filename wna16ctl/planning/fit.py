@@ -20,13 +20,17 @@ if TYPE_CHECKING:  # the command line reads GPU_MEMORY at start-up: the planners
     from wna16ctl.planning.memory import WeightsMemory
 
 GIB = 1 << 30
-# GPU names that carry their memory (bytes as the device reports it, GiB-rounded) and architecture
-GPU_MEMORY: dict[str, tuple[str, int]] = {
-    "a100-40": ("sm80", 40 * GIB), "a100-80": ("sm80", 80 * GIB), "a100": ("sm80", 80 * GIB),
-    "a10": ("sm86", 24 * GIB), "a10g": ("sm86", 24 * GIB), "l4": ("sm89", 24 * GIB), "l40s": ("sm89", 48 * GIB),
-    "h100": ("sm90", 80 * GIB), "h100-94": ("sm90", 94 * GIB), "h200": ("sm90", 141 * GIB),
-    "h20": ("sm90", 96 * GIB), "b200": ("sm100", 180 * GIB), "gb200": ("sm100", 186 * GIB),
+# GPU names that carry their memory: (architecture, bytes as the device reports it, GiB-rounded,
+# streaming multiprocessors: Marlin's workspaces are sized by them)
+GPU_MEMORY: dict[str, tuple[str, int, int]] = {
+    "a100-40": ("sm80", 40 * GIB, 108), "a100-80": ("sm80", 80 * GIB, 108), "a100": ("sm80", 80 * GIB, 108),
+    "a10": ("sm86", 24 * GIB, 72), "a10g": ("sm86", 24 * GIB, 80), "l4": ("sm89", 24 * GIB, 58),
+    "l40s": ("sm89", 48 * GIB, 142), "h100": ("sm90", 80 * GIB, 132), "h100-94": ("sm90", 94 * GIB, 132),
+    "h200": ("sm90", 141 * GIB, 132), "h20": ("sm90", 96 * GIB, 78), "b200": ("sm100", 180 * GIB, 148),
+    "gb200": ("sm100", 186 * GIB, 148),
 }
+# where only the architecture is known (--gpu sm90 --gpu-mem 80GiB): its data-centre part's SM count
+ARCH_SMS = {"sm75": 40, "sm80": 108, "sm86": 84, "sm89": 142, "sm90": 132, "sm100": 148, "sm120": 170}
 DEFAULT_UTILIZATION = 0.9  # vLLM's --gpu-memory-utilization default
 # The rest of a start, per rank: the activation peak of the profiling pass, allocations outside
 # torch (NCCL buffers) and the CUDA graph pools.  Not computed from vLLM's code: a wide bracket
@@ -53,6 +57,12 @@ class Fit:
     utilization: float
     max_model_len: int
     max_num_seqs: int
+    positions: int | None = None  # the model's max_position_embeddings (vLLM refuses a longer --max-model-len)
+
+    @property
+    def not_judged(self) -> str | None:
+        """Why the fit is not judged (the KV cache's size is not known from the config), or None."""
+        return self.kv.unknown
 
     def budget(self, rest: int) -> int:
         return int(self.gpu_mem * self.utilization) - self.weights.loaded_bytes - rest
@@ -68,7 +78,7 @@ class Fit:
 
     def largest_len(self, rest: int) -> int:
         """The largest max_model_len one sequence fits in (vLLM refuses to start past it)."""
-        budget, lo, hi = self.budget(rest), 0, 1 << 24
+        budget, lo, hi = self.budget(rest), 0, self.positions or 1 << 24
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if self.kv.sequence_bytes(mid) <= budget:
@@ -84,21 +94,31 @@ class Fit:
             return {"value": v, "unit": unit, "exact": True}
 
         def est(f, unit: str) -> dict[str, Any]:
-            return {"value": [f(hi), f(lo)], "unit": unit, "exact": False, "range_from": "rest_of_start"}
+            value = None if self.not_judged else [f(hi), f(lo)]
+            return {"value": value, "unit": unit, "exact": False, "range_from": "rest_of_start"}
 
         return {
             "tp": self.tp, "gpu_memory": exact(self.gpu_mem), "gpu_memory_utilization": self.utilization,
             "max_model_len": self.max_model_len, "max_num_seqs": self.max_num_seqs,
-            "weights": exact(self.weights.loaded_bytes), "weights_as_built": exact(self.weights.built_bytes),
+            "weights": {**exact(self.weights.loaded_bytes), "exact": self.weights_exact(), "stage": "after_processing"},
+            "weights_as_built": {**exact(self.weights.built_bytes), "stage": "as_built"},
+            "weights_processing": {**exact(self.weights.loaded_bytes - self.weights.built_bytes),
+                                   "exact": self.weights_exact(), "by_cause": self.weights.processing_by_cause(),
+                                   "not_modelled": list(self.weights.processing_not_modelled)},
             "kv_bytes_per_token": exact(self.kv.bytes_per_token()),
             "kv_state_bytes_per_sequence": exact(self.kv.state_bytes()),
             "rest_of_start": {"value": [lo, hi], "unit": "bytes", "exact": False,
-                              "source": "estimate: activation peak, non-torch memory, CUDA graphs"},
+                              "source": "estimate (docs/memory.md): activation peak, non-torch memory, CUDA graphs"},
             "kv_budget": est(self.budget, "bytes"), "kv_tokens": est(self.kv_tokens, "tokens"),
             "max_concurrency": est(self.concurrency, "sequences"),
             "largest_max_model_len": est(self.largest_len, "tokens"),
-            "fits": self.fits(), "short_by": {"value": self.short_by(), "unit": "bytes", "exact": False},
+            "fits": self.fits(), "not_judged": self.not_judged,
+            "short_by": {"value": None if self.not_judged else self.short_by(), "unit": "bytes", "exact": False},
         }
+
+    def weights_exact(self) -> bool:
+        """The weights after processing are exact where every module's processing is modelled."""
+        return not self.weights.processing_not_modelled
 
     def gpu_memory_utilization_text(self) -> str:
         return f"{self.utilization:g}"
@@ -108,7 +128,10 @@ class Fit:
         return max(0, self.kv.sequence_bytes(self.max_model_len) - self.budget(REST_ESTIMATE[0]))
 
     def fits(self) -> str:
-        """"yes" (even at the estimate's high end), "maybe" (only at its low end) or "no"."""
+        """"yes" (even at the estimate's high end), "maybe" (only at its low end), "no", or
+        "not_judged" (the KV cache's size is not known: `not_judged` says why)."""
+        if self.not_judged:
+            return "not_judged"
         need = self.kv.sequence_bytes(self.max_model_len)
         lo, hi = REST_ESTIMATE
         return "yes" if self.budget(hi) >= need else "maybe" if self.budget(lo) >= need else "no"
@@ -121,11 +144,32 @@ def max_positions(insp: Any) -> int | None:
     return v if isinstance(v, int) and v > 0 else None
 
 
-def fits(insp: Any, gpu_mem: int, utilization: float = DEFAULT_UTILIZATION, max_model_len: int | None = None,
-         max_num_seqs: int = 256, kv_cache_dtype: str = "auto") -> list[Fit]:
-    """One `Fit` per TP size of `insp` that loads (planning.inspection.Inspection)."""
-    from wna16ctl.planning.kvcache import kv_cache, kv_dtype_bytes
-    from wna16ctl.planning.memory import model_st_dtype, weights_per_rank
+def gpu_sms(name: str | None, arch: str) -> int:
+    """The SM count of the GPU `name` (a GPU_MEMORY name), else of architecture `arch`'s data-centre part."""
+    if name is not None and name.lower() in GPU_MEMORY:
+        return GPU_MEMORY[name.lower()][2]
+    return ARCH_SMS.get(arch, ARCH_SMS["sm90"])
+
+
+@dataclass(frozen=True)
+class FitSettings:
+    """What a fit is judged against: the GPU and vLLM's options (`--max-model-len` resolved)."""
+
+    gpu_mem: int
+    utilization: float
+    max_model_len: int
+    max_num_seqs: int
+    kv_dtype_bytes: int
+    sms: int
+    positions: int | None
+
+
+def fit_settings(insp: Any, gpu_mem: int, utilization: float = DEFAULT_UTILIZATION, max_model_len: int | None = None,
+                 max_num_seqs: int = 256, kv_cache_dtype: str = "auto", gpu_name: str | None = None) -> FitSettings:
+    """The settings for `insp` (planning.inspection.Inspection); `gpu_name`, a GPU_MEMORY name,
+    gives the SM count Marlin's workspaces are sized by."""
+    from wna16ctl.planning.kvcache import kv_dtype_bytes
+    from wna16ctl.planning.memory import model_st_dtype
 
     if not 0 < utilization <= 1:
         raise UsageError(f"--gpu-memory-utilization {utilization}: a fraction in (0, 1]")
@@ -133,17 +177,32 @@ def fits(insp: Any, gpu_mem: int, utilization: float = DEFAULT_UTILIZATION, max_
     if max_model_len is not None and positions is not None and max_model_len > positions:
         raise UsageError(f"--max-model-len {max_model_len}: beyond the model's {positions} positions "
                          "(config.json max_position_embeddings)")
-    length = max_model_len or positions or 4096
+    return FitSettings(gpu_mem, utilization, max_model_len or positions or 4096, max_num_seqs,
+                       kv_dtype_bytes(kv_cache_dtype, model_st_dtype(insp.checkpoint)), gpu_sms(gpu_name, insp.gpu),
+                       positions)
+
+
+def fit_at(ck: Any, tp: int, ep: bool, vllm: str, moe_plans: dict[str, Any], linear_plans: dict[str, Any],
+           settings: FitSettings) -> Fit:
+    """One deployment's fit: the checkpoint `ck` (sources.Checkpoint) planned at `tp` (prefix /
+    layer name -> plan at that size)."""
+    from wna16ctl.planning.kvcache import kv_cache
+    from wna16ctl.planning.memory import model_st_dtype, weights_per_rank
+
+    mem = weights_per_rank(ck, tp, ep, vllm, moe_plans, linear_plans, sms=settings.sms)
+    kv = kv_cache(ck, tp, settings.kv_dtype_bytes, ST_SIZES[model_st_dtype(ck)])
+    return Fit(tp, mem, kv, settings.gpu_mem, settings.utilization, settings.max_model_len, settings.max_num_seqs,
+               settings.positions)
+
+
+def fits(insp: Any, settings: FitSettings) -> list[Fit]:
+    """One `Fit` per TP size of `insp` that loads (planning.inspection.Inspection)."""
     ck = insp.checkpoint
-    model_st = model_st_dtype(ck)
-    dtype_bytes = kv_dtype_bytes(kv_cache_dtype, model_st)
     out = []
     for i, tp in enumerate(insp.tps):
         moe = {k: v[i] for k, v in insp.plans.items()}
         lin = {k: v[i] for k, v in insp.linear_plans.items()}
         if not all(moe[lay.prefix].loadable for lay in ck.quantized_layers) or not all(p.loadable for p in lin.values()):
             continue
-        mem = weights_per_rank(ck, tp, insp.ep, insp.engine.version, moe, lin)
-        kv = kv_cache(ck, tp, dtype_bytes, ST_SIZES[model_st])
-        out.append(Fit(tp, mem, kv, gpu_mem, utilization, length, max_num_seqs))
+        out.append(fit_at(ck, tp, insp.ep, insp.engine.version, moe, lin, settings))
     return out

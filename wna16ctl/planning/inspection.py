@@ -78,6 +78,7 @@ class Inspection:
     # TP size -> whether the model loads there with expert parallelism (re-planned on first need)
     _ep_replans: dict[int, bool] = field(default_factory=dict, repr=False, compare=False)
     fits: list[Any] | None = None  # per TP size that loads, weights and KV cache against a GPU (planning.fit)
+    fit_settings: Any = None  # the GPU and vLLM options those are judged against (planning.fit.FitSettings)
 
     @property
     def config_refusal(self) -> ConfigRefusal | None:

@@ -19,6 +19,7 @@ from typing import Any
 from wna16ctl.dtypes import ST_SIZES
 from wna16ctl.errors import UsageError
 from wna16ctl.sources import Checkpoint
+from wna16ctl.sources.architectures import architecture
 
 FULL, SLIDING, MLA, MAMBA = "full", "sliding", "mla", "mamba"
 KV_CACHE_DTYPES = {"auto": None, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
@@ -40,6 +41,7 @@ class KVCache:
     layers: tuple[LayerKV, ...]
     tp: int
     dtype_bytes: int
+    unknown: str | None = None  # why the cache's size is not known from the config (None: it is)
 
     def bytes_per_token(self) -> int:
         """All attention layers of the rank, per token of one sequence (sliding windows not capped)."""
@@ -66,7 +68,7 @@ class KVCache:
         for lay in self.layers:
             kinds[lay.kind] = kinds.get(lay.kind, 0) + 1
         return {"bytes_per_token": self.bytes_per_token(), "state_bytes_per_sequence": self.state_bytes(),
-                "dtype_bytes": self.dtype_bytes, "block_size": BLOCK_SIZE, "layers": kinds}
+                "dtype_bytes": self.dtype_bytes, "block_size": BLOCK_SIZE, "layers": kinds, "unknown": self.unknown}
 
 
 def kv_dtype_bytes(kv_cache_dtype: str, model_dtype_st: str) -> int:
@@ -95,6 +97,11 @@ def _layer_kinds(ck: Checkpoint) -> list[str]:
     return [FULL] * n
 
 
+def _mla_family(ck: Checkpoint) -> bool:
+    arch = architecture(ck.config.model_type)
+    return arch is not None and arch.mla
+
+
 def _kv_heads_per_rank(kv_heads: int, tp: int) -> int:
     return max(1, kv_heads // tp)  # replicated, one per rank, when TP exceeds the KV heads
 
@@ -105,7 +112,7 @@ def kv_cache(ck: Checkpoint, tp: int, dtype_bytes: int, model_bytes: int) -> KVC
     dims, text = ck.dims, _text(ck)
     layers: list[LayerKV] = []
     for kind in _layer_kinds(ck):
-        if dims.mla:
+        if dims.mla or _mla_family(ck):
             latent = int(text.get("kv_lora_rank") or 0) + int(text.get("qk_rope_head_dim") or 0)
             layers.append(LayerKV(MLA, latent * dtype_bytes))
         elif kind == MAMBA:
@@ -115,7 +122,26 @@ def kv_cache(ck: Checkpoint, tp: int, dtype_bytes: int, model_bytes: int) -> KVC
             per = 2 * heads * (dims.head_dim or 0) * dtype_bytes
             window = int(text["sliding_window"]) if kind == SLIDING else None
             layers.append(LayerKV(kind, per, window=window))
-    return KVCache(tuple(layers), tp, dtype_bytes)
+    return KVCache(tuple(layers), tp, dtype_bytes, _unknown(ck, layers))
+
+
+def _unknown(ck: Checkpoint, layers: list[LayerKV]) -> str | None:
+    """Why the config does not give the cache's size (vLLM would build the model with defaults
+    this module does not know, or the sizes are missing): None when it does."""
+    dims, text = ck.dims, _text(ck)
+    if not layers:
+        return "config.json gives no num_hidden_layers"
+    if dims.mla or _mla_family(ck):
+        missing = [k for k in ("kv_lora_rank", "qk_rope_head_dim") if not isinstance(text.get(k), int)]
+        if missing:
+            return f"config.json has no {' or '.join(missing)}: the size of the MLA latent per token is not known"
+    elif any(lay.kind in (FULL, SLIDING) for lay in layers) and not (dims.num_key_value_heads and dims.head_dim):
+        return "config.json has no num_key_value_heads/num_attention_heads or head_dim: the KV heads' size is not known"
+    if any(lay.kind == MAMBA for lay in layers) and not (dims.linear_key_dim and dims.linear_value_dim):
+        return "config.json has no linear_num_*_heads/linear_*_head_dim: the delta-net state is not known"
+    if not any(lay.bytes_per_token or lay.state_bytes for lay in layers):
+        return "every layer's cache computes to 0 bytes"
+    return None
 
 
 def _delta_net_state(ck: Checkpoint, tp: int, model_bytes: int) -> int:

@@ -9,8 +9,12 @@ column, row, QKV with KV heads replicated when TP exceeds them, the vocabulary p
 split), the norms and other small tensors replicated, and the tensors the attention layers create
 themselves (KV-cache scales).  These sizes are the built model's parameters and buffers, which the
 conformance harness checks byte for byte against each release's own model built on the meta
-device.  What processing changes after loading (Marlin's tile padding of the experts, its
-workspace) is kept apart in `processing`, from the release's processing code.
+device.  What processing changes after loading is kept apart in `processing`, from the release's
+processing code (`expert_processing`: on Marlin, the experts' tile padding, the g_idx tensors
+0.27-0.29 free, the per-layer workspace of 0.27-0.30; checked against the release's own
+`process_weights_after_loading` run on the built experts).  Processing this module does not model
+(Humming's and the emulation's conversions, the quantized linear layers' kernels) is named in
+`processing_not_modelled`, and its modules count as built.
 
 The multimodal encoders of vision-language models and multi-token-prediction layers are not
 counted (`not_counted` names them): vLLM builds the former from `vision_config`, not from tensors
@@ -25,11 +29,13 @@ from typing import Any
 from wna16ctl.dtypes import FLOAT_ST_OF_CONFIG, ST_SIZES
 from wna16ctl.planning import rules
 from wna16ctl.planning.linear import LinearPlan, per_rank_shape
+from wna16ctl.layout.spec import marlin_moe_padded_intermediate
 from wna16ctl.planning.moe import LayerPlan
 from wna16ctl.sources import Checkpoint, MoELayer
 from wna16ctl.sources.architectures import ROUTER_IN_BLOCK_FP32, architecture
 from wna16ctl.sources.model import ROW, LinearLayer, is_mtp, unquantized_linear_layers
 
+DEFAULT_SMS = 132  # an H100 SXM's streaming multiprocessors, where the GPU is not named
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE (VocabParallelEmbedding, ParallelLMHead)
 _MULTIMODAL = ("visual.", "vision_tower.", "vision_model.", "mm_projector.", "multi_modal_projector.", "audio_tower.")
 # per-rank tensors of the gated delta-net (Qwen3-Next, Qwen3.5) split along their first dimension
@@ -53,6 +59,8 @@ class WeightsMemory:
     built: dict[str, int] = field(default_factory=dict)  # module -> bytes as built (before processing)
     processing: dict[str, int] = field(default_factory=dict)  # module -> bytes processing adds (or frees: < 0)
     not_counted: list[str] = field(default_factory=list)  # checkpoint modules left out, and why
+    # modules whose processing is not modelled (their as-built bytes stand in the loaded figure), and why
+    processing_not_modelled: list[str] = field(default_factory=list)
 
     @property
     def built_bytes(self) -> int:
@@ -63,10 +71,19 @@ class WeightsMemory:
         """After weight processing: the figure a start holds on the GPU for the weights."""
         return self.built_bytes + sum(self.processing.values())
 
+    def processing_by_cause(self) -> dict[str, int]:
+        """Processing's bytes summed by cause (tile_padding, g_idx_freed, workspace)."""
+        out: dict[str, int] = {}
+        for module, nbytes in self.processing.items():
+            cause = module.rpartition(".")[2]
+            out[cause] = out.get(cause, 0) + nbytes
+        return out
+
     def to_json(self) -> dict[str, Any]:
         return {"tp": self.tp, "ep": self.ep, "vllm": self.vllm, "rank": self.rank,
                 "built_bytes": self.built_bytes, "processing_bytes": sum(self.processing.values()),
-                "loaded_bytes": self.loaded_bytes, "not_counted": list(self.not_counted)}
+                "loaded_bytes": self.loaded_bytes, "not_counted": list(self.not_counted),
+                "processing_not_modelled": list(self.processing_not_modelled)}
 
 
 def model_st_dtype(ck: Checkpoint) -> str:
@@ -102,6 +119,48 @@ def expert_bytes(lay: MoELayer, plan: LayerPlan, rank: int, model_bytes: int) ->
     if rules.release(plan.vllm).has("state.expert_g_idx"):
         per += 2 * 4 * (hidden + i_p)  # w13/w2 g_idx and sort indices, int32
     return per * e
+
+
+# backends whose processing keeps the experts' sizes: Triton transposes K-first buffers to N-first
+# (a copy of the same bytes) or views them as uint8 (fused_moe/oracle/int_wna16.py, TRITON branch)
+_SAME_SIZE_BACKENDS = ("triton",)
+_MARLIN_BACKENDS = ("marlin", "batched_marlin")
+_MARLIN_WORKSPACE_BLOCKS_PER_SM = 4  # marlin_make_workspace_new(device, 4): int32 locks per SM
+
+
+def expert_processing(lay: MoELayer, plan: LayerPlan, rank: int, model_bytes: int, sms: int) -> dict[str, int]:
+    """What the release's processing of one rank's routed experts adds (or frees: < 0), by cause,
+    where the backend is Marlin (fused_moe/oracle/int_wna16.py: _process_weights_marlin).  The
+    repack keeps every tensor's element count (gptq_marlin_moe_repack, marlin_moe_permute_scales);
+    the sizes change in three places:
+    - tile padding: the intermediate size per partition padded to lcm(64, group size) (w13's two
+      shards and w2's packed rows, their scales and zero points: _pad_w13_shard_cols, _pad_rows);
+    - g_idx: the four int32 act-order tensors create_weights makes in 0.27-0.29 are replaced by
+      empty ones unless actorder is the string "group";
+    - workspace: 0.27-0.30 keep one per layer (SM count x 4 int32)."""
+    s = lay.scheme
+    if s is None or plan.backend is None or plan.backend.value not in _MARLIN_BACKENDS:
+        return {}
+    rel, hidden, i_p, e = rules.release(plan.vllm), lay.hidden_size, plan.intermediate_size_per_partition, \
+        plan.local_experts[rank]
+    bits, gs = s.num_bits, s.group_size
+    out: dict[str, int] = {}
+    padded = marlin_moe_padded_intermediate(i_p, gs) if rel.has("process.marlin_moe_tile_padding") else i_p
+    if padded != i_p:
+        g13 = hidden // gs if gs > 0 else 1
+        words_n = padded * bits // 32 - i_p * bits // 32  # packed words along the intermediate size
+        per = 4 * 2 * (padded - i_p) * (hidden * bits // 32) + 4 * hidden * words_n  # w13, w2 packed
+        per += model_bytes * 2 * (padded - i_p) * g13  # w13 scales
+        groups_n = padded // gs - i_p // gs if gs > 0 else 0
+        per += model_bytes * hidden * groups_n  # w2 scales (grouped only: one row when channel-wise)
+        if not s.symmetric:
+            per += 4 * g13 * 2 * words_n + 4 * (hidden * bits // 32) * groups_n  # zero points
+        out["tile_padding"] = per * e
+    if rel.has("state.expert_g_idx") and s.actorder != "group":
+        out["g_idx_freed"] = -2 * 4 * (hidden + i_p) * e
+    if rel.has("process.marlin_moe_layer_workspace"):
+        out["workspace"] = 4 * sms * _MARLIN_WORKSPACE_BLOCKS_PER_SM
+    return out
 
 
 def _quantized_linear_bytes(layer: LinearLayer, plan: LinearPlan, model_bytes: int) -> int:
@@ -161,10 +220,11 @@ def _other_tensor_bytes(name: str, shape: list[int], tp: int, model_bytes: int) 
 
 
 def weights_per_rank(ck: Checkpoint, tp: int, ep: bool, vllm: str, moe_plans: dict[str, LayerPlan],
-                     linear_plans: dict[str, LinearPlan], rank: int = 0) -> WeightsMemory:
+                     linear_plans: dict[str, LinearPlan], rank: int = 0, sms: int = DEFAULT_SMS) -> WeightsMemory:
     """Every tensor rank `rank` of a `tp`-rank start (`ep`: experts spread over the ranks) holds for
     the checkpoint's weights in release `vllm`, from the MoE plans (prefix -> plan at this TP size)
-    and the linear plans (layer name -> plan at this TP size)."""
+    and the linear plans (layer name -> plan at this TP size); `processing` what the release's
+    weight processing then adds or frees on a GPU of `sms` streaming multiprocessors."""
     mem = WeightsMemory(tp=tp, ep=ep, vllm=vllm, rank=rank)
     model_bytes = ST_SIZES[model_st_dtype(ck)]
     counted: set[str] = set()
@@ -173,6 +233,7 @@ def weights_per_rank(ck: Checkpoint, tp: int, ep: bool, vllm: str, moe_plans: di
         plan = moe_plans.get(lay.prefix)
         if lay.quantized and plan is not None and plan.local_experts:
             mem.built[lay.prefix] = expert_bytes(lay, plan, rank, model_bytes)
+            _add_expert_processing(mem, lay, plan, rank, model_bytes, sms)
             if ep:  # the expert map: global expert -> local slot (or -1), int32, on every rank
                 mem.built[lay.prefix + ".expert_map"] = 4 * lay.num_experts
         elif not lay.quantized:
@@ -182,6 +243,8 @@ def weights_per_rank(ck: Checkpoint, tp: int, ep: bool, vllm: str, moe_plans: di
         lp = linear_plans.get(q.name)
         if lp is not None:
             mem.built[q.name] = _quantized_linear_bytes(q, lp, model_bytes) + _bias_bytes(ck, q, lp.n, model_bytes)
+            if "quantized linear layers (Marlin tile padding, workspace)" not in mem.processing_not_modelled:
+                mem.processing_not_modelled.append("quantized linear layers (Marlin tile padding, workspace)")
     dense, _ = unquantized_linear_layers(ck.files, ck.config)
     tied = _tied(ck)
     for d in dense:
@@ -192,6 +255,18 @@ def weights_per_rank(ck: Checkpoint, tp: int, ep: bool, vllm: str, moe_plans: di
     _add_other_tensors(ck, mem, counted, tp, model_bytes)
     _add_attention_tensors(ck, mem, model_bytes)
     return mem
+
+
+def _add_expert_processing(mem: WeightsMemory, lay: MoELayer, plan: LayerPlan, rank: int, model_bytes: int,
+                           sms: int) -> None:
+    backend = plan.backend.value if plan.backend is not None else None
+    if backend in _MARLIN_BACKENDS:
+        for cause, nbytes in expert_processing(lay, plan, rank, model_bytes, sms).items():
+            mem.processing[f"{lay.prefix}.{cause}"] = nbytes
+    elif backend not in _SAME_SIZE_BACKENDS:
+        note = f"routed experts on {backend} (its conversion at load)"
+        if note not in mem.processing_not_modelled:
+            mem.processing_not_modelled.append(note)
 
 
 def _has_bias(ck: Checkpoint, layer: LinearLayer) -> bool:

@@ -60,6 +60,9 @@ class PadPlan:
     modules: dict[str, PaddedModule] = field(default_factory=dict)  # module name -> what it gets
     verdict: dict[str, Any] = field(default_factory=dict)  # the re-planned model at tp
     original_verdict: dict[str, Any] = field(default_factory=dict)
+    # the planned model's layers with the padded widths (what `--suggest` judges the memory of)
+    padded_layers: list[MoELayer] = field(default_factory=list)
+    padded_linear: list[LinearLayer] = field(default_factory=list)
 
     @property
     def extra_bytes(self) -> int:
@@ -303,7 +306,8 @@ def plan_padding(insp: Inspection, tp: int | None, to: int | None = None, source
                          f"{ck.root}: loads at TP {tp} as it is; nothing to pad (pass --to to pad anyway)")
     src = source or ck
     written = found if src is ck else find_mlp_modules(src)
-    plan = PadPlan(src, tp, insp.ep, insp.engine.version, insp.gpu, sizes)
+    plan = PadPlan(src, tp, insp.ep, insp.engine.version, insp.gpu, sizes, padded_layers=model.moe,
+                   padded_linear=model.linear)
     for key, (base, target) in sizes.items():
         for kind, m in by_field[key]:
             for module, role, width, scheme in written[kind]:

@@ -186,6 +186,15 @@ CHANGES: tuple[Change, ...] = (
            "w2_weight_g_idx / w2_g_idx_sort_indices [E, I/TP], act-order or not; processing resets them unless "
            "actorder is 'group', so a fresh layer's (uninitialised) values are never read",
            f"{_WNA16}: create_weights; {_ORACLE}: _process_weights_marlin"),
+    Change("process.marlin_moe_tile_padding", "0.27.0", None,
+           "Marlin processing zero-pads the experts' intermediate size per partition to a multiple of "
+           "lcm(64, group size): w13's two shards and w2's packed rows, their scales (and zero points) grow with it",
+           f"{_ORACLE}: _process_weights_marlin (marlin_moe_padded_intermediate, _pad_w13_shard_cols, _pad_rows)"),
+    Change("process.marlin_moe_layer_workspace", "0.27.0", "0.31.0",
+           "every Marlin MoE layer keeps its own workspace after processing: SM count x 4 int32 "
+           "(marlin_make_workspace_new(device, 4)); later releases take one shared per stream from the "
+           "workspace manager (get_marlin_workspace)",
+           f"{_WNA16}: process_weights_after_loading; quantization/utils/marlin_utils.py: marlin_make_workspace_new"),
     Change("process.w13_scales_size_k_quirk", "0.27.0", None,
            "Marlin processing permutes w13 scales with size_k = intermediate_size_per_partition instead of "
            "hidden_size: with I_p <= group_size the grouped scales get the channel-wise permutation",

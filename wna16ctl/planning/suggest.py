@@ -57,12 +57,13 @@ class Suggestion:
     loads: bool = True  # re-planned and loads (only such suggestions are listed)
     cost: float = 0.0  # nearness (lower first); not part of the JSON
     pad: dict[str, Any] | None = None  # kind "pad": the padded sizes, the extra bytes, the re-planned verdict
+    memory: dict[str, Any] | None = None  # with a GPU's memory, kinds ep/tp/pad: the deployment's fit (planning.fit)
 
     def to_json(self) -> dict[str, Any]:
         return {"for_tp": self.for_tp, "kind": self.kind, "change": self.change, "flags": self.flags,
                 "vllm_flags": self.vllm_flags, "recipe": self.recipe, "requantize": self.requantize,
                 "tp": self.tp, "ep": self.ep, "vllm": self.vllm, "gpu": self.gpu, "refused": list(self.refused),
-                "loads": self.loads, "pad": self.pad}
+                "loads": self.loads, "pad": self.pad, "memory": self.memory}
 
 
 # -- re-planning ------------------------------------------------------------------------------------
@@ -365,7 +366,7 @@ def suggest(insp: Inspection) -> list[Suggestion]:
         if padded is not None:
             found.append(padded)
         found.sort(key=lambda s: s.cost)
-        out += found
+        out += _ranked_by_memory(insp, found)
     return out
 
 
@@ -410,3 +411,58 @@ def _pad_suggestion(insp: Inspection, tp: int, refused: tuple[str, ...]) -> Sugg
         refused=refused, cost=PAD_BASE_COST + PAD_COST_PER_GROWTH * growth,
         pad={"fields": j["fields"], "extra_bytes": j["extra_bytes"], "extra_percent": j["extra_percent"],
              "verdict": j["verdict"]})
+
+
+# the suggestions whose memory is judged: they hold the same model at another layout of the ranks
+_MEMORY_KINDS = ("ep", "tp", "pad")
+_FIT_ORDER = {"yes": 0, "maybe": 1, "no": 2, "not_judged": 3}
+
+
+def _ranked_by_memory(insp: Inspection, found: list[Suggestion]) -> list[Suggestion]:
+    """With a GPU's memory (`insp.fit_settings`): each EP, TP and pad suggestion gets its fit, and
+    among themselves they are ranked by whether they fit, then by the KV tokens a rank holds (the
+    high estimate of the rest of a start), in the places they held by nearness; the others keep
+    theirs."""
+    if insp.fit_settings is None:
+        return found
+    judged = {i: _with_memory(insp, s) for i, s in enumerate(found) if s.kind in _MEMORY_KINDS}
+    order = sorted(judged.values(), key=_memory_rank)
+    slots = iter(order)
+    return [next(slots) if i in judged else s for i, s in enumerate(found)]
+
+
+def _memory_rank(s: Suggestion) -> tuple[int, int]:
+    memory = s.memory or {}
+    tokens = (memory.get("kv_tokens") or {}).get("value") or [0]
+    return _FIT_ORDER[memory.get("fits", "not_judged")], -tokens[0]
+
+
+def _with_memory(insp: Inspection, s: Suggestion) -> Suggestion:
+    from wna16ctl.planning.fit import REST_ESTIMATE, fit_at
+    from wna16ctl.planning.inspection import plan_all, plan_all_linear, _params_dtype
+    from wna16ctl.planning.padding import plan_padding
+
+    ck = insp.checkpoint
+    if s.kind == "pad":
+        plan = plan_padding(insp, s.tp)
+        ck = replace(ck, layers=plan.padded_layers, linear_layers=plan.padded_linear)
+    moe = plan_all(ck.layers, (s.tp,), s.ep, s.vllm, s.gpu, insp.problems, with_differences=False,
+                   switches=insp.switches)
+    lin = plan_all_linear(ck.linear_layers, (s.tp,), s.vllm, s.gpu, _params_dtype(ck.config.torch_dtype),
+                          with_differences=False, switches=insp.switches)
+    f = fit_at(ck, s.tp, s.ep, s.vllm, {k: v[0] for k, v in moe.items()}, {k: v[0] for k, v in lin.items()},
+               insp.fit_settings)
+    j = f.to_json()
+    memory = {k: j[k] for k in ("fits", "not_judged", "weights", "kv_tokens", "max_concurrency",
+                                "largest_max_model_len", "short_by")}
+    lo, hi = REST_ESTIMATE
+    if f.not_judged:
+        why = f"memory not judged ({f.not_judged})"
+    elif f.fits() == "no":
+        why = f"does not fit: short by at least {f.short_by() >> 20} MiB for one {f.max_model_len}-token request"
+    else:
+        why = (f"{'fits' if f.fits() == 'yes' else 'fits only if the rest of a start stays small'}: "
+               f"weights {f.weights.loaded_bytes / (1 << 30):.1f} GiB per GPU, KV tokens "
+               f"{f.kv_tokens(hi)}-{f.kv_tokens(lo)}, {f.concurrency(hi)}-{f.concurrency(lo)} concurrent "
+               f"{f.max_model_len}-token requests")
+    return replace(s, memory=dict(memory, why=why), change=f"{s.change}; {why}")
