@@ -147,7 +147,7 @@ def render_inspection(console: Console, insp: Inspection) -> None:
 
 def render_fits(console: Console, insp: Inspection) -> None:
     """Per TP size that loads: weights (exact), KV per token (exact), and what the KV budget holds
-    (a range: the rest of a start is an estimate)."""
+    (a range: the rest of a start is an estimate), each wrapped under itself to the console's width."""
     if insp.fits is None:
         return
     from wna16ctl.planning.fit import REST_ESTIMATE
@@ -160,18 +160,27 @@ def render_fits(console: Console, insp: Inspection) -> None:
     console.print(f"memory per GPU ({human_bytes(f0.gpu_mem)} x {f0.gpu_memory_utilization_text()}, "
                   f"--max-model-len {f0.max_model_len}, --max-num-seqs {f0.max_num_seqs}; the rest of a start is "
                   f"estimated at {human_bytes(lo)}-{human_bytes(hi)}):")
+    rows: list[tuple[str, str]] = []
     for f in insp.fits:
         if f.not_judged:
-            console.print(f"  TP {f.tp}: weights {human_bytes(f.weights.loaded_bytes)} (exact); KV cache size not known "
-                          f"({escape(f.not_judged)}): [yellow]not judged[/]")
+            rows.append((f"TP {f.tp}:", f"weights {human_bytes(f.weights.loaded_bytes)} (exact); KV cache size not "
+                                        f"known ({escape(f.not_judged)}): [yellow]not judged[/]"))
             continue
         verdict = {"yes": "[green]fits[/]", "maybe": "[yellow]fits only if the rest stays small[/]",
                    "no": f"[red]does not fit[/] (short by at least {human_bytes(f.short_by())})"}[f.fits()]
         weights = "exact" if f.weights_exact() else "as built where processing is not modelled"
-        console.print(f"  TP {f.tp}: weights {human_bytes(f.weights.loaded_bytes)} ({weights}), KV "
-                      f"{human_bytes(f.kv.bytes_per_token())}/token (exact); KV tokens {f.kv_tokens(hi)}-{f.kv_tokens(lo)}, "
-                      f"{f.concurrency(hi)}-{f.concurrency(lo)} concurrent {f.max_model_len}-token requests, "
-                      f"largest --max-model-len {f.largest_len(hi)}-{f.largest_len(lo)}: {verdict}")
+        rows.append((f"TP {f.tp}:", f"weights {human_bytes(f.weights.loaded_bytes)} ({weights}), KV "
+                                    f"{human_bytes(f.kv.bytes_per_token())}/token (exact); KV tokens "
+                                    f"{_span(f.kv_tokens(hi), f.kv_tokens(lo))}, "
+                                    f"{_span(f.concurrency(hi), f.concurrency(lo))} concurrent {f.max_model_len}-token "
+                                    f"requests, largest --max-model-len {_span(f.largest_len(hi), f.largest_len(lo))}: "
+                                    f"{verdict}"))
+    _notes_grid(console, rows)
+
+
+def _span(low: object, high: object) -> str:
+    """A range as `low-high`, or one figure where both ends agree."""
+    return str(low) if low == high else f"{low}-{high}"
 
 
 # The three kinds of note under an inspect table, each with its label: the engine computes wrong

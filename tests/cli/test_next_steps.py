@@ -59,8 +59,11 @@ def pasted(text: str) -> list[str]:
     return out
 
 
-def test_commands_wider_than_the_terminal_are_continued_not_cut(make_ckpt, tmp_path):
-    ck = make_ckpt(**DEMO)
+def test_commands_wider_than_the_terminal_are_continued_not_cut(make_ckpt, monkeypatch):
+    # named from its folder, as people type it: the paths stay short enough for a 60-column line
+    full = make_ckpt(**DEMO)
+    monkeypatch.chdir(full.parent)
+    ck = Path(full.name)
     for width in ("60", "80"):
         res = CliRunner().invoke(cli, ["inspect", str(ck), "--tp", "2"], env={"COLUMNS": width})
         tail = res.stdout.split("next steps:")[1]
@@ -97,6 +100,7 @@ def test_the_w13_scale_hazard_offers_the_plugin_first(make_ckpt):
     assert step["layout"] == "marlin" and "--gpu sm80" in step["repack"]
     assert "--load-format wna16ctl" in step["serve"] and "--moe-backend marlin" in step["serve"]
     human = invoke("inspect", ck, "--tp", "2", "--gpu", "a100", "--vllm", "0.32.0", "--suggest").stdout
+    human = " ".join(human.split())  # suggestions wrap to the console's width
     assert "suggest write the Marlin layout" in human and "outputs right" in human
 
 

@@ -142,3 +142,16 @@ def test_a_progress_line_stays_one_line(width, monkeypatch):
     frames = [f for f in re.split(r"\r|\n", ANSI.sub("", buf.getvalue())) if f.strip()]
     assert frames and all(len(f) <= width for f in frames), frames
     assert any("GiB/3.0 GiB" in f and " left" in f for f in frames), frames
+
+
+@pytest.mark.parametrize("terminal", [True, False], ids=["tty", "pipe"])
+def test_memory_lines_at_80_columns(with_linear, terminal):
+    """Will it fit, at 80 columns: each TP size's figures wrap under themselves, and a range whose
+    ends agree is one figure."""
+    insp = wna16ctl.inspect(with_linear, tp="1,2", vllm="0.33.0", gpu_mem="a100-40")
+    assert insp.fits
+    lines = render(lambda console: render_inspection(console, insp), terminal)
+    assert all(len(ln) <= 80 for ln in lines), "\n".join(ln for ln in lines if len(ln) > 80)
+    text = " ".join(" ".join(ln.split()) for ln in lines)
+    assert "TP 1: weights" in text and "concurrent" in text
+    assert not re.search(r"\b(\d+)-\1\b", text), text

@@ -388,7 +388,7 @@ def test_inspect_says_how_to_serve_pre_sharded(make_ckpt):
     ck = make_ckpt()
     res = invoke("inspect", ck, "--tp", "1,2", "--vllm", "0.32.0", "--json")
     step = json.loads(res.stdout)["next_steps"][1]
-    out = f"{ck.name}-vllm-tp2"
+    out = ck.parent / f"{ck.name}-vllm-tp2"  # a sibling of the checkpoint
     assert step["repack"] == f"wna16ctl repack {ck} --tp 2 --layout vllm --vllm 0.32.0 --gpu sm90 -o {out}"
     assert step["serve"] == f"vllm serve {out} --load-format sharded_state --tensor-parallel-size 2"
     # the commands are broken with a trailing backslash at the console's width: joined again here
