@@ -298,3 +298,24 @@ def qwen35_35b_a3b(layers: int = 4) -> dict[str, Any]:
     return {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
             "text_config": text, "torch_dtype": "bfloat16",
             "quantization_config": w4a16(RECIPE_IGNORE + [r"re:.*visual.*"])}
+
+
+def qwen3_235b_a22b(layers: int = 2) -> dict[str, Any]:
+    """Qwen/Qwen3-235B-A22B's published config.json (94 decoder layers, 64 query heads, 4 KV heads
+    of 128, 128 experts of 1536), with the W4A16 recipe in place of the FP8 or BF16 weights: the
+    KV cache does not depend on the weight format."""
+    return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 4096,
+            "num_hidden_layers": layers, "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128,
+            "moe_intermediate_size": 1536, "intermediate_size": 12288, "num_experts": 128, "num_experts_per_tok": 8,
+            "norm_topk_prob": True, "vocab_size": 151936, "max_position_embeddings": 40960,
+            "torch_dtype": "bfloat16", "quantization_config": w4a16(RECIPE_IGNORE)}
+
+
+def kimi_k2_thinking(layers: int = 2) -> dict[str, Any]:
+    """moonshotai/Kimi-K2-Thinking's published config.json: the DeepSeek-V3 layout (61 decoder
+    layers, MLA with kv_lora_rank 512 and qk_rope_head_dim 64, 384 experts of 2048) not nested in a
+    text_config, int4 experts in groups of 32."""
+    text = dict(kimi_k25(layers)["text_config"], max_position_embeddings=262144)
+    text["quantization_config"] = w4a16(RECIPE_IGNORE + [r"re:.*self_attn.*", r"re:.*shared_experts.*",
+                                                         r"re:.*mlp\.(gate|up|down)_proj$"], group_size=32)
+    return text

@@ -116,7 +116,9 @@ def repack(path: PathLike, out: PathLike | None, tp: int | str, *, ep: bool = Fa
            progress: Callable[..., Callable[[int], None]] | None = None,
            notice: Callable[[str], None] | None = None, ranks: list[int] | str | None = None,
            node_local: bool = False, revision: str | None = None, warn: Callable[[str], None] | None = None,
-           group: Group | None = None) -> RepackResult | RepackPlan | VllmStatePlan:
+           group: Group | None = None, gpu_mem: int | str | None = None, gpu_memory_utilization: float = 0.9,
+           max_model_len: int | None = None, max_num_seqs: int = 256,
+           kv_cache_dtype: str = "auto") -> RepackResult | RepackPlan | VllmStatePlan:
     """Write the checkpoint's experts per rank in the kernel layout into `out`, with a manifest.
 
     Same options and defaults as `wna16ctl repack` (`layout` auto|marlin|transposed|vllm, `device`
@@ -132,7 +134,10 @@ def repack(path: PathLike, out: PathLike | None, tp: int | str, *, ep: bool = Fa
     `node_local` as `--node-local` under torchrun, where `group` (`wna16ctl.repacking.distributed.Group`)
     is this process's place in the launch.  `revision`: the branch, tag or commit of a Hub
     repo id `path` (downloaded into the Hugging Face cache first).  Every result's
-    `next_steps` holds the serve command of what was written.
+    `next_steps` holds the serve command of what was written.  A dry run's plan carries in `.memory`
+    the per-rank memory of the deployment it writes (`repack --dry-run --json`'s `memory`), judged
+    against `gpu_mem` (bytes, "80GiB" or a GPU name such as "h100") and vLLM's options as for
+    `inspect`; without `gpu_mem`, what one rank holds.
     """
     from wna16ctl.errors import NotLoadable, UsageError
     from wna16ctl.layout.spec import VLLM
@@ -144,6 +149,8 @@ def repack(path: PathLike, out: PathLike | None, tp: int | str, *, ep: bool = Fa
 
     group = group or distributed.SOLO
     warn = warn or (lambda message: None)
+    fit = {"gpu_mem": gpu_mem, "gpu_memory_utilization": gpu_memory_utilization, "max_model_len": max_model_len,
+           "max_num_seqs": max_num_seqs, "kv_cache_dtype": kv_cache_dtype}
 
     def check_options() -> tuple[int, Any, Any, list[int] | None]:
         (n_ranks,) = parse_tp_list(tp, single=True)
@@ -174,6 +181,7 @@ def repack(path: PathLike, out: PathLike | None, tp: int | str, *, ep: bool = Fa
                                 gpu=gpu, switches=switches)
         vplan.out = None if out is None else os.fspath(out)
         if dry_run or out is None:
+            vplan.memory = _plan_memory(vplan, fit)
             return vplan
         return write_vllm_state(vplan, out, force=force, progress=progress)
     settings = RepackSettings(tp=n_ranks, ep=ep, layout=layout, max_shard_bytes=parse_size(max_shard_size),
@@ -187,11 +195,37 @@ def repack(path: PathLike, out: PathLike | None, tp: int | str, *, ep: bool = Fa
     for w in plan.checkpoint.warnings:
         warn(w)
     if dry_run or out is None:
+        plan.memory = _plan_memory(plan, fit)
         return plan
     result = run_repack(plan, out, force=force, resume=resume, progress=progress, device=device, notice=notice,
                         ranks=subset, node_local=node_local, group=group)
     result.plan = plan
     return result
+
+
+def _plan_memory(plan: Any, fit: dict[str, Any]) -> dict[str, Any]:
+    """The per-rank memory of what `repack --dry-run` would write: a RepackPlan's own MoE plans (the
+    vllm layout's plan is planned again) with the linear layers planned at its TP size."""
+    from wna16ctl.planning.deployment import planned_memory
+    from wna16ctl.planning.engine_env import make_switches
+    from wna16ctl.planning.vllm_state import VllmStatePlan
+    from wna16ctl.sink import parse_size
+
+    mem = fit.get("gpu_mem")
+    if isinstance(mem, str) and mem.lower() not in _gpu_names():
+        fit = {**fit, "gpu_mem": parse_size(mem)}
+    if isinstance(plan, VllmStatePlan):
+        return planned_memory(plan.checkpoint, plan.tp, False, plan.vllm, plan.gpu, plan.switches or make_switches(),
+                              **fit)
+    s = plan.settings
+    return planned_memory(plan.checkpoint, s.tp, s.ep, s.vllm, s.gpu, make_switches(dict(s.env), s.moe_backend),
+                          {j.layer.prefix: j.plan for j in plan.jobs}, **fit)
+
+
+def _gpu_names() -> Any:
+    from wna16ctl.planning.fit import GPU_MEMORY
+
+    return GPU_MEMORY
 
 
 def verify(path: PathLike, out: PathLike, *, samples: PathLike | None = None, num_samples: int = 64, device: str = "auto",
@@ -254,7 +288,7 @@ def pad(path: PathLike, out: PathLike | None, tp: int | str | None = None, *, to
         vllm: str = "installed", gpu: str = "sm90", env: dict[str, str] | Iterable[str] | None = None,
         moe_backend: str = "auto", scheme: str | None = None, group_size: int | None = None,
         actorder: str | None = None, dry_run: bool = False, force: bool = False,
-        progress: Callable[..., Callable[[int], None]] | None = None) -> Any:
+        progress: Callable[..., Callable[[int], None]] | None = None, memory: dict[str, Any] | None = None) -> Any:
     """Zero-pad the MLP intermediate sizes of the checkpoint at `path` so that it loads at TP `tp`.
 
     The padded sizes are the smallest that load at `tp` under the release's rules (`vllm`, `gpu`,
@@ -267,6 +301,10 @@ def pad(path: PathLike, out: PathLike | None, tp: int | str | None = None, *, to
     `moe_backend` where one loads the model without padding), `UsageError` where nothing needs
     padding or `to` does not load at `tp`, and `BadInput` on unusable input, the experts' data
     refused as `repack` refuses it.
+    With `tp`, the per-rank memory of the padded checkpoint at `tp` is the plan's `.memory` and the
+    returned manifest's `memory` (not written into the output's manifest file); `memory` gives the
+    GPU and vLLM options it is judged against (`gpu_mem`, `gpu_memory_utilization`, `max_model_len`,
+    `max_num_seqs`, `kv_cache_dtype` as for `inspect`; without `gpu_mem`, what one rank holds).
     """
     from wna16ctl.errors import NotLoadable, UsageError
     from wna16ctl.planning.padding import open_for_padding, plan_padding
@@ -292,11 +330,18 @@ def pad(path: PathLike, out: PathLike | None, tp: int | str | None = None, *, to
     # the experts' data is refused as repack refuses it: g_idx now, the scales before writing (as
     # repack checks them while it writes)
     check_expert_data(plan.checkpoint, values=not dry_run)
+    if n is not None:
+        from dataclasses import replace
+
+        from wna16ctl.planning.deployment import planned_memory
+
+        padded_ck = replace(plan.checkpoint, layers=plan.padded_layers, linear_layers=plan.padded_linear)
+        plan.memory = planned_memory(padded_ck, n, ep, insp.engine.version, insp.gpu, insp.switches, **(memory or {}))
     if dry_run:
         return plan
     if out is None:
         raise UsageError("an output directory is required (or pass dry_run=True)")
-    return write_padded(plan, out, force=force, progress=progress)
+    return {**write_padded(plan, out, force=force, progress=progress), "memory": plan.memory}
 
 
 def _serving_fix(insp: Inspection, tp: int) -> str | None:

@@ -353,12 +353,13 @@ def _parse_size(value: str, option: str = "--max-shard-size") -> int:
 @click.option("--json", "json_mode", is_flag=True, help="Print the result as one JSON object.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @_REVISION
+@_fit_options
 @_debug_option
 @click.pass_context
 def repack(ctx: click.Context, ckpt: str, tp: str, ep: bool, layout: str, out: str | None, dry_run: bool, resume: bool,
            force: bool, max_shard_size: str, device: str, ranks: str | None, node_local: bool, vllm: str, gpu: str,
            env: tuple[str, ...], moe_backend: str,
-           json_mode: bool, quiet: bool, revision: str | None, debug: bool) -> None:
+           json_mode: bool, quiet: bool, revision: str | None, debug: bool, **fit: Any) -> None:
     """Write per-rank safetensors of CKPT's experts in the kernel layout, with a verifiable manifest.
 
     CKPT may be a Hub repo id ORG/NAME[@REVISION]: it is downloaded into the Hugging Face cache first.
@@ -423,7 +424,8 @@ def repack(ctx: click.Context, ckpt: str, tp: str, ep: bool, layout: str, out: s
                         resume=resume, force=force, device=device, vllm=vllm, gpu=gpu, env=list(env),
                         moe_backend=moe_backend, progress=progress, ranks=ranks, node_local=node_local,
                         notice=lambda message: sink.warn(message, always=True),
-                        warn=sink.warn if first else lambda message: None, group=group)
+                        warn=sink.warn if first else lambda message: None, group=group,
+                        **_fit_arguments(ctx, fit))
             except NotLoadable as e:
                 if dry_run and json_mode and first:  # the plan's answer is "no": still one JSON object on stdout
                     sink.result({"checkpoint": ckpt, "settings": getattr(e, "settings", None), "loadable": False,
@@ -433,8 +435,9 @@ def repack(ctx: click.Context, ckpt: str, tp: str, ep: bool, layout: str, out: s
                 if first:
                     from wna16ctl.render import render_repack_plan
 
-                    sink.result({**outcome.to_json(), "loadable": True},
-                                lambda console: render_repack_plan(console, outcome, out))
+                    memory = getattr(outcome, "memory", None)  # a dry run returns a plan, which carries it
+                    sink.result({**outcome.to_json(), "loadable": True, "memory": memory},
+                                lambda console: render_repack_plan(console, outcome, out, memory))
                 return EXIT_OK
             from wna16ctl.repacking.pipeline import RepackResult
 
@@ -611,11 +614,12 @@ def verify(ctx: click.Context, ckpt: str, out: str, samples: str | None, num_sam
 @click.option("--force", is_flag=True, help="Replace an earlier wna16ctl output at OUT.")
 @click.option("--json", "json_mode", is_flag=True, help="Print the result as one JSON object.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@_fit_options
 @_debug_option
 @click.pass_context
 def pad(ctx: click.Context, ckpt: str, out: str | None, tp: str | None, to: int | None, ep: bool, vllm: str, gpu: str,
         env: tuple[str, ...], moe_backend: str, scheme: str | None, group_size: int | None, actorder: str | None,
-        dry_run: bool, force: bool, json_mode: bool, quiet: bool, debug: bool) -> None:
+        dry_run: bool, force: bool, json_mode: bool, quiet: bool, debug: bool, **fit: Any) -> None:
     """Write CKPT with its MLP intermediate sizes zero-padded (exactly: the added weights are zeros)
     to the smallest sizes that load at --tp under the release's rules; same format, new config sizes."""
     sink = Sink(json_mode=json_mode, quiet=quiet)
@@ -628,15 +632,18 @@ def pad(ctx: click.Context, ckpt: str, out: str | None, tp: str | None, to: int 
 
         def padded(out: str | None, **run: Any) -> Any:
             return wna16ctl.pad(ckpt, out, tp=tp, to=to, ep=ep, vllm=vllm, gpu=gpu, env=list(env),
-                                moe_backend=moe_backend, scheme=scheme, group_size=group_size, actorder=actorder, **run)
+                                moe_backend=moe_backend, scheme=scheme, group_size=group_size, actorder=actorder,
+                                memory=_fit_arguments(ctx, fit), **run)
 
         if dry_run:
-            plan_json = padded(None, dry_run=True).to_json()
+            plan = padded(None, dry_run=True)
+            plan_json = {**plan.to_json(), "memory": plan.memory}
             sink.result_lines(plan_json, lambda: summary_lines(plan_json))
             return EXIT_OK
         with sink.tasks() as progress:
             manifest = padded(out, force=force, progress=progress)
-        sink.result_lines(manifest, lambda: summary_lines(manifest["padding"], out, ckpt, moe_backend))
+        sink.result_lines(manifest, lambda: summary_lines({**manifest["padding"], "memory": manifest.get("memory")}, out,
+                                                          ckpt, moe_backend))
         return EXIT_OK
 
     _run(ctx, sink, body, interrupted="no output was committed")

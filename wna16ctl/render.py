@@ -271,13 +271,22 @@ def _span_of_ints(ids: list[int]) -> str:
     return _ranges(ids)
 
 
-def render_repack_plan(console: Console, plan, out: str | None = None) -> None:  # a RepackPlan or VllmStatePlan (imported lazily)
-    """`repack --dry-run`: a RepackPlan, or the vllm layout's VllmStatePlan (`out`: named in its serve command)."""
+def render_repack_plan(console: Console, plan, out: str | None = None,  # a RepackPlan or VllmStatePlan (imported lazily)
+                       memory: dict | None = None) -> None:
+    """`repack --dry-run`: a RepackPlan, or the vllm layout's VllmStatePlan (`out`: named in its serve
+    command); `memory`: the per-rank memory of what it would write (planning.fit.memory_lines)."""
+    from wna16ctl.planning.fit import memory_lines
     from wna16ctl.planning.vllm_state import VllmStatePlan
 
     if isinstance(plan, VllmStatePlan):
         _render_vllm_plan(console, plan, out)
-        return
+    else:
+        _render_moe_plan(console, plan)
+    for line in memory_lines(memory):
+        console.print(line, markup=False, highlight=False)
+
+
+def _render_moe_plan(console: Console, plan) -> None:
     s = plan.settings
     console.print(f"[bold]{escape(str(plan.checkpoint.root))}[/] → {plural(s.tp, 'rank')}"
                   f"{' (expert parallel)' if s.ep else ''}, layout {s.layout}, for vLLM {s.vllm} on {s.gpu}")

@@ -492,3 +492,36 @@ def test_suggest_ranks_ep_against_pad_by_memory_on_an_a100_40(tmp_path):
     # ranked by KV capacity among themselves: fewer ranks hold fewer tokens each
     tokens = [s["memory"]["kv_tokens"]["value"][0] for s in judged]
     assert tokens == sorted(tokens, reverse=True)
+
+
+def test_serve_lines_carry_the_memory_options_that_fit(tmp_path):
+    """A serve line that would fail on memory carries the --gpu-memory-utilization or
+    --max-model-len under which the start fits (at the high end of the rest-of-a-start estimate),
+    or says that nothing fits on that GPU."""
+    from wna16ctl.planning.fit import REST_ESTIMATE
+
+    ck = _qwen3_30b_headers(tmp_path)
+    gib = 1 << 30
+
+    def step(*args: str) -> tuple[dict, dict]:
+        _, doc = inspect_json(ck, "--tp", "1", "--vllm", "0.33.0", *args)
+        return doc["memory"][0], doc["next_steps"][0]
+
+    fit, s = step("--gpu", "h100")  # fits as asked: vLLM's defaults, nothing added
+    assert fit["fits"] == "yes" and "--max-model-len" not in s["serve"] and "memory" not in s["why"]
+    fit, s = step("--gpu-mem", "25GiB")  # 40960 tokens fit once the share is raised
+    weights, per_token = fit["weights"]["value"], fit["kv_bytes_per_token"]["value"]
+    util = -(-(weights + REST_ESTIMATE[1] + 40960 * per_token) * 100 // (25 * gib)) / 100
+    assert fit["fits"] != "yes" and util <= 0.95
+    assert s["serve"].endswith(f"--gpu-memory-utilization {util:g}") and "--max-model-len" not in s["serve"]
+    assert int(25 * gib * util) - weights - REST_ESTIMATE[1] >= 40960 * per_token
+    fit, s = step("--gpu-mem", "24GiB")  # even 0.95 of 24 GiB does not hold 40960 tokens: a shorter length
+    length = int(s["serve"].split("--max-model-len ")[1])
+    assert 0 < length < 40960 and length % 16 == 0 and "--gpu-memory-utilization" not in s["serve"]
+    assert int(24 * gib * 0.9) - weights - REST_ESTIMATE[1] >= length * per_token
+    assert int(24 * gib * 0.9) - weights - REST_ESTIMATE[1] < (length + 16) * per_token
+    assert f"--max-model-len {length} does" in s["why"]
+    fit, s = step("--gpu-mem", "16GiB")  # the weights alone do not fit
+    assert "nothing fits on this GPU at TP 1" in s["why"] and "--max-model-len" not in s["serve"]
+    text = _run_cli("inspect", str(ck), "--tp", "1", "--vllm", "0.33.0", "--gpu-mem", "24GiB").stdout
+    assert f"--max-model-len {length}" in text

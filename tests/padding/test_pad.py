@@ -263,3 +263,25 @@ def test_cli_pad_writes_and_refuses_bad_input(make_ckpt, tmp_path):
     assert not (tmp_path / "q").exists()
     r = run("pad", str(src), "-o", str(tmp_path / "r"))
     assert r.returncode == 2 and "--tp" in r.stderr
+
+
+def test_pad_reports_the_memory_of_the_padded_checkpoint(make_ckpt, tmp_path):
+    """`pad` (dry run or not) reports the per-rank memory of the checkpoint it writes: the same
+    figures `inspect` gives for the written checkpoint at that TP size, in text and --json."""
+    from click.testing import CliRunner
+
+    from wna16ctl.cli import cli
+
+    src = make_ckpt(**SMALL)
+    args = ["--tp", "2", "--vllm", "0.32.0", "--gpu", "h100", "--max-model-len", "4096"]
+    dry = CliRunner().invoke(cli, ["pad", str(src), *args, "--dry-run", "--json"])
+    assert dry.exit_code == 0, dry.output
+    planned = json.loads(dry.stdout)["memory"]
+    run = CliRunner().invoke(cli, ["pad", str(src), *args, "-o", str(tmp_path / "p"), "--json", "-q"])
+    assert run.exit_code == 0, run.output
+    written = json.loads(run.stdout)["memory"]
+    insp = wna16ctl.inspect(tmp_path / "p", "2", vllm="0.32.0", gpu="sm90", gpu_mem="h100", max_model_len=4096)
+    assert planned == written == insp.fits[0].to_json()
+    assert "memory" not in json.loads((tmp_path / "p" / "wna16ctl.json").read_text())  # the output's manifest is unchanged
+    text = CliRunner().invoke(cli, ["pad", str(src), "--tp", "2", "--vllm", "0.32.0", "--dry-run"]).output
+    assert "memory per rank at TP 2: weights" in text and "judges the fit" in text

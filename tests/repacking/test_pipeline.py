@@ -904,3 +904,23 @@ def test_output_dot_and_ep_rank_without_experts(make_ckpt, tmp_path, monkeypatch
     assert (out / "wna16ctl.json").is_file() and (out / "rank-2").is_dir()
     report = verify_output(ck, out, samples=QUESTIONS, num_samples=4)
     assert report.passed, [f.message for f in report.findings]
+
+
+@pytest.mark.parametrize("layout", ["auto", "vllm"])
+def test_dry_run_reports_the_memory_per_rank(make_ckpt, layout):
+    """`repack --dry-run` reports the per-rank memory of the deployment it writes: with a GPU's
+    memory the same fit `inspect` judges at that TP size (the plan's own MoE plans), without one
+    what a rank holds; in --json and in text."""
+    import wna16ctl
+
+    ck = make_ckpt(num_layers=2, num_experts=4, hidden_size=256, intermediate_size=256)
+    args = ["repack", str(ck), "--tp", "2", "--layout", layout, "--vllm", "0.33.0", "--dry-run"]
+    res = CliRunner().invoke(cli, [*args, "--gpu", "h100", "--max-model-len", "2048", "--json"])
+    assert res.exit_code == 0, res.output
+    memory = json.loads(res.stdout)["memory"]
+    insp = wna16ctl.inspect(ck, "2", vllm="0.33.0", gpu="sm90", gpu_mem="h100", max_model_len=2048)
+    assert memory == insp.fits[0].to_json()
+    plain = json.loads(CliRunner().invoke(cli, [*args, "--json"]).stdout)["memory"]
+    assert plain == insp.fits[0].per_rank_json() and "fits" not in plain
+    text = CliRunner().invoke(cli, [*args, "--gpu", "h100"]).output
+    assert "memory per rank at TP 2: weights" in text and "on 80.0 GiB x 0.9: KV tokens" in text

@@ -116,6 +116,12 @@ class Fit:
             "short_by": {"value": None if self.not_judged else self.short_by(), "unit": "bytes", "exact": False},
         }
 
+    def per_rank_json(self) -> dict[str, Any]:
+        """What one rank holds whatever the GPU: the weights and the KV cache per token and sequence."""
+        j = self.to_json()
+        return {k: j[k] for k in ("tp", "weights", "weights_as_built", "weights_processing", "kv_bytes_per_token",
+                                  "kv_state_bytes_per_sequence")}
+
     def weights_exact(self) -> bool:
         """The weights after processing are exact where every module's processing is modelled."""
         return not self.weights.processing_not_modelled
@@ -137,8 +143,9 @@ class Fit:
         return "yes" if self.budget(hi) >= need else "maybe" if self.budget(lo) >= need else "no"
 
 
-def max_positions(insp: Any) -> int | None:
-    raw = insp.checkpoint.config.raw
+def max_positions(ck: Any) -> int | None:
+    """The checkpoint's max_position_embeddings (`ck`: sources.Checkpoint)."""
+    raw = ck.config.raw
     text = raw["text_config"] if isinstance(raw.get("text_config"), dict) else raw
     v = text.get("max_position_embeddings")
     return v if isinstance(v, int) and v > 0 else None
@@ -168,18 +175,25 @@ def fit_settings(insp: Any, gpu_mem: int, utilization: float = DEFAULT_UTILIZATI
                  max_num_seqs: int = 256, kv_cache_dtype: str = "auto", gpu_name: str | None = None) -> FitSettings:
     """The settings for `insp` (planning.inspection.Inspection); `gpu_name`, a GPU_MEMORY name,
     gives the SM count Marlin's workspaces are sized by."""
+    return settings_for(insp.checkpoint, insp.gpu, gpu_mem, utilization, max_model_len, max_num_seqs, kv_cache_dtype,
+                        gpu_name)
+
+
+def settings_for(ck: Any, arch: str, gpu_mem: int, utilization: float = DEFAULT_UTILIZATION,
+                 max_model_len: int | None = None, max_num_seqs: int = 256, kv_cache_dtype: str = "auto",
+                 gpu_name: str | None = None) -> FitSettings:
+    """The settings for the checkpoint `ck` on a GPU of architecture `arch` (see fit_settings)."""
     from wna16ctl.planning.kvcache import kv_dtype_bytes
     from wna16ctl.planning.memory import model_st_dtype
 
     if not 0 < utilization <= 1:
         raise UsageError(f"--gpu-memory-utilization {utilization}: a fraction in (0, 1]")
-    positions = max_positions(insp)
+    positions = max_positions(ck)
     if max_model_len is not None and positions is not None and max_model_len > positions:
         raise UsageError(f"--max-model-len {max_model_len}: beyond the model's {positions} positions "
                          "(config.json max_position_embeddings)")
     return FitSettings(gpu_mem, utilization, max_model_len or positions or 4096, max_num_seqs,
-                       kv_dtype_bytes(kv_cache_dtype, model_st_dtype(insp.checkpoint)), gpu_sms(gpu_name, insp.gpu),
-                       positions)
+                       kv_dtype_bytes(kv_cache_dtype, model_st_dtype(ck)), gpu_sms(gpu_name, arch), positions)
 
 
 def fit_at(ck: Any, tp: int, ep: bool, vllm: str, moe_plans: dict[str, Any], linear_plans: dict[str, Any],
@@ -206,3 +220,26 @@ def fits(insp: Any, settings: FitSettings) -> list[Fit]:
             continue
         out.append(fit_at(ck, tp, insp.ep, insp.engine.version, moe, lin, settings))
     return out
+
+
+
+def memory_lines(memory: dict[str, Any] | None) -> list[str]:
+    """For people: a `Fit.to_json` (or `Fit.per_rank_json`) as `repack --dry-run` and `pad` print it."""
+    from wna16ctl.sink import human_bytes
+
+    if not memory:
+        return []
+    weights = memory["weights"]
+    exact = "exact" if weights["exact"] else "as built where processing is not modelled"
+    line = (f"memory per rank at TP {memory['tp']}: weights {human_bytes(weights['value'])} ({exact}), KV "
+            f"{human_bytes(memory['kv_bytes_per_token']['value'])}/token (exact)")
+    if "fits" not in memory:
+        return [line + " (--gpu-mem or a --gpu name with its memory judges the fit)"]
+    if memory["not_judged"]:
+        return [line, f"  on {human_bytes(memory['gpu_memory']['value'])}: not judged ({memory['not_judged']})"]
+    tokens, seqs, longest = (memory[k]["value"] for k in ("kv_tokens", "max_concurrency", "largest_max_model_len"))
+    verdict = {"yes": "fits", "maybe": "fits only if the rest of a start stays small",
+               "no": f"does not fit (short by at least {human_bytes(memory['short_by']['value'] or 0)})"}[memory["fits"]]
+    return [line, f"  on {human_bytes(memory['gpu_memory']['value'])} x {memory['gpu_memory_utilization']:g}: KV tokens "
+                  f"{tokens[0]}-{tokens[1]}, {seqs[0]}-{seqs[1]} concurrent {memory['max_model_len']}-token requests, "
+                  f"largest --max-model-len {longest[0]}-{longest[1]}: {verdict}"]

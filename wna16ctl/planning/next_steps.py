@@ -56,9 +56,11 @@ def _env_prefix(env: Any) -> str:
 
 
 def serve_command(out: str | os.PathLike[str], layout: str | None, tp: int, *, ep: bool = False, moe_backend: str = "auto",
-                  env: Any = (), revision: str | None = None) -> str:
+                  env: Any = (), revision: str | None = None, memory: tuple[str, ...] = ()) -> str:
     """The `vllm serve` line for `out`: a repack output of `layout`, or (layout None) a checkpoint
-    vLLM loads itself (a local directory or a Hub repo id at `revision`)."""
+    vLLM loads itself (a local directory or a Hub repo id at `revision`); `memory`: the
+    `--max-model-len` / `--gpu-memory-utilization` words the start needs to fit
+    (`planning.serving.memory_options`)."""
     words = ["vllm", "serve", str(out)]
     hint = None if layout is None else layout_of(layout).serve
     if hint is not None and hint.load_format is not None:
@@ -71,7 +73,7 @@ def serve_command(out: str | os.PathLike[str], layout: str | None, tp: int, *, e
         words.append("--enable-expert-parallel")
     if moe_backend != "auto":
         words += ["--moe-backend", moe_backend]
-    return _env_prefix(env) + shlex.join(words)
+    return _env_prefix(env) + shlex.join(words + list(memory))
 
 
 def output_name(ckpt: str, layout: str, tp: int, *, hub: bool = False) -> str:

@@ -63,6 +63,8 @@ class PadPlan:
     # the planned model's layers with the padded widths (what `--suggest` judges the memory of)
     padded_layers: list[MoELayer] = field(default_factory=list)
     padded_linear: list[LinearLayer] = field(default_factory=list)
+    # the padded checkpoint's per-rank memory at tp (planning.deployment.planned_memory; None without tp)
+    memory: dict[str, Any] | None = None
 
     @property
     def extra_bytes(self) -> int:
@@ -454,6 +456,7 @@ def summary_lines(plan_json: dict[str, Any], out: str | None = None, ckpt: str |
     serve line."""
     import shlex
 
+    from wna16ctl.planning.fit import memory_lines
     from wna16ctl.planning.next_steps import serve_command
     from wna16ctl.sink import human_bytes
 
@@ -470,6 +473,7 @@ def summary_lines(plan_json: dict[str, Any], out: str | None = None, ckpt: str |
         backends = ", ".join(verdict.get("moe_backends", [])) or "-"
         lines.append(f"at TP {tp}{' EP' if plan_json['ep'] else ''} on vLLM {plan_json['vllm']} {plan_json['gpu']}: "
                      f"original {was}; padded {'loads' if verdict.get('loads') else 'refused'} (MoE backend {backends})")
+    lines += memory_lines(plan_json.get("memory"))
     if out is not None:
         original = ckpt if ckpt is not None else plan_json["checkpoint"]
         lines += [f"wrote {out}",

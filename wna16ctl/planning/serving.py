@@ -15,6 +15,9 @@ The commands themselves come from `planning.next_steps`.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from dataclasses import dataclass
 from typing import Any
 
 from wna16ctl.planning import rules
@@ -33,6 +36,56 @@ from wna16ctl.planning.next_steps import (
 )
 
 CORRECTNESS = "correctness"  # planning.inspection's severity of a hazard that makes outputs wrong
+# The highest --gpu-memory-utilization a serve line is given to make a start fit: above it the
+# memory left outside vLLM's share (the CUDA context, other processes) is too thin to rely on.
+MAX_UTILIZATION = 0.95
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    """What a serve line needs to fit in the GPU's memory: the words to add (none where the
+    settings asked for already fit) and why, in words."""
+
+    words: tuple[str, ...]
+    why: str | None  # None: the settings asked for fit as they are
+
+
+def memory_options(fit: Any) -> MemoryOptions | None:
+    """The `--max-model-len` / `--gpu-memory-utilization` under which one TP size's start fits
+    (planning.fit.Fit), judged at the high end of the rest-of-a-start estimate so that the line
+    works whatever the rest turns out within it: the settings asked for where they fit; else the
+    lowest utilization up to MAX_UTILIZATION at which one sequence of the asked length fits; else
+    the largest length that fits at the asked utilization (or at MAX_UTILIZATION); else a words-less
+    answer saying that nothing fits on that GPU.  None where the fit is not judged."""
+    from wna16ctl.planning.fit import DEFAULT_UTILIZATION, REST_ESTIMATE
+    from wna16ctl.planning.kvcache import BLOCK_SIZE
+
+    if fit.not_judged:
+        return None
+    rest = REST_ESTIMATE[1]
+
+    def words(f: Any) -> tuple[str, ...]:
+        out: tuple[str, ...] = ()
+        if f.positions is None or f.max_model_len != f.positions:
+            out += ("--max-model-len", str(f.max_model_len))
+        if f.utilization != DEFAULT_UTILIZATION:
+            out += ("--gpu-memory-utilization", f"{f.utilization:g}")
+        return out
+
+    need = fit.kv.sequence_bytes(fit.max_model_len)
+    if fit.budget(rest) >= need:
+        return MemoryOptions(words(fit), None)
+    util = math.ceil((fit.weights.loaded_bytes + rest + need) * 100 / fit.gpu_mem) / 100
+    if util <= MAX_UTILIZATION:
+        return MemoryOptions(words(dataclasses.replace(fit, utilization=util)),
+                             f"--gpu-memory-utilization {util:g} holds one {fit.max_model_len}-token sequence")
+    for f in (fit, dataclasses.replace(fit, utilization=max(fit.utilization, MAX_UTILIZATION))):
+        length = f.largest_len(rest) // BLOCK_SIZE * BLOCK_SIZE
+        if length >= BLOCK_SIZE:
+            return MemoryOptions(words(dataclasses.replace(f, max_model_len=length)),
+                                 f"{fit.max_model_len} tokens do not fit; --max-model-len {length} does")
+    return MemoryOptions((), f"nothing fits on this GPU at TP {fit.tp}: the weights and the rest of a start leave no "
+                             f"room for the KV cache even at --gpu-memory-utilization {MAX_UTILIZATION:g}")
 
 
 def _vllm_layout_fits(ck: Any, version: str) -> bool:
@@ -59,8 +112,12 @@ def inspect_next_steps(insp: Any) -> list[NextStep]:
     env = list(sw.env)
     act_order = any(lay.scheme is not None and lay.scheme.act_order for lay in ck.quantized_layers)
     fits_vllm = None  # computed once, on first need
+    fits = {f.tp: memory_options(f) for f in insp.fits or ()}
     steps: list[NextStep] = []
     for i, tp in enumerate(insp.tps):
+        memory = fits.get(tp)
+        mem_words = memory.words if memory is not None else ()
+        mem_why = f"; memory: {memory.why}" if memory is not None and memory.why else ""
         plans = [p for _, _, p in insp._all_plans() if p.tp == tp]
         if not insp.tp_loads(i):
             continue
@@ -85,15 +142,17 @@ def inspect_next_steps(insp: Any) -> list[NextStep]:
             else:
                 steps.append(NextStep(tp, insp.ep, None, None,
                                       serve_command(ckpt.split("@", 1)[0] if revision else ckpt, None, tp, ep=insp.ep,
-                                                    moe_backend=sw.moe_backend, env=env, revision=revision),
-                                      "no pre-sharded layout applies: vLLM loads and repacks the checkpoint itself"))
+                                                    moe_backend=sw.moe_backend, env=env, revision=revision,
+                                                    memory=mem_words),
+                                      "no pre-sharded layout applies: vLLM loads and repacks the checkpoint itself"
+                                      + mem_why))
                 continue
         out = output_name(ckpt, layout, tp, hub=ck.source is not None)
         backend = sw.moe_backend if layout == VLLM_LAYOUT else ("marlin" if sw.moe_backend == "marlin" else "auto")
         steps.append(NextStep(
             tp, insp.ep, layout,
             repack_command(ckpt, out, layout, tp, vllm=version, gpu=gpu, moe_backend=backend, env=env),
-            serve_command(out, layout, tp, moe_backend=sw.moe_backend, env=env), why,
+            serve_command(out, layout, tp, moe_backend=sw.moe_backend, env=env, memory=mem_words), why + mem_why,
             needs=PLUGIN_INSTALL if layout == MARLIN_LAYOUT else None))
     return steps
 

@@ -438,20 +438,15 @@ def _memory_rank(s: Suggestion) -> tuple[int, int]:
 
 
 def _with_memory(insp: Inspection, s: Suggestion) -> Suggestion:
-    from wna16ctl.planning.fit import REST_ESTIMATE, fit_at
-    from wna16ctl.planning.inspection import plan_all, plan_all_linear, _params_dtype
+    from wna16ctl.planning.deployment import deployment_fit
+    from wna16ctl.planning.fit import REST_ESTIMATE
     from wna16ctl.planning.padding import plan_padding
 
     ck = insp.checkpoint
     if s.kind == "pad":
         plan = plan_padding(insp, s.tp)
         ck = replace(ck, layers=plan.padded_layers, linear_layers=plan.padded_linear)
-    moe = plan_all(ck.layers, (s.tp,), s.ep, s.vllm, s.gpu, insp.problems, with_differences=False,
-                   switches=insp.switches)
-    lin = plan_all_linear(ck.linear_layers, (s.tp,), s.vllm, s.gpu, _params_dtype(ck.config.torch_dtype),
-                          with_differences=False, switches=insp.switches)
-    f = fit_at(ck, s.tp, s.ep, s.vllm, {k: v[0] for k, v in moe.items()}, {k: v[0] for k, v in lin.items()},
-               insp.fit_settings)
+    f = deployment_fit(ck, s.tp, s.ep, s.vllm, s.gpu, insp.switches, insp.fit_settings, problems=insp.problems)
     j = f.to_json()
     memory = {k: j[k] for k in ("fits", "not_judged", "weights", "kv_tokens", "max_concurrency",
                                 "largest_max_model_len", "short_by")}

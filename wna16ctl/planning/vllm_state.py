@@ -107,6 +107,7 @@ class VllmStatePlan:
     k_first: dict[int, bool] = field(default_factory=dict)
     switches: Any = None  # planning.engine_env.EngineSwitches (None: the engine's defaults)
     out: str | None = None  # where it is to be written (named in the serve command; None: OUT)
+    memory: dict[str, Any] | None = None  # a dry run's per-rank memory of the deployment (planning.deployment)
 
     def files(self, rank: int) -> list[str]:
         return [PATTERN.format(rank=rank, part=p) for p in range(len(self.parts[rank]))]

@@ -134,6 +134,7 @@ class RepackPlan:
     fingerprint: str
     scale_dtype_name: str  # config.json's torch_dtype: the dtype scales are written in ("bfloat16")
     units: dict[str, list[tuple]] = field(default_factory=dict)  # relpath -> work units writing into it
+    memory: dict[str, Any] | None = None  # a dry run's per-rank memory of the deployment (planning.deployment)
 
     @property
     def scale_dtype(self) -> Any:  # torch.dtype

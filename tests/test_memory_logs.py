@@ -1,0 +1,65 @@
+"""docs/memory.md's comparison with users' vLLM start-up logs stays true: every row is recomputed
+from its own columns (the model's config, TP, --kv-cache-dtype and the log's available KV memory)
+through the library, and its "ours" and "error" columns must be what the library gives."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from tests import modelckpt as m
+from tests.conftest import REPO_ROOT
+from wna16ctl.dtypes import ST_SIZES
+from wna16ctl.planning.kvcache import kv_cache, kv_dtype_bytes
+from wna16ctl.planning.memory import model_st_dtype
+from wna16ctl.sources import open_checkpoint
+
+DOC = REPO_ROOT / "docs" / "memory.md"
+GIB = 1 << 30
+# config name in the table -> (config builder, family, decoder layers of the published config)
+CONFIGS = {
+    "qwen3_235b_a22b": (m.qwen3_235b_a22b, m.qwen3_moe, 94),
+    "kimi_k2_thinking": (m.kimi_k2_thinking, m.deepseek_v3, 61),
+}
+
+
+def _rows() -> list[dict[str, str]]:
+    section = DOC.read_text().split("## Against real start-up logs")[1]
+    lines = [ln for ln in section.splitlines() if ln.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    return [dict(zip(header, (c.strip() for c in ln.strip("|").split("|")))) for ln in lines[2:]]
+
+
+def _checkpoint(name: str, root: Path):
+    """A header-only copy of the published config: tensors of two layers (the cache is sized from
+    the config), the config's own decoder layer count."""
+    build, family, layers = CONFIGS[name]
+    config = build(layers=2)
+    out = m.write(root / name, config, family(config, config.get("quantization_config")))
+    written = json.loads((out / "config.json").read_text())
+    written["num_hidden_layers"] = layers
+    (out / "config.json").write_text(json.dumps(written))
+    return open_checkpoint(out)
+
+
+def test_the_table_has_its_cases():
+    rows = _rows()
+    assert len(rows) >= 2 and all(r["source"].startswith("https://") for r in rows)
+
+
+@pytest.mark.parametrize("row", _rows() if "## Against real start-up logs" in DOC.read_text() else [],
+                         ids=lambda r: r["#"])
+def test_each_row_is_what_the_library_computes(row, tmp_path):
+    config = re.search(r"\((\w+)\)", row["model (config)"]).group(1)
+    ck = _checkpoint(config, tmp_path)
+    st = model_st_dtype(ck)
+    kv = kv_cache(ck, int(row["TP"]), kv_dtype_bytes(row["--kv-cache-dtype"], st), ST_SIZES[st])
+    assert kv.unknown is None
+    ours = kv.tokens_in(int(float(row["Available KV cache memory (GiB)"]) * GIB))
+    assert int(row["ours"]) == ours
+    logged = int(row["GPU KV cache size: logged"])
+    assert row["error"] == f"{(ours - logged) / logged * 100:+.2f}%"
+    assert abs(ours - logged) / logged <= 0.05  # the goal: within 5 % where the log gives the settings
