@@ -319,3 +319,15 @@ def kimi_k2_thinking(layers: int = 2) -> dict[str, Any]:
     text["quantization_config"] = w4a16(RECIPE_IGNORE + [r"re:.*self_attn.*", r"re:.*shared_experts.*",
                                                          r"re:.*mlp\.(gate|up|down)_proj$"], group_size=32)
     return text
+
+
+def qwen3_coder_480b_a35b(layers: int = 2) -> dict[str, Any]:
+    """Qwen/Qwen3-Coder-480B-A35B-Instruct's published config.json (its model page on the Hub): 62
+    decoder layers, hidden 6144, 96 query heads and 8 KV heads of head_dim 128, 160 experts of 2560
+    (8 per token), vocabulary 151936, max_position_embeddings 262144; the W4A16 recipe in place of
+    the FP8 or BF16 weights, which does not change the KV cache."""
+    return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 6144,
+            "num_hidden_layers": layers, "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128,
+            "moe_intermediate_size": 2560, "intermediate_size": 8192, "num_experts": 160, "num_experts_per_tok": 8,
+            "norm_topk_prob": True, "vocab_size": 151936, "max_position_embeddings": 262144,
+            "torch_dtype": "bfloat16", "quantization_config": w4a16(RECIPE_IGNORE)}

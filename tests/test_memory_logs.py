@@ -1,6 +1,7 @@
-"""docs/memory.md's comparison with users' vLLM start-up logs stays true: every row is recomputed
-from its own columns (the model's config, TP, --kv-cache-dtype and the log's available KV memory)
-through the library, and its "ours" and "error" columns must be what the library gives."""
+"""docs/memory.md's comparison with users' vLLM start-up logs stays true: every row of both tables
+(starts that logged their KV cache size, starts that stopped at the cache check) is recomputed from
+its own columns (the model's config, TP, --kv-cache-dtype and the log's available KV memory) through
+the library, and its "ours" and "error" columns must be what the library gives."""
 
 from __future__ import annotations
 
@@ -23,14 +24,38 @@ GIB = 1 << 30
 CONFIGS = {
     "qwen3_235b_a22b": (m.qwen3_235b_a22b, m.qwen3_moe, 94),
     "kimi_k2_thinking": (m.kimi_k2_thinking, m.deepseek_v3, 61),
+    "qwen3_coder_480b_a35b": (m.qwen3_coder_480b_a35b, m.qwen3_moe, 62),
 }
+SECTION = "## Against real start-up logs"
+
+
+def _tables() -> list[list[dict[str, str]]]:
+    """Every table of the section, each a list of rows keyed by its own header."""
+    section = DOC.read_text().split(SECTION)[1]
+    tables: list[list[str]] = [[]]
+    for ln in section.splitlines():
+        if ln.startswith("|"):
+            tables[-1].append(ln)
+        elif tables[-1]:
+            tables.append([])
+    out = []
+    for lines in (t for t in tables if t):
+        header = [c.strip() for c in lines[0].strip("|").split("|")]
+        out.append([dict(zip(header, (c.strip() for c in ln.strip("|").split("|")))) for ln in lines[2:]])
+    return out
+
+
+def _table(n: int) -> list[dict[str, str]]:
+    tables = _tables() if SECTION in DOC.read_text() else []
+    return tables[n] if len(tables) > n else []
 
 
 def _rows() -> list[dict[str, str]]:
-    section = DOC.read_text().split("## Against real start-up logs")[1]
-    lines = [ln for ln in section.splitlines() if ln.startswith("|")]
-    header = [c.strip() for c in lines[0].strip("|").split("|")]
-    return [dict(zip(header, (c.strip() for c in ln.strip("|").split("|")))) for ln in lines[2:]]
+    return _table(0)
+
+
+def _stopped_rows() -> list[dict[str, str]]:
+    return _table(1)
 
 
 def _checkpoint(name: str, root: Path):
@@ -50,16 +75,44 @@ def test_the_table_has_its_cases():
     assert len(rows) >= 2 and all(r["source"].startswith("https://") for r in rows)
 
 
-@pytest.mark.parametrize("row", _rows() if "## Against real start-up logs" in DOC.read_text() else [],
-                         ids=lambda r: r["#"])
-def test_each_row_is_what_the_library_computes(row, tmp_path):
+def _kv(row: dict[str, str], tmp_path: Path):
     config = re.search(r"\((\w+)\)", row["model (config)"]).group(1)
     ck = _checkpoint(config, tmp_path)
     st = model_st_dtype(ck)
     kv = kv_cache(ck, int(row["TP"]), kv_dtype_bytes(row["--kv-cache-dtype"], st), ST_SIZES[st])
     assert kv.unknown is None
+    return kv
+
+
+def _error(ours: int, logged: int) -> str:
+    return f"{(ours - logged) / logged * 100:+.2f}%"
+
+
+@pytest.mark.parametrize("row", _rows(), ids=lambda r: r["#"])
+def test_each_row_is_what_the_library_computes(row, tmp_path):
+    kv = _kv(row, tmp_path)
     ours = kv.tokens_in(int(float(row["Available KV cache memory (GiB)"]) * GIB))
     assert int(row["ours"]) == ours
     logged = int(row["GPU KV cache size: logged"])
-    assert row["error"] == f"{(ours - logged) / logged * 100:+.2f}%"
+    assert row["error"] == _error(ours, logged)
     assert abs(ours - logged) / logged <= 0.05  # the goal: within 5 % where the log gives the settings
+
+
+def test_the_stopped_starts_have_their_table():
+    rows = _stopped_rows()
+    assert len(rows) >= 2 and all(r["source"].startswith("https://") for r in rows)
+
+
+@pytest.mark.parametrize("row", _stopped_rows(), ids=lambda r: r["#"])
+def test_each_stopped_start_is_what_the_library_computes(row, tmp_path):
+    """The KV cache one sequence of --max-model-len needs, and the largest length the logged memory
+    holds in whole blocks (vLLM's "estimated maximum model length")."""
+    kv = _kv(row, tmp_path)
+    max_len = int(re.search(r"\d+", row["--max-model-len"]).group(0))
+    needed = f"{kv.sequence_bytes(max_len) / GIB:.2f}"
+    assert row["needed: ours"] == needed == row["KV cache needed (GiB): logged"]
+    ours = kv.tokens_in(int(float(row["available KV cache memory (GiB)"]) * GIB))
+    logged = int(row["estimated maximum model length: logged"])
+    assert int(row["length: ours"]) == ours
+    assert row["error"] == _error(ours, logged)
+    assert abs(ours - logged) / logged <= 0.05
