@@ -172,8 +172,9 @@ GPU_ALIASES = {
 
 
 class _OptionError(click.ClickException):
-    """A bad option value found while the options are read: one line on stderr and exit 2, as an
-    error inside a command body (click's own usage errors print the usage too)."""
+    """A bad option value found while the options are read whose message already holds the fix
+    (the values that are known): one line on stderr and exit 2, without the `--help` pointer that
+    `OneLineUsageError` adds."""
 
     exit_code = EXIT_BAD_INPUT
 
