@@ -42,6 +42,23 @@ ARCH_SPECS: dict[str, dict] = {
     "kimi_k2": {"arch": "kimi_k2"},
     "glm4_moe": {"arch": "glm4_moe"},
 }
+# llm-compressor's usual recipe (every Linear but lm_head and the routers quantized): the parameters
+# of vLLM's quantized linear layers (fused qkv_proj and gate_up_proj, row-parallel o_proj and
+# down_proj, MLA's projections).  Every per-rank linear size is a multiple of 32, which vLLM's CPU
+# linear kernel (CPUWNA16) needs to build the layer at all: MLA with a rotary part of 32 and groups
+# of 32 (kv_lora_rank 64); Mixtral asymmetric for the zero points; Qwen3-MoE int8 channel-wise for
+# the whole scales of a row-parallel layer.
+_MLA_LINEAR = {"targets": "linear", "group_size": 32, "mla_qk_rope_head_dim": 32}
+ARCH_SPECS |= {
+    "qwen3_moe-linear": {"arch": "qwen3_moe", "targets": "linear"},
+    "qwen3_moe-linear-int8-channel": {"arch": "qwen3_moe", "targets": "linear", "num_bits": 8, "group_size": -1},
+    "mixtral-linear": {"arch": "mixtral", "targets": "linear", "symmetric": False},
+    "qwen2_moe-linear": {"arch": "qwen2_moe", "targets": "linear"},
+    "deepseek_v3-linear": {"arch": "deepseek_v3", **_MLA_LINEAR},
+    "deepseek_v2-linear": {"arch": "deepseek_v2", **_MLA_LINEAR},
+    "kimi_k2-linear": {"arch": "kimi_k2", **_MLA_LINEAR},
+    "glm4_moe-linear": {"arch": "glm4_moe", "targets": "linear"},
+}
 
 
 def vllm_contract(python: Path, ckpts: list[Path], tp: int, tmp_path: Path, tree: Path | None = None
@@ -107,8 +124,9 @@ def test_contract_equals_vllms_model(make_ckpt, release_keys, arch, release):
     planned = rules.match_release(version, "installed").version
     if release != "installed":
         assert planned == release, f"the {release} sources report version {version}"
-    if not rules.vllm_state_known(planned, arch):
-        pytest.skip(f"vLLM {planned} x {arch} is outside the contract (refused by repack --layout vllm)")
+    model_type = ARCH_SPECS[arch]["arch"]
+    if not rules.vllm_state_known(planned, model_type):
+        pytest.skip(f"vLLM {planned} x {model_type} is outside the contract (refused by repack --layout vllm)")
     assert error is None, f"vLLM {version} did not build the {arch} model: {error}"
     try:
         plan = plan_vllm_state(make_ckpt(**ARCH_SPECS[arch]), TP, planned)
