@@ -309,13 +309,13 @@ def invert_key(plan: Any, reader: Any, t: Any, parts: list[torch.Tensor]) -> str
                 if bad is None and not same(got, s_):
                     bad = f"rank {r}: the {name} rows differ"
     elif verb == "qkv":
-        rows = head_rows(reader.read(arg), dims.num_attention_heads)
-        q, k, v, replicas = qkv_unshard(parts, dims.num_attention_heads, dims.num_key_value_heads, rows)
+        per_head = head_rows(reader.read(arg), dims.num_attention_heads)
+        q, k, v, replicas = qkv_unshard(parts, dims.num_attention_heads, dims.num_key_value_heads, per_head)
         for got, letter in zip((q, k, v), "qkv"):
             name = arg.replace(".q_proj.", f".{letter}_proj.")
             if not same(got, src(name)):
                 bad = f"the {name} rows differ"
-        per_kv = kv_heads_per_rank(dims.num_key_value_heads, plan.tp) * rows
+        per_kv = kv_heads_per_rank(dims.num_key_value_heads, plan.tp) * per_head
         for r, first in replicas:
             if not torch.equal(parts[r][-2 * per_kv:], parts[first][-2 * per_kv:]):
                 bad = f"rank {r}'s replicated key/value heads differ from rank {first}'s"
