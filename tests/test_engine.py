@@ -307,3 +307,38 @@ def test_ci_vllms_own_saved_state_does_not_load_back(served_tp2):
     assert "KeyError" in log and "w13_weight" in log, (
         "vLLM's own saved state still fails to load, but no longer with the KeyError on the processed expert "
         "weights (w13_weight) that the docs describe: " + log[-3000:])
+
+
+@pytest.mark.engine_ci
+def test_ci_vllm_layout_of_the_standard_recipe_serves_like_a_normal_load(make_ckpt, tmp_path):
+    """Proves, for llm-compressor's usual recipe (every Linear but lm_head and the routers quantized,
+    written by compressed-tensors: fused qkv_proj, row-parallel o_proj, the scheme's scales and
+    weight_shape): `repack --tp 2 --layout vllm` equals vLLM's own pre-processing state byte for byte
+    on both ranks, and stock vLLM serving it with load_format="sharded_state" generates the greedy
+    tokens of a normal load, logprobs within the tier's tolerance."""
+    from click.testing import CliRunner
+
+    from wna16ctl.cli import cli
+
+    python = engine_python()
+    ck = make_ckpt(tokenizer=True, targets="linear")
+    out = tmp_path / "state"
+    res = CliRunner().invoke(cli, ["repack", str(ck), "--tp", "2", "--layout", "vllm", "--vllm", ENGINE_RELEASE,
+                                   "-o", str(out), "-q"])
+    assert res.exit_code == 0, f"repack --layout vllm --tp 2 of the standard-recipe demo failed: {res.output}"
+    request = {"prompts": CI_PROMPTS, "max_tokens": 16, "dtype": "bfloat16", "logprobs": 3}
+    dump = tmp_path / "vllm-state"
+    normal, _ = _engine_run(python, request | {"model": str(ck)}, tmp_path, "normal", 2, dump=dump)
+    breaks = _contract_breaks(dump, out, 2)
+    assert not breaks, (f"the vllm layout of the standard recipe (Qwen3-MoE, TP 2) differs from vLLM "
+                        f"{ENGINE_RELEASE}'s own state, {len(breaks)} difference(s): {breaks[:10]}")
+    sharded, log = _engine_run(python, request | {"model": str(out), "load_format": "sharded_state"}, tmp_path,
+                               "sharded", 2, expect_ok=False)
+    assert sharded is not None, "stock vLLM could not start from the repack with load_format=sharded_state: " + log[-3000:]
+    excess = _logprob_excess(normal, sharded)
+    line = (f"engine tier: vLLM {normal['vllm']} qwen3_moe (every Linear quantized) TP 2: sharded_state of the vllm "
+            f"layout vs a normal load: tokens {'equal' if sharded['tokens'] == normal['tokens'] else 'DIFFER'}, "
+            f"largest chosen-token logprob gap {_chosen_logprob_gap(normal, sharded):.3g}")
+    print(line, file=sys.stderr)
+    assert sharded["tokens"] == normal["tokens"], f"greedy tokens of sharded_state differ from a normal load: {line}"
+    assert not excess, f"logprobs beyond the tolerance (prompt, step, difference, tolerance): {excess[:5]}; {line}"

@@ -102,6 +102,12 @@ def kv_heads_per_rank(kv_heads: int, tp: int) -> int:
     return 1
 
 
+def head_rows(q: torch.Tensor, heads: int) -> int:
+    """Rows per head of a q_proj tensor: the head size for weights, scales and biases, the head size
+    over the pack factor for zero points (packed along N)."""
+    return q.shape[0] // heads
+
+
 def qkv_shard(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
               tp: int, rank: int) -> torch.Tensor:
     """`qkv_proj` rows (or bias entries) of this rank: its query heads, key heads, value heads."""
@@ -195,7 +201,8 @@ def build_tensor(plan: Any, reader: Any, t: Any, rank: int) -> torch.Tensor:
     elif verb == "qkv":
         dims = plan.checkpoint.dims
         q, k, v = (reader.read(arg.replace(".q_proj.", f".{p}_proj.")) for p in "qkv")
-        out = qkv_shard(q, k, v, dims.num_attention_heads, dims.num_key_value_heads, dims.head_dim, tp, rank)
+        out = qkv_shard(q, k, v, dims.num_attention_heads, dims.num_key_value_heads,
+                        head_rows(q, dims.num_attention_heads), tp, rank)
     elif verb in ("w13", "w2", "w13t", "w2t", "shape13", "shape2"):
         out = _expert_tensor(plan, reader, plan.moe_layers[t.layer], verb, arg, rank, dtype)
     else:
@@ -302,12 +309,13 @@ def invert_key(plan: Any, reader: Any, t: Any, parts: list[torch.Tensor]) -> str
                 if bad is None and not same(got, s_):
                     bad = f"rank {r}: the {name} rows differ"
     elif verb == "qkv":
-        q, k, v, replicas = qkv_unshard(parts, dims.num_attention_heads, dims.num_key_value_heads, dims.head_dim)
+        per_head = head_rows(reader.read(arg), dims.num_attention_heads)
+        q, k, v, replicas = qkv_unshard(parts, dims.num_attention_heads, dims.num_key_value_heads, per_head)
         for got, letter in zip((q, k, v), "qkv"):
             name = arg.replace(".q_proj.", f".{letter}_proj.")
             if not same(got, src(name)):
                 bad = f"the {name} rows differ"
-        per_kv = kv_heads_per_rank(dims.num_key_value_heads, plan.tp) * dims.head_dim
+        per_kv = kv_heads_per_rank(dims.num_key_value_heads, plan.tp) * per_head
         for r, first in replicas:
             if not torch.equal(parts[r][-2 * per_kv:], parts[first][-2 * per_kv:]):
                 bad = f"rank {r}'s replicated key/value heads differ from rank {first}'s"

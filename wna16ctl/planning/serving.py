@@ -100,6 +100,20 @@ def _vllm_layout_fits(ck: Any, version: str) -> bool:
     return True
 
 
+def marlin_loads_every_layer(ck: Any, tp: int, ep: bool, version: str, gpu: str, switches: Any) -> bool:
+    """Whether every MoE layer loads on Marlin with the backend pinned to it, as the `wna16ctl`
+    load format pins it (and as `repack --layout marlin` writes every layer): the one condition,
+    beside `plugin_serves`, under which a Marlin output is served, whichever backend vLLM's oracle
+    would pick by itself (Humming on sm90 from 0.32)."""
+    from dataclasses import replace
+
+    from wna16ctl.planning.moe import plan_layer
+
+    pinned = replace(switches, moe_backend="marlin")
+    return all(p.loadable and p.backend is not None and p.backend.value == "marlin"
+               for lay in ck.quantized_layers for p in [plan_layer(lay, tp, ep, version, gpu, pinned)])
+
+
 def inspect_next_steps(insp: Any) -> list[NextStep]:
     """Per requested TP size that loads (wrong outputs included where the plugin is the fix), how
     to serve it.  Nothing for a proposal (there is nothing quantized to repack or serve yet)."""
@@ -123,9 +137,7 @@ def inspect_next_steps(insp: Any) -> list[NextStep]:
             continue
         hazards = [h for p in plans for h in p.hazards]
         wrong = [h for h in hazards if severity.get(h) == CORRECTNESS]
-        marlin_everywhere = all(p.loadable and p.backend is not None and p.backend.value == "marlin"
-                                for lay in ck.quantized_layers for p in [insp.plans[lay.prefix][i]])
-        plugin = plugin_serves(version, insp.ep, act_order) and marlin_everywhere
+        plugin = plugin_serves(version, insp.ep, act_order) and marlin_loads_every_layer(ck, tp, insp.ep, version, gpu, sw)
         if wrong:
             if not (plugin and all(W13_SCALE_HAZARD in h for h in wrong)):
                 continue  # outputs would be wrong whichever way it is served: no step to offer

@@ -41,10 +41,11 @@ def _refuse_unknown(version: str, arch: str) -> None:
 def check_supported(ck: Checkpoint, version: str) -> None:
     arch = ck.config.model_type
     _refuse_unknown(version, arch)
-    if ck.linear_layers or ck.unplaced_linear:
-        first = ck.linear_layers[0].modules[0] if ck.linear_layers else ck.unplaced_linear[0]
-        raise UsageError(f"--layout vllm: {ck.root}: quantized non-expert layer {first} is not supported by the vllm "
-                         "layout yet; use --layout marlin or transposed")
+    if ck.unplaced_linear:
+        raise UsageError(f"--layout vllm: {ck.root}: quantized module {ck.unplaced_linear[0]} is not a layer vLLM "
+                         f"builds for {arch}; the vllm layout has no parameter to write it into")
+    for lin in ck.linear_layers:
+        _check_linear_scheme(lin)
     kv_scheme = (ck.config.raw.get("quantization_config") or {}).get("kv_cache_scheme")
     if kv_scheme:
         raise UsageError(f"--layout vllm: {ck.config.path}: a kv_cache_scheme changes the attention scales vLLM "
@@ -52,22 +53,40 @@ def check_supported(ck: Checkpoint, version: str) -> None:
     if ck.mtp_layers:
         raise UsageError(f"--layout vllm: {ck.root}: multi-token-prediction layers are not supported by the vllm layout")
     for lay in ck.layers:
-        if lay.scheme is None:
-            raise UsageError(f"--layout vllm: {lay.prefix}: unquantized experts are not supported by the vllm layout")
-        if len(lay.scheme_sets) > 1:
-            raise UsageError(f"--layout vllm: {lay.prefix}: experts of mixed precision; vLLM loads every expert "
-                             "with expert 0's scheme, so there is no faithful state to write")
-        if lay.scheme.num_bits not in rules.VLLM_STATE_BITS:
-            raise UsageError(f"--layout vllm: {lay.prefix}: {lay.scheme.num_bits}-bit experts pack codes across int32 "
-                             "words, which the vllm layout does not split by rank; vLLM loads the checkpoint itself")
-        if lay.scheme.act_order and rules.release(version).has("config.refuse_group_actorder"):
-            raise NotLoadable(f"{lay.prefix}: actorder {lay.scheme.actorder!r}: vLLM {version} refuses the checkpoint")
-        unquantized = unquantized_lookup_error(lay, rules.release(version))  # rule method.checkpoint_proj_names
-        if unquantized is not None:
-            raise NotLoadable(f"{lay.prefix}: {unquantized}")
-        if lay.scheme.act_order:
-            raise UsageError(f"--layout vllm: {lay.prefix}: actorder {lay.scheme.actorder!r} (g_idx and whole w2 "
-                             f"scales per rank) is not supported by the vllm layout; use --layout marlin")
+        _check_experts(lay, version)
+
+
+def _check_linear_scheme(lin: Any) -> None:
+    """A quantized non-expert layer (`sources.model.LinearLayer`) the layout can cut by rank; whether
+    the release loads it at all is `plan_linear`'s (called with the TP size in `plan_vllm_state`)."""
+    s = lin.scheme
+    if s is None or lin.mixed_schemes or lin.refused:
+        return  # plan_linear says what vLLM does with it
+    if s.num_bits not in rules.VLLM_STATE_BITS:
+        raise UsageError(f"--layout vllm: {lin.name}: {s.num_bits}-bit weights pack codes across int32 words, "
+                         "which the vllm layout does not split by rank; vLLM loads the checkpoint itself")
+    if s.act_order:
+        raise UsageError(f"--layout vllm: {lin.name}: actorder {s.actorder!r} (g_idx) is not supported by the vllm "
+                         "layout; use --layout marlin")
+
+
+def _check_experts(lay: MoELayer, version: str) -> None:
+    if lay.scheme is None:
+        raise UsageError(f"--layout vllm: {lay.prefix}: unquantized experts are not supported by the vllm layout")
+    if len(lay.scheme_sets) > 1:
+        raise UsageError(f"--layout vllm: {lay.prefix}: experts of mixed precision; vLLM loads every expert "
+                         "with expert 0's scheme, so there is no faithful state to write")
+    if lay.scheme.num_bits not in rules.VLLM_STATE_BITS:
+        raise UsageError(f"--layout vllm: {lay.prefix}: {lay.scheme.num_bits}-bit experts pack codes across int32 "
+                         "words, which the vllm layout does not split by rank; vLLM loads the checkpoint itself")
+    if lay.scheme.act_order and rules.release(version).has("config.refuse_group_actorder"):
+        raise NotLoadable(f"{lay.prefix}: actorder {lay.scheme.actorder!r}: vLLM {version} refuses the checkpoint")
+    unquantized = unquantized_lookup_error(lay, rules.release(version))  # rule method.checkpoint_proj_names
+    if unquantized is not None:
+        raise NotLoadable(f"{lay.prefix}: {unquantized}")
+    if lay.scheme.act_order:
+        raise UsageError(f"--layout vllm: {lay.prefix}: actorder {lay.scheme.actorder!r} (g_idx and whole w2 "
+                         f"scales per rank) is not supported by the vllm layout; use --layout marlin")
 
 
 PATTERN = "model-rank-{rank}-part-{part}.safetensors"  # vLLM's default sharded_state file pattern
@@ -182,9 +201,17 @@ def _when(ck: Checkpoint, cond: str | None, layer: int | None, moe: MoELayer | N
 def _shared_size(ck: Checkpoint, layer: int, block: str, gate: str) -> int | None:
     """The shared expert's intermediate size (Qwen2-MoE `shared_expert`, DeepSeek/GLM `shared_experts`)."""
     for module in ("shared_expert", "shared_experts"):
-        name = f"model.layers.{layer}.{block}.{module}.{gate}.weight"
-        if name in ck.files:
-            return ck.files.info(name).shape[0]
+        rows = _output_rows(ck, f"model.layers.{layer}.{block}.{module}.{gate}")
+        if rows is not None:
+            return rows
+    return None
+
+
+def _output_rows(ck: Checkpoint, module: str) -> int | None:
+    """A linear module's output size: the rows of its weight, 16-bit or packed (packed along K)."""
+    for suffix in (".weight", ".weight_packed"):
+        if module + suffix in ck.files:
+            return ck.files.info(module + suffix).shape[0]
     return None
 
 
@@ -223,9 +250,9 @@ def _sizes(ck: Checkpoint, tp: int, moe: MoELayer | None, layer: int | None) -> 
     if dims.mla:
         s |= _mla_sizes(ck, split)
     if layer is not None and moe is None:  # a dense MLP layer (DeepSeek / GLM first_k_dense_replace)
-        name = f"model.layers.{layer}.mlp.gate_proj.weight"
-        if name in ck.files:
-            s["Dn"] = split(ck.files.info(name).shape[0], f"model.layers.{layer}.mlp intermediate size")
+        rows = _output_rows(ck, f"model.layers.{layer}.mlp.gate_proj")
+        if rows is not None:
+            s["Dn"] = split(rows, f"model.layers.{layer}.mlp intermediate size")
     if moe is not None and moe.scheme is not None and layer is not None:
         pf = 32 // moe.scheme.num_bits
         i_n = split(moe.intermediate_size, f"{moe.prefix}: intermediate size")
@@ -323,27 +350,130 @@ def plan_vllm_state(ckpt: str | os.PathLike[str] | Checkpoint, tp: int, vllm: st
                 if _in_force(row, vllm, arch) and _when(ck, row.when, layer, moe, k_first):
                     keys.append(resolved(row, layer, moe, sizes))
     keys += [resolved(r, None, None, base) for r in model_rows if not r.key.startswith("model.embed")]
+    keys = _quantized_linear(ck, keys, tp, vllm, gpu, switches)
     _check_sources(ck, keys)
     per_rank = [list(keys) for _ in range(tp)]  # every rank holds the same keys and shapes
     parts = [_split_parts(k, max_shard_bytes) for k in per_rank]
     return VllmStatePlan(ck, tp, vllm, dtype_name, per_rank, parts, moe_by_layer, gpu, backends, k_first, switches)
 
 
+def _source_names(fill: str) -> list[str]:
+    """The checkpoint tensors a fill reads (none for the expert and constant fills)."""
+    verb, _, arg = fill.partition(" ")
+    if verb in ("copy", "vocab", "column", "row"):
+        return [arg]
+    if verb == "qkv":
+        return [arg.replace(".q_proj.", f".{p}_proj.") for p in "qkv"]
+    if verb in ("merged", "cat"):
+        return arg.split()
+    return []
+
+
 def _check_sources(ck: Checkpoint, keys: list[StateTensor]) -> None:
     """Every checkpoint tensor a key is made from exists: one line naming the first that does not."""
     for t in keys:
-        verb, _, arg = t.fill.partition(" ")
-        if verb in ("copy", "vocab", "column", "row"):
-            names = [arg]
-        elif verb == "qkv":
-            names = [arg.replace(".q_proj.", f".{p}_proj.") for p in "qkv"]
-        elif verb in ("merged", "cat"):
-            names = arg.split()
-        else:
-            continue
-        for name in names:
+        for name in _source_names(t.fill):
             if name not in ck.files:
                 raise ck.files.missing(name)
+
+
+# -- quantized linear layers ---------------------------------------------------------------------
+# CompressedTensorsWNA16.create_weights registers, on every quantized linear layer (every release of
+# VLLM_STATE_SUPPORT, whichever kernel choose_mp_linear_kernel picks: the kernel only reads them
+# in process_weights_after_loading), in this order:
+#   weight_packed     int32 [N/rank, K/rank / pack]        (PackedvLLMParameter, packed along K)
+#   weight_scale      dtype [N/rank, K/rank / group]       (GroupQuantScaleParameter), or [N, K / group]
+#                     whole on every rank for channel-wise scales of a row-parallel layer
+#                     (marlin_repeat_scales_on_all_ranks: ChannelQuantScaleParameter has no input dim)
+#   weight_shape      int64 [2]                            (BasevLLMParameter: every shard's load copies
+#                     the checkpoint's whole weight_shape, so the one loaded last is kept)
+#   weight_zero_point int32 [N/rank / pack, groups]        (asymmetric only; packed along N, cut like the
+#                     scales)
+# The 16-bit row of the contract gives the per-rank [N, K] and how the layer cuts it (its fill verb).
+_LINEAR_VERBS = ("qkv", "row", "column", "merged", "cat", "copy")
+
+
+def _load_order(ck: Checkpoint, name: str) -> tuple[list[Any], str]:
+    """Where vLLM's safetensors iterator yields `name`: files in natural order (its _natural_sort_key),
+    then the file's keys in sorted order (safe_open.keys())."""
+    import re
+
+    path = str(ck.files.info(name).file)
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", path)], name
+
+
+def _quantized_linear(ck: Checkpoint, keys: list[StateTensor], tp: int, vllm: str, gpu: str, switches: Any
+                      ) -> list[StateTensor]:
+    """`keys` with every 16-bit linear row whose checkpoint modules are quantized replaced by the
+    parameters vLLM creates for it; a quantized layer no row reads is refused."""
+    by_module = {m: lin for lin in ck.linear_layers for m in lin.modules}
+    written: set[str] = set()
+    out: list[StateTensor] = []
+    for t in keys:
+        verb = t.fill.partition(" ")[0]
+        modules = [n[: -len(".weight")] for n in _source_names(t.fill) if n.endswith(".weight")]
+        if verb not in _LINEAR_VERBS or not t.key.endswith(".weight") or not any(m in by_module for m in modules):
+            out.append(t)
+            continue
+        lins = {by_module[m].name for m in modules if m in by_module}
+        if len(lins) > 1 or not all(m in by_module for m in modules):
+            raise UsageError(f"--layout vllm: {t.key}: vLLM fuses {', '.join(modules)} into one layer, and the "
+                             "checkpoint quantizes only some of them; vLLM requires one scheme for all")
+        lin = by_module[modules[0]]
+        _linear_loads(lin, tp, vllm, gpu, switches, ck.config.torch_dtype)
+        written.add(lin.name)
+        out += _linear_params(ck, t, lin, modules, tp)
+    for lin in ck.linear_layers:
+        if lin.name not in written:
+            _linear_loads(lin, tp, vllm, gpu, switches, ck.config.torch_dtype)
+            raise UsageError(f"--layout vllm: {lin.name}: a quantized {lin.kind} is not written by the vllm layout; "
+                             "use --layout marlin or transposed")
+    return out
+
+
+def _linear_loads(lin: Any, tp: int, vllm: str, gpu: str, switches: Any, dtype: str) -> None:
+    """NotLoadable where the release does not load the layer at this TP size (planning.linear)."""
+    from wna16ctl.planning.linear import plan_linear
+
+    extra = {"switches": switches} if switches is not None else {}
+    lp = plan_linear(lin, tp, vllm, gpu, dtype if dtype in FLOAT_ST_OF_CONFIG else "bfloat16", **extra)
+    if not lp.loadable:
+        reason = (lp.errors or ["no kernel loads it"])[0].splitlines()[0]
+        raise NotLoadable(f"{lin.name}: vLLM {vllm} on {gpu} does not load this layer at --tp {tp}: {reason}")
+
+
+def _linear_params(ck: Checkpoint, t: StateTensor, lin: Any, modules: list[str], tp: int) -> list[StateTensor]:
+    """The quantized parameters of the layer a 16-bit row `t` stands for (see the table above)."""
+    s = lin.scheme
+    verb, _, arg = t.fill.partition(" ")
+    pack = 32 // s.num_bits
+    n, k = t.shape
+    whole = verb == "row" and s.group_size == -1  # channel scales of a row-parallel layer: every rank whole
+    groups = 1 if s.group_size == -1 else k // s.group_size
+    # zero points are packed along N: each part a rank holds must start on a word
+    parts = {"qkv": [ck.dims.head_dim or 1], "merged": [(_output_rows(ck, m) or 0) // tp for m in modules],
+             "cat": [_output_rows(ck, m) or 0 for m in modules]}.get(verb, [n])
+    odd = [f"per-rank input size {k}"] if k % pack else []
+    if not s.symmetric:
+        odd += [f"output rows {u} (zero points)" for u in parts if u % pack]
+    if odd:
+        raise UsageError(f"--layout vllm: {lin.name}: {odd[0]} is not a whole number of {s.num_bits}-bit codes per "
+                         "int32 word; the vllm layout does not split such words by rank")
+
+    def fill(suffix: str, how: str = verb) -> str:
+        return f"{how} " + " ".join(name[: -len("weight")] + suffix for name in arg.split())
+
+    base = t.key[: -len("weight")]
+    shape_src = max((m + ".weight_shape" for m in modules), key=lambda name: _load_order(ck, name)
+                    if name in ck.files else ([], name))
+    params = [StateTensor(base + "weight_packed", (n, k // pack), "I32", fill("weight_packed"), t.layer),
+              StateTensor(base + "weight_scale", (n, groups), t.dtype,
+                          fill("weight_scale", "copy" if whole else verb), t.layer),
+              StateTensor(base + "weight_shape", (2,), "I64", f"copy {shape_src}", t.layer)]
+    if not s.symmetric:
+        params.append(StateTensor(base + "weight_zero_point", (n // pack, groups), "I32",
+                                  fill("weight_zero_point", "copy" if whole else verb), t.layer))
+    return params
 
 
 def _split_parts(keys: list[StateTensor], max_bytes: int) -> list[list[StateTensor]]:
