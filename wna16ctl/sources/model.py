@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from wna16ctl.sources import formats
 from wna16ctl.sources.architectures import architecture
 from wna16ctl.sources.config import ModelConfig, WeightScheme
 from wna16ctl.sources.headers import CheckpointFiles
@@ -212,8 +213,8 @@ def _router_takes_quant(model_type: str | None) -> bool:
     return arch is not None and arch.router_takes_quant
 
 
-def _packed_nk(files: CheckpointFiles, module: str, scheme: WeightScheme | None) -> tuple[int, int] | None:
-    e = files.raw(f"{module}.weight_packed")
+def _packed_nk(files: CheckpointFiles, module: str, scheme: WeightScheme | None, codes: str) -> tuple[int, int] | None:
+    e = files.raw(f"{module}.{codes}")
     if e is None or len(e["shape"]) != 2:
         return None
     rows, cols = e["shape"]
@@ -228,8 +229,9 @@ def find_linear_layers(files: CheckpointFiles, config: ModelConfig) -> tuple[lis
     if quant is None:
         return [], []
     dims = model_dims(config)
-    modules = [n[: -len(".weight_packed")] for n in files.names()
-               if ".experts." not in n and n.endswith(".weight_packed")]
+    codes = formats.of(quant).names.codes
+    modules = [n[: -len(codes) - 1] for n in files.names()
+               if ".experts." not in n and n.endswith(f".{codes}")]
     modules = [m for m in modules if not is_mtp(m, dims.num_hidden_layers)]
     schemes = dict(zip(modules, quant.schemes_for(modules)))
     layers: dict[str, LinearLayer] = {}
@@ -246,7 +248,7 @@ def find_linear_layers(files: CheckpointFiles, config: ModelConfig) -> tuple[lis
 
     for m in modules:
         s = schemes[m]
-        nk = _packed_nk(files, m, s)
+        nk = _packed_nk(files, m, s, codes)
         if nk is None or any(v in f".{m}" for v in _VISION):
             unknown.append(m)
             continue
