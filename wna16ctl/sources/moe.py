@@ -14,7 +14,7 @@ from typing import Any
 
 from wna16ctl.sources import formats
 from wna16ctl.sources.config import ModelConfig, WeightScheme
-from wna16ctl.sources.formats import DENSE, InputFormat
+from wna16ctl.sources.formats import WEIGHT, InputFormat
 from wna16ctl.sources.headers import CheckpointFiles
 from wna16ctl.sources.model import moe_routing
 from wna16ctl.sources.scan import scan_shard
@@ -29,7 +29,7 @@ _FAMILY_NAMES = {
 
 def _anchors(fmt: InputFormat) -> tuple[str, ...]:
     """Name endings of a gate projection's first tensor, packed or dense, in either family."""
-    return tuple(f"{gate}.{suffix}" for gate in ("gate_proj", ".w1") for suffix in (fmt.names.codes, DENSE))
+    return tuple(f"{gate}.{suffix}" for gate in ("gate_proj", ".w1") for suffix in (fmt.names.codes, WEIGHT))
 
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -80,7 +80,7 @@ class MoELayer:
 
     def stored_name(self, expert: int, role: str, kind: str) -> str:
         """The name of an expert projection's stored tensor of `kind` (a role of `sources.formats`:
-        CODES, SCALES, ZERO_POINTS, G_IDX, SHAPE or DENSE) in the checkpoint's format."""
+        CODES, SCALES, ZERO_POINTS, G_IDX, SHAPE or WEIGHT) in the checkpoint's format."""
         return self.tensor_name(expert, role, self.fmt.names.suffix(kind))
 
     @property
@@ -162,7 +162,7 @@ def _describe_layer(ckpt: CheckpointFiles, config: ModelConfig, prefix: str, m: 
     present = m["present"]
     fmt = formats.of(config.quant)
     stored = fmt.names
-    anchors = present.get(f"gate.{stored.codes}", set()) | present.get(f"gate.{DENSE}", set())
+    anchors = present.get(f"gate.{stored.codes}", set()) | present.get(f"gate.{WEIGHT}", set())
     if not anchors:
         raise ckpt.missing(f"{prefix}.0.{names['gate']}.{stored.codes}")
     num = max(anchors) + 1
@@ -181,7 +181,7 @@ def _describe_layer(ckpt: CheckpointFiles, config: ModelConfig, prefix: str, m: 
     I = intermediate
     if I is None:
         raise BadInput(f"{where}: cannot tell the expert intermediate size of {prefix}")
-    g0 = ckpt.raw(f"{prefix}.0.{names['gate']}.{DENSE}")
+    g0 = ckpt.raw(f"{prefix}.0.{names['gate']}.{WEIGHT}")
     if g0 is not None and int(g0["shape"][0]) != I:  # unquantized experts are not shape-checked by the scan
         raise BadInput(
             f"{where}: {prefix}.0.{names['gate']} has {g0['shape'][0]} output rows but config.json's expert intermediate "

@@ -19,7 +19,7 @@ from typing import Any
 
 from wna16ctl.sources import formats
 from wna16ctl.sources.config import ModelConfig
-from wna16ctl.sources.formats import DENSE, InputFormat
+from wna16ctl.sources.formats import WEIGHT, InputFormat
 from wna16ctl.sources.header_digest import Group, HeaderDigest
 from wna16ctl.sources.headers import ShardHeader, read_shard_header
 from wna16ctl.errors import BadInput
@@ -29,7 +29,7 @@ PROJECTION_ROLES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "
 
 def _suffixes(fmt: InputFormat) -> tuple[str, ...]:
     """The suffixes of an expert projection's tensors in `fmt`: its stored ones and the dense weight."""
-    return fmt.names.quantized + (DENSE,)
+    return fmt.names.quantized + (WEIGHT,)
 
 
 def _dense_suffixes(fmt: InputFormat) -> tuple[str, ...]:
@@ -192,9 +192,9 @@ def _scan_grouped(path: str, groups: list[Group] | None, config: ModelConfig,
         for suffix, experts_of, dtypes, shape in sgroups:
             ids = numbers if experts_of == experts else list(map(int, experts_of))
             pres.setdefault((role, suffix), []).extend(ids)
-            if suffix == stored.codes or suffix == DENSE:
+            if suffix == stored.codes or suffix == WEIGHT:
                 lay["schemes"].setdefault(role, []).extend(zip(ids, repeat(sid)))
-            if (exp is None or scheme is None or suffix == DENSE
+            if (exp is None or scheme is None or suffix == WEIGHT
                     or (suffix == stored.zero_points and scheme.symmetric)
                     or (suffix == stored.g_idx and not scheme.act_order)):
                 continue
@@ -281,7 +281,7 @@ def _scan_each(path: str, sh: ShardHeader, config: ModelConfig,
         if lst is None:
             lst = pres[k] = []
         lst.append(expert)
-        if suffix == stored.codes or suffix == DENSE:
+        if suffix == stored.codes or suffix == WEIGHT:
             lay["schemes"].setdefault(role, []).append((expert, sid))
             if scheme is None and suffix == stored.codes and quant is None:
                 raise BadInput(
@@ -293,7 +293,7 @@ def _scan_each(path: str, sh: ShardHeader, config: ModelConfig,
                     f"{path}: {name} exists but quantization_config does not quantize {module}; "
                     "the config's targets/ignore do not match the tensors"
                 )
-        if exp is None or suffix == DENSE:
+        if exp is None or suffix == WEIGHT:
             continue
         if suffix == stored.zero_points:
             if scheme.symmetric:

@@ -17,11 +17,11 @@ from typing import Any
 
 from wna16ctl.errors import BadInput
 from wna16ctl.sources.formats.compressed_tensors import COMPRESSED_TENSORS
-from wna16ctl.sources.formats.face import (CANONICAL, CODES, DENSE, G_IDX, SCALES, SHAPE, ZERO_POINTS, InputFormat,
+from wna16ctl.sources.formats.face import (CANONICAL, CODES, WEIGHT, G_IDX, SCALES, SHAPE, ZERO_POINTS, InputFormat,
                                            NativeInputs, TensorNames)
 from wna16ctl.sources.scheme import ParsedConfig
 
-__all__ = ["CANONICAL", "CODES", "DENSE", "G_IDX", "SCALES", "SHAPE", "ZERO_POINTS", "InputFormat", "NativeInputs",
+__all__ = ["CANONICAL", "CODES", "WEIGHT", "G_IDX", "SCALES", "SHAPE", "ZERO_POINTS", "InputFormat", "NativeInputs",
            "TensorNames", "FORMATS", "DEFAULT", "detect", "of", "parse"]
 
 FORMATS: dict[str, InputFormat] = {f.quant_method: f for f in (COMPRESSED_TENSORS,)}

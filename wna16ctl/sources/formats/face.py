@@ -1,10 +1,7 @@
-"""What every input format answers, and the canonical form of a projection that they all read into.
+"""What every input format answers, and the roles of a projection's stored tensors.
 
-The canonical form is what the layouts take (`wna16ctl.layout`): per projection [N, K], the codes
-packed LSB-first along K into int32 words [N, K/pf] (offset by 2^(b-1)), the scales [N, G], the zero
-points as offset codes packed along N [ceil(N/pf), G], and act-order's g_idx [K] int32.  Its keys
-are `CODES`, `SCALES`, `ZERO_POINTS`, `G_IDX`: the names compressed-tensors gave these tensors,
-the first format read, kept as the keys so a compressed-tensors projection is canonical as stored.
+Each format reads a projection into the canonical form the layouts take (`layout.spec`: its keys
+`CODES`, `SCALES`, `ZERO_POINTS`, `G_IDX`, which are also the roles a stored tensor plays).
 """
 
 from __future__ import annotations
@@ -13,13 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from wna16ctl.layout.spec import CANONICAL, CODES, G_IDX, SCALES, ZERO_POINTS  # noqa: F401 - the roles, re-exported
 from wna16ctl.sources.scheme import ParsedConfig, WeightScheme
 
-# The canonical form's keys, each a role a stored tensor can play
-CODES, SCALES, ZERO_POINTS, G_IDX = "weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx"
-CANONICAL = (CODES, SCALES, ZERO_POINTS, G_IDX)
 SHAPE = "weight_shape"  # a stored [N, K] of the projection (a role of no canonical tensor)
-DENSE = "weight"  # an unquantized module's weight: the model's own name, the same in every format
+WEIGHT = "weight"  # an unquantized module's weight: the model's own name, the same in every format
 
 
 @dataclass(frozen=True)
@@ -33,19 +28,19 @@ class TensorNames:
     shape: str | None = None  # a stored [N, K], where the format keeps one
 
     def suffix(self, role: str) -> str:
-        """The stored suffix of a role (a canonical key, `SHAPE` or `DENSE`)."""
+        """The stored suffix of a role (a canonical key, `SHAPE` or `WEIGHT`)."""
         found = {CODES: self.codes, SCALES: self.scales, ZERO_POINTS: self.zero_points, G_IDX: self.g_idx,
-                 SHAPE: self.shape, DENSE: DENSE}.get(role)
+                 SHAPE: self.shape, WEIGHT: WEIGHT}.get(role)
         if found is None:
             raise KeyError(f"no stored tensor has the role {role!r}")
         return found
 
     def role_of(self, suffix: str) -> str | None:
-        """The role a stored suffix plays (a canonical key, `SHAPE` or `DENSE`); None for another."""
+        """The role a stored suffix plays (a canonical key, `SHAPE` or `WEIGHT`); None for another."""
         return self._roles().get(suffix)
 
     def _roles(self) -> dict[str, str]:
-        out = {self.codes: CODES, self.scales: SCALES, self.zero_points: ZERO_POINTS, self.g_idx: G_IDX, DENSE: DENSE}
+        out = {self.codes: CODES, self.scales: SCALES, self.zero_points: ZERO_POINTS, self.g_idx: G_IDX, WEIGHT: WEIGHT}
         if self.shape is not None:
             out[self.shape] = SHAPE
         return out
