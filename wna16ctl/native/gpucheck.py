@@ -68,7 +68,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, cast
 
 import torch
 
@@ -173,7 +173,7 @@ def build_problem(*, m: int, n: int, k: int, e: int, topk: int, bits: int, gs: i
         slots = sorted_ids[offs[ex]:offs[ex + 1]].long()
         if slots.numel() == 0:
             continue
-        grp = g_idx[ex] if g_idx is not None else grp_default
+        grp = g_idx[ex] if g_idx is not None else cast(torch.Tensor, grp_default)  # set whenever g_idx is None
         w = dequantize(q[ex], scales[ex], grp, bits, dtype, zeros[ex] if zeros is not None else None)
         expected[slots] = a[slots // topk].float() @ w.float()
     if tw is not None:

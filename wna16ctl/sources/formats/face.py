@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, TypeGuard
 
 from wna16ctl.layout.spec import CANONICAL, CODES, G_IDX, SCALES, ZERO_POINTS  # noqa: F401 - the roles, re-exported
 from wna16ctl.sources.scheme import ParsedConfig, WeightScheme
@@ -84,7 +84,7 @@ class InputFormat:
         """Whether the format knows the scheme's stored form (a format with several says which)."""
         return True
 
-    def stores_packed(self, scheme: WeightScheme | None) -> bool:
+    def stores_packed(self, scheme: WeightScheme | None) -> TypeGuard[WeightScheme]:
         """Whether the scheme stores packed tensors whose shapes the scan checks."""
         raise NotImplementedError
 
