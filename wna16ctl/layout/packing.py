@@ -77,3 +77,18 @@ def _normalise_dim(dim: int, ndim: int) -> int:
     if not -ndim <= dim < ndim:
         raise ValueError(f"dim {dim} out of range for a {ndim}-d tensor")
     return dim % ndim
+
+
+def dequantize(codes: Tensor, scales: Tensor, groups: Tensor, num_bits: int, dtype: torch.dtype,
+               zero_points: Tensor | None = None, zero_groups: Tensor | None = None) -> Tensor:
+    """(q − z)·s of K-first logical codes [K, N] in `dtype`, one rounding: the kernels' contract.
+
+    `scales` [G, N] and `zero_points` [G', N] (offset codes, like q; None: symmetric, z the midpoint
+    2^(b-1)); `groups` [K] the scale row of each of the K rows, `zero_groups` the zero point's row
+    where it differs (a rank's w2 with its scales loaded whole).  q − z is an integer difference,
+    exact in fp16/bf16; the product is the one rounding."""
+    if zero_points is None:
+        z: Tensor | int = 1 << (num_bits - 1)
+    else:
+        z = zero_points[groups if zero_groups is None else zero_groups]
+    return (codes - z).to(dtype) * scales.to(dtype)[groups]

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from wna16ctl.errors import LayoutMismatch
+from wna16ctl.layout.spec import CODES, G_IDX, SCALES, ZERO_POINTS
 from wna16ctl.layout._mismatch import first_difference
 
 ProjectionTensors = dict[str, Tensor]
@@ -27,7 +28,8 @@ ExpertTensors = dict[str, ProjectionTensors]
 """One expert: "gate", "up", "down"."""
 
 PROJECTIONS = ("gate", "up", "down")
-PACKED, SCALE, ZERO_POINT, G_IDX = "weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx"
+# the canonical form's keys (`layout.spec`)
+PACKED, SCALE, ZERO_POINT, G_IDX = CODES, SCALES, ZERO_POINTS, G_IDX
 
 
 def local_experts(num_experts: int, ep_size: int, rank: int) -> range:

@@ -11,6 +11,14 @@ from dataclasses import dataclass
 from typing import Any
 
 SUPPORTED_BITS = (4, 8)
+
+# The canonical form of one projection [N, K] that every layout takes, whatever the checkpoint's
+# format (`sources.formats` reads each into it): the codes packed LSB-first along K in int32 words
+# [N, K/pf] (offset by 2^(b-1)), the scales [N, G], the zero points as offset codes packed along N
+# [ceil(N/pf), G], act-order's g_idx [K].  Its keys are the names compressed-tensors, the first
+# format read, gave these tensors, so that a compressed-tensors projection is canonical as stored.
+CODES, SCALES, ZERO_POINTS, G_IDX = "weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx"
+CANONICAL = (CODES, SCALES, ZERO_POINTS, G_IDX)
 TILE_K = 16
 TILE_N = 64
 

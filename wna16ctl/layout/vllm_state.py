@@ -29,6 +29,7 @@ import torch
 
 from wna16ctl.dtypes import torch_dtype
 from wna16ctl.errors import BadInput
+from wna16ctl.layout.spec import SCALES, ZERO_POINTS
 
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 
@@ -225,7 +226,7 @@ def _expert_tensor(plan: Any, reader: Any, moe: Any, verb: str, suffix: str, ran
         role = "up" if verb == "shape13" else "down"
         rows = []
         for e in range(moe.num_experts):
-            name = moe.tensor_name(e, role, "weight_shape")
+            name = moe.tensor_name(e, role, moe.fmt.names.shape)
             if name not in reader.files:
                 raise reader.files.missing(name)
             rows.append(reader.read(name))
@@ -239,7 +240,7 @@ def _expert_tensor(plan: Any, reader: Any, moe: Any, verb: str, suffix: str, ran
             per_expert.append(w13_shard(gate, up, tp, rank))
         else:
             down = _expert_read(reader, moe, e, "down", suffix)
-            per_expert.append(w2_shard(down, tp, rank, whole=channel and suffix == "weight_scale"))
+            per_expert.append(w2_shard(down, tp, rank, whole=channel and suffix == SCALES))
     if per_expert[0].dtype != torch.int32:  # scales: converted to the parameter's dtype
         per_expert = [p.to(dtype) for p in per_expert]
     if transposed:
@@ -250,12 +251,12 @@ def _expert_tensor(plan: Any, reader: Any, moe: Any, verb: str, suffix: str, ran
 def _expert_read(reader: Any, moe: Any, e: int, role: str, suffix: str) -> torch.Tensor:
     name = moe.tensor_name(e, role, suffix)
     if name not in reader.files:
-        if suffix == "weight_zero_point":
+        if suffix == ZERO_POINTS:
             raise BadInput(f"{reader.files.root}: {name} is missing (an old writer's all-zero zero point); vLLM would "
                            "load garbage codes there: rewrite the checkpoint with a current compressed-tensors")
         raise reader.files.missing(name)
     t = reader.read(name)
-    if suffix == "weight_zero_point" and t.dtype != torch.int32:
+    if suffix == ZERO_POINTS and t.dtype != torch.int32:
         raise BadInput(f"{reader.files.root}: {name} is {t.dtype} (an unpacked legacy zero point); vLLM's sharded "
                        "state needs the packed int32 form: rewrite the checkpoint with a current compressed-tensors")
     return t
@@ -334,9 +335,9 @@ def _invert_experts(reader: Any, moe: Any, verb: str, suffix: str, parts: list[t
         if verb in ("shape13", "shape2"):
             roles = ("gate", "up") if verb == "shape13" else ("down",)
             for role in roles:
-                want = weight_shape_rows([reader.read(moe.tensor_name(e, role, "weight_shape"))], dtype)[0]
+                want = weight_shape_rows([reader.read(moe.tensor_name(e, role, moe.fmt.names.shape))], dtype)[0]
                 if any(not same(p[e], want) for p in parts):
-                    return f"expert {e}: differs from {moe.tensor_name(e, role, 'weight_shape')}"
+                    return f"expert {e}: differs from {moe.tensor_name(e, role, moe.fmt.names.shape)}"
             continue
         if verb == "w13":
             gate, up = w13_unshard([p[e] for p in parts])
@@ -345,7 +346,7 @@ def _invert_experts(reader: Any, moe: Any, verb: str, suffix: str, parts: list[t
                 if not same(got, want.to(got.dtype)):
                     return f"expert {e}: differs from {moe.tensor_name(e, role, suffix)}"
         else:
-            whole = moe.scheme.group_size == -1 and suffix == "weight_scale"
+            whole = moe.scheme.group_size == -1 and suffix == SCALES
             got, differing = w2_unshard([p[e] for p in parts], whole=whole)
             if differing:
                 return f"expert {e}: ranks {differing} hold another copy than rank 0"

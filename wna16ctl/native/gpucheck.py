@@ -68,7 +68,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, cast
 
 import torch
 
@@ -140,7 +140,7 @@ def build_problem(*, m: int, n: int, k: int, e: int, topk: int, bits: int, gs: i
                   device: str = "cuda", router: bool = True) -> dict:
     """Random logical weights, their fp32 reference output and the Marlin-layout inputs."""
     from wna16ctl.layout.marlin import marlin_permute_scales, marlin_repack, marlin_zero_points, sort_g_idx
-    from wna16ctl.layout.packing import pack_codes
+    from wna16ctl.layout.packing import dequantize, pack_codes
 
     g = torch.Generator(device="cpu").manual_seed(seed)
     gd = torch.Generator(device=device).manual_seed(seed)  # the big tensors are drawn on the device
@@ -173,9 +173,8 @@ def build_problem(*, m: int, n: int, k: int, e: int, topk: int, bits: int, gs: i
         slots = sorted_ids[offs[ex]:offs[ex + 1]].long()
         if slots.numel() == 0:
             continue
-        grp = g_idx[ex] if g_idx is not None else grp_default
-        z = zeros[ex][grp] if zeros is not None else (1 << (bits - 1))
-        w = (q[ex] - z).to(dtype) * scales[ex][grp]
+        grp = g_idx[ex] if g_idx is not None else cast(torch.Tensor, grp_default)  # set whenever g_idx is None
+        w = dequantize(q[ex], scales[ex], grp, bits, dtype, zeros[ex] if zeros is not None else None)
         expected[slots] = a[slots // topk].float() @ w.float()
     if tw is not None:
         expected *= tw.unsqueeze(1)
@@ -548,7 +547,7 @@ def bench_gemm(report: Report, budget: Budget, marlin_op: Any = None, *, key: st
     dequantised weights, on the model shapes of BENCH_SHAPES at M = 1 ... 1024, top-8: the rows
     (shape, m) in `only` (default all) and not in `skip`, into report[key]."""
     from wna16ctl.layout.marlin import marlin_permute_scales, marlin_repack
-    from wna16ctl.layout.packing import pack_codes
+    from wna16ctl.layout.packing import dequantize, pack_codes
     from wna16ctl.native import gputiming, vllm_marlin
     from wna16ctl.native import ops as K
 
@@ -575,7 +574,7 @@ def bench_gemm(report: Report, budget: Budget, marlin_op: Any = None, *, key: st
         b_q = marlin_repack(pack_codes(q, bits, dim=-2), bits)
         m_scales = marlin_permute_scales(scales, k, n, gs)
         grp = torch.arange(k, device=DEVICE) // (k // groups)
-        w_deq = torch.stack([(q[i] - (1 << (bits - 1))).to(dtype) * scales[i][grp] for i in range(e)])
+        w_deq = torch.stack([dequantize(q[i], scales[i], grp, bits, dtype) for i in range(e)])
         del q
         workspace = vllm_marlin.new_workspace(torch.device(DEVICE)) if marlin_op is not None else None
         for m in ms:

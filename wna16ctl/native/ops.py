@@ -307,7 +307,7 @@ def _gemm_cpu(
     """Reference semantics of the MoE GEMM, in torch: Marlin layout -> codes (layout inverses),
     dequantise in the activation dtype, fp32 matmul, optional router weight, one rounding."""
     from wna16ctl.layout.marlin import marlin_unpermute_scales, marlin_unrepack, marlin_zero_points_inverse
-    from wna16ctl.layout.packing import unpack_codes
+    from wna16ctl.layout.packing import dequantize, unpack_codes
 
     experts, size_k, size_n, groups = _gemm_dims(a, b_q, scales, num_bits, top_k)
     _check_gemm_extras(a, b_q, scales, zero_points, g_idx, perm, sorted_token_ids, expert_offsets,
@@ -340,8 +340,7 @@ def _gemm_cpu(
             grp = gidx[e].to(torch.int64)
         else:
             grp = torch.arange(size_k) // (size_k // groups)
-        zero = zeros[e][grp] if zeros is not None else torch.full((), 1 << (num_bits - 1))
-        w = (codes - zero).to(dtype) * logical_scales[e][grp]
+        w = dequantize(codes, logical_scales[e], grp, num_bits, dtype, zeros[e] if zeros is not None else None)
         rows = a[slots // top_k]
         if perm is not None:
             rows = rows[:, perm[e].to(torch.int64)]

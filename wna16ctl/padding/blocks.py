@@ -9,7 +9,7 @@ values, so the writer builds them once per shape and copies the original bytes a
 
 The values are `tensors.pad_tensor`'s (the tensor math, stated on torch tensors): the zero code,
 the added scale, zero points of the zero code in their packed form, g_idx of whole new groups.
-What cannot be stated this way (the values of `weight_shape`; codes or zero points whose
+What cannot be stated this way (the values of a stored shape; codes or zero points whose
 original ends in a partial int32 word, which the padding repacks) is rewritten from its values.
 """
 
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from wna16ctl.dtypes import ARRAY_TYPECODES, ST_BITS, float_bytes
 from wna16ctl.planning.padding import PaddedModule, padded_shape
+from wna16ctl.sources.formats import CODES, WEIGHT, G_IDX, SCALES, SHAPE, ZERO_POINTS
 
 ADDED_SCALE = 1.0  # any finite scale gives 0 on the zero code; 1 keeps the tensor's range as it was
 
@@ -80,7 +81,8 @@ def tensor_padding(m: PaddedModule, suffix: str, shape: tuple[int, ...], dtype: 
     nbytes = size
     for d in shape:
         nbytes *= d
-    if suffix == "weight_shape":
+    kind = m.stored_kind(suffix)
+    if kind == SHAPE:
         return None
     new = padded_shape(m, suffix, shape)
     if new == shape:
@@ -101,18 +103,18 @@ def tensor_padding(m: PaddedModule, suffix: str, shape: tuple[int, ...], dtype: 
     def filled(unit: bytes) -> TensorPadding:  # every added element the same value
         return TensorPadding(rows, row_in, row_out, unit * grow, unit * grow)
 
-    if suffix in ("weight", "bias"):
+    if kind in (WEIGHT, "bias"):
         return filled(bytes(size))
     if s is None:
         return None
-    if suffix == "weight_packed":
+    if kind == CODES:
         if dtype != "I32" or (dim == 1 and (m.width % (32 // s.num_bits) or m.padded % (32 // s.num_bits))):
             return None  # a partial last word of codes: repacked from the values
         return filled(_word_bytes(s.num_bits))
-    if suffix == "weight_scale":
+    if kind == SCALES:
         unit = float_bytes(ADDED_SCALE, dtype)
         return None if unit is None else filled(unit)
-    if suffix == "weight_zero_point":
+    if kind == ZERO_POINTS:
         pf = 32 // s.num_bits
         if dtype != "I32" or shape[0] == n_rows != -(-n_rows // pf):  # the legacy unpacked form: 0
             return filled(bytes(size))
@@ -125,7 +127,7 @@ def tensor_padding(m: PaddedModule, suffix: str, shape: tuple[int, ...], dtype: 
         # them (its unused codes zero bits, as the packer leaves them)
         last = _word_bytes(s.num_bits, n_rows % pf or pf)
         return TensorPadding(rows, row_in, row_out, _word_bytes(s.num_bits) * grow, last * grow)
-    if suffix == "weight_g_idx":  # down only: the added columns are whole groups after the last
+    if kind == G_IDX:  # down only: the added columns are whole groups after the last
         code = ARRAY_TYPECODES.get(dtype)
         if code is None or s.group_size <= 0 or shape != (m.width,):
             return None
@@ -136,7 +138,7 @@ def tensor_padding(m: PaddedModule, suffix: str, shape: tuple[int, ...], dtype: 
 
 
 def padded_weight_shape(m: PaddedModule, data: bytes, dtype: str) -> bytes:
-    """`weight_shape` (the projection's [N, K]) with the padded intermediate size in its place."""
+    """A stored shape (the projection's [N, K]) with the padded intermediate size in its place."""
     values = array(ARRAY_TYPECODES[dtype])
     values.frombytes(data)
     if _big_endian():

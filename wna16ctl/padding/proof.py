@@ -37,7 +37,8 @@ from wna16ctl.errors import BadInput
 from wna16ctl.layout.packing import unpack_codes
 from wna16ctl.padding.tensors import zero_code
 from wna16ctl.padding.write import LAYOUT
-from wna16ctl.sources import Checkpoint, open_checkpoint
+from wna16ctl.sources import Checkpoint, formats, open_checkpoint
+from wna16ctl.sources.formats import CODES, WEIGHT, G_IDX, SCALES, SHAPE, ZERO_POINTS
 
 _ROLE = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 TOKENS = 32  # activations per layer in the numerics check
@@ -163,7 +164,7 @@ def verify_padding(original: str | os.PathLike[str], padded: str | os.PathLike[s
     layers and experts, tensors and numerics: a partial proof, said so, with no serve step and no e2e."""
     from wna16ctl.output.outdir import MANIFEST_NAME, read_json_file
     from wna16ctl.output.writer import hash_file, recorded_hash
-    from wna16ctl.repacking.pipeline import source_fingerprint
+    from wna16ctl.sources import source_fingerprint
 
     a, b = open_checkpoint(original), open_checkpoint(padded)
     selected = _select(a, layers, experts)
@@ -250,6 +251,7 @@ def _check_tensors(a: Checkpoint, b: Checkpoint, proof: PadProof) -> None:
         proof.problems.append(f"{b.root}: tensor {n} of the original is missing")
     for n in sorted(names_b - names_a)[:5]:
         proof.problems.append(f"{b.root}: tensor {n} is not in the original")
+    stored = formats.of(a.config.quant).names
     grown = _grown_modules(a, b, names_a & names_b)
     left_out = _left_out_tensors(a, proof, names_a & names_b)
     with TensorReader(a.files) as ra, TensorReader(b.files) as rb:
@@ -263,7 +265,7 @@ def _check_tensors(a: Checkpoint, b: Checkpoint, proof: PadProof) -> None:
                 continue
             # a module that did not grow is the original byte for byte, its weight_shape too (the
             # attention of a checkpoint quantized with every Linear); only a grown one says a new size
-            if ia.shape == ib.shape and (suffix != "weight_shape" or module not in grown):
+            if ia.shape == ib.shape and (stored.role_of(suffix) != SHAPE or module not in grown):
                 if not torch.equal(ra.read_bytes(ia), rb.read_bytes(ib)):
                     proof.problems.append(f"{name}: differs from the original")
                 continue
@@ -278,26 +280,29 @@ def _check_tensors(a: Checkpoint, b: Checkpoint, proof: PadProof) -> None:
 
 
 def _grown_modules(a: Checkpoint, b: Checkpoint, names: set[str]) -> set[str]:
-    """The modules of which a stored tensor other than `weight_shape` changed shape."""
+    """The modules of which a stored tensor other than a stored shape changed shape."""
+    stored = formats.of(a.config.quant).names
     return {name.rpartition(".")[0] for name in names
-            if not name.endswith(".weight_shape") and a.files.info(name).shape != b.files.info(name).shape}
+            if stored.role_of(name.rpartition(".")[2]) != SHAPE and a.files.info(name).shape != b.files.info(name).shape}
 
 
 def _padded_tensor_problem(a: Checkpoint, b: Checkpoint, module: str, role: str, suffix: str, old: torch.Tensor,
                            new: torch.Tensor) -> str | None:
     rows = role in ("gate", "up")
-    if suffix == "weight_shape":
+    stored = formats.of(a.config.quant).names
+    kind = stored.role_of(suffix) or suffix
+    if kind == SHAPE:
         (n, k), got = old.tolist(), new.tolist()
         ok = (got[1] == k and got[0] >= n) if rows else (got[0] == n and got[1] >= k)
         return None if ok else f"says {got}, the original {[n, k]}: only the intermediate dimension may grow"
-    if suffix in ("weight", "bias"):
+    if kind in (WEIGHT, "bias"):
         kept, added = _split(old, new, 0 if rows or new.ndim == 1 else 1)
         if kept is None:
             return "does not start with the original"
         return None if torch.count_nonzero(added) == 0 else "an added weight is not 0"
     bits = _bits(a, module)
     code = zero_code(bits)
-    if suffix == "weight_packed":
+    if kind == CODES:
         if rows:
             kept, added = _split(old, new, 0)
         else:
@@ -306,23 +311,23 @@ def _padded_tensor_problem(a: Checkpoint, b: Checkpoint, module: str, role: str,
             return "an original code changed"
         codes = unpack_codes(added, bits, dim=1) if rows else added
         return None if bool((codes == code).all()) else "an added code is not the zero code"
-    if suffix == "weight_scale":
+    if kind == SCALES:
         kept, added = _split(old, new, 0 if rows else 1)
         if kept is None:
             return "an original scale changed"
         return None if bool(torch.isfinite(added).all()) else "an added scale is not finite"
-    if suffix == "weight_zero_point":
+    if kind == ZERO_POINTS:
         if rows:  # packed along the rows that grew: compare the codes of the original and the added rows
-            n, n_new = (ck.files.info(f"{module}.weight_packed").shape[0] for ck in (a, b))
+            n, n_new = (ck.files.info(stored.tensor(module, CODES)).shape[0] for ck in (a, b))
             kept, added = _split(unpack_codes(old, bits, dim=0, size=n), unpack_codes(new, bits, dim=0, size=n_new), 0)
         else:
-            h = a.files.info(f"{module}.weight_packed").shape[0]
+            h = a.files.info(stored.tensor(module, CODES)).shape[0]
             kept, added = _split(old, new, 1)
             added = unpack_codes(added, bits, dim=0, size=h)
         if kept is None:
             return "an original zero point changed"
         return None if bool((added == code).all()) else "an added zero point is not the zero code"
-    if suffix == "weight_g_idx":
+    if kind == G_IDX:
         if rows:
             return None if torch.equal(old, new) else "g_idx of the input columns changed"
         kept, added = _split(old, new, 0)

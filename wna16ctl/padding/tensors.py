@@ -1,11 +1,12 @@
-"""The tensor math of padding one projection module, per stored form.
+"""The tensor math of padding one projection module, per role of its stored tensors.
 
-compressed-tensors `pack-quantized` stores a projection [N, K] as
-  weight_packed [N, K/pf] int32 (codes along K, offset by 2^(b-1)),
-  weight_scale [N, G] (G = K/group, or 1 channel-wise),
-  weight_zero_point [ceil(N/pf), G] int32 (asymmetric; offset codes packed along N),
-  weight_g_idx [K] int32 (act-order: the group of each input column),
-  weight_shape [2].
+Each stored tensor is taken by the role its format gives it (`PaddedModule.stored_kind`), in the
+canonical packing (`layout.spec`; compressed-tensors `pack-quantized` stores it as it is):
+  codes [N, K/pf] int32 (along K, offset by 2^(b-1)),
+  scales [N, G] (G = K/group, or 1 channel-wise),
+  zero points [ceil(N/pf), G] int32 (asymmetric; offset codes packed along N),
+  g_idx [K] int32 (act-order: the group of each input column),
+  the stored shape [2].
 Gate/up gain rows (N: I -> I'), down gains input columns (K: I -> I').  Every added weight code
 is 2^(b-1), which is the signed value 0; an added zero point is the same code, so an added row
 dequantises to (0 - 0)·s = 0 whatever its scale, and the added scales are 1 (finite).  The down
@@ -25,6 +26,7 @@ import torch
 from wna16ctl.layout.packing import pack_codes, pack_factor, unpack_codes
 from wna16ctl.padding.blocks import ADDED_SCALE, zero_code, zero_word  # noqa: F401 - the values, stated once
 from wna16ctl.planning.padding import PaddedModule, padded_shape
+from wna16ctl.sources.formats import CODES, WEIGHT, G_IDX, SCALES, SHAPE, ZERO_POINTS
 
 
 def pad_tensor(m: PaddedModule, suffix: str, t: torch.Tensor, n_rows: int) -> torch.Tensor:
@@ -32,7 +34,8 @@ def pad_tensor(m: PaddedModule, suffix: str, t: torch.Tensor, n_rows: int) -> to
     projection's N before padding (what a packed zero point's words stand for)."""
     shape = padded_shape(m, suffix, tuple(t.shape))
     s = m.scheme
-    if suffix == "weight_shape":
+    kind = m.stored_kind(suffix)
+    if kind == SHAPE:
         out = t.clone()
         out[0 if m.role in ("gate", "up") else 1] = m.padded
         return out
@@ -41,18 +44,18 @@ def pad_tensor(m: PaddedModule, suffix: str, t: torch.Tensor, n_rows: int) -> to
     rows = m.role in ("gate", "up")
     dim = 0 if rows or t.ndim == 1 else 1  # 1-d: a gate/up bias or the down projection's g_idx
     extra = shape[dim] - t.shape[dim]
-    if suffix in ("weight", "bias"):
+    if kind in (WEIGHT, "bias"):
         return _cat(t, torch.zeros(_with(t.shape, dim, extra), dtype=t.dtype), dim)
     assert s is not None, f"{m.module}.{suffix}: a quantized tensor of an unquantized module"
-    if suffix == "weight_packed":
+    if kind == CODES:
         if rows:
             return _cat(t, torch.full((extra, t.shape[1]), zero_word(s.num_bits), dtype=torch.int32), 0)
         return _pad_packed_columns(t, m.width, m.padded, s.num_bits)
-    if suffix == "weight_scale":
+    if kind == SCALES:
         return _cat(t, torch.full(_with(t.shape, dim, extra), ADDED_SCALE, dtype=t.dtype), dim)
-    if suffix == "weight_zero_point":
+    if kind == ZERO_POINTS:
         return _pad_zero_point(t, m, shape, n_rows)
-    if suffix == "weight_g_idx":  # down only: the added columns are whole groups after the last
+    if kind == G_IDX:  # down only: the added columns are whole groups after the last
         groups = -(-m.width // s.group_size)
         added = torch.arange(m.padded - m.width, dtype=torch.int64) // s.group_size + groups
         return torch.cat([t, added.to(t.dtype)])

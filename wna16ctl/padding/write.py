@@ -30,6 +30,8 @@ from typing import Any, Callable
 from wna16ctl.errors import BadInput
 from wna16ctl.output.outdir import MANIFEST_NAME, OUTPUT_FORMAT
 from wna16ctl.planning.padding import PadPlan, padded_shape
+from wna16ctl.sources import formats
+from wna16ctl.sources.formats import WEIGHT, SHAPE
 from wna16ctl.version import __version__
 
 LAYOUT = "pad"  # the manifest's `layout`: a padded checkpoint, in the checkpoint's own format
@@ -40,7 +42,7 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt")
 
 
 def identity(plan: PadPlan) -> dict[str, Any]:
-    from wna16ctl.repacking.pipeline import source_fingerprint
+    from wna16ctl.sources import source_fingerprint
 
     return {"format": OUTPUT_FORMAT, "layout": LAYOUT, "tool_version": __version__,
             "source_fingerprint": source_fingerprint(plan.checkpoint),
@@ -326,7 +328,7 @@ def _rewritten(m: Any, suffix: str, t: Any, info: Any, src_fd: int, n_rows: int,
     from wna16ctl.padding.blocks import padded_weight_shape
 
     data = _read(src_fd, info.start, info.nbytes, path, t.name)
-    if suffix == "weight_shape" and info.dtype in ARRAY_TYPECODES:
+    if m.stored_kind(suffix) == SHAPE and info.dtype in ARRAY_TYPECODES:
         out = padded_weight_shape(m, data, info.dtype)
     else:  # rare forms (a partial last int32 word): the tensor math itself
         import torch
@@ -385,10 +387,11 @@ def _relpath(root: Path, path: Path) -> str:
 
 
 def _rows(ck: Any, module: str) -> int:
-    for suffix in ("weight_packed", "weight"):
+    stored = formats.of(ck.config.quant).names
+    for suffix in (stored.codes, WEIGHT):
         if f"{module}.{suffix}" in ck.files:
             return int(ck.files.info(f"{module}.{suffix}").shape[0])
-    raise BadInput(f"{ck.root}: {module} has no weight_packed or weight tensor")
+    raise BadInput(f"{ck.root}: {module} has no {stored.codes} or {WEIGHT} tensor")
 
 
 def _write_side_files(plan: PadPlan, staged: Any, files: list[tuple[Any, Any]]) -> None:

@@ -16,11 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from wna16ctl.planning import rules
+from wna16ctl.planning import methods, rules
 from wna16ctl.planning.config_parse import scheme_refusal
 from wna16ctl.planning.engine_env import DEFAULT as DEFAULT_SWITCHES, EngineSwitches
 from wna16ctl.sources.architectures import model_types
-from wna16ctl.sources.config import PACK_QUANTIZED, WeightScheme
+from wna16ctl.sources.config import WeightScheme
 from wna16ctl.sources.model import COLUMN, QKV, REPLICATED, ROW, VOCAB, LinearLayer, ModelDims
 
 # vLLM kernel class names, in the CUDA priority order of `_POSSIBLE_KERNELS`
@@ -352,7 +352,7 @@ def plan_linear(layer: LinearLayer, tp: int, engine: str = rules.NEWEST, gpu: st
     if refused is not None:
         plan.fail("config", *refused)
         return plan
-    if not s.is_wna16 or s.format != PACK_QUANTIZED:
+    if not methods.linear_stored_form_known(s):
         plan.fail("config", "not WNA16", (
             f"{layer.name}: scheme {s.describe()} format {s.format} is not a pack-quantized weight-only integer "
             "scheme; the WNA16 linear planner does not cover it"))

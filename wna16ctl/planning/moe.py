@@ -22,10 +22,10 @@ from enum import Enum
 from typing import Any
 
 from wna16ctl.layout.spec import MARLIN, TRANSPOSED, marlin_moe_padded_intermediate  # marlin_moe_padded_intermediate: re-exported (the planner reports it)
-from wna16ctl.planning import rules
+from wna16ctl.planning import methods, rules
 from wna16ctl.planning.config_parse import scheme_refusal
 from wna16ctl.planning.engine_env import DEFAULT as DEFAULT_SWITCHES, EngineSwitches, wna16_moe_backends
-from wna16ctl.sources.config import PACK_QUANTIZED, WeightScheme
+from wna16ctl.sources.config import WeightScheme
 from wna16ctl.sources.moe import MoELayer
 
 SUPPORTED_BITS = (4, 8)
@@ -332,17 +332,6 @@ def local_expert_counts(num_experts: int, ep_size: int) -> list[int]:
     return [base + (1 if r < rem else 0) for r in range(ep_size)]
 
 
-def _format_bits_error(rel: rules.Release, s: WeightScheme) -> str:
-    bits = "[2, 3, 4, 5, 6, 7, 8]"
-    if rel.has("method.format_error_is_tuple"):
-        # the release passes the pieces as separate exception arguments (and names the expected
-        # format as the one found): this is how the message prints
-        return str(("For Fused MoE layers, only format: ", f"{PACK_QUANTIZED} ", f" and bits: {bits} is supported ",
-                    f"but got format: {PACK_QUANTIZED}  and bits: {s.num_bits}"))
-    return (f"For Fused MoE layers, only format: {PACK_QUANTIZED} and bits: {bits} is supported but got format: "
-            f"{PACK_QUANTIZED} and bits: {s.num_bits}")
-
-
 def looked_up_schemes(layer: MoELayer, rel: rules.Release) -> tuple[WeightScheme | None, ...] | None:
     """The gate/up/down schemes the release's get_moe_method finds for expert 0 when they are not
     the checkpoint's own (method.checkpoint_proj_names not yet in force and the layer named
@@ -486,8 +475,9 @@ def _method_step(f: _LayerFacts) -> bool:
             f"scheme {s.type} strategy={s.strategy} is not a weight-only integer group/channel scheme (WNA16); "
             "not handled by the WNA16 MoE method"))
         return False
-    if s.format != PACK_QUANTIZED or not 2 <= s.num_bits <= 8:
-        plan.fail("method", "format/bits", _format_bits_error(f.rel, s))
+    refused = methods.moe_format_refusal(f.rel, s)
+    if refused is not None:
+        plan.fail("method", "format/bits", refused)
         return False
     plan.quant_type = quant_type(s)
     return True

@@ -22,7 +22,9 @@ from wna16ctl.planning.inspection import Inspection, _params_dtype, plan_all, pl
 from wna16ctl.planning.linear import model_checks
 from wna16ctl.sources import Checkpoint
 from wna16ctl.sources.architectures import ARCHITECTURES, model_types
+from wna16ctl.sources import formats
 from wna16ctl.sources.config import WeightScheme
+from wna16ctl.sources.formats import CODES, WEIGHT, G_IDX, SCALES, SHAPE, ZERO_POINTS, InputFormat
 from wna16ctl.sources.model import QKV, LinearLayer
 from wna16ctl.sources.moe import MoELayer
 
@@ -47,6 +49,12 @@ class PaddedModule:
     width: int  # the intermediate size it has
     padded: int  # the intermediate size it gets
     scheme: WeightScheme | None  # None: stored unquantized (a `.weight`)
+    fmt: InputFormat = field(default=formats.DEFAULT, compare=False)  # the checkpoint's format
+
+    def stored_kind(self, suffix: str) -> str:
+        """What the module's stored tensor `suffix` is: a role of `sources.formats` (CODES, SCALES,
+        ZERO_POINTS, G_IDX, SHAPE, WEIGHT), else the suffix itself (`bias`)."""
+        return self.fmt.names.role_of(suffix) or suffix
 
 
 @dataclass
@@ -94,14 +102,16 @@ def _module_schemes(ck: Checkpoint, modules: list[str]) -> dict[str, WeightSchem
     """module -> its weight scheme (None: stored unquantized, a `.weight`), every name matched at
     once against the quantization config's targets."""
     quant = ck.config.quant
-    packed = [mod for mod in modules if f"{mod}.weight_packed" in ck.files]
+    codes = formats.of(quant).names.codes
+    packed = [mod for mod in modules if f"{mod}.{codes}" in ck.files]
     schemes = quant.schemes_for(packed) if quant is not None and packed else [None] * len(packed)
     found = dict(zip(packed, schemes))
     return {mod: found.get(mod) for mod in modules}
 
 
 def _width_of(ck: Checkpoint, module: str, role: str, scheme: WeightScheme | None) -> int:
-    info = ck.files.info(f"{module}.weight_packed" if scheme is not None else f"{module}.weight")
+    stored = formats.of(ck.config.quant).names
+    info = ck.files.info(stored.tensor(module, CODES if scheme is not None else WEIGHT))
     if role != "down":
         return int(info.shape[0])
     return int(info.shape[1]) * (32 // scheme.num_bits) if scheme is not None else int(info.shape[1])
@@ -116,11 +126,12 @@ def find_mlp_modules(ck: Checkpoint) -> dict[str, list[tuple[str, str, int, Weig
                 routed.append((lay.tensor_name(e, role, "weight").removesuffix(".weight"), role, lay.intermediate_size))
     others: list[tuple[str, str, str]] = []  # (module, role, kind)
     seen: set[str] = set()
+    stored = formats.of(ck.config.quant).names
     for name in ck.files.names():
         if ".experts." in name:
             continue
         module, _, suffix = name.rpartition(".")
-        if suffix not in ("weight", "weight_packed") or module in seen:
+        if suffix not in (WEIGHT, stored.codes) or module in seen:
             continue
         parent, _, leaf = module.rpartition(".")
         if leaf not in MLP_LEAVES or not parent.endswith(("mlp", ".shared_expert", ".shared_experts")):
@@ -131,7 +142,7 @@ def find_mlp_modules(ck: Checkpoint) -> dict[str, list[tuple[str, str, int, Weig
     out: dict[str, list[tuple[str, str, int, WeightScheme | None]]] = {ROUTED: [], SHARED: [], DENSE: []}
     for module, role, width in routed:
         if schemes[module] is None and f"{module}.weight" not in ck.files:
-            raise UsageError(f"{ck.root}: {module} has neither weight_packed nor weight; "
+            raise UsageError(f"{ck.root}: {module} has neither {stored.codes} nor {WEIGHT}; "
                              "pad rewrites per-expert projections only")
         out[ROUTED].append((module, role, width, schemes[module]))
     for module, role, kind in others:
@@ -313,7 +324,8 @@ def plan_padding(insp: Inspection, tp: int | None, to: int | None = None, source
     for key, (base, target) in sizes.items():
         for kind, m in by_field[key]:
             for module, role, width, scheme in written[kind]:
-                plan.modules[module] = PaddedModule(module, role, kind, width, target * m, scheme)
+                plan.modules[module] = PaddedModule(module, role, kind, width, target * m, scheme,
+                                                    formats.of(src.config.quant))
     if tp is not None:
         refused = [f for f in original if ": correctness: " not in f]
         plan.original_verdict = {"loads": not refused, "refused": refused[:8],
@@ -385,7 +397,8 @@ def _backends(model: _Model, tp: int) -> dict[str, Any]:
 def _module_bytes(ck: Checkpoint, m: PaddedModule, padded: bool) -> int:
     """Bytes of one module's tensors at its original or padded width (from the headers)."""
     total = 0
-    for suffix in ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx", "weight", "bias"):
+    stored = m.fmt.names
+    for suffix in (stored.codes, stored.scales, stored.zero_points, stored.g_idx, WEIGHT, "bias"):
         e = ck.files.raw(f"{m.module}.{suffix}")
         if e is None:
             continue
@@ -400,27 +413,28 @@ def _module_bytes(ck: Checkpoint, m: PaddedModule, padded: bool) -> int:
 def padded_shape(m: PaddedModule, suffix: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     """A module tensor's shape once padded (the one statement of it: header planning and tensor math agree)."""
     s = m.scheme
-    if suffix == "weight_shape" or len(shape) == 0:
+    kind = m.stored_kind(suffix)
+    if kind == SHAPE or len(shape) == 0:
         return shape
     if m.role in ("gate", "up"):  # rows: [I, ...]
-        if suffix == "weight_zero_point" and s is not None and shape[0] != m.width:
+        if kind == ZERO_POINTS and s is not None and shape[0] != m.width:
             pf = 32 // s.num_bits
             return (-(-m.padded // pf), *shape[1:])
-        if suffix in ("weight_g_idx",):
+        if kind == G_IDX:
             return shape
         return (m.padded, *shape[1:])
     # down: columns [H, I]
-    if suffix == "weight_g_idx":
+    if kind == G_IDX:
         return (m.padded,)
-    if suffix == "bias":
+    if kind == "bias":
         return shape
-    if suffix == "weight_packed":
+    if kind == CODES:
         return (shape[0], m.padded * s.num_bits // 32) if s is not None else shape
-    if suffix in ("weight_scale", "weight_zero_point"):
+    if kind in (SCALES, ZERO_POINTS):
         if s is not None and s.group_size > 0:
             return (shape[0], -(-m.padded // s.group_size))
         return shape
-    if suffix == "weight":
+    if kind == WEIGHT:
         return (shape[0], m.padded)
     return shape
 

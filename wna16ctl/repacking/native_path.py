@@ -33,7 +33,6 @@ from wna16ctl.layout.registry import expert_shapes
 from wna16ctl.layout.spec import MARLIN, RankLayout, marlin_scales_grouped, w2_scale_size_k
 
 _SCALE_KIND = {"F16": 0, "BF16": 1, "F32": 2}  # wna16_first_nonfinite's kinds
-_SUFFIXES = ("weight_packed", "weight_scale")
 _MAP_GAP = 1 << 20  # tensors at most this far apart share a mapped window
 _OUT_ORDER = ("w13_weight_packed", "w2_weight_packed", "w13_weight_scale", "w2_weight_scale")  # the builder's outputs  # per projection, in TensorReader.read_projection's order
 
@@ -47,6 +46,8 @@ def unsupported(layer: Any, spec: RankLayout, scale_dtype: str, device: str) -> 
         return f"the {spec.layout} layout"
     if not spec.symmetric or spec.act_order or spec.padded:
         return "zero points, act-order or tile padding"
+    if layer.fmt.native_inputs(layer.scheme) is None:
+        return "a stored form the host library does not read in place"
     if layer.scale_dtype != scale_dtype or scale_dtype not in _SCALE_KIND:
         return f"scales cast from {layer.scale_dtype} to {scale_dtype}"
     if native.host_lib() is None:
@@ -79,7 +80,10 @@ class LayerBuilder:
         self.files, self.layer, self.specs, self.buffers = files, layer, specs, buffers
         self.simd_level = simd_level  # a WNA16_SIMD_* level (wna16ctl.native.simd.resolve); 1 = the best the CPU has
         self.scale_dtype, self.max_experts = scale_dtype, max_experts
-        names0 = [layer.tensor_name(0, role, s) for role in ROLE_ORDER for s in _SUFFIXES]
+        inputs = layer.fmt.native_inputs(layer.scheme)  # what the host library reads in place (`unsupported`)
+        suffixes = (inputs.codes, inputs.scales)
+        self._scale_suffix = f".{inputs.scales}"
+        names0 = [layer.tensor_name(0, role, s) for role in ROLE_ORDER for s in suffixes]
         self.expert_bytes = sum(files.info(n).nbytes for n in names0)
         self.shapes = expert_shapes(specs[0], scale_dtype)  # name -> (per-expert shape, dtype)
         self.per_expert = {name: _nbytes(shape, dt) for name, (shape, dt) in self.shapes.items()}
@@ -87,7 +91,7 @@ class LayerBuilder:
         self._scales: dict[int, list[tuple[TensorInfo, int]]] = {}
         # per expert, its 6 tensors in read order with their place in src (looked up once per layer)
         self._reads = [[(files.info(layer.tensor_name(e, role, suffix)), 3 * k + j)
-                        for j, role in enumerate(ROLE_ORDER) for k, suffix in enumerate(_SUFFIXES)]
+                        for j, role in enumerate(ROLE_ORDER) for k, suffix in enumerate(suffixes)]
                        for e in range(layer.num_experts)]
         n = 6 * max_experts
         self._io = {slot: ((ctypes.c_int32 * n)(), (ctypes.c_int64 * n)(), (ctypes.c_int64 * n)(), (ctypes.c_void_p * n)())
@@ -116,7 +120,7 @@ class LayerBuilder:
         if failed >= 0:  # read again the plain way, which names the tensor and the cause if it fails again
             for info, at in infos:
                 reader.read_into(info, view[at:at + info.nbytes])
-        self._scales[slot] = [(info, base + at) for info, at in infos if info.name.endswith(".weight_scale")]
+        self._scales[slot] = [(info, base + at) for info, at in infos if info.name.endswith(self._scale_suffix)]
         return view[:pos]
 
     def map(self, reader: RawReader, chunk: range, slot: int) -> None:
@@ -158,7 +162,7 @@ class LayerBuilder:
         for i, e in enumerate(chunk):
             for info, place in self._reads[e]:
                 src[6 * i + place] = at = address(info)
-                if info.name.endswith(".weight_scale"):
+                if info.name.endswith(self._scale_suffix):
                     scales.append((info, at))
         self._scales[slot] = scales
 

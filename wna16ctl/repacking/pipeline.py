@@ -18,7 +18,6 @@ other layer, and `--device cuda`).  File and source digests are BLAKE3 (`writer.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import json
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,8 +32,9 @@ from wna16ctl.repacking import distributed
 from wna16ctl.output import outdir
 from wna16ctl.output.manifest import FORMAT_NAME, FORMAT_VERSION, SIDE_FILES
 from wna16ctl.planning import rules
-from wna16ctl.sources import Checkpoint, MoELayer, open_checkpoint
+from wna16ctl.sources import Checkpoint, MoELayer, open_checkpoint, source_fingerprint  # source_fingerprint: re-exported
 from wna16ctl.sources.config import SCALE_ST_DTYPES
+from wna16ctl.sources.formats import CODES, G_IDX, SCALES, ZERO_POINTS
 from wna16ctl.sources.gidx import gate_up_g_idx_mismatch
 from wna16ctl.sources.headers import INDEX_NAME
 from wna16ctl.sources.moe import ROLE_ORDER
@@ -58,7 +58,6 @@ from wna16ctl.output.writer import (
 # the common layers without it): its import alone costs longer than repacking a gigabyte.
 
 LAYOUTS = (AUTO, *layout_names(EXPERTS))
-_SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape")
 # Packed input per expert chunk: a chunk and its outputs stay in the CPU caches from the read to
 # the write and the hash (64 MiB chunks measured ~2x the system time: every stage went to DRAM).
 # 8 MiB (3 experts of a Qwen3-30B-A3B layer) against 4 MiB (1): each chunk is mapped, built by
@@ -180,23 +179,6 @@ class RepackPlan:
         }
 
 
-def source_fingerprint(ck: Checkpoint) -> str:
-    """sha256 over config.json, the index and every shard's name, size and header bytes.
-
-    Headers pin every tensor's name, dtype, shape and offsets; the data itself is not hashed
-    (that would cost a full read of the checkpoint) — verify checks the data bit for bit.
-    """
-    h = hashlib.sha256()
-    h.update(b"config.json\0" + (ck.root / "config.json").read_bytes())
-    if ck.files.index_path is not None:
-        h.update(INDEX_NAME.encode() + b"\0" + ck.files.index_path.read_bytes())
-    for sh in sorted(ck.files.shards, key=lambda s: s.path.name):
-        with open(sh.path, "rb") as f:
-            header = f.read(sh.data_start)
-        h.update(f"{sh.path.name}\0{sh.size}\0".encode() + header)
-    return h.hexdigest()
-
-
 def _choose_layout(layer: MoELayer, plan: LayerPlan, requested: str) -> str:
     where = f"{layer.prefix} at TP {plan.tp}{' EP' if plan.ep else ''}"
     if plan.errors or plan.backend is None:
@@ -238,7 +220,7 @@ def check_expert_data(ck: Checkpoint, *, values: bool = False) -> None:
     if values:
         from wna16ctl.repacking.native_path import check_scale_tensors
 
-        check_scale_tensors(ck.files, [ck.files.info(layer.tensor_name(e, role, "weight_scale"))
+        check_scale_tensors(ck.files, [ck.files.info(layer.stored_name(e, role, SCALES))
                                        for layer in layers for e in range(layer.num_experts) for role in ROLE_ORDER])
         _check_legacy_zero_points(ck, layers)
 
@@ -253,7 +235,7 @@ def _check_g_idx(ck: Checkpoint, layers: list[MoELayer]) -> None:
         for layer in act:
             for e in range(layer.num_experts):
                 for role, k in (("gate", layer.hidden_size), ("up", layer.hidden_size), ("down", layer.intermediate_size)):
-                    name = layer.tensor_name(e, role, "weight_g_idx")
+                    name = layer.stored_name(e, role, G_IDX)
                     if name in ck.files:  # old writers skipped unset g_idx: then k // group_size
                         check_g_idx(reader.read(name), name, k, layer.scheme.group_size)  # type: ignore[union-attr]  # act-order layers are quantized
     for layer in act:
@@ -272,13 +254,13 @@ def _check_legacy_zero_points(ck: Checkpoint, layers: list[MoELayer]) -> None:
             continue
         for e in range(layer.num_experts):
             for role in ROLE_ORDER:
-                name = layer.tensor_name(e, role, "weight_zero_point")
+                name = layer.stored_name(e, role, ZERO_POINTS)
                 if name not in ck.files:
                     continue
-                n_rows = ck.files.info(layer.tensor_name(e, role, "weight_packed")).shape[0]
+                n_rows = ck.files.info(layer.stored_name(e, role, CODES)).shape[0]
                 zp = ck.files.info(name)
                 if zp.dtype != "I32" or zp.shape[0] == n_rows:
-                    groups = ck.files.info(layer.tensor_name(e, role, "weight_scale")).shape[1]
+                    groups = ck.files.info(layer.stored_name(e, role, SCALES)).shape[1]
                     legacy.append((name, n_rows, groups, s.num_bits))
     if not legacy:
         return
@@ -362,7 +344,7 @@ def plan_repack(ckpt_path: str | os.PathLike[str], settings: RepackSettings) -> 
     repacked = {
         layer.tensor_name(e, role, suffix)
         for job in jobs for layer in [job.layer] for e in range(layer.num_experts) for role in ROLE_ORDER
-        for suffix in _SUFFIXES
+        for suffix in layer.fmt.names.quantized
     }
     copied = [n for n in ck.files.names() if n not in repacked]
 

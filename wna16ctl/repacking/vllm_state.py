@@ -12,7 +12,8 @@ from typing import Any, Callable
 from wna16ctl.layout.spec import VLLM
 from wna16ctl.output.manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, SIDE_FILES
 from wna16ctl.planning.vllm_state import PATTERN, VllmStatePlan, serve_command
-from wna16ctl.repacking.pipeline import RepackResult, source_fingerprint
+from wna16ctl.repacking.pipeline import RepackResult
+from wna16ctl.sources import source_fingerprint
 from wna16ctl.version import __version__
 
 def identity(plan: VllmStatePlan) -> dict[str, Any]:

@@ -1,6 +1,9 @@
 """Where checkpoints come from: a directory or a Hub repo, read from config and safetensors headers only.
 
-* this package: `open_checkpoint` and `Checkpoint` (config, shards, MoE and linear layers).
+* this package: `open_checkpoint` and `Checkpoint` (config, shards, MoE and linear layers), and the
+  checkpoint's identity (`source_fingerprint`).
+* `formats`: each input format (compressed-tensors first) behind one face, detected from its config;
+  `scheme`: the format-free weight scheme they parse into.
 * `config`, `headers`, `scan`, `tensors`, `raw`, `gidx`: the config forms, header reading and checks, tensor reads.
 * `model`, `moe`: discovery of the model's dimensions, its MoE layers and its quantized linear layers.
 * `hub`: the same from the Hugging Face Hub (headers only), and GSM8K from the Hub.
@@ -16,6 +19,7 @@ rule that differs between releases: `planning` decides what a release does with 
 from __future__ import annotations
 
 import gc
+import hashlib
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -104,6 +108,23 @@ class Checkpoint:
     @property
     def dims(self) -> ModelDims:
         return model_dims(self.config)
+
+
+def source_fingerprint(ck: Checkpoint) -> str:
+    """The checkpoint's identity: sha256 over config.json, the index and every shard's name, size and header bytes.
+
+    Headers pin every tensor's name, dtype, shape and offsets; the data itself is not hashed
+    (that would cost a full read of the checkpoint) — verify checks the data bit for bit.
+    """
+    h = hashlib.sha256()
+    h.update(b"config.json\0" + (ck.root / "config.json").read_bytes())
+    if ck.files.index_path is not None:
+        h.update(INDEX_NAME.encode() + b"\0" + ck.files.index_path.read_bytes())
+    for sh in sorted(ck.files.shards, key=lambda s: s.path.name):
+        with open(sh.path, "rb") as f:
+            header = f.read(sh.data_start)
+        h.update(f"{sh.path.name}\0{sh.size}\0".encode() + header)
+    return h.hexdigest()
 
 
 @contextmanager

@@ -1,10 +1,8 @@
-"""Tolerant parsing of `config.json` and its compressed-tensors `quantization_config`.
+"""Tolerant parsing of `config.json`, and of its `quantization_config` through its format.
 
-compressed-tensors itself costs ~5 s to import and (from 0.19 on) rejects `actorder: "group"`
-checkpoints that exist in the wild, so `inspect` parses the config here: every real-world form
-(terse 0.20 fields, verbose <= 0.18 fields, `group_size: null` for channel, actorder
-null/false/true/"weight"/"static"/"group"/"dynamic", preset-name groups) is accepted.
-Scheme resolution follows the library's rules (`compressed_tensors.utils.match`): targets are
+The format (`sources/formats/`, detected from `quant_method`) reads the config's groups and
+ignore list into format-free schemes (`sources/scheme.py`); the scheme of each module is resolved
+here.  Scheme resolution follows the library's rules (`compressed_tensors.utils.match`): targets are
 ordered exact name < regex (`re:` prefix, `re.match`) < class name, a module's scheme is that of
 its first matching target, `ignore` removes a module.  tests/sources/test_config.py checks
 these rules against the library wherever the library can parse.
@@ -23,75 +21,15 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from wna16ctl.dtypes import FLOAT_ST_OF_CONFIG
+from wna16ctl.sources import formats
 from wna16ctl.sources.architectures import architecture
+from wna16ctl.sources.scheme import SchemeGroup, WeightScheme
 from wna16ctl.errors import BadInput
 
-PACK_QUANTIZED = "pack-quantized"
 # Class names a header-only reader can attribute to an expert projection (it is an nn.Linear;
 # vLLM's LinearBase also answers to "Linear").
 _LINEAR_CLASSES = ("Linear", "LinearBase")
-
-# Preset schemes that a config group may name instead of spelling out its args
-# (compressed_tensors.quantization.quant_scheme.PRESET_SCHEMES, weight part only).
-_PRESETS: dict[str, dict[str, Any]] = {
-    "W4A16": dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=128),
-    "W4A16_ASYM": dict(num_bits=4, type="int", symmetric=False, strategy="group", group_size=128),
-    "W8A16": dict(num_bits=8, type="int", symmetric=True, strategy="channel", group_size=None),
-}
-
-
-@dataclass(frozen=True)
-class WeightScheme:
-    """The weight quantization of one module, normalised for planning.
-
-    `group_size` is -1 for channel-wise (whether the file said -1 or null); `actorder` keeps the
-    file's string ("static" stays "static") so hazards can quote it; `act_order` is the one
-    predicate for "g_idx-permuted groups".
-    """
-
-    num_bits: int
-    group_size: int
-    symmetric: bool
-    strategy: str
-    actorder: str | None
-    format: str
-    type: str = "int"
-    group_size_null: bool = False  # channel strategy written with group_size null (PR #53163 hazard)
-
-    @property
-    def act_order(self) -> bool:
-        return self.strategy == "group" and self.actorder in ("group", "dynamic")
-
-    @property
-    def pack_factor(self) -> int:
-        return 32 // self.num_bits
-
-    @property
-    def is_wna16(self) -> bool:
-        return self.type == "int" and self.strategy in ("group", "channel")
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "num_bits": self.num_bits,
-            "group_size": self.group_size,
-            "symmetric": self.symmetric,
-            "strategy": self.strategy,
-            "actorder": self.actorder,
-            "format": self.format,
-        }
-
-    def describe(self) -> str:
-        gs = "channel" if self.group_size == -1 else f"g{self.group_size}"
-        sym = "sym" if self.symmetric else "asym"
-        ao = f" actorder={self.actorder}" if self.actorder else ""
-        return f"int{self.num_bits} {gs} {sym}{ao}"
-
-
-@dataclass(frozen=True)
-class _Group:
-    targets: tuple[str, ...]
-    scheme: WeightScheme | None  # None: weights not quantized by this group
-    name: str = ""  # its key in config_groups (engines name the group when they refuse it)
+_Group = SchemeGroup
 
 
 @dataclass(frozen=True)
@@ -199,80 +137,10 @@ def _expect(cond: bool, path: Path, what: str) -> None:
         raise BadInput(f"{path}: {what}")
 
 
-def _parse_actorder(value: Any, where: str, path: Path) -> str | None:
-    if value is None or value is False:
-        return None
-    if value is True:  # historic JSON form of "group"
-        return "group"
-    if isinstance(value, str) and value.lower() in ("group", "dynamic", "weight", "static"):
-        return value.lower()
-    raise BadInput(f"{path}: {where}.actorder = {value!r} is not one of null, weight, static, group, dynamic")
-
-
-def _parse_weights(args: Any, fmt: str, where: str, path: Path) -> WeightScheme | None:
-    if args is None:
-        return None
-    _expect(isinstance(args, dict), path, f"{where} must be an object")
-    try:
-        num_bits = int(args.get("num_bits", 8))
-    except (TypeError, ValueError):
-        raise BadInput(f"{path}: {where}.num_bits = {args.get('num_bits')!r} is not an integer") from None
-    qtype = str(args.get("type", "int")).lower()
-    symmetric = bool(args.get("symmetric", True))
-    raw_gs = args.get("group_size")
-    strategy = args.get("strategy")
-    if strategy is None:  # the library infers it the same way
-        strategy = "tensor" if raw_gs is None else ("channel" if raw_gs == -1 else "group")
-    strategy = str(strategy).lower()
-    if strategy == "group":
-        _expect(isinstance(raw_gs, int) and raw_gs > 0, path, f"{where}: strategy 'group' needs a positive group_size, got {raw_gs!r}")
-        group_size = int(raw_gs)
-    else:
-        group_size = -1
-    return WeightScheme(
-        num_bits=num_bits,
-        group_size=group_size,
-        symmetric=symmetric,
-        strategy=strategy,
-        actorder=_parse_actorder(args.get("actorder"), where, path),
-        format=fmt,
-        type=qtype,
-        group_size_null=(strategy == "channel" and raw_gs is None),
-    )
-
-
 def parse_quantization_config(qc: Any, path: Path) -> QuantConfig:
     """Parse a `quantization_config` object (raises BadInput naming `path` on nonsense)."""
-    _expect(isinstance(qc, dict), path, "quantization_config must be an object")
-    method = str(qc.get("quant_method", ""))
-    if method != "compressed-tensors":
-        raise BadInput(
-            f"{path}: quantization_config.quant_method is {method or 'missing'!r}; wna16ctl reads "
-            "compressed-tensors checkpoints (convert GPTQ/AWQ with llm-compressor first)"
-        )
-    top_format = str(qc.get("format") or "dense")
-    groups_raw = qc.get("config_groups") or {}
-    _expect(isinstance(groups_raw, dict), path, "quantization_config.config_groups must be an object")
-    groups: list[_Group] = []
-    for name, body in groups_raw.items():
-        where = f"config_groups.{name}"
-        if isinstance(body, list):  # "W4A16": ["Linear"] preset form
-            preset = _PRESETS.get(str(name).upper())
-            if preset is None:
-                raise BadInput(f"{path}: {where} names an unknown preset scheme; spell out its weights")
-            scheme = _parse_weights(preset, top_format, where, path)
-            groups.append(_Group(tuple(str(t) for t in body), scheme, str(name)))
-            continue
-        _expect(isinstance(body, dict), path, f"{where} must be an object")
-        targets = body.get("targets") or []
-        _expect(isinstance(targets, list), path, f"{where}.targets must be a list")
-        fmt = body.get("format") or top_format
-        if fmt == "mixed-precision":  # only meaningful at the top; a group needs a real one
-            fmt = top_format
-        scheme = _parse_weights(body.get("weights"), str(fmt), where, path)
-        groups.append(_Group(tuple(str(t) for t in targets), scheme, str(name)))
-    ignore = qc.get("ignore") or []
-    _expect(isinstance(ignore, list), path, "quantization_config.ignore must be a list")
+    parsed = formats.parse(qc, path)
+    groups, ignore = parsed.groups, parsed.ignore
     # Later groups win for a repeated target (the library builds an OrderedDict).
     by_target: dict[str, WeightScheme | None] = {}
     for g in groups:
@@ -287,12 +155,12 @@ def parse_quantization_config(qc: Any, path: Path) -> QuantConfig:
             _compile(str(t)[3:], path)
     return QuantConfig(
         source=str(path),
-        quant_method=method,
-        format=top_format,
-        version=(str(qc["version"]) if qc.get("version") is not None else None),
-        groups=tuple(groups),
-        ignore=tuple(str(t) for t in ignore),
-        _matcher=_build_matcher(ordered, tuple(str(t) for t in ignore)),
+        quant_method=parsed.quant_method,
+        format=parsed.format,
+        version=parsed.version,
+        groups=groups,
+        ignore=ignore,
+        _matcher=_build_matcher(ordered, ignore),
     )
 
 

@@ -12,6 +12,7 @@ import os
 import sys
 from array import array
 
+from wna16ctl.sources.formats import G_IDX
 from wna16ctl.sources.headers import CheckpointFiles, TensorInfo
 from wna16ctl.sources.moe import MoELayer
 from wna16ctl.dtypes import ARRAY_TYPECODES
@@ -50,7 +51,7 @@ def gate_up_g_idx_mismatch(files: CheckpointFiles, layer: MoELayer) -> str | Non
     fds: dict[str, int] = {}
     try:
         for e in range(layer.num_experts):
-            names = [layer.tensor_name(e, role, "weight_g_idx") for role in ("gate", "up")]
+            names = [layer.stored_name(e, role, G_IDX) for role in ("gate", "up")]
             if not all(n in files for n in names):
                 continue
             infos = [files.info(n) for n in names]

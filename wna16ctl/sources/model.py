@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from wna16ctl.sources import formats
 from wna16ctl.sources.architectures import architecture
 from wna16ctl.sources.config import ModelConfig, WeightScheme
 from wna16ctl.sources.headers import CheckpointFiles
@@ -212,8 +213,8 @@ def _router_takes_quant(model_type: str | None) -> bool:
     return arch is not None and arch.router_takes_quant
 
 
-def _packed_nk(files: CheckpointFiles, module: str, scheme: WeightScheme | None) -> tuple[int, int] | None:
-    e = files.raw(f"{module}.weight_packed")
+def _packed_nk(files: CheckpointFiles, module: str, scheme: WeightScheme | None, codes: str) -> tuple[int, int] | None:
+    e = files.raw(f"{module}.{codes}")
     if e is None or len(e["shape"]) != 2:
         return None
     rows, cols = e["shape"]
@@ -228,11 +229,12 @@ def find_linear_layers(files: CheckpointFiles, config: ModelConfig) -> tuple[lis
     if quant is None:
         return [], []
     dims = model_dims(config)
-    modules = [n[: -len(".weight_packed")] for n in files.names()
-               if ".experts." not in n and n.endswith(".weight_packed")]
+    codes = formats.of(quant).names.codes
+    modules = [n[: -len(codes) - 1] for n in files.names()
+               if ".experts." not in n and n.endswith(f".{codes}")]
     modules = [m for m in modules if not is_mtp(m, dims.num_hidden_layers)]
     schemes = dict(zip(modules, quant.schemes_for(modules)))
-    return _place_linear(files, config, modules, schemes, lambda m: _packed_nk(files, m, schemes[m]))
+    return _place_linear(files, config, modules, schemes, lambda m: _packed_nk(files, m, schemes[m], codes))
 
 
 def unquantized_linear_layers(files: CheckpointFiles, config: ModelConfig) -> tuple[list[LinearLayer], list[str]]:
@@ -242,7 +244,9 @@ def unquantized_linear_layers(files: CheckpointFiles, config: ModelConfig) -> tu
     dims = model_dims(config)
     modules = [n[: -len(".weight")] for n in files.names()
                if ".experts." not in n and n.endswith(".weight") and len((files.raw(n) or {}).get("shape", ())) == 2]
-    modules = [m for m in modules if not is_mtp(m, dims.num_hidden_layers) and f"{m}.weight_packed" not in files]
+    codes = None if config.quant is None else formats.of(config.quant).names.codes
+    modules = [m for m in modules if not is_mtp(m, dims.num_hidden_layers)
+               and (codes is None or f"{m}.{codes}" not in files)]
 
     def nk(m: str) -> tuple[int, int] | None:
         rows, cols = (files.raw(f"{m}.weight") or {})["shape"]

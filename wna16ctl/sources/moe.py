@@ -12,10 +12,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from wna16ctl.sources import formats
 from wna16ctl.sources.config import ModelConfig, WeightScheme
+from wna16ctl.sources.formats import WEIGHT, InputFormat
 from wna16ctl.sources.headers import CheckpointFiles
 from wna16ctl.sources.model import moe_routing
-from wna16ctl.sources.scan import checks_packed, scan_shard
+from wna16ctl.sources.scan import scan_shard
 from wna16ctl.errors import BadInput
 
 ROLE_ORDER = ("gate", "up", "down")
@@ -23,7 +25,13 @@ _FAMILY_NAMES = {
     "gate_up_down": {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
     "w1_w3_w2": {"gate": "w1", "up": "w3", "down": "w2"},
 }
-_ANCHORS = ("gate_proj.weight_packed", "gate_proj.weight", ".w1.weight_packed", ".w1.weight")
+
+
+def _anchors(fmt: InputFormat) -> tuple[str, ...]:
+    """Name endings of a gate projection's first tensor, packed or dense, in either family."""
+    return tuple(f"{gate}.{suffix}" for gate in ("gate_proj", ".w1") for suffix in (fmt.names.codes, WEIGHT))
+
+
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -55,6 +63,7 @@ class MoELayer:
     router_bias: str | None = None  # DeepSeek-V3 e_score_correction_bias
     norm: str | None = None  # post-attention RMSNorm weight
     warnings: list[str] = field(default_factory=list)
+    fmt: InputFormat = field(default=formats.DEFAULT, repr=False, compare=False)  # the checkpoint's format
 
     @property
     def quantized(self) -> bool:
@@ -68,6 +77,11 @@ class MoELayer:
 
     def tensor_name(self, expert: int, role: str, suffix: str) -> str:
         return f"{self.prefix}.{expert}.{_FAMILY_NAMES[self.family][role]}.{suffix}"
+
+    def stored_name(self, expert: int, role: str, kind: str) -> str:
+        """The name of an expert projection's stored tensor of `kind` (a role of `sources.formats`:
+        CODES, SCALES, ZERO_POINTS, G_IDX, SHAPE or WEIGHT) in the checkpoint's format."""
+        return self.tensor_name(expert, role, self.fmt.names.suffix(kind))
 
     @property
     def block(self) -> str:
@@ -126,8 +140,9 @@ def infer_intermediate(ckpt: CheckpointFiles, config: ModelConfig) -> int | None
     """The expert intermediate size: config.json's, else the rows of the first gate projection."""
     if config.moe_intermediate_size is not None:
         return config.moe_intermediate_size
+    anchors = _anchors(formats.of(config.quant))
     for name in ckpt.names():
-        if name.endswith(_ANCHORS) and ".experts." in name:
+        if name.endswith(anchors) and ".experts." in name:
             e = ckpt.raw(name)
             if e is not None:
                 return int(e["shape"][0])
@@ -145,9 +160,11 @@ def _describe_layer(ckpt: CheckpointFiles, config: ModelConfig, prefix: str, m: 
     family = m["family"]
     names = _FAMILY_NAMES[family]
     present = m["present"]
-    anchors = present.get("gate.weight_packed", set()) | present.get("gate.weight", set())
+    fmt = formats.of(config.quant)
+    stored = fmt.names
+    anchors = present.get(f"gate.{stored.codes}", set()) | present.get(f"gate.{WEIGHT}", set())
     if not anchors:
-        raise ckpt.missing(f"{prefix}.0.{names['gate']}.weight_packed")
+        raise ckpt.missing(f"{prefix}.0.{names['gate']}.{stored.codes}")
     num = max(anchors) + 1
     everything = set().union(*present.values())
     if max(everything) + 1 > num:
@@ -164,14 +181,15 @@ def _describe_layer(ckpt: CheckpointFiles, config: ModelConfig, prefix: str, m: 
     I = intermediate
     if I is None:
         raise BadInput(f"{where}: cannot tell the expert intermediate size of {prefix}")
-    g0 = ckpt.raw(f"{prefix}.0.{names['gate']}.weight")
+    g0 = ckpt.raw(f"{prefix}.0.{names['gate']}.{WEIGHT}")
     if g0 is not None and int(g0["shape"][0]) != I:  # unquantized experts are not shape-checked by the scan
         raise BadInput(
             f"{where}: {prefix}.0.{names['gate']} has {g0['shape'][0]} output rows but config.json's expert intermediate "
             f"size is {I}; the checkpoint and its config do not belong together"
         )
     layer = MoELayer(prefix=prefix, layer_index=_layer_index(prefix), family=family, num_experts=num,
-                     hidden_size=H, intermediate_size=I, scheme=None, scale_dtype=None, routing=moe_routing(config))
+                     hidden_size=H, intermediate_size=I, scheme=None, scale_dtype=None, routing=moe_routing(config),
+                     fmt=fmt)
     block = layer.block
     for cand in (f"{block}.gate.weight", f"{block}.router.weight", f"{block}.gate.wg.weight"):
         if cand in ckpt:
@@ -192,28 +210,28 @@ def _describe_layer(ckpt: CheckpointFiles, config: ModelConfig, prefix: str, m: 
         schemes = m["schemes"].get(role, {})
         lacking = sorted(all_experts - set(schemes))
         if lacking:
-            raise ckpt.missing(f"{prefix}.{lacking[0]}.{names[role]}.weight_packed")
+            raise ckpt.missing(f"{prefix}.{lacking[0]}.{names[role]}.{stored.codes}")
         per_role[role] = [schemes[e] for e in range(num)]
         # the predicates once per distinct scheme (schemes are shared objects), not per expert
         distinct = {id(s): s for s in schemes.values()}
         if len(distinct) == 1:  # the usual case: one scheme for every expert of the role
             only = next(iter(distinct.values()))
-            packed = set(schemes) if checks_packed(only) else set()
+            packed = set(schemes) if fmt.stores_packed(only) else set()
             asym = packed if packed and not only.symmetric else set()
             act = packed if packed and only.act_order else set()
         else:
-            packed = {e for e, s in schemes.items() if checks_packed(s)}
+            packed = {e for e, s in schemes.items() if fmt.stores_packed(s)}
             asym = {e for e in packed if not schemes[e].symmetric}
             act = {e for e in packed if schemes[e].act_order}
         if packed:
-            for suffix in ("weight_packed", "weight_scale"):
+            for suffix in (stored.codes, stored.scales):
                 lacking = sorted(packed - present.get(f"{role}.{suffix}", set()))
                 if lacking:
                     raise ckpt.missing(f"{prefix}.{lacking[0]}.{names[role]}.{suffix}")
-            if asym - present.get(f"{role}.weight_zero_point", set()):
+            if asym - present.get(f"{role}.{stored.zero_points}", set()):
                 zp_forms.add("missing")
             if act:
-                have = act & present.get(f"{role}.weight_g_idx", set())
+                have = act & present.get(f"{role}.{stored.g_idx}", set())
                 if have:
                     gidx_forms.add("present")
                 if act - have:
@@ -241,11 +259,11 @@ def _describe_layer(ckpt: CheckpointFiles, config: ModelConfig, prefix: str, m: 
         layer.warnings.append(f"{prefix}: zero points are stored unpacked (int8, compressed-tensors <= 0.9.3); read as packed")
     if "missing" in zp_forms:
         layer.warnings.append(
-            f"{prefix}: asymmetric experts without weight_zero_point (old writers skipped all-zero ones); treated as zero"
+            f"{prefix}: asymmetric experts without {stored.zero_points} (old writers skipped all-zero ones); treated as zero"
         )
     if "missing" in gidx_forms:
         layer.warnings.append(
-            f"{prefix}: actorder 'group' without weight_g_idx (old writers skipped unset ones); treated as k // group_size"
+            f"{prefix}: actorder 'group' without {stored.g_idx} (old writers skipped unset ones); treated as k // group_size"
         )
     if len(scale_dtypes) > 1:
         layer.warnings.append(f"{prefix}: expert scales use several dtypes ({', '.join(sorted(scale_dtypes))})")

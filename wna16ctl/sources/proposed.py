@@ -24,7 +24,8 @@ from typing import Any
 
 from wna16ctl.dtypes import FLOAT_ST
 from wna16ctl.errors import BadInput, UsageError
-from wna16ctl.sources.config import PACK_QUANTIZED, parse_quantization_config
+from wna16ctl.sources.config import parse_quantization_config
+from wna16ctl.sources.formats import compressed_tensors
 
 # the schemes the WNA16 planner judges (weight-only integer presets)
 SCHEMES = ("W4A16", "W4A16_ASYM", "W8A16")
@@ -96,13 +97,7 @@ class Proposal:
 
     def quantization_config(self) -> dict[str, Any]:
         """The `quantization_config` the quantized checkpoint's config.json would hold."""
-        return {
-            "quant_method": "compressed-tensors", "format": PACK_QUANTIZED, "quantization_status": "compressed",
-            "config_groups": {name: {"targets": list(g["targets"]), "weights": dict(g["weights"]),
-                                     "input_activations": None, "output_activations": None, "format": PACK_QUANTIZED}
-                              for name, g in self.groups.items()},
-            "ignore": list(self.ignore),
-        }
+        return compressed_tensors.written_config(self.groups, self.ignore)
 
     def with_weights(self, group_size: int | None = None, actorder: str | None = None,
                      symmetric: bool | None = None) -> Proposal:
@@ -160,18 +155,7 @@ def _is_linear_weight(name: str, entry: dict[str, Any] | None) -> bool:
 
 def _quantized_entries(module: str, entry: dict[str, Any], weights: dict[str, Any]) -> list[tuple[str, str, list[int]]]:
     """The tensors `pack-quantized` stores for one [N, K] Linear (name, dtype, shape)."""
-    n, k = (int(x) for x in entry["shape"])
-    bits = int(weights["num_bits"])
-    pf = 32 // bits
-    groups = -(-k // int(weights["group_size"])) if weights["strategy"] == "group" else 1
-    out = [(f"{module}.weight_packed", "I32", [n, -(-k * bits // 32)]),
-           (f"{module}.weight_scale", entry["dtype"], [n, groups]),
-           (f"{module}.weight_shape", "I64", [2])]
-    if not weights["symmetric"]:
-        out.append((f"{module}.weight_zero_point", "I32", [-(-n // pf), groups]))
-    if weights["strategy"] == "group" and weights.get("actorder") == "group":
-        out.append((f"{module}.weight_g_idx", "I32", [k]))
-    return out
+    return compressed_tensors.written_tensors(module, entry, weights)
 
 
 def _nbytes(dtype: str, shape: list[int]) -> int:

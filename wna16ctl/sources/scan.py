@@ -15,73 +15,33 @@ from collections import defaultdict
 from itertools import chain, repeat
 from operator import itemgetter, methodcaller
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import Any
 
-from wna16ctl.sources.config import PACK_QUANTIZED, ModelConfig, WeightScheme
+from wna16ctl.sources import formats
+from wna16ctl.sources.config import ModelConfig
+from wna16ctl.sources.formats import WEIGHT, InputFormat
 from wna16ctl.sources.header_digest import Group, HeaderDigest
 from wna16ctl.sources.headers import ShardHeader, read_shard_header
-from wna16ctl.dtypes import FLOAT_ST
 from wna16ctl.errors import BadInput
 
 PROJECTION_ROLES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
-SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape", "weight")
-_FLOAT_DTYPES = FLOAT_ST
-# Header entries of non-expert tensors that a worker process sends back in full (not only their
-# names): the packed weights and scales of quantized linear layers, whose shapes are planned.
-_DENSE_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_zero_point", ".weight_g_idx")
-# Formats compressed-tensors writes; anything else is not a compressed-tensors checkpoint we know.
-KNOWN_FORMATS = frozenset({
-    "pack-quantized", "naive-quantized", "int-quantized", "float-quantized", "dense", "mixed-precision",
-    "nvfp4-pack-quantized", "mxfp4-pack-quantized", "mxfp8-quantized", "marlin-24", "sparse-24-bitmask",
-    "sparse-bitmask", "sparse-24", "mxfp4-quantized", "mxfp6-quantized",
-})
 
 
-def checks_packed(scheme: WeightScheme | None) -> TypeGuard[WeightScheme]:
-    """Whether the scheme stores the WNA16 packed tensors whose shapes we can check."""
-    return (scheme is not None and scheme.format == PACK_QUANTIZED and scheme.is_wna16
-            and 1 <= scheme.num_bits <= 8)
+def _suffixes(fmt: InputFormat) -> tuple[str, ...]:
+    """The suffixes of an expert projection's tensors in `fmt`: its stored ones and the dense weight."""
+    return fmt.names.quantized + (WEIGHT,)
 
 
-def packed_words(codes: int, num_bits: int, packing: str) -> int:
-    """int32 words that hold `codes` codes of `num_bits` bits in a packing (PACKINGS)."""
-    if packing == "dense":
-        return -(-codes * num_bits // 32)
-    return -(-codes // (32 // num_bits))
+def _dense_suffixes(fmt: InputFormat) -> tuple[str, ...]:
+    """Header entries of non-expert tensors that a worker process sends back in full (not only their
+    names): the packed weights and scales of quantized linear layers, whose shapes are planned."""
+    n = fmt.names
+    return tuple(f".{s}" for s in (n.codes, n.scales, n.zero_points, n.g_idx))
 
 
-# How `pack-quantized` fills its int32 words: "dense" (compressed-tensors >= 0.20: codes back to
-# back, a code may straddle two words; ceil(n * bits / 32) words) or "word" (earlier releases:
-# 32 // bits whole codes per word, the rest of each word unused).  For 1, 2, 4 and 8 bits the two
-# are the same words; for 3, 5, 6 and 7 bits they differ in extent and in content.
-PACKINGS = ("dense", "word")
-
-
-def packings_differ(num_bits: int) -> bool:
-    return 32 % num_bits != 0
-
-
-def expected_shapes(scheme: WeightScheme, role: str, H: int, I: int) -> dict[str, tuple]:
-    """suffix -> (allowed dtypes, shape) of a `pack-quantized` projection's tensors; the packed
-    tensors in the dense packing, and under `<suffix>@word` in the word packing where it differs."""
-    N, K = (I, H) if role in ("gate", "up") else (H, I)
-    bits = scheme.num_bits
-    # ceil: writers older than compressed-tensors 0.20 accepted a partial last group; the planner
-    # reports vLLM's divisibility errors for such layers instead of rejecting the file.
-    G = -(-K // scheme.group_size) if scheme.group_size > 0 else 1
-    out = {
-        "weight_packed": (("I32",), [N, packed_words(K, bits, "dense")]),
-        "weight_scale": (_FLOAT_DTYPES, [N, G]),
-        "weight_zero_point": (("I32",), [packed_words(N, bits, "dense"), G]),
-        "weight_zero_point@unpacked": (("I8", "U8", "I32"), [N, G]),
-        "weight_g_idx": (("I32", "I64"), [K]),
-        "weight_shape": (("I64", "I32"), [2]),
-        "@NK": (N, K),
-    }
-    if packings_differ(bits):
-        out["weight_packed@word"] = (("I32",), [N, packed_words(K, bits, "word")])
-        out["weight_zero_point@word"] = (("I32",), [packed_words(N, bits, "word"), G])
-    return out
+def _shape_suffix(fmt: InputFormat) -> str | None:
+    """`.<suffix>` of a stored projection shape (never read: shapes come from the config)."""
+    return f".{fmt.names.shape}" if fmt.names.shape else None
 
 
 def _packing_of(exp: dict, suffix: str, shape: list | None) -> str | None:
@@ -103,13 +63,15 @@ def scan_shard(path: str, config: ModelConfig, intermediate: int, *, keep_entrie
     experts it holds, the schemes of those projections, zero-point forms and scale dtypes.
     """
     sh = header if header is not None else read_shard_header(Path(path))
-    found = _scan_grouped(path, _expert_groups(sh.entries), config, intermediate)
+    fmt = formats.of(config.quant)
+    found = _scan_grouped(path, _expert_groups(sh.entries, fmt), config, intermediate)
     layers, table = found if found is not None else _scan_each(path, sh, config, intermediate)
     dense: dict[str, dict] = {}  # non-expert quantized tensors (the linear planner reads their shapes)
     if not keep_entries:
         # dtype, shape and extent of every entry were checked by read_shard_header
         entries = sh.entries
-        dense = {n: entries[n] for n in entries if n.endswith(_DENSE_SUFFIXES) and ".experts." not in n}
+        ends = _dense_suffixes(fmt)
+        dense = {n: entries[n] for n in entries if n.endswith(ends) and ".experts." not in n}
     return {
         "path": path, "size": sh.size, "data_start": sh.data_start, "metadata": sh.metadata,
         "entries": sh.entries if keep_entries else list(sh.entries),
@@ -133,14 +95,15 @@ def scan_digest(path: str, size: int, data_start: int, digest: HeaderDigest, con
     }
 
 
-def _expert_groups(entries: dict[str, dict]) -> list[Group] | None:
-    """The names under `.experts.` (but `.weight_shape`), grouped by their (prefix, proj, suffix)
+def _expert_groups(entries: dict[str, dict], fmt: InputFormat = formats.DEFAULT) -> list[Group] | None:
+    """The names under `.experts.` (but a stored projection shape), grouped by their (prefix, proj, suffix)
     when split as `<prefix>.<expert>.<proj>.<suffix>`, in header order, each group with its expert
     numbers as written, its distinct dtypes and the shape its tensors share (None if they differ).
     Nothing is judged here.  None when some such name has fewer parts.  (The native reader,
     `header_digest`, computes the same groups.)"""
     groups: defaultdict[tuple[str, str, str], list[str]] = defaultdict(list)
-    names = [n for n in entries if ".experts." in n and not n.endswith(".weight_shape")]
+    shape = _shape_suffix(fmt)
+    names = [n for n in entries if ".experts." in n and not (shape and n.endswith(shape))]
     try:
         for name, (prefix, _, proj, suffix) in zip(names, map(_SPLIT, names)):
             groups[(prefix, proj, suffix)].append(name)
@@ -171,10 +134,12 @@ def _scan_grouped(path: str, groups: list[Group] | None, config: ModelConfig,
     if groups is None:
         return None
     quant = config.quant
+    fmt = formats.of(quant)
+    suffixes, stored = _suffixes(fmt), fmt.names
     # per (prefix, proj): its suffix groups, and the union of its experts (each module once)
     by_module: dict[tuple[str, str], list[tuple[str, list[str], list[str], list | None]]] = {}
     for prefix, proj, suffix, experts, dtypes, shape in groups:
-        if proj not in PROJECTION_ROLES or suffix not in SUFFIXES or not prefix.endswith(".experts"):
+        if proj not in PROJECTION_ROLES or suffix not in suffixes or not prefix.endswith(".experts"):
             continue  # not an expert projection's tensor
         digits = "".join(experts)
         if not (all(experts) and digits.isdigit() and digits.isascii()):
@@ -203,9 +168,9 @@ def _scan_grouped(path: str, groups: list[Group] | None, config: ModelConfig,
         if len(set(map(id, mine))) != 1:
             return None  # per-expert schemes within one projection: checked tensor by tensor
         if scheme is None:
-            if any(g[0] == "weight_packed" for g in sgroups):
+            if any(g[0] == stored.codes for g in sgroups):
                 return None  # refused tensor by tensor, with the name
-        elif scheme.format not in KNOWN_FORMATS:
+        elif not fmt.known_format(scheme):
             return None
         role = PROJECTION_ROLES[proj]
         lay = layers.get(prefix)
@@ -220,22 +185,22 @@ def _scan_grouped(path: str, groups: list[Group] | None, config: ModelConfig,
             table.append(None if scheme is None else astuple(scheme))
         key = (role, sid)
         if key not in expected:
-            expected[key] = expected_shapes(scheme, role, H, intermediate) if checks_packed(scheme) else None
+            expected[key] = fmt.stored_tensors(scheme, role, H, intermediate) if fmt.stores_packed(scheme) else None
         exp = expected[key]
         pres = present[prefix]
         numbers = list(map(int, experts))
         for suffix, experts_of, dtypes, shape in sgroups:
             ids = numbers if experts_of == experts else list(map(int, experts_of))
             pres.setdefault((role, suffix), []).extend(ids)
-            if suffix == "weight_packed" or suffix == "weight":
+            if suffix == stored.codes or suffix == WEIGHT:
                 lay["schemes"].setdefault(role, []).extend(zip(ids, repeat(sid)))
-            if (exp is None or scheme is None or suffix == "weight"
-                    or (suffix == "weight_zero_point" and scheme.symmetric)
-                    or (suffix == "weight_g_idx" and not scheme.act_order)):
+            if (exp is None or scheme is None or suffix == WEIGHT
+                    or (suffix == stored.zero_points and scheme.symmetric)
+                    or (suffix == stored.g_idx and not scheme.act_order)):
                 continue
             # zero points: the packed form here; the unpacked one (int8, older writers) goes tensor by tensor
             allowed, expected_shape = exp[suffix]
-            if suffix in ("weight_packed", "weight_zero_point"):
+            if suffix == stored.codes or suffix == stored.zero_points:
                 packing = _packing_of(exp, suffix, shape)
                 if packing is None or not set(dtypes).issubset(allowed):
                     return None
@@ -243,9 +208,9 @@ def _scan_grouped(path: str, groups: list[Group] | None, config: ModelConfig,
                     lay["packing"][packing] = 1
             elif not set(dtypes).issubset(allowed) or shape != expected_shape:
                 return None
-            if suffix == "weight_zero_point":
+            if suffix == stored.zero_points:
                 lay["zp"]["packed"] = 1
-            elif suffix == "weight_scale":
+            elif suffix == stored.scales:
                 lay["scales"].update(dict.fromkeys(sorted(dtypes), 1))
     for prefix, lay in layers.items():
         lay["present"] = {f"{r}.{sfx}": experts for (r, sfx), experts in present[prefix].items()}
@@ -257,6 +222,8 @@ def _scan_each(path: str, sh: ShardHeader, config: ModelConfig,
     """The expert tensors of one shard, tensor by tensor: the definition of what `scan_shard`
     accepts, and the errors that name the tensor at fault."""
     quant = config.quant
+    fmt = formats.of(quant)
+    suffixes, stored, shape_suffix = _suffixes(fmt), fmt.names, _shape_suffix(fmt)
     H = config.hidden_size
     # 1. group this shard's expert tensors by projection module
     modules: dict[str, tuple[str, int, str]] = {}  # module -> (prefix, expert, proj)
@@ -264,10 +231,10 @@ def _scan_each(path: str, sh: ShardHeader, config: ModelConfig,
     for name, e in sh.entries.items():
         if ".experts." not in name:
             continue
-        if name.endswith(".weight_shape"):
+        if shape_suffix and name.endswith(shape_suffix):
             continue  # a third of all expert tensors, never read (shapes come from the config)
         parts = name.rsplit(".", 3)
-        if (len(parts) != 4 or parts[2] not in PROJECTION_ROLES or parts[3] not in SUFFIXES or not parts[1].isdigit()
+        if (len(parts) != 4 or parts[2] not in PROJECTION_ROLES or parts[3] not in suffixes or not parts[1].isdigit()
                 or not parts[0].endswith(".experts")):
             continue
         prefix, number, proj, suffix = parts
@@ -297,14 +264,14 @@ def _scan_each(path: str, sh: ShardHeader, config: ModelConfig,
         if sid is None:
             sid = sid_of[id(scheme)] = len(table)
             table.append(None if scheme is None else astuple(scheme))
-            if scheme is not None and scheme.format not in KNOWN_FORMATS:
+            if scheme is not None and not fmt.known_format(scheme):
                 raise BadInput(
                     f"{Path(path).parent / 'config.json'}: {module} uses quantization format "
                     f"{scheme.format!r}, which is not a compressed-tensors format wna16ctl knows"
                 )
         key = (role, sid)
         if key not in expected:
-            expected[key] = expected_shapes(scheme, role, H, intermediate) if checks_packed(scheme) else None
+            expected[key] = fmt.stored_tensors(scheme, role, H, intermediate) if fmt.stores_packed(scheme) else None
         info[module] = (lay, present[prefix], expert, role, scheme, sid, expected[key])
     # 3. check each tensor against its projection's scheme
     for name, module, suffix, e in tensors:
@@ -314,40 +281,40 @@ def _scan_each(path: str, sh: ShardHeader, config: ModelConfig,
         if lst is None:
             lst = pres[k] = []
         lst.append(expert)
-        if suffix == "weight_packed" or suffix == "weight":
+        if suffix == stored.codes or suffix == WEIGHT:
             lay["schemes"].setdefault(role, []).append((expert, sid))
-            if scheme is None and suffix == "weight_packed" and quant is None:
+            if scheme is None and suffix == stored.codes and quant is None:
                 raise BadInput(
                     f"{path}: {name} is a packed quantized tensor but {Path(path).parent / 'config.json'} has no "
                     "quantization_config; restore the config that came with the checkpoint"
                 )
-            if scheme is None and suffix == "weight_packed":
+            if scheme is None and suffix == stored.codes:
                 raise BadInput(
                     f"{path}: {name} exists but quantization_config does not quantize {module}; "
                     "the config's targets/ignore do not match the tensors"
                 )
-        if exp is None or suffix == "weight":
+        if exp is None or suffix == WEIGHT:
             continue
-        if suffix == "weight_zero_point":
+        if suffix == stored.zero_points:
             if scheme.symmetric:
                 continue
-            packing = _packing_of(exp, "weight_zero_point", e["shape"]) if e["dtype"] == "I32" else None
+            packing = _packing_of(exp, suffix, e["shape"]) if e["dtype"] == "I32" else None
             form = "packed" if packing is not None else "unpacked"
-            _check_entry(path, name, e, exp, "weight_zero_point" if form == "packed" else "weight_zero_point@unpacked")
+            _check_entry(path, name, e, exp, suffix if form == "packed" else f"{suffix}@unpacked")
             lay["zp"][form] = 1
             if packing not in (None, "same"):
                 lay["packing"][packing] = 1
             continue
-        if suffix == "weight_g_idx" and not scheme.act_order:
+        if suffix == stored.g_idx and not scheme.act_order:
             continue
-        if suffix == "weight_packed":
+        if suffix == stored.codes:
             packing = _packing_of(exp, suffix, e["shape"])
             if packing == "word":
-                suffix = "weight_packed@word"
+                suffix = f"{suffix}@word"
             if packing not in (None, "same"):
                 lay["packing"][packing] = 1
         dtype = _check_entry(path, name, e, exp, suffix)
-        if suffix == "weight_scale":
+        if suffix == stored.scales:
             lay["scales"][dtype] = 1
     for prefix, lay in layers.items():
         lay["present"] = {f"{r}.{sfx}": experts for (r, sfx), experts in present[prefix].items()}

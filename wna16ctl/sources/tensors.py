@@ -12,6 +12,7 @@ import ctypes
 
 import torch
 
+from wna16ctl.sources.formats import CODES, G_IDX, SCALES, ZERO_POINTS
 from wna16ctl.sources.headers import TensorInfo
 from wna16ctl.sources.raw import RawReader
 from wna16ctl.sources.moe import ROLE_ORDER, MoELayer
@@ -69,26 +70,27 @@ class TensorReader(RawReader):
         return as_tensor(self.read_bytes(info), info.dtype, info.shape)
 
     def read_projection(self, layer: MoELayer, expert: int, role: str) -> dict[str, torch.Tensor]:
-        """One expert projection in the normalised checkpoint form the layout package expects."""
+        """One expert projection in the canonical form the layout package expects (`sources.formats`):
+        its stored tensors read by role, legacy forms normalised, then converted by its format."""
         s = layer.scheme
         assert s is not None
-        name = lambda suffix: layer.tensor_name(expert, role, suffix)  # noqa: E731 - this expert's and role's tensor names, for the lines below
-        out = {"weight_packed": self.read(name("weight_packed")), "weight_scale": self.read(name("weight_scale"))}
-        check_scales(out["weight_scale"], name("weight_scale"))
-        n_rows = out["weight_packed"].shape[0]
-        groups = out["weight_scale"].shape[1]
+        name = lambda kind: layer.stored_name(expert, role, kind)  # noqa: E731 - this expert's and role's tensor names, for the lines below
+        out = {CODES: self.read(name(CODES)), SCALES: self.read(name(SCALES))}
+        check_scales(out[SCALES], name(SCALES))
+        n_rows = out[CODES].shape[0]
+        groups = out[SCALES].shape[1]
         k = layer.hidden_size if role in ("gate", "up") else layer.intermediate_size
         if not s.symmetric:
-            out["weight_zero_point"] = self.zero_point(name("weight_zero_point"), n_rows, groups, s.num_bits)
+            out[ZERO_POINTS] = self.zero_point(name(ZERO_POINTS), n_rows, groups, s.num_bits)
         if s.act_order:
-            gname = name("weight_g_idx")
+            gname = name(G_IDX)
             if gname in self.files:
                 g_idx = self.read(gname)
                 check_g_idx(g_idx, gname, k, s.group_size)
-                out["weight_g_idx"] = g_idx.to(torch.int32)
+                out[G_IDX] = g_idx.to(torch.int32)
             else:  # old writers skipped a g_idx that was never set: groups in column order
-                out["weight_g_idx"] = (torch.arange(k, dtype=torch.int32) // s.group_size).to(torch.int32)
-        return out
+                out[G_IDX] = (torch.arange(k, dtype=torch.int32) // s.group_size).to(torch.int32)
+        return layer.fmt.canonical(out)
 
     def read_expert(self, layer: MoELayer, expert: int) -> dict[str, dict[str, torch.Tensor]]:
         return {role: self.read_projection(layer, expert, role) for role in ROLE_ORDER}

@@ -39,7 +39,7 @@ from wna16ctl.verification.samples import samples_label
 from wna16ctl.sources import Checkpoint, open_checkpoint
 from wna16ctl.sources.tensors import TensorReader, dtype_from_name, writable_view
 from wna16ctl.errors import BadInput, LayoutMismatch, NotLoadable, UsageError
-from wna16ctl.layout.packing import unpack_codes
+from wna16ctl.layout.packing import dequantize, unpack_codes
 from wna16ctl.layout.rank import RankLayout, unbuild_expert_tensors
 from wna16ctl.layout.spec import MARLIN
 from wna16ctl.layout.shard import shard_expert, unshard_expert
@@ -48,9 +48,9 @@ from wna16ctl.sources.config import SCALE_DTYPES
 from wna16ctl.sources.headers import INDEX_NAME, read_shard_header
 from wna16ctl.sink import TaskStarter, no_progress
 from wna16ctl.output.manifest import FORMAT_NAME, SIDE_FILES
-from wna16ctl.repacking.pipeline import (
-    LayerJob, RepackPlan, RepackSettings, plan_repack, rank_index_bytes, source_fingerprint,
-)
+from wna16ctl.repacking.pipeline import LayerJob, RepackPlan, RepackSettings, plan_repack, rank_index_bytes
+from wna16ctl.sources import source_fingerprint
+from wna16ctl.sources.formats import SCALES
 from wna16ctl.verification.bounds import Interval, block_interval, gemm_bound_used, judge, nothing_to_compare
 from wna16ctl.verification.rank_gemm import GEMM_DTYPES, ROUNDINGS, UNIT_ROUNDOFF, EmulatedGemm, RankFiles, rank_moe_output  # noqa: F401 - ROUNDINGS and UNIT_ROUNDOFF re-exported
 from wna16ctl.output.writer import JOURNAL_NAME, MANIFEST_NAME, PLANNED_METADATA, FILE_HASHES, hash_file, recorded_hash, sha256_file
@@ -529,17 +529,13 @@ def _dequantize_kfirst(kf: dict[str, torch.Tensor], spec: RankLayout, which: str
         groups = torch.arange(K) // spec.group_size
     else:
         groups = torch.zeros(K, dtype=torch.long)
-    s = scale.to(dtype)[groups]  # [K, N]
-    z: torch.Tensor | int
+    zp, zg = None, None
     if f"{which}_weight_zero_point" in kf:
         zp = unpack_codes(kf[f"{which}_weight_zero_point"], nb, dim=1).to(torch.int32)[:, :N]
         zg = groups if spec.group_size > 0 else torch.zeros(K, dtype=torch.long)
         if spec.group_size > 0 and spec.act_order and which == "w2" and spec.load_full_w2:
             zg = groups - spec.rank * (spec.intermediate_per_partition // spec.group_size)
-        z = zp[zg]
-    else:
-        z = 1 << (nb - 1)
-    return (codes - z).to(dtype) * s  # integer difference is exact in bf16/fp16; one rounding
+    return dequantize(codes, scale, groups, nb, dtype, zp, zg)
 
 
 def _gemm_device(device: str) -> torch.device:
@@ -1021,7 +1017,7 @@ def _check_reassembled(job: LayerJob, per_rank: list[dict[str, torch.Tensor]], c
         report.findings.append(Finding("round_trip", f"{layer.prefix} expert {e}: {err.message}", layer=layer.prefix, expert=e))
         return
     for role in ("gate", "up", "down"):
-        want = {k: (v.to(dtype) if k == "weight_scale" else v) for k, v in ck_expert[role].items()}
+        want = {k: (v.to(dtype) if k == SCALES else v) for k, v in ck_expert[role].items()}
         bad = next((k for k, v in want.items() if k not in back[role] or back[role][k].shape != v.shape
                     or first_difference(back[role][k], v) is not None), None)
         if bad is not None and sums.layer_ok:

@@ -322,23 +322,24 @@ def _build_model(ck: Checkpoint, device: torch.device) -> tuple[torch.nn.Module,
 
 
 def _dequantize_source(proj: dict[str, torch.Tensor], k: int, dtype: torch.dtype) -> torch.Tensor:
-    """One source projection [N, K] in `dtype`: (q − z)·s with one rounding, as the kernel dequantises."""
-    from wna16ctl.layout.packing import unpack_codes
+    """One source projection [N, K] (the canonical form) in `dtype`: (q − z)·s with one rounding, as
+    the kernel dequantises."""
+    from wna16ctl.layout.packing import dequantize, unpack_codes
+    from wna16ctl.layout.spec import CODES, G_IDX, SCALES, ZERO_POINTS
 
-    packed = proj["weight_packed"]
+    packed = proj[CODES]
     n = packed.shape[0]
     num_bits = 32 // (k // packed.shape[1])  # from the shapes: mixed-precision experts differ per expert
     codes = unpack_codes(packed, num_bits, dim=1, size=k).long()  # [N, K]
-    scale = proj["weight_scale"]  # [N, G]
+    scale = proj[SCALES]  # [N, G]
     groups = scale.shape[1]
-    if "weight_g_idx" in proj:
-        g = proj["weight_g_idx"].long()
+    if G_IDX in proj:
+        g = proj[G_IDX].long()
     else:
         g = torch.arange(k) // (k // groups)
-    if "weight_zero_point" in proj:
-        z = unpack_codes(proj["weight_zero_point"], num_bits, dim=0).long()[:n][:, g]
-        return (codes - z).to(dtype) * scale.to(dtype)[:, g]
-    return (codes - (1 << (num_bits - 1))).to(dtype) * scale.to(dtype)[:, g]  # symmetric: the midpoint
+    z = unpack_codes(proj[ZERO_POINTS], num_bits, dim=0).long()[:n].t() if ZERO_POINTS in proj else None
+    # K-first for the one dequantizer, then back to [N, K] in the same memory order as before
+    return dequantize(codes.t(), scale.t(), g, num_bits, dtype, z).t().contiguous()
 
 
 class _ReferenceExperts:

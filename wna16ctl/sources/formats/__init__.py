@@ -1,0 +1,56 @@
+"""Input formats: each quantized checkpoint format's names, config keys, packing and zero-point
+convention, behind one face (`face.InputFormat`), detected from `quantization_config`.
+
+Formats register by their `quant_method`, the way compressed-tensors registers its compressors by
+name; `detect` picks one for a config and refuses the others in one line, and `of` gives the format
+of a parsed config.  Each answers for the rest of the tree: its config as format-free schemes, a
+tensor name <-> (module, role), the tensors a scheme stores with shapes and dtypes, one projection
+in the canonical form the layouts take, the native fast path's inputs, and (through the roles of its
+stored tensors) what `pad` rewrites.  Nothing outside this package compares a format's name or a
+stored tensor's suffix (tests/test_format_owner.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from wna16ctl.errors import BadInput
+from wna16ctl.sources.formats.compressed_tensors import COMPRESSED_TENSORS
+from wna16ctl.sources.formats.face import (CANONICAL, CODES, WEIGHT, G_IDX, SCALES, SHAPE, ZERO_POINTS, InputFormat,
+                                           NativeInputs, TensorNames)
+from wna16ctl.sources.scheme import ParsedConfig
+
+__all__ = ["CANONICAL", "CODES", "WEIGHT", "G_IDX", "SCALES", "SHAPE", "ZERO_POINTS", "InputFormat", "NativeInputs",
+           "TensorNames", "FORMATS", "DEFAULT", "detect", "of", "parse"]
+
+FORMATS: dict[str, InputFormat] = {f.quant_method: f for f in (COMPRESSED_TENSORS,)}
+# the format a checkpoint without `quantization_config` is read in (its packed tensors are refused by name)
+DEFAULT: InputFormat = COMPRESSED_TENSORS
+
+
+def detect(qc: Any, path: Path) -> InputFormat:
+    """The format of a `quantization_config` object, by its `quant_method` (BadInput naming `path`
+    for anything else)."""
+    if not isinstance(qc, dict):
+        raise BadInput(f"{path}: quantization_config must be an object")
+    method = str(qc.get("quant_method", ""))
+    found = FORMATS.get(method)
+    if found is None:
+        raise BadInput(
+            f"{path}: quantization_config.quant_method is {method or 'missing'!r}; wna16ctl reads "
+            "compressed-tensors checkpoints (convert GPTQ/AWQ with llm-compressor first)"
+        )
+    return found
+
+
+def parse(qc: Any, path: Path) -> ParsedConfig:
+    """`quantization_config` parsed by its format."""
+    return detect(qc, path).parse_config(qc, path)
+
+
+def of(quant: Any) -> InputFormat:
+    """The format of a parsed config (`sources.config.QuantConfig`, or anything with its
+    `quant_method`); `DEFAULT` for a checkpoint without one."""
+    method = getattr(quant, "quant_method", None)
+    return DEFAULT if method is None else FORMATS.get(method, DEFAULT)
