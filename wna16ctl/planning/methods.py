@@ -9,9 +9,16 @@ format cannot hold.  What the method then asks, the backend oracle keyed by the 
 
 from __future__ import annotations
 
+from wna16ctl.layout.spec import CODES, SCALES, ZERO_POINTS
 from wna16ctl.planning import rules
 from wna16ctl.sources.formats.compressed_tensors import PACK_QUANTIZED
+from wna16ctl.sources.formats.face import SHAPE
 from wna16ctl.sources.scheme import WeightScheme
+
+# The parameters the compressed-tensors WNA16 linear scheme creates on a layer, by role
+# (`CompressedTensorsWNA16.create_weights`: the same in every known release; the g_idx of
+# act-order layers aside): the names a loaded layer's state holds.
+LINEAR_PARAMS = {CODES: "weight_packed", SCALES: "weight_scale", SHAPE: "weight_shape", ZERO_POINTS: "weight_zero_point"}
 
 
 def moe_format_refusal(rel: rules.Release, s: WeightScheme) -> str | None:

@@ -23,11 +23,13 @@ from typing import Any, Callable
 
 from wna16ctl.dtypes import FLOAT_ST_OF_CONFIG, ST_SIZES
 from wna16ctl.errors import BadInput, NotLoadable, UsageError
-from wna16ctl.layout.spec import VLLM
+from wna16ctl.layout.spec import CODES, SCALES, VLLM, ZERO_POINTS
 from wna16ctl.planning import rules
+from wna16ctl.planning.methods import LINEAR_PARAMS
 from wna16ctl.planning.moe import unquantized_lookup_error
 from wna16ctl.planning.next_steps import NextStep, output_next_step
-from wna16ctl.sources import Checkpoint, MoELayer, open_checkpoint
+from wna16ctl.sources import Checkpoint, MoELayer, formats, open_checkpoint
+from wna16ctl.sources.formats.face import SHAPE
 from wna16ctl.sources.moe import _FAMILY_NAMES
 
 
@@ -209,9 +211,12 @@ def _shared_size(ck: Checkpoint, layer: int, block: str, gate: str) -> int | Non
 
 def _output_rows(ck: Checkpoint, module: str) -> int | None:
     """A linear module's output size: the rows of its weight, 16-bit or packed (packed along K)."""
-    for suffix in (".weight", ".weight_packed"):
-        if module + suffix in ck.files:
-            return ck.files.info(module + suffix).shape[0]
+    names = [f"{module}.weight"]
+    if ck.config.quant is not None:
+        names.append(formats.of(ck.config.quant).names.tensor(module, CODES))
+    for name in names:
+        if name in ck.files:
+            return ck.files.info(name).shape[0]
     return None
 
 
@@ -460,19 +465,21 @@ def _linear_params(ck: Checkpoint, t: StateTensor, lin: Any, modules: list[str],
         raise UsageError(f"--layout vllm: {lin.name}: {odd[0]} is not a whole number of {s.num_bits}-bit codes per "
                          "int32 word; the vllm layout does not split such words by rank")
 
-    def fill(suffix: str, how: str = verb) -> str:
-        return f"{how} " + " ".join(name[: -len("weight")] + suffix for name in arg.split())
+    stored = formats.of(ck.config.quant).names  # the checkpoint's tensors, by role
 
-    base = t.key[: -len("weight")]
-    shape_src = max((m + ".weight_shape" for m in modules), key=lambda name: _load_order(ck, name)
+    def fill(role: str, how: str = verb) -> str:
+        return f"{how} " + " ".join(stored.tensor(name[: -len(".weight")], role) for name in arg.split())
+
+    base = t.key[: -len("weight")]  # the layer's parameters: vLLM's names (planning.methods)
+    shape_src = max((stored.tensor(m, SHAPE) for m in modules), key=lambda name: _load_order(ck, name)
                     if name in ck.files else ([], name))
-    params = [StateTensor(base + "weight_packed", (n, k // pack), "I32", fill("weight_packed"), t.layer),
-              StateTensor(base + "weight_scale", (n, groups), t.dtype,
-                          fill("weight_scale", "copy" if whole else verb), t.layer),
-              StateTensor(base + "weight_shape", (2,), "I64", f"copy {shape_src}", t.layer)]
+    params = [StateTensor(base + LINEAR_PARAMS[CODES], (n, k // pack), "I32", fill(CODES), t.layer),
+              StateTensor(base + LINEAR_PARAMS[SCALES], (n, groups), t.dtype,
+                          fill(SCALES, "copy" if whole else verb), t.layer),
+              StateTensor(base + LINEAR_PARAMS[SHAPE], (2,), "I64", f"copy {shape_src}", t.layer)]
     if not s.symmetric:
-        params.append(StateTensor(base + "weight_zero_point", (n // pack, groups), "I32",
-                                  fill("weight_zero_point", "copy" if whole else verb), t.layer))
+        params.append(StateTensor(base + LINEAR_PARAMS[ZERO_POINTS], (n // pack, groups), "I32",
+                                  fill(ZERO_POINTS, "copy" if whole else verb), t.layer))
     return params
 
 
