@@ -454,7 +454,7 @@ class RepackResult:
         """How to serve what was written (planning.next_steps); none for a part (assemble it first)."""
         from wna16ctl.planning.next_steps import manifest_next_step
 
-        step = manifest_next_step(self.manifest, self.out) if self.committed else None
+        step = manifest_next_step(self.manifest, self.out, checkpoint=self.checkpoint) if self.committed else None
         return [] if step is None else [step]
 
 

@@ -619,7 +619,7 @@ def verify_output(
     if "tp" in manifest:
         from wna16ctl.planning.next_steps import manifest_next_step
 
-        report.serve_step = manifest_next_step(manifest, out_path, ck.root)
+        report.serve_step = manifest_next_step(manifest, out_path, ck.root, checkpoint=ck)
     return report
 
 
