@@ -142,28 +142,17 @@ def output_next_step(ckpt: str | Path, out: str | Path, layout: str, tp: int, ep
     return NextStep(tp, ep, None, None, serve_command(ckpt, None, tp, ep=ep, moe_backend=moe_backend, env=env), why)
 
 
-def manifest_next_step(manifest: dict[str, Any], out: str | Path, ckpt: str | Path | None = None,
-                       checkpoint: Any = None) -> NextStep | None:
+def manifest_next_step(manifest: dict[str, Any], out: str | Path, ckpt: str | Path | None = None) -> NextStep | None:
     """How to serve the output at `out` whose manifest is `manifest` (None for a part: the parts
     are joined with `assemble` first).  `ckpt`: the checkpoint, served itself where no load format
-    reads the output (default: the source path the manifest records).  With the opened
-    `checkpoint` (repack and verify have it) the answer is `planning.serving.serve_path`'s, the one
-    inspect and pad print."""
+    reads the output (default: the source path the manifest records).  Where the opened checkpoint
+    is at hand, `planning.serving.output_serve_path` answers instead (as inspect and pad do)."""
     settings = (manifest.get("identity") or {}).get("settings") or {}
     engine = manifest.get("engine") or {}
     tp = int(manifest["tp"])
     part = manifest.get("part")
     if isinstance(part, dict) and len(part.get("ranks") or ()) != tp:
         return None  # a manifest part: the parts are joined first
-    if checkpoint is not None:
-        from wna16ctl.planning.engine_env import make_switches
-        from wna16ctl.planning.serving import serve_path
-
-        switches = make_switches(dict(engine.get("env") or settings.get("env") or {}),
-                                 str(engine.get("moe_backend") or settings.get("moe_backend") or "auto"))
-        return serve_path(checkpoint, tp, ep=bool(manifest.get("ep")), version=str(engine.get("version", "")),
-                          gpu=str(engine.get("gpu") or settings.get("gpu") or rules.DEFAULT_GPU), switches=switches,
-                          written=str(manifest.get("layout")), out=str(out))
     source = ckpt if ckpt is not None else (manifest.get("source") or {}).get("path", "CKPT")
     return output_next_step(source, out, str(manifest.get("layout")), tp, bool(manifest.get("ep")),
                             str(engine.get("version", "")), moe_backend=str(engine.get("moe_backend") or

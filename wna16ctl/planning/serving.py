@@ -30,6 +30,7 @@ from wna16ctl.planning.next_steps import (
     NextStep,
     checkpoint_ref,
     has_w13_scale_hazard,
+    manifest_next_step,
     output_name,
     plugin_serves,
     repack_command,
@@ -182,6 +183,25 @@ def serve_path(ck: Any, tp: int, *, ep: bool, version: str, gpu: str, switches: 
     return NextStep(tp, ep, layout, repack,
                     serve_command(str(out), layout, tp, moe_backend=sw.moe_backend, env=env, memory=mem_words),
                     why + mem_why, needs=PLUGIN_INSTALL if layout == MARLIN_LAYOUT else None)
+
+
+def output_serve_path(manifest: dict[str, Any], out: Any, checkpoint: Any) -> NextStep | None:
+    """How the output at `out` (its manifest `manifest`) written from the opened `checkpoint` is
+    served: `serve_path` with the plan the manifest records (None for a manifest part: the parts
+    are joined first).  Without the checkpoint, the manifest alone answers."""
+    from wna16ctl.planning.engine_env import make_switches
+
+    tp = int(manifest["tp"])
+    part = manifest.get("part")
+    if checkpoint is None or (isinstance(part, dict) and len(part.get("ranks") or ()) != tp):
+        return manifest_next_step(manifest, out, None if checkpoint is None else checkpoint.root)
+    settings = (manifest.get("identity") or {}).get("settings") or {}
+    engine = manifest.get("engine") or {}
+    switches = make_switches(dict(engine.get("env") or settings.get("env") or {}),
+                             str(engine.get("moe_backend") or settings.get("moe_backend") or "auto"))
+    return serve_path(checkpoint, tp, ep=bool(manifest.get("ep")), version=str(engine.get("version", "")),
+                      gpu=str(engine.get("gpu") or settings.get("gpu") or rules.DEFAULT_GPU), switches=switches,
+                      written=str(manifest.get("layout")), out=str(out))
 
 
 def inspect_next_steps(insp: Any) -> list[NextStep]:
