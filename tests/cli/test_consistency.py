@@ -447,3 +447,34 @@ def test_output_under_a_file_says_not_a_directory(make_ckpt, tmp_path, command):
     line = one_error_line(res, 2)
     assert "not a directory" in line and "File exists" not in line, line
     assert blocker.read_text() == "x"
+
+
+def _serve_lines(text: str) -> list[str]:
+    """The `vllm serve` lines of a command's output, continuation lines joined."""
+    joined = " ".join(text.replace(" \\\n", " ").split())
+    return ["vllm serve " + part.split(" wna16ctl ")[0].split(" next: ")[0].strip()
+            for part in joined.split("vllm serve ")[1:]]
+
+
+@pytest.mark.parametrize("release", ["0.32.0", "0.29.0"])
+def test_inspect_repack_pad_and_verify_print_one_serve_path(make_ckpt, tmp_path, release):
+    """A checkpoint that loads at TP 4 only once padded: pad's next line, inspect of the padded
+    checkpoint, repack of the layout inspect names, verify of the padding and verify of the output
+    all print the same serve line (planning.serving.serve_path decides it for each)."""
+    ck = make_ckpt(num_layers=1, num_experts=4, top_k=1, vocab_size=64)
+    padded = tmp_path / "padded"
+    pad = invoke("pad", ck, "--tp", 4, "--vllm", release, "-o", padded)
+    assert pad.exit_code == 0, pad.output
+    step = json.loads(invoke("inspect", padded, "--tp", 4, "--vllm", release, "--json").stdout)["next_steps"]
+    assert len(step) == 1, step
+    step = step[0]
+    assert step["layout"] is not None and step["repack"], step  # a pre-sharded layout applies to the padded one
+    assert _serve_lines(pad.stdout) == [step["serve"]], pad.stdout
+    proof = invoke("verify", ck, padded)
+    assert proof.exit_code == 0 and _serve_lines(proof.stdout) == [step["serve"]], proof.stdout
+    out = step["repack"].split(" -o ")[-1].strip("'")
+    repack = invoke(*step["repack"].split()[1:-2], "-o", out)
+    assert repack.exit_code == 0, repack.output
+    assert _serve_lines(repack.stdout) == [step["serve"]], repack.stdout
+    proved = invoke("verify", padded, out)
+    assert proved.exit_code == 0 and _serve_lines(proved.stdout) == [step["serve"]], proved.stdout

@@ -4,6 +4,7 @@ padded layer at its TP size within the rounding interval of the original at TP 1
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import shutil
 import subprocess
 import sys
@@ -177,7 +178,10 @@ def test_verify_e2e_of_a_padding_generates_as_the_original(padded_pair):
     assert layer["layer"] == "model.layers.0.mlp.experts" and layer["calls"] >= 1 and layer["violations"] == 0
     assert layer["experts_exercised"] == 4
     assert "2 TP ranks" in e2e["kernel"]
-    assert [s["serve"] for s in j["next_steps"]] == [f"vllm serve {out} --tensor-parallel-size 2"]
+    # the serve path inspect prints for the padded checkpoint at the padding's TP size and release
+    padding = json.loads((Path(out) / "wna16ctl.json").read_text())["padding"]
+    planned = wna16ctl.inspect(out, tp=2, vllm=padding["vllm"], gpu=padding["gpu"]).next_steps()
+    assert [s["serve"] for s in j["next_steps"]] == [s.serve for s in planned]
     # the library gives the same proof, and its lines say it
     proof = wna16ctl.verify(src, out, samples=QUESTIONS, num_samples=4, e2e=True, prompts=1, max_new_tokens=4)
     same = proof.to_json()

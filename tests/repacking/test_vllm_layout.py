@@ -252,7 +252,7 @@ def test_asymmetric_experts_carry_zero_points(make_ckpt, tmp_path):
 
 
 @pytest.mark.parametrize("args,expect", [
-    (("--ep",), "--layout vllm does not support --ep"),
+    (("--ep",), "determine_expert_map"),
     (("--vllm", "0.29.0", "--env", "VLLM_NOT_A_SWITCH=1"), "VLLM_NOT_A_SWITCH"),
 ])
 def test_refusals_are_one_line(make_ckpt, tmp_path, args, expect):
@@ -327,6 +327,48 @@ def test_act_order_group_is_refused_in_one_line(make_ckpt, tmp_path):
                                    "-o", str(tmp_path / "o")])
     assert res.exit_code == 2 and one_line(res.stderr), res.output
     assert "actorder 'group'" in res.stderr and "--layout marlin" in res.stderr
+    assert "_w2_scale_sharding" in res.stderr
+
+
+def _refusal(ck, tmp_path, *args):
+    res = CliRunner().invoke(cli, ["repack", str(ck), "--tp", "2", "--layout", "vllm", "--vllm", "0.32.0",
+                                   "-o", str(tmp_path / "o"), *args])
+    assert res.exit_code == 2 and one_line(res.stderr), res.output
+    assert not (tmp_path / "o").exists()
+    return res.stderr
+
+
+def test_kv_cache_scheme_refusal_names_the_attention_scales_vllm_adds(make_ckpt, tmp_path):
+    import json
+    import shutil
+
+    ck = tmp_path / "kv"
+    shutil.copytree(make_ckpt(), ck)
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                                      "dynamic": False, "symmetric": True}
+    (ck / "config.json").write_text(json.dumps(cfg))
+    err = _refusal(ck, tmp_path)
+    assert "k_scale, v_scale" in err and "BaseKVCacheMethod.create_weights" in err
+
+
+def test_mixed_precision_experts_refusal_names_expert_0s_scheme(make_ckpt, tmp_path):
+    err = _refusal(make_ckpt(mixed="expert", num_bits=4), tmp_path)
+    assert "expert 0's scheme" in err and "get_moe_method" in err
+
+
+def test_mtp_layers_refusal_names_the_draft_models_load(make_ckpt):
+    import dataclasses
+
+    from wna16ctl.errors import UsageError
+    from wna16ctl.planning.vllm_state import check_supported
+    from wna16ctl.sources import open_checkpoint
+
+    ck = open_checkpoint(make_ckpt())
+    with_mtp = dataclasses.replace(ck, mtp_layers=list(ck.layers))
+    with pytest.raises(UsageError) as e:
+        check_supported(with_mtp, "0.32.0")
+    assert "\n" not in str(e.value) and "ShardedStateLoader.load_weights" in str(e.value)
 
 
 def test_unknown_architecture_is_refused_naming_release_and_architecture(make_ckpt, tmp_path, monkeypatch):

@@ -59,6 +59,7 @@ class PadProof:
     layers_selected: list[int] | None = None
     layers_not_checked: list[int] = field(default_factory=list)
     experts_selected: list[int] | None = None
+    padding: dict[str, Any] | None = None  # the padded manifest's plan (TP, EP, release, GPU): how it is served
     experts_not_checked: list[int] = field(default_factory=list)
 
     @property
@@ -90,6 +91,12 @@ class PadProof:
 
         if not self.passed or self.partial or not self.tp:
             return []
+        if self.padding and all(self.padding.get(k) is not None for k in ("vllm", "gpu")):
+            from wna16ctl.planning.padding import padded_serve_path
+
+            step = padded_serve_path(str(self.padded), self.padding, "auto")
+            if step is not None:
+                return [step]
         return [NextStep(self.tp, False, None, None, serve_command(self.padded, None, self.tp),
                          "serve the padded checkpoint as it is (stock vLLM, the default load format)")]
 
@@ -177,6 +184,7 @@ def verify_padding(original: str | os.PathLike[str], padded: str | os.PathLike[s
     manifest = read_json_file(Path(padded) / MANIFEST_NAME)
     tp = manifest.get("padding", {}).get("tp") if isinstance(manifest, dict) else None
     proof = PadProof(Path(original), Path(padded), tp, **selected)
+    proof.padding = manifest.get("padding") if isinstance(manifest, dict) else None
     if manifest.get("identity", {}).get("source_fingerprint") != source_fingerprint(a):
         proof.problems.append(f"{padded}: its manifest names another source than {original} (or the original changed "
                               "since it was padded)")

@@ -145,7 +145,8 @@ def output_next_step(ckpt: str | Path, out: str | Path, layout: str, tp: int, ep
 def manifest_next_step(manifest: dict[str, Any], out: str | Path, ckpt: str | Path | None = None) -> NextStep | None:
     """How to serve the output at `out` whose manifest is `manifest` (None for a part: the parts
     are joined with `assemble` first).  `ckpt`: the checkpoint, served itself where no load format
-    reads the output (default: the source path the manifest records)."""
+    reads the output (default: the source path the manifest records).  Where the opened checkpoint
+    is at hand, `planning.serving.output_serve_path` answers instead (as inspect and pad do)."""
     settings = (manifest.get("identity") or {}).get("settings") or {}
     engine = manifest.get("engine") or {}
     tp = int(manifest["tp"])

@@ -493,12 +493,31 @@ def summary_lines(plan_json: dict[str, Any], out: str | None = None, ckpt: str |
         lines += [f"wrote {out}",
                   "next: prove the padding (originals unchanged, additions the zero code, the same outputs)",
                   f"  {shlex.join(['wna16ctl', 'verify', str(original), str(out)])}"]
-        if tp is not None:
+        step = padded_serve_path(out, plan_json, moe_backend) if tp is not None else None
+        if step is not None:
+            lines += [f"next: serve the padded checkpoint: {step.why}"] + [f"  {line}" for line in step.lines()]
+        elif tp is not None:
             lines += ["next: serve the padded checkpoint as it is (stock vLLM, the default load format)",
                       f"  {serve_command(out, None, tp, ep=bool(plan_json['ep']), moe_backend=moe_backend)}"]
         else:
             lines += ["next: serve the padded checkpoint as it is", f"  {shlex.join(['vllm', 'serve', str(out)])}"]
     return lines
+
+
+def padded_serve_path(out: str, plan_json: dict[str, Any], moe_backend: str) -> Any:
+    """How the padded checkpoint at `out` is served: `planning.serving.serve_path`'s answer for it
+    (the one `inspect` of the padded checkpoint prints); None where it cannot be read back."""
+    from wna16ctl.errors import WnaError
+    from wna16ctl.planning.engine_env import make_switches
+    from wna16ctl.planning.serving import serve_path
+    from wna16ctl.sources import open_checkpoint
+
+    try:
+        ck = open_checkpoint(out)
+    except (WnaError, OSError):
+        return None
+    return serve_path(ck, int(plan_json["tp"]), ep=bool(plan_json["ep"]), version=str(plan_json["vllm"]),
+                      gpu=str(plan_json["gpu"]), switches=make_switches(moe_backend=moe_backend))
 
 
 def _original_was(verdict: dict[str, Any]) -> str:

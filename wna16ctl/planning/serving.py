@@ -24,11 +24,13 @@ from wna16ctl.planning import rules
 from wna16ctl.planning.next_steps import (
     MARLIN_LAYOUT,
     PLUGIN_INSTALL,
+    PLUGIN_RELEASES,
     VLLM_LAYOUT,
     W13_SCALE_HAZARD,
     NextStep,
     checkpoint_ref,
     has_w13_scale_hazard,
+    manifest_next_step,
     output_name,
     plugin_serves,
     repack_command,
@@ -114,58 +116,111 @@ def marlin_loads_every_layer(ck: Any, tp: int, ep: bool, version: str, gpu: str,
                for lay in ck.quantized_layers for p in [plan_layer(lay, tp, ep, version, gpu, pinned)])
 
 
+def _planned_layout(ck: Any, tp: int, ep: bool, version: str, gpu: str, sw: Any,
+                    wrong: list[str]) -> tuple[str | None, str] | None:
+    """The layout to write for one TP size (None: serve the checkpoint itself) and why; None where
+    outputs would be wrong whichever way it is served."""
+    act_order = any(lay.scheme is not None and lay.scheme.act_order for lay in ck.quantized_layers)
+    plugin = plugin_serves(version, ep, act_order) and marlin_loads_every_layer(ck, tp, ep, version, gpu, sw)
+    if wrong:
+        if not (plugin and all(W13_SCALE_HAZARD in h for h in wrong)):
+            return None
+        return MARLIN_LAYOUT, ("vLLM's own processing gives wrong outputs here (w13 scale permutation, "
+                               "PR #50196); the Marlin output carries the corrected layout")
+    if not ep and rules.vllm_state_known(version, ck.config.model_type) and _vllm_layout_fits(ck, version):
+        return VLLM_LAYOUT, "pre-sharded for stock vLLM (each rank reads only its own files)"
+    if plugin:
+        return MARLIN_LAYOUT, "pre-sharded and pre-repacked for vLLM's Marlin MoE kernel"
+    return None, "no pre-sharded layout applies: vLLM loads and repacks the checkpoint itself"
+
+
+def _written_layout(ck: Any, tp: int, ep: bool, version: str, gpu: str, sw: Any, written: str) -> tuple[str | None, str]:
+    """How an output of `written` is served: stock vLLM reads the vllm layout; the plugin reads a
+    Marlin output where it serves the plan (as `_planned_layout` decides it); else the checkpoint."""
+    if written == VLLM_LAYOUT:
+        return VLLM_LAYOUT, "stock vLLM reads each rank's files with its sharded_state loader"
+    act_order = any(lay.scheme is not None and lay.scheme.act_order for lay in ck.quantized_layers)
+    if written == MARLIN_LAYOUT and plugin_serves(version, ep, act_order) and marlin_loads_every_layer(
+            ck, tp, ep, version, gpu, sw):
+        return MARLIN_LAYOUT, "the wna16ctl load format serves the Marlin layout in vLLM"
+    return None, (f"no vLLM load format reads this output (the wna16ctl load format serves vLLM "
+                  f"{', '.join(PLUGIN_RELEASES)}, TP only, without act-order, every layer on Marlin); serve the "
+                  "checkpoint itself (or repack with --layout vllm for stock vLLM)")
+
+
+def serve_path(ck: Any, tp: int, *, ep: bool, version: str, gpu: str, switches: Any, written: str | None = None,
+               out: str | None = None, wrong: list[str] | None = None, memory: MemoryOptions | None = None
+               ) -> NextStep | None:
+    """The one answer to "how is this served": for the checkpoint `ck` planned at `tp` on `version`
+    and `gpu`, the layout and the `vllm serve` line (with the `repack` line that writes it where
+    nothing is written yet).  `written`: the layout of the output at `out` that repack wrote or
+    verify proved (None: nothing written; inspect and pad).  `wrong`: the correctness hazards of
+    the plan.  None where no way of serving gives right outputs."""
+    from wna16ctl.planning.engine_env import make_switches
+
+    sw = switches if switches is not None else make_switches()
+    ckpt, revision = checkpoint_ref(ck)
+    env = list(sw.env)
+    mem_words = memory.words if memory is not None else ()
+    mem_why = f"; memory: {memory.why}" if memory is not None and memory.why else ""
+    if written is None:
+        chosen = _planned_layout(ck, tp, ep, version, gpu, sw, wrong or [])
+        if chosen is None:
+            return None
+    else:
+        chosen = _written_layout(ck, tp, ep, version, gpu, sw, written)
+    layout, why = chosen
+    if layout is None:
+        return NextStep(tp, ep, None, None,
+                        serve_command(ckpt.split("@", 1)[0] if revision else ckpt, None, tp, ep=ep,
+                                      moe_backend=sw.moe_backend, env=env, revision=revision, memory=mem_words),
+                        why + mem_why)
+    repack = None
+    if written is None:
+        out = output_name(ckpt, layout, tp, hub=ck.source is not None)
+        backend = sw.moe_backend if layout == VLLM_LAYOUT else ("marlin" if sw.moe_backend == "marlin" else "auto")
+        repack = repack_command(ckpt, out, layout, tp, vllm=version, gpu=gpu, moe_backend=backend, env=env)
+    return NextStep(tp, ep, layout, repack,
+                    serve_command(str(out), layout, tp, moe_backend=sw.moe_backend, env=env, memory=mem_words),
+                    why + mem_why, needs=PLUGIN_INSTALL if layout == MARLIN_LAYOUT else None)
+
+
+def output_serve_path(manifest: dict[str, Any], out: Any, checkpoint: Any) -> NextStep | None:
+    """How the output at `out` (its manifest `manifest`) written from the opened `checkpoint` is
+    served: `serve_path` with the plan the manifest records (None for a manifest part: the parts
+    are joined first).  Without the checkpoint, the manifest alone answers."""
+    from wna16ctl.planning.engine_env import make_switches
+
+    tp = int(manifest["tp"])
+    part = manifest.get("part")
+    if checkpoint is None or (isinstance(part, dict) and len(part.get("ranks") or ()) != tp):
+        return manifest_next_step(manifest, out, None if checkpoint is None else checkpoint.root)
+    settings = (manifest.get("identity") or {}).get("settings") or {}
+    engine = manifest.get("engine") or {}
+    switches = make_switches(dict(engine.get("env") or settings.get("env") or {}),
+                             str(engine.get("moe_backend") or settings.get("moe_backend") or "auto"))
+    return serve_path(checkpoint, tp, ep=bool(manifest.get("ep")), version=str(engine.get("version", "")),
+                      gpu=str(engine.get("gpu") or settings.get("gpu") or rules.DEFAULT_GPU), switches=switches,
+                      written=str(manifest.get("layout")), out=str(out))
+
+
 def inspect_next_steps(insp: Any) -> list[NextStep]:
     """Per requested TP size that loads (wrong outputs included where the plugin is the fix), how
-    to serve it.  Nothing for a proposal (there is nothing quantized to repack or serve yet)."""
+    to serve it (`serve_path`).  Nothing for a proposal (there is nothing quantized to repack or
+    serve yet)."""
     if insp.proposal is not None or insp.config_refusal is not None:
         return []
     severity = {h["text"]: h["severity"] for h in insp.hazards()}
-    ck = insp.checkpoint
-    ckpt, revision = checkpoint_ref(ck)
-    version, gpu, sw = insp.engine.version, insp.gpu, insp.switches
-    env = list(sw.env)
-    act_order = any(lay.scheme is not None and lay.scheme.act_order for lay in ck.quantized_layers)
-    fits_vllm = None  # computed once, on first need
     fits = {f.tp: memory_options(f) for f in insp.fits or ()}
     steps: list[NextStep] = []
     for i, tp in enumerate(insp.tps):
-        memory = fits.get(tp)
-        mem_words = memory.words if memory is not None else ()
-        mem_why = f"; memory: {memory.why}" if memory is not None and memory.why else ""
-        plans = [p for _, _, p in insp._all_plans() if p.tp == tp]
         if not insp.tp_loads(i):
             continue
-        hazards = [h for p in plans for h in p.hazards]
-        wrong = [h for h in hazards if severity.get(h) == CORRECTNESS]
-        plugin = plugin_serves(version, insp.ep, act_order) and marlin_loads_every_layer(ck, tp, insp.ep, version, gpu, sw)
-        if wrong:
-            if not (plugin and all(W13_SCALE_HAZARD in h for h in wrong)):
-                continue  # outputs would be wrong whichever way it is served: no step to offer
-            layout, why = MARLIN_LAYOUT, ("vLLM's own processing gives wrong outputs here (w13 scale permutation, "
-                                          "PR #50196); the Marlin output carries the corrected layout")
-        else:
-            if fits_vllm is None:
-                fits_vllm = (not insp.ep and rules.vllm_state_known(version, ck.config.model_type)
-                             and _vllm_layout_fits(ck, version))
-            if fits_vllm:
-                layout, why = VLLM_LAYOUT, "pre-sharded for stock vLLM (each rank reads only its own files)"
-            elif plugin:
-                layout, why = MARLIN_LAYOUT, "pre-sharded and pre-repacked for vLLM's Marlin MoE kernel"
-            else:
-                steps.append(NextStep(tp, insp.ep, None, None,
-                                      serve_command(ckpt.split("@", 1)[0] if revision else ckpt, None, tp, ep=insp.ep,
-                                                    moe_backend=sw.moe_backend, env=env, revision=revision,
-                                                    memory=mem_words),
-                                      "no pre-sharded layout applies: vLLM loads and repacks the checkpoint itself"
-                                      + mem_why))
-                continue
-        out = output_name(ckpt, layout, tp, hub=ck.source is not None)
-        backend = sw.moe_backend if layout == VLLM_LAYOUT else ("marlin" if sw.moe_backend == "marlin" else "auto")
-        steps.append(NextStep(
-            tp, insp.ep, layout,
-            repack_command(ckpt, out, layout, tp, vllm=version, gpu=gpu, moe_backend=backend, env=env),
-            serve_command(out, layout, tp, moe_backend=sw.moe_backend, env=env, memory=mem_words), why + mem_why,
-            needs=PLUGIN_INSTALL if layout == MARLIN_LAYOUT else None))
+        wrong = [h for _, _, p in insp._all_plans() if p.tp == tp for h in p.hazards if severity.get(h) == CORRECTNESS]
+        step = serve_path(insp.checkpoint, tp, ep=insp.ep, version=insp.engine.version, gpu=insp.gpu,
+                          switches=insp.switches, wrong=wrong, memory=fits.get(tp))
+        if step is not None:
+            steps.append(step)
     return steps
 
 

@@ -33,6 +33,42 @@ from wna16ctl.sources.formats.face import SHAPE
 from wna16ctl.sources.moe import _FAMILY_NAMES
 
 
+# Why the layout refuses what it refuses: each reason read in vLLM's own code, named beside it.
+# MoE experts of several schemes: CompressedTensorsMoEMethod.get_moe_method
+# (compressed_tensors_moe/compressed_tensors_moe.py) looks the layer's scheme up under the names of
+# expert 0 ("{layer_name}.0.{proj}") and creates every expert's parameters with it.
+MIXED_REASON = ("experts of mixed precision: vLLM creates every expert's parameters with expert 0's scheme "
+                "(CompressedTensorsMoEMethod.get_moe_method), so there is no faithful state to write")
+# Act-order on the releases that load it: CompressedTensorsWNA16MoEMethod._w2_scale_sharding
+# (compressed_tensors_moe_wna16.py) keeps the whole w2 scales on every rank (load_full_w2) and the
+# method adds g_idx parameters; the layout's key contract holds neither (0.32.0 on refuses
+# group/dynamic act-order in CompressedTensorsConfig itself).
+ACT_ORDER_REASON = ("vLLM keeps whole w2 scales on every rank and adds g_idx parameters "
+                    "(CompressedTensorsWNA16MoEMethod._w2_scale_sharding), which the vllm layout does not write; "
+                    "use --layout marlin")
+# kv_cache_scheme: BaseKVCacheMethod.create_weights (quantization/kv_cache.py) adds q_scale, k_scale,
+# v_scale and prob_scale parameters to every attention layer, which the layout's key contract holds
+# no row for.
+KV_CACHE_REASON = ("a kv_cache_scheme makes vLLM add q_scale, k_scale, v_scale and prob_scale parameters to "
+                   "every attention layer (BaseKVCacheMethod.create_weights), which the vllm layout does not write")
+# MTP layers: the main model skips their weights (DeepseekV2ForCausalLM.load_weights, "skip spec
+# decode layers"), and the MTP draft is a second model loaded with the same load format
+# (get_draft_load_config in model_loader/utils.py); ShardedStateLoader.load_weights indexes the model's
+# state with every key of the files (state_dict[key]) and fails on any missing key, so one
+# directory cannot hold both models' states.
+MTP_REASON = ("multi-token-prediction layers: vLLM's main model skips them and its MTP draft model is loaded "
+              "from the same sharded_state files, which must hold exactly one model's keys "
+              "(ShardedStateLoader.load_weights); the vllm layout writes the main model only")
+# --ep: ExpertMapManager (fused_moe/expert_map_manager.py, determine_expert_map) gives each rank only
+# its local experts (linear or round_robin by --expert-placement-strategy) at model build; the map
+# is no parameter, and ShardedStateLoader.load_weights copies each file into the parameters as they
+# are, so the files must already hold that rank's local experts in the map's order.
+EP_REASON = ("--layout vllm does not write expert parallelism: with --enable-expert-parallel each rank's "
+             "expert parameters hold only its local experts, chosen at model build by vLLM's "
+             "determine_expert_map (--expert-placement-strategy), and sharded_state copies the files into "
+             "them as they are; write a TP output (vllm serve ... --tensor-parallel-size N)")
+
+
 def _refuse_unknown(version: str, arch: str) -> None:
     if not rules.vllm_state_known(version, arch):
         known = ", ".join(f"{a} ({rules.span(list(v))})" for a, v in rules.VLLM_STATE_SUPPORT.items())
@@ -50,10 +86,9 @@ def check_supported(ck: Checkpoint, version: str) -> None:
         _check_linear_scheme(lin)
     kv_scheme = (ck.config.raw.get("quantization_config") or {}).get("kv_cache_scheme")
     if kv_scheme:
-        raise UsageError(f"--layout vllm: {ck.config.path}: a kv_cache_scheme changes the attention scales vLLM "
-                         "creates; the vllm layout does not support it yet")
+        raise UsageError(f"--layout vllm: {ck.config.path}: {KV_CACHE_REASON}")
     if ck.mtp_layers:
-        raise UsageError(f"--layout vllm: {ck.root}: multi-token-prediction layers are not supported by the vllm layout")
+        raise UsageError(f"--layout vllm: {ck.root}: {MTP_REASON}")
     for lay in ck.layers:
         _check_experts(lay, version)
 
@@ -76,8 +111,7 @@ def _check_experts(lay: MoELayer, version: str) -> None:
     if lay.scheme is None:
         raise UsageError(f"--layout vllm: {lay.prefix}: unquantized experts are not supported by the vllm layout")
     if len(lay.scheme_sets) > 1:
-        raise UsageError(f"--layout vllm: {lay.prefix}: experts of mixed precision; vLLM loads every expert "
-                         "with expert 0's scheme, so there is no faithful state to write")
+        raise UsageError(f"--layout vllm: {lay.prefix}: {MIXED_REASON}")
     if lay.scheme.num_bits not in rules.VLLM_STATE_BITS:
         raise UsageError(f"--layout vllm: {lay.prefix}: {lay.scheme.num_bits}-bit experts pack codes across int32 "
                          "words, which the vllm layout does not split by rank; vLLM loads the checkpoint itself")
@@ -87,8 +121,7 @@ def _check_experts(lay: MoELayer, version: str) -> None:
     if unquantized is not None:
         raise NotLoadable(f"{lay.prefix}: {unquantized}")
     if lay.scheme.act_order:
-        raise UsageError(f"--layout vllm: {lay.prefix}: actorder {lay.scheme.actorder!r} (g_idx and whole w2 "
-                         f"scales per rank) is not supported by the vllm layout; use --layout marlin")
+        raise UsageError(f"--layout vllm: {lay.prefix}: actorder {lay.scheme.actorder!r}: {ACT_ORDER_REASON}")
 
 
 PATTERN = "model-rank-{rank}-part-{part}.safetensors"  # vLLM's default sharded_state file pattern

@@ -434,9 +434,10 @@ class RepackResult:
     @property
     def next_steps(self) -> list[Any]:
         """How to serve what was written (planning.next_steps); none for a part (assemble it first)."""
-        from wna16ctl.planning.next_steps import manifest_next_step
+        from wna16ctl.planning.serving import output_serve_path
 
-        step = manifest_next_step(self.manifest, self.out) if self.committed else None
+        checkpoint = getattr(self.plan, "checkpoint", None)
+        step = output_serve_path(self.manifest, self.out, checkpoint) if self.committed else None
         return [] if step is None else [step]
 
 

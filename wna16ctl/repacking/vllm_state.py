@@ -95,8 +95,9 @@ def check_options(*, ep: bool, ranks: Any, resume: bool, node_local: bool, proce
     from wna16ctl.errors import UsageError
 
     if ep:
-        raise UsageError("--layout vllm does not support --ep: expert parallelism changes the key set vLLM "
-                         "creates; write a TP output (vllm serve ... --tensor-parallel-size N)")
+        from wna16ctl.planning.vllm_state import EP_REASON
+
+        raise UsageError(EP_REASON)
     if processes > 1 or ranks is not None or node_local:
         raise UsageError("--layout vllm is written by one process for all ranks: drop torchrun, --ranks and "
                          "--node-local (pipeline parallelism is not supported either)")

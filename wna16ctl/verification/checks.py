@@ -613,9 +613,9 @@ def verify_output(
         check.status = {"pass": PASS, "FAIL": FAIL}.get(report.e2e.status, NOT_RUN)
         check.reason = report.e2e.reason or ""
     if "tp" in manifest:
-        from wna16ctl.planning.next_steps import manifest_next_step
+        from wna16ctl.planning.serving import output_serve_path
 
-        report.serve_step = manifest_next_step(manifest, out_path, ck.root)
+        report.serve_step = output_serve_path(manifest, out_path, ck)
     return report
 
 
