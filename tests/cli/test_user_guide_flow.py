@@ -45,11 +45,13 @@ def test_inspect_pad_verify_repack_verify_on_the_usual_recipe(make_ckpt, tmp_pat
     assert not [ln for ln in lines if ln.startswith(("FAIL", "NOT RUN", "PARTIAL"))], res.stdout
     assert any(ln.startswith("PASS tensors: ") for ln in lines)
     assert any(ln.startswith("PASS numerics model.layers.0.mlp.experts: padded at TP 2") for ln in lines)
-    assert f"vllm serve {padded} --tensor-parallel-size 2" in " ".join(res.stdout.replace("\\\n", " ").split())
+    proven = " ".join(res.stdout.replace("\\\n", " ").split())
 
-    # the padded checkpoint loads at TP 2, attention included
+    # the padded checkpoint loads at TP 2, attention included, and verify named the serve path inspect gives it
     res = invoke("inspect", padded, "--tp", "2", *RELEASE)
     assert res.exit_code == 0 and "summary: loads at TP 2" in res.stdout, res.output
+    (step,) = json.loads(invoke("inspect", padded, "--tp", "2", *RELEASE, "--json").stdout)["next_steps"]
+    assert step["serve"].startswith("vllm serve ") and step["serve"] in proven, (step, proven)
 
     # 5. or repack it first, and verify that
     out = tmp_path / "tp2"
