@@ -91,6 +91,14 @@ def _keys(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {k: (tuple(f.get_slice(k).get_shape()), f.get_tensor(k).dtype) for k in f.keys()}
 
 
+def repack_vllm_tp2(ck: Path, out: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """`repack --tp 2 --layout vllm --vllm 0.32.0` of `ck` into `out`, which must succeed; rank 0's
+    keys (shape, dtype)."""
+    res = invoke("repack", ck, "--tp", 2, "--layout", "vllm", "--vllm", "0.32.0", "-o", out, "-q")
+    assert res.exit_code == 0, res.output
+    return _keys(out / "model-rank-0-part-0.safetensors")
+
+
 def test_repack_writes_vllms_default_pattern_and_prints_the_serve_command(q3_tp2):
     ck, out, output = q3_tp2
     names = sorted(p.name for p in out.iterdir())
@@ -219,9 +227,7 @@ def test_mla_and_glm_architectures_write_their_contract_and_round_trip(make_ckpt
     GLM-4.5 (biased GQA, fp32 router): each key as vLLM 0.32.0 creates it, and the round trip."""
     ck = make_ckpt(arch=arch)
     out = tmp_path / arch
-    res = invoke("repack", ck, "--tp", 2, "--layout", "vllm", "--vllm", "0.32.0", "-o", out, "-q")
-    assert res.exit_code == 0, res.output
-    keys = _keys(out / "model-rank-0-part-0.safetensors")
+    keys = repack_vllm_tp2(ck, out)
     for key, want in expect.items():
         assert keys.get(key) == want, (key, keys.get(key))
     for key in _ABSENT[arch]:
@@ -233,7 +239,7 @@ def test_mla_and_glm_architectures_write_their_contract_and_round_trip(make_ckpt
 def test_a_fused_latent_projection_fault_is_caught(make_ckpt, tmp_path):
     ck = make_ckpt(arch="deepseek_v3")
     out = tmp_path / "o"
-    assert invoke("repack", ck, "--tp", 2, "--layout", "vllm", "--vllm", "0.32.0", "-o", out, "-q").exit_code == 0
+    repack_vllm_tp2(ck, out)
     key = _MLA + "fused_qkv_a_proj.weight"
     # kv_a rows first, q_a rows second: the right shape, the wrong order
     bad = _tamper(out, tmp_path / "bad", lambda t: t.__setitem__(key, torch.cat([t[key][128:], t[key][:128]]).contiguous()))
@@ -244,7 +250,7 @@ def test_a_fused_latent_projection_fault_is_caught(make_ckpt, tmp_path):
 def test_asymmetric_experts_carry_zero_points(make_ckpt, tmp_path):
     ck = make_ckpt(symmetric=False)
     out = tmp_path / "asym"
-    assert invoke("repack", ck, "--tp", 2, "--layout", "vllm", "--vllm", "0.32.0", "-o", out, "-q").exit_code == 0
+    repack_vllm_tp2(ck, out)
     keys = _keys(out / "model-rank-0-part-0.safetensors")
     assert keys[_EXP + "w13_weight_zero_point"] == ((8, 256 // 8, 2), torch.int32)
     assert keys[_EXP + "w2_weight_zero_point"] == ((8, 256 // 8, 1), torch.int32)

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from tests.repacking.test_vllm_layout import _keys, _tamper, invoke, one_line
+from tests.repacking.test_vllm_layout import _tamper, invoke, one_line, repack_vllm_tp2
 
 _ATT = "model.layers.1.self_attn."
 # (demo spec, keys of rank 0 at TP 2 with their shape and dtype).  The demo: H=256, 4 heads / 2 KV
@@ -59,9 +59,7 @@ def test_the_standard_recipe_is_written_as_vllm_holds_it_and_round_trips(make_ck
     spec, expect = _CASES[case]
     ck = make_ckpt(**spec)
     out = tmp_path / case
-    res = invoke("repack", ck, "--tp", 2, "--layout", "vllm", "--vllm", "0.32.0", "-o", out, "-q")
-    assert res.exit_code == 0, res.output
-    keys = _keys(out / "model-rank-0-part-0.safetensors")
+    keys = repack_vllm_tp2(ck, out)
     for key, want in expect.items():
         assert keys.get(key) == want, (key, keys.get(key))
     assert not [k for k in keys if k.endswith("proj.weight") and "self_attn" in k]  # no 16-bit attention left
@@ -93,7 +91,7 @@ def test_a_fused_layers_weight_shape_is_the_one_vllm_loads_last(make_ckpt, tmp_p
     ck = make_ckpt(targets="linear")
     key = "model.layers.0.self_attn.qkv_proj.weight_shape"
     out = tmp_path / "o"
-    assert invoke("repack", ck, "--tp", 2, "--layout", "vllm", "--vllm", "0.32.0", "-o", out, "-q").exit_code == 0
+    repack_vllm_tp2(ck, out)
     with safe_open(str(out / "model-rank-0-part-0.safetensors"), framework="pt") as f:
         assert f.get_tensor(key).tolist() == [128, 256]  # v_proj: 2 KV heads of 64
     moved = _move_to_a_later_file(ck, tmp_path / "moved", ["model.layers.0.self_attn.q_proj.weight_shape"])
@@ -108,7 +106,7 @@ def test_a_fused_layers_weight_shape_is_the_one_vllm_loads_last(make_ckpt, tmp_p
 def test_verify_catches_swapped_key_and_value_zero_points(make_ckpt, tmp_path):
     ck = make_ckpt(arch="mixtral", targets="linear", symmetric=False)
     out = tmp_path / "o"
-    assert invoke("repack", ck, "--tp", 2, "--layout", "vllm", "--vllm", "0.32.0", "-o", out, "-q").exit_code == 0
+    repack_vllm_tp2(ck, out)
     key = "model.layers.0.self_attn.qkv_proj.weight_zero_point"
     # rank 1's packed rows: 16 of its two query heads, 8 of its key head, 8 of its value head
     bad = _tamper(out, tmp_path / "bad", lambda t: t.__setitem__(key, torch.cat([t[key][:16], t[key][24:],
