@@ -43,6 +43,9 @@ class QuantConfig:
     ignore: tuple[str, ...]
     _matcher: "_Matcher" = field(repr=False, compare=False)
     source: str = field(default="config.json", compare=False)  # the file, for error messages
+    # the file's `quantization_config` as written: the planner's method steps (`planning/methods.py`)
+    # run vLLM's own parsing of the format's keys on it; nothing else reads it
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def scheme_for(self, module_name: str) -> WeightScheme | None:
         """The weight scheme of a Linear named `module_name`, or None if it is not quantized."""
@@ -161,6 +164,7 @@ def parse_quantization_config(qc: Any, path: Path) -> QuantConfig:
         groups=groups,
         ignore=ignore,
         _matcher=_build_matcher(ordered, ignore),
+        raw=dict(qc),
     )
 
 
