@@ -61,7 +61,8 @@ def inspect(path: PathLike, tp: TpSizes = "1,2,4,8", ep: bool = False, *, vllm: 
             moe_backend: str = "auto", scheme: str | None = None, recipe: PathLike | None = None,
             group_size: int | None = None, actorder: str | None = None, ignore: Iterable[str] | None = None,
             suggest: bool = False, gpu_mem: int | str | None = None, gpu_memory_utilization: float = 0.9,
-            max_model_len: int | None = None, max_num_seqs: int = 256, kv_cache_dtype: str = "auto") -> Inspection:
+            max_model_len: int | None = None, max_num_seqs: int = 256, kv_cache_dtype: str = "auto",
+            max_num_batched_tokens: int | None = None) -> Inspection:
     """Plan every MoE layer of the checkpoint at `path` for each TP size (headers only, no GPU).
 
     `path`: a checkpoint directory or a Hub repo id `ORG/NAME[@REVISION]` (`revision` says the same).
@@ -80,7 +81,8 @@ def inspect(path: PathLike, tp: TpSizes = "1,2,4,8", ep: bool = False, *, vllm: 
     `gpu_mem` (bytes or "80GiB"; or a `gpu` name that carries its memory, e.g. `"a100-40"`): fill
     `.fits` with each loading TP size's weights and KV cache against that memory
     (`gpu_memory_utilization`, `max_model_len` (the config's positions), `max_num_seqs`,
-    `kv_cache_dtype` as vLLM's options of the same names).
+    `kv_cache_dtype`, `max_num_batched_tokens` (vllm serve's default for that GPU) as vLLM's
+    options of the same names).
     Returns the `Inspection` whose `to_json()` is `wna16ctl inspect --json` (docs/inspect-json.md);
     `.ok` is the exit-0 condition (every TP size loads, no correctness hazard).  Raises
     `BadInput`/`UsageError` on unusable input.
@@ -100,7 +102,7 @@ def inspect(path: PathLike, tp: TpSizes = "1,2,4,8", ep: bool = False, *, vllm: 
         name = gpu_mem.lower() if isinstance(gpu_mem, str) and gpu_mem.lower() in GPU_MEMORY else None
         insp.fit_settings = fit_settings(insp, gpu_memory(name) if name else parse_size(gpu_mem),
                                          gpu_memory_utilization, max_model_len, max_num_seqs, kv_cache_dtype,
-                                         gpu_name=name)
+                                         gpu_name=name, max_num_batched_tokens=max_num_batched_tokens)
         insp.fits = fits(insp, insp.fit_settings)
     if suggest:
         from wna16ctl.planning.suggest import suggest as find_suggestions
@@ -117,8 +119,8 @@ def repack(path: PathLike, out: PathLike | None, tp: int | str, *, ep: bool = Fa
            notice: Callable[[str], None] | None = None, ranks: list[int] | str | None = None,
            node_local: bool = False, revision: str | None = None, warn: Callable[[str], None] | None = None,
            group: Group | None = None, gpu_mem: int | str | None = None, gpu_memory_utilization: float = 0.9,
-           max_model_len: int | None = None, max_num_seqs: int = 256,
-           kv_cache_dtype: str = "auto") -> RepackResult | RepackPlan | VllmStatePlan:
+           max_model_len: int | None = None, max_num_seqs: int = 256, kv_cache_dtype: str = "auto",
+           max_num_batched_tokens: int | None = None) -> RepackResult | RepackPlan | VllmStatePlan:
     """Write the checkpoint's experts per rank in the kernel layout into `out`, with a manifest.
 
     Same options and defaults as `wna16ctl repack` (`layout` auto|marlin|transposed|vllm, `device`
@@ -150,7 +152,8 @@ def repack(path: PathLike, out: PathLike | None, tp: int | str, *, ep: bool = Fa
     group = group or distributed.SOLO
     warn = warn or (lambda message: None)
     fit = {"gpu_mem": gpu_mem, "gpu_memory_utilization": gpu_memory_utilization, "max_model_len": max_model_len,
-           "max_num_seqs": max_num_seqs, "kv_cache_dtype": kv_cache_dtype}
+           "max_num_seqs": max_num_seqs, "kv_cache_dtype": kv_cache_dtype,
+           "max_num_batched_tokens": max_num_batched_tokens}
 
     def check_options() -> tuple[int, Any, Any, list[int] | None]:
         (n_ranks,) = parse_tp_list(tp, single=True)
@@ -304,7 +307,8 @@ def pad(path: PathLike, out: PathLike | None, tp: int | str | None = None, *, to
     With `tp`, the per-rank memory of the padded checkpoint at `tp` is the plan's `.memory` and the
     returned manifest's `memory` (not written into the output's manifest file); `memory` gives the
     GPU and vLLM options it is judged against (`gpu_mem`, `gpu_memory_utilization`, `max_model_len`,
-    `max_num_seqs`, `kv_cache_dtype` as for `inspect`; without `gpu_mem`, what one rank holds).
+    `max_num_seqs`, `kv_cache_dtype`, `max_num_batched_tokens` as for `inspect`; without `gpu_mem`,
+    what one rank holds).
     """
     from wna16ctl.errors import NotLoadable, UsageError
     from wna16ctl.planning.padding import open_for_padding, plan_padding

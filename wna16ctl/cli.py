@@ -224,6 +224,9 @@ def _fit_options(f: Callable) -> Callable:
                      help="vLLM's --max-model-len (default: the config's max_position_embeddings)."),
         click.option("--max-num-seqs", "max_num_seqs", type=click.IntRange(min=1), default=256, show_default=True,
                      help="vLLM's --max-num-seqs."),
+        click.option("--max-num-batched-tokens", "max_num_batched_tokens", type=click.IntRange(min=1), default=None,
+                     help="vLLM's --max-num-batched-tokens: the tokens of its profiling pass (default: vllm serve's "
+                          "for the GPU's memory)."),
         click.option("--kv-cache-dtype", "kv_cache_dtype", default="auto", show_default=True,
                      type=click.Choice(["auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"]),
                      help="vLLM's --kv-cache-dtype."),

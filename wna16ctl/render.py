@@ -150,18 +150,16 @@ def render_fits(console: Console, insp: Inspection) -> None:
     (a range: the rest of a start is an estimate), each wrapped under itself to the console's width."""
     if insp.fits is None:
         return
-    from wna16ctl.planning.fit import REST_ESTIMATE
-
-    lo, hi = REST_ESTIMATE
     if not insp.fits:
         console.print("memory: no requested TP size loads, nothing to fit")
         return
     f0 = insp.fits[0]
     console.print(f"memory per GPU ({human_bytes(f0.gpu_mem)} x {f0.gpu_memory_utilization_text()}, "
-                  f"--max-model-len {f0.max_model_len}, --max-num-seqs {f0.max_num_seqs}; the rest of a start is "
-                  f"estimated at {human_bytes(lo)}-{human_bytes(hi)}):")
+                  f"--max-model-len {f0.max_model_len}, --max-num-seqs {f0.max_num_seqs}, --max-num-batched-tokens "
+                  f"{f0.rest.batched_tokens}; the rest of a start is an estimate per TP size):")
     rows: list[tuple[str, str]] = []
     for f in insp.fits:
+        lo, hi = f.rest.low, f.rest.high
         if f.not_judged:
             rows.append((f"TP {f.tp}:", f"weights {human_bytes(f.weights.loaded_bytes)} (exact); KV cache size not "
                                         f"known ({escape(f.not_judged)}): [yellow]not judged[/]"))
@@ -170,7 +168,8 @@ def render_fits(console: Console, insp: Inspection) -> None:
                    "no": f"[red]does not fit[/] (short by at least {human_bytes(f.short_by())})"}[f.fits()]
         weights = "exact" if f.weights_exact() else "as built where processing is not modelled"
         rows.append((f"TP {f.tp}:", f"weights {human_bytes(f.weights.loaded_bytes)} ({weights}), KV "
-                                    f"{human_bytes(f.kv.bytes_per_token())}/token (exact); KV tokens "
+                                    f"{human_bytes(f.kv.bytes_per_token())}/token (exact); rest "
+                                    f"{human_bytes(lo)}-{human_bytes(hi)} (estimate); KV tokens "
                                     f"{_span(f.kv_tokens(hi), f.kv_tokens(lo))}, "
                                     f"{_span(f.concurrency(hi), f.concurrency(lo))} concurrent {f.max_model_len}-token "
                                     f"requests, largest --max-model-len {_span(f.largest_len(hi), f.largest_len(lo))}: "

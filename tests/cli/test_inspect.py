@@ -4,6 +4,7 @@ for shapes the library refuses): the spec's acceptance tables through the JSON o
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import struct
 import subprocess
@@ -383,8 +384,6 @@ def _qwen3_30b_headers(root: Path) -> Path:
 def test_will_it_fit_on_an_a100_40(tmp_path):
     """Per TP size that loads: exact weights and KV bytes per token, and how many concurrent 32k
     requests the KV budget holds once the estimated rest of a start is taken (a range)."""
-    from wna16ctl.planning.fit import REST_ESTIMATE
-
     ck = _qwen3_30b_headers(tmp_path)
     args = ["--tp", "1,2,4", "--gpu", "a100-40", "--max-model-len", "32768", "--vllm", "0.33.0"]
     code, doc = inspect_json(ck, *args)
@@ -394,7 +393,9 @@ def test_will_it_fit_on_an_a100_40(tmp_path):
         # 48 layers x K and V x 4 KV heads / TP x 128 x bf16
         assert f["kv_bytes_per_token"] == {"value": 48 * 2 * (4 // tp) * 128 * 2, "unit": "bytes", "exact": True}
         assert f["gpu_memory"]["value"] == 40 << 30 and f["weights_as_built"]["exact"] and f["fits"] == "yes"
-        budgets = [int((40 << 30) * 0.9) - f["weights"]["value"] - rest for rest in reversed(REST_ESTIMATE)]
+        rest = f["rest_of_start"]["value"]
+        assert rest[0] < rest[1] and f["rest_of_start"]["exact"] is False
+        budgets = [math.ceil((40 << 30) * 0.9) - f["weights"]["value"] - r for r in reversed(rest)]
         assert f["kv_budget"]["value"] == budgets and f["kv_budget"]["exact"] is False
         per_seq = 32768 * f["kv_bytes_per_token"]["value"]
         assert f["max_concurrency"]["value"] == [b // per_seq for b in budgets]
@@ -498,8 +499,6 @@ def test_serve_lines_carry_the_memory_options_that_fit(tmp_path):
     """A serve line that would fail on memory carries the --gpu-memory-utilization or
     --max-model-len under which the start fits (at the high end of the rest-of-a-start estimate),
     or says that nothing fits on that GPU."""
-    from wna16ctl.planning.fit import REST_ESTIMATE
-
     ck = _qwen3_30b_headers(tmp_path)
     gib = 1 << 30
 
@@ -509,19 +508,21 @@ def test_serve_lines_carry_the_memory_options_that_fit(tmp_path):
 
     fit, s = step("--gpu", "h100")  # fits as asked: vLLM's defaults, nothing added
     assert fit["fits"] == "yes" and "--max-model-len" not in s["serve"] and "memory" not in s["why"]
-    fit, s = step("--gpu-mem", "25GiB")  # 40960 tokens fit once the share is raised
+    fit, s = step("--gpu-mem", "23GiB")  # 40960 tokens fit once the share is raised
     weights, per_token = fit["weights"]["value"], fit["kv_bytes_per_token"]["value"]
-    util = -(-(weights + REST_ESTIMATE[1] + 40960 * per_token) * 100 // (25 * gib)) / 100
+    high = fit["rest_of_start"]["value"][1]
+    util = -(-(weights + high + 40960 * per_token) * 100 // (23 * gib)) / 100
     assert fit["fits"] != "yes" and util <= 0.95
     assert s["serve"].endswith(f"--gpu-memory-utilization {util:g}") and "--max-model-len" not in s["serve"]
-    assert int(25 * gib * util) - weights - REST_ESTIMATE[1] >= 40960 * per_token
-    fit, s = step("--gpu-mem", "24GiB")  # even 0.95 of 24 GiB does not hold 40960 tokens: a shorter length
+    assert math.ceil(23 * gib * util) - weights - high >= 40960 * per_token
+    fit, s = step("--gpu-mem", "22GiB")  # even 0.95 of 22 GiB does not hold 40960 tokens: a shorter length
     length = int(s["serve"].split("--max-model-len ")[1])
     assert 0 < length < 40960 and length % 16 == 0 and "--gpu-memory-utilization" not in s["serve"]
-    assert int(24 * gib * 0.9) - weights - REST_ESTIMATE[1] >= length * per_token
-    assert int(24 * gib * 0.9) - weights - REST_ESTIMATE[1] < (length + 16) * per_token
+    high = fit["rest_of_start"]["value"][1]
+    assert math.ceil(22 * gib * 0.9) - weights - high >= length * per_token
+    assert math.ceil(22 * gib * 0.9) - weights - high < (length + 16) * per_token
     assert f"--max-model-len {length} does" in s["why"]
     fit, s = step("--gpu-mem", "16GiB")  # the weights alone do not fit
     assert "nothing fits on this GPU at TP 1" in s["why"] and "--max-model-len" not in s["serve"]
-    text = _run_cli("inspect", str(ck), "--tp", "1", "--vllm", "0.33.0", "--gpu-mem", "24GiB").stdout
+    text = _run_cli("inspect", str(ck), "--tp", "1", "--vllm", "0.33.0", "--gpu-mem", "22GiB").stdout
     assert f"--max-model-len {length}" in text

@@ -923,4 +923,4 @@ def test_dry_run_reports_the_memory_per_rank(make_ckpt, layout):
     plain = json.loads(CliRunner().invoke(cli, [*args, "--json"]).stdout)["memory"]
     assert plain == insp.fits[0].per_rank_json() and "fits" not in plain
     text = CliRunner().invoke(cli, [*args, "--gpu", "h100"]).output
-    assert "memory per rank at TP 2: weights" in text and "on 80.0 GiB x 0.9: KV tokens" in text
+    assert "memory per rank at TP 2: weights" in text and "on 80.0 GiB x 0.9, --max-num-batched-tokens 8192: rest of a start" in text

@@ -26,12 +26,14 @@ def deployment_fit(ck: Any, tp: int, ep: bool, vllm: str, gpu: str, switches: An
 def planned_memory(ck: Any, tp: int, ep: bool, vllm: str, gpu: str, switches: Any,
                    moe_plans: dict[str, Any] | None = None, *, gpu_mem: int | str | None = None,
                    gpu_memory_utilization: float = DEFAULT_UTILIZATION, max_model_len: int | None = None,
-                   max_num_seqs: int = 256, kv_cache_dtype: str = "auto") -> dict[str, Any]:
+                   max_num_seqs: int = 256, kv_cache_dtype: str = "auto",
+                   max_num_batched_tokens: int | None = None) -> dict[str, Any]:
     """`repack --dry-run` and `pad`: the per-rank memory of what they would write (deployment_fit);
     with a GPU's memory (bytes, or a GPU_MEMORY name) the whole fit (`Fit.to_json`), else what one
     rank holds (`Fit.per_rank_json`)."""
     name = gpu_mem.lower() if isinstance(gpu_mem, str) and gpu_mem.lower() in GPU_MEMORY else None
     size = gpu_memory(name) if name else (gpu_mem if isinstance(gpu_mem, int) else 0)
-    settings = settings_for(ck, gpu, size, gpu_memory_utilization, max_model_len, max_num_seqs, kv_cache_dtype, name)
+    settings = settings_for(ck, gpu, size, gpu_memory_utilization, max_model_len, max_num_seqs, kv_cache_dtype, name,
+                            max_num_batched_tokens)
     f = deployment_fit(ck, tp, ep, vllm, gpu, switches, settings, moe_plans)
     return f.to_json() if size else f.per_rank_json()

@@ -2,13 +2,15 @@
 
 vLLM gives the KV cache what is left of `gpu_memory_utilization` x the GPU's memory once the
 weights are loaded and its profiling run has measured the rest of a start (the activation peak of
-a `--max-num-batched-tokens` pass, memory outside torch, CUDA graphs).  The weights (planning.memory)
-and the KV bytes per token (planning.kvcache) are exact; the rest is not computed here and is
-given as an estimate with a stated range, which every figure derived from it carries.
+a `--max-num-batched-tokens` pass, what the profiling run keeps, CUDA graphs).  The weights
+(planning.memory) and the KV bytes per token (planning.kvcache) are exact; the rest of a start is
+an estimate (planning.startup: computed from the deployment's sizes, with a bracket for what the
+code gives no rule for), and every figure derived from it is a range.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +20,7 @@ from wna16ctl.errors import UsageError
 if TYPE_CHECKING:  # the command line reads GPU_MEMORY at start-up: the planners load on use
     from wna16ctl.planning.kvcache import KVCache
     from wna16ctl.planning.memory import WeightsMemory
+    from wna16ctl.planning.startup import RestOfStart
 
 GIB = 1 << 30
 # GPU names that carry their memory: (architecture, bytes as the device reports it, GiB-rounded,
@@ -32,11 +35,6 @@ GPU_MEMORY: dict[str, tuple[str, int, int]] = {
 # where only the architecture is known (--gpu sm90 --gpu-mem 80GiB): its data-centre part's SM count
 ARCH_SMS = {"sm75": 40, "sm80": 108, "sm86": 84, "sm89": 142, "sm90": 132, "sm100": 148, "sm120": 170}
 DEFAULT_UTILIZATION = 0.9  # vLLM's --gpu-memory-utilization default
-# The rest of a start, per rank: the activation peak of the profiling pass, allocations outside
-# torch (NCCL buffers) and the CUDA graph pools.  Not computed from vLLM's code: a wide bracket
-# (1-4 GiB) around what vLLM's start-up lines attribute to them at the default
-# --max-num-batched-tokens, so that every figure derived from it is shown as a range.
-REST_ESTIMATE = (1 * GIB, 4 * GIB)
 
 
 def gpu_memory(name: str) -> int:
@@ -57,7 +55,9 @@ class Fit:
     utilization: float
     max_model_len: int
     max_num_seqs: int
+    rest: RestOfStart  # the rest of a start on the rank (an estimate: its low and high ends)
     positions: int | None = None  # the model's max_position_embeddings (vLLM refuses a longer --max-model-len)
+    batched_tokens_given: bool = False  # --max-num-batched-tokens was asked for (a serve line carries it)
 
     @property
     def not_judged(self) -> str | None:
@@ -65,7 +65,9 @@ class Fit:
         return self.kv.unknown
 
     def budget(self, rest: int) -> int:
-        return int(self.gpu_mem * self.utilization) - self.weights.loaded_bytes - rest
+        """vLLM's available KV cache memory when the rest of a start takes `rest` bytes
+        (`request_memory`: ceil(total x utilization))."""
+        return math.ceil(self.gpu_mem * self.utilization) - self.weights.loaded_bytes - rest
 
     def kv_tokens(self, rest: int) -> int:
         """Tokens of full-attention cache the budget holds (vLLM's "GPU KV cache size"), in whole blocks."""
@@ -88,7 +90,7 @@ class Fit:
         return lo
 
     def to_json(self) -> dict[str, Any]:
-        lo, hi = REST_ESTIMATE
+        lo, hi = self.rest.low, self.rest.high
 
         def exact(v: int, unit: str = "bytes") -> dict[str, Any]:
             return {"value": v, "unit": unit, "exact": True}
@@ -107,8 +109,7 @@ class Fit:
                                    "not_modelled": list(self.weights.processing_not_modelled)},
             "kv_bytes_per_token": exact(self.kv.bytes_per_token()),
             "kv_state_bytes_per_sequence": exact(self.kv.state_bytes()),
-            "rest_of_start": {"value": [lo, hi], "unit": "bytes", "exact": False,
-                              "source": "estimate (docs/memory.md): activation peak, non-torch memory, CUDA graphs"},
+            "max_num_batched_tokens": self.rest.batched_tokens, "rest_of_start": self.rest.to_json(),
             "kv_budget": est(self.budget, "bytes"), "kv_tokens": est(self.kv_tokens, "tokens"),
             "max_concurrency": est(self.concurrency, "sequences"),
             "largest_max_model_len": est(self.largest_len, "tokens"),
@@ -131,7 +132,7 @@ class Fit:
 
     def short_by(self) -> int:
         """Bytes missing for one sequence of max_model_len even at the estimate's low end (0: none)."""
-        return max(0, self.kv.sequence_bytes(self.max_model_len) - self.budget(REST_ESTIMATE[0]))
+        return max(0, self.kv.sequence_bytes(self.max_model_len) - self.budget(self.rest.low))
 
     def fits(self) -> str:
         """"yes" (even at the estimate's high end), "maybe" (only at its low end), "no", or
@@ -139,7 +140,7 @@ class Fit:
         if self.not_judged:
             return "not_judged"
         need = self.kv.sequence_bytes(self.max_model_len)
-        lo, hi = REST_ESTIMATE
+        lo, hi = self.rest.low, self.rest.high
         return "yes" if self.budget(hi) >= need else "maybe" if self.budget(lo) >= need else "no"
 
 
@@ -169,20 +170,25 @@ class FitSettings:
     kv_dtype_bytes: int
     sms: int
     positions: int | None
+    arch: str = "sm90"
+    batched_tokens: int | None = None  # --max-num-batched-tokens (None: vllm serve's default for the GPU)
+    gpu_name: str | None = None
 
 
 def fit_settings(insp: Any, gpu_mem: int, utilization: float = DEFAULT_UTILIZATION, max_model_len: int | None = None,
-                 max_num_seqs: int = 256, kv_cache_dtype: str = "auto", gpu_name: str | None = None) -> FitSettings:
+                 max_num_seqs: int = 256, kv_cache_dtype: str = "auto", gpu_name: str | None = None,
+                 max_num_batched_tokens: int | None = None) -> FitSettings:
     """The settings for `insp` (planning.inspection.Inspection); `gpu_name`, a GPU_MEMORY name,
     gives the SM count Marlin's workspaces are sized by."""
     return settings_for(insp.checkpoint, insp.gpu, gpu_mem, utilization, max_model_len, max_num_seqs, kv_cache_dtype,
-                        gpu_name)
+                        gpu_name, max_num_batched_tokens)
 
 
 def settings_for(ck: Any, arch: str, gpu_mem: int, utilization: float = DEFAULT_UTILIZATION,
                  max_model_len: int | None = None, max_num_seqs: int = 256, kv_cache_dtype: str = "auto",
-                 gpu_name: str | None = None) -> FitSettings:
-    """The settings for the checkpoint `ck` on a GPU of architecture `arch` (see fit_settings)."""
+                 gpu_name: str | None = None, max_num_batched_tokens: int | None = None) -> FitSettings:
+    """The settings for the checkpoint `ck` on a GPU of architecture `arch` (see fit_settings);
+    `max_num_batched_tokens` None: vllm serve's default for that GPU and release."""
     from wna16ctl.planning.kvcache import kv_dtype_bytes
     from wna16ctl.planning.memory import model_st_dtype
 
@@ -192,8 +198,11 @@ def settings_for(ck: Any, arch: str, gpu_mem: int, utilization: float = DEFAULT_
     if max_model_len is not None and positions is not None and max_model_len > positions:
         raise UsageError(f"--max-model-len {max_model_len}: beyond the model's {positions} positions "
                          "(config.json max_position_embeddings)")
+    if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
+        raise UsageError(f"--max-num-batched-tokens {max_num_batched_tokens}: a positive number of tokens")
     return FitSettings(gpu_mem, utilization, max_model_len or positions or 4096, max_num_seqs,
-                       kv_dtype_bytes(kv_cache_dtype, model_st_dtype(ck)), gpu_sms(gpu_name, arch), positions)
+                       kv_dtype_bytes(kv_cache_dtype, model_st_dtype(ck)), gpu_sms(gpu_name, arch), positions,
+                       arch, max_num_batched_tokens, gpu_name)
 
 
 def fit_at(ck: Any, tp: int, ep: bool, vllm: str, moe_plans: dict[str, Any], linear_plans: dict[str, Any],
@@ -202,11 +211,15 @@ def fit_at(ck: Any, tp: int, ep: bool, vllm: str, moe_plans: dict[str, Any], lin
     layer name -> plan at that size)."""
     from wna16ctl.planning.kvcache import kv_cache
     from wna16ctl.planning.memory import model_st_dtype, weights_per_rank
+    from wna16ctl.planning.startup import default_batched_tokens, rest_of_start, shape
 
+    model_bytes = ST_SIZES[model_st_dtype(ck)]
     mem = weights_per_rank(ck, tp, ep, vllm, moe_plans, linear_plans, sms=settings.sms)
-    kv = kv_cache(ck, tp, settings.kv_dtype_bytes, ST_SIZES[model_st_dtype(ck)])
+    kv = kv_cache(ck, tp, settings.kv_dtype_bytes, model_bytes)
+    tokens = settings.batched_tokens or default_batched_tokens(vllm, settings.gpu_mem, settings.gpu_name)
+    rest = rest_of_start(shape(ck, tp, moe_plans, model_bytes), vllm, settings.arch, settings.max_num_seqs, tokens)
     return Fit(tp, mem, kv, settings.gpu_mem, settings.utilization, settings.max_model_len, settings.max_num_seqs,
-               settings.positions)
+               rest, settings.positions, settings.batched_tokens is not None)
 
 
 def fits(insp: Any, settings: FitSettings) -> list[Fit]:
@@ -220,7 +233,6 @@ def fits(insp: Any, settings: FitSettings) -> list[Fit]:
             continue
         out.append(fit_at(ck, tp, insp.ep, insp.engine.version, moe, lin, settings))
     return out
-
 
 
 def memory_lines(memory: dict[str, Any] | None) -> list[str]:
@@ -240,6 +252,9 @@ def memory_lines(memory: dict[str, Any] | None) -> list[str]:
     tokens, seqs, longest = (memory[k]["value"] for k in ("kv_tokens", "max_concurrency", "largest_max_model_len"))
     verdict = {"yes": "fits", "maybe": "fits only if the rest of a start stays small",
                "no": f"does not fit (short by at least {human_bytes(memory['short_by']['value'] or 0)})"}[memory["fits"]]
-    return [line, f"  on {human_bytes(memory['gpu_memory']['value'])} x {memory['gpu_memory_utilization']:g}: KV tokens "
+    rest = memory["rest_of_start"]["value"]
+    return [line, f"  on {human_bytes(memory['gpu_memory']['value'])} x {memory['gpu_memory_utilization']:g}, "
+                  f"--max-num-batched-tokens {memory['max_num_batched_tokens']}: rest of a start "
+                  f"{human_bytes(rest[0])}-{human_bytes(rest[1])} (estimate); KV tokens "
                   f"{tokens[0]}-{tokens[1]}, {seqs[0]}-{seqs[1]} concurrent {memory['max_model_len']}-token requests, "
                   f"largest --max-model-len {longest[0]}-{longest[1]}: {verdict}"]

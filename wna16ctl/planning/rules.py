@@ -195,6 +195,14 @@ CHANGES: tuple[Change, ...] = (
            "(marlin_make_workspace_new(device, 4)); later releases take one shared per stream from the "
            "workspace manager (get_marlin_workspace)",
            f"{_WNA16}: process_weights_after_loading; quantization/utils/marlin_utils.py: marlin_make_workspace_new"),
+    # -- the rest of a start (planning/startup.py) --------------------------------------------
+    Change("serve.batch_defaults_160gib", "0.28.0", None,
+           "on a GPU of 160 GiB or more `vllm serve` defaults to --max-num-batched-tokens 16384 (8192 from "
+           "70 GiB, A100 excepted; 2048 below)",
+           "engine/arg_utils.py: EngineArgs.get_batch_defaults"),
+    Change("serve.cudagraph_1024_on_sm100", "0.28.0", None,
+           "CUDA graphs are captured up to 1024 tokens on Blackwell (512 elsewhere), within 2 x max_num_seqs",
+           "config/vllm.py: VllmConfig._set_cudagraph_sizes (default_max_graph_size)"),
     Change("process.w13_scales_size_k_quirk", "0.27.0", None,
            "Marlin processing permutes w13 scales with size_k = intermediate_size_per_partition instead of "
            "hidden_size: with I_p <= group_size the grouped scales get the channel-wise permutation",

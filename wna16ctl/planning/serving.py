@@ -59,12 +59,12 @@ def memory_options(fit: Any) -> MemoryOptions | None:
     lowest utilization up to MAX_UTILIZATION at which one sequence of the asked length fits; else
     the largest length that fits at the asked utilization (or at MAX_UTILIZATION); else a words-less
     answer saying that nothing fits on that GPU.  None where the fit is not judged."""
-    from wna16ctl.planning.fit import DEFAULT_UTILIZATION, REST_ESTIMATE
+    from wna16ctl.planning.fit import DEFAULT_UTILIZATION
     from wna16ctl.planning.kvcache import BLOCK_SIZE
 
     if fit.not_judged:
         return None
-    rest = REST_ESTIMATE[1]
+    rest = fit.rest.high
 
     def words(f: Any) -> tuple[str, ...]:
         out: tuple[str, ...] = ()
@@ -72,6 +72,8 @@ def memory_options(fit: Any) -> MemoryOptions | None:
             out += ("--max-model-len", str(f.max_model_len))
         if f.utilization != DEFAULT_UTILIZATION:
             out += ("--gpu-memory-utilization", f"{f.utilization:g}")
+        if f.batched_tokens_given:  # the rest of a start was judged at this batch size
+            out += ("--max-num-batched-tokens", str(f.rest.batched_tokens))
         return out
 
     need = fit.kv.sequence_bytes(fit.max_model_len)

@@ -439,7 +439,6 @@ def _memory_rank(s: Suggestion) -> tuple[int, int]:
 
 def _with_memory(insp: Inspection, s: Suggestion) -> Suggestion:
     from wna16ctl.planning.deployment import deployment_fit
-    from wna16ctl.planning.fit import REST_ESTIMATE
     from wna16ctl.planning.padding import plan_padding
 
     ck = insp.checkpoint
@@ -450,7 +449,7 @@ def _with_memory(insp: Inspection, s: Suggestion) -> Suggestion:
     j = f.to_json()
     memory = {k: j[k] for k in ("fits", "not_judged", "weights", "kv_tokens", "max_concurrency",
                                 "largest_max_model_len", "short_by")}
-    lo, hi = REST_ESTIMATE
+    lo, hi = f.rest.low, f.rest.high
     if f.not_judged:
         why = f"memory not judged ({f.not_judged})"
     elif f.fits() == "no":
