@@ -20,8 +20,17 @@ from wna16ctl.sources import open_checkpoint
 
 DOC = REPO_ROOT / "docs" / "memory.md"
 GIB = 1 << 30
+
+
+def qwen3_1_7b_attention(layers: int = 2) -> dict:
+    """Qwen/Qwen3-1.7B's attention as its published config.json gives it (28 layers, 16 query heads,
+    8 KV heads of 128, bfloat16) on a Qwen3-MoE header copy: the KV cache depends on nothing else."""
+    return dict(m.qwen3_30b_a3b(layers), num_attention_heads=16, num_key_value_heads=8, head_dim=128)
+
+
 # config name in the table -> (config builder, family, decoder layers of the published config)
 CONFIGS = {
+    "qwen3_1_7b_attention": (qwen3_1_7b_attention, m.qwen3_moe, 28),
     "qwen3_235b_a22b": (m.qwen3_235b_a22b, m.qwen3_moe, 94),
     "kimi_k2_thinking": (m.kimi_k2_thinking, m.deepseek_v3, 61),
     "qwen3_coder_480b_a35b": (m.qwen3_coder_480b_a35b, m.qwen3_moe, 62),
