@@ -28,9 +28,60 @@ def qwen3_1_7b_attention(layers: int = 2) -> dict:
     return dict(m.qwen3_30b_a3b(layers), num_attention_heads=16, num_key_value_heads=8, head_dim=128)
 
 
+def qwen3_8b_attention(layers: int = 2) -> dict:
+    """Qwen/Qwen3-8B's config.json: 36 layers, 32 query heads, 8 KV heads of head_dim 128, bfloat16."""
+    return dict(m.qwen3_30b_a3b(layers), num_attention_heads=32, num_key_value_heads=8, head_dim=128)
+
+
+def qwen3_14b_attention(layers: int = 2) -> dict:
+    """Qwen/Qwen3-14B's config.json: 40 layers, 40 query heads, 8 KV heads of head_dim 128, bfloat16."""
+    return dict(m.qwen3_30b_a3b(layers), num_attention_heads=40, num_key_value_heads=8, head_dim=128)
+
+
+def qwen3_vl_30b_a3b_attention(layers: int = 2) -> dict:
+    """Qwen/Qwen3-VL-30B-A3B-Instruct's text_config: 48 layers, 32 query heads, 4 KV heads of head_dim
+    128, the attention of Qwen3-30B-A3B (the vision tower holds no KV cache)."""
+    return m.qwen3_30b_a3b(layers)
+
+
+def _no_head_dim(config: dict, **attention) -> dict:
+    """A published config that gives no head_dim: the library derives it as hidden_size / heads."""
+    out = dict(config, **attention)
+    out.pop("head_dim")
+    return out
+
+
+def qwen2_7b_attention(layers: int = 2) -> dict:
+    """Qwen/Qwen2-7B-Instruct's config.json: 28 layers, hidden 3584, 28 query heads (head_dim 128), 4 KV
+    heads, bfloat16; its sliding_window 131072 is off (use_sliding_window false), so every layer is full."""
+    return _no_head_dim(m.qwen3_30b_a3b(layers), hidden_size=3584, num_attention_heads=28,
+                        num_key_value_heads=4, sliding_window=131072, use_sliding_window=False)
+
+
+def llama3_1_8b_attention(layers: int = 2) -> dict:
+    """meta-llama/Llama-3.1-8B-Instruct's config.json: 32 layers, hidden 4096, 32 query heads (head_dim
+    128), 8 KV heads, bfloat16, no sliding window."""
+    return _no_head_dim(m.qwen3_30b_a3b(layers), hidden_size=4096, num_attention_heads=32, num_key_value_heads=8)
+
+
+def llava_v1_6_mistral_7b_attention(layers: int = 2) -> dict:
+    """llava-hf/llava-v1.6-mistral-7b-hf's text_config (Mistral-7B-Instruct-v0.2): 32 layers, hidden 4096,
+    32 query heads (head_dim 128), 8 KV heads, sliding_window null; the file says float16, 2 bytes as
+    bfloat16 is (the vision tower holds no KV cache)."""
+    return _no_head_dim(m.qwen3_30b_a3b(layers), hidden_size=4096, num_attention_heads=32,
+                        num_key_value_heads=8, sliding_window=None)
+
+
 # config name in the table -> (config builder, family, decoder layers of the published config)
 CONFIGS = {
     "qwen3_1_7b_attention": (qwen3_1_7b_attention, m.qwen3_moe, 28),
+    "qwen3_8b_attention": (qwen3_8b_attention, m.qwen3_moe, 36),
+    "qwen3_14b_attention": (qwen3_14b_attention, m.qwen3_moe, 40),
+    "qwen3_30b_a3b": (m.qwen3_30b_a3b, m.qwen3_moe, 48),
+    "qwen3_vl_30b_a3b_attention": (qwen3_vl_30b_a3b_attention, m.qwen3_moe, 48),
+    "qwen2_7b_attention": (qwen2_7b_attention, m.qwen3_moe, 28),
+    "llama3_1_8b_attention": (llama3_1_8b_attention, m.qwen3_moe, 32),
+    "llava_v1_6_mistral_7b_attention": (llava_v1_6_mistral_7b_attention, m.qwen3_moe, 32),
     "qwen3_235b_a22b": (m.qwen3_235b_a22b, m.qwen3_moe, 94),
     "kimi_k2_thinking": (m.kimi_k2_thinking, m.deepseek_v3, 61),
     "qwen3_coder_480b_a35b": (m.qwen3_coder_480b_a35b, m.qwen3_moe, 62),
@@ -80,8 +131,9 @@ def _checkpoint(name: str, root: Path):
 
 
 def test_the_table_has_its_cases():
+    """At least ten logged starts, each with its source (the goal the comparison is held to)."""
     rows = _rows()
-    assert len(rows) >= 2 and all(r["source"].startswith("https://") for r in rows)
+    assert len(rows) >= 10 and all(r["source"].startswith("https://") for r in rows)
 
 
 def _kv(row: dict[str, str], tmp_path: Path):
