@@ -198,7 +198,8 @@ def disagreements(vllm: dict[str, Any], plan: dict[str, Any]) -> list[str]:
             out.append(f"padded_intermediate: vllm {vllm['padded_intermediate']} vs planner {plan['padded_intermediate']}")
     # the engine's message, or (for a bare KeyError, whose str is only the key) its type and message
     # followed by the planner's explanation
-    typed = f"{vllm.get('error_type')}: {vllm['error']}"
+    # (an assert without a message: its type followed by the planner's explanation)
+    typed = f"{vllm.get('error_type')}: {vllm['error']}" if vllm["error"] else str(vllm.get("error_type"))
     if (vllm["stage"] == "create_weights" and plan["stage"] == "create_weights" and vllm["error"] != plan["error"]
             and not (plan["error"] or "").startswith(typed + " (")):
         out.append(f"create_weights error: vllm {vllm['error']!r} vs planner {plan['error']!r}")
