@@ -352,6 +352,9 @@ class Release:
             if hasattr(mod, "select_wna16_moe_backend"):
                 mod.select_wna16_moe_backend = recording_select
         self.quantization = importlib.import_module("vllm.model_executor.layers.quantization")
+        # its first call imports every config module (some probe a compiled op at import): done
+        # here, so that no case's decision is charged with it
+        self.quantization.get_quantization_config("gptq")
 
     # -- building the engine's objects ---------------------------------------------------------
 
