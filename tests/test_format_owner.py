@@ -4,7 +4,7 @@ No format name (a `quant_method` or stored-form value such as "compressed-tensor
 "pack-quantized", "gptq", "awq") and no stored tensor's suffix (`weight_packed`, `weight_scale`,
 `weight_zero_point`, `weight_g_idx`, `weight_shape`, also as `.weight_packed` or in an f-string
 that builds a tensor name) is written as a string outside that package and the planner's method
-steps (`planning/methods.py`): everywhere else asks the format (`sources.formats.of(...)`, its
+steps (`planning/methods/`): everywhere else asks the format (`sources.formats.of(...)`, its
 `names`, the canonical keys `CODES`/`SCALES`/`ZERO_POINTS`/`G_IDX`).  Messages and docstrings that
 mention a name inside a longer text are not names compared, and are not flagged.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 import wna16ctl
 
 PACKAGE = Path(wna16ctl.__file__).resolve().parent
-OWNERS = ("sources/formats/", "planning/methods.py")
+OWNERS = ("sources/formats/", "planning/methods/")
 FORMAT_NAMES = {"compressed-tensors", "compressed_tensors", "pack-quantized", "gptq", "gptq_v2", "awq", "auto-round",
                 "intel/auto-round", "gptq_marlin", "awq_marlin"}
 _SUFFIX = re.compile(r"(^|\.)(weight_packed|weight_scale|weight_zero_point|weight_g_idx|weight_shape)(@\w+)?$")

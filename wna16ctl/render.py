@@ -104,6 +104,8 @@ def render_inspection(console: Console, insp: Inspection) -> None:
                 assert p.backend is not None and p.w2 is not None, "a plan that loads has both"
                 # backend, w2 sharding and is_k_full are what the engine would use
                 backend = p.backend.value
+                if p.method is not None:  # a GPTQ/AWQ layer: the MoE method its config builds, then its kernel
+                    backend = f"{p.method['name']}: {backend}"
                 w2 = f"{'full' if p.w2.load_full_w2 else 'sharded'} {p.w2.w2_scales_size}"
                 k_full = "yes" if p.w2.is_k_full else "no"
             else:

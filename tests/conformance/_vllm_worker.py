@@ -65,6 +65,8 @@ import _stubs  # noqa: E402 - after the sys.path set-up above
 import ckptcase  # noqa: E402 - after the sys.path set-up above
 
 PREFIX = "model.layers.0.mlp.experts"
+# the quantization modules, besides compressed-tensors', whose MoE methods call the WNA16 oracle
+FORMAT_METHOD_MODULES = ("auto_gptq", "auto_awq", "moe_wna16")
 TOP_K = 2
 
 
@@ -344,6 +346,15 @@ class Release:
 
         self.wna16_mod.select_wna16_moe_backend = recording_select
         self.real_select = real_select
+        # the GPTQ, AWQ and MoeWNA16 methods import the oracle by name too: record their calls alike
+        for name in FORMAT_METHOD_MODULES:
+            mod = importlib.import_module(f"vllm.model_executor.layers.quantization.{name}")
+            if hasattr(mod, "select_wna16_moe_backend"):
+                mod.select_wna16_moe_backend = recording_select
+        self.quantization = importlib.import_module("vllm.model_executor.layers.quantization")
+        # its first call imports every config module (some probe a compiled op at import): done
+        # here, so that no case's decision is charged with it
+        self.quantization.get_quantization_config("gptq")
 
     # -- building the engine's objects ---------------------------------------------------------
 
@@ -351,6 +362,17 @@ class Release:
         """The `quantization_config` an llm-compressor W{4,8}A16 export writes for this scheme, with
         the case's extra config groups: the same dict wna16ctl's reader gets (ckptcase.py)."""
         return ckptcase.quantization_config(case)
+
+    def format_config(self, case: dict[str, Any]):
+        """The release's own config object of the case's format: compressed-tensors built from the
+        export's quantization_config, or (a case with `quant_method` gptq/awq and its `raw`
+        quantization_config) the class the release maps that quant_method to on CUDA, built by its
+        `from_config` from the raw dict."""
+        method = case.get("quant_method")
+        if method in (None, "compressed-tensors"):
+            return self.ct.CompressedTensorsConfig.from_config(self.quantization_config(case))
+        cls = self.quantization.get_quantization_config(method)
+        return cls.from_config(dict(case["raw"]))
 
     def moe_config(self, case: dict[str, Any]):
         """The layer's FusedMoEConfig on rank 0 (fields filled by name: they vary by release)."""
@@ -436,7 +458,7 @@ class Release:
 
         # 1. config parse
         try:
-            qc = self.ct.CompressedTensorsConfig.from_config(self.quantization_config(case))
+            qc = self.format_config(case)
         except Exception as exc:  # the first failure is the outcome
             return fail("config", exc)
 
@@ -496,6 +518,8 @@ class Release:
             fail("create_weights", exc)
         finally:
             out["w2_scale_sharding"] = self._w2_sharding(method, moe, case)
+            if out["w2_scale_sharding"] is None and case.get("quant_method") not in (None, "compressed-tensors"):
+                out["w2_scale_sharding"] = self._format_w2_sharding(method, layer, moe)
 
         # Marlin tile padding: run the release's own `process_weights_after_loading` on the CPU
         # parameters until its first compiled op (the Marlin repack), and read what its call of
@@ -782,6 +806,10 @@ class Release:
                 return result
 
             self.oracle.marlin_moe_padded_intermediate = recording_pad
+        if not hasattr(layer, "_loaded_expert_biases"):
+            # the loader records the expert biases a checkpoint held (the GPTQ method reads it):
+            # these cases hold none
+            layer._loaded_expert_biases = set()
         _stubs.OPS_RAISE = True
         try:
             method.process_weights_after_loading(layer)
@@ -808,6 +836,21 @@ class Release:
         except Exception as exc:
             return [f"{type(exc).__name__}: {exc}"]
         return [bool(res[0]), int(res[1]), bool(res[2])]
+
+    def _format_w2_sharding(self, method, layer, moe) -> list | None:
+        """[load_full_w2, w2_scales_size, is_k_full] of a GPTQ/AWQ/MoeWNA16 method, read from what
+        its create_weights made: the w2 scales' `load_full_w2` attribute, their rows times the
+        method's group size (the extent the rows cover), and the method's `is_k_full` (True where
+        the method has none: it keeps no act-order)."""
+        scales = getattr(layer, "w2_scales", None)
+        if method is None or scales is None:
+            return None
+        gs = getattr(getattr(method, "quant_config", None), "group_size", -1)
+        load_full = bool(getattr(scales, "load_full_w2", False))
+        size = moe.intermediate_size if load_full else moe.intermediate_size_per_partition
+        if type(method).__name__ != "MoeWNA16Method" and gs > 0:
+            size = int(scales.shape[1]) * gs
+        return [load_full, size, bool(getattr(method, "is_k_full", True))]
 
     def _oracle_fields(self, out: dict[str, Any]) -> None:
         """backend: what the method constructor's oracle call returned (also when the

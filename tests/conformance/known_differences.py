@@ -27,6 +27,18 @@ KNOWN: dict[str, Rule] = {
     "act-order + zero points under TP: zero-point slicing not driven by the harness":
         lambda c, v, p: (p["stage"] == "load" and v["stage"] is None and v.get("load_check") == "ok"
                          and "asymmetric zero points under tensor parallelism" in (p["error"] or "")),
+    # GPTQ/AWQ layers on the MoeWNA16 fallback that vLLM builds and loads, but that compute with the
+    # wrong scale groups: it skips GPTQ's g_idx (act-order) and ignores GPTQModel's dynamic rules;
+    # the planner refuses them as correctness hazards (read in moe_wna16.py: get_weight_loader,
+    # MoeWNA16Config.from_config), which no step the harness drives raises
+    "MoeWNA16 fallback loads and computes wrong (act-order or dynamic rule dropped)":
+        lambda c, v, p: (p["stage"] == "load" and v["stage"] is None and v.get("method_class") == "MoeWNA16Method"
+                         and "MoeWNA16 fallback" in (p["error"] or "")),
+    # a GPTQ dynamic rule's group size that does not divide the per-rank sizes: the Marlin gate
+    # checked the base group size and create_weights floors the scale rows (auto_gptq.py), so the
+    # layer builds and would compute with the wrong groups; the planner refuses it
+    "GPTQ dynamic group size floored by create_weights":
+        lambda c, v, p: (p["stage"] == "load" and v["stage"] is None and "floors the scale rows" in (p["error"] or "")),
 }
 
 

@@ -198,7 +198,8 @@ def disagreements(vllm: dict[str, Any], plan: dict[str, Any]) -> list[str]:
             out.append(f"padded_intermediate: vllm {vllm['padded_intermediate']} vs planner {plan['padded_intermediate']}")
     # the engine's message, or (for a bare KeyError, whose str is only the key) its type and message
     # followed by the planner's explanation
-    typed = f"{vllm.get('error_type')}: {vllm['error']}"
+    # (an assert without a message: its type followed by the planner's explanation)
+    typed = f"{vllm.get('error_type')}: {vllm['error']}" if vllm["error"] else str(vllm.get("error_type"))
     if (vllm["stage"] == "create_weights" and plan["stage"] == "create_weights" and vllm["error"] != plan["error"]
             and not (plan["error"] or "").startswith(typed + " (")):
         out.append(f"create_weights error: vllm {vllm['error']!r} vs planner {plan['error']!r}")
@@ -272,3 +273,35 @@ def test_linear_kernel_choice_matches_vllm(release: str) -> None:
     rng = random.Random(0)
     wrong = [d for _ in range(EXAMPLES) if (d := linear_cases.linear_disagreement(release, linear_cases.sample(rng)))]
     assert not wrong, "\n".join(wrong[:10])
+
+
+# -- GPTQ and AWQ: the format's own config class and method, built from the raw quantization_config --
+FORMAT_SAMPLES = int(os.environ.get("WNA16CTL_CONFORMANCE_FORMAT_SAMPLES", "120"))
+
+
+def format_disagreement(version: str, name: str, case: dict[str, Any]) -> str | None:
+    from tests.conformance import format_cases
+
+    plan_result = plan_layer(format_cases.layer_of(case), case["tp"], case["ep"], engine=version, gpu=case["gpu"],
+                             switches=make_switches({}, case["moe_backend"]))
+    plan = outcome_of_plan(plan_result)
+    vllm = vllm_release.vllm_outcome(version, case)
+    assert not vllm.get("ops_called"), f"vLLM {version} called compiled ops while deciding: {vllm['ops_called']}"
+    diffs = disagreements(vllm, plan)
+    if diffs and known_cause(version, case, vllm, plan) is None:
+        return f"{name}: " + _report(version, case, vllm, plan, diffs)
+    return None
+
+
+@pytest.mark.parametrize("release", RELEASE_PARAMS, indirect=True)
+def test_gptq_awq_layers_match_vllm(release: str) -> None:
+    """Published GPTQ/AWQ MoE configs at TP 1/2/4/8 and sampled adversarial ones (act-order,
+    asymmetric, channel-wise, 8-bit, odd sizes, dynamic rules, skipped modules)."""
+    import random
+
+    from tests.conformance import format_cases
+
+    rng = random.Random(1)
+    named = format_cases.real_cases() + [(f"sample {i}", format_cases.sample(rng)) for i in range(FORMAT_SAMPLES)]
+    wrong = [d for name, case in named if (d := format_disagreement(release, name, case))]
+    assert not wrong, "\n".join(wrong[:5])

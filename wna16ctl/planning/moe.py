@@ -181,8 +181,9 @@ _TRTLLM_ROUTING = ("Renormalize", "RenormalizeNaive", "DeepSeekV3", "Llama4")
 
 def _backend_reason(b: Backend, rel: rules.Release, gpu: str, s: WeightScheme, hidden: int, i_p: int,
                     allow_tile_padding: bool, switches: EngineSwitches = DEFAULT_SWITCHES,
-                    routing: str | None = None) -> str | None:
-    """Why `b` does not take this layer in `rel` on `gpu` (None: it does).
+                    routing: str | None = None, marlin_group: int | None = None) -> str | None:
+    """Why `b` does not take this layer in `rel` on `gpu` (None: it does).  `marlin_group`: the
+    group size the Marlin gate reads where it is not the key's (a GPTQ/AWQ config's).
 
     The oracle's own incompatibility reason first, then the experts class's support checks
     (device, weight key, activation format), as the release evaluates them.
@@ -206,7 +207,8 @@ def _backend_reason(b: Backend, rel: rules.Release, gpu: str, s: WeightScheme, h
                     f"{', '.join(_TRTLLM_ROUTING)}; a softmax top-k without norm_topk_prob is Default)")
         return None
     if b in (Backend.MARLIN, Backend.BATCHED_MARLIN):
-        gate = marlin_support_reason(hidden, i_p, s.group_size, allow_tile_padding)
+        gate = marlin_support_reason(hidden, i_p, s.group_size if marlin_group is None else marlin_group,
+                                     allow_tile_padding)
         if gate is not None:
             return f"Marlin not supported for this layer: {gate}"
         if cc < 75:
@@ -290,6 +292,8 @@ class LayerPlan:
     failure_stage: str | None = None  # the step of the engine where the first error is raised
     failure_rule: str | None = None  # a short name of that error's rule
     hazards: list[str] = field(default_factory=list)
+    # the MoE method a GPTQ/AWQ config builds (methods.MoEMethod.to_json(); None: compressed-tensors)
+    method: dict[str, Any] | None = None
 
     @property
     def loadable(self) -> bool:
@@ -323,7 +327,7 @@ class LayerPlan:
             "failure_rule": self.failure_rule,
             "hazards": list(self.hazards),
             "loadable": self.loadable,
-        }
+        } | ({} if self.method is None else {"method": dict(self.method)})
 
 
 def local_expert_counts(num_experts: int, ep_size: int) -> list[int]:
@@ -373,6 +377,8 @@ class _LayerFacts:
     allow_tile_padding: bool = True  # set by the constructor step
     # each backend's own reason (None: it takes the layer), as far as the oracle asked
     own: dict[Backend, str | None] = field(default_factory=dict)
+    # what a GPTQ/AWQ/MoeWNA16 method constructor asks the oracle (None: compressed-tensors)
+    oracle_args: methods.OracleArgs | None = None
 
     @property
     def chosen(self) -> Backend | None:
@@ -380,6 +386,9 @@ class _LayerFacts:
 
     def reason(self, b: Backend) -> str | None:
         """`b`'s own reason for this layer (`_backend_reason` with this layer's facts)."""
+        if self.oracle_args is not None:
+            return _format_backend_reason(b, self.rel, self.gpu, self.oracle_args, self.layer.hidden_size, self.i_p,
+                                          self.switches, self.layer.routing)
         return _backend_reason(b, self.rel, self.gpu, self.s, self.layer.hidden_size, self.i_p,
                                self.allow_tile_padding, self.switches, self.layer.routing)
 
@@ -409,6 +418,9 @@ def plan_layer(layer: MoELayer, tp: int, ep: bool = False, engine: str = rules.N
         plan.fail("method", "unquantized", "experts are not quantized (no compressed-tensors scheme targets them); nothing to plan")
         return plan
     facts = _LayerFacts(layer, layer.scheme, rel, engine, gpu, switches, tp, ep, moe_tp, i_p, plan)
+    if methods.uses_format_method(layer.quant_method):
+        _plan_format_layer(facts)
+        return plan
     for step in (_config_step, _method_step, _constructor_step, _oracle_step, _constructor_asserts_step,
                  _create_weights_step):
         if not step(facts):
@@ -865,3 +877,91 @@ def release_differences(layer: MoELayer, tp: int, ep: bool, engine: str, gpu: st
         if out != mine:
             groups.setdefault(out, []).append(v)
     return [f"vLLM {rules.span(vs)}: {out}" for out, vs in groups.items()]
+
+
+# -- GPTQ / AWQ: the format's own method steps (planning/methods/), the shared gate and oracle ------
+def _format_backend_reason(b: Backend, rel: rules.Release, gpu: str, oa: methods.OracleArgs, hidden: int, i_p: int,
+                           switches: EngineSwitches, routing: str | None) -> str | None:
+    """Why `b` does not take a layer whose GPTQ/AWQ/MoeWNA16 method asked the oracle with `oa`:
+    the oracle's `_backend_incompatibility_reason` for that config class first, then the experts
+    class's checks with the method's weight key (the generic symmetric int4/int8 descriptor; int4
+    group-32 for MoeWNA16)."""
+    wna16 = oa.layout == methods.base.MOE_WNA16_LAYOUT
+    if b is Backend.RDNA3 and rel.has("oracle.rdna3"):
+        return "only compressed-tensors checkpoints are supported"
+    if b is Backend.FLASHINFER_TRTLLM and (oa.may_have_zp or oa.may_have_bias):
+        return "zero points and bias are not supported"
+    if b is Backend.TRITON:
+        if oa.may_have_bias:
+            return "expert bias is not supported"
+        if oa.layout == methods.base.AWQ_LAYOUT:
+            return "the AutoAWQ weight layout is not supported"
+        if oa.layout == methods.base.GPTQ_LAYOUT and oa.desc_act:
+            return "GPTQ activation ordering is not supported"
+    if wna16 and b in (Backend.MARLIN, Backend.BATCHED_MARLIN, Backend.EMULATION):
+        return "the MoeWNA16 checkpoint layout is not supported"
+    s = WeightScheme(num_bits=oa.bits, group_size=32 if oa.group32 else oa.group_size, symmetric=True,
+                     strategy="group" if oa.group_size > 0 else "channel", actorder=None, format="")
+    # the key's group columns: the generic descriptor unless the method named group 32
+    if not oa.group32 and s.group_size == 32:
+        s = WeightScheme(num_bits=oa.bits, group_size=-1, symmetric=True, strategy="channel", actorder=None, format="")
+    return _backend_reason(b, rel, gpu, s, hidden, i_p, oa.allow_tile_padding, switches, routing,
+                           marlin_group=oa.group_size)
+
+
+def _plan_format_layer(f: _LayerFacts) -> None:
+    """A GPTQ/AWQ layer: config parse, the FusedMoEConfig assert, the format's method (or its
+    MoeWNA16 fallback), the shared oracle, the method's create_weights, and Marlin's tile padding."""
+    plan, layer, rel = f.plan, f.layer, f.rel
+    raw, qm = layer.quant_raw or {}, str(layer.quant_method)
+    cfg, refused = methods.parse_config(qm, raw, rel)
+    if refused is not None:
+        plan.fail("config", *refused)
+        return
+    I, moe_tp, H = layer.intermediate_size, f.moe_tp, layer.hidden_size
+    ok = I % moe_tp == 0
+    plan.checks.append(Check("intermediate_size % moe_tp == 0", ok, f"{I} % {moe_tp}"))
+    if not ok:
+        plan.fail("method", "I % TP", (
+            f"AssertionError (assert intermediate_size % tp_size == 0: intermediate_size {I} is not divisible by the "
+            f"MoE tensor-parallel size {moe_tp}; FusedMoEConfig)"))
+        return
+    method = methods.moe_method(qm, cfg, raw, rel, layer.prefix, rules.GPUS[f.gpu],
+                                lambda gs, pad: marlin_support_reason(H, f.i_p, gs, pad))
+    plan.method = method.to_json()
+    if method.fallback_reason is not None:
+        plan.hazards.append(f"vLLM's Marlin gate refuses this layer ({method.fallback_reason}): the {qm} config falls "
+                            "back to the MoeWNA16 method, which converts the experts to the Triton WNA16 layout at load")
+    if method.oracle is None:
+        assert method.error is not None  # a method without an oracle call stopped with an error
+        plan.fail(*method.error)
+        return
+    f.oracle_args, f.allow_tile_padding = method.oracle, method.oracle.allow_tile_padding
+    plan.quant_type = (f"uint{method.oracle.bits}" if method.oracle.may_have_zp
+                       else f"uint{method.oracle.bits}b{1 << (method.oracle.bits - 1)}")
+    if not _oracle_step(f):
+        return
+    made = methods.create_weights(qm, cfg, method, raw, rel, layer.prefix, f.plan.local_experts[0], H, I, f.i_p)
+    plan.w2 = None if made.w2 is None else W2ScaleSharding(*made.w2)
+    if made.error is not None:
+        plan.fail("create_weights", "shape", made.error)
+        return
+    if method.error is not None:  # loads, but computes wrong: a correctness hazard the planner refuses
+        plan.fail(*method.error)
+    if made.hazard is not None:
+        plan.fail("load", "scale groups floored", made.hazard)
+    if f.chosen is Backend.MARLIN:
+        _format_marlin_padding(f, method.oracle.group_size)
+
+
+def _format_marlin_padding(f: _LayerFacts, group_size: int) -> None:
+    """Marlin's tile padding of the intermediate size, and the shared w13 scale permutation bug."""
+    plan, i_p, H = f.plan, f.i_p, f.layer.hidden_size
+    plan.padded_intermediate = marlin_moe_padded_intermediate(i_p, group_size)
+    if plan.padded_intermediate != i_p:
+        plan.hazards.append(_tile_padding_hazard(i_p, plan.padded_intermediate))
+    if f.rel.has("process.w13_scales_size_k_quirk") and group_size > 0 and H // group_size > 1 and not group_size < i_p:
+        plan.hazards.append(
+            f"vLLM permutes w13 scales with size_k = intermediate size per partition ({i_p}) instead of "
+            f"hidden_size ({H}); with {i_p} <= group_size {group_size} the grouped scales get the channel-wise "
+            "permutation and outputs are wrong (vllm PR #50196, open)")

@@ -120,6 +120,16 @@ CHANGES: tuple[Change, ...] = (
     Change("oracle.rdna3", "0.30.0", None,
            "RDNA3 (ROCm gfx1100 HIP kernel) heads the priority list; never available on CUDA",
            f"{_ORACLE}: _get_priority_backends"),
+    Change("gptq.desc_act_refused", "0.30.0", None,
+           "GPTQ act-order (desc_act true with a group size, also through a dynamic rule) is refused when the "
+           "config is parsed; before, the GPTQ Marlin MoE method loaded it (g_idx, strict Marlin tiles, w2 scales "
+           "loaded whole, is_k_full) and the MoeWNA16 fallback skipped its g_idx",
+           "quantization/utils/gptq_utils.py: normalize_and_validate_gptq_desc_act; auto_gptq.py: AutoGPTQConfig, "
+           "AutoGPTQMoEMethod.create_weights; moe_wna16.py: get_weight_loader"),
+    Change("moe_wna16.int8_channel_assert", "0.27.0", "0.29.0",
+           "MoeWNA16Method asserts group_size == -1 for 8-bit experts (an assert without a message): grouped "
+           "8-bit GPTQ experts that the Marlin gate refuses cannot be built",
+           "moe_wna16.py: MoeWNA16Method.__init__"),
     Change("oracle.humming_first_on_sm90", "0.32.0", None,
            "Humming is moved directly ahead of Marlin on compute capability 9.0 (prioritize_humming)",
            f"{_ORACLE}: _get_priority_backends; quantization/utils/humming/priority.py"),

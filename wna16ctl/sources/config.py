@@ -43,7 +43,7 @@ class QuantConfig:
     ignore: tuple[str, ...]
     _matcher: "_Matcher" = field(repr=False, compare=False)
     source: str = field(default="config.json", compare=False)  # the file, for error messages
-    # the file's `quantization_config` as written: the planner's method steps (`planning/methods.py`)
+    # the file's `quantization_config` as written: the planner's method steps (`planning/methods/`)
     # run vLLM's own parsing of the format's keys on it; nothing else reads it
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 

@@ -64,6 +64,10 @@ class MoELayer:
     norm: str | None = None  # post-attention RMSNorm weight
     warnings: list[str] = field(default_factory=list)
     fmt: InputFormat = field(default=formats.DEFAULT, repr=False, compare=False)  # the checkpoint's format
+    # the checkpoint's quant_method and its quantization_config as written (QuantConfig.quant_method
+    # and .raw): the planner's method steps of the format read them (None: no quantization_config)
+    quant_method: str | None = field(default=None, compare=False)
+    quant_raw: dict[str, Any] | None = field(default=None, repr=False, compare=False)
 
     @property
     def quantized(self) -> bool:
@@ -189,7 +193,8 @@ def _describe_layer(ckpt: CheckpointFiles, config: ModelConfig, prefix: str, m: 
         )
     layer = MoELayer(prefix=prefix, layer_index=_layer_index(prefix), family=family, num_experts=num,
                      hidden_size=H, intermediate_size=I, scheme=None, scale_dtype=None, routing=moe_routing(config),
-                     fmt=fmt)
+                     fmt=fmt, quant_method=config.quant.quant_method if config.quant is not None else None,
+                     quant_raw=config.quant.raw if config.quant is not None else None)
     block = layer.block
     for cand in (f"{block}.gate.weight", f"{block}.router.weight", f"{block}.gate.wg.weight"):
         if cand in ckpt:

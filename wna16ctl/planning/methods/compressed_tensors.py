@@ -1,4 +1,4 @@
-"""vLLM's quantization method of each checkpoint format: the steps that differ per format.
+"""vLLM's compressed-tensors quantization method: the steps that differ per format.
 
 vLLM builds a checkpoint's layers through the method of its format (compressed-tensors:
 `CompressedTensorsConfig` and `CompressedTensorsWNA16MoEMethod` / its linear schemes), and those

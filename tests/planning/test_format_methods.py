@@ -1,0 +1,60 @@
+"""GPTQ and AWQ MoE layers: the method, backend and verdict vLLM's own code gives them
+(checked against each release's code by tests/conformance/test_vllm_conformance.py)."""
+
+from __future__ import annotations
+
+from tests.conformance import format_cases
+from wna16ctl.planning.moe import plan_layer
+
+QWEN3 = format_cases.REAL["Qwen3-30B-A3B-GPTQ-Int4"]
+
+
+def _qwen3_plan(tp: int, version: str, gpu: str = "sm90", **raw):
+    case = format_cases.case(dict(QWEN3["raw"], **raw), QWEN3["hidden_size"], QWEN3["intermediate_size"],
+                             QWEN3["num_experts"], tp, gpu)
+    return plan_layer(format_cases.layer_of(case), tp, False, version, gpu)
+
+
+def test_qwen3_gptq_at_tp4_falls_back_to_moe_wna16():
+    # I 768 / 4 = 192 is not a multiple of group 128: the Marlin gate refuses, AutoGPTQConfig
+    # builds MoeWNA16Method, and the oracle picks Triton (0.27.1, and 0.33.0 on an A100) or
+    # Humming (0.33.0 on an H100: Humming ahead of Marlin on sm90)
+    for version, gpu, backend in (("0.27.1", "sm90", "triton"), ("0.33.0", "sm80", "triton"),
+                                  ("0.33.0", "sm90", "humming")):
+        p = _qwen3_plan(4, version, gpu)
+        assert p.loadable, (version, p.errors)
+        assert p.method == {"class": "MoeWNA16Method", "name": "moe_wna16",
+                            "fallback_reason": "intermediate size per partition 192 is not a multiple of group_size 128"}
+        assert p.backend.value == backend, (version, gpu)
+        assert p.rejected["marlin"] == "the MoeWNA16 checkpoint layout is not supported"
+        assert p.w2.to_json() == {"load_full_w2": False, "w2_scales_size": 192, "is_k_full": True}
+        assert any("falls back to the MoeWNA16 method" in h for h in p.hazards)
+
+
+def test_qwen3_gptq_at_tp2_is_gptq_marlin():
+    p = _qwen3_plan(2, "0.27.1", "sm80")
+    assert p.loadable and p.method["class"] == "AutoGPTQMoEMethod" and p.backend.value == "marlin"
+    # GPTQ and AWQ methods claim expert bias: the oracle turns Triton and TRT-LLM away
+    assert p.rejected["triton"] == "expert bias is not supported"
+    assert p.rejected["flashinfer_trtllm"] == "zero points and bias are not supported"
+    assert p.padded_intermediate == 384
+
+
+def test_gptq_act_order_per_release():
+    # 0.27-0.29 load act-order on Marlin with the w2 scales whole; on the MoeWNA16 fallback its
+    # g_idx is skipped (a correctness hazard); 0.30+ refuse it when parsing the config
+    p = _qwen3_plan(2, "0.27.1", "sm80", desc_act=True)
+    assert p.loadable and p.w2.to_json() == {"load_full_w2": True, "w2_scales_size": 768, "is_k_full": False}
+    p = _qwen3_plan(4, "0.27.1", "sm80", desc_act=True)
+    assert p.failure_stage == "load" and "skips the g_idx tensors" in p.errors[0]
+    p = _qwen3_plan(1, "0.33.0", "sm80", desc_act=True)
+    assert p.failure_stage == "config" and "desc_act=True) is no longer supported" in p.errors[0]
+
+
+def test_gptq_asymmetric_and_awq_channelwise_are_refused():
+    p = _qwen3_plan(1, "0.33.0", sym=False)
+    assert p.failure_stage == "config" and p.errors == ["Unsupported quantization config: bits=4, sym=False"]
+    awq = format_cases.REAL["DeepSeek-R1-AWQ"]
+    case = format_cases.case(dict(awq["raw"], group_size=-1), 2048, 768, 8, 1, "sm80")
+    p = plan_layer(format_cases.layer_of(case), 1, False, "0.27.1", "sm80")
+    assert p.failure_stage == "create_weights" and "negative dimension -2048" in p.errors[0]
