@@ -85,12 +85,13 @@ def _build(root: Path) -> None:
     python = _venv_python()
     stage = root.with_name(root.name + ".partial")
     stage.mkdir(parents=True, exist_ok=True)  # a stopped build resumes: each finished variant is kept
-    wrote = _run([python, str(WRITER), str(stage)], timeout=3600)
+    # cwd: GPTQModel writes a logs/ folder into the working directory
+    wrote = _run([python, str(WRITER), str(stage)], timeout=3600, cwd=stage)
     assert wrote.returncode == 0, f"write_checkpoints.py failed: {wrote.stderr[-3000:]}"
     for variant in VARIANTS:
         out = stage / f"{variant}.reference.safetensors"
         if not out.exists():
-            ref = _run([python, str(REFERENCE), str(stage / variant), str(out)], timeout=1800)
+            ref = _run([python, str(REFERENCE), str(stage / variant), str(out)], timeout=1800, cwd=stage)
             assert ref.returncode == 0, f"reference.py {variant} failed: {ref.stderr[-3000:]}"
     stage.rename(root)
 
