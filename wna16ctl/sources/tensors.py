@@ -75,6 +75,13 @@ class TensorReader(RawReader):
         s = layer.scheme
         assert s is not None
         name = lambda kind: layer.stored_name(expert, role, kind)  # noqa: E731 - this expert's and role's tensor names, for the lines below
+        roles = layer.fmt.read_roles(s)
+        if roles is not None:  # the format converts its stored tensors itself
+            names = {r: name(r) for r in roles}
+            stored = {r: self.read(n) for r, n in names.items() if n in self.files}
+            if SCALES in stored:
+                check_scales(stored[SCALES], names[SCALES])
+            return layer.fmt.canonical(stored, s, names)
         out = {CODES: self.read(name(CODES)), SCALES: self.read(name(SCALES))}
         check_scales(out[SCALES], name(SCALES))
         n_rows = out[CODES].shape[0]
@@ -90,7 +97,7 @@ class TensorReader(RawReader):
                 out[G_IDX] = g_idx.to(torch.int32)
             else:  # old writers skipped a g_idx that was never set: groups in column order
                 out[G_IDX] = (torch.arange(k, dtype=torch.int32) // s.group_size).to(torch.int32)
-        return layer.fmt.canonical(out)
+        return layer.fmt.canonical(out, s)
 
     def read_expert(self, layer: MoELayer, expert: int) -> dict[str, dict[str, torch.Tensor]]:
         return {role: self.read_projection(layer, expert, role) for role in ROLE_ORDER}
