@@ -110,7 +110,7 @@ def store(p: dict[str, torch.Tensor], form: str, bits: int) -> dict[str, torch.T
     if form == "awq":
         return {"qweight": awq_pack(codes.t()), "qzeros": awq_pack(z.t()), "scales": scales.t().contiguous()}
     stored_z = z - 1 if form == "gptq" else z
-    return {"qweight": bitstream_pack(codes.t(), bits), "qzeros": bitstream_pack(stored_z.t(), bits),
+    return {"qweight": bitstream_pack(codes, bits).t().contiguous(), "qzeros": bitstream_pack(stored_z.t(), bits),
             "scales": scales.t().contiguous(), "g_idx": p["g_idx"].clone()}
 
 
