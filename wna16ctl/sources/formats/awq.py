@@ -106,7 +106,7 @@ def parse_base(qc: Mapping[str, Any], path: Path) -> tuple[int, int, bool]:
     where = "quantization_config"
     version = qc.get("version", VERSION)
     require(isinstance(version, str) and version.lower() == VERSION, path,
-            f"{where}.version = {version!r}: only AWQ's GEMM version is read (vLLM loads GEMM checkpoints); "
+            f"{where}.version = {version!r}: wna16ctl reads the awq GEMM version only (the form vLLM loads); "
             "re-export the checkpoint as GEMM")
     bits = int_choice(key_value(qc, ("w_bit", "bits"), path, QUANT_METHOD), f"{where}.bits", BITS, path)
     group = group_size(key_value(qc, ("q_group_size", "group_size"), path, QUANT_METHOD), f"{where}.group_size", path)

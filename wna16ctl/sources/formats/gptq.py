@@ -39,7 +39,7 @@ _OVERRIDES = ("bits", "group_size", "desc_act", "sym")
 
 
 def _shapes(scheme: WeightScheme, n: int, k: int) -> dict[str, tuple]:
-    from wna16ctl.sources.formats.bits import words_for  # noqa: PLC0415 - torch-free, but kept beside its user
+    from wna16ctl.sources.formats.bits import words_for
 
     g, b = groups_of(k, scheme), scheme.num_bits
     return {
@@ -81,7 +81,7 @@ def _to_canonical(stored: dict[str, Any], scheme: WeightScheme, names: Mapping[s
         g_idx = stored.get(G_IDX)
         if g_idx is None:
             raise missing(names, G_IDX, "desc_act (act-order) needs each column's group")
-        from wna16ctl.sources.tensors import check_g_idx  # noqa: PLC0415 - the reader's one g_idx rule
+        from wna16ctl.sources.formats.checks import check_g_idx
 
         check_g_idx(g_idx, names[G_IDX], k, scheme.group_size)
         out[G_IDX] = g_idx.to(torch.int32).contiguous()
