@@ -260,3 +260,19 @@ def test_g_idx_not_whole_groups(tmp_path):
     with TensorReader(ck.files) as r, pytest.raises(BadInput, match=f"tensor {victim}: group 0 holds 0 columns"):
         r.read_projection(ck.layers[0], 0, "down")
     assert _digest(path) == before
+
+
+def test_hub_reader_fetches_quantize_config(tmp_path):
+    from tests.hubserver import FakeHub
+    from tests.sources.test_hub import wna16ctl
+
+    side = {k: v for k, v in QWEN15_MOE_A27B_CHAT_GPTQ_INT4.items() if k != "quant_method"}
+    ck = header_only(tmp_path / "ck", modelckpt.qwen15_moe_a27b(layers=1), side, side_file=True, shards=2)
+    hub = FakeHub()
+    try:
+        hub.add("Qwen/Qwen1.5-MoE-A2.7B-Chat-GPTQ-Int4", ck)
+        res = wna16ctl(hub, tmp_path / "hf", "inspect", "Qwen/Qwen1.5-MoE-A2.7B-Chat-GPTQ-Int4", "--tp", "2")
+    finally:
+        hub.close()
+    assert res.returncode in (0, 1) and "Traceback" not in res.stderr, res.stderr
+    assert "format gptq" in res.stdout and "int4 g128 sym" in res.stdout
