@@ -1,11 +1,13 @@
 """Tolerant parsing of `config.json`, and of its `quantization_config` through its format.
 
 The format (`sources/formats/`, detected from `quant_method`) reads the config's groups and
-ignore list into format-free schemes (`sources/scheme.py`); the scheme of each module is resolved
-here.  Scheme resolution follows the library's rules (`compressed_tensors.utils.match`): targets are
-ordered exact name < regex (`re:` prefix, `re.match`) < class name, a module's scheme is that of
-its first matching target, `ignore` removes a module.  tests/sources/test_config.py checks
-these rules against the library wherever the library can parse.
+ignore list into format-free schemes (`sources/scheme.py`).  A format with module rules of its own
+(GPTQ's `dynamic`, AWQ's `modules_to_not_convert`, AutoRound's `extra_config`) resolves each
+module's scheme itself (`InputFormat.resolver`); for compressed-tensors it is resolved here, by the
+library's rules (`compressed_tensors.utils.match`): targets are ordered exact name < regex (`re:`
+prefix, `re.match`) < class name, a module's scheme is that of its first matching target, `ignore`
+removes a module.  tests/sources/test_config.py checks these rules against the library wherever
+the library can parse.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import compress
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from wna16ctl.dtypes import FLOAT_ST_OF_CONFIG
 from wna16ctl.sources import formats
@@ -46,10 +48,15 @@ class QuantConfig:
     # the file's `quantization_config` as written: the planner's method steps (`planning/methods/`)
     # run vLLM's own parsing of the format's keys on it; nothing else reads it
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    # the format's own resolution of module names (`InputFormat.resolver`); None: the targets above
+    _format_resolve: Callable[[list[str]], list[WeightScheme | None]] | None = field(
+        default=None, repr=False, compare=False)
 
     def scheme_for(self, module_name: str) -> WeightScheme | None:
         """The weight scheme of a Linear named `module_name`, or None if it is not quantized."""
         with _regex_budget(self.source):
+            if self._format_resolve is not None:
+                return self._format_resolve([module_name])[0]
             return _resolve(self, module_name)
 
     def vllm_head_scheme(self, module_name: str) -> WeightScheme | None:
@@ -58,7 +65,10 @@ class QuantConfig:
         name "ParallelLMHead" (case-insensitive); the class target "Linear" is not one, so the
         usual `targets: ["Linear"]` leaves lm_head unquantized.  Ignore entries match exactly or
         by regex.  (vLLM 0.27-0.33 compressed_tensors.py: get_quant_method's ParallelLMHead branch
-        and get_scheme_dict; compressed_tensors/utils.py: find_matched_target, should_ignore_layer.)"""
+        and get_scheme_dict; compressed_tensors/utils.py: find_matched_target, should_ignore_layer.)
+        A format with rules of its own answers for the head as for any module."""
+        if self._format_resolve is not None:
+            return self.scheme_for(module_name)
         for t in self.ignore:
             if t == module_name or (t.startswith("re:") and _regex(t[3:]).match(module_name)):
                 return None
@@ -77,6 +87,8 @@ class QuantConfig:
     def schemes_for(self, module_names: list[str]) -> list[WeightScheme | None]:
         """`scheme_for` of many names at once (each regex runs once over all names)."""
         with _regex_budget(self.source):
+            if self._format_resolve is not None:
+                return self._format_resolve(list(module_names))
             return _resolve_many(self, module_names)
 
 
@@ -140,9 +152,11 @@ def _expect(cond: bool, path: Path, what: str) -> None:
         raise BadInput(f"{path}: {what}")
 
 
-def parse_quantization_config(qc: Any, path: Path) -> QuantConfig:
-    """Parse a `quantization_config` object (raises BadInput naming `path` on nonsense)."""
-    parsed = formats.parse(qc, path)
+def parse_quantization_config(qc: Any, path: Path, default_method: str | None = None) -> QuantConfig:
+    """Parse a `quantization_config` object (raises BadInput naming `path` on nonsense);
+    `default_method`: the quant_method of a config file that names none (quantize_config.json)."""
+    fmt = formats.detect(qc, path, default_method)
+    parsed = fmt.parse_config(qc, path)
     groups, ignore = parsed.groups, parsed.ignore
     # Later groups win for a repeated target (the library builds an OrderedDict).
     by_target: dict[str, WeightScheme | None] = {}
@@ -165,6 +179,7 @@ def parse_quantization_config(qc: Any, path: Path) -> QuantConfig:
         ignore=ignore,
         _matcher=_build_matcher(ordered, ignore),
         raw=dict(qc),
+        _format_resolve=fmt.resolver(parsed, qc, path),
     )
 
 
@@ -376,6 +391,24 @@ def quantization_config_of(raw: dict[str, Any]) -> Any:
     return raw.get("compression_config") if qc is None else qc
 
 
+def side_quantization_config(ckpt: Path) -> QuantConfig | None:
+    """The quantization config of a file beside config.json (GPTQ's quantize_config.json), for a
+    config.json without one; None when there is none."""
+    from wna16ctl.sources.headers import read_regular_file
+    from wna16ctl.sources.jsonfile import JSONError, loads
+
+    for name, method in formats.SIDE_CONFIGS:
+        path = ckpt / name
+        if not path.is_file():
+            continue
+        try:
+            qc = loads(read_regular_file(path, name, limit=64 << 20))
+        except JSONError as e:
+            raise BadInput(f"{path}: not valid JSON ({e})") from None
+        return parse_quantization_config(qc, path, method)
+    return None
+
+
 def read_model_config(ckpt: Path) -> ModelConfig:
     """Read and check `CKPT/config.json` (raises BadInput with the file named)."""
     path = ckpt / "config.json"
@@ -396,7 +429,7 @@ def read_model_config(ckpt: Path) -> ModelConfig:
     if hidden is None:
         raise BadInput(f"{path}: hidden_size is missing")
     qc_raw = quantization_config_of(raw)
-    quant = parse_quantization_config(qc_raw, path) if qc_raw is not None else None
+    quant = parse_quantization_config(qc_raw, path) if qc_raw is not None else side_quantization_config(ckpt)
     archs = raw.get("architectures") or []
     model_type = str(raw.get("model_type", ""))
     # Mixtral calls its expert width `intermediate_size`; the MoE families with shared or

@@ -267,6 +267,28 @@ def _has_index(ref: HubRef, commit: str) -> bool:
     return True
 
 
+def _fetch_side_configs(ref: HubRef, commit: str, config: Path) -> None:
+    """Fetch a quantization config kept beside config.json (GPTQ's quantize_config.json) into the
+    snapshot when config.json holds none; a repository without one is left as it is."""
+    from wna16ctl.sources import formats
+    from wna16ctl.sources.config import merge_text_config, quantization_config_of
+    from wna16ctl.sources.jsonfile import JSONError, loads
+
+    try:
+        raw = loads(config.read_bytes())
+    except (OSError, JSONError):
+        return  # reading the checkpoint names what is wrong with config.json
+    if not isinstance(raw, dict) or quantization_config_of(merge_text_config(raw)) is not None:
+        return
+    for name, _ in formats.SIDE_CONFIGS:
+        try:
+            _download(ref, name, commit)
+            return
+        except BadInput as e:
+            if f"has no {name}" not in e.message:
+                raise
+
+
 def header_cache_dir() -> Path:
     """Where fetched headers are kept: beside huggingface_hub's cache (`$HF_HOME/wna16ctl/headers`)."""
     _hf()
@@ -431,6 +453,7 @@ def open_hub_checkpoint(ref: HubRef) -> "Checkpoint":
     config = _download(ref, "config.json", ref.revision, first=True)
     root = config.parent  # <cache>/models--org--name/snapshots/<commit>
     commit = root.name
+    _fetch_side_configs(ref, commit, config)
     indexed = _has_index(ref, commit)
 
     # with an index, the shards are the ones it names; without, a Hub safetensors repo has exactly one

@@ -213,13 +213,12 @@ def _router_takes_quant(model_type: str | None) -> bool:
     return arch is not None and arch.router_takes_quant
 
 
-def _packed_nk(files: CheckpointFiles, module: str, scheme: WeightScheme | None, codes: str) -> tuple[int, int] | None:
-    e = files.raw(f"{module}.{codes}")
+def _packed_nk(files: CheckpointFiles, module: str, scheme: WeightScheme | None,
+               fmt: formats.InputFormat) -> tuple[int, int] | None:
+    e = files.raw(f"{module}.{fmt.names.codes}")
     if e is None or len(e["shape"]) != 2:
         return None
-    rows, cols = e["shape"]
-    bits = scheme.num_bits if scheme is not None else 4
-    return int(rows), int(cols) * 32 // bits
+    return fmt.codes_nk(list(e["shape"]), scheme)
 
 
 def find_linear_layers(files: CheckpointFiles, config: ModelConfig) -> tuple[list[LinearLayer], list[str]]:
@@ -229,12 +228,13 @@ def find_linear_layers(files: CheckpointFiles, config: ModelConfig) -> tuple[lis
     if quant is None:
         return [], []
     dims = model_dims(config)
-    codes = formats.of(quant).names.codes
+    fmt = formats.of(quant)
+    codes = fmt.names.codes
     modules = [n[: -len(codes) - 1] for n in files.names()
                if ".experts." not in n and n.endswith(f".{codes}")]
     modules = [m for m in modules if not is_mtp(m, dims.num_hidden_layers)]
     schemes = dict(zip(modules, quant.schemes_for(modules)))
-    return _place_linear(files, config, modules, schemes, lambda m: _packed_nk(files, m, schemes[m], codes))
+    return _place_linear(files, config, modules, schemes, lambda m: _packed_nk(files, m, schemes[m], fmt))
 
 
 def unquantized_linear_layers(files: CheckpointFiles, config: ModelConfig) -> tuple[list[LinearLayer], list[str]]:

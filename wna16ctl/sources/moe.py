@@ -144,12 +144,17 @@ def infer_intermediate(ckpt: CheckpointFiles, config: ModelConfig) -> int | None
     """The expert intermediate size: config.json's, else the rows of the first gate projection."""
     if config.moe_intermediate_size is not None:
         return config.moe_intermediate_size
-    anchors = _anchors(formats.of(config.quant))
+    fmt = formats.of(config.quant)
+    anchors = _anchors(fmt)
     for name in ckpt.names():
         if name.endswith(anchors) and ".experts." in name:
             e = ckpt.raw(name)
-            if e is not None:
-                return int(e["shape"][0])
+            if e is None:
+                continue
+            module, _, suffix = name.rpartition(".")
+            if suffix == fmt.names.codes and len(e["shape"]) == 2 and config.quant is not None:
+                return fmt.codes_nk(list(e["shape"]), config.quant.scheme_for(module))[0]
+            return int(e["shape"][0])
     return None
 
 

@@ -195,7 +195,7 @@ def _scan_grouped(path: str, groups: list[Group] | None, config: ModelConfig,
             if suffix == stored.codes or suffix == WEIGHT:
                 lay["schemes"].setdefault(role, []).extend(zip(ids, repeat(sid)))
             if (exp is None or scheme is None or suffix == WEIGHT
-                    or (suffix == stored.zero_points and scheme.symmetric)
+                    or (suffix == stored.zero_points and not fmt.stores_zero_points(scheme))
                     or (suffix == stored.g_idx and not scheme.act_order)):
                 continue
             # zero points: the packed form here; the unpacked one (int8, older writers) goes tensor by tensor
@@ -209,7 +209,8 @@ def _scan_grouped(path: str, groups: list[Group] | None, config: ModelConfig,
             elif not set(dtypes).issubset(allowed) or shape != expected_shape:
                 return None
             if suffix == stored.zero_points:
-                lay["zp"]["packed"] = 1
+                if not scheme.symmetric:  # a symmetric one stores the midpoint: no zero points to plan
+                    lay["zp"]["packed"] = 1
             elif suffix == stored.scales:
                 lay["scales"].update(dict.fromkeys(sorted(dtypes), 1))
     for prefix, lay in layers.items():
@@ -296,12 +297,13 @@ def _scan_each(path: str, sh: ShardHeader, config: ModelConfig,
         if exp is None or suffix == WEIGHT:
             continue
         if suffix == stored.zero_points:
-            if scheme.symmetric:
+            if not fmt.stores_zero_points(scheme):
                 continue
             packing = _packing_of(exp, suffix, e["shape"]) if e["dtype"] == "I32" else None
             form = "packed" if packing is not None else "unpacked"
             _check_entry(path, name, e, exp, suffix if form == "packed" else f"{suffix}@unpacked")
-            lay["zp"][form] = 1
+            if not scheme.symmetric:
+                lay["zp"][form] = 1
             if packing not in (None, "same"):
                 lay["packing"][packing] = 1
             continue

@@ -13,6 +13,7 @@ import ctypes
 import torch
 
 from wna16ctl.sources.formats import CODES, G_IDX, SCALES, ZERO_POINTS
+from wna16ctl.sources.formats.checks import check_g_idx  # re-exported: the readers' g_idx rule
 from wna16ctl.sources.headers import TensorInfo
 from wna16ctl.sources.raw import RawReader
 from wna16ctl.sources.moe import ROLE_ORDER, MoELayer
@@ -75,6 +76,13 @@ class TensorReader(RawReader):
         s = layer.scheme
         assert s is not None
         name = lambda kind: layer.stored_name(expert, role, kind)  # noqa: E731 - this expert's and role's tensor names, for the lines below
+        roles = layer.fmt.read_roles(s)
+        if roles is not None:  # the format converts its stored tensors itself
+            names = {r: name(r) for r in roles}
+            stored = {r: self.read(n) for r, n in names.items() if n in self.files}
+            if SCALES in stored:
+                check_scales(stored[SCALES], names[SCALES])
+            return layer.fmt.canonical(stored, s, names)
         out = {CODES: self.read(name(CODES)), SCALES: self.read(name(SCALES))}
         check_scales(out[SCALES], name(SCALES))
         n_rows = out[CODES].shape[0]
@@ -90,7 +98,7 @@ class TensorReader(RawReader):
                 out[G_IDX] = g_idx.to(torch.int32)
             else:  # old writers skipped a g_idx that was never set: groups in column order
                 out[G_IDX] = (torch.arange(k, dtype=torch.int32) // s.group_size).to(torch.int32)
-        return layer.fmt.canonical(out)
+        return layer.fmt.canonical(out, s)
 
     def read_expert(self, layer: MoELayer, expert: int) -> dict[str, dict[str, torch.Tensor]]:
         return {role: self.read_projection(layer, expert, role) for role in ROLE_ORDER}
@@ -125,24 +133,3 @@ def check_scales(scale: torch.Tensor, name: str) -> None:
         where = [int(i) for i in (~finite).nonzero()[0]]
         raise BadInput(f"tensor {name}: scale {float(scale[tuple(where)])} at {where} is not finite; "
                        "the checkpoint is corrupt (re-quantize or re-download it)")
-
-
-def check_g_idx(g_idx: torch.Tensor, name: str, k: int, group_size: int) -> None:
-    """An act-order g_idx assigns each of the K input columns to a group: values in [0, G) and
-    every group holding exactly its group_size columns (the last one the remainder)."""
-    groups = -(-k // group_size)
-    g = g_idx.to(torch.int64) if g_idx.dtype != torch.int64 else g_idx
-    if g.numel() != k:
-        raise BadInput(f"tensor {name}: has {g.numel()} entries, expected {k}; the checkpoint is corrupt")
-    out_of_range = (g < 0) | (g >= groups)
-    if bool(out_of_range.any()):
-        col = int(out_of_range.nonzero()[0])
-        raise BadInput(f"tensor {name}: column {col} is assigned to group {int(g[col])}, outside [0, {groups}); "
-                       "the checkpoint is corrupt")
-    counts = torch.bincount(g, minlength=groups)
-    want = torch.full((groups,), group_size, dtype=counts.dtype)
-    want[-1] = k - (groups - 1) * group_size
-    if not torch.equal(counts, want):
-        grp = int((counts != want).nonzero()[0])
-        raise BadInput(f"tensor {name}: group {grp} holds {int(counts[grp])} columns, expected {int(want[grp])}; "
-                       "g_idx is not a valid act-order group assignment (the checkpoint is corrupt)")

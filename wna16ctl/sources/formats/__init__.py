@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from wna16ctl.errors import BadInput
+from wna16ctl.sources.formats import auto_round, awq, gptq
 from wna16ctl.sources.formats.compressed_tensors import COMPRESSED_TENSORS
 from wna16ctl.sources.formats.face import (CANONICAL, CODES, WEIGHT, G_IDX, SCALES, SHAPE, ZERO_POINTS, InputFormat,
                                            NativeInputs, TensorNames)
@@ -24,29 +25,34 @@ from wna16ctl.sources.scheme import ParsedConfig
 __all__ = ["CANONICAL", "CODES", "WEIGHT", "G_IDX", "SCALES", "SHAPE", "ZERO_POINTS", "InputFormat", "NativeInputs",
            "TensorNames", "FORMATS", "DEFAULT", "detect", "of", "parse"]
 
-FORMATS: dict[str, InputFormat] = {f.quant_method: f for f in (COMPRESSED_TENSORS,)}
+FORMATS: dict[str, InputFormat] = {f.quant_method: f for f in (COMPRESSED_TENSORS, gptq.FORMAT, awq.FORMAT,
+                                                                 auto_round.FORMAT)}
+FORMATS.update({alias: auto_round.FORMAT for alias in auto_round.ALIASES})
+# Files beside config.json that hold the quantization config when config.json has none, with the
+# quant_method a file without one is read in
+SIDE_CONFIGS: tuple[tuple[str, str], ...] = ((gptq.QUANTIZE_CONFIG, gptq.QUANT_METHOD),)
 # the format a checkpoint without `quantization_config` is read in (its packed tensors are refused by name)
 DEFAULT: InputFormat = COMPRESSED_TENSORS
 
 
-def detect(qc: Any, path: Path) -> InputFormat:
-    """The format of a `quantization_config` object, by its `quant_method` (BadInput naming `path`
-    for anything else)."""
+def detect(qc: Any, path: Path, default: str | None = None) -> InputFormat:
+    """The format of a `quantization_config` object, by its `quant_method` (`default` where it
+    has none; BadInput naming `path` for anything else)."""
     if not isinstance(qc, dict):
         raise BadInput(f"{path}: quantization_config must be an object")
-    method = str(qc.get("quant_method", ""))
+    method = str(qc.get("quant_method") or default or "")
     found = FORMATS.get(method)
     if found is None:
         raise BadInput(
             f"{path}: quantization_config.quant_method is {method or 'missing'!r}; wna16ctl reads "
-            "compressed-tensors checkpoints (convert GPTQ/AWQ with llm-compressor first)"
+            f"{', '.join(f.quant_method for f in dict.fromkeys(FORMATS.values()))} checkpoints"
         )
     return found
 
 
-def parse(qc: Any, path: Path) -> ParsedConfig:
+def parse(qc: Any, path: Path, default: str | None = None) -> ParsedConfig:
     """`quantization_config` parsed by its format."""
-    return detect(qc, path).parse_config(qc, path)
+    return detect(qc, path, default).parse_config(qc, path)
 
 
 def of(quant: Any) -> InputFormat:

@@ -211,8 +211,12 @@ class CompressedTensors(InputFormat):
             out["weight_zero_point@word"] = (("I32",), [packed_words(N, bits, "word"), G])
         return out
 
-    def canonical(self, stored: dict[str, Any]) -> dict[str, Any]:
+    def canonical(self, stored: dict[str, Any], scheme: WeightScheme | None = None,
+                  names: Mapping[str, str] | None = None) -> dict[str, Any]:
         return stored  # the stored form is the canonical one
+
+    def stored_form(self, canonical: dict[str, Any], scheme: WeightScheme) -> dict[str, Any]:
+        return canonical
 
     def native_inputs(self, scheme: WeightScheme) -> NativeInputs | None:
         return NativeInputs(codes=NAMES.codes, scales=NAMES.scales)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, TypeGuard
+from typing import Any, Callable, Mapping, TypeGuard
 
 from wna16ctl.layout.spec import CANONICAL, CODES, G_IDX, SCALES, ZERO_POINTS  # noqa: F401 - the roles, re-exported
 from wna16ctl.sources.scheme import ParsedConfig, WeightScheme
@@ -93,10 +93,38 @@ class InputFormat:
         (allowed safetensors dtypes, shape)."""
         raise NotImplementedError
 
-    def canonical(self, stored: dict[str, Any]) -> dict[str, Any]:
+    def canonical(self, stored: dict[str, Any], scheme: WeightScheme | None = None,
+                  names: Mapping[str, str] | None = None) -> dict[str, Any]:
         """One projection's stored tensors (by canonical role, as read and normalised) in the
-        canonical form the layouts take."""
+        canonical form the layouts take; `names` (role -> tensor name) for the messages of a
+        format that checks the data as it converts it."""
         raise NotImplementedError
+
+    def stored_form(self, canonical: dict[str, Any], scheme: WeightScheme) -> dict[str, Any]:
+        """The inverse of `canonical`: one projection's canonical tensors as the format stores
+        them, by role (exact: `canonical(stored_form(c, s), s) == c`)."""
+        raise NotImplementedError
+
+    def read_roles(self, scheme: WeightScheme) -> tuple[str, ...] | None:
+        """The roles whose stored tensors `canonical` takes exactly as read; None where the stored
+        tensors already are the canonical layout (the reader then normalises the legacy forms)."""
+        return None
+
+    def stores_zero_points(self, scheme: WeightScheme) -> bool:
+        """Whether a projection of `scheme` stores zero points (whose header the scan checks)."""
+        return not scheme.symmetric
+
+    def codes_nk(self, shape: list[int], scheme: WeightScheme | None) -> tuple[int, int]:
+        """The projection's (N, K) from the shape of its stored codes (4 bits when no scheme)."""
+        rows, cols = shape
+        bits = scheme.num_bits if scheme is not None else 4
+        return int(rows), int(cols) * 32 // bits
+
+    def resolver(self, parsed: ParsedConfig, qc: Mapping[str, Any],
+                 path: Path) -> Callable[[list[str]], list[WeightScheme | None]] | None:
+        """How module names resolve to their schemes where the format has rules of its own (a
+        function of many names at once); None: `sources.config`'s targets/ignore matching."""
+        return None
 
     def native_inputs(self, scheme: WeightScheme) -> NativeInputs | None:
         """What the native fast path reads in place for `scheme`; None: the torch path reads it."""
