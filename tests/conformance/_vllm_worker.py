@@ -371,7 +371,13 @@ class Release:
         method = case.get("quant_method")
         if method in (None, "compressed-tensors"):
             return self.ct.CompressedTensorsConfig.from_config(self.quantization_config(case))
-        cls = self.quantization.get_quantization_config(method)
+        # the engine asks each config class whether it takes over the file's quant_method (INCConfig
+        # does for "auto-round"), and otherwise looks the file's own quant_method up
+        raw_method = str(case["raw"].get("quant_method", method)).lower()
+        inc = self.quantization.get_quantization_config("inc")
+        if inc.override_quantization_method(dict(case["raw"]), None) is not None:
+            return inc.from_config(dict(case["raw"]))
+        cls = self.quantization.get_quantization_config(raw_method)
         return cls.from_config(dict(case["raw"]))
 
     def moe_config(self, case: dict[str, Any]):
