@@ -78,7 +78,7 @@ def parse(raw: Mapping[str, Any], rel: rules.Release) -> tuple[IncConfig | None,
     data_type = str(raw.get("data_type", "int"))
     # a packing_format of null: the default since 0.29, an unknown format before
     packing = raw.get("packing_format") if new else raw.get("packing_format", INT_FORMATS[0])
-    cfg = IncConfig(bits, group, bool(sym), packing or INT_FORMATS[0] if new else packing,
+    cfg = IncConfig(bits, group, bool(sym), str(packing or INT_FORMATS[0]) if new else str(packing),
                     _first(raw, ("backend", "vllm_backend"), "auto"), data_type,
                     _block_names(_first(raw, ("block_name_to_quantize", "to_quant_block_names"), None)),
                     _first(raw, ("extra_config",), None))
