@@ -371,7 +371,13 @@ class Release:
         method = case.get("quant_method")
         if method in (None, "compressed-tensors"):
             return self.ct.CompressedTensorsConfig.from_config(self.quantization_config(case))
-        cls = self.quantization.get_quantization_config(method)
+        # the engine asks each config class whether it takes over the file's quant_method (INCConfig
+        # does for "auto-round"), and otherwise looks the file's own quant_method up
+        raw_method = str(case["raw"].get("quant_method", method)).lower()
+        inc = self.quantization.get_quantization_config("inc")
+        if inc.override_quantization_method(dict(case["raw"]), None) is not None:
+            return inc.from_config(dict(case["raw"]))
+        cls = self.quantization.get_quantization_config(raw_method)
         return cls.from_config(dict(case["raw"]))
 
     def moe_config(self, case: dict[str, Any]):
@@ -596,6 +602,97 @@ class Release:
         except Exception as exc:
             out["error"] = f"{type(exc).__name__}: {_exception_text(exc)}"
         out["ops_called"] = list(_stubs.OPS_CALLED)
+        return out
+
+    def format_linear_outcome(self, case: dict[str, Any]) -> dict[str, Any]:
+        """One linear layer of a GPTQ/AWQ/auto-round checkpoint, built by the release's own layer
+        class (`ColumnParallelLinear`, `MergedColumnParallelLinear`, `QKVParallelLinear`,
+        `RowParallelLinear`; `ParallelLMHead` for the output projection) with the format's config
+        from the raw quantization_config, as rank 0 of `tp` ranks, on the meta device: the layer's
+        own divisibility asserts, the config's get_quant_method, the method's constructor and
+        create_weights (choose_mp_linear_kernel among them).  method: the quant method class;
+        kernel: the kernel class create_weights chose (None where the method chooses none);
+        params: the shapes of the parameters it created."""
+        import importlib
+
+        import torch
+
+        set_gpu(case.get("gpu", "sm90"))
+        _set_case_env(case.get("env") or {})
+        _stubs.OPS_CALLED.clear()
+        tp = case["tp"]
+        _MODEL["devices"] = tp
+        _fake_parallel_state(tp, 0)
+        out: dict[str, Any] = {"stage": None, "error": None, "error_type": None, "method": None, "kernel": None,
+                               "params": {}}
+        lin = importlib.import_module("vllm.model_executor.layers.linear")
+        chosen: list[str] = []
+        for modname in ("vllm.model_executor.layers.quantization.auto_gptq",
+                        "vllm.model_executor.layers.quantization.auto_awq"):
+            mod = importlib.import_module(modname)
+            real_choose = getattr(mod, "_real_choose_mp_linear_kernel", None) or mod.choose_mp_linear_kernel
+            mod._real_choose_mp_linear_kernel = real_choose
+
+            def recording(config, *a, _real=real_choose, **k):
+                kern = _real(config, *a, **k)
+                chosen.append(kern.__name__)
+                return kern
+            mod.choose_mp_linear_kernel = recording
+        try:
+            qc = self.format_config(case)
+        except Exception as exc:
+            out.update(stage="config", error=_exception_text(exc), error_type=type(exc).__name__)
+            return out
+        packed = case.get("packed_modules_mapping") or {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
+                                                        "gate_up_proj": ["gate_proj", "up_proj"]}
+        qc.packed_modules_mapping = dict(packed)
+        if case.get("checkpoint_tensors") is not None:
+            # the engine's maybe_update_config reads the checkpoint's safetensors metadata (GPTQ: the
+            # modules with integer tensors when modules_in_block_to_quantize is empty; AWQ: the modules
+            # without any, as modules_to_not_convert, when that is empty): given the case's tensors
+            mod = sys.modules[type(qc).__module__]
+            if hasattr(mod, "get_safetensors_params_metadata"):
+                tensors = dict(case["checkpoint_tensors"])
+                mod.get_safetensors_params_metadata = lambda *a, **k: {n: {"dtype": d} for n, d in tensors.items()}
+                qc.maybe_update_config("checkpoint")
+        k, sizes, role, prefix = case["k"], case["output_sizes"], case["role"], case["prefix"]
+        from vllm.config import VllmConfig, set_current_vllm_config
+
+        dtype = getattr(torch, case.get("act_type", "bfloat16"))
+        default_dtype = torch.get_default_dtype()
+        try:
+            torch.set_default_dtype(dtype)
+            with set_current_vllm_config(VllmConfig()), torch.device("meta"):
+                if role == "row":
+                    layer = lin.RowParallelLinear(k, sizes[0], bias=False, quant_config=qc, prefix=prefix,
+                                                  params_dtype=dtype)
+                elif role == "qkv":
+                    layer = lin.QKVParallelLinear(k, case["head_dim"], case["num_heads"], case["num_kv_heads"],
+                                                  bias=False, quant_config=qc, prefix=prefix, params_dtype=dtype)
+                elif role == "lm_head":
+                    vpe = importlib.import_module("vllm.model_executor.layers.vocab_parallel_embedding")
+                    layer = vpe.ParallelLMHead(sizes[0], k, quant_config=qc, prefix=prefix, params_dtype=dtype)
+                elif len(sizes) > 1:
+                    layer = lin.MergedColumnParallelLinear(k, list(sizes), bias=False, quant_config=qc, prefix=prefix,
+                                                           params_dtype=dtype)
+                else:
+                    layer = lin.ColumnParallelLinear(k, sizes[0], bias=False, quant_config=qc, prefix=prefix,
+                                                     params_dtype=dtype)
+        except Exception as exc:
+            out.update(stage="create_weights", error=_exception_text(exc), error_type=type(exc).__name__,
+                       traceback=traceback.format_exc(limit=-4))
+            return out
+        finally:
+            torch.set_default_dtype(default_dtype)
+            out["ops_called"] = list(_stubs.OPS_CALLED)
+            out["kernel"] = chosen[-1] if chosen else None
+        method = getattr(layer, "quant_method", None)
+        out["method"] = type(method).__name__
+        scheme = getattr(method, "scheme", None)
+        inner = getattr(scheme, "linear_method", None) or getattr(scheme, "inner_method", None)
+        if inner is not None:  # INC's wrapper around the GPTQ/AWQ linear method
+            out["method"] = type(inner).__name__
+        out["params"] = {n: list(p.shape) for n, p in layer.named_parameters()}
         return out
 
     # -- the whole model ----------------------------------------------------------------------
@@ -1021,7 +1118,8 @@ def main() -> int:
         case = json.loads(line)
         try:
             kind = case.get("kind")
-            res = (release.linear_outcome(case) if kind == "linear" else release.model_outcome(case) if kind == "model"
+            res = (release.linear_outcome(case) if kind == "linear" else release.format_linear_outcome(case)
+                   if kind == "format_linear" else release.model_outcome(case) if kind == "model"
                    else release.outcome(case))
         except Exception as exc:  # a harness failure, reported as such
             res = {"harness_error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}

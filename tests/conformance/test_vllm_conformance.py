@@ -277,6 +277,7 @@ def test_linear_kernel_choice_matches_vllm(release: str) -> None:
 
 # -- GPTQ and AWQ: the format's own config class and method, built from the raw quantization_config --
 FORMAT_SAMPLES = int(os.environ.get("WNA16CTL_CONFORMANCE_FORMAT_SAMPLES", "120"))
+AUTO_ROUND_SAMPLES = int(os.environ.get("WNA16CTL_CONFORMANCE_AUTO_ROUND_SAMPLES", "80"))
 
 
 def format_disagreement(version: str, name: str, case: dict[str, Any]) -> str | None:
@@ -286,11 +287,23 @@ def format_disagreement(version: str, name: str, case: dict[str, Any]) -> str | 
                              switches=make_switches({}, case["moe_backend"]))
     plan = outcome_of_plan(plan_result)
     vllm = vllm_release.vllm_outcome(version, case)
+    if humming_not_driven(vllm, plan):
+        return None
     assert not vllm.get("ops_called"), f"vLLM {version} called compiled ops while deciding: {vllm['ops_called']}"
     diffs = disagreements(vllm, plan)
     if diffs and known_cause(version, case, vllm, plan) is None:
         return f"{name}: " + _report(version, case, vllm, plan, diffs)
     return None
+
+
+def humming_not_driven(vllm: dict[str, Any], plan: dict[str, Any]) -> bool:
+    """An auto-round layer INC sends to HummingMoEMethod (2/3/5/6/7 bits, 0.30+): its constructor
+    reads the compiled Humming library's types (stand-ins here), so the harness sees the routing
+    (the traceback passes through INC's humming builder) but not the method's verdict; the planner
+    says it does not plan that method.  Both must say so for the case to be set aside."""
+    return (vllm["stage"] == "method" and "_build_humming_moe_method" in vllm.get("traceback", "")
+            and "_stubs" in (vllm["error"] or "") + str(vllm.get("ops_called"))
+            and plan["stage"] == "method" and "HummingMoEMethod" in (plan["error"] or ""))
 
 
 @pytest.mark.parametrize("release", RELEASE_PARAMS, indirect=True)
@@ -303,5 +316,20 @@ def test_gptq_awq_layers_match_vllm(release: str) -> None:
 
     rng = random.Random(1)
     named = format_cases.real_cases() + [(f"sample {i}", format_cases.sample(rng)) for i in range(FORMAT_SAMPLES)]
+    wrong = [d for name, case in named if (d := format_disagreement(release, name, case))]
+    assert not wrong, "\n".join(wrong[:5])
+
+
+@pytest.mark.parametrize("release", RELEASE_PARAMS, indirect=True)
+def test_auto_round_layers_match_vllm(release: str) -> None:
+    """auto-round MoE configs as AutoRound 0.16.1 writes them (its own packing formats and its GPTQ/AWQ
+    exports) at TP 1/2/4/8, and sampled adversarial ones, against the release's INCConfig."""
+    import random
+
+    from tests.conformance import format_cases
+
+    rng = random.Random(2)
+    named = [(n, c) for n, c in format_cases.real_cases() if n.startswith("AutoRound")]
+    named += [(f"auto-round sample {i}", format_cases.sample_auto_round_case(rng)) for i in range(AUTO_ROUND_SAMPLES)]
     wrong = [d for name, case in named if (d := format_disagreement(release, name, case))]
     assert not wrong, "\n".join(wrong[:5])

@@ -58,3 +58,42 @@ def test_gptq_asymmetric_and_awq_channelwise_are_refused():
     case = format_cases.case(dict(awq["raw"], group_size=-1), 2048, 768, 8, 1, "sm80")
     p = plan_layer(format_cases.layer_of(case), 1, False, "0.27.1", "sm80")
     assert p.failure_stage == "create_weights" and "negative dimension -2048" in p.errors[0]
+
+
+def _auto_round_plan(tp: int, version: str, gpu: str = "sm80", **raw):
+    real = format_cases.REAL["AutoRound auto_round:auto_gptq sym4 g128"]
+    case = format_cases.case(dict(real["raw"], **raw), real["hidden_size"], real["intermediate_size"],
+                             real["num_experts"], tp, gpu)
+    return plan_layer(format_cases.layer_of(case), tp, False, version, gpu)
+
+
+def test_auto_round_routes_by_packing_format_to_gptq_or_awq_marlin():
+    # INCConfig: "gptq" in packing_format -> the GPTQ Marlin MoE method; auto_round:auto_awq -> AWQ's
+    p = _auto_round_plan(2, "0.27.1")
+    assert p.loadable and p.method["class"] == "AutoGPTQMoEMethod" and p.backend.value == "marlin"
+    p = _auto_round_plan(2, "0.33.0", packing_format="auto_round:auto_awq", sym=False)
+    assert p.loadable and p.method["class"] == "AutoAWQMoEMethod" and p.backend.value == "marlin"
+    # I 768 / 4 = 192 is not a multiple of 128: the Marlin gate refuses, MoeWNA16 from the layer's config
+    p = _auto_round_plan(4, "0.33.0")
+    assert p.loadable and p.method["class"] == "MoeWNA16Method" and p.backend.value == "triton"
+
+
+def test_auto_round_refusals_per_release():
+    # 8-bit AWQ-packed experts that the gate takes: AutoAWQConfig refuses 8 bits
+    p = _auto_round_plan(1, "0.33.0", packing_format="auto_round:auto_awq", bits=8)
+    assert p.failure_stage == "method" and p.errors[0].startswith("Unsupported num_bits = 8")
+    # 3-bit: MoeWNA16 refuses it until 0.30; since then INC sends it to the Humming method
+    p = _auto_round_plan(1, "0.29.0", bits=3)
+    assert p.failure_stage == "method" and p.errors == ["MoeWNA16Method only supports int4 and int8 now."]
+    p = _auto_round_plan(1, "0.30.0", bits=3)
+    assert p.failure_stage == "method" and p.method["class"] == "HummingMoEMethod"
+    # only the exact "auto-round" is taken over by INCConfig; sym is required before 0.29
+    p = _auto_round_plan(1, "0.33.0", quant_method="intel/auto-round")
+    assert p.failure_stage == "config" and "intel/auto-round" in p.errors[0]
+    raw = {k: v for k, v in format_cases.REAL["AutoRound auto_round:auto_gptq sym4 g128"]["raw"].items() if k != "sym"}
+    case = format_cases.case(raw, 2048, 768, 128, 1, "sm80")
+    assert plan_layer(format_cases.layer_of(case), 1, False, "0.28.0", "sm80").failure_stage == "config"
+    assert plan_layer(format_cases.layer_of(case), 1, False, "0.29.0", "sm80").loadable
+    # an extra_config entry of 16 bits named exactly the experts layer: UnquantizedFusedMoEMethod
+    p = _auto_round_plan(1, "0.33.0", extra_config={"model.layers.0.mlp.experts": {"bits": 16}})
+    assert p.failure_stage == "load" and p.method["class"] == "UnquantizedFusedMoEMethod"

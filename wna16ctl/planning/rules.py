@@ -126,6 +126,16 @@ CHANGES: tuple[Change, ...] = (
            "loaded whole, is_k_full) and the MoeWNA16 fallback skipped its g_idx",
            "quantization/utils/gptq_utils.py: normalize_and_validate_gptq_desc_act; auto_gptq.py: AutoGPTQConfig, "
            "AutoGPTQMoEMethod.create_weights; moe_wna16.py: get_weight_loader"),
+    Change("inc.int_format_checked", "0.29.0", None,
+           "INCConfig (quant_method auto-round) takes a missing sym as true and a null packing_format as "
+           "auto_round:auto_gptq, knows the auto_round:fp8 format, and asserts that an integer config is packed "
+           "auto_round:auto_gptq or auto_round:auto_awq; before, sym was required and auto_round:llm_compressor "
+           "with integer weights was a ValueError",
+           "quantization/inc/inc.py: INCConfig.from_config, _validate_int_quantization"),
+    Change("inc.low_bits_humming", "0.30.0", None,
+           "INCConfig takes 5/6/7-bit weights too, and on CUDA sends 2/3/5/6/7-bit layers to the Humming linear and "
+           "MoE methods; before, such experts went to MoeWNA16, which refuses them",
+           "quantization/inc/schemes/inc_wna16_scheme.py: CUDA_HUMMING_SUPPORTED_BITS"),
     Change("moe_wna16.int8_channel_assert", "0.27.0", "0.29.0",
            "MoeWNA16Method asserts group_size == -1 for 8-bit experts (an assert without a message): grouped "
            "8-bit GPTQ experts that the Marlin gate refuses cannot be built",

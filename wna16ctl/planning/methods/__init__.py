@@ -1,7 +1,7 @@
 """vLLM's quantization method of each checkpoint format: the steps that differ per format.
 
-One module per format (`compressed_tensors`, `gptq`, `awq`, and `moe_wna16`, the method GPTQ and
-AWQ fall back to): config parsing as the format's vLLM `from_config` does it, the method the
+One module per format (`compressed_tensors`, `gptq`, `awq`, `auto_round`, and `moe_wna16`, the method GPTQ,
+AWQ and AutoRound fall back to): config parsing as the format's vLLM `from_config` does it, the method the
 config builds for a routed-experts layer, its constructor's checks and what it asks the backend
 oracle, and its create_weights.  The oracle itself, keyed by the weight scheme, is shared by every
 format (`moe.py`), as vLLM shares it.  These modules are the only planner files that name formats.
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from wna16ctl.planning import rules
-from wna16ctl.planning.methods import awq, gptq, moe_wna16
+from wna16ctl.planning.methods import auto_round, awq, gptq, moe_wna16
 from wna16ctl.planning.methods.base import MoEMethod, OracleArgs
 from wna16ctl.planning.methods.compressed_tensors import LINEAR_PARAMS, linear_stored_form_known, moe_format_refusal
 
@@ -21,7 +21,7 @@ __all__ = ["LINEAR_PARAMS", "linear_stored_form_known", "moe_format_refusal", "M
            "FORMAT_METHODS", "uses_format_method", "parse_config", "moe_method", "create_weights", "CreateWeights"]
 
 # the quant_methods whose vLLM config is not compressed-tensors' (QuantConfig.quant_method values)
-FORMAT_METHODS = (gptq.QUANT_METHOD, awq.QUANT_METHOD)
+FORMAT_METHODS = (gptq.QUANT_METHOD, awq.QUANT_METHOD, auto_round.QUANT_METHOD)
 # the Marlin gate (check_moe_marlin_supports_layer): group size, tile padding -> why it refuses, or None
 Gate = Callable[[int, bool], "str | None"]
 
@@ -36,6 +36,8 @@ def parse_config(quant_method: str, raw: Mapping[str, Any], rel: rules.Release) 
     """The format's vLLM config from the raw quantization_config: (config, None) or (None, (rule, error))."""
     if quant_method == gptq.QUANT_METHOD:
         return gptq.parse(raw, rel)
+    if quant_method == auto_round.QUANT_METHOD:
+        return auto_round.parse(raw, rel)
     return awq.parse(raw)
 
 
@@ -43,6 +45,8 @@ def moe_method(quant_method: str, cfg: Any, raw: Mapping[str, Any], rel: rules.R
                gate: Gate) -> MoEMethod:
     """get_quant_method for a routed-experts layer: the format's Marlin MoE method where the gate
     takes the layer, else MoeWNA16 (with the reason the gate gave)."""
+    if quant_method == auto_round.QUANT_METHOD:
+        return auto_round.moe_method(cfg, rel, prefix, cc, gate)
     fmt = gptq if quant_method == gptq.QUANT_METHOD else awq
     reason = gate(*fmt.gate(cfg))
     if reason is None:
@@ -73,6 +77,11 @@ class CreateWeights:
 
 def create_weights(quant_method: str, cfg: Any, method: MoEMethod, raw: Mapping[str, Any], rel: rules.Release,
                    prefix: str, experts: int, hidden: int, i: int, i_p: int) -> CreateWeights:
+    if quant_method == auto_round.QUANT_METHOD:
+        # the GPTQ or AWQ config INC built for this layer (the method exists: its config resolved)
+        lc = auto_round.layer_config(cfg, prefix)
+        assert lc is not None
+        quant_method, cfg, raw = auto_round.inner(lc)
     if method.vllm_class == "MoeWNA16Method":
         g, error = moe_wna16.create_weights(raw["group_size"], experts, hidden, i_p)
         return CreateWeights(None if error else (False, i_p, True), error, g)

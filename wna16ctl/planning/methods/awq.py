@@ -35,9 +35,14 @@ def parse(raw: Mapping[str, Any]) -> tuple[AwqConfig | None, tuple[str, str] | N
     except KeyError as exc:
         return None, ("missing key", str(exc.args[0]))
     if cfg.bits != 4:
-        return None, ("bits", (f"Unsupported num_bits = {cfg.bits}. Supported: 4. For 8-bit AWQ, use Marlin backend by "
-                               "setting backend='awq:marlin' or backend='marlin'."))
+        return None, ("bits", bits_error(cfg.bits))
     return cfg, None
+
+
+def bits_error(bits: int) -> str:
+    """AutoAWQConfig's refusal of a bit width other than 4 (its TYPE_MAP)."""
+    return (f"Unsupported num_bits = {bits}. Supported: 4. For 8-bit AWQ, use Marlin backend by setting "
+            "backend='awq:marlin' or backend='marlin'.")
 
 
 def skipped(modules: tuple[str, ...], prefix: str) -> bool:
