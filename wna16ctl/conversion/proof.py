@@ -26,7 +26,7 @@ import torch
 from wna16ctl.conversion.plan import LAYOUT, ConversionPlan, Projection, plan_conversion, weights_key
 from wna16ctl.conversion.write import PIECE, converted_tensors
 from wna16ctl.sources import formats
-from wna16ctl.sources.formats import CODES, G_IDX, SCALES, ZERO_POINTS
+from wna16ctl.sources.formats import CODES, G_IDX, SCALES, SHAPE, ZERO_POINTS
 
 ACT_ORDER_NOTE = ("compressed-tensors >= 0.19 does not parse actorder group: act-order projections were unpacked by "
                   "its unpack_from_int32 and dequantized by its (q - z)·s through the g_idx")
@@ -191,49 +191,48 @@ class _Library:
         from wna16ctl.sources.formats.bits import unpack_bits
         from wna16ctl.sources.formats.compressed_tensors import NAMES
 
+        codes_name = NAMES.tensor(p.module, CODES)
         if self.warned:
             return f"compressed-tensors warned while reading the config: {self.warned[0]}"
-        local = {NAMES.suffix(r): got[NAMES.tensor(p.module, r)] for r in (CODES, SCALES, ZERO_POINTS, G_IDX)
-                 if NAMES.tensor(p.module, r) in got}
-        local["weight_shape"] = got[f"{p.module}.weight_shape"]
-        scheme = self.schemes.get(weights_key(p.scheme))
+        by_role = {r: got[NAMES.tensor(p.module, r)] for r in (CODES, SCALES, ZERO_POINTS, G_IDX, SHAPE)
+                   if NAMES.tensor(p.module, r) in got}
         try:
             with _no_warnings() as caught:
-                weight = self._decompress(p, local, scheme)
+                weight = self._decompress(p, by_role, self.schemes.get(weights_key(p.scheme)))
         except Exception as e:  # the library's own refusal, named
-            return f"tensor {p.module}.weight_packed: compressed-tensors cannot decompress it ({type(e).__name__}: {e})"
+            return f"tensor {codes_name}: compressed-tensors cannot decompress it ({type(e).__name__}: {e})"
         if caught:
-            return f"tensor {p.module}.weight_packed: compressed-tensors warned: {caught[0]}"
-        s = local["weight_scale"]
-        codes = unpack_bits(local["weight_packed"], p.scheme.num_bits, dim=1, size=p.k).t()
-        groups = local["weight_g_idx"].long() if "weight_g_idx" in local else _groups(p)
-        zp = local.get("weight_zero_point")
-        zeros = None if zp is None else unpack_bits(zp, p.scheme.num_bits, dim=0, size=p.n).t()
-        want = dequantize(codes, s.t(), groups, p.scheme.num_bits, s.dtype, zeros).t()
+            return f"tensor {codes_name}: compressed-tensors warned: {caught[0]}"
+        s, b = by_role[SCALES], p.scheme.num_bits
+        codes = unpack_bits(by_role[CODES], b, dim=1, size=p.k).t()
+        groups = by_role[G_IDX].long() if G_IDX in by_role else _groups(p)
+        zeros = unpack_bits(by_role[ZERO_POINTS], b, dim=0, size=p.n).t() if ZERO_POINTS in by_role else None
+        want = dequantize(codes, s.t(), groups, b, s.dtype, zeros).t()
         if weight.dtype != want.dtype or not torch.equal(weight, want):
-            return f"tensor {p.module}.weight_packed: compressed-tensors decompresses it to other values than the source's"
+            return f"tensor {codes_name}: compressed-tensors decompresses it to other values than the source's"
         return None
 
-    def _decompress(self, p: Projection, local: dict[str, torch.Tensor], scheme: Any) -> torch.Tensor:
+    def _decompress(self, p: Projection, by_role: dict[str, torch.Tensor], scheme: Any) -> torch.Tensor:
+        from wna16ctl.sources.formats.compressed_tensors import NAMES, PACK_QUANTIZED
+
         if scheme is not None and not p.scheme.act_order:
             from compressed_tensors.compressors import BaseCompressor
 
-            compressor = BaseCompressor.get_value_from_registry(scheme.format or "pack-quantized")
-            return compressor.decompress(dict(local), scheme)["weight"]
+            compressor = BaseCompressor.get_value_from_registry(scheme.format or PACK_QUANTIZED)
+            return compressor.decompress({NAMES.suffix(r): t for r, t in by_role.items()}, scheme)["weight"]
         if not p.scheme.act_order:
             raise ValueError(self.parse_error or "no config group of the output's config holds this scheme")
         from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
         if ACT_ORDER_NOTE not in self.notes:
             self.notes.append(ACT_ORDER_NOTE)
-        s = local["weight_scale"]
-        shape = torch.Size((p.n, p.k))
-        q = unpack_from_int32(local["weight_packed"], p.scheme.num_bits, shape)
-        if "weight_zero_point" in local:
-            z = unpack_from_int32(local["weight_zero_point"], p.scheme.num_bits, torch.Size(s.shape), packed_dim=0)
+        s = by_role[SCALES]
+        q = unpack_from_int32(by_role[CODES], p.scheme.num_bits, torch.Size((p.n, p.k)))
+        if ZERO_POINTS in by_role:
+            z = unpack_from_int32(by_role[ZERO_POINTS], p.scheme.num_bits, torch.Size(s.shape), packed_dim=0)
         else:
             z = torch.zeros(s.shape, dtype=torch.int8)
-        g = local["weight_g_idx"].long()
+        g = by_role[G_IDX].long()
         return (q.to(s.dtype) - z[:, g].to(s.dtype)) * s[:, g]
 
 
@@ -248,7 +247,7 @@ def _key_of(weights: dict[str, Any]) -> tuple:
 
     group = int(weights["group_size"]) if weights.get("strategy") == "group" else -1
     s = WeightScheme(int(weights["num_bits"]), group, bool(weights["symmetric"]), str(weights["strategy"]),
-                     weights.get("actorder"), "pack-quantized")
+                     weights.get("actorder"), "")
     return weights_key(s)
 
 
