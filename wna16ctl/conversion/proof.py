@@ -83,7 +83,7 @@ def is_converted_output(out: str | os.PathLike[str]) -> bool:
     from wna16ctl.output.outdir import our_manifest
 
     manifest = our_manifest(Path(out)) if Path(out).is_dir() else None
-    return bool(manifest) and manifest.get("layout") == LAYOUT
+    return manifest is not None and manifest.get("layout") == LAYOUT
 
 
 def verify_conversion(original: str | os.PathLike[str], converted: str | os.PathLike[str]) -> ConversionProof:
@@ -268,7 +268,7 @@ class _no_warnings:
             pass
         return self.caught
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *exc: Any) -> None:
         if self._sink is not None:
             from loguru import logger
 
