@@ -83,7 +83,7 @@ def test_the_cycle_finder_sees_a_cycle():
 LAYERS = [
     {"wna16ctl.cli", "wna16ctl.__main__", "wna16ctl", "wna16ctl.render", "wna16ctl.summary", "wna16ctl.demo",
      "wna16ctl.envreport"},
-    {"planning", "repacking", "verification", "integrations", "padding"},
+    {"planning", "repacking", "verification", "integrations", "padding", "conversion"},
     {"sources", "output", "native", "layout"},
 ]
 

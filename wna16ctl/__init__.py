@@ -8,6 +8,7 @@ The Python API mirrors the commands, with the same defaults:
     result = wna16ctl.repack("/models/ckpt", "/fast/tp2", tp=2)   # -> RepackResult
     report = wna16ctl.verify("/models/ckpt", "/fast/tp2")    # -> VerifyReport (report.passed)
     manifest = wna16ctl.pad("/models/ckpt", "/models/ckpt-tp4", tp=4)   # zero-padded to load at TP 4
+    manifest = wna16ctl.convert("/models/gptq", "/models/ct")   # GPTQ/AWQ/AutoRound -> compressed-tensors
 
 Errors are `wna16ctl.errors.WnaError` subclasses carrying the one-line message the CLI prints.
 Everything heavy (torch, compressed-tensors) is imported on the first call, so `import wna16ctl`
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
 
     from wna16ctl.planning.inspection import Inspection
     from wna16ctl.padding.proof import PadProof
+    from wna16ctl.conversion.proof import ConversionProof
     from wna16ctl.planning.vllm_state import VllmStatePlan
     from wna16ctl.repacking.distributed import Group
     from wna16ctl.repacking.pipeline import RepackPlan, RepackResult
@@ -53,7 +55,7 @@ if TYPE_CHECKING:
     PathLike = str | os.PathLike  # a checkpoint or output directory
     TpSizes = int | str | Iterable[int]
 
-__all__ = ["inspect", "repack", "verify", "pad", "__version__", "Inspection", "RepackPlan", "RepackResult", "VerifyReport"]
+__all__ = ["inspect", "repack", "verify", "pad", "convert", "__version__", "Inspection", "RepackPlan", "RepackResult", "VerifyReport"]
 
 
 def inspect(path: PathLike, tp: TpSizes = "1,2,4,8", ep: bool = False, *, vllm: str = "installed", gpu: str = "sm90",
@@ -234,8 +236,8 @@ def _gpu_names() -> Any:
 def verify(path: PathLike, out: PathLike, *, samples: PathLike | None = None, num_samples: int = 64, device: str = "auto",
            e2e: bool = False, prompts: int = 8, max_new_tokens: int = 32, score: bool = False,
            layers: str | Iterable[int] | None = None, experts: str | Iterable[int] | None = None, revision: str | None = None, progress: Callable[..., Callable[[int], None]] | None = None,
-           notice: Callable[[str], None] | None = None) -> VerifyReport | PadProof:
-    """Prove that `out` (a repack output, or a `pad` output) equals the checkpoint at `path`.
+           notice: Callable[[str], None] | None = None) -> VerifyReport | PadProof | ConversionProof:
+    """Prove that `out` (a repack output, a `pad` output or a `convert` output) equals the checkpoint at `path`.
 
     `samples`: a .jsonl or .parquet file with a 'question' field; when None, the first source of
     `wna16ctl.verification.samples.SAMPLE_SEARCH_ORDER` that exists (docs/verify.md).  `notice`
@@ -264,6 +266,12 @@ def verify(path: PathLike, out: PathLike, *, samples: PathLike | None = None, nu
         from wna16ctl.verification.e2e import E2EOptions
 
         options = E2EOptions(prompts=prompts, max_new_tokens=max_new_tokens, score=score)
+    from wna16ctl.conversion.proof import is_converted_output, verify_conversion
+
+    if is_converted_output(out):  # a `convert` output: its ConversionProof (`.passed`, `.problems`, `.to_json()`)
+        if e2e or layers is not None or experts is not None:
+            raise UsageError("a convert output is verified whole: e2e, layers and experts do not apply")
+        return verify_conversion(path, out)
     if is_padded_output(out):  # a `pad` output: its PadProof (`.passed`, `.partial`, `.problems`, `.to_json()`)
         return verify_padding(path, out, samples=samples, num_samples=num_samples, e2e=options, notice=notice,
                               layers=layers, experts=experts)
@@ -346,6 +354,28 @@ def pad(path: PathLike, out: PathLike | None, tp: int | str | None = None, *, to
     if out is None:
         raise UsageError("an output directory is required (or pass dry_run=True)")
     return {**write_padded(plan, out, force=force, progress=progress), "memory": plan.memory}
+
+
+def convert(path: PathLike, out: PathLike | None, *, dry_run: bool = False, force: bool = False, resume: bool = False,
+            progress: Callable[..., Callable[[int], None]] | None = None) -> Any:
+    """Convert the GPTQ, AWQ or AutoRound checkpoint at `path` to compressed-tensors `pack-quantized`
+    in `out`: every code, scale, zero point and g_idx carried exactly, the `quantization_config` as
+    llm-compressor writes it, the other files copied.  Written atomically with a manifest (returned);
+    `resume` reuses the files an earlier run finished for the same source.  With `dry_run` returns the
+    `ConversionPlan` and writes nothing.  Raises `BadInput` (nothing written) where compressed-tensors
+    cannot say what the source stores (the tensor or key, and why)."""
+    from wna16ctl.conversion.plan import plan_conversion
+    from wna16ctl.conversion.write import write_converted
+    from wna16ctl.errors import UsageError
+
+    if force and resume:
+        raise UsageError("force and resume exclude each other")
+    plan = plan_conversion(os.fspath(path))
+    if dry_run:
+        return plan
+    if out is None:
+        raise UsageError("an output directory is required (or pass dry_run=True)")
+    return write_converted(plan, out, force=force, resume=resume, progress=progress)
 
 
 def _serving_fix(insp: Inspection, tp: int) -> str | None:

@@ -653,6 +653,50 @@ def pad(ctx: click.Context, ckpt: str, out: str | None, tp: str | None, to: int 
     _run(ctx, sink, body, interrupted="no output was committed")
 
 
+# -- convert ---------------------------------------------------------------------------------------
+
+@cli.command(short_help="Convert a GPTQ, AWQ or AutoRound CKPT to compressed-tensors, exactly.")
+@click.argument("ckpt", type=click.Path(file_okay=False, path_type=str))
+@click.option("-o", "--output", "out", type=click.Path(path_type=str), help="Output directory (required unless --dry-run).")
+@click.option("--dry-run", is_flag=True, help="Print what would be written; write nothing.")
+@click.option("--resume", is_flag=True, help="Reuse files of an earlier run with the same source.")
+@click.option("--force", is_flag=True, help="Replace an earlier wna16ctl output at OUT.")
+@click.option("--json", "json_mode", is_flag=True, help="Print the result as one JSON object.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@_debug_option
+@click.pass_context
+def convert(ctx: click.Context, ckpt: str, out: str | None, dry_run: bool, resume: bool, force: bool, json_mode: bool,
+            quiet: bool, debug: bool) -> None:
+    """Write CKPT (GPTQ, AWQ or AutoRound) as a compressed-tensors pack-quantized checkpoint: every code,
+    scale, zero point and g_idx carried exactly; refused in one line where compressed-tensors cannot
+    say what CKPT stores."""
+    sink = Sink(json_mode=json_mode, quiet=quiet)
+    if out is None and not dry_run:
+        raise click.UsageError("-o/--output is required (or pass --dry-run)")
+    if force and resume:
+        raise click.UsageError("--force and --resume exclude each other")
+
+    def body() -> int:
+        from shlex import quote
+
+        import wna16ctl
+
+        if dry_run:
+            plan = wna16ctl.convert(ckpt, None, dry_run=True).to_json()
+            sink.result_lines(plan, lambda: [f"{k}: {v}" for k, v in plan.items()])
+            return EXIT_OK
+        with sink.tasks() as progress:
+            manifest = wna16ctl.convert(ckpt, out, force=force, resume=resume, progress=progress)
+        conv = manifest["conversion"]
+        sink.result_lines(manifest, lambda: [
+            f"converted {conv['projections']} projections ({', '.join(conv['schemes'])}) from {conv['source_format']} "
+            f"to {conv['target']}: {out}",
+            f"next: wna16ctl verify {quote(ckpt)} {quote(str(out))}"])
+        return EXIT_OK
+
+    _run(ctx, sink, body, interrupted="no output was committed; an interrupted run's finished files are kept for --resume")
+
+
 @cli.command("env", short_help="Versions and hardware, for bug reports.")
 @click.option("--json", "json_mode", is_flag=True, help="Print one JSON object.")
 @_debug_option

@@ -325,10 +325,11 @@ def _num(value: float | None, fmt: str) -> str:
     return "—" if value is None else format(value, fmt)
 
 
-def render_verify(console: Console, report) -> None:  # a VerifyReport or PadProof (imported lazily)
+def render_verify(console: Console, report) -> None:  # a VerifyReport, PadProof or ConversionProof (imported lazily)
+    from wna16ctl.conversion.proof import ConversionProof
     from wna16ctl.padding.proof import PadProof
 
-    if isinstance(report, PadProof):  # a `pad` output: the padding proof's own lines
+    if isinstance(report, (PadProof, ConversionProof)):  # a `pad` or `convert` output: its proof's own lines
         for line in report.lines() + next_step_lines(report.next_steps):
             console.print(line, markup=False, highlight=False, soft_wrap=True)
         return

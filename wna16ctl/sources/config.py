@@ -84,6 +84,11 @@ class QuantConfig:
                 return scheme
         return None
 
+    def unsayable(self) -> str | None:
+        """Why compressed-tensors' config cannot say this config's per-module rules (its format
+        decides, `InputFormat.unsayable`); None where it can."""
+        return formats.of(self).unsayable(self.raw, Path(self.source))
+
     def schemes_for(self, module_names: list[str]) -> list[WeightScheme | None]:
         """`scheme_for` of many names at once (each regex runs once over all names)."""
         with _regex_budget(self.source):

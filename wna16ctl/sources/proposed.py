@@ -144,7 +144,9 @@ def proposal_from_flags(scheme: str, group_size: int | None = None, actorder: st
                     flags=flags)
 
 
-def _is_linear_weight(name: str, entry: dict[str, Any] | None) -> bool:
+def is_linear_weight(name: str, entry: dict[str, Any] | None) -> bool:
+    """Whether a stored tensor is the float weight of a module a `Linear` target matches (2-D,
+    not an embedding)."""
     if not name.endswith(".weight") or entry is None:
         return False
     if entry["dtype"] not in _FLOATS or len(entry["shape"]) != 2:
@@ -185,7 +187,7 @@ def open_proposed(path: str | os.PathLike[str], proposal: Proposal, revision: st
     files = base.files
     names = list(files.names())
     candidates = [n for n in names if n.endswith(".weight")]
-    linear = [n[: -len(".weight")] for n in candidates if _is_linear_weight(n, files.raw(n))]
+    linear = [n[: -len(".weight")] for n in candidates if is_linear_weight(n, files.raw(n))]
     schemes = dict(zip(linear, quant.schemes_for(linear)))
     warnings: list[str] = []
     indivisible: list[str] = []

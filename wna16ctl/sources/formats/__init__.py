@@ -23,7 +23,7 @@ from wna16ctl.sources.formats.face import (CANONICAL, CODES, WEIGHT, G_IDX, SCAL
 from wna16ctl.sources.scheme import ParsedConfig
 
 __all__ = ["CANONICAL", "CODES", "WEIGHT", "G_IDX", "SCALES", "SHAPE", "ZERO_POINTS", "InputFormat", "NativeInputs",
-           "TensorNames", "FORMATS", "DEFAULT", "detect", "of", "parse"]
+           "TensorNames", "FORMATS", "FORMAT_FILES", "DEFAULT", "detect", "of", "parse"]
 
 FORMATS: dict[str, InputFormat] = {f.quant_method: f for f in (COMPRESSED_TENSORS, gptq.FORMAT, awq.FORMAT,
                                                                  auto_round.FORMAT)}
@@ -31,6 +31,9 @@ FORMATS.update({alias: auto_round.FORMAT for alias in auto_round.ALIASES})
 # Files beside config.json that hold the quantization config when config.json has none, with the
 # quant_method a file without one is read in
 SIDE_CONFIGS: tuple[tuple[str, str], ...] = ((gptq.QUANTIZE_CONFIG, gptq.QUANT_METHOD),)
+# Files beside config.json in which a writer repeats its quantization config (GPTQModel's
+# quantize_config.json, AutoRound's quantization_config.json): stale once the weights are converted
+FORMAT_FILES: tuple[str, ...] = (gptq.QUANTIZE_CONFIG, "quantization_config.json")
 # the format a checkpoint without `quantization_config` is read in (its packed tensors are refused by name)
 DEFAULT: InputFormat = COMPRESSED_TENSORS
 

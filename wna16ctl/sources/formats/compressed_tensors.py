@@ -151,13 +151,12 @@ def written_tensors(module: str, entry: Mapping[str, Any], weights: Mapping[str,
     (name, dtype, shape), as llm-compressor writes them (the dense packing)."""
     n, k = (int(x) for x in entry["shape"])
     bits = int(weights["num_bits"])
-    pf = 32 // bits
     groups = -(-k // int(weights["group_size"])) if weights["strategy"] == "group" else 1
-    out = [(f"{module}.{NAMES.codes}", "I32", [n, -(-k * bits // 32)]),
+    out = [(f"{module}.{NAMES.codes}", "I32", [n, packed_words(k, bits, "dense")]),
            (f"{module}.{NAMES.scales}", entry["dtype"], [n, groups]),
            (f"{module}.{NAMES.shape}", "I64", [2])]
     if not weights["symmetric"]:
-        out.append((f"{module}.{NAMES.zero_points}", "I32", [-(-n // pf), groups]))
+        out.append((f"{module}.{NAMES.zero_points}", "I32", [packed_words(n, bits, "dense"), groups]))
     if weights["strategy"] == "group" and weights.get("actorder") == "group":
         out.append((f"{module}.{NAMES.g_idx}", "I32", [k]))
     return out

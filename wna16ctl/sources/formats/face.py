@@ -126,6 +126,11 @@ class InputFormat:
         function of many names at once); None: `sources.config`'s targets/ignore matching."""
         return None
 
+    def unsayable(self, qc: Mapping[str, Any], path: Path) -> str | None:
+        """Why compressed-tensors' `quantization_config` cannot say this config's per-module rules
+        (an override of something it has no field for), naming the key; None where it can."""
+        return None
+
     def native_inputs(self, scheme: WeightScheme) -> NativeInputs | None:
         """What the native fast path reads in place for `scheme`; None: the torch path reads it."""
         raise NotImplementedError

@@ -36,6 +36,10 @@ V1, V2 = "gptq", "gptq_v2"  # checkpoint_format values, and the stored forms' na
 QUANTIZE_CONFIG = "quantize_config.json"  # GPTQ's config beside config.json (older writers)
 BITS = (2, 3, 4, 8)
 _OVERRIDES = ("bits", "group_size", "desc_act", "sym")
+# `dynamic` fields that steer GPTQModel's quantization and leave the stored form as the scheme says
+_PROCESS_ONLY = frozenset({"damp_percent", "damp_auto_increment", "mse", "static_groups", "true_sequential", "v2",
+                           "v2_alpha", "act_group_aware", "failsafe", "fail_safe", "hyb_act", "gar"})
+_INT32 = "int32"  # the pack_dtype every reader here takes (qweight/qzeros of int32 words)
 
 
 def _shapes(scheme: WeightScheme, n: int, k: int) -> dict[str, tuple]:
@@ -196,6 +200,15 @@ class GPTQ(QweightFormat):
                 "quantization_config.modules_in_block_to_quantize must be a list (of lists) of module names")
         return ParsedConfig(quant_method=QUANT_METHOD, format=form, version=None, groups=tuple(groups),
                             ignore=tuple(ignore))
+
+    def unsayable(self, qc: Mapping[str, Any], path: Path) -> str | None:
+        for key, _, body in _dynamic(qc, path):
+            for field, value in body.items():
+                if field in _OVERRIDES or field in _PROCESS_ONLY or (field == "pack_dtype" and value == _INT32):
+                    continue
+                return (f"{path}: quantization_config.dynamic[{key!r}].{field} = {value!r}: compressed-tensors has no "
+                        f"field for a per-module {field}, so no config group can say this rule")
+        return None
 
     def resolver(self, parsed: ParsedConfig, qc: Mapping[str, Any], path: Path) -> Resolve:
         bits, group, desc_act, sym, form = parse_base(qc, path)

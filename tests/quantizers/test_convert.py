@@ -1,0 +1,130 @@
+"""`wna16ctl convert` of the checkpoints AutoRound and GPTQModel write (tests/quantizers/conftest.py)
+to compressed-tensors pack-quantized, and `verify ORIGINAL CONVERTED`.
+
+The converted checkpoint is judged against the tool's own dequantization (reference.py, computed by
+AutoRound's / GPTQModel's code in the quantizer venv): compressed-tensors' decompression of every
+converted projection is that reference rounded once to the scale dtype, with no warning from the
+library.  The refusals are one line, exit 2, nothing written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from tests.quantizers.write_checkpoints import VARIANTS
+
+ACT_ORDER = "gptqmodel-gptq-actorder-sym4"
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "wna16ctl", *args], capture_output=True, text=True,
+                          env=os.environ | {"PYTHONPATH": os.getcwd()})
+
+
+def _library_decompress(out, module: str, config: dict) -> torch.Tensor:
+    """compressed-tensors' own decompression of one module (its pack-quantized compressor, the one
+    ModelCompressor runs per module); act-order (which compressed-tensors >= 0.19 no longer parses)
+    through its unpack_from_int32 and the g_idx."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from compressed_tensors.quantization import QuantizationConfig
+
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        local = {k.rpartition(".")[2]: f.get_tensor(k) for k in f.keys() if k.rpartition(".")[0] == module}
+    (group,) = config["config_groups"].values()
+    if group["weights"]["actorder"] == "group":
+        s, g = local["weight_scale"], local["weight_g_idx"].long()
+        q = unpack_from_int32(local["weight_packed"], 4, torch.Size(local["weight_shape"].tolist()))
+        return (q.to(s.dtype) - torch.zeros_like(s)[:, g]) * s[:, g]
+    scheme = QuantizationConfig.model_validate(config).config_groups["group_0"]
+    return BaseCompressor.get_value_from_registry("pack-quantized").decompress(local, scheme)["weight"]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_each_tool_checkpoint_converts_exactly_and_verifies(quantized, tmp_path, variant):
+    import wna16ctl
+
+    src = quantized.checkpoint(variant)
+    out = tmp_path / "ct"
+    r = _cli("convert", str(src), "-o", str(out), "-q")
+    assert r.returncode == 0, r.stderr
+    assert "next: wna16ctl verify" in r.stdout
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "compressed-tensors" and config["format"] == "pack-quantized"
+    assert {"lm_head", "model.layers.0.mlp.gate", "model.layers.1.mlp.gate"} <= set(config["ignore"])
+    assert not (out / "quantize_config.json").exists() and (out / "tokenizer.json").is_file()
+    reference = load_file(str(quantized.reference(variant)))
+    src_scales = load_file(str(src / "model.safetensors"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the library decompresses without a warning
+        for module, want in reference.items():
+            module = module.removesuffix(".weight")
+            got = _library_decompress(out, module, config)
+            dtype = src_scales[module + ".scales"].dtype  # the scales are kept in their dtype
+            assert got.dtype == dtype, module
+            assert torch.equal(got, want.to(dtype)), f"{variant}: {module}"
+    proof = wna16ctl.verify(src, out)
+    assert proof.passed and proof.projections_checked == len(reference), proof.lines()
+    assert (ACT_ORDER == variant) == any("actorder group" in n for n in proof.notes)
+    r = _cli("verify", str(src), str(out))
+    assert r.returncode == 0 and "PASS" in r.stdout.splitlines()[-1], r.stdout + r.stderr
+
+
+def test_convert_keeps_act_order_and_the_zero_points(quantized, tmp_path):
+    """The act-order g_idx is carried as weight_g_idx (actorder group); an asymmetric checkpoint's
+    zero points are carried, packed along N (v2 stores the zero itself: nothing to undo)."""
+    import wna16ctl
+
+    wna16ctl.convert(quantized.checkpoint(ACT_ORDER), tmp_path / "a")
+    src = load_file(str(quantized.checkpoint(ACT_ORDER) / "model.safetensors"))
+    out = load_file(str(tmp_path / "a" / "model.safetensors"))
+    module = "model.layers.1.mlp.experts.2.down_proj"
+    assert torch.equal(out[module + ".weight_g_idx"], src[module + ".g_idx"])
+    assert module + ".weight_zero_point" not in out and out[module + ".weight_shape"].tolist() == [128, 96]
+    wna16ctl.convert(quantized.checkpoint("gptqmodel-gptqv2-asym8"), tmp_path / "b")
+    out = load_file(str(tmp_path / "b" / "model.safetensors"))
+    assert out[module + ".weight_zero_point"].shape == (128 // 4, 96 // 32)
+    assert module + ".weight_g_idx" not in out
+
+
+def test_resume_reuses_what_an_earlier_run_finished(quantized, tmp_path):
+    import wna16ctl
+
+    src = quantized.checkpoint("autoround-awq-asym4")
+    first = wna16ctl.convert(src, tmp_path / "o")
+    again = wna16ctl.convert(src, tmp_path / "o", resume=True)
+    assert first["files_reused"] == [] and again["files_reused"] == ["model.safetensors"]
+    assert again["files"] == first["files"]
+
+
+def _broken(quantized, tmp_path, variant: str, **qc_changes) -> str:
+    dest = shutil.copytree(quantized.checkpoint(variant), tmp_path / "src")
+    config = json.loads((dest / "config.json").read_text())
+    config["quantization_config"].update(qc_changes)
+    (dest / "config.json").write_text(json.dumps(config))
+    (dest / "quantize_config.json").unlink(missing_ok=True)
+    return str(dest)
+
+
+@pytest.mark.parametrize("variant, change, named", [
+    ("autoround-awq-asym4", {"version": "gemv"}, "quantization_config.version"),
+    ("gptqmodel-gptqv2-asym8", {"bits": 5}, "quantization_config.bits"),
+    ("gptqmodel-gptqv2-asym8", {"dynamic": {r"+:.*down_proj": {"pack_dtype": "int16"}}}, "pack_dtype"),
+])
+def test_refusals_are_one_line_exit_2_and_write_nothing(quantized, tmp_path, variant, change, named):
+    src = _broken(quantized, tmp_path, variant, **change)
+    out = tmp_path / "out"
+    r = _cli("convert", src, "-o", str(out))
+    assert r.returncode == 2, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and named in r.stderr, r.stderr
+    assert sorted(os.listdir(tmp_path)) == ["src"]  # no OUT, no staging directory

@@ -1,0 +1,214 @@
+"""What `convert` writes: every quantized projection of a GPTQ, AWQ or AutoRound checkpoint as the
+compressed-tensors `pack-quantized` tensors llm-compressor writes, and the config that says so.
+
+A projection's scheme is the one its format resolves (GPTQModel's `dynamic`, AWQ's
+`modules_to_not_convert`, AutoRound's `extra_config` applied).  The written `quantization_config`
+says the same scheme of every module: first the source's own groups (its rules as config groups and
+ignore entries), kept only when compressed-tensors' matching (`sources.config`, the library's rules)
+gives every module the scheme the source gives it; else the default scheme for `Linear` and the
+other modules by their exact names.  Each unquantized Linear is ignored by name, as llm-compressor
+writes `lm_head` and the routers.  Torch-free: the planned tensors come from the headers alone.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from wna16ctl.errors import BadInput, UsageError
+from wna16ctl.output.manifest import FORMAT_NAME
+from wna16ctl.sources import Checkpoint, WeightScheme, formats, open_checkpoint
+from wna16ctl.sources.formats import CODES, SCALES
+from wna16ctl.sources.formats import compressed_tensors as ct
+from wna16ctl.version import __version__
+
+LAYOUT = "convert"  # the manifest's `layout`: a checkpoint converted to compressed-tensors
+TARGET = f"{ct.QUANT_METHOD} {ct.PACK_QUANTIZED}"
+BITS = range(1, 9)  # the integer widths compressed-tensors' pack-quantized stores (pack_to_int32)
+
+
+@dataclass(frozen=True)
+class Projection:
+    """One quantized module of the source: its scheme, [N, K] and stored tensors by role."""
+
+    module: str
+    scheme: WeightScheme
+    n: int
+    k: int
+    stored: dict[str, str]  # role -> the source tensor's name (those present)
+    scale_dtype: str
+
+    def written(self) -> list[tuple[str, str, list[int]]]:
+        """The pack-quantized tensors (name, dtype, shape), in llm-compressor's order."""
+        return ct.written_tensors(self.module, {"shape": [self.n, self.k], "dtype": self.scale_dtype},
+                                  weights_of(self.scheme))
+
+
+@dataclass
+class ConversionPlan:
+    checkpoint: Checkpoint
+    projections: dict[str, Projection]
+    config: dict[str, Any]  # the compressed-tensors quantization_config written
+    ignored: list[str]  # the unquantized Linear modules, by name
+    files: list[tuple[Any, Any]] = field(default_factory=list)  # (source shard, output PlannedFile)
+
+    @property
+    def source_method(self) -> str:
+        quant = self.checkpoint.config.quant
+        return quant.quant_method if quant is not None else ""
+
+    def to_json(self) -> dict[str, Any]:
+        schemes = Counter(p.scheme.describe() for p in self.projections.values())
+        return {"source": str(self.checkpoint.root), "source_format": self.source_method, "target": TARGET,
+                "projections": len(self.projections), "schemes": dict(schemes), "ignored": len(self.ignored),
+                "config_groups": len(self.config["config_groups"]), "files": [f.relpath for _, f in self.files]}
+
+
+def weights_of(s: WeightScheme) -> dict[str, Any]:
+    """A scheme as the `weights` of a config group llm-compressor writes (channel-wise: group_size -1)."""
+    return {"num_bits": s.num_bits, "type": "int", "symmetric": s.symmetric, "strategy": s.strategy,
+            "group_size": s.group_size if s.strategy == "group" else -1, "block_structure": None,
+            "dynamic": False, "actorder": "group" if s.act_order else None, "observer": "minmax",
+            "observer_kwargs": {}}
+
+
+def _same(a: WeightScheme | None, b: WeightScheme | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return (a.num_bits, a.group_size, a.symmetric, a.strategy, a.act_order) == \
+           (b.num_bits, b.group_size, b.symmetric, b.strategy, b.act_order)
+
+
+def identity(ck: Checkpoint) -> dict[str, Any]:
+    from wna16ctl.sources import source_fingerprint
+
+    return {"format": FORMAT_NAME, "layout": LAYOUT, "tool_version": __version__,
+            "source_fingerprint": source_fingerprint(ck), "settings": {"target": TARGET}}
+
+
+def plan_conversion(path: str | os.PathLike[str]) -> ConversionPlan:
+    """The conversion of the checkpoint at `path`; BadInput naming the tensor or key where
+    compressed-tensors cannot say exactly what the source stores."""
+    ck = open_checkpoint(path)
+    quant = ck.config.quant
+    if quant is None:
+        raise BadInput(f"{ck.root}: config.json has no quantization_config; there are no quantized weights to convert")
+    if formats.of(quant) is formats.DEFAULT:
+        raise UsageError(f"{ck.root}: is already a {ct.QUANT_METHOD} checkpoint; convert reads GPTQ, AWQ and "
+                         "AutoRound checkpoints")
+    why = quant.unsayable()
+    if why is not None:
+        raise BadInput(why)
+    projections = _projections(ck)
+    if not projections:
+        raise BadInput(f"{ck.root}: stores no quantized projection ({formats.of(quant).names.codes} tensors); "
+                       "nothing to convert")
+    ignored = _unquantized_linear(ck, projections)
+    plan = ConversionPlan(ck, projections, _config(ck, projections, ignored), ignored)
+    plan.files = _planned_files(plan)
+    return plan
+
+
+def _projections(ck: Checkpoint) -> dict[str, Projection]:
+    quant = ck.config.quant
+    assert quant is not None
+    fmt = formats.of(quant)
+    by_module: dict[str, dict[str, str]] = {}
+    for name in ck.files.names():
+        split = fmt.names.split(name)
+        if split is not None and split[1] != formats.WEIGHT:
+            by_module.setdefault(split[0], {})[split[1]] = name
+    modules = [m for m, roles in by_module.items() if CODES in roles]
+    out = {}
+    for module, scheme in zip(modules, quant.schemes_for(modules)):
+        roles = by_module[module]
+        codes = roles[CODES]
+        if scheme is None:
+            raise BadInput(f"tensor {codes}: stored packed, but the quantization_config leaves {module} unquantized; "
+                           "the config and the tensors disagree")
+        if not fmt.stores_packed(scheme):
+            raise BadInput(f"tensor {codes}: {scheme.describe()} in stored form {scheme.format!r} is not one "
+                           "wna16ctl converts")
+        if scheme.type != "int" or scheme.num_bits not in BITS:
+            raise BadInput(f"tensor {codes}: {scheme.num_bits}-bit {scheme.type} weights: compressed-tensors' "
+                           f"{ct.PACK_QUANTIZED} stores integers of 1 to 8 bits only; nothing was written")
+        if SCALES not in roles:
+            raise BadInput(f"tensor {module}.{fmt.names.scales}: missing; every quantized projection stores its scales")
+        n, k = fmt.codes_nk(list(ck.files.info(codes).shape), scheme)
+        out[module] = Projection(module, scheme, n, k, dict(roles), ck.files.info(roles[SCALES]).dtype)
+    return out
+
+
+def _unquantized_linear(ck: Checkpoint, projections: dict[str, Projection]) -> list[str]:
+    from wna16ctl.sources.proposed import is_linear_weight
+
+    weight = formats.WEIGHT
+    return [n[: -len(weight) - 1] for n in ck.files.names()
+            if n.endswith("." + weight) and n[: -len(weight) - 1] not in projections and is_linear_weight(n, ck.files.raw(n))]
+
+
+def _config(ck: Checkpoint, projections: dict[str, Projection], ignored: list[str]) -> dict[str, Any]:
+    """The first candidate config whose matching gives every module its source scheme."""
+    quant = ck.config.quant
+    assert quant is not None
+    wanted = {m: p.scheme for m, p in projections.items()} | {m: None for m in ignored}
+    own = [(list(g.targets), g.scheme) for g in quant.groups if g.scheme is not None]
+    own_ignore = [t for t in quant.ignore if t.startswith("re:")]
+    counts = Counter(weights_key(p.scheme) for p in projections.values())
+    base = next(p.scheme for p in projections.values() if weights_key(p.scheme) == counts.most_common(1)[0][0])
+    by_name: list[tuple[list[str], WeightScheme]] = [(["Linear"], base)]
+    for key in dict.fromkeys(weights_key(p.scheme) for p in projections.values()):
+        if key != weights_key(base):
+            members = [m for m, p in projections.items() if weights_key(p.scheme) == key]
+            by_name.append((members, projections[members[0]].scheme))
+    for groups, ignore in ((own, own_ignore + ignored), (by_name, list(ignored))):
+        config = ct.written_config({f"group_{i}": {"targets": targets, "weights": weights_of(s)}
+                                    for i, (targets, s) in enumerate(groups)}, tuple(dict.fromkeys(ignore)))
+        if _says(config, wanted, ck.root):
+            return config
+    raise AssertionError("the config by module names does not say the source's schemes")
+
+
+def weights_key(s: WeightScheme) -> tuple:
+    return (s.num_bits, s.group_size, s.symmetric, s.strategy, s.act_order)
+
+
+def _says(config: dict[str, Any], wanted: dict[str, WeightScheme | None], root: Path) -> bool:
+    from wna16ctl.sources.config import parse_quantization_config
+
+    parsed = parse_quantization_config(config, root / "config.json")
+    names = list(wanted)
+    return all(_same(got, wanted[n]) for n, got in zip(names, parsed.schemes_for(names)))
+
+
+def _planned_files(plan: ConversionPlan) -> list[tuple[Any, Any]]:
+    """(source shard, output PlannedFile) per shard: the same names, each tensor in the source's data
+    order, a projection's pack-quantized tensors where its codes were, its other stored tensors gone."""
+    from wna16ctl.output.writer import PlannedFile, PlannedTensor
+
+    files = plan.checkpoint.files
+    placed = {p.stored[CODES]: p for p in plan.projections.values()}
+    owned = {name for p in plan.projections.values() for name in p.stored.values()}
+    out = []
+    for sh in files.shards:
+        tensors = []
+        for name in sorted(sh.entries, key=lambda n: files.entry(n)["data_offsets"][0]):
+            if name in placed:
+                tensors += [PlannedTensor(n, dt, tuple(shape)) for n, dt, shape in placed[name].written()]
+            elif name not in owned:
+                e = files.entry(name)
+                tensors.append(PlannedTensor(name, e["dtype"], tuple(e["shape"])))
+        f = PlannedFile(_relpath(plan.checkpoint.root, sh.path), tensors)
+        f.layout()
+        out.append((sh, f))
+    return out
+
+
+def _relpath(root: Path, path: Path) -> str:
+    try:
+        return path.relative_to(root).as_posix()
+    except ValueError:
+        return path.name
