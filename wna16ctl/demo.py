@@ -693,7 +693,7 @@ def _gptq_config(spec: DemoSpec, skipped: list[str]) -> dict[str, Any]:
     """The quantization_config GPTQModel writes (v1 storage), its `dynamic` skipping `skipped`."""
     from wna16ctl.version import __version__
 
-    dynamic = {"-:" + re.escape(entry) + ("" if entry.endswith(".") else "$"): {} for entry in skipped}
+    dynamic: dict[str, dict[str, Any]] = {"-:" + re.escape(entry) + ("" if entry.endswith(".") else "$"): {} for entry in skipped}
     return {"bits": spec.num_bits, "group_size": spec.group_size, "desc_act": spec.actorder == "group",
             "sym": spec.symmetric, "lm_head": False, "quant_method": gptq.QUANT_METHOD, "method": gptq.QUANT_METHOD,
             "format": gptq.V1, "checkpoint_format": gptq.V1, "pack_dtype": "int32", "dynamic": dynamic,
@@ -721,6 +721,8 @@ def _in_qweight_format(spec: DemoSpec, tensors: dict[str, torch.Tensor],
     qc = _gptq_config(spec, skipped) if spec.format == gptq.QUANT_METHOD else _awq_config(spec, skipped)
     where = Path("config.json")
     read_back = fmt.resolver(fmt.parse_config(qc, where), qc, where)
+    if read_back is None:  # the qweight formats resolve modules by rules of their own
+        raise AssertionError(f"the {spec.format} format has no module rules")
     schemes = dict(zip(linear, read_back(linear)))
     wrong = [m for m in linear if (schemes[m] is None) != (m not in quantized)]
     if wrong:  # the config and the tensors would disagree
