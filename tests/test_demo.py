@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -442,6 +444,13 @@ def test_tokenizer_on_gsm8k(make_ckpt: MakeCheckpoint, gsm8k_test) -> None:
         (dict(targets="attention"), "targets"),
         (dict(targets="linear", mixed="layer"), "routed experts only"),
         (dict(arch="deepseek_v3", targets="linear"), "kv_lora_rank 64 is not a multiple of group_size 128"),
+        (dict(format="marlin"), "format 'marlin' is not one of"),
+        (dict(format="gptq", num_bits=5), "format gptq stores 2, 3, 4, 8 bits, not 5"),
+        (dict(format="awq", num_bits=8), "format awq stores 4 bits, not 8"),
+        (dict(format="gptq", actorder="static"), "format gptq stores actorder none or group, not static"),
+        (dict(format="awq", actorder="group"), "format awq stores actorder none, not group"),
+        (dict(format="gptq", mixed="layer"), "mixed precision is written in format compressed-tensors only"),
+        (dict(format="awq", group_size=-1, channel_group_size_null=True), "channel_group_size_null"),
     ],
 )
 def test_bad_specs_are_refused(tmp_path: Path, fields: dict, message: str) -> None:
@@ -655,3 +664,79 @@ def test_a_result_stdout_cannot_take_is_one_line(make_ckpt: MakeCheckpoint) -> N
         lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
         assert res.returncode == 2 and len(lines) == 1, res.stderr
         assert lines[0].startswith("error: stdout:") and "No space left on device" in lines[0], res.stderr
+
+
+# ---- `demo --format gptq|awq`: the same quantization in another format ----------------------------
+
+
+@pytest.mark.parametrize("fields", [dict(format="gptq"), dict(format="gptq", actorder="group", symmetric=False),
+                                    dict(format="gptq", num_bits=8, targets="linear"), dict(format="gptq", num_bits=3),
+                                    dict(format="awq", symmetric=False), dict(format="awq", targets="linear")])
+def test_gptq_and_awq_store_the_compressed_tensors_quantization(make_ckpt: MakeCheckpoint, fields: dict) -> None:
+    """Read back by the package, every expert of a GPTQ or AWQ demo holds the codes, zero points
+    and g_idx of the compressed-tensors demo of the same spec, and its scales in float16 (the
+    tools' dtype), and nothing but the quantized modules differs."""
+    from wna16ctl.layout.spec import SCALES
+    from wna16ctl.sources import open_checkpoint
+    from wna16ctl.sources.tensors import TensorReader
+
+    base = {k: v for k, v in fields.items() if k != "format"}
+    theirs, ours = open_checkpoint(make_ckpt(**SMALL, **base)), open_checkpoint(make_ckpt(**SMALL, **fields))
+    assert ours.config.quant.quant_method == fields["format"]
+    assert [layer.prefix for layer in ours.layers] == [layer.prefix for layer in theirs.layers]
+    with TensorReader(theirs.files) as a, TensorReader(ours.files) as b:
+        for layer, twin in zip(theirs.layers, ours.layers):
+            assert twin.scheme.describe() == layer.scheme.describe()
+            for expert in range(layer.num_experts):
+                want, got = a.read_expert(layer, expert), b.read_expert(twin, expert)
+                for role in want:
+                    assert got[role].keys() == want[role].keys(), role
+                    for key, tensor in want[role].items():
+                        expected = tensor.to(torch.float16) if key == SCALES else tensor
+                        assert got[role][key].dtype == expected.dtype and torch.equal(got[role][key], expected), key
+    unquantized = {n: t for n, t in read_tensors(make_ckpt(**SMALL, **base)).items() if n.endswith((".weight", ".bias"))}
+    stored = read_tensors(make_ckpt(**SMALL, **fields))
+    assert all(torch.equal(stored[n], t) for n, t in unquantized.items())
+
+
+def test_gptq_demo_keeps_each_module_in_one_shard(make_ckpt: MakeCheckpoint) -> None:
+    index = json.loads((make_ckpt(**SMALL, format="gptq") / "model.safetensors.index.json").read_text())
+    shards: dict[str, set[str]] = {}
+    for name, shard in index["weight_map"].items():
+        shards.setdefault(name.rpartition(".")[0], set()).add(shard)
+    assert len(set().union(*shards.values())) == 2 and all(len(s) == 1 for s in shards.values())
+
+
+def _cli(*args: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "wna16ctl", *map(str, args)], capture_output=True, text=True,
+                          check=False, timeout=900)
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "awq"])
+def test_demo_format_then_inspect_repack_and_verify(tmp_path: Path, fmt: str) -> None:
+    """`demo --format` on the command line, then what `make demo` runs on it: inspect reads the
+    format; repack --tp 2 either writes an output that verify proves, or refuses in one line and
+    writes nothing."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "tp2"
+    wrote = _cli("demo", ckpt, "--format", fmt, "--asym")
+    assert wrote.returncode == 0, wrote.stderr
+    config = json.loads((ckpt / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == fmt
+    inspected = _cli("inspect", ckpt, "--tp", "1,2,4", "--json")
+    assert inspected.returncode in (0, 1), inspected.stderr
+    report = json.loads(inspected.stdout)
+    assert report["quantization"]["format"] == fmt and len(report["layers"]) == 2
+    repacked = _cli("repack", ckpt, "--tp", 2, "-o", out)
+    if repacked.returncode == 0:
+        verified = _cli("verify", ckpt, out)
+        assert verified.returncode == 0, verified.stdout + verified.stderr
+    else:
+        lines = [ln for ln in repacked.stderr.splitlines() if ln.strip()]
+        assert repacked.returncode in (1, 2) and len(lines) == 1 and lines[0].startswith("error: "), repacked.stderr
+        assert "internal error" not in lines[0] and not out.exists()
+
+
+def test_demo_format_refusals_are_one_line(tmp_path: Path) -> None:
+    line = _one_line(_demo(tmp_path / "out", "--format", "awq", "--bits", "8", *TINY))
+    assert "format awq stores 4 bits, not 8" in line
+    assert not (tmp_path / "out").exists()

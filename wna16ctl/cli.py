@@ -25,6 +25,7 @@ try:  # a Ctrl-C while the command line starts: one line and 130, as anywhere la
     from wna16ctl.planning.engine_env import MOE_BACKENDS
     from wna16ctl.planning.rules import DEFAULT_GPU, GPUS, NEWEST, OLDEST
     from wna16ctl.sources.architectures import DEMO_ARCHITECTURES
+    from wna16ctl.sources.formats import DEMO_FORMATS
     from wna16ctl.layout.registry import names as layout_names
     from wna16ctl.layout.spec import AUTO
 except KeyboardInterrupt:
@@ -486,8 +487,13 @@ def assemble(ctx: click.Context, out: str, json_mode: bool, debug: bool) -> None
 @cli.command(short_help="Write a small demo checkpoint quantized by compressed-tensors.")
 @click.argument("out", type=click.Path(path_type=str))
 @click.option("--arch", type=click.Choice(DEMO_ARCHITECTURES), default=DEMO_ARCHITECTURES[0], show_default=True)
+@click.option("--format", "fmt", type=click.Choice(DEMO_FORMATS), default=DEMO_FORMATS[0], show_default=True,
+              help="The checkpoint's format: compressed-tensors as the library writes it, or the same "
+                   "quantization stored as GPTQModel writes GPTQ (v1; --actorder group gives desc_act) or as "
+                   "AutoAWQ/AutoRound write AWQ (GEMM, 4 bits; --asym gives zero_point).")
 @click.option("--bits", type=click.Choice([str(b) for b in range(2, 9)]), default="4", show_default=True,
-              help="Weight bit width (2-8; compressed-tensors packs the codes densely into int32 words).")
+              help="Weight bit width (2-8; compressed-tensors packs the codes densely into int32 words; GPTQ "
+                   "stores 2, 3, 4 or 8, AWQ 4).")
 @click.option("--group-size", type=click.Choice(["-1", "32", "64", "128"]), default="128", show_default=True)
 @click.option("--asym", is_flag=True, help="Asymmetric quantization (zero points).")
 @click.option("--actorder", type=click.Choice(["none", "weight", "static", "group"]), default="none", show_default=True)
@@ -504,9 +510,10 @@ def assemble(ctx: click.Context, out: str, json_mode: bool, debug: bool) -> None
 @click.option("--force", is_flag=True, help="Replace an earlier demo checkpoint in OUT (nothing else is removed).")
 @_debug_option
 @click.pass_context
-def demo(ctx: click.Context, out: str, arch: str, bits: str, group_size: str, asym: bool, actorder: str, mixed: str,
+def demo(ctx: click.Context, out: str, arch: str, fmt: str, bits: str, group_size: str, asym: bool, actorder: str, mixed: str,
          targets: str, layers: int, experts: int, hidden: int, intermediate: int, tokenizer: bool, force: bool, debug: bool) -> None:
-    """Write a small demo checkpoint quantized by compressed-tensors itself to OUT."""
+    """Write a small demo checkpoint quantized by compressed-tensors itself to OUT (--format gptq or awq: the
+    same quantization stored in that format)."""
     sink = Sink()
 
     def body() -> int:
@@ -516,7 +523,7 @@ def demo(ctx: click.Context, out: str, arch: str, bits: str, group_size: str, as
             arch=arch, num_layers=layers, num_experts=experts, hidden_size=hidden, intermediate_size=intermediate,
             num_bits=int(bits), group_size=int(group_size), symmetric=not asym,
             actorder=None if actorder == "none" else actorder, mixed=None if mixed == "none" else mixed,
-            top_k=min(2, experts), tokenizer=tokenizer, targets=targets,
+            top_k=min(2, experts), tokenizer=tokenizer, targets=targets, format=fmt,
         )
         try:
             with sink.tasks() as progress:

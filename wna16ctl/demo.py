@@ -12,6 +12,14 @@ compressed-tensors >= 0.19, so for those the expert tensors are quantized and pa
 library's helpers here and the config is written in the verbose form of 0.18, the last
 release that wrote them.
 
+`spec.format` "gptq" and "awq" write the same quantization in those formats: the library's
+pack-quantized tensors of every quantized module, read through the compressed-tensors format and
+written through the GPTQ (v1, as GPTQModel writes it) or AWQ (GEMM, as AutoAWQ and AutoRound write
+it) format's `stored_form`, the scales in float16 as those tools store them, and the config keys
+those tools write (GPTQModel's `quantize_config.json` beside config.json too).  The config is read
+back through the format's own module rules before anything is written, so every module quantized is
+one the config says is, and every Linear left in float is one it skips.
+
 `library_dequantize` is the reference the rest of the test suite compares against: it
 decompresses a checkpoint's quantized modules with the library's own compressors.
 
@@ -38,6 +46,8 @@ from safetensors.torch import save
 
 from wna16ctl import interrupts
 from wna16ctl.sink import TaskStarter, no_progress
+from wna16ctl.sources.formats import DEMO_FORMATS, awq, gptq
+from wna16ctl.sources.formats.compressed_tensors import COMPRESSED_TENSORS
 from wna16ctl.sources.architectures import ARCHITECTURES as _FACTS, DEMO_ARCHITECTURES, SHARED_EXPERT, SHARED_EXPERTS
 from wna16ctl.verification.samples import DEMO_QUESTIONS
 
@@ -53,6 +63,14 @@ MIXED_MODES = (None, "layer", "expert")
 # W4A16 recipe, every Linear but those of its usual MoE ignore list (lm_head, the routers, the
 # shared-expert gate): attention, shared experts and dense MLPs too
 TARGETS = ("experts", "linear")
+# the checkpoint formats the demo writes: compressed-tensors itself (the default), then GPTQ and AWQ
+# converted from it (module docstring)
+FORMATS = DEMO_FORMATS
+# the bit widths each format stores; the actorders the qweight formats store (GPTQ's desc_act)
+_FORMAT_BITS = {gptq.QUANT_METHOD: gptq.BITS, awq.QUANT_METHOD: awq.BITS}
+_FORMAT_ACTORDERS = {gptq.QUANT_METHOD: (None, "group"), awq.QUANT_METHOD: (None,)}
+# GPTQModel, AutoRound and AutoAWQ store the scales of these formats in float16 whatever the model's dtype
+QWEIGHT_SCALE_DTYPE = torch.float16
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 # the version whose verbose config form `actorder: "group"` checkpoints are written in
@@ -107,6 +125,7 @@ class DemoSpec:
     # recipe without an ignore entry for them does (targets "linear" quantizes them anyway)
     quantize_mlp: bool = False
     targets: str = "experts"  # one of TARGETS
+    format: str = FORMATS[0]  # one of FORMATS: the checkpoint's quantization format
 
 
 # ----------------------------------------------------------------------------------------------
@@ -158,6 +177,7 @@ def _check_spec(spec: DemoSpec) -> None:
         raise bad("mixed 'layer' needs an even and an odd MoE layer (more layers)")
     if spec.mixed == "expert" and spec.num_experts < 2:
         raise bad("mixed 'expert' needs at least 2 experts")
+    _check_format(spec)
     if spec.dtype not in DTYPES:
         raise bad(f"dtype {spec.dtype!r} is not one of {tuple(DTYPES)}")
     if spec.num_layers < 1 or (_FACTS[spec.arch].dense_first and spec.num_layers < 2):
@@ -183,6 +203,25 @@ def _check_spec(spec: DemoSpec) -> None:
             if size % spec.group_size:
                 raise bad(f"{what} {size} is not a multiple of group_size {spec.group_size} (targets 'linear' "
                           "quantizes the attention too)")
+
+
+def _check_format(spec: DemoSpec) -> None:
+    """What the GPTQ and AWQ formats can store of the spec (compressed-tensors stores all of it)."""
+    if spec.format not in FORMATS:
+        raise ValueError(f"DemoSpec: format {spec.format!r} is not one of {FORMATS}")
+    if spec.format == COMPRESSED_TENSORS.quant_method:
+        return
+    bits, actorders = _FORMAT_BITS[spec.format], _FORMAT_ACTORDERS[spec.format]
+    if spec.num_bits not in bits:
+        raise ValueError(f"DemoSpec: format {spec.format} stores {', '.join(map(str, bits))} bits, "
+                         f"not {spec.num_bits}")
+    if spec.actorder not in actorders:
+        raise ValueError(f"DemoSpec: format {spec.format} stores actorder "
+                         f"{' or '.join(a or 'none' for a in actorders)}, not {spec.actorder}")
+    if spec.mixed is not None:
+        raise ValueError(f"DemoSpec: mixed precision is written in format {FORMATS[0]} only")
+    if spec.channel_group_size_null:
+        raise ValueError(f"DemoSpec: channel_group_size_null is a {FORMATS[0]} config form")
 
 
 def _mla_input_widths(spec: DemoSpec) -> dict[str, int]:
@@ -629,6 +668,84 @@ def _verbose_group_actorder_config(quantization_config: dict[str, Any]) -> dict[
 
 
 # ----------------------------------------------------------------------------------------------
+# GPTQ and AWQ: the library's output in another format
+
+
+def _skip_entries(skipped: list[str], linear: list[str]) -> list[str]:
+    """The modules a config names as not quantized, as few as cover `skipped`: a whole block (the
+    attention, a dense MLP, the shared experts) where none of its Linears is quantized, else the
+    module itself.  Blocks, because an engine fuses their projections under another name (vLLM's
+    `qkv_proj`, `gate_up_proj`); entries keep their layer index, as AutoRound writes them."""
+    quantized = set(linear) - set(skipped)
+    out: list[str] = []
+    for name in skipped:
+        layer = re.match(r"(.*?\.\d+)\.", name)  # model.layers.N: entries stay inside one layer
+        top = layer.group(1) if layer else ""
+        entry, parent = name, name.rpartition(".")[0]
+        while len(parent) > len(top) and not any(q.startswith(parent + ".") for q in quantized):
+            entry, parent = parent + ".", parent.rpartition(".")[0]
+        if entry not in out:
+            out.append(entry)
+    return out
+
+
+def _gptq_config(spec: DemoSpec, skipped: list[str]) -> dict[str, Any]:
+    """The quantization_config GPTQModel writes (v1 storage), its `dynamic` skipping `skipped`."""
+    from wna16ctl.version import __version__
+
+    dynamic: dict[str, dict[str, Any]] = {"-:" + re.escape(entry) + ("" if entry.endswith(".") else "$"): {} for entry in skipped}
+    return {"bits": spec.num_bits, "group_size": spec.group_size, "desc_act": spec.actorder == "group",
+            "sym": spec.symmetric, "lm_head": False, "quant_method": gptq.QUANT_METHOD, "method": gptq.QUANT_METHOD,
+            "format": gptq.V1, "checkpoint_format": gptq.V1, "pack_dtype": "int32", "dynamic": dynamic,
+            # "name:version", the form GPTQModel's meta.quantizer takes; the writer is this demo
+            "meta": {"quantizer": [f"wna16ctl:{__version__}"]}}
+
+
+def _awq_config(spec: DemoSpec, skipped: list[str]) -> dict[str, Any]:
+    """The quantization_config AutoAWQ and AutoRound write (GEMM), skipping `skipped` and lm_head."""
+    return {"quant_method": awq.QUANT_METHOD, "bits": spec.num_bits, "group_size": spec.group_size,
+            "zero_point": not spec.symmetric, "version": awq.VERSION,
+            "modules_to_not_convert": [entry.rstrip(".") for entry in skipped] + ["lm_head"]}
+
+
+def _in_qweight_format(spec: DemoSpec, tensors: dict[str, torch.Tensor],
+                       linear: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The library's pack-quantized tensors of every quantized module in `spec.format`, and its
+    quantization_config; `linear` are the model's Linear modules (lm_head among them)."""
+    from wna16ctl.sources.formats import CODES, FORMATS as READ_FORMATS, G_IDX, SCALES, ZERO_POINTS
+    from wna16ctl.sources.formats.qweight import is_head
+
+    fmt, source = READ_FORMATS[spec.format], COMPRESSED_TENSORS.names
+    quantized = [module for module in linear if source.tensor(module, CODES) in tensors]
+    skipped = _skip_entries([m for m in linear if m not in quantized and not is_head(m)], linear)
+    qc = _gptq_config(spec, skipped) if spec.format == gptq.QUANT_METHOD else _awq_config(spec, skipped)
+    where = Path("config.json")
+    read_back = fmt.resolver(fmt.parse_config(qc, where), qc, where)
+    if read_back is None:  # the qweight formats resolve modules by rules of their own
+        raise AssertionError(f"the {spec.format} format has no module rules")
+    schemes = dict(zip(linear, read_back(linear)))
+    wrong = [m for m in linear if (schemes[m] is None) != (m not in quantized)]
+    if wrong:  # the config and the tensors would disagree
+        raise AssertionError(f"the {spec.format} config reads {wrong[0]} as {schemes[wrong[0]]}")
+    out: dict[str, torch.Tensor] = {}
+    done = set(quantized)
+    for name, tensor in tensors.items():
+        split = source.split(name)
+        if split is None or split[0] not in done:
+            out[name] = tensor
+        elif split[1] == CODES:  # the module's tensors where its codes were
+            module, scheme = split[0], schemes[split[0]]
+            assert scheme is not None
+            canonical = {role: tensors[source.tensor(module, role)] for role in (CODES, SCALES, ZERO_POINTS, G_IDX)
+                         if source.tensor(module, role) in tensors}
+            canonical[SCALES] = canonical[SCALES].to(QWEIGHT_SCALE_DTYPE)
+            stored = fmt.stored_form(canonical, scheme)
+            out |= {fmt.names.tensor(module, role): stored[role] for role in (CODES, ZERO_POINTS, SCALES, G_IDX)
+                    if role in stored}
+    return out, qc
+
+
+# ----------------------------------------------------------------------------------------------
 # writing
 
 
@@ -654,14 +771,25 @@ def _save_file(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str,
     path.write_bytes(save(tensors, metadata=metadata))
 
 
-def _write_safetensors(out_dir: Path, tensors: dict[str, torch.Tensor], num_shards: int) -> None:
+def _write_safetensors(out_dir: Path, tensors: dict[str, torch.Tensor], num_shards: int,
+                       whole_modules: bool = False) -> None:
+    """`whole_modules`: each module's tensors in one shard (GPTQModel's dequantizer reads a
+    projection's qweight, qzeros, scales and g_idx from one file, as its writer puts them)."""
     metadata = {"format": "pt"}
     if num_shards == 1:
         _save_file(tensors, out_dir / "model.safetensors", metadata)
         return
     names = list(tensors)
     sizes = [tensors[n].numel() * tensors[n].element_size() for n in names]
-    assignment = _shard_assignment(sizes, num_shards)
+    if whole_modules:
+        modules = list(dict.fromkeys(n.rpartition(".")[0] for n in names))
+        module_bytes = dict.fromkeys(modules, 0)
+        for name, size in zip(names, sizes):
+            module_bytes[name.rpartition(".")[0]] += size
+        shard_of = dict(zip(modules, _shard_assignment(list(module_bytes.values()), num_shards)))
+        assignment = [shard_of[n.rpartition(".")[0]] for n in names]
+    else:
+        assignment = _shard_assignment(sizes, num_shards)
     weight_map: dict[str, str] = {}
     for shard in range(num_shards):
         file_name = f"model-{shard + 1:05d}-of-{num_shards:05d}.safetensors"
@@ -703,7 +831,8 @@ def demo_file_names(spec: DemoSpec) -> list[str]:
         shards = [f"model-{i + 1:05d}-of-{spec.num_shards:05d}.safetensors" for i in range(spec.num_shards)]
         shards.append("model.safetensors.index.json")
     tokenizer = ["tokenizer.json", "tokenizer_config.json", DEMO_QUESTIONS] if spec.tokenizer else []
-    return ["config.json", *shards, *tokenizer]
+    side = [gptq.QUANTIZE_CONFIG] if spec.format == gptq.QUANT_METHOD else []
+    return ["config.json", *side, *shards, *tokenizer]
 
 
 def write_demo_output(out_dir: str | os.PathLike[str], spec: DemoSpec = DemoSpec(), *, force: bool = False,
@@ -853,11 +982,19 @@ def _write_files(out: Path, spec: DemoSpec, progress: TaskStarter | None) -> Pat
 
     step(1)
     tensors = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
-    _write_safetensors(out, tensors, spec.num_shards)
-    if group_actorder_config is None:
+    if spec.format != COMPRESSED_TENSORS.quant_method:
+        linear = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+        tensors, qweight_config = _in_qweight_format(spec, tensors, linear)
+        _write_safetensors(out, tensors, spec.num_shards, whole_modules=True)
+        _write_json(out / "config.json", model_config(spec) | {"quantization_config": qweight_config})
+        if spec.format == gptq.QUANT_METHOD:  # GPTQModel writes its config beside config.json too
+            _write_json(out / gptq.QUANTIZE_CONFIG, qweight_config)
+    elif group_actorder_config is None:
+        _write_safetensors(out, tensors, spec.num_shards)
         _write_json(out / "config.json", model_config(spec))
         compressor.update_config(str(out))  # adds the library's quantization_config
     else:
+        _write_safetensors(out, tensors, spec.num_shards)
         _write_json(out / "config.json", model_config(spec) | {"quantization_config": group_actorder_config})
     step(1)
     if spec.tokenizer:

@@ -108,6 +108,19 @@ def quantized() -> Quantized:
     return Quantized(root)
 
 
+@pytest.fixture(scope="session")
+def quantizer_python() -> str:
+    """The quantizer venv's python (reference.py runs in it), built once; skipped with the script's
+    one line where it has to be built and the package registry cannot be reached."""
+    return _venv_python()
+
+
+def run_reference(python: str, ckpt: Path, out: Path) -> None:
+    """reference.py of `ckpt` into `out` (float32 `<module>.weight` by the tool's own dequantization)."""
+    ref = _run([python, str(REFERENCE), str(ckpt), str(out)], timeout=1800, cwd=out.parent)
+    assert ref.returncode == 0, f"reference.py {ckpt} failed: {ref.stderr[-3000:]}"
+
+
 def copy_checkpoint(quantized: Quantized, variant: str, dest: Path) -> Path:
     """A writable copy of a cached checkpoint (the cache is shared: never change it in place)."""
     return Path(shutil.copytree(quantized.checkpoint(variant), dest / variant))

@@ -23,11 +23,14 @@ from wna16ctl.sources.formats.face import (CANONICAL, CODES, WEIGHT, G_IDX, SCAL
 from wna16ctl.sources.scheme import ParsedConfig
 
 __all__ = ["CANONICAL", "CODES", "WEIGHT", "G_IDX", "SCALES", "SHAPE", "ZERO_POINTS", "InputFormat", "NativeInputs",
-           "TensorNames", "FORMATS", "FORMAT_FILES", "DEFAULT", "detect", "of", "parse"]
+           "TensorNames", "FORMATS", "FORMAT_FILES", "DEFAULT", "DEMO_FORMATS", "detect", "of", "parse"]
 
 FORMATS: dict[str, InputFormat] = {f.quant_method: f for f in (COMPRESSED_TENSORS, gptq.FORMAT, awq.FORMAT,
                                                                  auto_round.FORMAT)}
 FORMATS.update({alias: auto_round.FORMAT for alias in auto_round.ALIASES})
+# the formats `wna16ctl demo` writes, its default first: compressed-tensors by the library itself,
+# GPTQ and AWQ from that output through their `stored_form` (wna16ctl/demo.py)
+DEMO_FORMATS: tuple[str, ...] = (COMPRESSED_TENSORS.quant_method, gptq.QUANT_METHOD, awq.QUANT_METHOD)
 # Files beside config.json that hold the quantization config when config.json has none, with the
 # quant_method a file without one is read in
 SIDE_CONFIGS: tuple[tuple[str, str], ...] = ((gptq.QUANTIZE_CONFIG, gptq.QUANT_METHOD),)
