@@ -127,7 +127,7 @@ def _planned_layout(ck: Any, tp: int, ep: bool, version: str, gpu: str, sw: Any,
             return None
         return MARLIN_LAYOUT, ("vLLM's own processing gives wrong outputs here (w13 scale permutation, "
                                "PR #50196); the Marlin output carries the corrected layout")
-    if not ep and rules.vllm_state_known(version, ck.config.model_type) and _vllm_layout_fits(ck, version):
+    if rules.vllm_state_known(version, ck.config.model_type) and _vllm_layout_fits(ck, version):
         return VLLM_LAYOUT, "pre-sharded for stock vLLM (each rank reads only its own files)"
     if plugin:
         return MARLIN_LAYOUT, "pre-sharded and pre-repacked for vLLM's Marlin MoE kernel"
@@ -177,11 +177,11 @@ def serve_path(ck: Any, tp: int, *, ep: bool, version: str, gpu: str, switches: 
                         why + mem_why)
     repack = None
     if written is None:
-        out = output_name(ckpt, layout, tp, hub=ck.source is not None)
+        out = output_name(ckpt, layout, tp, hub=ck.source is not None, ep=ep)
         backend = sw.moe_backend if layout == VLLM_LAYOUT else ("marlin" if sw.moe_backend == "marlin" else "auto")
-        repack = repack_command(ckpt, out, layout, tp, vllm=version, gpu=gpu, moe_backend=backend, env=env)
+        repack = repack_command(ckpt, out, layout, tp, vllm=version, gpu=gpu, moe_backend=backend, env=env, ep=ep)
     return NextStep(tp, ep, layout, repack,
-                    serve_command(str(out), layout, tp, moe_backend=sw.moe_backend, env=env, memory=mem_words),
+                    serve_command(str(out), layout, tp, ep=ep, moe_backend=sw.moe_backend, env=env, memory=mem_words),
                     why + mem_why, needs=PLUGIN_INSTALL if layout == MARLIN_LAYOUT else None)
 
 
