@@ -62,6 +62,26 @@ def _mla_prefill_stand_in() -> None:
     mla.get_mla_prefill_backend = lambda *args, **kwargs: PrefillStandIn
 
 
+def _expert_maps_off_meta() -> None:
+    """Under EP the expert map manager computes each rank's expert map at model build and logs it,
+    which reads its values (torch.where): on the meta device that raises before 0.33.0, which builds
+    the map on the CPU itself when the default device is meta.  The same is done here for every
+    release; the map is a non-persistent buffer, so the key set is unchanged."""
+    import torch
+
+    try:
+        from vllm.model_executor.layers.fused_moe.expert_map_manager import ExpertMapManager
+    except ImportError:
+        return
+    calculate = ExpertMapManager._calculate_expert_maps
+
+    def on_cpu(self):
+        with torch.device("cpu"):
+            calculate(self)
+
+    ExpertMapManager._calculate_expert_maps = on_cpu
+
+
 def _engine_config(entry: str, tp: int):
     from vllm.engine.arg_utils import EngineArgs
 
@@ -84,6 +104,7 @@ def main(ckpts: list[str], tp: int, rank: int, init_file: str, tree: str | None 
 
     if tree:
         _mla_prefill_stand_in()
+    _expert_maps_off_meta()
     first = _engine_config(ckpts[0], tp)
     with set_current_vllm_config(first):
         init_distributed_environment(world_size=tp, rank=rank, local_rank=rank,

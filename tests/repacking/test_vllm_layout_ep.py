@@ -59,6 +59,7 @@ def test_each_rank_holds_its_local_experts_whole_in_vllms_linear_order(make_ckpt
     assert manifest["ep"] is True and manifest["identity"]["settings"]["ep"] is True
     serve = f"vllm serve {out} --load-format sharded_state --tensor-parallel-size 2 --enable-expert-parallel"
     assert manifest["serve"] == serve and serve in " ".join(res.output.split())
+    assert "for 2 ranks (expert parallel) of vLLM 0.32.0" in " ".join(res.output.split())
     rep = invoke("verify", ck, out)
     assert rep.exit_code == 0 and "PASS" in rep.output, rep.output
     assert serve in " ".join(rep.output.split())
