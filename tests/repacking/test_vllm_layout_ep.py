@@ -116,7 +116,7 @@ def _run_repack_line(line: str, where: Path):
     return CliRunner().invoke(cli, [str(out) if w == named else w for w in words[1:]] + ["--json"]), out
 
 
-@pytest.mark.parametrize("args", [(), ("--ep",), ("--vllm", "0.29.0", "--moe-backend", "humming"),
+@pytest.mark.parametrize("args", [("--ep",), ("--vllm", "0.29.0", "--moe-backend", "humming"),
                                   ("--ep", "--vllm", "0.29.0", "--moe-backend", "humming")])
 def test_repack_verify_and_inspect_print_one_serve_line_for_the_vllm_layout(make_ckpt, tmp_path, args):
     """inspect's repack line, run as printed, writes the output its serve line names; repack and

@@ -93,7 +93,7 @@ def memory_options(fit: Any) -> MemoryOptions | None:
 def _vllm_layout_fits(ck: Any, version: str) -> bool:
     """Whether `repack --layout vllm` takes this checkpoint for this release (its own refusals)."""
     from wna16ctl.errors import WnaError
-    from wna16ctl.planning.vllm_state import check_supported
+    from wna16ctl.planning.vllm_support import check_supported
 
     try:
         check_supported(ck, version)
