@@ -65,7 +65,6 @@ def test_the_inspect_command_calls_the_public_function(make_ckpt, monkeypatch):
 
 
 @pytest.mark.parametrize("options,flags", [
-    ({"ep": True}, ["--ep"]),
     ({"resume": True}, ["--resume"]),
     ({"ranks": "0"}, ["--ranks", "0"]),
     ({"node_local": True}, ["--node-local"]),

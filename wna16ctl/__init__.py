@@ -166,7 +166,7 @@ def repack(path: PathLike, out: PathLike | None, tp: int | str, *, ep: bool = Fa
         if layout == VLLM:
             from wna16ctl.repacking.vllm_state import check_options as check_vllm_options
 
-            check_vllm_options(ep=ep, ranks=ranks, resume=resume, node_local=node_local,
+            check_vllm_options(ranks=ranks, resume=resume, node_local=node_local,
                                processes=group.launch.world_size)
         subset = distributed.parse_ranks(ranks, n_ranks) if isinstance(ranks, str) else ranks
         return n_ranks, resolve(vllm, gpu), resolve_switches(_env_list(env), moe_backend), subset
@@ -183,7 +183,7 @@ def repack(path: PathLike, out: PathLike | None, tp: int | str, *, ep: bool = Fa
         from wna16ctl.repacking.vllm_state import write_vllm_state
 
         vplan = plan_vllm_state(source, n_ranks, engine.version, max_shard_bytes=parse_size(max_shard_size),
-                                gpu=gpu, switches=switches)
+                                gpu=gpu, switches=switches, ep=ep)
         vplan.out = None if out is None else os.fspath(out)
         if dry_run or out is None:
             vplan.memory = _plan_memory(vplan, fit)
@@ -220,7 +220,7 @@ def _plan_memory(plan: Any, fit: dict[str, Any]) -> dict[str, Any]:
     if isinstance(mem, str) and mem.lower() not in _gpu_names():
         fit = {**fit, "gpu_mem": parse_size(mem)}
     if isinstance(plan, VllmStatePlan):
-        return planned_memory(plan.checkpoint, plan.tp, False, plan.vllm, plan.gpu, plan.switches or make_switches(),
+        return planned_memory(plan.checkpoint, plan.tp, plan.ep, plan.vllm, plan.gpu, plan.switches or make_switches(),
                               **fit)
     s = plan.settings
     return planned_memory(plan.checkpoint, s.tp, s.ep, s.vllm, s.gpu, make_switches(dict(s.env), s.moe_backend),

@@ -14,7 +14,8 @@ def repack_result_lines(result: Any) -> list[str]:
     plan = result.plan
     if result.manifest.get("layout") == VLLM:
         files = [f for r in result.manifest["ranks"] for f in r["files"]]
-        return ([f"wrote {plural(len(files), 'file')} for {plural(plan.tp, 'rank')} of vLLM {plan.vllm} into {result.out}"]
+        ep = " (expert parallel)" if plan.ep else ""
+        return ([f"wrote {plural(len(files), 'file')} for {plural(plan.tp, 'rank')}{ep} of vLLM {plan.vllm} into {result.out}"]
                 + vllm_backend_lines(plan) + vllm_next_step_lines(result.manifest["serve"]))
     lines = [f"wrote {result.out}: {plural(result.files_written, 'file')} written"
              + (f", {result.files_reused} reused" if result.files_reused else "")

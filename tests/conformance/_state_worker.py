@@ -1,5 +1,6 @@
 """Builds a model with an installed vLLM's own model and layer code on the meta device and prints
 the sharded_state key contract of one TP rank: `python _state_worker.py CKPT[,CKPT...] TP RANK INIT_FILE`.
+A checkpoint written `CKPT#ep` is built with expert parallelism (`--enable-expert-parallel`).
 
 Runs in an environment where vLLM is installed (the engine venv).  Every rank of a TP size is one
 process; they form a real gloo group (vLLM's own `init_distributed_environment` and
@@ -16,7 +17,10 @@ Several checkpoints (comma-separated) are built one after the other in the same 
 importing a release costs far more than building a meta model, so one worker per release and rank
 serves every architecture.
 
-Prints one JSON line per checkpoint: {"vllm": version, "ckpt": path, "keys": {key: [shape, dtype]}}.
+Prints one JSON line per checkpoint: {"vllm": version, "ckpt": the argument, "keys": {key: [shape, dtype]},
+"experts": {routed-experts module: [the global experts of this rank, in its buffers' order]}}; the
+experts come from the release's own placement (determine_expert_map with the strategy the built
+layer settled on), recomputed off the meta device where the layer's map has no values.
 """
 
 import json
@@ -58,11 +62,33 @@ def _mla_prefill_stand_in() -> None:
     mla.get_mla_prefill_backend = lambda *args, **kwargs: PrefillStandIn
 
 
-def _engine_config(ckpt: str, tp: int):
+def _expert_maps_off_meta() -> None:
+    """Under EP the expert map manager computes each rank's expert map at model build and logs it,
+    which reads its values (torch.where): on the meta device that raises before 0.33.0, which builds
+    the map on the CPU itself when the default device is meta.  The same is done here for every
+    release; the map is a non-persistent buffer, so the key set is unchanged."""
+    import torch
+
+    try:
+        from vllm.model_executor.layers.fused_moe.expert_map_manager import ExpertMapManager
+    except ImportError:
+        return
+    calculate = ExpertMapManager._calculate_expert_maps
+
+    def on_cpu(self):
+        with torch.device("cpu"):
+            calculate(self)
+
+    ExpertMapManager._calculate_expert_maps = on_cpu
+
+
+def _engine_config(entry: str, tp: int):
     from vllm.engine.arg_utils import EngineArgs
 
+    ckpt, _, mode = entry.partition("#")
     return EngineArgs(model=ckpt, tensor_parallel_size=tp, dtype="bfloat16", enforce_eager=True,
-                      skip_tokenizer_init=True, max_model_len=256).create_engine_config()
+                      skip_tokenizer_init=True, max_model_len=256,
+                      enable_expert_parallel=mode == "ep").create_engine_config()
 
 
 def main(ckpts: list[str], tp: int, rank: int, init_file: str, tree: str | None = None) -> None:
@@ -78,6 +104,7 @@ def main(ckpts: list[str], tp: int, rank: int, init_file: str, tree: str | None 
 
     if tree:
         _mla_prefill_stand_in()
+    _expert_maps_off_meta()
     first = _engine_config(ckpts[0], tp)
     with set_current_vllm_config(first):
         init_distributed_environment(world_size=tp, rank=rank, local_rank=rank,
@@ -85,17 +112,18 @@ def main(ckpts: list[str], tp: int, rank: int, init_file: str, tree: str | None 
         initialize_model_parallel(tensor_model_parallel_size=tp)
     for i, ckpt in enumerate(ckpts):
         try:
-            keys = _model_keys(first if i == 0 else _engine_config(ckpt, tp), set_current_vllm_config, initialize_model)
+            keys, experts = _model_keys(first if i == 0 else _engine_config(ckpt, tp), set_current_vllm_config,
+                                        initialize_model)
         except Exception:  # one architecture that does not build must not hide the others
             sys.stdout.write(json.dumps({"vllm": vllm.__version__, "ckpt": ckpt, "keys": None,
                                          "error": traceback.format_exc()[-2500:]}) + "\n")
             sys.stdout.flush()
             continue
-        sys.stdout.write(json.dumps({"vllm": vllm.__version__, "ckpt": ckpt, "keys": keys}) + "\n")
+        sys.stdout.write(json.dumps({"vllm": vllm.__version__, "ckpt": ckpt, "keys": keys, "experts": experts}) + "\n")
         sys.stdout.flush()
 
 
-def _model_keys(config, set_current_vllm_config, initialize_model) -> dict:
+def _model_keys(config, set_current_vllm_config, initialize_model) -> tuple[dict, dict]:
     import torch
 
     with set_current_vllm_config(config):
@@ -109,7 +137,29 @@ def _model_keys(config, set_current_vllm_config, initialize_model) -> dict:
         ident = id(tensor)
         if ident not in kept or key < kept[ident][0]:
             kept[ident] = (key, tensor)
-    return {key: [list(t.shape), str(t.dtype).replace("torch.", "")] for key, t in kept.values()}
+    keys = {key: [list(t.shape), str(t.dtype).replace("torch.", "")] for key, t in kept.values()}
+    return keys, _local_experts(model)
+
+
+def _local_experts(model) -> dict:
+    """Each routed-experts module's global experts on this rank, local index order."""
+    import torch
+    from vllm.model_executor.layers.fused_moe.expert_map_manager import determine_expert_map
+
+    out = {}
+    for name, module in model.named_modules():
+        manager = getattr(module, "expert_map_manager", None)
+        if manager is None or not name.endswith("routed_experts"):
+            continue
+        with torch.device("cpu"):
+            count, expert_map, _ = determine_expert_map(manager.ep_size, manager.ep_rank, manager.global_num_experts,
+                                                        manager.placement_strategy)
+        if expert_map is None:
+            out[name] = list(range(count))
+        else:
+            local = {int(g): int(i) for g, i in enumerate(expert_map.tolist()) if i >= 0}
+            out[name] = sorted(local, key=local.__getitem__)
+    return out
 
 
 if __name__ == "__main__":

@@ -62,12 +62,22 @@ ARCH_SPECS |= {
     "kimi_k2-linear": {"arch": "kimi_k2", **_MLA_LINEAR},
     "glm4_moe-linear": {"arch": "glm4_moe", "targets": "linear"},
 }
+# built with --enable-expert-parallel (`repack --ep`): each rank's local experts whole, in vLLM's
+# placement.  Qwen3-MoE with 5 experts (3 on rank 0, 2 on rank 1: the uneven split), DeepSeek-V3
+# (MLA, shared experts, a dense first layer, grouped routing) and GLM-4.5 (the same shape without
+# MLA, which the CPU platform builds on every release)
+EP_SPECS: dict[str, dict] = {
+    "qwen3_moe-linear-ep": {"arch": "qwen3_moe", "targets": "linear", "num_experts": 5},
+    "deepseek_v3-linear-ep": {"arch": "deepseek_v3", **_MLA_LINEAR},
+    "glm4_moe-linear-ep": {"arch": "glm4_moe", "targets": "linear"},
+}
 
 
-def vllm_contract(python: Path, ckpts: list[Path], tp: int, tmp_path: Path, tree: Path | None = None
-                  ) -> dict[str, tuple[str, list[dict], str | None]]:
-    """{checkpoint path: (vLLM version, [keys of each rank], the error where vLLM could not build
-    that model)} from one worker per rank."""
+def vllm_contract(python: Path, ckpts: list[str], tp: int, tmp_path: Path, tree: Path | None = None
+                  ) -> dict[str, tuple[str, list[dict], str | None, list[dict]]]:
+    """{checkpoint path (`PATH#ep`: built with expert parallelism): (vLLM version, [keys of each
+    rank], the error where vLLM could not build that model, [each rank's experts per routed-experts
+    module])} from one worker per rank."""
     init = tmp_path / f"init-{tp}"
     # the CPU communicator names its shared-memory group after VLLM_DIST_IDENT (the engine sets it)
     # the MoE oracle pinned to emulation (tests/engine_hooks): on a CPU with AMX vLLM's own CPU MoE
@@ -88,18 +98,19 @@ def vllm_contract(python: Path, ckpts: list[Path], tp: int, tmp_path: Path, tree
         # vLLM may print lines of its own: the results are the JSON objects with a "keys" field
         lines = [json.loads(line) for line in out.splitlines() if line.startswith("{") and '"keys"' in line]
         per_rank.append({o["ckpt"]: o for o in lines})
-    return {str(c): (per_rank[0][str(c)]["vllm"], [rank[str(c)]["keys"] for rank in per_rank],
-                     next((rank[str(c)]["error"] for rank in per_rank if rank[str(c)].get("error")), None))
+    return {c: (per_rank[0][c]["vllm"], [rank[c]["keys"] for rank in per_rank],
+                next((rank[c]["error"] for rank in per_rank if rank[c].get("error")), None),
+                [rank[c].get("experts") or {} for rank in per_rank])
             for c in ckpts}
 
 
 @pytest.fixture(scope="module")
 def release_keys(make_ckpt, tmp_path_factory):
-    """release -> {arch: (vLLM version, ranks' keys)}, computed once per release."""
-    done: dict[str, dict[str, tuple[str, list[dict], str | None]]] = {}
+    """release -> {arch: (vLLM version, ranks' keys, error, ranks' experts)}, computed once per release."""
+    done: dict[str, dict[str, tuple[str, list[dict], str | None, list[dict]]]] = {}
     unavailable: dict[str, str] = {}
 
-    def get(release: str) -> dict[str, tuple[str, list[dict], str | None]]:
+    def get(release: str) -> dict[str, tuple[str, list[dict], str | None, list[dict]]]:
         if release in unavailable:
             pytest.skip(unavailable[release])
         if release not in done:
@@ -113,33 +124,37 @@ def release_keys(make_ckpt, tmp_path_factory):
                 except ReleaseUnavailable:
                     unavailable[release] = fetch_hint(release)
                     pytest.skip(unavailable[release])
-            ckpts = {arch: make_ckpt(**spec) for arch, spec in ARCH_SPECS.items()}
+            ckpts = {arch: str(make_ckpt(**spec)) for arch, spec in ARCH_SPECS.items()}
+            ckpts |= {arch: f"{make_ckpt(**spec)}#ep" for arch, spec in EP_SPECS.items()}
             got = vllm_contract(python, list(ckpts.values()), TP, tmp_path_factory.mktemp(f"contract-{release}"), tree)
-            done[release] = {arch: got[str(ck)] for arch, ck in ckpts.items()}
+            done[release] = {arch: got[ck] for arch, ck in ckpts.items()}
         return done[release]
 
     return get
 
 
 @pytest.mark.parametrize("release", ["installed", *rules.RELEASES])
-@pytest.mark.parametrize("arch", list(ARCH_SPECS))
+@pytest.mark.parametrize("arch", [*ARCH_SPECS, *EP_SPECS])
 def test_contract_equals_vllms_model(make_ckpt, release_keys, arch, release):
+    """Every rank's keys, shapes and dtypes; under EP also the experts each rank holds, in order."""
     from wna16ctl.errors import NotLoadable
     from wna16ctl.planning.vllm_state import plan_vllm_state
 
-    version, ranks, error = release_keys(release)[arch]
+    spec = ARCH_SPECS.get(arch) or EP_SPECS[arch]
+    ep = arch in EP_SPECS
+    version, ranks, error, experts = release_keys(release)[arch]
     planned = rules.match_release(version, "installed").version
     if release != "installed":
         assert planned == release, f"the {release} sources report version {version}"
-    model_type = ARCH_SPECS[arch]["arch"]
+    model_type = spec["arch"]
     if not rules.vllm_state_known(planned, model_type):
         pytest.skip(f"vLLM {planned} x {model_type} is outside the contract (refused by repack --layout vllm)")
-    if error and _CPU_MOE_SYMMETRIC in error and ARCH_SPECS[arch].get("symmetric") is False:
+    if error and _CPU_MOE_SYMMETRIC in error and spec.get("symmetric") is False:
         pytest.skip(f"vLLM {version}'s CPU build takes only symmetric quantized experts ({_CPU_MOE_SYMMETRIC}); "
                     "the harness cannot build this model, and the zero points are checked on the later releases")
     assert error is None, f"vLLM {version} did not build the {arch} model: {error}"
     try:
-        plan = plan_vllm_state(make_ckpt(**ARCH_SPECS[arch]), TP, planned)
+        plan = plan_vllm_state(make_ckpt(**spec), TP, planned, ep=ep)
     except NotLoadable as refused:
         # where we refuse because vLLM would not create quantized experts, its model must show it
         unquantized = [k for k in ranks[0] if k.endswith("routed_experts.w13_weight")]
@@ -153,3 +168,5 @@ def test_contract_equals_vllms_model(make_ckpt, release_keys, arch, release):
         assert not (missing or extra or differ), (
             f"vLLM {version} {arch} rank {r}: missing {missing[:8]}, extra {extra[:8]}, "
             f"differ {[(k, keys[k], ours[k]) for k in differ[:8]]}")
+        placed = {f"{moe.prefix}.routed_experts": list(plan.experts_of(moe, r)) for moe in plan.moe_layers.values()}
+        assert placed == experts[r], f"vLLM {version} {arch} rank {r}: experts {experts[r]}, ours {placed}"

@@ -258,8 +258,8 @@ def test_asymmetric_experts_carry_zero_points(make_ckpt, tmp_path):
 
 
 @pytest.mark.parametrize("args,expect", [
-    (("--ep",), "determine_expert_map"),
     (("--vllm", "0.29.0", "--env", "VLLM_NOT_A_SWITCH=1"), "VLLM_NOT_A_SWITCH"),
+    (("--resume",), "--resume"),
 ])
 def test_refusals_are_one_line(make_ckpt, tmp_path, args, expect):
     res = CliRunner().invoke(cli, ["repack", str(make_ckpt()), "--tp", "2", "--layout", "vllm",

@@ -169,3 +169,17 @@ def test_readme_example_plans_the_real_qwen3_30b_a3b_w4a16(tmp_path, monkeypatch
     assert keys[att + "o_proj.weight_packed"] == ((2048, 2048 // 8), "I32")  # K = 32 heads x 128 over 2 ranks
     assert keys[att + "o_proj.weight_scale"] == ((2048, 2048 // 128), "BF16")
     assert keys[att + "o_proj.weight_shape"] == ((2,), "I64")
+
+
+@pytest.mark.parametrize("release,code,expect", [
+    ("0.29.0", 2, "(CompressedTensorsWNA16.create_weights, marlin_repeat_scales_on_all_ranks)"),
+    ("0.32.0", 1, "actorder 'group': vLLM 0.32.0 refuses the checkpoint"),
+])
+def test_act_order_linear_layers_are_refused_with_vllms_reason(make_ckpt, tmp_path, release, code, expect):
+    """Act-order attention: before 0.30 vLLM keeps whole scales on every rank and adds weight_g_idx
+    (no faithful state to write, said with the code that does it); from 0.30 vLLM refuses the
+    checkpoint itself."""
+    ck = make_ckpt(targets="linear", actorder="group")
+    res = invoke("repack", ck, "--tp", 2, "--layout", "vllm", "--vllm", release, "-o", tmp_path / "o")
+    assert res.exit_code == code and one_line(res.stderr), res.output
+    assert "model.layers.0.self_attn" in res.stderr and expect in res.stderr, res.stderr

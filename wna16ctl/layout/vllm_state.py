@@ -218,14 +218,17 @@ def build_tensor(plan: Any, reader: Any, t: Any, rank: int) -> torch.Tensor:
 
 def _expert_tensor(plan: Any, reader: Any, moe: Any, verb: str, suffix: str, rank: int,
                    dtype: torch.dtype) -> torch.Tensor:
-    tp = plan.tp
+    """The rank's expert buffer: its experts (`plan.experts_of`: every one, or its local ones under
+    EP) stacked in order, each cut for the experts' TP rank (whole under EP)."""
+    experts = plan.experts_of(moe, rank)
+    tp, rank = (1, 0) if plan.ep else (plan.tp, rank)
     channel = moe.scheme.group_size == -1
     if verb in ("shape13", "shape2"):
         # vLLM writes the checkpoint's weight_shape of each projection into the expert's row; of
         # gate and up (the same values in a valid checkpoint) up's is loaded last and kept
         role = "up" if verb == "shape13" else "down"
         rows = []
-        for e in range(moe.num_experts):
+        for e in experts:
             name = moe.tensor_name(e, role, moe.fmt.names.shape)
             if name not in reader.files:
                 raise reader.files.missing(name)
@@ -234,7 +237,7 @@ def _expert_tensor(plan: Any, reader: Any, moe: Any, verb: str, suffix: str, ran
     per_expert = []
     transposed = verb.endswith("t")  # K-first buffers: the loader transposes each checkpoint tensor
     verb = verb.rstrip("t")
-    for e in range(moe.num_experts):
+    for e in experts:
         if verb == "w13":
             gate, up = (_expert_read(reader, moe, e, role, suffix) for role in ("gate", "up"))
             per_expert.append(w13_shard(gate, up, tp, rank))
@@ -321,33 +324,47 @@ def invert_key(plan: Any, reader: Any, t: Any, parts: list[torch.Tensor]) -> str
             if not torch.equal(parts[r][-2 * per_kv:], parts[first][-2 * per_kv:]):
                 bad = f"rank {r}'s replicated key/value heads differ from rank {first}'s"
     else:
-        bad = _invert_experts(reader, plan.moe_layers[t.layer], verb, arg, parts)
+        moe = plan.moe_layers[t.layer]
+        bad = _invert_experts(reader, moe, verb, arg, _expert_parts(plan, moe, parts))
     return bad
 
 
-def _invert_experts(reader: Any, moe: Any, verb: str, suffix: str, parts: list[torch.Tensor]) -> str | None:
+def _expert_parts(plan: Any, moe: Any, parts: list[torch.Tensor]) -> dict[int, list[torch.Tensor]]:
+    """Each global expert's slices, in rank order, from the ranks' stacked buffers: one per rank,
+    or under EP the one whole copy its rank holds."""
+    held: dict[int, list[torch.Tensor]] = {}
+    for r, p in enumerate(parts):
+        for i, e in enumerate(plan.experts_of(moe, r)):
+            held.setdefault(e, []).append(p[i])
+    return held
+
+
+def _invert_experts(reader: Any, moe: Any, verb: str, suffix: str, held: dict[int, list[torch.Tensor]]) -> str | None:
+    """`held`: each global expert's slices (`_expert_parts`), joined back as the loader cut them."""
     same = same_bits
-    dtype = parts[0].dtype
+    dtype = next(iter(held.values()))[0].dtype
     if verb in ("w13t", "w2t"):  # K-first: back to the N-first form first
-        parts = [p.transpose(1, 2) for p in parts]
+        held = {e: [p.transpose(0, 1) for p in ps] for e, ps in held.items()}
         verb = verb[:-1]
     for e in range(moe.num_experts):
+        if e not in held:
+            return f"expert {e}: no rank holds it"
         if verb in ("shape13", "shape2"):
             roles = ("gate", "up") if verb == "shape13" else ("down",)
             for role in roles:
                 want = weight_shape_rows([reader.read(moe.tensor_name(e, role, moe.fmt.names.shape))], dtype)[0]
-                if any(not same(p[e], want) for p in parts):
+                if any(not same(p, want) for p in held[e]):
                     return f"expert {e}: differs from {moe.tensor_name(e, role, moe.fmt.names.shape)}"
             continue
         if verb == "w13":
-            gate, up = w13_unshard([p[e] for p in parts])
+            gate, up = w13_unshard(held[e])
             for role, got in (("gate", gate), ("up", up)):
                 want = _expert_read(reader, moe, e, role, suffix)
                 if not same(got, want.to(got.dtype)):
                     return f"expert {e}: differs from {moe.tensor_name(e, role, suffix)}"
         else:
             whole = moe.scheme.group_size == -1 and suffix == SCALES
-            got, differing = w2_unshard([p[e] for p in parts], whole=whole)
+            got, differing = w2_unshard(held[e], whole=whole)
             if differing:
                 return f"expert {e}: ranks {differing} hold another copy than rank 0"
             want = _expert_read(reader, moe, e, "down", suffix)

@@ -336,6 +336,13 @@ def local_expert_counts(num_experts: int, ep_size: int) -> list[int]:
     return [base + (1 if r < rem else 0) for r in range(ep_size)]
 
 
+def local_expert_ranges(num_experts: int, ep_size: int) -> list[range]:
+    """The global experts each rank holds under that placement (determine_expert_map, "linear"):
+    contiguous, so that local expert i of rank r is global expert ranges[r][i]."""
+    counts = local_expert_counts(num_experts, ep_size)
+    return [range(sum(counts[:r]), sum(counts[:r + 1])) for r in range(ep_size)]
+
+
 def looked_up_schemes(layer: MoELayer, rel: rules.Release) -> tuple[WeightScheme | None, ...] | None:
     """The gate/up/down schemes the release's get_moe_method finds for expert 0 when they are not
     the checkpoint's own (method.checkpoint_proj_names not yet in force and the layer named

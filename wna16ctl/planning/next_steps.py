@@ -76,23 +76,25 @@ def serve_command(out: str | os.PathLike[str], layout: str | None, tp: int, *, e
     return _env_prefix(env) + shlex.join(words + list(memory))
 
 
-def output_name(ckpt: str, layout: str, tp: int, *, hub: bool = False) -> str:
-    """A default output directory for the repack line: the checkpoint's name, layout and TP.  A
+def output_name(ckpt: str, layout: str, tp: int, *, hub: bool = False, ep: bool = False) -> str:
+    """A default output directory for the repack line: the checkpoint's name, layout and TP (and
+    `-ep` for expert parallelism, whose ranks hold other tensors than TP's).  A
     local checkpoint's output is its sibling, named as the line names the checkpoint (relative
     stays relative, to the same directory, whatever the checkpoint path is: `.`, `..`, `a/b/`);
     a Hub checkpoint's is in the current directory."""
     if hub:
         base = ckpt.rstrip("/").split("@", 1)[0].rsplit("/", 1)[-1] or "ckpt"
-        return f"{base}-{layout}-tp{tp}"
+        return f"{base}-{layout}-tp{tp}{'-ep' if ep else ''}"
     where = os.path.abspath(ckpt)
-    name = f"{os.path.basename(where) or 'ckpt'}-{layout}-tp{tp}"
+    name = f"{os.path.basename(where) or 'ckpt'}-{layout}-tp{tp}{'-ep' if ep else ''}"
     sibling = os.path.join(os.path.dirname(where), name)
     return sibling if os.path.isabs(ckpt) else os.path.relpath(sibling)
 
 
 def repack_command(ckpt: str, out: str, layout: str, tp: int, *, vllm: str, gpu: str, moe_backend: str = "auto",
-                   env: Any = ()) -> str:
-    words = ["wna16ctl", "repack", ckpt, "--tp", str(tp), "--layout", layout, "--vllm", vllm, "--gpu", gpu]
+                   env: Any = (), ep: bool = False) -> str:
+    words = ["wna16ctl", "repack", ckpt, "--tp", str(tp)] + (["--ep"] if ep else []) + [
+        "--layout", layout, "--vllm", vllm, "--gpu", gpu]
     pairs = list(env.items()) if isinstance(env, dict) else list(env or ())
     for name, value in pairs:
         words += ["--env", f"{name}={value}"]
@@ -128,7 +130,7 @@ def output_next_step(ckpt: str | Path, out: str | Path, layout: str, tp: int, ep
     output); where no load format reads the output, the checkpoint itself is served."""
     out = str(out)
     if layout == VLLM_LAYOUT:
-        return NextStep(tp, ep, layout, None, serve_command(out, layout, tp, moe_backend=moe_backend, env=env),
+        return NextStep(tp, ep, layout, None, serve_command(out, layout, tp, ep=ep, moe_backend=moe_backend, env=env),
                         "stock vLLM reads each rank's files with its sharded_state loader")
     layouts = {lay.get("layout") for lay in layers or ()}
     act_order = any((lay.get("scheme") or {}).get("actorder") in ("group", "dynamic") for lay in layers or ())

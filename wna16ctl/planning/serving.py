@@ -95,7 +95,7 @@ def memory_options(fit: Any) -> MemoryOptions | None:
 def _vllm_layout_fits(ck: Any, version: str) -> bool:
     """Whether `repack --layout vllm` takes this checkpoint for this release (its own refusals)."""
     from wna16ctl.errors import WnaError
-    from wna16ctl.planning.vllm_state import check_supported
+    from wna16ctl.planning.vllm_support import check_supported
 
     try:
         check_supported(ck, version)
@@ -129,7 +129,7 @@ def _planned_layout(ck: Any, tp: int, ep: bool, version: str, gpu: str, sw: Any,
             return None
         return MARLIN_LAYOUT, ("vLLM's own processing gives wrong outputs here (w13 scale permutation, "
                                "PR #50196); the Marlin output carries the corrected layout")
-    if not ep and rules.vllm_state_known(version, ck.config.model_type) and _vllm_layout_fits(ck, version):
+    if rules.vllm_state_known(version, ck.config.model_type) and _vllm_layout_fits(ck, version):
         return VLLM_LAYOUT, "pre-sharded for stock vLLM (each rank reads only its own files)"
     if plugin:
         return MARLIN_LAYOUT, "pre-sharded and pre-repacked for vLLM's Marlin MoE kernel"
@@ -179,11 +179,11 @@ def serve_path(ck: Any, tp: int, *, ep: bool, version: str, gpu: str, switches: 
                         why + mem_why)
     repack = None
     if written is None:
-        out = output_name(ckpt, layout, tp, hub=ck.source is not None)
+        out = output_name(ckpt, layout, tp, hub=ck.source is not None, ep=ep)
         backend = sw.moe_backend if layout == VLLM_LAYOUT else ("marlin" if sw.moe_backend == "marlin" else "auto")
-        repack = repack_command(ckpt, out, layout, tp, vllm=version, gpu=gpu, moe_backend=backend, env=env)
+        repack = repack_command(ckpt, out, layout, tp, vllm=version, gpu=gpu, moe_backend=backend, env=env, ep=ep)
     return NextStep(tp, ep, layout, repack,
-                    serve_command(str(out), layout, tp, moe_backend=sw.moe_backend, env=env, memory=mem_words),
+                    serve_command(str(out), layout, tp, ep=ep, moe_backend=sw.moe_backend, env=env, memory=mem_words),
                     why + mem_why, needs=PLUGIN_INSTALL if layout == MARLIN_LAYOUT else None)
 
 

@@ -1,6 +1,5 @@
-"""The `vllm` layout's plan: which checkpoints it can be written for, per release (the rulebook's
-checked key contracts, `rules.VLLM_STATE_SUPPORT`, and what the layout does not split by rank),
-and the exact tensors of every rank that a checkpoint, TP size and release resolve to.
+"""The `vllm` layout's plan: the exact tensors of every rank that a checkpoint, TP size (and expert
+parallelism) and release resolve to, once `planning.vllm_support` takes the checkpoint.
 
 `vllm serve OUT --load-format sharded_state -tp N` reads `model-rank-{rank}-part-{part}.safetensors`
 from OUT and copies every tensor into the parameter of the same name of a freshly built model;
@@ -26,102 +25,12 @@ from wna16ctl.errors import BadInput, NotLoadable, UsageError
 from wna16ctl.layout.spec import CODES, SCALES, VLLM, ZERO_POINTS
 from wna16ctl.planning import rules
 from wna16ctl.planning.methods import LINEAR_PARAMS
-from wna16ctl.planning.moe import unquantized_lookup_error
-from wna16ctl.planning.next_steps import NextStep, output_next_step
+from wna16ctl.planning.moe import local_expert_ranges
+from wna16ctl.planning.next_steps import NextStep
+from wna16ctl.planning.vllm_support import check_supported
 from wna16ctl.sources import Checkpoint, MoELayer, formats, open_checkpoint
 from wna16ctl.sources.formats.face import SHAPE
 from wna16ctl.sources.moe import _FAMILY_NAMES
-
-
-# Why the layout refuses what it refuses: each reason read in vLLM's own code, named beside it.
-# MoE experts of several schemes: CompressedTensorsMoEMethod.get_moe_method
-# (compressed_tensors_moe/compressed_tensors_moe.py) looks the layer's scheme up under the names of
-# expert 0 ("{layer_name}.0.{proj}") and creates every expert's parameters with it.
-MIXED_REASON = ("experts of mixed precision: vLLM creates every expert's parameters with expert 0's scheme "
-                "(CompressedTensorsMoEMethod.get_moe_method), so there is no faithful state to write")
-# Act-order on the releases that load it: CompressedTensorsWNA16MoEMethod._w2_scale_sharding
-# (compressed_tensors_moe_wna16.py) keeps the whole w2 scales on every rank (load_full_w2) and the
-# method adds g_idx parameters; the layout's key contract holds neither (0.32.0 on refuses
-# group/dynamic act-order in CompressedTensorsConfig itself).
-ACT_ORDER_REASON = ("vLLM keeps whole w2 scales on every rank and adds g_idx parameters "
-                    "(CompressedTensorsWNA16MoEMethod._w2_scale_sharding), which the vllm layout does not write; "
-                    "use --layout marlin")
-# kv_cache_scheme: BaseKVCacheMethod.create_weights (quantization/kv_cache.py) adds q_scale, k_scale,
-# v_scale and prob_scale parameters to every attention layer, which the layout's key contract holds
-# no row for.
-KV_CACHE_REASON = ("a kv_cache_scheme makes vLLM add q_scale, k_scale, v_scale and prob_scale parameters to "
-                   "every attention layer (BaseKVCacheMethod.create_weights), which the vllm layout does not write")
-# MTP layers: the main model skips their weights (DeepseekV2ForCausalLM.load_weights, "skip spec
-# decode layers"), and the MTP draft is a second model loaded with the same load format
-# (get_draft_load_config in model_loader/utils.py); ShardedStateLoader.load_weights indexes the model's
-# state with every key of the files (state_dict[key]) and fails on any missing key, so one
-# directory cannot hold both models' states.
-MTP_REASON = ("multi-token-prediction layers: vLLM's main model skips them and its MTP draft model is loaded "
-              "from the same sharded_state files, which must hold exactly one model's keys "
-              "(ShardedStateLoader.load_weights); the vllm layout writes the main model only")
-# --ep: ExpertMapManager (fused_moe/expert_map_manager.py, determine_expert_map) gives each rank only
-# its local experts (linear or round_robin by --expert-placement-strategy) at model build; the map
-# is no parameter, and ShardedStateLoader.load_weights copies each file into the parameters as they
-# are, so the files must already hold that rank's local experts in the map's order.
-EP_REASON = ("--layout vllm does not write expert parallelism: with --enable-expert-parallel each rank's "
-             "expert parameters hold only its local experts, chosen at model build by vLLM's "
-             "determine_expert_map (--expert-placement-strategy), and sharded_state copies the files into "
-             "them as they are; write a TP output (vllm serve ... --tensor-parallel-size N)")
-
-
-def _refuse_unknown(version: str, arch: str) -> None:
-    if not rules.vllm_state_known(version, arch):
-        known = ", ".join(f"{a} ({rules.span(list(v))})" for a, v in rules.VLLM_STATE_SUPPORT.items())
-        raise UsageError(f"--layout vllm: vLLM {version} with architecture {arch} has no known sharded_state contract "
-                         f"(known: {known})")
-
-
-def check_supported(ck: Checkpoint, version: str) -> None:
-    arch = ck.config.model_type
-    _refuse_unknown(version, arch)
-    if ck.unplaced_linear:
-        raise UsageError(f"--layout vllm: {ck.root}: quantized module {ck.unplaced_linear[0]} is not a layer vLLM "
-                         f"builds for {arch}; the vllm layout has no parameter to write it into")
-    for lin in ck.linear_layers:
-        _check_linear_scheme(lin)
-    kv_scheme = (ck.config.raw.get("quantization_config") or {}).get("kv_cache_scheme")
-    if kv_scheme:
-        raise UsageError(f"--layout vllm: {ck.config.path}: {KV_CACHE_REASON}")
-    if ck.mtp_layers:
-        raise UsageError(f"--layout vllm: {ck.root}: {MTP_REASON}")
-    for lay in ck.layers:
-        _check_experts(lay, version)
-
-
-def _check_linear_scheme(lin: Any) -> None:
-    """A quantized non-expert layer (`sources.model.LinearLayer`) the layout can cut by rank; whether
-    the release loads it at all is `plan_linear`'s (called with the TP size in `plan_vllm_state`)."""
-    s = lin.scheme
-    if s is None or lin.mixed_schemes or lin.refused:
-        return  # plan_linear says what vLLM does with it
-    if s.num_bits not in rules.VLLM_STATE_BITS:
-        raise UsageError(f"--layout vllm: {lin.name}: {s.num_bits}-bit weights pack codes across int32 words, "
-                         "which the vllm layout does not split by rank; vLLM loads the checkpoint itself")
-    if s.act_order:
-        raise UsageError(f"--layout vllm: {lin.name}: actorder {s.actorder!r} (g_idx) is not supported by the vllm "
-                         "layout; use --layout marlin")
-
-
-def _check_experts(lay: MoELayer, version: str) -> None:
-    if lay.scheme is None:
-        raise UsageError(f"--layout vllm: {lay.prefix}: unquantized experts are not supported by the vllm layout")
-    if len(lay.scheme_sets) > 1:
-        raise UsageError(f"--layout vllm: {lay.prefix}: {MIXED_REASON}")
-    if lay.scheme.num_bits not in rules.VLLM_STATE_BITS:
-        raise UsageError(f"--layout vllm: {lay.prefix}: {lay.scheme.num_bits}-bit experts pack codes across int32 "
-                         "words, which the vllm layout does not split by rank; vLLM loads the checkpoint itself")
-    if lay.scheme.act_order and rules.release(version).has("config.refuse_group_actorder"):
-        raise NotLoadable(f"{lay.prefix}: actorder {lay.scheme.actorder!r}: vLLM {version} refuses the checkpoint")
-    unquantized = unquantized_lookup_error(lay, rules.release(version))  # rule method.checkpoint_proj_names
-    if unquantized is not None:
-        raise NotLoadable(f"{lay.prefix}: {unquantized}")
-    if lay.scheme.act_order:
-        raise UsageError(f"--layout vllm: {lay.prefix}: actorder {lay.scheme.actorder!r}: {ACT_ORDER_REASON}")
 
 
 PATTERN = "model-rank-{rank}-part-{part}.safetensors"  # vLLM's default sharded_state file pattern
@@ -162,12 +71,26 @@ class VllmStatePlan:
     switches: Any = None  # planning.engine_env.EngineSwitches (None: the engine's defaults)
     out: str | None = None  # where it is to be written (named in the serve command; None: OUT)
     memory: dict[str, Any] | None = None  # a dry run's per-rank memory of the deployment (planning.deployment)
+    ep: bool = False  # expert parallelism: each rank holds its local experts whole
 
     def files(self, rank: int) -> list[str]:
         return [PATTERN.format(rank=rank, part=p) for p in range(len(self.parts[rank]))]
 
+    def experts_of(self, moe: MoELayer, rank: int) -> range:
+        """The global experts `rank` holds, in the order of its expert buffers (all without EP)."""
+        return experts_of(moe, self.tp, self.ep, rank)
+
+    def serve_step(self, out: str | os.PathLike[str]) -> NextStep:
+        """How the output at `out` is served: the one answer of `planning.serving.serve_path`."""
+        from wna16ctl.planning.serving import serve_path
+
+        step = serve_path(self.checkpoint, self.tp, ep=self.ep, version=self.vllm, gpu=self.gpu,
+                          switches=self.switches, written=VLLM, out=os.fspath(out))
+        assert step is not None  # a written vllm layout is always served by stock vLLM
+        return step
+
     def serve_command(self, out: str | os.PathLike[str]) -> str:
-        return serve_command(out, self.tp)
+        return self.serve_step(out).serve
 
     def experts_json(self) -> dict[str, Any]:
         """How the expert buffers are laid out, and the backend that decided it (where one did)."""
@@ -179,26 +102,23 @@ class VllmStatePlan:
     def to_json(self, out: str | os.PathLike[str] | None = None) -> dict[str, Any]:
         """The plan (`repack --layout vllm --dry-run --json`); `serve` names `out`, or OUT."""
         return {
-            "checkpoint": str(self.checkpoint.root), "layout": VLLM, "tp": self.tp, "vllm": self.vllm,
+            "checkpoint": str(self.checkpoint.root), "layout": VLLM, "tp": self.tp, "ep": self.ep, "vllm": self.vllm,
             "load_format": "sharded_state", "pattern": PATTERN, "gpu": self.gpu, "experts": self.experts_json(),
             "ranks": [{"rank": r, "files": self.files(r), "keys": len(self.keys[r]),
                        "bytes": sum(t.nbytes for t in self.keys[r])} for r in range(self.tp)],
-            "serve": serve_command(out or self.out or "OUT", self.tp),
+            "serve": self.serve_command(out or self.out or "OUT"),
         }
 
     def result_json(self, out: Path, manifest: dict[str, Any]) -> dict[str, Any]:
         """What `repack --layout vllm --json` prints once `out` is written with `manifest`."""
-        return {"output": str(out), "layout": VLLM, "tp": self.tp, "vllm": self.vllm, "ranks": manifest["ranks"],
-                "serve": manifest["serve"], "next_steps": [next_step(out, self.tp).to_json()]}
+        return {"output": str(out), "layout": VLLM, "tp": self.tp, "ep": self.ep, "vllm": self.vllm,
+                "ranks": manifest["ranks"], "serve": manifest["serve"], "next_steps": [self.serve_step(out).to_json()]}
 
 
-def next_step(out: str | os.PathLike[str], tp: int) -> NextStep:
-    """How to serve a `vllm` layout output: stock vLLM's sharded_state loader."""
-    return output_next_step(os.fspath(out), os.fspath(out), VLLM, tp, False, "")
-
-
-def serve_command(out: str | os.PathLike[str], tp: int) -> str:
-    return next_step(out, tp).serve
+def experts_of(moe: MoELayer, tp: int, ep: bool, rank: int) -> range:
+    """The global experts `rank` holds under `--ep` (vLLM's linear placement), in the order of its
+    expert buffers; every expert without EP."""
+    return local_expert_ranges(moe.num_experts, tp)[rank] if ep else range(moe.num_experts)
 
 
 # -- planning (torch-free) ------------------------------------------------------------------------
@@ -265,7 +185,10 @@ def _mla_sizes(ck: Checkpoint, split: Callable[[int, str], int]) -> dict[str, in
             "QHn": heads_n * (nope + rope), "KVBn": heads_n * (nope + v), "On": heads_n * v}
 
 
-def _sizes(ck: Checkpoint, tp: int, moe: MoELayer | None, layer: int | None) -> dict[str, int]:
+def _sizes(ck: Checkpoint, tp: int, moe: MoELayer | None, layer: int | None, ep: bool = False,
+           rank: int = 0) -> dict[str, int]:
+    """The row symbols of one layer on `rank` (VLLM_STATE_SYMBOLS); under `ep` the routed experts
+    are whole (their TP size is 1) and the rank holds only its local ones."""
     from wna16ctl.layout.vllm_state import kv_heads_per_rank, padded_vocab
 
     dims = ck.dims
@@ -293,13 +216,13 @@ def _sizes(ck: Checkpoint, tp: int, moe: MoELayer | None, layer: int | None) -> 
             s["Dn"] = split(rows, f"model.layers.{layer}.mlp intermediate size")
     if moe is not None and moe.scheme is not None and layer is not None:
         pf = 32 // moe.scheme.num_bits
-        i_n = split(moe.intermediate_size, f"{moe.prefix}: intermediate size")
+        i_n = moe.intermediate_size if ep else split(moe.intermediate_size, f"{moe.prefix}: intermediate size")
         g = moe.scheme.group_size
-        s |= {"E": moe.num_experts, "In": i_n, "Hp": h // pf, "Inp": i_n // pf, "I2np": 2 * i_n // pf,
+        s |= {"E": moe.num_experts, "Er": len(experts_of(moe, tp, ep, rank)), "In": i_n, "Hp": h // pf, "Inp": i_n // pf, "I2np": 2 * i_n // pf,
               "Hpz": h // pf, "G13": 1 if g == -1 else h // g, "G2": 1 if g == -1 else i_n // g}
         if g != -1 and (h % g or i_n % g):
             raise NotLoadable(f"{moe.prefix}: intermediate size per rank {i_n} or hidden size {h} is not a multiple "
-                              f"of group_size {g}; vLLM refuses --tp {tp}")
+                              f"of group_size {g}; vLLM refuses --tp {tp}{' --ep' if ep else ''}")
         shared = _shared_size(ck, layer, moe.block.rsplit(".", 1)[-1], _FAMILY_NAMES[moe.family]["gate"])
         if shared is not None:
             s["Sn"] = split(shared, "shared_expert intermediate size")
@@ -331,7 +254,7 @@ def _in_force(row: rules.StateKey, version: str, arch: str) -> bool:
     return has != neg
 
 
-def _expert_orientation(ck: Checkpoint, tp: int, vllm: str, gpu: str, switches: Any
+def _expert_orientation(ck: Checkpoint, tp: int, vllm: str, gpu: str, switches: Any, ep: bool = False
                         ) -> tuple[dict[int, str], dict[int, bool]]:
     """(backend per MoE layer, K-first per MoE layer) where the release's expert buffers depend on
     the backend (state.experts_k_first); empty where they do not."""
@@ -344,10 +267,11 @@ def _expert_orientation(ck: Checkpoint, tp: int, vllm: str, gpu: str, switches: 
     backends: dict[int, str] = {}
     k_first: dict[int, bool] = {}
     for lay in ck.layers:
-        lp = plan_layer(lay, tp, False, vllm, gpu, switches) if switches is not None else plan_layer(lay, tp, False, vllm, gpu)
+        lp = plan_layer(lay, tp, ep, vllm, gpu, switches) if switches is not None else plan_layer(lay, tp, ep, vllm, gpu)
         if not lp.loadable or lp.backend is None:
             reason = (lp.errors or ["no backend loads it"])[0]
-            raise NotLoadable(f"{lay.prefix}: vLLM {vllm} on {gpu} does not load this layer at --tp {tp}: {reason}")
+            raise NotLoadable(f"{lay.prefix}: vLLM {vllm} on {gpu} does not load this layer at --tp {tp}"
+                              f"{' --ep' if ep else ''}: {reason}")
         if lay.layer_index is not None:  # keyed by decoder layer, as the keys are
             backends[lay.layer_index] = lp.backend.value
             k_first[lay.layer_index] = lp.backend.value not in n_first
@@ -356,19 +280,39 @@ def _expert_orientation(ck: Checkpoint, tp: int, vllm: str, gpu: str, switches: 
 
 def plan_vllm_state(ckpt: str | os.PathLike[str] | Checkpoint, tp: int, vllm: str, *,
                     max_shard_bytes: int = 4 << 30, gpu: str = rules.DEFAULT_GPU,
-                    switches: Any = None) -> VllmStatePlan:
-    """The exact tensors of every rank.  `gpu` and `switches` (planning.engine_env.EngineSwitches)
-    matter only for releases whose expert buffers follow the backend (state.experts_k_first)."""
+                    switches: Any = None, ep: bool = False) -> VllmStatePlan:
+    """The exact tensors of every rank (`ep`: under --enable-expert-parallel).  `gpu` and `switches`
+    (planning.engine_env.EngineSwitches) matter only for releases whose expert buffers follow the
+    backend (state.experts_k_first)."""
     ck = ckpt if isinstance(ckpt, Checkpoint) else open_checkpoint(ckpt)
     check_supported(ck, vllm)
-    backends, k_first = _expert_orientation(ck, tp, vllm, gpu, switches)
+    backends, k_first = _expert_orientation(ck, tp, vllm, gpu, switches, ep)
     dtype_name = ck.config.torch_dtype
     if dtype_name not in FLOAT_ST_OF_CONFIG:
         raise BadInput(f"{ck.config.path}: torch_dtype {dtype_name!r} is not bfloat16, float16 or float32")
-    model_st = FLOAT_ST_OF_CONFIG[dtype_name]
     moe_by_layer = {lay.layer_index: lay for lay in ck.layers if lay.layer_index is not None}
+    # the ranks' keys differ only in the number of local experts under EP: one plan per count
+    by_count: dict[tuple[int, ...], list[StateTensor]] = {}
+    per_rank = []
+    for rank in range(tp):
+        count = tuple(len(experts_of(moe, tp, ep, rank)) for moe in moe_by_layer.values())
+        if count not in by_count:
+            keys = _quantized_linear(ck, _rank_keys(ck, tp, vllm, moe_by_layer, k_first, ep, rank), tp, vllm, gpu,
+                                     switches)
+            _check_sources(ck, keys)
+            by_count[count] = keys
+        per_rank.append(list(by_count[count]))
+    parts = [_split_parts(k, max_shard_bytes) for k in per_rank]
+    return VllmStatePlan(ck, tp, vllm, dtype_name, per_rank, parts, moe_by_layer, gpu, backends, k_first, switches,
+                         ep=ep)
+
+
+def _rank_keys(ck: Checkpoint, tp: int, vllm: str, moe_by_layer: dict[int, MoELayer], k_first: dict[int, bool],
+               ep: bool, rank: int) -> list[StateTensor]:
+    """The contract's rows resolved for one rank, in the order vLLM's model registers them (the
+    quantized linear layers still as their 16-bit rows)."""
+    model_st = FLOAT_ST_OF_CONFIG[ck.config.torch_dtype]
     arch = ck.config.model_type
-    n_layers = ck.config.num_hidden_layers or 0
 
     def resolved(row: rules.StateKey, layer: int | None, moe: MoELayer | None, sizes: dict[str, int]) -> StateTensor:
         dtype = model_st if row.dtype == "model" else row.dtype
@@ -379,20 +323,16 @@ def plan_vllm_state(ckpt: str | os.PathLike[str] | Checkpoint, tp: int, vllm: st
     base = _sizes(ck, tp, None, None)
     model_rows = [r for r in _rows_for("model") if _in_force(r, vllm, arch) and _when(ck, r.when, None, None)]
     keys += [resolved(r, None, None, base) for r in model_rows if r.key.startswith("model.embed")]
-    for layer in range(n_layers):
+    for layer in range(ck.config.num_hidden_layers or 0):
         moe = moe_by_layer.get(layer)
-        sizes = _sizes(ck, tp, moe, layer)
+        sizes = _sizes(ck, tp, moe, layer, ep, rank)
         scopes = ["layer"] + (["moe"] + (["shared"] if "Sn" in sizes else []) if moe is not None else ["dense"])
         for scope in scopes:
             for row in _rows_for(scope):
                 if _in_force(row, vllm, arch) and _when(ck, row.when, layer, moe, k_first):
                     keys.append(resolved(row, layer, moe, sizes))
     keys += [resolved(r, None, None, base) for r in model_rows if not r.key.startswith("model.embed")]
-    keys = _quantized_linear(ck, keys, tp, vllm, gpu, switches)
-    _check_sources(ck, keys)
-    per_rank = [list(keys) for _ in range(tp)]  # every rank holds the same keys and shapes
-    parts = [_split_parts(k, max_shard_bytes) for k in per_rank]
-    return VllmStatePlan(ck, tp, vllm, dtype_name, per_rank, parts, moe_by_layer, gpu, backends, k_first, switches)
+    return keys
 
 
 def _source_names(fill: str) -> list[str]:

@@ -45,7 +45,7 @@ from wna16ctl.layout.spec import AUTO, MARLIN, RankLayout
 from wna16ctl.planning.config_parse import config_refusal
 from wna16ctl.planning.engine_env import EngineSwitches, parse_env
 from wna16ctl.planning.inspection import model_refusal
-from wna16ctl.planning.moe import BACKEND_OF_LAYOUT, LayerPlan, plan_layer
+from wna16ctl.planning.moe import BACKEND_OF_LAYOUT, LayerPlan, local_expert_ranges, plan_layer
 from wna16ctl.planning.tpsizes import check_tp_sizes, parse_tp_list
 from wna16ctl.output.filestream import DEPTH, FileStream, depth_for
 from wna16ctl.sink import TaskStarter, no_progress
@@ -315,9 +315,7 @@ def plan_repack(ckpt_path: str | os.PathLike[str], settings: RepackSettings) -> 
         pad = plan.padded_intermediate if layout == MARLIN else plan.intermediate_size_per_partition
         assert layer.scheme is not None
         if settings.ep:
-            counts = plan.local_experts
-            starts = [sum(counts[:r]) for r in range(n_ranks)]
-            ranges = [range(starts[r], starts[r] + counts[r]) for r in range(n_ranks)]
+            ranges = local_expert_ranges(layer.num_experts, n_ranks)
         else:
             ranges = [range(layer.num_experts)] * n_ranks
         specs = [

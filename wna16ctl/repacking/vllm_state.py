@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from wna16ctl.layout.spec import VLLM
 from wna16ctl.output.manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, SIDE_FILES
-from wna16ctl.planning.vllm_state import PATTERN, VllmStatePlan, serve_command
+from wna16ctl.planning.vllm_state import PATTERN, VllmStatePlan
 from wna16ctl.repacking.pipeline import RepackResult
 from wna16ctl.sources import source_fingerprint
 from wna16ctl.version import __version__
@@ -19,7 +19,7 @@ from wna16ctl.version import __version__
 def identity(plan: VllmStatePlan) -> dict[str, Any]:
     return {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "tool_version": __version__,
             "source_fingerprint": source_fingerprint(plan.checkpoint),
-            "settings": {"tp": plan.tp, "layout": VLLM, "vllm": plan.vllm}}
+            "settings": {"tp": plan.tp, "ep": plan.ep, "layout": VLLM, "vllm": plan.vllm}}
 
 
 def write_vllm_state(plan: VllmStatePlan, out: str | os.PathLike[str], *, force: bool = False,
@@ -82,22 +82,18 @@ def build_manifest(plan: VllmStatePlan, hashes: dict[str, str], root: Path, iden
         "engine": {"name": "vllm", "version": plan.vllm, "load_format": "sharded_state", "pattern": PATTERN,
                    "gpu": plan.gpu, **_switches_json(plan.switches)},
         "experts": plan.experts_json(),
-        "tp": plan.tp, "ep": False, "layout": VLLM, "model_dtype": plan.model_dtype,
+        "tp": plan.tp, "ep": plan.ep, "layout": VLLM, "model_dtype": plan.model_dtype,
         "ranks": [{"rank": r, "files": plan.files(r), "keys": len(plan.keys[r]),
                    "bytes": sum(t.nbytes for t in plan.keys[r])} for r in range(plan.tp)],
-        "serve": serve_command(out, plan.tp),
+        "serve": plan.serve_command(out),
         "files": {rel: {FILE_HASH: digest, "bytes": (root / rel).stat().st_size} for rel, digest in sorted(hashes.items())},
     }
 
 
-def check_options(*, ep: bool, ranks: Any, resume: bool, node_local: bool, processes: int) -> None:
+def check_options(*, ranks: Any, resume: bool, node_local: bool, processes: int) -> None:
     """The options the other layouts take that this one does not: refused with one line each."""
     from wna16ctl.errors import UsageError
 
-    if ep:
-        from wna16ctl.planning.vllm_state import EP_REASON
-
-        raise UsageError(EP_REASON)
     if processes > 1 or ranks is not None or node_local:
         raise UsageError("--layout vllm is written by one process for all ranks: drop torchrun, --ranks and "
                          "--node-local (pipeline parallelism is not supported either)")

@@ -18,7 +18,7 @@ from wna16ctl.layout.spec import VLLM
 from wna16ctl.output.manifest import MANIFEST_NAME
 from wna16ctl.planning import rules
 from wna16ctl.planning.next_steps import NextStep
-from wna16ctl.planning.vllm_state import VllmStatePlan, next_step, plan_vllm_state, serve_command
+from wna16ctl.planning.vllm_state import VllmStatePlan, plan_vllm_state
 from wna16ctl.sources import Checkpoint
 
 
@@ -32,6 +32,7 @@ class VllmStateReport:
     tensors_round_tripped: int = 0
     serve: str = ""
     round_trip_ran: bool = False  # the files met the contract, so the tensors were compared
+    step: NextStep | None = None  # how the output is served (the plan's serve_step)
 
     @property
     def ok(self) -> bool:
@@ -45,7 +46,7 @@ class VllmStateReport:
     @property
     def next_steps(self) -> list[NextStep]:
         """The serve command, once the output is proved."""
-        return [next_step(self.out, self.tp)] if self.passed else []
+        return [self.step] if self.passed and self.step is not None else []
 
     def to_json(self) -> dict[str, Any]:
         return {"output": str(self.out), "layout": VLLM, "tp": self.tp, "vllm": self.vllm, "ok": self.ok,
@@ -74,8 +75,10 @@ def verify_vllm_state(ckpt: str | os.PathLike[str] | Checkpoint, out: str | os.P
         from wna16ctl.planning.engine_env import make_switches
 
         switches = make_switches(engine.get("env"), engine.get("moe_backend"))
-    plan = plan_vllm_state(ckpt, tp, vllm, gpu=str(engine.get("gpu", rules.DEFAULT_GPU)), switches=switches)
-    report = VllmStateReport(out_path, tp, vllm, [], serve=serve_command(out_path, tp))
+    plan = plan_vllm_state(ckpt, tp, vllm, gpu=str(engine.get("gpu", rules.DEFAULT_GPU)), switches=switches,
+                           ep=bool(manifest.get("ep")))
+    step = plan.serve_step(out_path)
+    report = VllmStateReport(out_path, tp, vllm, [], serve=step.serve, step=step)
     headers = _check_files(plan, out_path, manifest, report)
     if report.problems:
         return report
