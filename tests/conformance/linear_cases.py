@@ -201,13 +201,21 @@ def format_linear_disagreement(version: str, name: str, case: dict[str, Any]) ->
     return None if why is None else f"{name}: vLLM {version} {why}\n  case {case}\n  vllm {got}\n  plan {plan.to_json()}"
 
 
+def _unordered(text: str) -> str:
+    """A message with each printed set's items sorted (a set of strings prints in hash order)."""
+    import re
+
+    return re.sub(r"\{('[^']*'(?:, '[^']*')*)\}", lambda m: "{" + ", ".join(sorted(m.group(1).split(", "))) + "}", text)
+
+
 def _format_diff(plan: Any, got: dict[str, Any], case: dict[str, Any]) -> str | None:
     from wna16ctl.planning.linear import AWQ_GEMM
 
-    stage, error = plan.failure_stage, (plan.errors or [""])[0]
+    stage, error = plan.failure_stage, _unordered((plan.errors or [""])[0])
     if stage in ("config", "create_weights"):
-        typed = f"{got.get('error_type')}: {got['error']}"
-        same = got["error"] and (error == got["error"] or error.splitlines()[0] == str(got["error"]).splitlines()[0]
+        theirs = _unordered(str(got["error"]))
+        typed = f"{got.get('error_type')}: {theirs}"
+        same = got["error"] and (error == theirs or error.splitlines()[0] == theirs.splitlines()[0]
                                  or error.startswith(typed))
         return None if got["stage"] == stage and same else f"{got['stage']}: {got['error']!r}, planner {stage}: {error!r}"
     if got["stage"] is not None:

@@ -101,7 +101,7 @@ def linear_method(quant_method: str, cfg: Any, raw: Mapping[str, Any], rel: rule
         return gptq.linear_method(cfg, raw, prefix, is_head, inner, cc)
     if quant_method == auto_round.QUANT_METHOD:
         return auto_round.linear_method(cfg, rel, prefix, is_head, cc)
-    return awq.linear_method(cfg, prefix, is_head, inner, cc, k, k_p, batch_invariant)
+    return awq.linear_method(cfg, rel, prefix, is_head, inner, cc, k, k_p, batch_invariant)
 
 
 awq_gemm_error = awq.gemm_error

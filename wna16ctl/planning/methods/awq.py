@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from wna16ctl.planning import rules
 from wna16ctl.planning.methods.base import (AWQ_LAYOUT, AWQ_LINEAR, AWQ_MARLIN_LINEAR, UNQUANTIZED_EMBEDDING,
                                              UNQUANTIZED_LINEAR, LinearMethod, MoEMethod, OracleArgs, get_from_keys,
                                              marlin_type_supported, mixed_shards_error, shard_prefixes)
@@ -86,8 +87,8 @@ def _skipped_linear(skip: tuple[str, ...], prefix: str) -> bool | None:
     return None if len(found) > 1 else found.pop()
 
 
-def linear_method(cfg: AwqConfig, prefix: str, is_head: bool, inner: Mapping[str, bool], cc: int, k: int, k_p: int,
-                  batch_invariant: bool) -> LinearMethod:
+def linear_method(cfg: AwqConfig, rel: rules.Release, prefix: str, is_head: bool, inner: Mapping[str, bool], cc: int,
+                  k: int, k_p: int, batch_invariant: bool) -> LinearMethod:
     """AutoAWQConfig.get_quant_method on CUDA for a linear layer (or the output projection) `prefix`
     with K `k` (per rank `k_p`): modules_to_not_convert (else, from maybe_update_config, every
     module of the checkpoint without integer tensors) matched as substrings, then the Marlin method
@@ -106,8 +107,12 @@ def linear_method(cfg: AwqConfig, prefix: str, is_head: bool, inner: Mapping[str
             f"modules_to_not_convert is empty, so vLLM fills it with the checkpoint's unquantized modules and "
             f"{named!r} is part of the name"))
     g = cfg.group_size
-    use_marlin = (not batch_invariant and marlin_type_supported(cc, 4, bool(cfg.zero_point))
+    # check_marlin_supported(uint4, group, zero_point): uint4 is a Marlin type with zero points only
+    use_marlin = (not batch_invariant and bool(cfg.zero_point) and marlin_type_supported(cc, 4, True)
                   and g in (-1, 32, 64, 128))
+    if use_marlin and is_head and not rel.has("linear.lm_head_output_size"):
+        return LinearMethod(AWQ_MARLIN_LINEAR, error=("create_weights", "head shape",
+                                                     "'ParallelLMHead' object has no attribute 'output_size'"))
     if use_marlin and (g == -1 or g >= k or k_p % g == 0):
         return LinearMethod(AWQ_MARLIN_LINEAR, 4, g, bool(cfg.zero_point))
     return LinearMethod(AWQ_LINEAR, 4, g, bool(cfg.zero_point))
