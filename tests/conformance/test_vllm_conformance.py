@@ -333,3 +333,23 @@ def test_auto_round_layers_match_vllm(release: str) -> None:
     named += [(f"auto-round sample {i}", format_cases.sample_auto_round_case(rng)) for i in range(AUTO_ROUND_SAMPLES)]
     wrong = [d for name, case in named if (d := format_disagreement(release, name, case))]
     assert not wrong, "\n".join(wrong[:5])
+
+
+LINEAR_FORMAT_SAMPLES = int(os.environ.get("WNA16CTL_CONFORMANCE_LINEAR_FORMAT_SAMPLES", "120"))
+
+
+@pytest.mark.parametrize("release", RELEASE_PARAMS, indirect=True)
+def test_gptq_awq_auto_round_linear_layers_match_vllm(release: str) -> None:
+    """GPTQ/AWQ/auto-round linear layers (attention, dense MLP, shared experts, the output projection
+    with and without the lm_head flag, skipped modules) built by the release's own layer class and
+    format config: the method, the kernel, the refusals with their messages, and the layers whose
+    scale rows are floored across ranks (the planner's correctness hazard) against plan_linear."""
+    import random
+
+    from tests.conformance import linear_cases
+
+    rng = random.Random(3)
+    named = linear_cases.real_format_cases()
+    named += [(f"sample {i}", linear_cases.sample_format(rng)) for i in range(LINEAR_FORMAT_SAMPLES)]
+    wrong = [d for name, case in named if (d := linear_cases.format_linear_disagreement(release, name, case))]
+    assert not wrong, "\n".join(wrong[:5])

@@ -97,3 +97,41 @@ def test_auto_round_refusals_per_release():
     # an extra_config entry of 16 bits named exactly the experts layer: UnquantizedFusedMoEMethod
     p = _auto_round_plan(1, "0.33.0", extra_config={"model.layers.0.mlp.experts": {"bits": 16}})
     assert p.failure_stage == "load" and p.method["class"] == "UnquantizedFusedMoEMethod"
+
+
+def _linear_plans(tmp_path, raw, form: str, version: str = "0.33.0") -> dict[tuple[str, int], dict]:
+    """inspect --json of a header-only Qwen1.5-MoE-shaped checkpoint (shared expert I 5632) at TP 4/8."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests import modelckpt
+    from tests.sources.qweight_ckpt import header_only
+
+    ck = header_only(tmp_path / form, modelckpt.qwen15_moe_a27b(layers=1), dict(raw), form=form)
+    out = subprocess.run([sys.executable, "-m", "wna16ctl", "inspect", str(ck), "--tp", "4,8", "--vllm", version,
+                          "--gpu", "sm90", "--json"], capture_output=True, text=True, env=dict(os.environ))
+    doc = json.loads(out.stdout)
+    return {(lay["name"].rpartition("layers.0.")[2], p["tp"]): p for lay in doc["linear_layers"] for p in lay["plans"]}
+
+
+def test_gptq_linear_group_straddling_ranks_is_a_correctness_hazard(tmp_path):
+    # shared_expert.down_proj K 5632 at TP 8: 704 rows per rank, 5.5 groups of 128.  AutoGPTQLinearMethod
+    # has no straddle check: Machete takes it and create_weights floors the scale rows to 5
+    plans = _linear_plans(tmp_path, format_cases._QWEN_GPTQ, "gptq")
+    ok, bad = plans[("mlp.shared_expert.down_proj", 4)], plans[("mlp.shared_expert.down_proj", 8)]
+    assert ok["loadable"] and ok["method"] == "AutoGPTQLinearMethod" and ok["kernel"] == "MacheteLinearKernel"
+    assert not bad["loadable"] and bad["failure_rule"] == "wrong scale groups"
+    assert bad["method"] == "AutoGPTQLinearMethod" and bad["kernel"] == "MacheteLinearKernel"
+    assert "makes 5 scale row(s)" in bad["errors"][0] and "vLLM 0.33.0" in bad["errors"][0]
+    assert plans[("self_attn.qkv_proj", 8)]["loadable"]
+
+
+def test_awq_linear_group_straddling_ranks_falls_back_and_is_refused(tmp_path):
+    # the AWQ config's Marlin gate turns the same shape away: AutoAWQLinearMethod refuses it
+    plans = _linear_plans(tmp_path, format_cases._AWQ, "awq")
+    assert plans[("mlp.shared_expert.down_proj", 4)]["method"] == "AutoAWQMarlinLinearMethod"
+    bad = plans[("mlp.shared_expert.down_proj", 8)]
+    assert bad["method"] == "AutoAWQLinearMethod" and bad["failure_stage"] == "create_weights"
+    assert bad["errors"][0].startswith("The input size is not aligned with the quantized weight shape")

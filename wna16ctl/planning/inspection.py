@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
 from wna16ctl.version import __version__
-from wna16ctl.planning import rules
+from wna16ctl.planning import methods, rules
 from wna16ctl.planning.config_parse import NOT_REACHED, ConfigRefusal, config_refusal
 from wna16ctl.planning.engine_env import DEFAULT as DEFAULT_SWITCHES, EngineSwitches, make_switches
 from wna16ctl.sources import Checkpoint, LinearLayer, MoELayer, open_checkpoint
@@ -370,8 +370,10 @@ def plan_all(layers: list[MoELayer], tps: tuple[int, ...], ep: bool, version: st
 
 def _linear_key(lay: LinearLayer) -> tuple:
     """Linear layers with equal keys get equal plans (names aside)."""
+    # a GPTQ/AWQ/auto-round layer's method follows its own name (dynamic rules, module lists): one plan each
+    own = lay.name if methods.uses_format_method(lay.quant_method) else None
     return (lay.tp_role, lay.input_size, lay.output_sizes, tuple(s.scheme for s in lay.shards), lay.head_dim,
-            lay.num_heads, lay.num_kv_heads, lay.refused)
+            lay.num_heads, lay.num_kv_heads, lay.refused, own)
 
 
 def plan_all_linear(layers: list[LinearLayer], tps: tuple[int, ...], version: str, gpu: str, dtype: str,

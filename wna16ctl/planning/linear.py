@@ -27,6 +27,7 @@ from wna16ctl.sources.model import COLUMN, QKV, REPLICATED, ROW, VOCAB, LinearLa
 CUTLASS_W4A8, MACHETE, ALLSPARK, MARLIN = "CutlassW4A8LinearKernel", "MacheteLinearKernel", "AllSparkLinearKernel", "MarlinLinearKernel"
 CONCH, EXLLAMA, TRITON, HUMMING = "ConchLinearKernel", "ExllamaLinearKernel", "TritonW4A16LinearKernel", "HummingLinearKernel"
 _MIN_CC = {CUTLASS_W4A8: 90, MACHETE: 90, ALLSPARK: 80, MARLIN: 75, CONCH: 80, EXLLAMA: 60, TRITON: 0, HUMMING: 75}
+_UNQUANTIZED_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
 VOCAB_PADDING = 64  # DEFAULT_VOCAB_PADDING_SIZE
 # what the engine logs instead of a kernel class when VLLM_BATCH_INVARIANT=1 bypasses the kernel choice
 BATCH_INVARIANT = "dequantize + batch-invariant matmul"
@@ -246,6 +247,7 @@ class LinearPlan:
     k: int | None = None  # per-rank K
     n: int | None = None  # per-rank N
     kernel: str | None = None
+    method: str | None = None  # the quant method class vLLM builds (GPTQ/AWQ/auto-round layers)
     rejected: dict[str, str] = field(default_factory=dict)
     padded_nk: tuple[int, int] | None = None  # Marlin's tile padding of (N, K), when it pads
     errors: list[str] = field(default_factory=list)
@@ -255,7 +257,7 @@ class LinearPlan:
 
     @property
     def loadable(self) -> bool:
-        return not self.errors and self.kernel is not None
+        return not self.errors and (self.kernel is not None or self.method in _UNQUANTIZED_METHODS)
 
     def fail(self, stage: str, rule: str, text: str) -> None:
         if not self.errors:
@@ -265,6 +267,7 @@ class LinearPlan:
     def to_json(self) -> dict[str, Any]:
         return {
             "tp": self.tp, "vllm": self.vllm, "gpu": self.gpu, "k": self.k, "n": self.n, "kernel": self.kernel,
+            "method": self.method,
             "rejected": dict(self.rejected),
             "marlin_padded_nk": list(self.padded_nk) if self.padded_nk else None,
             "errors": list(self.errors), "failure_stage": self.failure_stage, "failure_rule": self.failure_rule,
@@ -324,6 +327,27 @@ def per_rank_shape(layer: LinearLayer, tp: int, plan: LinearPlan) -> tuple[int, 
     raise AssertionError(role)
 
 
+def choose_kernel(plan: LinearPlan, rel: rules.Release, c: KernelConfig, switches: EngineSwitches) -> bool:
+    """choose_mp_linear_kernel: the first kernel of the release's list that can implement the layer
+    (each other one with its reason in `plan.rejected`); False after the error it raises."""
+    disabled = switches.names("VLLM_DISABLED_KERNELS", plan.vllm)
+    for kern in ([] if plan.kernel else kernel_priority(rel, plan.gpu)):
+        reason = (f"{kern} disabled by environment variable (VLLM_DISABLED_KERNELS)" if kern in disabled
+                  else kernel_reason(kern, rel, plan.gpu, c))
+        if plan.kernel is None and reason is None:
+            plan.kernel = kern
+        elif reason is not None:
+            plan.rejected[kern] = reason
+        else:
+            plan.rejected[kern] = f"lower priority than {plan.kernel}"
+    if plan.kernel is None:
+        plan.fail("create_weights", "no kernel", (
+            "Failed to find a kernel that can implement the WNA16 linear layer. Reasons: \n"
+            + "\n".join(f" {kn} cannot implement due to: {r}" for kn, r in plan.rejected.items())))
+        return False
+    return True
+
+
 def plan_linear(layer: LinearLayer, tp: int, engine: str = rules.NEWEST, gpu: str = rules.DEFAULT_GPU,
                 dtype: str = "bfloat16", switches: EngineSwitches = DEFAULT_SWITCHES) -> LinearPlan:
     """The one decision function for a linear layer: what vLLM `engine` does with `layer` on `tp`
@@ -332,6 +356,8 @@ def plan_linear(layer: LinearLayer, tp: int, engine: str = rules.NEWEST, gpu: st
         raise ValueError("tp must be >= 1")
     rel = rules.release(engine)
     plan = LinearPlan(tp=tp, vllm=engine, gpu=gpu)
+    if methods.uses_format_method(layer.quant_method):
+        return plan_format_linear(layer, tp, rel, plan, dtype, switches)
     s = layer.scheme
     if layer.mixed_schemes:
         plan.fail("config", "mixed shards", (
@@ -379,22 +405,9 @@ def plan_linear(layer: LinearLayer, tp: int, engine: str = rules.NEWEST, gpu: st
                      group_size=s.group_size, zero_points=not s.symmetric,
                      has_g_idx=linear_has_g_idx(s))
     # -- create_weights: choose_mp_linear_kernel ------------------------------------------------
-    disabled = switches.names("VLLM_DISABLED_KERNELS", engine)
     if switches.flag("VLLM_BATCH_INVARIANT", engine):
         plan.kernel = BATCH_INVARIANT  # no kernel is chosen: the checkpoint layout is kept and dequantized
-    for kern in ([] if plan.kernel else kernel_priority(rel, gpu)):
-        reason = (f"{kern} disabled by environment variable (VLLM_DISABLED_KERNELS)" if kern in disabled
-                  else kernel_reason(kern, rel, gpu, c))
-        if plan.kernel is None and reason is None:
-            plan.kernel = kern
-        elif reason is not None:
-            plan.rejected[kern] = reason
-        else:
-            plan.rejected[kern] = f"lower priority than {plan.kernel}"
-    if plan.kernel is None:
-        plan.fail("create_weights", "no kernel", (
-            "Failed to find a kernel that can implement the WNA16 linear layer. Reasons: \n"
-            + "\n".join(f" {kn} cannot implement due to: {r}" for kn, r in plan.rejected.items())))
+    if not choose_kernel(plan, rel, c, switches):
         return plan
     # -- create_weights: scale sharding ---------------------------------------------------------
     row_parallel = k_p != k
@@ -404,18 +417,7 @@ def plan_linear(layer: LinearLayer, tp: int, engine: str = rules.NEWEST, gpu: st
     if not repeat and k_p % gs:
         plan.fail("create_weights", "K/rank % group", _straddle_text(k_p, gs, layer.name))
         return plan
-    if plan.kernel == HUMMING:
-        plan.hazards.append(
-            "runs on Humming, whose can_implement in vLLM accepts any 16-bit-activation layer; shape limits of the "
-            "humming package itself (converted at load) are not in vLLM's sources and are not planned")
-    # -- process_weights_after_loading ------------------------------------------------------------
-    if plan.kernel == MARLIN and not g_idx:
-        padded = _padded_nk(n_p, k_p, s.group_size)
-        if padded != (n_p, k_p):
-            plan.padded_nk = padded
-            plan.hazards.append(
-                f"Marlin pads this layer's per-rank (N, K) from ({n_p}, {k_p}) to {padded} (thread tiles): activations "
-                "and outputs are padded and sliced on every forward, and vLLM warns that performance may be degraded")
+    kernel_hazards(plan, g_idx, s.group_size)
     if not s.symmetric and layer.tp_role == COLUMN and any((size // tp) * s.num_bits % 32
                                                             for size in layer.output_sizes if size):
         plan.hazards.append(
@@ -424,7 +426,113 @@ def plan_linear(layer: LinearLayer, tp: int, engine: str = rules.NEWEST, gpu: st
     return plan
 
 
+def kernel_hazards(plan: LinearPlan, g_idx: bool, group_size: int) -> None:
+    """What the chosen kernel does to a layer that loads: Humming's unplanned limits, Marlin's tile padding."""
+    if plan.kernel == HUMMING:
+        plan.hazards.append(
+            "runs on Humming, whose can_implement in vLLM accepts any 16-bit-activation layer; shape limits of the "
+            "humming package itself (converted at load) are not in vLLM's sources and are not planned")
+    # -- process_weights_after_loading ------------------------------------------------------------
+    n_p, k_p = plan.n or 0, plan.k or 0
+    if plan.kernel == MARLIN and not g_idx:
+        padded = _padded_nk(n_p, k_p, group_size)
+        if padded != (n_p, k_p):
+            plan.padded_nk = padded
+            plan.hazards.append(
+                f"Marlin pads this layer's per-rank (N, K) from ({n_p}, {k_p}) to {padded} (thread tiles): activations "
+                "and outputs are padded and sliced on every forward, and vLLM warns that performance may be degraded")
+
+
+# what inspect names as the kernel of AWQ's own GEMM method (it chooses no kernel class)
+AWQ_GEMM = "AWQ GEMM (awq_gemm / awq_dequantize)"
+
+
+def plan_format_linear(layer: LinearLayer, tp: int, rel: rules.Release, plan: LinearPlan, dtype: str,
+                       switches: EngineSwitches) -> LinearPlan:
+    """A GPTQ/AWQ/auto-round linear layer: the format's config (methods.parse_config), the layer
+    class's asserts, the method its get_quant_method builds (methods.linear_method), whether the
+    checkpoint's tensors fit it, then its create_weights: AWQ's own alignment checks, or the kernel
+    choice and the scale rows, which these methods floor (K per rank // group) where a group
+    straddles two ranks instead of refusing as compressed-tensors does."""
+    raw, qm = layer.quant_raw or {}, str(layer.quant_method)
+    cfg, refused = methods.parse_config(qm, raw, rel)
+    if refused is not None:
+        plan.fail("config", *refused)
+        return plan
+    shape = per_rank_shape(layer, tp, plan)
+    if shape is None:
+        return plan
+    k, n, k_p, n_p = shape
+    plan.k, plan.n = k_p, n_p
+    m = methods.linear_method(qm, cfg, raw, rel, layer.name, layer.kind == "lm_head", layer.inner_modules,
+                              rules.GPUS[plan.gpu], k, k_p, switches.flag("VLLM_BATCH_INVARIANT", plan.vllm))
+    plan.method = m.vllm_class
+    if m.error is not None:
+        plan.fail(*m.error)
+        return plan
+    if not _format_tensors_fit(layer, m, plan):
+        return plan
+    if not m.quantized:
+        return plan
+    if m.vllm_class == methods.base.AWQ_LINEAR:
+        error = methods.awq_gemm_error(m.group_size, k, k_p, n_p)
+        if error is not None:
+            plan.fail("create_weights", "AWQ alignment", error)
+        else:
+            plan.kernel = AWQ_GEMM
+        return plan
+    wt = f"uint{m.bits}" if m.zero_points else f"uint{m.bits}b{2 ** (m.bits - 1)}"
+    c = KernelConfig(k=k, n=n, k_p=k_p, n_p=n_p, weight_type=wt, bits=m.bits, act_type=dtype, group_size=m.group_size,
+                     zero_points=m.zero_points, has_g_idx=m.desc_act)
+    if not choose_kernel(plan, rel, c, switches):
+        return plan
+    g_idx = m.desc_act and rel.has("linear.g_idx_kernels")
+    # marlin_repeat_scales_on_all_ranks (GPTQ): every rank keeps all scale rows with act-order, or
+    # channel-wise on a row-parallel layer; otherwise the rows are K per rank // group, floored
+    repeat = m.vllm_class == methods.base.GPTQ_LINEAR and (g_idx or (m.group_size == -1 and k_p != k))
+    gs = m.group_size if m.group_size != -1 else k
+    if not repeat and k_p % gs:
+        plan.fail("load", "wrong scale groups", (
+            f"{layer.name}: vLLM {plan.vllm} builds it with {m.vllm_class} on {plan.kernel} although its input size per "
+            f"partition {k_p} is not a whole number of groups of {gs}: create_weights makes {k_p // gs} scale row(s) "
+            "per rank and the weight loader slices the checkpoint's rows by that count, so the layer loads without "
+            "error and computes with the wrong scale groups (outputs are wrong); use a TP size that divides the "
+            "groups, or pad the checkpoint"))
+        return plan
+    kernel_hazards(plan, g_idx, m.group_size)
+    return plan
+
+
+def _format_tensors_fit(layer: LinearLayer, m: methods.LinearMethod, plan: LinearPlan) -> bool:
+    """Whether the checkpoint's tensors of the layer have parameters to load into: packed shards
+    for a quantized method of the same bits and group size, plain weights for an unquantized one."""
+    packed = [sh for sh in layer.shards if sh.stored_packed]
+    plain = [sh.module for sh in layer.shards if not sh.stored_packed]
+    if not m.quantized and packed:
+        plan.fail("load", "built unquantized", (
+            f"{layer.name}: vLLM {plan.vllm} builds it with {m.vllm_class} ({m.why_unquantized}), so the checkpoint's "
+            f"qweight/scales tensors have no parameter to load into (There is no module or parameter named "
+            f"'{packed[0].module}.qweight')"))
+        return False
+    if m.quantized and plain:
+        plan.fail("load", "built quantized", (
+            f"{layer.name}: vLLM {plan.vllm} builds it with {m.vllm_class}, but the checkpoint stores {plain[0]} "
+            f"unquantized: its weight has no parameter to load into (There is no module or parameter named "
+            f"'{plain[0]}.weight')"))
+        return False
+    for sh in packed if m.quantized else ():
+        if sh.scheme is not None and (sh.scheme.num_bits, sh.scheme.group_size) != (m.bits, m.group_size):
+            plan.fail("load", "scheme differs", (
+                f"{layer.name}: vLLM {plan.vllm} builds it with {m.bits}-bit codes, group {m.group_size} (the config "
+                f"as it applies to the layer's own name), but the checkpoint stores {sh.module} with "
+                f"{sh.scheme.num_bits}-bit codes, group {sh.scheme.group_size}: the tensors do not fit"))
+            return False
+    return True
+
+
 def linear_outcome(p: LinearPlan) -> str:
+    if p.loadable and p.kernel is None:
+        return f"loads unquantized ({p.method})"
     if p.loadable:
         return f"loads on {p.kernel}" + (f" (Marlin tile padding to (N, K) = {p.padded_nk})" if p.padded_nk else "")
     return f"fails ({p.failure_stage}): {p.errors[0].splitlines()[0]}"

@@ -132,6 +132,10 @@ CHANGES: tuple[Change, ...] = (
            "auto_round:auto_gptq or auto_round:auto_awq; before, sym was required and auto_round:llm_compressor "
            "with integer weights was a ValueError",
            "quantization/inc/inc.py: INCConfig.from_config, _validate_int_quantization"),
+    Change("linear.lm_head_output_size", "0.31.0", None,
+           "ParallelLMHead records output_size and its per-rank sizes; before, the AWQ config's Marlin shape check "
+           "of a quantized output projection (lm_head: true) read a missing output_size and raised AttributeError",
+           "vocab_parallel_embedding.py: VocabParallelEmbedding.__init__; marlin_utils.py: check_marlin_supports_layer"),
     Change("inc.low_bits_humming", "0.30.0", None,
            "INCConfig takes 5/6/7-bit weights too, and on CUDA sends 2/3/5/6/7-bit layers to the Humming linear and "
            "MoE methods; before, such experts went to MoeWNA16, which refuses them",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any, Callable
 
 from wna16ctl.sources import formats
@@ -153,6 +154,7 @@ class LinearShard:
     module: str  # the checkpoint module, e.g. model.layers.0.self_attn.k_proj
     output_sizes: tuple[int, ...]  # the engine's output shards it fills (in_proj_qkv fills three)
     scheme: WeightScheme | None
+    stored_packed: bool = True  # False: a shard the checkpoint stores unquantized (a plain weight)
 
 
 @dataclass
@@ -169,6 +171,13 @@ class LinearLayer:
     num_heads: int | None = None  # QKV: query heads as the layer counts them (gate heads included)
     num_kv_heads: int | None = None
     refused: str | None = None  # the engine builds this module unquantized: loading its packed tensors fails
+    # the checkpoint's quant_method and quantization_config as written (the format's own method
+    # steps read them), and the checkpoint modules whose names lie inside this layer's or its
+    # shards' names, each with whether it stores integer tensors: what the engine's substring
+    # matching of module lists filled from the safetensors metadata can see
+    quant_method: str | None = field(default=None, compare=False)
+    quant_raw: dict[str, Any] | None = field(default=None, repr=False, compare=False)
+    inner_modules: dict[str, bool] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def output_sizes(self) -> tuple[int, ...]:
@@ -234,7 +243,38 @@ def find_linear_layers(files: CheckpointFiles, config: ModelConfig) -> tuple[lis
                if ".experts." not in n and n.endswith(f".{codes}")]
     modules = [m for m in modules if not is_mtp(m, dims.num_hidden_layers)]
     schemes = dict(zip(modules, quant.schemes_for(modules)))
-    return _place_linear(files, config, modules, schemes, lambda m: _packed_nk(files, m, schemes[m], fmt))
+    layers, unknown = _place_linear(files, config, modules, schemes, lambda m: _packed_nk(files, m, schemes[m], fmt))
+    stores_int = module_integer_flags((n, str((files.raw(n) or {}).get("dtype", ""))) for n in files.names())
+    for lay in layers:
+        lay.quant_method, lay.quant_raw = quant.quant_method, quant.raw
+        lay.inner_modules = inner_modules(stores_int, [lay.name, *lay.modules])
+    return layers, unknown
+
+
+_FLOAT_DTYPES = ("F16", "BF16", "F32")
+
+
+def module_integer_flags(tensors: Iterable[tuple[str, str]]) -> dict[str, bool]:
+    """Each module of the checkpoint (a tensor name without its last part) and whether it stores a
+    tensor of a non-float dtype (vLLM's GPTQ/AWQ maybe_update_config reads the same metadata)."""
+    out: dict[str, bool] = {}
+    for name, dtype in tensors:
+        module = name.rpartition(".")[0]
+        out[module] = out.get(module, False) or dtype not in _FLOAT_DTYPES
+    return out
+
+
+def inner_modules(flags: dict[str, bool], names: list[str]) -> dict[str, bool]:
+    """The modules of `flags` whose name is a substring of one of `names`, starting at a name's
+    start or after a dot (module paths start at a component)."""
+    out: dict[str, bool] = {}
+    for name in names:
+        starts = [0] + [i + 1 for i, ch in enumerate(name) if ch == "."]
+        for a in starts:
+            for b in range(a + 1, len(name) + 1):
+                if name[a:b] in flags:
+                    out[name[a:b]] = flags[name[a:b]]
+    return out
 
 
 def unquantized_linear_layers(files: CheckpointFiles, config: ModelConfig) -> tuple[list[LinearLayer], list[str]]:
@@ -325,7 +365,7 @@ def _place_linear(files: CheckpointFiles, config: ModelConfig, modules: list[str
         parent, _, fused = name.rpartition(".")
         for pos, leaf in enumerate(_FUSED_SHARDS.get(fused, ())):
             if pos not in slots[name] and f"{parent}.{leaf}.weight" in files:
-                slots[name][pos] = LinearShard(f"{parent}.{leaf}", (0,), None)
+                slots[name][pos] = LinearShard(f"{parent}.{leaf}", (0,), None, stored_packed=False)
         lay.shards = [slots[name][p] for p in sorted(slots[name])]
         if lay.tp_role == QKV and lay.head_dim:
             q_rows = lay.shards[0].output_sizes[0] if lay.shards[0].module.endswith("q_proj") else 0

@@ -14,11 +14,12 @@ from typing import Any, Callable, Mapping
 
 from wna16ctl.planning import rules
 from wna16ctl.planning.methods import auto_round, awq, gptq, moe_wna16
-from wna16ctl.planning.methods.base import MoEMethod, OracleArgs
+from wna16ctl.planning.methods.base import LinearMethod, MoEMethod, OracleArgs
 from wna16ctl.planning.methods.compressed_tensors import LINEAR_PARAMS, linear_stored_form_known, moe_format_refusal
 
 __all__ = ["LINEAR_PARAMS", "linear_stored_form_known", "moe_format_refusal", "MoEMethod", "OracleArgs",
-           "FORMAT_METHODS", "uses_format_method", "parse_config", "moe_method", "create_weights", "CreateWeights"]
+           "FORMAT_METHODS", "uses_format_method", "parse_config", "moe_method", "create_weights", "CreateWeights",
+           "LinearMethod", "linear_method", "awq_gemm_error"]
 
 # the quant_methods whose vLLM config is not compressed-tensors' (QuantConfig.quant_method values)
 FORMAT_METHODS = (gptq.QUANT_METHOD, awq.QUANT_METHOD, auto_round.QUANT_METHOD)
@@ -90,3 +91,17 @@ def create_weights(quant_method: str, cfg: Any, method: MoEMethod, raw: Mapping[
                              hazard=gptq.floored_groups(cfg, prefix, hidden, i_p))
     error = awq.create_weights_error(cfg, experts, hidden, i_p)
     return CreateWeights(None if error else (False, i_p, True), error)
+
+
+def linear_method(quant_method: str, cfg: Any, raw: Mapping[str, Any], rel: rules.Release, prefix: str, is_head: bool,
+                  inner: Mapping[str, bool], cc: int, k: int, k_p: int, batch_invariant: bool) -> LinearMethod:
+    """get_quant_method for a linear layer (or, `is_head`, the output projection) of K `k` (per rank
+    `k_p`): the method the format's config builds, with its constructor's errors."""
+    if quant_method == gptq.QUANT_METHOD:
+        return gptq.linear_method(cfg, raw, prefix, is_head, inner, cc)
+    if quant_method == auto_round.QUANT_METHOD:
+        return auto_round.linear_method(cfg, rel, prefix, is_head, cc)
+    return awq.linear_method(cfg, rel, prefix, is_head, inner, cc, k, k_p, batch_invariant)
+
+
+awq_gemm_error = awq.gemm_error

@@ -20,7 +20,9 @@ from typing import Any, Callable, Mapping
 
 from wna16ctl.planning import rules
 from wna16ctl.planning.methods import awq, gptq, moe_wna16
-from wna16ctl.planning.methods.base import MoEMethod, get_from_keys
+from wna16ctl.planning.methods.base import (AWQ_LINEAR, AWQ_MARLIN_LINEAR, GPTQ_LINEAR, PACKED_MODULES,
+                                             UNQUANTIZED_LINEAR, LinearMethod, MoEMethod, get_from_keys,
+                                             marlin_type_supported)
 
 QUANT_METHOD = "auto-round"
 INT_FORMATS = ("auto_round:auto_gptq", "auto_round:auto_awq")
@@ -142,7 +144,7 @@ def _entry(cfg: IncConfig, name: str, quantized: bool) -> tuple[int, int, bool]:
 
 
 def resolve(cfg: IncConfig, prefix: str, is_head: bool = False,
-            fused: Mapping[str, list[str]] | None = None) -> LayerConfig | str:
+            fused: Mapping[str, Any] | None = None) -> LayerConfig | str:
     """INCConfigParser.resolve for the module `prefix` (its class: not named FusedMoE in any known
     release, so per-expert entries never reach the experts layer): the layer config, or the error
     it raises for a fused module whose parts disagree."""
@@ -224,3 +226,39 @@ def moe_method(cfg: IncConfig, rel: rules.Release, prefix: str, cc: int,
             return MoEMethod("AutoAWQMoEMethod", "awq_marlin", error=("method", "bits", awq.bits_error(lc.bits)))
         return gptq.native(own, prefix) if lc.is_gptq else awq.native(own, prefix)
     return moe_wna16.method(raw, rel, prefix, cc, reason)
+
+
+def linear_method(cfg: IncConfig, rel: rules.Release, prefix: str, is_head: bool, cc: int) -> LinearMethod:
+    """INCConfig.get_quant_method on CUDA for a linear layer (or the output projection): a 16-bit
+    extra_config entry named exactly the layer, the layer's resolved config (a fused layer's parts
+    must agree), then INCWNA16LinearScheme's inner GPTQ or AWQ method.  That method is built
+    directly: no shard check of the Marlin gate (AWQ), no straddle check (GPTQ)."""
+    if skipped_by_name(cfg, prefix):
+        return LinearMethod(UNQUANTIZED_LINEAR, why_unquantized=f"extra_config gives {prefix} 16 bits")
+    lc = resolve(cfg, prefix, is_head, PACKED_MODULES)
+    if isinstance(lc, str):
+        return LinearMethod(GPTQ_LINEAR, error=("create_weights", "inconsistent fused", lc))
+    if not lc.quantized:
+        return LinearMethod(UNQUANTIZED_LINEAR, why_unquantized=(
+            "extra_config or block_name_to_quantize leaves it unquantized" if not is_head else
+            "the output projection is quantized only through block_name_to_quantize or extra_config"))
+    if rel.has("inc.low_bits_humming") and lc.bits in _HUMMING_BITS:
+        return LinearMethod("HummingLinearMethod", lc.bits, lc.group_size, not lc.sym, error=(
+            "create_weights", "humming method", f"vLLM builds the Humming linear method for the {lc.bits}-bit layers of "
+            "an auto-round checkpoint; wna16ctl does not plan that method"))
+    marlin_backend = cfg.backend == "auto" or "marlin" in cfg.backend
+    g = lc.group_size
+    if lc.is_gptq:
+        if marlin_backend and lc.bits in (4, 8) and lc.sym and marlin_type_supported(cc, lc.bits, False) \
+                and g in (-1, 32, 64, 128):
+            return LinearMethod(GPTQ_LINEAR, lc.bits, g, False)
+        return LinearMethod(GPTQ_LINEAR, lc.bits, g, not lc.sym, error=("create_weights", "no marlin type", (
+            f"INC quantization with bits={lc.bits}, sym={lc.sym} is not supported. Only 4-bit and 8-bit symmetric "
+            "quantization is supported with Marlin kernels.")))
+    # AWQ: check_marlin_supported with uint4/uint8 and zero points = not sym takes 4-bit asymmetric only
+    if marlin_backend and lc.bits == 4 and not lc.sym and marlin_type_supported(cc, 4, True) and g in (-1, 32, 64, 128):
+        return LinearMethod(AWQ_MARLIN_LINEAR, 4, g, True)
+    out = LinearMethod(AWQ_LINEAR, lc.bits, g, not lc.sym)
+    if lc.bits != 4:
+        out.error = ("create_weights", "bits", awq.bits_error(lc.bits))
+    return out

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from wna16ctl.planning import rules
-from wna16ctl.planning.methods.base import GPTQ_LAYOUT, MoEMethod, OracleArgs, get_from_keys
+from wna16ctl.planning.methods.base import (GPTQ_LAYOUT, GPTQ_LINEAR, UNQUANTIZED_EMBEDDING, UNQUANTIZED_LINEAR,
+                                             LinearMethod, MoEMethod, OracleArgs, get_from_keys, marlin_type_error,
+                                             mixed_shards_error, shard_prefixes)
 
 QUANT_METHOD = "gptq"
 _TYPES = {(4, True), (8, True)}  # AutoGPTQConfig.TYPE_MAP: (bits, sym)
@@ -147,3 +149,38 @@ def floored_groups(cfg: GptqConfig, prefix: str, hidden: int, i_p: int) -> str |
                 "create_weights floors the scale rows: the layer loads and computes with the wrong scale groups")
     return None
 
+
+
+def _flatten(items: Any) -> list[str]:
+    out: list[str] = []
+    for item in items or ():
+        out += _flatten(item) if isinstance(item, list) else [str(item)]
+    return out
+
+
+def linear_method(cfg: GptqConfig, raw: Mapping[str, Any], prefix: str, is_head: bool,
+                  inner: Mapping[str, bool], cc: int) -> LinearMethod:
+    """get_linear_quant_method for the linear layer (or the output projection) `prefix`: its module
+    list (`modules_in_block_to_quantize`, else what maybe_update_config reads from the checkpoint:
+    every module with integer tensors; matched as substrings, per shard of a fused layer), the
+    dynamic rules on the layer's own (fused) name, then AutoGPTQLinearMethod's constructor."""
+    if is_head and not cfg.lm_head:
+        return LinearMethod(UNQUANTIZED_EMBEDDING, why_unquantized="quantization_config.lm_head is not true")
+    listed = _flatten(raw.get("modules_in_block_to_quantize")) or [m for m, integer in inner.items() if integer]
+    shards = shard_prefixes(prefix)
+    found = {any(m in s for m in listed) for s in (shards or [prefix])} if listed else {True}
+    if len(found) > 1:
+        return LinearMethod(GPTQ_LINEAR, error=("create_weights", "mixed shards", mixed_shards_error(prefix)))
+    unquantized = UNQUANTIZED_EMBEDDING if is_head else UNQUANTIZED_LINEAR
+    if dynamic_override(cfg, prefix) is False:
+        return LinearMethod(unquantized, why_unquantized=f"a negative dynamic rule matches {prefix}")
+    if found == {False}:
+        return LinearMethod(unquantized, why_unquantized=(
+            "modules_in_block_to_quantize does not name it" if raw.get("modules_in_block_to_quantize")
+            else "the checkpoint stores no integer tensor for it"))
+    own = overridden(cfg, prefix)
+    out = LinearMethod(GPTQ_LINEAR, own.bits, own.group_size, False, own.desc_act)
+    error = own.type_error() or marlin_type_error(cc, own.bits, False, own.group_size)
+    if error is not None:
+        out.error = ("create_weights", "bits/sym" if error.startswith("Unsupported") else "marlin type", error)
+    return out
