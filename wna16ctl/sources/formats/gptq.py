@@ -169,7 +169,9 @@ def parse_base(qc: Mapping[str, Any], path: Path) -> tuple[int, int, bool, bool,
     group = group_size(key_value(qc, ("group_size",), path, QUANT_METHOD), f"{where}.group_size", path)
     desc_act = boolean(key_value(qc, ("desc_act",), path, QUANT_METHOD), f"{where}.desc_act", path)
     sym = boolean(key_value(qc, ("sym",), path, QUANT_METHOD), f"{where}.sym", path)
-    form = qc.get("checkpoint_format", V1)
+    # absent or null (AutoGPTQ's configs, GPTQModel's older ones): the v1 form, as GPTQModel's own
+    # loader reads it; vLLM never reads the key
+    form = qc.get("checkpoint_format") or V1
     require(form in (V1, V2), path, f"{where}.checkpoint_format = {form!r} is not a stored form wna16ctl reads "
             f"({V1}, {V2})")
     require(not qc.get("is_marlin_format"), path, f"{where}.is_marlin_format is true: the Marlin-packed GPTQ "
