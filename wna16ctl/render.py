@@ -389,6 +389,8 @@ def render_verify(console: Console, report) -> None:  # a VerifyReport or PadPro
         part += (f" (partial: {_plural_indices('expert', report.experts_selected or [])} only; "
                  f"{_plural_indices('expert', report.experts_not_checked)} not checked)")
     good = "[bold yellow]verified in part[/]" if report.partial else "[bold green]verified[/]"
+    if not report.numerics_asked:
+        part += " (exactness only: numerics not run, --no-numerics)"
     console.print("verdict: " + (good if report.passed else "[bold red]NOT verified[/]") + part)
     for line in next_step_lines(report.next_steps):
         console.print(line, markup=False, highlight=False, soft_wrap=True)

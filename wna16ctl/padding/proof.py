@@ -61,6 +61,7 @@ class PadProof:
     experts_selected: list[int] | None = None
     padding: dict[str, Any] | None = None  # the padded manifest's plan (TP, EP, release, GPU): how it is served
     experts_not_checked: list[int] = field(default_factory=list)
+    numerics_asked: bool = True  # False: `verify --no-numerics`, the tensor proof alone
 
     @property
     def partial(self) -> bool:
@@ -104,6 +105,7 @@ class PadProof:
         return {"original": str(self.original), "padded": str(self.padded), "layout": LAYOUT, "tp": self.tp,
                 "passed": self.passed, "tensors_checked": self.tensors_checked,
                 "tensors_padded": self.tensors_padded, "activations": self.activations, "numerics": self.layers,
+                "numerics_asked": self.numerics_asked,
                 "e2e": self.e2e.to_json() if self.e2e is not None else None, "partial": self.partial,
                 "layers_selected": self.layers_selected, "layers_not_checked": self.layers_not_checked,
                 "experts_selected": self.experts_selected, "experts_not_checked": self.experts_not_checked,
@@ -126,7 +128,11 @@ class PadProof:
                        f"at TP 1 on {lay['tokens']} tokens, max |difference| {lay['max_abs_difference']:.3g}; "
                        f"{lay['violations']} outputs outside the rounding interval (largest error/bound "
                        f"{lay['max_ratio']:.3g})")
-        if not self.layers and not self.problems:
+        if not self.numerics_asked:
+            from wna16ctl.verification.checks import NO_NUMERICS
+
+            out.append(f"NOT RUN numerics: {NO_NUMERICS}")
+        elif not self.layers and not self.problems:
             out.append("numerics not run: no padded quantized MoE layer to compare")
         if self.e2e is not None:
             out += _e2e_lines(self.e2e)
@@ -183,7 +189,7 @@ def verify_padding(original: str | os.PathLike[str], padded: str | os.PathLike[s
         e2e_samples = Path(resolve_samples(samples, a.root, notice))
     manifest = read_json_file(Path(padded) / MANIFEST_NAME)
     tp = manifest.get("padding", {}).get("tp") if isinstance(manifest, dict) else None
-    proof = PadProof(Path(original), Path(padded), tp, **selected)
+    proof = PadProof(Path(original), Path(padded), tp, numerics_asked=numerics, **selected)
     proof.padding = manifest.get("padding") if isinstance(manifest, dict) else None
     if manifest.get("identity", {}).get("source_fingerprint") != source_fingerprint(a):
         proof.problems.append(f"{padded}: its manifest names another source than {original} (or the original changed "
