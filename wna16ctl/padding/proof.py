@@ -199,7 +199,10 @@ def verify_padding(original: str | os.PathLike[str], padded: str | os.PathLike[s
         path = Path(padded) / rel
         if rec is None or not path.is_file() or hash_file(path, rec[0]) != rec[1]:
             proof.problems.append(f"{path}: missing or changed since it was written (its digest differs)")
-    _check_tensors(a, b, proof)
+    from wna16ctl.verification.checks import torch_threads
+
+    with torch_threads(None):  # byte comparisons, as verify's round trip
+        _check_tensors(a, b, proof)
     if numerics and not proof.problems:
         _check_numerics(a, b, proof, samples, num_samples)
     if e2e is not None:  # also on a damaged padding: how far the damage moves the model is reported too

@@ -51,7 +51,8 @@ from wna16ctl.output.manifest import FORMAT_NAME, SIDE_FILES
 from wna16ctl.repacking.pipeline import LayerJob, RepackPlan, RepackSettings, plan_repack, rank_index_bytes
 from wna16ctl.sources import source_fingerprint
 from wna16ctl.sources.formats import SCALES
-from wna16ctl.verification.bounds import Interval, block_interval, gemm_bound_used, judge, nothing_to_compare
+from wna16ctl.verification.bounds import (Interval, IntervalSum, add_expert_interval, all_reduced, gemm_bound_used, judge,
+                                          nothing_to_compare)
 from wna16ctl.verification.rank_gemm import GEMM_DTYPES, ROUNDINGS, UNIT_ROUNDOFF, EmulatedGemm, RankFiles, rank_moe_output  # noqa: F401 - ROUNDINGS and UNIT_ROUNDOFF re-exported
 from wna16ctl.output.writer import JOURNAL_NAME, MANIFEST_NAME, PLANNED_METADATA, FILE_HASHES, hash_file, recorded_hash, sha256_file
 
@@ -723,7 +724,7 @@ def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], sam
             chosen = {j.layer.prefix: _experts_of(j, experts) for j in jobs}
             what = "round trip and numerics" if hidden is not None else "round trip"
             advance = progress(what, sum(len(c) for c in chosen.values()), unit="experts")
-            with _torch_threads(None if hidden is None else "every core"):
+            with torch_threads(None if hidden is None else "every core"):
                 for job in jobs:
                     _verify_layer(ck, reader, job, ranks, hidden, dtype, report, gemm_device, advance,
                                   chosen[job.layer.prefix])
@@ -745,7 +746,7 @@ def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], sam
 
 
 @contextlib.contextmanager
-def _torch_threads(cores: str | None) -> Iterator[None]:
+def torch_threads(cores: str | None) -> Iterator[None]:
     """torch's intra-op threads for the round trip and the numerics, restored afterwards (the
     caller's setting is its own).  "every core": every core this process may run on, for the
     numerics' GEMMs (torch's default counts the machine's cores, which an affinity mask may not
@@ -868,21 +869,25 @@ def _gemm_rank_candidate(job: LayerJob, r: int, rank: RankFiles, a: torch.Tensor
     return rank_moe_output(job, r, t, a, routing.topk_ids, routing.topk_weights, dtype, device, gemm=gemm, keep=keep)
 
 
-def _kernel_bound_used(job: LayerJob, r: int, keep: dict[str, torch.Tensor], a: torch.Tensor, routing,
-                       weights: dict[int, tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> float:
+def _kernel_bound_used(reader: TensorReader, job: LayerJob, r: int, keep: dict[str, torch.Tensor], a: torch.Tensor,
+                       routing, dtype: torch.dtype) -> float:
     """`bounds.gemm_bound_used` of rank r's two GEMMs, expert by expert, on the inputs they were
-    given (a; the kernel's own h for w2) against the checkpoint's dequantised weights: how much
-    of the derived accumulation bound the kernel's outputs use beyond their own rounding."""
+    given (a; the kernel's own h for w2) against the checkpoint's dequantised weights (read again
+    here, one expert at a time): how much of the derived accumulation bound the kernel's outputs
+    use beyond their own rounding."""
     spec = job.specs[r]
     i_p, pad = spec.intermediate_per_partition, spec.padded_intermediate
     k = routing.topk_ids.shape[1]
     flat = routing.topk_ids.reshape(-1).cpu()
     wts = routing.topk_weights.reshape(-1).float().cpu()
     used = 0.0
-    for e, (w13, w2) in weights.items():
+    for e in job.expert_ranges[r]:
         slots = (flat == e).nonzero().squeeze(1)
         if not slots.numel():
             continue
+        expected = _cast_scales(shard_expert(reader.read_expert(job.layer, e), tp=spec.tp, rank=spec.rank,
+                                             load_full_w2=spec.load_full_w2, expert_id=e), dtype)
+        w13, w2 = _reference_weights(expected, spec, dtype)
         g13 = keep["w13"][slots]
         g13 = torch.cat([g13[:, :i_p], g13[:, pad:pad + i_p]], 1)  # padding columns left out
         used = max(used, gemm_bound_used(a[slots // k], w13, g13, dtype),
@@ -931,9 +936,10 @@ class _LayerSums:
 
     partial: torch.Tensor  # candidate partial sums per rank [ranks, T, H] (fp32 sum of rounded outputs)
     partial_ref: torch.Tensor  # the reference's, from the checkpoint in fp32
-    # per rank present: its experts' weights dequantised from the checkpoint in the model dtype,
-    # the reference of the rounding interval (verification.bounds)
-    ref_ranks: dict[int, tuple[range, dict[int, tuple[torch.Tensor, torch.Tensor]]]]
+    # per rank present: the rounding interval of its partial (verification.bounds), accumulated
+    # expert by expert from the checkpoint's weights dequantised in the model dtype, which are
+    # not kept: the layer's memory does not grow with its experts
+    intervals: dict[int, IntervalSum]
     exercised: int = 0  # experts some token is routed to
     # Why the candidate is incomplete: an expert whose tensors cannot be read back, a rank the
     # GEMM cannot run on.  The reference never depends on the output, so it is always complete.
@@ -960,7 +966,7 @@ def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: di
     T, H = routing.x.shape
     n_ranks = len(job.specs)
     sums = _LayerSums(torch.zeros(n_ranks, T, H), torch.zeros(n_ranks, T, H),
-                      {r: (job.expert_ranges[r], {}) for r in ranks})
+                      {r: IntervalSum(T, H) for r in ranks if len(job.expert_ranges[r])})
     x_c = routing.x.to(dtype).float()  # the candidate's activations, rounded to the model dtype
     for e in selected:
         _verify_expert(reader, job, ranks, routing, x_c, dtype, report, sums, e)
@@ -970,7 +976,7 @@ def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: di
     emulated_rows: torch.Tensor | None = None  # tokens the kernel source ran on the CPU emulation
     partial_k = torch.zeros(0)
     if job.layout == MARLIN:
-        kernel, emulated_rows, partial_k = _marlin_candidate(job, ranks, routing, dtype, gemm_device, sums)
+        kernel, emulated_rows, partial_k = _marlin_candidate(reader, job, ranks, routing, dtype, gemm_device, sums)
     row = LayerNumerics(layer=layer.prefix, tokens=T, forced_tokens=routing.forced, experts_exercised=sums.exercised,
                         num_experts=len(selected), kernel=kernel)
     report.numerics.append(row)
@@ -982,7 +988,7 @@ def _round_trip_layer(reader: TensorReader, job: LayerJob, ranks: dict[int, Rank
     """The exactness proof of one layer alone: expert by expert, each rank's tensors undone and
     compared, the ranks re-assembled; nothing is kept from one expert to the next."""
     layer = job.layer
-    sums = _LayerSums(torch.zeros(0), torch.zeros(0), {r: (job.expert_ranges[r], {}) for r in ranks})
+    sums = _LayerSums(torch.zeros(0), torch.zeros(0), {})
     for e in (list(range(layer.num_experts)) if experts is None else experts):
         _verify_expert(reader, job, ranks, None, None, dtype, report, sums, e)
         advance(1)
@@ -1010,9 +1016,9 @@ def _verify_expert(reader: TensorReader, job: LayerJob, ranks: dict[int, RankFil
             continue
         expected = _cast_scales(shard_expert(ck_expert, tp=spec.tp, rank=spec.rank, load_full_w2=spec.load_full_w2,
                                              expert_id=e), dtype)
-        if routing is not None:  # the reference of the rounding interval
-            sums.ref_ranks[r][1][e] = (_dequantize_kfirst(expected, spec, "w13", dtype),
-                                       _dequantize_kfirst(expected, spec, "w2", dtype))
+        if routing is not None:  # the reference of the rounding interval, added and let go
+            add_expert_interval(sums.intervals[r], routing.x.to(dtype), routing.topk_ids, routing.topk_weights, e,
+                                *_reference_weights(expected, spec, dtype), dtype)
         got = _read_back(job, ranks[r], r, spec, e - rng.start, e, expected, report, sums)
         if got is not None:
             per_rank.append(got)
@@ -1024,6 +1030,12 @@ def _verify_expert(reader: TensorReader, job: LayerJob, ranks: dict[int, RankFil
         report.experts_checked += 1
     if len(per_rank) == n_ranks and not job.plan.ep:
         _check_reassembled(job, per_rank, ck_expert, dtype, report, sums, e)
+
+
+def _reference_weights(expected: dict[str, torch.Tensor], spec: RankLayout,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rank's slice of an expert (K-first), dequantised in the model dtype: (w13, w2)."""
+    return _dequantize_kfirst(expected, spec, "w13", dtype), _dequantize_kfirst(expected, spec, "w2", dtype)
 
 
 def _read_back(job: LayerJob, rank: RankFiles, r: int, spec: RankLayout, local: int, e: int,
@@ -1070,7 +1082,8 @@ def _check_reassembled(job: LayerJob, per_rank: list[dict[str, torch.Tensor]], c
                 layer=layer.prefix, expert=e))
 
 
-def _marlin_candidate(job: LayerJob, ranks: dict[int, RankFiles], routing: Routing, dtype: torch.dtype,
+def _marlin_candidate(reader: TensorReader, job: LayerJob, ranks: dict[int, RankFiles], routing: Routing,
+                      dtype: torch.dtype,
                       gemm_device: torch.device,
                       sums: _LayerSums) -> tuple[str, torch.Tensor | None, torch.Tensor]:
     """The candidate of a Marlin layer: the MoE GEMM over the tensors as written, into
@@ -1101,8 +1114,7 @@ def _marlin_candidate(job: LayerJob, ranks: dict[int, RankFiles], routing: Routi
                 partial_k[r] = _gemm_rank_candidate(job, r, ranks[r], x[emulated_rows].to(dtype), sub, dtype,
                                                     gemm_device, emulated, keep=keep)
             sums.bound_used = max(sums.bound_used or 0.0, _kernel_bound_used(
-                job, r, keep, x[emulated_rows] if emulated_rows is not None else x, sub or routing,
-                sums.ref_ranks[r][1], dtype))
+                reader, job, r, keep, x[emulated_rows] if emulated_rows is not None else x, sub or routing, dtype))
         except Exception as err:  # malformed tensors make the kernel fail: the comparison cannot run
             msg = err.message if isinstance(err, (LayoutMismatch, BadInput)) else f"{type(err).__name__}: {err}"
             sums.no_candidate.append(f"the GEMM cannot run on rank {r}'s tensors ({msg})")
@@ -1131,8 +1143,7 @@ def _judge_layer(row: LayerNumerics, ranks: dict[int, RankFiles], routing: Routi
         return
     # the interval every correct implementation lands in, from the same rounded inputs and the
     # checkpoint's weights, over the ranks present (all, or a part's share): docs/verify.md
-    iv = block_interval([sums.ref_ranks[r] for r in sorted(ranks)], routing.x.to(dtype), routing.topk_ids,
-                        routing.topk_weights, dtype)
+    iv = all_reduced([sums.intervals[r] for r in sorted(sums.intervals)], routing.topk_ids.shape[1], dtype)
     verdict = judge(y_c, iv)
     if emulated_rows is not None:  # the kernel source's outputs on its tokens, against the same rows
         y_k = partial_k.to(dtype).float().sum(0).to(dtype).float()
