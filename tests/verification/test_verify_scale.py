@@ -1,0 +1,99 @@
+"""verify at the sizes users have: the exactness proof alone (`--no-numerics`), and memory that
+does not grow with a layer's experts (counted, not timed: the dequantised expert weights alive when
+a layer is judged)."""
+
+from __future__ import annotations
+
+import gc
+import json
+import weakref
+
+import torch
+from click.testing import CliRunner
+
+import wna16ctl
+import wna16ctl.verification.checks as verify_mod
+from tests.conftest import QUESTIONS
+from tests.verification.test_checks import outputs, patch, read, rehash  # noqa: F401 - pytest fixtures, found by name
+from tests.repacking.test_pipeline import ckpt, one_torch_thread  # noqa: F401 - pytest fixtures, found by name
+from wna16ctl.cli import cli
+from wna16ctl.verification.checks import NOT_RUN, verify_output
+
+
+def test_no_numerics_proves_exactness_without_samples(outputs, tmp_path):
+    """The exactness proof alone reads no samples (a missing file is no error), passes on a good
+    output, and says the numerics did not run."""
+    ck, out = outputs("g128")
+    report = verify_output(ck, out, samples=tmp_path / "missing.jsonl", numerics=False)
+    assert report.passed and report.ok("manifest") and report.ok("round_trip")
+    numerics = report.check("numerics")
+    assert numerics.status == NOT_RUN and not numerics.required and "--no-numerics" in numerics.reason
+    assert report.numerics == [] and report.to_json()["numerics_asked"] is False
+    assert report.experts_checked > 0
+
+
+def test_no_numerics_still_finds_a_planted_fault(outputs, tmp_path):
+    """A flipped nibble that a buggy repack re-hashed is found by the round trip alone."""
+    import shutil
+
+    ck, pristine = outputs("g128")
+    out = tmp_path / "out"
+    shutil.copytree(pristine, out)
+    w2 = read(out, 1, "w2_weight_packed")
+    w2.view(-1, w2.shape[-1])[2 * w2.shape[1] + 3, 17] ^= 0xF0  # expert 2, one nibble
+    patch(out, 1, "w2_weight_packed", w2)
+    rehash(out)
+    report = verify_output(ck, out, numerics=False)
+    assert not report.passed
+    bad = report.by_check("round_trip")
+    assert bad and all(f.expert == 2 for f in bad)
+
+
+def test_cli_no_numerics_says_exactness_only(outputs):
+    ck, out = outputs("g128")
+    res = CliRunner().invoke(cli, ["verify", str(ck), str(out), "--no-numerics"])
+    assert res.exit_code == 0, res.output
+    assert "exactness only: numerics not run, --no-numerics" in res.output
+    res = CliRunner().invoke(cli, ["verify", str(ck), str(out), "--no-numerics", "--json"])
+    assert json.loads(res.output)["numerics_asked"] is False
+    res = CliRunner().invoke(cli, ["verify", str(ck), str(out), "--no-numerics", "--e2e"])
+    assert res.exit_code == 2 and "--no-numerics" in res.output
+
+
+def test_reference_weights_are_not_kept_across_experts(outputs, monkeypatch):
+    """When a layer's output is judged, the dequantised reference weights of its experts are no
+    longer alive: the layer's memory does not grow with its experts (before, every expert's stayed
+    until the layer was judged)."""
+    made: list[weakref.ref] = []
+    real_dequantize, real_judge = verify_mod._dequantize_kfirst, verify_mod.judge
+    alive_at_judge: list[int] = []
+
+    def dequantize(*args, **kwargs):
+        t = real_dequantize(*args, **kwargs)
+        made.append(weakref.ref(t))
+        return t
+
+    def judge(*args, **kwargs):
+        gc.collect()
+        alive_at_judge.append(sum(r() is not None for r in made))
+        return real_judge(*args, **kwargs)
+
+    monkeypatch.setattr(verify_mod, "_dequantize_kfirst", dequantize)
+    monkeypatch.setattr(verify_mod, "judge", judge)
+    ck, out = outputs("g128")
+    report = verify_output(ck, out, samples=QUESTIONS, num_samples=8)
+    assert report.passed
+    experts = report.experts_checked
+    assert experts >= 4 and len(made) >= 2 * experts  # every expert's weights were made
+    assert alive_at_judge and max(alive_at_judge) <= 2, alive_at_judge
+
+
+def test_pad_no_numerics_is_the_tensor_proof_alone(make_ckpt, tmp_path):
+    from tests.padding.test_pad import SMALL
+
+    src = make_ckpt(**SMALL)
+    wna16ctl.pad(src, tmp_path / "p", to=256)
+    proof = wna16ctl.verify(src, tmp_path / "p", numerics=False)
+    assert proof.passed and proof.tensors_padded and proof.layers == []
+    assert any(line.startswith("NOT RUN numerics: not asked (--no-numerics)") for line in proof.lines())
+    assert proof.to_json()["numerics_asked"] is False
