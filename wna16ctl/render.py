@@ -378,6 +378,10 @@ def render_verify(console: Console, report) -> None:  # a VerifyReport or PadPro
             col.no_wrap = True
         console.print(table)
         _notes_grid(console, reasons)
+        cov = report.numerics_coverage
+        console.print(f"numerics covered {cov['layers']} of {plural(cov['layers_checked'], 'MoE layer')} checked, "
+                      f"{cov['experts_exercised']} of {plural(cov['experts'], 'expert')}, "
+                      f"{plural(cov['tokens'], 'token')}", markup=False, highlight=False)
     if report.e2e is not None:
         render_e2e(console, report.e2e)
     part = (f" (ranks {', '.join(map(str, report.ranks_checked))} only; ranks "

@@ -128,3 +128,18 @@ def test_pad_numerics_keep_one_expert_at_a_time(make_ckpt, tmp_path, monkeypatch
     # the activations and the two outputs [T, H] may share a shape (3); the weights of 4 experts × 2
     # checkpoints kept would add 16
     assert alive_at_judge and max(alive_at_judge) <= 3, alive_at_judge
+
+
+def test_report_says_what_the_numerics_covered(outputs):
+    """The coverage of the numerics, in the JSON and on the screen: layers, experts, tokens."""
+    ck, out = outputs("g128")
+    res = CliRunner().invoke(cli, ["verify", str(ck), str(out), "--samples", str(QUESTIONS), "--num-samples", "4",
+                                   "--json"])
+    cov = json.loads(res.output)["numerics_coverage"]
+    rows = json.loads(res.output)["numerics"]
+    assert cov["layers"] == cov["layers_checked"] == len(rows) >= 1
+    assert cov["experts_exercised"] == sum(r["experts_exercised"] for r in rows) > 0
+    assert cov["tokens"] == sum(r["tokens"] for r in rows) > 0
+    res = CliRunner().invoke(cli, ["verify", str(ck), str(out), "--samples", str(QUESTIONS), "--num-samples", "4"])
+    assert (f"numerics covered {cov['layers']} of {cov['layers_checked']} MoE layer" in res.output
+            and f"{cov['tokens']} tokens" in res.output), res.output

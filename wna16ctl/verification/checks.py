@@ -180,6 +180,16 @@ class VerifyReport:
         return (all(c.status != FAIL for c in self.checks)
                 and all(c.status == PASS for c in self.checks if c.required))
 
+    @property
+    def numerics_coverage(self) -> dict[str, int]:
+        """What the numerics covered: MoE layers compared (of those checked), experts exercised (of
+        those selected) and tokens, summed over the layers, so that a partial run is never read as
+        a full one."""
+        rows = self.numerics
+        return {"layers": sum(n.status != NOT_RUN for n in rows), "layers_checked": self.layers_checked,
+                "experts_exercised": sum(n.experts_exercised for n in rows),
+                "experts": sum(n.num_experts for n in rows), "tokens": sum(n.tokens for n in rows)}
+
     def check(self, name: str) -> Check:
         return next(c for c in self.checks if c.name == name)
 
@@ -226,7 +236,7 @@ class VerifyReport:
             "experts_selected": self.experts_selected, "experts_not_checked": self.experts_not_checked,
             "partial": self.partial,
             "findings": [f.to_json() for f in self.findings],
-            "numerics": [n.to_json() for n in self.numerics],
+            "numerics": [n.to_json() for n in self.numerics], "numerics_coverage": self.numerics_coverage,
             "e2e": self.e2e.to_json() if self.e2e is not None else None,
             "next_steps": [s.to_json() for s in self.next_steps],
         }
