@@ -614,7 +614,7 @@ def verify_output(
     samples_path = resolve_samples(samples, ck.root, notice) if numerics else None
     report, plan = _verify_checks(ck, out_path, manifest, samples_path, num_samples, gemm_device, progress, wanted,
                                   wanted_experts)
-    if e2e is not None and (report.partial or plan is None):
+    if e2e is not None and samples_path is not None and (report.partial or plan is None):
         from wna16ctl.verification import e2e as e2e_mod
 
         why = ("no plan to run: see the manifest check" if plan is None else
