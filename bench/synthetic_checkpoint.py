@@ -5,7 +5,8 @@ the benchmark checkpoint holds random codes and scales in the exact on-disk form
 dtypes, shapes, config) as a compressed-tensors W4A16 Qwen3-MoE checkpoint.
 
     python bench/synthetic_checkpoint.py OUT [--layers 4] [--experts 128] [--hidden 2048] [--intermediate 768]
-                                             [--vocab 4096] [--top-k K] [--engine]
+                                             [--vocab 4096] [--top-k K] [--engine] [--group-size 128]
+                                             [--experts-per-shard N]
 
 --top-k is the number of experts each token is routed to (`num_experts_per_tok`): by default
 Qwen3-30B-A3B's 8, or every expert when there are fewer.
@@ -27,7 +28,7 @@ from safetensors.torch import save_file
 
 def write(out: Path, *, layers: int = 4, experts: int = 128, hidden: int = 2048, intermediate: int = 768,
           num_bits: int = 4, group_size: int = 128, vocab: int = 4096, seed: int = 0, engine: bool = False,
-          top_k: int | None = None) -> Path:
+          top_k: int | None = None, experts_per_shard: int | None = None) -> Path:
     top_k = default_top_k(experts) if top_k is None else top_k
     if not 1 <= top_k <= experts:
         raise ValueError(f"top_k {top_k} must be between 1 and the {experts} experts")
@@ -36,7 +37,10 @@ def write(out: Path, *, layers: int = 4, experts: int = 128, hidden: int = 2048,
     g = torch.Generator().manual_seed(seed)
     weight_map: dict[str, str] = {}
     total = 0
-    shards = layers + 1
+    # a layer's experts in slices of `experts_per_shard`, so that the writer holds one shard's tensors
+    per = experts_per_shard or experts
+    slices = [(L, range(e0, min(e0 + per, experts))) for L in range(layers) for e0 in range(0, experts, per)]
+    shards = len(slices) + 1
     for s in range(shards):
         tensors: dict[str, torch.Tensor] = {}
         if s == 0:
@@ -44,14 +48,15 @@ def write(out: Path, *, layers: int = 4, experts: int = 128, hidden: int = 2048,
             tensors["model.norm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
             tensors["lm_head.weight"] = (torch.randn(vocab, hidden, generator=g) * 0.02).to(torch.bfloat16)
         else:
-            L = s - 1
+            L, chosen = slices[s - 1]
             p = f"model.layers.{L}"
-            tensors[f"{p}.input_layernorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
-            tensors[f"{p}.post_attention_layernorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
-            tensors[f"{p}.mlp.gate.weight"] = (torch.randn(experts, hidden, generator=g) * 0.02).to(torch.bfloat16)
-            if engine:
-                tensors |= _attention(p, hidden, g)
-            for e in range(experts):
+            if chosen.start == 0:
+                tensors[f"{p}.input_layernorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+                tensors[f"{p}.post_attention_layernorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+                tensors[f"{p}.mlp.gate.weight"] = (torch.randn(experts, hidden, generator=g) * 0.02).to(torch.bfloat16)
+                if engine:
+                    tensors |= _attention(p, hidden, g)
+            for e in chosen:
                 for proj, (n, k) in (("gate_proj", (intermediate, hidden)), ("up_proj", (intermediate, hidden)),
                                      ("down_proj", (hidden, intermediate))):
                     m = f"{p}.mlp.experts.{e}.{proj}"
@@ -136,11 +141,14 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=None,
                     help=f"experts per token (num_experts_per_tok); default min({TOP_K}, --experts)")
     ap.add_argument("--engine", action="store_true", help="also attention and the full config, for an engine")
+    ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--experts-per-shard", type=int, default=None,
+                    help="split each layer's experts over shards of this many (the writer holds one shard)")
     a = ap.parse_args()
     if a.top_k is not None and not 1 <= a.top_k <= a.experts:
         ap.error(f"--top-k {a.top_k} must be between 1 and --experts ({a.experts})")
     p = write(a.out, layers=a.layers, experts=a.experts, hidden=a.hidden, intermediate=a.intermediate, vocab=a.vocab,
-              engine=a.engine, top_k=a.top_k)
+              engine=a.engine, top_k=a.top_k, group_size=a.group_size, experts_per_shard=a.experts_per_shard)
     size = sum(f.stat().st_size for f in p.iterdir())
     print(f"wrote {p}: {size / 2**30:.2f} GiB")
 

@@ -236,7 +236,7 @@ def _gpu_names() -> Any:
 def verify(path: PathLike, out: PathLike, *, samples: PathLike | None = None, num_samples: int = 64, device: str = "auto",
            e2e: bool = False, prompts: int = 8, max_new_tokens: int = 32, score: bool = False,
            layers: str | Iterable[int] | None = None, experts: str | Iterable[int] | None = None, revision: str | None = None, progress: Callable[..., Callable[[int], None]] | None = None,
-           notice: Callable[[str], None] | None = None) -> VerifyReport | PadProof | ConversionProof:
+           notice: Callable[[str], None] | None = None, numerics: bool = True) -> VerifyReport | PadProof | ConversionProof:
     """Prove that `out` (a repack output, a `pad` output or a `convert` output) equals the checkpoint at `path`.
 
     `samples`: a .jsonl or .parquet file with a 'question' field; when None, the first source of
@@ -248,6 +248,8 @@ def verify(path: PathLike, out: PathLike, *, samples: PathLike | None = None, nu
     only those MoE layers' experts: a partial verify (`.partial`, the verdict says so, no
     `next_steps`).  `experts` (the same form) checks only those experts of each layer checked, alone or
     with `layers`: a partial verify too.  Both apply to a `pad` output as well (`PadProof.partial`).  `revision` as for `repack`.
+    `numerics=False` (`verify --no-numerics`) runs the exactness proof alone: the numerics are not
+    run, said so, and no samples are read.
     Returns the `VerifyReport` (`to_json()` = `verify --json`, docs/verify-json.md), whatever the
     layout: for a `layout="vllm"` output its manifest check is the files against vLLM's contract,
     its round trip every tensor, its numerics not run (`.layout_state` holds the contract figures).
@@ -273,10 +275,12 @@ def verify(path: PathLike, out: PathLike, *, samples: PathLike | None = None, nu
             raise UsageError("a convert output is verified whole: e2e, layers and experts do not apply")
         return verify_conversion(path, out)
     if is_padded_output(out):  # a `pad` output: its PadProof (`.passed`, `.partial`, `.problems`, `.to_json()`)
-        return verify_padding(path, out, samples=samples, num_samples=num_samples, e2e=options, notice=notice,
-                              layers=layers, experts=experts)
+        if options is not None and not numerics:
+            raise UsageError("--e2e and --no-numerics: e2e runs the model on samples; drop one of them")
+        return verify_padding(path, out, numerics=numerics, samples=samples, num_samples=num_samples, e2e=options,
+                              notice=notice, layers=layers, experts=experts)
     return verify_output(path, out, samples=samples, num_samples=num_samples, device=device, progress=progress,
-                         e2e=options, notice=notice, layers=layers, experts=experts)
+                         e2e=options, notice=notice, layers=layers, experts=experts, numerics=numerics)
 
 
 def _env_list(env: dict[str, str] | Iterable[str] | None) -> dict[str, str] | list[str] | None:

@@ -380,6 +380,10 @@ def render_verify(console: Console, report) -> None:  # a VerifyReport, PadProof
             col.no_wrap = True
         console.print(table)
         _notes_grid(console, reasons)
+        cov = report.numerics_coverage
+        console.print(f"numerics covered {cov['layers']} of {plural(cov['layers_checked'], 'MoE layer')} checked, "
+                      f"{cov['experts_exercised']} of {plural(cov['experts'], 'expert')}, "
+                      f"{plural(cov['tokens'], 'token')}", markup=False, highlight=False)
     if report.e2e is not None:
         render_e2e(console, report.e2e)
     part = (f" (ranks {', '.join(map(str, report.ranks_checked))} only; ranks "
@@ -391,6 +395,8 @@ def render_verify(console: Console, report) -> None:  # a VerifyReport, PadProof
         part += (f" (partial: {_plural_indices('expert', report.experts_selected or [])} only; "
                  f"{_plural_indices('expert', report.experts_not_checked)} not checked)")
     good = "[bold yellow]verified in part[/]" if report.partial else "[bold green]verified[/]"
+    if not report.numerics_asked:
+        part += " (exactness only: numerics not run, --no-numerics)"
     console.print("verdict: " + (good if report.passed else "[bold red]NOT verified[/]") + part)
     for line in next_step_lines(report.next_steps):
         console.print(line, markup=False, highlight=False, soft_wrap=True)

@@ -556,13 +556,13 @@ def test_numerics_run_torch_on_every_core(outputs, monkeypatch):
     import os
 
     seen: list[int] = []
-    real = verify_mod.block_interval
+    real = verify_mod.all_reduced
 
     def counting(*args, **kwargs):
         seen.append(torch.get_num_threads())
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(verify_mod, "block_interval", counting)
+    monkeypatch.setattr(verify_mod, "all_reduced", counting)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})
     before = torch.get_num_threads()
     try:

@@ -61,6 +61,7 @@ class PadProof:
     experts_selected: list[int] | None = None
     padding: dict[str, Any] | None = None  # the padded manifest's plan (TP, EP, release, GPU): how it is served
     experts_not_checked: list[int] = field(default_factory=list)
+    numerics_asked: bool = True  # False: `verify --no-numerics`, the tensor proof alone
 
     @property
     def partial(self) -> bool:
@@ -104,6 +105,7 @@ class PadProof:
         return {"original": str(self.original), "padded": str(self.padded), "layout": LAYOUT, "tp": self.tp,
                 "passed": self.passed, "tensors_checked": self.tensors_checked,
                 "tensors_padded": self.tensors_padded, "activations": self.activations, "numerics": self.layers,
+                "numerics_asked": self.numerics_asked,
                 "e2e": self.e2e.to_json() if self.e2e is not None else None, "partial": self.partial,
                 "layers_selected": self.layers_selected, "layers_not_checked": self.layers_not_checked,
                 "experts_selected": self.experts_selected, "experts_not_checked": self.experts_not_checked,
@@ -126,7 +128,11 @@ class PadProof:
                        f"at TP 1 on {lay['tokens']} tokens, max |difference| {lay['max_abs_difference']:.3g}; "
                        f"{lay['violations']} outputs outside the rounding interval (largest error/bound "
                        f"{lay['max_ratio']:.3g})")
-        if not self.layers and not self.problems:
+        if not self.numerics_asked:
+            from wna16ctl.verification.checks import NO_NUMERICS
+
+            out.append(f"NOT RUN numerics: {NO_NUMERICS}")
+        elif not self.layers and not self.problems:
             out.append("numerics not run: no padded quantized MoE layer to compare")
         if self.e2e is not None:
             out += _e2e_lines(self.e2e)
@@ -183,7 +189,7 @@ def verify_padding(original: str | os.PathLike[str], padded: str | os.PathLike[s
         e2e_samples = Path(resolve_samples(samples, a.root, notice))
     manifest = read_json_file(Path(padded) / MANIFEST_NAME)
     tp = manifest.get("padding", {}).get("tp") if isinstance(manifest, dict) else None
-    proof = PadProof(Path(original), Path(padded), tp, **selected)
+    proof = PadProof(Path(original), Path(padded), tp, numerics_asked=numerics, **selected)
     proof.padding = manifest.get("padding") if isinstance(manifest, dict) else None
     if manifest.get("identity", {}).get("source_fingerprint") != source_fingerprint(a):
         proof.problems.append(f"{padded}: its manifest names another source than {original} (or the original changed "
@@ -193,7 +199,10 @@ def verify_padding(original: str | os.PathLike[str], padded: str | os.PathLike[s
         path = Path(padded) / rel
         if rec is None or not path.is_file() or hash_file(path, rec[0]) != rec[1]:
             proof.problems.append(f"{path}: missing or changed since it was written (its digest differs)")
-    _check_tensors(a, b, proof)
+    from wna16ctl.verification.checks import torch_threads
+
+    with torch_threads(None):  # byte comparisons, as verify's round trip
+        _check_tensors(a, b, proof)
     if numerics and not proof.problems:
         _check_numerics(a, b, proof, samples, num_samples)
     if e2e is not None:  # also on a damaged padding: how far the damage moves the model is reported too
@@ -360,46 +369,37 @@ def _split(old: torch.Tensor, new: torch.Tensor, dim: int) -> tuple[torch.Tensor
 
 # -- numerics ----------------------------------------------------------------------------------------------
 
-def _engine_block(ranks: list[Any], a: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                  dtype: torch.dtype) -> torch.Tensor:
-    """The block output as an engine computes it: fp32 GEMMs, the model dtype between stages,
-    per-slot outputs summed in fp32 per rank and rounded, the ranks' partials summed in fp32."""
-    T, k = topk_ids.shape
-    flat, wf = topk_ids.reshape(-1), topk_weights.reshape(-1).float()
-    partials = []
-    for rng, weights in ranks:
-        slots = torch.zeros(T * k, a.shape[1], dtype=torch.float32)
-        for e, (w13, w2) in weights.items():
-            idx = (flat == e).nonzero().squeeze(1)
-            if not idx.numel():
-                continue
-            x = a[idx // k].to(dtype).float()
-            g13 = (x @ w13.float()).to(dtype).float()
-            i = w2.shape[0]
-            h = (torch.nn.functional.silu(g13[:, :i]) * g13[:, i:]).to(dtype).float()
-            slots[idx] = ((h @ w2.float()) * wf[idx].unsqueeze(1)).to(dtype).float()
-        partials.append(slots.view(T, k, -1).sum(1).to(dtype).float())
-    return torch.stack(partials).sum(0).to(dtype)
-
-
-def _rank_weights(ck: Checkpoint, layer: Any, experts: list[int], tp: int, dtype: torch.dtype) -> list[Any]:
+def _streamed_block(ck: Checkpoint, layer: Any, experts: list[int], tp: int, a: torch.Tensor, topk_ids: torch.Tensor,
+                    topk_weights: torch.Tensor, dtype: torch.dtype) -> tuple[Any, torch.Tensor]:
+    """The block's rounding interval (`verification.bounds`) and its output as an engine computes it
+    (fp32 GEMMs, the model dtype between stages, per-slot outputs summed in fp32 per rank and
+    rounded, the ranks' partials summed in fp32), split over `tp` ranks, built expert by expert:
+    one expert's weights in memory at a time, whatever the layer's number of experts."""
     from wna16ctl.sources.tensors import TensorReader
+    from wna16ctl.verification.bounds import IntervalSum, add_expert_interval, all_reduced
     from wna16ctl.verification.e2e import _dequantize_source
 
-    i, h = layer.intermediate_size, layer.hidden_size
-    full: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    T, k = topk_ids.shape
+    H = a.shape[1]
+    flat, wf = topk_ids.reshape(-1), topk_weights.reshape(-1).float()
+    accs = [IntervalSum(T, H) for _ in range(tp)]
+    outs = torch.zeros(tp, T, H)
+    i, step = layer.intermediate_size, layer.intermediate_size // tp
     with TensorReader(ck.files) as reader:
         for e in experts:
+            idx = (flat == e).nonzero().squeeze(1)
             p = reader.read_expert(layer, e)
-            full[e] = (_dequantize_source(p["gate"], h, dtype), _dequantize_source(p["up"], h, dtype),
+            g, u, d = (_dequantize_source(p["gate"], H, dtype), _dequantize_source(p["up"], H, dtype),
                        _dequantize_source(p["down"], i, dtype))
-    step = i // tp
-    ranks = []
-    for r in range(tp):
-        s = slice(r * step, (r + 1) * step)
-        ranks.append((range(layer.num_experts), {e: (torch.cat([g[s].T, u[s].T], 1), d[:, s].T.contiguous())
-                                                 for e, (g, u, d) in full.items()}))
-    return ranks
+            x = a[idx // k].to(dtype).float()
+            for r in range(tp):
+                s = slice(r * step, (r + 1) * step)
+                w13, w2 = torch.cat([g[s].T, u[s].T], 1), d[:, s].T.contiguous()
+                add_expert_interval(accs[r], a, topk_ids, topk_weights, e, w13, w2, dtype)
+                g13 = (x @ w13.float()).to(dtype).float()
+                h = (torch.nn.functional.silu(g13[:, :step]) * g13[:, step:]).to(dtype).float()
+                outs[r].index_add_(0, idx // k, ((h @ w2.float()) * wf[idx].unsqueeze(1)).to(dtype).float())
+    return all_reduced(accs, k, dtype), outs.to(dtype).float().sum(0).to(dtype)
 
 
 def _activations(a: Checkpoint, samples: Any, num_samples: int) -> tuple[torch.Tensor | None, str]:
@@ -423,7 +423,7 @@ def _check_numerics(a: Checkpoint, b: Checkpoint, proof: PadProof, samples: Any 
     from wna16ctl.errors import WnaError
     from wna16ctl.sources.tensors import TensorReader, dtype_from_name
     from wna16ctl.verification.activations import Routing, route
-    from wna16ctl.verification.bounds import block_interval, judge, nothing_to_compare
+    from wna16ctl.verification.bounds import judge, nothing_to_compare
     from wna16ctl.verification.checks import FAIL, NOT_RUN, PASS, restricted_routing
 
     dtype = dtype_from_name(a.config.torch_dtype or "bfloat16")
@@ -456,12 +456,8 @@ def _check_numerics(a: Checkpoint, b: Checkpoint, proof: PadProof, samples: Any 
         x, ids, weights = routing.x.to(dtype), routing.topk_ids, routing.topk_weights.float()
         tokens = x.shape[0]
         experts = sorted({int(e) for e in ids.reshape(-1) if int(e) >= 0})
-        ref_ranks = _rank_weights(a, lay, experts, 1, dtype)
-        pad_ranks = _rank_weights(b, lay_b, experts, tp, dtype)
-        iv_ref = block_interval(ref_ranks, x, ids, weights, dtype)
-        iv_pad = block_interval(pad_ranks, x, ids, weights, dtype)
-        out_ref = _engine_block(ref_ranks, x, ids, weights, dtype)
-        out_pad = _engine_block(pad_ranks, x, ids, weights, dtype)
+        iv_ref, out_ref = _streamed_block(a, lay, experts, 1, x, ids, weights, dtype)
+        iv_pad, out_pad = _streamed_block(b, lay_b, experts, tp, x, ids, weights, dtype)
         empty = nothing_to_compare(iv_ref.centre)  # the rule repack's verify follows too
         if empty is not None:
             proof.layers.append({"layer": lay.prefix, "tp": tp, "tokens": tokens, "ok": False, "status": NOT_RUN,

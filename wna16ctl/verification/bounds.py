@@ -155,31 +155,68 @@ def sum_interval(iv: Interval, dim: int, dtype: torch.dtype) -> Interval:
 RankWeights = tuple[range, dict[int, tuple[torch.Tensor, torch.Tensor]]]  # experts, {e: (w13 [H, 2I_p], w2 [I_p, H])}
 
 
+class IntervalSum:
+    """`sum_interval` built one term at a time: the running sums of lo, hi, centre and max(|lo|, |hi|)
+    over the terms added so far, [T, H] each, so that a block's interval is computed expert by
+    expert (or rank by rank) in memory of the output's size, whatever the number of experts.  Every
+    quantity `sum_interval` takes from its terms is such a sum; float64 sums in another order
+    differ from it by far less than the 1.0001 the pad carries."""
+
+    def __init__(self, tokens: int, hidden: int):
+        z = torch.zeros(tokens, hidden, dtype=torch.float64)
+        self.lo, self.hi, self.centre, self.mag = z, z.clone(), z.clone(), z.clone()
+
+    def add(self, iv: Interval, rows: torch.Tensor | None = None) -> None:
+        """Add the terms `iv` ([S, H]) to output rows `rows` ([S]; None: every row, iv [T, H])."""
+        mag = torch.maximum(iv.lo.abs(), iv.hi.abs())
+        for acc, term in ((self.lo, iv.lo), (self.hi, iv.hi), (self.centre, iv.centre), (self.mag, mag)):
+            if rows is None:
+                acc += term
+            else:
+                acc.index_add_(0, rows, term)
+
+    def rounded(self, terms: int, dtype: torch.dtype) -> Interval:
+        """The fp32 sum of `terms` values per element (any order), rounded to dtype: `sum_interval`."""
+        pad = terms * U32 * self.mag * 1.0001
+        return Interval(self.lo - pad, self.hi + pad, self.centre).rounded(dtype)
+
+
+def add_expert_interval(acc: IntervalSum, a: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                        e: int, w13: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype) -> None:
+    """Expert `e`'s slots ([T, k] routing) of a rank's partial, added to the rank's `acc`."""
+    k = topk_ids.shape[1]
+    slots = (topk_ids.reshape(-1).cpu() == e).nonzero().squeeze(1)
+    if not slots.numel():
+        return
+    wf = topk_weights.reshape(-1).float().cpu()
+    rows = slots // k
+    iv = expert_interval(a.cpu()[rows], w13.cpu(), w2.cpu(), wf[slots], dtype)
+    acc.add(iv, rows)
+
+
 def block_interval(ranks: list[RankWeights], a: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                    dtype: torch.dtype) -> Interval:
     """A MoE block's output [T, H] over every rank (steps 1-4 of the module doc): a [T, H] in dtype,
     topk_ids / topk_weights [T, k]; per rank its experts' dequantised weights (model dtype)."""
     T, k = topk_ids.shape
-    H = a.shape[1]
-    flat = topk_ids.reshape(-1).cpu()
-    wf = topk_weights.reshape(-1).float().cpu()
-    a = a.cpu()
     partials = []
     for rng, weights in ranks:
         if not len(rng):
             continue
-        z = torch.zeros(T * k, H, dtype=torch.float64)
-        slot_iv = Interval(z.clone(), z.clone(), z.clone())
+        acc = IntervalSum(T, a.shape[1])
         for e, (w13, w2) in weights.items():
-            slots = (flat == e).nonzero().squeeze(1)
-            if not slots.numel():
-                continue
-            iv = expert_interval(a[slots // k], w13.cpu(), w2.cpu(), wf[slots], dtype)
-            slot_iv.lo[slots], slot_iv.hi[slots], slot_iv.centre[slots] = iv.lo, iv.hi, iv.centre
-        view = lambda t: t.view(T, k, H)  # noqa: E731 - [T*k, H] as [T, k, H], for the line below
-        partials.append(sum_interval(Interval(view(slot_iv.lo), view(slot_iv.hi), view(slot_iv.centre)), 1, dtype))
-    stacked = Interval(*(torch.stack([getattr(p, f) for p in partials]) for f in ("lo", "hi", "centre")))
-    return sum_interval(stacked, 0, dtype)
+            add_expert_interval(acc, a, topk_ids, topk_weights, e, w13, w2, dtype)
+        partials.append(acc)
+    return all_reduced(partials, k, dtype)
+
+
+def all_reduced(partials: list[IntervalSum], k: int, dtype: torch.dtype) -> Interval:
+    """The block output's interval from each rank's accumulated slots (k per token): each rank's
+    partial rounded, the partials summed in fp32 and rounded (step 4: the all-reduce)."""
+    total = IntervalSum(*partials[0].lo.shape)
+    for acc in partials:
+        total.add(acc.rounded(k, dtype))
+    return total.rounded(len(partials), dtype)
 
 
 @dataclass

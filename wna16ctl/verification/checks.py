@@ -51,13 +51,17 @@ from wna16ctl.output.manifest import FORMAT_NAME, SIDE_FILES
 from wna16ctl.repacking.pipeline import LayerJob, RepackPlan, RepackSettings, plan_repack, rank_index_bytes
 from wna16ctl.sources import source_fingerprint
 from wna16ctl.sources.formats import SCALES
-from wna16ctl.verification.bounds import Interval, block_interval, gemm_bound_used, judge, nothing_to_compare
+from wna16ctl.verification.bounds import (Interval, IntervalSum, add_expert_interval, all_reduced, gemm_bound_used, judge,
+                                          nothing_to_compare)
 from wna16ctl.verification.rank_gemm import GEMM_DTYPES, ROUNDINGS, UNIT_ROUNDOFF, EmulatedGemm, RankFiles, rank_moe_output  # noqa: F401 - ROUNDINGS and UNIT_ROUNDOFF re-exported
 from wna16ctl.output.writer import JOURNAL_NAME, MANIFEST_NAME, PLANNED_METADATA, FILE_HASHES, hash_file, recorded_hash, sha256_file
 
 
 
 PASS, FAIL, NOT_RUN = "pass", "FAIL", "not run"
+# why the numerics did not run when only the exactness proof was asked for (`verify --no-numerics`)
+NO_NUMERICS = ("not asked (--no-numerics): the exactness proof alone; "
+               "run verify without --no-numerics for the numerics")
 
 
 @dataclass
@@ -158,6 +162,7 @@ class VerifyReport:
     # a `--layout vllm` output: its VllmStateReport (contract figures, problems, serve line), whose
     # JSON object this report prints (docs/verify-json.md); None for the other layouts
     layout_state: Any = None
+    numerics_asked: bool = True  # False: `verify --no-numerics`, the exactness proof alone
 
     @property
     def partial(self) -> bool:
@@ -174,6 +179,16 @@ class VerifyReport:
         """Every check that ran passed, and every required check ran."""
         return (all(c.status != FAIL for c in self.checks)
                 and all(c.status == PASS for c in self.checks if c.required))
+
+    @property
+    def numerics_coverage(self) -> dict[str, int]:
+        """What the numerics covered: MoE layers compared (of those checked), experts exercised (of
+        those selected) and tokens, summed over the layers, so that a partial run is never read as
+        a full one."""
+        rows = self.numerics
+        return {"layers": sum(n.status != NOT_RUN for n in rows), "layers_checked": self.layers_checked,
+                "experts_exercised": sum(n.experts_exercised for n in rows),
+                "experts": sum(n.num_experts for n in rows), "tokens": sum(n.tokens for n in rows)}
 
     def check(self, name: str) -> Check:
         return next(c for c in self.checks if c.name == name)
@@ -213,7 +228,7 @@ class VerifyReport:
             "samples": self.samples, "passed": self.passed,
             "checks": [c.to_json() for c in self.checks],
             "manifest_ok": self.ok("manifest"), "round_trip_ok": self.ok("round_trip"),
-            "numerics_ok": self.ok("numerics"),
+            "numerics_ok": self.ok("numerics"), "numerics_asked": self.numerics_asked,
             "layers_checked": self.layers_checked, "experts_checked": self.experts_checked,
             "files_checked": self.files_checked,
             "ranks_checked": self.ranks_checked, "ranks_not_checked": self.ranks_not_checked,
@@ -221,7 +236,7 @@ class VerifyReport:
             "experts_selected": self.experts_selected, "experts_not_checked": self.experts_not_checked,
             "partial": self.partial,
             "findings": [f.to_json() for f in self.findings],
-            "numerics": [n.to_json() for n in self.numerics],
+            "numerics": [n.to_json() for n in self.numerics], "numerics_coverage": self.numerics_coverage,
             "e2e": self.e2e.to_json() if self.e2e is not None else None,
             "next_steps": [s.to_json() for s in self.next_steps],
         }
@@ -560,12 +575,15 @@ def verify_output(
     notice: Callable[[str], None] | None = None,
     layers: str | Iterable[int] | None = None,
     experts: str | Iterable[int] | None = None,
+    numerics: bool = True,
 ) -> VerifyReport:
     """Run every check of OUT against CKPT; see the module doc.  With `e2e` (a
     wna16ctl.verification.e2e.E2EOptions) also the end-to-end generation, a required check then.  Bad input
     raises a WnaError; a failing or skipped check is recorded in the returned report, never raised.
     `layers` ("0-3,7" or indices): check only those MoE layers' experts; `experts` (the same form): only
-    those experts of each layer checked.  Either makes a partial verify, said so."""
+    those experts of each layer checked.  Either makes a partial verify, said so.  `numerics=False`
+    runs the exactness proof alone (manifest and bit-exact round trip, expert by expert, memory
+    bounded by one expert): the numerics check is `not run`, not required, and says why."""
     from wna16ctl.verification.vllm_state import is_vllm_output
 
     if is_vllm_output(out):  # whole-model sharded_state files: contract and round trip
@@ -582,6 +600,8 @@ def verify_output(
     out_path = Path(out)
     manifest = _read_manifest(out_path)
     gemm_device = _gemm_device(device)
+    if e2e is not None and not numerics:
+        raise UsageError("--e2e and --no-numerics: e2e runs the model on samples; drop one of them")
     if e2e is not None:
         from wna16ctl.verification.e2e import require_transformers
 
@@ -590,10 +610,11 @@ def verify_output(
     wanted_experts = None if experts is None else parse_indices(experts, "--experts", "expert")
     if wanted is not None:  # a layer the checkpoint does not have is the checkpoint's answer, before samples
         unknown_layers([lay.layer_index for lay in ck.quantized_layers if lay.layer_index is not None], wanted)
-    samples_path = resolve_samples(samples, ck.root, notice)  # inputs in the order a user fixes them: checkpoint, output, device, samples
+    # inputs in the order a user fixes them: checkpoint, output, device, samples (none without numerics)
+    samples_path = resolve_samples(samples, ck.root, notice) if numerics else None
     report, plan = _verify_checks(ck, out_path, manifest, samples_path, num_samples, gemm_device, progress, wanted,
                                   wanted_experts)
-    if e2e is not None and (report.partial or plan is None):
+    if e2e is not None and samples_path is not None and (report.partial or plan is None):
         from wna16ctl.verification import e2e as e2e_mod
 
         why = ("no plan to run: see the manifest check" if plan is None else
@@ -602,7 +623,7 @@ def verify_output(
         report.checks.append(Check("e2e", f"greedy generation on prompts of {samples_label(samples_path)} with the source "
                                    "and the repacked experts", reason=why))
         report.e2e = e2e_mod.not_run(why)
-    elif e2e is not None:
+    elif e2e is not None and samples_path is not None:
         from wna16ctl.verification import e2e as e2e_mod
 
         check = Check("e2e", f"greedy generation on prompts of {samples_label(samples_path)} with the source and the "
@@ -647,15 +668,21 @@ def verify_vllm_output(ckpt: str | os.PathLike[str], out: str | os.PathLike[str]
     return report
 
 
-def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], samples: str | os.PathLike[str],
+def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], samples: str | os.PathLike[str] | None,
                    num_samples: int, gemm_device: torch.device,
                    progress: TaskStarter, layers: list[int] | None = None,
                    experts: list[int] | None = None) -> tuple[VerifyReport, RepackPlan | None]:
+    """The checks; `samples` None: the exactness proof alone (numerics not asked, see NO_NUMERICS)."""
     device = gemm_device.type
-    questions = load_questions(samples, num_samples)
+    questions = load_questions(samples, num_samples) if samples is not None else []
     report = VerifyReport(str(ck.root), str(out_path), device, tokenizer="", samples=len(questions))
-    report.check("numerics").description = (f"activations of {samples_label(samples)} through the repacked layers "
-                                            "against the fp32 reference")
+    if samples is None:
+        numerics = report.check("numerics")
+        numerics.required, numerics.reason = False, NO_NUMERICS
+        report.numerics_asked = False
+    else:
+        report.check("numerics").description = (f"activations of {samples_label(samples)} through the repacked layers "
+                                                "against the fp32 reference")
     plan = _check_manifest(ck, out_path, manifest, report, progress)
     report.conclude("manifest")
     if plan is None:
@@ -682,9 +709,11 @@ def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], sam
             "runs, like vLLM's Marlin MoE kernels, takes float16/bfloat16 only, so this output cannot be verified"
         )
     with TensorReader(ck.files) as reader:
-        vocab = int(ck.config.raw.get("vocab_size") or 1 << 30)
-        token_ids, report.tokenizer = tokenize(ck, questions, vocab)
-        hidden = embed(ck, reader, token_ids)
+        hidden = None  # without numerics: no activations, the round trip alone
+        if samples is not None:
+            vocab = int(ck.config.raw.get("vocab_size") or 1 << 30)
+            token_ids, report.tokenizer = tokenize(ck, questions, vocab)
+            hidden = embed(ck, reader, token_ids)
         ranks: dict[int, RankFiles] = {}
         unreadable: list[int] = []
         for r in present:
@@ -703,8 +732,9 @@ def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], sam
         try:
             _verify_rank_contents(ck, reader, plan, ranks, report)
             chosen = {j.layer.prefix: _experts_of(j, experts) for j in jobs}
-            advance = progress("round trip and numerics", sum(len(c) for c in chosen.values()), unit="experts")
-            with _torch_on_every_core():
+            what = "round trip and numerics" if hidden is not None else "round trip"
+            advance = progress(what, sum(len(c) for c in chosen.values()), unit="experts")
+            with torch_threads(None if hidden is None else "every core"):
                 for job in jobs:
                     _verify_layer(ck, reader, job, ranks, hidden, dtype, report, gemm_device, advance,
                                   chosen[job.layer.prefix])
@@ -712,6 +742,8 @@ def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], sam
             for rf in ranks.values():
                 rf.reader.close()
     report.conclude("round_trip")
+    if hidden is None:
+        return report, plan
     failed = [n for n in report.numerics if n.status == FAIL]
     skipped = [n for n in report.numerics if n.status == NOT_RUN]
     report.conclude(
@@ -724,14 +756,17 @@ def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], sam
 
 
 @contextlib.contextmanager
-def _torch_on_every_core() -> Iterator[None]:
-    """torch's intra-op threads on every core this process may run on for the round trip and the
-    numerics (torch's default counts the machine's cores, which an affinity mask may not grant),
-    restored afterwards: the caller's setting is its own."""
+def torch_threads(cores: str | None) -> Iterator[None]:
+    """torch's intra-op threads for the round trip and the numerics, restored afterwards (the
+    caller's setting is its own).  "every core": every core this process may run on, for the
+    numerics' GEMMs (torch's default counts the machine's cores, which an affinity mask may not
+    grant).  None: one thread, for the round trip alone: its work is byte comparisons of a few MB,
+    which one core does at memory speed, and which intra-op threads slow several-fold as soon as
+    another process holds a core (each op waits for its slowest thread)."""
     from wna16ctl.native.emulated import usable_cores
 
     before = torch.get_num_threads()
-    torch.set_num_threads(usable_cores())
+    torch.set_num_threads(usable_cores() if cores == "every core" else 1)
     try:
         yield
     finally:
@@ -844,21 +879,25 @@ def _gemm_rank_candidate(job: LayerJob, r: int, rank: RankFiles, a: torch.Tensor
     return rank_moe_output(job, r, t, a, routing.topk_ids, routing.topk_weights, dtype, device, gemm=gemm, keep=keep)
 
 
-def _kernel_bound_used(job: LayerJob, r: int, keep: dict[str, torch.Tensor], a: torch.Tensor, routing,
-                       weights: dict[int, tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> float:
+def _kernel_bound_used(reader: TensorReader, job: LayerJob, r: int, keep: dict[str, torch.Tensor], a: torch.Tensor,
+                       routing, dtype: torch.dtype) -> float:
     """`bounds.gemm_bound_used` of rank r's two GEMMs, expert by expert, on the inputs they were
-    given (a; the kernel's own h for w2) against the checkpoint's dequantised weights: how much
-    of the derived accumulation bound the kernel's outputs use beyond their own rounding."""
+    given (a; the kernel's own h for w2) against the checkpoint's dequantised weights (read again
+    here, one expert at a time): how much of the derived accumulation bound the kernel's outputs
+    use beyond their own rounding."""
     spec = job.specs[r]
     i_p, pad = spec.intermediate_per_partition, spec.padded_intermediate
     k = routing.topk_ids.shape[1]
     flat = routing.topk_ids.reshape(-1).cpu()
     wts = routing.topk_weights.reshape(-1).float().cpu()
     used = 0.0
-    for e, (w13, w2) in weights.items():
+    for e in job.expert_ranges[r]:
         slots = (flat == e).nonzero().squeeze(1)
         if not slots.numel():
             continue
+        expected = _cast_scales(shard_expert(reader.read_expert(job.layer, e), tp=spec.tp, rank=spec.rank,
+                                             load_full_w2=spec.load_full_w2, expert_id=e), dtype)
+        w13, w2 = _reference_weights(expected, spec, dtype)
         g13 = keep["w13"][slots]
         g13 = torch.cat([g13[:, :i_p], g13[:, pad:pad + i_p]], 1)  # padding columns left out
         used = max(used, gemm_bound_used(a[slots // k], w13, g13, dtype),
@@ -907,9 +946,10 @@ class _LayerSums:
 
     partial: torch.Tensor  # candidate partial sums per rank [ranks, T, H] (fp32 sum of rounded outputs)
     partial_ref: torch.Tensor  # the reference's, from the checkpoint in fp32
-    # per rank present: its experts' weights dequantised from the checkpoint in the model dtype,
-    # the reference of the rounding interval (verification.bounds)
-    ref_ranks: dict[int, tuple[range, dict[int, tuple[torch.Tensor, torch.Tensor]]]]
+    # per rank present: the rounding interval of its partial (verification.bounds), accumulated
+    # expert by expert from the checkpoint's weights dequantised in the model dtype, which are
+    # not kept: the layer's memory does not grow with its experts
+    intervals: dict[int, IntervalSum]
     exercised: int = 0  # experts some token is routed to
     # Why the candidate is incomplete: an expert whose tensors cannot be read back, a rank the
     # GEMM cannot run on.  The reference never depends on the output, so it is always complete.
@@ -919,12 +959,16 @@ class _LayerSums:
 
 
 def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: dict[int, RankFiles],
-                  hidden: torch.Tensor, dtype: torch.dtype, report: VerifyReport,
+                  hidden: torch.Tensor | None, dtype: torch.dtype, report: VerifyReport,
                   gemm_device: torch.device = torch.device("cpu"),
                   advance: Callable[[int], None] = lambda n: None, experts: list[int] | None = None) -> None:
     """One MoE layer: the round trip of every selected expert on every rank present, then the
-    layer's numerics (the candidate against the rounding interval of the reference)."""
+    layer's numerics (the candidate against the rounding interval of the reference); `hidden`
+    None: the round trip alone, one expert in memory at a time."""
     layer = job.layer
+    if hidden is None:
+        _round_trip_layer(reader, job, ranks, dtype, report, advance, experts)
+        return
     routing = route(ck, reader, layer, hidden)
     selected = list(range(layer.num_experts)) if experts is None else experts
     if len(selected) < layer.num_experts:  # --experts: only those experts' contributions are compared
@@ -932,7 +976,7 @@ def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: di
     T, H = routing.x.shape
     n_ranks = len(job.specs)
     sums = _LayerSums(torch.zeros(n_ranks, T, H), torch.zeros(n_ranks, T, H),
-                      {r: (job.expert_ranges[r], {}) for r in ranks})
+                      {r: IntervalSum(T, H) for r in ranks if len(job.expert_ranges[r])})
     x_c = routing.x.to(dtype).float()  # the candidate's activations, rounded to the model dtype
     for e in selected:
         _verify_expert(reader, job, ranks, routing, x_c, dtype, report, sums, e)
@@ -942,21 +986,36 @@ def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: di
     emulated_rows: torch.Tensor | None = None  # tokens the kernel source ran on the CPU emulation
     partial_k = torch.zeros(0)
     if job.layout == MARLIN:
-        kernel, emulated_rows, partial_k = _marlin_candidate(job, ranks, routing, dtype, gemm_device, sums)
+        kernel, emulated_rows, partial_k = _marlin_candidate(reader, job, ranks, routing, dtype, gemm_device, sums)
     row = LayerNumerics(layer=layer.prefix, tokens=T, forced_tokens=routing.forced, experts_exercised=sums.exercised,
                         num_experts=len(selected), kernel=kernel)
     report.numerics.append(row)
     _judge_layer(row, ranks, routing, dtype, sums, emulated_rows, partial_k, len(selected))
 
 
-def _verify_expert(reader: TensorReader, job: LayerJob, ranks: dict[int, RankFiles], routing: Routing,
-                   x_c: torch.Tensor, dtype: torch.dtype, report: VerifyReport, sums: _LayerSums, e: int) -> None:
+def _round_trip_layer(reader: TensorReader, job: LayerJob, ranks: dict[int, RankFiles], dtype: torch.dtype,
+                      report: VerifyReport, advance: Callable[[int], None], experts: list[int] | None) -> None:
+    """The exactness proof of one layer alone: expert by expert, each rank's tensors undone and
+    compared, the ranks re-assembled; nothing is kept from one expert to the next."""
+    layer = job.layer
+    sums = _LayerSums(torch.zeros(0), torch.zeros(0), {})
+    for e in (list(range(layer.num_experts)) if experts is None else experts):
+        _verify_expert(reader, job, ranks, None, None, dtype, report, sums, e)
+        advance(1)
+    report.layers_checked += 1
+
+
+def _verify_expert(reader: TensorReader, job: LayerJob, ranks: dict[int, RankFiles], routing: Routing | None,
+                   x_c: torch.Tensor | None, dtype: torch.dtype, report: VerifyReport, sums: _LayerSums,
+                   e: int) -> None:
     """Expert `e`: each rank's tensors undone by the layout's inverse against the rank's slice of
-    the checkpoint, its contribution to the numerics, and the ranks re-assembled."""
+    the checkpoint, its contribution to the numerics (none when `routing` is None), and the ranks
+    re-assembled."""
     layer, n_ranks = job.layer, len(job.specs)
-    x = routing.x
-    tok, slot = (routing.topk_ids == e).nonzero(as_tuple=True)
-    w = routing.topk_weights[tok, slot].unsqueeze(1)
+    tok = torch.zeros(0, dtype=torch.long)
+    if routing is not None:
+        tok, slot = (routing.topk_ids == e).nonzero(as_tuple=True)
+        w = routing.topk_weights[tok, slot].unsqueeze(1)
     if tok.numel():
         sums.exercised += 1
     ck_expert = reader.read_expert(layer, e)
@@ -967,19 +1026,26 @@ def _verify_expert(reader: TensorReader, job: LayerJob, ranks: dict[int, RankFil
             continue
         expected = _cast_scales(shard_expert(ck_expert, tp=spec.tp, rank=spec.rank, load_full_w2=spec.load_full_w2,
                                              expert_id=e), dtype)
-        sums.ref_ranks[r][1][e] = (_dequantize_kfirst(expected, spec, "w13", dtype),
-                                   _dequantize_kfirst(expected, spec, "w2", dtype))
+        if routing is not None:  # the reference of the rounding interval, added and let go
+            add_expert_interval(sums.intervals[r], routing.x.to(dtype), routing.topk_ids, routing.topk_weights, e,
+                                *_reference_weights(expected, spec, dtype), dtype)
         got = _read_back(job, ranks[r], r, spec, e - rng.start, e, expected, report, sums)
         if got is not None:
             per_rank.append(got)
-        if tok.numel():
-            _expert_numerics(x[tok], x_c[tok], w, tok, expected, None if job.layout == MARLIN else got, spec,
+        if tok.numel() and routing is not None and x_c is not None:
+            _expert_numerics(routing.x[tok], x_c[tok], w, tok, expected, None if job.layout == MARLIN else got, spec,
                              dtype, sums.partial[r], sums.partial_ref[r])
     # an EP part holds some experts only: count those whose tensors were read back here
     if any(e in job.expert_ranges[r] and r in ranks for r in range(n_ranks)):
         report.experts_checked += 1
     if len(per_rank) == n_ranks and not job.plan.ep:
         _check_reassembled(job, per_rank, ck_expert, dtype, report, sums, e)
+
+
+def _reference_weights(expected: dict[str, torch.Tensor], spec: RankLayout,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rank's slice of an expert (K-first), dequantised in the model dtype: (w13, w2)."""
+    return _dequantize_kfirst(expected, spec, "w13", dtype), _dequantize_kfirst(expected, spec, "w2", dtype)
 
 
 def _read_back(job: LayerJob, rank: RankFiles, r: int, spec: RankLayout, local: int, e: int,
@@ -1026,7 +1092,8 @@ def _check_reassembled(job: LayerJob, per_rank: list[dict[str, torch.Tensor]], c
                 layer=layer.prefix, expert=e))
 
 
-def _marlin_candidate(job: LayerJob, ranks: dict[int, RankFiles], routing: Routing, dtype: torch.dtype,
+def _marlin_candidate(reader: TensorReader, job: LayerJob, ranks: dict[int, RankFiles], routing: Routing,
+                      dtype: torch.dtype,
                       gemm_device: torch.device,
                       sums: _LayerSums) -> tuple[str, torch.Tensor | None, torch.Tensor]:
     """The candidate of a Marlin layer: the MoE GEMM over the tensors as written, into
@@ -1057,8 +1124,7 @@ def _marlin_candidate(job: LayerJob, ranks: dict[int, RankFiles], routing: Routi
                 partial_k[r] = _gemm_rank_candidate(job, r, ranks[r], x[emulated_rows].to(dtype), sub, dtype,
                                                     gemm_device, emulated, keep=keep)
             sums.bound_used = max(sums.bound_used or 0.0, _kernel_bound_used(
-                job, r, keep, x[emulated_rows] if emulated_rows is not None else x, sub or routing,
-                sums.ref_ranks[r][1], dtype))
+                reader, job, r, keep, x[emulated_rows] if emulated_rows is not None else x, sub or routing, dtype))
         except Exception as err:  # malformed tensors make the kernel fail: the comparison cannot run
             msg = err.message if isinstance(err, (LayoutMismatch, BadInput)) else f"{type(err).__name__}: {err}"
             sums.no_candidate.append(f"the GEMM cannot run on rank {r}'s tensors ({msg})")
@@ -1087,8 +1153,7 @@ def _judge_layer(row: LayerNumerics, ranks: dict[int, RankFiles], routing: Routi
         return
     # the interval every correct implementation lands in, from the same rounded inputs and the
     # checkpoint's weights, over the ranks present (all, or a part's share): docs/verify.md
-    iv = block_interval([sums.ref_ranks[r] for r in sorted(ranks)], routing.x.to(dtype), routing.topk_ids,
-                        routing.topk_weights, dtype)
+    iv = all_reduced([sums.intervals[r] for r in sorted(sums.intervals)], routing.topk_ids.shape[1], dtype)
     verdict = judge(y_c, iv)
     if emulated_rows is not None:  # the kernel source's outputs on its tokens, against the same rows
         y_k = partial_k.to(dtype).float().sum(0).to(dtype).float()
