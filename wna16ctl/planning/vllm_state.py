@@ -78,6 +78,9 @@ def _refuse_unknown(version: str, arch: str) -> None:
 
 def check_supported(ck: Checkpoint, version: str) -> None:
     arch = ck.config.model_type
+    quant = ck.config.quant
+    if quant is not None and quant.quant_method != "compressed-tensors":
+        raise UsageError(f"--layout vllm: {ck.config.path}: quant_method {quant.quant_method}: {FORMAT_REASON}")
     _refuse_unknown(version, arch)
     if ck.unplaced_linear:
         raise UsageError(f"--layout vllm: {ck.root}: quantized module {ck.unplaced_linear[0]} is not a layer vLLM "
@@ -124,6 +127,11 @@ def _check_experts(lay: MoELayer, version: str) -> None:
         raise UsageError(f"--layout vllm: {lay.prefix}: actorder {lay.scheme.actorder!r}: {ACT_ORDER_REASON}")
 
 
+# vLLM's GPTQ/AWQ MoE methods register other parameters (w13_qweight, w13_scales, w13_qzeros,
+# w13_g_idx, ...) than the compressed-tensors method whose state the key contract describes
+FORMAT_REASON = ("the vllm layout's key contract holds the compressed-tensors method's parameters, not the "
+                 "w13_qweight/w13_scales/w13_qzeros/w13_g_idx state of vLLM's GPTQ and AWQ MoE methods; use "
+                 "--layout marlin, or `wna16ctl convert` it to compressed-tensors first")
 PATTERN = "model-rank-{rank}-part-{part}.safetensors"  # vLLM's default sharded_state file pattern
 
 
