@@ -2,7 +2,7 @@
 dequantization of each, built once and cached.
 
 `quantized` (session fixture) gives a `Quantized`: the folder of each variant of
-`write_checkpoints.VARIANTS`, the float model they were quantized from, and the reference weights
+`write_checkpoints.ALL_VARIANTS`, the float model they were quantized from, and the reference weights
 of each (`reference.py`, written beside the checkpoint, never inside it).
 
 They live under ${WNA16CTL_CACHE:-${XDG_CACHE_HOME:-~/.cache}/wna16ctl}/quantized/<key>, the key a
@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO_ROOT
-from tests.quantizers.write_checkpoints import VARIANTS
+from tests.quantizers.write_checkpoints import ALL_VARIANTS
 
 HERE = Path(__file__).resolve().parent
 WRITER = HERE / "write_checkpoints.py"
@@ -88,7 +88,7 @@ def _build(root: Path) -> None:
     # cwd: GPTQModel writes a logs/ folder into the working directory
     wrote = _run([python, str(WRITER), str(stage)], timeout=3600, cwd=stage)
     assert wrote.returncode == 0, f"write_checkpoints.py failed: {wrote.stderr[-3000:]}"
-    for variant in VARIANTS:
+    for variant in ALL_VARIANTS:
         out = stage / f"{variant}.reference.safetensors"
         if not out.exists():
             ref = _run([python, str(REFERENCE), str(stage / variant), str(out)], timeout=1800, cwd=stage)

@@ -4,13 +4,15 @@ Run in the quantizer venv (scripts/quantizer_venv.sh), never in the project's:
 
     python tests/quantizers/write_checkpoints.py OUT [VARIANT ...]
 
-writes OUT/float (the random-init float model, its byte-level tokenizer) and OUT/<variant> for each
-variant named (all of VARIANTS when none is), each finished folder renamed into place at the end,
+writes OUT/float (the random-init float model, its byte-level tokenizer; OUT/float-tp2 for the
+TP2_VARIANTS) and OUT/<variant> for each variant named (all of ALL_VARIANTS when none is), each
+finished folder renamed into place at the end,
 so a folder that exists is complete.  Everything is local: the model is built from a config with a
 fixed seed, the tokenizer from the byte alphabet, the calibration text generated here.
 
 The shape is chosen so that the intermediate size (96, three groups of 32) does not split into
-whole groups at TP 2 and 4: the tensor-parallel rules have something to refuse.
+whole groups at TP 2 and 4: the tensor-parallel rules have something to refuse.  TP2_VARIANTS
+have intermediate size 128, which loads at TP 2.
 """
 
 from __future__ import annotations
@@ -61,6 +63,22 @@ VARIANTS: dict[str, dict] = {
 }
 
 
+# Variants of a second shape, whose intermediate size (128: 64 per rank at TP 2, a whole number of
+# Marlin tiles and groups) loads at TP 2, for the commands that write per-rank shards.  They are
+# quantized from their own float model (FLOAT_DIRS) and kept out of VARIANTS, whose tests are
+# about the first shape.
+TP2_MODEL = MODEL | {"moe_intermediate_size": 128}
+TP2_VARIANTS: dict[str, dict] = {
+    "gptqmodel-gptq-actorder-sym4-tp2": {"tool": "gptqmodel", "format": "gptq", "bits": 4, "group_size": 32,
+                                         "sym": True, "desc_act": True, "shape": "tp2"},
+    "autoround-awq-asym4-tp2": {"tool": "auto-round", "format": "auto_awq", "bits": 4, "group_size": 32,
+                                "sym": False, "shape": "tp2"},
+}
+ALL_VARIANTS = VARIANTS | TP2_VARIANTS
+FLOAT_DIRS = {None: "float", "tp2": "float-tp2"}  # a variant's "shape" -> its float model's folder
+SHAPES = {None: MODEL, "tp2": TP2_MODEL}
+
+
 def calibration_text(count: int = NSAMPLES) -> list[str]:
     """Short English-like sentences, long enough in bytes for SEQLEN tokens each."""
     import random
@@ -89,7 +107,7 @@ def write_tokenizer(out: Path) -> int:
     return len(vocab)
 
 
-def write_float_model(out: Path) -> None:
+def write_float_model(out: Path, shape: dict = MODEL) -> None:
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -98,7 +116,7 @@ def write_float_model(out: Path) -> None:
     vocab_size = write_tokenizer(stage)
     torch.manual_seed(SEED)
     config = Qwen3MoeConfig(vocab_size=vocab_size, eos_token_id=vocab_size - 1, pad_token_id=vocab_size - 1,
-                            bos_token_id=vocab_size - 1, torch_dtype="float16", **MODEL)
+                            bos_token_id=vocab_size - 1, torch_dtype="float16", **shape)
     model = Qwen3MoeForCausalLM(config).to(torch.float16)
     model.save_pretrained(stage)
     stage.rename(out)
@@ -138,14 +156,14 @@ def quantize_gptqmodel(float_dir: Path, out: Path, variant: dict) -> None:
 
 
 def write_variant(root: Path, name: str) -> None:
-    variant = VARIANTS[name]
+    variant = ALL_VARIANTS[name]
     out = root / name
     if out.is_dir():
         return
     stage = root / (name + ".partial")
     shutil.rmtree(stage, ignore_errors=True)
     quantize = quantize_autoround if variant["tool"] == "auto-round" else quantize_gptqmodel
-    quantize(root / "float", stage, variant)
+    quantize(root / FLOAT_DIRS[variant.get("shape")], stage, variant)
     (stage / "variant.json").write_text(json.dumps(variant, indent=1, sort_keys=True) + "\n")
     stage.rename(out)
 
@@ -156,13 +174,14 @@ def main(argv: list[str]) -> int:
         return 2
     root = Path(argv[0])
     root.mkdir(parents=True, exist_ok=True)
-    names = argv[1:] or list(VARIANTS)
-    unknown = [n for n in names if n not in VARIANTS]
+    names = argv[1:] or list(ALL_VARIANTS)
+    unknown = [n for n in names if n not in ALL_VARIANTS]
     if unknown:
-        print(f"write_checkpoints.py: unknown variant {unknown[0]}; known: {', '.join(VARIANTS)}", file=sys.stderr)
+        print(f"write_checkpoints.py: unknown variant {unknown[0]}; known: {', '.join(ALL_VARIANTS)}", file=sys.stderr)
         return 2
-    if not (root / "float").is_dir():
-        write_float_model(root / "float")
+    for shape in {ALL_VARIANTS[n].get("shape") for n in names}:
+        if not (root / FLOAT_DIRS[shape]).is_dir():
+            write_float_model(root / FLOAT_DIRS[shape], SHAPES[shape])
     for name in names:
         write_variant(root, name)
     return 0

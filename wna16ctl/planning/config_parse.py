@@ -52,7 +52,9 @@ def scheme_refusal(s: WeightScheme, rel: rules.Release) -> tuple[str, str] | Non
 
 def config_refusal(quant: QuantConfig | None, version: str) -> ConfigRefusal | None:
     """The first config group, in file order, whose parse raises in release `version`."""
-    if quant is None:
+    # only the compressed-tensors config parses config_groups; a GPTQ/AWQ/AutoRound config's own
+    # refusals (desc_act, bits) are its method's (planning/methods)
+    if quant is None or quant.quant_method != "compressed-tensors":
         return None
     rel = rules.release(version)
     for g in quant.groups:

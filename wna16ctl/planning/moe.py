@@ -959,6 +959,23 @@ def _plan_format_layer(f: _LayerFacts) -> None:
         plan.fail("load", "scale groups floored", made.hazard)
     if f.chosen is Backend.MARLIN:
         _format_marlin_padding(f, method.oracle.group_size)
+    if not plan.errors:
+        _format_layout(f)
+
+
+def _format_layout(f: _LayerFacts) -> None:
+    """The layout repack writes for a GPTQ/AWQ/AutoRound layer that loads: the same rule as for a
+    compressed-tensors one, on the canonical tensors the format's reader gives (the Marlin and
+    Triton layouts hold codes, scales, zero points and g_idx, whatever form the file stored)."""
+    plan, layer = f.plan, f.layer
+    padded = plan.padded_intermediate
+    _choose_layout(f)
+    plan.padded_intermediate = padded  # the format's own Marlin padding step decided it
+    if plan.layout is not None:
+        plan.layout_w2 = layout_w2_sharding(f.s, f.i_p, layer.intermediate_size, f.rel)
+        plan.rank_bytes = _rank_bytes(BACKEND_OF_LAYOUT[plan.layout], f.s, layer.hidden_size, f.i_p,
+                                      plan.padded_intermediate, plan.layout_w2, plan.local_experts,
+                                      _scale_bytes(layer.scale_dtype))
 
 
 def _format_marlin_padding(f: _LayerFacts, group_size: int) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 from wna16ctl.errors import NotLoadable, UsageError
 from wna16ctl.planning import rules
 from wna16ctl.planning.moe import unquantized_lookup_error
-from wna16ctl.sources import Checkpoint, MoELayer
+from wna16ctl.sources import Checkpoint, MoELayer, formats
 
 
 # Why the layout refuses what it refuses: each reason read in vLLM's own code, named beside it.
@@ -64,8 +64,19 @@ def _refuse_unknown(version: str, arch: str) -> None:
                          f"(known: {known})")
 
 
+# vLLM's GPTQ/AWQ MoE methods register other parameters (w13_qweight, w13_scales, w13_qzeros,
+# w13_g_idx, ...) than the compressed-tensors method whose state the key contract describes
+FORMAT_REASON = ("the vllm layout's key contract holds the compressed-tensors method's parameters, not the "
+                 "w13_qweight/w13_scales/w13_qzeros/w13_g_idx state of vLLM's GPTQ and AWQ MoE methods; use "
+                 "--layout marlin, or `wna16ctl convert` it to compressed-tensors first")
+
+
 def check_supported(ck: Checkpoint, version: str) -> None:
     arch = ck.config.model_type
+    quant = ck.config.quant
+    # the contract is the compressed-tensors method's state (the default format's)
+    if quant is not None and formats.of(quant) is not formats.DEFAULT:
+        raise UsageError(f"--layout vllm: {ck.config.path}: quant_method {quant.quant_method}: {FORMAT_REASON}")
     _refuse_unknown(version, arch)
     if ck.unplaced_linear:
         raise UsageError(f"--layout vllm: {ck.root}: quantized module {ck.unplaced_linear[0]} is not a layer vLLM "
