@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests import modelckpt
+from tests.conftest import QUESTIONS
 from tests.quantizers.conftest import Quantized, copy_checkpoint, quantized  # noqa: F401 - the fixture, used here
 from tests.sources import qweight_ckpt
 from tests.sources.test_format_gptq import QWEN3_30B_A3B_GPTQ_INT4
@@ -46,9 +47,11 @@ def _wna16(*args: str, check: int | None = 0) -> subprocess.CompletedProcess:
 
 
 def _moe_plans(path: Path, tp: int, vllm: str) -> list[dict]:
-    r = _wna16("inspect", str(path), "--tp", str(tp), "--vllm", vllm, "--json", check=None)
-    assert r.returncode in (0, 1), r.stderr
-    return [p for lay in json.loads(r.stdout)["layers"] for p in lay["plans"]]
+    """The MoE layers' plans as `inspect --json` gives them."""
+    import wna16ctl
+
+    j = wna16ctl.inspect(path, tp, vllm=vllm).to_json()
+    return [p for lay in j["layers"] for p in lay["plans"]]
 
 
 def _readable_copy(quantized: Quantized, variant: str, dest: Path) -> Path:
@@ -61,15 +64,26 @@ def _readable_copy(quantized: Quantized, variant: str, dest: Path) -> Path:
     return ck
 
 
-@pytest.fixture(scope="module", params=list(REAL))
-def real_padding(request, tmp_path_factory):
+@pytest.fixture(scope="module")
+def real_pads(tmp_path_factory):
+    """variant -> (its readable copy, padded to PADDED by the CLI), each made once."""
+    made: dict[str, tuple[Path, Path]] = {}
+
+    def get(quantized: Quantized, variant: str) -> tuple[Path, Path]:
+        if variant not in made:
+            root = tmp_path_factory.mktemp(variant)
+            src = _readable_copy(quantized, variant, root)
+            _wna16("pad", str(src), "--to", str(PADDED), "-o", str(root / "padded"), "-q")
+            made[variant] = src, root / "padded"
+        return made[variant]
+
+    return get
+
+
+@pytest.fixture(params=list(REAL))
+def real_padding(request, real_pads):
     quantized = request.getfixturevalue("quantized")
-    variant = request.param
-    root = tmp_path_factory.mktemp(variant)
-    src = _readable_copy(quantized, variant, root)
-    out = root / "padded"
-    _wna16("pad", str(src), "--to", str(PADDED), "-o", str(out), "-q")
-    return quantized, variant, src, out
+    return (quantized, request.param, *real_pads(quantized, request.param))
 
 
 def _stored(path: Path) -> dict[str, torch.Tensor]:
@@ -127,7 +141,7 @@ def test_a_real_tool_checkpoint_is_padded_in_its_own_format_and_loads_on_its_nat
         assert not any(p["loadable"] for p in _moe_plans(src, tp, vllm))
         plans = _moe_plans(out, tp, vllm)
         assert plans and all(p["loadable"] and p["method"]["class"] == method for p in plans), plans
-    r = _wna16("verify", str(src), str(out), "--json", check=None)
+    r = _wna16("verify", str(src), str(out), "--json", "--samples", str(QUESTIONS), "--num-samples", "8", check=None)
     proof = json.loads(r.stdout)
     assert r.returncode == 0 and proof["passed"], proof["problems"]
     # qweight, qzeros and scales of every projection, and (GPTQ) the down projection's g_idx
@@ -176,11 +190,9 @@ FAULTS = [
 
 
 @pytest.mark.parametrize("variant,tensor,where,expected", FAULTS, ids=[f"{v.split('-')[1]}-{t}" for v, t, *_ in FAULTS])
-def test_verify_finds_a_fault_planted_in_a_gptq_or_awq_padding(request, tmp_path, variant, tensor, where, expected):
-    quantized = request.getfixturevalue("quantized")
-    src = _readable_copy(quantized, variant, tmp_path)
-    out = tmp_path / "padded"
-    _wna16("pad", str(src), "--to", str(PADDED), "-o", str(out), "-q")
+def test_verify_finds_a_fault_planted_in_a_gptq_or_awq_padding(request, real_pads, tmp_path, variant, tensor, where,
+                                                                expected):
+    src, out = real_pads(request.getfixturevalue("quantized"), variant)
     bad = tmp_path / "bad"
     shutil.copytree(out, bad)
     t = load_file(str(bad / "model.safetensors"))
@@ -194,7 +206,7 @@ def test_verify_finds_a_fault_planted_in_a_gptq_or_awq_padding(request, tmp_path
     save_file(t, str(bad / "model.safetensors"), metadata={"format": "pt"})
     import wna16ctl
 
-    proof = wna16ctl.verify(src, bad)
+    proof = wna16ctl.verify(src, bad, samples=QUESTIONS)
     assert not proof.passed
     assert any(expected in p for p in proof.problems), proof.problems
 
@@ -220,7 +232,9 @@ def test_pad_at_tp_2_of_a_gptq_or_awq_checkpoint_loads_there_on_its_native_metho
     assert not any(p["loadable"] for p in _moe_plans(src, 2, vllm))
     plans = _moe_plans(out, 2, vllm)
     assert plans and all(p["loadable"] and p["method"]["class"] == method for p in plans), plans
-    proof = json.loads(_wna16("verify", str(src), str(out), "--json").stdout)
+    import wna16ctl
+
+    proof = wna16ctl.verify(src, out, samples=QUESTIONS, num_samples=8).to_json()
     assert proof["passed"] and [(lay["tp"], lay["status"]) for lay in proof["numerics"]] == [(2, "pass")]
 
 
@@ -233,9 +247,11 @@ def test_pad_refuses_a_gptq_scheme_vllm_refuses_in_one_line_and_writes_nothing(t
     r = _wna16("pad", str(src), "--tp", "2", "-o", str(tmp_path / "no"), check=1)
     assert len(r.stderr.strip().splitlines()) == 1 and "bits/sym" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "no").exists()
-    _wna16("pad", str(src), "--to", "128", "-o", str(tmp_path / "padded"), "-q")
-    proof = json.loads(_wna16("verify", str(src), str(tmp_path / "padded"), "--json").stdout)
-    assert proof["passed"], proof["problems"]
+    import wna16ctl
+
+    wna16ctl.pad(src, tmp_path / "padded", to=128)
+    proof = wna16ctl.verify(src, tmp_path / "padded", samples=QUESTIONS, num_samples=8)
+    assert proof.passed, proof.problems
 
 
 # -- Qwen3-30B-A3B-GPTQ-Int4's shapes at TP 4 ---------------------------------------------------------
