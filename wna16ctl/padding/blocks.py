@@ -87,10 +87,6 @@ def tensor_padding(m: PaddedModule, suffix: str, shape: tuple[int, ...], dtype: 
     new = padded_shape(m, suffix, shape)
     if new == shape:
         return TensorPadding(1, nbytes, nbytes, b"", b"")
-    if m.stored_apart and kind in (CODES, SCALES, ZERO_POINTS, G_IDX):
-        from wna16ctl.padding.stored import stored_padding  # torch: found once per shape
-
-        return stored_padding(m, kind, shape, dtype)
     if len(new) != len(shape) or any(a != b for i, (a, b) in enumerate(zip(shape, new)) if i != _dim(m, shape)):
         return None
     s = m.scheme

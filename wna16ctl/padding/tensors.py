@@ -14,6 +14,10 @@ projection's added columns are whole new groups (G -> I'/group) in order, so act
 names them G, G+1, ...; with act-order `group` vLLM loads every rank's w2 scales in full and
 finds the new groups there.  Unquantized weights gain zero rows / columns.
 
+A format that stores its projections in another form (GPTQ's qweight packed along K, AWQ's along
+N, zero points minus one, ...) is padded by these same rules on the canonical form its reader gives,
+written back through its `stored_form` (`pad_projection`; `stored` finds the bytes that adds).
+
 `pad` writes these values through `blocks` (the same padding as byte ranges, without torch);
 this statement on tensors is the reference it is tested against, and what it falls back on for
 the forms that repack a partial int32 word.

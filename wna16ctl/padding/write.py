@@ -7,7 +7,9 @@ of those that gain rows at their end, are copied in the kernel (consecutive ones
 the added bytes are written from a block made once per shape; a tensor whose rows grow (the down
 projection) is read row by row straight into a buffer of its padded form that already holds the
 added bytes, and written in one piece.  Shards are written several at once (one per core, up to
-PRODUCERS); memory stays at one buffer per padded shape and producer; no torch.
+PRODUCERS); memory stays at one buffer per padded shape and producer; no torch, except once per
+shape for a format that stores its projections in a form other than the canonical one (GPTQ's,
+AWQ's: `stored` finds their byte ranges).
 Everything goes through `wna16ctl.output`: staged beside OUT, hashed as it is written, one fsync
 per file, committed by one rename with a manifest, never half-written, and `--force` replaces
 only an earlier wna16ctl output.
@@ -161,7 +163,12 @@ class _Shapes:
         s = m.scheme
         key = (m.role, m.width, m.padded, m.hidden, s, m.fmt.quant_method, suffix, shape, dtype, n_rows)
         if key not in self.padding:
-            self.padding[key] = tensor_padding(m, suffix, shape, dtype, n_rows)
+            if m.stored_apart and m.stored_kind(suffix) in formats.CANONICAL:  # found through the format, with torch
+                from wna16ctl.padding.stored import stored_padding
+
+                self.padding[key] = stored_padding(m, m.stored_kind(suffix), shape, dtype)
+            else:
+                self.padding[key] = tensor_padding(m, suffix, shape, dtype, n_rows)
         return key, self.padding[key]
 
     def piece(self, key: tuple, pad: Any, rows: int, last: bool) -> tuple[memoryview, list[list[memoryview]]]:
