@@ -316,7 +316,7 @@ def _projection_problems(a: Checkpoint, module: str, scheme: Any, names: list[st
     the padding's values after them, as a canonical projection must; and each stored tensor that is
     exactly the format's form of the original (`stored_form`) is exactly that of the padded one."""
     fmt = formats.of(a.config.quant)
-    role_of = {fmt.names.role_of(n.rpartition(".")[2]): n for n in names}
+    role_of = {role: n for n in names if (role := fmt.names.role_of(n.rpartition(".")[2])) is not None}
     old = {role: ra.read(n) for role, n in role_of.items()}
     new = {role: rb.read(n) for role, n in role_of.items()}
     try:
@@ -332,7 +332,7 @@ def _projection_problems(a: Checkpoint, module: str, scheme: Any, names: list[st
     for role in sorted(ca):
         why = _canonical_problem(role, rows, scheme.num_bits, ca[role], cb[role], n_old, n_new)
         if why:
-            out.append(f"{role_of.get(role, module + ' ' + role)}: {why}")
+            out.append(f"{role_of.get(role) or module + ' ' + role}: {why}")
     was, now = fmt.stored_form(ca, scheme), fmt.stored_form(cb, scheme)
     for role, name in role_of.items():
         exact = role in was and torch.equal(was[role].to(old[role].dtype), old[role])

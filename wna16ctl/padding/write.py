@@ -418,8 +418,8 @@ def check_stored_forms(plan: PadPlan, files: list[tuple[Any, Any]], shapes: _Sha
                 continue
             e = ck.files.entry(t.name)
             _, pad = shapes.of(m, suffix, tuple(e["shape"]), e["dtype"], _rows(ck, m))
-            if pad is None:
-                s = m.scheme
+            s = m.scheme
+            if pad is None and s is not None:
                 raise BadInput(f"{ck.root}: tensor {t.name} ({s.num_bits}-bit, group {s.group_size}) cannot be padded "
                                f"from {m.width} to {m.padded} by appending whole int32 words in its stored form; "
                                "pass --to a width whose codes fill whole int32 words; nothing was written")
