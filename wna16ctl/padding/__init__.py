@@ -12,6 +12,8 @@ zeros.
 * `tensors`: the tensor math, per packed form (the zero code, new whole groups, g_idx, zero points).
 * `blocks`: the same padding as byte ranges (original bytes in pieces, added bytes after each),
   without torch: what `write` writes.
+* `stored`: the byte ranges of a projection stored in a form other than the canonical one (GPTQ,
+  AWQ, AutoRound): the canonical padding written back through the format's `stored_form`.
 * `write`: the streaming, atomic rewrite through `wna16ctl.output` (same format, new sizes).
 * `proof`: `verify ORIGINAL PADDED`: originals unchanged, additions the zero code, same outputs.
 """

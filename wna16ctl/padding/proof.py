@@ -38,7 +38,7 @@ from wna16ctl.layout.packing import unpack_codes
 from wna16ctl.padding.tensors import zero_code
 from wna16ctl.padding.write import LAYOUT
 from wna16ctl.sources import Checkpoint, formats, open_checkpoint
-from wna16ctl.sources.formats import CODES, WEIGHT, G_IDX, SCALES, SHAPE, ZERO_POINTS
+from wna16ctl.sources.formats import CANONICAL, CODES, WEIGHT, G_IDX, SCALES, SHAPE, ZERO_POINTS
 
 _ROLE = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 TOKENS = 32  # activations per layer in the numerics check
@@ -271,8 +271,15 @@ def _check_tensors(a: Checkpoint, b: Checkpoint, proof: PadProof) -> None:
     stored = formats.of(a.config.quant).names
     grown = _grown_modules(a, b, names_a & names_b)
     left_out = _left_out_tensors(a, proof, names_a & names_b)
+    apart = _stored_apart(a, grown)
+    projections: dict[str, list[str]] = {}  # a grown module stored apart -> its tensors
     with TensorReader(a.files) as ra, TensorReader(b.files) as rb:
         for name in sorted(names_a & names_b - left_out):
+            module, _, suffix = name.rpartition(".")
+            if module in apart and stored.role_of(suffix) in CANONICAL and module.rpartition(".")[2] in _ROLE \
+                    and a.files.info(name).dtype == b.files.info(name).dtype:
+                projections.setdefault(module, []).append(name)
+                continue
             ia, ib = a.files.info(name), b.files.info(name)
             proof.tensors_checked += 1
             module, _, suffix = name.rpartition(".")
@@ -294,6 +301,53 @@ def _check_tensors(a: Checkpoint, b: Checkpoint, proof: PadProof) -> None:
             why = _padded_tensor_problem(a, b, module, _ROLE[leaf], suffix, ra.read(name), rb.read(name))
             if why:
                 proof.problems.append(f"{name}: {why}")
+        for module, names in projections.items():
+            proof.tensors_checked += len(names)
+            proof.tensors_padded += sum(a.files.info(n).shape != b.files.info(n).shape for n in names)
+            proof.problems += _projection_problems(a, module, apart[module], names, ra, rb)
+
+
+def _stored_apart(a: Checkpoint, modules: set[str]) -> dict[str, Any]:
+    """module -> its scheme, for the quantized modules (of `modules`) whose format stores them in a
+    form other than the canonical one: those are proved through the format's canonical read."""
+    quant = a.config.quant
+    fmt = formats.of(quant)
+    if quant is None or not modules:
+        return {}
+    names = sorted(modules)
+    return {m: s for m, s in zip(names, quant.schemes_for(names)) if s is not None and fmt.read_roles(s) is not None}
+
+
+def _projection_problems(a: Checkpoint, module: str, scheme: Any, names: list[str], ra: Any, rb: Any) -> list[str]:
+    """A padded projection stored apart, proved on its canonical form: the original's and the
+    padded one's stored tensors are read into the canonical form by their format (which checks
+    what it reads), and every canonical tensor must hold the original's values where they were and
+    the padding's values after them, as a canonical projection must; and each stored tensor that is
+    exactly the format's form of the original (`stored_form`) is exactly that of the padded one."""
+    fmt = formats.of(a.config.quant)
+    role_of = {role: n for n in names if (role := fmt.names.role_of(n.rpartition(".")[2])) is not None}
+    old = {role: ra.read(n) for role, n in role_of.items()}
+    new = {role: rb.read(n) for role, n in role_of.items()}
+    try:
+        ca = fmt.canonical(old, scheme, role_of)
+        cb = fmt.canonical(new, scheme, role_of)
+    except BadInput as e:
+        return [f"{module}: {e.message}"]
+    if set(ca) != set(cb):
+        return [f"{module}: holds {sorted(cb)} in the canonical form, the original {sorted(ca)}"]
+    rows = _ROLE[module.rpartition(".")[2]] in ("gate", "up")
+    n_old, n_new = ca[SCALES].shape[0], cb[SCALES].shape[0]
+    out = []
+    for role in sorted(ca):
+        why = _canonical_problem(role, rows, scheme.num_bits, ca[role], cb[role], n_old, n_new)
+        if why:
+            out.append(f"{role_of.get(role) or module + ' ' + role}: {why}")
+    was, now = fmt.stored_form(ca, scheme), fmt.stored_form(cb, scheme)
+    for role, name in role_of.items():
+        exact = role in was and torch.equal(was[role].to(old[role].dtype), old[role])
+        if exact and not (role in now and torch.equal(now[role].to(new[role].dtype), new[role])):
+            out.append(f"{name}: is not the {fmt.quant_method} stored form of the padded projection (the original's is)")
+    return out
 
 
 def _grown_modules(a: Checkpoint, b: Checkpoint, names: set[str]) -> set[str]:
@@ -317,7 +371,17 @@ def _padded_tensor_problem(a: Checkpoint, b: Checkpoint, module: str, role: str,
         if kept is None:
             return "does not start with the original"
         return None if torch.count_nonzero(added) == 0 else "an added weight is not 0"
-    bits = _bits(a, module)
+    n_old = n_new = 0
+    if kind == ZERO_POINTS:
+        n_old, n_new = (ck.files.info(stored.tensor(module, CODES)).shape[0] for ck in (a, b))
+    return _canonical_problem(kind, rows, _bits(a, module), old, new, n_old, n_new) \
+        if kind in CANONICAL else f"a {suffix} tensor cannot be padded"
+
+
+def _canonical_problem(kind: str, rows: bool, bits: int, old: torch.Tensor, new: torch.Tensor, n_old: int,
+                       n_new: int) -> str | None:
+    """What is wrong with a padded canonical tensor of role `kind` (None: nothing): `rows` for a
+    gate/up projection (its rows grew), `n_old`/`n_new` the projection's N before and after."""
     code = zero_code(bits)
     if kind == CODES:
         if rows:
@@ -335,12 +399,11 @@ def _padded_tensor_problem(a: Checkpoint, b: Checkpoint, module: str, role: str,
         return None if bool(torch.isfinite(added).all()) else "an added scale is not finite"
     if kind == ZERO_POINTS:
         if rows:  # packed along the rows that grew: compare the codes of the original and the added rows
-            n, n_new = (ck.files.info(stored.tensor(module, CODES)).shape[0] for ck in (a, b))
-            kept, added = _split(unpack_codes(old, bits, dim=0, size=n), unpack_codes(new, bits, dim=0, size=n_new), 0)
+            kept, added = _split(unpack_codes(old, bits, dim=0, size=n_old), unpack_codes(new, bits, dim=0, size=n_new),
+                                 0)
         else:
-            h = a.files.info(stored.tensor(module, CODES)).shape[0]
             kept, added = _split(old, new, 1)
-            added = unpack_codes(added, bits, dim=0, size=h)
+            added = unpack_codes(added, bits, dim=0, size=n_old)
         if kept is None:
             return "an original zero point changed"
         return None if bool((added == code).all()) else "an added zero point is not the zero code"
@@ -354,7 +417,7 @@ def _padded_tensor_problem(a: Checkpoint, b: Checkpoint, module: str, role: str,
         groups = int(old.max()) + 1 if old.numel() else 0
         want = torch.arange(added.numel()) // group + groups
         return None if torch.equal(added.long(), want) else "the added columns are not whole new groups after the last"
-    return f"a {suffix} tensor cannot be padded"
+    return f"a {kind} tensor cannot be padded"
 
 
 def _split(old: torch.Tensor, new: torch.Tensor, dim: int) -> tuple[torch.Tensor | None, torch.Tensor]:

@@ -14,6 +14,10 @@ projection's added columns are whole new groups (G -> I'/group) in order, so act
 names them G, G+1, ...; with act-order `group` vLLM loads every rank's w2 scales in full and
 finds the new groups there.  Unquantized weights gain zero rows / columns.
 
+A format that stores its projections in another form (GPTQ's qweight packed along K, AWQ's along
+N, zero points minus one, ...) is padded by these same rules on the canonical form its reader gives,
+written back through its `stored_form` (`pad_projection`; `stored` finds the bytes that adds).
+
 `pad` writes these values through `blocks` (the same padding as byte ranges, without torch);
 this statement on tensors is the reference it is tested against, and what it falls back on for
 the forms that repack a partial int32 word.
@@ -25,16 +29,35 @@ import torch
 
 from wna16ctl.layout.packing import pack_codes, pack_factor, unpack_codes
 from wna16ctl.padding.blocks import ADDED_SCALE, zero_code, zero_word  # noqa: F401 - the values, stated once
-from wna16ctl.planning.padding import PaddedModule, padded_shape
+from wna16ctl.planning.padding import PaddedModule, canonical_padded_shape
 from wna16ctl.sources.formats import CODES, WEIGHT, G_IDX, SCALES, SHAPE, ZERO_POINTS
 
 
 def pad_tensor(m: PaddedModule, suffix: str, t: torch.Tensor, n_rows: int) -> torch.Tensor:
-    """`t` (the module's tensor `suffix`) padded from m.width to m.padded; `n_rows` is the
-    projection's N before padding (what a packed zero point's words stand for)."""
-    shape = padded_shape(m, suffix, tuple(t.shape))
+    """`t` (the module's tensor `suffix`, stored in the canonical form) padded from m.width to
+    m.padded; `n_rows` is the projection's N before padding (what a packed zero point's words
+    stand for)."""
+    if m.stored_apart and m.stored_kind(suffix) in (CODES, SCALES, ZERO_POINTS, G_IDX):
+        raise ValueError(f"{m.module}.{suffix}: stored in another form than the canonical one; pad_projection pads it")
+    return pad_role(m, m.stored_kind(suffix), t, n_rows)
+
+
+def pad_projection(m: PaddedModule, stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A quantized projection's stored tensors (by role, in its format's stored form) padded: read
+    into the canonical form, padded there by the rules above, and written back in the stored form
+    (`InputFormat.stored_form`, the exact inverse of the read).  Only the roles given are returned."""
+    assert m.scheme is not None
+    canonical = m.fmt.canonical(stored, m.scheme)
+    n_rows = m.nk[0]
+    padded = {role: pad_role(m, role, t, n_rows) for role, t in canonical.items()}
+    out = m.fmt.stored_form(padded, m.scheme)
+    return {role: out[role].to(stored[role].dtype) for role in stored}
+
+
+def pad_role(m: PaddedModule, kind: str, t: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """`t`, the module's tensor of role `kind` in the canonical form, padded (`pad_tensor`)."""
+    shape = canonical_padded_shape(m, kind, tuple(t.shape))
     s = m.scheme
-    kind = m.stored_kind(suffix)
     if kind == SHAPE:
         out = t.clone()
         out[0 if m.role in ("gate", "up") else 1] = m.padded
@@ -46,7 +69,7 @@ def pad_tensor(m: PaddedModule, suffix: str, t: torch.Tensor, n_rows: int) -> to
     extra = shape[dim] - t.shape[dim]
     if kind in (WEIGHT, "bias"):
         return _cat(t, torch.zeros(_with(t.shape, dim, extra), dtype=t.dtype), dim)
-    assert s is not None, f"{m.module}.{suffix}: a quantized tensor of an unquantized module"
+    assert s is not None, f"{m.module}: a quantized tensor ({kind}) of an unquantized module"
     if kind == CODES:
         if rows:
             return _cat(t, torch.full((extra, t.shape[1]), zero_word(s.num_bits), dtype=torch.int32), 0)
@@ -59,7 +82,7 @@ def pad_tensor(m: PaddedModule, suffix: str, t: torch.Tensor, n_rows: int) -> to
         groups = -(-m.width // s.group_size)
         added = torch.arange(m.padded - m.width, dtype=torch.int64) // s.group_size + groups
         return torch.cat([t, added.to(t.dtype)])
-    raise ValueError(f"{m.module}.{suffix}: no padding rule for this tensor")
+    raise ValueError(f"{m.module}: no padding rule for a tensor of role {kind}")
 
 
 def _with(shape: torch.Size, dim: int, size: int) -> tuple[int, ...]:

@@ -7,7 +7,9 @@ of those that gain rows at their end, are copied in the kernel (consecutive ones
 the added bytes are written from a block made once per shape; a tensor whose rows grow (the down
 projection) is read row by row straight into a buffer of its padded form that already holds the
 added bytes, and written in one piece.  Shards are written several at once (one per core, up to
-PRODUCERS); memory stays at one buffer per padded shape and producer; no torch.
+PRODUCERS); memory stays at one buffer per padded shape and producer; no torch, except once per
+shape for a format that stores its projections in a form other than the canonical one (GPTQ's,
+AWQ's: `stored` finds their byte ranges).
 Everything goes through `wna16ctl.output`: staged beside OUT, hashed as it is written, one fsync
 per file, committed by one rename with a manifest, never half-written, and `--force` replaces
 only an earlier wna16ctl output.
@@ -104,6 +106,7 @@ def write_padded(plan: PadPlan, out: str | os.PathLike[str], *, force: bool = Fa
     out_path = Path(out).resolve()
     ident = identity(plan)
     files = _planned_files(plan)
+    check_stored_forms(plan, files, _Shapes())
     staged = StagedOutput(out_path, force=force, resume=False, identity=ident, checkpoint=ck.root)
     total = sum(f.size for _, f in files)
     advance = progress("padding", total, unit="bytes") if progress else (lambda n: None)
@@ -158,9 +161,14 @@ class _Shapes:
         from wna16ctl.padding.blocks import tensor_padding
 
         s = m.scheme
-        key = (m.role, m.width, m.padded, None if s is None else (s.num_bits, s.group_size), suffix, shape, dtype, n_rows)
+        key = (m.role, m.width, m.padded, m.hidden, s, m.fmt.quant_method, suffix, shape, dtype, n_rows)
         if key not in self.padding:
-            self.padding[key] = tensor_padding(m, suffix, shape, dtype, n_rows)
+            if m.stored_apart and m.stored_kind(suffix) in formats.CANONICAL:  # found through the format, with torch
+                from wna16ctl.padding.stored import stored_padding
+
+                self.padding[key] = stored_padding(m, m.stored_kind(suffix), shape, dtype)
+            else:
+                self.padding[key] = tensor_padding(m, suffix, shape, dtype, n_rows)
         return key, self.padding[key]
 
     def piece(self, key: tuple, pad: Any, rows: int, last: bool) -> tuple[memoryview, list[list[memoryview]]]:
@@ -276,7 +284,7 @@ def _write_shard(plan: PadPlan, stream: Any, sh: Any, f: Any, src_fd: int, shape
         pad = None
         if m is not None:
             if module not in rows_of:
-                rows_of[module] = _rows(ck, module)
+                rows_of[module] = _rows(ck, m)
             key, pad = shapes.of(m, suffix, tuple(e["shape"]), e["dtype"], rows_of[module])
         if m is None or (pad is not None and pad.unchanged):
             copy(src, nbytes)
@@ -386,12 +394,35 @@ def _relpath(root: Path, path: Path) -> str:
         return path.name
 
 
-def _rows(ck: Any, module: str) -> int:
-    stored = formats.of(ck.config.quant).names
+def _rows(ck: Any, m: Any) -> int:
+    """The projection's N before padding, from its codes (or its unquantized weight)."""
+    fmt = formats.of(ck.config.quant)
+    stored = fmt.names
+    if m.scheme is not None and f"{m.module}.{stored.codes}" in ck.files:
+        return int(fmt.codes_nk(list(ck.files.info(f"{m.module}.{stored.codes}").shape), m.scheme)[0])
     for suffix in (stored.codes, WEIGHT):
-        if f"{module}.{suffix}" in ck.files:
-            return int(ck.files.info(f"{module}.{suffix}").shape[0])
-    raise BadInput(f"{ck.root}: {module} has no {stored.codes} or {WEIGHT} tensor")
+        if f"{m.module}.{suffix}" in ck.files:
+            return int(ck.files.info(f"{m.module}.{suffix}").shape[0])
+    raise BadInput(f"{ck.root}: {m.module} has no {stored.codes} or {WEIGHT} tensor")
+
+
+def check_stored_forms(plan: PadPlan, files: list[tuple[Any, Any]], shapes: _Shapes) -> None:
+    """A projection stored in a form other than the canonical one is padded as byte ranges only
+    (`padding.stored`): one that has none is refused before anything is written."""
+    ck = plan.checkpoint
+    for _, f in files:
+        for t in f.tensors:
+            module, suffix = _split(t.name)
+            m = plan.modules.get(module)
+            if m is None or not m.stored_apart or m.stored_kind(suffix) not in formats.CANONICAL:
+                continue
+            e = ck.files.entry(t.name)
+            _, pad = shapes.of(m, suffix, tuple(e["shape"]), e["dtype"], _rows(ck, m))
+            s = m.scheme
+            if pad is None and s is not None:
+                raise BadInput(f"{ck.root}: tensor {t.name} ({s.num_bits}-bit, group {s.group_size}) cannot be padded "
+                               f"from {m.width} to {m.padded} by appending whole int32 words in its stored form; "
+                               "pass --to a width whose codes fill whole int32 words; nothing was written")
 
 
 def _write_side_files(plan: PadPlan, staged: Any, files: list[tuple[Any, Any]]) -> None:

@@ -50,11 +50,23 @@ class PaddedModule:
     padded: int  # the intermediate size it gets
     scheme: WeightScheme | None  # None: stored unquantized (a `.weight`)
     fmt: InputFormat = field(default=formats.DEFAULT, compare=False)  # the checkpoint's format
+    hidden: int = 0  # the model's hidden size (the projection's other dimension)
 
     def stored_kind(self, suffix: str) -> str:
         """What the module's stored tensor `suffix` is: a role of `sources.formats` (CODES, SCALES,
         ZERO_POINTS, G_IDX, SHAPE, WEIGHT), else the suffix itself (`bias`)."""
         return self.fmt.names.role_of(suffix) or suffix
+
+    @property
+    def stored_apart(self) -> bool:
+        """Whether its quantized tensors are stored in a form other than the canonical one (the
+        format converts them: `InputFormat.read_roles`), so they are padded through that form."""
+        return self.scheme is not None and self.fmt.read_roles(self.scheme) is not None
+
+    @property
+    def nk(self) -> tuple[int, int]:
+        """The projection's (N, K) before padding."""
+        return (self.width, self.hidden) if self.role in ("gate", "up") else (self.hidden, self.width)
 
 
 @dataclass
@@ -110,11 +122,10 @@ def _module_schemes(ck: Checkpoint, modules: list[str]) -> dict[str, WeightSchem
 
 
 def _width_of(ck: Checkpoint, module: str, role: str, scheme: WeightScheme | None) -> int:
-    stored = formats.of(ck.config.quant).names
-    info = ck.files.info(stored.tensor(module, CODES if scheme is not None else WEIGHT))
-    if role != "down":
-        return int(info.shape[0])
-    return int(info.shape[1]) * (32 // scheme.num_bits) if scheme is not None else int(info.shape[1])
+    fmt = formats.of(ck.config.quant)
+    info = ck.files.info(fmt.names.tensor(module, CODES if scheme is not None else WEIGHT))
+    n, k = fmt.codes_nk(list(info.shape), scheme) if scheme is not None else (int(info.shape[0]), int(info.shape[1]))
+    return int(k if role == "down" else n)
 
 
 def find_mlp_modules(ck: Checkpoint) -> dict[str, list[tuple[str, str, int, WeightScheme | None]]]:
@@ -325,7 +336,7 @@ def plan_padding(insp: Inspection, tp: int | None, to: int | None = None, source
         for kind, m in by_field[key]:
             for module, role, width, scheme in written[kind]:
                 plan.modules[module] = PaddedModule(module, role, kind, width, target * m, scheme,
-                                                    formats.of(src.config.quant))
+                                                    formats.of(src.config.quant), src.config.hidden_size)
     if tp is not None:
         refused = [f for f in original if ": correctness: " not in f]
         plan.original_verdict = {"loads": not refused, "refused": refused[:8],
@@ -411,9 +422,23 @@ def _module_bytes(ck: Checkpoint, m: PaddedModule, padded: bool) -> int:
 
 
 def padded_shape(m: PaddedModule, suffix: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """A module tensor's shape once padded (the one statement of it: header planning and tensor math agree)."""
+    """A module tensor's shape once padded (the one statement of it: header planning and tensor math
+    agree).  A quantized tensor of a form other than the canonical one has the shape its format
+    stores for the padded projection."""
     s = m.scheme
+    if m.stored_apart and len(shape) > 0:
+        assert s is not None
+        stored = m.fmt.stored_tensors(s, m.role, m.hidden, m.padded).get(suffix)
+        if stored is not None:
+            return tuple(int(d) for d in stored[1])
     kind = m.stored_kind(suffix)
+    return canonical_padded_shape(m, kind, shape)
+
+
+def canonical_padded_shape(m: PaddedModule, kind: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The padded shape of a module tensor of role `kind` in the canonical form (`layout.spec`;
+    compressed-tensors stores it as it is)."""
+    s = m.scheme
     if kind == SHAPE or len(shape) == 0:
         return shape
     if m.role in ("gate", "up"):  # rows: [I, ...]

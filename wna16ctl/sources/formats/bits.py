@@ -9,8 +9,10 @@ takes every bit width the formats store (the layouts' own packing takes 4 and 8)
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported where codes are converted: the header scan sizes tensors without it
+    from torch import Tensor
 
 _WORD = 1 << 32
 
@@ -21,12 +23,16 @@ def words_for(count: int, bits: int) -> int:
 
 
 def _positions(count: int, bits: int) -> tuple[Tensor, Tensor]:
+    import torch
+
     start = torch.arange(count, dtype=torch.int64) * bits
     return start // 32, start % 32
 
 
 def unpack_bits(words: Tensor, bits: int, dim: int, size: int) -> Tensor:
     """The `size` unsigned codes along `dim` of int32 `words` (int32, contiguous)."""
+    import torch
+
     w = words.movedim(dim, -1).to(torch.int64) & (_WORD - 1)
     index, shift = _positions(size, bits)
     lo = w[..., index] >> shift
@@ -40,6 +46,8 @@ def unpack_bits(words: Tensor, bits: int, dim: int, size: int) -> Tensor:
 
 def pack_bits(codes: Tensor, bits: int, dim: int) -> Tensor:
     """Unsigned codes packed along `dim` into int32 words (the last word zero-filled)."""
+    import torch
+
     c = codes.movedim(dim, -1).to(torch.int64) & ((1 << bits) - 1)
     count = c.shape[-1]
     index, shift = _positions(count, bits)
