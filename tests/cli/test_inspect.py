@@ -400,7 +400,8 @@ def test_will_it_fit_on_an_a100_40(tmp_path):
         per_seq = 32768 * f["kv_bytes_per_token"]["value"]
         assert f["max_concurrency"]["value"] == [b // per_seq for b in budgets]
     assert fits[1]["max_concurrency"]["value"][0] >= 1 and fits[2]["max_concurrency"]["value"][0] > 2 * fits[1]["max_concurrency"]["value"][0]
-    text = _run_cli("inspect", str(ck), *args).stdout
+    # the table wraps its notes at the terminal width after the checkpoint's path: words, not lines
+    text = " ".join(_run_cli("inspect", str(ck), *args).stdout.split())
     assert "concurrent 32768-token requests" in text and "TP 2: weights" in text
 
 
