@@ -4,6 +4,7 @@ that need it with one line.  No quantizer is installed here: a finished venv is 
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -83,3 +84,14 @@ def test_the_fixture_skips_with_the_one_line_when_the_registry_is_unreachable(tm
     assert "1 skipped" in run.stdout
     skipped = [line for line in run.stdout.splitlines() if line.startswith("SKIPPED")]
     assert len(skipped) == 1 and "quantizer checkpoints: skipped, the package registry" in skipped[0], run.stdout
+
+
+def test_importing_the_writer_leaves_the_environment_alone():
+    """pytest imports the writer for its variants' names: the tools' offline switches must stay in
+    the tools' own process, or every Hub test that runs after in the same worker reads offline."""
+    code = ("import os, sys; sys.path.insert(0, '.'); before = dict(os.environ); "
+            "import tests.quantizers.write_checkpoints; "
+            "print(sorted(set(os.environ.items()) ^ set(before.items())))")
+    env = {k: v for k, v in os.environ.items() if "OFFLINE" not in k}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO_ROOT)
+    assert res.returncode == 0 and res.stdout.strip() == "[]", res.stdout + res.stderr

@@ -23,11 +23,10 @@ import shutil
 import sys
 from pathlib import Path
 
-os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The tools' settings, made in the tools' own process (`main`): pytest imports this module for the
+# variants' names, and an offline switch set in its environment would reach every Hub test after.
+TOOL_ENV = {"GPTQMODEL_CPU_WORKERS": "2", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 SEED = 0
 MODEL = {
@@ -188,4 +187,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    for key, value in TOOL_ENV.items():  # before the tools are imported (they read it then)
+        os.environ.setdefault(key, value)
     sys.exit(main(sys.argv[1:]))
