@@ -244,7 +244,9 @@ def find_linear_layers(files: CheckpointFiles, config: ModelConfig) -> tuple[lis
     modules = [m for m in modules if not is_mtp(m, dims.num_hidden_layers)]
     schemes = dict(zip(modules, quant.schemes_for(modules)))
     layers, unknown = _place_linear(files, config, modules, schemes, lambda m: _packed_nk(files, m, schemes[m], fmt))
-    stores_int = module_integer_flags((n, str((files.raw(n) or {}).get("dtype", ""))) for n in files.names())
+    # an expert's module path (".experts.") is never part of a non-expert layer's name: left out
+    stores_int = module_integer_flags((n, str((files.raw(n) or {}).get("dtype", ""))) for n in files.names()
+                                      if ".experts." not in n) if fmt.engine_reads_module_dtypes and layers else {}
     for lay in layers:
         lay.quant_method, lay.quant_raw = quant.quant_method, quant.raw
         lay.inner_modules = inner_modules(stores_int, [lay.name, *lay.modules])

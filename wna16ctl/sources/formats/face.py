@@ -75,6 +75,10 @@ class InputFormat:
 
     quant_method: str = ""  # the `quantization_config.quant_method` it is detected by
     names: TensorNames
+    # whether vLLM's method for the format decides a linear layer by the dtypes the checkpoint
+    # stores for the modules around it (GPTQ/AWQ `maybe_update_config`): reading every tensor's
+    # dtype costs a full header parse, so it is done only for such formats
+    engine_reads_module_dtypes: bool = False
 
     def parse_config(self, qc: Mapping[str, Any], path: Path) -> ParsedConfig:
         """The format's `quantization_config` as groups of targets with their format-free scheme."""

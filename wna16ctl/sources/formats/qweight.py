@@ -104,6 +104,7 @@ class QweightFormat(InputFormat):
 
     names = NAMES
     forms: dict[str, StoredForm] = {}
+    engine_reads_module_dtypes = True
 
     def _form(self, scheme: WeightScheme) -> StoredForm:
         return self.forms[scheme.format]
