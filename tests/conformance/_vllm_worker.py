@@ -228,6 +228,9 @@ class _FakeGroupCoordinator:
         self.device_group = self.cpu_group = _FakeProcessGroup(size, rank)
         self.device_communicator = None
         self.use_device_communicator = False
+        # where a weight loader moves a checkpoint tensor before slicing it (MoeWNA16's does): the
+        # files are read on the CPU, and the built parameters are on the meta device
+        self.device = "cpu"
 
 
 def _fake_parallel_state(tp: int, rank: int) -> None:
@@ -767,7 +770,7 @@ class Release:
         if case.get("load"):
             try:
                 with set_current_vllm_config(config):
-                    get_model_loader(config.load_config).load_weights(model, config.model_config)
+                    _load_recorded(get_model_loader(config.load_config), model, config.model_config, out)
             except Exception as exc:  # the release's weight loader refused: the outcome
                 return fail("load", exc)
         return out
@@ -1000,6 +1003,46 @@ class Release:
             except Exception as exc:  # asking raised: the real loop would raise too
                 rejected[name] = f"raises {type(exc).__name__}: {exc}"
         return rejected
+
+
+def _load_recorded(loader, model, model_config, out: dict[str, Any]) -> None:
+    """The release's `loader.load_weights(model, ...)`, recording in `out["loaded"]` the checkpoint
+    tensors its weight iterator handed the model (names_read), and the parameters with a weight
+    loader of their own that no call of it wrote (not_written: never called, or every call
+    answered False, as MoE loaders answer for a tensor they do not take).  Quantized models are
+    loaded without the release's own check that every parameter was."""
+    read: list[str] = []
+    written: set[str] = set()
+    all_weights = loader.get_all_weights
+
+    def recording_weights(*args, **kwargs):
+        for name, tensor in all_weights(*args, **kwargs):
+            read.append(name)
+            yield name, tensor
+
+    def recording(name: str, fn):
+        def weight_loader(*args, **kwargs):
+            res = fn(*args, **kwargs)
+            if res is not False:
+                written.add(name)
+            return res
+        return weight_loader
+
+    own = {}
+    for name, param in model.named_parameters():
+        attr = "_weight_loader" if "_weight_loader" in vars(param) else "weight_loader"
+        fn = vars(param).get(attr)
+        if callable(fn):
+            own[name] = (param, attr, fn)
+            setattr(param, attr, recording(name, fn))
+    loader.get_all_weights = recording_weights
+    try:
+        loader.load_weights(model, model_config)
+    finally:
+        del loader.get_all_weights
+        for param, attr, fn in own.values():
+            setattr(param, attr, fn)
+        out["loaded"] = {"names_read": sorted(read), "not_written": sorted(set(own) - written)}
 
 
 def _tensor_bytes(model) -> dict[str, list]:

@@ -107,6 +107,61 @@ def write_real(name: str, root: Path) -> Path:
     return out
 
 
+# GPTQ and AWQ checkpoints with Qwen3-30B-A3B's expert shapes (H 2048, I 768, group 128), as
+# Qwen/Qwen3-30B-A3B-GPTQ-Int4 and the community AWQ exports store them; one layer, 8 experts and a
+# small vocabulary keep the files (read by the weight loader) small, and their padded copies too
+QWEIGHT_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3_30b_a3b_gptq_int4": ("gptq", {
+        "bits": 4, "checkpoint_format": "gptq", "desc_act": False, "group_size": 128, "lm_head": False,
+        "pack_dtype": "int32", "quant_method": "gptq", "sym": True}),
+    "qwen3_30b_a3b_awq": ("awq", {
+        "quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm",
+        "modules_to_not_convert": None}),
+}
+
+
+def write_qweight(name: str, root: Path) -> Path:
+    """A header-only checkpoint of QWEIGHT_CONFIGS in its stored form; GPTQ's symmetric qzeros hold
+    the midpoint (what the tool's reader checks where it reads data, `pad` included)."""
+    from tests.sources import qweight_ckpt
+
+    out = root / name
+    if not (out / "config.json").is_file():
+        form, qc = QWEIGHT_CONFIGS[name]
+        config = {**m.qwen3_30b_a3b(layers=1), "num_experts": 8, "vocab_size": 1024}
+        qweight_ckpt.header_only(out, config, json.loads(json.dumps(qc)), form=form, family=m.qwen3_moe)
+        if form == "gptq":
+            qweight_ckpt.fill_symmetric_zero_points(out)
+    return out
+
+
+def checkpoint_tensor_names(ckpt: Path) -> list[str]:
+    names: list[str] = []
+    for shard in sorted(Path(ckpt).glob("*.safetensors")):
+        with open(shard, "rb") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            names += [k for k in json.loads(f.read(n)) if k != "__metadata__"]
+    return sorted(names)
+
+
+def format_check(version: str, case: dict[str, Any]) -> tuple[list[str], dict, dict]:
+    """A GPTQ/AWQ checkpoint built (and with `load`, loaded) by the release against the planner:
+    the verdict and each routed-experts layer's quant method class (`disagreements`' MoE part),
+    and, loaded, that the loader read every tensor of the checkpoint.  The quantized linear layers
+    are not compared: the worker reads the kernels of compressed-tensors linear methods only."""
+    plan = planner_outcome(case, version)
+    req = {k: case[k] for k in ("ckpt", "tp", "ep", "gpu", "env")}
+    req.update(kind="model", load=bool(case.get("load")), ckpt_names=sorted({*plan["moe"], *plan["linear"]}))
+    vllm = vllm_release.vllm_outcome(version, req)
+    plan = _renamed(plan, vllm.get("name_map") or {})
+    diffs = disagreements(vllm, dict(plan, linear={}), bool(case.get("load")))
+    if case.get("load") and vllm["stage"] is None:
+        missing = sorted(set(checkpoint_tensor_names(Path(case["ckpt"]))) - set(vllm["loaded"]["names_read"]))
+        if missing:
+            diffs.append(f"tensors the weight loader never read: {missing[:5]}")
+    return diffs, vllm, plan
+
+
 def write_layer_case(case: dict[str, Any], out: Path) -> Path:
     """A conformance layer case (ckptcase.py) as a one-layer checkpoint with attention: Qwen3-MoE,
     or Mixtral where the experts have Mixtral's names (w1/w3/w2 under `block_sparse_moe`: each
@@ -242,6 +297,7 @@ def planner_outcome(case: dict[str, Any], version: str) -> dict[str, Any]:
             stages.append(("load" if plan.failure_stage == "load" else "model", plan.errors[0] if plan.errors else "?"))
     for name, (plan,) in insp.plans.items():
         out["moe"][name] = {
+            "method_class": (plan.method or {}).get("class"),
             "backend": plan.backend.value if plan.backend is not None else None,
             "rejected": sorted(k for k, why in plan.rejected.items()
                                if not why.startswith(("lower priority", "not considered"))),
@@ -381,8 +437,11 @@ def disagreements(vllm: dict[str, Any], plan: dict[str, Any], loaded: bool) -> l
             continue
         wna16 = v["method_class"].startswith("CompressedTensorsWNA16")
         if not wna16:
-            if p["stage"] is None:
-                out.append(f"moe {name}: vllm builds {v['method_class']}, planner plans {p['backend']}")
+            # a GPTQ/AWQ checkpoint: the planner names the release's method class (its native one,
+            # or the MoeWNA16 fallback); compressed-tensors plans name none
+            if p["stage"] is None and p.get("method_class") != v["method_class"]:
+                out.append(f"moe {name}: vllm builds {v['method_class']}, planner plans "
+                           f"{p.get('method_class') or p['backend']}")
             continue
         if p["stage"] in ("model",):
             out.append(f"moe {name}: vllm builds {v['method_class']} ({v['backend']}), planner refuses: {p['error']}")

@@ -7,6 +7,7 @@ newest); uncached and offline, each test skips with one line naming the release.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -130,3 +131,44 @@ def test_expert_bytes_after_processing_match_the_release(model_release):
     for case in cases:
         theirs, mine = model_build.processed_experts(version, case)
         assert theirs == mine and all(b == "marlin" for b, _ in mine), (case["name"], theirs, mine)
+
+
+# (checkpoint, how it is padded, vLLM's native MoE method for it): at TP 4, I 768 gives 192 rows per
+# rank, not a multiple of group 128, and the Marlin MoE gate sends the experts to MoeWNA16 (`pad --tp 4`
+# answers "loads at TP 4 as it is": the fallback loads; --to pads to the size Marlin takes)
+QWEIGHT_PADS = [("qwen3_30b_a3b_gptq_int4", ("--to", "1024"), "AutoGPTQMoEMethod"),
+                ("qwen3_30b_a3b_awq", ("--to", "1024"), "AutoAWQMoEMethod")]
+
+
+@pytest.mark.parametrize("model_release", RELEASE_PARAMS, indirect=True)
+def test_gptq_and_awq_padded_at_tp4_build_and_load_on_their_native_method(model_release):
+    """Qwen3-30B-A3B's GPTQ-Int4 and AWQ shapes at TP 4, built and loaded by the release's own model
+    class and weight loader: the original's experts on the MoeWNA16 fallback, the padded set's
+    (I 768 -> 1024) on the format's own Marlin method, each as the planner says; the loader reads
+    every tensor of the padded set and writes every expert parameter the checkpoint holds."""
+    import subprocess
+    import sys
+
+    version, root = model_release
+    for name, how, native in QWEIGHT_PADS:
+        src = model_build.write_qweight(name, root / "qweight")
+        out = root / "qweight" / f"{name}-padded"
+        if not out.exists():
+            r = subprocess.run([sys.executable, "-m", "wna16ctl", "pad", str(src), *how, "--vllm", version,
+                                "-o", str(out), "-q"], capture_output=True, text=True)
+            assert r.returncode == 0, r.stderr
+        for ckpt, method in ((src, "MoeWNA16Method"), (out, native)):
+            case = {"name": ckpt.name, "ckpt": str(ckpt), "tp": 4, "ep": False, "gpu": "sm90", "env": {}, "load": True}
+            diffs, vllm, plan = model_build.format_check(version, case)
+            assert not diffs, (ckpt.name, diffs)
+            assert vllm["stage"] is None and plan["stage"] is None, (ckpt.name, vllm.get("error"))
+            layers = {n.removesuffix(".routed_experts"): v["method_class"] for n, v in vllm["moe"].items()}
+            assert layers == {n: p["method_class"] for n, p in plan["moe"].items()} == \
+                {"model.layers.0.mlp.experts": method}, (ckpt.name, layers)
+        # the padded set: every tensor read and passed to the model's loader; the expert parameters
+        # it leaves unwritten are those no checkpoint holds (biases, act-order sort indices made
+        # while processing)
+        assert vllm["loaded"]["names_read"] == model_build.checkpoint_tensor_names(out)
+        assert all(p.endswith(("_bias", "_g_idx_sort_indices")) for p in vllm["loaded"]["not_written"]), \
+            vllm["loaded"]["not_written"]
+        assert json.loads((out / "config.json").read_text())["moe_intermediate_size"] == 1024

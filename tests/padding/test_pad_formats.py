@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import json
 import shutil
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -256,20 +255,6 @@ def test_pad_refuses_a_gptq_scheme_vllm_refuses_in_one_line_and_writes_nothing(t
 
 # -- Qwen3-30B-A3B-GPTQ-Int4's shapes at TP 4 ---------------------------------------------------------
 
-def _fill_symmetric_zero_points(ck: Path) -> None:
-    """A header-only checkpoint's data is zeros; GPTQ v1 symmetric qzeros hold the midpoint minus
-    one (0x77777777 at 4 bits), which the reader checks where it reads data."""
-    shard = ck / "model.safetensors"
-    with open(shard, "r+b") as f:
-        size = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(size))
-        for name, e in header.items():
-            if name.endswith(".qzeros"):
-                start, end = e["data_offsets"]
-                f.seek(8 + size + start)
-                f.write(b"\x77" * (end - start))
-
-
 @pytest.fixture(scope="module")
 def qwen3_30b_gptq(tmp_path_factory):
     root = tmp_path_factory.mktemp("q30")
@@ -278,7 +263,7 @@ def qwen3_30b_gptq(tmp_path_factory):
     config = {**modelckpt.qwen3_30b_a3b(layers=1), "num_experts": 8, "vocab_size": 1024}
     src = qweight_ckpt.header_only(root / "src", config, copy.deepcopy(QWEN3_30B_A3B_GPTQ_INT4),
                                    family=modelckpt.qwen3_moe)
-    _fill_symmetric_zero_points(src)
+    qweight_ckpt.fill_symmetric_zero_points(src)
     out = root / "padded"
     _wna16("pad", str(src), "--to", "1024", "-o", str(out), "-q")
     return src, out

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import struct
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -56,6 +57,20 @@ def header_only(out: Path, config: dict[str, Any], quantization_config: dict[str
     if side_file:
         (out / "quantize_config.json").write_text(json.dumps(quantization_config, indent=1))
     return out
+
+
+def fill_symmetric_zero_points(ck: Path) -> None:
+    """A header-only checkpoint's data is zeros; GPTQ v1 symmetric qzeros hold the midpoint minus
+    one (0x77777777 at 4 bits), which the reader checks where it reads data."""
+    shard = ck / "model.safetensors"
+    with open(shard, "r+b") as f:
+        size = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(size))
+        for name, e in header.items():
+            if name.endswith(".qzeros"):
+                start, end = e["data_offsets"]
+                f.seek(8 + size + start)
+                f.write(b"\x77" * (end - start))
 
 
 # -- an independent packer, for the tiny checkpoints with data ------------------------------------
