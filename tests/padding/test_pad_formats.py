@@ -315,7 +315,7 @@ TP2 = {
 
 
 @pytest.mark.parametrize("variant", list(TP2))
-def test_pad_tp_2_of_a_tool_checkpoint_with_quantized_attention(quantized, tmp_path, variant):  # noqa: F811
+def test_pad_tp_2_of_a_tool_checkpoint_with_quantized_attention(quantized, tmp_path, variant):
     vllm, method = TP2[variant]
     src = _readable_copy(quantized, variant, tmp_path)
     out = tmp_path / "padded"

@@ -60,7 +60,7 @@ def _attention_in_bf16(quantized: Quantized, variant: str, ck: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def repacked(quantized, tmp_path_factory):  # noqa: F811 - the fixture imported above
+def repacked(quantized, tmp_path_factory):
     made: dict[str, tuple[Path, Path]] = {}
 
     def get(variant: str) -> tuple[Path, Path]:
@@ -86,7 +86,7 @@ def _verify(src: Path, out: Path) -> dict:
     return json.loads(r.stdout)
 
 
-def test_the_act_order_checkpoint_as_written_is_refused_at_tp_2_naming_its_attention(quantized, tmp_path):  # noqa: F811
+def test_the_act_order_checkpoint_as_written_is_refused_at_tp_2_naming_its_attention(quantized, tmp_path):
     src = copy_checkpoint(quantized, ACT_ORDER, tmp_path)
     _with_num_experts(src)
     r = _wna16("repack", str(src), "-o", str(tmp_path / "no"), "--tp", "2", "--layout", "marlin", "--vllm", "0.29.0")
