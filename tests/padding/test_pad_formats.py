@@ -286,3 +286,39 @@ def test_qwen3_30b_a3b_gptq_at_tp4_loads_on_moe_wna16_before_the_pad_and_gptq_ma
                          for p in after), after
     text = _wna16("inspect", str(out), "--tp", "4", "--vllm", vllm, check=None).stdout
     assert f"gptq_marlin: {native_kernel}" in text
+
+
+# -- pad --tp 2 of the tools' checkpoints, attention quantized too: the linear layers are planned -----
+
+# variant -> (release, the padded checkpoint's MoE method; None: the planner's reason pad gives instead)
+TP2 = {
+    "autoround-gptq-sym4": ("0.33.0", "AutoGPTQMoEMethod"),
+    "autoround-awq-asym4": ("0.33.0", "AutoAWQMoEMethod"),
+    # o_proj: K 128 -> 64 per rank, under Marlin's 128, and act-order rules out every other kernel
+    "gptqmodel-gptq-actorder-sym4": ("0.27.1", None),
+}
+
+
+@pytest.mark.parametrize("variant", list(TP2))
+def test_pad_tp_2_of_a_tool_checkpoint_with_quantized_attention(quantized, tmp_path, variant):
+    vllm, method = TP2[variant]
+    src = _readable_copy(quantized, variant, tmp_path)
+    out = tmp_path / "padded"
+    r = _wna16("pad", str(src), "--tp", "2", "--vllm", vllm, "-o", str(out), check=None)
+    if method is None:
+        assert r.returncode == 1 and not out.exists(), r.stdout + r.stderr
+        assert r.stderr.strip() == (f"error: {src}: padded, it still does not load at TP 2: model.layers.0.self_attn."
+                                    "o_proj: no kernel; padding the intermediate sizes cannot fix this rule"), r.stderr
+        return
+    assert r.returncode == 0 and "moe_intermediate_size: 96 -> 128" in r.stdout and "original refused" in r.stdout, r
+    import wna16ctl
+
+    j = wna16ctl.inspect(out, 2, vllm=vllm).to_json()
+    assert j["loadable"] and all(p["loadable"] and p["method"]["class"] == method
+                                 for lay in j["layers"] for p in lay["plans"]), j["layers"]
+    attention = {lin["name"].removeprefix("model.layers."): p for lin in j["linear_layers"] for p in lin["plans"]}
+    assert sorted(attention) == ["0.self_attn.o_proj", "0.self_attn.qkv_proj", "1.self_attn.o_proj",
+                                 "1.self_attn.qkv_proj"] and all(p["loadable"] for p in attention.values()), attention
+    assert attention["0.self_attn.o_proj"]["k"] == 64  # the row-parallel split the act-order checkpoint cannot take
+    proof = wna16ctl.verify(src, out, samples=QUESTIONS, num_samples=8).to_json()
+    assert proof["passed"] and [(lay["tp"], lay["status"]) for lay in proof["numerics"]] == [(2, "pass")] * 2, proof

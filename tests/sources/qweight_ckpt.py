@@ -39,15 +39,17 @@ def _qweight_tensors(module: str, n: int, k: int, form: str, bits: int, group: i
 
 def header_only(out: Path, config: dict[str, Any], quantization_config: dict[str, Any], *, form: str = "gptq",
                 bits: int = 4, group: int = 128, family=modelckpt.qwen3_moe, shards: int = 1,
-                side_file: bool = False) -> Path:
+                side_file: bool = False, keep: str | None = None) -> Path:
     """A header-only checkpoint of `config`'s family in a qweight form; `side_file`: the
-    quantization config in quantize_config.json instead of config.json."""
+    quantization config in quantize_config.json instead of config.json; `keep`: a pattern of
+    further modules stored in float (those the quantization config leaves out)."""
     config = dict(config)
     config.pop("quantization_config", None)
     items: list[modelckpt.Tensor] = []
     for name, dt, shape in family(config, None):
         module = name[: -len(".weight")]
-        if name.endswith(".weight") and len(shape) == 2 and not _KEPT.search(module):
+        kept = _KEPT.search(module) or (keep is not None and re.search(keep, module))
+        if name.endswith(".weight") and len(shape) == 2 and not kept:
             items += _qweight_tensors(module, shape[0], shape[1], form, bits, group)
         else:
             items.append((name, dt, shape))

@@ -92,7 +92,11 @@ def identity(ck: Checkpoint) -> dict[str, Any]:
 def plan_conversion(path: str | os.PathLike[str]) -> ConversionPlan:
     """The conversion of the checkpoint at `path`; BadInput naming the tensor or key where
     compressed-tensors cannot say exactly what the source stores."""
-    ck = open_checkpoint(path)
+    return plan_of(open_checkpoint(path))
+
+
+def plan_of(ck: Checkpoint) -> ConversionPlan:
+    """The conversion of the opened checkpoint `ck` (see `plan_conversion`)."""
     quant = ck.config.quant
     if quant is None:
         raise BadInput(f"{ck.root}: config.json has no quantization_config; there are no quantized weights to convert")
@@ -110,6 +114,34 @@ def plan_conversion(path: str | os.PathLike[str]) -> ConversionPlan:
     plan = ConversionPlan(ck, projections, _config(ck, projections, ignored), ignored)
     plan.files = _planned_files(plan)
     return plan
+
+
+def converted_checkpoint(ck: Checkpoint) -> Checkpoint:
+    """The checkpoint `convert` would write from `ck`, from the headers alone (nothing is written):
+    an ordinary compressed-tensors `Checkpoint`, so the planner judges the converted model rule for
+    rule, never by the source's verdict.  BadInput / UsageError where `convert` refuses `ck`."""
+    from dataclasses import replace
+
+    from wna16ctl.sources import HeaderSource
+    from wna16ctl.sources.config import parse_quantization_config
+    from wna16ctl.sources.headers import ShardHeader, ShardList
+
+    plan = plan_of(ck)
+    headers: dict[Path, ShardHeader] = {}
+    for sh, f in plan.files:
+        entries, offset = {}, 0
+        for t in f.tensors:
+            entries[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+            offset += t.nbytes
+        headers[sh.path] = ShardHeader(sh.path, sh.data_start + offset, sh.data_start, entries, dict(sh.metadata))
+    cfg = ck.config
+    config = replace(cfg, raw={**cfg.raw, "quantization_config": plan.config},
+                     quant=parse_quantization_config(plan.config, cfg.path))
+    paths = list(headers)
+    out = open_checkpoint(ck.root, HeaderSource(locate=lambda r: ShardList(r, paths), read=lambda p: headers[p]),
+                          config=config)
+    out.source = ck.source
+    return out
 
 
 def _projections(ck: Checkpoint) -> dict[str, Projection]:

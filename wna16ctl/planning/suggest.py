@@ -26,6 +26,7 @@ from wna16ctl.planning.inspection import Inspection, replan_loads
 from wna16ctl.layout.registry import PLUGIN_LOAD_FORMAT
 from wna16ctl.planning.next_steps import PLUGIN_INSTALL
 from wna16ctl.planning.serving import plugin_fix
+from wna16ctl.sources import Checkpoint
 from wna16ctl.sources.config import QuantConfig, WeightScheme
 from wna16ctl.sources.model import LinearLayer
 from wna16ctl.sources.moe import MoELayer
@@ -326,6 +327,7 @@ def suggest(insp: Inspection) -> list[Suggestion]:
     # weights not yet quantized change as cheaply as a serving flag; a checkpoint must be requantized
     weight_cost = 1.5 if insp.proposal is not None else 20.0
     out: list[Suggestion] = []
+    converted: list[Checkpoint] | None = None  # what `convert` would write, built once where a TP size is refused
     for i, tp in enumerate(insp.tps):
         refused = _refused_rules(insp, i)
         if not refused:
@@ -365,6 +367,10 @@ def suggest(insp: Inspection) -> list[Suggestion]:
         padded = _pad_suggestion(insp, tp, refused)
         if padded is not None:
             found.append(padded)
+        if converted is None:
+            converted = _converted(insp)
+        if converted and converted_loads(insp, converted, tp):
+            found.append(_convert_suggestion(insp, tp, refused))
         found.sort(key=lambda s: s.cost)
         out += _ranked_by_memory(insp, found)
     return out
@@ -411,6 +417,48 @@ def _pad_suggestion(insp: Inspection, tp: int, refused: tuple[str, ...]) -> Sugg
         refused=refused, cost=PAD_BASE_COST + PAD_COST_PER_GROWTH * growth,
         pad={"fields": j["fields"], "extra_bytes": j["extra_bytes"], "extra_percent": j["extra_percent"],
              "verdict": j["verdict"]})
+
+
+# Converting keeps every weight exactly, as padding does, and changes only the stored form and the
+# quantization method vLLM builds: it ranks just after padding that adds nothing.
+CONVERT_COST = 1.0
+
+
+def _converted(insp: Inspection) -> list[Checkpoint]:
+    """[the checkpoint `wna16ctl convert` would write, headers only], or [] where convert does not
+    apply (a compressed-tensors checkpoint, a proposal, a source compressed-tensors cannot express)."""
+    from wna16ctl.conversion.plan import converted_checkpoint
+    from wna16ctl.errors import WnaError
+
+    if insp.proposal is not None:
+        return []
+    try:
+        return [converted_checkpoint(insp.checkpoint)]
+    except WnaError:
+        return []
+
+
+def converted_loads(insp: Inspection, converted: list[Checkpoint], tp: int) -> bool:
+    """Whether the converted checkpoint loads at `tp` with right outputs: its own config parse and
+    the planners `inspect` uses over every layer, in the inspected release and GPU."""
+    ck = converted[0]
+    version = insp.engine.version
+    if config_refusal(ck.config.quant, version) is not None:
+        return False
+    return replan_loads(replace(insp, checkpoint=ck), tp, insp.ep, version, insp.gpu, problems=insp.problems)
+
+
+def _convert_suggestion(insp: Inspection, tp: int, refused: tuple[str, ...]) -> Suggestion:
+    quant = insp.checkpoint.config.quant
+    source = quant.quant_method if quant is not None else "source"
+    return Suggestion(
+        for_tp=tp, kind="convert",
+        change=(f"convert to compressed-tensors pack-quantized: exact (every code, scale and zero point kept); vLLM "
+                f"{insp.engine.version} loads it at TP {tp} through compressed-tensors' method, where the {source} "
+                "path is refused"),
+        flags="wna16ctl convert CKPT -o OUT", tp=tp, ep=insp.ep, vllm=insp.engine.version, gpu=insp.gpu,
+        vllm_flags=f"--tensor-parallel-size {tp}" + (" --enable-expert-parallel" if insp.ep else ""),
+        refused=refused, cost=CONVERT_COST)
 
 
 # the suggestions whose memory is judged: they hold the same model at another layout of the ranks
