@@ -291,9 +291,7 @@ def _add_other_tensors(ck: Checkpoint, mem: WeightsMemory, counted: set[str], tp
     skipped: set[str] = set()
     # most names are experts' (~200k on Kimi-K2): they are left out first, by their stem, before
     # any per-name work
-    names = ck.files.names()
-    if expert_stems:
-        names = [n for n in names if not n.startswith(expert_stems)]
+    names = [n for n in ck.files.names() if not (expert_stems and n.startswith(expert_stems))]
     for name in names:
         module = name.rpartition(".")[0]
         if module in modules:
