@@ -571,8 +571,8 @@ def _samples_order_help() -> str:
 @click.option("--experts", "experts", default=None, metavar="I,J-K",
               help="Check only these experts of each MoE layer checked (expert indices, e.g. 0-7): a partial "
                    "verify, reported as such; combines with --layers.")
-@click.option("--no-numerics", "no_numerics", is_flag=True,
-              help="The exactness proof alone, at disk speed and in memory bounded by one expert: the manifest and "
+@click.option("--numerics/--no-numerics", "numerics", default=True,
+              help="--no-numerics: the exactness proof alone, at disk speed and in memory bounded by one expert: the manifest and "
                    "the bit-exact round trip of a repack output, the tensor proof of a pad output. The numerics "
                    "are reported as not run (no samples are read).")
 @click.option("--json", "json_mode", is_flag=True, help="Print the report as one JSON object (docs/verify-json.md).")
@@ -580,7 +580,7 @@ def _samples_order_help() -> str:
 @_debug_option
 @click.pass_context
 def verify(ctx: click.Context, ckpt: str, out: str, samples: str | None, num_samples: int, device: str, e2e: bool,
-           prompts: int, max_new_tokens: int, score: bool, layers: str | None, experts: str | None, no_numerics: bool,
+           prompts: int, max_new_tokens: int, score: bool, layers: str | None, experts: str | None, numerics: bool,
            json_mode: bool, revision: str | None, debug: bool) -> None:
     """Prove OUT (a repack output) equals CKPT: manifest, bit-exact round trip, numerics (and --e2e).
 
@@ -598,7 +598,7 @@ def verify(ctx: click.Context, ckpt: str, out: str, samples: str | None, num_sam
         with sink.tasks() as progress:
             report = wna16ctl.verify(source, out, samples=samples, num_samples=num_samples, device=device, e2e=e2e,
                                      prompts=prompts, max_new_tokens=max_new_tokens, score=score, layers=layers,
-                                     experts=experts, numerics=not no_numerics, progress=progress,
+                                     experts=experts, numerics=numerics, progress=progress,
                                      notice=lambda m: sink.warn(m, always=True))
         from wna16ctl.render import render_verify
 

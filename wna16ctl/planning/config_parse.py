@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from wna16ctl.planning import rules
+from wna16ctl.sources import formats
 from wna16ctl.sources.config import QuantConfig, WeightScheme
 
 NOT_REACHED = "not reached (checkpoint refused at config parse)"
@@ -54,7 +55,7 @@ def config_refusal(quant: QuantConfig | None, version: str) -> ConfigRefusal | N
     """The first config group, in file order, whose parse raises in release `version`."""
     # only the compressed-tensors config parses config_groups; a GPTQ/AWQ/AutoRound config's own
     # refusals (desc_act, bits) are its method's (planning/methods)
-    if quant is None or quant.quant_method != "compressed-tensors":
+    if quant is None or formats.of(quant) is not formats.DEFAULT:  # DEFAULT: compressed-tensors
         return None
     rel = rules.release(version)
     for g in quant.groups:
