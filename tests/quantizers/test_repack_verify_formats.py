@@ -125,3 +125,16 @@ def test_verify_finds_a_word_changed_in_one_ranks_marlin_experts(repacked, tmp_p
     round_trip = [f for f in proof["findings"] if f["check"] == "round_trip"]
     assert round_trip and all(f["rank"] == 1 for f in round_trip), round_trip
     assert [(f["expert"], f["message"].split(": ")[1].split(" ")[0]) for f in round_trip] == [(2, "w13_weight_packed")], round_trip
+
+
+@pytest.mark.parametrize("variant", list(CASES))
+def test_the_next_step_offers_no_vllm_layout_for_a_format_it_refuses(repacked, variant):
+    """vLLM's GPTQ/AWQ MoE methods hold other parameters than the compressed-tensors one: `repack
+    --layout vllm` refuses these checkpoints, and the `wna16ctl` load format (which copies into
+    `w13_weight_packed`, ...) cannot serve their Marlin output; verify's closing line offers
+    neither, and serves the checkpoint itself."""
+    src, out = repacked(variant)
+    r = _wna16("verify", str(src), str(out), "--samples", str(QUESTIONS), "--num-samples", "8")
+    assert r.returncode == 0, r.stderr
+    text = " ".join(r.stdout.split())
+    assert "serve the checkpoint itself" in text and "--layout vllm" not in text, text[-600:]

@@ -92,6 +92,16 @@ def memory_options(fit: Any) -> MemoryOptions | None:
                              f"room for the KV cache even at --gpu-memory-utilization {MAX_UTILIZATION:g}")
 
 
+def _plugin_reads(ck: Any) -> bool:
+    """Whether the `wna16ctl` load format can serve a Marlin output of this checkpoint: it copies the
+    experts into the parameters of vLLM's compressed-tensors MoE method (`w13_weight_packed`, ...),
+    which vLLM builds only for a compressed-tensors checkpoint (the default format); its GPTQ/AWQ
+    methods hold other parameters."""
+    from wna16ctl.sources import formats
+
+    return ck.config.quant is None or formats.of(ck.config.quant) is formats.DEFAULT
+
+
 def _vllm_layout_fits(ck: Any, version: str) -> bool:
     """Whether `repack --layout vllm` takes this checkpoint for this release (its own refusals)."""
     from wna16ctl.errors import WnaError
@@ -123,7 +133,8 @@ def _planned_layout(ck: Any, tp: int, ep: bool, version: str, gpu: str, sw: Any,
     """The layout to write for one TP size (None: serve the checkpoint itself) and why; None where
     outputs would be wrong whichever way it is served."""
     act_order = any(lay.scheme is not None and lay.scheme.act_order for lay in ck.quantized_layers)
-    plugin = plugin_serves(version, ep, act_order) and marlin_loads_every_layer(ck, tp, ep, version, gpu, sw)
+    plugin = (_plugin_reads(ck) and plugin_serves(version, ep, act_order)
+              and marlin_loads_every_layer(ck, tp, ep, version, gpu, sw))
     if wrong:
         if not (plugin and all(W13_SCALE_HAZARD in h for h in wrong)):
             return None
@@ -142,12 +153,14 @@ def _written_layout(ck: Any, tp: int, ep: bool, version: str, gpu: str, sw: Any,
     if written == VLLM_LAYOUT:
         return VLLM_LAYOUT, "stock vLLM reads each rank's files with its sharded_state loader"
     act_order = any(lay.scheme is not None and lay.scheme.act_order for lay in ck.quantized_layers)
-    if written == MARLIN_LAYOUT and plugin_serves(version, ep, act_order) and marlin_loads_every_layer(
+    if written == MARLIN_LAYOUT and _plugin_reads(ck) and plugin_serves(version, ep, act_order) and marlin_loads_every_layer(
             ck, tp, ep, version, gpu, sw):
         return MARLIN_LAYOUT, "the wna16ctl load format serves the Marlin layout in vLLM"
+    # the vllm layout is offered only where `repack --layout vllm` takes the checkpoint
+    vllm_layout = rules.vllm_state_known(version, ck.config.model_type) and _vllm_layout_fits(ck, version)
     return None, (f"no vLLM load format reads this output (the wna16ctl load format serves vLLM "
                   f"{', '.join(PLUGIN_RELEASES)}, TP only, without act-order, every layer on Marlin); serve the "
-                  "checkpoint itself (or repack with --layout vllm for stock vLLM)")
+                  "checkpoint itself" + (" (or repack with --layout vllm for stock vLLM)" if vllm_layout else ""))
 
 
 def serve_path(ck: Any, tp: int, *, ep: bool, version: str, gpu: str, switches: Any, written: str | None = None,
