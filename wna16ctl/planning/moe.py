@@ -450,15 +450,22 @@ def _config_step(f: _LayerFacts) -> bool:
     return True
 
 
-def _method_step(f: _LayerFacts) -> bool:
-    """The MoE layer and its method (FusedMoEConfig, get_moe_method)."""
-    plan, layer, s, I, moe_tp = f.plan, f.layer, f.s, f.layer.intermediate_size, f.moe_tp
+def moe_tp_divides(plan: LayerPlan, I: int, moe_tp: int) -> bool:
+    """FusedMoEConfig's assert, before any method is asked (every format): the intermediate size
+    splits evenly over the MoE tensor-parallel ranks."""
     ok = I % moe_tp == 0
     plan.checks.append(Check("intermediate_size % moe_tp == 0", ok, f"{I} % {moe_tp}"))
     if not ok:
         plan.fail("method", "I % TP", (
             f"AssertionError (assert intermediate_size % tp_size == 0: intermediate_size {I} is not divisible by the "
             f"MoE tensor-parallel size {moe_tp}; FusedMoEConfig)"))
+    return ok
+
+
+def _method_step(f: _LayerFacts) -> bool:
+    """The MoE layer and its method (FusedMoEConfig, get_moe_method)."""
+    plan, layer, s, I, moe_tp = f.plan, f.layer, f.s, f.layer.intermediate_size, f.moe_tp
+    if not moe_tp_divides(plan, I, moe_tp):
         return False
     looked = looked_up_schemes(layer, f.rel)
     if looked is not None:
@@ -926,12 +933,7 @@ def _plan_format_layer(f: _LayerFacts) -> None:
         plan.fail("config", *refused)
         return
     I, moe_tp, H = layer.intermediate_size, f.moe_tp, layer.hidden_size
-    ok = I % moe_tp == 0
-    plan.checks.append(Check("intermediate_size % moe_tp == 0", ok, f"{I} % {moe_tp}"))
-    if not ok:
-        plan.fail("method", "I % TP", (
-            f"AssertionError (assert intermediate_size % tp_size == 0: intermediate_size {I} is not divisible by the "
-            f"MoE tensor-parallel size {moe_tp}; FusedMoEConfig)"))
+    if not moe_tp_divides(plan, I, moe_tp):
         return
     method = methods.moe_method(qm, cfg, raw, rel, layer.prefix, rules.GPUS[f.gpu],
                                 lambda gs, pad: marlin_support_reason(H, f.i_p, gs, pad))
