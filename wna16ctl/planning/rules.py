@@ -174,6 +174,15 @@ CHANGES: tuple[Change, ...] = (
            "no entry for zero points: an asymmetric layer on Humming raises KeyError('Flashinfer') in "
            "create_weights (reached with --moe-backend humming, or when Marlin and Triton both pass)",
            f"{_WNA16}: get_weight_shape (is_transposed excludes HUMMING)"),
+    Change("state.gptq_act_order", "0.27.0", "0.30.0",
+           "the GPTQ MoE method also creates int32 w13_g_idx / w13_g_idx_sort_indices [E, H] and w2_g_idx / "
+           "w2_g_idx_sort_indices [E, I/TP], act-order or not (the loader copies gate's and then up's whole g_idx into "
+           "w13_g_idx, and cuts down's by rank), and with desc_act keeps the whole w2 scales and zero points on every "
+           "rank (load_full_w2, [E, I/group, ...]); the GPTQ linear method registers a g_idx [K/TP] and, with "
+           "desc_act, keeps a row-parallel layer's whole scales and zero points on every rank "
+           "(marlin_repeat_scales_on_all_ranks).  Later releases refuse desc_act and create none of them",
+           "quantization/auto_gptq.py: AutoGPTQMoEMethod.create_weights, AutoGPTQLinearMethod.create_weights; "
+           "fused_moe/routed_experts.py: _load_g_idx, _load_model_weight_or_group_weight_scale"),
     # -- weight processing (known engine bugs) --------------------------------------------
     # -- dense linear layers (CompressedTensorsWNA16 → choose_mp_linear_kernel) -------------
     Change("linear.allspark_kernel", "0.27.0", "0.31.0",
@@ -401,9 +410,19 @@ def resolve_engine(spec: str | None) -> Engine:
 #        q/k/v biases, "qk_norm" per-head q/k RMSNorm, "k_first" / "n_first" the expert buffers'
 #        orientation (state.experts_k_first with the backend planned for the layer), "mla" / "gqa"
 #        multi-head latent attention or not, "q_lora" / "no_q_lora" MLA with a query LoRA or not,
-#        "noaux_tc" DeepSeek routing with a correction bias (config topk_method);
+#        "noaux_tc" DeepSeek routing with a correction bias (config topk_method), "ct_config" a
+#        compressed-tensors quantization_config (not a GPTQ/AWQ/auto-round one), "act_order" /
+#        "no_act_order" experts with act-order (GPTQ desc_act) or not;
 # rule: a Change key that must be in force for the row ("!key": must not be);
-# archs: the model_types the row is for (None: every known one).
+# archs: the model_types the row is for (None: every known one);
+# method: the vLLM MoE method class whose create_weights registers the row (the one the planner picks
+#        for the layer: compressed-tensors', or a GPTQ/AWQ config's); None: every method.
+# The GPTQ/AWQ methods' fills read the checkpoint's tensors as stored, K first ([K-side, N-side]: GPTQ
+# packs codes along K, AWQ codes and both formats' zero points along N): w13_k/w2_k SUFFIX cut them the
+# way the loader of an is_transposed parameter does (gate's then up's N columns of this rank; down's K
+# rows of this rank), w2full_k keeps down's tensor whole on every rank (load_full_w2), gidx13/gidx2 the
+# g_idx (w13: the one of gate and up loaded last, whole; w2: down's K entries of this rank; zeros where
+# the checkpoint stores none, as nothing is loaded into the fresh parameter then).
 
 VLLM_STATE_SYMBOLS = {
     "H": "hidden_size", "Vn": "vocabulary padded to 64, per rank", "n": "TP size", "Qn": "query rows per rank",
@@ -416,6 +435,7 @@ VLLM_STATE_SYMBOLS = {
     "QL": "q_lora_rank", "KVL": "kv_lora_rank", "R": "qk_rope_head_dim",
     "QHn": "query heads per rank x (qk_nope_head_dim + qk_rope_head_dim)",
     "KVBn": "heads per rank x (qk_nope_head_dim + v_head_dim)", "On": "heads per rank x v_head_dim",
+    "G2f": "w2 scale groups of the whole intermediate size (GPTQ act-order keeps them on every rank)",
 }
 
 
@@ -429,8 +449,11 @@ class StateKey:
     when: str | None = None
     rule: str | None = None
     archs: tuple[str, ...] | None = None
+    method: str | None = None
 
 
+# the vLLM MoE method classes whose parameters the rows below describe
+CT_MOE_METHOD, GPTQ_MOE_METHOD, AWQ_MOE_METHOD = "CompressedTensorsWNA16MoEMethod", "AutoGPTQMoEMethod", "AutoAWQMoEMethod"
 _ATTN = "model.layers.{L}.self_attn"
 _EXP = "model.layers.{L}.{B}.experts.routed_experts."
 # the rows of one kind of router or shared expert are for the architectures the table says have it
@@ -460,13 +483,13 @@ VLLM_STATE_KEYS: tuple[StateKey, ...] = (
     StateKey("layer", f"{_ATTN}.attn._q_scale", (), "F32", "const 1.0", when="gqa"),
     StateKey("layer", f"{_ATTN}.attn._prob_scale", (), "F32", "const 1.0", when="gqa"),
     # compressed-tensors' KV-cache method creates per-tensor q/k/v scales and zero points on every
-    # attention layer, whether or not the checkpoint quantizes the KV cache
-    StateKey("layer", f"{_ATTN}.attn.k_scale", ("1",), "F32", "const 1.0", when="gqa"),
-    StateKey("layer", f"{_ATTN}.attn.v_scale", ("1",), "F32", "const 1.0", when="gqa"),
-    StateKey("layer", f"{_ATTN}.attn.q_scale", ("1",), "F32", "const 1.0", when="gqa"),
-    StateKey("layer", f"{_ATTN}.attn.k_zero_point", ("1",), "model", "const 0", when="gqa"),
-    StateKey("layer", f"{_ATTN}.attn.v_zero_point", ("1",), "model", "const 0", when="gqa"),
-    StateKey("layer", f"{_ATTN}.attn.q_zero_point", ("1",), "model", "const 0", when="gqa"),
+    # attention layer, whether or not the checkpoint quantizes the KV cache (a GPTQ/AWQ config has none)
+    StateKey("layer", f"{_ATTN}.attn.k_scale", ("1",), "F32", "const 1.0", when="gqa ct_config"),
+    StateKey("layer", f"{_ATTN}.attn.v_scale", ("1",), "F32", "const 1.0", when="gqa ct_config"),
+    StateKey("layer", f"{_ATTN}.attn.q_scale", ("1",), "F32", "const 1.0", when="gqa ct_config"),
+    StateKey("layer", f"{_ATTN}.attn.k_zero_point", ("1",), "model", "const 0", when="gqa ct_config"),
+    StateKey("layer", f"{_ATTN}.attn.v_zero_point", ("1",), "model", "const 0", when="gqa ct_config"),
+    StateKey("layer", f"{_ATTN}.attn.q_zero_point", ("1",), "model", "const 0", when="gqa ct_config"),
     # multi-head latent attention (DeepSeek-V2/V3, Kimi-K2).  The MLA wrapper registers the same
     # modules again under `mla_attn`; the smaller key of each pair is kept, so o_proj, q_b_proj,
     # q_proj and q_a_layernorm appear under `mla_attn.` and the others under `self_attn.`.  With a
@@ -513,30 +536,62 @@ VLLM_STATE_KEYS: tuple[StateKey, ...] = (
              archs=_ROUTER_IN_BLOCK),
     # the expert buffers in the checkpoint's N-first form (every backend from 0.31.0; FlashInfer
     # TRT-LLM and Humming before)
-    StateKey("moe", _EXP + "w13_weight_packed", ("Er", "2*In", "Hp"), "I32", "w13 weight_packed", when="n_first"),
-    StateKey("moe", _EXP + "w2_weight_packed", ("Er", "H", "Inp"), "I32", "w2 weight_packed", when="n_first"),
-    StateKey("moe", _EXP + "w13_weight_scale", ("Er", "2*In", "G13"), "model", "w13 weight_scale", when="n_first"),
-    StateKey("moe", _EXP + "w2_weight_scale", ("Er", "H", "G2"), "model", "w2 weight_scale", when="n_first"),
+    StateKey("moe", _EXP + "w13_weight_packed", ("Er", "2*In", "Hp"), "I32", "w13 weight_packed", when="n_first", method=CT_MOE_METHOD),
+    StateKey("moe", _EXP + "w2_weight_packed", ("Er", "H", "Inp"), "I32", "w2 weight_packed", when="n_first", method=CT_MOE_METHOD),
+    StateKey("moe", _EXP + "w13_weight_scale", ("Er", "2*In", "G13"), "model", "w13 weight_scale", when="n_first", method=CT_MOE_METHOD),
+    StateKey("moe", _EXP + "w2_weight_scale", ("Er", "H", "G2"), "model", "w2 weight_scale", when="n_first", method=CT_MOE_METHOD),
     StateKey("moe", _EXP + "w13_weight_zero_point", ("Er", "I2np", "G13"), "I32", "w13 weight_zero_point",
-             when="asym n_first"),
+             when="asym n_first", method=CT_MOE_METHOD),
     StateKey("moe", _EXP + "w2_weight_zero_point", ("Er", "Hpz", "G2"), "I32", "w2 weight_zero_point",
-             when="asym n_first"),
+             when="asym n_first", method=CT_MOE_METHOD),
     # the same tensors K-first: each N-first rank slice transposed (state.experts_k_first)
-    StateKey("moe", _EXP + "w13_weight_packed", ("Er", "Hp", "2*In"), "I32", "w13t weight_packed", when="k_first"),
-    StateKey("moe", _EXP + "w2_weight_packed", ("Er", "Inp", "H"), "I32", "w2t weight_packed", when="k_first"),
-    StateKey("moe", _EXP + "w13_weight_scale", ("Er", "G13", "2*In"), "model", "w13t weight_scale", when="k_first"),
-    StateKey("moe", _EXP + "w2_weight_scale", ("Er", "G2", "H"), "model", "w2t weight_scale", when="k_first"),
+    StateKey("moe", _EXP + "w13_weight_packed", ("Er", "Hp", "2*In"), "I32", "w13t weight_packed", when="k_first", method=CT_MOE_METHOD),
+    StateKey("moe", _EXP + "w2_weight_packed", ("Er", "Inp", "H"), "I32", "w2t weight_packed", when="k_first", method=CT_MOE_METHOD),
+    StateKey("moe", _EXP + "w13_weight_scale", ("Er", "G13", "2*In"), "model", "w13t weight_scale", when="k_first", method=CT_MOE_METHOD),
+    StateKey("moe", _EXP + "w2_weight_scale", ("Er", "G2", "H"), "model", "w2t weight_scale", when="k_first", method=CT_MOE_METHOD),
     StateKey("moe", _EXP + "w13_weight_zero_point", ("Er", "G13", "I2np"), "I32", "w13t weight_zero_point",
-             when="asym k_first"),
+             when="asym k_first", method=CT_MOE_METHOD),
     StateKey("moe", _EXP + "w2_weight_zero_point", ("Er", "G2", "Hpz"), "I32", "w2t weight_zero_point",
-             when="asym k_first"),
+             when="asym k_first", method=CT_MOE_METHOD),
     # act-order index buffers every layer creates (state.expert_g_idx); unused without act-order
-    StateKey("moe", _EXP + "w13_weight_g_idx", ("Er", "H"), "I32", "const 0", rule="state.expert_g_idx"),
-    StateKey("moe", _EXP + "w2_weight_g_idx", ("Er", "In"), "I32", "const 0", rule="state.expert_g_idx"),
-    StateKey("moe", _EXP + "w13_g_idx_sort_indices", ("Er", "H"), "I32", "const 0", rule="state.expert_g_idx"),
-    StateKey("moe", _EXP + "w2_g_idx_sort_indices", ("Er", "In"), "I32", "const 0", rule="state.expert_g_idx"),
-    StateKey("moe", _EXP + "w2_weight_shape", ("Er", "2"), "model", "shape2"),
-    StateKey("moe", _EXP + "w13_weight_shape", ("Er", "2"), "model", "shape13"),
+    StateKey("moe", _EXP + "w13_weight_g_idx", ("Er", "H"), "I32", "const 0", rule="state.expert_g_idx", method=CT_MOE_METHOD),
+    StateKey("moe", _EXP + "w2_weight_g_idx", ("Er", "In"), "I32", "const 0", rule="state.expert_g_idx", method=CT_MOE_METHOD),
+    StateKey("moe", _EXP + "w13_g_idx_sort_indices", ("Er", "H"), "I32", "const 0", rule="state.expert_g_idx", method=CT_MOE_METHOD),
+    StateKey("moe", _EXP + "w2_g_idx_sort_indices", ("Er", "In"), "I32", "const 0", rule="state.expert_g_idx", method=CT_MOE_METHOD),
+    StateKey("moe", _EXP + "w2_weight_shape", ("Er", "2"), "model", "shape2", method=CT_MOE_METHOD),
+    StateKey("moe", _EXP + "w13_weight_shape", ("Er", "2"), "model", "shape13", method=CT_MOE_METHOD),
+    # vLLM's GPTQ MoE method (quantization/auto_gptq.py, AutoGPTQMoEMethod.create_weights; the same in
+    # 0.27.0-0.33.0 but for the act-order rows of state.gptq_act_order): the checkpoint's K-first
+    # tensors, is_transposed; zero points and expert biases whether or not the checkpoint is symmetric
+    # (the biases zeros: no GPTQ checkpoint of these architectures stores any)
+    StateKey("moe", _EXP + "w13_qweight", ("Er", "Hp", "2*In"), "I32", "w13_k weight_packed", method=GPTQ_MOE_METHOD),
+    StateKey("moe", _EXP + "w2_qweight", ("Er", "Inp", "H"), "I32", "w2_k weight_packed", method=GPTQ_MOE_METHOD),
+    StateKey("moe", _EXP + "w13_scales", ("Er", "G13", "2*In"), "model", "w13_k weight_scale", method=GPTQ_MOE_METHOD),
+    StateKey("moe", _EXP + "w2_scales", ("Er", "G2", "H"), "model", "w2_k weight_scale", when="no_act_order",
+             method=GPTQ_MOE_METHOD),
+    StateKey("moe", _EXP + "w2_scales", ("Er", "G2f", "H"), "model", "w2full_k weight_scale", when="act_order",
+             rule="state.gptq_act_order", method=GPTQ_MOE_METHOD),
+    StateKey("moe", _EXP + "w13_qzeros", ("Er", "G13", "I2np"), "I32", "w13_k weight_zero_point", method=GPTQ_MOE_METHOD),
+    StateKey("moe", _EXP + "w2_qzeros", ("Er", "G2", "Hpz"), "I32", "w2_k weight_zero_point", when="no_act_order",
+             method=GPTQ_MOE_METHOD),
+    StateKey("moe", _EXP + "w2_qzeros", ("Er", "G2f", "Hpz"), "I32", "w2full_k weight_zero_point", when="act_order",
+             rule="state.gptq_act_order", method=GPTQ_MOE_METHOD),
+    StateKey("moe", _EXP + "w13_g_idx", ("Er", "H"), "I32", "gidx13", rule="state.gptq_act_order", method=GPTQ_MOE_METHOD),
+    StateKey("moe", _EXP + "w2_g_idx", ("Er", "In"), "I32", "gidx2", rule="state.gptq_act_order", method=GPTQ_MOE_METHOD),
+    StateKey("moe", _EXP + "w13_g_idx_sort_indices", ("Er", "H"), "I32", "const 0", rule="state.gptq_act_order",
+             method=GPTQ_MOE_METHOD),
+    StateKey("moe", _EXP + "w2_g_idx_sort_indices", ("Er", "In"), "I32", "const 0", rule="state.gptq_act_order",
+             method=GPTQ_MOE_METHOD),
+    StateKey("moe", _EXP + "w13_bias", ("Er", "2*In"), "model", "const 0", method=GPTQ_MOE_METHOD),
+    StateKey("moe", _EXP + "w2_bias", ("Er", "H"), "model", "const 0", method=GPTQ_MOE_METHOD),
+    # vLLM's AWQ MoE method (quantization/auto_awq.py, AutoAWQMoEMethod.create_weights, the same in
+    # 0.27.0-0.33.0): the checkpoint's K-first tensors (codes packed along N), is_transposed
+    StateKey("moe", _EXP + "w13_qweight", ("Er", "H", "I2np"), "I32", "w13_k weight_packed", method=AWQ_MOE_METHOD),
+    StateKey("moe", _EXP + "w2_qweight", ("Er", "In", "Hp"), "I32", "w2_k weight_packed", method=AWQ_MOE_METHOD),
+    StateKey("moe", _EXP + "w13_scales", ("Er", "G13", "2*In"), "model", "w13_k weight_scale", method=AWQ_MOE_METHOD),
+    StateKey("moe", _EXP + "w2_scales", ("Er", "G2", "H"), "model", "w2_k weight_scale", method=AWQ_MOE_METHOD),
+    StateKey("moe", _EXP + "w13_qzeros", ("Er", "G13", "I2np"), "I32", "w13_k weight_zero_point", method=AWQ_MOE_METHOD),
+    StateKey("moe", _EXP + "w2_qzeros", ("Er", "G2", "Hpz"), "I32", "w2_k weight_zero_point", method=AWQ_MOE_METHOD),
     # a shared expert (Qwen2-MoE) beside the routed ones, and its sigmoid gate
     StateKey("shared", "model.layers.{L}.{B}.experts._shared_experts._layer.gate_up_proj.weight", ("2*Sn", "H"), "model",
              "merged model.layers.{L}.{B}.shared_expert.{G}.weight model.layers.{L}.{B}.shared_expert.{U}.weight",
@@ -572,6 +627,11 @@ VLLM_STATE_SUPPORT: dict[str, tuple[str, ...]] = {
     "glm4_moe": _STATE_CHECKED,
 }
 VLLM_STATE_ARCHITECTURES = tuple(VLLM_STATE_SUPPORT)
+# The releases whose GPTQ/AWQ method rows (and the linear parameters of those formats) were read in
+# the release and checked against its model code (the GPTQ and AWQ cases of
+# tests/conformance/test_vllm_state_contract.py); a GPTQ, AWQ or auto-round checkpoint is refused on
+# any other.  Written out, as the contract's releases are.
+VLLM_STATE_FORMAT_RELEASES = ("0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")
 
 # The releases the `wna16ctl` load format serves (integrations/marlin_serving.py): those whose weight
 # processing of compressed-tensors WNA16 MoE layers (`CompressedTensorsWNA16MoEMethod`,

@@ -102,13 +102,18 @@ def _plugin_reads(ck: Any) -> bool:
     return ck.config.quant is None or formats.of(ck.config.quant) is formats.DEFAULT
 
 
-def _vllm_layout_fits(ck: Any, version: str) -> bool:
-    """Whether `repack --layout vllm` takes this checkpoint for this release (its own refusals)."""
+def _vllm_layout_fits(ck: Any, version: str, tp: int, ep: bool, gpu: str, sw: Any) -> bool:
+    """Whether `repack --layout vllm` takes this checkpoint for this release (its own refusals).  A
+    GPTQ/AWQ checkpoint's state depends on the MoE and linear methods vLLM builds at this TP size
+    (the MoeWNA16 fallback has no rows): its whole plan is asked."""
     from wna16ctl.errors import WnaError
+    from wna16ctl.planning.vllm_state import plan_vllm_state
     from wna16ctl.planning.vllm_support import check_supported
 
     try:
         check_supported(ck, version)
+        if not _plugin_reads(ck):
+            plan_vllm_state(ck, tp, version, gpu=gpu, switches=sw, ep=ep)
     except WnaError:
         return False
     return True
@@ -140,7 +145,7 @@ def _planned_layout(ck: Any, tp: int, ep: bool, version: str, gpu: str, sw: Any,
             return None
         return MARLIN_LAYOUT, ("vLLM's own processing gives wrong outputs here (w13 scale permutation, "
                                "PR #50196); the Marlin output carries the corrected layout")
-    if rules.vllm_state_known(version, ck.config.model_type) and _vllm_layout_fits(ck, version):
+    if rules.vllm_state_known(version, ck.config.model_type) and _vllm_layout_fits(ck, version, tp, ep, gpu, sw):
         return VLLM_LAYOUT, "pre-sharded for stock vLLM (each rank reads only its own files)"
     if plugin:
         return MARLIN_LAYOUT, "pre-sharded and pre-repacked for vLLM's Marlin MoE kernel"
@@ -157,7 +162,8 @@ def _written_layout(ck: Any, tp: int, ep: bool, version: str, gpu: str, sw: Any,
             ck, tp, ep, version, gpu, sw):
         return MARLIN_LAYOUT, "the wna16ctl load format serves the Marlin layout in vLLM"
     # the vllm layout is offered only where `repack --layout vllm` takes the checkpoint
-    vllm_layout = rules.vllm_state_known(version, ck.config.model_type) and _vllm_layout_fits(ck, version)
+    vllm_layout = rules.vllm_state_known(version, ck.config.model_type) and _vllm_layout_fits(ck, version, tp, ep,
+                                                                                               gpu, sw)
     return None, (f"no vLLM load format reads this output (the wna16ctl load format serves vLLM "
                   f"{', '.join(PLUGIN_RELEASES)}, TP only, without act-order, every layer on Marlin); serve the "
                   "checkpoint itself" + (" (or repack with --layout vllm for stock vLLM)" if vllm_layout else ""))

@@ -22,9 +22,10 @@ from typing import Any, Callable
 
 from wna16ctl.dtypes import FLOAT_ST_OF_CONFIG, ST_SIZES
 from wna16ctl.errors import BadInput, NotLoadable, UsageError
-from wna16ctl.layout.spec import CODES, SCALES, VLLM, ZERO_POINTS
+from wna16ctl.layout.spec import CODES, G_IDX, SCALES, VLLM, ZERO_POINTS
 from wna16ctl.planning import rules
 from wna16ctl.planning.methods import LINEAR_PARAMS
+from wna16ctl.planning.methods.base import AWQ_LINEAR, AWQ_MARLIN_LINEAR, GPTQ_LINEAR
 from wna16ctl.planning.moe import local_expert_ranges
 from wna16ctl.planning.next_steps import NextStep
 from wna16ctl.planning.vllm_support import check_supported
@@ -140,6 +141,9 @@ def _when(ck: Checkpoint, cond: str | None, layer: int | None, moe: MoELayer | N
         return tied
     if cond == "asym":
         return moe is not None and moe.scheme is not None and not moe.scheme.symmetric
+    if cond in ("act_order", "no_act_order"):
+        ordered = moe is not None and moe.scheme is not None and moe.scheme.act_order
+        return ordered == (cond == "act_order")
     if cond == "qkv_bias":
         return f"model.layers.{layer}.self_attn.q_proj.bias" in names
     if cond == "qk_norm":
@@ -148,6 +152,8 @@ def _when(ck: Checkpoint, cond: str | None, layer: int | None, moe: MoELayer | N
         return ck.dims.mla == (cond == "mla")
     if cond in ("q_lora", "no_q_lora"):
         return bool(ck.config.raw.get("q_lora_rank")) == (cond == "q_lora")
+    if cond == "ct_config":
+        return ck.config.quant is not None and formats.of(ck.config.quant) is formats.DEFAULT
     if cond == "noaux_tc":
         return ck.config.raw.get("topk_method") == "noaux_tc"
     raise AssertionError(f"unknown contract condition {cond}")
@@ -164,12 +170,14 @@ def _shared_size(ck: Checkpoint, layer: int, block: str, gate: str) -> int | Non
 
 def _output_rows(ck: Checkpoint, module: str) -> int | None:
     """A linear module's output size: the rows of its weight, 16-bit or packed (packed along K)."""
-    names = [f"{module}.weight"]
-    if ck.config.quant is not None:
-        names.append(formats.of(ck.config.quant).names.tensor(module, CODES))
-    for name in names:
-        if name in ck.files:
-            return ck.files.info(name).shape[0]
+    if f"{module}.weight" in ck.files:
+        return ck.files.info(f"{module}.weight").shape[0]
+    quant = ck.config.quant
+    if quant is not None:
+        fmt = formats.of(quant)
+        name = fmt.names.tensor(module, CODES)
+        if name in ck.files:  # the format says which side of its stored codes is N
+            return fmt.codes_nk(list(ck.files.info(name).shape), quant.scheme_for(module))[0]
     return None
 
 
@@ -219,7 +227,8 @@ def _sizes(ck: Checkpoint, tp: int, moe: MoELayer | None, layer: int | None, ep:
         i_n = moe.intermediate_size if ep else split(moe.intermediate_size, f"{moe.prefix}: intermediate size")
         g = moe.scheme.group_size
         s |= {"E": moe.num_experts, "Er": len(experts_of(moe, tp, ep, rank)), "In": i_n, "Hp": h // pf, "Inp": i_n // pf, "I2np": 2 * i_n // pf,
-              "Hpz": h // pf, "G13": 1 if g == -1 else h // g, "G2": 1 if g == -1 else i_n // g}
+              "Hpz": h // pf, "G13": 1 if g == -1 else h // g, "G2": 1 if g == -1 else i_n // g,
+              "G2f": 1 if g == -1 else moe.intermediate_size // g}
         if g != -1 and (h % g or i_n % g):
             raise NotLoadable(f"{moe.prefix}: intermediate size per rank {i_n} or hidden size {h} is not a multiple "
                               f"of group_size {g}; vLLM refuses --tp {tp}{' --ep' if ep else ''}")
@@ -278,6 +287,34 @@ def _expert_orientation(ck: Checkpoint, tp: int, vllm: str, gpu: str, switches: 
     return backends, k_first
 
 
+def _moe_methods(ck: Checkpoint, tp: int, vllm: str, gpu: str, switches: Any, ep: bool) -> dict[int, str]:
+    """The vLLM MoE method class of each MoE layer (decoder layer index): compressed-tensors' for
+    its checkpoints, else the one the format's config builds (planning.moe.plan_layer), whose
+    parameters the rows of that method describe.  NotLoadable where the release does not load the
+    layer; a method whose state the layout has no rows for (MoeWNA16) is refused in one line."""
+    from wna16ctl.planning.moe import plan_layer
+
+    if ck.config.quant is None or formats.of(ck.config.quant) is formats.DEFAULT:
+        return {lay.layer_index: rules.CT_MOE_METHOD for lay in ck.layers if lay.layer_index is not None}
+    written = {row.method for row in rules.VLLM_STATE_KEYS if row.method is not None}
+    out: dict[int, str] = {}
+    for lay in ck.layers:
+        lp = plan_layer(lay, tp, ep, vllm, gpu, switches) if switches is not None else plan_layer(lay, tp, ep, vllm, gpu)
+        if not lp.loadable:
+            reason = (lp.errors or ["no backend loads it"])[0]
+            raise NotLoadable(f"{lay.prefix}: vLLM {vllm} on {gpu} does not load this layer at --tp {tp}"
+                              f"{' --ep' if ep else ''}: {reason}")
+        method = (lp.method or {}).get("class")
+        if method not in written:
+            why = (lp.method or {}).get("fallback_reason")
+            raise UsageError(f"--layout vllm: {lay.prefix}: vLLM {vllm} builds {method} for this layer"
+                             f"{f' ({why})' if why else ''}; the vllm layout writes the parameters of the GPTQ and "
+                             "AWQ Marlin MoE methods only: serve the checkpoint itself")
+        if lay.layer_index is not None:
+            out[lay.layer_index] = method
+    return out
+
+
 def plan_vllm_state(ckpt: str | os.PathLike[str] | Checkpoint, tp: int, vllm: str, *,
                     max_shard_bytes: int = 4 << 30, gpu: str = rules.DEFAULT_GPU,
                     switches: Any = None, ep: bool = False) -> VllmStatePlan:
@@ -286,7 +323,10 @@ def plan_vllm_state(ckpt: str | os.PathLike[str] | Checkpoint, tp: int, vllm: st
     backend (state.experts_k_first)."""
     ck = ckpt if isinstance(ckpt, Checkpoint) else open_checkpoint(ckpt)
     check_supported(ck, vllm)
-    backends, k_first = _expert_orientation(ck, tp, vllm, gpu, switches, ep)
+    methods = _moe_methods(ck, tp, vllm, gpu, switches, ep)
+    # only compressed-tensors' expert buffers follow the backend; the GPTQ/AWQ methods' are K-first always
+    ct = all(m == rules.CT_MOE_METHOD for m in methods.values())
+    backends, k_first = _expert_orientation(ck, tp, vllm, gpu, switches, ep) if ct else ({}, {})
     dtype_name = ck.config.torch_dtype
     if dtype_name not in FLOAT_ST_OF_CONFIG:
         raise BadInput(f"{ck.config.path}: torch_dtype {dtype_name!r} is not bfloat16, float16 or float32")
@@ -297,8 +337,8 @@ def plan_vllm_state(ckpt: str | os.PathLike[str] | Checkpoint, tp: int, vllm: st
     for rank in range(tp):
         count = tuple(len(experts_of(moe, tp, ep, rank)) for moe in moe_by_layer.values())
         if count not in by_count:
-            keys = _quantized_linear(ck, _rank_keys(ck, tp, vllm, moe_by_layer, k_first, ep, rank), tp, vllm, gpu,
-                                     switches)
+            keys = _quantized_linear(ck, _rank_keys(ck, tp, vllm, moe_by_layer, k_first, ep, rank, methods), tp, vllm,
+                                     gpu, switches)
             _check_sources(ck, keys)
             by_count[count] = keys
         per_rank.append(list(by_count[count]))
@@ -308,9 +348,9 @@ def plan_vllm_state(ckpt: str | os.PathLike[str] | Checkpoint, tp: int, vllm: st
 
 
 def _rank_keys(ck: Checkpoint, tp: int, vllm: str, moe_by_layer: dict[int, MoELayer], k_first: dict[int, bool],
-               ep: bool, rank: int) -> list[StateTensor]:
+               ep: bool, rank: int, methods: dict[int, str]) -> list[StateTensor]:
     """The contract's rows resolved for one rank, in the order vLLM's model registers them (the
-    quantized linear layers still as their 16-bit rows)."""
+    quantized linear layers still as their 16-bit rows); `methods`: the MoE method of each MoE layer."""
     model_st = FLOAT_ST_OF_CONFIG[ck.config.torch_dtype]
     arch = ck.config.model_type
 
@@ -329,6 +369,8 @@ def _rank_keys(ck: Checkpoint, tp: int, vllm: str, moe_by_layer: dict[int, MoELa
         scopes = ["layer"] + (["moe"] + (["shared"] if "Sn" in sizes else []) if moe is not None else ["dense"])
         for scope in scopes:
             for row in _rows_for(scope):
+                if row.method is not None and row.method != methods.get(layer):
+                    continue  # another MoE method's parameters
                 if _in_force(row, vllm, arch) and _when(ck, row.when, layer, moe, k_first):
                     keys.append(resolved(row, layer, moe, sizes))
     keys += [resolved(r, None, None, base) for r in model_rows if not r.key.startswith("model.embed")]
@@ -372,12 +414,8 @@ _LINEAR_VERBS = ("qkv", "row", "column", "merged", "cat", "copy")
 
 
 def _load_order(ck: Checkpoint, name: str) -> tuple[list[Any], str]:
-    """Where vLLM's safetensors iterator yields `name`: files in natural order (its _natural_sort_key),
-    then the file's keys in sorted order (safe_open.keys())."""
-    import re
-
-    path = str(ck.files.info(name).file)
-    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", path)], name
+    """Where vLLM's safetensors iterator yields `name` (the later of two is kept)."""
+    return ck.files.load_order(name)
 
 
 def _quantized_linear(ck: Checkpoint, keys: list[StateTensor], tp: int, vllm: str, gpu: str, switches: Any
@@ -398,9 +436,12 @@ def _quantized_linear(ck: Checkpoint, keys: list[StateTensor], tp: int, vllm: st
             raise UsageError(f"--layout vllm: {t.key}: vLLM fuses {', '.join(modules)} into one layer, and the "
                              "checkpoint quantizes only some of them; vLLM requires one scheme for all")
         lin = by_module[modules[0]]
-        _linear_loads(lin, tp, vllm, gpu, switches, ck.config.torch_dtype)
+        method = _linear_loads(lin, tp, vllm, gpu, switches, ck.config.torch_dtype)
         written.add(lin.name)
-        out += _linear_params(ck, t, lin, modules, tp)
+        if method in FORMAT_LINEAR_PARAMS:
+            out += _format_linear_params(ck, t, lin, modules, tp, vllm, method)
+        else:
+            out += _linear_params(ck, t, lin, modules, tp)
     for lin in ck.linear_layers:
         if lin.name not in written:
             _linear_loads(lin, tp, vllm, gpu, switches, ck.config.torch_dtype)
@@ -409,8 +450,9 @@ def _quantized_linear(ck: Checkpoint, keys: list[StateTensor], tp: int, vllm: st
     return out
 
 
-def _linear_loads(lin: Any, tp: int, vllm: str, gpu: str, switches: Any, dtype: str) -> None:
-    """NotLoadable where the release does not load the layer at this TP size (planning.linear)."""
+def _linear_loads(lin: Any, tp: int, vllm: str, gpu: str, switches: Any, dtype: str) -> str | None:
+    """The linear method class vLLM builds for the layer (None: compressed-tensors'); NotLoadable
+    where the release does not load the layer at this TP size (planning.linear)."""
     from wna16ctl.planning.linear import plan_linear
 
     extra = {"switches": switches} if switches is not None else {}
@@ -418,6 +460,7 @@ def _linear_loads(lin: Any, tp: int, vllm: str, gpu: str, switches: Any, dtype: 
     if not lp.loadable:
         reason = (lp.errors or ["no kernel loads it"])[0].splitlines()[0]
         raise NotLoadable(f"{lin.name}: vLLM {vllm} on {gpu} does not load this layer at --tp {tp}: {reason}")
+    return lp.method
 
 
 def _linear_params(ck: Checkpoint, t: StateTensor, lin: Any, modules: list[str], tp: int) -> list[StateTensor]:
@@ -454,6 +497,79 @@ def _linear_params(ck: Checkpoint, t: StateTensor, lin: Any, modules: list[str],
         params.append(StateTensor(base + LINEAR_PARAMS[ZERO_POINTS], (n // pack, groups), "I32",
                                   fill(ZERO_POINTS, "copy" if whole else verb), t.layer))
     return params
+
+
+# The GPTQ and AWQ linear methods (quantization/auto_gptq.py AutoGPTQLinearMethod, auto_awq.py
+# AutoAWQMarlinLinearMethod and AutoAWQLinearMethod; auto-round's INC linear scheme builds the same
+# methods) register the checkpoint's tensors as stored, K first:
+#   qweight int32 GPTQ [K/rank / pack, N/rank] (packed along K); AWQ [K/rank, N/rank / pack] (along N)
+#   scales  dtype [K/rank / group, N/rank]; whole on every rank for a row-parallel layer whose scales
+#           are channel-wise or (GPTQ before state.gptq_act_order ends) act-ordered
+#           (marlin_repeat_scales_on_all_ranks: ChannelQuantScaleParameter has no input dim)
+#   qzeros  int32 [K/rank / group, N/rank / pack] (packed along N, cut like the scales); GPTQ
+#           registers it symmetric or not
+#   g_idx   int32 [K/rank] (GPTQ, state.gptq_act_order): a row-parallel layer's is cut by rank; a
+#           fused column-parallel layer loads each part's whole g_idx into it, so the part loaded
+#           last is kept
+# The 16-bit row's fill verb cuts the N-first view of each tensor (its `_k` form transposes around it).
+FORMAT_LINEAR_PARAMS = {GPTQ_LINEAR: {CODES: "qweight", SCALES: "scales", ZERO_POINTS: "qzeros", G_IDX: "g_idx"},
+                        AWQ_MARLIN_LINEAR: {CODES: "qweight", SCALES: "scales", ZERO_POINTS: "qzeros"},
+                        AWQ_LINEAR: {CODES: "qweight", SCALES: "scales", ZERO_POINTS: "qzeros"}}
+
+
+def _format_linear_params(ck: Checkpoint, t: StateTensor, lin: Any, modules: list[str], tp: int, vllm: str,
+                          method: str) -> list[StateTensor]:
+    """The parameters a GPTQ or AWQ linear method registers for the layer a 16-bit row `t` stands for."""
+    s = lin.scheme
+    params = FORMAT_LINEAR_PARAMS[method]
+    verb, _, arg = t.fill.partition(" ")
+    pack = 32 // s.num_bits
+    n, k = t.shape
+    gptq = G_IDX in params
+    act_order = gptq and s.act_order and rules.release(vllm).has("state.gptq_act_order")
+    whole = gptq and verb == "row" and (s.group_size == -1 or act_order)
+    full_k = k * tp if verb == "row" else k
+    # the group size normalised as the methods do (channel-wise: the whole input size)
+    groups = (full_k if whole else k) // (full_k if s.group_size == -1 else s.group_size)
+    if not groups:
+        raise UsageError(f"--layout vllm: {lin.name}: channel-wise AWQ scales of a row-parallel layer: vLLM "
+                         f"creates {k} // {full_k} = 0 groups per rank (AutoAWQMarlinLinearMethod.create_weights), "
+                         "which no state can fill")
+    parts = {"qkv": [ck.dims.head_dim or 1], "merged": [(_output_rows(ck, m) or 0) // tp for m in modules],
+             "cat": [_output_rows(ck, m) or 0 for m in modules]}.get(verb, [n])
+    odd = [f"per-rank input size {k}"] if gptq and k % pack else []
+    odd += [f"output rows {u}" for u in parts if u % pack]  # qzeros (and AWQ's codes) are packed along N
+    if odd:
+        raise UsageError(f"--layout vllm: {lin.name}: {odd[0]} is not a whole number of {s.num_bits}-bit codes per "
+                         "int32 word; the vllm layout does not split such words by rank")
+    stored = formats.of(ck.config.quant).names
+    names = [n_[: -len(".weight")] for n_ in arg.split()]
+
+    def fill(role: str, how: str = verb) -> str:
+        cut = how if how == "copy" else f"{how}_k"
+        return f"{cut} " + " ".join(stored.tensor(m, role) for m in names)
+
+    base = t.key[: -len("weight")]
+    codes = (k // pack, n) if gptq else (k, n // pack)
+    out = [StateTensor(base + params[CODES], codes, "I32", fill(CODES), t.layer),
+           StateTensor(base + params[SCALES], (groups, n), t.dtype, fill(SCALES, "copy" if whole else verb), t.layer),
+           StateTensor(base + params[ZERO_POINTS], (groups, n // pack), "I32",
+                       fill(ZERO_POINTS, "copy" if whole else verb), t.layer)]
+    if gptq and rules.release(vllm).has("state.gptq_act_order"):
+        out.append(StateTensor(base + params[G_IDX], (k,), "I32", _g_idx_fill(ck, verb, modules, stored), t.layer))
+    return out
+
+
+def _g_idx_fill(ck: Checkpoint, verb: str, modules: list[str], stored: Any) -> str:
+    """How a GPTQ linear layer's g_idx parameter is filled: a row-parallel layer's K entries of this
+    rank (`column` cuts a 1-D tensor's first dimension); a column-parallel layer's the whole g_idx
+    of the part loaded last; zeros where the checkpoint stores none (nothing is loaded into it)."""
+    present = [stored.tensor(m, G_IDX) for m in modules if stored.tensor(m, G_IDX) in ck.files]
+    if not present:
+        return "const 0"
+    if verb == "row":
+        return f"column {present[0]}"
+    return f"copy {max(present, key=lambda name: _load_order(ck, name))}"
 
 
 def _split_parts(keys: list[StateTensor], max_bytes: int) -> list[list[StateTensor]]:

@@ -64,50 +64,58 @@ def _refuse_unknown(version: str, arch: str) -> None:
                          f"(known: {known})")
 
 
-# vLLM's GPTQ/AWQ MoE methods register other parameters (w13_qweight, w13_scales, w13_qzeros,
-# w13_g_idx, ...) than the compressed-tensors method whose state the key contract describes
-FORMAT_REASON = ("the vllm layout's key contract holds the compressed-tensors method's parameters, not the "
-                 "w13_qweight/w13_scales/w13_qzeros/w13_g_idx state of vLLM's GPTQ and AWQ MoE methods; use "
-                 "--layout marlin, or `wna16ctl convert` it to compressed-tensors first")
+def _refuse_format_release(ck: Checkpoint, version: str) -> None:
+    """A GPTQ, AWQ or auto-round checkpoint: the releases whose GPTQ/AWQ method rows were checked."""
+    if version not in rules.VLLM_STATE_FORMAT_RELEASES:
+        quant = ck.config.quant
+        assert quant is not None
+        raise UsageError(f"--layout vllm: {ck.config.path}: quant_method {quant.quant_method}: vLLM {version}'s GPTQ "
+                         "and AWQ methods have no checked sharded_state contract (checked: "
+                         f"{rules.span(list(rules.VLLM_STATE_FORMAT_RELEASES))}); use --layout marlin")
 
 
 def check_supported(ck: Checkpoint, version: str) -> None:
     arch = ck.config.model_type
     quant = ck.config.quant
-    # the contract is the compressed-tensors method's state (the default format's)
-    if quant is not None and formats.of(quant) is not formats.DEFAULT:
-        raise UsageError(f"--layout vllm: {ck.config.path}: quant_method {quant.quant_method}: {FORMAT_REASON}")
+    # compressed-tensors' method rows, or the GPTQ/AWQ methods' (which method a layer gets, and
+    # whether the release loads it, is the planner's: plan_vllm_state asks it per layer)
+    own_format = quant is not None and formats.of(quant) is not formats.DEFAULT
     _refuse_unknown(version, arch)
+    if own_format:
+        _refuse_format_release(ck, version)
     if ck.unplaced_linear:
         raise UsageError(f"--layout vllm: {ck.root}: quantized module {ck.unplaced_linear[0]} is not a layer vLLM "
                          f"builds for {arch}; the vllm layout has no parameter to write it into")
     for lin in ck.linear_layers:
-        _check_linear_scheme(lin, version)
+        _check_linear_scheme(lin, version, own_format)
     kv_scheme = (ck.config.raw.get("quantization_config") or {}).get("kv_cache_scheme")
     if kv_scheme:
         raise UsageError(f"--layout vllm: {ck.config.path}: {KV_CACHE_REASON}")
     if ck.mtp_layers:
         raise UsageError(f"--layout vllm: {ck.root}: {MTP_REASON}")
     for lay in ck.layers:
-        _check_experts(lay, version)
+        _check_experts(lay, version, own_format)
 
 
-def _check_linear_scheme(lin: Any, version: str) -> None:
+def _check_linear_scheme(lin: Any, version: str, own_format: bool) -> None:
     """A quantized non-expert layer (`sources.model.LinearLayer`) the layout can cut by rank; whether
-    the release loads it at all is `plan_linear`'s (called with the TP size in `plan_vllm_state`)."""
+    the release loads it at all is `plan_linear`'s (called with the TP size in `plan_vllm_state`).
+    The act-order rules below are compressed-tensors'; GPTQ's are the planner's and the rows'."""
     s = lin.scheme
     if s is None or lin.mixed_schemes or lin.refused:
         return  # plan_linear says what vLLM does with it
     if s.num_bits not in rules.VLLM_STATE_BITS:
         raise UsageError(f"--layout vllm: {lin.name}: {s.num_bits}-bit weights pack codes across int32 words, "
                          "which the vllm layout does not split by rank; vLLM loads the checkpoint itself")
+    if own_format:
+        return
     if s.act_order and rules.release(version).has("config.refuse_group_actorder"):
         raise NotLoadable(f"{lin.name}: actorder {s.actorder!r}: vLLM {version} refuses the checkpoint")
     if s.act_order:
         raise UsageError(f"--layout vllm: {lin.name}: actorder {s.actorder!r}: {LINEAR_ACT_ORDER_REASON}")
 
 
-def _check_experts(lay: MoELayer, version: str) -> None:
+def _check_experts(lay: MoELayer, version: str, own_format: bool = False) -> None:
     if lay.scheme is None:
         raise UsageError(f"--layout vllm: {lay.prefix}: unquantized experts are not supported by the vllm layout")
     if len(lay.scheme_sets) > 1:
@@ -115,6 +123,8 @@ def _check_experts(lay: MoELayer, version: str) -> None:
     if lay.scheme.num_bits not in rules.VLLM_STATE_BITS:
         raise UsageError(f"--layout vllm: {lay.prefix}: {lay.scheme.num_bits}-bit experts pack codes across int32 "
                          "words, which the vllm layout does not split by rank; vLLM loads the checkpoint itself")
+    if own_format:
+        return  # the GPTQ/AWQ rules of act-order and of unquantized experts are the planner's
     if lay.scheme.act_order and rules.release(version).has("config.refuse_group_actorder"):
         raise NotLoadable(f"{lay.prefix}: actorder {lay.scheme.actorder!r}: vLLM {version} refuses the checkpoint")
     unquantized = unquantized_lookup_error(lay, rules.release(version))  # rule method.checkpoint_proj_names

@@ -11,6 +11,7 @@ import errno
 import json
 import math
 import os
+import re
 import stat
 import struct
 from dataclasses import dataclass
@@ -124,6 +125,13 @@ class CheckpointFiles:
         sh = self.shard_of(name)
         start, end = e["data_offsets"]
         return TensorInfo(name, e["dtype"], tuple(e["shape"]), sh.path, sh.data_start + start, sh.data_start + end)
+
+    def load_order(self, name: str) -> tuple[list[Any], str]:
+        """Where vLLM's safetensors iterator yields `name`: files in natural order (its
+        _natural_sort_key), then the file's keys in sorted order (safe_open.keys()); where two
+        tensors load into one parameter, the later one is kept."""
+        path = str(self.shard_of(name).path)
+        return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", path)], name
 
     def raw(self, name: str) -> dict | None:
         """The raw header entry (`dtype`, `shape`, `data_offsets`) or None."""
