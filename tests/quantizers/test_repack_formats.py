@@ -1,16 +1,14 @@
 """The Marlin layout of GPTQ and AWQ experts, from checkpoints GPTQModel and AutoRound write
 (write_checkpoints.TP2_VARIANTS: intermediate size 128, which loads at TP 2), equals what vLLM's
 own Marlin preparation makes of the stored tensors (_vllm_marlin_reference.py, run in the engine
-venv); the planner gives such a layer its layout; `--layout vllm` refuses these formats in one line.
+venv); the planner gives such a layer its layout.  (Their `--layout vllm`: test_repack_verify_formats.py.)
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -66,15 +64,3 @@ def test_marlin_experts_are_what_vllm_makes_of_the_stored_tensors(quantized, tmp
     for name, tensor in ours.items():
         for e in range(layer.num_experts):
             assert torch.equal(tensor[e], want[f"{e}.{name}"]), f"{variant}: expert {e} {name}"
-
-
-def test_the_vllm_layout_of_a_gptq_or_awq_checkpoint_is_refused_in_one_line(quantized, tmp_path):
-    for variant in CASES:
-        src = _servable_copy(quantized, variant, tmp_path)
-        out = tmp_path / f"{variant}-out"
-        r = subprocess.run([sys.executable, "-m", "wna16ctl", "repack", str(src), "-o", str(out), "--tp", "2",
-                            "--layout", "vllm", "--vllm", CASES[variant][1]],
-                           capture_output=True, text=True, env=os.environ | {"PYTHONPATH": os.getcwd()})
-        assert r.returncode == 2, r.stderr
-        assert len(r.stderr.strip().splitlines()) == 1 and "w13_qweight" in r.stderr and "convert" in r.stderr, r.stderr
-        assert not out.exists()

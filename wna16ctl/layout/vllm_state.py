@@ -30,7 +30,6 @@ import torch
 from wna16ctl.dtypes import torch_dtype
 from wna16ctl.errors import BadInput
 from wna16ctl.layout.spec import G_IDX, SCALES, ZERO_POINTS
-from wna16ctl.sources import formats
 
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 
@@ -267,6 +266,7 @@ def _expert_tensor(plan: Any, reader: Any, moe: Any, verb: str, kind: str, rank:
     tp, rank = (1, 0) if plan.ep else (plan.tp, rank)
     if verb in ("gidx13", "gidx2"):
         return stack_experts([_g_idx_of(reader, moe, e, verb, tp, rank) for e in experts])
+    k_stored = verb.endswith("_k")
     verb, reader, full = _stored_k_first(verb, reader)
     suffix = moe.fmt.names.suffix(kind) if kind else kind
     if verb in ("shape13", "shape2"):
@@ -289,7 +289,7 @@ def _expert_tensor(plan: Any, reader: Any, moe: Any, verb: str, kind: str, rank:
             per_expert.append(w13_shard(gate, up, tp, rank))
         else:
             down = _expert_read(reader, moe, e, "down", suffix)
-            per_expert.append(w2_shard(down, tp, rank, whole=full or _w2_whole(moe, kind)))
+            per_expert.append(w2_shard(down, tp, rank, whole=full or _w2_whole(moe, kind, k_stored)))
     if per_expert[0].dtype != torch.int32:  # scales: converted to the parameter's dtype
         per_expert = [p.to(dtype) for p in per_expert]
     if transposed:
@@ -297,12 +297,12 @@ def _expert_tensor(plan: Any, reader: Any, moe: Any, verb: str, kind: str, rank:
     return stack_experts(per_expert)
 
 
-def _w2_whole(moe: Any, role: str) -> bool:
-    """Whether down's tensor of `role` is whole on every rank: channel-wise scales (and, in the GPTQ
-    method's is_transposed parameters, channel-wise zero points: the loader's per-channel path)."""
+def _w2_whole(moe: Any, role: str, k_stored: bool) -> bool:
+    """Whether down's tensor of `role` is whole on every rank: channel-wise scales (and, for the
+    GPTQ/AWQ methods' K-first stored tensors, channel-wise zero points: the loader's per-channel path)."""
     if moe.scheme.group_size != -1:
         return False
-    return role == SCALES or (role == ZERO_POINTS and moe.fmt is not formats.DEFAULT)
+    return role == SCALES or (role == ZERO_POINTS and k_stored)
 
 
 def _g_idx_of(reader: Any, moe: Any, e: int, verb: str, tp: int, rank: int) -> torch.Tensor:
@@ -439,6 +439,7 @@ def _invert_experts(reader: Any, moe: Any, verb: str, kind: str, held: dict[int,
     """`held`: each global expert's slices (`_expert_parts`), joined back as the loader cut them."""
     if verb in ("gidx13", "gidx2"):
         return _invert_g_idx(reader, moe, verb, held)
+    k_stored = verb.endswith("_k")
     verb, reader, full = _stored_k_first(verb, reader)
     suffix = moe.fmt.names.suffix(kind) if kind else kind
     same = same_bits
@@ -463,7 +464,7 @@ def _invert_experts(reader: Any, moe: Any, verb: str, kind: str, held: dict[int,
                 if not same(got, want.to(got.dtype)):
                     return f"expert {e}: differs from {moe.tensor_name(e, role, suffix)}"
         else:
-            got, differing = w2_unshard(held[e], whole=full or _w2_whole(moe, kind))
+            got, differing = w2_unshard(held[e], whole=full or _w2_whole(moe, kind, k_stored))
             if differing:
                 return f"expert {e}: ranks {differing} hold another copy than rank 0"
             want = _expert_read(reader, moe, e, "down", suffix)

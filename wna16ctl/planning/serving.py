@@ -104,16 +104,14 @@ def _plugin_reads(ck: Any) -> bool:
 
 def _vllm_layout_fits(ck: Any, version: str, tp: int, ep: bool, gpu: str, sw: Any) -> bool:
     """Whether `repack --layout vllm` takes this checkpoint for this release (its own refusals).  A
-    GPTQ/AWQ checkpoint's state depends on the MoE and linear methods vLLM builds at this TP size
-    (the MoeWNA16 fallback has no rows): its whole plan is asked."""
+    GPTQ/AWQ checkpoint's state depends on the MoE method vLLM builds at this TP size (the MoeWNA16
+    fallback has no rows): `moe_methods` says which, as it does for repack."""
     from wna16ctl.errors import WnaError
-    from wna16ctl.planning.vllm_state import plan_vllm_state
-    from wna16ctl.planning.vllm_support import check_supported
+    from wna16ctl.planning.vllm_support import check_supported, moe_methods
 
     try:
         check_supported(ck, version)
-        if not _plugin_reads(ck):
-            plan_vllm_state(ck, tp, version, gpu=gpu, switches=sw, ep=ep)
+        moe_methods(ck, tp, version, gpu, sw, ep)
     except WnaError:
         return False
     return True

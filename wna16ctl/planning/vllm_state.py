@@ -28,7 +28,7 @@ from wna16ctl.planning.methods import LINEAR_PARAMS
 from wna16ctl.planning.methods.base import AWQ_LINEAR, AWQ_MARLIN_LINEAR, GPTQ_LINEAR
 from wna16ctl.planning.moe import local_expert_ranges
 from wna16ctl.planning.next_steps import NextStep
-from wna16ctl.planning.vllm_support import check_supported
+from wna16ctl.planning.vllm_support import check_supported, moe_methods
 from wna16ctl.sources import Checkpoint, MoELayer, formats, open_checkpoint
 from wna16ctl.sources.formats.face import SHAPE
 from wna16ctl.sources.moe import _FAMILY_NAMES
@@ -287,34 +287,6 @@ def _expert_orientation(ck: Checkpoint, tp: int, vllm: str, gpu: str, switches: 
     return backends, k_first
 
 
-def _moe_methods(ck: Checkpoint, tp: int, vllm: str, gpu: str, switches: Any, ep: bool) -> dict[int, str]:
-    """The vLLM MoE method class of each MoE layer (decoder layer index): compressed-tensors' for
-    its checkpoints, else the one the format's config builds (planning.moe.plan_layer), whose
-    parameters the rows of that method describe.  NotLoadable where the release does not load the
-    layer; a method whose state the layout has no rows for (MoeWNA16) is refused in one line."""
-    from wna16ctl.planning.moe import plan_layer
-
-    if ck.config.quant is None or formats.of(ck.config.quant) is formats.DEFAULT:
-        return {lay.layer_index: rules.CT_MOE_METHOD for lay in ck.layers if lay.layer_index is not None}
-    written = {row.method for row in rules.VLLM_STATE_KEYS if row.method is not None}
-    out: dict[int, str] = {}
-    for lay in ck.layers:
-        lp = plan_layer(lay, tp, ep, vllm, gpu, switches) if switches is not None else plan_layer(lay, tp, ep, vllm, gpu)
-        if not lp.loadable:
-            reason = (lp.errors or ["no backend loads it"])[0]
-            raise NotLoadable(f"{lay.prefix}: vLLM {vllm} on {gpu} does not load this layer at --tp {tp}"
-                              f"{' --ep' if ep else ''}: {reason}")
-        method = (lp.method or {}).get("class")
-        if method not in written:
-            why = (lp.method or {}).get("fallback_reason")
-            raise UsageError(f"--layout vllm: {lay.prefix}: vLLM {vllm} builds {method} for this layer"
-                             f"{f' ({why})' if why else ''}; the vllm layout writes the parameters of the GPTQ and "
-                             "AWQ Marlin MoE methods only: serve the checkpoint itself")
-        if lay.layer_index is not None:
-            out[lay.layer_index] = method
-    return out
-
-
 def plan_vllm_state(ckpt: str | os.PathLike[str] | Checkpoint, tp: int, vllm: str, *,
                     max_shard_bytes: int = 4 << 30, gpu: str = rules.DEFAULT_GPU,
                     switches: Any = None, ep: bool = False) -> VllmStatePlan:
@@ -323,7 +295,7 @@ def plan_vllm_state(ckpt: str | os.PathLike[str] | Checkpoint, tp: int, vllm: st
     backend (state.experts_k_first)."""
     ck = ckpt if isinstance(ckpt, Checkpoint) else open_checkpoint(ckpt)
     check_supported(ck, vllm)
-    methods = _moe_methods(ck, tp, vllm, gpu, switches, ep)
+    methods = moe_methods(ck, tp, vllm, gpu, switches, ep)
     # only compressed-tensors' expert buffers follow the backend; the GPTQ/AWQ methods' are K-first always
     ct = all(m == rules.CT_MOE_METHOD for m in methods.values())
     backends, k_first = _expert_orientation(ck, tp, vllm, gpu, switches, ep) if ct else ({}, {})

@@ -10,7 +10,7 @@ from typing import Any
 
 from wna16ctl.errors import NotLoadable, UsageError
 from wna16ctl.planning import rules
-from wna16ctl.planning.moe import unquantized_lookup_error
+from wna16ctl.planning.moe import plan_layer, unquantized_lookup_error
 from wna16ctl.sources import Checkpoint, MoELayer, formats
 
 
@@ -132,3 +132,29 @@ def _check_experts(lay: MoELayer, version: str, own_format: bool = False) -> Non
         raise NotLoadable(f"{lay.prefix}: {unquantized}")
     if lay.scheme.act_order:
         raise UsageError(f"--layout vllm: {lay.prefix}: actorder {lay.scheme.actorder!r}: {ACT_ORDER_REASON}")
+
+
+def moe_methods(ck: Checkpoint, tp: int, vllm: str, gpu: str, switches: Any, ep: bool) -> dict[int, str]:
+    """The vLLM MoE method class of each MoE layer (decoder layer index): compressed-tensors' for
+    its checkpoints, else the one the format's config builds (planning.moe.plan_layer), whose
+    parameters the rows of that method describe.  NotLoadable where the release does not load the
+    layer; a method whose state the layout has no rows for (MoeWNA16) is refused in one line."""
+    if ck.config.quant is None or formats.of(ck.config.quant) is formats.DEFAULT:
+        return {lay.layer_index: rules.CT_MOE_METHOD for lay in ck.layers if lay.layer_index is not None}
+    written = {row.method for row in rules.VLLM_STATE_KEYS if row.method is not None}
+    out: dict[int, str] = {}
+    for lay in ck.layers:
+        lp = plan_layer(lay, tp, ep, vllm, gpu, switches) if switches is not None else plan_layer(lay, tp, ep, vllm, gpu)
+        if not lp.loadable:
+            reason = (lp.errors or ["no backend loads it"])[0]
+            raise NotLoadable(f"{lay.prefix}: vLLM {vllm} on {gpu} does not load this layer at --tp {tp}"
+                              f"{' --ep' if ep else ''}: {reason}")
+        method = (lp.method or {}).get("class")
+        if method not in written:
+            why = (lp.method or {}).get("fallback_reason")
+            raise UsageError(f"--layout vllm: {lay.prefix}: vLLM {vllm} builds {method} for this layer"
+                             f"{f' ({why})' if why else ''}; the vllm layout writes the parameters of the GPTQ and "
+                             "AWQ Marlin MoE methods only: serve the checkpoint itself")
+        if lay.layer_index is not None:
+            out[lay.layer_index] = method
+    return out
