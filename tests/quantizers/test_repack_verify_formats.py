@@ -203,7 +203,7 @@ def test_the_awq_vllm_layout_equals_vllm_cpus_own_state(vllm_state, tmp_path):
 
     src, out = vllm_state("autoround-awq-asym4-tp2@0.32.0")
     dump = tmp_path / "vllm-state"
-    request = {"model": str(src), "prompts": [[5, 6, 7, 8]], "max_tokens": 2, "dtype": "float16"}
+    request = {"model": str(src), "prompts": [[5, 6, 7, 8]], "max_tokens": 2, "dtype": "float16", "max_model_len": 256}
     _engine_run(engine_python(), request, tmp_path, "normal", 2, dump=dump)
     breaks = _contract_breaks(dump, out, 2)
     assert not breaks, (f"the vllm layout of the AWQ checkpoint (TP 2) differs from vLLM {ENGINE_RELEASE}'s own "
