@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -107,7 +108,7 @@ def write(out: Path, *, layers: int = 4, experts: int = 128, hidden: int = 2048,
     return out
 
 
-def _gptq_quant(num_bits: int, group_size: int) -> tuple[object, dict, object]:
+def _gptq_quant(num_bits: int, group_size: int) -> tuple[Any, dict, Any]:
     """(the GPTQ format, the quantization_config GPTQModel writes (v1, sym, no act-order), the
     scheme of every expert projection as the format reads that config)."""
     from wna16ctl.sources.formats import gptq
@@ -120,14 +121,14 @@ def _gptq_quant(num_bits: int, group_size: int) -> tuple[object, dict, object]:
     return fmt, qc, scheme
 
 
-def _gptq_tensors(quant: tuple[object, dict, object], module: str, codes: torch.Tensor,
+def _gptq_tensors(quant: tuple[Any, dict, Any], module: str, codes: torch.Tensor,
                   scales: torch.Tensor) -> dict[str, torch.Tensor]:
     """One projection's canonical codes and scales in GPTQ's stored form, by stored name."""
     from wna16ctl.sources.formats import CODES, G_IDX, SCALES, ZERO_POINTS
 
     fmt, _, scheme = quant
-    stored = fmt.stored_form({CODES: codes, SCALES: scales.to(torch.float16)}, scheme)  # type: ignore[attr-defined]
-    return {fmt.names.tensor(module, role): stored[role] for role in (CODES, ZERO_POINTS, SCALES, G_IDX)  # type: ignore[attr-defined]
+    stored = fmt.stored_form({CODES: codes, SCALES: scales.to(torch.float16)}, scheme)
+    return {fmt.names.tensor(module, role): stored[role] for role in (CODES, ZERO_POINTS, SCALES, G_IDX)
             if role in stored}
 
 

@@ -13,20 +13,18 @@ re-assembly of an expert from every rank, which needs all ranks' tensors in one 
 repeated across processes: each rank's slice is compared bit for bit with the checkpoint's by the
 process that reads it, and `shard_expert` / `unshard_expert` are inverses.
 
+`checks.merge_reports` makes the one report from the processes' reports.
+
 Every exchange carries either the value or the process's failure (`distributed.outcome_of`), so a
 fault in one process stops every process at the same exchange with the failing process named.
 """
 
 from __future__ import annotations
 
-import re
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 from wna16ctl.errors import EXIT_BAD_INPUT, UsageError
 from wna16ctl.repacking.distributed import SOLO, Group, PeerFailed, outcome_of, ranks_of_process
-
-if TYPE_CHECKING:
-    from wna16ctl.verification.checks import Check, VerifyReport
 
 T = TypeVar("T")
 
@@ -112,59 +110,3 @@ def exchange_layer(group: Group, layer: str, sums: Any, partial_k: Any, launches
         for name, count in got["launches"].items():
             merged_launches[name] = merged_launches.get(name, 0) + count
     return sums, partial_k, merged_launches
-
-
-# ---- one report -------------------------------------------------------------------------------------------
-
-
-def all_ranks_check(checked: list[int], not_checked: list[int], asked: bool) -> "Check":
-    """The `all_ranks` check of a verify that left ranks out: not required, not run, naming them."""
-    from wna16ctl.verification.checks import Check
-
-    n = len(checked) + len(not_checked)
-    left = f"rank{'s' if len(not_checked) != 1 else ''} {', '.join(map(str, not_checked))} not checked"
-    held = (f"--ranks {','.join(map(str, checked))} of {n}" if asked else
-            f"a part holding rank{'s' if len(checked) != 1 else ''} {', '.join(map(str, checked))} of {n}")
-    rerun = "verify without --ranks for that" if asked else "verify the parts copied together for that"
-    return Check("all_ranks", "every rank present, and the ranks re-assembled into the checkpoint", required=False,
-                 reason=f"{held}: {left}, nor the re-assembly across ranks ({rerun})")
-
-
-def merge_reports(reports: list["VerifyReport"], *, ep: bool, asked: bool) -> "VerifyReport":
-    """The report of one verify from its processes' reports (by process): each check as bad as its
-    worst (FAIL, then not run), the findings of each check process by process (a finding every
-    process makes, such as a manifest field, once), the ranks and files added up.  The numerics
-    rows are the same in every process (`exchange_layer`): the first process's."""
-    from wna16ctl.verification.checks import FAIL, NOT_RUN
-
-    if len(reports) == 1:
-        return reports[0]
-    first = reports[0]
-    checks = [c for c in first.checks if c.name != "all_ranks"]
-    for check in checks:
-        mine = [next(c for c in r.checks if c.name == check.name) for r in reports]
-        worst = next((c for c in mine if c.status == FAIL), None) or next((c for c in mine if c.status == NOT_RUN), None)
-        if worst is not None:
-            check.status, check.reason = worst.status, worst.reason
-    seen: set[tuple] = set()
-    findings = []
-    for name in [c.name for c in checks]:
-        for report in reports:
-            for f in report.by_check(name):
-                key = (f.check, f.message, f.layer, f.rank, f.expert)
-                if key not in seen:
-                    seen.add(key)
-                    findings.append(f)
-    first.findings = findings
-    first.files_checked = sum(r.files_checked for r in reports)
-    first.experts_checked = (sum if ep else max)(r.experts_checked for r in reports)
-    first.ranks_checked = sorted({x for r in reports for x in r.ranks_checked})
-    first.ranks_not_checked = sorted(set.intersection(*(set(r.ranks_not_checked) for r in reports)))
-    first.checks = checks
-    if first.ranks_not_checked:
-        first.checks.append(all_ranks_check(first.ranks_checked, first.ranks_not_checked, asked))
-    for check in first.checks:  # "N findings" counted over every process
-        bad = len(first.by_check(check.name))
-        if check.status == FAIL and re.fullmatch(r"\d+ findings?", check.reason) and bad:
-            check.reason = f"{bad} finding{'s' if bad != 1 else ''}"
-    return first

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -613,7 +614,7 @@ def verify_output(
     if group.world_size == 1:
         return here()[0]
     got = across.exchange(group, f"verifying {out}", here)
-    return across.merge_reports([report for report, _ in got], ep=got[0][1], asked=ranks is not None)
+    return merge_reports([report for report, _ in got], ep=got[0][1], asked=ranks is not None)
 
 
 def _verify_output_here(ckpt: str | os.PathLike[str], out: str | os.PathLike[str], samples: str | os.PathLike[str] | None,
@@ -730,7 +731,7 @@ def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], sam
     report.ranks_checked = present
     report.ranks_not_checked = [r for r in range(len(plan.files)) if r not in checked]
     if report.ranks_not_checked:
-        report.checks.append(across.all_ranks_check(checked, report.ranks_not_checked, asked_ranks is not None))
+        report.checks.append(all_ranks_check(checked, report.ranks_not_checked, asked_ranks is not None))
     dtype = dtype_from_name(manifest["scale_dtype"])
     if dtype not in GEMM_DTYPES and any(j.layout == MARLIN for j in jobs):
         raise UsageError(
@@ -1244,3 +1245,55 @@ def _expert_numerics(x: torch.Tensor, x_c: torch.Tensor, w: torch.Tensor, tok: t
         y_c = ((h_c @ w2_c) * w).to(dtype).float()
         partial.index_add_(0, tok, y_c)
     partial_ref.index_add_(0, tok, y)
+
+
+# ---- one report from the processes of a torchrun launch (verification.across) -------------------------------------------------------------------------------------------
+
+
+def all_ranks_check(checked: list[int], not_checked: list[int], asked: bool) -> Check:
+    """The `all_ranks` check of a verify that left ranks out: not required, not run, naming them."""
+    n = len(checked) + len(not_checked)
+    left = f"rank{'s' if len(not_checked) != 1 else ''} {', '.join(map(str, not_checked))} not checked"
+    held = (f"--ranks {','.join(map(str, checked))} of {n}" if asked else
+            f"a part holding rank{'s' if len(checked) != 1 else ''} {', '.join(map(str, checked))} of {n}")
+    rerun = "verify without --ranks for that" if asked else "verify the parts copied together for that"
+    return Check("all_ranks", "every rank present, and the ranks re-assembled into the checkpoint", required=False,
+                 reason=f"{held}: {left}, nor the re-assembly across ranks ({rerun})")
+
+
+def merge_reports(reports: list[VerifyReport], *, ep: bool, asked: bool) -> VerifyReport:
+    """The report of one verify from its processes' reports (by process): each check as bad as its
+    worst (FAIL, then not run), the findings of each check process by process (a finding every
+    process makes, such as a manifest field, once), the ranks and files added up.  The numerics
+    rows are the same in every process (`exchange_layer`): the first process's."""
+    if len(reports) == 1:
+        return reports[0]
+    first = reports[0]
+    checks = [c for c in first.checks if c.name != "all_ranks"]
+    for check in checks:
+        mine = [next(c for c in r.checks if c.name == check.name) for r in reports]
+        worst = next((c for c in mine if c.status == FAIL), None) or next((c for c in mine if c.status == NOT_RUN), None)
+        if worst is not None:
+            check.status, check.reason = worst.status, worst.reason
+    seen: set[tuple] = set()
+    findings = []
+    for name in [c.name for c in checks]:
+        for report in reports:
+            for f in report.by_check(name):
+                key = (f.check, f.message, f.layer, f.rank, f.expert)
+                if key not in seen:
+                    seen.add(key)
+                    findings.append(f)
+    first.findings = findings
+    first.files_checked = sum(r.files_checked for r in reports)
+    first.experts_checked = (sum if ep else max)(r.experts_checked for r in reports)
+    first.ranks_checked = sorted({x for r in reports for x in r.ranks_checked})
+    first.ranks_not_checked = sorted(set.intersection(*(set(r.ranks_not_checked) for r in reports)))
+    first.checks = checks
+    if first.ranks_not_checked:
+        first.checks.append(all_ranks_check(first.ranks_checked, first.ranks_not_checked, asked))
+    for check in first.checks:  # "N findings" counted over every process
+        bad = len(first.by_check(check.name))
+        if check.status == FAIL and re.fullmatch(r"\d+ findings?", check.reason) and bad:
+            check.reason = f"{bad} finding{'s' if bad != 1 else ''}"
+    return first
