@@ -149,7 +149,7 @@ def converted_tensors(p: Projection, fmt: Any, reader: Any) -> dict[str, Any]:
     return out
 
 
-def _converted(p: Projection, fmt: Any, reader: Any) -> list[tuple[str, bytes]]:
+def _converted(p: Projection, fmt: Any, reader: Any) -> list[tuple[str, memoryview]]:
     """(name, bytes) of the projection's pack-quantized tensors in the planned order, each checked
     against its planned dtype and shape."""
     from wna16ctl.dtypes import torch_dtype
@@ -163,7 +163,7 @@ def _converted(p: Projection, fmt: Any, reader: Any) -> list[tuple[str, bytes]]:
             got = "missing" if t is None else f"{t.dtype} {list(t.shape)}"
             raise BadInput(f"tensor {p.stored[CODES]}: converts to {name} {got}, not {dtype} {shape} as its "
                            "header promises; the checkpoint's tensors do not match its config")
-        out.append((name, bytes(writable_view(t.contiguous()))))
+        out.append((name, writable_view(t.contiguous())))  # the view holds the tensor: written without a copy
     return out
 
 
