@@ -61,14 +61,17 @@ def test_the_guides_inspect_blocks_are_the_real_output(tmp_path, monkeypatch):
         tail = real[max(i for i, line in enumerate(real) if line.startswith("summary")):]
         assert real[-len(shown):] == shown, (f"docs/user-guide.md: the block of `wna16ctl {shlex.join(args)}` should "
                                              "show, after its '...' line:\n" + "\n".join(tail))
-    # the --suggest section: "at TP 4 is told EP, then TP 2, then `wna16ctl pad`", 768 -> 1024
+    # the --suggest section: "at TP 4 is told EP, then convert --to gptq, then TP 2, then `wna16ctl pad`",
+    # 768 -> 1024
     res = CliRunner().invoke(cli, ["inspect", "./Qwen3-30B-A3B-W4A16", "--tp", "4", "--vllm", "0.31.0", "--suggest",
                                    "--json"])
     found = json.loads(res.stdout)["suggestions"]
-    assert [s["kind"] for s in found[:3]] == ["ep", "tp", "pad"], found
-    assert found[2]["pad"]["fields"]["moe_intermediate_size"] == {"from": 768, "to": 1024}
+    assert [s["kind"] for s in found[:3]] == ["ep", "convert", "tp"], found
+    pad = next(s for s in found if s["kind"] == "pad")
+    assert pad["pad"]["fields"]["moe_intermediate_size"] == {"from": 768, "to": 1024}
     guide = " ".join(GUIDE.read_text().split())
-    assert "`--tensor-parallel-size 4 --enable-expert-parallel`, then TP 2, then `wna16ctl pad`" in guide
+    assert ("`--tensor-parallel-size 4 --enable-expert-parallel`, then `wna16ctl convert --to gptq`, then TP 2, "
+            "then `wna16ctl pad`") in guide
     assert "The third is `wna16ctl pad` (768 → 1024;" in guide
 
 

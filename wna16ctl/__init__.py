@@ -376,20 +376,21 @@ def pad(path: PathLike, out: PathLike | None, tp: int | str | None = None, *, to
 
 
 def convert(path: PathLike, out: PathLike | None, *, dry_run: bool = False, force: bool = False, resume: bool = False,
-            progress: Callable[..., Callable[[int], None]] | None = None) -> Any:
+            progress: Callable[..., Callable[[int], None]] | None = None, to: str | None = None) -> Any:
     """Convert the GPTQ, AWQ or AutoRound checkpoint at `path` to compressed-tensors `pack-quantized`
-    in `out`: every code, scale, zero point and g_idx carried exactly, the `quantization_config` as
-    llm-compressor writes it, the other files copied.  Written atomically with a manifest (returned);
-    `resume` reuses the files an earlier run finished for the same source.  With `dry_run` returns the
-    `ConversionPlan` and writes nothing.  Raises `BadInput` (nothing written) where compressed-tensors
-    cannot say what the source stores (the tensor or key, and why)."""
+    in `out` (the `quantization_config` as llm-compressor writes it), or a compressed-tensors one to
+    GPTQ (`to="gptq"`, the default for such a source: v1, with GPTQModel's config): every code,
+    scale, zero point and g_idx carried exactly, the other files copied.  Written atomically with a
+    manifest (returned); `resume` reuses the files an earlier run finished for the same source.  With
+    `dry_run` returns the `ConversionPlan` and writes nothing.  Raises `BadInput` (nothing written)
+    where the target cannot say what the source stores (the tensor or key, and why)."""
     from wna16ctl.conversion.plan import plan_conversion
     from wna16ctl.conversion.write import write_converted
     from wna16ctl.errors import UsageError
 
     if force and resume:
         raise UsageError("force and resume exclude each other")
-    plan = plan_conversion(os.fspath(path))
+    plan = plan_conversion(os.fspath(path), to)
     if dry_run:
         return plan
     if out is None:

@@ -25,7 +25,7 @@ try:  # a Ctrl-C while the command line starts: one line and 130, as anywhere la
     from wna16ctl.planning.engine_env import MOE_BACKENDS
     from wna16ctl.planning.rules import DEFAULT_GPU, GPUS, NEWEST, OLDEST
     from wna16ctl.sources.architectures import DEMO_ARCHITECTURES
-    from wna16ctl.sources.formats import DEMO_FORMATS
+    from wna16ctl.sources.formats import CONVERT_TARGETS, DEMO_FORMATS
     from wna16ctl.layout.registry import names as layout_names
     from wna16ctl.layout.spec import AUTO
 except KeyboardInterrupt:
@@ -691,9 +691,11 @@ def pad(ctx: click.Context, ckpt: str, out: str | None, tp: str | None, to: int 
 
 # -- convert ---------------------------------------------------------------------------------------
 
-@cli.command(short_help="Convert a GPTQ, AWQ or AutoRound CKPT to compressed-tensors, exactly.")
+@cli.command(short_help="Convert a GPTQ, AWQ or AutoRound CKPT to compressed-tensors (or back to GPTQ), exactly.")
 @click.argument("ckpt", type=click.Path(file_okay=False, path_type=str))
 @click.option("-o", "--output", "out", type=click.Path(path_type=str), help="Output directory (required unless --dry-run).")
+@click.option("--to", "to", type=click.Choice(list(CONVERT_TARGETS)), default=None,
+              help="The format to write (default: compressed-tensors; a compressed-tensors CKPT: GPTQ).")
 @click.option("--dry-run", is_flag=True, help="Print what would be written; write nothing.")
 @click.option("--resume", is_flag=True, help="Reuse files of an earlier run with the same source.")
 @click.option("--force", is_flag=True, help="Replace an earlier wna16ctl output at OUT.")
@@ -701,11 +703,11 @@ def pad(ctx: click.Context, ckpt: str, out: str | None, tp: str | None, to: int 
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @_debug_option
 @click.pass_context
-def convert(ctx: click.Context, ckpt: str, out: str | None, dry_run: bool, resume: bool, force: bool, json_mode: bool,
-            quiet: bool, debug: bool) -> None:
-    """Write CKPT (GPTQ, AWQ or AutoRound) as a compressed-tensors pack-quantized checkpoint: every code,
-    scale, zero point and g_idx carried exactly; refused in one line where compressed-tensors cannot
-    say what CKPT stores."""
+def convert(ctx: click.Context, ckpt: str, out: str | None, to: str | None, dry_run: bool, resume: bool, force: bool,
+            json_mode: bool, quiet: bool, debug: bool) -> None:
+    """Write CKPT (GPTQ, AWQ or AutoRound) as a compressed-tensors pack-quantized checkpoint, or a
+    compressed-tensors CKPT as GPTQ (--to gptq: v1, as GPTQModel writes it): every code, scale, zero
+    point and g_idx carried exactly; refused in one line where the target cannot say what CKPT stores."""
     sink = Sink(json_mode=json_mode, quiet=quiet)
     if out is None and not dry_run:
         raise click.UsageError("-o/--output is required (or pass --dry-run)")
@@ -718,11 +720,11 @@ def convert(ctx: click.Context, ckpt: str, out: str | None, dry_run: bool, resum
         import wna16ctl
 
         if dry_run:
-            plan = wna16ctl.convert(ckpt, None, dry_run=True).to_json()
+            plan = wna16ctl.convert(ckpt, None, dry_run=True, to=to).to_json()
             sink.result_lines(plan, lambda: [f"{k}: {v}" for k, v in plan.items()])
             return EXIT_OK
         with sink.tasks() as progress:
-            manifest = wna16ctl.convert(ckpt, out, force=force, resume=resume, progress=progress)
+            manifest = wna16ctl.convert(ckpt, out, force=force, resume=resume, progress=progress, to=to)
         conv = manifest["conversion"]
         sink.result_lines(manifest, lambda: [
             f"converted {conv['projections']} projections ({', '.join(conv['schemes'])}) from {conv['source_format']} "

@@ -671,34 +671,14 @@ def _verbose_group_actorder_config(quantization_config: dict[str, Any]) -> dict[
 # GPTQ and AWQ: the library's output in another format
 
 
-def _skip_entries(skipped: list[str], linear: list[str]) -> list[str]:
-    """The modules a config names as not quantized, as few as cover `skipped`: a whole block (the
-    attention, a dense MLP, the shared experts) where none of its Linears is quantized, else the
-    module itself.  Blocks, because an engine fuses their projections under another name (vLLM's
-    `qkv_proj`, `gate_up_proj`); entries keep their layer index, as AutoRound writes them."""
-    quantized = set(linear) - set(skipped)
-    out: list[str] = []
-    for name in skipped:
-        layer = re.match(r"(.*?\.\d+)\.", name)  # model.layers.N: entries stay inside one layer
-        top = layer.group(1) if layer else ""
-        entry, parent = name, name.rpartition(".")[0]
-        while len(parent) > len(top) and not any(q.startswith(parent + ".") for q in quantized):
-            entry, parent = parent + ".", parent.rpartition(".")[0]
-        if entry not in out:
-            out.append(entry)
-    return out
-
-
 def _gptq_config(spec: DemoSpec, skipped: list[str]) -> dict[str, Any]:
     """The quantization_config GPTQModel writes (v1 storage), its `dynamic` skipping `skipped`."""
+    from wna16ctl.sources.formats.qweight import SchemeCache
     from wna16ctl.version import __version__
 
-    dynamic: dict[str, dict[str, Any]] = {"-:" + re.escape(entry) + ("" if entry.endswith(".") else "$"): {} for entry in skipped}
-    return {"bits": spec.num_bits, "group_size": spec.group_size, "desc_act": spec.actorder == "group",
-            "sym": spec.symmetric, "lm_head": False, "quant_method": gptq.QUANT_METHOD, "method": gptq.QUANT_METHOD,
-            "format": gptq.V1, "checkpoint_format": gptq.V1, "pack_dtype": "int32", "dynamic": dynamic,
-            # "name:version", the form GPTQModel's meta.quantizer takes; the writer is this demo
-            "meta": {"quantizer": [f"wna16ctl:{__version__}"]}}
+    scheme = SchemeCache().get(spec.num_bits, spec.group_size, spec.symmetric, spec.actorder == "group", gptq.V1)
+    # "name:version", the form GPTQModel's meta.quantizer takes; the writer is this demo
+    return gptq.written_config(scheme, skipped, False, f"wna16ctl:{__version__}")
 
 
 def _awq_config(spec: DemoSpec, skipped: list[str]) -> dict[str, Any]:
@@ -717,7 +697,7 @@ def _in_qweight_format(spec: DemoSpec, tensors: dict[str, torch.Tensor],
 
     fmt, source = READ_FORMATS[spec.format], COMPRESSED_TENSORS.names
     quantized = [module for module in linear if source.tensor(module, CODES) in tensors]
-    skipped = _skip_entries([m for m in linear if m not in quantized and not is_head(m)], linear)
+    skipped = gptq.skip_entries([m for m in linear if m not in quantized and not is_head(m)], linear)
     qc = _gptq_config(spec, skipped) if spec.format == gptq.QUANT_METHOD else _awq_config(spec, skipped)
     where = Path("config.json")
     read_back = fmt.resolver(fmt.parse_config(qc, where), qc, where)

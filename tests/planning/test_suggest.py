@@ -85,6 +85,8 @@ def _recheck(path: Path, s: dict, base_args: list[str]) -> bool:
         kw = {k: v for k, v in _api([f for f in flags[3:-2] if f != "--ep"]).items() if k not in ("tp", "vllm", "gpu")}
         plan = wna16ctl.pad(path, None, tp=s["tp"], ep=s["ep"], vllm=s["vllm"], gpu=s["gpu"], dry_run=True, **kw)
         return plan.verdict["loads"] and plan.to_json()["fields"] == s["pad"]["fields"]
+    if s["kind"] == "convert":  # the headers `wna16ctl convert` plans, written out and inspected as any checkpoint
+        path = _converted_headers(path, shlex.split(s["flags"]))
     args = [str(path), "--tp", str(s["tp"]), "--vllm", s["vllm"], "--gpu", s["gpu"]] + (["--ep"] if s["ep"] else [])
     flags = shlex.split(s["flags"])
     if "--moe-backend" in flags:  # the backend it tells the engine to use
@@ -98,6 +100,15 @@ def _recheck(path: Path, s: dict, base_args: list[str]) -> bool:
     res = CliRunner().invoke(cli, ["inspect", *args, "--json"])
     assert res.exit_code in (0, 1), res.output
     return json.loads(res.stdout)["loadable"]
+
+
+def _converted_headers(path: Path, flags: list[str]) -> Path:
+    assert flags[:3] == ["wna16ctl", "convert", "CKPT"] and flags[-2:] == ["-o", "OUT"], flags
+    to = flags[flags.index("--to") + 1] if "--to" in flags else None
+    plan = wna16ctl.convert(path, None, dry_run=True, to=to)
+    config = json.loads((path / "config.json").read_text()) | {"quantization_config": plan.config}
+    tensors = [(t.name, t.dtype, list(t.shape)) for _, f in plan.files for t in f.tensors]
+    return m.write(path.with_name(path.name + "-converted"), config, iter(tensors))
 
 
 def test_suggest_at_tp4_names_ep_and_group_size_64_and_each_loads(qwen3):
@@ -125,8 +136,10 @@ def test_suggest_on_the_quantized_checkpoint_names_ep_and_tp2(qwen3):
     code, j = _inspect(str(qwen3["w4a16"]), "--tp", "4", "--suggest")
     assert code == 1
     s = j["suggestions"]
-    assert [(x["kind"], x["tp"], x["ep"]) for x in s[:2]] == [("ep", 4, True), ("tp", 2, False)]
-    assert s[1]["vllm_flags"] == "--tensor-parallel-size 2"
+    # the exact conversion to GPTQ (vLLM's GPTQ MoE method falls back to MoeWNA16 at TP 4) ranks with
+    # the serving changes that keep TP 4
+    assert [(x["kind"], x["tp"], x["ep"]) for x in s[:3]] == [("ep", 4, True), ("convert", 4, False), ("tp", 2, False)]
+    assert s[2]["vllm_flags"] == "--tensor-parallel-size 2"
     requant = [x for x in s if x["requantize"]]
     assert requant and requant[0]["flags"] == "group_size: 64" and requant[0]["kind"] == "group_size"
     assert [x["kind"] for x in s].index("group_size") > [x["kind"] for x in s].index("tp")  # serving changes first

@@ -1,13 +1,16 @@
-"""What `convert` writes: every quantized projection of a GPTQ, AWQ or AutoRound checkpoint as the
-compressed-tensors `pack-quantized` tensors llm-compressor writes, and the config that says so.
+"""What `convert` writes: every quantized projection of a checkpoint in another format, exactly --
+a GPTQ, AWQ or AutoRound checkpoint as the compressed-tensors `pack-quantized` tensors llm-compressor
+writes, or a compressed-tensors one as GPTQ (v1, as GPTQModel writes it) -- and the config that says so.
 
 A projection's scheme is the one its format resolves (GPTQModel's `dynamic`, AWQ's
-`modules_to_not_convert`, AutoRound's `extra_config` applied).  The written `quantization_config`
-says the same scheme of every module: first the source's own groups (its rules as config groups and
-ignore entries), kept only when compressed-tensors' matching (`sources.config`, the library's rules)
-gives every module the scheme the source gives it; else the default scheme for `Linear` and the
-other modules by their exact names.  Each unquantized Linear is ignored by name, as llm-compressor
-writes `lm_head` and the routers.  Torch-free: the planned tensors come from the headers alone.
+`modules_to_not_convert`, AutoRound's `extra_config`, compressed-tensors' groups applied).  Written
+as compressed-tensors, the `quantization_config` says the same scheme of every module: first the
+source's own groups (its rules as config groups and ignore entries), kept only when
+compressed-tensors' matching (`sources.config`, the library's rules) gives every module the scheme
+the source gives it; else the default scheme for `Linear` and the other modules by their exact
+names.  Each unquantized Linear is ignored by name, as llm-compressor writes `lm_head` and the
+routers.  Written as GPTQ, the config is GPTQModel's, read back by the GPTQ format's own rules
+(`GPTQWriter.converted_config`).  Torch-free: the planned tensors come from the headers alone.
 """
 
 from __future__ import annotations
@@ -21,13 +24,13 @@ from typing import Any
 from wna16ctl.errors import BadInput, UsageError
 from wna16ctl.output.manifest import FORMAT_NAME
 from wna16ctl.sources import Checkpoint, WeightScheme, formats, open_checkpoint
-from wna16ctl.sources.formats import CODES, SCALES
+from wna16ctl.sources.formats import CODES, G_IDX, SCALES, ZERO_POINTS
 from wna16ctl.sources.formats import compressed_tensors as ct
+from wna16ctl.sources.formats.compressed_tensors import weights_of
 from wna16ctl.version import __version__
 
-LAYOUT = "convert"  # the manifest's `layout`: a checkpoint converted to compressed-tensors
-TARGET = f"{ct.QUANT_METHOD} {ct.PACK_QUANTIZED}"
-BITS = range(1, 9)  # the integer widths compressed-tensors' pack-quantized stores (pack_to_int32)
+LAYOUT = "convert"  # the manifest's `layout`: a checkpoint converted to another format
+TARGET = ct.WRITER.written_form  # the default target's name (a GPTQ, AWQ or AutoRound source's)
 
 
 @dataclass(frozen=True)
@@ -38,13 +41,18 @@ class Projection:
     scheme: WeightScheme
     n: int
     k: int
-    stored: dict[str, str]  # role -> the source tensor's name (those present)
+    stored: dict[str, str]  # role -> the source tensor's name (those the conversion reads)
     scale_dtype: str
+    writer: Any  # the target format's writer (`formats.CONVERT_TARGETS`)
+    owned: tuple[str, ...] = ()  # every stored tensor of the module: none is copied as it is
+
+    @property
+    def target_scheme(self) -> WeightScheme:
+        return self.writer.stored_as(self.scheme)
 
     def written(self) -> list[tuple[str, str, list[int]]]:
-        """The pack-quantized tensors (name, dtype, shape), in llm-compressor's order."""
-        return ct.written_tensors(self.module, {"shape": [self.n, self.k], "dtype": self.scale_dtype},
-                                  weights_of(self.scheme))
+        """The target format's tensors (name, dtype, shape), in its writer's order."""
+        return self.writer.written_tensors(self.module, self.target_scheme, self.n, self.k, self.scale_dtype)
 
 
 @dataclass
@@ -53,6 +61,8 @@ class ConversionPlan:
     projections: dict[str, Projection]
     config: dict[str, Any]  # the compressed-tensors quantization_config written
     ignored: list[str]  # the unquantized Linear modules, by name
+    target: Any = ct.COMPRESSED_TENSORS  # the format written
+    writer: Any = ct.WRITER
     files: list[tuple[Any, Any]] = field(default_factory=list)  # (source shard, output PlannedFile)
 
     @property
@@ -62,17 +72,11 @@ class ConversionPlan:
 
     def to_json(self) -> dict[str, Any]:
         schemes = Counter(p.scheme.describe() for p in self.projections.values())
-        return {"source": str(self.checkpoint.root), "source_format": self.source_method, "target": TARGET,
+        return {"source": str(self.checkpoint.root), "source_format": self.source_method,
+                "target": self.writer.written_form,
                 "projections": len(self.projections), "schemes": dict(schemes), "ignored": len(self.ignored),
-                "config_groups": len(self.config["config_groups"]), "files": [f.relpath for _, f in self.files]}
-
-
-def weights_of(s: WeightScheme) -> dict[str, Any]:
-    """A scheme as the `weights` of a config group llm-compressor writes (channel-wise: group_size -1)."""
-    return {"num_bits": s.num_bits, "type": "int", "symmetric": s.symmetric, "strategy": s.strategy,
-            "group_size": s.group_size if s.strategy == "group" else -1, "block_structure": None,
-            "dynamic": False, "actorder": "group" if s.act_order else None, "observer": "minmax",
-            "observer_kwargs": {}}
+                "config_groups": len(self.config.get("config_groups") or {}),
+                "files": [f.relpath for _, f in self.files]}
 
 
 def _same(a: WeightScheme | None, b: WeightScheme | None) -> bool:
@@ -82,51 +86,63 @@ def _same(a: WeightScheme | None, b: WeightScheme | None) -> bool:
            (b.num_bits, b.group_size, b.symmetric, b.strategy, b.act_order)
 
 
-def identity(ck: Checkpoint) -> dict[str, Any]:
+def identity(ck: Checkpoint, writer: Any = ct.WRITER) -> dict[str, Any]:
     from wna16ctl.sources import source_fingerprint
 
     return {"format": FORMAT_NAME, "layout": LAYOUT, "tool_version": __version__,
-            "source_fingerprint": source_fingerprint(ck), "settings": {"target": TARGET}}
+            "source_fingerprint": source_fingerprint(ck), "settings": {"target": writer.written_form}}
 
 
-def plan_conversion(path: str | os.PathLike[str]) -> ConversionPlan:
-    """The conversion of the checkpoint at `path`; BadInput naming the tensor or key where
-    compressed-tensors cannot say exactly what the source stores."""
-    return plan_of(open_checkpoint(path))
+def plan_conversion(path: str | os.PathLike[str], to: str | None = None) -> ConversionPlan:
+    """The conversion of the checkpoint at `path` to the format `to` (a `formats.CONVERT_TARGETS`
+    key; None: `formats.convert_target`'s choice); BadInput naming the tensor or key where the
+    target cannot say exactly what the source stores."""
+    return plan_of(open_checkpoint(path), to)
 
 
-def plan_of(ck: Checkpoint) -> ConversionPlan:
+def plan_of(ck: Checkpoint, to: str | None = None) -> ConversionPlan:
     """The conversion of the opened checkpoint `ck` (see `plan_conversion`)."""
     quant = ck.config.quant
     if quant is None:
         raise BadInput(f"{ck.root}: config.json has no quantization_config; there are no quantized weights to convert")
-    if formats.of(quant) is formats.DEFAULT:
-        raise UsageError(f"{ck.root}: is already a {ct.QUANT_METHOD} checkpoint; convert reads GPTQ, AWQ and "
-                         "AutoRound checkpoints")
+    source = formats.of(quant)
+    target, writer = formats.convert_target(source, to)
+    if target is source:
+        raise UsageError(f"{ck.root}: is already a {source.quant_method} checkpoint; convert writes it in another "
+                         f"format ({', '.join(m for m in formats.CONVERT_TARGETS if m != source.quant_method)})")
+    if source is not formats.DEFAULT and target is not formats.DEFAULT:
+        raise UsageError(f"{ck.root}: a {source.quant_method} checkpoint converts to {formats.DEFAULT.quant_method} "
+                         "only")
     why = quant.unsayable()
     if why is not None:
         raise BadInput(why)
-    projections = _projections(ck)
+    projections = _projections(ck, writer)
     if not projections:
-        raise BadInput(f"{ck.root}: stores no quantized projection ({formats.of(quant).names.codes} tensors); "
+        raise BadInput(f"{ck.root}: stores no quantized projection ({source.names.codes} tensors); "
                        "nothing to convert")
     ignored = _unquantized_linear(ck, projections)
-    plan = ConversionPlan(ck, projections, _config(ck, projections, ignored), ignored)
+    if target is formats.DEFAULT:
+        config = _config(ck, projections, ignored)
+    else:
+        wanted = {m: p.scheme for m, p in projections.items()} | {m: None for m in ignored}
+        config = writer.converted_config(wanted, f"wna16ctl:{__version__}", ck.config.path)
+    plan = ConversionPlan(ck, projections, config, ignored, target, writer)
     plan.files = _planned_files(plan)
     return plan
 
 
-def converted_checkpoint(ck: Checkpoint) -> Checkpoint:
-    """The checkpoint `convert` would write from `ck`, from the headers alone (nothing is written):
-    an ordinary compressed-tensors `Checkpoint`, so the planner judges the converted model rule for
-    rule, never by the source's verdict.  BadInput / UsageError where `convert` refuses `ck`."""
+def converted_checkpoint(ck: Checkpoint, to: str | None = None) -> Checkpoint:
+    """The checkpoint `convert` would write from `ck` (in the format `to`, as `plan_of` picks it),
+    from the headers alone (nothing is written): an ordinary `Checkpoint` of the target format, so
+    the planner judges the converted model rule for rule, never by the source's verdict.
+    BadInput / UsageError where `convert` refuses `ck`."""
     from dataclasses import replace
 
     from wna16ctl.sources import HeaderSource
     from wna16ctl.sources.config import parse_quantization_config
     from wna16ctl.sources.headers import ShardHeader, ShardList
 
-    plan = plan_of(ck)
+    plan = plan_of(ck, to)
     headers: dict[Path, ShardHeader] = {}
     for sh, f in plan.files:
         entries, offset = {}, 0
@@ -144,7 +160,7 @@ def converted_checkpoint(ck: Checkpoint) -> Checkpoint:
     return out
 
 
-def _projections(ck: Checkpoint) -> dict[str, Projection]:
+def _projections(ck: Checkpoint, writer: Any) -> dict[str, Projection]:
     quant = ck.config.quant
     assert quant is not None
     fmt = formats.of(quant)
@@ -164,14 +180,38 @@ def _projections(ck: Checkpoint) -> dict[str, Projection]:
         if not fmt.stores_packed(scheme):
             raise BadInput(f"tensor {codes}: {scheme.describe()} in stored form {scheme.format!r} is not one "
                            "wna16ctl converts")
-        if scheme.type != "int" or scheme.num_bits not in BITS:
-            raise BadInput(f"tensor {codes}: {scheme.num_bits}-bit {scheme.type} weights: compressed-tensors' "
-                           f"{ct.PACK_QUANTIZED} stores integers of 1 to 8 bits only; nothing was written")
         if SCALES not in roles:
             raise BadInput(f"tensor {module}.{fmt.names.scales}: missing; every quantized projection stores its scales")
         n, k = fmt.codes_nk(list(ck.files.info(codes).shape), scheme)
-        out[module] = Projection(module, scheme, n, k, dict(roles), ck.files.info(roles[SCALES]).dtype)
+        why = writer.cannot_store(scheme, n, k)
+        if why is not None:
+            raise BadInput(f"tensor {codes}: {why}; nothing was written")
+        read = _read_roles(ck, fmt, module, scheme, roles, n, k)
+        out[module] = Projection(module, scheme, n, k, read, ck.files.info(roles[SCALES]).dtype, writer,
+                                 tuple(roles.values()))
     return out
+
+
+def _read_roles(ck: Checkpoint, fmt: Any, module: str, scheme: WeightScheme, roles: dict[str, str], n: int,
+                k: int) -> dict[str, str]:
+    """The stored tensors a projection's conversion reads, by role.  A qweight format's canonical
+    form reads them all (it checks a symmetric one's midpoint zero points); compressed-tensors is
+    read as stored, which must be the pack-quantized form it writes (dense packing, packed zero
+    points): its zero points where asymmetric, its g_idx where act-ordered."""
+    if fmt is not formats.DEFAULT:
+        return dict(roles)
+    wanted = {CODES, SCALES} | ({ZERO_POINTS} if not scheme.symmetric else set()) | ({G_IDX} if scheme.act_order else set())
+    shapes = {name: (dtype, shape) for name, dtype, shape in ct.WRITER.written_tensors(module, scheme, n, k, "")}
+    for role in sorted(wanted):
+        name = fmt.names.tensor(module, role)
+        if role not in roles:
+            raise BadInput(f"tensor {name}: missing; a {scheme.describe()} projection stores it")
+        shape = list(ck.files.info(name).shape)
+        if role != SCALES and list(shapes[name][1]) != shape:
+            raise BadInput(f"tensor {name}: shape {shape}, not {shapes[name][1]} of the {ct.PACK_QUANTIZED} form "
+                           f"compressed-tensors >= 0.20 writes (dense packing, packed zero points); convert reads "
+                           "that form")
+    return {r: roles[r] for r in wanted}
 
 
 def _unquantized_linear(ck: Checkpoint, projections: dict[str, Projection]) -> list[str]:
@@ -223,7 +263,7 @@ def _planned_files(plan: ConversionPlan) -> list[tuple[Any, Any]]:
 
     files = plan.checkpoint.files
     placed = {p.stored[CODES]: p for p in plan.projections.values()}
-    owned = {name for p in plan.projections.values() for name in p.stored.values()}
+    owned = {name for p in plan.projections.values() for name in p.owned}
     out = []
     for sh in files.shards:
         tensors = []

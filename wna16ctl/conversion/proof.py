@@ -2,11 +2,14 @@
 
 1. Tensors: the output holds the tensors the conversion of the source plans (names, dtypes, shapes)
    and the config it plans; every tensor of an unquantized module is byte for byte the source's;
-   every projection's pack-quantized tensors equal the source's stored tensors put in the canonical
-   form by the source's format (codes, scales in their dtype, zero points, g_idx) bit for bit.
-2. The library: compressed-tensors' own decompression of each projection of the output (its
+   every projection's tensors equal the source's stored tensors put in the canonical form by the
+   source's format and stored by the target's (codes, scales in their dtype, zero points, g_idx) bit
+   for bit.  A compressed-tensors source converted to GPTQ is proved the other way too: the output
+   read back by the GPTQ format (the reader `inspect` and `repack` use) is the source's tensors.
+2. The library (the compressed-tensors side of either direction: the output, or the source of a
+   conversion to GPTQ): compressed-tensors' own decompression of each projection of the output (its
    pack-quantized compressor, the one ModelCompressor runs per module; any warning it gives is a
-   failure) equals (q - z)·s of the source's codes in the scale dtype (`layout.packing.dequantize`).
+   failure) equals (q - z)·s of the other side's codes in the scale dtype (`layout.packing.dequantize`).
    compressed-tensors 0.19 and later no longer parse `actorder: "group"`, which an act-order GPTQ
    checkpoint needs (vLLM's compressed-tensors path still reads it): such projections are
    decompressed with the library's own unpacking and its (q - z)·s through the g_idx, said so in
@@ -42,6 +45,8 @@ class ConversionProof:
     library_checked: int = 0  # projections compressed-tensors decompressed to the source's values
     library: str = ""  # how the library decompressed them
     notes: list[str] = field(default_factory=list)
+    target: str = ""  # the format written (`written_form`)
+    reverse: bool = False  # compressed-tensors is the source's format (the library decompresses the source)
 
     @property
     def passed(self) -> bool:
@@ -60,7 +65,8 @@ class ConversionProof:
         return {"original": str(self.original), "converted": str(self.converted), "layout": LAYOUT,
                 "passed": self.passed, "tensors_checked": self.tensors_checked,
                 "projections_checked": self.projections_checked, "library_checked": self.library_checked,
-                "library": self.library, "notes": self.notes, "partial": False, "next_steps": [],
+                "library": self.library, "notes": self.notes, "target": self.target, "partial": False,
+                "next_steps": [],
                 "problems": self.problems}
 
     def lines(self) -> list[str]:
@@ -71,10 +77,12 @@ class ConversionProof:
         out.append(f"{ok} tensors: {self.tensors_checked} checked, {self.projections_checked} quantized projections "
                    "carried exactly (codes, scales, zero points, g_idx)")
         lib = "PASS" if self.library_checked == self.projections_checked and self.library_checked else "FAIL"
+        whose, other = ("of the source ", "the output's (q - z)·s as GPTQ reads it") if self.reverse else \
+            ("", "the source's (q - z)·s")
         out.append(f"{lib} compressed-tensors decompresses {self.library_checked} of {self.projections_checked} "
-                   f"projections to the source's (q - z)·s ({self.library})")
+                   f"projections {whose}to {other} ({self.library})")
         out += [f"note: {n}" for n in self.notes]
-        out.append(f"{'PASS' if self.passed else 'FAIL'} {self.converted} is {self.original} in compressed-tensors")
+        out.append(f"{'PASS' if self.passed else 'FAIL'} {self.converted} is {self.original} in {self.target}")
         return out
 
 
@@ -93,16 +101,18 @@ def verify_conversion(original: str | os.PathLike[str], converted: str | os.Path
     from wna16ctl.sources.tensors import TensorReader
 
     proof = ConversionProof(Path(original), Path(converted))
-    plan = plan_conversion(original)
     manifest = our_manifest(Path(converted)) or {}
-    if manifest.get("identity") != identity(plan.checkpoint):
+    plan = plan_conversion(original, _target_of(manifest))
+    proof.target, proof.reverse = plan.writer.written_form, plan.target is not formats.DEFAULT
+    if manifest.get("identity") != identity(plan.checkpoint, plan.writer):
         proof.problems.append(f"{converted}: its manifest records another source or other settings than {original}")
     out = open_checkpoint(converted)
     _check_layout(plan, out, proof)
     if proof.problems:
         return proof
     fmt = formats.of(plan.checkpoint.config.quant)
-    library = _Library(out.config.quant.raw if out.config.quant is not None else {}, plan)
+    ct_side = plan.checkpoint.config if proof.reverse else out.config
+    library = _Library(ct_side.quant.raw if ct_side.quant is not None else {}, plan)
     proof.library = library.how
     with TensorReader(plan.checkpoint.files) as src, TensorReader(out.files) as dst:
         for _, f in plan.files:
@@ -112,20 +122,43 @@ def verify_conversion(original: str | os.PathLike[str], converted: str | os.Path
                     proof.problems.append(f"tensor {name}: differs from the source's bytes")
         for p in plan.projections.values():
             proof.projections_checked += 1
-            want = converted_tensors(p, fmt, src)
-            got = {name: dst.read(name) for name in want}
-            proof.tensors_checked += len(want)
-            bad = [n for n in want if got[n].dtype != want[n].dtype or not torch.equal(got[n], want[n])]
-            if bad:
-                proof.problems.append(f"tensor {bad[0]}: differs from the source's {p.module} in the canonical form")
-                continue
-            problem = library.check(p, got)
+            problem = _check_projection(p, fmt, src, dst, library, proof)
             if problem is None:
                 proof.library_checked += 1
             else:
                 proof.problems.append(problem)
     proof.notes += library.notes
     return proof
+
+
+def _target_of(manifest: dict[str, Any]) -> str | None:
+    """The CONVERT_TARGETS key of the format a `convert` output's manifest records (None: unknown)."""
+    written = ((manifest.get("identity") or {}).get("settings") or {}).get("target")
+    return next((k for k, (_, w) in formats.CONVERT_TARGETS.items() if w.written_form == written), None)
+
+
+def _check_projection(p: Projection, fmt: Any, src: Any, dst: Any, library: "_Library",
+                      proof: ConversionProof) -> str | None:
+    """The first problem with one projection: its output tensors against the conversion of the
+    source's, bit for bit; a conversion to GPTQ read back by GPTQ against the source's tensors; then
+    the library's decompression of the compressed-tensors side against the other side's (q - z)·s."""
+    want = converted_tensors(p, fmt, src)
+    got = {name: dst.read(name) for name in want}
+    proof.tensors_checked += len(want)
+    bad = [n for n in want if got[n].dtype != want[n].dtype or not torch.equal(got[n], want[n])]
+    if bad:
+        return f"tensor {bad[0]}: differs from the source's {p.module} in the canonical form"
+    target = p.writer.fmt
+    roles = (CODES, SCALES, ZERO_POINTS, G_IDX) + ((SHAPE,) if target.names.shape is not None else ())
+    by_role = {r: got[target.names.tensor(p.module, r)] for r in roles if target.names.tensor(p.module, r) in got}
+    if not proof.reverse:
+        return library.check(p, by_role, by_role)
+    names = {r: target.names.tensor(p.module, r) for r in by_role}
+    canon = target.canonical(by_role, p.target_scheme, names)  # GPTQ's own reading of the output
+    source = {r: src.read(n) for r, n in p.stored.items()}
+    if set(canon) != set(source) or any(not torch.equal(canon[r], source[r]) for r in canon):
+        return f"tensor {names[CODES]}: GPTQ reads the output back otherwise than the source's {p.module}"
+    return library.check(p, source, canon)
 
 
 def _check_layout(plan: ConversionPlan, out: Any, proof: ConversionProof) -> None:
@@ -186,7 +219,10 @@ class _Library:
             self.parse_error = str(e).splitlines()[0]
             self.warned = []
 
-    def check(self, p: Projection, got: dict[str, torch.Tensor]) -> str | None:
+    def check(self, p: Projection, by_role: dict[str, torch.Tensor], canon: dict[str, torch.Tensor]) -> str | None:
+        """The library's decompression of the pack-quantized tensors `by_role` (one projection) against
+        (q - z)·s of the canonical tensors `canon` of the other side (the same tensors where the
+        output is the pack-quantized side)."""
         from wna16ctl.layout.packing import dequantize
         from wna16ctl.sources.formats.bits import unpack_bits
         from wna16ctl.sources.formats.compressed_tensors import NAMES
@@ -194,8 +230,8 @@ class _Library:
         codes_name = NAMES.tensor(p.module, CODES)
         if self.warned:
             return f"compressed-tensors warned while reading the config: {self.warned[0]}"
-        by_role = {r: got[NAMES.tensor(p.module, r)] for r in (CODES, SCALES, ZERO_POINTS, G_IDX, SHAPE)
-                   if NAMES.tensor(p.module, r) in got}
+        by_role = dict(by_role)
+        by_role.setdefault(SHAPE, torch.tensor([p.n, p.k], dtype=torch.int64))
         try:
             with _no_warnings() as caught:
                 weight = self._decompress(p, by_role, self.schemes.get(weights_key(p.scheme)))
@@ -203,10 +239,10 @@ class _Library:
             return f"tensor {codes_name}: compressed-tensors cannot decompress it ({type(e).__name__}: {e})"
         if caught:
             return f"tensor {codes_name}: compressed-tensors warned: {caught[0]}"
-        s, b = by_role[SCALES], p.scheme.num_bits
-        codes = unpack_bits(by_role[CODES], b, dim=1, size=p.k).t()
-        groups = by_role[G_IDX].long() if G_IDX in by_role else _groups(p)
-        zeros = unpack_bits(by_role[ZERO_POINTS], b, dim=0, size=p.n).t() if ZERO_POINTS in by_role else None
+        s, b = canon[SCALES], p.scheme.num_bits
+        codes = unpack_bits(canon[CODES], b, dim=1, size=p.k).t()
+        groups = canon[G_IDX].long() if G_IDX in canon else _groups(p)
+        zeros = unpack_bits(canon[ZERO_POINTS], b, dim=0, size=p.n).t() if ZERO_POINTS in canon else None
         want = dequantize(codes, s.t(), groups, b, s.dtype, zeros).t()
         if weight.dtype != want.dtype or not torch.equal(weight, want):
             return f"tensor {codes_name}: compressed-tensors decompresses it to other values than the source's"

@@ -4,8 +4,10 @@ with a manifest; never half-written.
 
 A projection is read (its stored tensors by role), put in the canonical form by its format (GPTQ
 v1's zero - 1 and AWQ's interleaved words undone there, the data checked as it is read), and written
-as the pack-quantized tensors, which are that canonical form as it is, with `weight_shape`; every
-other tensor is copied byte for byte in pieces.  Memory stays at one projection and one piece.
+in the target format's stored form by that format (`stored_form`): the pack-quantized tensors are
+the canonical form as it is, with `weight_shape`; GPTQ's are its qweight, qzeros (v1: zero - 1),
+scales and g_idx.  Every other tensor is copied byte for byte in pieces.  Memory stays at one
+projection and one piece.
 
 `--resume`: every output file records the digest of the source bytes it was made from (read in
 the order they are used); a staged or committed file of an earlier run with the same source and
@@ -50,7 +52,7 @@ def write_converted(plan: ConversionPlan, out: str | os.PathLike[str], *, force:
     from wna16ctl.sources.tensors import TensorReader
 
     ck = plan.checkpoint
-    ident = identity(ck)
+    ident = identity(ck, plan.writer)
     staged = StagedOutput(Path(out).resolve(), force=force, resume=resume, identity=ident, checkpoint=ck.root)
     reused: list[str] = []
     try:
@@ -133,19 +135,25 @@ def _produce(plan: ConversionPlan, f: Any, reader: Any, write: Callable[[Any], N
 
 
 def converted_tensors(p: Projection, fmt: Any, reader: Any) -> dict[str, Any]:
-    """The pack-quantized tensors of one projection, by name: its stored tensors read in `_ROLES`
-    order and put in the canonical form by its format `fmt` (which checks them as it converts)."""
+    """The target format's tensors of one projection, by name: its stored tensors read in `_ROLES`
+    order, put in the canonical form by its format `fmt` (which checks them as it converts) and
+    stored by the target's (`p.writer`'s) format."""
     import torch
 
-    from wna16ctl.sources.formats.compressed_tensors import NAMES
     from wna16ctl.sources.tensors import check_scales
 
+    target = p.writer.fmt
     names = {r: p.stored[r] for r in _ROLES if r in p.stored}
     stored = {r: reader.read(n) for r, n in names.items()}
     check_scales(stored[SCALES], names[SCALES])
     canon = fmt.canonical(stored, p.scheme, names)
-    out = {NAMES.tensor(p.module, r): canon[r] for r in _ROLES if r in canon}
-    out[NAMES.tensor(p.module, SHAPE)] = torch.tensor([p.n, p.k], dtype=torch.int64)
+    try:
+        form = target.stored_form(canon, p.target_scheme)
+    except BadInput as e:  # what the target cannot hold of these values, named by the source's tensor
+        raise BadInput(f"tensor {names.get(ZERO_POINTS, names[CODES])}: {e}") from None
+    out = {target.names.tensor(p.module, r): form[r] for r in _ROLES if r in form}
+    if target.names.shape is not None:
+        out[target.names.tensor(p.module, SHAPE)] = torch.tensor([p.n, p.k], dtype=torch.int64)
     return out
 
 
@@ -168,8 +176,9 @@ def _converted(p: Projection, fmt: Any, reader: Any) -> list[tuple[str, memoryvi
 
 
 def _write_side_files(plan: ConversionPlan, staged: Any) -> None:
-    """config.json with the new quantization_config, the index with the new names, the rest copied
-    (the format's own config files beside config.json are left out: the new config says it all)."""
+    """config.json with the new quantization_config, the index with the new names, the target
+    format's own config files (GPTQModel's quantize_config.json), the rest copied (the source
+    format's config files beside config.json are left out: the new config says it all)."""
     from wna16ctl.sources.headers import read_regular_file
     from wna16ctl.sources.jsonfile import loads
 
@@ -184,6 +193,9 @@ def _write_side_files(plan: ConversionPlan, staged: Any) -> None:
             index["metadata"]["total_size"] = sum(t.nbytes for _, f in plan.files for t in f.tensors)
         staged.write_small(ck.files.index_path.name, (json.dumps(index, indent=2) + "\n").encode())
         skip.add(ck.files.index_path.name)
+    for name, body in plan.writer.side_files(plan.config).items():  # the target's own config files
+        staged.write_small(name, (json.dumps(body, indent=2) + "\n").encode())
+        skip.add(name)
     shards = {f.relpath for _, f in plan.files}
     for entry in sorted(os.scandir(ck.root), key=lambda e: e.name):
         if entry.name in skip or entry.name in shards or entry.name.startswith("."):

@@ -370,7 +370,7 @@ def suggest(insp: Inspection) -> list[Suggestion]:
         if converted is None:
             converted = _converted(insp)
         if converted and converted_loads(insp, converted, tp):
-            found.append(_convert_suggestion(insp, tp, refused))
+            found.append(_convert_suggestion(insp, tp, refused, converted[0]))
         found.sort(key=lambda s: s.cost)
         out += _ranked_by_memory(insp, found)
     return out
@@ -425,8 +425,9 @@ CONVERT_COST = 1.0
 
 
 def _converted(insp: Inspection) -> list[Checkpoint]:
-    """[the checkpoint `wna16ctl convert` would write, headers only], or [] where convert does not
-    apply (a compressed-tensors checkpoint, a proposal, a source compressed-tensors cannot express)."""
+    """[the checkpoint `wna16ctl convert` would write, headers only: compressed-tensors of a GPTQ,
+    AWQ or AutoRound source, GPTQ of a compressed-tensors one], or [] where convert does not apply
+    (a proposal, a source the target cannot express)."""
     from wna16ctl.conversion.plan import converted_checkpoint
     from wna16ctl.errors import WnaError
 
@@ -448,15 +449,19 @@ def converted_loads(insp: Inspection, converted: list[Checkpoint], tp: int) -> b
     return replan_loads(replace(insp, checkpoint=ck), tp, insp.ep, version, insp.gpu, problems=insp.problems)
 
 
-def _convert_suggestion(insp: Inspection, tp: int, refused: tuple[str, ...]) -> Suggestion:
+def _convert_suggestion(insp: Inspection, tp: int, refused: tuple[str, ...], converted: Checkpoint) -> Suggestion:
+    from wna16ctl.sources import formats
+
     quant = insp.checkpoint.config.quant
     source = quant.quant_method if quant is not None else "source"
+    target = formats.of(converted.config.quant)
+    to = "" if target is formats.DEFAULT else f" --to {target.quant_method}"
     return Suggestion(
         for_tp=tp, kind="convert",
-        change=(f"convert to compressed-tensors pack-quantized: exact (every code, scale and zero point kept); vLLM "
-                f"{insp.engine.version} loads it at TP {tp} through compressed-tensors' method, where the {source} "
-                "path is refused"),
-        flags="wna16ctl convert CKPT -o OUT", tp=tp, ep=insp.ep, vllm=insp.engine.version, gpu=insp.gpu,
+        change=(f"convert to {formats.CONVERT_TARGETS[target.quant_method][1].written_form}: exact (every code, "
+                f"scale and zero point kept); vLLM {insp.engine.version} loads it at TP {tp} through "
+                f"the {target.quant_method} method, where the {source} path is refused"),
+        flags=f"wna16ctl convert CKPT{to} -o OUT", tp=tp, ep=insp.ep, vllm=insp.engine.version, gpu=insp.gpu,
         vllm_flags=f"--tensor-parallel-size {tp}" + (" --enable-expert-parallel" if insp.ep else ""),
         refused=refused, cost=CONVERT_COST)
 

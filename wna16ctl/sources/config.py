@@ -85,7 +85,7 @@ class QuantConfig:
         return None
 
     def unsayable(self) -> str | None:
-        """Why compressed-tensors' config cannot say this config's per-module rules (its format
+        """Why the config `convert` writes cannot say this config's per-module rules (its format
         decides, `InputFormat.unsayable`); None where it can."""
         return formats.of(self).unsayable(self.raw, Path(self.source))
 

@@ -17,13 +17,14 @@ from typing import Any
 
 from wna16ctl.errors import BadInput
 from wna16ctl.sources.formats import auto_round, awq, gptq
+from wna16ctl.sources.formats import compressed_tensors
 from wna16ctl.sources.formats.compressed_tensors import COMPRESSED_TENSORS
 from wna16ctl.sources.formats.face import (CANONICAL, CODES, WEIGHT, G_IDX, SCALES, SHAPE, ZERO_POINTS, InputFormat,
                                            NativeInputs, TensorNames)
 from wna16ctl.sources.scheme import ParsedConfig
 
 __all__ = ["CANONICAL", "CODES", "WEIGHT", "G_IDX", "SCALES", "SHAPE", "ZERO_POINTS", "InputFormat", "NativeInputs",
-           "TensorNames", "FORMATS", "FORMAT_FILES", "DEFAULT", "DEMO_FORMATS", "detect", "of", "parse"]
+           "TensorNames", "FORMATS", "CONVERT_TARGETS", "convert_target", "FORMAT_FILES", "DEFAULT", "DEMO_FORMATS", "detect", "of", "parse"]
 
 FORMATS: dict[str, InputFormat] = {f.quant_method: f for f in (COMPRESSED_TENSORS, gptq.FORMAT, awq.FORMAT,
                                                                  auto_round.FORMAT)}
@@ -39,6 +40,24 @@ SIDE_CONFIGS: tuple[tuple[str, str], ...] = ((gptq.QUANTIZE_CONFIG, gptq.QUANT_M
 FORMAT_FILES: tuple[str, ...] = (gptq.QUANTIZE_CONFIG, "quantization_config.json")
 # the format a checkpoint without `quantization_config` is read in (its packed tensors are refused by name)
 DEFAULT: InputFormat = COMPRESSED_TENSORS
+
+
+# the formats `wna16ctl convert` writes, by quant_method: (the format, its writer: the scheme in its
+# stored form, what it cannot store, its tensors, its side files)
+CONVERT_TARGETS: dict[str, tuple[InputFormat, Any]] = {
+    COMPRESSED_TENSORS.quant_method: (COMPRESSED_TENSORS, compressed_tensors.WRITER),
+    gptq.QUANT_METHOD: (gptq.FORMAT, gptq.WRITER),
+}
+
+
+def convert_target(source: InputFormat, to: str | None = None) -> tuple[InputFormat, Any]:
+    """(format, writer) `convert` writes a checkpoint of `source` in: `to` (a CONVERT_TARGETS key),
+    else compressed-tensors, or GPTQ for a compressed-tensors source (the one other target)."""
+    if to is None:
+        to = gptq.QUANT_METHOD if source is DEFAULT else DEFAULT.quant_method
+    if to not in CONVERT_TARGETS:
+        raise BadInput(f"--to {to!r}: convert writes {', '.join(CONVERT_TARGETS)}")
+    return CONVERT_TARGETS[to]
 
 
 def detect(qc: Any, path: Path, default: str | None = None) -> InputFormat:

@@ -162,6 +162,40 @@ def written_tensors(module: str, entry: Mapping[str, Any], weights: Mapping[str,
     return out
 
 
+def weights_of(s: WeightScheme) -> dict[str, Any]:
+    """A scheme as the `weights` of a config group llm-compressor writes (channel-wise: group_size -1)."""
+    return {"num_bits": s.num_bits, "type": "int", "symmetric": s.symmetric, "strategy": s.strategy,
+            "group_size": s.group_size if s.strategy == "group" else -1, "block_structure": None,
+            "dynamic": False, "actorder": "group" if s.act_order else None, "observer": "minmax",
+            "observer_kwargs": {}}
+
+
+class PackQuantizedWriter:
+    """compressed-tensors `pack-quantized` as a conversion writes it (llm-compressor's tensors)."""
+
+    written_form = f"{QUANT_METHOD} {PACK_QUANTIZED}"
+
+    @property
+    def fmt(self) -> "CompressedTensors":
+        return COMPRESSED_TENSORS
+
+    def stored_as(self, scheme: WeightScheme) -> WeightScheme:
+        return scheme
+
+    def cannot_store(self, scheme: WeightScheme, n: int, k: int) -> str | None:
+        if scheme.type != "int" or not 1 <= scheme.num_bits <= 8:
+            return (f"{scheme.num_bits}-bit {scheme.type} weights: compressed-tensors' {PACK_QUANTIZED} stores "
+                    "integers of 1 to 8 bits only")
+        return None
+
+    def written_tensors(self, module: str, scheme: WeightScheme, n: int, k: int,
+                        scale_dtype: str) -> list[tuple[str, str, list[int]]]:
+        return written_tensors(module, {"shape": [n, k], "dtype": scale_dtype}, weights_of(scheme))
+
+    def side_files(self, config: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        return {}  # the config is config.json's alone
+
+
 class CompressedTensors(InputFormat):
     quant_method = QUANT_METHOD
     names = NAMES
@@ -178,6 +212,15 @@ class CompressedTensors(InputFormat):
             groups=tuple(groups),
             ignore=tuple(str(t) for t in ignore),
         )
+
+    def unsayable(self, qc: Mapping[str, Any], path: Path) -> str | None:
+        """Activation quantization (W4A8 and the like): the weight-only formats convert writes have no
+        field for it."""
+        for name, body in (qc.get("config_groups") or {}).items():
+            if isinstance(body, dict) and body.get("input_activations"):
+                return (f"{path}: quantization_config.config_groups.{name}.input_activations quantizes the "
+                        "activations; GPTQ stores weight-only quantization, so no GPTQ config can say it")
+        return None
 
     def known_format(self, scheme: WeightScheme) -> bool:
         """Whether the scheme's per-group format is one compressed-tensors writes."""
@@ -222,3 +265,4 @@ class CompressedTensors(InputFormat):
 
 
 COMPRESSED_TENSORS = CompressedTensors()
+WRITER = PackQuantizedWriter()

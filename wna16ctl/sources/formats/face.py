@@ -131,8 +131,9 @@ class InputFormat:
         return None
 
     def unsayable(self, qc: Mapping[str, Any], path: Path) -> str | None:
-        """Why compressed-tensors' `quantization_config` cannot say this config's per-module rules
-        (an override of something it has no field for), naming the key; None where it can."""
+        """Why the config `convert` writes (compressed-tensors', or GPTQ's for a compressed-tensors
+        source) cannot say this config's per-module rules (an override or a quantization it has no
+        field for), naming the key; None where it can."""
         return None
 
     def native_inputs(self, scheme: WeightScheme) -> NativeInputs | None:

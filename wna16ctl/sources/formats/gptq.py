@@ -129,8 +129,9 @@ def _from_canonical(canon: dict[str, Any], scheme: WeightScheme) -> dict[str, An
     else:
         z = unpack_bits(canon[ZERO_POINTS], b, dim=0, size=n).t().to(torch.int64) - (1 if v1 else 0)
         if bool((z < 0).any()):
-            raise BadInput(f"a zero point of 0 cannot be stored in GPTQ v1 (it stores zero - 1); "
-                           f"write checkpoint_format {V2}")
+            at = [int(i) for i in (z < 0).nonzero()[0]]
+            raise BadInput(f"zero point 0 at {at[::-1]} cannot be stored in GPTQ v1 (checkpoint_format {V1}, the "
+                           f"form vLLM reads, stores zero - 1); only checkpoint_format {V2} could hold it")
     if scheme.act_order:
         g_idx = canon[G_IDX].to(torch.int32)
     elif scheme.group_size > 0:
@@ -251,4 +252,104 @@ class GPTQ(QweightFormat):
         return lambda names: [one(n) for n in names]
 
 
+# -- writing GPTQ as GPTQModel does (`wna16ctl convert --to gptq`, the demo) ---------------------
+
+
+def skip_entries(skipped: list[str], linear: list[str]) -> list[str]:
+    """The modules a config names as not quantized, as few as cover `skipped`: a whole block (the
+    attention, a dense MLP, the shared experts) where none of its Linears is quantized, else the
+    module itself.  Blocks, because an engine fuses their projections under another name (vLLM's
+    `qkv_proj`, `gate_up_proj`) and matches its rules on that name; entries keep their layer index,
+    as AutoRound writes them."""
+    quantized = set(linear) - set(skipped)
+    out: list[str] = []
+    for name in skipped:
+        layer = re.match(r"(.*?\.\d+)\.", name)  # model.layers.N: entries stay inside one layer
+        top = layer.group(1) if layer else ""
+        entry, parent = name, name.rpartition(".")[0]
+        while len(parent) > len(top) and not any(q.startswith(parent + ".") for q in quantized):
+            entry, parent = parent + ".", parent.rpartition(".")[0]
+        if entry not in out:
+            out.append(entry)
+    return out
+
+
+def written_config(scheme: WeightScheme, skipped: list[str], lm_head: bool, quantizer: str) -> dict[str, Any]:
+    """The quantization_config GPTQModel writes (v1 storage) for one scheme, its `dynamic` skipping
+    the `skip_entries` `skipped`; `quantizer` is its meta.quantizer ("name:version")."""
+    dynamic: dict[str, dict[str, Any]] = {"-:" + re.escape(entry) + ("" if entry.endswith(".") else "$"): {}
+                                          for entry in skipped}
+    return {"bits": scheme.num_bits, "group_size": scheme.group_size, "desc_act": scheme.act_order,
+            "sym": scheme.symmetric, "lm_head": lm_head, "quant_method": QUANT_METHOD, "method": QUANT_METHOD,
+            "format": V1, "checkpoint_format": V1, "pack_dtype": _INT32, "dynamic": dynamic,
+            "meta": {"quantizer": [quantizer]}}
+
+
+def _stored_key(s: WeightScheme) -> tuple:
+    return (s.num_bits, s.group_size, s.symmetric, s.act_order)
+
+
+class GPTQWriter:
+    """GPTQ as a conversion writes it: the v1 form (the one vLLM reads) with GPTQModel's config."""
+
+    written_form = f"{QUANT_METHOD} (checkpoint_format {V1})"
+
+    def __init__(self, fmt: "GPTQ"):
+        self.fmt = fmt
+
+    def stored_as(self, scheme: WeightScheme) -> WeightScheme:
+        return SchemeCache().get(scheme.num_bits, scheme.group_size, scheme.symmetric, scheme.act_order, V1)
+
+    def cannot_store(self, scheme: WeightScheme, n: int, k: int) -> str | None:
+        """Why GPTQ cannot hold a projection [N, K] of `scheme` exactly; None where it can."""
+        if not scheme.is_wna16 or scheme.type != "int":
+            return f"{scheme.type} {scheme.strategy}-wise weights: GPTQ stores integer group- or channel-wise weights"
+        if scheme.num_bits not in BITS:
+            return f"{scheme.num_bits}-bit weights: GPTQ stores {', '.join(map(str, BITS))} bits"
+        if scheme.actorder == "dynamic":
+            return "actorder dynamic: GPTQ's desc_act stores a fixed g_idx"
+        if (k * scheme.num_bits) % 32:
+            return (f"K = {k} at {scheme.num_bits} bits does not fill whole int32 words: GPTQ's readers take K "
+                    "from qweight's rows")
+        return None
+
+    def written_tensors(self, module: str, scheme: WeightScheme, n: int, k: int,
+                        scale_dtype: str) -> list[tuple[str, str, list[int]]]:
+        """(name, dtype, shape) of the projection's GPTQ tensors, in the order GPTQModel's files hold them."""
+        shapes = _shapes(scheme, n, k)
+        return [(f"{module}.{NAMES.g_idx}", "I32", shapes[NAMES.g_idx][1]),
+                (f"{module}.{NAMES.codes}", "I32", shapes[NAMES.codes][1]),
+                (f"{module}.{NAMES.zero_points}", "I32", shapes[NAMES.zero_points][1]),
+                (f"{module}.{NAMES.scales}", scale_dtype, shapes[NAMES.scales][1])]
+
+    def converted_config(self, wanted: dict[str, WeightScheme | None], quantizer: str, path: Path) -> dict[str, Any]:
+        """GPTQModel's config saying `wanted` (module -> scheme, None: a Linear left unquantized),
+        checked by reading it back with this format's own rules; BadInput where one GPTQ config
+        cannot say it."""
+        quantized = {m: s for m, s in wanted.items() if s is not None}
+        if not quantized:
+            raise BadInput(f"{path}: no quantized module to write")
+        first, base = next(iter(quantized.items()))
+        other = next((m for m, s in quantized.items() if _stored_key(s) != _stored_key(base)), None)
+        if other is not None:
+            raise BadInput(f"module {other}: {quantized[other].describe()} beside {first}'s {base.describe()}: a GPTQ "
+                           "config states one scheme, and vLLM matches its per-module dynamic rules on fused and "
+                           "expert-layer names the checkpoint does not have; convert a checkpoint of one scheme")
+        linear = list(wanted)
+        skipped = skip_entries([m for m in linear if wanted[m] is None and not is_head(m)], linear)
+        lm_head = any(is_head(m) for m in quantized)
+        qc = written_config(self.stored_as(base), skipped, lm_head, quantizer)
+        read_back = self.fmt.resolver(self.fmt.parse_config(qc, path), qc, path)(linear)
+        wrong = [m for m, got in zip(linear, read_back)
+                 if (got is None) != (wanted[m] is None) or (got is not None and _stored_key(got) != _stored_key(base))]
+        if wrong:
+            raise AssertionError(f"the GPTQ config written reads {wrong[0]} otherwise than the source")
+        return qc
+
+    def side_files(self, config: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """Files beside config.json that repeat the quantization config, as GPTQModel writes them."""
+        return {QUANTIZE_CONFIG: config}
+
+
 FORMAT = GPTQ()
+WRITER = GPTQWriter(FORMAT)
