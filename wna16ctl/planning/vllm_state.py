@@ -352,6 +352,7 @@ def _rank_keys(ck: Checkpoint, tp: int, vllm: str, moe_by_layer: dict[int, MoELa
 def _source_names(fill: str) -> list[str]:
     """The checkpoint tensors a fill reads (none for the expert and constant fills)."""
     verb, _, arg = fill.partition(" ")
+    verb = verb.removesuffix("_k")  # a GPTQ/AWQ tensor's cut reads the same tensors
     if verb in ("copy", "vocab", "column", "row"):
         return [arg]
     if verb == "qkv":
