@@ -47,21 +47,21 @@ def write_converted(plan: ConversionPlan, out: str | os.PathLike[str], *, force:
     """Write the converted checkpoint to `out` and commit it with a manifest; returns the manifest."""
     from wna16ctl import interrupts
     from wna16ctl.output.writer import FILE_HASH, StagedOutput
-    from wna16ctl.sources.tensors import TensorReader
 
     ck = plan.checkpoint
     ident = identity(ck)
     staged = StagedOutput(Path(out).resolve(), force=force, resume=resume, identity=ident, checkpoint=ck.root)
     reused: list[str] = []
+    reader_of, reserve, produce = _data_path(plan)
     try:
-        with interrupts.deferred(), TensorReader(ck.files) as reader:
-            pending = [(sh, f) for sh, f in plan.files if not _reusable(plan, staged, reader, f)]
+        with interrupts.deferred(), reader_of(ck.files) as reader:
+            pending = [(sh, f) for sh, f in plan.files if not _reusable(staged, reader, f, produce)]
             reused = [f.relpath for _, f in plan.files if f.relpath in staged.done]
             staged.check_space(sum(f.size for _, f in pending))
             advance = progress("converting", sum(f.size for _, f in pending), unit="bytes") if progress else (lambda n: 0)
             for _, f in pending:
-                stream = staged.stream(f, 0, STREAM_DEPTH, allocate=True)
-                staged.sources[f.relpath] = _produce(plan, f, reader, stream.write, advance)
+                stream = staged.stream(f, reserve(f), STREAM_DEPTH, allocate=True)
+                staged.sources[f.relpath] = produce(f, reader, stream, advance)
                 staged.finish_stream(f)
                 staged.checkpoint_journal()
         _write_side_files(plan, staged)
@@ -84,11 +84,28 @@ def write_converted(plan: ConversionPlan, out: str | os.PathLike[str], *, force:
     return manifest
 
 
-def _reusable(plan: ConversionPlan, staged: Any, reader: Any, f: Any) -> bool:
+def _data_path(plan: ConversionPlan) -> tuple[Callable[[Any], Any], Callable[[Any], int], Callable[..., str]]:
+    """(reader class, largest reservation of a file's stream, producer(f, reader, stream or None,
+    advance) -> source digest): the torch-free word path (`conversion.words`) where it takes every
+    projection's scheme, else the torch path below (the reference; both write the same bytes)."""
+    from wna16ctl.conversion import words
+
+    if words.takes(plan):
+        from wna16ctl.sources.raw import RawReader
+
+        return RawReader, words.max_reserve, lambda f, reader, stream, advance: words.produce(plan, f, reader, stream,
+                                                                                              advance)
+    from wna16ctl.sources.tensors import TensorReader
+
+    return TensorReader, lambda f: 0, lambda f, reader, stream, advance: _produce(
+        plan, f, reader, None if stream is None else stream.write, advance)
+
+
+def _reusable(staged: Any, reader: Any, f: Any, produce: Callable[..., str]) -> bool:
     """A file an earlier run finished, whose bytes are as recorded and whose source bytes are unchanged."""
     if f.relpath not in staged.reusable or not staged.staged_file_matches(f):
         return False
-    return bool(staged.reuse(f, _produce(plan, f, reader, None, lambda n: 0)))
+    return bool(staged.reuse(f, produce(f, reader, None, lambda n: 0)))
 
 
 def _produce(plan: ConversionPlan, f: Any, reader: Any, write: Callable[[Any], None] | None,
