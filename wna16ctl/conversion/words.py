@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from wna16ctl.conversion.plan import ConversionPlan, Projection
-from wna16ctl.dtypes import ST_BITS
+from wna16ctl.dtypes import NUMPY_WORDS, ST_BITS
 from wna16ctl.sources.formats import CODES, G_IDX, SCALES, SHAPE, ZERO_POINTS, word_forms
 from wna16ctl.sources.formats.compressed_tensors import NAMES
 
@@ -41,14 +41,18 @@ def max_reserve(f: Any) -> int:
     return max([CHUNK, *rows])
 
 
-def produce(plan: ConversionPlan, f: Any, reader: Any, stream: Any, advance: Callable[[int], Any]) -> str:
+def produce(plan: ConversionPlan, f: Any, reader: Any, stream: Any, advance: Callable[[int], Any],
+            reference: Callable[..., list[tuple[str, Any]]]) -> str:
     """Write planned file `f` through `stream` after its header (None: only read and digest its
-    source bytes); returns the digest of the source bytes in the order they were read."""
+    source bytes); returns the digest of the source bytes in the order they were read.
+    `reference(p, fmt, reader, buffers)`: the torch path's (name, bytes) of a projection, for
+    those the word transforms decline."""
     from wna16ctl import interrupts
     from wna16ctl.output.writer import new_hasher
     from wna16ctl.sources import formats
 
     fmt = formats.of(plan.checkpoint.config.quant)
+    by_reference = lambda p, raw: reference(p, fmt, _Replay(reader.files, raw), {})  # noqa: E731 - the torch path on the bytes read
     hasher = new_hasher()
     hasher.update(f.relpath.encode() + b"\0")
     reader.hasher = hasher
@@ -67,7 +71,7 @@ def produce(plan: ConversionPlan, f: Any, reader: Any, stream: Any, advance: Cal
                     stream.write(memoryview(data))
                     advance(info.nbytes)
                 else:
-                    _convert(p, raw, stream, fmt, reader)
+                    _convert(p, raw, stream, by_reference)
                     advance(sum(prod(shape) * ST_BITS[dtype] // 8 for _, dtype, shape in p.written()))
                 ahead.release(slot)
     finally:
@@ -167,25 +171,25 @@ def _room(stream: Any, nbytes: int) -> Any:
     return (ctypes.c_char * nbytes).from_address(stream.reserve(nbytes))
 
 
-def _convert(p: Projection, raw: dict[str, tuple[Any, np.ndarray]], stream: Any, fmt: Any, reader: Any) -> None:
+def _convert(p: Projection, raw: dict[str, tuple[Any, np.ndarray]], stream: Any, by_reference: Callable) -> None:
     """The projection's pack-quantized tensors written in the planned order; through the reference
     where the word transforms decline or a result is not the planned dtype and shape."""
     stored = {}
     for role, (info, data) in raw.items():
-        dtype = word_forms.WORD_DTYPES.get(info.dtype)
+        dtype = np.dtype(NUMPY_WORDS[info.dtype]) if info.dtype in NUMPY_WORDS else None
         if dtype is None or info.nbytes != prod(info.shape) * dtype.itemsize:
-            return _reference(p, raw, stream, fmt, reader)
+            return _reference(p, raw, stream, by_reference)
         stored[role] = (info.dtype, data.view(dtype).reshape(info.shape))
     canon = word_forms.canonical_words(stored, p.scheme, p.k)
     if canon is None:
-        return _reference(p, raw, stream, fmt, reader)
+        return _reference(p, raw, stream, by_reference)
     canon[SHAPE] = ("I64", np.array([p.n, p.k], dtype="<i8"))
     roles = {NAMES.tensor(p.module, r): r for r in (*_ROLES, SHAPE)}
     planned = []
     for name, dtype, shape in p.written():
         got = canon.get(roles.get(name, ""))
         if got is None or got[0] != dtype or list(got[1].shape) != list(shape):
-            return _reference(p, raw, stream, fmt, reader)
+            return _reference(p, raw, stream, by_reference)
         planned.append(got[1])
     for array in planned:
         _put(stream, array)
@@ -229,9 +233,7 @@ class _Replay:
         view.cast("B")[:info.nbytes] = memoryview(self._bytes[info.name]).cast("B")
 
 
-def _reference(p: Projection, raw: dict[str, tuple[Any, np.ndarray]], stream: Any, fmt: Any, reader: Any) -> None:
+def _reference(p: Projection, raw: dict[str, tuple[Any, np.ndarray]], stream: Any, by_reference: Callable) -> None:
     """The projection converted by the torch path from the bytes read (its BadInput names the tensor)."""
-    from wna16ctl.conversion.write import _converted
-
-    for _, data in _converted(p, fmt, _Replay(reader.files, raw), {}):
+    for _, data in by_reference(p, raw):
         stream.write(data)

@@ -93,8 +93,8 @@ def _data_path(plan: ConversionPlan) -> tuple[Callable[[Any], Any], Callable[[An
     if words.takes(plan):
         from wna16ctl.sources.raw import RawReader
 
-        return RawReader, words.max_reserve, lambda f, reader, stream, advance: words.produce(plan, f, reader, stream,
-                                                                                              advance)
+        return RawReader, words.max_reserve, lambda f, reader, stream, advance: words.produce(
+            plan, f, reader, stream, advance, _converted)
     from wna16ctl.sources.tensors import TensorReader
 
     return TensorReader, lambda f: 0, lambda f, reader, stream, advance: _produce(

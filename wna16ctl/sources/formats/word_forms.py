@@ -20,16 +20,12 @@ from __future__ import annotations
 from functools import lru_cache
 import numpy as np
 
+from wna16ctl.dtypes import FLOAT_EXPONENT_MASK
 from wna16ctl.sources.formats import awq, gptq
 from wna16ctl.sources.formats.bits import words_for
 from wna16ctl.sources.formats.face import CODES, G_IDX, SCALES, ZERO_POINTS
 from wna16ctl.sources.scheme import WeightScheme
 
-# safetensors dtype -> the numpy dtype its bytes are carried in (floats as their bits)
-WORD_DTYPES = {"I32": np.dtype("<i4"), "I64": np.dtype("<i8"), "F16": np.dtype("<u2"), "BF16": np.dtype("<u2"),
-               "F32": np.dtype("<u4")}
-# the bits that are all ones in a float's exponent when it is Inf or NaN
-_EXPONENT = {"F16": 0x7C00, "BF16": 0x7F80, "F32": 0x7F800000}
 _FORMS = (gptq.V1, gptq.V2, awq.STORED)
 
 
@@ -47,9 +43,9 @@ def canonical_words(stored: dict[str, tuple[str, np.ndarray]], scheme: WeightSch
     if CODES not in stored or SCALES not in stored or stored[CODES][0] != "I32":
         return None
     scale_dtype, scales = stored[SCALES]
-    if scale_dtype not in _EXPONENT or scales.ndim != 2:
+    if scale_dtype not in FLOAT_EXPONENT_MASK or scales.ndim != 2:
         return None
-    mask = _EXPONENT[scale_dtype]
+    mask = FLOAT_EXPONENT_MASK[scale_dtype]
     if bool(((scales & mask) == mask).any()):
         return None  # not finite
     out = {SCALES: (scale_dtype, scales.T)}
