@@ -24,8 +24,8 @@ from wna16ctl.sources.formats import CODES, G_IDX, SCALES, SHAPE, ZERO_POINTS, w
 from wna16ctl.sources.formats.compressed_tensors import NAMES
 
 CHUNK = 1 << 20  # the largest piece written or copied at once (the stream's block)
-# a transposed copy's tile: 32 rows of the source (one 32 KiB tile of int32 in L1) by 256 columns
-_TILE_ROWS, _TILE_COLS = 256, 32
+# a transposed copy's tile: 32 rows of the source by up to 2048 columns (256 KiB of int32, in L2)
+_TILE_ROWS, _TILE_COLS = 2048, 32
 _ROLES = (CODES, SCALES, ZERO_POINTS, G_IDX)  # the order a projection's stored tensors are read in (as write.py)
 
 
@@ -41,12 +41,20 @@ def max_reserve(f: Any) -> int:
     return max([CHUNK, *rows])
 
 
+Written = dict[str, list[tuple[str, str, list[int]]]]  # module -> its planned (name, dtype, shape), in order
+
+
+def written_of(plan: ConversionPlan) -> Written:
+    """Each projection's planned tensors, computed once for all files."""
+    return {m: p.written() for m, p in plan.projections.items()}
+
+
 def produce(plan: ConversionPlan, f: Any, reader: Any, stream: Any, advance: Callable[[int], Any],
-            reference: Callable[..., list[tuple[str, Any]]]) -> str:
+            reference: Callable[..., list[tuple[str, Any]]], written: Written) -> str:
     """Write planned file `f` through `stream` after its header (None: only read and digest its
     source bytes); returns the digest of the source bytes in the order they were read.
     `reference(p, fmt, reader, buffers)`: the torch path's (name, bytes) of a projection, for
-    those the word transforms decline."""
+    those the word transforms decline; `written`: `written_of(plan)`."""
     from wna16ctl import interrupts
     from wna16ctl.output.writer import new_hasher
     from wna16ctl.sources import formats
@@ -56,7 +64,7 @@ def produce(plan: ConversionPlan, f: Any, reader: Any, stream: Any, advance: Cal
     hasher = new_hasher()
     hasher.update(f.relpath.encode() + b"\0")
     reader.hasher = hasher
-    units = _units(plan, f)
+    units = _units(plan, f, written)
     try:
         if stream is None:
             slot: dict[str, np.ndarray] = {}
@@ -71,8 +79,8 @@ def produce(plan: ConversionPlan, f: Any, reader: Any, stream: Any, advance: Cal
                     stream.write(memoryview(data))
                     advance(info.nbytes)
                 else:
-                    _convert(p, raw, stream, by_reference)
-                    advance(sum(prod(shape) * ST_BITS[dtype] // 8 for _, dtype, shape in p.written()))
+                    _convert(p, written[p.module], raw, stream, by_reference)
+                    advance(sum(prod(shape) * ST_BITS[dtype] // 8 for _, dtype, shape in written[p.module]))
                 ahead.release(slot)
     finally:
         reader.hasher = None
@@ -82,11 +90,11 @@ def produce(plan: ConversionPlan, f: Any, reader: Any, stream: Any, advance: Cal
 Unit = tuple[Optional[Projection], list[tuple[str, Any]]]  # (the projection, or None for a piece copied; (role, TensorInfo) read)
 
 
-def _units(plan: ConversionPlan, f: Any) -> list[Unit]:
+def _units(plan: ConversionPlan, f: Any, written: Written) -> list[Unit]:
     """What is read for file `f`, in order: each projection's stored tensors where its converted
     tensors start (in `_ROLES` order, as write.py reads them), every other tensor in pieces."""
     files = plan.checkpoint.files
-    first = {p.written()[0][0]: p for p in plan.projections.values()}
+    first = {w[0][0]: p for p, w in ((p, written[p.module]) for p in plan.projections.values())}
     out: list[Unit] = []
     done: set[str] = set()
     for t in f.tensors:
@@ -95,7 +103,7 @@ def _units(plan: ConversionPlan, f: Any) -> list[Unit]:
         p = first.get(t.name)
         if p is not None:
             out.append((p, [(r, files.info(p.stored[r])) for r in _ROLES if r in p.stored]))
-            done.update(name for name, _, _ in p.written())
+            done.update(name for name, _, _ in written[p.module])
             continue
         info = files.info(t.name)
         for start in range(info.start, info.end, CHUNK):
@@ -171,9 +179,11 @@ def _room(stream: Any, nbytes: int) -> Any:
     return (ctypes.c_char * nbytes).from_address(stream.reserve(nbytes))
 
 
-def _convert(p: Projection, raw: dict[str, tuple[Any, np.ndarray]], stream: Any, by_reference: Callable) -> None:
-    """The projection's pack-quantized tensors written in the planned order; through the reference
-    where the word transforms decline or a result is not the planned dtype and shape."""
+def _convert(p: Projection, written: list[tuple[str, str, list[int]]], raw: dict[str, tuple[Any, np.ndarray]],
+             stream: Any, by_reference: Callable) -> None:
+    """The projection's pack-quantized tensors (`written`: name, dtype, shape) written in the planned
+    order; through the reference where the word transforms decline or a result is not the planned
+    dtype and shape."""
     stored = {}
     for role, (info, data) in raw.items():
         dtype = np.dtype(NUMPY_WORDS[info.dtype]) if info.dtype in NUMPY_WORDS else None
@@ -186,7 +196,7 @@ def _convert(p: Projection, raw: dict[str, tuple[Any, np.ndarray]], stream: Any,
     canon[SHAPE] = ("I64", np.array([p.n, p.k], dtype="<i8"))
     roles = {NAMES.tensor(p.module, r): r for r in (*_ROLES, SHAPE)}
     planned = []
-    for name, dtype, shape in p.written():
+    for name, dtype, shape in written:
         got = canon.get(roles.get(name, ""))
         if got is None or got[0] != dtype or list(got[1].shape) != list(shape):
             return _reference(p, raw, stream, by_reference)

@@ -93,8 +93,9 @@ def _data_path(plan: ConversionPlan) -> tuple[Callable[[Any], Any], Callable[[An
     if words.takes(plan):
         from wna16ctl.sources.raw import RawReader
 
+        written = words.written_of(plan)
         return RawReader, words.max_reserve, lambda f, reader, stream, advance: words.produce(
-            plan, f, reader, stream, advance, _converted)
+            plan, f, reader, stream, advance, _converted, written)
     from wna16ctl.sources.tensors import TensorReader
 
     return TensorReader, lambda f: 0, lambda f, reader, stream, advance: _produce(
