@@ -24,8 +24,9 @@ from wna16ctl.sources.formats import CODES, G_IDX, SCALES, SHAPE, ZERO_POINTS, w
 from wna16ctl.sources.formats.compressed_tensors import NAMES
 
 CHUNK = 1 << 20  # the largest piece written or copied at once (the stream's block)
-# a transposed copy's tile: 32 rows of the source by up to 2048 columns (256 KiB of int32, in L2)
-_TILE_ROWS, _TILE_COLS = 2048, 32
+BATCH = 4 << 20  # the source bytes read ahead as one batch (DEPTH batches at most)
+# a transposed copy's tile: 64 rows of the source by 128 of its columns (32 KiB of int32: in L1)
+_TILE_ROWS, _TILE_COLS = 128, 64
 _ROLES = (CODES, SCALES, ZERO_POINTS, G_IDX)  # the order a projection's stored tensors are read in (as write.py)
 
 
@@ -71,16 +72,18 @@ def produce(plan: ConversionPlan, f: Any, reader: Any, stream: Any, advance: Cal
             for unit in units:
                 _read(unit, reader, slot)
             return str(hasher.hexdigest())
-        with _Prefetch(reader, units) as ahead:
-            for (p, _), (raw, slot) in zip(units, ahead):
+        batches = _batches(units)
+        with _Prefetch(reader, batches) as ahead:
+            for batch, (raws, slot) in zip(batches, ahead):
                 interrupts.check()
-                if p is None:
-                    (info, data), = raw.values()
-                    stream.write(memoryview(data))
-                    advance(info.nbytes)
-                else:
-                    _convert(p, written[p.module], raw, stream, by_reference)
-                    advance(sum(prod(shape) * ST_BITS[dtype] // 8 for _, dtype, shape in written[p.module]))
+                for (p, _), raw in zip(batch, raws):
+                    if p is None:
+                        (info, data), = raw.values()
+                        stream.write(memoryview(data))
+                        advance(info.nbytes)
+                    else:
+                        _convert(p, written[p.module], raw, stream, by_reference)
+                        advance(sum(prod(shape) * ST_BITS[dtype] // 8 for _, dtype, shape in written[p.module]))
                 ahead.release(slot)
     finally:
         reader.hasher = None
@@ -112,6 +115,21 @@ def _units(plan: ConversionPlan, f: Any, written: Written) -> list[Unit]:
     return out
 
 
+def _batches(units: list[Unit]) -> list[list[Unit]]:
+    """Consecutive units of up to BATCH bytes read together (one hand-over between the threads per
+    batch, not per projection: the wake-ups cost more than a small projection's conversion)."""
+    out: list[list[Unit]] = []
+    size = BATCH
+    for unit in units:
+        n = sum(info.nbytes for _, info in unit[1])
+        if size + n > BATCH:
+            out.append([])
+            size = 0
+        out[-1].append(unit)
+        size += n
+    return out
+
+
 def _read(unit: Unit, reader: Any, slot: dict[str, np.ndarray]) -> dict[str, tuple[Any, np.ndarray]]:
     """The unit's tensors, role -> (TensorInfo, its bytes in `slot[role]`, grown as needed): fresh
     storage for every tensor would cost its page faults."""
@@ -126,22 +144,23 @@ def _read(unit: Unit, reader: Any, slot: dict[str, np.ndarray]) -> dict[str, tup
 
 
 class _Prefetch:
-    """Reads the units in order on a thread of its own, up to DEPTH units ahead of the converter
-    (the reads and the source digest release the GIL, so they overlap the conversion); each unit's
-    bytes are in a slot of buffers that the consumer hands back with `release`."""
+    """Reads the batches of units in order on a thread of its own, up to DEPTH batches ahead of the
+    converter (the reads and the source digest release the GIL, so they overlap the conversion);
+    a batch's bytes are in a slot of buffers (one dict per unit) that the consumer hands back with
+    `release`."""
 
     DEPTH = 3
 
-    def __init__(self, reader: Any, units: list[Unit]):
+    def __init__(self, reader: Any, batches: list[list[Unit]]):
         import queue
         import threading
 
-        self._free: queue.SimpleQueue[dict[str, np.ndarray] | None] = queue.SimpleQueue()
+        self._free: queue.SimpleQueue[list[dict[str, np.ndarray]] | None] = queue.SimpleQueue()
         self._filled: queue.SimpleQueue[Any] = queue.SimpleQueue()
         for _ in range(self.DEPTH):
-            self._free.put({})
+            self._free.put([])
         self._stopped = False
-        self._thread = threading.Thread(target=self._run, args=(reader, units), name="wna16ctl-convert-read",
+        self._thread = threading.Thread(target=self._run, args=(reader, batches), name="wna16ctl-convert-read",
                                         daemon=True)
 
     def __enter__(self) -> "_Prefetch":
@@ -153,13 +172,14 @@ class _Prefetch:
         self._free.put(None)  # wakes the thread where it waits for a slot
         self._thread.join()
 
-    def _run(self, reader: Any, units: list[Unit]) -> None:
+    def _run(self, reader: Any, batches: list[list[Unit]]) -> None:
         try:
-            for unit in units:
+            for batch in batches:
                 slot = self._free.get()
                 if slot is None or self._stopped:
                     return
-                self._filled.put((_read(unit, reader, slot), slot))
+                slot += [{} for _ in range(len(batch) - len(slot))]
+                self._filled.put(([_read(unit, reader, buffers) for unit, buffers in zip(batch, slot)], slot))
         except BaseException as e:  # handed to the consumer, which raises it
             self._filled.put(e)
 
@@ -170,7 +190,7 @@ class _Prefetch:
                 raise got
             yield got
 
-    def release(self, slot: dict[str, np.ndarray]) -> None:
+    def release(self, slot: list[dict[str, np.ndarray]]) -> None:
         self._free.put(slot)
 
 
@@ -225,7 +245,8 @@ def _put(stream: Any, array: np.ndarray) -> None:
 
 def _tiled_copy(dst: np.ndarray, src: np.ndarray) -> None:
     """dst[...] = src for a transposed 2-D view `src`, in tiles whose source rows stay in the cache
-    (numpy's own strided copy reads a new cache line for every element: over twice as slow)."""
+    (numpy's own strided copy of a whole projection took twice as long in isolation; within a run,
+    where the reads and the hashing share the cores, the gain is smaller)."""
     rows, cols = dst.shape
     for c0 in range(0, cols, _TILE_COLS):
         for r0 in range(0, rows, _TILE_ROWS):
