@@ -68,9 +68,9 @@ def produce(plan: ConversionPlan, f: Any, reader: Any, stream: Any, advance: Cal
     units = _units(plan, f, written)
     try:
         if stream is None:
-            slot: dict[str, np.ndarray] = {}
+            buffers: dict[str, np.ndarray] = {}
             for unit in units:
-                _read(unit, reader, slot)
+                _read(unit, reader, buffers)
             return str(hasher.hexdigest())
         batches = _batches(units)
         with _Prefetch(reader, batches) as ahead:
@@ -138,7 +138,7 @@ def _read(unit: Unit, reader: Any, slot: dict[str, np.ndarray]) -> dict[str, tup
         if role not in slot or slot[role].size < info.nbytes:
             slot[role] = np.empty(info.nbytes, dtype=np.uint8)
         raw = slot[role][:info.nbytes]
-        reader.read_into(info, memoryview(raw))
+        reader.read_into(info, raw.data)
         out[role] = (info, raw)
     return out
 
@@ -206,10 +206,10 @@ def _convert(p: Projection, written: list[tuple[str, str, list[int]]], raw: dict
     dtype and shape."""
     stored = {}
     for role, (info, data) in raw.items():
-        dtype = np.dtype(NUMPY_WORDS[info.dtype]) if info.dtype in NUMPY_WORDS else None
-        if dtype is None or info.nbytes != prod(info.shape) * dtype.itemsize:
+        word = np.dtype(NUMPY_WORDS[info.dtype]) if info.dtype in NUMPY_WORDS else None
+        if word is None or info.nbytes != prod(info.shape) * word.itemsize:
             return _reference(p, raw, stream, by_reference)
-        stored[role] = (info.dtype, data.view(dtype).reshape(info.shape))
+        stored[role] = (info.dtype, data.view(word).reshape(info.shape))
     canon = word_forms.canonical_words(stored, p.scheme, p.k)
     if canon is None:
         return _reference(p, raw, stream, by_reference)
@@ -261,7 +261,7 @@ class _Replay:
         self._bytes = {info.name: data for info, data in raw.values()}
 
     def read_into(self, info: Any, view: memoryview) -> None:
-        view.cast("B")[:info.nbytes] = memoryview(self._bytes[info.name]).cast("B")
+        view.cast("B")[:info.nbytes] = self._bytes[info.name].data.cast("B")
 
 
 def _reference(p: Projection, raw: dict[str, tuple[Any, np.ndarray]], stream: Any, by_reference: Callable) -> None:
