@@ -25,6 +25,10 @@ FLOAT_ST_OF_CONFIG = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
 FLOAT_ST = ("BF16", "F16", "F32")
 # the integer dtypes a g_idx may have, as the `array` module's typecodes (read without torch)
 ARRAY_TYPECODES = {"I32": "i", "I64": "q"}
+# numpy's dtype for the words of a tensor read without torch (floats as their bits: numpy has no
+# bfloat16), and the exponent bits that are all ones in a float that is Inf or NaN
+NUMPY_WORDS = {"I32": "<i4", "I64": "<i8", "F16": "<u2", "BF16": "<u2", "F32": "<u4"}
+FLOAT_EXPONENT_MASK = {"F16": 0x7C00, "BF16": 0x7F80, "F32": 0x7F800000}
 # the float dtypes as `struct` formats, little-endian as safetensors stores them (BF16: F32's upper half)
 _STRUCT_FLOATS = {"F64": "<d", "F32": "<f", "F16": "<e"}
 

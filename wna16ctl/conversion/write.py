@@ -49,21 +49,21 @@ def write_converted(plan: ConversionPlan, out: str | os.PathLike[str], *, force:
     """Write the converted checkpoint to `out` and commit it with a manifest; returns the manifest."""
     from wna16ctl import interrupts
     from wna16ctl.output.writer import FILE_HASH, StagedOutput
-    from wna16ctl.sources.tensors import TensorReader
 
     ck = plan.checkpoint
     ident = identity(ck, plan.writer)
     staged = StagedOutput(Path(out).resolve(), force=force, resume=resume, identity=ident, checkpoint=ck.root)
     reused: list[str] = []
+    reader_of, reserve, produce = _data_path(plan)
     try:
-        with interrupts.deferred(), TensorReader(ck.files) as reader:
-            pending = [(sh, f) for sh, f in plan.files if not _reusable(plan, staged, reader, f)]
+        with interrupts.deferred(), reader_of(ck.files) as reader:
+            pending = [(sh, f) for sh, f in plan.files if not _reusable(staged, reader, f, produce)]
             reused = [f.relpath for _, f in plan.files if f.relpath in staged.done]
             staged.check_space(sum(f.size for _, f in pending))
             advance = progress("converting", sum(f.size for _, f in pending), unit="bytes") if progress else (lambda n: 0)
             for _, f in pending:
-                stream = staged.stream(f, 0, STREAM_DEPTH, allocate=True)
-                staged.sources[f.relpath] = _produce(plan, f, reader, stream.write, advance)
+                stream = staged.stream(f, reserve(f), STREAM_DEPTH, allocate=True)
+                staged.sources[f.relpath] = produce(f, reader, stream, advance)
                 staged.finish_stream(f)
                 staged.checkpoint_journal()
         _write_side_files(plan, staged)
@@ -86,11 +86,29 @@ def write_converted(plan: ConversionPlan, out: str | os.PathLike[str], *, force:
     return manifest
 
 
-def _reusable(plan: ConversionPlan, staged: Any, reader: Any, f: Any) -> bool:
+def _data_path(plan: ConversionPlan) -> tuple[Callable[[Any], Any], Callable[[Any], int], Callable[..., str]]:
+    """(reader class, largest reservation of a file's stream, producer(f, reader, stream or None,
+    advance) -> source digest): the torch-free word path (`conversion.words`) where it takes every
+    projection's scheme, else the torch path below (the reference; both write the same bytes)."""
+    from wna16ctl.conversion import words
+
+    if words.takes(plan):
+        from wna16ctl.sources.raw import RawReader
+
+        written = words.written_of(plan)
+        return RawReader, words.max_reserve, lambda f, reader, stream, advance: words.produce(
+            plan, f, reader, stream, advance, _converted, written)
+    from wna16ctl.sources.tensors import TensorReader
+
+    return TensorReader, lambda f: 0, lambda f, reader, stream, advance: _produce(
+        plan, f, reader, None if stream is None else stream.write, advance)
+
+
+def _reusable(staged: Any, reader: Any, f: Any, produce: Callable[..., str]) -> bool:
     """A file an earlier run finished, whose bytes are as recorded and whose source bytes are unchanged."""
     if f.relpath not in staged.reusable or not staged.staged_file_matches(f):
         return False
-    return bool(staged.reuse(f, _produce(plan, f, reader, None, lambda n: 0)))
+    return bool(staged.reuse(f, produce(f, reader, None, lambda n: 0)))
 
 
 def _produce(plan: ConversionPlan, f: Any, reader: Any, write: Callable[[Any], None] | None,
@@ -107,6 +125,7 @@ def _produce(plan: ConversionPlan, f: Any, reader: Any, write: Callable[[Any], N
     hasher.update(f.relpath.encode() + b"\0")
     reader.hasher = hasher
     buf = ReusedBuffer(PIECE)  # the stream has its header already
+    buffers: dict[str, Any] = {}  # the stored tensors of one projection, read into the same storage each time
     try:
         done: set[str] = set()
         for t in f.tensors:
@@ -114,7 +133,7 @@ def _produce(plan: ConversionPlan, f: Any, reader: Any, write: Callable[[Any], N
             if t.name in done:
                 continue
             if t.name in first:
-                pieces = _converted(first[t.name], fmt, reader)
+                pieces = _converted(first[t.name], fmt, reader, buffers)
                 for name, data in pieces:
                     done.add(name)
                     if write is not None:
@@ -134,17 +153,19 @@ def _produce(plan: ConversionPlan, f: Any, reader: Any, write: Callable[[Any], N
     return str(hasher.hexdigest())
 
 
-def converted_tensors(p: Projection, fmt: Any, reader: Any) -> dict[str, Any]:
+def converted_tensors(p: Projection, fmt: Any, reader: Any, buffers: dict[str, Any] | None = None) -> dict[str, Any]:
     """The target format's tensors of one projection, by name: its stored tensors read in `_ROLES`
     order, put in the canonical form by its format `fmt` (which checks them as it converts) and
-    stored by the target's (`p.writer`'s) format."""
+    stored by the target's (`p.writer`'s) format.  `buffers` (role -> uint8 tensor, kept by the
+    caller): the stored tensors are read into these, grown as needed, instead of into new storage;
+    the result may share them, so it must be used before the next call with the same buffers."""
     import torch
 
     from wna16ctl.sources.tensors import check_scales
 
     target = p.writer.fmt
     names = {r: p.stored[r] for r in _ROLES if r in p.stored}
-    stored = {r: reader.read(n) for r, n in names.items()}
+    stored = {r: reader.read(n) if buffers is None else _read_reusing(reader, n, buffers, r) for r, n in names.items()}
     check_scales(stored[SCALES], names[SCALES])
     canon = fmt.canonical(stored, p.scheme, names)
     try:
@@ -157,13 +178,28 @@ def converted_tensors(p: Projection, fmt: Any, reader: Any) -> dict[str, Any]:
     return out
 
 
-def _converted(p: Projection, fmt: Any, reader: Any) -> list[tuple[str, memoryview]]:
+def _read_reusing(reader: Any, name: str, buffers: dict[str, Any], role: str) -> Any:
+    """Tensor `name` read into `buffers[role]` (fresh storage for every tensor costs its page
+    faults: more than the reading, at a projection of a few hundred KiB)."""
+    import torch
+
+    from wna16ctl.sources.tensors import as_tensor, writable_view
+
+    info = reader.files.info(name)
+    if role not in buffers or buffers[role].numel() < info.nbytes:
+        buffers[role] = torch.empty(info.nbytes, dtype=torch.uint8)
+    raw = buffers[role][:info.nbytes]
+    reader.read_into(info, writable_view(raw))
+    return as_tensor(raw, info.dtype, info.shape)
+
+
+def _converted(p: Projection, fmt: Any, reader: Any, buffers: dict[str, Any]) -> list[tuple[str, memoryview]]:
     """(name, bytes) of the projection's pack-quantized tensors in the planned order, each checked
-    against its planned dtype and shape."""
+    against its planned dtype and shape; written before the next projection reuses `buffers`."""
     from wna16ctl.dtypes import torch_dtype
     from wna16ctl.sources.tensors import writable_view
 
-    tensors = converted_tensors(p, fmt, reader)
+    tensors = converted_tensors(p, fmt, reader, buffers)
     out = []
     for name, dtype, shape in p.written():
         t = tensors.get(name)

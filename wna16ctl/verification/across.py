@@ -71,7 +71,9 @@ def exchange(group: Group, step: str, fn: Callable[[], T]) -> list[T]:
         raise
     if error is not None:
         raise group.shared(error)
-    values = []
+    values: list[T] = []
+    kind: str
+    payload: Any
     for process, message in enumerate(got):
         kind, payload = message if isinstance(message, tuple) and len(message) == 2 else ("step", None)
         if kind == "error":

@@ -1,0 +1,273 @@
+"""`convert`'s data path without torch: each projection's stored tensors read into reused numpy
+buffers and put in the canonical form word by word (`sources.formats.word_forms`), written straight
+into the output stream's blocks (a transpose lands there in one copy); every other tensor read from
+the source into those blocks in pieces.  The stream hashes and writes a block while the next is
+filled (`output.filestream`), and the reads and numpy's copies release the GIL meanwhile.
+
+It writes the same bytes as the torch path (`write._produce`, the reference) and reads the source
+in the same order, so `--resume` digests agree between the two.  A projection whose check fails,
+or whose tensors are not in the form the word transforms take, goes through the reference (torch
+imported then only), which names the tensor and the reason or converts it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from math import prod
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from wna16ctl.conversion.plan import ConversionPlan, Projection
+from wna16ctl.dtypes import NUMPY_WORDS, ST_BITS
+from wna16ctl.sources.formats import CODES, G_IDX, SCALES, SHAPE, ZERO_POINTS, word_forms
+from wna16ctl.sources.formats.compressed_tensors import NAMES
+
+CHUNK = 1 << 20  # the largest piece written or copied at once (the stream's block)
+BATCH = 4 << 20  # the source bytes read ahead as one batch (DEPTH batches at most)
+# a transposed copy's tile: 64 rows of the source by 128 of its columns (32 KiB of int32: in L1)
+_TILE_ROWS, _TILE_COLS = 128, 64
+_ROLES = (CODES, SCALES, ZERO_POINTS, G_IDX)  # the order a projection's stored tensors are read in (as write.py)
+
+
+def takes(plan: ConversionPlan) -> bool:
+    """Whether the target is compressed-tensors (the form the word transforms write) and every
+    projection's scheme is one they convert."""
+    from wna16ctl.sources import formats
+
+    return plan.target is formats.DEFAULT and all(word_forms.handles(p.scheme) for p in plan.projections.values())
+
+
+def max_reserve(f: Any) -> int:
+    """The largest piece `produce` reserves in the stream of planned file `f`: a chunk, or one row
+    of a converted tensor where a row is larger."""
+    rows = [prod(t.shape[1:]) * ST_BITS[t.dtype] // 8 for t in f.tensors if len(t.shape) > 1]
+    return max([CHUNK, *rows])
+
+
+Written = dict[str, list[tuple[str, str, list[int]]]]  # module -> its planned (name, dtype, shape), in order
+
+
+def written_of(plan: ConversionPlan) -> Written:
+    """Each projection's planned tensors, computed once for all files."""
+    return {m: p.written() for m, p in plan.projections.items()}
+
+
+def produce(plan: ConversionPlan, f: Any, reader: Any, stream: Any, advance: Callable[[int], Any],
+            reference: Callable[..., list[tuple[str, Any]]], written: Written) -> str:
+    """Write planned file `f` through `stream` after its header (None: only read and digest its
+    source bytes); returns the digest of the source bytes in the order they were read.
+    `reference(p, fmt, reader, buffers)`: the torch path's (name, bytes) of a projection, for
+    those the word transforms decline; `written`: `written_of(plan)`."""
+    from wna16ctl import interrupts
+    from wna16ctl.output.writer import new_hasher
+    from wna16ctl.sources import formats
+
+    fmt = formats.of(plan.checkpoint.config.quant)
+    by_reference = lambda p, raw: reference(p, fmt, _Replay(reader.files, raw), {})  # noqa: E731 - the torch path on the bytes read
+    hasher = new_hasher()
+    hasher.update(f.relpath.encode() + b"\0")
+    reader.hasher = hasher
+    units = _units(plan, f, written)
+    try:
+        if stream is None:
+            buffers: dict[str, np.ndarray] = {}
+            for unit in units:
+                _read(unit, reader, buffers)
+            return str(hasher.hexdigest())
+        batches = _batches(units)
+        with _Prefetch(reader, batches) as ahead:
+            for batch, (raws, slot) in zip(batches, ahead):
+                interrupts.check()
+                for (p, _), raw in zip(batch, raws):
+                    if p is None:
+                        (info, data), = raw.values()
+                        stream.write(memoryview(data))
+                        advance(info.nbytes)
+                    else:
+                        _convert(p, written[p.module], raw, stream, by_reference)
+                        advance(sum(prod(shape) * ST_BITS[dtype] // 8 for _, dtype, shape in written[p.module]))
+                ahead.release(slot)
+    finally:
+        reader.hasher = None
+    return str(hasher.hexdigest())
+
+
+Unit = tuple[Optional[Projection], list[tuple[str, Any]]]  # (the projection, or None for a piece copied; (role, TensorInfo) read)
+
+
+def _units(plan: ConversionPlan, f: Any, written: Written) -> list[Unit]:
+    """What is read for file `f`, in order: each projection's stored tensors where its converted
+    tensors start (in `_ROLES` order, as write.py reads them), every other tensor in pieces."""
+    files = plan.checkpoint.files
+    first = {w[0][0]: p for p, w in ((p, written[p.module]) for p in plan.projections.values())}
+    out: list[Unit] = []
+    done: set[str] = set()
+    for t in f.tensors:
+        if t.name in done:
+            continue
+        p = first.get(t.name)
+        if p is not None:
+            out.append((p, [(r, files.info(p.stored[r])) for r in _ROLES if r in p.stored]))
+            done.update(name for name, _, _ in written[p.module])
+            continue
+        info = files.info(t.name)
+        for start in range(info.start, info.end, CHUNK):
+            piece = type(info)(info.name, info.dtype, info.shape, info.file, start, min(start + CHUNK, info.end))
+            out.append((None, [("", piece)]))
+    return out
+
+
+def _batches(units: list[Unit]) -> list[list[Unit]]:
+    """Consecutive units of up to BATCH bytes read together (one hand-over between the threads per
+    batch, not per projection: the wake-ups cost more than a small projection's conversion)."""
+    out: list[list[Unit]] = []
+    size = BATCH
+    for unit in units:
+        n = sum(info.nbytes for _, info in unit[1])
+        if size + n > BATCH:
+            out.append([])
+            size = 0
+        out[-1].append(unit)
+        size += n
+    return out
+
+
+def _read(unit: Unit, reader: Any, slot: dict[str, np.ndarray]) -> dict[str, tuple[Any, np.ndarray]]:
+    """The unit's tensors, role -> (TensorInfo, its bytes in `slot[role]`, grown as needed): fresh
+    storage for every tensor would cost its page faults."""
+    out = {}
+    for role, info in unit[1]:
+        if role not in slot or slot[role].size < info.nbytes:
+            slot[role] = np.empty(info.nbytes, dtype=np.uint8)
+        raw = slot[role][:info.nbytes]
+        reader.read_into(info, raw.data)
+        out[role] = (info, raw)
+    return out
+
+
+class _Prefetch:
+    """Reads the batches of units in order on a thread of its own, up to DEPTH batches ahead of the
+    converter (the reads and the source digest release the GIL, so they overlap the conversion);
+    a batch's bytes are in a slot of buffers (one dict per unit) that the consumer hands back with
+    `release`."""
+
+    DEPTH = 3
+
+    def __init__(self, reader: Any, batches: list[list[Unit]]):
+        import queue
+        import threading
+
+        self._free: queue.SimpleQueue[list[dict[str, np.ndarray]] | None] = queue.SimpleQueue()
+        self._filled: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        for _ in range(self.DEPTH):
+            self._free.put([])
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, args=(reader, batches), name="wna16ctl-convert-read",
+                                        daemon=True)
+
+    def __enter__(self) -> "_Prefetch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stopped = True
+        self._free.put(None)  # wakes the thread where it waits for a slot
+        self._thread.join()
+
+    def _run(self, reader: Any, batches: list[list[Unit]]) -> None:
+        try:
+            for batch in batches:
+                slot = self._free.get()
+                if slot is None or self._stopped:
+                    return
+                slot += [{} for _ in range(len(batch) - len(slot))]
+                self._filled.put(([_read(unit, reader, buffers) for unit, buffers in zip(batch, slot)], slot))
+        except BaseException as e:  # handed to the consumer, which raises it
+            self._filled.put(e)
+
+    def __iter__(self) -> Any:
+        while True:
+            got = self._filled.get()
+            if isinstance(got, BaseException):
+                raise got
+            yield got
+
+    def release(self, slot: list[dict[str, np.ndarray]]) -> None:
+        self._free.put(slot)
+
+
+def _room(stream: Any, nbytes: int) -> Any:
+    """The next `nbytes` of the stream's block, to be filled in place and then committed."""
+    return (ctypes.c_char * nbytes).from_address(stream.reserve(nbytes))
+
+
+def _convert(p: Projection, written: list[tuple[str, str, list[int]]], raw: dict[str, tuple[Any, np.ndarray]],
+             stream: Any, by_reference: Callable) -> None:
+    """The projection's pack-quantized tensors (`written`: name, dtype, shape) written in the planned
+    order; through the reference where the word transforms decline or a result is not the planned
+    dtype and shape."""
+    stored = {}
+    for role, (info, data) in raw.items():
+        word = np.dtype(NUMPY_WORDS[info.dtype]) if info.dtype in NUMPY_WORDS else None
+        if word is None or info.nbytes != prod(info.shape) * word.itemsize:
+            return _reference(p, raw, stream, by_reference)
+        stored[role] = (info.dtype, data.view(word).reshape(info.shape))
+    canon = word_forms.canonical_words(stored, p.scheme, p.k)
+    if canon is None:
+        return _reference(p, raw, stream, by_reference)
+    canon[SHAPE] = ("I64", np.array([p.n, p.k], dtype="<i8"))
+    roles = {NAMES.tensor(p.module, r): r for r in (*_ROLES, SHAPE)}
+    planned = []
+    for name, dtype, shape in written:
+        got = canon.get(roles.get(name, ""))
+        if got is None or got[0] != dtype or list(got[1].shape) != list(shape):
+            return _reference(p, raw, stream, by_reference)
+        planned.append(got[1])
+    for array in planned:
+        _put(stream, array)
+    return None
+
+
+def _put(stream: Any, array: np.ndarray) -> None:
+    """`array` (a view, possibly transposed) copied into the stream's blocks in C order, rows at a time."""
+    rows = array.reshape(array.shape[0], -1) if array.ndim > 1 else array.reshape(1, -1)
+    row_bytes = rows.shape[1] * rows.itemsize
+    if row_bytes == 0:
+        return
+    step = max(1, CHUNK // row_bytes)
+    for r0 in range(0, rows.shape[0], step):
+        part = rows[r0:r0 + step]
+        room = np.ndarray(part.shape, dtype=part.dtype, buffer=_room(stream, part.nbytes))
+        if part.flags.c_contiguous:
+            np.copyto(room, part)
+        else:
+            _tiled_copy(room, part)
+        stream.commit(part.nbytes)
+
+
+def _tiled_copy(dst: np.ndarray, src: np.ndarray) -> None:
+    """dst[...] = src for a transposed 2-D view `src`, in tiles whose source rows stay in the cache
+    (numpy's own strided copy of a whole projection took twice as long in isolation; within a run,
+    where the reads and the hashing share the cores, the gain is smaller)."""
+    rows, cols = dst.shape
+    for c0 in range(0, cols, _TILE_COLS):
+        for r0 in range(0, rows, _TILE_ROWS):
+            np.copyto(dst[r0:r0 + _TILE_ROWS, c0:c0 + _TILE_COLS], src[r0:r0 + _TILE_ROWS, c0:c0 + _TILE_COLS])
+
+
+class _Replay:
+    """A reader that serves the bytes already read (the reference converts them without reading twice)."""
+
+    def __init__(self, files: Any, raw: dict[str, tuple[Any, np.ndarray]]):
+        self.files = files
+        self._bytes = {info.name: data for info, data in raw.values()}
+
+    def read_into(self, info: Any, view: memoryview) -> None:
+        view.cast("B")[:info.nbytes] = self._bytes[info.name].data.cast("B")
+
+
+def _reference(p: Projection, raw: dict[str, tuple[Any, np.ndarray]], stream: Any, by_reference: Callable) -> None:
+    """The projection converted by the torch path from the bytes read (its BadInput names the tensor)."""
+    for _, data in by_reference(p, raw):
+        stream.write(data)
