@@ -20,7 +20,7 @@ import torch
 
 from wna16ctl.sources import Checkpoint, MoELayer
 from wna16ctl.sources.architectures import architecture
-from wna16ctl.sources.tensors import TensorReader
+from wna16ctl.sources.tensors import TensorReader, as_tensor
 from wna16ctl.errors import BadInput
 from wna16ctl.verification.samples import (  # noqa: F401 - re-exported: the sample sources live in a torch-free module
     DEMO_QUESTIONS, GSM8K_TEST, SAMPLE_SEARCH_ORDER, SAMPLES_ENV, SHARED_ENV, repository_shared_dir, resolve_samples,
@@ -127,11 +127,21 @@ def embed(ck: Checkpoint, reader: TensorReader, token_ids: list[list[int]]) -> t
                              "transformer.wte.weight") if n in ck.files), None)
     if name is None:
         raise BadInput(f"{ck.root}: no embed_tokens weight to build activations from")
-    table = reader.read(name)
     flat = torch.tensor([i for ids in token_ids for i in ids], dtype=torch.int64)
     if flat.numel() == 0:
         raise BadInput("the samples produced no tokens")
-    return table[flat].float()
+    # the rows the tokens name, read one by one: the table (vocabulary × hidden) is GBs at scale
+    info = ck.files.info(name)
+    if len(info.shape) != 2:
+        return reader.read(name)[flat].float()
+    ids, where = torch.unique(flat, return_inverse=True)
+    row = info.nbytes // info.shape[0]
+    rows = [as_tensor(reader.read_bytes(type(info)(info.name, info.dtype, info.shape[1:], info.file,
+                                                   info.start + i * row, info.start + (i + 1) * row)),
+                      info.dtype, info.shape[1:]) for i in ids.tolist() if 0 <= i < info.shape[0]]
+    if len(rows) != len(ids):
+        raise BadInput(f"{ck.root}: a token id is outside {name} ({info.shape[0]} rows)")
+    return torch.stack(rows)[where].float()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

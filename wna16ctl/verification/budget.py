@@ -14,7 +14,7 @@ NUMERICS_MEMORY = 512 << 20
 LAYER_BYTES_PER_ELEMENT = 56
 RANK_BYTES_PER_ELEMENT = 40
 JUDGE_ROWS = 256  # output rows judged (and rounded) at a time: the float64 temporaries stay small
-SLAB_BYTES = 64 << 20  # a rank's expert tensors read and run through the GEMM at a time
+SLAB_BYTES = 16 << 20  # a rank's expert tensors read and run through the GEMM at a time
 
 
 def budget_help() -> str:

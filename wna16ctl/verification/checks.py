@@ -916,6 +916,7 @@ class _LayerSums:
     # GEMM cannot run on.  The reference never depends on the output, so it is always complete.
     no_candidate: list[str] = field(default_factory=list)
     layer_ok: bool = True  # no round-trip finding in this layer yet
+    reassembly: list[Finding] = field(default_factory=list)  # re-assembled tensors that differ (one expert's)
     bound_used: float | None = None  # the kernel's GEMMs: error beyond their rounding / the derived bound
     exercised: set[int] = field(default_factory=set)  # experts some token is routed to
     # the all-reduced rounding interval (verification.bounds), each rank's added once it is done
@@ -935,12 +936,62 @@ def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: di
     samples' tokens already left out of `hidden` by the memory budget)."""
     selected = list(range(job.layer.num_experts)) if experts is None else experts
     sums = _LayerSums()
-    for e in selected:
-        _verify_expert(reader, job, ranks, dtype, report, sums, e)
-        advance(1)
+    _round_trip_experts(reader, job, ranks, dtype, report, sums, selected, advance)
     report.layers_checked += 1
     if hidden is not None:
         _layer_numerics(ck, reader, job, ranks, hidden, dtype, report, gemm_device, advance, selected, sums, dropped)
+
+
+@dataclass
+class _ExpertCheck:
+    """One expert's round trip, checked apart (on a worker thread) and merged in expert order."""
+
+    findings: list[Finding] = field(default_factory=list)
+    experts_checked: int = 0
+
+
+def _check_expert(reader: TensorReader, job: LayerJob, ranks: dict[int, RankFiles], dtype: torch.dtype,
+                  e: int) -> tuple[_ExpertCheck, _LayerSums]:
+    """Expert `e`'s round trip into a report and sums of its own (`_verify_expert`)."""
+    own, sums = _ExpertCheck(), _LayerSums()
+    _verify_expert(reader, job, ranks, dtype, own, sums, e)  # type: ignore[arg-type]  # the fields it writes
+    return own, sums
+
+
+def _merge_expert(report: VerifyReport, sums: _LayerSums, own: _ExpertCheck, mine: _LayerSums) -> None:
+    """One expert's round trip into the layer's, in expert order: its findings; a re-assembly that
+    differs only where no rank's finding in the layer so far (this expert's included) explains it."""
+    report.findings += own.findings
+    report.experts_checked += own.experts_checked
+    sums.no_candidate += mine.no_candidate
+    sums.layer_ok = sums.layer_ok and mine.layer_ok
+    if sums.layer_ok:
+        report.findings += mine.reassembly
+
+
+def _round_trip_experts(reader: TensorReader, job: LayerJob, ranks: dict[int, RankFiles], dtype: torch.dtype,
+                        report: VerifyReport, sums: _LayerSums, selected: list[int],
+                        advance: Callable[[int], None]) -> None:
+    """The round trip of a layer's selected experts on every core, reads overlapped with checks:
+    each worker thread reads and checks one expert at a time (positioned reads and torch's ops
+    release the GIL), a few experts ahead at most, and the results are merged in expert order, so
+    that the report is the one a single thread gives."""
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+
+    from wna16ctl.native.emulated import usable_cores
+
+    workers = min(usable_cores(), max(1, len(selected)))
+    with ThreadPoolExecutor(workers) as pool:
+        window: deque[Any] = deque()
+        for e in selected:
+            window.append(pool.submit(_check_expert, reader, job, ranks, dtype, e))
+            if len(window) > workers:
+                _merge_expert(report, sums, *window.popleft().result())
+                advance(1)
+        while window:
+            _merge_expert(report, sums, *window.popleft().result())
+            advance(1)
 
 
 def _verify_expert(reader: TensorReader, job: LayerJob, ranks: dict[int, RankFiles], dtype: torch.dtype,
@@ -1012,8 +1063,8 @@ def _check_reassembled(job: LayerJob, per_rank: list[dict[str, torch.Tensor]], c
         want = {k: (v.to(dtype) if k == SCALES else v) for k, v in ck_expert[role].items()}
         bad = next((k for k, v in want.items() if k not in back[role] or back[role][k].shape != v.shape
                     or first_difference(back[role][k], v) is not None), None)
-        if bad is not None and sums.layer_ok:
-            report.findings.append(Finding(
+        if bad is not None:  # said only where no rank's own finding explains it (`_merge_expert`)
+            sums.reassembly.append(Finding(
                 "round_trip", f"{layer.prefix} expert {e}: re-assembled {role} {bad} differs from the checkpoint",
                 layer=layer.prefix, expert=e))
 
