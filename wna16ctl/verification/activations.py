@@ -173,7 +173,8 @@ def route(ck: Checkpoint, reader: TensorReader, layer: MoELayer, hidden: torch.T
     x, ids, weights = x[:keep], ids[:keep], weights[:keep]
     # Experts no sample routes to get extra tokens (top-1, weight 1), so every expert is checked.
     counts = torch.bincount(ids.reshape(-1), minlength=E)
-    extra_x, extra_ids = [], []
+    extra_x: list[torch.Tensor] = []
+    extra_ids: list[int] = []
     g = torch.Generator().manual_seed(0)
     for e in range(E):
         need = min_tokens_per_expert - int(counts[e])

@@ -178,8 +178,9 @@ class IntervalSum:
             else:
                 acc.index_add_(0, rows, term)
 
-    def rows(self, rows: slice) -> "IntervalSum":
-        """Output rows `rows` of the sums (views: adding to them adds to these)."""
+    def rows(self, rows: slice | torch.Tensor) -> "IntervalSum":
+        """Output rows `rows` of the sums (a slice: views, adding to them adds to these; an index
+        tensor: copies, to read)."""
         out = IntervalSum.__new__(IntervalSum)
         out.lo, out.hi, out.centre, out.mag = self.lo[rows], self.hi[rows], self.centre[rows], self.mag[rows]
         return out
@@ -242,7 +243,7 @@ class AllReduced:
             self.total.rows(rows).add(acc.rows(rows).rounded(k, dtype))
         self.ranks += 1
 
-    def interval(self, dtype: torch.dtype, rows: slice = slice(None)) -> Interval:
+    def interval(self, dtype: torch.dtype, rows: slice | torch.Tensor = slice(None)) -> Interval:
         """The all-reduced interval of output rows `rows` (every row by default)."""
         return self.total.rows(rows).rounded(self.ranks, dtype)
 

@@ -1295,7 +1295,7 @@ def _judge_layer(row: LayerNumerics, dtype: torch.dtype, sums: _LayerSums, emula
         y_k = sums.kernel.to(dtype).float()
         for s in range(0, len(emulated_rows), JUDGE_ROWS):
             at = emulated_rows[s:s + JUDGE_ROWS]
-            verdicts.append(judge(y_k[s:s + JUDGE_ROWS], sums.interval.interval(dtype, at)))  # type: ignore[arg-type]
+            verdicts.append(judge(y_k[s:s + JUDGE_ROWS], sums.interval.interval(dtype, at)))
     verdict = verdicts[0]
     for v in verdicts[1:]:
         verdict = verdict.merged(v)
