@@ -245,3 +245,29 @@ def test_e2e_refused_with_the_figure_when_memory_cannot_hold_it(outputs, make_ck
     monkeypatch.setattr(e2e_mod, "available_memory", lambda: 1 << 20)
     res = CliRunner().invoke(cli, ["verify", str(src), str(tmp_path / "p"), "--e2e", "--samples", str(QUESTIONS)])
     assert res.exit_code == 2 and "--e2e needs about" in res.output, res.output
+
+
+def test_a_cap_below_two_tokens_per_expert_still_exercises_every_expert():
+    """Where the token cap cannot give every expert two tokens (384 experts, 390 tokens at the
+    Kimi-K2 width), each idle expert gets one, so that none goes unexercised."""
+    import torch
+
+    from wna16ctl.verification import activations
+
+    class Layer:  # what `route` reads of a MoE layer
+        num_experts, hidden_size, norm, router, router_bias, block = 384, 16, None, "r", None, "b"
+
+    class Reader:
+        def read(self, name):
+            return torch.zeros(384, 16)  # a router that routes every token to the same experts
+
+    class Ck:
+        class config:  # stands for Checkpoint.config: the attributes route reads
+            raw: dict = {}
+            num_experts_per_tok = 8
+            model_type = "qwen3_moe"
+        root = "ck"
+
+    routing = activations.route(Ck, Reader(), Layer, torch.randn(4096, 16), max_tokens=390)
+    assert routing.x.shape[0] <= 390
+    assert set(routing.topk_ids.reshape(-1).tolist()) >= set(range(384))

@@ -167,6 +167,8 @@ def route(ck: Checkpoint, reader: TensorReader, layer: MoELayer, hidden: torch.T
         raise BadInput(f"{ck.root}: {layer.router} is {list(router.shape)}, expected [{E}, {layer.hidden_size}]")
     logits = x @ router.T
     ids, weights = _topk(ck, reader, layer, logits, k)
+    if max_tokens is not None and min_tokens_per_expert * E > max_tokens:  # one each, so every expert fits
+        min_tokens_per_expert = max(1, max_tokens // E)
     keep = _tokens_kept(ids, E, min_tokens_per_expert, max_tokens)
     capped = x.shape[0] - keep
     pool = x
