@@ -6,10 +6,14 @@ dtypes, shapes, config) as a compressed-tensors W4A16 Qwen3-MoE checkpoint.
 
     python bench/synthetic_checkpoint.py OUT [--layers 4] [--experts 128] [--hidden 2048] [--intermediate 768]
                                              [--vocab 4096] [--top-k K] [--engine] [--group-size 128]
-                                             [--experts-per-shard N]
+                                             [--experts-per-shard N] [--gptq]
 
 --top-k is the number of experts each token is routed to (`num_experts_per_tok`): by default
 Qwen3-30B-A3B's 8, or every expert when there are fewer.
+
+--gptq writes the experts as a GPTQ checkpoint instead (GPTQModel's v1 storage, sym, no act-order,
+float16 scales): the same random codes, put in GPTQ's stored form by the GPTQ format's own
+`stored_form`, and the quantization_config GPTQModel writes.
 
 --engine also writes what an engine needs to build and run the model (attention, the full
 Qwen3-MoE config with Qwen3-30B-A3B's head counts); without it the checkpoint holds the expert
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -28,13 +33,14 @@ from safetensors.torch import save_file
 
 def write(out: Path, *, layers: int = 4, experts: int = 128, hidden: int = 2048, intermediate: int = 768,
           num_bits: int = 4, group_size: int = 128, vocab: int = 4096, seed: int = 0, engine: bool = False,
-          top_k: int | None = None, experts_per_shard: int | None = None) -> Path:
+          top_k: int | None = None, experts_per_shard: int | None = None, gptq: bool = False) -> Path:
     top_k = default_top_k(experts) if top_k is None else top_k
     if not 1 <= top_k <= experts:
         raise ValueError(f"top_k {top_k} must be between 1 and the {experts} experts")
     out.mkdir(parents=True, exist_ok=True)
     pf = 32 // num_bits
     g = torch.Generator().manual_seed(seed)
+    quant = _gptq_quant(num_bits, group_size) if gptq else None
     weight_map: dict[str, str] = {}
     total = 0
     # a layer's experts in slices of `experts_per_shard`, so that the writer holds one shard's tensors
@@ -60,9 +66,14 @@ def write(out: Path, *, layers: int = 4, experts: int = 128, hidden: int = 2048,
                 for proj, (n, k) in (("gate_proj", (intermediate, hidden)), ("up_proj", (intermediate, hidden)),
                                      ("down_proj", (hidden, intermediate))):
                     m = f"{p}.mlp.experts.{e}.{proj}"
-                    tensors[f"{m}.weight_packed"] = torch.randint(-(2**31), 2**31 - 1, (n, k // pf), generator=g, dtype=torch.int32)
-                    tensors[f"{m}.weight_scale"] = (torch.rand(n, k // group_size, generator=g) * 1e-3 + 1e-4).to(torch.bfloat16)
-                    tensors[f"{m}.weight_shape"] = torch.tensor([n, k], dtype=torch.int64)
+                    codes = torch.randint(-(2**31), 2**31 - 1, (n, k // pf), generator=g, dtype=torch.int32)
+                    scales = torch.rand(n, k // group_size, generator=g) * 1e-3 + 1e-4
+                    if quant is None:
+                        tensors[f"{m}.weight_packed"] = codes
+                        tensors[f"{m}.weight_scale"] = scales.to(torch.bfloat16)
+                        tensors[f"{m}.weight_shape"] = torch.tensor([n, k], dtype=torch.int64)
+                    else:
+                        tensors |= _gptq_tensors(quant, m, codes, scales)
         name = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
         save_file(tensors, str(out / name), metadata={"format": "pt"})
         for k, v in tensors.items():
@@ -86,6 +97,8 @@ def write(out: Path, *, layers: int = 4, experts: int = 128, hidden: int = 2048,
             "ignore": ["lm_head"],
         },
     }
+    if quant is not None:
+        config["quantization_config"] = quant[1]
     # the engine reads the model's shape from config.json (wna16ctl refuses a config without it)
     config["num_attention_heads"] = HEADS
     if engine:
@@ -93,6 +106,30 @@ def write(out: Path, *, layers: int = 4, experts: int = 128, hidden: int = 2048,
                                 vocab=vocab)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
+
+
+def _gptq_quant(num_bits: int, group_size: int) -> tuple[Any, dict, Any]:
+    """(the GPTQ format, the quantization_config GPTQModel writes (v1, sym, no act-order), the
+    scheme of every expert projection as the format reads that config)."""
+    from wna16ctl.sources.formats import gptq
+
+    qc = {"bits": num_bits, "group_size": group_size, "desc_act": False, "sym": True, "lm_head": False,
+          "quant_method": gptq.QUANT_METHOD, "format": gptq.V1, "checkpoint_format": gptq.V1, "pack_dtype": "int32"}
+    fmt, where = gptq.FORMAT, Path("config.json")
+    resolve = fmt.resolver(fmt.parse_config(qc, where), qc, where)
+    scheme = resolve(["model.layers.0.mlp.experts.0.gate_proj"])[0]
+    return fmt, qc, scheme
+
+
+def _gptq_tensors(quant: tuple[Any, dict, Any], module: str, codes: torch.Tensor,
+                  scales: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One projection's canonical codes and scales in GPTQ's stored form, by stored name."""
+    from wna16ctl.sources.formats import CODES, G_IDX, SCALES, ZERO_POINTS
+
+    fmt, _, scheme = quant
+    stored = fmt.stored_form({CODES: codes, SCALES: scales.to(torch.float16)}, scheme)
+    return {fmt.names.tensor(module, role): stored[role] for role in (CODES, ZERO_POINTS, SCALES, G_IDX)
+            if role in stored}
 
 
 # Qwen3-30B-A3B routes each token to 8 experts
@@ -144,11 +181,12 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--experts-per-shard", type=int, default=None,
                     help="split each layer's experts over shards of this many (the writer holds one shard)")
+    ap.add_argument("--gptq", action="store_true", help="a GPTQ checkpoint (v1, sym, float16 scales) of the same codes")
     a = ap.parse_args()
     if a.top_k is not None and not 1 <= a.top_k <= a.experts:
         ap.error(f"--top-k {a.top_k} must be between 1 and --experts ({a.experts})")
     p = write(a.out, layers=a.layers, experts=a.experts, hidden=a.hidden, intermediate=a.intermediate, vocab=a.vocab,
-              engine=a.engine, top_k=a.top_k, group_size=a.group_size, experts_per_shard=a.experts_per_shard)
+              engine=a.engine, top_k=a.top_k, group_size=a.group_size, experts_per_shard=a.experts_per_shard, gptq=a.gptq)
     size = sum(f.stat().st_size for f in p.iterdir())
     print(f"wrote {p}: {size / 2**30:.2f} GiB")
 

@@ -236,7 +236,8 @@ def _gpu_names() -> Any:
 def verify(path: PathLike, out: PathLike, *, samples: PathLike | None = None, num_samples: int = 64, device: str = "auto",
            e2e: bool = False, prompts: int = 8, max_new_tokens: int = 32, score: bool = False,
            layers: str | Iterable[int] | None = None, experts: str | Iterable[int] | None = None, revision: str | None = None, progress: Callable[..., Callable[[int], None]] | None = None,
-           notice: Callable[[str], None] | None = None, numerics: bool = True) -> VerifyReport | PadProof | ConversionProof:
+           notice: Callable[[str], None] | None = None, numerics: bool = True, ranks: str | Iterable[int] | None = None,
+           group: Any = None) -> VerifyReport | PadProof | ConversionProof:
     """Prove that `out` (a repack output, a `pad` output or a `convert` output) equals the checkpoint at `path`.
 
     `samples`: a .jsonl or .parquet file with a 'question' field; when None, the first source of
@@ -250,6 +251,11 @@ def verify(path: PathLike, out: PathLike, *, samples: PathLike | None = None, nu
     with `layers`: a partial verify too.  Both apply to a `pad` output as well (`PadProof.partial`).  `revision` as for `repack`.
     `numerics=False` (`verify --no-numerics`) runs the exactness proof alone: the numerics are not
     run, said so, and no samples are read.
+    `ranks` ("0,2" or indices) checks only those TP ranks' files of a repack output: a partial
+    verify unless they are all (`.ranks_checked`, `.ranks_not_checked`).  `group` (a
+    `wna16ctl.repacking.distributed.Group`, from `init_group()` under torchrun): this process
+    checks its share of the ranks, rank r by process r mod the number of processes, and every
+    process returns the whole run's report.
     Returns the `VerifyReport` (`to_json()` = `verify --json`, docs/verify-json.md), whatever the
     layout: for a `layout="vllm"` output its manifest check is the files against vLLM's contract,
     its round trip every tensor, its numerics not run (`.layout_state` holds the contract figures).
@@ -258,7 +264,7 @@ def verify(path: PathLike, out: PathLike, *, samples: PathLike | None = None, nu
     """
     from wna16ctl.errors import UsageError
     from wna16ctl.padding.proof import is_padded_output, verify_padding
-    from wna16ctl.verification.checks import verify_output
+    from wna16ctl.verification.checks import parse_indices, verify_output
 
     if not e2e and (prompts, max_new_tokens, score) != (8, 32, False):
         raise UsageError("prompts, max_new_tokens and score only apply with e2e=True")
@@ -269,7 +275,14 @@ def verify(path: PathLike, out: PathLike, *, samples: PathLike | None = None, nu
 
         options = E2EOptions(prompts=prompts, max_new_tokens=max_new_tokens, score=score)
     from wna16ctl.conversion.proof import is_converted_output, verify_conversion
+    from wna16ctl.repacking.distributed import SOLO
 
+    group = group or SOLO
+    if (ranks is not None or group.world_size > 1) and (is_converted_output(out) or is_padded_output(out)):
+        what = "a convert output" if is_converted_output(out) else "a pad output"
+        how = "--ranks" if ranks is not None else "torchrun"
+        raise UsageError(f"{how}: {out} is {what}, a checkpoint verified tensor by tensor, not per rank; "
+                         f"verify it in one process without --ranks")
     if is_converted_output(out):  # a `convert` output: its ConversionProof (`.passed`, `.problems`, `.to_json()`)
         if e2e or layers is not None or experts is not None:
             raise UsageError("a convert output is verified whole: e2e, layers and experts do not apply")
@@ -279,8 +292,10 @@ def verify(path: PathLike, out: PathLike, *, samples: PathLike | None = None, nu
             raise UsageError("--e2e and --no-numerics: e2e runs the model on samples; drop one of them")
         return verify_padding(path, out, numerics=numerics, samples=samples, num_samples=num_samples, e2e=options,
                               notice=notice, layers=layers, experts=experts)
+    wanted_ranks = None if ranks is None else parse_indices(ranks, "--ranks", "TP rank")
     return verify_output(path, out, samples=samples, num_samples=num_samples, device=device, progress=progress,
-                         e2e=options, notice=notice, layers=layers, experts=experts, numerics=numerics)
+                         e2e=options, notice=notice, layers=layers, experts=experts, numerics=numerics,
+                         ranks=wanted_ranks, group=group)
 
 
 def _env_list(env: dict[str, str] | Iterable[str] | None) -> dict[str, str] | list[str] | None:

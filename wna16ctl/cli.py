@@ -577,17 +577,29 @@ def _samples_order_help() -> str:
               help="--no-numerics: the exactness proof alone, at disk speed and in memory bounded by one expert: the manifest and "
                    "the bit-exact round trip of a repack output, the tensor proof of a pad output. The numerics "
                    "are reported as not run (no samples are read).")
+@click.option("--ranks", "ranks", default=None, metavar="R,R,...",
+              help="Check only these TP ranks' files (a repack output): a partial verify, reported as such. Under "
+                   "torchrun each process checks its share, rank r by process r mod the number of processes, "
+                   "and the first process prints the one report.")
 @click.option("--json", "json_mode", is_flag=True, help="Print the report as one JSON object (docs/verify-json.md).")
 @_REVISION
 @_debug_option
 @click.pass_context
 def verify(ctx: click.Context, ckpt: str, out: str, samples: str | None, num_samples: int, device: str, e2e: bool,
            prompts: int, max_new_tokens: int, score: bool, layers: str | None, experts: str | None, numerics: bool,
-           json_mode: bool, revision: str | None, debug: bool) -> None:
+           ranks: str | None, json_mode: bool, revision: str | None, debug: bool) -> None:
     """Prove OUT (a repack output) equals CKPT: manifest, bit-exact round trip, numerics (and --e2e).
 
-    CKPT may be a Hub repo id ORG/NAME[@REVISION] (downloaded into the Hugging Face cache)."""
-    sink = Sink(json_mode=json_mode)
+    CKPT may be a Hub repo id ORG/NAME[@REVISION] (downloaded into the Hugging Face cache).
+    Launched by torchrun, the processes share the ranks, as repack's do (docs/user-guide.md)."""
+    from wna16ctl.repacking import distributed
+
+    try:
+        launch = distributed.launch_from_env()
+    except UsageError:
+        launch = distributed.Launch()  # the body reports it
+    # progress from the first process of each node; the report from the first process of the run
+    sink = Sink(json_mode=json_mode, quiet=launch.local_rank != 0)
     given = [f"--{n.replace('_', '-')}" for n in ("prompts", "max_new_tokens", "score")
              if ctx.get_parameter_source(n) is click.core.ParameterSource.COMMANDLINE]
     if given and not e2e:
@@ -596,15 +608,28 @@ def verify(ctx: click.Context, ckpt: str, out: str, samples: str | None, num_sam
     def body() -> int:
         import wna16ctl
 
-        source = _local_checkpoint(sink, ckpt, revision)
-        with sink.tasks() as progress:
-            report = wna16ctl.verify(source, out, samples=samples, num_samples=num_samples, device=device, e2e=e2e,
-                                     prompts=prompts, max_new_tokens=max_new_tokens, score=score, layers=layers,
-                                     experts=experts, numerics=numerics, progress=progress,
-                                     notice=lambda m: sink.warn(m, always=True))
-        from wna16ctl.render import render_verify
+        group = distributed.SOLO
+        try:
+            distributed.launch_from_env()  # a broken launch: one line from every process
+            group = distributed.init_group(launch)
+            source = group.together("opening the checkpoint", lambda: _local_checkpoint(sink, ckpt, revision))
+            with sink.tasks() as progress:
+                report = wna16ctl.verify(source, out, samples=samples, num_samples=num_samples, device=device, e2e=e2e,
+                                         prompts=prompts, max_new_tokens=max_new_tokens, score=score, layers=layers,
+                                         experts=experts, numerics=numerics, progress=progress,
+                                         notice=lambda m: sink.warn(m, always=True) if launch.rank == 0 else None,
+                                         ranks=ranks, group=group)
+        except BaseException as e:
+            # what every process meets alike before the group exists is said once per node
+            if launch.distributed and group is distributed.SOLO and not hasattr(e, "quiet"):
+                e.quiet = launch.local_rank != 0  # type: ignore[attr-defined]  # a mark any exception can carry; read with getattr
+            raise
+        finally:
+            group.close()
+        if launch.rank == 0:  # every process holds the run's report: the first prints it
+            from wna16ctl.render import render_verify
 
-        sink.result(report.to_json(), lambda console: render_verify(console, report))
+            sink.result(report.to_json(), lambda console: render_verify(console, report))
         return EXIT_OK if report.passed else EXIT_FAILED
 
     _run(ctx, sink, body, interrupted="nothing was verified")

@@ -277,3 +277,29 @@ def test_hub_reader_fetches_quantize_config(tmp_path):
         hub.close()
     assert res.returncode in (0, 1) and "Traceback" not in res.stderr, res.stderr
     assert "format gptq" in res.stdout and "int4 g128 sym" in res.stdout
+
+
+@pytest.mark.parametrize("bits", [3, 4, 8])
+@pytest.mark.parametrize("form", ["gptq", "gptq_v2"])
+def test_symmetric_zero_points_checked_word_by_word(bits, form):
+    """A symmetric projection's qzeros are compared with the packed midpoint word by word (the
+    unpacking is left for the message); one zero point off is still refused, by value and place."""
+    from wna16ctl.sources.formats.gptq import _stores_midpoint
+
+    n, k, group = 64, 128, 32
+    p = random_projection(n, k, bits, group, symmetric=True, act_order=False, seed=bits, zmin=1)
+    scheme = parse_quantization_config(dict(QWEN3_30B_A3B_GPTQ_INT4, bits=bits, group_size=group,
+                                            checkpoint_format=form), P).scheme_for(_expert(0))
+    stored = {{"qweight": CODES, "scales": SCALES, "qzeros": ZERO_POINTS, "g_idx": G_IDX}[s]: t
+              for s, t in store(p, form, bits).items()}
+    assert _stores_midpoint(stored[ZERO_POINTS], bits, n, form)
+    fmt = formats.FORMATS["gptq"]
+    assert ZERO_POINTS not in fmt.canonical(stored, scheme)
+    z = unpack_bits(stored[ZERO_POINTS], bits, dim=1, size=n)
+    z[1, 5] ^= 1
+    from wna16ctl.sources.formats.bits import pack_bits
+
+    stored[ZERO_POINTS] = pack_bits(z, bits, dim=1)
+    assert not _stores_midpoint(stored[ZERO_POINTS], bits, n, form)
+    with pytest.raises(BadInput, match=r"stores \d+ at \[1, 5\], not the symmetric midpoint"):
+        fmt.canonical(stored, scheme, {r: f"m.{r}" for r in (CODES, SCALES, ZERO_POINTS, G_IDX)})

@@ -105,6 +105,7 @@ def _produce(plan: ConversionPlan, f: Any, reader: Any, write: Callable[[Any], N
     hasher.update(f.relpath.encode() + b"\0")
     reader.hasher = hasher
     buf = ReusedBuffer(PIECE)  # the stream has its header already
+    buffers: dict[str, Any] = {}  # the stored tensors of one projection, read into the same storage each time
     try:
         done: set[str] = set()
         for t in f.tensors:
@@ -112,7 +113,7 @@ def _produce(plan: ConversionPlan, f: Any, reader: Any, write: Callable[[Any], N
             if t.name in done:
                 continue
             if t.name in first:
-                pieces = _converted(first[t.name], fmt, reader)
+                pieces = _converted(first[t.name], fmt, reader, buffers)
                 for name, data in pieces:
                     done.add(name)
                     if write is not None:
@@ -132,16 +133,19 @@ def _produce(plan: ConversionPlan, f: Any, reader: Any, write: Callable[[Any], N
     return str(hasher.hexdigest())
 
 
-def converted_tensors(p: Projection, fmt: Any, reader: Any) -> dict[str, Any]:
+def converted_tensors(p: Projection, fmt: Any, reader: Any, buffers: dict[str, Any] | None = None) -> dict[str, Any]:
     """The pack-quantized tensors of one projection, by name: its stored tensors read in `_ROLES`
-    order and put in the canonical form by its format `fmt` (which checks them as it converts)."""
+    order and put in the canonical form by its format `fmt` (which checks them as it converts).
+    `buffers` (role -> uint8 tensor, kept by the caller): the stored tensors are read into these,
+    grown as needed, instead of into new storage; the result may share them, so it must be used
+    before the next call with the same buffers."""
     import torch
 
     from wna16ctl.sources.formats.compressed_tensors import NAMES
     from wna16ctl.sources.tensors import check_scales
 
     names = {r: p.stored[r] for r in _ROLES if r in p.stored}
-    stored = {r: reader.read(n) for r, n in names.items()}
+    stored = {r: reader.read(n) if buffers is None else _read_reusing(reader, n, buffers, r) for r, n in names.items()}
     check_scales(stored[SCALES], names[SCALES])
     canon = fmt.canonical(stored, p.scheme, names)
     out = {NAMES.tensor(p.module, r): canon[r] for r in _ROLES if r in canon}
@@ -149,13 +153,28 @@ def converted_tensors(p: Projection, fmt: Any, reader: Any) -> dict[str, Any]:
     return out
 
 
-def _converted(p: Projection, fmt: Any, reader: Any) -> list[tuple[str, bytes]]:
+def _read_reusing(reader: Any, name: str, buffers: dict[str, Any], role: str) -> Any:
+    """Tensor `name` read into `buffers[role]` (fresh storage for every tensor costs its page
+    faults: more than the reading, at a projection of a few hundred KiB)."""
+    import torch
+
+    from wna16ctl.sources.tensors import as_tensor, writable_view
+
+    info = reader.files.info(name)
+    if role not in buffers or buffers[role].numel() < info.nbytes:
+        buffers[role] = torch.empty(info.nbytes, dtype=torch.uint8)
+    raw = buffers[role][:info.nbytes]
+    reader.read_into(info, writable_view(raw))
+    return as_tensor(raw, info.dtype, info.shape)
+
+
+def _converted(p: Projection, fmt: Any, reader: Any, buffers: dict[str, Any]) -> list[tuple[str, memoryview]]:
     """(name, bytes) of the projection's pack-quantized tensors in the planned order, each checked
-    against its planned dtype and shape."""
+    against its planned dtype and shape; written before the next projection reuses `buffers`."""
     from wna16ctl.dtypes import torch_dtype
     from wna16ctl.sources.tensors import writable_view
 
-    tensors = converted_tensors(p, fmt, reader)
+    tensors = converted_tensors(p, fmt, reader, buffers)
     out = []
     for name, dtype, shape in p.written():
         t = tensors.get(name)
@@ -163,7 +182,7 @@ def _converted(p: Projection, fmt: Any, reader: Any) -> list[tuple[str, bytes]]:
             got = "missing" if t is None else f"{t.dtype} {list(t.shape)}"
             raise BadInput(f"tensor {p.stored[CODES]}: converts to {name} {got}, not {dtype} {shape} as its "
                            "header promises; the checkpoint's tensors do not match its config")
-        out.append((name, bytes(writable_view(t.contiguous()))))
+        out.append((name, writable_view(t.contiguous())))  # the view holds the tensor: written without a copy
     return out
 
 

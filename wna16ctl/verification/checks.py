@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -33,6 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from wna16ctl.repacking import parts
+from wna16ctl.repacking.distributed import SOLO, Group
+from wna16ctl.verification import across
 from wna16ctl.output import outdir
 from wna16ctl.verification.activations import Routing, embed, load_questions, resolve_samples, route, tokenize
 from wna16ctl.verification.samples import samples_label
@@ -370,13 +373,15 @@ def _check_files_against_plan(ck: Checkpoint, out: Path, plan: RepackPlan, manif
 
 
 def _check_manifest(ck: Checkpoint, out: Path, manifest: dict[str, Any], report: VerifyReport,
-                    progress: TaskStarter = no_progress) -> RepackPlan | None:
+                    progress: TaskStarter = no_progress, hashes: Callable[[str], bool] = lambda rel: True
+                    ) -> RepackPlan | None:
+    """`hashes(rel)`: whether this run checks the manifest's file `rel` (`--ranks`, a process's share)."""
     add = lambda msg, **kw: report.findings.append(Finding("manifest", msg, **kw))  # noqa: E731 - one finding of this check, for the lines below
     fp = source_fingerprint(ck)
     if manifest["source"]["fingerprint"] != fp or manifest["identity"].get("source_fingerprint") != fp:
         add(f"fingerprint mismatch: {out} was made from another checkpoint, or {ck.root} changed since "
             f"(manifest {str(manifest['source']['fingerprint'])[:16]}…, checkpoint {fp[:16]}…)")
-    files = manifest["files"]
+    files = {rel: meta for rel, meta in manifest["files"].items() if hashes(rel)}
     present = {rel: out / rel for rel in files if _inside(rel) and not (out / rel).is_symlink() and (out / rel).is_file()}
     advance = progress("hashing output files", sum(p.stat().st_size for p in present.values()), unit="bytes")
     for rel, meta in sorted(files.items()):
@@ -396,6 +401,7 @@ def _check_manifest(ck: Checkpoint, out: Path, manifest: dict[str, Any], report:
             algorithm, digest = recorded_hash(meta)  # type: ignore[misc]  # not None: see the line above
             if hash_file(path, algorithm, progress=advance) != digest:
                 add(f"{rel}: {algorithm} differs from the manifest (modified after repack)")
+    files = manifest["files"]
     parents = {p.as_posix() for rel in files for p in Path(rel).parents if p.as_posix() != "."}
     manifests = {MANIFEST_NAME} if parts.part_ranks(manifest) is None else set(outdir.part_manifest_names(out))
     for dirpath, dirnames, filenames in os.walk(out):
@@ -577,6 +583,8 @@ def verify_output(
     layers: str | Iterable[int] | None = None,
     experts: str | Iterable[int] | None = None,
     numerics: bool = True,
+    ranks: Iterable[int] | None = None,
+    group: Group = SOLO,
 ) -> VerifyReport:
     """Run every check of OUT against CKPT; see the module doc.  With `e2e` (a
     wna16ctl.verification.e2e.E2EOptions) also the end-to-end generation, a required check then.  Bad input
@@ -584,17 +592,38 @@ def verify_output(
     `layers` ("0-3,7" or indices): check only those MoE layers' experts; `experts` (the same form): only
     those experts of each layer checked.  Either makes a partial verify, said so.  `numerics=False`
     runs the exactness proof alone (manifest and bit-exact round trip, expert by expert, memory
-    bounded by one expert): the numerics check is `not run`, not required, and says why."""
+    bounded by one expert): the numerics check is `not run`, not required, and says why.
+    `ranks` (TP ranks): check only those ranks' files, a partial verify unless they are all.
+    `group` (`repacking.distributed.init_group` under torchrun): this process checks its share of
+    the ranks and the returned report is the whole run's, the same in every process
+    (`verification.across`)."""
     from wna16ctl.verification.vllm_state import is_vllm_output
 
     if is_vllm_output(out):  # whole-model sharded_state files: contract and round trip
-        asked = [flag for flag, value in (("--e2e", e2e), ("--layers", layers), ("--experts", experts))
-                 if value is not None]
+        asked = [flag for flag, value in (("--e2e", e2e), ("--layers", layers), ("--experts", experts),
+                                          ("--ranks", ranks)) if value is not None]
+        if group.world_size > 1:
+            asked.append("torchrun")
         if asked:
             raise UsageError(f"{', '.join(asked)} {'does' if len(asked) == 1 else 'do'} not apply to a --layout vllm "
                              "output: it is checked whole (serve it with vLLM to run it)")
         return verify_vllm_output(ckpt, out)
-    progress = progress or no_progress
+    if e2e is not None and group.world_size > 1:
+        raise UsageError("--e2e runs the whole model in one process: run verify --e2e without torchrun")
+    here = lambda: _verify_output_here(ckpt, out, samples, num_samples, device, progress or no_progress, e2e, notice,  # noqa: E731 - this process's verify, run alone or as its share of a torchrun launch
+                                       layers, experts, numerics, ranks, group)
+    if group.world_size == 1:
+        return here()[0]
+    got = across.exchange(group, f"verifying {out}", here)
+    return merge_reports([report for report, _ in got], ep=got[0][1], asked=ranks is not None)
+
+
+def _verify_output_here(ckpt: str | os.PathLike[str], out: str | os.PathLike[str], samples: str | os.PathLike[str] | None,
+                        num_samples: int, device: str, progress: TaskStarter, e2e: Any,
+                        notice: Callable[[str], None] | None, layers: str | Iterable[int] | None,
+                        experts: str | Iterable[int] | None, numerics: bool, ranks: Iterable[int] | None,
+                        group: Group) -> tuple[VerifyReport, bool]:
+    """`verify_output` in this process, over its share of the ranks: (its report, whether the output is EP)."""
     ck = open_checkpoint(ckpt)
     if not (ck.quantized_layers or ck.quantized_mtp_layers):  # nothing repack would have written from it
         ck.require_wna16_moe()
@@ -615,7 +644,7 @@ def verify_output(
     # inputs in the order a user fixes them: checkpoint, output, device, samples (none without numerics)
     samples_path = resolve_samples(samples, ck.root, notice) if numerics else None
     report, plan = _verify_checks(ck, out_path, manifest, samples_path, num_samples, gemm_device, progress, wanted,
-                                  wanted_experts)
+                                  wanted_experts, None if ranks is None else sorted(set(ranks)), group)
     if e2e is not None and samples_path is not None and (report.partial or plan is None):
         from wna16ctl.verification import e2e as e2e_mod
 
@@ -639,7 +668,7 @@ def verify_output(
         from wna16ctl.planning.serving import output_serve_path
 
         report.serve_step = output_serve_path(manifest, out_path, ck)
-    return report
+    return report, bool(manifest.get("ep"))
 
 
 def verify_vllm_output(ckpt: str | os.PathLike[str], out: str | os.PathLike[str]) -> VerifyReport:
@@ -673,8 +702,10 @@ def verify_vllm_output(ckpt: str | os.PathLike[str], out: str | os.PathLike[str]
 def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], samples: str | os.PathLike[str] | None,
                    num_samples: int, gemm_device: torch.device,
                    progress: TaskStarter, layers: list[int] | None = None,
-                   experts: list[int] | None = None) -> tuple[VerifyReport, RepackPlan | None]:
-    """The checks; `samples` None: the exactness proof alone (numerics not asked, see NO_NUMERICS)."""
+                   experts: list[int] | None = None, asked_ranks: list[int] | None = None,
+                   group: Group = SOLO) -> tuple[VerifyReport, RepackPlan | None]:
+    """The checks; `samples` None: the exactness proof alone (numerics not asked, see NO_NUMERICS).
+    `asked_ranks`, `group`: the ranks checked, this process's share of them (`verification.across`)."""
     device = gemm_device.type
     questions = load_questions(samples, num_samples) if samples is not None else []
     report = VerifyReport(str(ck.root), str(out_path), device, tokenizer="", samples=len(questions))
@@ -685,7 +716,12 @@ def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], sam
     else:
         report.check("numerics").description = (f"activations of {samples_label(samples)} through the repacked layers "
                                                 "against the fp32 reference")
-    plan = _check_manifest(ck, out_path, manifest, report, progress)
+    tp = manifest["tp"] if _is_int(manifest.get("tp")) else len(manifest["ranks"])
+    held = _present_ranks(manifest, tp)
+    checked = held if asked_ranks is None else across.ranks_to_check(held, asked_ranks, what=str(out_path))
+    present = across.ranks_to_check(held, asked_ranks, group, str(out_path))
+    plan = _check_manifest(ck, out_path, manifest, report, progress,
+                           hashes=lambda rel: across.hashes_file(rel, present, checked))
     report.conclude("manifest")
     if plan is None:
         return report, plan
@@ -694,16 +730,10 @@ def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], sam
         jobs = _select_layers(jobs, layers, report)
     if experts is not None:
         _select_experts(jobs, experts, report)
-    present = _present_ranks(manifest, len(plan.files))
     report.ranks_checked = present
-    report.ranks_not_checked = [r for r in range(len(plan.files)) if r not in present]
+    report.ranks_not_checked = [r for r in range(len(plan.files)) if r not in checked]
     if report.ranks_not_checked:
-        missing = ", ".join(map(str, report.ranks_not_checked))
-        report.checks.append(Check(
-            "all_ranks", "every rank present, and the ranks re-assembled into the checkpoint", required=False,
-            reason=f"a part holding rank{'s' if len(present) != 1 else ''} {', '.join(map(str, present))} of "
-                   f"{len(plan.files)}: rank{'s' if len(report.ranks_not_checked) != 1 else ''} {missing} not checked, "
-                   "nor the re-assembly across ranks (verify the parts copied together for that)"))
+        report.checks.append(all_ranks_check(checked, report.ranks_not_checked, asked_ranks is not None))
     dtype = dtype_from_name(manifest["scale_dtype"])
     if dtype not in GEMM_DTYPES and any(j.layout == MARLIN for j in jobs):
         raise UsageError(
@@ -727,6 +757,8 @@ def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], sam
             except BadInput as e:
                 report.findings.append(Finding("round_trip", f"rank {r}: {e.message}", rank=r))
                 unreadable.append(r)
+        # every process stops where one rank cannot be read, as one process would
+        unreadable = sorted(r for got in across.exchange(group, "opening the ranks' files", lambda: unreadable) for r in got)
         if unreadable:
             for rf in ranks.values():
                 rf.reader.close()
@@ -744,7 +776,7 @@ def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], sam
             with torch_threads(None if hidden is None else "every core"):
                 for job in jobs:
                     _verify_layer(ck, reader, job, ranks, hidden, dtype, report, gemm_device, advance,
-                                  chosen[job.layer.prefix], dropped=dropped)
+                                  chosen[job.layer.prefix], group, dropped=dropped)
         finally:
             for rf in ranks.values():
                 rf.reader.close()
@@ -924,22 +956,25 @@ class _LayerSums:
     candidate: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # Σ ranks' rounded partials (fp32) [T, H]
     reference: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # the fp32 reference [T, H]
     kernel: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # the emulated kernel's rows, as `candidate`
+    launches: dict[str, int] = field(default_factory=dict)  # the emulated kernel's launches, by kernel
 
 
 def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: dict[int, RankFiles],
                   hidden: torch.Tensor | None, dtype: torch.dtype, report: VerifyReport,
                   gemm_device: torch.device = torch.device("cpu"),
                   advance: Callable[[int], None] = lambda n: None, experts: list[int] | None = None,
-                  dropped: int = 0) -> None:
+                  group: Group = SOLO, dropped: int = 0) -> None:
     """One MoE layer: the round trip of every selected expert on every rank present, one expert in
     memory at a time; then, with `hidden`, the layer's numerics (`_layer_numerics`; `dropped`: the
-    samples' tokens already left out of `hidden` by the memory budget)."""
+    samples' tokens already left out of `hidden` by the memory budget), over the ranks of every
+    process of `group`."""
     selected = list(range(job.layer.num_experts)) if experts is None else experts
     sums = _LayerSums()
     _round_trip_experts(reader, job, ranks, dtype, report, sums, selected, advance)
     report.layers_checked += 1
     if hidden is not None:
-        _layer_numerics(ck, reader, job, ranks, hidden, dtype, report, gemm_device, advance, selected, sums, dropped)
+        _layer_numerics(ck, reader, job, ranks, hidden, dtype, report, gemm_device, advance, selected, sums,
+                        group, dropped)
 
 
 @dataclass
@@ -1076,13 +1111,15 @@ def _check_reassembled(job: LayerJob, per_rank: list[dict[str, torch.Tensor]], c
 
 def _layer_numerics(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: dict[int, RankFiles],
                     hidden: torch.Tensor, dtype: torch.dtype, report: VerifyReport, gemm_device: torch.device,
-                    advance: Callable[[int], None], selected: list[int], sums: _LayerSums, dropped: int = 0) -> None:
+                    advance: Callable[[int], None], selected: list[int], sums: _LayerSums, group: Group = SOLO,
+                    dropped: int = 0) -> None:
     """The layer's numerics, in memory bounded by `bounds.NUMERICS_MEMORY`: the samples' tokens
     routed (at most `bounds.numerics_tokens`), then the ranks a group at a time
     (`bounds.rank_groups`): each group reads the checkpoint's experts once, builds each rank's
     rounding interval and fp32 reference expert by expert and its candidate a slab of experts at a
     time (`_marlin_slab`), and adds each rank's partial to the layer's sums before the next group;
-    then the layer is judged against the candidate."""
+    then the sums of every process of `group` are added up like the all-reduce
+    (`across.exchange_layer`), and the layer is judged against the candidate."""
     layer = job.layer
     routing = route(ck, reader, layer, hidden, max_tokens=numerics_tokens(layer.hidden_size))
     if len(selected) < layer.num_experts:  # --experts: only those experts' contributions are compared
@@ -1103,15 +1140,18 @@ def _layer_numerics(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: 
         steps[0] += 1
         advance(steps[0] // max(1, len(groups)) - (steps[0] - 1) // max(1, len(groups)))
 
-    for group in groups:
-        _rank_group(reader, job, {r: ranks[r] for r in group}, routing, dtype, gemm_device, emulated, rows, selected,
+    for some in groups:
+        _rank_group(reader, job, {r: ranks[r] for r in some}, routing, dtype, gemm_device, emulated, rows, selected,
                     sums, step)
     if not groups:
         for _ in selected:
             advance(1)
+    if emulated is not None:
+        sums.launches = dict(emulated.launches)  # into `kernel` once every process's are known
+    across.exchange_layer(group, layer.prefix, sums)
     if emulated is not None and rows is not None:
         kernel = (f"{kernel} on {len(rows)} of {T} tokens (every expert; "
-                  + ", ".join(f"{k} × {v}" for k, v in sorted(emulated.launches.items()))
+                  + ", ".join(f"{k} × {v}" for k, v in sorted(sums.launches.items()))
                   + " launches), the torch twin of the kernel on all")
     row = LayerNumerics(layer=layer.prefix, tokens=T, forced_tokens=routing.forced, experts_exercised=len(sums.exercised),
                         num_experts=len(selected), kernel=kernel,
@@ -1357,3 +1397,55 @@ def _expert_numerics(x: torch.Tensor, x_c: torch.Tensor, w: torch.Tensor, tok: t
         y_c = ((h_c @ w2_c) * w).to(dtype).float()
         partial.index_add_(0, tok, y_c)
     partial_ref.index_add_(0, tok, y)
+
+
+# ---- one report from the processes of a torchrun launch (verification.across) -------------------------------------------------------------------------------------------
+
+
+def all_ranks_check(checked: list[int], not_checked: list[int], asked: bool) -> Check:
+    """The `all_ranks` check of a verify that left ranks out: not required, not run, naming them."""
+    n = len(checked) + len(not_checked)
+    left = f"rank{'s' if len(not_checked) != 1 else ''} {', '.join(map(str, not_checked))} not checked"
+    held = (f"--ranks {','.join(map(str, checked))} of {n}" if asked else
+            f"a part holding rank{'s' if len(checked) != 1 else ''} {', '.join(map(str, checked))} of {n}")
+    rerun = "verify without --ranks for that" if asked else "verify the parts copied together for that"
+    return Check("all_ranks", "every rank present, and the ranks re-assembled into the checkpoint", required=False,
+                 reason=f"{held}: {left}, nor the re-assembly across ranks ({rerun})")
+
+
+def merge_reports(reports: list[VerifyReport], *, ep: bool, asked: bool) -> VerifyReport:
+    """The report of one verify from its processes' reports (by process): each check as bad as its
+    worst (FAIL, then not run), the findings of each check process by process (a finding every
+    process makes, such as a manifest field, once), the ranks and files added up.  The numerics
+    rows are the same in every process (`exchange_layer`): the first process's."""
+    if len(reports) == 1:
+        return reports[0]
+    first = reports[0]
+    checks = [c for c in first.checks if c.name != "all_ranks"]
+    for check in checks:
+        mine = [next(c for c in r.checks if c.name == check.name) for r in reports]
+        worst = next((c for c in mine if c.status == FAIL), None) or next((c for c in mine if c.status == NOT_RUN), None)
+        if worst is not None:
+            check.status, check.reason = worst.status, worst.reason
+    seen: set[tuple] = set()
+    findings = []
+    for name in [c.name for c in checks]:
+        for report in reports:
+            for f in report.by_check(name):
+                key = (f.check, f.message, f.layer, f.rank, f.expert)
+                if key not in seen:
+                    seen.add(key)
+                    findings.append(f)
+    first.findings = findings
+    first.files_checked = sum(r.files_checked for r in reports)
+    first.experts_checked = (sum if ep else max)(r.experts_checked for r in reports)
+    first.ranks_checked = sorted({x for r in reports for x in r.ranks_checked})
+    first.ranks_not_checked = sorted(set.intersection(*(set(r.ranks_not_checked) for r in reports)))
+    first.checks = checks
+    if first.ranks_not_checked:
+        first.checks.append(all_ranks_check(first.ranks_checked, first.ranks_not_checked, asked))
+    for check in first.checks:  # "N findings" counted over every process
+        bad = len(first.by_check(check.name))
+        if check.status == FAIL and re.fullmatch(r"\d+ findings?", check.reason) and bad:
+            check.reason = f"{bad} finding{'s' if bad != 1 else ''}"
+    return first

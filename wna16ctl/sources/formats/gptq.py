@@ -74,7 +74,7 @@ def _to_canonical(stored: dict[str, Any], scheme: WeightScheme, names: Mapping[s
     qzeros = stored.get(ZERO_POINTS)
     if qzeros is None and not scheme.symmetric:
         raise missing(names, ZERO_POINTS, "an asymmetric (sym: false) GPTQ projection stores its zero points")
-    if qzeros is not None:
+    if qzeros is not None and not (scheme.symmetric and _stores_midpoint(qzeros, b, n, scheme.format)):
         z = unpack_bits(qzeros, b, dim=1, size=n).to(torch.int64) + (1 if scheme.format == V1 else 0)
         if scheme.symmetric:
             _check_midpoint(z, b, names[ZERO_POINTS], scheme.format)
@@ -90,6 +90,19 @@ def _to_canonical(stored: dict[str, Any], scheme: WeightScheme, names: Mapping[s
         check_g_idx(g_idx, names[G_IDX], k, scheme.group_size)
         out[G_IDX] = g_idx.to(torch.int32).contiguous()
     return out
+
+
+def _stores_midpoint(qzeros: Any, bits: int, n: int, form: str) -> bool:
+    """Whether every word of a symmetric projection's qzeros is the packed midpoint, compared word
+    by word (unpacking every zero point costs more than the rest of the conversion); where not,
+    the unpacked check names the first value that differs."""
+    import torch
+
+    from wna16ctl.sources.formats.bits import pack_bits
+
+    stored = (1 << (bits - 1)) - (1 if form == V1 else 0)
+    row = pack_bits(torch.full((1, n), stored, dtype=torch.int64), bits, dim=1)
+    return qzeros.dtype == torch.int32 and qzeros.shape[-1] == row.shape[-1] and bool((qzeros == row).all())
 
 
 def _check_midpoint(z: Any, bits: int, name: str, form: str) -> None:
