@@ -7,11 +7,11 @@ from __future__ import annotations
 # What a layer's numerics may hold at once, besides one expert's weights and one slab of a rank's
 # tensors: the tokens per layer are capped so that this holds (`bounds.numerics_tokens`), and the
 # ranks are taken in groups that fit in it (`bounds.rank_groups`).
-NUMERICS_MEMORY = 256 << 20
+NUMERICS_MEMORY = 272 << 20
 # bytes per token and hidden element: for the layer (the all-reduced interval, 4 float64; the
-# candidate's and the reference's sums and the activations, fp32), and for each rank of a group
+# candidate's sum and the activations, fp32; the reference's sum, float64), and for each rank of a group
 # (its interval, 4 float64; its candidate partial and its kernel rows, fp32)
-LAYER_BYTES_PER_ELEMENT = 56
+LAYER_BYTES_PER_ELEMENT = 60
 RANK_BYTES_PER_ELEMENT = 40
 JUDGE_ROWS = 256  # output rows judged (and rounded) at a time: the float64 temporaries stay small
 SLAB_BYTES = 4 << 20  # a rank's expert tensors read and run through the GEMM at a time

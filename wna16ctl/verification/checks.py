@@ -954,7 +954,7 @@ class _LayerSums:
     # the all-reduced rounding interval (verification.bounds), each rank's added once it is done
     interval: AllReduced | None = None
     candidate: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # Σ ranks' rounded partials (fp32) [T, H]
-    reference: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # the fp32 reference [T, H]
+    reference: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # the fp32 reference, summed in float64 [T, H]
     kernel: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # the emulated kernel's rows, as `candidate`
     launches: dict[str, int] = field(default_factory=dict)  # the emulated kernel's launches, by kernel
 
@@ -1126,7 +1126,9 @@ def _layer_numerics(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: 
         routing = restricted_routing(routing, selected)
     T, H = routing.x.shape
     sums.interval = AllReduced(T, H)
-    sums.candidate, sums.reference = torch.zeros(T, H), torch.zeros(T, H)
+    # the reference is summed in float64: its fp32 addends then add up to the same value in any
+    # order, so processes that each hold some of the ranks (verification.across) report the figures one does
+    sums.candidate, sums.reference = torch.zeros(T, H), torch.zeros(T, H, dtype=torch.float64)
     emulated, kernel = (_numerics_gemm(gemm_device) if job.layout == MARLIN
                         else (None, "the layer's math in torch (transposed layout)"))
     rows = None if emulated is None else _emulated_rows(routing.topk_ids, layer.num_experts)
@@ -1396,7 +1398,7 @@ def _expert_numerics(x: torch.Tensor, x_c: torch.Tensor, w: torch.Tensor, tok: t
         h_c = (F.silu(g13_c[:, :i_p]) * g13_c[:, i_p:]).to(dtype).float()
         y_c = ((h_c @ w2_c) * w).to(dtype).float()
         partial.index_add_(0, tok, y_c)
-    partial_ref.index_add_(0, tok, y)
+    partial_ref.index_add_(0, tok, y.double())
 
 
 # ---- one report from the processes of a torchrun launch (verification.across) -------------------------------------------------------------------------------------------
