@@ -13,6 +13,9 @@ against `cp -r` of the same output in the same run (A B A B …), with wall, CPU
   qwen30b-pad     the same checkpoint, verify ORIGINAL PADDED of its `pad --tp 4`;
   kimi-layer      one Kimi-K2-width layer (384 experts, H 7168, I 2048, int4 g32, ~8.5 GB),
                   verify of its `repack --tp 8`.
+`--scale-numerics N` also times one verify with numerics on N samples (the memory bound is the
+same: the tokens per layer are capped by verify's budget).  kimi-pad is the Kimi-width layer's
+`pad --tp 8 --to 2304`, verified as ORIGINAL PADDED.
 `--scale-layers N` makes the Qwen3 cases N layers (the peak RSS must not move with N). The
 checkpoints and outputs are written under --dir; `--clean` removes them afterwards.
 
@@ -50,6 +53,8 @@ SCALE_CASES = {  # name -> (synthetic_checkpoint.py arguments, the command that 
                     "pad", ["--tp", "4"]),
     "kimi-layer": (["--layers", "1", "--experts", "384", "--hidden", "7168", "--intermediate", "2048",
                     "--group-size", "32", "--experts-per-shard", "32"], "repack", ["--tp", "8"]),
+    "kimi-pad": (["--layers", "1", "--experts", "384", "--hidden", "7168", "--intermediate", "2048",
+                  "--group-size", "32", "--experts-per-shard", "32"], "pad", ["--tp", "8", "--to", "2304"]),
 }
 
 
@@ -60,7 +65,8 @@ def _scale_row(what: str, runs: list, base: list | None = None) -> str:
             f"{max(r.max_rss_kib for r in runs) / 1024:.0f} MiB | {ratio} |")
 
 
-def at_scale(case: str, root: Path, runs: int, layers: int | None, clean: bool, here: dict[str, str]) -> None:
+def at_scale(case: str, root: Path, runs: int, layers: int | None, clean: bool, here: dict[str, str],
+             numerics: int = 0) -> None:
     """One at-scale case (module doc): verify --no-numerics against cp -r of the output, pair by pair."""
     import shutil
 
@@ -76,7 +82,12 @@ def at_scale(case: str, root: Path, runs: int, layers: int | None, clean: bool, 
             run_once(wna16ctl(command, str(ck), *flags, "-o", str(out), "--force", "-q"), here)
         size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
         verify = wna16ctl("verify", str(ck), str(out), "--no-numerics")
-        mine, cps = [], []
+        mine, cps, full = [], [], []
+        load = os.getloadavg()[0]
+        if numerics:  # the default verify (numerics on `numerics` samples), once
+            full.append(run_once(wna16ctl("verify", str(ck), str(out), "--num-samples", str(numerics)), here))
+            if full[-1].returncode:
+                raise SystemExit("verify with numerics did not pass")
         for _ in range(runs):
             shutil.rmtree(copy, ignore_errors=True)
             cps.append(run_once(["cp", "-r", str(out), str(copy)]))
@@ -86,11 +97,13 @@ def at_scale(case: str, root: Path, runs: int, layers: int | None, clean: bool, 
                 raise SystemExit("verify did not pass")
         shape = " ".join(gen)
         print(f"{case}: synthetic {shape}; OUT = {command} {' '.join(flags)}, {size / 2**30:.2f} GiB; "
-              f"{os.cpu_count()} CPUs")
+              f"{os.cpu_count()} CPUs; load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
         print("| command | median wall | median CPU (user+sys) | peak RSS | speed vs cp -r (cp wall / wall) |")
         print("|---|---|---|---|---|")
         print(_scale_row(f"cp -r OUT (the same {size / 2**30:.2f} GiB)", cps))
         print(_scale_row(f"verify CKPT OUT --no-numerics ({case})", mine, cps))
+        if full:
+            print(_scale_row(f"verify CKPT OUT --num-samples {numerics} (numerics; {case})", full))
     finally:
         shutil.rmtree(copy, ignore_errors=True)
         if clean:
@@ -110,11 +123,13 @@ def main() -> None:
     ap.add_argument("--at-scale", choices=sorted(SCALE_CASES), default=None)
     ap.add_argument("--scale-layers", type=int, default=None, help="--at-scale qwen30b-*: this many layers")
     ap.add_argument("--clean", action="store_true", help="--at-scale: remove the checkpoint and output afterwards")
+    ap.add_argument("--scale-numerics", type=int, default=0, metavar="N",
+                    help="--at-scale: also time one verify with numerics on N samples (wall, CPU, peak RSS)")
     a = ap.parse_args()
     here = {**os.environ, "PYTHONPATH": str(ROOT)}
     if a.at_scale:
         a.dir.mkdir(parents=True, exist_ok=True)
-        at_scale(a.at_scale, a.dir, a.runs, a.scale_layers, a.clean, here)
+        at_scale(a.at_scale, a.dir, a.runs, a.scale_layers, a.clean, here, a.scale_numerics)
         return
     if a.synthetic:
         layers, experts, hidden, inter = (int(x) for x in a.synthetic.split(","))

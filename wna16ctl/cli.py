@@ -28,6 +28,7 @@ try:  # a Ctrl-C while the command line starts: one line and 130, as anywhere la
     from wna16ctl.sources.formats import CONVERT_TARGETS, DEMO_FORMATS
     from wna16ctl.layout.registry import names as layout_names
     from wna16ctl.layout.spec import AUTO
+    from wna16ctl.verification.budget import E2E_HELP, budget_help
 except KeyboardInterrupt:
     sys.stderr.write("\nerror: interrupted; nothing was done\n")
     raise SystemExit(130) from None
@@ -556,11 +557,12 @@ def _samples_order_help() -> str:
 @click.argument("out", type=click.Path(file_okay=False, path_type=str))
 @click.option("--samples", default=None, help="GSM8K-style questions: a .jsonl or .parquet file with a 'question' "
               f"field. Without it: {_samples_order_help()}.")
-@click.option("--num-samples", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--num-samples", type=click.IntRange(min=1), default=64, show_default=True,
+              help=f"Questions the numerics embed and route. {budget_help()}")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="Where the repacked layers run: the CUDA GEMM kernel or its CPU twin.")
 @click.option("--e2e", "e2e", is_flag=True, help="Also generate greedily on GSM8K prompts with the source and the "
-              "repacked experts in the transformers model and compare the tokens (needs wna16ctl[e2e]).")
+              f"repacked experts in the transformers model and compare the tokens (needs wna16ctl[e2e]). {E2E_HELP}")
 @click.option("--prompts", type=click.IntRange(min=1), default=8, show_default=True, help="--e2e: GSM8K prompts.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=32, show_default=True,
               help="--e2e: tokens generated per prompt.")

@@ -556,19 +556,19 @@ def test_numerics_run_torch_on_every_core(outputs, monkeypatch):
     import os
 
     seen: list[int] = []
-    real = verify_mod.all_reduced
+    real = verify_mod.judge
 
     def counting(*args, **kwargs):
         seen.append(torch.get_num_threads())
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(verify_mod, "all_reduced", counting)
+    monkeypatch.setattr(verify_mod, "judge", counting)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         assert verify(*outputs("g128")).passed
-        assert seen == [3]
+        assert seen and set(seen) == {3}
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)

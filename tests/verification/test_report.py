@@ -143,7 +143,7 @@ def test_gemm_that_cannot_run_is_not_run(repacked, monkeypatch):
     def broken(*a, **kw):
         raise RuntimeError("kernel refused the tensors")
 
-    monkeypatch.setattr(verify_mod, "_gemm_rank_candidate", broken)
+    monkeypatch.setattr(verify_mod, "rank_moe_output", broken)
     report = verify_output(ck, out, samples=QUESTIONS, num_samples=8)
     (row,) = report.numerics
     assert row.status == NOT_RUN and "kernel refused the tensors" in row.reason

@@ -116,8 +116,9 @@ def test_pad_numerics_keep_one_expert_at_a_time(make_ckpt, tmp_path, monkeypatch
 
     def judge(*args, **kwargs):
         gc.collect()
-        alive_at_judge.append(sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor)
-                                  and o.dtype == torch.bfloat16 and tuple(o.shape) in shapes))
+        alive_at_judge.append(len({o.untyped_storage().data_ptr() for o in gc.get_objects()
+                                   if isinstance(o, torch.Tensor) and o.dtype == torch.bfloat16
+                                   and tuple(o.shape) in shapes}))  # views of one tensor count once
         return real_judge(*args, **kwargs)
 
     src = make_ckpt(**SMALL)
@@ -143,3 +144,130 @@ def test_report_says_what_the_numerics_covered(outputs):
     res = CliRunner().invoke(cli, ["verify", str(ck), str(out), "--samples", str(QUESTIONS), "--num-samples", "4"])
     assert (f"numerics covered {cov['layers']} of {cov['layers_checked']} MoE layer" in res.output
             and f"{cov['tokens']} tokens" in res.output), res.output
+
+
+def _small_budget(monkeypatch, tokens: int, hidden: int) -> None:
+    """A numerics memory budget that holds `tokens` tokens of one rank at a time at `hidden`."""
+    import wna16ctl.verification.bounds as bounds_mod
+
+    per = getattr(bounds_mod, "LAYER_BYTES_PER_ELEMENT", 56) + getattr(bounds_mod, "RANK_BYTES_PER_ELEMENT", 40)
+    monkeypatch.setattr(bounds_mod, "NUMERICS_MEMORY", tokens * hidden * per, raising=False)
+
+
+def test_numerics_tokens_are_capped_by_the_memory_budget(outputs, monkeypatch):
+    """Past the budget the numerics run on fewer tokens (every expert still exercised) and say how
+    many of the samples' tokens they left out; the layer still passes (before, every token ran)."""
+    from wna16ctl.sources import open_checkpoint
+
+    ck, out = outputs("g128")
+    hidden = open_checkpoint(ck).quantized_layers[0].hidden_size
+    full = verify_output(ck, out, samples=QUESTIONS, num_samples=8)
+    assert full.passed and all(n.capped_tokens == 0 for n in full.numerics)
+    cap = 40
+    _small_budget(monkeypatch, cap, hidden)
+    report = verify_output(ck, out, samples=QUESTIONS, num_samples=8)
+    assert report.passed, [n.to_json() for n in report.numerics]
+    for n, f in zip(report.numerics, full.numerics):
+        assert n.tokens <= cap < f.tokens and n.capped_tokens > 0
+        assert n.experts_exercised == n.num_experts
+    assert "capped_tokens" in report.to_json()["numerics"][0]
+
+
+def test_numerics_hold_one_rank_partial_at_a_time(outputs, monkeypatch):
+    """At the token cap the ranks' partial intervals are built one rank at a time: never more than
+    the all-reduced sum and one rank's alive (before, every rank's and the sum: 3 at TP 2)."""
+    import wna16ctl.verification.bounds as bounds_mod
+    from wna16ctl.sources import open_checkpoint
+
+    ck, out = outputs("g128")
+    hidden = open_checkpoint(ck).quantized_layers[0].hidden_size
+    _small_budget(monkeypatch, 40, hidden)
+    made: list[weakref.ref] = []
+    most = [0]
+    real_init = bounds_mod.IntervalSum.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        made.append(weakref.ref(self))
+        gc.collect()
+        most[0] = max(most[0], sum(r() is not None for r in made))
+
+    monkeypatch.setattr(bounds_mod.IntervalSum, "__init__", init)
+    report = verify_output(ck, out, samples=QUESTIONS, num_samples=8)
+    assert report.passed and len(made) >= 3
+    assert most[0] <= 2, most[0]
+
+
+def test_marlin_candidate_reads_a_slab_of_experts_at_a_time(outputs, monkeypatch):
+    """The numerics' GEMM reads a rank's stacked tensors a slab of experts at a time (here one
+    expert), never the whole rank layer (before: every tensor whole)."""
+    from wna16ctl.sources.tensors import TensorReader
+
+    ck, out = outputs("g128")
+    monkeypatch.setattr(verify_mod, "SLAB_BYTES", 1, raising=False)
+    experts_per_read: list[float] = []
+    real = TensorReader.read_bytes
+
+    def read_bytes(self, info):
+        full = self.files.info(info.name) if info.name in self.files else None
+        if full is not None and str(out) in str(info.file) and full.shape and full.shape[0] > 1 \
+                and info.name.rsplit(".", 1)[-1].startswith(("w13_", "w2_")):
+            experts_per_read.append((info.end - info.start) / (full.nbytes // full.shape[0]))
+        return real(self, info)
+
+    monkeypatch.setattr(TensorReader, "read_bytes", read_bytes)
+    report = verify_output(ck, out, samples=QUESTIONS, num_samples=8)
+    assert report.passed and experts_per_read
+    assert max(experts_per_read) == 1, max(experts_per_read)
+
+
+def test_e2e_refused_with_the_figure_when_memory_cannot_hold_it(outputs, make_ckpt, tmp_path, monkeypatch):
+    """--e2e holds every MoE layer's experts dequantised (and the model's other weights in fp32):
+    where the machine's available memory cannot hold that, verify refuses before any work, in one
+    line with the figures, exit 2 (before, it started and ran out of memory); with enough it starts."""
+    pytest.importorskip("transformers")
+    import wna16ctl.verification.e2e as e2e_mod
+    from tests.padding.test_pad import SMALL
+    from wna16ctl.sources import open_checkpoint
+
+    ck, out = outputs("g128")
+    need, experts, rest = e2e_mod.e2e_memory(open_checkpoint(ck), __import__("torch").bfloat16)
+    assert need == experts + rest and experts > 0 and rest > 0
+    monkeypatch.setattr(e2e_mod, "available_memory", lambda: need - 1)
+    started: list[str] = []
+    monkeypatch.setattr(verify_mod, "_verify_checks", lambda *a, **k: started.append("checks"))
+    res = CliRunner().invoke(cli, ["verify", str(ck), str(out), "--e2e", "--samples", str(QUESTIONS)])
+    assert res.exit_code == 2 and not started, res.output
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "--e2e needs about" in lines[0] and "GiB available" in lines[0], res.output
+    src = make_ckpt(**SMALL)
+    wna16ctl.pad(src, tmp_path / "p", to=256)
+    monkeypatch.setattr(e2e_mod, "available_memory", lambda: 1 << 20)
+    res = CliRunner().invoke(cli, ["verify", str(src), str(tmp_path / "p"), "--e2e", "--samples", str(QUESTIONS)])
+    assert res.exit_code == 2 and "--e2e needs about" in res.output, res.output
+
+
+def test_a_cap_below_two_tokens_per_expert_still_exercises_every_expert():
+    """Where the token cap cannot give every expert two tokens (384 experts, 390 tokens at the
+    Kimi-K2 width), each idle expert gets one, so that none goes unexercised."""
+    import torch
+
+    from wna16ctl.verification import activations
+
+    class Layer:  # what `route` reads of a MoE layer
+        num_experts, hidden_size, norm, router, router_bias, block = 384, 16, None, "r", None, "b"
+
+    class Reader:
+        def read(self, name):
+            return torch.zeros(384, 16)  # a router that routes every token to the same experts
+
+    class Ck:
+        class config:  # stands for Checkpoint.config: the attributes route reads
+            raw: dict = {}
+            num_experts_per_tok = 8
+            model_type = "qwen3_moe"
+        root = "ck"
+
+    routing = activations.route(Ck, Reader(), Layer, torch.randn(4096, 16), max_tokens=390)
+    assert routing.x.shape[0] <= 390
+    assert set(routing.topk_ids.reshape(-1).tolist()) >= set(range(384))

@@ -182,10 +182,12 @@ def verify_padding(original: str | os.PathLike[str], padded: str | os.PathLike[s
     a, b = open_checkpoint(original), open_checkpoint(padded)
     selected = _select(a, layers, experts)
     if e2e is not None:  # the inputs in the order a user fixes them: the samples before any work
-        from wna16ctl.verification.e2e import require_transformers
+        from wna16ctl.sources.tensors import dtype_from_name
+        from wna16ctl.verification.e2e import require_e2e_memory, require_transformers
         from wna16ctl.verification.samples import resolve_samples
 
         require_transformers()
+        require_e2e_memory(b, dtype_from_name(a.config.torch_dtype or "bfloat16"), copies=2)
         e2e_samples = Path(resolve_samples(samples, a.root, notice))
     manifest = read_json_file(Path(padded) / MANIFEST_NAME)
     tp = manifest.get("padding", {}).get("tp") if isinstance(manifest, dict) else None
@@ -434,19 +436,37 @@ def _split(old: torch.Tensor, new: torch.Tensor, dim: int) -> tuple[torch.Tensor
 
 def _streamed_block(ck: Checkpoint, layer: Any, experts: list[int], tp: int, a: torch.Tensor, topk_ids: torch.Tensor,
                     topk_weights: torch.Tensor, dtype: torch.dtype) -> tuple[Any, torch.Tensor]:
-    """The block's rounding interval (`verification.bounds`) and its output as an engine computes it
-    (fp32 GEMMs, the model dtype between stages, per-slot outputs summed in fp32 per rank and
-    rounded, the ranks' partials summed in fp32), split over `tp` ranks, built expert by expert:
-    one expert's weights in memory at a time, whatever the layer's number of experts."""
-    from wna16ctl.sources.tensors import TensorReader
-    from wna16ctl.verification.bounds import IntervalSum, add_expert_interval, all_reduced
-    from wna16ctl.verification.e2e import _dequantize_source
+    """The block's rounding interval, all-reduced (`verification.bounds.AllReduced`), and its
+    output as an engine computes it (fp32 GEMMs, the model dtype between stages, per-slot outputs
+    summed in fp32 per rank and rounded, the ranks' partials summed in fp32), split over `tp`
+    ranks, built expert by expert and a group of ranks at a time (`bounds.rank_groups`, each group
+    reading the experts once): one expert's weights and one group's partials in memory at a time,
+    whatever the layer's number of experts."""
+    from wna16ctl.verification.bounds import AllReduced, IntervalSum, rank_groups
 
     T, k = topk_ids.shape
     H = a.shape[1]
+    total, out = AllReduced(T, H), torch.zeros(T, H)
+    for group in rank_groups(list(range(tp)), T, H, blocks=2):
+        accs = {r: IntervalSum(T, H) for r in group}
+        outs = {r: torch.zeros(T, H) for r in group}
+        _block_ranks(ck, layer, experts, tp, a, topk_ids, topk_weights, dtype, accs, outs)
+        for r in group:
+            total.add_rank(accs.pop(r), k, dtype)
+            out += outs.pop(r).to(dtype).float()
+    return total, out.to(dtype)
+
+
+def _block_ranks(ck: Checkpoint, layer: Any, experts: list[int], tp: int, a: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor, dtype: torch.dtype, accs: dict[int, Any], outs: dict[int, torch.Tensor]) -> None:
+    """The ranks of `accs` of a block split over `tp`: each expert read once, its slices' intervals
+    and outputs added to each rank's sums."""
+    from wna16ctl.sources.tensors import TensorReader
+    from wna16ctl.verification.bounds import add_expert_interval
+    from wna16ctl.verification.e2e import _dequantize_source
+
+    k, H = topk_ids.shape[1], a.shape[1]
     flat, wf = topk_ids.reshape(-1), topk_weights.reshape(-1).float()
-    accs = [IntervalSum(T, H) for _ in range(tp)]
-    outs = torch.zeros(tp, T, H)
     i, step = layer.intermediate_size, layer.intermediate_size // tp
     with TensorReader(ck.files) as reader:
         for e in experts:
@@ -455,14 +475,13 @@ def _streamed_block(ck: Checkpoint, layer: Any, experts: list[int], tp: int, a: 
             g, u, d = (_dequantize_source(p["gate"], H, dtype), _dequantize_source(p["up"], H, dtype),
                        _dequantize_source(p["down"], i, dtype))
             x = a[idx // k].to(dtype).float()
-            for r in range(tp):
+            for r in accs:
                 s = slice(r * step, (r + 1) * step)
                 w13, w2 = torch.cat([g[s].T, u[s].T], 1), d[:, s].T.contiguous()
                 add_expert_interval(accs[r], a, topk_ids, topk_weights, e, w13, w2, dtype)
                 g13 = (x @ w13.float()).to(dtype).float()
                 h = (torch.nn.functional.silu(g13[:, :step]) * g13[:, step:]).to(dtype).float()
                 outs[r].index_add_(0, idx // k, ((h @ w2.float()) * wf[idx].unsqueeze(1)).to(dtype).float())
-    return all_reduced(accs, k, dtype), outs.to(dtype).float().sum(0).to(dtype)
 
 
 def _activations(a: Checkpoint, samples: Any, num_samples: int) -> tuple[torch.Tensor | None, str]:
@@ -470,6 +489,7 @@ def _activations(a: Checkpoint, samples: Any, num_samples: int) -> tuple[torch.T
     from wna16ctl.errors import WnaError
     from wna16ctl.sources.tensors import TensorReader
     from wna16ctl.verification.activations import embed, load_questions, tokenize
+    from wna16ctl.verification.bounds import numerics_tokens
     from wna16ctl.verification.samples import resolve_samples, samples_label
 
     try:
@@ -477,16 +497,43 @@ def _activations(a: Checkpoint, samples: Any, num_samples: int) -> tuple[torch.T
         questions = load_questions(path, num_samples)
         with TensorReader(a.files) as reader:
             ids, _ = tokenize(a, questions, int(a.config.raw.get("vocab_size") or 1 << 30))
-            return embed(a, reader, ids), f"{samples_label(path)}, {len(questions)} questions"
+            hidden = embed(a, reader, ids)
+            # no layer runs on more tokens (the numerics' memory budget, verification.bounds)
+            return hidden[:numerics_tokens(hidden.shape[1], blocks=2)], f"{samples_label(path)}, {len(questions)} questions"
     except WnaError as e:
         return None, f"seeded random activations ({e.message})"
+
+
+def _judged(iv_ref: Any, out_ref: torch.Tensor, iv_pad: Any, out_pad: torch.Tensor,
+            dtype: torch.dtype) -> tuple[Any, Any, int, float, float]:
+    """Each output against its own interval, and their difference against the two half-widths and
+    the centres' gap, a few rows at a time (`bounds.JUDGE_ROWS`): (the original's verdict, the
+    padded one's, outputs whose difference is beyond the bound, the largest difference, the
+    centres' largest gap)."""
+    from wna16ctl.verification.bounds import JUDGE_ROWS, judge
+
+    T = out_ref.shape[0]
+    centre_gap = float((iv_ref.total.centre - iv_pad.total.centre).abs().max()) if T else 0.0
+    half = lambda iv: torch.maximum((iv.hi - iv.centre).abs(), (iv.lo - iv.centre).abs())  # noqa: E731 - an interval's half width, for the lines below
+    verdicts, outside, max_diff = [], 0, 0.0
+    for s in range(0, T, JUDGE_ROWS):
+        rows = slice(s, s + JUDGE_ROWS)
+        ref, pad = iv_ref.interval(dtype, rows), iv_pad.interval(dtype, rows)
+        verdicts.append((judge(out_ref[rows], ref), judge(out_pad[rows], pad)))
+        diff = (out_ref[rows].double() - out_pad[rows].double()).abs()
+        outside += int((diff > half(ref) + half(pad) + centre_gap).sum())
+        max_diff = max(max_diff, float(diff.max()))
+    v_ref, v_pad = verdicts[0]
+    for r, p in verdicts[1:]:
+        v_ref, v_pad = v_ref.merged(r), v_pad.merged(p)
+    return v_ref, v_pad, outside, max_diff, centre_gap
 
 
 def _check_numerics(a: Checkpoint, b: Checkpoint, proof: PadProof, samples: Any = None, num_samples: int = 16) -> None:
     from wna16ctl.errors import WnaError
     from wna16ctl.sources.tensors import TensorReader, dtype_from_name
     from wna16ctl.verification.activations import Routing, route
-    from wna16ctl.verification.bounds import judge, nothing_to_compare
+    from wna16ctl.verification.bounds import nothing_to_compare, numerics_tokens
     from wna16ctl.verification.checks import FAIL, NOT_RUN, PASS, restricted_routing
 
     dtype = dtype_from_name(a.config.torch_dtype or "bfloat16")
@@ -505,13 +552,14 @@ def _check_numerics(a: Checkpoint, b: Checkpoint, proof: PadProof, samples: Any 
         if hidden is not None:
             try:
                 with TensorReader(a.files) as reader:
-                    routing = route(a, reader, lay, hidden)
+                    routing = route(a, reader, lay, hidden, max_tokens=numerics_tokens(lay.hidden_size, blocks=2))
             except WnaError as e:
                 proof.activations += f"; {lay.prefix}: seeded random activations ({e.message})"
         if routing is None:
             gen = torch.Generator().manual_seed(lay.layer_index or 0)
             k = min(2, lay.num_experts)
-            x = torch.randn(max(TOKENS, lay.num_experts), lay.hidden_size, generator=gen)
+            x = torch.randn(min(max(TOKENS, lay.num_experts), numerics_tokens(lay.hidden_size, blocks=2)),
+                            lay.hidden_size, generator=gen)
             ids = torch.stack([torch.randperm(lay.num_experts, generator=gen)[:k] for _ in range(x.shape[0])])
             routing = Routing(x=x, topk_ids=ids, topk_weights=torch.rand(x.shape[0], k, generator=gen), forced=0)
         if proof.experts_selected is not None:  # only the slots of those experts, as a repack output's verify
@@ -521,20 +569,15 @@ def _check_numerics(a: Checkpoint, b: Checkpoint, proof: PadProof, samples: Any 
         experts = sorted({int(e) for e in ids.reshape(-1) if int(e) >= 0})
         iv_ref, out_ref = _streamed_block(a, lay, experts, 1, x, ids, weights, dtype)
         iv_pad, out_pad = _streamed_block(b, lay_b, experts, tp, x, ids, weights, dtype)
-        empty = nothing_to_compare(iv_ref.centre)  # the rule repack's verify follows too
+        empty = nothing_to_compare(iv_ref.total.centre)  # the rule repack's verify follows too
         if empty is not None:
             proof.layers.append({"layer": lay.prefix, "tp": tp, "tokens": tokens, "ok": False, "status": NOT_RUN,
                                  "reason": empty})
             continue
-        v_ref, v_pad = judge(out_ref, iv_ref), judge(out_pad, iv_pad)
-        centre_gap = float((iv_ref.centre - iv_pad.centre).abs().max())
-        half = lambda iv: torch.maximum((iv.hi - iv.centre).abs(), (iv.lo - iv.centre).abs())  # noqa: E731 - an interval's half width, for the line below
-        bound = half(iv_ref) + half(iv_pad) + centre_gap
-        diff = (out_ref.double() - out_pad.double()).abs()
-        outside = int((diff > bound).sum())
+        v_ref, v_pad, outside, max_diff, centre_gap = _judged(iv_ref, out_ref, iv_pad, out_pad, dtype)
         ok = v_ref.violations == 0 and v_pad.violations == 0 and outside == 0
         proof.layers.append({"layer": lay.prefix, "tp": tp, "tokens": tokens, "ok": ok, "status": PASS if ok else FAIL,
-                             "reason": "", "max_abs_difference": float(diff.max()), "violations": outside + v_ref.violations
+                             "reason": "", "max_abs_difference": max_diff, "violations": outside + v_ref.violations
                              + v_pad.violations, "max_ratio": max(v_ref.max_ratio, v_pad.max_ratio),
                              "centre_difference": centre_gap})
         if not ok:

@@ -41,7 +41,10 @@ class RawReader:
                 fd = os.open(path, os.O_RDONLY)
             except OSError as e:
                 raise BadInput(f"{path}: cannot open ({e.strerror})") from None
-            self._fds[path] = fd
+            kept = self._fds.setdefault(path, fd)  # two threads may open it at once: one descriptor kept
+            if kept != fd:
+                os.close(fd)
+                fd = kept
         return fd
 
     def read_into(self, info: TensorInfo, view: memoryview) -> None:

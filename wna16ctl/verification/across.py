@@ -89,26 +89,37 @@ def exchange(group: Group, step: str, fn: Callable[[], T]) -> list[T]:
 # ---- a layer's numerics across processes -------------------------------------------------------------
 
 
-def exchange_layer(group: Group, layer: str, sums: Any, partial_k: Any, launches: dict[str, int]) -> tuple[Any, Any, dict[str, int]]:
-    """A layer's sums (`checks._LayerSums`) over every process's ranks: each rank's partial sums and
-    rounding interval from the process that checked it, the kernel's launches added up."""
+def exchange_layer(group: Group, layer: str, sums: Any) -> None:
+    """A layer's sums (`checks._LayerSums`) over every process's ranks, in place, as the all-reduce
+    adds them: the candidate, the reference, the emulated kernel's rows and the rounding interval's
+    running sums (and its count of ranks) added up, the experts exercised united, every process's
+    reasons for an incomplete candidate, the kernel's largest bound used, its launches added up."""
     if group.world_size == 1:
-        return sums, partial_k, launches
-    mine = sorted(sums.intervals)
-    sent = {"ranks": mine, "partial": {r: sums.partial[r] for r in mine}, "partial_ref": {r: sums.partial_ref[r] for r in mine},
-            "intervals": {r: sums.intervals[r] for r in mine}, "no_candidate": sums.no_candidate,
-            "bound_used": sums.bound_used, "launches": launches,
-            "partial_k": {r: partial_k[r] for r in mine} if partial_k.numel() else {}}
-    merged_launches: dict[str, int] = {}
-    sums.no_candidate = []
-    for got in exchange(group, f"comparing {layer}", lambda: sent):
-        for r in got["ranks"]:
-            sums.partial[r], sums.partial_ref[r], sums.intervals[r] = got["partial"][r], got["partial_ref"][r], got["intervals"][r]
-            if r in got["partial_k"]:
-                partial_k[r] = got["partial_k"][r]
-        sums.no_candidate += got["no_candidate"]
-        if got["bound_used"] is not None:
-            sums.bound_used = max(sums.bound_used or 0.0, got["bound_used"])
-        for name, count in got["launches"].items():
-            merged_launches[name] = merged_launches.get(name, 0) + count
-    return sums, partial_k, merged_launches
+        return
+    iv = sums.interval
+    sent = {"candidate": sums.candidate, "reference": sums.reference, "kernel": sums.kernel,
+            "interval": [iv.total.lo, iv.total.hi, iv.total.centre, iv.total.mag], "ranks": iv.ranks,
+            "exercised": sorted(sums.exercised), "no_candidate": sums.no_candidate,
+            "bound_used": sums.bound_used, "launches": sums.launches}
+    got = exchange(group, f"comparing {layer}", lambda: sent)
+    added = lambda key: _added([g[key] for g in got])  # noqa: E731 - one quantity over the processes
+    sums.candidate, sums.reference, sums.kernel = added("candidate"), added("reference"), added("kernel")
+    iv.total.lo, iv.total.hi, iv.total.centre, iv.total.mag = (
+        _added([g["interval"][i] for g in got]) for i in range(4))
+    iv.ranks = sum(g["ranks"] for g in got)
+    sums.exercised = {e for g in got for e in g["exercised"]}
+    sums.no_candidate = [reason for g in got for reason in g["no_candidate"]]
+    used = [g["bound_used"] for g in got if g["bound_used"] is not None]
+    sums.bound_used = max(used) if used else None
+    sums.launches = {}
+    for g in got:
+        for name, count in g["launches"].items():
+            sums.launches[name] = sums.launches.get(name, 0) + count
+
+
+def _added(parts: list[Any]) -> Any:
+    """The processes' tensors of one quantity added up, in process order (a new tensor)."""
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total += part
+    return total

@@ -20,7 +20,7 @@ import torch
 
 from wna16ctl.sources import Checkpoint, MoELayer
 from wna16ctl.sources.architectures import architecture
-from wna16ctl.sources.tensors import TensorReader
+from wna16ctl.sources.tensors import TensorReader, as_tensor
 from wna16ctl.errors import BadInput
 from wna16ctl.verification.samples import (  # noqa: F401 - re-exported: the sample sources live in a torch-free module
     DEMO_QUESTIONS, GSM8K_TEST, SAMPLE_SEARCH_ORDER, SAMPLES_ENV, SHARED_ENV, repository_shared_dir, resolve_samples,
@@ -119,6 +119,7 @@ class Routing:
     topk_ids: torch.Tensor  # [T, k] int64
     topk_weights: torch.Tensor  # [T, k] fp32
     forced: int  # tokens added so that every expert is exercised
+    capped: int = 0  # the samples' tokens left out by the numerics' memory budget (`route`'s max_tokens)
 
 
 def embed(ck: Checkpoint, reader: TensorReader, token_ids: list[list[int]]) -> torch.Tensor:
@@ -126,11 +127,21 @@ def embed(ck: Checkpoint, reader: TensorReader, token_ids: list[list[int]]) -> t
                              "transformer.wte.weight") if n in ck.files), None)
     if name is None:
         raise BadInput(f"{ck.root}: no embed_tokens weight to build activations from")
-    table = reader.read(name)
     flat = torch.tensor([i for ids in token_ids for i in ids], dtype=torch.int64)
     if flat.numel() == 0:
         raise BadInput("the samples produced no tokens")
-    return table[flat].float()
+    # the rows the tokens name, read one by one: the table (vocabulary × hidden) is GBs at scale
+    info = ck.files.info(name)
+    if len(info.shape) != 2:
+        return reader.read(name)[flat].float()
+    ids, where = torch.unique(flat, return_inverse=True)
+    row = info.nbytes // info.shape[0]
+    rows = [as_tensor(reader.read_bytes(type(info)(info.name, info.dtype, info.shape[1:], info.file,
+                                                   info.start + i * row, info.start + (i + 1) * row)),
+                      info.dtype, info.shape[1:]) for i in ids.tolist() if 0 <= i < info.shape[0]]
+    if len(rows) != len(ids):
+        raise BadInput(f"{ck.root}: a token id is outside {name} ({info.shape[0]} rows)")
+    return torch.stack(rows)[where].float()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -138,8 +149,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return y * weight.float() if weight is not None else y
 
 
-def route(ck: Checkpoint, reader: TensorReader, layer: MoELayer, hidden: torch.Tensor, min_tokens_per_expert: int = 2) -> Routing:
-    """Normalise with the layer's post-attention norm, route with its router, force idle experts."""
+def route(ck: Checkpoint, reader: TensorReader, layer: MoELayer, hidden: torch.Tensor, min_tokens_per_expert: int = 2,
+          max_tokens: int | None = None) -> Routing:
+    """Normalise with the layer's post-attention norm, route with its router, force idle experts.
+    `max_tokens` caps the tokens (the numerics' memory budget): the samples' first tokens are kept,
+    as many as leave room for the forced ones; `Routing.capped` says how many were left out."""
     cfg = ck.config.raw
     eps = float(cfg.get("rms_norm_eps", 1e-6))
     norm = reader.read(layer.norm) if layer.norm else None
@@ -153,15 +167,24 @@ def route(ck: Checkpoint, reader: TensorReader, layer: MoELayer, hidden: torch.T
         raise BadInput(f"{ck.root}: {layer.router} is {list(router.shape)}, expected [{E}, {layer.hidden_size}]")
     logits = x @ router.T
     ids, weights = _topk(ck, reader, layer, logits, k)
+    if max_tokens is not None and min_tokens_per_expert * E > max_tokens:  # one each, so every expert fits
+        min_tokens_per_expert = max(1, max_tokens // E)
+    keep = _tokens_kept(ids, E, min_tokens_per_expert, max_tokens)
+    capped = x.shape[0] - keep
+    pool = x
+    x, ids, weights = x[:keep], ids[:keep], weights[:keep]
     # Experts no sample routes to get extra tokens (top-1, weight 1), so every expert is checked.
     counts = torch.bincount(ids.reshape(-1), minlength=E)
-    extra_x, extra_ids = [], []
+    extra_x: list[torch.Tensor] = []
+    extra_ids: list[int] = []
     g = torch.Generator().manual_seed(0)
     for e in range(E):
         need = min_tokens_per_expert - int(counts[e])
+        if max_tokens is not None:  # past the cap an expert goes unexercised, which the numerics report
+            need = min(need, max_tokens - keep - len(extra_ids))
         if need > 0:
-            pick = torch.randint(0, x.shape[0], (need,), generator=g)
-            extra_x.append(x[pick])
+            pick = torch.randint(0, pool.shape[0], (need,), generator=g)
+            extra_x.append(pool[pick])
             extra_ids.extend([e] * need)
     forced = len(extra_ids)
     if forced:
@@ -172,7 +195,20 @@ def route(ck: Checkpoint, reader: TensorReader, layer: MoELayer, hidden: torch.T
         pad_w[:, 0] = 1.0
         ids = torch.cat([ids, pad_ids])
         weights = torch.cat([weights, pad_w])
-    return Routing(x=x, topk_ids=ids, topk_weights=weights, forced=forced)
+    return Routing(x=x, topk_ids=ids, topk_weights=weights, forced=forced, capped=capped)
+
+
+def _tokens_kept(ids: torch.Tensor, experts: int, per_expert: int, max_tokens: int | None) -> int:
+    """How many of the samples' tokens (in order) fit under `max_tokens` with the tokens forced for
+    the experts they leave idle: fewer kept means more forced, so shrink until both fit."""
+    keep = ids.shape[0] if max_tokens is None else min(ids.shape[0], max_tokens)
+    while max_tokens is not None and keep > 0:
+        counts = torch.bincount(ids[:keep].reshape(-1), minlength=experts)
+        forced = int((per_expert - counts).clamp_min(0).sum())
+        if keep + forced <= max_tokens:
+            break
+        keep = max(0, min(keep - 1, max_tokens - forced))
+    return keep
 
 
 def _topk(ck: Checkpoint, reader: TensorReader, layer: MoELayer, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,6 +29,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from wna16ctl.verification.budget import (  # noqa: F401 - JUDGE_ROWS and SLAB_BYTES re-exported for the numerics
+    JUDGE_ROWS, LAYER_BYTES_PER_ELEMENT, NUMERICS_MEMORY, RANK_BYTES_PER_ELEMENT, SLAB_BYTES)
 import torch.nn.functional as F
 
 U32 = 2.0**-24
@@ -175,6 +178,13 @@ class IntervalSum:
             else:
                 acc.index_add_(0, rows, term)
 
+    def rows(self, rows: slice | torch.Tensor) -> "IntervalSum":
+        """Output rows `rows` of the sums (a slice: views, adding to them adds to these; an index
+        tensor: copies, to read)."""
+        out = IntervalSum.__new__(IntervalSum)
+        out.lo, out.hi, out.centre, out.mag = self.lo[rows], self.hi[rows], self.centre[rows], self.mag[rows]
+        return out
+
     def rounded(self, terms: int, dtype: torch.dtype) -> Interval:
         """The fp32 sum of `terms` values per element (any order), rounded to dtype: `sum_interval`."""
         pad = terms * U32 * self.mag * 1.0001
@@ -213,10 +223,48 @@ def block_interval(ranks: list[RankWeights], a: torch.Tensor, topk_ids: torch.Te
 def all_reduced(partials: list[IntervalSum], k: int, dtype: torch.dtype) -> Interval:
     """The block output's interval from each rank's accumulated slots (k per token): each rank's
     partial rounded, the partials summed in fp32 and rounded (step 4: the all-reduce)."""
-    total = IntervalSum(*partials[0].lo.shape)
+    total = AllReduced(*partials[0].lo.shape)
     for acc in partials:
-        total.add(acc.rounded(k, dtype))
-    return total.rounded(len(partials), dtype)
+        total.add_rank(acc, k, dtype)
+    return total.interval(dtype)
+
+
+class AllReduced:
+    """`all_reduced` built rank by rank: each rank's accumulated slots are rounded and added as soon
+    as the rank is done, then let go, so that the ranks' partials are never all in memory."""
+
+    def __init__(self, tokens: int, hidden: int):
+        self.total = IntervalSum(tokens, hidden)
+        self.ranks = 0
+
+    def add_rank(self, acc: IntervalSum, k: int, dtype: torch.dtype) -> None:
+        for start in range(0, acc.lo.shape[0], JUDGE_ROWS):  # rounding's temporaries: a few rows at a time
+            rows = slice(start, start + JUDGE_ROWS)
+            self.total.rows(rows).add(acc.rows(rows).rounded(k, dtype))
+        self.ranks += 1
+
+    def interval(self, dtype: torch.dtype, rows: slice | torch.Tensor = slice(None)) -> Interval:
+        """The all-reduced interval of output rows `rows` (every row by default)."""
+        return self.total.rows(rows).rounded(self.ranks, dtype)
+
+
+# ---- the numerics' memory: a constant, whatever the layer's size and number of experts ------------
+
+def numerics_tokens(hidden: int, blocks: int = 1) -> int:
+    """The most tokens a layer's numerics run on at this hidden size: `blocks` layers' state (two
+    for the padding proof: the original's and the padded one's) and one rank at a time fit in
+    NUMERICS_MEMORY."""
+    return max(1, NUMERICS_MEMORY // ((blocks * LAYER_BYTES_PER_ELEMENT + RANK_BYTES_PER_ELEMENT) * hidden))
+
+
+def rank_groups(ranks: list[int], tokens: int, hidden: int, blocks: int = 1) -> list[list[int]]:
+    """`ranks` in consecutive groups whose partials fit in NUMERICS_MEMORY with `blocks` layers'
+    own state at `tokens` × `hidden`: all at once where they fit, one at a time at the token cap.
+    Each group reads the layer's experts once more."""
+    per = max(1, tokens * hidden)
+    fit = (NUMERICS_MEMORY // per - blocks * LAYER_BYTES_PER_ELEMENT) // RANK_BYTES_PER_ELEMENT
+    size = max(1, min(len(ranks), fit))
+    return [ranks[i:i + size] for i in range(0, len(ranks), size)]
 
 
 @dataclass

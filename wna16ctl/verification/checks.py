@@ -54,8 +54,8 @@ from wna16ctl.output.manifest import FORMAT_NAME, SIDE_FILES
 from wna16ctl.repacking.pipeline import LayerJob, RepackPlan, RepackSettings, plan_repack, rank_index_bytes
 from wna16ctl.sources import source_fingerprint
 from wna16ctl.sources.formats import SCALES
-from wna16ctl.verification.bounds import (Interval, IntervalSum, add_expert_interval, all_reduced, gemm_bound_used, judge,
-                                          nothing_to_compare)
+from wna16ctl.verification.bounds import (JUDGE_ROWS, SLAB_BYTES, AllReduced, IntervalSum, add_expert_interval,
+                                          gemm_bound_used, judge, nothing_to_compare, numerics_tokens, rank_groups)
 from wna16ctl.verification.rank_gemm import GEMM_DTYPES, ROUNDINGS, UNIT_ROUNDOFF, EmulatedGemm, RankFiles, rank_moe_output  # noqa: F401 - ROUNDINGS and UNIT_ROUNDOFF re-exported
 from wna16ctl.output.writer import JOURNAL_NAME, MANIFEST_NAME, PLANNED_METADATA, FILE_HASHES, hash_file, recorded_hash, sha256_file
 
@@ -122,6 +122,7 @@ class LayerNumerics:
     # below it in practice; None where no GEMM kernel ran (the transposed layout)
     bound_used: float | None = None
     kernel: str = ""  # what computed the candidate (the kernel source, emulated on the CPU)
+    capped_tokens: int = 0  # the samples' tokens left out by the numerics' memory budget (bounds.numerics_tokens)
 
     @property
     def passed(self) -> bool:
@@ -632,9 +633,10 @@ def _verify_output_here(ckpt: str | os.PathLike[str], out: str | os.PathLike[str
     if e2e is not None and not numerics:
         raise UsageError("--e2e and --no-numerics: e2e runs the model on samples; drop one of them")
     if e2e is not None:
-        from wna16ctl.verification.e2e import require_transformers
+        from wna16ctl.verification.e2e import require_e2e_memory, require_transformers
 
         require_transformers()
+        require_e2e_memory(ck, dtype_from_name(manifest.get("scale_dtype") or ck.config.torch_dtype))
     wanted = None if layers is None else parse_indices(layers, "--layers", "MoE layer")
     wanted_experts = None if experts is None else parse_indices(experts, "--experts", "expert")
     if wanted is not None:  # a layer the checkpoint does not have is the checkpoint's answer, before samples
@@ -740,10 +742,13 @@ def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], sam
         )
     with TensorReader(ck.files) as reader:
         hidden = None  # without numerics: no activations, the round trip alone
+        dropped = 0  # the samples' tokens past the budget of every layer
         if samples is not None:
             vocab = int(ck.config.raw.get("vocab_size") or 1 << 30)
             token_ids, report.tokenizer = tokenize(ck, questions, vocab)
             hidden = embed(ck, reader, token_ids)
+            dropped = max(0, hidden.shape[0] - numerics_tokens(hidden.shape[1]))
+            hidden = hidden[:numerics_tokens(hidden.shape[1])]  # no layer runs on more (the memory budget)
         ranks: dict[int, RankFiles] = {}
         unreadable: list[int] = []
         for r in present:
@@ -765,11 +770,13 @@ def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], sam
             _verify_rank_contents(ck, reader, plan, ranks, report)
             chosen = {j.layer.prefix: _experts_of(j, experts) for j in jobs}
             what = "round trip and numerics" if hidden is not None else "round trip"
-            advance = progress(what, sum(len(c) for c in chosen.values()), unit="experts")
+            # every expert once for the round trip, once more for the numerics
+            passes = 1 if hidden is None else 2
+            advance = progress(what, passes * sum(len(c) for c in chosen.values()), unit="experts")
             with torch_threads(None if hidden is None else "every core"):
                 for job in jobs:
                     _verify_layer(ck, reader, job, ranks, hidden, dtype, report, gemm_device, advance,
-                                  chosen[job.layer.prefix], group)
+                                  chosen[job.layer.prefix], group, dropped=dropped)
         finally:
             for rf in ranks.values():
                 rf.reader.close()
@@ -879,7 +886,8 @@ def restricted_routing(routing: Routing, experts: list[int]) -> Routing:
     rows = keep_slot.any(1)
     first_forced = routing.x.shape[0] - routing.forced
     forced = int(rows[first_forced:].sum())
-    return Routing(x=routing.x[rows], topk_ids=ids[rows], topk_weights=weights[rows], forced=forced)
+    return Routing(x=routing.x[rows], topk_ids=ids[rows], topk_weights=weights[rows], forced=forced,
+                   capped=routing.capped)
 
 
 def unknown_layers(known: list[int], layers: list[int]) -> None:
@@ -905,48 +913,6 @@ def _select_layers(jobs: list[LayerJob], layers: list[int], report: VerifyReport
     return [j for j in jobs if j.layer.layer_index in layers]
 
 
-def _gemm_rank_candidate(job: LayerJob, r: int, rank: RankFiles, a: torch.Tensor, routing, dtype: torch.dtype,
-                         device: torch.device, gemm=None, keep=None) -> torch.Tensor:
-    t = {n: rank.reader.read(f"{job.layer.prefix}.{n}").to(device) for n in job.tensor_names}
-    return rank_moe_output(job, r, t, a, routing.topk_ids, routing.topk_weights, dtype, device, gemm=gemm, keep=keep)
-
-
-def _kernel_bound_used(reader: TensorReader, job: LayerJob, r: int, keep: dict[str, torch.Tensor], a: torch.Tensor,
-                       routing, dtype: torch.dtype) -> float:
-    """`bounds.gemm_bound_used` of rank r's two GEMMs, expert by expert, on the inputs they were
-    given (a; the kernel's own h for w2) against the checkpoint's dequantised weights (read again
-    here, one expert at a time): how much of the derived accumulation bound the kernel's outputs
-    use beyond their own rounding."""
-    spec = job.specs[r]
-    i_p, pad = spec.intermediate_per_partition, spec.padded_intermediate
-    k = routing.topk_ids.shape[1]
-    flat = routing.topk_ids.reshape(-1).cpu()
-    wts = routing.topk_weights.reshape(-1).float().cpu()
-    used = 0.0
-    for e in job.expert_ranges[r]:
-        slots = (flat == e).nonzero().squeeze(1)
-        if not slots.numel():
-            continue
-        expected = _cast_scales(shard_expert(reader.read_expert(job.layer, e), tp=spec.tp, rank=spec.rank,
-                                             load_full_w2=spec.load_full_w2, expert_id=e), dtype)
-        w13, w2 = _reference_weights(expected, spec, dtype)
-        g13 = keep["w13"][slots]
-        g13 = torch.cat([g13[:, :i_p], g13[:, pad:pad + i_p]], 1)  # padding columns left out
-        used = max(used, gemm_bound_used(a[slots // k], w13, g13, dtype),
-                   gemm_bound_used(keep["h"][slots][:, :i_p], w2, keep["w2"][slots], dtype, weight=wts[slots]))
-    return used
-
-
-class _SubRouting:
-    """A routing restricted to some tokens (what `_gemm_rank_candidate` reads of a routing)."""
-
-    topk_ids: torch.Tensor
-    topk_weights: torch.Tensor
-
-    def __init__(self, routing: Any, rows: torch.Tensor):
-        self.topk_ids, self.topk_weights = routing.topk_ids[rows], routing.topk_weights[rows]
-
-
 EMULATED_TOKENS_PER_EXPERT = 4
 EMULATED_FIRST_TOKENS = 32
 
@@ -962,7 +928,7 @@ def _emulated_rows(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 def _numerics_gemm(device: torch.device):
-    """(gemm, what it is) for the layer numerics: see `_verify_layer`."""
+    """(gemm, what it is) for the layer numerics: see `_marlin_slab`."""
     if device.type == "cuda":
         return None, "CUDA kernels"
     from wna16ctl.native.emulated import emulated_gemm_lib, emulated_unavailable_reason
@@ -974,20 +940,22 @@ def _numerics_gemm(device: torch.device):
 
 @dataclass
 class _LayerSums:
-    """What the pass over a layer's experts gathers for the layer's numerics."""
+    """What the round trip of a layer tells its numerics, and what the numerics gather over the
+    ranks, one group of ranks at a time (`bounds.rank_groups`): the layer's memory grows neither
+    with its experts nor with its ranks."""
 
-    partial: torch.Tensor  # candidate partial sums per rank [ranks, T, H] (fp32 sum of rounded outputs)
-    partial_ref: torch.Tensor  # the reference's, from the checkpoint in fp32
-    # per rank present: the rounding interval of its partial (verification.bounds), accumulated
-    # expert by expert from the checkpoint's weights dequantised in the model dtype, which are
-    # not kept: the layer's memory does not grow with its experts
-    intervals: dict[int, IntervalSum]
-    exercised: int = 0  # experts some token is routed to
     # Why the candidate is incomplete: an expert whose tensors cannot be read back, a rank the
     # GEMM cannot run on.  The reference never depends on the output, so it is always complete.
     no_candidate: list[str] = field(default_factory=list)
     layer_ok: bool = True  # no round-trip finding in this layer yet
+    reassembly: list[Finding] = field(default_factory=list)  # re-assembled tensors that differ (one expert's)
     bound_used: float | None = None  # the kernel's GEMMs: error beyond their rounding / the derived bound
+    exercised: set[int] = field(default_factory=set)  # experts some token is routed to
+    # the all-reduced rounding interval (verification.bounds), each rank's added once it is done
+    interval: AllReduced | None = None
+    candidate: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # Σ ranks' rounded partials (fp32) [T, H]
+    reference: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # the fp32 reference, summed in float64 [T, H]
+    kernel: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # the emulated kernel's rows, as `candidate`
     launches: dict[str, int] = field(default_factory=dict)  # the emulated kernel's launches, by kernel
 
 
@@ -995,69 +963,77 @@ def _verify_layer(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: di
                   hidden: torch.Tensor | None, dtype: torch.dtype, report: VerifyReport,
                   gemm_device: torch.device = torch.device("cpu"),
                   advance: Callable[[int], None] = lambda n: None, experts: list[int] | None = None,
-                  group: Group = SOLO) -> None:
-    """One MoE layer: the round trip of every selected expert on every rank present, then the
-    layer's numerics (the candidate against the rounding interval of the reference, over the
-    ranks of every process of `group`); `hidden` None: the round trip alone, one expert in memory
-    at a time."""
-    layer = job.layer
-    if hidden is None:
-        _round_trip_layer(reader, job, ranks, dtype, report, advance, experts)
-        return
-    routing = route(ck, reader, layer, hidden)
-    selected = list(range(layer.num_experts)) if experts is None else experts
-    if len(selected) < layer.num_experts:  # --experts: only those experts' contributions are compared
-        routing = restricted_routing(routing, selected)
-    T, H = routing.x.shape
-    n_ranks = len(job.specs)
-    sums = _LayerSums(torch.zeros(n_ranks, T, H), torch.zeros(n_ranks, T, H),
-                      {r: IntervalSum(T, H) for r in ranks if len(job.expert_ranges[r])})
-    x_c = routing.x.to(dtype).float()  # the candidate's activations, rounded to the model dtype
-    for e in selected:
-        _verify_expert(reader, job, ranks, routing, x_c, dtype, report, sums, e)
-        advance(1)
+                  group: Group = SOLO, dropped: int = 0) -> None:
+    """One MoE layer: the round trip of every selected expert on every rank present, one expert in
+    memory at a time; then, with `hidden`, the layer's numerics (`_layer_numerics`; `dropped`: the
+    samples' tokens already left out of `hidden` by the memory budget), over the ranks of every
+    process of `group`."""
+    selected = list(range(job.layer.num_experts)) if experts is None else experts
+    sums = _LayerSums()
+    _round_trip_experts(reader, job, ranks, dtype, report, sums, selected, advance)
     report.layers_checked += 1
-    kernel = "the layer's math in torch (transposed layout)"
-    emulated_rows: torch.Tensor | None = None  # tokens the kernel source ran on the CPU emulation
-    partial_k = torch.zeros(0)
-    if job.layout == MARLIN:
-        kernel, emulated_rows, partial_k = _marlin_candidate(reader, job, ranks, routing, dtype, gemm_device, sums)
-    sums, partial_k, sums.launches = across.exchange_layer(group, layer.prefix, sums, partial_k, sums.launches)
-    if emulated_rows is not None:
-        kernel = (f"{kernel} on {len(emulated_rows)} of {T} tokens (every expert; "
-                  + ", ".join(f"{k} × {v}" for k, v in sorted(sums.launches.items()))
-                  + " launches), the torch twin of the kernel on all")
-    row = LayerNumerics(layer=layer.prefix, tokens=T, forced_tokens=routing.forced, experts_exercised=sums.exercised,
-                        num_experts=len(selected), kernel=kernel)
-    report.numerics.append(row)
-    _judge_layer(row, ranks, routing, dtype, sums, emulated_rows, partial_k, len(selected))
+    if hidden is not None:
+        _layer_numerics(ck, reader, job, ranks, hidden, dtype, report, gemm_device, advance, selected, sums,
+                        group, dropped)
 
 
-def _round_trip_layer(reader: TensorReader, job: LayerJob, ranks: dict[int, RankFiles], dtype: torch.dtype,
-                      report: VerifyReport, advance: Callable[[int], None], experts: list[int] | None) -> None:
-    """The exactness proof of one layer alone: expert by expert, each rank's tensors undone and
-    compared, the ranks re-assembled; nothing is kept from one expert to the next."""
-    layer = job.layer
-    sums = _LayerSums(torch.zeros(0), torch.zeros(0), {})
-    for e in (list(range(layer.num_experts)) if experts is None else experts):
-        _verify_expert(reader, job, ranks, None, None, dtype, report, sums, e)
-        advance(1)
-    report.layers_checked += 1
+@dataclass
+class _ExpertCheck:
+    """One expert's round trip, checked apart (on a worker thread) and merged in expert order."""
+
+    findings: list[Finding] = field(default_factory=list)
+    experts_checked: int = 0
 
 
-def _verify_expert(reader: TensorReader, job: LayerJob, ranks: dict[int, RankFiles], routing: Routing | None,
-                   x_c: torch.Tensor | None, dtype: torch.dtype, report: VerifyReport, sums: _LayerSums,
-                   e: int) -> None:
+def _check_expert(reader: TensorReader, job: LayerJob, ranks: dict[int, RankFiles], dtype: torch.dtype,
+                  e: int) -> tuple[_ExpertCheck, _LayerSums]:
+    """Expert `e`'s round trip into a report and sums of its own (`_verify_expert`)."""
+    own, sums = _ExpertCheck(), _LayerSums()
+    _verify_expert(reader, job, ranks, dtype, own, sums, e)  # type: ignore[arg-type]  # the fields it writes
+    return own, sums
+
+
+def _merge_expert(report: VerifyReport, sums: _LayerSums, own: _ExpertCheck, mine: _LayerSums) -> None:
+    """One expert's round trip into the layer's, in expert order: its findings; a re-assembly that
+    differs only where no rank's finding in the layer so far (this expert's included) explains it."""
+    report.findings += own.findings
+    report.experts_checked += own.experts_checked
+    sums.no_candidate += mine.no_candidate
+    sums.layer_ok = sums.layer_ok and mine.layer_ok
+    if sums.layer_ok:
+        report.findings += mine.reassembly
+
+
+def _round_trip_experts(reader: TensorReader, job: LayerJob, ranks: dict[int, RankFiles], dtype: torch.dtype,
+                        report: VerifyReport, sums: _LayerSums, selected: list[int],
+                        advance: Callable[[int], None]) -> None:
+    """The round trip of a layer's selected experts on every core, reads overlapped with checks:
+    each worker thread reads and checks one expert at a time (positioned reads and torch's ops
+    release the GIL), a few experts ahead at most, and the results are merged in expert order, so
+    that the report is the one a single thread gives."""
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+
+    from wna16ctl.native.emulated import usable_cores
+
+    workers = min(usable_cores(), max(1, len(selected)))
+    with ThreadPoolExecutor(workers) as pool:
+        window: deque[Any] = deque()
+        for e in selected:
+            window.append(pool.submit(_check_expert, reader, job, ranks, dtype, e))
+            if len(window) > workers:
+                _merge_expert(report, sums, *window.popleft().result())
+                advance(1)
+        while window:
+            _merge_expert(report, sums, *window.popleft().result())
+            advance(1)
+
+
+def _verify_expert(reader: TensorReader, job: LayerJob, ranks: dict[int, RankFiles], dtype: torch.dtype,
+                   report: VerifyReport, sums: _LayerSums, e: int) -> None:
     """Expert `e`: each rank's tensors undone by the layout's inverse against the rank's slice of
-    the checkpoint, its contribution to the numerics (none when `routing` is None), and the ranks
-    re-assembled."""
+    the checkpoint, and the ranks re-assembled."""
     layer, n_ranks = job.layer, len(job.specs)
-    tok = torch.zeros(0, dtype=torch.long)
-    if routing is not None:
-        tok, slot = (routing.topk_ids == e).nonzero(as_tuple=True)
-        w = routing.topk_weights[tok, slot].unsqueeze(1)
-    if tok.numel():
-        sums.exercised += 1
     ck_expert = reader.read_expert(layer, e)
     per_rank: list[dict[str, torch.Tensor]] = []
     for r, spec in enumerate(job.specs):
@@ -1066,15 +1042,9 @@ def _verify_expert(reader: TensorReader, job: LayerJob, ranks: dict[int, RankFil
             continue
         expected = _cast_scales(shard_expert(ck_expert, tp=spec.tp, rank=spec.rank, load_full_w2=spec.load_full_w2,
                                              expert_id=e), dtype)
-        if routing is not None:  # the reference of the rounding interval, added and let go
-            add_expert_interval(sums.intervals[r], routing.x.to(dtype), routing.topk_ids, routing.topk_weights, e,
-                                *_reference_weights(expected, spec, dtype), dtype)
         got = _read_back(job, ranks[r], r, spec, e - rng.start, e, expected, report, sums)
         if got is not None:
             per_rank.append(got)
-        if tok.numel() and routing is not None and x_c is not None:
-            _expert_numerics(routing.x[tok], x_c[tok], w, tok, expected, None if job.layout == MARLIN else got, spec,
-                             dtype, sums.partial[r], sums.partial_ref[r])
     # an EP part holds some experts only: count those whose tensors were read back here
     if any(e in job.expert_ranges[r] and r in ranks for r in range(n_ranks)):
         report.experts_checked += 1
@@ -1112,6 +1082,8 @@ def _read_back(job: LayerJob, rank: RankFiles, r: int, spec: RankLayout, local: 
     return got
 
 
+
+
 def _check_reassembled(job: LayerJob, per_rank: list[dict[str, torch.Tensor]], ck_expert: dict[str, Any],
                        dtype: torch.dtype, report: VerifyReport, sums: _LayerSums, e: int) -> None:
     """Every rank's slices of expert `e`, re-assembled, equal the checkpoint's tensors."""
@@ -1126,78 +1098,250 @@ def _check_reassembled(job: LayerJob, per_rank: list[dict[str, torch.Tensor]], c
         want = {k: (v.to(dtype) if k == SCALES else v) for k, v in ck_expert[role].items()}
         bad = next((k for k, v in want.items() if k not in back[role] or back[role][k].shape != v.shape
                     or first_difference(back[role][k], v) is not None), None)
-        if bad is not None and sums.layer_ok:
-            report.findings.append(Finding(
+        if bad is not None:  # said only where no rank's own finding explains it (`_merge_expert`)
+            sums.reassembly.append(Finding(
                 "round_trip", f"{layer.prefix} expert {e}: re-assembled {role} {bad} differs from the checkpoint",
                 layer=layer.prefix, expert=e))
 
 
-def _marlin_candidate(reader: TensorReader, job: LayerJob, ranks: dict[int, RankFiles], routing: Routing,
-                      dtype: torch.dtype,
-                      gemm_device: torch.device,
-                      sums: _LayerSums) -> tuple[str, torch.Tensor | None, torch.Tensor]:
-    """The candidate of a Marlin layer: the MoE GEMM over the tensors as written, into
-    `sums.partial`.  (what ran, the tokens the kernel source ran on the CPU emulation or None,
-    their partial sums per rank)."""
-    # the CUDA kernel on a GPU. On the CPU every token goes through the torch twin (the layout's
-    # inverses) and a subset covering every expert through the kernel source on the CPU
-    # emulation (all tokens would take minutes); without g++ the twin alone, said in `kernel`
-    x = routing.x
-    T, H = x.shape
-    emulated, kernel = _numerics_gemm(gemm_device)
-    emulated_rows: torch.Tensor | None = None
-    partial_k = torch.zeros(0)
+
+
+# ---- 3. numerics, a group of ranks at a time ------------------------------------------------------
+
+
+def _layer_numerics(ck: Checkpoint, reader: TensorReader, job: LayerJob, ranks: dict[int, RankFiles],
+                    hidden: torch.Tensor, dtype: torch.dtype, report: VerifyReport, gemm_device: torch.device,
+                    advance: Callable[[int], None], selected: list[int], sums: _LayerSums, group: Group = SOLO,
+                    dropped: int = 0) -> None:
+    """The layer's numerics, in memory bounded by `bounds.NUMERICS_MEMORY`: the samples' tokens
+    routed (at most `bounds.numerics_tokens`), then the ranks a group at a time
+    (`bounds.rank_groups`): each group reads the checkpoint's experts once, builds each rank's
+    rounding interval and fp32 reference expert by expert and its candidate a slab of experts at a
+    time (`_marlin_slab`), and adds each rank's partial to the layer's sums before the next group;
+    then the sums of every process of `group` are added up like the all-reduce
+    (`across.exchange_layer`), and the layer is judged against the candidate."""
+    layer = job.layer
+    routing = route(ck, reader, layer, hidden, max_tokens=numerics_tokens(layer.hidden_size))
+    if len(selected) < layer.num_experts:  # --experts: only those experts' contributions are compared
+        routing = restricted_routing(routing, selected)
+    T, H = routing.x.shape
+    sums.interval = AllReduced(T, H)
+    # the reference is summed in float64: its fp32 addends then add up to the same value in any
+    # order, so processes that each hold some of the ranks (verification.across) report the figures one does
+    sums.candidate, sums.reference = torch.zeros(T, H), torch.zeros(T, H, dtype=torch.float64)
+    emulated, kernel = (_numerics_gemm(gemm_device) if job.layout == MARLIN
+                        else (None, "the layer's math in torch (transposed layout)"))
+    rows = None if emulated is None else _emulated_rows(routing.topk_ids, layer.num_experts)
+    sums.kernel = torch.zeros(0 if rows is None else len(rows), H)
+    routed = set(routing.topk_ids.reshape(-1).tolist())
+    sums.exercised = {e for e in selected if e in routed}
+    groups = rank_groups([r for r in ranks if len(job.expert_ranges[r])], T, H)
+    steps = [0]
+
+    def step() -> None:  # the layer's experts once more on the progress, spread over the groups
+        steps[0] += 1
+        advance(steps[0] // max(1, len(groups)) - (steps[0] - 1) // max(1, len(groups)))
+
+    for some in groups:
+        _rank_group(reader, job, {r: ranks[r] for r in some}, routing, dtype, gemm_device, emulated, rows, selected,
+                    sums, step)
+    if not groups:
+        for _ in selected:
+            advance(1)
     if emulated is not None:
-        emulated_rows = _emulated_rows(routing.topk_ids, job.layer.num_experts)
-        partial_k = torch.zeros(len(job.specs), len(emulated_rows), H)
-    sub = None if emulated_rows is None else _SubRouting(routing, emulated_rows)
-    for r in ranks:
-        if not len(job.expert_ranges[r]):  # EP with more ranks than experts: nothing written
+        sums.launches = dict(emulated.launches)  # into `kernel` once every process's are known
+    across.exchange_layer(group, layer.prefix, sums)
+    if emulated is not None and rows is not None:
+        kernel = (f"{kernel} on {len(rows)} of {T} tokens (every expert; "
+                  + ", ".join(f"{k} × {v}" for k, v in sorted(sums.launches.items()))
+                  + " launches), the torch twin of the kernel on all")
+    row = LayerNumerics(layer=layer.prefix, tokens=T, forced_tokens=routing.forced, experts_exercised=len(sums.exercised),
+                        num_experts=len(selected), kernel=kernel,
+                        capped_tokens=routing.capped + dropped)
+    report.numerics.append(row)
+    _judge_layer(row, dtype, sums, rows, len(selected))
+
+
+def _rank_group(reader: TensorReader, job: LayerJob, group: dict[int, RankFiles], routing: Routing,
+                dtype: torch.dtype, device: torch.device, emulated: Any, rows: torch.Tensor | None,
+                selected: list[int], sums: _LayerSums, step: Callable[[], None]) -> None:
+    """The numerics of the ranks of `group`: their partials, built slab by slab of experts, added
+    to the layer's sums (each rank's rounded, as the all-reduce takes it), then let go."""
+    T, H = routing.x.shape
+    k = routing.topk_ids.shape[1]
+    a = routing.x.to(dtype)
+    acc = {r: IntervalSum(T, H) for r in group}
+    part = {r: torch.zeros(T, H) for r in group}
+    part_k = {r: torch.zeros(sums.kernel.shape[0], H) for r in group}
+    failed: set[int] = set()
+    for slab in _slabs(job, group, selected):
+        kept = {}
+        for r in group:
+            if job.layout == MARLIN and r not in failed:
+                kept[r] = _marlin_slab(job, r, group[r], slab, routing, dtype, device, emulated, rows, part[r],
+                                       part_k[r], sums, failed)
+        for e in slab:
+            _expert_on_ranks(reader, job, group, routing, a, dtype, e, acc, part, kept, sums)
+            step()
+    assert sums.interval is not None
+    for r in group:
+        sums.interval.add_rank(acc.pop(r), k, dtype)
+        sums.candidate += part.pop(r).to(dtype).float()
+        sums.kernel += part_k.pop(r).to(dtype).float()
+
+
+def _slabs(job: LayerJob, group: dict[int, RankFiles], selected: list[int]) -> list[range]:
+    """The selected experts in runs of consecutive ids, each at most `bounds.SLAB_BYTES` of a rank's
+    tensors (at least one expert): what one read of a rank's stacked tensors takes."""
+    files = next(iter(group.values())).files
+    per = 0
+    for n in job.tensor_names:
+        name = f"{job.layer.prefix}.{n}"
+        if name in files and files.info(name).shape:
+            per += files.info(name).nbytes // max(1, files.info(name).shape[0])
+    size = max(1, SLAB_BYTES // max(1, per))
+    out: list[range] = []
+    for e in selected:
+        if out and out[-1].stop == e and len(out[-1]) < size:
+            out[-1] = range(out[-1].start, e + 1)
+        else:
+            out.append(range(e, e + 1))
+    return out
+
+
+def _expert_on_ranks(reader: TensorReader, job: LayerJob, group: dict[int, RankFiles], routing: Routing,
+                     a: torch.Tensor, dtype: torch.dtype, e: int, acc: dict[int, IntervalSum],
+                     part: dict[int, torch.Tensor], kept: dict[int, Any], sums: _LayerSums) -> None:
+    """Expert `e` on each rank of the group: its rounding interval and fp32 reference from the
+    checkpoint's slice, the kernel's margin on its slots (Marlin), its candidate from the tensors
+    read back (the transposed layout); its weights let go before the next expert."""
+    tok, slot = (routing.topk_ids == e).nonzero(as_tuple=True)
+    w = routing.topk_weights[tok, slot].unsqueeze(1)
+    ck_expert = reader.read_expert(job.layer, e)
+    for r, rank in group.items():
+        rng, spec = job.expert_ranges[r], job.specs[r]
+        if e not in rng:
             continue
-        try:
-            # the margin figure is the kernel's: the emulated one's rows on the CPU, else the
-            # GEMM that ran on every token (the CUDA kernel, or the twin without g++)
-            keep: dict[str, torch.Tensor] = {}
-            sums.partial[r] = _gemm_rank_candidate(job, r, ranks[r], x.to(dtype), routing, dtype, gemm_device,
-                                                   keep=keep if sub is None else None)
-            if sub is not None and emulated_rows is not None:
-                partial_k[r] = _gemm_rank_candidate(job, r, ranks[r], x[emulated_rows].to(dtype), sub, dtype,
-                                                    gemm_device, emulated, keep=keep)
-            sums.bound_used = max(sums.bound_used or 0.0, _kernel_bound_used(
-                reader, job, r, keep, x[emulated_rows] if emulated_rows is not None else x, sub or routing, dtype))
-        except Exception as err:  # malformed tensors make the kernel fail: the comparison cannot run
-            msg = err.message if isinstance(err, (LayoutMismatch, BadInput)) else f"{type(err).__name__}: {err}"
-            sums.no_candidate.append(f"the GEMM cannot run on rank {r}'s tensors ({msg})")
-    if emulated is not None:
-        sums.launches = dict(emulated.launches)  # the launch counts go into `kernel` once every process's are known
-    return kernel, emulated_rows, partial_k
+        expected = _cast_scales(shard_expert(ck_expert, tp=spec.tp, rank=spec.rank, load_full_w2=spec.load_full_w2,
+                                             expert_id=e), dtype)
+        w13, w2 = _reference_weights(expected, spec, dtype)
+        add_expert_interval(acc[r], a, routing.topk_ids, routing.topk_weights, e, w13, w2, dtype)
+        if kept.get(r) is not None:
+            sums.bound_used = max(sums.bound_used or 0.0, _expert_bound_used(kept[r], e, w13, w2, spec, dtype))
+        del w13, w2
+        if tok.numel():
+            got = None if job.layout == MARLIN else _candidate_tensors(job, rank, spec, e - rng.start, e)
+            _expert_numerics(routing.x[tok], a[tok].float(), w, tok, expected, got, spec, dtype, part[r],
+                             sums.reference)
 
 
-def _judge_layer(row: LayerNumerics, ranks: dict[int, RankFiles], routing: Routing, dtype: torch.dtype,
-                 sums: _LayerSums, emulated_rows: torch.Tensor | None, partial_k: torch.Tensor,
+def _candidate_tensors(job: LayerJob, rank: RankFiles, spec: RankLayout, local: int,
+                       e: int) -> dict[str, torch.Tensor] | None:
+    """Expert `e`'s tensors on a rank undone by the layout's inverse (None: they cannot be, which
+    the round trip reported, and the layer's candidate says)."""
+    try:
+        tensors = {n: rank.expert_slice(f"{job.layer.prefix}.{n}", local) for n in job.tensor_names}
+        return unbuild_expert_tensors(tensors, spec, expert_id=e)
+    except (LayoutMismatch, BadInput):
+        return None
+
+
+@dataclass
+class _Kept:
+    """A slab's GEMM outputs on one rank, for the kernel's margin: the slots the margin is taken on
+    (the emulated kernel's, else all), their experts, inputs and router weights."""
+
+    experts: torch.Tensor  # [S] the expert of each slot
+    a: torch.Tensor  # [S, H] the w13 GEMM's input (model dtype)
+    weights: torch.Tensor  # [S] fp32
+    outputs: dict[str, torch.Tensor]  # rank_moe_output's `keep`
+
+
+def _marlin_slab(job: LayerJob, r: int, rank: RankFiles, slab: range, routing: Routing, dtype: torch.dtype,
+                 device: torch.device, emulated: Any, rows: torch.Tensor | None, part: torch.Tensor,
+                 part_k: torch.Tensor, sums: _LayerSums, failed: set[int]) -> _Kept | None:
+    """Rank r's candidate over the experts of `slab`: the MoE GEMM over the tensors as written (one
+    read of the slab's experts), on the slots routed to them, added into `part`.  On the CPU every
+    slot goes through the torch twin (the layout's inverses) and those of the emulated rows through
+    the kernel source on the CPU emulation too, into `part_k` (all tokens would take minutes); on a
+    GPU the CUDA kernel.  A rank whose tensors make the GEMM fail joins `failed`, said in
+    `sums.no_candidate`."""
+    rng = job.expert_ranges[r]
+    lo, hi = max(slab.start, rng.start), min(slab.stop, rng.stop)
+    k = routing.topk_ids.shape[1]
+    ids, wts = routing.topk_ids.reshape(-1), routing.topk_weights.reshape(-1).float()
+    slots = ((ids >= lo) & (ids < hi)).nonzero().squeeze(1)
+    if lo >= hi or not slots.numel():
+        return None
+    tok = slots // k
+    a = routing.x[tok].to(dtype)
+    keep: dict[str, torch.Tensor] = {}
+    try:
+        t = {n: rank.expert_slab(f"{job.layer.prefix}.{n}", lo - rng.start, hi - rng.start).to(device)
+             for n in job.tensor_names}
+        # the margin figure is the kernel's: the emulated one's slots on the CPU, else the GEMM
+        # that ran on every slot (the CUDA kernel, or the twin without g++)
+        part.index_add_(0, tok, rank_moe_output(job, r, t, a, ids[slots].unsqueeze(1), wts[slots].unsqueeze(1), dtype,
+                                                device, keep=keep if emulated is None else None, experts=range(lo, hi)))
+        if emulated is None or rows is None:
+            return _Kept(ids[slots], a, wts[slots], keep)
+        m = torch.isin(tok, rows)
+        if not bool(m.any()):
+            return None
+        part_k.index_add_(0, torch.searchsorted(rows, tok[m]), rank_moe_output(
+            job, r, t, a[m], ids[slots[m]].unsqueeze(1), wts[slots[m]].unsqueeze(1), dtype, device, emulated,
+            keep=keep, experts=range(lo, hi)))
+        return _Kept(ids[slots[m]], a[m], wts[slots[m]], keep)
+    except Exception as err:  # malformed tensors make the kernel fail: the comparison cannot run
+        msg = err.message if isinstance(err, (LayoutMismatch, BadInput)) else f"{type(err).__name__}: {err}"
+        sums.no_candidate.append(f"the GEMM cannot run on rank {r}'s tensors ({msg})")
+        failed.add(r)
+        return None
+
+
+def _expert_bound_used(kept: _Kept, e: int, w13: torch.Tensor, w2: torch.Tensor, spec: RankLayout,
+                       dtype: torch.dtype) -> float:
+    """`bounds.gemm_bound_used` of expert e's two GEMMs on one rank, on the inputs they were given
+    (a; the kernel's own h for w2) against the checkpoint's dequantised weights: how much of the
+    derived accumulation bound the kernel's outputs use beyond their own rounding."""
+    m = (kept.experts == e).nonzero().squeeze(1)
+    if not m.numel() or not kept.outputs:
+        return 0.0
+    i_p, pad = spec.intermediate_per_partition, spec.padded_intermediate
+    g13 = kept.outputs["w13"][m]
+    g13 = torch.cat([g13[:, :i_p], g13[:, pad:pad + i_p]], 1)  # padding columns left out
+    return max(gemm_bound_used(kept.a[m], w13, g13, dtype),
+               gemm_bound_used(kept.outputs["h"][m][:, :i_p], w2, kept.outputs["w2"][m], dtype, weight=kept.weights[m]))
+
+
+def _judge_layer(row: LayerNumerics, dtype: torch.dtype, sums: _LayerSums, emulated_rows: torch.Tensor | None,
                  selected: int) -> None:
-    """The layer's numerics row: the candidate's output against the rounding interval."""
+    """The layer's numerics row: the candidate's output against the rounding interval, a few rows
+    at a time (`bounds.JUDGE_ROWS`)."""
     no_candidate = sums.no_candidate
     if no_candidate:
         row.reason = "; ".join(no_candidate[:3]) + (f"; … {len(no_candidate) - 3} more" if len(no_candidate) > 3 else "")
         return
-    # all-reduce: each rank's partial is rounded to the model dtype, the sum too
-    part_c = sums.partial.to(dtype).float()
-    y_c = part_c.sum(0).to(dtype).float()
-    y_ref = sums.partial_ref.sum(0)
-    empty = nothing_to_compare(y_ref)
+    empty = nothing_to_compare(sums.reference)
     if empty is not None:
         row.reason = empty
         return
     # the interval every correct implementation lands in, from the same rounded inputs and the
-    # checkpoint's weights, over the ranks present (all, or a part's share): docs/verify.md
-    iv = all_reduced([sums.intervals[r] for r in sorted(sums.intervals)], routing.topk_ids.shape[1], dtype)
-    verdict = judge(y_c, iv)
+    # checkpoint's weights, over the ranks present (all, or a part's share): docs/verify.md.
+    # All-reduce: each rank's partial was rounded to the model dtype, the sum is too
+    assert sums.interval is not None
+    T = sums.candidate.shape[0]
+    verdicts = [judge(sums.candidate[s:s + JUDGE_ROWS].to(dtype).float(),
+                      sums.interval.interval(dtype, slice(s, s + JUDGE_ROWS))) for s in range(0, T, JUDGE_ROWS)]
     if emulated_rows is not None:  # the kernel source's outputs on its tokens, against the same rows
-        y_k = partial_k.to(dtype).float().sum(0).to(dtype).float()
-        rows = Interval(iv.lo[emulated_rows], iv.hi[emulated_rows], iv.centre[emulated_rows])
-        verdict = verdict.merged(judge(y_k, rows))
-    rel, cos = agreement(y_c, y_ref)
+        y_k = sums.kernel.to(dtype).float()
+        for s in range(0, len(emulated_rows), JUDGE_ROWS):
+            at = emulated_rows[s:s + JUDGE_ROWS]
+            verdicts.append(judge(y_k[s:s + JUDGE_ROWS], sums.interval.interval(dtype, at)))
+    verdict = verdicts[0]
+    for v in verdicts[1:]:
+        verdict = verdict.merged(v)
+    rel, cos = agreement(sums.candidate.to(dtype).float(), sums.reference)
     row.max_abs_error, row.rel_l2_error, row.cosine = verdict.max_abs_error, rel, cos
     row.max_error_over_bound, row.violations = verdict.max_ratio, verdict.violations
     row.elements, row.exact_elements = verdict.elements, verdict.exact_elements
@@ -1205,20 +1349,30 @@ def _judge_layer(row: LayerNumerics, ranks: dict[int, RankFiles], routing: Routi
     if row.violations:
         row.status, row.reason = FAIL, (f"{row.violations} of {row.elements} elements outside the rounding interval "
                                         f"(max error {row.max_error_over_bound:.3g} × the bound)")
-    elif sums.exercised < selected:
-        missing = selected - sums.exercised
+    elif len(sums.exercised) < selected:
+        missing = selected - len(sums.exercised)
         row.reason = f"{missing} expert{'s' if missing != 1 else ''} not exercised by any token"
+        if row.capped_tokens:
+            row.reason += (f" ({row.capped_tokens} of the samples' tokens left out by the numerics' memory budget: "
+                           "verify fewer experts at a time with --experts)")
     else:
         row.status = PASS
 
 
 def agreement(candidate: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
-    """(relative L2 error, cosine similarity) of two outputs, summed in float64: over millions of
-    elements fp32 sums drift enough to print a cosine above 1.  The reference must not be zero."""
-    c64, r64 = candidate.double().reshape(-1), reference.double().reshape(-1)
-    r_norm, c_norm = float(r64.norm()), float(c64.norm())
-    rel = float((c64 - r64).norm()) / r_norm
-    cos = float(c64 @ r64) / (c_norm * r_norm) if c_norm else 0.0
+    """(relative L2 error, cosine similarity) of two outputs, summed in float64 a chunk at a time:
+    over millions of elements fp32 sums drift enough to print a cosine above 1.  The reference
+    must not be zero."""
+    c_flat, r_flat = candidate.reshape(-1), reference.reshape(-1)
+    dd = rr = cc = cr = 0.0
+    for s in range(0, c_flat.numel(), 1 << 20):
+        c64, r64 = c_flat[s:s + (1 << 20)].double(), r_flat[s:s + (1 << 20)].double()
+        dd += float(((c64 - r64) ** 2).sum())
+        rr += float((r64 * r64).sum())
+        cc += float((c64 * c64).sum())
+        cr += float((c64 * r64).sum())
+    rel = dd ** 0.5 / rr ** 0.5
+    cos = cr / (cc ** 0.5 * rr ** 0.5) if cc else 0.0
     return rel, min(1.0, max(-1.0, cos))
 
 
@@ -1244,7 +1398,7 @@ def _expert_numerics(x: torch.Tensor, x_c: torch.Tensor, w: torch.Tensor, tok: t
         h_c = (F.silu(g13_c[:, :i_p]) * g13_c[:, i_p:]).to(dtype).float()
         y_c = ((h_c @ w2_c) * w).to(dtype).float()
         partial.index_add_(0, tok, y_c)
-    partial_ref.index_add_(0, tok, y)
+    partial_ref.index_add_(0, tok, y.double())
 
 
 # ---- one report from the processes of a torchrun launch (verification.across) -------------------------------------------------------------------------------------------

@@ -330,14 +330,14 @@ def _dequantize_source(proj: dict[str, torch.Tensor], k: int, dtype: torch.dtype
     packed = proj[CODES]
     n = packed.shape[0]
     num_bits = 32 // (k // packed.shape[1])  # from the shapes: mixed-precision experts differ per expert
-    codes = unpack_codes(packed, num_bits, dim=1, size=k).long()  # [N, K]
+    codes = unpack_codes(packed, num_bits, dim=1, size=k).to(torch.int32)  # [N, K]; int32: q − z is exact, half the memory of int64
     scale = proj[SCALES]  # [N, G]
     groups = scale.shape[1]
     if G_IDX in proj:
         g = proj[G_IDX].long()
     else:
         g = torch.arange(k) // (k // groups)
-    z = unpack_codes(proj[ZERO_POINTS], num_bits, dim=0).long()[:n].t() if ZERO_POINTS in proj else None
+    z = unpack_codes(proj[ZERO_POINTS], num_bits, dim=0).to(torch.int32)[:n].t() if ZERO_POINTS in proj else None
     # K-first for the one dequantizer, then back to [N, K] in the same memory order as before
     return dequantize(codes.t(), scale.t(), g, num_bits, dtype, z).t().contiguous()
 
@@ -530,6 +530,52 @@ def _candidate_gemm(device: torch.device) -> tuple[EmulatedGemm | None, str, str
     if emulated_gemm_lib() is None:
         return None, "", emulated_unavailable_reason()
     return EmulatedGemm(), "moe_gemm_v3.cu (v2, then v1 where it declines) on the CPU emulation", ""
+
+
+def e2e_memory(ck: Checkpoint, dtype: torch.dtype, copies: int = 1) -> tuple[int, int, int]:
+    """What `--e2e` holds, in bytes: (total, the routed experts, the rest). The model runs every
+    layer at each step, so it holds every MoE layer's experts dequantised in the model dtype
+    (`copies` checkpoints of them: two for a padding proof), their packed tensors as read, and the
+    model's other weights in fp32; nothing else of its size. The numerics and the exactness
+    proof hold a bounded amount (bounds.NUMERICS_MEMORY)."""
+    from wna16ctl.dtypes import ST_SIZES
+
+    expert_bytes, prefixes = 0.0, tuple(lay.prefix + "." for lay in ck.layers)
+    item = torch.tensor([], dtype=dtype).element_size()
+    for lay in ck.layers:
+        per = 3 * lay.hidden_size * lay.intermediate_size
+        bits = lay.scheme.num_bits if lay.scheme is not None else 8 * item
+        expert_bytes += copies * lay.num_experts * per * (item + bits / 8)
+    rest = sum(4 * (ck.files.info(n).nbytes // ST_SIZES.get(ck.files.info(n).dtype, 1))
+               for n in ck.files.names() if not n.startswith(prefixes))
+    return int(expert_bytes + rest), int(expert_bytes), int(rest)
+
+
+def available_memory() -> int | None:
+    """The memory this machine can give without swapping (MemAvailable), None where unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def require_e2e_memory(ck: Checkpoint, dtype: torch.dtype, copies: int = 1) -> None:
+    """Refuse `--e2e` before any work, in one line with the figures, when the machine's available
+    memory cannot hold what it holds (`e2e_memory`)."""
+    from wna16ctl.errors import UsageError
+
+    need, experts, rest = e2e_memory(ck, dtype, copies)
+    have = available_memory()
+    if have is not None and need > have:
+        gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731 - one figure format, for the line below
+        raise UsageError(f"--e2e needs about {gib(need)} ({gib(experts)} for every MoE layer's experts dequantised in "
+                         f"{str(dtype).removeprefix('torch.')} with their packed tensors, {gib(rest)} for the other "
+                         f"weights in fp32); this machine has {gib(have)} available: verify without --e2e (its "
+                         "checks run in bounded memory), or on a machine with more memory")
 
 
 def _unable(model_type: str | None) -> E2EResult | None:

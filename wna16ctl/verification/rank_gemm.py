@@ -43,25 +43,36 @@ class RankFiles:
         sub = type(info)(info.name, info.dtype, info.shape[1:], info.file, info.start + local * per, info.start + (local + 1) * per)
         return as_tensor(self.reader.read_bytes(sub), info.dtype, sub.shape)
 
+    def expert_slab(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Expert slots start..stop-1 of a stacked tensor, in one read."""
+        info = self.files.info(name)
+        if not info.shape or stop > info.shape[0] or start >= stop:
+            raise LayoutMismatch(f"{name}: has shape {list(info.shape)}, no expert slots {start}-{stop - 1}")
+        per = info.nbytes // info.shape[0]
+        shape = (stop - start, *info.shape[1:])
+        sub = type(info)(info.name, info.dtype, shape, info.file, info.start + start * per, info.start + stop * per)
+        return as_tensor(self.reader.read_bytes(sub), info.dtype, sub.shape)
+
 
 def rank_moe_output(job: LayerJob, r: int, t: dict[str, torch.Tensor], a: torch.Tensor, topk_ids: torch.Tensor,
                     topk_weights: torch.Tensor, dtype: torch.dtype, device: torch.device,
                     gemm: Callable[..., torch.Tensor] | None = None,
-                    keep: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+                    keep: dict[str, torch.Tensor] | None = None, experts: range | None = None) -> torch.Tensor:
     """Rank r's layer output through the MoE GEMM over its repacked tensors `t` (Marlin layout):
     w13 GEMM, SiLU·mul, w2 GEMM with the router weights; per-slot outputs in the model dtype,
     summed over the top-k slots in fp32. Returns [T, H] fp32 on the CPU. `gemm` (the signature of
     `ops.moe_wna16_gemm`) defaults to the torch op; `EmulatedGemm` runs the real kernel source.
     `keep`, when given, receives each GEMM's per-slot output (slot s = token * k + j, zero where
     the slot is not this rank's): "w13" [T·k, 2P], "h" [T·k, P] (the w2 GEMM's input), "w2"
-    [T·k, H] (router weight applied), all in the model dtype."""
+    [T·k, H] (router weight applied), all in the model dtype.  `experts`: the global ids of the
+    experts `t` holds, a run of the rank's (a slab read at a time); by default all of the rank's."""
     from wna16ctl.native.ops import moe_wna16_gemm
 
     if gemm is None:
         gemm = moe_wna16_gemm
 
     spec = job.specs[r]
-    rng = job.expert_ranges[r]
+    rng = job.expert_ranges[r] if experts is None else experts
     assert job.plan.w2 is not None, "a layer job is made for a plan that loads, which has its w2 sharding"
     T, k = topk_ids.shape
     topk_ids = topk_ids.cpu()
