@@ -107,8 +107,14 @@ class Sink:
                       BarColumn(bar_width=None, table_column=Column(ratio=1)), _amount_column(),
                       _eta_column(), console=self.err, transient=True, expand=True) as bar:
             current: list[Any] = []
+            run: list[Any] = []  # the whole run's line (unit RUN): it stays while the steps change
 
             def start(description: str, total: int, *, unit: str = "bytes") -> Callable[[int], None]:
+                if unit == RUN:
+                    if not run:
+                        run.append(bar.add_task(description, total=max(total, 1), unit=unit))
+                    bar.update(run[0], total=max(total, 1))  # restated: the work is better known
+                    return lambda n: bar.advance(run[0], n)
                 for task in current:
                     bar.update(task, completed=bar.tasks[task].total, visible=False)
                 task = bar.add_task(description, total=max(total, 1), unit=unit)
@@ -141,6 +147,50 @@ def _stdout_result() -> Iterator[None]:
 
 TaskStarter = Callable[..., Callable[[int], None]]  # start(description, total, unit="bytes") -> advance(n)
 
+RUN = "work of the whole run"  # the unit of a line that spans every step (WholeRun): started again, its total is restated
+
+
+class WholeRun:
+    """The time left of a whole run of several steps, there from its first step: each step's work
+    is given up front in one unit (bytes read, or what costs as much), so the rate measured on the
+    work done prices the steps still to come; as steps complete, the rate is theirs too.  `work`:
+    each step's description -> its work in that unit.  Shown through `progress` as one line of unit
+    RUN, "about 0:12:34 left for the whole verify"."""
+
+    def __init__(self, progress: TaskStarter, what: str, work: dict[str, float]):
+        self.progress, self.what, self.work = progress, what, dict(work)
+        self.done = 0.0
+        self._shown = 0  # the whole units handed to the line so far
+        self._advance_run = progress(what, self.total, unit=RUN)
+
+    @property
+    def total(self) -> int:
+        return int(sum(self.work.values()))
+
+    def restate(self, description: str, work: float) -> None:
+        """A step's work, better known than at the start (the tokens once the samples are read)."""
+        self.work[description] = work
+        self._advance_run = self.progress(self.what, self.total, unit=RUN)
+
+    def start(self, description: str, total: int, *, unit: str = "bytes") -> Callable[[int], None]:
+        """The step's own bar, as `progress` draws it; its increments also move the whole run."""
+        step = self.progress(description, total, unit=unit)
+        per = self.work.get(description, 0.0) / max(total, 1)
+
+        def advance(n: int) -> None:
+            step(n)
+            self.done += n * per
+            whole = int(self.done) - self._shown
+            if whole > 0:
+                self._shown += whole
+                self._advance_run(whole)
+
+        return advance
+
+    def left(self, elapsed: float | None) -> float | None:
+        """Seconds left for the whole run, `elapsed` seconds after it started (None: no work measured)."""
+        return time_left(self.done, self.total, elapsed)
+
 
 def no_progress(description: str, total: int, *, unit: str = "bytes") -> Callable[[int], None]:
     """The progress of library calls made without a sink: nothing is shown."""
@@ -157,6 +207,8 @@ def _amount_column() -> ProgressColumn:
     class AmountColumn(ProgressColumn):
         def render(self, task: Task) -> Text:
             unit = task.fields.get("unit", "bytes")
+            if unit == RUN:
+                return Text(f"{100 * task.completed / (task.total or 1):.0f}%")
             if unit != "bytes":
                 return Text(f"{task.completed:.0f}/{task.total:.0f} {unit}")
             speed = task.finished_speed or task.speed
@@ -184,10 +236,12 @@ def _eta_column() -> ProgressColumn:
     class EtaColumn(ProgressColumn):
         def render(self, task: Task) -> Text:
             left = time_left(task.completed, task.total or 0, task.elapsed)
+            run = task.fields.get("unit") == RUN
             if left is None:
-                return Text("-:--:-- left")
+                return Text(f"time left for the {task.description} not yet known" if run else "-:--:-- left")
             s = int(left + 0.5)
-            return Text(f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d} left")
+            hms = f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+            return Text(f"about {hms} left for the {task.description}" if run else f"{hms} left")
 
     return EtaColumn(table_column=Column(no_wrap=True))
 

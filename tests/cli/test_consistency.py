@@ -4,6 +4,7 @@ output that follows the terminal width, plurals, and plan rows that do not contr
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -134,6 +135,7 @@ def test_inspect_fits_columns_and_is_plain_when_piped(make_ckpt):
 
 def test_verify_progress_steps_are_reported(make_ckpt, tmp_path):
     from wna16ctl.repacking.pipeline import RepackSettings, plan_repack, run_repack
+    from wna16ctl.sink import RUN
     from wna16ctl.verification.checks import verify_output
 
     ck = make_ckpt(**SMALL)
@@ -143,7 +145,8 @@ def test_verify_progress_steps_are_reported(make_ckpt, tmp_path):
 
     def start(description: str, total: int, *, unit: str = "bytes"):
         starts.append((description, total, unit))
-        done[description] = 0
+        if unit != RUN or description not in done:  # the whole run's line, started again, keeps its work
+            done[description] = 0
 
         def advance(n: int) -> None:
             done[description] += n
@@ -154,10 +157,15 @@ def test_verify_progress_steps_are_reported(make_ckpt, tmp_path):
     assert [s[0] for s in starts] == ["repacking"] and done["repacking"] == starts[0][1]
     starts.clear()
     verify_output(ck, out, samples=QUESTIONS, num_samples=4, progress=start)
-    names = [s[0] for s in starts]
+    names = [s[0] for s in starts if s[2] != RUN]
     assert names == ["hashing output files", "round trip and numerics"]
-    for description, total, _ in starts:
-        assert done[description] == total > 0  # every step runs to its end
+    for description, total, unit in starts:
+        if unit != RUN:
+            assert done[description] == total > 0  # every step runs to its end
+    # the whole run's line spans the steps; restated once the samples are tokenized, reached at the end
+    whole = [s for s in starts if s[2] == RUN]
+    assert [s[0] for s in whole] == ["whole verify"] * 2 and whole[0] == starts[0]
+    assert whole[-1][1] - 2 <= done["whole verify"] <= whole[-1][1]
 
 
 def test_demo_progress_is_reported(tmp_path):
@@ -380,6 +388,22 @@ def test_progress_bars_draw_on_a_terminal(monkeypatch):
     text = buffer.getvalue()
     assert "hashing output files" in text and "MiB" in text and "experts" in text
     assert " MB" not in text and "MB/s" not in text.replace("MiB/s", "")
+
+
+def test_verify_shows_the_whole_run_time_left_on_a_terminal(make_ckpt, tmp_path, monkeypatch):
+    """verify with progress on: one line gives the time left for the whole verify, from the
+    hashing on, beside each step's own bar."""
+    from wna16ctl.sink import Sink
+
+    ck = make_ckpt(**SMALL)
+    out = tmp_path / "o"
+    assert invoke("repack", ck, "--tp", "1", "-o", out, "-q").exit_code == 0
+    monkeypatch.setattr(Sink, "progress_enabled", lambda self: True)
+    res = invoke("verify", ck, out, "--samples", QUESTIONS, "--num-samples", "4",
+                 env={"TTY_COMPATIBLE": "1", "COLUMNS": "160"})
+    assert res.exit_code == 0, (res.stdout, res.stderr)
+    assert re.search(r"about \d+:\d\d:\d\d left for the whole verify", res.stderr), res.stderr
+    assert "hashing output files" in res.stderr
 
 
 # ---- repack and verify refuse what inspect refuses ---------------------------------------------------------

@@ -126,6 +126,37 @@ def test_time_left_comes_from_the_throughput_measured_over_the_step():
     assert time_left(30, 120, 20.0) == pytest.approx(60.0)
 
 
+def test_the_whole_run_time_left_holds_from_its_first_step():
+    """Hashing (bytes) then the round trip (experts), each priced up front in bytes read: after the
+    first step at 10 units/s the whole run's time left is that of later steps at the same cost per
+    unit (within a factor 1.25), unknown before any work, and one line of unit RUN shows it."""
+    from wna16ctl.sink import RUN, WholeRun
+
+    lines: list[tuple[str, int, str]] = []
+    moved: dict[str, int] = {}
+
+    def start(description: str, total: int, *, unit: str = "bytes"):
+        lines.append((description, total, unit))
+        moved.setdefault(description, 0)
+        return lambda n: moved.__setitem__(description, moved[description] + n)
+
+    run = WholeRun(start, "whole verify", {"hashing output files": 100.0, "round trip": 900.0})
+    assert lines == [("whole verify", 1000, RUN)]
+    assert run.left(None) is None and run.left(30.0) is None  # nothing measured yet: no figure
+    hashing = run.start("hashing output files", 100 << 20)
+    assert run.left(5.0) is None
+    hashing(100 << 20)  # the first step's work, done in 10 s (fake clock: elapsed given)
+    left = run.left(10.0)
+    assert left is not None and 900 / 10 / 1.25 <= left <= 900 / 10 * 1.25  # the round trip's 900 units at 10/s
+    assert moved["whole verify"] == 100
+    experts = run.start("round trip", 30, unit="experts")
+    for _ in range(10):  # 300 units in the next 30 s: the same cost per unit
+        experts(1)
+    assert run.left(40.0) == pytest.approx(60.0) and moved["whole verify"] == 400
+    run.restate("round trip", 1200.0)  # the step's work better known: the line's total follows
+    assert lines[-1] == ("whole verify", 1300, RUN)
+
+
 @pytest.mark.parametrize("width", [60, 80])
 def test_a_progress_line_stays_one_line(width, monkeypatch):
     """The amount ("1.0 GiB/3.0 GiB 8.0 MiB/s") and the time left never wrap onto a line of their own."""

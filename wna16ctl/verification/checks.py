@@ -49,7 +49,7 @@ from wna16ctl.layout.shard import shard_expert, unshard_expert
 from wna16ctl.layout._mismatch import first_difference
 from wna16ctl.sources.config import SCALE_DTYPES
 from wna16ctl.sources.headers import INDEX_NAME, read_shard_header
-from wna16ctl.sink import TaskStarter, no_progress
+from wna16ctl.sink import TaskStarter, WholeRun, no_progress
 from wna16ctl.output.manifest import FORMAT_NAME, SIDE_FILES
 from wna16ctl.repacking.pipeline import LayerJob, RepackPlan, RepackSettings, plan_repack, rank_index_bytes
 from wna16ctl.sources import source_fingerprint
@@ -720,8 +720,12 @@ def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], sam
     held = _present_ranks(manifest, tp)
     checked = held if asked_ranks is None else across.ranks_to_check(held, asked_ranks, what=str(out_path))
     present = across.ranks_to_check(held, asked_ranks, group, str(out_path))
-    plan = _check_manifest(ck, out_path, manifest, report, progress,
-                           hashes=lambda rel: across.hashes_file(rel, present, checked))
+    hashes = lambda rel: across.hashes_file(rel, present, checked)  # noqa: E731 - the files this process hashes
+    what = "round trip and numerics" if samples is not None else "round trip"
+    share = _checked_share(ck, layers, experts)
+    whole = WholeRun(progress, "whole verify", _verify_work(ck, manifest, hashes, present, share, what,
+                                                            _likely_tokens(ck, len(questions))))
+    plan = _check_manifest(ck, out_path, manifest, report, whole.start, hashes=hashes)
     report.conclude("manifest")
     if plan is None:
         return report, plan
@@ -749,6 +753,7 @@ def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], sam
             hidden = embed(ck, reader, token_ids)
             dropped = max(0, hidden.shape[0] - numerics_tokens(hidden.shape[1]))
             hidden = hidden[:numerics_tokens(hidden.shape[1])]  # no layer runs on more (the memory budget)
+            whole.restate(what, _verify_work(ck, manifest, hashes, present, share, what, hidden.shape[0])[what])
         ranks: dict[int, RankFiles] = {}
         unreadable: list[int] = []
         for r in present:
@@ -769,10 +774,9 @@ def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], sam
         try:
             _verify_rank_contents(ck, reader, plan, ranks, report)
             chosen = {j.layer.prefix: _experts_of(j, experts) for j in jobs}
-            what = "round trip and numerics" if hidden is not None else "round trip"
             # every expert once for the round trip, once more for the numerics
             passes = 1 if hidden is None else 2
-            advance = progress(what, passes * sum(len(c) for c in chosen.values()), unit="experts")
+            advance = whole.start(what, passes * sum(len(c) for c in chosen.values()), unit="experts")
             with torch_threads(None if hidden is None else "every core"):
                 for job in jobs:
                     _verify_layer(ck, reader, job, ranks, hidden, dtype, report, gemm_device, advance,
@@ -792,6 +796,42 @@ def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], sam
         incomplete="; ".join(f"{n.layer}: {n.reason}" for n in skipped) or None,
     )
     return report, plan
+
+
+NUMERICS_TOKEN_COST = 1 / 8  # one token through an expert against reading the expert's bytes once: a prior, which the rate measured on the run replaces
+TOKENS_PER_QUESTION = 64  # what a sample question tokenizes to, about: the numerics' tokens before the samples are read
+
+
+def _verify_work(ck: Checkpoint, manifest: dict[str, Any], hashes: Callable[[str], bool], present: list[int],
+                 share: float, what: str, tokens: int) -> dict[str, float]:
+    """Each step of a verify priced in bytes read, for the whole run's time left (sink.WholeRun):
+    hashing reads the files; the round trip reads each checked expert in the rank files and in
+    the checkpoint; the numerics read it again and run its share of the `tokens` through it."""
+    files = manifest["files"]
+    hashed = sum(int(meta.get("bytes", 0)) for rel, meta in files.items() if hashes(rel))
+    experts = share * sum(int(meta.get("bytes", 0)) for rel, meta in files.items()
+                          if rel.split("/", 1)[0] in {f"rank-{r}" for r in present})
+    work = 2 * experts
+    if what != "round trip":
+        top_k = ck.config.num_experts_per_tok or 1
+        per_expert = tokens * top_k / max(1, max((lay.num_experts for lay in ck.quantized_layers), default=1))
+        work += experts * (1 + NUMERICS_TOKEN_COST * per_expert)
+    return {"hashing output files": float(hashed), what: work}
+
+
+def _checked_share(ck: Checkpoint, layers: list[int] | None, experts: list[int] | None) -> float:
+    """The share of the checkpoint's routed experts that `--layers` / `--experts` check."""
+    moe = ck.quantized_layers
+    every = sum(lay.num_experts for lay in moe)
+    checked = sum(len([e for e in experts if e < lay.num_experts]) if experts is not None else lay.num_experts
+                  for lay in moe if layers is None or lay.layer_index in layers)
+    return checked / every if every else 1.0
+
+
+def _likely_tokens(ck: Checkpoint, questions: int) -> int:
+    """The tokens a layer's numerics will run on, before the samples are tokenized."""
+    moe = ck.quantized_layers
+    return min(questions * TOKENS_PER_QUESTION, numerics_tokens(moe[0].hidden_size)) if moe else 0
 
 
 @contextlib.contextmanager
