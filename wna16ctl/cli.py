@@ -373,10 +373,7 @@ def repack(ctx: click.Context, ckpt: str, tp: str, ep: bool, layout: str, out: s
     number of processes, and process 0 commits once all have finished (docs/user-guide.md)."""
     from wna16ctl.repacking import distributed
 
-    try:
-        launch = distributed.launch_from_env()
-    except UsageError:
-        launch = distributed.Launch()  # the body reports it
+    launch = distributed.launch_or_single()  # a broken launch: the body refuses it
     # progress from the first process of each node; results from the processes that commit
     sink = Sink(json_mode=json_mode, quiet=quiet or launch.local_rank != 0)
     max_bytes = _parse_size(max_shard_size)
@@ -385,7 +382,6 @@ def repack(ctx: click.Context, ckpt: str, tp: str, ep: bool, layout: str, out: s
     if force and resume:
         raise click.UsageError("--force and --resume exclude each other")
 
-    group = distributed.SOLO
     committed = False
 
     def interrupted() -> str:
@@ -404,24 +400,12 @@ def repack(ctx: click.Context, ckpt: str, tp: str, ep: bool, layout: str, out: s
         return "no output was committed; nothing was left behind"
 
     def body() -> int:
-        try:
-            return repack_body()
-        except BaseException as e:
-            # what every process of a launch meets alike (options checked before the group
-            # exists, a Ctrl-C that reaches them all) is said once per node, by its first process
-            alike = group is distributed.SOLO or (isinstance(e, KeyboardInterrupt) and not hasattr(e, "message"))
-            if launch.distributed and alike and not hasattr(e, "quiet"):
-                e.quiet = launch.local_rank != 0  # type: ignore[attr-defined]  # a mark any exception can carry; read with getattr
-            raise
-
-    def repack_body() -> int:
-        nonlocal group, committed
+        nonlocal committed
         import wna16ctl
         from wna16ctl.errors import NotLoadable
 
         first = launch.rank == 0  # what every process would say alike is said once
-        group = distributed.init_group(launch)
-        try:
+        with distributed.joined() as group:
             source = group.together("opening the checkpoint", lambda: _local_checkpoint(sink, ckpt, revision))
             try:
                 with sink.tasks() as progress:
@@ -450,8 +434,6 @@ def repack(ctx: click.Context, ckpt: str, tp: str, ep: bool, layout: str, out: s
             assert isinstance(outcome, RepackResult)  # not a dry run: what was written
             result = outcome
             committed = result.committed
-        finally:
-            group.close()
         if result.committed:  # one result per output directory (one per node with --node-local)
             from wna16ctl.summary import repack_result_lines
 
@@ -594,10 +576,7 @@ def verify(ctx: click.Context, ckpt: str, out: str, samples: str | None, num_sam
     Launched by torchrun, the processes share the ranks, as repack's do (docs/user-guide.md)."""
     from wna16ctl.repacking import distributed
 
-    try:
-        launch = distributed.launch_from_env()
-    except UsageError:
-        launch = distributed.Launch()  # the body reports it
+    launch = distributed.launch_or_single()  # a broken launch: the body refuses it
     # progress from the first process of each node; the report from the first process of the run
     sink = Sink(json_mode=json_mode, quiet=launch.local_rank != 0)
     given = [f"--{n.replace('_', '-')}" for n in ("prompts", "max_new_tokens", "score")
@@ -608,10 +587,7 @@ def verify(ctx: click.Context, ckpt: str, out: str, samples: str | None, num_sam
     def body() -> int:
         import wna16ctl
 
-        group = distributed.SOLO
-        try:
-            distributed.launch_from_env()  # a broken launch: one line from every process
-            group = distributed.init_group(launch)
+        with distributed.joined() as group:
             source = group.together("opening the checkpoint", lambda: _local_checkpoint(sink, ckpt, revision))
             with sink.tasks() as progress:
                 report = wna16ctl.verify(source, out, samples=samples, num_samples=num_samples, device=device, e2e=e2e,
@@ -619,13 +595,6 @@ def verify(ctx: click.Context, ckpt: str, out: str, samples: str | None, num_sam
                                          experts=experts, numerics=numerics, progress=progress,
                                          notice=lambda m: sink.warn(m, always=True) if launch.rank == 0 else None,
                                          ranks=ranks, group=group)
-        except BaseException as e:
-            # what every process meets alike before the group exists is said once per node
-            if launch.distributed and group is distributed.SOLO and not hasattr(e, "quiet"):
-                e.quiet = launch.local_rank != 0  # type: ignore[attr-defined]  # a mark any exception can carry; read with getattr
-            raise
-        finally:
-            group.close()
         if launch.rank == 0:  # every process holds the run's report: the first prints it
             from wna16ctl.render import render_verify
 

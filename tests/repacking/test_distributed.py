@@ -12,6 +12,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -183,6 +184,142 @@ def test_a_joining_process_refuses_a_staging_directory_of_another_run(ckpt, tmp_
     finally:
         owner.abort(keep_for_resume=False)
     assert siblings(out) == []
+
+
+class _Threads:
+    """Processes of one run played by threads: `all_gather` hands every thread's object to all."""
+
+    def __init__(self, n: int):
+        self.barrier = threading.Barrier(n, timeout=30)
+        self.slots: list[object] = [None] * n
+
+    def group(self, rank: int) -> Group:
+        members = [Launch(rank=r, world_size=len(self.slots), local_rank=r, local_world_size=len(self.slots))
+                   for r in range(len(self.slots))]
+        return _ThreadGroup(self, members[rank], members)
+
+    def run(self, *steps) -> list[tuple[str, object]]:
+        """Each thread runs its step with its group: ("value", what it returned) or ("raised", what it raised)."""
+        results: list[tuple[str, object]] = [("none", None)] * len(steps)
+
+        def one(rank: int) -> None:
+            try:
+                results[rank] = ("value", steps[rank](self.group(rank)))
+            except BaseException as e:  # the step's outcome, looked at by the test
+                results[rank] = ("raised", e)
+
+        workers = [threading.Thread(target=one, args=(r,)) for r in range(len(steps))]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(60)
+        return results
+
+
+class _ThreadGroup(Group):
+    def __init__(self, threads: _Threads, launch: Launch, members: list[Launch]):
+        super().__init__(launch, members)
+        self.threads = threads
+
+    def all_gather(self, obj):
+        self.threads.slots[self.rank] = obj
+        self.threads.barrier.wait()
+        out = list(self.threads.slots)
+        self.threads.barrier.wait()  # every thread has read the slots before any writes its next object
+        return out
+
+
+def _disk_full():
+    raise BadInput("shard-x.safetensors: disk full")
+
+
+def test_a_step_taken_together_stops_every_process_on_one_failure():
+    got = _Threads(3).run(*[lambda g: g.together("writing", lambda: g.rank * 10)] * 3)
+    assert got == [("value", 0), ("value", 10), ("value", 20)]  # each process keeps its own value
+    fails_on_1 = lambda g: g.together("writing", _disk_full if g.rank == 1 else lambda: g.rank)  # noqa: E731 - process 1 fails
+    (k0, e0), (k1, e1), (k2, e2) = _Threads(3).run(fails_on_1, fails_on_1, fails_on_1)
+    assert (k0, k1, k2) == ("raised",) * 3
+    assert isinstance(e1, BadInput) and e1.message == "shard-x.safetensors: disk full"  # its own error
+    for e in (e0, e2):
+        assert isinstance(e, PeerFailed) and e.exit_code == 2
+        assert e.message == "process 1 failed while writing: shard-x.safetensors: disk full"
+    # one line for the node: process 0 (its first) prints it, the others are quiet
+    assert [e.quiet for e in (e0, e1, e2)] == [False, True, True]
+
+
+def test_an_exchange_gives_every_process_every_value_or_stops_them_all():
+    got = _Threads(2).run(*[lambda g: g.exchange("comparing layer 0", lambda: {"rank": g.rank})] * 2)
+    assert got == [("value", [{"rank": 0}, {"rank": 1}])] * 2
+    fails_on_0 = lambda g: g.exchange("comparing layer 0", _disk_full if g.rank == 0 else lambda: 1)  # noqa: E731 - process 0 fails
+    (k0, e0), (k1, e1) = _Threads(2).run(fails_on_0, fails_on_0)
+    assert (k0, k1) == ("raised", "raised") and isinstance(e0, BadInput) and not e0.quiet
+    assert isinstance(e1, PeerFailed) and e1.quiet
+    assert e1.message == "process 0 failed while comparing layer 0: shard-x.safetensors: disk full"
+
+
+def test_processes_at_different_kinds_of_step_are_out_of_step():
+    (k0, e0), (k1, e1) = _Threads(2).run(lambda g: g.exchange("comparing layer 0", lambda: 1),
+                                         lambda g: g.together("writing", lambda: 1))
+    assert (k0, k1) == ("raised", "raised") and isinstance(e0, PeerFailed) and isinstance(e1, PeerFailed)
+    assert e0.message == ("process 1 is not comparing layer 0: the processes are out of step; "
+                          "launch every process with the same command") and e0.exit_code == 2
+    assert e1.message.startswith("process 0 is not writing: the processes are out of step") and e1.exit_code == 2
+
+
+def _launch_env(local_rank: int) -> dict[str, str]:
+    """The environment torchrun gives process `local_rank` of two on one node."""
+    return {"WORLD_SIZE": "2", "RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
+def _command(name: str, ckpt: Path, tmp_path: Path) -> list[str]:
+    if name == "repack":
+        return ["repack", str(ckpt), "--tp", "2", "-o", str(tmp_path / "out"), "-q"]
+    return ["verify", str(ckpt), str(tmp_path / "out"), "--no-numerics"]
+
+
+@pytest.mark.parametrize("command", ["repack", "verify"])
+def test_an_error_before_the_group_exists_is_said_once_per_node(ckpt, tmp_path, monkeypatch, command):
+    from click.testing import CliRunner
+
+    from wna16ctl.cli import cli
+
+    def no_rendezvous(launch=None):
+        raise UsageError("process 1: cannot join the process group at 127.0.0.1:29500 (refused)")
+
+    monkeypatch.setattr(distributed, "init_group", no_rendezvous)
+    said = [CliRunner().invoke(cli, _command(command, ckpt, tmp_path), env=_launch_env(r)) for r in (0, 1)]
+    assert [r.exit_code for r in said] == [2, 2]
+    assert said[0].stderr.startswith("error: process 1: cannot join the process group") and said[1].stderr == ""
+
+
+@pytest.mark.parametrize("command", ["repack", "verify"])
+def test_a_broken_launch_is_refused_by_every_process(ckpt, tmp_path, command):
+    from click.testing import CliRunner
+
+    from wna16ctl.cli import cli
+
+    # none of them knows which process is the node's first: each says so, and none runs alone
+    broken = CliRunner().invoke(cli, _command(command, ckpt, tmp_path), env={"WORLD_SIZE": "2"})
+    assert broken.exit_code == 2 and broken.stderr.startswith("error: WORLD_SIZE=2 is set but RANK is not"), broken.output
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", ["repack", "verify"])
+def test_a_ctrl_c_that_reaches_every_process_is_said_once_per_node(ckpt, tmp_path, monkeypatch, command):
+    from click.testing import CliRunner
+
+    from wna16ctl.cli import cli
+
+    class Interrupted(Group):
+        def together(self, step, fn):
+            raise KeyboardInterrupt
+
+    members = [Launch(rank=r, world_size=2, local_rank=r, local_world_size=2) for r in range(2)]
+    monkeypatch.setattr(distributed, "init_group", lambda launch=None: Interrupted(launch, members))
+    said = [CliRunner().invoke(cli, _command(command, ckpt, tmp_path), env=_launch_env(r)) for r in (0, 1)]
+    assert [r.exit_code for r in said] == [130, 130]
+    assert said[0].stderr.startswith("error: interrupted; ") and said[1].stderr == ""
 
 
 class _PeerFailsWhileWriting(Group):

@@ -13,12 +13,15 @@ The decisions made here:
 * which GPU a process uses with `--device cuda`: its LOCAL_RANK;
 * every step of a run is taken together (`Group.together`): each process runs it, then all
   exchange their outcome, so a failure anywhere stops every process at the same step with the
-  failing process's one-line message.  A process that dies makes the others' next exchange fail
+  failing process's one-line message; `Group.exchange` is such a step whose value every process
+  receives from every other.  A process that dies makes the others' next exchange fail
   (or torchrun stops them with SIGTERM), which counts as a failure too;
 * one error line per node: an error every process of a node knows (exchanged, or a lost
   process) is printed by the node's first process still running; the others exit with the same
   code and say nothing (the exception's `quiet`).  A lost process is named when it can be known:
   a process on this host that is gone without having marked itself stopped in torchrun's store.
+  What every process meets alike before the group exists (a failed rendezvous), or a Ctrl-C that
+  reaches them all, is likewise said by each node's first process (`joined`, one command's group).
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ import os
 import re
 import signal
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
 from wna16ctl.errors import EXIT_BAD_INPUT, UsageError, WnaError
 
@@ -328,9 +332,24 @@ class Group:
 
     def together(self, step: str, fn: Callable[[], T]) -> T:
         """Run `fn` here, then learn every process's outcome: raise this process's own error, or
-        PeerFailed naming the first process that failed; return `fn`'s value when all succeeded."""
+        PeerFailed naming the first process that failed; return `fn`'s value when all succeeded
+        (the value stays in this process)."""
+        return self._run_gathered(step, fn, share=False)[0]
+
+    def exchange(self, step: str, fn: Callable[[], T]) -> list[T]:
+        """`together`, and every process's value is handed to every process: the values, by process."""
+        return self._run_gathered(step, fn, share=True)[1]
+
+    def _run_gathered(self, step: str, fn: Callable[[], T], *, share: bool) -> tuple[T, list[Any]]:
+        """Run `fn` here and gather every process's outcome: (this process's value, every process's
+        value by process, or None each unless `share`).  A failure anywhere stops every process
+        here: this process's own error, or PeerFailed naming the first process that failed.  Each
+        process sends ("error", its outcome) or (the kind of step, its value): a process at a step
+        of the other kind is out of step with this one."""
         if self.world_size == 1:
-            return fn()
+            value = fn()
+            return value, [value if share else None]
+        kind = "exchange" if share else "together"
         error: BaseException | None = None
         value: Any = None
         try:
@@ -338,18 +357,23 @@ class Group:
         except BaseException as e:  # re-raised below, after the others know
             error = e
         try:
-            outcomes = self.all_gather(None if error is None else outcome_of(error))
+            got = self.all_gather(("error", outcome_of(error)) if error is not None
+                                  else (kind, value if share else None))
         except PeerFailed:
             if error is not None:  # this process's own error says more than the lost peer
                 raise error from None
             raise
         if error is not None:
             raise self.shared(error)
-        for process, outcome in enumerate(outcomes):
-            if outcome is not None:
-                code, message = outcome
-                raise self.shared(PeerFailed(f"process {process} failed while {step}: {message}", code))
-        return value
+        for process, message in enumerate(got):
+            said, payload = message if isinstance(message, tuple) and len(message) == 2 else ("", None)
+            if said == "error":
+                code, text = payload
+                raise self.shared(PeerFailed(f"process {process} failed while {step}: {text}", code))
+            if said != kind:
+                raise self.shared(PeerFailed(f"process {process} is not {step}: the processes are out of step; "
+                                             "launch every process with the same command", EXIT_BAD_INPUT))
+        return value, [payload for _, payload in got]
 
     def node_members(self, node: int) -> list[Launch]:
         return [m for m in self.members if m.node == node]
@@ -403,6 +427,36 @@ def init_group(launch: Launch | None = None) -> Group:
     group.members = [m for m, _, _ in everyone]
     group.hosts = [(host, pid) for _, host, pid in everyone]
     return group
+
+
+def launch_or_single(env: Mapping[str, str] | None = None) -> Launch:
+    """The launch `env` (os.environ) describes, for choosing what this process prints before it
+    joins the others; a single process where the description is broken (`joined` refuses it)."""
+    try:
+        return launch_from_env(env)
+    except UsageError:
+        return Launch()
+
+
+@contextmanager
+def joined() -> Iterator[Group]:
+    """The group of this process's launch (`init_group`) for the length of one command, closed at
+    its end.  A broken launch is refused by every process (none knows which is a node's first).
+    What every process of a launch meets alike, an error before the group exists (a failed
+    rendezvous) or a Ctrl-C that reaches them all, is said once per node: every process but the
+    node's first is marked `quiet`."""
+    launch, group = Launch(), SOLO
+    try:
+        launch = launch_from_env()
+        group = init_group(launch)
+        yield group
+    except BaseException as e:  # marked, then re-raised
+        alike = group is SOLO or (isinstance(e, KeyboardInterrupt) and not hasattr(e, "message"))
+        if launch.distributed and alike and not hasattr(e, "quiet"):
+            e.quiet = launch.local_rank != 0  # type: ignore[attr-defined]  # a mark any exception can carry; the CLI reads it with getattr
+        raise
+    finally:
+        group.close()
 
 
 def _process_gone(pid: int) -> bool:

@@ -15,18 +15,16 @@ process that reads it, and `shard_expert` / `unshard_expert` are inverses.
 
 `checks.merge_reports` makes the one report from the processes' reports.
 
-Every exchange carries either the value or the process's failure (`distributed.outcome_of`), so a
-fault in one process stops every process at the same exchange with the failing process named.
+Every exchange (`distributed.Group.exchange`) carries either the value or the process's failure, so
+a fault in one process stops every process at the same exchange with the failing process named.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, TypeVar
+from typing import Any
 
-from wna16ctl.errors import EXIT_BAD_INPUT, UsageError
-from wna16ctl.repacking.distributed import SOLO, Group, PeerFailed, outcome_of, ranks_of_process
-
-T = TypeVar("T")
+from wna16ctl.errors import UsageError
+from wna16ctl.repacking.distributed import SOLO, Group, ranks_of_process
 
 
 def ranks_to_check(present: list[int], asked: list[int] | None, group: Group = SOLO,
@@ -52,40 +50,6 @@ def hashes_file(rel: str, mine: list[int], checked: list[int]) -> bool:
     return bool(mine) and min(mine) == min(checked, default=0)
 
 
-def exchange(group: Group, step: str, fn: Callable[[], T]) -> list[T]:
-    """Run `fn` here and gather every process's value, by process.  A failure anywhere stops every
-    process here: this process's own error, or PeerFailed naming the first process that failed."""
-    if group.world_size == 1:
-        return [fn()]
-    error: BaseException | None = None
-    value: Any = None
-    try:
-        value = fn()
-    except BaseException as e:  # re-raised below, after the others know
-        error = e
-    try:
-        got = group.all_gather(("error", outcome_of(error)) if error is not None else ("ok", value))
-    except PeerFailed:
-        if error is not None:  # this process's own error says more than the lost peer
-            raise error from None
-        raise
-    if error is not None:
-        raise group.shared(error)
-    values: list[T] = []
-    kind: str
-    payload: Any
-    for process, message in enumerate(got):
-        kind, payload = message if isinstance(message, tuple) and len(message) == 2 else ("step", None)
-        if kind == "error":
-            code, text = payload
-            raise group.shared(PeerFailed(f"process {process} failed while {step}: {text}", code))
-        if kind != "ok":  # a process at another step (a repack's `together`): the run is out of step
-            raise group.shared(PeerFailed(f"process {process} is not {step}: the processes are out of step; "
-                                          "launch every process with the same command", EXIT_BAD_INPUT))
-        values.append(payload)
-    return values
-
-
 # ---- a layer's numerics across processes -------------------------------------------------------------
 
 
@@ -101,7 +65,7 @@ def exchange_layer(group: Group, layer: str, sums: Any) -> None:
             "interval": [iv.total.lo, iv.total.hi, iv.total.centre, iv.total.mag], "ranks": iv.ranks,
             "exercised": sorted(sums.exercised), "no_candidate": sums.no_candidate,
             "bound_used": sums.bound_used, "launches": sums.launches}
-    got = exchange(group, f"comparing {layer}", lambda: sent)
+    got = group.exchange(f"comparing {layer}", lambda: sent)
     added = lambda key: _added([g[key] for g in got])  # noqa: E731 - one quantity over the processes
     sums.candidate, sums.reference, sums.kernel = added("candidate"), added("reference"), added("kernel")
     iv.total.lo, iv.total.hi, iv.total.centre, iv.total.mag = (

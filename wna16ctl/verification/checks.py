@@ -614,7 +614,7 @@ def verify_output(
                                        layers, experts, numerics, ranks, group)
     if group.world_size == 1:
         return here()[0]
-    got = across.exchange(group, f"verifying {out}", here)
+    got = group.exchange(f"verifying {out}", here)
     return merge_reports([report for report, _ in got], ep=got[0][1], asked=ranks is not None)
 
 
@@ -763,7 +763,7 @@ def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], sam
                 report.findings.append(Finding("round_trip", f"rank {r}: {e.message}", rank=r))
                 unreadable.append(r)
         # every process stops where one rank cannot be read, as one process would
-        unreadable = sorted(r for got in across.exchange(group, "opening the ranks' files", lambda: unreadable) for r in got)
+        unreadable = sorted(r for got in group.exchange("opening the ranks' files", lambda: unreadable) for r in got)
         if unreadable:
             for rf in ranks.values():
                 rf.reader.close()
