@@ -16,56 +16,24 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_repack import _ENV, _dir_bytes, _sync, cpu_simd
-from common import Run, med, run_once, wna16ctl
-
-HERE = Path(__file__).resolve().parent
-
-
-def gptq_ckpt(root: Path, layers: int) -> Path:
-    """The GPTQ synthetic, written once by a child process (this one stays small: no torch)."""
-    path = root / f"q30-gptq-{layers}l"
-    if not (path / "config.json").exists():
-        shutil.rmtree(path, ignore_errors=True)
-        subprocess.run([sys.executable, str(HERE / "synthetic_checkpoint.py"), str(path), "--layers", str(layers),
-                        "--gptq"], check=True, stdout=subprocess.DEVNULL)
-    return path
-
-
-def timed(cmd: list[str], dst: Path) -> Run:
-    """`cmd` then `sync`, from a missing destination: wall of both, CPU and peak RSS of `cmd`."""
-    shutil.rmtree(dst, ignore_errors=True)
-    _sync()  # the removal's (and the previous run's) writeback is timed for neither
-    r = run_once(cmd, _ENV)
-    return Run(r.wall + _sync(), r.max_rss_kib, r.returncode, r.cpu, r.user)
+from bench_repack import _ckpt, cpu_simd
+from common import Command, alternating_rounds, dir_bytes, med, wna16ctl
 
 
 def rounds(root: Path, layers: int, pairs: int) -> str:
-    ck = gptq_ckpt(root, layers)
+    ck = _ckpt(root, layers, gptq=True)
     copy, out = root / "copy", root / "converted"
-    cmds = [("cp", ["cp", "-r", str(ck), str(copy)], copy), ("convert", wna16ctl("convert", str(ck), "-o", str(out), "-q"), out)]
-    runs: dict[str, list[Run]] = {name: [] for name, *_ in cmds}
-    load = os.getloadavg()[0]
-    for i in range(pairs + 1):  # the first round is a warm-up
-        for name, cmd, dst in (cmds if i % 2 == 0 else cmds[::-1]):
-            r = timed(cmd, dst)
-            if r.returncode != 0:
-                raise SystemExit(f"{name}: exit {r.returncode}")
-            if i:
-                runs[name].append(r)
-        load = max(load, os.getloadavg()[0])
-    for _, _, dst in cmds:
-        shutil.rmtree(dst, ignore_errors=True)
+    cmds: list[Command] = [("cp", ["cp", "-r", str(ck), str(copy)], copy, None),
+                           ("convert", wna16ctl("convert", str(ck), "-o", str(out), "-q"), out, None)]
+    runs, load = alternating_rounds(cmds, pairs)
     ratios = [c.wall / v.wall for c, v in zip(runs["cp"], runs["convert"])]
     fig = lambda name, key: med([getattr(r, key) for r in runs[name]])  # noqa: E731 - a one-line accessor beside its data
-    return (f"| {layers} layers, {_dir_bytes(ck) / 1e9:.2f} GB | {fig('cp', 'wall'):.2f} s, {fig('cp', 'cpu'):.2f} s CPU, "
+    return (f"| {layers} layers, {dir_bytes(ck) / 1e9:.2f} GB | {fig('cp', 'wall'):.2f} s, {fig('cp', 'cpu'):.2f} s CPU, "
             f"{fig('cp', 'max_rss_kib') / 1024:.0f} MiB | {fig('convert', 'wall'):.2f} s, {fig('convert', 'cpu'):.2f} s CPU, "
             f"{fig('convert', 'max_rss_kib') / 1024:.0f} MiB | **{med(ratios):.2f}** ({min(ratios):.2f}–{max(ratios):.2f}) "
             f"| {load:.1f} |")

@@ -25,8 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_repack import _ENV, _ckpt, _dir_bytes, _timed, cpu_simd
-from common import med, wna16ctl
+from bench_repack import _ckpt, cpu_simd
+from common import Command, alternating_rounds, dir_bytes, med, timed, wna16ctl
 
 PAD_ARGS = ("--tp", "4", "--vllm", "0.31.0", "-q")
 
@@ -36,31 +36,24 @@ def pairs_at(root: Path, layers: int, pairs: int) -> tuple[str, int]:
     copy, copy_out, out, ref = root / "copy", root / "copy-out", root / "padded", root / f"padded-ref-{layers}l"
     if not (ref / "wna16ctl.json").exists():  # the bytes pad writes, for the second baseline
         shutil.rmtree(ref, ignore_errors=True)
-        if _timed(wna16ctl("pad", str(ck), *PAD_ARGS, "-o", str(ref)), ref, _ENV).returncode != 0:
+        if timed(wna16ctl("pad", str(ck), *PAD_ARGS, "-o", str(ref)), ref).returncode != 0:
             raise SystemExit("pad: failed")
-    cmds = [("cp", ["cp", "-r", str(ck), str(copy)], copy), ("cp-out", ["cp", "-r", str(ref), str(copy_out)], copy_out),
-            ("pad", wna16ctl("pad", str(ck), *PAD_ARGS, "-o", str(out)), out)]
-    runs: dict[str, list] = {name: [] for name, *_ in cmds}
-    load = os.getloadavg()[0]
-    written = 0
-    for i in range(pairs + 1):  # the first round is a warm-up
-        for name, cmd, dst in (cmds if i % 2 == 0 else cmds[::-1]):
-            r = _timed(cmd, dst, _ENV)
-            if r.returncode != 0:
-                raise SystemExit(f"{name}: exit {r.returncode}")
-            if name == "pad":
-                written = _dir_bytes(out)
-            if i:
-                runs[name].append(r)
-        load = max(load, os.getloadavg()[0])
-    for _, _, dst in cmds:
-        shutil.rmtree(dst, ignore_errors=True)
+    cmds: list[Command] = [("cp", ["cp", "-r", str(ck), str(copy)], copy, None),
+                           ("cp-out", ["cp", "-r", str(ref), str(copy_out)], copy_out, None),
+                           ("pad", wna16ctl("pad", str(ck), *PAD_ARGS, "-o", str(out)), out, None)]
+    written: list[int] = []
+
+    def measure(name: str, dst: Path) -> None:
+        if name == "pad":
+            written.append(dir_bytes(dst))
+
+    runs, load = alternating_rounds(cmds, pairs, after=measure)
     ratios = [c.wall / p.wall for c, p in zip(runs["cp"], runs["pad"])]
     same = [c.wall / p.wall for c, p in zip(runs["cp-out"], runs["pad"])]
-    size = _dir_bytes(ck)
+    size = dir_bytes(ck)
     rss = max(r.max_rss_kib for r in runs["pad"])
     wall = lambda name: med([r.wall for r in runs[name]])  # noqa: E731 - a one-line accessor beside its data
-    row = (f"| {layers} layers, {size / 1e9:.2f} GB -> {written / 1e9:.2f} GB | {wall('cp'):.2f} s | {wall('cp-out'):.2f} s | "
+    row = (f"| {layers} layers, {size / 1e9:.2f} GB -> {written[-1] / 1e9:.2f} GB | {wall('cp'):.2f} s | {wall('cp-out'):.2f} s | "
            f"{wall('pad'):.2f} s | **{med(ratios):.2f}** ({min(ratios):.2f}–{max(ratios):.2f}) | "
            f"**{med(same):.2f}** ({min(same):.2f}–{max(same):.2f}) | {rss / 1024:.0f} MiB | {load:.1f} |")
     return row, rss

@@ -33,43 +33,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Run, med, run_once, wna16ctl
+from common import ENV, Command, alternating_rounds, dir_bytes, med, wna16ctl
 
 HERE = Path(__file__).resolve().parent
 
 
-def _ckpt(root: Path, layers: int) -> Path:
+def _ckpt(root: Path, layers: int, *, gptq: bool = False) -> Path:
+    """The synthetic checkpoint of `layers` layers (`gptq`: written as a GPTQ checkpoint), made once."""
     # Written by a child process: this one stays small (no torch), because a child's peak RSS as
     # wait4 reports it starts from its parent's at the fork.
-    path = root / f"q30-{layers}l"
+    path = root / (f"q30-gptq-{layers}l" if gptq else f"q30-{layers}l")
     if not (path / "config.json").exists():
         shutil.rmtree(path, ignore_errors=True)
-        subprocess.run([sys.executable, str(HERE / "synthetic_checkpoint.py"), str(path), "--layers", str(layers)],
-                       check=True, stdout=subprocess.DEVNULL)
+        subprocess.run([sys.executable, str(HERE / "synthetic_checkpoint.py"), str(path), "--layers", str(layers),
+                        *(["--gptq"] if gptq else [])], check=True, stdout=subprocess.DEVNULL)
     return path
-
-
-def _dir_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
-def _sync() -> float:
-    t = time.perf_counter()
-    subprocess.run(["sync"], check=True)
-    return time.perf_counter() - t
-
-
-# As installed: Python may cache bytecode (the warm-up pair writes it), else every run recompiles
-# the modules it imports (~40 ms here when PYTHONDONTWRITEBYTECODE is set in the environment).
-_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-
-
-def _timed(cmd: list[str], dst: Path, env: dict[str, str] | None = None) -> Run:
-    """`cmd` then `sync`, from a missing destination: wall of both, peak RSS of `cmd`."""
-    shutil.rmtree(dst, ignore_errors=True)
-    _sync()  # the removal's (and the previous run's) writeback is timed for neither
-    r = run_once(cmd, env or _ENV)
-    return Run(r.wall + _sync(), r.max_rss_kib, r.returncode)
 
 
 def cpu_simd() -> str:
@@ -86,26 +64,14 @@ def cpu_simd() -> str:
 def simd_paths(root: Path, layers: int, pairs: int, tp: int, levels: list[str]) -> list[str]:
     """Markdown rows: per WNA16CTL_SIMD level, cp / repack as the median of per-round ratios."""
     ck = _ckpt(root, layers)
-    size = _dir_bytes(ck)
+    size = dir_bytes(ck)
     copy = root / "copy"
-    cmds = [("cp", ["cp", "-r", str(ck), str(copy)], copy, _ENV)]
+    cmds: list[Command] = [("cp", ["cp", "-r", str(ck), str(copy)], copy, None)]
     for level in levels:
         out = root / f"out-{level}"
         cmds.append((level, wna16ctl("repack", str(ck), "--tp", str(tp), "-o", str(out), "-q"), out,
-                     {**_ENV, "WNA16CTL_SIMD": level}))
-    runs: dict[str, list[Run]] = {name: [] for name, *_ in cmds}
-    load = os.getloadavg()[0]
-    for i in range(pairs + 1):  # the first round is a warm-up
-        order = cmds if i % 2 == 0 else cmds[::-1]
-        for name, cmd, dst, env in order:
-            r = _timed(cmd, dst, env)
-            if r.returncode != 0:
-                raise SystemExit(f"{name}: exit {r.returncode}")
-            if i:
-                runs[name].append(r)
-        load = max(load, os.getloadavg()[0])
-    for _, _, dst, _ in cmds:
-        shutil.rmtree(dst, ignore_errors=True)
+                     {**ENV, "WNA16CTL_SIMD": level}))
+    runs, load = alternating_rounds(cmds, pairs)
     cp = runs["cp"]
     rows = []
     for level in levels:
@@ -164,25 +130,15 @@ def whole_command(root: Path, layers: int, pairs: int, tp: int) -> tuple[str, in
     """One markdown row for `layers` layers, and the repack's peak RSS in KiB."""
     ck = _ckpt(root, layers)
     out, copy = root / "out", root / "copy"
-    size = _dir_bytes(ck)
-    cp_cmd = ["cp", "-r", str(ck), str(copy)]
-    rp_cmd = wna16ctl("repack", str(ck), "--tp", str(tp), "-o", str(out), "-q")
-    load = os.getloadavg()[0]
-    cp_runs, rp_runs = [], []
-    for i in range(pairs + 1):  # the first pair is a warm-up (page cache, the native library's build)
-        if i % 2 == 0:
-            c, r = _timed(cp_cmd, copy), _timed(rp_cmd, out)
-        else:
-            r, c = _timed(rp_cmd, out), _timed(cp_cmd, copy)
-        if i:
-            cp_runs.append(c)
-            rp_runs.append(r)
-    shutil.rmtree(copy, ignore_errors=True)
-    shutil.rmtree(out, ignore_errors=True)
+    size = dir_bytes(ck)
+    # the warm-up pair also builds the native library
+    runs, load = alternating_rounds([("cp", ["cp", "-r", str(ck), str(copy)], copy, None),
+                                     ("repack", wna16ctl("repack", str(ck), "--tp", str(tp), "-o", str(out), "-q"), out,
+                                      None)], pairs)
+    cp_runs, rp_runs = runs["cp"], runs["repack"]
     ratios = [c.wall / r.wall for r, c in zip(rp_runs, cp_runs)]
     rp, cp = med([r.wall for r in rp_runs]), med([c.wall for c in cp_runs])
     rss = max(r.max_rss_kib for r in rp_runs)
-    load = max(load, os.getloadavg()[0])
     return (f"| {layers} layers, {size / 1e9:.2f} GB, --tp {tp} | {cp:.2f} s | {rp:.2f} s | **{med(ratios):.2f}** "
             f"({min(ratios):.2f}–{max(ratios):.2f}) | {size / rp / 2**20:.0f} MiB/s | {rss / 1024:.0f} MiB | {load:.1f} |",
             rss)

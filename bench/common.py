@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+# As installed: Python may cache bytecode (the warm-up pair writes it), else every run recompiles
+# the modules it imports (~40 ms here when PYTHONDONTWRITEBYTECODE is set in the environment).
+ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
 
 
 @dataclass
@@ -54,3 +59,47 @@ def wna16ctl(*args: str) -> list[str]:
 
 def peak_children_rss_kib() -> int:
     return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def sync() -> float:
+    t = time.perf_counter()
+    subprocess.run(["sync"], check=True)
+    return time.perf_counter() - t
+
+
+def timed(cmd: list[str], dst: Path, env: dict[str, str] | None = None) -> Run:
+    """`cmd` then `sync`, from a missing destination: wall of both, CPU and peak RSS of `cmd`."""
+    shutil.rmtree(dst, ignore_errors=True)
+    sync()  # the removal's (and the previous run's) writeback is timed for neither
+    r = run_once(cmd, env or ENV)
+    return Run(r.wall + sync(), r.max_rss_kib, r.returncode, r.cpu, r.user)
+
+
+# a command of a round: (its name, the command, its destination, its environment or None for ENV)
+Command = tuple[str, list[str], Path, "dict[str, str] | None"]
+
+
+def alternating_rounds(cmds: list[Command], pairs: int,
+                       after: Callable[[str, Path], None] = lambda name, dst: None) -> tuple[dict[str, list[Run]], float]:
+    """Each command once a round (`timed`), in an order that alternates round by round so that drift
+    of a shared machine hits all alike; the first round is a warm-up (page cache), then `pairs`
+    timed rounds.  `after(name, dst)` looks at each output before the next command; the outputs
+    are removed at the end.  (the timed runs by name, the highest load average seen)."""
+    runs: dict[str, list[Run]] = {name: [] for name, *_ in cmds}
+    load = os.getloadavg()[0]
+    for i in range(pairs + 1):
+        for name, cmd, dst, env in (cmds if i % 2 == 0 else cmds[::-1]):
+            r = timed(cmd, dst, env)
+            if r.returncode != 0:
+                raise SystemExit(f"{name}: exit {r.returncode}")
+            after(name, dst)
+            if i:
+                runs[name].append(r)
+        load = max(load, os.getloadavg()[0])
+    for _, _, dst, _ in cmds:
+        shutil.rmtree(dst, ignore_errors=True)
+    return runs, load
