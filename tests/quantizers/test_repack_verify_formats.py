@@ -59,25 +59,32 @@ def _attention_in_bf16(quantized: Quantized, variant: str, ck: Path) -> None:
         (ck / side).write_text(json.dumps(config))
 
 
-@pytest.fixture(scope="module")
-def repacked(quantized, tmp_path_factory):
+def _repacks(quantized, tmp_path_factory, layout: str, releases: dict[str, str]):
+    """get(case) -> (the tool's checkpoint as these tests read it, its `repack --tp 2 --layout LAYOUT`
+    output for the case's vLLM release), each made once; a case is a variant or VARIANT@RELEASE."""
     made: dict[str, tuple[Path, Path]] = {}
 
-    def get(variant: str) -> tuple[Path, Path]:
-        if variant not in made:
+    def get(case: str) -> tuple[Path, Path]:
+        if case not in made:
+            variant = case.split("@")[0]
             root = tmp_path_factory.mktemp(variant)
             src = copy_checkpoint(quantized, variant, root)
             _with_num_experts(src)
             if variant == ACT_ORDER:
                 _attention_in_bf16(quantized, variant, src)
-            out = root / "marlin"
-            r = _wna16("repack", str(src), "-o", str(out), "--tp", "2", "--layout", "marlin", "--vllm", CASES[variant],
+            out = root / layout
+            r = _wna16("repack", str(src), "-o", str(out), "--tp", "2", "--layout", layout, "--vllm", releases[case],
                        "-q")
             assert r.returncode == 0, r.stderr
-            made[variant] = (src, out)
-        return made[variant]
+            made[case] = (src, out)
+        return made[case]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def repacked(quantized, tmp_path_factory):
+    return _repacks(quantized, tmp_path_factory, "marlin", CASES)
 
 
 def _verify(src: Path, out: Path) -> dict:
@@ -146,24 +153,7 @@ VLLM_CASES = {**CASES, "autoround-awq-asym4-tp2@0.32.0": "0.32.0"}
 
 @pytest.fixture(scope="module")
 def vllm_state(quantized, tmp_path_factory):
-    made: dict[str, tuple[Path, Path]] = {}
-
-    def get(case: str) -> tuple[Path, Path]:
-        if case not in made:
-            variant = case.split("@")[0]
-            root = tmp_path_factory.mktemp(variant)
-            src = copy_checkpoint(quantized, variant, root)
-            _with_num_experts(src)
-            if variant == ACT_ORDER:
-                _attention_in_bf16(quantized, variant, src)
-            out = root / "vllm"
-            r = _wna16("repack", str(src), "-o", str(out), "--tp", "2", "--layout", "vllm", "--vllm", VLLM_CASES[case],
-                       "-q")
-            assert r.returncode == 0, r.stderr
-            made[case] = (src, out)
-        return made[case]
-
-    return get
+    return _repacks(quantized, tmp_path_factory, "vllm", VLLM_CASES)
 
 
 @pytest.mark.parametrize("case", list(VLLM_CASES))
