@@ -347,8 +347,8 @@ class Group:
         process sends ("error", its outcome) or (the kind of step, its value): a process at a step
         of the other kind is out of step with this one."""
         if self.world_size == 1:
-            value = fn()
-            return value, [value if share else None]
+            alone = fn()
+            return alone, [alone if share else None]
         kind = "exchange" if share else "together"
         error: BaseException | None = None
         value: Any = None
@@ -365,6 +365,8 @@ class Group:
             raise
         if error is not None:
             raise self.shared(error)
+        said: str
+        payload: Any
         for process, message in enumerate(got):
             said, payload = message if isinstance(message, tuple) and len(message) == 2 else ("", None)
             if said == "error":
