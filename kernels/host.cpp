@@ -411,6 +411,13 @@ WNA16_API int wna16_transpose_host(const void* src, int64_t ld, int64_t rows, in
                                    int elem_bytes, int simd) {
   if (rows < 0 || cols < 0 || ld < cols || (elem_bytes != 2 && elem_bytes != 4))
     return wna16_fail(WNA16_EINVAL, "transpose: bad shape or element size");
+  ensure_sigbus_handler();  // src may be a mapping of the checkpoint (wna16_map_file)
+  sigjmp_buf jump;
+  if (sigsetjmp(jump, 1)) {
+    tls_guard = nullptr;
+    return wna16_fail(WNA16_EFAULT, "a page of the source was gone (the mapped file shrank while it was read)");
+  }
+  BusGuard guard(&jump);
   if (elem_bytes == 2) {
     transpose_blocked((const uint16_t*)src, ld, rows, cols, (uint16_t*)dst);
     return WNA16_OK;

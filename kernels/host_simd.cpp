@@ -150,16 +150,18 @@ __attribute__((target("avx2"))) inline void transpose8x8(const uint32_t* src, in
 }
 }  // namespace
 
-// Blocks of 64 x 64 words (16 KiB read and 16 KiB written: both in L1) in 8 x 8 tiles.
+// Strips of 16 source rows, left to right in 8 x 8 tiles: the 16 rows are read front to back (the
+// hardware prefetcher follows them out of the page cache of a mapped shard) and every destination
+// row gets one whole 64-byte line per strip (blocks of 64 x 64 measured 15-40 % more CPU on mapped
+// codes).
 __attribute__((target("avx2"))) void wna16_transpose32_avx2(const uint32_t* src, int64_t ld, int64_t rows,
                                                             int64_t cols, uint32_t* dst) {
   const int64_t r8 = rows / 8 * 8, c8 = cols / 8 * 8;
-  for (int64_t r0 = 0; r0 < r8; r0 += 64)
-    for (int64_t c0 = 0; c0 < c8; c0 += 64) {
-      const int64_t r1 = std::min(r0 + 64, r8), c1 = std::min(c0 + 64, c8);
-      for (int64_t c = c0; c < c1; c += 8)
-        for (int64_t r = r0; r < r1; r += 8) transpose8x8(src + r * ld + c, ld, dst + c * rows + r, rows);
-    }
+  for (int64_t r0 = 0; r0 < r8; r0 += 16) {
+    const int64_t r1 = std::min(r0 + 16, r8);
+    for (int64_t c = 0; c < c8; c += 8)
+      for (int64_t r = r0; r < r1; r += 8) transpose8x8(src + r * ld + c, ld, dst + c * rows + r, rows);
+  }
   for (int64_t r = 0; r < rows; ++r)  // the edges: columns from c8 of the tiled rows, every column of the rest
     for (int64_t c = r < r8 ? c8 : 0; c < cols; ++c) dst[c * rows + r] = src[r * ld + c];
 }

@@ -196,3 +196,35 @@ def test_native_transposes_write_numpys_bytes(host, quantized, tmp_path, monkeyp
     assert words.transposer() is words._numpy_transpose
     wna16ctl.convert(src, tmp_path / "numpy")
     _same_files(tmp_path / "native", tmp_path / "numpy")
+
+
+def test_a_shard_cut_short_while_its_codes_are_mapped_is_one_line_and_nothing_written(host, quantized, tmp_path,
+                                                                                     monkeypatch):
+    """The native path reads a projection's codes straight from a mapping of the shard: a shard
+    truncated meanwhile is refused naming the file (the guarded read returns, no SIGBUS), nothing
+    written."""
+    import wna16ctl
+    from wna16ctl.conversion import words
+    from wna16ctl.errors import BadInput
+
+    src = Path(shutil.copytree(quantized.checkpoint("gptqmodel-gptq-actorder-sym4"), tmp_path / "src"))
+    shard = src / "model.safetensors"
+    real = words.transposer
+    calls = []
+
+    def transposer():
+        native = real()
+        assert native is not words._numpy_transpose
+
+        def truncate_then_transpose(address, view):
+            calls.append(1)
+            if len(calls) == 3:  # the third projection's codes, mapped already, are cut off
+                os.truncate(shard, 4096)
+            return native(address, view)
+
+        return truncate_then_transpose
+
+    monkeypatch.setattr(words, "transposer", transposer)
+    with pytest.raises(BadInput, match=r"model\.safetensors: ends before tensor .*qweight does"):
+        wna16ctl.convert(src, tmp_path / "out")
+    assert len(calls) == 3 and sorted(os.listdir(tmp_path)) == ["src"]

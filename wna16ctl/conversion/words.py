@@ -16,6 +16,8 @@ imported then only), which names the tensor and the reason or converts it.
 from __future__ import annotations
 
 import ctypes
+import mmap
+import os
 from math import prod
 from typing import Any, Callable, Optional
 
@@ -23,6 +25,9 @@ import numpy as np
 
 from wna16ctl.conversion.plan import ConversionPlan, Projection
 from wna16ctl.dtypes import NUMPY_WORDS, ST_BITS
+from wna16ctl.errors import BadInput
+from wna16ctl.native import build
+from wna16ctl.native.build import WNA16_EFAULT, KernelError
 from wna16ctl.sources.formats import CODES, G_IDX, SCALES, SHAPE, ZERO_POINTS, word_forms
 from wna16ctl.sources.formats.compressed_tensors import NAMES
 
@@ -64,8 +69,9 @@ def produce(plan: ConversionPlan, f: Any, reader: Any, stream: Any, advance: Cal
     from wna16ctl.sources import formats
 
     fmt = formats.of(plan.checkpoint.config.quant)
-    by_reference = lambda p, raw: reference(p, fmt, _Replay(reader.files, raw), {})  # noqa: E731 - the torch path on the bytes read
     transpose = transposer()
+    mapping = None if transpose is _numpy_transpose else _Mapping(reader)
+    by_reference = lambda p, raw: reference(p, fmt, _Replay(reader, raw, mapping), {})  # noqa: E731 - the torch path on the bytes read
     buffers: dict[str, np.ndarray] = {}
     for unit in _units(plan, f, written):
         check()
@@ -75,9 +81,18 @@ def produce(plan: ConversionPlan, f: Any, reader: Any, stream: Any, advance: Cal
             reader.read_into(info, memoryview(_room(stream, info.nbytes)).cast("B"))
             stream.commit(info.nbytes)
             advance(info.nbytes)
-        else:
-            _convert(p, written[p.module], _read(unit, reader, buffers), stream, by_reference, transpose)
-            advance(sum(prod(shape) * ST_BITS[dtype] // 8 for _, dtype, shape in written[p.module]))
+            continue
+        mapped = mapping if mapping is not None and word_forms.codes_moved_only(p.scheme) else None
+        try:
+            _convert(p, written[p.module], _read(unit, reader, buffers, mapped), stream, by_reference, transpose)
+        except KernelError as e:
+            if e.code != WNA16_EFAULT:
+                raise
+            raise _truncated(dict(roles)[CODES]) from None
+        finally:
+            if mapped is not None:
+                mapped.release()
+        advance(sum(prod(shape) * ST_BITS[dtype] // 8 for _, dtype, shape in written[p.module]))
 
 
 Unit = tuple[Optional[Projection], list[tuple[str, Any]]]  # (the projection, or None for a piece copied; (role, TensorInfo) read)
@@ -105,11 +120,16 @@ def _units(plan: ConversionPlan, f: Any, written: Written) -> list[Unit]:
     return out
 
 
-def _read(unit: Unit, reader: Any, slot: dict[str, np.ndarray]) -> dict[str, tuple[Any, np.ndarray]]:
+def _read(unit: Unit, reader: Any, slot: dict[str, np.ndarray],
+          mapping: Optional["_Mapping"]) -> dict[str, tuple[Any, np.ndarray]]:
     """The unit's tensors, role -> (TensorInfo, its bytes in `slot[role]`, grown as needed): fresh
-    storage for every tensor would cost its page faults."""
+    storage for every tensor would cost its page faults.  With a `mapping`, the codes are not read
+    but mapped: only the native transpose reads them, straight from the page cache (no copy)."""
     out = {}
     for role, info in unit[1]:
+        if mapping is not None and role == CODES:
+            out[role] = (info, mapping.map(info))
+            continue
         if role not in slot or slot[role].size < info.nbytes:
             slot[role] = np.empty(info.nbytes, dtype=np.uint8)
         raw = slot[role][:info.nbytes]
@@ -162,7 +182,7 @@ def transposer() -> Transpose:
     """How `_put` writes a transposed view: the native host library's tiles where it is built
     (`native.build.host_lib`; the level of `native.simd.resolve`: AVX2 words 2-3x numpy's tiled
     copies here), else numpy's copies in tiles (`WNA16CTL_NO_NATIVE=1`, no compiler).  The same bytes."""
-    from wna16ctl.native import build, simd
+    from wna16ctl.native import simd
 
     lib = build.host_lib()
     if lib is None:
@@ -174,8 +194,9 @@ def transposer() -> Transpose:
         cols, rows = view.shape  # view = block.T, block [rows, cols] with its rows `ld` elements apart
         if view.strides[0] != view.itemsize or view.itemsize not in (2, 4):
             return _numpy_transpose(address, view)
-        if native(view.ctypes.data, view.strides[1] // view.itemsize, rows, cols, address, view.itemsize, level):
-            raise build.KernelError(f"wna16_transpose_host: {lib.wna16_last_error().decode(errors='replace')}")
+        rc = native(view.ctypes.data, view.strides[1] // view.itemsize, rows, cols, address, view.itemsize, level)
+        if rc:
+            raise KernelError(f"wna16_transpose_host: {lib.wna16_last_error().decode(errors='replace')}", rc)
         return None
 
     return transpose
@@ -207,15 +228,60 @@ def _numpy_transpose(address: int, view: np.ndarray) -> None:
             np.copyto(dst[r0:r0 + _TILE_ROWS, c0:c0 + _TILE_COLS], view[r0:r0 + _TILE_ROWS, c0:c0 + _TILE_COLS])
 
 
-class _Replay:
-    """A reader that serves the bytes already read (the reference converts them without reading twice)."""
+class _Mapping:
+    """Tensors mapped from the checkpoint's shards (`wna16_map_file`, populated) until `release`:
+    the native transposes read them in place, guarded against a shard that shrinks meanwhile
+    (WNA16_EFAULT instead of SIGBUS).  One projection's codes at a time: the mapped pages count
+    in the process's resident memory while mapped."""
 
-    def __init__(self, files: Any, raw: dict[str, tuple[Any, np.ndarray]]):
-        self.files = files
-        self._bytes = {info.name: data for info, data in raw.values()}
+    def __init__(self, reader: Any):
+        from wna16ctl.native import build
+
+        self._reader = reader
+        self._lib = build.loaded_host_lib()
+        self._maps: list[tuple[int, int]] = []
+        self.names: set[str] = set()
+
+    def map(self, info: Any) -> np.ndarray:
+        fd = self._reader.fd(info.file)
+        if os.fstat(fd).st_size < info.end:
+            raise _truncated(info)
+        start = info.start - info.start % mmap.PAGESIZE
+        err = ctypes.c_int32(0)
+        addr = self._lib.wna16_map_file(fd, start, info.end - start, ctypes.byref(err))
+        if not addr:
+            raise BadInput(f"{info.file}: cannot be mapped ({os.strerror(err.value)}); check the file and run again")
+        self._maps.append((addr, info.end - start))
+        self.names.add(info.name)
+        return np.ndarray(info.nbytes, dtype=np.uint8, buffer=_at(addr + info.start - start, info.nbytes))
+
+    def release(self) -> None:
+        for addr, length in self._maps:
+            self._lib.wna16_unmap_file(addr, length)
+        self._maps.clear()
+        self.names.clear()
+
+
+def _truncated(info: Any) -> BadInput:
+    return BadInput(f"{info.file}: ends before tensor {info.name} does (the shard was truncated or replaced after "
+                    "planning); restore the file and run again")
+
+
+class _Replay:
+    """A reader that serves the bytes already read (the reference converts them without reading
+    twice); mapped ones it reads again (only the guarded native code reads a mapping)."""
+
+    def __init__(self, reader: Any, raw: dict[str, tuple[Any, np.ndarray]], mapping: Optional[_Mapping]):
+        self.files = reader.files
+        self._reader = reader
+        mapped = mapping.names if mapping is not None else set()
+        self._bytes = {info.name: data for info, data in raw.values() if info.name not in mapped}
 
     def read_into(self, info: Any, view: memoryview) -> None:
+        if info.name not in self._bytes:
+            return self._reader.read_into(info, view)
         view.cast("B")[:info.nbytes] = self._bytes[info.name].data.cast("B")
+        return None
 
 
 def _reference(p: Projection, raw: dict[str, tuple[Any, np.ndarray]], stream: Any, by_reference: Callable) -> None:
