@@ -72,10 +72,11 @@ def sync() -> float:
 
 
 def timed(cmd: list[str], dst: Path, env: dict[str, str] | None = None) -> Run:
-    """`cmd` then `sync`, from a missing destination: wall of both, CPU and peak RSS of `cmd`."""
+    """`cmd` then `sync`, from a missing destination: wall of both, CPU and peak RSS of `cmd` (run
+    beside DST, never in a checkout: `python -m` would import the package of the working directory)."""
     shutil.rmtree(dst, ignore_errors=True)
     sync()  # the removal's (and the previous run's) writeback is timed for neither
-    r = run_once(cmd, env or ENV)
+    r = run_once(cmd, env or ENV, cwd=dst.parent)
     return Run(r.wall + sync(), r.max_rss_kib, r.returncode, r.cpu, r.user)
 
 

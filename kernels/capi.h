@@ -102,6 +102,12 @@ WNA16_API int wna16_unmap_file(void* addr, int64_t length);
 /* pread of n ranges into dsts: -1 when all were read, else the failed range (*err = errno, 0 = EOF). */
 WNA16_API int64_t wna16_pread_many(const int32_t* fds, const int64_t* offsets, const int64_t* sizes,
                                    void* const* dsts, int64_t n, int32_t* err);
+/* dst [cols, rows] (contiguous) = the transpose of src [rows, cols] (its rows ld elements apart) of
+ * elem_bytes 2 or 4 (convert's codes and scales): the AVX2 tiles for 4 bytes where `simd` (a
+ * WNA16_SIMD_* level the CPU has) is AVX2 or AVX-512, else blocked scalar copies; the same bytes.
+ * src may lie in a wna16_map_file mapping: a page the file lost gives WNA16_EFAULT. */
+WNA16_API int wna16_transpose_host(const void* src, int64_t ld, int64_t rows, int64_t cols, void* dst,
+                                   int elem_bytes, int simd);
 WNA16_API int wna16_marlin_unrepack_host(const int32_t* marlin, const int32_t* perm, int32_t* out,
                                          int64_t num_experts, int64_t size_k, int64_t size_n,
                                          int num_bits, int num_threads);

@@ -332,6 +332,17 @@ bool finite16(uint16_t v, int kind) {  // kind 0 = fp16, 1 = bf16
   return kind == 0 ? (v & 0x7c00u) != 0x7c00u : (v & 0x7f80u) != 0x7f80u;
 }
 
+// dst [cols, rows] = src [rows, cols]^T in blocks of 64 x 64 elements (both sides in L1).
+template <typename T>
+void transpose_blocked(const T* src, int64_t ld, int64_t rows, int64_t cols, T* dst) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 64)
+    for (int64_t c0 = 0; c0 < cols; c0 += 64) {
+      const int64_t r1 = std::min(r0 + 64, rows), c1 = std::min(c0 + 64, cols);
+      for (int64_t c = c0; c < c1; ++c)
+        for (int64_t r = r0; r < r1; ++r) dst[c * rows + r] = src[r * ld + c];
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -393,6 +404,32 @@ WNA16_API int wna16_marlin_rank_host(const void* const* src, int64_t num_experts
       }
     }
   });
+  return WNA16_OK;
+}
+
+WNA16_API int wna16_transpose_host(const void* src, int64_t ld, int64_t rows, int64_t cols, void* dst,
+                                   int elem_bytes, int simd) {
+  if (rows < 0 || cols < 0 || ld < cols || (elem_bytes != 2 && elem_bytes != 4))
+    return wna16_fail(WNA16_EINVAL, "transpose: bad shape or element size");
+  ensure_sigbus_handler();  // src may be a mapping of the checkpoint (wna16_map_file)
+  sigjmp_buf jump;
+  if (sigsetjmp(jump, 1)) {
+    tls_guard = nullptr;
+    return wna16_fail(WNA16_EFAULT, "a page of the source was gone (the mapped file shrank while it was read)");
+  }
+  BusGuard guard(&jump);
+  if (elem_bytes == 2) {
+    transpose_blocked((const uint16_t*)src, ld, rows, cols, (uint16_t*)dst);
+    return WNA16_OK;
+  }
+#ifdef WNA16_HAVE_AVX2_TILES
+  if ((simd == WNA16_SIMD_AVX2 || simd == WNA16_SIMD_AVX512) && wna16_cpu_has_avx2()) {
+    wna16_transpose32_avx2((const uint32_t*)src, ld, rows, cols, (uint32_t*)dst);
+    return WNA16_OK;
+  }
+#endif
+  (void)simd;
+  transpose_blocked((const uint32_t*)src, ld, rows, cols, (uint32_t*)dst);
   return WNA16_OK;
 }
 

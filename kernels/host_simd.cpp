@@ -22,6 +22,8 @@
 // k-tile with qword unpacks and 128-bit lane moves, which more than halves its instructions.
 #include "host_simd.h"
 
+#include <algorithm>
+
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #endif
@@ -122,6 +124,47 @@ __attribute__((target("avx2"))) void wna16_marlin8_nfirst_avx2(const uint32_t* s
 }
 #else
 bool wna16_cpu_has_avx2() { return false; }
+#endif
+
+#if defined(__x86_64__) && defined(__GNUC__)
+namespace {
+// dst rows 0-7 (ds words apart) = the columns of the 8 x 8 words at src (rows ss words apart).
+__attribute__((target("avx2"))) inline void transpose8x8(const uint32_t* src, int64_t ss, uint32_t* dst, int64_t ds) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i*)(src + i * ss)));
+  for (int i = 0; i < 8; i += 2) {  // pairs of rows interleaved: [a0 b0 a1 b1 | a4 b4 a5 b5], [a2 b2 a3 b3 | ...]
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {  // quads: [a0 b0 c0 d0 | a4 b4 c4 d4], [a1 ...], [a2 ...], [a3 ...]
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int j = 0; j < 4; ++j) {  // the low 128-bit lanes of both quads give column j, the high ones column j + 4
+    _mm256_storeu_si256((__m256i*)(dst + j * ds), _mm256_castps_si256(_mm256_permute2f128_ps(r[j], r[j + 4], 0x20)));
+    _mm256_storeu_si256((__m256i*)(dst + (j + 4) * ds),
+                        _mm256_castps_si256(_mm256_permute2f128_ps(r[j], r[j + 4], 0x31)));
+  }
+}
+}  // namespace
+
+// Strips of 16 source rows, left to right in 8 x 8 tiles: the 16 rows are read front to back (the
+// hardware prefetcher follows them out of the page cache of a mapped shard) and every destination
+// row gets one whole 64-byte line per strip (blocks of 64 x 64 measured 15-40 % more CPU on mapped
+// codes).
+__attribute__((target("avx2"))) void wna16_transpose32_avx2(const uint32_t* src, int64_t ld, int64_t rows,
+                                                            int64_t cols, uint32_t* dst) {
+  const int64_t r8 = rows / 8 * 8, c8 = cols / 8 * 8;
+  for (int64_t r0 = 0; r0 < r8; r0 += 16) {
+    const int64_t r1 = std::min(r0 + 16, r8);
+    for (int64_t c = 0; c < c8; c += 8)
+      for (int64_t r = r0; r < r1; r += 8) transpose8x8(src + r * ld + c, ld, dst + c * rows + r, rows);
+  }
+  for (int64_t r = 0; r < rows; ++r)  // the edges: columns from c8 of the tiled rows, every column of the rest
+    for (int64_t c = r < r8 ? c8 : 0; c < cols; ++c) dst[c * rows + r] = src[r * ld + c];
+}
 #endif
 
 #if defined(__aarch64__) && defined(__ARM_NEON)

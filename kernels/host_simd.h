@@ -21,6 +21,9 @@ void wna16_marlin4_nfirst_avx2(const uint32_t* src, int64_t ld, int64_t size_k, 
                                int64_t out_ld);
 void wna16_marlin8_nfirst_avx2(const uint32_t* src, int64_t ld, int64_t size_k, int64_t size_n, uint32_t* dst,
                                int64_t out_ld);
+// dst [cols, rows] (contiguous) = the transpose of the 32-bit src [rows, cols] (rows ld apart), in
+// 8 x 8 register tiles: the whole of it for any rows and cols (the edges one word at a time).
+void wna16_transpose32_avx2(const uint32_t* src, int64_t ld, int64_t rows, int64_t cols, uint32_t* dst);
 #endif
 #if defined(__aarch64__) && defined(__ARM_NEON)
 #define WNA16_HAVE_NEON_TILES 1

@@ -688,6 +688,15 @@ def convert(ctx: click.Context, ckpt: str, out: str | None, to: str | None, dry_
     def body() -> int:
         from shlex import quote
 
+        if _own_process(ctx):
+            # The data path calls no BLAS: numpy's would start a thread per core at import
+            # (~60 ms of a run of about a second).  Planning and converting allocate no cycles
+            # worth collecting: the cyclic collector would only walk the plan's objects again
+            # and again (the process ends with os._exit).
+            import gc
+
+            os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+            gc.disable()
         import wna16ctl
 
         if dry_run:

@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -128,3 +129,69 @@ def test_refusals_are_one_line_exit_2_and_write_nothing(quantized, tmp_path, var
     assert r.returncode == 2, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and named in r.stderr, r.stderr
     assert sorted(os.listdir(tmp_path)) == ["src"]  # no OUT, no staging directory
+
+
+def _multi_shard_gptq(tmp_path) -> Path:
+    """A small GPTQ checkpoint of several shards (bench/synthetic_checkpoint.py --gptq)."""
+    script = Path(__file__).resolve().parents[2] / "bench" / "synthetic_checkpoint.py"
+    src = tmp_path / "src"
+    r = subprocess.run([sys.executable, str(script), str(src), "--gptq", "--layers", "1", "--experts", "4",
+                        "--experts-per-shard", "2", "--hidden", "256", "--intermediate", "128", "--vocab", "256"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return src
+
+
+def _change_in_place(shard, suffix: str, new: bytes | None = None) -> None:
+    """Flip the first word of the first tensor named `*suffix` of `shard` (or write `new` there)
+    without changing the file's size or its times (as `--resume` may meet a file rewritten by a
+    tool that keeps them)."""
+    from wna16ctl.sources.headers import read_shard_header
+
+    header = read_shard_header(shard)
+    start = header.data_start + next(e for n, e in header.entries.items() if n.endswith(suffix))["data_offsets"][0]
+    st = os.stat(shard)
+    with open(shard, "r+b") as f:
+        f.seek(start)
+        word = f.read(4)
+        f.seek(start)
+        f.write(new if new is not None else bytes(b ^ 0x5A for b in word))
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_resume_redoes_the_files_of_a_changed_source_and_records_no_source_digest(tmp_path, monkeypatch):
+    """An interrupted convert, then one shard's data changed in place (same size, same times):
+    `--resume` keeps the other files and writes that one again, with the bytes a fresh run gives.
+    No digest of the source is kept while writing (resume converts the staged files' sources again).
+    Where several files are converted at once, a refusal in one stops the others: one line, exit 2,
+    nothing written."""
+    import wna16ctl
+    from wna16ctl.conversion import write
+
+    src = _multi_shard_gptq(tmp_path)
+    shards = sorted(p.name for p in src.glob("*.safetensors"))
+    assert len(shards) >= 3
+    real = write._write_side_files
+
+    def interrupted(*args):
+        raise KeyboardInterrupt  # after every shard is written and journaled
+
+    monkeypatch.setattr(write, "_write_side_files", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        wna16ctl.convert(src, tmp_path / "out")
+    monkeypatch.setattr(write, "_write_side_files", real)
+    _change_in_place(src / shards[1], ".qweight")
+    manifest = wna16ctl.convert(src, tmp_path / "out", resume=True)
+    assert manifest["files_reused"] == [s for s in shards if s != shards[1]]
+    fresh = wna16ctl.convert(src, tmp_path / "fresh")
+    assert manifest["files"] == fresh["files"]
+    for name in shards:
+        assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "fresh" / name).read_bytes(), name
+    assert all(set(meta) == {"blake3", "bytes"} for meta in manifest["files"].values()), manifest["files"]
+    again = wna16ctl.convert(src, tmp_path / "out", resume=True)  # a committed output: every file reused
+    assert again["files_reused"] == shards
+    _change_in_place(src / shards[-1], ".scales", b"\x00\x7c")  # a float16 scale made infinite
+    before = sorted(os.listdir(tmp_path))
+    r = _cli("convert", str(src), "-o", str(tmp_path / "refused"))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "not finite" in r.stderr, r.stderr
+    assert sorted(os.listdir(tmp_path)) == before

@@ -160,3 +160,71 @@ def test_word_path_refuses_wrong_data_in_one_line_and_writes_nothing(quantized, 
     errors = [line for line in r.stderr.splitlines() if not line.startswith("import time")]
     assert r.returncode == 2 and len(errors) == 1 and named in errors[0], r.stderr[-2000:]
     assert sorted(os.listdir(tmp_path)) == ["src"]
+
+
+def test_native_transposes_write_numpys_bytes(host, quantized, tmp_path, monkeypatch):
+    """The native host library's transposes (at each tile level this CPU has) write what numpy's
+    tiled copies write: 32-bit codes and 16-bit scales, edges that fill no tile, rows further apart
+    than the columns taken (a projection written in pieces); and a whole checkpoint converted
+    without the library (WNA16CTL_NO_NATIVE=1: numpy's copies) is the same files."""
+    import numpy as np
+
+    import wna16ctl
+    from wna16ctl.conversion import words
+    from wna16ctl.native import simd
+
+    rng = np.random.default_rng(0)
+    for level in ("scalar", "avx2"):
+        if level not in simd.available(host):
+            continue
+        monkeypatch.setenv(simd.ENV, level)
+        native = words.transposer()
+        assert native is not words._numpy_transpose
+        for dtype in ("<u4", "<u2"):
+            for rows, cols, ld in [(256, 768, 768), (96, 2048, 2048), (13, 37, 37), (8, 8, 8), (1, 1, 1),
+                                   (17, 9, 20), (64, 130, 200), (3, 0, 5)]:
+                block = rng.integers(0, 1 << 16, size=(rows, ld)).astype(dtype)
+                view = block[:, :cols].T  # the canonical view: [cols, rows], rows `ld` apart in the source
+                got, want = (np.full(view.shape, 0xA5, dtype=dtype) for _ in range(2))
+                native(got.ctypes.data, view)
+                words._numpy_transpose(want.ctypes.data, view)
+                assert np.array_equal(want, view) and np.array_equal(got, want), (level, dtype, rows, cols, ld)
+    monkeypatch.delenv(simd.ENV)
+    src = quantized.checkpoint("gptqmodel-gptq-actorder-sym4")
+    wna16ctl.convert(src, tmp_path / "native")
+    monkeypatch.setenv("WNA16CTL_NO_NATIVE", "1")
+    assert words.transposer() is words._numpy_transpose
+    wna16ctl.convert(src, tmp_path / "numpy")
+    _same_files(tmp_path / "native", tmp_path / "numpy")
+
+
+def test_a_shard_cut_short_while_its_codes_are_mapped_is_one_line_and_nothing_written(host, quantized, tmp_path,
+                                                                                     monkeypatch):
+    """The native path reads a projection's codes straight from a mapping of the shard: a shard
+    truncated meanwhile is refused naming the file (the guarded read returns, no SIGBUS), nothing
+    written."""
+    import wna16ctl
+    from wna16ctl.conversion import words
+    from wna16ctl.errors import BadInput
+
+    src = Path(shutil.copytree(quantized.checkpoint("gptqmodel-gptq-actorder-sym4"), tmp_path / "src"))
+    shard = src / "model.safetensors"
+    real = words.transposer
+    calls = []
+
+    def transposer():
+        native = real()
+        assert native is not words._numpy_transpose
+
+        def truncate_then_transpose(address, view):
+            calls.append(1)
+            if len(calls) == 3:  # the third projection's codes, mapped already, are cut off
+                os.truncate(shard, 4096)
+            return native(address, view)
+
+        return truncate_then_transpose
+
+    monkeypatch.setattr(words, "transposer", transposer)
+    with pytest.raises(BadInput, match=r"model\.safetensors: ends before tensor .*qweight does"):
+        wna16ctl.convert(src, tmp_path / "out")
+    assert len(calls) == 3 and sorted(os.listdir(tmp_path)) == ["src"]

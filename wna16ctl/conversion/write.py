@@ -9,15 +9,18 @@ the canonical form as it is, with `weight_shape`; GPTQ's are its qweight, qzeros
 scales and g_idx.  Every other tensor is copied byte for byte in pieces.  Memory stays at one
 projection and one piece.
 
-`--resume`: every output file records the digest of the source bytes it was made from (read in
-the order they are used); a staged or committed file of an earlier run with the same source and
-settings is kept when its own bytes and that digest still match.
+`--resume`: a staged or committed file of an earlier run with the same source and settings is kept
+when its own bytes are still the ones recorded and converting the checkpoint as it is now gives
+those bytes again (hashed, not written), as repack's native path checks its files: no digest of the
+source is taken while writing, and a source whose data changed (whatever its size and times say)
+has the files made from it written again.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -30,6 +33,7 @@ from wna16ctl.version import __version__
 
 PIECE = 8 << 20  # the largest piece of a copied tensor held at once
 STREAM_DEPTH = 8
+PRODUCERS = 4  # files converted at once, at most (one per core)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt")
 _ROLES = (CODES, SCALES, ZERO_POINTS, G_IDX)  # the order a projection's stored tensors are read in
 
@@ -54,26 +58,22 @@ def write_converted(plan: ConversionPlan, out: str | os.PathLike[str], *, force:
     ident = identity(ck, plan.writer)
     staged = StagedOutput(Path(out).resolve(), force=force, resume=resume, identity=ident, checkpoint=ck.root)
     reused: list[str] = []
-    reader_of, reserve, produce = _data_path(plan)
+    path = _data_path(plan)
     try:
-        with interrupts.deferred(), reader_of(ck.files) as reader:
-            pending = [(sh, f) for sh, f in plan.files if not _reusable(staged, reader, f, produce)]
+        with interrupts.deferred(), path.reader(ck.files) as reader:
+            _adopt_rebuilt(plan, staged, reader, path, progress)
+            pending = [f for _, f in plan.files if f.relpath not in staged.done]
             reused = [f.relpath for _, f in plan.files if f.relpath in staged.done]
-            staged.check_space(sum(f.size for _, f in pending))
-            advance = progress("converting", sum(f.size for _, f in pending), unit="bytes") if progress else (lambda n: 0)
-            for _, f in pending:
-                stream = staged.stream(f, reserve(f), STREAM_DEPTH, allocate=True)
-                staged.sources[f.relpath] = produce(f, reader, stream, advance)
-                staged.finish_stream(f)
-                staged.checkpoint_journal()
+            staged.check_space(sum(f.size for f in pending))
+            advance = progress("converting", sum(f.size for f in pending), unit="bytes") if progress else (lambda n: 0)
+            _write_files(staged, pending, reader, path, advance)
         _write_side_files(plan, staged)
         staged.collect_hashes()
         manifest = {
             "format": ident["format"], "layout": LAYOUT, "tool_version": __version__, "identity": ident,
             "source": {"path": os.path.abspath(ck.root), "fingerprint": ident["source_fingerprint"]},
             "conversion": plan.to_json(), "files_reused": reused,
-            "files": {rel: {FILE_HASH: digest, "bytes": (staged.stage / rel).stat().st_size,
-                            **({f"source_{FILE_HASH}": staged.sources[rel]} if rel in staged.sources else {})}
+            "files": {rel: {FILE_HASH: digest, "bytes": (staged.stage / rel).stat().st_size}
                       for rel, digest in sorted(staged.done.items())},
         }
         with interrupts.deferred() as held:
@@ -86,71 +86,148 @@ def write_converted(plan: ConversionPlan, out: str | os.PathLike[str], *, force:
     return manifest
 
 
-def _data_path(plan: ConversionPlan) -> tuple[Callable[[Any], Any], Callable[[Any], int], Callable[..., str]]:
-    """(reader class, largest reservation of a file's stream, producer(f, reader, stream or None,
-    advance) -> source digest): the torch-free word path (`conversion.words`) where it takes every
-    projection's scheme, else the torch path below (the reference; both write the same bytes)."""
+class _Stopped(Exception):
+    """A producer stopped because another one failed (that one's error is raised)."""
+
+
+@dataclass(frozen=True)
+class _DataPath:
+    reader: Callable[[Any], Any]  # the reader class, given the checkpoint's files
+    reserve: Callable[[Any], int]  # the largest reservation of a file's stream
+    produce: Callable[..., None]  # (f, reader, stream, advance, check): file f through stream; check() between pieces
+    producers: int  # files produced at once
+
+
+def _data_path(plan: ConversionPlan) -> _DataPath:
+    """The torch-free word path (`conversion.words`) where it takes every projection's scheme, one
+    file per core at once (its reads and transposes release the GIL), else the torch path below (the
+    reference, one file at a time; both write the same bytes)."""
     from wna16ctl.conversion import words
 
     if words.takes(plan):
         from wna16ctl.sources.raw import RawReader
 
         written = words.written_of(plan)
-        return RawReader, words.max_reserve, lambda f, reader, stream, advance: words.produce(
-            plan, f, reader, stream, advance, _converted, written)
+        return _DataPath(RawReader, words.max_reserve, lambda f, reader, stream, advance, check: words.produce(
+            plan, f, reader, stream, advance, _converted, written, check), _producers(len(plan.files)))
     from wna16ctl.sources.tensors import TensorReader
 
-    return TensorReader, lambda f: 0, lambda f, reader, stream, advance: _produce(
-        plan, f, reader, None if stream is None else stream.write, advance)
+    return _DataPath(TensorReader, lambda f: 0, lambda f, reader, stream, advance, check: _produce(
+        plan, f, reader, stream.write, advance, check), 1)
 
 
-def _reusable(staged: Any, reader: Any, f: Any, produce: Callable[..., str]) -> bool:
-    """A file an earlier run finished, whose bytes are as recorded and whose source bytes are unchanged."""
-    if f.relpath not in staged.reusable or not staged.staged_file_matches(f):
-        return False
-    return bool(staged.reuse(f, produce(f, reader, None, lambda n: 0)))
+def _producers(n_files: int) -> int:
+    """Files converted at once: one per core (at most PRODUCERS), never more than there are files."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(PRODUCERS, cores, n_files))
 
 
-def _produce(plan: ConversionPlan, f: Any, reader: Any, write: Callable[[Any], None] | None,
-             advance: Callable[[int], Any]) -> str:
-    """Write file `f` front to back through `write` (None: only read and digest its source bytes);
-    returns the digest of the source bytes, in the order they were read."""
+def _write_files(staged: Any, files: list[Any], reader: Any, path: _DataPath, advance: Callable[[int], Any]) -> None:
+    """Every pending output file through a stream of its own, `path.producers` at once: each
+    producer takes the next file, and its stream hashes and writes while it fills the next block.
+    The first error (a Ctrl-C `interrupts.check` raised in a producer included) stops the others
+    at their next piece and is raised here; every finished file is journaled for `--resume`."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
     from wna16ctl import interrupts
-    from wna16ctl.output.writer import ReusedBuffer, new_hasher
+
+    lock = threading.Lock()  # the staged output's bookkeeping and the next file: one producer at a time
+    stop = threading.Event()
+    queue = iter(files)
+
+    def check() -> None:
+        interrupts.check()
+        if stop.is_set():
+            raise _Stopped
+
+    def producer() -> None:
+        try:
+            while True:
+                with lock:
+                    f = None if stop.is_set() else next(queue, None)
+                    if f is None:
+                        return
+                    stream = staged.stream(f, path.reserve(f), STREAM_DEPTH, allocate=True)
+                path.produce(f, reader, stream, advance, check)
+                with lock:
+                    staged.finish_stream(f)  # its last writes, fsync and digest run in the background
+                    staged.checkpoint_journal()  # the files finished by now
+        except BaseException:
+            stop.set()
+            raise
+
+    if path.producers == 1:
+        return producer()
+    with ThreadPoolExecutor(max_workers=path.producers, thread_name_prefix="wna16ctl-convert") as pool:
+        futures = [pool.submit(producer) for _ in range(path.producers)]
+        interrupts.wait_all(futures)  # a Ctrl-C meanwhile is recorded; a producer raises it
+    errors = [e for e in (fut.exception() for fut in futures) if e is not None and not isinstance(e, _Stopped)]
+    if errors:
+        raise errors[0]
+    return None
+
+
+def _adopt_rebuilt(plan: ConversionPlan, staged: Any, reader: Any, path: _DataPath,
+                   progress: Callable[..., Callable[[int], None]] | None) -> None:
+    """Adopt each file an earlier run finished whose staged bytes are as recorded and which the
+    checkpoint, converted again now into a stream that only hashes, still gives (the rule of
+    repack's native path: `StagedOutput.staged_file_matches` without a source digest, `adopt`)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from wna16ctl import interrupts
+    from wna16ctl.output.filestream import FileStream, depth_for
+    from wna16ctl.output.writer import new_hasher
+
+    candidates = [f for _, f in plan.files if f.relpath in staged.reusable and staged.staged_file_matches(f, False)]
+    if not candidates:
+        return
+    advance = progress("checking the staged files", sum(f.size for f in candidates), unit="bytes") if progress \
+        else (lambda n: 0)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="wna16ctl-rehash") as pool:
+        for f in candidates:
+            reserve = path.reserve(f)
+            stream = FileStream(-1, f.size, new_hasher(), pool, max_reserve=reserve, on_error=lambda e: e,
+                                direct=False, depth=depth_for(reserve))  # fd -1: hashed, never written
+            stream.write(f.header)
+            path.produce(f, reader, stream, advance, interrupts.check)
+            stream.close()
+            if stream.hasher.hexdigest() == staged.reusable[f.relpath][0]:
+                staged.adopt(f)
+
+
+def _produce(plan: ConversionPlan, f: Any, reader: Any, write: Callable[[Any], None],
+             advance: Callable[[int], Any], check: Callable[[], None]) -> None:
+    """Write file `f` front to back through `write`; `check()` between tensors (raises to stop)."""
+    from wna16ctl.output.writer import ReusedBuffer
 
     files = plan.checkpoint.files
     fmt = formats.of(plan.checkpoint.config.quant)
     first = {p.written()[0][0]: p for p in plan.projections.values()}  # where each projection's tensors start
-    hasher = new_hasher()
-    hasher.update(f.relpath.encode() + b"\0")
-    reader.hasher = hasher
     buf = ReusedBuffer(PIECE)  # the stream has its header already
     buffers: dict[str, Any] = {}  # the stored tensors of one projection, read into the same storage each time
-    try:
-        done: set[str] = set()
-        for t in f.tensors:
-            interrupts.check()
-            if t.name in done:
-                continue
-            if t.name in first:
-                pieces = _converted(first[t.name], fmt, reader, buffers)
-                for name, data in pieces:
-                    done.add(name)
-                    if write is not None:
-                        write(data)
-                advance(sum(len(d) for _, d in pieces))
-                continue
-            info = files.info(t.name)
-            for start in range(info.start, info.end, PIECE):
-                n = min(PIECE, info.end - start)
-                view = buf.view()[:n]
-                reader.read_into(type(info)(info.name, info.dtype, (), info.file, start, start + n), view)
-                if write is not None:
-                    write(view)
-            advance(info.nbytes)
-    finally:
-        reader.hasher = None
-    return str(hasher.hexdigest())
+    done: set[str] = set()
+    for t in f.tensors:
+        check()
+        if t.name in done:
+            continue
+        if t.name in first:
+            pieces = _converted(first[t.name], fmt, reader, buffers)
+            for name, data in pieces:
+                done.add(name)
+                write(data)
+            advance(sum(len(d) for _, d in pieces))
+            continue
+        info = files.info(t.name)
+        for start in range(info.start, info.end, PIECE):
+            n = min(PIECE, info.end - start)
+            view = buf.view()[:n]
+            reader.read_into(type(info)(info.name, info.dtype, (), info.file, start, start + n), view)
+            write(view)
+        advance(info.nbytes)
 
 
 def converted_tensors(p: Projection, fmt: Any, reader: Any, buffers: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -374,6 +374,7 @@ _HOST_PROTOS: CPrototypes = {
     "wna16_first_nonfinite_many": (_I64, [_P, _P, _I64, _I32, _P]),
     "wna16_pread_many": (_I64, [_P, _P, _P, _P, _I64, _P]),
     "wna16_map_file": (_P, [_I32, _I64, _I64, _P]),
+    "wna16_transpose_host": (_I32, [_P, _I64, _I64, _I64, _P, _I32, _I32]),
     "wna16_unmap_file": (_I32, [_P, _I64]),
 }
 

@@ -35,6 +35,12 @@ def handles(scheme: WeightScheme) -> bool:
                                                                                     awq.STORED else gptq.BITS)
 
 
+def codes_moved_only(scheme: WeightScheme) -> bool:
+    """Whether `canonical_words` only moves the codes' words (GPTQ: a transpose) without reading
+    their values (AWQ reorders their nibbles), so that the caller may hand it codes it has not read."""
+    return scheme.format != awq.STORED
+
+
 def canonical_words(stored: dict[str, tuple[str, np.ndarray]], scheme: WeightScheme,
                     k: int) -> dict[str, tuple[str, np.ndarray]] | None:
     """One projection's stored tensors (role -> (safetensors dtype, array of its shape)) in the
