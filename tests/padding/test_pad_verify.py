@@ -46,6 +46,8 @@ def test_verify_passes_a_padding_with_numerics(padded_pair):
     ("added code", "down_proj.weight_packed: an added code is not the zero code"),
     ("original scale", "gate_proj.weight_scale: an original scale changed"),
     ("added zero point", "up_proj.weight_zero_point: an added zero point is not the zero code"),
+    ("added row code", "gate_proj.weight_packed: an added code is not the zero code"),
+    ("original code", "down_proj.weight_packed: an original code changed"),
 ])
 def test_verify_names_a_damaged_tensor(padded_pair, tmp_path, damage, expected):
     src, out = padded_pair
@@ -57,6 +59,10 @@ def test_verify_names_a_damaged_tensor(padded_pair, tmp_path, damage, expected):
     if damage == "added code":
         w = t[f"{m}.down_proj.weight_packed"]
         w[:, -1] = zero_word(4) ^ 1
+    elif damage == "added row code":  # one code of an added row's word (rows 128..255 of 256 are added)
+        t[f"{m}.gate_proj.weight_packed"][-1, 3] = zero_word(4) ^ (1 << 28)
+    elif damage == "original code":
+        t[f"{m}.down_proj.weight_packed"][5, 0] ^= 1
     elif damage == "original scale":
         t[f"{m}.gate_proj.weight_scale"][0, 0] *= 2
     else:

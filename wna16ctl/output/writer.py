@@ -145,6 +145,57 @@ def hash_file(path: Path, algorithm: str = FILE_HASH, bufsize: int = 16 << 20,
     return h.hexdigest()
 
 
+class InOrderDigest:
+    """A file's digest (one of FILE_HASHES) from bytes a caller reads anyway, fed in file order:
+    a check that reads the file's tensors hashes the same bytes instead of reading the file a
+    second time.  What the caller does not feed (the header, a tensor it skips) is read here; a
+    piece fed behind one already hashed (out of file order) leaves the digest to a whole read of
+    the file, so that the digest is always the file's."""
+
+    def __init__(self, path: Path, algorithm: str = FILE_HASH, bufsize: int = 16 << 20):
+        self.path, self.algorithm, self.bufsize = path, algorithm, bufsize
+        self._h: Any = new_hasher(algorithm)
+        self.pos = 0  # bytes hashed so far, from the start of the file
+        self.bytes_read = 0  # bytes this object read itself (what the caller did not feed)
+        self._whole = False  # a piece came out of order: hash the whole file at the end
+
+    def feed(self, start: int, data: memoryview | bytes) -> None:
+        """The file's bytes at `start`, as the caller read them."""
+        if self._whole or start < self.pos:
+            self._whole = True
+            return
+        self._read_to(start)
+        self._h.update(data)
+        self.pos = start + len(data)
+
+    def _read_to(self, end: int | None) -> None:
+        """Hash the file's bytes from `pos` to `end` (None: to its end), read here."""
+        if end is not None and self.pos >= end:
+            return
+        fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+        with open(fd, "rb", buffering=0) as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file", str(self.path))
+            f.seek(self.pos)
+            buf = memoryview(bytearray(self.bufsize))
+            while end is None or self.pos < end:
+                n = f.readinto(buf if end is None else buf[:min(self.bufsize, end - self.pos)])
+                if not n:
+                    if end is not None:  # shorter than the bytes fed: the file changed under the reader
+                        raise OSError(errno.EIO, "the file ended early", str(self.path))
+                    break
+                self._h.update(buf[:n])
+                self.pos += n
+                self.bytes_read += n
+
+    def hexdigest(self) -> str:
+        """The file's digest: what was fed, and the rest of the file read here."""
+        if self._whole:
+            return hash_file(self.path, self.algorithm, self.bufsize)
+        self._read_to(None)
+        return self._h.hexdigest()
+
+
 def _os_error(e: OSError, path: Path | str) -> OutputError:
     what = e.strerror or str(e)
     if e.errno in (errno.EEXIST, errno.ENOTDIR):

@@ -4,7 +4,10 @@
    that was not padded is byte for byte the original; a padded projection holds every original
    code, scale, zero point and g_idx entry where it was, and every added one is the zero code (an
    added zero point too), a finite scale, or (act-order) the g_idx of a whole new group after the
-   last; `weight_shape` says the padded size; unquantized weights gain exact zeros.
+   last; `weight_shape` says the padded size; unquantized weights gain exact zeros.  Every file the
+   manifest lists has its recorded digest, computed from the bytes this proof reads (each padded
+   file read once, in file order; what the proof skips is read for the digest alone); the tensors
+   are compared on every core.
 2. Numerics, per routed MoE layer: the padded layer split over the TP ranks it was padded for and
    the original at TP 1 get the same activations in the model dtype and routing (verify's own:
    GSM8K questions embedded, normalised and routed by the layer's router, every expert exercised;
@@ -29,15 +32,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from wna16ctl.errors import BadInput
 from wna16ctl.layout.packing import unpack_codes
-from wna16ctl.padding.tensors import zero_code
+from wna16ctl.padding.tensors import zero_code, zero_word
 from wna16ctl.padding.write import LAYOUT
 from wna16ctl.sources import Checkpoint, formats, open_checkpoint
+from wna16ctl.sources.tensors import as_tensor
 from wna16ctl.sources.formats import CANONICAL, CODES, WEIGHT, G_IDX, SCALES, SHAPE, ZERO_POINTS
 
 _ROLE = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
@@ -176,7 +180,6 @@ def verify_padding(original: str | os.PathLike[str], padded: str | os.PathLike[s
     `layers` / `experts` ("0-3,7" or indices, as for a repack output) check only those routed MoE
     layers and experts, tensors and numerics: a partial proof, said so, with no serve step and no e2e."""
     from wna16ctl.output.outdir import MANIFEST_NAME, read_json_file
-    from wna16ctl.output.writer import hash_file, recorded_hash
     from wna16ctl.sources import source_fingerprint
 
     a, b = open_checkpoint(original), open_checkpoint(padded)
@@ -196,15 +199,12 @@ def verify_padding(original: str | os.PathLike[str], padded: str | os.PathLike[s
     if manifest.get("identity", {}).get("source_fingerprint") != source_fingerprint(a):
         proof.problems.append(f"{padded}: its manifest names another source than {original} (or the original changed "
                               "since it was padded)")
-    for rel, meta in (manifest.get("files") or {}).items():
-        rec = recorded_hash(meta)
-        path = Path(padded) / rel
-        if rec is None or not path.is_file() or hash_file(path, rec[0]) != rec[1]:
-            proof.problems.append(f"{path}: missing or changed since it was written (its digest differs)")
+    digests = _file_digests(Path(padded), manifest.get("files") or {})
     from wna16ctl.verification.checks import torch_threads
 
-    with torch_threads(None):  # byte comparisons, as verify's round trip
-        _check_tensors(a, b, proof)
+    with torch_threads(None):  # byte comparisons on every core, as verify's round trip
+        _check_tensors(a, b, proof, {os.path.realpath(d.path): d for d, _ in digests.values() if d is not None})
+    proof.problems[:0] = _digest_problems(Path(padded), digests)  # the files' check first, as it reads
     if numerics and not proof.problems:
         _check_numerics(a, b, proof, samples, num_samples)
     if e2e is not None:  # also on a damaged padding: how far the damage moves the model is reported too
@@ -262,9 +262,66 @@ def _bits(ck: Checkpoint, module: str) -> int:
     return s.num_bits
 
 
-def _check_tensors(a: Checkpoint, b: Checkpoint, proof: PadProof) -> None:
-    from wna16ctl.sources.tensors import TensorReader
+def _file_digests(padded: Path, files: dict[str, Any]) -> dict[str, tuple[Any, str | None]]:
+    """rel -> (its digest, fed by the tensor proof's reads: `writer.InOrderDigest`, or None where
+    the file is missing; the digest the manifest records, None where it records none)."""
+    from wna16ctl.output.writer import InOrderDigest, recorded_hash
 
+    out: dict[str, tuple[Any, str | None]] = {}
+    for rel, meta in files.items():
+        rec = recorded_hash(meta)
+        path = padded / rel
+        out[rel] = (InOrderDigest(path, rec[0]) if rec is not None and path.is_file() else None,
+                    None if rec is None else rec[1])
+    return out
+
+
+def _digest_problems(padded: Path, digests: dict[str, tuple[Any, str | None]]) -> list[str]:
+    """Each manifest file whose digest differs from the recorded one (or that is missing)."""
+    out = []
+    for rel, (digest, want) in digests.items():
+        try:
+            same = digest is not None and want is not None and digest.hexdigest() == want
+        except OSError:
+            same = False
+        if not same:
+            out.append(f"{padded / rel}: missing or changed since it was written (its digest differs)")
+    return out
+
+
+class _Reads:
+    """One check's reads: the original's tensors, and the padded one's, whose bytes are kept to
+    feed their file's digest (in file order, by `_run_checks`)."""
+
+    def __init__(self, ra: Any, rb: Any):
+        self.ra, self.rb = ra, rb
+        self.fed: list[tuple[Any, torch.Tensor]] = []  # (TensorInfo, bytes) of the padded tensors read
+
+    def a_bytes(self, name: str) -> torch.Tensor:
+        return self.ra.read_bytes(self.ra.files.info(name))
+
+    def b_bytes(self, name: str) -> torch.Tensor:
+        info = self.rb.files.info(name)
+        raw = self.rb.read_bytes(info)
+        self.fed.append((info, raw))
+        return raw
+
+    def a(self, name: str) -> torch.Tensor:
+        info = self.ra.files.info(name)
+        return as_tensor(self.a_bytes(name), info.dtype, info.shape)
+
+    def b(self, name: str) -> torch.Tensor:
+        info = self.rb.files.info(name)
+        return as_tensor(self.b_bytes(name), info.dtype, info.shape)
+
+
+# a check of the tensor proof: (the padded tensors it reads, what it finds from its reads)
+_Item = tuple[list[str], Callable[[_Reads], list[str]]]
+
+
+def _check_tensors(a: Checkpoint, b: Checkpoint, proof: PadProof, digests: dict[str, Any] | None = None) -> None:
+    """The tensor proof (module doc, 1.).  `digests`: real path -> `writer.InOrderDigest` of the
+    padded files, fed the bytes the proof reads, so that each file is read once."""
     names_a, names_b = set(a.files.names()), set(b.files.names())
     for n in sorted(names_a - names_b)[:5]:
         proof.problems.append(f"{b.root}: tensor {n} of the original is missing")
@@ -275,38 +332,89 @@ def _check_tensors(a: Checkpoint, b: Checkpoint, proof: PadProof) -> None:
     left_out = _left_out_tensors(a, proof, names_a & names_b)
     apart = _stored_apart(a, grown)
     projections: dict[str, list[str]] = {}  # a grown module stored apart -> its tensors
-    with TensorReader(a.files) as ra, TensorReader(b.files) as rb:
-        for name in sorted(names_a & names_b - left_out):
-            module, _, suffix = name.rpartition(".")
-            if module in apart and stored.role_of(suffix) in CANONICAL and module.rpartition(".")[2] in _ROLE \
-                    and a.files.info(name).dtype == b.files.info(name).dtype:
-                projections.setdefault(module, []).append(name)
-                continue
-            ia, ib = a.files.info(name), b.files.info(name)
-            proof.tensors_checked += 1
-            module, _, suffix = name.rpartition(".")
-            leaf = module.rpartition(".")[2]
-            if ia.dtype != ib.dtype:
-                proof.problems.append(f"{name}: dtype {ib.dtype}, the original's is {ia.dtype}")
-                continue
-            # a module that did not grow is the original byte for byte, its weight_shape too (the
-            # attention of a checkpoint quantized with every Linear); only a grown one says a new size
-            if ia.shape == ib.shape and (stored.role_of(suffix) != SHAPE or module not in grown):
-                if not torch.equal(ra.read_bytes(ia), rb.read_bytes(ib)):
-                    proof.problems.append(f"{name}: differs from the original")
-                continue
-            if leaf not in _ROLE:
-                proof.problems.append(f"{name}: shape {list(ib.shape)} differs from the original's {list(ia.shape)}, "
-                                      "and it is not an MLP projection")
-                continue
-            proof.tensors_padded += ia.shape != ib.shape
-            why = _padded_tensor_problem(a, b, module, _ROLE[leaf], suffix, ra.read(name), rb.read(name))
-            if why:
-                proof.problems.append(f"{name}: {why}")
-        for module, names in projections.items():
-            proof.tensors_checked += len(names)
-            proof.tensors_padded += sum(a.files.info(n).shape != b.files.info(n).shape for n in names)
-            proof.problems += _projection_problems(a, module, apart[module], names, ra, rb)
+    items: list[_Item] = []
+    for name in sorted(names_a & names_b - left_out):
+        module, _, suffix = name.rpartition(".")
+        if module in apart and stored.role_of(suffix) in CANONICAL and module.rpartition(".")[2] in _ROLE \
+                and a.files.info(name).dtype == b.files.info(name).dtype:
+            projections.setdefault(module, []).append(name)
+            continue
+        items.append(_tensor_item(a, b, proof, grown, name))
+    for module, names in projections.items():
+        proof.tensors_checked += len(names)
+        proof.tensors_padded += sum(a.files.info(n).shape != b.files.info(n).shape for n in names)
+        items.append((names, _projection_item(a, module, apart[module], names)))
+    proof.problems += _run_checks(a, b, items, digests or {})
+
+
+def _projection_item(a: Checkpoint, module: str, scheme: Any, names: list[str]) -> Callable[[_Reads], list[str]]:
+    """The check of a padded projection stored apart (`_projection_problems`) on a check's reads."""
+    return lambda r: _projection_problems(a, module, scheme, names, r.a, r.b)
+
+
+def _tensor_item(a: Checkpoint, b: Checkpoint, proof: PadProof, grown: set[str], name: str) -> _Item:
+    """The check of one tensor not stored apart, counted in `proof`."""
+    stored = formats.of(a.config.quant).names
+    ia, ib = a.files.info(name), b.files.info(name)
+    proof.tensors_checked += 1
+    module, _, suffix = name.rpartition(".")
+    leaf = module.rpartition(".")[2]
+    if ia.dtype != ib.dtype:
+        return [], lambda r: [f"{name}: dtype {ib.dtype}, the original's is {ia.dtype}"]
+    # a module that did not grow is the original byte for byte, its weight_shape too (the
+    # attention of a checkpoint quantized with every Linear); only a grown one says a new size
+    if ia.shape == ib.shape and (stored.role_of(suffix) != SHAPE or module not in grown):
+        return [name], lambda r: [] if torch.equal(r.a_bytes(name), r.b_bytes(name)) else [f"{name}: differs from the original"]
+    if leaf not in _ROLE:
+        return [], lambda r: [f"{name}: shape {list(ib.shape)} differs from the original's {list(ia.shape)}, "
+                              "and it is not an MLP projection"]
+    proof.tensors_padded += ia.shape != ib.shape
+
+    def check(r: _Reads) -> list[str]:
+        why = _padded_tensor_problem(a, b, module, _ROLE[leaf], suffix, r.a(name), r.b(name))
+        return [f"{name}: {why}"] if why else []
+    return [name], check
+
+
+def _run_checks(a: Checkpoint, b: Checkpoint, items: list[_Item], digests: dict[str, Any]) -> list[str]:
+    """The checks on every core, each reading its own tensors (positioned reads and torch's
+    comparisons release the GIL), taken in the padded files' order so that the bytes read feed each
+    file's digest in order, a few checks ahead at most; the problems in the order of `items`, as
+    one thread gives them."""
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+
+    from wna16ctl.native.emulated import usable_cores
+    from wna16ctl.sources.tensors import TensorReader, writable_view
+
+    def where(i: int) -> tuple[str, int]:
+        infos = [b.files.info(n) for n in items[i][0]]
+        first = min(infos, key=lambda info: (str(info.file), info.start), default=None)
+        return ("", 0) if first is None else (str(first.file), first.start)
+
+    def run(i: int) -> tuple[int, list[str], _Reads]:
+        reads = _Reads(ra, rb)
+        return i, items[i][1](reads), reads
+
+    found: list[list[str]] = [[] for _ in items]
+    workers = min(usable_cores(), max(1, len(items)))
+    with TensorReader(a.files) as ra, TensorReader(b.files) as rb, ThreadPoolExecutor(workers) as pool:
+        window: deque[Any] = deque()
+
+        def merge() -> None:
+            i, problems, reads = window.popleft().result()
+            found[i] = problems
+            for info, raw in sorted(reads.fed, key=lambda x: x[0].start):
+                digest = digests.get(os.path.realpath(info.file))
+                if digest is not None:
+                    digest.feed(info.start, writable_view(raw))
+        for i in sorted(range(len(items)), key=where):
+            window.append(pool.submit(run, i))
+            if len(window) > workers:
+                merge()
+        while window:
+            merge()
+    return [p for problems in found for p in problems]
 
 
 def _stored_apart(a: Checkpoint, modules: set[str]) -> dict[str, Any]:
@@ -320,7 +428,8 @@ def _stored_apart(a: Checkpoint, modules: set[str]) -> dict[str, Any]:
     return {m: s for m, s in zip(names, quant.schemes_for(names)) if s is not None and fmt.read_roles(s) is not None}
 
 
-def _projection_problems(a: Checkpoint, module: str, scheme: Any, names: list[str], ra: Any, rb: Any) -> list[str]:
+def _projection_problems(a: Checkpoint, module: str, scheme: Any, names: list[str], read_a: Callable[[str], torch.Tensor],
+                         read_b: Callable[[str], torch.Tensor]) -> list[str]:
     """A padded projection stored apart, proved on its canonical form: the original's and the
     padded one's stored tensors are read into the canonical form by their format (which checks
     what it reads), and every canonical tensor must hold the original's values where they were and
@@ -328,8 +437,8 @@ def _projection_problems(a: Checkpoint, module: str, scheme: Any, names: list[st
     exactly the format's form of the original (`stored_form`) is exactly that of the padded one."""
     fmt = formats.of(a.config.quant)
     role_of = {role: n for n in names if (role := fmt.names.role_of(n.rpartition(".")[2])) is not None}
-    old = {role: ra.read(n) for role, n in role_of.items()}
-    new = {role: rb.read(n) for role, n in role_of.items()}
+    old = {role: read_a(n) for role, n in role_of.items()}
+    new = {role: read_b(n) for role, n in role_of.items()}
     try:
         ca = fmt.canonical(old, scheme, role_of)
         cb = fmt.canonical(new, scheme, role_of)
@@ -385,6 +494,13 @@ def _canonical_problem(kind: str, rows: bool, bits: int, old: torch.Tensor, new:
     """What is wrong with a padded canonical tensor of role `kind` (None: nothing): `rows` for a
     gate/up projection (its rows grew), `n_old`/`n_new` the projection's N before and after."""
     code = zero_code(bits)
+    if kind == CODES and 32 % bits == 0 and old.dtype == new.dtype == torch.int32:
+        # on the packed words: K is whole words (packed along it), so the original's codes are its
+        # words and each added code is the zero code exactly when each added word is the zero word
+        kept, added = _split(old, new, 0 if rows else 1)
+        if kept is None:
+            return "an original code changed"
+        return None if bool((added == zero_word(bits)).all()) else "an added code is not the zero code"
     if kind == CODES:
         if rows:
             kept, added = _split(old, new, 0)
