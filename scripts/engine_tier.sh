@@ -20,9 +20,12 @@ if [ "$status" -ne 0 ]; then
   echo "engine tier: FAILED, the engine venv could not be built (exit $status)" >&2
   exit "$status"
 fi
+# Two test files at a time: a vLLM start keeps about one core busy (imports, the model build, one
+# process after another), so two engines side by side (each worker with a 1 GiB KV cache) use both
+# cores of a 2-core machine.
 started=$(date +%s)
 WNA16CTL_ENGINE_PYTHON=$engine_python WNA16CTL_ENGINE_REQUIRED=1 \
-  "$project_python" -m pytest -q -rs -n 0 -p no:cacheprovider -m engine_ci "$@"
+  "$project_python" -m pytest -q -rs -n 2 --dist loadfile -p no:cacheprovider -m engine_ci "$@"
 status=$?
 echo "engine tier: exit $status after $(( $(date +%s) - started )) s of tests (vLLM from $engine_python)" >&2
 exit "$status"

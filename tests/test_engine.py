@@ -85,6 +85,9 @@ def _engine_env(tp: int, dump: Path | None = None, emulation: bool = False) -> d
         env |= {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i) for i in range(tp)), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     if dump is not None:
         env["WNA16CTL_TEST_DUMP_STATE"] = str(dump)
+    # the KV cache of a demo model's few prompts: 1 GiB per worker, not a share of host memory,
+    # so that two engines fit beside each other (the tier runs two test files at once)
+    env["VLLM_CPU_KVCACHE_SPACE"] = "1"
     return env
 
 

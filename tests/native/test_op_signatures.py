@@ -117,3 +117,45 @@ def test_op_called_with_every_optional_omitted_by_keyword_and_by_position(name: 
         tensors = [args[k] for k in ("a", "b_q", "scales", "sorted_token_ids", "expert_offsets")]
         wrapper = ops.moe_wna16_gemm(*tensors, top_k=args["top_k"], num_bits=args["num_bits"])
         assert torch.equal(by_name, wrapper)
+
+
+_EAGER_CHILD = """
+import sys, torch
+from tests.native.test_kernels import make_problem
+from wna16ctl.native import ops
+for case in ({}, {"zp": True}, {"act_order": True}):
+    a, b_q, s, ids, offs, top_k, bits, zp, g_idx, perm, w, k_full = make_problem(**case)["args"]
+    kw = dict(zero_points=zp, g_idx=g_idx, perm=perm, topk_weights=w, is_k_full=k_full)
+    got = ops.moe_wna16_gemm(a, b_q, s, ids, offs, top_k=top_k, num_bits=bits, **kw)
+    seen = "torch._dynamo" in sys.modules
+    want = torch.ops.wna16ctl.moe_wna16_gemm(a, b_q, s, ids, offs, top_k, bits, **kw)
+    assert torch.equal(got, want), case
+    print(seen)
+"""
+
+
+def test_the_gemm_called_on_plain_tensors_skips_the_dispatcher_and_gives_its_result() -> None:
+    """`ops.moe_wna16_gemm` on plain CPU tensors calls the kernel itself: the first call does not
+    import torch._dynamo (seconds of every verify's start, through the custom op's dispatch) and
+    gives the registered op's result bit for bit."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, "-c", _EAGER_CHILD], capture_output=True, text=True, cwd=root, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["False", "True", "True"], run.stdout  # imported by the dispatched call only
+
+
+def test_the_gemm_on_fake_tensors_still_goes_through_the_dispatcher() -> None:
+    """A tracer's tensors (torch's FakeTensor here) take the registered op's fake kernel."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tests.native.test_kernels import make_problem
+
+    a, b_q, s, ids, offs, top_k, bits, zp, g_idx, perm, w, k_full = make_problem()["args"]
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fa, fb, fs, fi, fo = (mode.from_tensor(t) for t in (a, b_q, s, ids, offs))
+        out = ops.moe_wna16_gemm(fa, fb, fs, fi, fo, top_k=top_k, num_bits=bits, topk_weights=mode.from_tensor(w))
+    assert out.shape == (a.shape[0] * top_k, s.shape[-1]) and type(out) is not torch.Tensor

@@ -592,10 +592,25 @@ def moe_wna16_gemm(
     [M * top_k, N] in a's dtype (rows no slot reaches are zero), each row scaled by
     topk_weights[s] when given.
     """
+    if _eager(a, b_q, scales):
+        # the kernel itself: torch's custom-op dispatch imports torch._dynamo on its first call
+        # (seconds of a verify's start) for what only a compiled caller needs
+        kernel = _gemm_cuda if a.device.type == "cuda" else _gemm_cpu
+        return kernel(a, b_q, scales, sorted_token_ids, expert_offsets, top_k, num_bits, zero_points=zero_points,
+                      g_idx=g_idx, perm=perm, topk_weights=topk_weights, is_k_full=is_k_full)
     return torch.ops.wna16ctl.moe_wna16_gemm(
         a, b_q, scales, sorted_token_ids, expert_offsets, top_k, num_bits,
         zero_points=zero_points, g_idx=g_idx, perm=perm, topk_weights=topk_weights, is_k_full=is_k_full,
     )
+
+
+def _eager(*tensors: Tensor) -> bool:
+    """Whether a call can go straight to the kernel: plain tensors on the CPU or a CUDA device,
+    outside torch.compile / export tracing, none asking for a gradient (the op has no backward);
+    anything else (fake or meta tensors, a tracer's subclasses) goes through torch's dispatcher."""
+    if torch.compiler.is_compiling():
+        return False
+    return all(type(t) is torch.Tensor and t.device.type in ("cpu", "cuda") and not t.requires_grad for t in tensors)
 
 
 __all__ = [
