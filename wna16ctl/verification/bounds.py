@@ -216,14 +216,22 @@ class IntervalSum:
 def add_expert_interval(acc: IntervalSum, a: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                         e: int, w13: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype) -> None:
     """Expert `e`'s slots ([T, k] routing) of a rank's partial, added to the rank's `acc`."""
+    slots = expert_slots_interval(a, topk_ids, topk_weights, e, w13, w2, dtype)
+    if slots is not None:
+        acc.add(*slots)
+
+
+def expert_slots_interval(a: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, e: int,
+                          w13: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype) -> tuple[Interval, torch.Tensor] | None:
+    """(the interval of expert `e`'s slots on a rank, their output rows), None where no slot is its:
+    what `add_expert_interval` adds, for a caller that computes it apart and adds it in order."""
     k = topk_ids.shape[1]
     slots = (topk_ids.reshape(-1).cpu() == e).nonzero().squeeze(1)
     if not slots.numel():
-        return
+        return None
     wf = topk_weights.reshape(-1).float().cpu()
     rows = slots // k
-    iv = expert_interval(a.cpu()[rows], w13.cpu(), w2.cpu(), wf[slots], dtype)
-    acc.add(iv, rows)
+    return expert_interval(a.cpu()[rows], w13.cpu(), w2.cpu(), wf[slots], dtype), rows
 
 
 def block_interval(ranks: list[RankWeights], a: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
