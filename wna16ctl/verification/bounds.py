@@ -111,7 +111,7 @@ def column_slabs(k: int, n: int, itemsize: int = 8) -> list[slice]:
 def upcast_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x (fp32 [S, K]) @ w ([K, N], model dtype) in fp32, w upcast a slab of columns at a time
     (`column_slabs`): an engine's fp32 GEMM without an fp32 copy of the whole weight."""
-    return torch.cat([x @ w[:, cols].float() for cols in column_slabs(*w.shape, itemsize=4)], 1)
+    return torch.cat([x @ w[:, cols].float() for cols in column_slabs(w.shape[0], w.shape[1], itemsize=4)], 1)
 
 
 @dataclass

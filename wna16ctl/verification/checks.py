@@ -54,6 +54,7 @@ from wna16ctl.output.manifest import FORMAT_NAME, SIDE_FILES
 from wna16ctl.repacking.pipeline import LayerJob, RepackPlan, RepackSettings, plan_repack, rank_index_bytes
 from wna16ctl.sources import source_fingerprint
 from wna16ctl.sources.formats import SCALES
+from wna16ctl.verification.budget import EXPERTS_SIDE_BY_SIDE_BYTES
 from wna16ctl.verification.bounds import (JUDGE_ROWS, SLAB_BYTES, AllReduced, Interval, IntervalSum,
                                           expert_slots_interval, gemm_bound_used, judge, nothing_to_compare, numerics_tokens, rank_groups)
 from wna16ctl.verification.rank_gemm import GEMM_DTYPES, ROUNDINGS, UNIT_ROUNDOFF, EmulatedGemm, RankFiles, rank_moe_output  # noqa: F401 - ROUNDINGS and UNIT_ROUNDOFF re-exported
@@ -1209,8 +1210,8 @@ def _rank_group(reader: TensorReader, job: LayerJob, group: dict[int, RankFiles]
     to the layer's sums (each rank's rounded, as the all-reduce takes it), then let go.  On every
     core: each rank's candidate over a slab, then each expert's reference, runs on a worker thread
     with one torch thread (torch's own threads wait on their slowest as soon as another process
-    holds a core), a few experts ahead at most; their terms are added to the sums on this thread in
-    expert order, so the figures are those one thread gives."""
+    holds a core), as many experts at once as cores where their weights fit; their terms are added
+    to the sums on this thread in expert order, so the figures are those one thread gives."""
     from collections import deque
     from concurrent.futures import ThreadPoolExecutor
 
@@ -1224,14 +1225,17 @@ def _rank_group(reader: TensorReader, job: LayerJob, group: dict[int, RankFiles]
     part_k = {r: torch.zeros(sums.kernel.shape[0], H) for r in group}
     failed: set[int] = set()
     workers = usable_cores()
-    with torch_threads(None), ThreadPoolExecutor(workers) as pool:
+    # experts side by side as far as their weights fit (budget.EXPERTS_SIDE_BY_SIDE_BYTES); one at
+    # a time, a large expert keeps torch's threads on every core instead
+    ahead = max(1, min(workers, EXPERTS_SIDE_BY_SIDE_BYTES // (6 * job.layer.hidden_size * job.layer.intermediate_size)))
+    with torch_threads(None if ahead > 1 or len(group) > 1 else "every core"), ThreadPoolExecutor(workers) as pool:
         for slab in _slabs(job, group, selected):
             kept = _marlin_ranks(pool, job, group, slab, routing, dtype, device, emulated, rows, part, part_k, sums,
                                  failed)
             window: deque[Any] = deque()
             for e in slab:
                 window.append(pool.submit(_expert_terms, reader, job, group, routing, a, dtype, e, kept))
-                if len(window) > workers:
+                if len(window) >= ahead:
                     _add_expert_terms(window.popleft().result(), acc, part, sums)
                     step()
             while window:
