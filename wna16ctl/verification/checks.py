@@ -1228,7 +1228,9 @@ def _rank_group(reader: TensorReader, job: LayerJob, group: dict[int, RankFiles]
     # experts side by side as far as their weights fit (budget.EXPERTS_SIDE_BY_SIDE_BYTES); one at
     # a time, a large expert keeps torch's threads on every core instead
     ahead = max(1, min(workers, EXPERTS_SIDE_BY_SIDE_BYTES // (6 * job.layer.hidden_size * job.layer.intermediate_size)))
-    with torch_threads(None if ahead > 1 or len(group) > 1 else "every core"), ThreadPoolExecutor(workers) as pool:
+    side_by_side = ahead > 1 or len(group) > 1
+    with torch_threads(None if side_by_side else "every core"), \
+            (ThreadPoolExecutor(workers) if side_by_side else _InlinePool()) as pool:
         for slab in _slabs(job, group, selected):
             kept = _marlin_ranks(pool, job, group, slab, routing, dtype, device, emulated, rows, part, part_k, sums,
                                  failed)
@@ -1246,6 +1248,21 @@ def _rank_group(reader: TensorReader, job: LayerJob, group: dict[int, RankFiles]
         sums.interval.add_rank(acc.pop(r), k, dtype)
         sums.candidate += part.pop(r).to(dtype).float()
         sums.kernel += part_k.pop(r).to(dtype).float()
+
+
+class _InlinePool(contextlib.AbstractContextManager):
+    """A pool's `submit` on the calling thread, for work with nothing to run side by side: its
+    memory stays in the calling thread's heap rather than in a worker's too."""
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Any:
+        from concurrent.futures import Future
+
+        done: Future[Any] = Future()
+        done.set_result(fn(*args))
+        return done
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
 
 
 def _marlin_ranks(pool: Any, job: LayerJob, group: dict[int, RankFiles], slab: range, routing: Routing,
