@@ -1229,14 +1229,16 @@ def _rank_group(reader: TensorReader, job: LayerJob, group: dict[int, RankFiles]
     # a time, a large expert keeps torch's threads on every core instead
     ahead = max(1, min(workers, EXPERTS_SIDE_BY_SIDE_BYTES // (6 * job.layer.hidden_size * job.layer.intermediate_size)))
     side_by_side = ahead > 1 or len(group) > 1
+    inline = _InlinePool()
     with torch_threads(None if side_by_side else "every core"), \
-            (ThreadPoolExecutor(workers) if side_by_side else _InlinePool()) as pool:
+            (ThreadPoolExecutor(workers) if side_by_side else inline) as pool:
+        experts_pool = pool if ahead > 1 else inline  # one at a time: on this thread, in its heap
         for slab in _slabs(job, group, selected):
             kept = _marlin_ranks(pool, job, group, slab, routing, dtype, device, emulated, rows, part, part_k, sums,
                                  failed)
             window: deque[Any] = deque()
             for e in slab:
-                window.append(pool.submit(_expert_terms, reader, job, group, routing, a, dtype, e, kept))
+                window.append(experts_pool.submit(_expert_terms, reader, job, group, routing, a, dtype, e, kept))
                 if len(window) >= ahead:
                     _add_expert_terms(window.popleft().result(), acc, part, sums)
                     step()
