@@ -271,3 +271,47 @@ def test_a_cap_below_two_tokens_per_expert_still_exercises_every_expert():
     routing = activations.route(Ck, Reader(), Layer, torch.randn(4096, 16), max_tokens=390)
     assert routing.x.shape[0] <= 390
     assert set(routing.topk_ids.reshape(-1).tolist()) >= set(range(384))
+
+
+def test_pad_numerics_copy_weights_a_slab_at_a_time(make_ckpt, tmp_path, monkeypatch):
+    """The padding proof's numerics never make a float64, fp32 or int32 tensor of an expert's
+    projection's size: the weights are dequantised a slab of rows at a time and upcast for the
+    GEMMs and their bounds a slab of columns at a time (`bounds.column_slabs`), so their memory
+    does not grow with the expert (before, float64 copies of the whole w13 and w2 and the int32
+    codes of the whole projection).  Counted over every op's output, not timed."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    import wna16ctl.padding.proof as proof_mod
+    import wna16ctl.verification.bounds as bounds_mod
+    import wna16ctl.verification.budget as budget_mod
+
+    hidden, inter = 512, 384
+    wide = (torch.float64, torch.float32, torch.int32, torch.int64)
+    largest: list[tuple[int, str]] = []
+
+    class Largest(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.dtype in wide:
+                    largest.append((t.numel(), f"{func} {t.dtype} {list(t.shape)}"))
+            return out
+
+    real = proof_mod._check_numerics
+
+    def check_numerics(*args, **kwargs):
+        with Largest():
+            return real(*args, **kwargs)
+
+    src = make_ckpt(num_layers=1, hidden_size=hidden, intermediate_size=inter, num_experts=4)
+    wna16ctl.pad(src, tmp_path / "p", to=512, tp=2)
+    monkeypatch.setattr(proof_mod, "_check_numerics", check_numerics)
+    for mod in (bounds_mod, budget_mod):
+        monkeypatch.setattr(mod, "SLAB_BYTES", 64 << 10)
+    proof = wna16ctl.verify(src, tmp_path / "p", samples=QUESTIONS, num_samples=1)
+    assert proof.passed and proof.layers and largest
+    # one projection is inter × hidden elements, a slab (64 KiB) a twenty-fourth of it in float64;
+    # the largest left are the tokens' own ([T, H], an expert's [S, 2I])
+    assert max(largest)[0] <= inter * hidden // 2, sorted(largest)[-3:]

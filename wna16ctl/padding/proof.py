@@ -578,7 +578,7 @@ def _block_ranks(ck: Checkpoint, layer: Any, experts: list[int], tp: int, a: tor
     """The ranks of `accs` of a block split over `tp`: each expert read once, its slices' intervals
     and outputs added to each rank's sums."""
     from wna16ctl.sources.tensors import TensorReader
-    from wna16ctl.verification.bounds import add_expert_interval
+    from wna16ctl.verification.bounds import add_expert_interval, upcast_matmul
     from wna16ctl.verification.e2e import _dequantize_source
 
     k, H = topk_ids.shape[1], a.shape[1]
@@ -595,9 +595,9 @@ def _block_ranks(ck: Checkpoint, layer: Any, experts: list[int], tp: int, a: tor
                 s = slice(r * step, (r + 1) * step)
                 w13, w2 = torch.cat([g[s].T, u[s].T], 1), d[:, s].T.contiguous()
                 add_expert_interval(accs[r], a, topk_ids, topk_weights, e, w13, w2, dtype)
-                g13 = (x @ w13.float()).to(dtype).float()
+                g13 = upcast_matmul(x, w13).to(dtype).float()  # no fp32 copy of the whole weight
                 h = (torch.nn.functional.silu(g13[:, :step]) * g13[:, step:]).to(dtype).float()
-                outs[r].index_add_(0, idx // k, ((h @ w2.float()) * wf[idx].unsqueeze(1)).to(dtype).float())
+                outs[r].index_add_(0, idx // k, (upcast_matmul(h, w2) * wf[idx].unsqueeze(1)).to(dtype).float())
 
 
 def _activations(a: Checkpoint, samples: Any, num_samples: int) -> tuple[torch.Tensor | None, str]:

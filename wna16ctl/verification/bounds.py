@@ -81,17 +81,37 @@ def gemm_bound_used(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, dtype: 
     moves an element by many spacings: many bounds."""
     if not out.numel():
         return 0.0
-    a64, w64 = a.to(dtype).double(), w.to(dtype).double()
-    e = a64 @ w64
-    bound = _gamma(w.shape[0]) * (a64.abs() @ w64.abs())
-    if weight is not None:
-        wt = weight.double().unsqueeze(1)
-        e, bound = e * wt, bound * wt.abs()
-        bound = bound + 2.0**-23 * e.abs()
-    c = out.double()
-    beyond = ((c - e).abs() - half_spacing(c, dtype)).clamp_min(0)
-    used = torch.where(bound > 0, beyond / bound.clamp_min(1e-300), torch.where(beyond > 0, torch.inf, 0.0))
-    return float(torch.where(torch.isnan(c), torch.inf, used).max())
+    a64 = a.to(dtype).double()
+    wt = None if weight is None else weight.double().unsqueeze(1)
+    used = 0.0
+    for cols in column_slabs(*w.shape):  # float64 copies of a slab of w's columns at a time
+        w64 = w[:, cols].to(dtype).double()
+        e = a64 @ w64
+        bound = _gamma(w.shape[0]) * (a64.abs() @ w64.abs())
+        if wt is not None:
+            e, bound = e * wt, bound * wt.abs()
+            bound = bound + 2.0**-23 * e.abs()
+        c = out[:, cols].double()
+        beyond = ((c - e).abs() - half_spacing(c, dtype)).clamp_min(0)
+        ratio = torch.where(bound > 0, beyond / bound.clamp_min(1e-300), torch.where(beyond > 0, torch.inf, 0.0))
+        used = max(used, float(torch.where(torch.isnan(c), torch.inf, ratio).max()))
+    return used
+
+
+def column_slabs(k: int, n: int, itemsize: int = 8) -> list[slice]:
+    """The columns of a [K, N] weight in slabs whose copy at `itemsize` bytes an element (float64 by
+    default) is at most SLAB_BYTES, at least one column each: the wider copies a GEMM's reference
+    takes of an expert's weights are made a slab at a time, so their memory is a constant whatever
+    the expert's size.  Each output column depends on its weight column alone, so the slabs give
+    the values the whole weight gives (up to the order of a float64 sum, which the bounds carry)."""
+    cols = max(1, SLAB_BYTES // (itemsize * max(1, k)))
+    return [slice(c, c + cols) for c in range(0, n, cols)]
+
+
+def upcast_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x (fp32 [S, K]) @ w ([K, N], model dtype) in fp32, w upcast a slab of columns at a time
+    (`column_slabs`): an engine's fp32 GEMM without an fp32 copy of the whole weight."""
+    return torch.cat([x @ w[:, cols].float() for cols in column_slabs(w.shape[0], w.shape[1], itemsize=4)], 1)
 
 
 @dataclass
@@ -106,18 +126,20 @@ class Interval:
 
 
 def gemm_interval(a_lo: torch.Tensor, a_hi: torch.Tensor, w: torch.Tensor) -> Interval:
-    """a·W for any a in [a_lo, a_hi] (float64 [M, K]) and W [K, N], fp32 accumulation in any order."""
-    w64 = w.double()
-    w_abs = w64.abs()
-    if a_lo is a_hi:  # a point: no radius to carry (rad · |W| would be an exact zero)
-        e = a_lo @ w64
-        mag = a_lo.abs() @ w_abs
-        r = _gamma(w.shape[0]) * mag + 2.0**-50 * mag
-        return Interval(e - r, e + r, e)
-    mid, rad = (a_lo + a_hi) / 2, (a_hi - a_lo) / 2
-    e = mid @ w64
-    mag = torch.maximum(a_lo.abs(), a_hi.abs()) @ w_abs
-    r = rad @ w_abs + _gamma(w.shape[0]) * mag + 2.0**-50 * mag
+    """a·W for any a in [a_lo, a_hi] (float64 [M, K]) and W [K, N], fp32 accumulation in any order;
+    W upcast to float64 a slab of columns at a time (`column_slabs`)."""
+    point = a_lo is a_hi  # a point: no radius to carry (rad · |W| would be an exact zero)
+    mid, rad = (a_lo, None) if point else ((a_lo + a_hi) / 2, (a_hi - a_lo) / 2)
+    a_mag = a_lo.abs() if point else torch.maximum(a_lo.abs(), a_hi.abs())
+    gamma = _gamma(w.shape[0])
+    e = torch.empty(a_lo.shape[0], w.shape[1], dtype=torch.float64)
+    r = torch.empty_like(e)
+    for cols in column_slabs(*w.shape):
+        w64 = w[:, cols].double()
+        w_abs = w64.abs()
+        e[:, cols] = mid @ w64
+        mag = a_mag @ w_abs
+        r[:, cols] = gamma * mag + 2.0**-50 * mag if rad is None else rad @ w_abs + gamma * mag + 2.0**-50 * mag
     return Interval(e - r, e + r, e)
 
 
@@ -194,14 +216,22 @@ class IntervalSum:
 def add_expert_interval(acc: IntervalSum, a: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                         e: int, w13: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype) -> None:
     """Expert `e`'s slots ([T, k] routing) of a rank's partial, added to the rank's `acc`."""
+    slots = expert_slots_interval(a, topk_ids, topk_weights, e, w13, w2, dtype)
+    if slots is not None:
+        acc.add(*slots)
+
+
+def expert_slots_interval(a: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, e: int,
+                          w13: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype) -> tuple[Interval, torch.Tensor] | None:
+    """(the interval of expert `e`'s slots on a rank, their output rows), None where no slot is its:
+    what `add_expert_interval` adds, for a caller that computes it apart and adds it in order."""
     k = topk_ids.shape[1]
     slots = (topk_ids.reshape(-1).cpu() == e).nonzero().squeeze(1)
     if not slots.numel():
-        return
+        return None
     wf = topk_weights.reshape(-1).float().cpu()
     rows = slots // k
-    iv = expert_interval(a.cpu()[rows], w13.cpu(), w2.cpu(), wf[slots], dtype)
-    acc.add(iv, rows)
+    return expert_interval(a.cpu()[rows], w13.cpu(), w2.cpu(), wf[slots], dtype), rows
 
 
 def block_interval(ranks: list[RankWeights], a: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

@@ -54,8 +54,9 @@ from wna16ctl.output.manifest import FORMAT_NAME, SIDE_FILES
 from wna16ctl.repacking.pipeline import LayerJob, RepackPlan, RepackSettings, plan_repack, rank_index_bytes
 from wna16ctl.sources import source_fingerprint
 from wna16ctl.sources.formats import SCALES
-from wna16ctl.verification.bounds import (JUDGE_ROWS, SLAB_BYTES, AllReduced, IntervalSum, add_expert_interval,
-                                          gemm_bound_used, judge, nothing_to_compare, numerics_tokens, rank_groups)
+from wna16ctl.verification.budget import EXPERTS_SIDE_BY_SIDE_BYTES
+from wna16ctl.verification.bounds import (JUDGE_ROWS, SLAB_BYTES, AllReduced, Interval, IntervalSum,
+                                          expert_slots_interval, gemm_bound_used, judge, nothing_to_compare, numerics_tokens, rank_groups)
 from wna16ctl.verification.rank_gemm import GEMM_DTYPES, ROUNDINGS, UNIT_ROUNDOFF, EmulatedGemm, RankFiles, rank_moe_output  # noqa: F401 - ROUNDINGS and UNIT_ROUNDOFF re-exported
 from wna16ctl.output.writer import JOURNAL_NAME, MANIFEST_NAME, PLANNED_METADATA, FILE_HASHES, hash_file, recorded_hash, sha256_file
 
@@ -1206,7 +1207,16 @@ def _rank_group(reader: TensorReader, job: LayerJob, group: dict[int, RankFiles]
                 dtype: torch.dtype, device: torch.device, emulated: Any, rows: torch.Tensor | None,
                 selected: list[int], sums: _LayerSums, step: Callable[[], None]) -> None:
     """The numerics of the ranks of `group`: their partials, built slab by slab of experts, added
-    to the layer's sums (each rank's rounded, as the all-reduce takes it), then let go."""
+    to the layer's sums (each rank's rounded, as the all-reduce takes it), then let go.  On every
+    core: each rank's candidate over a slab, then each expert's reference, runs on a worker thread
+    with one torch thread (torch's own threads wait on their slowest as soon as another process
+    holds a core), as many experts at once as cores where their weights fit; their terms are added
+    to the sums on this thread in expert order, so the figures are those one thread gives."""
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+
+    from wna16ctl.native.emulated import usable_cores
+
     T, H = routing.x.shape
     k = routing.topk_ids.shape[1]
     a = routing.x.to(dtype)
@@ -1214,20 +1224,64 @@ def _rank_group(reader: TensorReader, job: LayerJob, group: dict[int, RankFiles]
     part = {r: torch.zeros(T, H) for r in group}
     part_k = {r: torch.zeros(sums.kernel.shape[0], H) for r in group}
     failed: set[int] = set()
-    for slab in _slabs(job, group, selected):
-        kept = {}
-        for r in group:
-            if job.layout == MARLIN and r not in failed:
-                kept[r] = _marlin_slab(job, r, group[r], slab, routing, dtype, device, emulated, rows, part[r],
-                                       part_k[r], sums, failed)
-        for e in slab:
-            _expert_on_ranks(reader, job, group, routing, a, dtype, e, acc, part, kept, sums)
-            step()
+    workers = usable_cores()
+    # experts side by side as far as their weights fit (budget.EXPERTS_SIDE_BY_SIDE_BYTES); one at
+    # a time, a large expert keeps torch's threads on every core instead
+    ahead = max(1, min(workers, EXPERTS_SIDE_BY_SIDE_BYTES // (6 * job.layer.hidden_size * job.layer.intermediate_size)))
+    side_by_side = ahead > 1 or len(group) > 1
+    inline = _InlinePool()
+    with torch_threads(None if side_by_side else "every core"), \
+            (ThreadPoolExecutor(workers) if side_by_side else inline) as pool:
+        experts_pool = pool if ahead > 1 else inline  # one at a time: on this thread, in its heap
+        for slab in _slabs(job, group, selected):
+            kept = _marlin_ranks(pool, job, group, slab, routing, dtype, device, emulated, rows, part, part_k, sums,
+                                 failed)
+            window: deque[Any] = deque()
+            for e in slab:
+                window.append(experts_pool.submit(_expert_terms, reader, job, group, routing, a, dtype, e, kept))
+                if len(window) >= ahead:
+                    _add_expert_terms(window.popleft().result(), acc, part, sums)
+                    step()
+            while window:
+                _add_expert_terms(window.popleft().result(), acc, part, sums)
+                step()
     assert sums.interval is not None
     for r in group:
         sums.interval.add_rank(acc.pop(r), k, dtype)
         sums.candidate += part.pop(r).to(dtype).float()
         sums.kernel += part_k.pop(r).to(dtype).float()
+
+
+class _InlinePool(contextlib.AbstractContextManager):
+    """A pool's `submit` on the calling thread, for work with nothing to run side by side: its
+    memory stays in the calling thread's heap rather than in a worker's too."""
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Any:
+        from concurrent.futures import Future
+
+        done: Future[Any] = Future()
+        done.set_result(fn(*args))
+        return done
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _marlin_ranks(pool: Any, job: LayerJob, group: dict[int, RankFiles], slab: range, routing: Routing,
+                  dtype: torch.dtype, device: torch.device, emulated: Any, rows: torch.Tensor | None,
+                  part: dict[int, torch.Tensor], part_k: dict[int, torch.Tensor], sums: _LayerSums,
+                  failed: set[int]) -> dict[int, Any]:
+    """`_marlin_slab` of each rank of the group over `slab`, the ranks side by side (each adds into
+    its own partial); what cannot run is said in rank order."""
+    if job.layout != MARLIN:
+        return {}
+    notes: dict[int, list[str]] = {r: [] for r in group}
+    futures = {r: pool.submit(_marlin_slab, job, r, group[r], slab, routing, dtype, device, emulated, rows, part[r],
+                              part_k[r], notes[r], failed) for r in group if r not in failed}
+    kept = {r: f.result() for r, f in futures.items()}
+    for r in group:
+        sums.no_candidate += notes[r]
+    return kept
 
 
 def _slabs(job: LayerJob, group: dict[int, RankFiles], selected: list[int]) -> list[range]:
@@ -1249,12 +1303,22 @@ def _slabs(job: LayerJob, group: dict[int, RankFiles], selected: list[int]) -> l
     return out
 
 
-def _expert_on_ranks(reader: TensorReader, job: LayerJob, group: dict[int, RankFiles], routing: Routing,
-                     a: torch.Tensor, dtype: torch.dtype, e: int, acc: dict[int, IntervalSum],
-                     part: dict[int, torch.Tensor], kept: dict[int, Any], sums: _LayerSums) -> None:
+@dataclass
+class _ExpertTerms:
+    """Expert e's terms on each rank of a group, computed apart (on a worker thread) and added to
+    the sums in expert order (`_add_expert_terms`)."""
+
+    intervals: dict[int, tuple[Interval, torch.Tensor]] = field(default_factory=dict)  # rank: (interval, rows)
+    outputs: list[tuple[int, torch.Tensor, torch.Tensor | None, torch.Tensor]] = field(default_factory=list)  # (rank, tok, candidate, reference)
+    bound_used: float | None = None
+
+
+def _expert_terms(reader: TensorReader, job: LayerJob, group: dict[int, RankFiles], routing: Routing,
+                  a: torch.Tensor, dtype: torch.dtype, e: int, kept: dict[int, Any]) -> _ExpertTerms:
     """Expert `e` on each rank of the group: its rounding interval and fp32 reference from the
     checkpoint's slice, the kernel's margin on its slots (Marlin), its candidate from the tensors
     read back (the transposed layout); its weights let go before the next expert."""
+    terms = _ExpertTerms()
     tok, slot = (routing.topk_ids == e).nonzero(as_tuple=True)
     w = routing.topk_weights[tok, slot].unsqueeze(1)
     ck_expert = reader.read_expert(job.layer, e)
@@ -1265,14 +1329,30 @@ def _expert_on_ranks(reader: TensorReader, job: LayerJob, group: dict[int, RankF
         expected = _cast_scales(shard_expert(ck_expert, tp=spec.tp, rank=spec.rank, load_full_w2=spec.load_full_w2,
                                              expert_id=e), dtype)
         w13, w2 = _reference_weights(expected, spec, dtype)
-        add_expert_interval(acc[r], a, routing.topk_ids, routing.topk_weights, e, w13, w2, dtype)
+        iv = expert_slots_interval(a, routing.topk_ids, routing.topk_weights, e, w13, w2, dtype)
+        if iv is not None:
+            terms.intervals[r] = iv
         if kept.get(r) is not None:
-            sums.bound_used = max(sums.bound_used or 0.0, _expert_bound_used(kept[r], e, w13, w2, spec, dtype))
+            terms.bound_used = max(terms.bound_used or 0.0, _expert_bound_used(kept[r], e, w13, w2, spec, dtype))
         del w13, w2
         if tok.numel():
             got = None if job.layout == MARLIN else _candidate_tensors(job, rank, spec, e - rng.start, e)
-            _expert_numerics(routing.x[tok], a[tok].float(), w, tok, expected, got, spec, dtype, part[r],
-                             sums.reference)
+            terms.outputs.append((r, tok, *_expert_numerics(routing.x[tok], a[tok].float(), w, expected, got, spec,
+                                                            dtype)))
+    return terms
+
+
+def _add_expert_terms(terms: _ExpertTerms, acc: dict[int, IntervalSum], part: dict[int, torch.Tensor],
+                      sums: _LayerSums) -> None:
+    """One expert's terms into its ranks' sums and the layer's (on one thread, in expert order)."""
+    for r, iv in terms.intervals.items():
+        acc[r].add(*iv)
+    if terms.bound_used is not None:
+        sums.bound_used = max(sums.bound_used or 0.0, terms.bound_used)
+    for r, tok, candidate, reference in terms.outputs:
+        if candidate is not None:
+            part[r].index_add_(0, tok, candidate)
+        sums.reference.index_add_(0, tok, reference)
 
 
 def _candidate_tensors(job: LayerJob, rank: RankFiles, spec: RankLayout, local: int,
@@ -1299,13 +1379,13 @@ class _Kept:
 
 def _marlin_slab(job: LayerJob, r: int, rank: RankFiles, slab: range, routing: Routing, dtype: torch.dtype,
                  device: torch.device, emulated: Any, rows: torch.Tensor | None, part: torch.Tensor,
-                 part_k: torch.Tensor, sums: _LayerSums, failed: set[int]) -> _Kept | None:
+                 part_k: torch.Tensor, no_candidate: list[str], failed: set[int]) -> _Kept | None:
     """Rank r's candidate over the experts of `slab`: the MoE GEMM over the tensors as written (one
     read of the slab's experts), on the slots routed to them, added into `part`.  On the CPU every
     slot goes through the torch twin (the layout's inverses) and those of the emulated rows through
     the kernel source on the CPU emulation too, into `part_k` (all tokens would take minutes); on a
     GPU the CUDA kernel.  A rank whose tensors make the GEMM fail joins `failed`, said in
-    `sums.no_candidate`."""
+    `no_candidate`."""
     rng = job.expert_ranges[r]
     lo, hi = max(slab.start, rng.start), min(slab.stop, rng.stop)
     k = routing.topk_ids.shape[1]
@@ -1334,7 +1414,7 @@ def _marlin_slab(job: LayerJob, r: int, rank: RankFiles, slab: range, routing: R
         return _Kept(ids[slots[m]], a[m], wts[slots[m]], keep)
     except Exception as err:  # malformed tensors make the kernel fail: the comparison cannot run
         msg = err.message if isinstance(err, (LayoutMismatch, BadInput)) else f"{type(err).__name__}: {err}"
-        sums.no_candidate.append(f"the GEMM cannot run on rank {r}'s tensors ({msg})")
+        no_candidate.append(f"the GEMM cannot run on rank {r}'s tensors ({msg})")
         failed.add(r)
         return None
 
@@ -1416,12 +1496,13 @@ def agreement(candidate: torch.Tensor, reference: torch.Tensor) -> tuple[float, 
     return rel, min(1.0, max(-1.0, cos))
 
 
-def _expert_numerics(x: torch.Tensor, x_c: torch.Tensor, w: torch.Tensor, tok: torch.Tensor,
-                     expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor] | None, spec: RankLayout,
-                     dtype: torch.dtype, partial: torch.Tensor, partial_ref: torch.Tensor) -> None:
-    """One expert's contribution on one rank: the reference from the checkpoint's slice in fp32;
-    the candidate too when `got` is given (layouts the GEMM kernel does not read).  The layer is
-    judged afterwards against the interval of `bounds`."""
+def _expert_numerics(x: torch.Tensor, x_c: torch.Tensor, w: torch.Tensor, expected: dict[str, torch.Tensor],
+                     got: dict[str, torch.Tensor] | None, spec: RankLayout,
+                     dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """One expert's contribution on one rank, (candidate, reference) per slot: the reference from
+    the checkpoint's slice in fp32 (float64 out, as the layer sums it); the candidate too when
+    `got` is given (layouts the GEMM kernel does not read), else None.  The layer is judged
+    afterwards against the interval of `bounds`."""
     i_p = spec.intermediate_per_partition
     # reference (fp32, exact dequantization of the checkpoint slice)
     w13_ref = _dequantize_kfirst(expected, spec, "w13", torch.float32)  # [H, 2I_p]
@@ -1430,6 +1511,7 @@ def _expert_numerics(x: torch.Tensor, x_c: torch.Tensor, w: torch.Tensor, tok: t
     gate, up = g13[:, :i_p], g13[:, i_p:]
     h = F.silu(gate) * up
     y = (h @ w2_ref) * w
+    y_c = None
     if got is not None:
         # candidate: the repacked tensors in the model dtype, fp32 accumulation, each output rounded
         w13_c = _dequantize_kfirst(got, spec, "w13", dtype).float()
@@ -1437,8 +1519,7 @@ def _expert_numerics(x: torch.Tensor, x_c: torch.Tensor, w: torch.Tensor, tok: t
         g13_c = (x_c @ w13_c).to(dtype).float()
         h_c = (F.silu(g13_c[:, :i_p]) * g13_c[:, i_p:]).to(dtype).float()
         y_c = ((h_c @ w2_c) * w).to(dtype).float()
-        partial.index_add_(0, tok, y_c)
-    partial_ref.index_add_(0, tok, y.double())
+    return y_c, y.double()
 
 
 # ---- one report from the processes of a torchrun launch (verification.across) -------------------------------------------------------------------------------------------

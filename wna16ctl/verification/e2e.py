@@ -323,23 +323,31 @@ def _build_model(ck: Checkpoint, device: torch.device) -> tuple[torch.nn.Module,
 
 def _dequantize_source(proj: dict[str, torch.Tensor], k: int, dtype: torch.dtype) -> torch.Tensor:
     """One source projection [N, K] (the canonical form) in `dtype`: (q − z)·s with one rounding, as
-    the kernel dequantises."""
+    the kernel dequantises.  A slab of rows at a time (`budget.SLAB_BYTES` of int32 codes): the
+    codes and their temporaries stay a constant whatever the projection's size; each element is
+    its own, so the slabs give the values the whole projection gives."""
     from wna16ctl.layout.packing import dequantize, unpack_codes
     from wna16ctl.layout.spec import CODES, G_IDX, SCALES, ZERO_POINTS
+    from wna16ctl.verification.budget import SLAB_BYTES
 
     packed = proj[CODES]
     n = packed.shape[0]
     num_bits = 32 // (k // packed.shape[1])  # from the shapes: mixed-precision experts differ per expert
-    codes = unpack_codes(packed, num_bits, dim=1, size=k).to(torch.int32)  # [N, K]; int32: q − z is exact, half the memory of int64
     scale = proj[SCALES]  # [N, G]
     groups = scale.shape[1]
     if G_IDX in proj:
         g = proj[G_IDX].long()
     else:
         g = torch.arange(k) // (k // groups)
-    z = unpack_codes(proj[ZERO_POINTS], num_bits, dim=0).to(torch.int32)[:n].t() if ZERO_POINTS in proj else None
-    # K-first for the one dequantizer, then back to [N, K] in the same memory order as before
-    return dequantize(codes.t(), scale.t(), g, num_bits, dtype, z).t().contiguous()
+    z = unpack_codes(proj[ZERO_POINTS], num_bits, dim=0).to(torch.int32)[:n] if ZERO_POINTS in proj else None
+    out = torch.empty(n, k, dtype=dtype)
+    rows = max(1, SLAB_BYTES // (4 * k))
+    for r in range(0, n, rows):
+        s = slice(r, r + rows)
+        codes = unpack_codes(packed[s], num_bits, dim=1, size=k).to(torch.int32)  # int32: q − z is exact
+        # K-first for the one dequantizer, then back to [N, K]
+        out[s] = dequantize(codes.t(), scale[s].t(), g, num_bits, dtype, None if z is None else z[s].t()).t()
+    return out
 
 
 class _ReferenceExperts:

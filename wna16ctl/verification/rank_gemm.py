@@ -106,16 +106,22 @@ class EmulatedGemm:
     (`wna16ctl.native.emulated`), counting launches per kernel and their time."""
 
     def __init__(self) -> None:
+        import threading
+
         self.launches: dict[str, int] = {}
         self.seconds = 0.0
+        # one launch at a time: a launch already runs its blocks on every core, and the counts are
+        # kept by whichever thread calls
+        self._lock = threading.Lock()
 
     def __call__(self, *args, **kwargs) -> torch.Tensor:
         import time
 
         from wna16ctl.native.emulated import emulated_moe_gemm
 
-        t0 = time.perf_counter()
-        out, kernel = emulated_moe_gemm(*args, **kwargs)
-        self.seconds += time.perf_counter() - t0
-        self.launches[kernel] = self.launches.get(kernel, 0) + 1
+        with self._lock:
+            t0 = time.perf_counter()
+            out, kernel = emulated_moe_gemm(*args, **kwargs)
+            self.seconds += time.perf_counter() - t0
+            self.launches[kernel] = self.launches.get(kernel, 0) + 1
         return out
