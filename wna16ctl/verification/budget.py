@@ -24,7 +24,8 @@ def budget_help() -> str:
     """verify's --help sentence on the numerics' memory."""
     per = LAYER_BYTES_PER_ELEMENT + RANK_BYTES_PER_ELEMENT
     return (f"The numerics hold at most {NUMERICS_MEMORY >> 20} MiB per MoE layer (besides one expert and "
-            f"{SLAB_BYTES >> 20} MiB of a rank's tensors): at most {NUMERICS_MEMORY >> 20} MiB / ({per} B × hidden "
+            f"{SLAB_BYTES >> 20} MiB of a rank's tensors; experts whose weights fit in "
+            f"{EXPERTS_SIDE_BY_SIDE_BYTES >> 20} MiB together are built one per core): at most {NUMERICS_MEMORY >> 20} MiB / ({per} B × hidden "
             f"size) tokens per layer, e.g. {NUMERICS_MEMORY // (per * 2048)} at hidden 2048 and "
             f"{NUMERICS_MEMORY // (per * 7168)} at 7168 (the samples' first tokens, and tokens forced onto "
             "experts none reaches, so that every expert is exercised); the ranks a group at a time, each group "
