@@ -572,3 +572,47 @@ def test_numerics_run_torch_on_every_core(outputs, monkeypatch):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+# ---- the sharding re-assembles the checkpoint ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["g128", "actorder"])
+def test_a_reassembly_that_moves_elements_is_a_finding(outputs, monkeypatch, name):
+    """The ranks' slices must re-assemble the checkpoint's experts.  Sharding only moves elements,
+    the same way for every expert of a layer, so it is proven once per layer on an expert whose
+    elements are their own indices: a re-assembly that swaps gate and up (values the random codes
+    of one expert could repeat) is a finding of the round trip, and the correct one is none."""
+    ck, out = outputs(name)
+    assert verify_output(ck, out, numerics=False).passed
+    real = verify_mod.unshard_expert
+
+    def gate_up_swapped(*args, **kwargs):
+        back = real(*args, **kwargs)
+        back["gate"], back["up"] = back["up"], back["gate"]
+        return back
+
+    monkeypatch.setattr(verify_mod, "unshard_expert", gate_up_swapped)
+    report = verify_output(ck, out, numerics=False)
+    bad = report.by_check("round_trip")
+    assert not report.passed and bad
+    assert all("re-assembled" in f.message and f.expert is None and f.layer for f in bad), bad
+
+
+def test_a_sharding_that_repeats_a_slice_does_not_reassemble(outputs, monkeypatch):
+    """Every rank given rank 0's columns: each element of rank 1's share is lost."""
+    from wna16ctl.layout import shard
+
+    ck, out = outputs("g128")
+    plan = plan_repack(ck, RepackSettings(vllm=ACT_ORDER_RELEASE, tp=2))
+    job = plan.jobs[0]
+    from wna16ctl.sources import open_checkpoint
+    from wna16ctl.sources.tensors import TensorReader
+
+    checkpoint = open_checkpoint(ck)
+    with TensorReader(checkpoint.files) as reader:
+        expert = reader.read_expert(job.layer, 0)
+    assert verify_mod._sharding_reassembles(expert, job) is None
+    real = shard.shard_expert
+    monkeypatch.setattr(verify_mod, "shard_expert", lambda e, **kw: real(e, **{**kw, "rank": 0}))
+    assert "differs from the checkpoint" in (verify_mod._sharding_reassembles(expert, job) or "")

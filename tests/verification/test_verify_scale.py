@@ -315,3 +315,65 @@ def test_pad_numerics_copy_weights_a_slab_at_a_time(make_ckpt, tmp_path, monkeyp
     # one projection is inter × hidden elements, a slab (64 KiB) a twenty-fourth of it in float64;
     # the largest left are the tokens' own ([T, H], an expert's [S, 2I])
     assert max(largest)[0] <= inter * hidden // 2, sorted(largest)[-3:]
+
+
+def test_rank_files_are_hashed_in_step_with_the_round_trip(ckpt, tmp_path, monkeypatch):
+    """The output is read from disk once: each rank file is hashed through the layer about to be
+    round-tripped and at most the next one, so that the round trip's reads find those bytes in the
+    page cache (before: every file was hashed whole before the first expert was read, and the
+    output read from disk twice once larger than the cache).  The digests are still the files':
+    the manifest check passes, and a changed byte is still its finding."""
+    import os
+
+    from wna16ctl.output.writer import InOrderDigest
+    from wna16ctl.repacking.pipeline import RepackSettings, plan_repack, run_repack
+    from tests.conftest import ACT_ORDER_RELEASE
+
+    ck = ckpt(num_layers=3, num_experts=4, vocab_size=64)
+    out = tmp_path / "out"
+    run_repack(plan_repack(ck, RepackSettings(vllm=ACT_ORDER_RELEASE, tp=2)), out)
+    hashed: dict[str, int] = {}  # file -> bytes hashed so far
+    seen: list[tuple[object, dict[str, int], dict[str, int]]] = []  # (job, what was hashed, its tensors' ends)
+    real_through, real_layer = InOrderDigest.hash_through, verify_mod._verify_layer
+
+    def through(self, end):
+        real_through(self, end)
+        key = os.path.realpath(self.path)
+        hashed[key] = max(hashed.get(key, 0), self.pos)
+
+    def ends(job, ranks) -> dict[str, int]:
+        got: dict[str, int] = {}
+        for rf in ranks.values():
+            for n in job.tensor_names:
+                info = rf.files.info(f"{job.layer.prefix}.{n}")
+                key = os.path.realpath(info.file)
+                got[key] = max(got.get(key, 0), info.end)
+        return got
+
+    def layer(ck_, reader, job, ranks, *args, **kwargs):
+        seen.append((job, dict(hashed), ends(job, ranks)))
+        return real_layer(ck_, reader, job, ranks, *args, **kwargs)
+
+    monkeypatch.setattr(InOrderDigest, "hash_through", through)
+    monkeypatch.setattr(verify_mod, "_verify_layer", layer)
+    report = verify_output(ck, out, numerics=False)
+    assert report.passed and report.files_checked > 0
+    assert len(seen) == 3
+    for i, (job, at_start, own) in enumerate(seen):
+        ahead = seen[i + 1][2] if i + 1 < len(seen) else own
+        for key, end in own.items():
+            assert at_start.get(key, 0) >= end, f"{job.layer.prefix}: {key} not hashed through the layer"
+            assert at_start[key] <= max(end, ahead.get(key, end)), f"{job.layer.prefix}: {key} hashed too far ahead"
+    # a byte changed in the middle layer's tensors, with the manifest left as it was
+    job, _, own = seen[1]
+    path, end = next(iter(own.items()))
+    with open(path, "r+b") as f:
+        f.seek(end - 1)
+        b = f.read(1)
+        f.seek(end - 1)
+        f.write(bytes([b[0] ^ 0x01]))
+    monkeypatch.undo()
+    report = verify_output(ck, out, numerics=False)
+    changed = [f for f in report.by_check("manifest") if "differs from the manifest" in f.message]
+    assert not report.passed and len(changed) == 1 and os.path.basename(path) in changed[0].message
+    assert report.findings[0] is changed[0]  # where the manifest check puts it: before the round trip's

@@ -152,8 +152,9 @@ class InOrderDigest:
     piece fed behind one already hashed (out of file order) leaves the digest to a whole read of
     the file, so that the digest is always the file's."""
 
-    def __init__(self, path: Path, algorithm: str = FILE_HASH, bufsize: int = 16 << 20):
-        self.path, self.algorithm, self.bufsize = path, algorithm, bufsize
+    def __init__(self, path: Path, algorithm: str = FILE_HASH, bufsize: int = 16 << 20,
+                 progress: Callable[[int], None] | None = None):
+        self.path, self.algorithm, self.bufsize, self.progress = path, algorithm, bufsize, progress
         self._h: Any = new_hasher(algorithm)
         self.pos = 0  # bytes hashed so far, from the start of the file
         self.bytes_read = 0  # bytes this object read itself (what the caller did not feed)
@@ -164,13 +165,13 @@ class InOrderDigest:
         if self._whole or start < self.pos:
             self._whole = True
             return
-        self._read_to(start)
+        self.hash_through(start)
         self._h.update(data)
         self.pos = start + len(data)
 
-    def _read_to(self, end: int | None) -> None:
+    def hash_through(self, end: int | None) -> None:
         """Hash the file's bytes from `pos` to `end` (None: to its end), read here."""
-        if end is not None and self.pos >= end:
+        if self._whole or (end is not None and self.pos >= end):
             return
         fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
         with open(fd, "rb", buffering=0) as f:
@@ -187,12 +188,14 @@ class InOrderDigest:
                 self._h.update(buf[:n])
                 self.pos += n
                 self.bytes_read += n
+                if self.progress is not None:
+                    self.progress(n)
 
     def hexdigest(self) -> str:
         """The file's digest: what was fed, and the rest of the file read here."""
         if self._whole:
             return hash_file(self.path, self.algorithm, self.bufsize)
-        self._read_to(None)
+        self.hash_through(None)
         return self._h.hexdigest()
 
 

@@ -9,6 +9,8 @@ format: zero points as packed int32 [ceil(N/pf), G] codes, g_idx as int32 [K].
 from __future__ import annotations
 
 import ctypes
+import mmap
+import os
 
 import torch
 
@@ -59,11 +61,40 @@ class TensorReader(RawReader):
     def __enter__(self) -> "TensorReader":
         return self
 
+    # Read by mapping the file instead of copying it (`map_bytes`): for a caller that reads
+    # bytes the page cache holds and lets go of each tensor soon (verify's round trip).
+    mapped = False
+
     def read_bytes(self, info: TensorInfo) -> torch.Tensor:
         """The tensor's bytes as a uint8 tensor (uninitialised storage filled by pread: a bytearray
         would zero-fill first what pread then overwrites)."""
+        if self.mapped:
+            return self.map_bytes(info)
         out = torch.empty(info.nbytes, dtype=torch.uint8)
         self.read_into(info, writable_view(out))
+        return out
+
+    def map_bytes(self, info: TensorInfo) -> torch.Tensor:
+        """The tensor's bytes as a uint8 tensor over a private mapping of the file: no copy out of
+        the page cache (`read_bytes` copies every byte once more).  The mapping lives as long as the
+        tensor, and counts towards the resident set only as long, so the caller keeps few alive.
+        A file shorter than the tensor is refused first; one truncated while mapped would end
+        the process (SIGBUS), so only readers of files nothing else writes set `mapped`."""
+        if info.nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        fd = self.fd(info.file)
+        if os.fstat(fd).st_size < info.end:
+            raise BadInput(
+                f"{info.file}: ends before tensor {info.name} does (the shard was truncated or replaced "
+                "after planning); restore the file and run again"
+            )
+        start = info.start - info.start % mmap.ALLOCATIONGRANULARITY
+        m = mmap.mmap(fd, info.end - start, offset=start, access=mmap.ACCESS_COPY)
+        if hasattr(m, "madvise"):  # read the range ahead, as one pread would
+            m.madvise(mmap.MADV_WILLNEED)
+        out = torch.frombuffer(m, dtype=torch.uint8, count=info.nbytes, offset=info.start - start)
+        if self.hasher is not None:
+            self.hasher.update(memoryview(m)[info.start - start:info.end - start])
         return out
 
     def read(self, name: str) -> torch.Tensor:

@@ -53,11 +53,12 @@ from wna16ctl.sink import TaskStarter, WholeRun, no_progress
 from wna16ctl.output.manifest import FORMAT_NAME, SIDE_FILES
 from wna16ctl.repacking.pipeline import LayerJob, RepackPlan, RepackSettings, plan_repack, rank_index_bytes
 from wna16ctl.sources import source_fingerprint
-from wna16ctl.sources.formats import SCALES
+from wna16ctl.sources.formats import G_IDX
 from wna16ctl.verification.budget import EXPERTS_SIDE_BY_SIDE_BYTES
 from wna16ctl.verification.bounds import (JUDGE_ROWS, SLAB_BYTES, AllReduced, Interval, IntervalSum,
                                           expert_slots_interval, gemm_bound_used, judge, nothing_to_compare, numerics_tokens, rank_groups)
 from wna16ctl.verification.rank_gemm import GEMM_DTYPES, ROUNDINGS, UNIT_ROUNDOFF, EmulatedGemm, RankFiles, rank_moe_output  # noqa: F401 - ROUNDINGS and UNIT_ROUNDOFF re-exported
+from wna16ctl.verification.digests import LayerByLayerDigests
 from wna16ctl.output.writer import JOURNAL_NAME, MANIFEST_NAME, PLANNED_METADATA, FILE_HASHES, hash_file, recorded_hash, sha256_file
 
 
@@ -374,9 +375,11 @@ def _check_files_against_plan(ck: Checkpoint, out: Path, plan: RepackPlan, manif
 
 
 def _check_manifest(ck: Checkpoint, out: Path, manifest: dict[str, Any], report: VerifyReport,
-                    progress: TaskStarter = no_progress, hashes: Callable[[str], bool] = lambda rel: True
+                    progress: TaskStarter = no_progress, hashes: Callable[[str], bool] = lambda rel: True,
+                    later: LayerByLayerDigests | None = None, defer: Callable[[str], bool] = lambda rel: False
                     ) -> RepackPlan | None:
-    """`hashes(rel)`: whether this run checks the manifest's file `rel` (`--ranks`, a process's share)."""
+    """`hashes(rel)`: whether this run checks the manifest's file `rel` (`--ranks`, a process's share);
+    `defer(rel)`: whether its digest is left to `later`, taken as the round trip reads the file."""
     add = lambda msg, **kw: report.findings.append(Finding("manifest", msg, **kw))  # noqa: E731 - one finding of this check, for the lines below
     fp = source_fingerprint(ck)
     if manifest["source"]["fingerprint"] != fp or manifest["identity"].get("source_fingerprint") != fp:
@@ -400,7 +403,9 @@ def _check_manifest(ck: Checkpoint, out: Path, manifest: dict[str, Any], report:
         else:
             # blake3, or sha256 from earlier versions; _MANIFEST_FIELDS admits no entry without one
             algorithm, digest = recorded_hash(meta)  # type: ignore[misc]  # not None: see the line above
-            if hash_file(path, algorithm, progress=advance) != digest:
+            if later is not None and defer(rel):
+                later.defer(rel, path, algorithm, digest, len(report.findings), advance)
+            elif hash_file(path, algorithm, progress=advance) != digest:
                 add(f"{rel}: {algorithm} differs from the manifest (modified after repack)")
     files = manifest["files"]
     parents = {p.as_posix() for rel in files for p in Path(rel).parents if p.as_posix() != "."}
@@ -726,10 +731,33 @@ def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], sam
     share = _checked_share(ck, layers, experts)
     whole = WholeRun(progress, "whole verify", _verify_work(ck, manifest, hashes, present, share, what,
                                                             _likely_tokens(ck, len(questions))))
-    plan = _check_manifest(ck, out_path, manifest, report, whole.start, hashes=hashes)
-    report.conclude("manifest")
-    if plan is None:
+    # the rank files this process round-trips are hashed as the round trip reads them (`digests`)
+    rank_dirs = {f"rank-{r}" for r in present}
+    later = LayerByLayerDigests()
+    try:
+        plan = _check_manifest(ck, out_path, manifest, report, whole.start, hashes=hashes, later=later,
+                               defer=lambda rel: rel.split("/", 1)[0] in rank_dirs)
+        return _rank_checks(ck, out_path, manifest, plan, report, samples, questions, gemm_device, whole, hashes,
+                            present, checked, share, what, layers, experts, asked_ranks, group, later)
+    finally:
+        later.close()
+
+
+def _rank_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], plan: RepackPlan | None,
+                 report: VerifyReport, samples: str | os.PathLike[str] | None, questions: list[Any],
+                 gemm_device: torch.device, whole: WholeRun, hashes: Callable[[str], bool], present: list[int],
+                 checked: list[int], share: float, what: str, layers: list[int] | None, experts: list[int] | None,
+                 asked_ranks: list[int] | None, group: Group,
+                 later: LayerByLayerDigests) -> tuple[VerifyReport, RepackPlan | None]:
+    """The checks after the manifest's (`_verify_checks`).  The manifest check concludes when they
+    stop: by then `later` holds the digest of every rank file they read."""
+    def concluded(report: VerifyReport, plan: RepackPlan | None) -> tuple[VerifyReport, RepackPlan | None]:
+        later.finish(report.findings, lambda msg: Finding("manifest", msg))
+        report.conclude("manifest")
         return report, plan
+
+    if plan is None:
+        return concluded(report, plan)
     jobs = plan.jobs
     if layers is not None:
         jobs = _select_layers(jobs, layers, report)
@@ -746,6 +774,7 @@ def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], sam
             "runs, like vLLM's Marlin MoE kernels, takes float16/bfloat16 only, so this output cannot be verified"
         )
     with TensorReader(ck.files) as reader:
+        reader.mapped = True  # an expert at a time: mapped, not copied out of the page cache
         hidden = None  # without numerics: no activations, the round trip alone
         dropped = 0  # the samples' tokens past the budget of every layer
         if samples is not None:
@@ -771,7 +800,7 @@ def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], sam
             report.conclude("round_trip")
             which = ", ".join(f"rank-{r}" for r in unreadable)
             report.not_run("numerics", f"{which} cannot be read (see round trip)")
-            return report, plan
+            return concluded(report, plan)
         try:
             _verify_rank_contents(ck, reader, plan, ranks, report)
             chosen = {j.layer.prefix: _experts_of(j, experts) for j in jobs}
@@ -779,7 +808,9 @@ def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], sam
             passes = 1 if hidden is None else 2
             advance = whole.start(what, passes * sum(len(c) for c in chosen.values()), unit="experts")
             with torch_threads(None if hidden is None else "every core"):
-                for job in jobs:
+                for i, job in enumerate(jobs):
+                    later.through_layer(ranks.values(), _stored_names(job),
+                                        _stored_names(jobs[i + 1]) if i + 1 < len(jobs) else None)
                     _verify_layer(ck, reader, job, ranks, hidden, dtype, report, gemm_device, advance,
                                   chosen[job.layer.prefix], group, dropped=dropped)
         finally:
@@ -787,7 +818,7 @@ def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], sam
                 rf.reader.close()
     report.conclude("round_trip")
     if hidden is None:
-        return report, plan
+        return concluded(report, plan)
     failed = [n for n in report.numerics if n.status == FAIL]
     skipped = [n for n in report.numerics if n.status == NOT_RUN]
     report.conclude(
@@ -796,7 +827,12 @@ def _verify_checks(ck: Checkpoint, out_path: Path, manifest: dict[str, Any], sam
                 f"out of bound" if failed else None),
         incomplete="; ".join(f"{n.layer}: {n.reason}" for n in skipped) or None,
     )
-    return report, plan
+    return concluded(report, plan)
+
+
+def _stored_names(job: LayerJob) -> list[str]:
+    """The names of a layer's tensors in the rank files."""
+    return [f"{job.layer.prefix}.{n}" for n in job.tensor_names]
 
 
 NUMERICS_TOKEN_COST = 1 / 8  # one token through an expert against reading the expert's bytes once: a prior, which the rate measured on the run replaces
@@ -989,7 +1025,6 @@ class _LayerSums:
     # GEMM cannot run on.  The reference never depends on the output, so it is always complete.
     no_candidate: list[str] = field(default_factory=list)
     layer_ok: bool = True  # no round-trip finding in this layer yet
-    reassembly: list[Finding] = field(default_factory=list)  # re-assembled tensors that differ (one expert's)
     bound_used: float | None = None  # the kernel's GEMMs: error beyond their rounding / the derived bound
     exercised: set[int] = field(default_factory=set)  # experts some token is routed to
     # the all-reduced rounding interval (verification.bounds), each rank's added once it is done
@@ -1035,14 +1070,11 @@ def _check_expert(reader: TensorReader, job: LayerJob, ranks: dict[int, RankFile
 
 
 def _merge_expert(report: VerifyReport, sums: _LayerSums, own: _ExpertCheck, mine: _LayerSums) -> None:
-    """One expert's round trip into the layer's, in expert order: its findings; a re-assembly that
-    differs only where no rank's finding in the layer so far (this expert's included) explains it."""
+    """One expert's round trip into the layer's, in expert order."""
     report.findings += own.findings
     report.experts_checked += own.experts_checked
     sums.no_candidate += mine.no_candidate
     sums.layer_ok = sums.layer_ok and mine.layer_ok
-    if sums.layer_ok:
-        report.findings += mine.reassembly
 
 
 def _round_trip_experts(reader: TensorReader, job: LayerJob, ranks: dict[int, RankFiles], dtype: torch.dtype,
@@ -1057,6 +1089,10 @@ def _round_trip_experts(reader: TensorReader, job: LayerJob, ranks: dict[int, Ra
 
     from wna16ctl.native.emulated import usable_cores
 
+    n_ranks = len(job.specs)
+    reassembly = None
+    if selected and not job.plan.ep and all(r in ranks for r in range(n_ranks)):
+        reassembly = _sharding_reassembles(reader.read_expert(job.layer, selected[0]), job)
     workers = min(usable_cores(), max(1, len(selected)))
     with ThreadPoolExecutor(workers) as pool:
         window: deque[Any] = deque()
@@ -1068,29 +1104,26 @@ def _round_trip_experts(reader: TensorReader, job: LayerJob, ranks: dict[int, Ra
         while window:
             _merge_expert(report, sums, *window.popleft().result())
             advance(1)
+    if reassembly is not None and sums.layer_ok:  # said only where no rank's own finding explains it
+        report.findings.append(Finding("round_trip", f"{job.layer.prefix}: {reassembly}", layer=job.layer.prefix))
 
 
 def _verify_expert(reader: TensorReader, job: LayerJob, ranks: dict[int, RankFiles], dtype: torch.dtype,
                    report: VerifyReport, sums: _LayerSums, e: int) -> None:
     """Expert `e`: each rank's tensors undone by the layout's inverse against the rank's slice of
-    the checkpoint, and the ranks re-assembled."""
+    the checkpoint (that the slices re-assemble the checkpoint: `_sharding_reassembles`)."""
     layer, n_ranks = job.layer, len(job.specs)
     ck_expert = reader.read_expert(layer, e)
-    per_rank: list[dict[str, torch.Tensor]] = []
     for r, spec in enumerate(job.specs):
         rng = job.expert_ranges[r]
         if e not in rng or r not in ranks:  # a part: only the ranks it holds
             continue
         expected = _cast_scales(shard_expert(ck_expert, tp=spec.tp, rank=spec.rank, load_full_w2=spec.load_full_w2,
                                              expert_id=e), dtype)
-        got = _read_back(job, ranks[r], r, spec, e - rng.start, e, expected, report, sums)
-        if got is not None:
-            per_rank.append(got)
+        _read_back(job, ranks[r], r, spec, e - rng.start, e, expected, report, sums)
     # an EP part holds some experts only: count those whose tensors were read back here
     if any(e in job.expert_ranges[r] and r in ranks for r in range(n_ranks)):
         report.experts_checked += 1
-    if len(per_rank) == n_ranks and not job.plan.ep:
-        _check_reassembled(job, per_rank, ck_expert, dtype, report, sums, e)
 
 
 def _reference_weights(expected: dict[str, torch.Tensor], spec: RankLayout,
@@ -1125,26 +1158,35 @@ def _read_back(job: LayerJob, rank: RankFiles, r: int, spec: RankLayout, local: 
 
 
 
-def _check_reassembled(job: LayerJob, per_rank: list[dict[str, torch.Tensor]], ck_expert: dict[str, Any],
-                       dtype: torch.dtype, report: VerifyReport, sums: _LayerSums, e: int) -> None:
-    """Every rank's slices of expert `e`, re-assembled, equal the checkpoint's tensors."""
-    layer, spec0 = job.layer, job.specs[0]
+def _sharding_reassembles(ck_expert: dict[str, dict[str, torch.Tensor]], job: LayerJob) -> str | None:
+    """Whether the ranks' slices of an expert re-assemble the checkpoint's tensors: what is wrong,
+    or None.  Sharding and re-assembly only move elements, the same way for every expert of a
+    layer, so they are run once per layer on an expert of the checkpoint's shapes whose every
+    element is its own index: any element moved, lost or duplicated shows.  With each rank's
+    slices equal to their shard bit for bit (the round trip), every expert then re-assembles."""
+    spec0, n = job.specs[0], 0
+    tagged: dict[str, dict[str, torch.Tensor]] = {}
+    for role, tensors in ck_expert.items():
+        tagged[role] = {}
+        for key, t in tensors.items():
+            if role == "up" and key == G_IDX:  # the engine keeps one g_idx for gate and up: equal
+                continue
+            tagged[role][key] = torch.arange(n, n + t.numel(), dtype=torch.int64).reshape(t.shape)
+            n += t.numel()
+    if G_IDX in tagged.get("gate", {}) and G_IDX in ck_expert.get("up", {}):
+        tagged["up"][G_IDX] = tagged["gate"][G_IDX].clone()
     try:
-        back = unshard_expert(per_rank, tp=spec0.tp, load_full_w2=spec0.load_full_w2,
-                              group_size=spec0.group_size, expert_id=e)
-    except LayoutMismatch as err:
-        report.findings.append(Finding("round_trip", f"{layer.prefix} expert {e}: {err.message}", layer=layer.prefix, expert=e))
-        return
-    for role in ("gate", "up", "down"):
-        want = {k: (v.to(dtype) if k == SCALES else v) for k, v in ck_expert[role].items()}
-        bad = next((k for k, v in want.items() if k not in back[role] or back[role][k].shape != v.shape
-                    or first_difference(back[role][k], v) is not None), None)
-        if bad is not None:  # said only where no rank's own finding explains it (`_merge_expert`)
-            sums.reassembly.append(Finding(
-                "round_trip", f"{layer.prefix} expert {e}: re-assembled {role} {bad} differs from the checkpoint",
-                layer=layer.prefix, expert=e))
-
-
+        shards = [shard_expert(tagged, tp=spec.tp, rank=spec.rank, load_full_w2=spec.load_full_w2)
+                  for spec in job.specs]
+        back = unshard_expert(shards, tp=spec0.tp, load_full_w2=spec0.load_full_w2, group_size=spec0.group_size)
+    except (LayoutMismatch, ValueError) as err:
+        return f"the ranks' slices do not re-assemble the checkpoint's experts: {err}"
+    for role, tensors in tagged.items():
+        for key, want in tensors.items():
+            got = back.get(role, {}).get(key)
+            if got is None or got.shape != want.shape or first_difference(got, want) is not None:
+                return f"re-assembled {role} {key} differs from the checkpoint (elements moved by the sharding)"
+    return None
 
 
 # ---- 3. numerics, a group of ranks at a time ------------------------------------------------------

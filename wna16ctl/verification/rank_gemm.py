@@ -34,6 +34,7 @@ class RankFiles:
     def __init__(self, root: Path):
         self.files: CheckpointFiles = read_checkpoint_files(root)
         self.reader = TensorReader(self.files)
+        self.reader.mapped = True  # a slice at a time, mostly in the page cache: mapped, not copied
 
     def expert_slice(self, name: str, local: int) -> torch.Tensor:
         info = self.files.info(name)
