@@ -16,6 +16,9 @@ against `cp -r` of the same output in the same run (A B A B …), with wall, CPU
 `--scale-numerics N` also times one verify with numerics on N samples (the memory bound is the
 same: the tokens per layer are capped by verify's budget).  kimi-pad is the Kimi-width layer's
 `pad --tp 8 --to 2304`, verified as ORIGINAL PADDED.
+`--cold` drops the page cache before each command (root only), so that both read the bytes
+from the disk: without it `cp -r` right after a verify copies from memory what the verify left in
+the page cache, and the ratio measures the cache, not the disk.
 `--scale-layers N` makes the Qwen3 cases N layers (the peak RSS must not move with N). The
 checkpoints and outputs are written under --dir; `--clean` removes them afterwards.
 
@@ -36,7 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import ROOT, med, median_runs, run_once, wna16ctl
+from common import ROOT, drop_page_cache, med, median_runs, run_once, wna16ctl
 
 
 def _row(what: str, runs: list) -> str:
@@ -66,8 +69,9 @@ def _scale_row(what: str, runs: list, base: list | None = None) -> str:
 
 
 def at_scale(case: str, root: Path, runs: int, layers: int | None, clean: bool, here: dict[str, str],
-             numerics: int = 0) -> None:
-    """One at-scale case (module doc): verify --no-numerics against cp -r of the output, pair by pair."""
+             numerics: int = 0, cold: bool = False) -> None:
+    """One at-scale case (module doc): verify --no-numerics against cp -r of the output, pair by pair;
+    `cold`: each from a dropped page cache (the bytes read from the disk by both)."""
     import shutil
 
     gen, command, flags = SCALE_CASES[case]
@@ -88,15 +92,22 @@ def at_scale(case: str, root: Path, runs: int, layers: int | None, clean: bool, 
             full.append(run_once(wna16ctl("verify", str(ck), str(out), "--num-samples", str(numerics)), here))
             if full[-1].returncode:
                 raise SystemExit("verify with numerics did not pass")
+        if cold and not drop_page_cache():
+            raise SystemExit("--cold: the page cache cannot be dropped here (root only)")
         for _ in range(runs):
             shutil.rmtree(copy, ignore_errors=True)
+            if cold:
+                drop_page_cache()
             cps.append(run_once(["cp", "-r", str(out), str(copy)]))
             shutil.rmtree(copy, ignore_errors=True)
+            if cold:
+                drop_page_cache()
             mine.append(run_once(verify, here))
             if mine[-1].returncode:
                 raise SystemExit("verify did not pass")
         shape = " ".join(gen)
         print(f"{case}: synthetic {shape}; OUT = {command} {' '.join(flags)}, {size / 2**30:.2f} GiB; "
+              f"{'each command from a dropped page cache; ' if cold else ''}"
               f"{os.cpu_count()} CPUs; load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
         print("| command | median wall | median CPU (user+sys) | peak RSS | speed vs cp -r (cp wall / wall) |")
         print("|---|---|---|---|---|")
@@ -123,13 +134,15 @@ def main() -> None:
     ap.add_argument("--at-scale", choices=sorted(SCALE_CASES), default=None)
     ap.add_argument("--scale-layers", type=int, default=None, help="--at-scale qwen30b-*: this many layers")
     ap.add_argument("--clean", action="store_true", help="--at-scale: remove the checkpoint and output afterwards")
+    ap.add_argument("--cold", action="store_true",
+                    help="--at-scale: drop the page cache before each command (root), so both read from the disk")
     ap.add_argument("--scale-numerics", type=int, default=0, metavar="N",
                     help="--at-scale: also time one verify with numerics on N samples (wall, CPU, peak RSS)")
     a = ap.parse_args()
     here = {**os.environ, "PYTHONPATH": str(ROOT)}
     if a.at_scale:
         a.dir.mkdir(parents=True, exist_ok=True)
-        at_scale(a.at_scale, a.dir, a.runs, a.scale_layers, a.clean, here, a.scale_numerics)
+        at_scale(a.at_scale, a.dir, a.runs, a.scale_layers, a.clean, here, a.scale_numerics, a.cold)
         return
     if a.synthetic:
         layers, experts, hidden, inter = (int(x) for x in a.synthetic.split(","))

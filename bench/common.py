@@ -71,6 +71,18 @@ def sync() -> float:
     return time.perf_counter() - t
 
 
+def drop_page_cache() -> bool:
+    """Write back and drop the page cache, so that the next command reads its bytes from the disk
+    (root only: False, and nothing dropped, elsewhere)."""
+    subprocess.run(["sync"], check=True)
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    except OSError:
+        return False
+    return True
+
+
 def timed(cmd: list[str], dst: Path, env: dict[str, str] | None = None) -> Run:
     """`cmd` then `sync`, from a missing destination: wall of both, CPU and peak RSS of `cmd` (run
     beside DST, never in a checkout: `python -m` would import the package of the working directory)."""

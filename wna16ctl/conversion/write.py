@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 from wna16ctl.conversion.plan import LAYOUT, ConversionPlan, Projection, identity
 from wna16ctl.errors import BadInput
+from wna16ctl.output import filestream
 from wna16ctl.output.manifest import MANIFEST_NAME
 from wna16ctl.sources import formats
 from wna16ctl.sources.formats import CODES, G_IDX, SCALES, SHAPE, ZERO_POINTS
@@ -109,20 +110,11 @@ def _data_path(plan: ConversionPlan) -> _DataPath:
 
         written = words.written_of(plan)
         return _DataPath(RawReader, words.max_reserve, lambda f, reader, stream, advance, check: words.produce(
-            plan, f, reader, stream, advance, _converted, written, check), _producers(len(plan.files)))
+            plan, f, reader, stream, advance, _converted, written, check), filestream.producers(len(plan.files), PRODUCERS))
     from wna16ctl.sources.tensors import TensorReader
 
     return _DataPath(TensorReader, lambda f: 0, lambda f, reader, stream, advance, check: _produce(
         plan, f, reader, stream.write, advance, check), 1)
-
-
-def _producers(n_files: int) -> int:
-    """Files converted at once: one per core (at most PRODUCERS), never more than there are files."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return max(1, min(PRODUCERS, cores, n_files))
 
 
 def _write_files(staged: Any, files: list[Any], reader: Any, path: _DataPath, advance: Callable[[int], Any]) -> None:

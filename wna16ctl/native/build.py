@@ -86,7 +86,7 @@ def _notice(message: str) -> None:
         first = not _notice_given
         _notice_given = True
     if first:
-        log.warning("%s; using the torch CPU path (set WNA16CTL_NO_NATIVE=1 to silence)", message)
+        log.warning("%s; using the slower portable path instead (set WNA16CTL_NO_NATIVE=1 to silence)", message)
     else:
         log.debug("%s", message)
 

@@ -35,6 +35,17 @@ BLOCK_BYTES = 1 << 20
 DEPTH = 3
 
 
+def producers(n_files: int, most: int) -> int:
+    """Files written at once, each by a producer of its own: one per core this process may run on
+    (its affinity: a container or `taskset` may grant fewer than the machine has), at most `most`,
+    never more than there are files."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(most, cores, n_files))
+
+
 def depth_for(max_reserve: int) -> int:
     """Blocks in flight for a stream whose largest reservation is `max_reserve`.  One of small
     pieces (a layer's scales: a few KiB a chunk) fills a block over many chunks, so its writes are

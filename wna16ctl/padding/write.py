@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from wna16ctl.errors import BadInput
+from wna16ctl.output import filestream
 from wna16ctl.output.outdir import MANIFEST_NAME, OUTPUT_FORMAT
 from wna16ctl.planning.padding import PadPlan, padded_shape
 from wna16ctl.sources import formats
@@ -186,11 +187,7 @@ class _Shapes:
 
 def producers(n_files: int) -> int:
     """Shards written at once: one per core (at most PRODUCERS), never more than there are shards."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return max(1, min(PRODUCERS, cores, n_files))
+    return filestream.producers(n_files, PRODUCERS)
 
 
 def _write_shards(plan: PadPlan, staged: Any, files: list[tuple[Any, Any]], reader: Any,
