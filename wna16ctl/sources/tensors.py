@@ -2,7 +2,9 @@
 
 `pread` instead of mmap keeps the resident set bounded by what the caller holds (mapped file pages
 count towards RSS once touched), and a shard truncated after planning fails with a clear error
-instead of a SIGBUS.  Legacy forms are normalised here, once, so the layout code sees a single
+instead of a SIGBUS.  A reader may map instead (`TensorReader.mapped`: verify's round trip, whose
+tensors live an expert long and whose bytes are mostly in the page cache already), which saves
+copying every byte once more.  Legacy forms are normalised here, once, so the layout code sees a single
 format: zero points as packed int32 [ceil(N/pf), G] codes, g_idx as int32 [K].
 """
 
