@@ -1118,6 +1118,28 @@ def test_ctrl_c_inside_a_weakref_callback_is_not_lost(make_ckpt, tmp_path):
     assert "nothing was written" in _one_interrupted_line(proc)
 
 
+def test_a_ctrl_c_sent_again_late_still_stops_the_command(make_ckpt, tmp_path):
+    # on a busy machine the thread that sends the lost Ctrl-C again may run only after the rest of
+    # a short command: the command still ends with its one line and 130, not 0
+    prelude = ("import threading, weakref\n"
+               "Timer = threading.Timer\n"
+               "class Late(Timer):\n"
+               "    def __init__(self, interval, *a, **kw):\n"
+               "        super().__init__(interval + 0.5, *a, **kw)\n"
+               "threading.Timer = Late\n"
+               "import wna16ctl.planning.inspection as i\n"
+               "real = i.inspect_checkpoint\n"
+               "class Lock:\n    pass\n"
+               "def cb(_):\n    raise KeyboardInterrupt\n"
+               "def stop(*a, **kw):\n"
+               "    lock = Lock()\n    ref = weakref.ref(lock, cb)\n    del lock\n"
+               "    return real(*a, **kw)\n"
+               "i.inspect_checkpoint = stop\n")
+    proc = run_cli("inspect", str(make_ckpt(**SMALL)), "--tp", "1", prelude=prelude)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert "nothing was written" in _one_interrupted_line(proc)
+
+
 def test_ctrl_c_while_the_command_line_imports_is_130_not_a_traceback():
     prelude = ("import builtins\n"
                "real = builtins.__import__\n"

@@ -48,6 +48,7 @@ def _run(ctx: click.Context, sink: Sink, body: Callable[[], int], *, interrupted
     # `quiet` on an error: another process of a torchrun launch prints the line every process shares
     try:
         code = body()
+        _settle_redelivered_interrupt()
     except WnaError as e:
         _traceback(sink, debug)
         if not getattr(e, "quiet", False):
@@ -755,6 +756,18 @@ def _local_checkpoint(sink: Sink, ckpt: str, revision: str | None) -> str:
     return resolve_local(ckpt, revision, quiet=sink.quiet)[0]
 
 
+_redelivery: threading.Timer | None = None  # the Ctrl-C `_redeliver_interrupt` is sending again
+
+
+def _settle_redelivered_interrupt() -> None:
+    """A Ctrl-C being sent again (`_redeliver_interrupt`) lands before the command reports: on a
+    busy machine the rest of a short command can end before the sending thread runs."""
+    again = _redelivery
+    if again is not None:
+        again.join()  # the signal interrupts this wait, or is raised at the next line
+        signal.getsignal(signal.SIGINT)
+
+
 def _redeliver_interrupt(unraisable: Any) -> None:
     """sys.unraisablehook: a Ctrl-C that lands in a weakref callback or a __del__ (an import's
     module-lock cleanup, a freed tensor) is only printed there and lost, and the command would
@@ -762,8 +775,10 @@ def _redeliver_interrupt(unraisable: Any) -> None:
     if isinstance(unraisable.exc_value, KeyboardInterrupt):
         # Python looks for signals as soon as a call returns, so a signal sent from here would be
         # raised in this hook and lost again: another thread sends it once the hook has returned
+        global _redelivery
         again = threading.Timer(0.01, os.kill, (os.getpid(), signal.SIGINT))
         again.daemon = True
+        _redelivery = again
         again.start()
     else:
         sys.__unraisablehook__(unraisable)
