@@ -659,8 +659,11 @@ def test_valid_index_with_a_metadata_string_naming_a_file_is_accepted(make_ckpt,
 
 def run_cli(*args: str, timeout: float = 60, prelude: str = "") -> subprocess.CompletedProcess:
     code = prelude + "\nimport sys\nfrom wna16ctl.cli import main\nsys.argv = ['wna16ctl'] + sys.argv[1:]\nmain()\n"
+    # started as a shell starts it, with Ctrl-C at its default: a test runner's worker may ignore
+    # SIGINT (a command run in-process ends by ignoring it), and a child would inherit that
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=REPO_ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          cwd=REPO_ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def assert_one_line(proc: subprocess.CompletedProcess, *words: str) -> None:
