@@ -173,7 +173,8 @@ def test_resume_redoes_the_files_of_a_changed_source_and_records_no_source_diges
     assert len(shards) >= 3
     real = write._write_side_files
 
-    def interrupted(*args):
+    def interrupted(plan, staged):
+        staged.collect_hashes()  # the streams finish in the background: wait until every shard is journaled
         raise KeyboardInterrupt  # after every shard is written and journaled
 
     monkeypatch.setattr(write, "_write_side_files", interrupted)
