@@ -1103,19 +1103,24 @@ def test_ctrl_c_while_the_options_are_read_is_130_not_aborted(make_ckpt, tmp_pat
     assert leftovers(tmp_path / "out") == [] and not (tmp_path / "out").exists()
 
 
+# inspect's body drops the last reference of an object whose weakref callback raises KeyboardInterrupt
+CTRL_C_IN_A_WEAKREF_CALLBACK = (
+    "import weakref\n"
+    "import wna16ctl.planning.inspection as i\n"
+    "real = i.inspect_checkpoint\n"
+    "class Lock:\n    pass\n"
+    "def cb(_):\n    raise KeyboardInterrupt\n"
+    "def stop(*a, **kw):\n"
+    "    lock = Lock()\n    ref = weakref.ref(lock, cb)\n    del lock\n"
+    "    return real(*a, **kw)\n"
+    "i.inspect_checkpoint = stop\n")
+
+
 def test_ctrl_c_inside_a_weakref_callback_is_not_lost(make_ckpt, tmp_path):
     # Python only prints a KeyboardInterrupt raised in a weakref callback or __del__ ("Exception
     # ignored in ...": an import's module-lock cleanup, typically) and goes on: the command must
     # still stop with its one line and 130, not finish after a traceback
-    prelude = ("import weakref\n"
-               "import wna16ctl.planning.inspection as i\n"
-               "real = i.inspect_checkpoint\n"
-               "class Lock:\n    pass\n"
-               "def cb(_):\n    raise KeyboardInterrupt\n"
-               "def stop(*a, **kw):\n"
-               "    lock = Lock()\n    ref = weakref.ref(lock, cb)\n    del lock\n"
-               "    return real(*a, **kw)\n"
-               "i.inspect_checkpoint = stop\n")
+    prelude = CTRL_C_IN_A_WEAKREF_CALLBACK
     proc = run_cli("inspect", str(make_ckpt(**SMALL)), "--tp", "1", prelude=prelude)
     assert "Exception ignored" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert "nothing was written" in _one_interrupted_line(proc)
@@ -1124,20 +1129,12 @@ def test_ctrl_c_inside_a_weakref_callback_is_not_lost(make_ckpt, tmp_path):
 def test_a_ctrl_c_sent_again_late_still_stops_the_command(make_ckpt, tmp_path):
     # on a busy machine the thread that sends the lost Ctrl-C again may run only after the rest of
     # a short command: the command still ends with its one line and 130, not 0
-    prelude = ("import threading, weakref\n"
+    prelude = ("import threading\n"
                "Timer = threading.Timer\n"
                "class Late(Timer):\n"
                "    def __init__(self, interval, *a, **kw):\n"
                "        super().__init__(interval + 0.5, *a, **kw)\n"
-               "threading.Timer = Late\n"
-               "import wna16ctl.planning.inspection as i\n"
-               "real = i.inspect_checkpoint\n"
-               "class Lock:\n    pass\n"
-               "def cb(_):\n    raise KeyboardInterrupt\n"
-               "def stop(*a, **kw):\n"
-               "    lock = Lock()\n    ref = weakref.ref(lock, cb)\n    del lock\n"
-               "    return real(*a, **kw)\n"
-               "i.inspect_checkpoint = stop\n")
+               "threading.Timer = Late\n") + CTRL_C_IN_A_WEAKREF_CALLBACK
     proc = run_cli("inspect", str(make_ckpt(**SMALL)), "--tp", "1", prelude=prelude)
     assert "Traceback" not in proc.stderr, proc.stderr
     assert "nothing was written" in _one_interrupted_line(proc)
