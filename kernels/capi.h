@@ -111,6 +111,10 @@ WNA16_API int wna16_transpose_host(const void* src, int64_t ld, int64_t rows, in
 WNA16_API int wna16_marlin_unrepack_host(const int32_t* marlin, const int32_t* perm, int32_t* out,
                                          int64_t num_experts, int64_t size_k, int64_t size_n,
                                          int num_bits, int num_threads);
+/* marlin -> K-first for E contiguous experts, one thread (kernels/untile.cpp: written apart from
+   the forward's index math, so that verify's round trip through it still checks the forward). */
+WNA16_API int wna16_marlin_untile_host(const int32_t* marlin, int32_t* out, int64_t num_experts,
+                                       int64_t size_k, int64_t size_n, int num_bits);
 /* [rows, N] scales, elem_bytes 2 or 4; inverse != 0 restores the logical order. */
 WNA16_API int wna16_permute_scales_host(const void* in, void* out, int64_t rows, int64_t size_n,
                                         int elem_bytes, int grouped, int inverse);

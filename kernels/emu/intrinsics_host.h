@@ -52,6 +52,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <new>
 #include <thread>
 #include <tuple>
@@ -200,8 +201,14 @@ inline cudaError_t& last_error() {
   return e;
 }
 
+// Each launcher sets its kernel's limit before every launch, and verify runs launches from several
+// host threads at once (as streams would): the map is only touched under its lock.
 inline std::map<const void*, int>& func_smem_limits() {
   static std::map<const void*, int> m;
+  return m;
+}
+inline std::mutex& func_smem_limits_lock() {
+  static std::mutex m;
   return m;
 }
 
@@ -752,8 +759,11 @@ void launch(dim3 grid, dim3 block, size_t smem_bytes, cudaStream_t, void (*kerne
     return;
   }
   int limit = device().smem_per_block;
-  const auto it = func_smem_limits().find(reinterpret_cast<const void*>(kernel));
-  if (it != func_smem_limits().end()) limit = it->second;
+  {
+    std::lock_guard<std::mutex> hold(func_smem_limits_lock());
+    const auto it = func_smem_limits().find(reinterpret_cast<const void*>(kernel));
+    if (it != func_smem_limits().end()) limit = it->second;
+  }
   if (smem_bytes > (size_t)limit) {
     last_error() = cudaErrorInvalidValue;  // what the runtime answers without the opt-in
     return;
@@ -795,6 +805,7 @@ cudaError_t cudaFuncSetAttribute(F* func, cudaFuncAttribute attr, int value) {
   if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize || value < 0 ||
       value > wna16::emu::device().smem_optin)
     return cudaErrorInvalidValue;
+  std::lock_guard<std::mutex> hold(wna16::emu::func_smem_limits_lock());
   wna16::emu::func_smem_limits()[reinterpret_cast<const void*>(func)] = value;
   return cudaSuccess;
 }

@@ -133,7 +133,28 @@ def test_repack_equals_references_on_spec_shapes(num_bits, act_order, size_n, si
     q_sorted = q.numpy()[perm.numpy()] if act_order else q.numpy()
     assert np.array_equal(out.numpy(), reference.marlin_table_form(q_sorted, num_bits))
     assert np.array_equal(out.numpy(), reference.marlin_closed_form(q_sorted, num_bits))
+    assert torch.equal(marlin_unrepack(out, num_bits, size_k, size_n, perm, native=False), packed)
     assert torch.equal(marlin_unrepack(out, num_bits, size_k, size_n, perm), packed)
+
+
+@pytest.mark.parametrize("num_bits", [4, 8])
+@pytest.mark.parametrize("experts,size_k,size_n", [(1, 16, 64), (3, 64, 192), (2, 2048, 768), (1, 384, 2048)])
+def test_native_untile_equals_the_torch_inverse_on_any_words(num_bits, experts, size_k, size_n):
+    """Every int32 word is some Marlin tile's word, so arbitrary words check each bit's way back."""
+    from wna16ctl.native.ops import marlin_untile_host, native_host_available
+
+    if not native_host_available():
+        pytest.skip("the native host library cannot be built here (no g++)")
+    gen = torch.Generator().manual_seed(size_k * size_n + num_bits)
+    words = torch.randint(-(2**31), 2**31, (experts, size_k // 16, size_n * 16 * num_bits // 32),
+                          dtype=torch.int32, generator=gen)
+    by_torch = marlin_unrepack(words, num_bits, size_k, size_n, native=False)
+    out = torch.empty_like(by_torch)
+    assert marlin_untile_host(words, out, num_bits, size_k, size_n)
+    assert torch.equal(out, by_torch)
+    # an expert taken from a wider tensor (not contiguous) gives the same words
+    wide = torch.cat([words, words], dim=-1)[..., : words.shape[-1]]
+    assert torch.equal(marlin_unrepack(wide, num_bits, size_k, size_n), by_torch)
 
 
 @pytest.mark.parametrize("num_bits", [4, 8])

@@ -91,6 +91,19 @@ def test_fibers_and_blocks_side_by_side_give_the_same_bits(case, restore_configu
             assert counted["launches"] <= counted["os_threads"] <= blocks * counted["launches"]
 
 
+def test_launches_from_several_threads_give_each_its_own_bits():
+    """verify launches the ranks' GEMMs from worker threads at once: each output equals, bit for
+    bit, the same launch run alone (the emulator keeps no launch state outside the launch)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    probs = [grid_problem(**case) for case in CASES for _ in range(2)]
+    alone = [_run(p)[0] for p in probs]
+    with ThreadPoolExecutor(len(probs)) as pool:
+        together = list(pool.map(lambda p: _run(p)[0], probs))
+    for got, want in zip(together, alone):
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
 def test_the_launch_runs_on_every_core():
     """As loaded, the library runs as many blocks side by side as the process has cores (its
     affinity), up to the grid's blocks: counted OS threads, not time."""

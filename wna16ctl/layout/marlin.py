@@ -152,9 +152,13 @@ def marlin_repack(
 
 
 def marlin_unrepack(
-    marlin: Tensor, num_bits: int, size_k: int, size_n: int, perm: Tensor | None = None
+    marlin: Tensor, num_bits: int, size_k: int, size_n: int, perm: Tensor | None = None, *, native: bool = True
 ) -> Tensor:
-    """Exact inverse of `marlin_repack`: int32 [..., K/16, N·16/pf] -> K-first int32 [..., K/pf, N]."""
+    """Exact inverse of `marlin_repack`: int32 [..., K/16, N·16/pf] -> K-first int32 [..., K/pf, N].
+
+    On the CPU the tile order is undone by the native host library where it loads
+    (kernels/untile.cpp, the same bit-field transposes as `_untiles_4bit` / `_untiles_8bit`, about
+    ten times faster), else, or with `native=False`, by the torch code below."""
     pf = pack_factor(num_bits)
     _check_int32(marlin, "marlin weight")
     _check_tile_shape(size_k, size_n)
@@ -163,7 +167,9 @@ def marlin_unrepack(
         raise ValueError(f"marlin weight shape {tuple(marlin.shape)} does not end in {expected}")
     lead = marlin.shape[:-2]
     out = torch.empty((*lead, size_k // pf, size_n), dtype=torch.int32, device=marlin.device)
-    if num_bits == 4:
+    if native and _untiled_natively(marlin, out, num_bits, size_k, size_n):
+        pass
+    elif num_bits == 4:
         _untiles_4bit(marlin, out, size_k, size_n)
     else:
         _untiles_8bit(marlin, out, size_k, size_n)
@@ -171,6 +177,15 @@ def marlin_unrepack(
         perm = _check_perm(perm, out, size_k)
         out = _gather_k_rows(out, num_bits, _inverse_permutation(perm))
     return out
+
+
+def _untiled_natively(marlin: Tensor, out: Tensor, num_bits: int, size_k: int, size_n: int) -> bool:
+    if marlin.device.type != "cpu" or marlin.numel() == 0:
+        return False
+    # imported here: the native library is optional and built on first use
+    from wna16ctl.native.ops import marlin_untile_host
+
+    return marlin_untile_host(marlin, out, num_bits, size_k, size_n)
 
 
 def _check_tile_shape(size_k: int, size_n: int) -> None:

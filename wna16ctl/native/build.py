@@ -23,7 +23,7 @@ log = logging.getLogger("wna16ctl.native.ops")  # one logger for the notices of 
 
 ABI_VERSION = 1  # must equal WNA16_ABI_VERSION in kernels/capi.h
 
-HOST_SOURCES = ("host.cpp", "host_simd.cpp", "error.cpp")
+HOST_SOURCES = ("host.cpp", "host_simd.cpp", "untile.cpp", "error.cpp")
 # inspect's checking header reader: its own small library, so that a first `inspect` compiles one
 # file (about a second) and never waits for the repack kernels
 HEADER_SCAN_SOURCES = ("header_scan.cpp",)
@@ -362,6 +362,7 @@ _HOST_PROTOS: CPrototypes = {
     "wna16_marlin_repack_host": (_I32, [_P, _P, _P, _I64, _I64, _I64, _I32, _I32]),
     "wna16_marlin_repack_host_strided": (_I32, [_P, _P, _P, _I64, _I64, _I64, _I32] + [_I64] * 5 + [_I32, _I32]),
     "wna16_marlin_unrepack_host": (_I32, [_P, _P, _P, _I64, _I64, _I64, _I32, _I32]),
+    "wna16_marlin_untile_host": (_I32, [_P, _P, _I64, _I64, _I64, _I32]),
     "wna16_permute_scales_host": (_I32, [_P, _P, _I64, _I64, _I32, _I32, _I32]),
     "wna16_zero_points_host": (_I32, [_P, _P, _I64, _I64, _I32, _I32]),
     "wna16_marlin_src_table": (_I32, [_I32, _I64, _I64, _P, _P]),

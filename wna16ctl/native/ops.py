@@ -198,6 +198,22 @@ def marlin_unrepack_fast(
     return out
 
 
+def marlin_untile_host(marlin: Tensor, out: Tensor, num_bits: int, size_k: int, size_n: int) -> bool:
+    """The Marlin tile order undone on the CPU by kernels/untile.cpp, into the contiguous K-first
+    `out`: True when done, False where it cannot run (no host library, not on the CPU), and the
+    caller's torch code does it instead. One thread: verify runs experts side by side."""
+    if marlin.device.type != "cpu" or not out.is_contiguous() or out.device.type != "cpu":
+        return False
+    lib = host_lib()
+    if lib is None:
+        return False
+    src = marlin.contiguous()
+    per_expert = size_k // (32 // num_bits) * size_n
+    lib.call("wna16_marlin_untile_host", _ptr(src), _ptr(out), out.numel() // max(1, per_expert),
+             size_k, size_n, num_bits)
+    return True
+
+
 # ----------------------------------------------------------------------------------------------
 # torch ops
 
@@ -621,6 +637,7 @@ __all__ = [
     "cuda_available",
     "marlin_repack_fast",
     "marlin_unrepack_fast",
+    "marlin_untile_host",
     "moe_wna16_gemm",
     "native_host_available",
 ]

@@ -110,9 +110,10 @@ class EmulatedGemm:
         import threading
 
         self.launches: dict[str, int] = {}
-        self.seconds = 0.0
-        # one launch at a time: a launch already runs its blocks on every core, and the counts are
-        # kept by whichever thread calls
+        self.seconds = 0.0  # summed over the launches, which may overlap
+        # Launches from several threads run side by side, as on streams: a small launch (a slab
+        # of few tokens is a grid of one or two blocks) leaves cores idle that another rank's
+        # launch can use. The counts are kept under the lock.
         self._lock = threading.Lock()
 
     def __call__(self, *args, **kwargs) -> torch.Tensor:
@@ -120,9 +121,10 @@ class EmulatedGemm:
 
         from wna16ctl.native.emulated import emulated_moe_gemm
 
+        t0 = time.perf_counter()
+        out, kernel = emulated_moe_gemm(*args, **kwargs)
+        took = time.perf_counter() - t0
         with self._lock:
-            t0 = time.perf_counter()
-            out, kernel = emulated_moe_gemm(*args, **kwargs)
-            self.seconds += time.perf_counter() - t0
+            self.seconds += took
             self.launches[kernel] = self.launches.get(kernel, 0) + 1
         return out
