@@ -31,10 +31,9 @@ inline void transpose_fields(Lanes& p, Lanes& q) {
   p ^= delta << bits;
 }
 
-inline Lanes gather8(const uint32_t* first, int64_t stride) {
-  Lanes v;
+// (filled through a reference: a 32-byte vector returned by value changes the ABI with AVX)
+inline void gather8(Lanes& v, const uint32_t* first, int64_t stride) {
   for (int i = 0; i < 8; ++i) v[i] = first[i * stride];
-  return v;
 }
 
 inline void store8(uint32_t* dst, const Lanes& v) { memcpy(dst, &v, sizeof v); }
@@ -50,8 +49,11 @@ void untile4(const uint32_t* marlin, uint32_t* out, int64_t size_k, int64_t size
     for (int64_t nt = 0; nt < size_n / 64; ++nt) {
       const uint32_t* tile = marlin + kt * m_cols + nt * 128;
       for (int w = 0; w < 4; ++w) {
-        Lanes c00 = gather8(tile + 0 * 4 + w, 16), c10 = gather8(tile + 2 * 4 + w, 16);
-        Lanes c01 = gather8(tile + 1 * 4 + w, 16), c11 = gather8(tile + 3 * 4 + w, 16);
+        Lanes c00, c10, c01, c11;
+        gather8(c00, tile + 0 * 4 + w, 16);
+        gather8(c10, tile + 2 * 4 + w, 16);
+        gather8(c01, tile + 1 * 4 + w, 16);
+        gather8(c11, tile + 3 * 4 + w, 16);
         transpose_fields<16>(c00, c10);
         transpose_fields<16>(c01, c11);
         transpose_fields<8>(c00, c01);  // c00: b = 0, blk 0; c01: b = 0, blk 1
@@ -82,7 +84,9 @@ void untile8(const uint32_t* marlin, uint32_t* out, int64_t size_k, int64_t size
         for (int w = 0; w < 4; ++w)
           for (int blk = 0; blk < 2; ++blk) {
             const uint32_t* first = tile + trh * 16 + w * 2 + blk;
-            Lanes lo = gather8(first, 32), hi = gather8(first + 8, 32);
+            Lanes lo, hi;
+            gather8(lo, first, 32);
+            gather8(hi, first + 8, 32);
             transpose_fields<16>(lo, hi);
             transpose_fields<8>(lo, hi);  // lo: a = 0, hi: a = 1
             store8(a0 + w * 16 + blk * 8, lo);
