@@ -221,6 +221,24 @@ def test_marlin_candidate_reads_a_slab_of_experts_at_a_time(outputs, monkeypatch
     assert max(experts_per_read) == 1, max(experts_per_read)
 
 
+def test_numerics_figures_do_not_depend_on_the_slabs_running_ahead(outputs, monkeypatch):
+    """With two cores the next slab's GEMMs run while this slab's references are built; the figures
+    are those of every step in turn: each layer's errors, bounds and margins bit for bit."""
+    import dataclasses
+
+    import wna16ctl.native.emulated as emulated_mod
+
+    ck, out = outputs("g128")
+    monkeypatch.setattr(verify_mod, "SLAB_BYTES", 1, raising=False)  # a slab per expert: many ahead
+    monkeypatch.setattr(emulated_mod, "usable_cores", lambda: 2)
+    monkeypatch.setattr(verify_mod, "SLABS_AHEAD", 0)
+    in_turn = verify_output(ck, out, samples=QUESTIONS, num_samples=8)
+    monkeypatch.setattr(verify_mod, "SLABS_AHEAD", 1)
+    ahead = verify_output(ck, out, samples=QUESTIONS, num_samples=8)
+    assert ahead.passed and in_turn.passed and ahead.numerics
+    assert [dataclasses.asdict(n) for n in ahead.numerics] == [dataclasses.asdict(n) for n in in_turn.numerics]
+
+
 def test_e2e_refused_with_the_figure_when_memory_cannot_hold_it(outputs, make_ckpt, tmp_path, monkeypatch):
     """--e2e holds every MoE layer's experts dequantised (and the model's other weights in fp32):
     where the machine's available memory cannot hold that, verify refuses before any work, in one

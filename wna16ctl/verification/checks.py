@@ -54,7 +54,7 @@ from wna16ctl.output.manifest import FORMAT_NAME, SIDE_FILES
 from wna16ctl.repacking.pipeline import LayerJob, RepackPlan, RepackSettings, plan_repack, rank_index_bytes
 from wna16ctl.sources import source_fingerprint
 from wna16ctl.sources.formats import G_IDX
-from wna16ctl.verification.budget import EXPERTS_SIDE_BY_SIDE_BYTES
+from wna16ctl.verification.budget import EXPERTS_SIDE_BY_SIDE_BYTES, SLABS_AHEAD
 from wna16ctl.verification.bounds import (JUDGE_ROWS, SLAB_BYTES, AllReduced, Interval, IntervalSum,
                                           expert_slots_interval, gemm_bound_used, judge, nothing_to_compare, numerics_tokens, rank_groups)
 from wna16ctl.verification.rank_gemm import GEMM_DTYPES, ROUNDINGS, UNIT_ROUNDOFF, EmulatedGemm, RankFiles, rank_moe_output  # noqa: F401 - ROUNDINGS and UNIT_ROUNDOFF re-exported
@@ -1272,12 +1272,25 @@ def _rank_group(reader: TensorReader, job: LayerJob, group: dict[int, RankFiles]
     ahead = max(1, min(workers, EXPERTS_SIDE_BY_SIDE_BYTES // (6 * job.layer.hidden_size * job.layer.intermediate_size)))
     side_by_side = ahead > 1 or len(group) > 1
     inline = _InlinePool()
+    slabs = _slabs(job, group, selected)
     with torch_threads(None if side_by_side else "every core"), \
-            (ThreadPoolExecutor(workers) if side_by_side else inline) as pool:
+            (ThreadPoolExecutor(workers) if side_by_side else inline) as pool, \
+            (ThreadPoolExecutor(1) if side_by_side else inline) as runner:
         experts_pool = pool if ahead > 1 else inline  # one at a time: on this thread, in its heap
-        for slab in _slabs(job, group, selected):
-            kept = _marlin_ranks(pool, job, group, slab, routing, dtype, device, emulated, rows, part, part_k, sums,
-                                 failed)
+
+        def candidates(slab: range) -> Any:
+            return runner.submit(_marlin_ranks, pool, job, group, slab, routing, dtype, device, emulated, rows, part,
+                                 part_k, sums, failed)
+
+        # The next slab's candidates (the GEMMs of its ranks, one worker each) run while this slab's
+        # experts build their references: a slab of one rank's GEMMs alone would hold one core.
+        # The slabs' candidates still run one after another, each adding into its ranks' partials
+        # in slab order, and only they touch those partials (a Marlin layer's expert terms add
+        # none), so the figures are the same.
+        upcoming = None
+        for i, slab in enumerate(slabs):
+            kept = (upcoming or candidates(slab)).result()
+            upcoming = candidates(slabs[i + 1]) if side_by_side and SLABS_AHEAD and i + 1 < len(slabs) else None
             window: deque[Any] = deque()
             for e in slab:
                 window.append(experts_pool.submit(_expert_terms, reader, job, group, routing, a, dtype, e, kept))
