@@ -152,6 +152,10 @@ def test_native_untile_equals_the_torch_inverse_on_any_words(num_bits, experts, 
     out = torch.empty_like(by_torch)
     assert marlin_untile_host(words, out, num_bits, size_k, size_n)
     assert torch.equal(out, by_torch)
+    # importing wna16ctl.native.ops installed it as the layout's un-tiling
+    from wna16ctl.layout import marlin as marlin_layout
+
+    assert marlin_layout._untile_accelerator is marlin_untile_host
     # an expert taken from a wider tensor (not contiguous) gives the same words
     wide = torch.cat([words, words], dim=-1)[..., : words.shape[-1]]
     assert torch.equal(marlin_unrepack(wide, num_bits, size_k, size_n), by_torch)

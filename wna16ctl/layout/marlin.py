@@ -156,9 +156,9 @@ def marlin_unrepack(
 ) -> Tensor:
     """Exact inverse of `marlin_repack`: int32 [..., K/16, N·16/pf] -> K-first int32 [..., K/pf, N].
 
-    On the CPU the tile order is undone by the native host library where it loads
-    (kernels/untile.cpp, the same bit-field transposes as `_untiles_4bit` / `_untiles_8bit`, about
-    ten times faster), else, or with `native=False`, by the torch code below."""
+    On the CPU the tile order is undone by the installed accelerator where there is one (the
+    native host library's kernels/untile.cpp: the same bit-field transposes as `_untiles_4bit` /
+    `_untiles_8bit`, several times faster), else, or with `native=False`, by the torch code below."""
     pf = pack_factor(num_bits)
     _check_int32(marlin, "marlin weight")
     _check_tile_shape(size_k, size_n)
@@ -179,13 +179,23 @@ def marlin_unrepack(
     return out
 
 
-def _untiled_natively(marlin: Tensor, out: Tensor, num_bits: int, size_k: int, size_n: int) -> bool:
-    if marlin.device.type != "cpu" or marlin.numel() == 0:
-        return False
-    # imported here: the native library is optional and built on first use
-    from wna16ctl.native.ops import marlin_untile_host
+# A faster exact un-tiling of CPU tensors where one is installed: (marlin, out, num_bits, size_k,
+# size_n) -> whether it ran (if not, the torch code below does). `wna16ctl.native.ops` installs the
+# native host library's (kernels/untile.cpp) when it is imported, as verify does: the layout itself
+# stays torch only and imports nothing from `native`.
+UntileAccelerator = Callable[[Tensor, Tensor, int, int, int], bool]
+_untile_accelerator: UntileAccelerator | None = None
 
-    return marlin_untile_host(marlin, out, num_bits, size_k, size_n)
+
+def install_untile_accelerator(fn: UntileAccelerator | None) -> None:
+    global _untile_accelerator
+    _untile_accelerator = fn
+
+
+def _untiled_natively(marlin: Tensor, out: Tensor, num_bits: int, size_k: int, size_n: int) -> bool:
+    if _untile_accelerator is None or marlin.device.type != "cpu" or marlin.numel() == 0:
+        return False
+    return _untile_accelerator(marlin, out, num_bits, size_k, size_n)
 
 
 def _check_tile_shape(size_k: int, size_n: int) -> None:

@@ -29,6 +29,7 @@ from typing import Callable, Optional, Sequence, overload
 import torch
 from torch import Tensor
 
+from wna16ctl.layout import marlin as marlin_layout
 from wna16ctl.native import simd
 from wna16ctl.native.build import (  # noqa: F401 - the build and load API, re-exported
     ABI_VERSION,
@@ -212,6 +213,10 @@ def marlin_untile_host(marlin: Tensor, out: Tensor, num_bits: int, size_k: int, 
     lib.call("wna16_marlin_untile_host", _ptr(src), _ptr(out), out.numel() // max(1, per_expert),
              size_k, size_n, num_bits)
     return True
+
+
+# the layout's inverse un-tiles through the host library from now on, where it builds
+marlin_layout.install_untile_accelerator(marlin_untile_host)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -54,6 +54,7 @@ from wna16ctl.output.manifest import FORMAT_NAME, SIDE_FILES
 from wna16ctl.repacking.pipeline import LayerJob, RepackPlan, RepackSettings, plan_repack, rank_index_bytes
 from wna16ctl.sources import source_fingerprint
 from wna16ctl.sources.formats import G_IDX
+import wna16ctl.native.ops  # noqa: F401 - installs the native un-tiling (kernels/untile.cpp) into the layout's inverse
 from wna16ctl.verification.budget import EXPERTS_SIDE_BY_SIDE_BYTES, SLABS_AHEAD
 from wna16ctl.verification.bounds import (JUDGE_ROWS, SLAB_BYTES, AllReduced, Interval, IntervalSum,
                                           expert_slots_interval, gemm_bound_used, judge, nothing_to_compare, numerics_tokens, rank_groups)
