@@ -37,6 +37,27 @@ except KeyboardInterrupt:
 LAYOUT_NAMES = layout_names()
 
 
+def _said_interrupted(sink: Sink, debug: bool, e: KeyboardInterrupt, interrupted: str | Callable[[], str]) -> int:
+    _traceback(sink, debug)
+    if not getattr(e, "quiet", False):
+        said = interrupted if isinstance(interrupted, str) else interrupted()
+        sink.error(getattr(e, "message", None) or f"interrupted; {said}")
+    return int(getattr(e, "exit_code", EXIT_INTERRUPTED))
+
+
+def _wrapped_interrupt(e: BaseException) -> KeyboardInterrupt | None:
+    """The Ctrl-C that `e` wraps, if any: Python 3.11 re-raises an exception from a class body's
+    `__set_name__` (a dataclass being created while a module is imported) as a RuntimeError whose
+    cause is the original, so a Ctrl-C at that moment arrives as a RuntimeError."""
+    seen = 0
+    cause = e.__cause__
+    while cause is not None and seen < 8:
+        if isinstance(cause, KeyboardInterrupt):
+            return cause
+        cause, seen = cause.__cause__, seen + 1
+    return None
+
+
 def _run(ctx: click.Context, sink: Sink, body: Callable[[], int], *, interrupted: str | Callable[[], str],
          fast_exit: bool = False) -> NoReturn:
     """Run a command body; map library errors to one stderr line and an exit code.
@@ -55,17 +76,17 @@ def _run(ctx: click.Context, sink: Sink, body: Callable[[], int], *, interrupted
             sink.error(e.message, e.hint)
         code = e.exit_code
     except KeyboardInterrupt as e:  # Ctrl-C, or torchrun stopping this process (a message of its own)
-        _traceback(sink, debug)
-        if not getattr(e, "quiet", False):
-            said = interrupted if isinstance(interrupted, str) else interrupted()
-            sink.error(getattr(e, "message", None) or f"interrupted; {said}")
-        code = getattr(e, "exit_code", EXIT_INTERRUPTED)
+        code = _said_interrupted(sink, debug, e, interrupted)
     except Exception as e:  # a bug: say so in one line, full traceback only with --debug
-        _traceback(sink, debug)
-        if not getattr(e, "quiet", False):
-            sink.error(f"internal error: {type(e).__name__}: {e}",
-                       None if debug else "rerun with --debug for the traceback and report it")
-        code = EXIT_BAD_INPUT
+        wrapped = _wrapped_interrupt(e)
+        if wrapped is not None:
+            code = _said_interrupted(sink, debug, wrapped, interrupted)
+        else:
+            _traceback(sink, debug)
+            if not getattr(e, "quiet", False):
+                sink.error(f"internal error: {type(e).__name__}: {e}",
+                           None if debug else "rerun with --debug for the traceback and report it")
+            code = EXIT_BAD_INPUT
     if fast_exit and _own_process(ctx):
         # A real process (not a test runner): skip freeing ~10^6 header objects at interpreter
         # exit (0.3 s on the largest checkpoints); nothing is left to flush but the streams.

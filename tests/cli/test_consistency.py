@@ -111,6 +111,29 @@ def test_interrupt_message_belongs_to_the_command(make_ckpt, tmp_path, monkeypat
             "demo": f"nothing was written to {tmp_path / 'd'}"}[command] in line
 
 
+def test_a_ctrl_c_while_a_class_is_created_is_an_interrupt(make_ckpt, monkeypatch):
+    """A Ctrl-C that lands while a module being imported creates a dataclass reaches the command
+    as the RuntimeError Python 3.11 wraps around an exception from `__set_name__`: it is still
+    an interrupt (exit 130, the command's message), not an internal error."""
+    import wna16ctl.planning.inspection
+
+    class Interrupted:
+        def __set_name__(self, owner, name):
+            raise KeyboardInterrupt
+
+    def import_interrupted(*a, **kw):
+        try:
+            type("Created", (), {"field": Interrupted()})
+        except KeyboardInterrupt:  # Python 3.12 and later raise it as it is
+            raise RuntimeError("Error calling __set_name__") from KeyboardInterrupt()
+
+    monkeypatch.setattr(wna16ctl.planning.inspection, "inspect_checkpoint", import_interrupted)
+    res = invoke("inspect", make_ckpt(**SMALL))
+    line = one_error_line(res, 130)
+    assert line.startswith("error: interrupted") and "nothing was written" in line
+    assert "internal error" not in res.stderr
+
+
 # ---- output width and plain output -------------------------------------------------------------------
 
 
