@@ -173,6 +173,64 @@ def test_numerics_tokens_are_capped_by_the_memory_budget(outputs, monkeypatch):
     assert "capped_tokens" in report.to_json()["numerics"][0]
 
 
+def test_numerics_map_large_allocations(outputs, monkeypatch):
+    """A verify with numerics has malloc map its large blocks (`checks.map_large_allocations`, held
+    by the next test); the exactness proof alone leaves malloc as it is."""
+    calls: list[int] = []
+    monkeypatch.setattr(verify_mod, "map_large_allocations", lambda: calls.append(1) or True)
+    ck, out = outputs("g128")
+    assert verify_output(ck, out, numerics=False).passed and not calls
+    assert verify_output(ck, out, samples=QUESTIONS, num_samples=2).passed and calls == [1]
+
+
+# In a new process: a 24 MiB block freed, then an 8 MiB block allocated, touched and freed with a
+# small block allocated after it; prints the KiB the free gave back to the system.
+_GIVEN_BACK = """
+import sys
+import torch
+from wna16ctl.verification.checks import map_large_allocations
+
+def anon_kib():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))
+
+if sys.argv[1] == "mapped":
+    assert map_large_allocations()
+big = torch.ones(24 << 20, dtype=torch.uint8)
+del big
+block = torch.ones(8 << 20, dtype=torch.uint8)
+pin = torch.ones(4096, dtype=torch.uint8)
+held = anon_kib()
+del block
+print(held - anon_kib())
+"""
+
+
+def test_large_blocks_freed_go_back_once_mapped():
+    """With `map_large_allocations`, a freed block of a few MiB goes back to the system even after
+    a larger one was freed.  glibc's default raises the size it maps from to the largest mapped
+    block freed: the numerics' blocks of a few MiB then came from its heaps, where the freed ones
+    stayed resident, and verify's resident set grew from layer to layer."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if "CS_GNU_LIBC_VERSION" not in os.confstr_names or not (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc"):
+        pytest.skip("glibc's malloc only")
+    env = {**os.environ, "PYTHONPATH": str(Path(wna16ctl.__file__).resolve().parents[1])}
+
+    def given_back(how: str) -> int:
+        res = subprocess.run([sys.executable, "-c", _GIVEN_BACK, how], capture_output=True, text=True, env=env,
+                             timeout=300)
+        assert res.returncode == 0, res.stderr
+        return int(res.stdout.split()[-1])
+
+    if given_back("default") >= 7 << 10:
+        pytest.skip("this malloc gives the block back by default")
+    assert given_back("mapped") >= 7 << 10
+
+
 def test_numerics_hold_one_rank_partial_at_a_time(outputs, monkeypatch):
     """At the token cap the ranks' partial intervals are built one rank at a time: never more than
     the all-reduced sum and one rank's alive (before, every rank's and the sum: 3 at TP 2)."""
