@@ -167,12 +167,8 @@ def marlin_unrepack(
         raise ValueError(f"marlin weight shape {tuple(marlin.shape)} does not end in {expected}")
     lead = marlin.shape[:-2]
     out = torch.empty((*lead, size_k // pf, size_n), dtype=torch.int32, device=marlin.device)
-    if native and _untiled_natively(marlin, out, num_bits, size_k, size_n):
-        pass
-    elif num_bits == 4:
-        _untiles_4bit(marlin, out, size_k, size_n)
-    else:
-        _untiles_8bit(marlin, out, size_k, size_n)
+    if not (native and _untiled_natively(marlin, out, num_bits, size_k, size_n)):
+        (_untiles_4bit if num_bits == 4 else _untiles_8bit)(marlin, out, size_k, size_n)
     if perm is not None:
         perm = _check_perm(perm, out, size_k)
         out = _gather_k_rows(out, num_bits, _inverse_permutation(perm))

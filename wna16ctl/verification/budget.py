@@ -15,8 +15,9 @@ LAYER_BYTES_PER_ELEMENT = 60
 RANK_BYTES_PER_ELEMENT = 40
 JUDGE_ROWS = 256  # output rows judged (and rounded) at a time: the float64 temporaries stay small
 SLAB_BYTES = 4 << 20  # a rank's expert tensors read and run through the GEMM at a time
-# Slabs whose candidates (the ranks' GEMMs) run ahead of the references being built, where
-# there are cores to run them side by side: each holds one more slab's tensors and GEMM outputs.
+# Whether the next slab's candidates (the ranks' GEMMs) run ahead of the references being built
+# (1) or after them (0), where there are cores to run them side by side: ahead holds one more
+# slab's tensors and GEMM outputs.
 SLABS_AHEAD = 1
 # The experts whose references the numerics build side by side (one per core) hold at most this
 # much of dequantised weights in the model dtype together; larger experts are built one at a time.
